@@ -1,0 +1,59 @@
+"""Per-session memory of how many full calls each cache setting needed on the previous ticks.
+
+Consecutive ticks of one robot episode see similar observations, so the gate refreshes about as often on
+the next tick as on the last ones. The planner reads a high quantile of the recent counts per (setting,
+step structure). The count stored is the gate's *natural* full-call count: calls that ran full plus the
+ones the deadline guard forced to skip, because a forced skip hides a refresh the gate wanted.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Mapping
+
+# (num_steps, cfg_steps): the full-call count depends on both.
+Structure = tuple[int, int]
+
+
+def natural_full_calls(cache_counts: Mapping[str, Mapping[str, int]]) -> int:
+    """Full calls the gate wanted in one tick (full + forced_skip), from ``CacheRecord.counts_dict()``."""
+    total = 0
+    for branch, counts in cache_counts.items():
+        try:
+            total += int(counts["full"]) + int(counts["forced_skip"])
+        except KeyError as missing:
+            raise ValueError(
+                f"cache counts of branch {branch!r} lack {missing}; expected full and forced_skip"
+            ) from None
+    return total
+
+
+class SessionHistory:
+    """Recent natural full-call counts per (setting name, structure) of one session; ``window`` ticks each."""
+
+    def __init__(self, window: int = 16) -> None:
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.window = window
+        self._counts: dict[tuple[str, Structure], deque[int]] = {}
+
+    def observe(self, setting: str, structure: Structure, full_calls: int) -> None:
+        if full_calls < 0:
+            raise ValueError(f"full_calls must be >= 0, got {full_calls}")
+        self._counts.setdefault((setting, structure), deque(maxlen=self.window)).append(int(full_calls))
+
+    def counts(self, setting: str, structure: Structure) -> list[int]:
+        return list(self._counts.get((setting, structure), ()))
+
+    def quantile(self, setting: str, structure: Structure, q: float) -> int | None:
+        """The ``q`` quantile (nearest rank, rounded up) of the recent counts, or None if never observed."""
+        values = sorted(self._counts.get((setting, structure), ()))
+        if not values:
+            return None
+        rank = max(1, math.ceil(q * len(values)))
+        return values[rank - 1]
+
+    def clear(self) -> None:
+        """Forget everything (new episode, new instruction)."""
+        self._counts.clear()

@@ -1,0 +1,364 @@
+"""Per-tick plan: the SeaCache setting (threshold schedule, cap) that fits the deadline, or fallbacks.
+
+For N steps with uncond on the first K steps (K = N with CFG, 0 without) there are ``N + K`` calls. With F
+of them full, ``T = c_fixed + F * c_full + (N + K - F) * c_skip`` (ms), so at most
+``F_max = floor((D - c_fixed - (N + K) * c_skip) / (c_full - c_skip))`` full calls fit the deadline D.
+
+* ``F_max >= N + K``: no caching (threshold 0: bit-identical output).
+* else the least aggressive ladder setting whose expected full-call count fits. The expectation is a high
+  quantile of what the setting needed on this session's previous ticks; never-tried settings get the best
+  case of their cap, raised to what any more aggressive setting needed (a setting never needs fewer
+  refreshes than a more aggressive one). The in-tick guard catches a wrong guess.
+* if even maximal caching (only the retention and cache-end steps full) cannot fit, the plan is marked
+  infeasible with the best achievable latency, and the configured fallbacks apply in this fixed order:
+  1. drop the unconditional CFG pass from some step onward (as late as possible);
+  2. fewer sampler steps (as many as possible).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .cost_model import CallCosts
+from .history import SessionHistory, Structure
+
+ThresholdRule = float | Callable[[int, int], float]
+
+
+@dataclass(frozen=True)
+class CacheSetting:
+    """One rung of the ladder: a threshold (number or ``f(step, num_steps)``) and a cap (0 = unlimited)."""
+
+    name: str
+    threshold: ThresholdRule
+    cap: int
+
+    def __post_init__(self) -> None:
+        if not self.name or self.name == NO_CACHING:
+            raise ValueError(f"setting name must be non-empty and not {NO_CACHING!r}, got {self.name!r}")
+        if isinstance(self.cap, bool) or not isinstance(self.cap, int) or self.cap < 0:
+            raise ValueError(
+                f"cap of setting {self.name!r} must be an int >= 0 (0 = unlimited), got {self.cap!r}"
+            )
+        if not callable(self.threshold):
+            _check_threshold(self.name, self.threshold)
+
+    def thresholds(self, num_steps: int) -> tuple[float, ...]:
+        """One threshold per step: ``tuple[num_steps]``."""
+        if callable(self.threshold):
+            return tuple(_check_threshold(self.name, self.threshold(i, num_steps)) for i in range(num_steps))
+        return (float(self.threshold),) * num_steps
+
+    @property
+    def effective_cap(self) -> float:
+        return math.inf if self.cap == 0 else self.cap
+
+
+def _check_threshold(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"threshold of setting {name!r} must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
+NO_CACHING = "none"
+# Only the retention and cache-end steps refresh: the threshold is never reached and the cap is off.
+MAX_CACHING = CacheSetting("max", 1e6, 0)
+# Least to most aggressive. 0.25 / cap 2 is the published Cosmos3 default.
+DEFAULT_LADDER = (
+    CacheSetting("t0.10-c1", 0.10, 1),
+    CacheSetting("t0.25-c1", 0.25, 1),
+    CacheSetting("t0.25-c2", 0.25, 2),
+    CacheSetting("t0.50-c2", 0.50, 2),
+    CacheSetting("t1.00-c3", 1.00, 3),
+    MAX_CACHING,
+)
+
+
+def min_full_calls(
+    num_steps: int, cfg_steps: int, retention_steps: int, cache_end_steps: int, cap: int
+) -> int:
+    """Fewest full calls of a tick when the gate never refreshes on its own (only forced refreshes).
+
+    The cond branch runs all ``num_steps``; uncond runs the first ``cfg_steps``. A branch's first call is
+    always full (no residual yet), as are steps ``< retention_steps`` and ``>= num_steps - cache_end_steps``,
+    and a cap > 0 forces a refresh after ``cap`` skips in a row.
+    """
+    total = 0
+    for branch_steps in (num_steps, cfg_steps):
+        consecutive, has_history = 0, False
+        for step in range(branch_steps):
+            forced = (
+                not has_history
+                or step < retention_steps
+                or step >= num_steps - cache_end_steps
+                or (cap > 0 and consecutive >= cap)
+            )
+            if forced:
+                total, consecutive, has_history = total + 1, 0, True
+            else:
+                consecutive += 1
+    return total
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """Planner knobs.
+
+    ladder: settings from least to most aggressive; ``MAX_CACHING`` is appended when absent.
+    count_quantile: quantile of the session's recent full-call counts that must fit.
+    cost_margin_devs: plan on costs raised by this many mean absolute deviations.
+    drop_uncond / min_cfg_steps: fallback 1, and the first steps that always keep the uncond pass.
+    fewer_steps / min_steps: fallback 2, and the fewest sampler steps it may go down to.
+    """
+
+    ladder: tuple[CacheSetting, ...] = DEFAULT_LADDER
+    retention_steps: int = 1
+    cache_end_steps: int = 1
+    count_quantile: float = 0.9
+    cost_margin_devs: float = 1.0
+    drop_uncond: bool = True
+    min_cfg_steps: int = 1
+    fewer_steps: bool = True
+    min_steps: int = 2
+
+    def __post_init__(self) -> None:
+        ladder = tuple(self.ladder)
+        if MAX_CACHING.name not in {s.name for s in ladder}:
+            ladder = (*ladder, MAX_CACHING)
+        object.__setattr__(self, "ladder", ladder)
+        names = [s.name for s in ladder]
+        if len(set(names)) != len(names):
+            raise ValueError(f"ladder setting names must be unique, got {names}")
+        for weaker, stronger in zip(ladder, ladder[1:], strict=False):
+            constant = not callable(weaker.threshold) and not callable(stronger.threshold)
+            if stronger.effective_cap < weaker.effective_cap or (
+                constant and stronger.threshold < weaker.threshold
+            ):
+                raise ValueError(
+                    f"ladder must go from least to most aggressive: {stronger.name!r} (threshold "
+                    f"{stronger.threshold}, cap {stronger.cap}) follows {weaker.name!r} (threshold "
+                    f"{weaker.threshold}, cap {weaker.cap})"
+                )
+        for name in ("retention_steps", "cache_end_steps", "min_cfg_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.min_steps < 1:
+            raise ValueError(f"min_steps must be >= 1, got {self.min_steps}")
+        if not 0.0 < self.count_quantile <= 1.0:
+            raise ValueError(f"count_quantile must be in (0, 1], got {self.count_quantile}")
+        if self.cost_margin_devs < 0:
+            raise ValueError(f"cost_margin_devs must be >= 0, got {self.cost_margin_devs}")
+
+
+@dataclass(frozen=True)
+class TickPlan:
+    """What one tick will run, and what the planner expects (ms).
+
+    cfg_steps: the uncond pass runs on steps ``< cfg_steps`` (``num_steps``: full CFG; 0: no CFG).
+    setting: ladder setting name, or ``"none"`` (no caching: every threshold 0).
+    full_calls_max: F_max over all calls of the tick; expected_full_calls: what the chosen setting needs.
+    feasible: maximal caching fits at the requested steps and passes; best_achievable_ms is its latency.
+    fits: the final plan (after fallbacks) is predicted to meet the deadline.
+    fallbacks: applied fallbacks in order, e.g. ``("drop_uncond_from_step=3", "num_steps=10->6")``.
+    """
+
+    deadline_ms: float
+    requested_steps: int
+    requested_passes: int
+    num_steps: int
+    cfg_steps: int
+    setting: str
+    thresholds: tuple[float, ...]
+    cap: int
+    full_calls_max: int
+    expected_full_calls: int
+    min_full_calls: int
+    predicted_ms: float
+    predicted_stage_ms: dict[str, float]
+    feasible: bool
+    best_achievable_ms: float
+    fits: bool
+    fallbacks: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def calls(self) -> int:
+        return self.num_steps + self.cfg_steps
+
+    @property
+    def structure(self) -> Structure:
+        return (self.num_steps, self.cfg_steps)
+
+    @property
+    def caching(self) -> bool:
+        return self.setting != NO_CACHING
+
+    def branches(self, step: int) -> tuple[str, ...]:
+        """CFG branches the sampler runs at ``step``, in call order."""
+        return ("cond", "uncond") if step < self.cfg_steps else ("cond",)
+
+    def summary(self) -> str:
+        head = (
+            f"deadline {self.deadline_ms:.1f} ms: {self.setting} over {self.num_steps} steps "
+            f"(uncond on {self.cfg_steps}), {self.expected_full_calls}/{self.calls} full calls expected "
+            f"(max {self.full_calls_max}), predicted {self.predicted_ms:.1f} ms"
+        )
+        if not self.feasible:
+            head += f"; infeasible with caching alone (best {self.best_achievable_ms:.1f} ms)"
+        if self.fallbacks:
+            head += "; fallbacks " + ", ".join(self.fallbacks)
+        if not self.fits:
+            head += "; deadline expected to be missed"
+        return head
+
+
+class _Costs:
+    """Latency arithmetic for one tick (ms)."""
+
+    def __init__(self, costs: CallCosts, deadline_ms: float) -> None:
+        self.full, self.skip, self.fixed = costs.full_ms, costs.skip_ms, costs.fixed_total_ms
+        self.fixed_stages = dict(costs.fixed_ms)
+        self.deadline = deadline_ms
+
+    def latency(self, structure: Structure, full_calls: int) -> float:
+        calls = sum(structure)
+        return self.fixed + full_calls * self.full + (calls - full_calls) * self.skip
+
+    def full_calls_max(self, structure: Structure) -> int:
+        calls = sum(structure)
+        spare = self.deadline - self.fixed - calls * self.skip
+        if spare < 0:
+            return -1
+        if self.full <= self.skip:  # a full call is no dearer than a skip: caching cannot save time
+            return calls
+        return min(calls, math.floor(spare / (self.full - self.skip)))
+
+
+def plan_tick(
+    deadline_ms: float,
+    num_steps: int,
+    passes: int,
+    costs: CallCosts,
+    history: SessionHistory | None = None,
+    config: PlannerConfig | None = None,
+) -> TickPlan:
+    """Plan a tick of ``num_steps`` sampler steps and ``passes`` CFG passes (1 or 2) within ``deadline_ms``.
+
+    deadline_ms: time left for the whole tick (fixed stages included). costs: from ``CostModel.costs``.
+    history: the session's previous ticks (None: priors only).
+    """
+    config = config or PlannerConfig()
+    if not math.isfinite(deadline_ms) or deadline_ms <= 0:
+        raise ValueError(f"deadline_ms must be a finite number > 0, got {deadline_ms!r}")
+    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
+        raise ValueError(f"num_steps must be an int >= 1, got {num_steps!r}")
+    if passes not in (1, 2):
+        raise ValueError(f"passes must be 1 (no CFG) or 2 (cond + uncond), got {passes!r}")
+    cost = _Costs(costs.cautious(config.cost_margin_devs), deadline_ms)
+    requested: Structure = (num_steps, num_steps if passes == 2 else 0)
+
+    def min_full(structure: Structure, cap: int) -> int:
+        return min_full_calls(*structure, config.retention_steps, config.cache_end_steps, cap)
+
+    def fits_max_caching(structure: Structure) -> bool:
+        return min_full(structure, 0) <= cost.full_calls_max(structure)
+
+    best_achievable = cost.latency(requested, min_full(requested, 0))
+    feasible = fits_max_caching(requested)
+    structure, fallbacks = requested, []
+    if not feasible:
+        structure, fallbacks = _apply_fallbacks(requested, config, fits_max_caching)
+
+    f_max = cost.full_calls_max(structure)
+    calls = sum(structure)
+    n_steps = structure[0]
+    if f_max >= calls:
+        setting_name, thresholds, cap, expected = NO_CACHING, (0.0,) * n_steps, 0, calls
+    else:
+        chosen, expected = _choose_setting(structure, f_max, config, history, min_full)
+        setting_name, thresholds, cap = chosen.name, chosen.thresholds(n_steps), chosen.cap
+    predicted = cost.latency(structure, expected)
+    return TickPlan(
+        deadline_ms=float(deadline_ms),
+        requested_steps=num_steps,
+        requested_passes=passes,
+        num_steps=n_steps,
+        cfg_steps=structure[1],
+        setting=setting_name,
+        thresholds=thresholds,
+        cap=cap,
+        full_calls_max=f_max,
+        expected_full_calls=expected,
+        min_full_calls=min_full(structure, 0),
+        predicted_ms=predicted,
+        predicted_stage_ms={**cost.fixed_stages, "denoise": predicted - cost.fixed},
+        feasible=feasible,
+        best_achievable_ms=best_achievable,
+        fits=predicted <= deadline_ms,
+        fallbacks=tuple(fallbacks),
+    )
+
+
+def _apply_fallbacks(
+    requested: Structure, config: PlannerConfig, fits: Callable[[Structure], bool]
+) -> tuple[Structure, list[str]]:
+    """Fallback 1 (drop uncond late), then fallback 2 (fewer steps); the least change that fits."""
+    n, k = requested
+    fallbacks: list[str] = []
+    can_drop = config.drop_uncond and k > 0
+
+    def latest_cfg_steps(steps: int) -> int | None:
+        """The most uncond steps that fit at ``steps`` sampler steps, or None."""
+        if fits((steps, steps if k > 0 else 0)):
+            return steps if k > 0 else 0
+        if not can_drop:
+            return None
+        lowest = min(config.min_cfg_steps, steps)
+        return next((c for c in range(steps - 1, lowest - 1, -1) if fits((steps, c))), None)
+
+    if can_drop:
+        best = latest_cfg_steps(n)
+        k = best if best is not None else min(config.min_cfg_steps, n)
+        fallbacks.append(f"drop_uncond_from_step={k}")
+        if best is not None:
+            return (n, k), fallbacks
+    if config.fewer_steps and n > config.min_steps:
+        for steps in range(n - 1, config.min_steps - 1, -1):
+            cfg = latest_cfg_steps(steps)
+            if cfg is not None:
+                break
+        else:
+            steps, cfg = config.min_steps, min(k, config.min_steps)
+        if fallbacks and cfg >= steps:
+            fallbacks.clear()  # at the reduced step count the full uncond pass fits again
+        elif fallbacks:
+            fallbacks[0] = f"drop_uncond_from_step={cfg}"
+        fallbacks.append(f"num_steps={n}->{steps}")
+        return (steps, cfg), fallbacks
+    return (n, k), fallbacks
+
+
+def _choose_setting(
+    structure: Structure,
+    f_max: int,
+    config: PlannerConfig,
+    history: SessionHistory | None,
+    min_full: Callable[[Structure, int], int],
+) -> tuple[CacheSetting, int]:
+    """The least aggressive setting whose expected full-call count fits ``f_max``, else the last one."""
+    learned = [
+        history.quantile(s.name, structure, config.count_quantile) if history is not None else None
+        for s in config.ladder
+    ]
+    expected = []
+    for i, setting in enumerate(config.ladder):
+        if learned[i] is not None:
+            expected.append(learned[i])
+            continue
+        stronger = [c for c in learned[i + 1:] if c is not None]
+        expected.append(max([min_full(structure, setting.cap), *stronger]))
+    for setting, count in zip(config.ladder, expected, strict=True):
+        if count <= f_max:
+            return setting, count
+    return config.ladder[-1], expected[-1]

@@ -1,0 +1,78 @@
+"""One worker's budget loop: plan a tick, arm the in-tick guard, then learn from the finished tick.
+
+Usage by the engine (one instance per model worker, one ``SessionHistory`` per session)::
+
+    plan = budget.plan(shape_key, remaining_ms, num_steps, passes, session_history)
+    budget.arm(plan, shape_key, tick_started_at_ms)         # right before the denoising loop
+    cache = SeaCache(config, force_skip=budget.guard.force_skip, on_decision=budget.guard.on_decision)
+    cache.begin(plan.num_steps, threshold=plan.thresholds, max_consecutive_cached=plan.cap)
+    ... run the sampler with plan.num_steps steps and the uncond pass on steps < plan.cfg_steps ...
+    record = budget.finish(shape_key, plan, session_history, cache.record().counts_dict(), stage_ms)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Mapping, Sequence
+
+from .cost_model import CostModel
+from .guard import DeadlineGuard, monotonic_ms
+from .history import SessionHistory, natural_full_calls
+from .planner import PlannerConfig, TickPlan, plan_tick
+from .record import TickRecord
+
+DENOISE_STAGE = "denoise"
+
+
+class TickBudget:
+    """Planner + guard + cost-model learning for one model worker.
+
+    post_stages: fixed stages that run after the denoising loop (their estimated time is reserved by the
+    guard). clock: monotonic ms, shared with the guard.
+    """
+
+    def __init__(
+        self,
+        cost_model: CostModel,
+        config: PlannerConfig | None = None,
+        clock: Callable[[], float] = monotonic_ms,
+        post_stages: Sequence[str] = ("decode",),
+    ) -> None:
+        self.cost_model = cost_model
+        self.config = config or PlannerConfig()
+        self.clock = clock
+        self.post_stages = tuple(post_stages)
+        self.guard = DeadlineGuard(clock, cost_margin_devs=self.config.cost_margin_devs)
+
+    def plan(
+        self, key: Hashable, deadline_ms: float, num_steps: int, passes: int, history: SessionHistory | None
+    ) -> TickPlan:
+        """Plan a tick with ``deadline_ms`` left in it (see ``plan_tick``)."""
+        return plan_tick(deadline_ms, num_steps, passes, self.cost_model.costs(key), history, self.config)
+
+    def arm(self, plan: TickPlan, key: Hashable, tick_started_at_ms: float) -> None:
+        """Start the guard for this tick's denoising loop; the deadline is ``tick_started_at_ms + budget``."""
+        costs = self.cost_model.costs(key)
+        reserve = costs.cautious(self.config.cost_margin_devs).fixed_ms
+        reserve_after = sum(reserve.get(stage, 0.0) for stage in self.post_stages)
+        self.guard.start(plan, costs, tick_started_at_ms + plan.deadline_ms, reserve_after)
+
+    def finish(
+        self,
+        key: Hashable,
+        plan: TickPlan,
+        history: SessionHistory | None,
+        cache_counts: Mapping[str, Mapping[str, object]],
+        actual_stage_ms: Mapping[str, float],
+        actual_ms: float | None = None,
+        sequences: Mapping[str, str] | None = None,
+    ) -> TickRecord:
+        """Record the tick, feed its call and stage timings to the cost model, and its full-call count to
+        the session history. ``actual_stage_ms`` holds every stage including ``denoise``."""
+        record = TickRecord.build(plan, cache_counts, actual_stage_ms, actual_ms, sequences)
+        self.cost_model.observe_calls(key, self.guard.call_timings())
+        for stage, ms in actual_stage_ms.items():
+            if stage != DENOISE_STAGE:
+                self.cost_model.observe_stage(key, stage, ms)
+        if history is not None and plan.caching:
+            history.observe(plan.setting, plan.structure, natural_full_calls(cache_counts))
+        return record

@@ -1,0 +1,207 @@
+"""The step-controller contract between the sampler loop and the step cache, and the per-request record.
+
+The sampler calls, for each step ``i`` and CFG branch ``b`` ("cond", "uncond")::
+
+    gen_out = controller.run_stack(step=i, branch=b, sigma=sigma_i, noisy_vision=[x_t [C, T, H, W], ...],
+                                   gen_in=gen.hidden, full=lambda: model.gen_stack(gen, und_kv[b]))
+
+``begin(num_steps)`` is called once per request before the first step; ``record()`` after the last.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:  # keep this module importable without torch (the budget layer reads records)
+    import torch
+
+# Why a call ran FULL although the cache was allowed to skip: the cache could not trust its state.
+FAIL_OPEN_REASONS = frozenset(
+    {
+        "no_history",  # a skip was wanted (gate or guard) but no residual is stored for this branch
+        "no_previous_indicator",  # first indicator seen on this branch; nothing to compare against
+        "non_adjacent_step",  # step != previous step + 1 on this branch; state was reset
+        "shape_change",  # indicator or stack-input shape/dtype/device changed; history was cleared
+        "no_noisy_vision",  # pack without noisy vision (inverse dynamics, action-only)
+        "grad_enabled",  # autograd on: caching is inference-only
+        "sigma_out_of_range",  # sigma not a finite number in [0, 1]
+        "nonfinite_distance",  # the indicator distance was NaN or inf
+    }
+)
+# Planned reasons for a FULL call (the cache works as designed).
+PLANNED_FULL_REASONS = frozenset({"no_cache", "retention", "cache_end", "cap", "threshold"})
+SKIP_REASONS = frozenset({"gate", "forced"})
+
+
+@dataclass
+class StepDecision:
+    """One ``run_stack`` call: what was decided and why.
+
+    distance: the gate's rel-L1 distance to the previous indicator (None when the gate did not measure).
+    accumulated: the accumulator after this step. threshold: the gate threshold in force at this step.
+    """
+
+    step: int
+    branch: str
+    full: bool
+    reason: str
+    distance: float | None = None
+    accumulated: float | None = None
+    threshold: float = 0.0
+
+    @property
+    def forced(self) -> bool:
+        """A skip forced by the deadline guard against the gate's choice."""
+        return not self.full and self.reason == "forced"
+
+    @property
+    def fail_open(self) -> bool:
+        return self.full and self.reason in FAIL_OPEN_REASONS
+
+
+@dataclass
+class BranchCounts:
+    """Per-CFG-branch call counts. ``skipped`` includes ``forced_skip``; ``full`` includes ``fail_open``."""
+
+    full: int = 0
+    skipped: int = 0
+    forced_skip: int = 0
+    fail_open: int = 0
+    full_reasons: dict[str, int] = field(default_factory=dict)
+    fail_open_reasons: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def calls(self) -> int:
+        return self.full + self.skipped
+
+    def add(self, decision: StepDecision) -> None:
+        if decision.full:
+            self.full += 1
+            self.full_reasons[decision.reason] = self.full_reasons.get(decision.reason, 0) + 1
+            if decision.fail_open:
+                self.fail_open += 1
+                self.fail_open_reasons[decision.reason] = self.fail_open_reasons.get(decision.reason, 0) + 1
+        else:
+            self.skipped += 1
+            if decision.forced:
+                self.forced_skip += 1
+
+
+@dataclass
+class CacheRecord:
+    """What the step controller did in one request: decisions in call order and counts per branch."""
+
+    num_steps: int
+    decisions: list[StepDecision] = field(default_factory=list)
+    branches: dict[str, BranchCounts] = field(default_factory=dict)
+    thresholds: tuple[float, ...] = ()
+    max_consecutive_cached: int = 0
+
+    def add(self, decision: StepDecision) -> None:
+        self.decisions.append(decision)
+        self.branches.setdefault(decision.branch, BranchCounts()).add(decision)
+
+    def sequence(self, branch: str) -> str:
+        """Decisions of one branch in step order as a string: ``F`` full, ``S`` skip (e.g. ``FSSFSSFSSF``)."""
+        return "".join("F" if d.full else "S" for d in self.decisions if d.branch == branch)
+
+    @property
+    def full_calls(self) -> int:
+        return sum(c.full for c in self.branches.values())
+
+    @property
+    def skipped_calls(self) -> int:
+        return sum(c.skipped for c in self.branches.values())
+
+    @property
+    def forced_skips(self) -> int:
+        return sum(c.forced_skip for c in self.branches.values())
+
+    @property
+    def fail_opens(self) -> int:
+        return sum(c.fail_open for c in self.branches.values())
+
+    def counts_dict(self) -> dict[str, dict]:
+        """Per-branch counts as plain dicts (JSON-ready; what ``budget.record.TickRecord`` consumes)."""
+        return {branch: asdict(counts) for branch, counts in self.branches.items()}
+
+    def to_dict(self) -> dict:
+        return {
+            "num_steps": self.num_steps,
+            "thresholds": list(self.thresholds),
+            "max_consecutive_cached": self.max_consecutive_cached,
+            "branches": self.counts_dict(),
+            "sequences": {branch: self.sequence(branch) for branch in self.branches},
+            "decisions": [asdict(d) for d in self.decisions],
+        }
+
+
+@runtime_checkable
+class StepController(Protocol):
+    """Decides, per sampler step and CFG branch, whether the GEN stack runs or its residual is reused."""
+
+    def begin(self, num_steps: int) -> None:
+        """Reset all state for a new request of ``num_steps`` sampler steps."""
+        ...
+
+    def run_stack(
+        self,
+        step: int,
+        branch: str,
+        sigma: float,
+        noisy_vision: Sequence[torch.Tensor],
+        gen_in: torch.Tensor,
+        full: Callable[[], torch.Tensor],
+    ) -> torch.Tensor:
+        """Return the GEN stack output ``[N_gen, D]``: ``full()`` or ``gen_in`` plus an estimated residual."""
+        ...
+
+    def record(self) -> CacheRecord:
+        """Decisions and counts of the current (or last) request."""
+        ...
+
+
+def check_step_call(step: int, branch: str, num_steps: int | None) -> None:
+    """Validate the sampler's step/branch arguments (shared by every controller)."""
+    if num_steps is None:
+        raise RuntimeError("run_stack called before begin(num_steps)")
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < num_steps:
+        raise ValueError(f"step must be an int in [0, {num_steps}), got {step!r}")
+    if not isinstance(branch, str) or not branch:
+        raise ValueError(f"branch must be a non-empty CFG branch name such as 'cond', got {branch!r}")
+
+
+def check_num_steps(num_steps: int) -> int:
+    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
+        raise ValueError(f"num_steps must be an int >= 1, got {num_steps!r}")
+    return num_steps
+
+
+class NoCache:
+    """Always runs the full stack; records every call as FULL with reason ``no_cache``."""
+
+    def __init__(self) -> None:
+        self._record = CacheRecord(num_steps=0)
+        self._num_steps: int | None = None
+
+    def begin(self, num_steps: int) -> None:
+        self._num_steps = check_num_steps(num_steps)
+        self._record = CacheRecord(num_steps=num_steps, thresholds=(0.0,) * num_steps)
+
+    def run_stack(
+        self,
+        step: int,
+        branch: str,
+        sigma: float,
+        noisy_vision: Sequence[torch.Tensor],
+        gen_in: torch.Tensor,
+        full: Callable[[], torch.Tensor],
+    ) -> torch.Tensor:
+        check_step_call(step, branch, self._num_steps)
+        self._record.add(StepDecision(step=step, branch=branch, full=True, reason="no_cache"))
+        return full()
+
+    def record(self) -> CacheRecord:
+        return self._record

@@ -1,0 +1,125 @@
+"""``policy-server``: serve a policy (default action) or benchmark it.
+
+    policy-server [serve] --latency-budget-ms 120 --port 50051 [--config server.yaml] ...
+    policy-server bench [bench options]          # see policy_server.bench
+
+Every flag is a ``ServerConfig`` field (``--max-sessions`` <-> ``max_sessions``) and may also be set
+in the ``--config`` file; flags given on the command line win.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from policy_server.config import ConfigError, ServerConfig, build_config, read_config_file
+
+log = logging.getLogger("policy_server")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    # SUPPRESS: only flags actually given appear in the namespace, so they override the file and
+    # nothing else does.
+    p = argparse.ArgumentParser(
+        prog="policy-server",
+        argument_default=argparse.SUPPRESS,
+        description="gRPC robot-policy server with a per-tick latency budget.",
+        epilog="Subcommands: `serve` (default) and `bench` (policy-server bench --help).",
+    )
+    p.add_argument("--config", type=Path, help="YAML or JSON file with any of the settings below")
+
+    g = p.add_argument_group("model and budget")
+    g.add_argument("--latency-budget-ms", type=float, help="default per-tick latency budget in ms (120)")
+    g.add_argument("--checkpoint", type=Path, help="checkpoint to serve (default: the embedded model)")
+    g.add_argument("--device", help="auto, cpu, cuda or cuda:N (auto)")
+
+    g = p.add_argument_group("diffusion step cache (SeaCache)")
+    g.add_argument(
+        "--diffusion-cache",
+        action=argparse.BooleanOptionalAction,
+        help="enable the diffusion step cache (on); --no-diffusion-cache is bit-exact uncached",
+    )
+    g.add_argument("--diffusion-cache-thresh", type=float, help="SEA relative-L1 threshold (0.25)")
+    g.add_argument("--diffusion-cache-residual-order", type=int, help="residual extrapolation order (1)")
+    g.add_argument(
+        "--diffusion-cache-max-consecutive",
+        type=int,
+        help="max consecutive cached steps per CFG branch, 0 = no cap (2)",
+    )
+
+    g = p.add_argument_group("network")
+    g.add_argument("--host", help="bind address (127.0.0.1)")
+    g.add_argument("--port", type=int, help="gRPC port, 0 = any free port (50051)")
+    g.add_argument("--unix-socket", type=Path, help="also serve gRPC on this Unix domain socket")
+    g.add_argument("--websocket-port", type=int, help="openpi-compatible WebSocket port (off)")
+    g.add_argument("--websocket-embodiment", help="embodiment of WebSocket sessions (first declared)")
+    g.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (off)")
+    g.add_argument("--reflection", action=argparse.BooleanOptionalAction, help="gRPC server reflection (off)")
+
+    g = p.add_argument_group("limits and security")
+    g.add_argument("--max-sessions", type=int, help="concurrent sessions (4)")
+    g.add_argument("--max-message-mb", type=float, help="largest accepted request in MiB (16)")
+    g.add_argument(
+        "--auth-token-file", type=Path, help="require `authorization: Bearer <token>` from this file"
+    )
+    g.add_argument("--tls-cert", type=Path, help="PEM certificate chain (with --tls-key)")
+    g.add_argument("--tls-key", type=Path, help="PEM private key (with --tls-cert)")
+    return p
+
+
+def config_from_args(argv: list[str]) -> ServerConfig:
+    """Parse flags, read ``--config`` if given, and validate the merged settings."""
+    args: dict[str, Any] = vars(build_parser().parse_args(argv))
+    config_file = args.pop("config", None)
+    file_values = read_config_file(config_file) if config_file is not None else {}
+    return build_config(file_values, args, source=str(config_file) if config_file else "command line")
+
+
+def serve(config: ServerConfig) -> int:
+    """Build the engine, serve until SIGINT/SIGTERM, shut down gracefully."""
+    from policy_server.engine import build_engine  # lazy: imports torch and the model
+    from policy_server.server.app import build_server
+
+    engine = build_engine(config)
+    server = build_server(config, engine).start()
+    print(
+        f"policy-server: gRPC on {server.target}"
+        + (f", unix:{config.unix_socket}" if config.unix_socket else "")
+        + (f", metrics on :{server.metrics_port}" if server.metrics_port is not None else "")
+        + (f", openpi websocket on :{server.websocket_port}" if server.websocket_port is not None else ""),
+        flush=True,
+    )
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    log.info("shutting down")
+    server.stop(grace_s=2.0)
+    engine.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "bench":
+        from policy_server.bench import main as bench_main  # lazy: the benchmark needs torch
+
+        return bench_main(argv[1:])
+    if argv and argv[0] == "serve":
+        argv = argv[1:]
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = config_from_args(argv)
+    except ConfigError as exc:
+        print(f"policy-server: {exc}", file=sys.stderr)
+        return 2
+    return serve(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""Command-line probe: ``python -m policy_server.client health|info --target HOST:PORT``.
+
+``health`` exits 0 only when the server reports SERVING (used by the Docker HEALTHCHECK).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from google.protobuf import json_format
+
+from policy_server.client.errors import PolicyServerError
+from policy_server.client.sync_client import PolicyClient
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m policy_server.client")
+    parser.add_argument("command", choices=("health", "info"))
+    parser.add_argument("--target", default="127.0.0.1:50051")
+    parser.add_argument("--token-file", type=Path)
+    parser.add_argument("--tls-ca", type=Path, help="PEM root certificate; enables TLS")
+    parser.add_argument("--timeout-s", type=float, default=3.0)
+    args = parser.parse_args(argv)
+    client = PolicyClient(
+        args.target,
+        token_file=args.token_file,
+        timeout_s=args.timeout_s,
+        root_certificates=args.tls_ca.read_bytes() if args.tls_ca else None,
+    )
+    try:
+        if args.command == "health":
+            status = client.health()
+            print(status)
+            return 0 if status == "SERVING" else 1
+        print(json_format.MessageToJson(client.server_info()))
+        return 0
+    except PolicyServerError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    finally:
+        client.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

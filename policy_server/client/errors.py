@@ -1,0 +1,65 @@
+"""Errors as the client sees them: gRPC status plus the server's machine-readable reason."""
+
+from __future__ import annotations
+
+import grpc
+
+from policy_server.server.errors import DETAIL_KEY, REASON_KEY
+from policy_server.server.proto import policy_server_pb2 as pb
+
+
+class PolicyServerError(Exception):
+    """A failed call or a Control-stream error event.
+
+    ``reason`` is the stable code (SCHEMA_MISMATCH, STALE_EPOCH, BUDGET_INFEASIBLE, ...); transport
+    failures without a server-side reason use the status name (UNAVAILABLE, DEADLINE_EXCEEDED).
+    """
+
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        reason: str,
+        message: str,
+        detail: pb.ErrorDetail | None = None,
+        obs_id: int = 0,
+    ) -> None:
+        super().__init__(f"{code.name} {reason}: {message}")
+        self.code, self.reason, self.message = code, reason, message
+        self.detail = (
+            detail if detail is not None else pb.ErrorDetail(code=code.name, reason=reason, message=message)
+        )
+        self.obs_id = obs_id
+
+    @property
+    def field(self) -> str:
+        return self.detail.field
+
+    @property
+    def best_achievable_ms(self) -> float:
+        return self.detail.best_achievable_ms
+
+    @property
+    def retry_after_ms(self) -> float:
+        return self.detail.retry_after_ms
+
+    @classmethod
+    def from_rpc_error(cls, error: grpc.RpcError) -> PolicyServerError:
+        code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
+        message = (error.details() if hasattr(error, "details") else None) or ""
+        trailing = dict(error.trailing_metadata() or ()) if hasattr(error, "trailing_metadata") else {}
+        if DETAIL_KEY in trailing:
+            detail = pb.ErrorDetail.FromString(trailing[DETAIL_KEY])
+            return cls(code, detail.reason, detail.message, detail)
+        reason = trailing.get(REASON_KEY) or code.name
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in message:
+            reason = "PAYLOAD_TOO_LARGE"  # cut by gRPC core before the servicer saw it
+        return cls(code, reason, message)
+
+    @classmethod
+    def from_detail(cls, detail: pb.ErrorDetail, obs_id: int = 0) -> PolicyServerError:
+        code = (
+            grpc.StatusCode[detail.code]
+            if detail.code in grpc.StatusCode.__members__
+            else grpc.StatusCode.UNKNOWN
+        )
+        return cls(code, detail.reason, detail.message, detail, obs_id=obs_id)

@@ -1,0 +1,266 @@
+"""Streaming client for the ``Control`` bidirectional stream.
+
+    with ControlStream(client, session) as stream:
+        obs_id = stream.send({"image": frame}, state=q, step_index=t)
+        event = stream.next_event(timeout_s=1.0)   # chunk, superseded, error, pong, budget, reconnected
+
+The server answers the newest observation and reports each dropped one as ``superseded``; a bad
+frame comes back as an ``error`` event and the stream continues. If the connection drops, the
+stream reconnects with exponential backoff and re-attaches to the session; if the server lost the
+session (it restarted), it opens a new one with the same settings and reports
+``reconnected`` with ``session_replaced=True``, because the episode state (epoch) is new.
+Observations sent while disconnected are dropped: they would be stale by the time a chunk came.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from policy_server.client.backoff import Backoff
+from policy_server.client.errors import PolicyServerError
+from policy_server.client.sync_client import PolicyClient
+from policy_server.client.types import ActionChunk, Session, build_observation
+from policy_server.server.proto import policy_server_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+_CLOSE = object()
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    """kind: "chunk", "superseded", "error", "pong", "budget", "reconnected" or "closed"."""
+
+    kind: str
+    chunk: ActionChunk | None = None
+    obs_id: int = 0
+    by_obs_id: int = 0
+    error: PolicyServerError | None = None
+    session: Session | None = None
+    session_replaced: bool = False
+    client_time_ns: int = 0
+
+
+class ControlStream:
+    def __init__(
+        self,
+        client: PolicyClient,
+        session: Session,
+        *,
+        reconnect: bool = True,
+        backoff: Backoff | None = None,
+        reopen_session: bool = True,
+    ) -> None:
+        self._client = client
+        self._session = session
+        self._reconnect = reconnect
+        self._backoff = backoff or client.backoff
+        self._reopen_session = reopen_session
+        self._events: queue.Queue[StreamEvent] = queue.Queue()
+        self._lock = threading.Lock()
+        self._requests: queue.Queue | None = None
+        self._call = None
+        self._reader: threading.Thread | None = None
+        self._closing = threading.Event()
+        self._obs_ids = itertools.count(1)
+
+    @property
+    def session(self) -> Session:
+        return self._session
+
+    # -- connection ----------------------------------------------------------------------------
+
+    def _connect(self) -> None:
+        """Start a Control call for the current session and consume its ``started`` event."""
+        requests: queue.Queue = queue.Queue()
+        requests.put(pb.ControlRequest(start=pb.ControlStart(session_id=self._session.session_id)))
+
+        def request_iterator() -> Iterator[pb.ControlRequest]:
+            while True:
+                item = requests.get()
+                if item is _CLOSE:
+                    return
+                yield item
+
+        call = self._client.stub.Control(request_iterator(), metadata=self._client.metadata)
+        try:
+            first = next(call)
+        except grpc.RpcError as exc:
+            requests.put(_CLOSE)
+            raise PolicyServerError.from_rpc_error(exc) from None
+        with self._lock:
+            self._requests, self._call = requests, call
+            self._session = Session.from_proto(first.started)
+
+    def open(self) -> ControlStream:
+        self._connect()
+        self._reader = threading.Thread(target=self._read_events, daemon=True, name="control-events")
+        self._reader.start()
+        return self
+
+    def _read_events(self) -> None:
+        while True:
+            try:
+                for event in self._call:
+                    self._events.put(self._convert(event))
+                self._events.put(StreamEvent("closed"))
+                return
+            except grpc.RpcError as exc:
+                error = PolicyServerError.from_rpc_error(exc)
+                if self._closing.is_set() or not self._reconnect or error.code != grpc.StatusCode.UNAVAILABLE:
+                    self._events.put(StreamEvent("closed", error=None if self._closing.is_set() else error))
+                    return
+                log.warning("control stream lost (%s); reconnecting", error.message)
+                if not self._reconnect_with_backoff():
+                    self._events.put(StreamEvent("closed", error=error))
+                    return
+
+    def _reconnect_with_backoff(self) -> bool:
+        for delay in self._backoff.delays():
+            if self._closing.wait(delay):
+                return False
+            try:
+                self._connect()
+                self._events.put(StreamEvent("reconnected", session=self._session))
+                return True
+            except PolicyServerError as exc:
+                if exc.reason == "SESSION_NOT_FOUND" and self._reopen_session:
+                    if self._reopen():
+                        return True
+                elif exc.code != grpc.StatusCode.UNAVAILABLE:
+                    return False
+        return False
+
+    def _reopen(self) -> bool:
+        old = self._session
+        try:
+            self._session = self._client.open_session(
+                old.embodiment,
+                old.instruction,
+                budget_ms=old.budget_ms,
+                chunk_size=old.chunk_size,
+                seed=old.seed,
+            )
+            self._connect()
+        except PolicyServerError as exc:
+            log.warning("could not reopen the session after reconnecting: %s", exc)
+            return False
+        self._events.put(StreamEvent("reconnected", session=self._session, session_replaced=True))
+        return True
+
+    @staticmethod
+    def _convert(event: pb.ControlEvent) -> StreamEvent:
+        kind = event.WhichOneof("kind")
+        if kind == "chunk":
+            return StreamEvent("chunk", chunk=ActionChunk.from_proto(event.chunk), obs_id=event.chunk.obs_id)
+        if kind == "superseded":
+            return StreamEvent(
+                "superseded", obs_id=event.superseded.obs_id, by_obs_id=event.superseded.by_obs_id
+            )
+        if kind == "error":
+            return StreamEvent(
+                "error",
+                obs_id=event.error.obs_id,
+                error=PolicyServerError.from_detail(event.error.error, event.error.obs_id),
+            )
+        if kind == "pong":
+            return StreamEvent("pong", client_time_ns=event.pong.client_time_ns)
+        if kind == "budget":
+            return StreamEvent("budget", session=Session.from_proto(event.budget))
+        return StreamEvent(kind or "unknown")
+
+    def close(self, wait_s: float = 5.0) -> None:
+        """Half-close (the server answers what it already accepted), then wait for the end."""
+        self._closing.set()
+        with self._lock:
+            if self._requests is not None:
+                self._requests.put(_CLOSE)
+        if self._reader is not None:
+            self._reader.join(wait_s)
+        if self._call is not None:
+            self._call.cancel()
+
+    def __enter__(self) -> ControlStream:
+        return self.open()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- sending -------------------------------------------------------------------------------
+
+    def _put(self, request: pb.ControlRequest) -> None:
+        with self._lock:
+            if self._requests is None:
+                raise RuntimeError("the stream is not open")
+            self._requests.put(request)
+
+    def send(
+        self,
+        images: Mapping[str, np.ndarray],
+        state: np.ndarray | None = None,
+        *,
+        instruction: str = "",
+        step_index: int = 0,
+        must_answer: bool = False,
+        encoding: str = "jpeg",
+        jpeg_quality: int = 90,
+    ) -> int:
+        """Queue one observation for the current epoch; returns its obs_id."""
+        observation = build_observation(images, state, instruction, step_index, encoding, jpeg_quality)
+        return self.send_observation(observation, must_answer=must_answer)
+
+    def send_observation(
+        self, observation: pb.Observation, *, must_answer: bool = False, epoch: int | None = None
+    ) -> int:
+        obs_id = next(self._obs_ids)
+        frame = pb.ObservationFrame(
+            epoch=self._session.epoch if epoch is None else epoch,
+            obs_id=obs_id,
+            observation=observation,
+            must_answer=must_answer,
+        )
+        self._put(pb.ControlRequest(observation=frame))
+        return obs_id
+
+    def set_budget(self, budget_ms: float) -> None:
+        """Ask for a new per-tick budget; answered by a ``budget`` (or ``error``) event."""
+        self._put(pb.ControlRequest(budget=pb.BudgetUpdate(budget_ms=budget_ms)))
+
+    def ping(self) -> None:
+        self._put(pb.ControlRequest(ping=pb.Ping(client_time_ns=time.monotonic_ns())))
+
+    def reset(self) -> Session:
+        """New episode: the epoch grows, frames already in flight will come back STALE_EPOCH."""
+        self._session = self._client.reset_session(self._session)
+        return self._session
+
+    # -- receiving -----------------------------------------------------------------------------
+
+    def next_event(self, timeout_s: float = 5.0) -> StreamEvent:
+        try:
+            return self._events.get(timeout=timeout_s)
+        except queue.Empty:
+            raise TimeoutError(f"no control event within {timeout_s:g} s") from None
+
+    def next_chunk(self, timeout_s: float = 5.0) -> ActionChunk:
+        """The next chunk; raises PolicyServerError on an error event, skips other events."""
+        end = time.monotonic() + timeout_s
+        while True:
+            event = self.next_event(max(0.0, end - time.monotonic()))
+            if event.kind == "chunk":
+                return event.chunk
+            if event.kind == "error":
+                raise event.error
+            if event.kind == "closed":
+                raise event.error or PolicyServerError(
+                    grpc.StatusCode.CANCELLED, "STREAM_CLOSED", "the control stream ended"
+                )

@@ -1,0 +1,226 @@
+"""Blocking client for ``policy_server.v1.PolicyService``.
+
+    with PolicyClient("127.0.0.1:50051", token=...) as client:
+        client.wait_until_serving(timeout_s=60)
+        session = client.open_session("pusht", "push the T into the target")
+        chunk = client.act(session, {"image": frame}, state=q, step_index=t, timeout_s=0.2)
+
+Every call has a deadline (``timeout_s``, else the client default). Calls that only read
+(server info, health) are retried with backoff while the server is UNAVAILABLE; ``act`` and
+session changes are never retried automatically, because a late chunk is stale and a repeated
+OpenSession would leak a session. The channel itself reconnects on its own after a drop.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import TypeVar
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from policy_server.client.backoff import Backoff
+from policy_server.client.errors import PolicyServerError
+from policy_server.client.types import ActionChunk, Session, build_observation
+from policy_server.server.proto import policy_server_pb2 as pb
+from policy_server.server.proto import policy_server_pb2_grpc as pb_grpc
+
+T = TypeVar("T")
+
+
+def make_channel(
+    target: str,
+    *,
+    tls: bool = False,
+    root_certificates: bytes | None = None,
+    server_name: str | None = None,
+    max_receive_mb: float = 64.0,
+) -> grpc.Channel:
+    """A channel with robot-friendly keepalive (dead links noticed in ~15 s) and fast reconnects."""
+    options: list[tuple[str, int | str]] = [
+        ("grpc.max_receive_message_length", int(max_receive_mb * 1024 * 1024)),
+        ("grpc.max_send_message_length", -1),  # the server enforces its own limit, with a reason
+        ("grpc.keepalive_time_ms", 10_000),
+        ("grpc.keepalive_timeout_ms", 5_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 2_000),
+    ]
+    if server_name:
+        options.append(("grpc.ssl_target_name_override", server_name))
+    if tls or root_certificates is not None:
+        return grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates), options)
+    return grpc.insecure_channel(target, options)
+
+
+class PolicyClient:
+    def __init__(
+        self,
+        target: str,
+        *,
+        token: str | None = None,
+        token_file: str | Path | None = None,
+        tls: bool = False,
+        root_certificates: bytes | None = None,
+        server_name: str | None = None,
+        timeout_s: float = 10.0,
+        backoff: Backoff | None = None,
+    ) -> None:
+        if token_file is not None:
+            token = Path(token_file).read_text().strip()
+        self.target = target
+        self.timeout_s = timeout_s
+        self.backoff = backoff or Backoff()
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._channel_args = dict(tls=tls, root_certificates=root_certificates, server_name=server_name)
+        self.channel = make_channel(target, **self._channel_args)
+        self.stub = pb_grpc.PolicyServiceStub(self.channel)
+        self._health = health_pb2_grpc.HealthStub(self.channel)
+
+    # -- plumbing ------------------------------------------------------------------------------
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._metadata
+
+    def _call(self, method: Callable[..., T], request, timeout_s: float | None, **kwargs) -> T:
+        try:
+            return method(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata, **kwargs)
+        except grpc.RpcError as exc:
+            raise PolicyServerError.from_rpc_error(exc) from None
+
+    def _call_retrying(self, method: Callable[..., T], request, timeout_s: float | None) -> T:
+        delays = self.backoff.delays()
+        while True:
+            try:
+                return self._call(method, request, timeout_s)
+            except PolicyServerError as exc:
+                delay = next(delays, None)
+                if exc.code != grpc.StatusCode.UNAVAILABLE or delay is None:
+                    raise
+                time.sleep(delay)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> PolicyClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- server --------------------------------------------------------------------------------
+
+    def server_info(self, timeout_s: float | None = None) -> pb.ServerInfo:
+        return self._call_retrying(self.stub.GetServerInfo, pb.GetServerInfoRequest(), timeout_s)
+
+    def health(self, service: str = "", timeout_s: float | None = None) -> str:
+        """SERVING, NOT_SERVING or SERVICE_UNKNOWN (standard grpc.health.v1)."""
+        response = self._call(self._health.Check, health_pb2.HealthCheckRequest(service=service), timeout_s)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+    def wait_until_serving(self, timeout_s: float = 60.0, poll_s: float = 0.05) -> None:
+        """Block until health is SERVING (model loaded and warm); TimeoutError otherwise."""
+        end = time.monotonic() + timeout_s
+        last = "no answer"
+        while time.monotonic() < end:
+            try:
+                last = self.health(timeout_s=max(0.05, min(1.0, end - time.monotonic())))
+                if last == "SERVING":
+                    return
+            except PolicyServerError as exc:
+                last = exc.reason
+            time.sleep(poll_s)
+        raise TimeoutError(f"{self.target} not SERVING after {timeout_s:g} s (last: {last})")
+
+    # -- sessions ------------------------------------------------------------------------------
+
+    def open_session(
+        self,
+        embodiment: str,
+        instruction: str,
+        *,
+        budget_ms: float | None = None,
+        chunk_size: int | None = None,
+        seed: int | None = None,
+        client_name: str = "",
+        timeout_s: float | None = None,
+    ) -> Session:
+        request = pb.OpenSessionRequest(
+            embodiment=embodiment, instruction=instruction, client_name=client_name
+        )
+        if budget_ms is not None:
+            request.budget_ms = budget_ms
+        if chunk_size is not None:
+            request.chunk_size = chunk_size
+        if seed is not None:
+            request.seed = seed
+        return Session.from_proto(self._call(self.stub.OpenSession, request, timeout_s))
+
+    def reset_session(self, session: Session | str, timeout_s: float | None = None) -> Session:
+        request = pb.ResetSessionRequest(session_id=_session_id(session))
+        return Session.from_proto(self._call(self.stub.ResetSession, request, timeout_s))
+
+    def close_session(self, session: Session | str, timeout_s: float | None = None) -> None:
+        self._call(self.stub.CloseSession, pb.CloseSessionRequest(session_id=_session_id(session)), timeout_s)
+
+    def set_budget(self, session: Session | str, budget_ms: float, timeout_s: float | None = None) -> Session:
+        request = pb.SetBudgetRequest(session_id=_session_id(session), budget_ms=budget_ms)
+        return Session.from_proto(self._call(self.stub.SetBudget, request, timeout_s))
+
+    # -- acting --------------------------------------------------------------------------------
+
+    def act(
+        self,
+        session: Session,
+        images: Mapping[str, np.ndarray],
+        state: np.ndarray | None = None,
+        *,
+        instruction: str = "",
+        step_index: int = 0,
+        encoding: str = "jpeg",
+        jpeg_quality: int = 90,
+        timeout_s: float | None = None,
+    ) -> ActionChunk:
+        """One observation -> one chunk. ``timeout_s`` is the gRPC deadline; the server plans the
+        tick against min(session budget, deadline) and abandons the work once it passes."""
+        observation = build_observation(images, state, instruction, step_index, encoding, jpeg_quality)
+        return self.act_request(
+            pb.ActRequest(session_id=session.session_id, epoch=session.epoch, observation=observation),
+            timeout_s,
+        )
+
+    def act_request(self, request: pb.ActRequest, timeout_s: float | None = None) -> ActionChunk:
+        """Send a hand-built ActRequest (for callers that encode observations themselves)."""
+        return ActionChunk.from_proto(self._call(self.stub.Act, request, timeout_s))
+
+    def reason(
+        self,
+        prompt: str,
+        max_new_tokens: int = 64,
+        *,
+        temperature: float = 0.0,
+        seed: int | None = None,
+        timeout_s: float | None = None,
+    ) -> Iterator[str]:
+        """Stream reasoner text pieces as they are generated."""
+        request = pb.ReasonRequest(prompt=prompt, max_new_tokens=max_new_tokens, temperature=temperature)
+        if seed is not None:
+            request.seed = seed
+        responses = self.stub.Reason(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
+        try:
+            for piece in responses:
+                if piece.done:
+                    return
+                yield piece.text
+        except grpc.RpcError as exc:
+            raise PolicyServerError.from_rpc_error(exc) from None
+        finally:
+            responses.cancel()  # no-op once finished; stops generation if the caller breaks early
+
+
+def _session_id(session: Session | str) -> str:
+    return session if isinstance(session, str) else session.session_id

@@ -1,0 +1,157 @@
+"""Server configuration: one pydantic model behind every CLI flag and every config-file key.
+
+A config file (YAML or JSON, ``--config FILE``) may set any field; keys use the field names
+(``latency_budget_ms``) or the flag spelling (``latency-budget-ms``). Flags given on the command
+line override the file. Unknown keys and bad values are rejected with an error naming the key.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+_DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message names each offending key."""
+
+
+class ServerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # Latency budget and model
+    latency_budget_ms: float = Field(
+        120.0, gt=0, allow_inf_nan=False, description="default per-tick latency budget (ms) of new sessions"
+    )
+    checkpoint: Path | None = Field(
+        None, description="checkpoint directory or file; unset = the embedded model"
+    )
+    device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
+
+    # Diffusion step cache (SeaCache)
+    diffusion_cache: bool = Field(True, description="enable SeaCache (off = bit-exact uncached sampling)")
+    diffusion_cache_thresh: float = Field(
+        0.25, ge=0, allow_inf_nan=False, description="SEA accumulated relative-L1 threshold"
+    )
+    diffusion_cache_residual_order: int = Field(
+        1, ge=0, le=3, description="Newton extrapolation order (0 = reuse, 1 = linear)"
+    )
+    diffusion_cache_max_consecutive: int = Field(
+        2, ge=0, description="max consecutive cached steps per CFG branch (0 = no cap)"
+    )
+
+    # Network
+    host: str = Field("127.0.0.1", min_length=1, description="bind address (loopback by default)")
+    port: int = Field(50051, ge=0, le=65535, description="gRPC TCP port (0 = any free port)")
+    unix_socket: Path | None = Field(None, description="also serve gRPC on this Unix domain socket")
+    websocket_port: int | None = Field(
+        None, ge=0, le=65535, description="openpi-compatible WebSocket port (unset = off)"
+    )
+    websocket_embodiment: str | None = Field(
+        None, description="embodiment of WebSocket sessions (unset = first)"
+    )
+    metrics_port: int | None = Field(
+        None, ge=0, le=65535, description="Prometheus /metrics port (unset = off)"
+    )
+    reflection: bool = Field(False, description="enable gRPC server reflection")
+
+    # Limits
+    max_sessions: int = Field(4, ge=1, description="concurrent sessions")
+    max_message_mb: float = Field(
+        16.0, gt=0, le=1024, allow_inf_nan=False, description="max request size (MiB)"
+    )
+
+    # Security
+    auth_token_file: Path | None = Field(None, description="file holding the bearer token clients must send")
+    tls_cert: Path | None = Field(None, description="PEM certificate chain (with --tls-key)")
+    tls_key: Path | None = Field(None, description="PEM private key (with --tls-cert)")
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str) -> str:
+        if not _DEVICE.match(value):
+            raise ValueError(f"expected auto, cpu, cuda or cuda:N, got {value!r}")
+        return value
+
+    @field_validator("checkpoint", "auth_token_file", "tls_cert", "tls_key")
+    @classmethod
+    def _path_exists(cls, value: Path | None) -> Path | None:
+        if value is not None and not value.exists():
+            raise ValueError(f"path {str(value)!r} does not exist")
+        return value
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> ServerConfig:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key must be given together")
+        return self
+
+    @property
+    def max_message_bytes(self) -> int:
+        return int(self.max_message_mb * 1024 * 1024)
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert is not None
+
+
+def _normalise_keys(values: dict[str, Any], source: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        if not isinstance(key, str):
+            raise ConfigError(f"{source}: key {key!r} is not a string")
+        name = key.replace("-", "_")
+        if name in out:
+            raise ConfigError(f"{source}: key {name!r} is given twice")
+        out[name] = value
+    return out
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """Load a YAML (.yaml/.yml) or JSON (.json) mapping of config keys."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    text = path.read_text()
+    try:
+        if path.suffix.lower() in (".yaml", ".yml"):
+            import yaml  # imported here: JSON configs and flag-only runs do not need PyYAML
+
+            data = yaml.safe_load(text)
+        elif path.suffix.lower() == ".json":
+            data = json.loads(text)
+        else:
+            raise ConfigError(f"config file {path}: expected a .yaml, .yml or .json file")
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - yaml and json raise different types
+        raise ConfigError(f"config file {path} is not valid {path.suffix[1:].upper()}: {exc}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: expected a mapping of keys, got {type(data).__name__}")
+    return _normalise_keys(data, str(path))
+
+
+def build_config(
+    file_values: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None, source: str = "config"
+) -> ServerConfig:
+    """Validate file values with command-line overrides on top."""
+    merged = {
+        **_normalise_keys(file_values or {}, source),
+        **_normalise_keys(overrides or {}, "command line"),
+    }
+    try:
+        return ServerConfig(**merged)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            key = ".".join(str(part) for part in err["loc"]) or "config"
+            got = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], dict) else ""
+            problems.append(f"{key}: {err['msg']}{got}")
+        raise ConfigError(f"invalid {source}: " + "; ".join(problems)) from None

@@ -1,0 +1,407 @@
+"""The contract between the transport (gRPC / WebSocket) and the engine.
+
+Plain dataclasses, typed errors and an ``Engine`` protocol: no torch, no protobuf. The transport
+validates the *shape* of every request against the schema the engine declares in ``info()``
+(camera names and sizes, state and action dims, chunk-size range, budget > 0) before it calls the
+engine, so an engine receives well-formed inputs and raises only the errors that need its state
+(unknown session, stale epoch, infeasible budget, warming up, too many sessions).
+
+Clocks: ``deadline_s`` values are absolute ``time.monotonic()`` seconds; durations are ms.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import ClassVar, Protocol, runtime_checkable
+
+import numpy as np
+
+# ---------------------------------------------------------------------------------------------
+# Server and schema description
+# ---------------------------------------------------------------------------------------------
+
+
+class ImageEncoding(StrEnum):
+    """How a camera frame travels on the wire. RAW is 8-bit RGB, row-major [H, W, C]."""
+
+    JPEG = "jpeg"
+    PNG = "png"
+    RAW = "raw"
+
+
+@dataclass(frozen=True)
+class CameraSpec:
+    """One camera the embodiment expects in every observation: uint8 RGB [height, width, channels]."""
+
+    name: str
+    height: int
+    width: int
+    channels: int = 3
+    encodings: tuple[ImageEncoding, ...] = (ImageEncoding.JPEG, ImageEncoding.PNG, ImageEncoding.RAW)
+
+
+@dataclass(frozen=True)
+class ActionSpec:
+    """The action vector of one control step: float32 [dim] in physical units.
+
+    ``names`` / ``units`` hold one entry per dimension (or are empty).
+
+    ``low``/``high`` are the declared per-dimension limits (empty = unbounded); the engine
+    guarantees every returned action is finite and inside them.
+    """
+
+    dim: int
+    names: tuple[str, ...] = ()
+    units: tuple[str, ...] = ()
+    low: tuple[float, ...] = ()
+    high: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class EmbodimentSpec:
+    """Observation and action schema of one robot type the model can drive.
+
+    ``state_dim`` 0 means the embodiment takes no proprioceptive state. A chunk holds
+    ``chunk_size`` consecutive actions, one per control period (1 / ``control_hz`` s).
+    """
+
+    name: str
+    cameras: tuple[CameraSpec, ...]
+    state_dim: int
+    action: ActionSpec
+    state_names: tuple[str, ...] = ()
+    state_units: tuple[str, ...] = ()  # one per state dimension, or empty
+    default_chunk_size: int = 8
+    min_chunk_size: int = 1
+    max_chunk_size: int = 8
+    control_hz: float = 10.0
+
+    def camera(self, name: str) -> CameraSpec | None:
+        return next((c for c in self.cameras if c.name == name), None)
+
+
+@dataclass(frozen=True)
+class ProfilePoint:
+    """One measured operating point of the warmup latency profile (ms per tick)."""
+
+    label: str
+    p50_ms: float
+    p95_ms: float
+    full_calls: int = 0
+    skipped_calls: int = 0
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """What the engine serves; the transport publishes it verbatim (plus its own limits)."""
+
+    model_name: str
+    embodiments: tuple[EmbodimentSpec, ...]
+    default_budget_ms: float
+    max_sessions: int
+    model_digest: str = ""
+    device: str = "cpu"
+    max_reason_tokens: int = 256
+    warmup_profile: tuple[ProfilePoint, ...] = ()
+    num_steps: int = 0
+    diffusion_cache: bool = False
+
+    def embodiment(self, name: str) -> EmbodimentSpec | None:
+        return next((e for e in self.embodiments if e.name == name), None)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Live counters for metrics and health."""
+
+    sessions: int
+    queue_depth: int
+    warmup_progress: float = 1.0  # 0..1
+
+
+# ---------------------------------------------------------------------------------------------
+# Sessions, observations, results
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SessionHandle:
+    """A session as the engine sees it now. ``epoch`` starts at 1 and grows by one per reset."""
+
+    session_id: str
+    epoch: int
+    embodiment: str
+    instruction: str
+    budget_ms: float
+    chunk_size: int
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One validated observation.
+
+    images: camera name -> uint8 [H, W, 3] RGB, exactly the cameras and sizes the embodiment declares.
+    state: float32 [state_dim] in physical units, finite; None when the embodiment takes none.
+    instruction: the task text; "" keeps the session's current instruction.
+    step_index: the robot's control-step counter when the observation was captured.
+    """
+
+    images: Mapping[str, np.ndarray]
+    state: np.ndarray | None
+    instruction: str = ""
+    step_index: int = 0
+
+
+@dataclass(frozen=True)
+class TickRecord:
+    """Why one answer was as fast (or slow) as it was.
+
+    predicted_ms / actual_ms: per stage (e.g. "queue", "encode", "prefill", "denoise", "decode")
+    and "total", in ms. knobs: the settings the budget planner chose (e.g. "threshold",
+    "max_consecutive", "num_steps", "cfg"); full/skipped/forced/fail_open count GEN-stack calls
+    summed over CFG branches; fallbacks name each degradation applied, in order.
+    """
+
+    budget_ms: float
+    deadline_ms: float
+    predicted_ms: Mapping[str, float] = field(default_factory=dict)
+    actual_ms: Mapping[str, float] = field(default_factory=dict)
+    knobs: Mapping[str, float] = field(default_factory=dict)
+    full_calls: int = 0
+    skipped_calls: int = 0
+    forced_skips: int = 0
+    fail_open: int = 0
+    fallbacks: tuple[str, ...] = ()
+    deadline_met: bool = True
+
+
+@dataclass(frozen=True)
+class ActResult:
+    """An action chunk: float32 [K, action_dim] in physical units; ``actions[0]`` is meant for
+    control step ``first_step_index`` (>= the observation's step index when the engine accounts
+    for its own delay)."""
+
+    actions: np.ndarray
+    first_step_index: int
+    tick: TickRecord
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------------------------
+
+
+class EngineError(Exception):
+    """Base of every error a client can cause or observe. ``reason`` is a stable machine-readable
+    code (UPPER_SNAKE); ``details()`` holds the fields that explain it."""
+
+    reason: ClassVar[str] = "ENGINE_ERROR"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def details(self) -> dict[str, str]:
+        return {}
+
+
+class InvalidArgument(EngineError):
+    """A request field is missing or malformed. ``field`` is a dotted path such as
+    ``observation.images[wrist]``."""
+
+    reason = "INVALID_ARGUMENT"
+
+    def __init__(self, field: str, expected: str, got: str, reason: str | None = None) -> None:
+        super().__init__(f"{field}: expected {expected}, got {got}")
+        self.field, self.expected, self.got = field, expected, got
+        if reason is not None:
+            self.reason = reason  # a finer code, e.g. MISSING_FIELD, NON_FINITE, BAD_TENSOR
+
+    def details(self) -> dict[str, str]:
+        return {"field": self.field, "expected": self.expected, "got": self.got}
+
+
+class SchemaMismatch(InvalidArgument):
+    """The observation does not match the session's declared observation schema."""
+
+    reason = "SCHEMA_MISMATCH"
+
+    def __init__(self, field: str, expected: str, got: str) -> None:
+        super().__init__(field, expected, got)
+
+
+class UnknownEmbodiment(InvalidArgument):
+    reason = "UNKNOWN_EMBODIMENT"
+
+    def __init__(self, name: str, known: tuple[str, ...]) -> None:
+        super().__init__("embodiment", f"one of {list(known)}", repr(name))
+
+
+class UnknownSession(EngineError):
+    reason = "SESSION_NOT_FOUND"
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__(f"no open session {session_id!r} (closed, expired, or the server restarted)")
+        self.session_id = session_id
+
+    def details(self) -> dict[str, str]:
+        return {"session_id": self.session_id}
+
+
+class StaleEpoch(EngineError):
+    """The request names an epoch older (or newer) than the session's current one: it was
+    captured before a reset, so answering it would act on a finished episode."""
+
+    reason = "STALE_EPOCH"
+
+    def __init__(self, session_id: str, current_epoch: int, got_epoch: int) -> None:
+        super().__init__(f"session {session_id!r} is at epoch {current_epoch}, request has epoch {got_epoch}")
+        self.session_id, self.current_epoch, self.got_epoch = session_id, current_epoch, got_epoch
+
+    def details(self) -> dict[str, str]:
+        return {
+            "session_id": self.session_id,
+            "expected": str(self.current_epoch),
+            "got": str(self.got_epoch),
+        }
+
+
+class BudgetInfeasible(EngineError):
+    """Even the most aggressive caching and every fallback cannot meet the budget."""
+
+    reason = "BUDGET_INFEASIBLE"
+
+    def __init__(self, budget_ms: float, best_achievable_ms: float) -> None:
+        super().__init__(
+            f"budget {budget_ms:g} ms is below the best achievable latency {best_achievable_ms:.1f} ms"
+        )
+        self.budget_ms, self.best_achievable_ms = budget_ms, best_achievable_ms
+
+    def details(self) -> dict[str, str]:
+        return {"budget_ms": f"{self.budget_ms:g}", "best_achievable_ms": f"{self.best_achievable_ms:.3f}"}
+
+
+class WarmingUp(EngineError):
+    """The model is loading or warming up; retry after ``retry_after_ms``."""
+
+    reason = "WARMING_UP"
+
+    def __init__(self, progress: float = 0.0, retry_after_ms: float = 1000.0) -> None:
+        super().__init__(f"the server is warming up ({progress:.0%} done)")
+        self.progress, self.retry_after_ms = progress, retry_after_ms
+
+    def details(self) -> dict[str, str]:
+        return {"progress": f"{self.progress:.3f}", "retry_after_ms": f"{self.retry_after_ms:g}"}
+
+
+class TooManySessions(EngineError):
+    reason = "TOO_MANY_SESSIONS"
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"all {limit} sessions are in use; close one first")
+        self.limit = limit
+
+    def details(self) -> dict[str, str]:
+        return {"limit": str(self.limit)}
+
+
+class Cancelled(EngineError):
+    """The caller went away (``should_abort()`` returned True); the work was abandoned."""
+
+    reason = "CANCELLED"
+
+
+class DeadlineExpired(EngineError):
+    """The caller's own deadline passed before an answer existed; the work was abandoned."""
+
+    reason = "DEADLINE_EXCEEDED"
+
+
+class NonFiniteOutput(EngineError):
+    """The model produced NaN/Inf actions; nothing was sent to the robot."""
+
+    reason = "NON_FINITE_OUTPUT"
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine
+# ---------------------------------------------------------------------------------------------
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What the transport needs from the model side. Every method is thread-safe."""
+
+    def info(self) -> ServerInfo:
+        """The served model and schema. Available while warming up."""
+        ...
+
+    def ready(self) -> bool:
+        """True once weights are loaded and warmup has filled the cost model."""
+        ...
+
+    def stats(self) -> EngineStats: ...
+
+    def close(self) -> None:
+        """Stop the model worker and free the device; called once at server shutdown."""
+        ...
+
+    def open_session(
+        self,
+        embodiment: str,
+        instruction: str,
+        budget_ms: float | None = None,
+        chunk_size: int | None = None,
+        seed: int | None = None,
+    ) -> SessionHandle:
+        """Open a session at epoch 1. ``None`` takes the server default.
+        Raises TooManySessions, BudgetInfeasible, WarmingUp."""
+        ...
+
+    def session(self, session_id: str) -> SessionHandle:
+        """The session's current state. Raises UnknownSession."""
+        ...
+
+    def reset_session(self, session_id: str) -> SessionHandle:
+        """Start a new episode: epoch + 1, per-episode state cleared. Raises UnknownSession."""
+        ...
+
+    def close_session(self, session_id: str) -> None:
+        """Free the session. Raises UnknownSession."""
+        ...
+
+    def set_budget(self, session_id: str, budget_ms: float) -> SessionHandle:
+        """Change the per-tick budget (ms). Raises UnknownSession, BudgetInfeasible."""
+        ...
+
+    def act(
+        self,
+        session_id: str,
+        epoch: int,
+        observation: Observation,
+        deadline_s: float | None = None,
+        should_abort: Callable[[], bool] | None = None,
+    ) -> ActResult:
+        """Compute the action chunk for ``observation``.
+
+        The tick is planned against min(session budget, ``deadline_s`` - now). ``should_abort``
+        is polled between denoising steps; when it returns True (or ``deadline_s`` passes) the
+        work is abandoned within one step (Cancelled / DeadlineExpired).
+        Raises UnknownSession, StaleEpoch, WarmingUp, Cancelled, DeadlineExpired, NonFiniteOutput.
+        """
+        ...
+
+    def reason(
+        self,
+        prompt: str,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        seed: int | None = None,
+        should_abort: Callable[[], bool] | None = None,
+    ) -> Iterator[str]:
+        """Stream reasoner text pieces (autoregressive with a KV cache; never the diffusion cache).
+        Stops after ``max_new_tokens`` tokens or an end token, or when ``should_abort()``."""
+        ...

@@ -1,0 +1,259 @@
+"""Checkpoint IO for `Cosmos3OmniTransformer`: diffusers-layout directories, safetensors only.
+
+Accepted layouts (what `Cosmos3OmniTransformer.save_pretrained` and the Hugging Face Cosmos3 repos ship):
+- a transformer directory: `config.json` plus `diffusion_pytorch_model.safetensors`, or shards listed in
+  `diffusion_pytorch_model.safetensors.index.json`;
+- a pipeline root: `model_index.json` with the transformer under `transformer/`.
+Weights named in the cosmos-framework's native scheme (`language_model.model.layers.*.q_proj_moe_gen`,
+`vae2llm`, ...) are renamed by `remap_native_keys`, automatically when the loader sees them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from policy_server.model.config import Cosmos3TransformerConfig
+from policy_server.model.transformer import Cosmos3OmniTransformer
+
+WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
+WEIGHTS_INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
+CONFIG_NAME = "config.json"
+PIPELINE_INDEX_NAME = "model_index.json"
+
+# Modules diffusers keeps in fp32 whatever the load dtype (`_keep_in_fp32_modules`).
+_FP32_MODULES = ("time_embedder",)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not fit the model; the message names the offending files, keys or shapes."""
+
+
+# ---------------------------------------------------------------------------------------------- keys
+
+# Attention projections, native -> diffusers. `*_moe_gen` (GEN) entries must be tried before the
+# plain (UND) ones, which are their prefixes.
+_NATIVE_ATTENTION_NAMES = (
+    ("q_proj_moe_gen", "add_q_proj"),
+    ("k_proj_moe_gen", "add_k_proj"),
+    ("v_proj_moe_gen", "add_v_proj"),
+    ("o_proj_moe_gen", "to_add_out"),
+    ("q_norm_moe_gen", "norm_added_q"),
+    ("k_norm_moe_gen", "norm_added_k"),
+    ("q_proj", "to_q"),
+    ("k_proj", "to_k"),
+    ("v_proj", "to_v"),
+    ("o_proj", "to_out"),
+    ("q_norm", "norm_q"),
+    ("k_norm", "norm_k"),
+)
+# Top-level heads, native module prefix -> diffusers module prefix.
+_NATIVE_HEAD_NAMES = (
+    ("vae2llm.", "proj_in."),
+    ("llm2vae.", "proj_out."),
+    ("time_embedder.mlp.0.", "time_embedder.linear_1."),
+    ("time_embedder.mlp.2.", "time_embedder.linear_2."),
+    ("action2llm.", "action_proj_in."),
+    ("llm2action.", "action_proj_out."),
+    ("sound2llm.", "audio_proj_in."),
+    ("llm2sound.", "audio_proj_out."),
+)
+_NATIVE_PARAMETER_NAMES = {
+    "action_modality_embed": "action_modality_embed",
+    "sound_modality_embed": "audio_modality_embed",
+    "language_model.lm_head.weight": "lm_head.weight",
+}
+_LANGUAGE_MODEL_PREFIX = "language_model.model."
+# Wrappers around the network in framework exports (`model.net.*`) and training checkpoints (`net.*`).
+_NATIVE_WRAPPER_PREFIXES = ("model.net.", "net.")
+# The reasoner's ViT rides along in native checkpoints; it is not part of the generator transformer.
+_NATIVE_VISION_PREFIXES = ("language_model.visual.", "language_model.model.visual.")
+_ATTENTION_KEY = re.compile(r"^(layers\.\d+\.self_attn\.)([a-z_]+)(\..+)$")
+
+
+def is_native_state_dict(state_dict: dict[str, torch.Tensor]) -> bool:
+    """Whether keys use the cosmos-framework native names (`language_model.*`, `vae2llm.*`, ...)."""
+    native_roots = ("language_model.", "vae2llm.", "llm2vae.") + _NATIVE_WRAPPER_PREFIXES
+    return any(key.startswith(native_roots) for key in state_dict)
+
+
+def remap_native_keys(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Rename a cosmos-framework native state dict to diffusers' flat `Cosmos3OmniTransformer` keys.
+
+    Strips `model.net.` / `net.` wrappers and `language_model.model.`, renames attention projections
+    (`q_proj_moe_gen` -> `add_q_proj`, `q_proj` -> `to_q`, ...), the heads (`vae2llm` -> `proj_in`,
+    `llm2vae` -> `proj_out`, `time_embedder.mlp.{0,2}` -> `time_embedder.linear_{1,2}`, `action2llm` ->
+    `action_proj_in`, `llm2action` -> `action_proj_out`, `sound2llm` -> `audio_proj_in`, `llm2sound` ->
+    `audio_proj_out`, `sound_modality_embed` -> `audio_modality_embed`) and drops the ViT. Keys it does
+    not recognise raise `CheckpointError` naming them.
+    """
+    remapped: dict[str, torch.Tensor] = {}
+    unknown: list[str] = []
+    for key, tensor in state_dict.items():
+        name = key
+        for wrapper in _NATIVE_WRAPPER_PREFIXES:
+            if name.startswith(wrapper):
+                name = name[len(wrapper):]
+                break
+        if name.startswith(_NATIVE_VISION_PREFIXES):
+            continue
+        new = _remap_native_key(name)
+        if new is None:
+            unknown.append(key)
+            continue
+        if new in remapped:
+            raise CheckpointError(f"native keys collide: {key!r} maps to {new!r}, already taken")
+        remapped[new] = tensor
+    if unknown:
+        raise CheckpointError(f"unrecognised native Cosmos3 key(s): {_show(unknown)}")
+    return remapped
+
+
+def _remap_native_key(name: str) -> str | None:
+    if name in _NATIVE_PARAMETER_NAMES:
+        return _NATIVE_PARAMETER_NAMES[name]
+    for native, diffusers in _NATIVE_HEAD_NAMES:
+        if name.startswith(native):
+            return diffusers + name[len(native):]
+    if not name.startswith(_LANGUAGE_MODEL_PREFIX):
+        return None
+    name = name[len(_LANGUAGE_MODEL_PREFIX):]
+    match = _ATTENTION_KEY.match(name)
+    if match:
+        prefix, module, rest = match.groups()
+        renamed = dict(_NATIVE_ATTENTION_NAMES).get(module, module)  # k_norm_und_for_gen keeps its name
+        return prefix + renamed + rest
+    return name
+
+
+def to_native_keys(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Inverse of `remap_native_keys` (without wrappers or ViT): diffusers keys -> native names."""
+    attention = {diffusers: native for native, diffusers in _NATIVE_ATTENTION_NAMES}
+    parameters = {diffusers: native for native, diffusers in _NATIVE_PARAMETER_NAMES.items()}
+    native: dict[str, torch.Tensor] = {}
+    for key, tensor in state_dict.items():
+        if key in parameters:
+            native[parameters[key]] = tensor
+            continue
+        head = next((n + key[len(d):] for n, d in _NATIVE_HEAD_NAMES if key.startswith(d)), None)
+        if head is not None:
+            native[head] = tensor
+            continue
+        match = _ATTENTION_KEY.match(key)
+        if match:
+            prefix, module, rest = match.groups()
+            key = prefix + attention.get(module, module) + rest
+        native[_LANGUAGE_MODEL_PREFIX + key] = tensor
+    return native
+
+
+def _show(names: list[str], limit: int = 20) -> str:
+    shown = ", ".join(repr(n) for n in sorted(names)[:limit])
+    return shown + (f" ... ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+# ---------------------------------------------------------------------------------------------- files
+
+def resolve_transformer_dir(path: str | Path) -> Path:
+    """The directory holding the transformer's `config.json` (a pipeline root resolves to `transformer/`)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint path {path} is not a directory")
+    if (path / PIPELINE_INDEX_NAME).is_file():
+        path = path / "transformer"
+        if not (path / CONFIG_NAME).is_file():
+            raise CheckpointError(f"pipeline root has {PIPELINE_INDEX_NAME} but no {path / CONFIG_NAME}")
+        return path
+    if not (path / CONFIG_NAME).is_file():
+        raise CheckpointError(
+            f"{path} is not a Cosmos3 checkpoint: expected {CONFIG_NAME} (transformer directory) "
+            f"or {PIPELINE_INDEX_NAME} with transformer/ (pipeline root)"
+        )
+    return path
+
+
+def read_state_dict(directory: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a transformer directory (single file or index + shards), on CPU as stored."""
+    single, index = directory / WEIGHTS_NAME, directory / WEIGHTS_INDEX_NAME
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index} has no 'weight_map' of tensor name -> shard file")
+        shards = sorted(set(weight_map.values()))
+        missing = [s for s in shards if not (directory / s).is_file()]
+        if missing:
+            raise CheckpointError(f"{index} lists shard file(s) that do not exist: {missing}")
+    elif single.is_file():
+        weight_map, shards = None, [single.name]
+    else:
+        raise CheckpointError(f"no weights in {directory}: expected {WEIGHTS_NAME} or {WEIGHTS_INDEX_NAME}")
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        with safe_open(str(directory / shard), framework="pt", device="cpu") as handle:
+            for key in handle.keys():
+                if weight_map is not None and weight_map.get(key) != shard:
+                    continue  # the index is authoritative about which shard owns a key
+                tensors[key] = handle.get_tensor(key)
+    if weight_map is not None:
+        absent = [k for k in weight_map if k not in tensors]
+        if absent:
+            raise CheckpointError(f"tensor(s) in {index.name} but absent from their shard: {_show(absent)}")
+    return tensors
+
+
+def load_transformer(path: str | Path, device: torch.device | str = "cpu",
+                     dtype: torch.dtype | None = None) -> Cosmos3OmniTransformer:
+    """Load a Cosmos3 transformer from a diffusers-layout directory (or pipeline root).
+
+    `dtype=None` keeps the stored dtype; otherwise every weight is cast to `dtype` except the time
+    embedder, which stays fp32 as in diffusers. Returns the model in eval mode. Raises
+    `ConfigError`/`CheckpointError` naming unknown config fields, missing or unexpected keys and shape
+    mismatches.
+    """
+    directory = resolve_transformer_dir(path)
+    config = Cosmos3TransformerConfig.from_json_file(directory / CONFIG_NAME)
+    state_dict = read_state_dict(directory)
+    if is_native_state_dict(state_dict):
+        state_dict = remap_native_keys(state_dict)
+    with torch.device("meta"):
+        model = Cosmos3OmniTransformer(config)
+    check_state_dict(model, state_dict)
+    model.load_state_dict(state_dict, strict=True, assign=True)
+    if dtype is not None:
+        model.to(dtype=dtype)
+        for name in _FP32_MODULES:
+            getattr(model, name).float()
+    return model.to(device).eval()
+
+
+def check_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+    """Raise `CheckpointError` listing missing keys, unexpected keys and shape mismatches."""
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    missing = [k for k in expected if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in expected]
+    mismatched = [f"{k}: checkpoint {tuple(state_dict[k].shape)} vs model {shape}"
+                  for k, shape in expected.items() if k in state_dict and tuple(state_dict[k].shape) != shape]
+    problems = []
+    if missing:
+        problems.append(f"missing key(s): {_show(missing)}")
+    if unexpected:
+        problems.append(f"unexpected key(s): {_show(unexpected)}")
+    if mismatched:
+        problems.append(f"shape mismatch(es): {'; '.join(mismatched[:20])}")
+    if problems:
+        raise CheckpointError("checkpoint does not match the config: " + " | ".join(problems))
+
+
+def save_transformer(model: Cosmos3OmniTransformer, directory: str | Path) -> Path:
+    """Write `config.json` and `diffusion_pytorch_model.safetensors` (loadable here and in diffusers)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / CONFIG_NAME).write_text(json.dumps(model.config.to_dict(), indent=2, sort_keys=True) + "\n")
+    tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    save_file(tensors, str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
+    return directory

@@ -1,0 +1,142 @@
+"""One Cosmos3 MoT decoder layer: an UND (text) pathway and a GEN (vision/sound/action) pathway.
+
+The two pathways have separate weights (GEN names carry `_moe_gen`, `add_*`, `norm_added_*`) and
+meet only in attention: GEN queries read the keys/values of UND and GEN rows; UND rows attend
+causally among themselves and never see GEN. So a layer's UND K/V do not depend on the denoising
+step, and the GEN pathway can run alone against K/V cached once per request (`forward_gen`).
+
+Tensor layout: rows are packed without a batch dim, `[N, D]`; per-head tensors are `[N, heads, hd]`;
+cached keys/values are head-major `[KV, N, hd]`, the layout attention consumes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from policy_server.model.config import Cosmos3TransformerConfig
+from policy_server.model.layers import GatedMLP, make_rms_norm
+from policy_server.model.rope import apply_rotary
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+           mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Scaled dot-product GQA: q `[N, H, hd]`, k/v `[KV, M, hd]` -> `[N, H*hd]` (scale `hd**-0.5`)."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+        attn_mask=mask, is_causal=causal, enable_gqa=True,
+    )
+    return out.squeeze(0).transpose(0, 1).reshape(q.shape[0], -1)
+
+
+class Cosmos3PackedMoTAttention(nn.Module):
+    """Per-pathway Q/K/V/O projections and per-head q/k norms (diffusers names)."""
+
+    def __init__(self, config: Cosmos3TransformerConfig):
+        super().__init__()
+        d, hd = config.hidden_size, config.head_dim
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        nemotron, eps, bias = config.nemotron_backbone, config.rms_norm_eps, config.attention_bias
+        self.num_attention_heads = heads
+        self.num_key_value_heads = kv_heads
+        self.head_dim = hd
+
+        # UND (text) pathway.
+        self.to_q = nn.Linear(d, heads * hd, bias=bias)
+        self.to_k = nn.Linear(d, kv_heads * hd, bias=bias)
+        self.to_v = nn.Linear(d, kv_heads * hd, bias=bias)
+        self.to_out = nn.Linear(heads * hd, d, bias=bias)
+        # Edge has no text q/k norm; identity modules hold no parameters, hence no checkpoint keys.
+        self.norm_q = make_rms_norm(hd, eps, nemotron) if config.qk_norm_for_text else nn.Identity()
+        self.norm_k = make_rms_norm(hd, eps, nemotron) if config.qk_norm_for_text else nn.Identity()
+        # Edge normalises the text keys a second way for GEN queries only; the causal path keeps raw keys.
+        self.k_norm_und_for_gen = make_rms_norm(hd, eps, nemotron) if config.has_und_k_norm_for_gen else None
+
+        # GEN pathway: same shapes, always with q/k norm.
+        self.add_q_proj = nn.Linear(d, heads * hd, bias=bias)
+        self.add_k_proj = nn.Linear(d, kv_heads * hd, bias=bias)
+        self.add_v_proj = nn.Linear(d, kv_heads * hd, bias=bias)
+        self.to_add_out = nn.Linear(heads * hd, d, bias=bias)
+        self.norm_added_q = make_rms_norm(hd, eps, nemotron)
+        self.norm_added_k = make_rms_norm(hd, eps, nemotron)
+
+    def und_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Text rows `[N, D]` -> q `[N, H, hd]`, causal k, GEN-side k, v `[KV, N, hd]` (normed, rotated)."""
+        n = x.shape[0]
+        q = self.norm_q(self.to_q(x).view(n, self.num_attention_heads, self.head_dim))
+        k = self.norm_k(self.to_k(x).view(n, self.num_key_value_heads, self.head_dim))
+        v = self.to_v(x).view(n, self.num_key_value_heads, self.head_dim)
+        k_for_gen = k if self.k_norm_und_for_gen is None else self.k_norm_und_for_gen(k)
+        q = apply_rotary(q, cos, sin)
+        k_causal = apply_rotary(k, cos, sin).transpose(0, 1)
+        if self.k_norm_und_for_gen is None:
+            k_for_gen = k_causal
+        else:
+            k_for_gen = apply_rotary(k_for_gen, cos, sin).transpose(0, 1)
+        return q, k_causal, k_for_gen, v.transpose(0, 1)
+
+    def gen_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Generated rows `[N, D]` -> q `[N, H, hd]`, k/v `[KV, N, hd]`, post norm+RoPE."""
+        n = x.shape[0]
+        q = self.norm_added_q(self.add_q_proj(x).view(n, self.num_attention_heads, self.head_dim))
+        k = self.norm_added_k(self.add_k_proj(x).view(n, self.num_key_value_heads, self.head_dim))
+        v = self.add_v_proj(x).view(n, self.num_key_value_heads, self.head_dim)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin).transpose(0, 1), v.transpose(0, 1)
+
+
+class Cosmos3MoTDecoderLayer(nn.Module):
+    """Pre-norm decoder layer with a full set of weights per pathway (diffusers names)."""
+
+    def __init__(self, config: Cosmos3TransformerConfig):
+        super().__init__()
+        d, eps, nemotron = config.hidden_size, config.rms_norm_eps, config.nemotron_backbone
+        self.self_attn = Cosmos3PackedMoTAttention(config)
+        self.mlp = GatedMLP(d, config.intermediate_size, config.hidden_act)
+        self.mlp_moe_gen = GatedMLP(d, config.intermediate_size, config.hidden_act)
+        self.input_layernorm = make_rms_norm(d, eps, nemotron)
+        self.input_layernorm_moe_gen = make_rms_norm(d, eps, nemotron)
+        self.post_attention_layernorm = make_rms_norm(d, eps, nemotron)
+        self.post_attention_layernorm_moe_gen = make_rms_norm(d, eps, nemotron)
+
+    def forward_und(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    past: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    store=None):
+        """UND pathway for text rows `x [n, D]` at rotary `cos, sin [n, hd]`.
+
+        Without `past`: causal attention among the `n` rows. Returns `(x_out, k_for_gen, v)`, the
+        K/V GEN queries of this layer read (`[KV, n, hd]`).
+        With `store(k, v) -> (k_all, v_all)` (a reasoner KV cache): the new causal keys are appended
+        first and the rows attend to everything cached so far, causally. Returns `(x_out, None, None)`.
+        """
+        attn = self.self_attn
+        h = self.input_layernorm(x)
+        q, k, k_for_gen, v = attn.und_qkv(h, cos, sin)
+        if store is None:
+            out = attend(q, k, v, causal=True)
+        else:
+            k_all, v_all = store(k, v)
+            past_len = k_all.shape[1] - x.shape[0]
+            if past_len == 0:
+                out = attend(q, k_all, v_all, causal=True)
+            elif x.shape[0] == 1:
+                out = attend(q, k_all, v_all)
+            else:
+                # New rows at positions past_len.. see every cached row and the new rows up to themselves.
+                rows = torch.arange(x.shape[0], device=x.device)[:, None] + past_len
+                mask = torch.arange(k_all.shape[1], device=x.device)[None, :] <= rows
+                out = attend(q, k_all, v_all, mask=mask)
+            k_for_gen = v = None
+        x = x + attn.to_out(out)
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, k_for_gen, v
+
+    def forward_gen(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    und_k: torch.Tensor, und_v: torch.Tensor) -> torch.Tensor:
+        """GEN pathway for generated rows `x [N_gen, D]` against this layer's text K/V `[KV, N_und, hd]`."""
+        attn = self.self_attn
+        h = self.input_layernorm_moe_gen(x)
+        q, k, v = attn.gen_qkv(h, cos, sin)
+        out = attend(q, torch.cat((und_k, k), dim=1), torch.cat((und_v, v), dim=1))
+        x = x + attn.to_add_out(out)
+        return x + self.mlp_moe_gen(self.post_attention_layernorm_moe_gen(x))

@@ -1,0 +1,129 @@
+"""Building blocks of the Cosmos3 MoT transformer: norms, MLPs, projections, the timestep embedding.
+
+Attribute names are those of diffusers' `transformer_cosmos3.py`, so `state_dict()` keys match the
+published `transformer/` checkpoints.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+class RMSNorm(nn.Module):
+    """Qwen-style RMSNorm over the last dim: statistics in fp32, result in the weight's precision."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.normalized_shape = (dim,)
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # Same arithmetic as the explicit path below, in one call (it is on the per-step hot path).
+            return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
+        variance = x.float().pow(2).mean(-1, keepdim=True)
+        x = x * torch.rsqrt(variance + self.eps)
+        if self.weight.dtype in _HALF_DTYPES:
+            # Low-precision checkpoints round before the scale, as the reference implementation does.
+            x = x.to(self.weight.dtype)
+        return x * self.weight
+
+
+class NemotronRMSNorm(nn.Module):
+    """Nemotron (Edge) RMSNorm: input and weight upcast to fp32, result cast back to the input dtype."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.normalized_shape = (dim,)
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
+        input_dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * x).to(input_dtype)
+
+
+def make_rms_norm(dim: int, eps: float, nemotron: bool) -> nn.Module:
+    return NemotronRMSNorm(dim, eps) if nemotron else RMSNorm(dim, eps)
+
+
+class GatedMLP(nn.Module):
+    """Decoder MLP: SwiGLU `down(silu(gate(x)) * up(x))`, or Nemotron's `down(relu(up(x))**2)` (no gate)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str):
+        super().__init__()
+        self.relu2 = hidden_act == "relu2"
+        if not self.relu2:
+            self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.relu2:
+            return self.down_proj(torch.relu(self.up_proj(x)).square())
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DomainAwareLinear(nn.Module):
+    """One affine map per embodiment domain, stored as embeddings: `y = x @ W[d] + b[d]`.
+
+    `fc.weight[d]` holds `W[d]` flattened in `[in, out]` order (not `nn.Linear`'s `[out, in]`), which is
+    the Cosmos3 checkpoint layout.
+    """
+
+    def __init__(self, input_size: int, output_size: int, num_domains: int):
+        super().__init__()
+        self.input_size = input_size
+        self.output_size = output_size
+        self.num_domains = num_domains
+        self.fc = nn.Embedding(num_domains, input_size * output_size)
+        self.bias = nn.Embedding(num_domains, output_size)
+
+    def forward(self, x: torch.Tensor, domain_ids: torch.Tensor) -> torch.Tensor:
+        """x `[N, in]`, domain_ids `[N]` (int) -> `[N, out]`."""
+        if x.ndim != 2 or x.shape[1] != self.input_size:
+            raise ValueError(f"DomainAwareLinear input must be [N, {self.input_size}], got {tuple(x.shape)}")
+        domain_ids = domain_ids.reshape(-1).to(device=x.device, dtype=torch.long)
+        if domain_ids.shape[0] != x.shape[0]:
+            raise ValueError(f"need one domain id per action row: {x.shape[0]} rows, {len(domain_ids)} ids")
+        domains = domain_ids.unique().tolist()
+        if min(domains) < 0 or max(domains) >= self.num_domains:
+            raise ValueError(f"action domain ids must be in [0, {self.num_domains}), got {domains}")
+        if len(domains) == 1:
+            # The usual case (one embodiment per request): one matmul instead of a per-row bmm.
+            weight = self.fc.weight[domains[0]].view(self.input_size, self.output_size)
+            return x @ weight + self.bias.weight[domains[0]]
+        weight = self.fc(domain_ids).view(-1, self.input_size, self.output_size)
+        return torch.bmm(x.unsqueeze(1), weight).squeeze(1) + self.bias(domain_ids)
+
+
+def sinusoidal_timestep_features(timesteps: torch.Tensor, dim: int = 256,
+                                 max_period: float = 10000.0) -> torch.Tensor:
+    """`[N]` timesteps -> `[N, dim]` fp32 `[cos(t f_i) | sin(t f_i)]`, `f_i = max_period**(-i / (dim/2))`."""
+    half = dim // 2
+    exponent = -math.log(max_period) * torch.arange(half, dtype=torch.float32, device=timesteps.device) / half
+    angles = timesteps[:, None].float() * torch.exp(exponent)[None, :]
+    return torch.cat([torch.cos(angles), torch.sin(angles)], dim=-1)
+
+
+class TimestepEmbedding(nn.Module):
+    """`Linear(256, D) -> SiLU -> Linear(D, D)`; Cosmos3 keeps these weights in fp32."""
+
+    def __init__(self, in_channels: int, embed_dim: int):
+        super().__init__()
+        self.linear_1 = nn.Linear(in_channels, embed_dim)
+        self.linear_2 = nn.Linear(embed_dim, embed_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(F.silu(self.linear_1(x)))

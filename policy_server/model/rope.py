@@ -1,0 +1,54 @@
+"""Interleaved 3-axis multimodal RoPE (Qwen3-VL style), as Cosmos3 uses it for every modality.
+
+Each rotary frequency pair `k` (of `head_dim / 2`) reads one position axis: H when `k % 3 == 1` and
+`k < 3 * sections[1]`, W when `k % 3 == 2` and `k < 3 * sections[2]`, T otherwise. Text rows carry the
+same id on all three axes, which makes this plain 1-D RoPE for them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class MultimodalRotaryEmbedding:
+    """Builds `cos, sin [N, head_dim]` from position ids `[3, N]` (t, h, w) or `[N]`.
+
+    Not an `nn.Module` on purpose: the inverse frequencies must stay fp32 when the model is cast to
+    bf16, and the position products must be computed in fp32 (bf16 cannot tell positions above 256
+    apart; Cosmos3 positions start past 15000 for generated tokens and may be fractional).
+    """
+
+    def __init__(self, head_dim: int, theta: float, sections: list[int]):
+        self.head_dim = head_dim
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim
+        self.inv_freq = 1.0 / (theta**exponents)
+        axis = torch.zeros(head_dim // 2, dtype=torch.long, device="cpu")
+        axis[1 : 3 * sections[1] : 3] = 1
+        axis[2 : 3 * sections[2] : 3] = 2
+        self.axis_of_frequency = axis
+        self._on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if device not in self._on_device:
+            self._on_device[device] = (self.inv_freq.to(device), self.axis_of_frequency.to(device))
+        return self._on_device[device]
+
+    def __call__(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """position_ids `[3, N]` or `[N]` (int or float) -> `(cos, sin)`, each `[N, head_dim]` in `dtype`."""
+        if position_ids.ndim == 1:
+            position_ids = position_ids.unsqueeze(0).expand(3, -1)
+        if position_ids.ndim != 2 or position_ids.shape[0] != 3:
+            raise ValueError(f"position_ids must be [3, N] or [N], got {tuple(position_ids.shape)}")
+        inv_freq, axis = self._tables(position_ids.device)
+        with torch.autocast(device_type=position_ids.device.type, enabled=False):
+            positions = position_ids.float()[axis].T  # [N, head_dim/2]: the axis each frequency reads
+            freqs = positions * inv_freq
+        angles = torch.cat((freqs, freqs), dim=-1)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE: x `[N, heads, head_dim]`, cos/sin `[N, head_dim]` -> `[N, heads, head_dim]`."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)

@@ -1,0 +1,372 @@
+"""Embodiments: what a robot's action and state vectors look like and how the model sees them.
+
+The registry is seeded with Cosmos3's embodiment domains (the ``_EMBODIMENT_TO_DOMAIN_ID`` and
+``_EMBODIMENT_TO_RAW_ACTION_DIM`` tables of the reference pipeline; ``libero`` takes the 10-D
+width of the LIBERO recipe). The domain id picks the row of the transformer's domain-aware action
+projections; the raw width is how many of the 64 padded action channels carry data.
+
+A JSON config file adds embodiments or overrides fields of existing ones::
+
+    {"embodiments": [
+        {"name": "pusht", "fps": 10, "state_dim": 2, "action_units": ["m/s", "m/s"],
+         "action_low": [-0.2, -0.2], "action_high": [0.2, 0.2],
+         "normalization": {"method": "minmax", "stats_path": "stats.json"}},
+        {"name": "my_arm", "domain_id": 21, "raw_action_dim": 7}
+    ]}
+
+Relative ``stats_path`` values are resolved against the config file's folder. Seeded embodiments
+have no stats: their actions stay in the model's normalised space unless a config adds stats.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from policy_server.pipeline.errors import InvalidActions, InvalidChunkSize, InvalidState, UnknownEmbodiment
+from policy_server.pipeline.normalization import (
+    NORMALIZATION_METHODS,
+    FeatureNormalizers,
+    NormalizationSpec,
+    build_normalizers,
+)
+from policy_server.pipeline.prompts import DEFAULT_VIEWPOINT, VIEWPOINTS
+
+MAX_ACTION_DIM = 64  # padded action width of the Cosmos3 transformers (`max_action_dim`)
+NUM_EMBODIMENT_DOMAINS = 32  # rows of the domain-aware action projections
+NO_ACTION_DOMAIN_ID = 0  # Cosmos3's "no_action" domain (video-only samples); not an embodiment here
+BASE_FPS = 24.0  # Cosmos3's base frame rate, the default where the reference gives none
+DEFAULT_CHUNK_SIZE = 16
+DEFAULT_MAX_CHUNK_SIZE = 64
+
+
+class EmbodimentConfigError(ValueError):
+    """An embodiment config file or entry that does not validate; the message names the key."""
+
+
+class Embodiment(BaseModel):
+    """One robot's action/state layout and its defaults for prompts and chunking.
+
+    Attributes:
+        name: registry key (Cosmos3's ``domain_name``).
+        domain_id: row of the domain-aware action projections, in [0, 32).
+        raw_action_dim: unpadded action width D; channels D..63 stay zero.
+        action_names, action_units: one entry per action channel.
+        action_low, action_high: physical limits per channel (None: unbounded).
+        state_dim: proprio state width S (0: the policy takes no state). A state enters the sequence
+            as a clean action row, so S <= 64.
+        cameras: image keys a request must carry, in the order their frames are placed side by
+            side when there are several (a concatenated view).
+        viewpoint: camera framing named in the action prompt.
+        fps: control / video frame rate, Hz, used in the prompt and the temporal positions.
+        default_chunk_size, max_chunk_size: actions per request K (the clip has K + 1 frames).
+        normalization: how actions and state map to model space.
+        description: free text for listings.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(min_length=1)
+    domain_id: int = Field(ge=0, lt=NUM_EMBODIMENT_DOMAINS)
+    raw_action_dim: int = Field(ge=1, le=MAX_ACTION_DIM)
+    action_names: tuple[str, ...] = ()
+    action_units: tuple[str, ...] = ()
+    action_low: tuple[float, ...] | None = None
+    action_high: tuple[float, ...] | None = None
+    state_dim: int = Field(default=0, ge=0, le=MAX_ACTION_DIM)
+    cameras: tuple[str, ...] = ("image",)
+    viewpoint: str = DEFAULT_VIEWPOINT
+    fps: float = Field(default=BASE_FPS, gt=0, allow_inf_nan=False)
+    default_chunk_size: int = Field(default=DEFAULT_CHUNK_SIZE, ge=1)
+    max_chunk_size: int = Field(default=DEFAULT_MAX_CHUNK_SIZE, ge=1)
+    normalization: NormalizationSpec = NormalizationSpec()
+    description: str = ""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_channel_labels(cls, data: Any) -> Any:
+        """Default names ``a0..`` and units ``"normalized"`` when none are given."""
+        if isinstance(data, dict) and isinstance(data.get("raw_action_dim"), int):
+            dim = data["raw_action_dim"]
+            data = dict(data)
+            if not data.get("action_names"):
+                data["action_names"] = tuple(f"a{i}" for i in range(dim))
+            if not data.get("action_units"):
+                data["action_units"] = ("normalized",) * dim
+        return data
+
+    @model_validator(mode="after")
+    def _check_consistency(self) -> Embodiment:
+        dim = self.raw_action_dim
+        for label in ("action_names", "action_units", "action_low", "action_high"):
+            values = getattr(self, label)
+            if values is not None and len(values) != dim:
+                raise ValueError(f"{label} has {len(values)} entries; expected raw_action_dim={dim}")
+        if (self.action_low is None) != (self.action_high is None):
+            raise ValueError("give both action_low and action_high, or neither")
+        if self.action_low is not None:
+            pairs = enumerate(zip(self.action_low, self.action_high, strict=True))
+            if bad := [i for i, (lo, hi) in pairs if lo > hi]:
+                raise ValueError(f"action_low > action_high for channels {bad}")
+        if not self.cameras or len(set(self.cameras)) != len(self.cameras) or not all(self.cameras):
+            raise ValueError(f"cameras {list(self.cameras)} must be distinct non-empty names, at least one")
+        if self.viewpoint not in VIEWPOINTS:
+            raise ValueError(
+                f"viewpoint {self.viewpoint!r} is unknown; expected one of {', '.join(VIEWPOINTS)}"
+            )
+        if self.default_chunk_size > self.max_chunk_size:
+            raise ValueError(
+                f"default_chunk_size={self.default_chunk_size} exceeds max_chunk_size={self.max_chunk_size}"
+            )
+        spec = self.normalization
+        if spec.method not in NORMALIZATION_METHODS:
+            raise ValueError(
+                f"normalization.method {spec.method!r} is unknown; "
+                f"expected one of {', '.join(NORMALIZATION_METHODS)}"
+            )
+        if spec.method != "none" and spec.stats_path is None:
+            raise ValueError(f"normalization.method {spec.method!r} needs normalization.stats_path")
+        if bad := [c for c in spec.passthrough_action_channels if not 0 <= c < dim]:
+            raise ValueError(f"normalization.passthrough_action_channels {bad} are outside [0, {dim})")
+        return self
+
+    # ---- request checks -----------------------------------------------------------------------
+
+    def check_chunk_size(self, chunk_size: object) -> int:
+        """The chunk size K if it is an integer in [1, max_chunk_size]; InvalidChunkSize otherwise."""
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int | np.integer):
+            raise InvalidChunkSize(chunk_size, 1, self.max_chunk_size)
+        if not 1 <= chunk_size <= self.max_chunk_size:
+            raise InvalidChunkSize(chunk_size, 1, self.max_chunk_size)
+        return int(chunk_size)
+
+    def check_state(self, state: object) -> np.ndarray | None:
+        """The proprio state as float32 ``[S]``; None when the embodiment takes none.
+
+        Raises InvalidState when a state is missing, unexpected, the wrong length, or not finite.
+        """
+        if self.state_dim == 0:
+            if state is not None:
+                raise InvalidState(f"embodiment {self.name!r} takes no state; expected none")
+            return None
+        expected = f"a finite float vector of length state_dim={self.state_dim}"
+        if state is None:
+            raise InvalidState(f"missing; embodiment {self.name!r} expects {expected}")
+        array = _as_float32(state, InvalidState, expected)
+        if array.shape != (self.state_dim,):
+            raise InvalidState(f"got shape {array.shape}; expected {expected}")
+        if bad := np.flatnonzero(~np.isfinite(array)).tolist():
+            raise InvalidState(f"entries {bad} are NaN or infinite; expected {expected}")
+        return array
+
+    def check_actions(self, actions: object, field: str = "actions") -> np.ndarray:
+        """Given physical actions (forward dynamics, history) as float32 ``[T, raw_action_dim]``."""
+        expected = f"a finite float array [T >= 1, {self.raw_action_dim}]"
+        array = _as_float32(actions, InvalidActions, expected, field)
+        if array.ndim != 2 or array.shape[0] < 1 or array.shape[1] != self.raw_action_dim:
+            raise InvalidActions(f"got shape {array.shape}; expected {expected}", field)
+        if not np.all(np.isfinite(array)):
+            rows = sorted(set(np.argwhere(~np.isfinite(array))[:, 0].tolist()))
+            raise InvalidActions(f"rows {rows} hold NaN or infinite values; expected {expected}", field)
+        return array
+
+    def out_of_limits(self, actions: np.ndarray) -> np.ndarray:
+        """Bool mask ``[..., D]`` of values outside ``[action_low, action_high]`` (none if unbounded)."""
+        if self.action_low is None:
+            return np.zeros(np.shape(actions), dtype=bool)
+        return (actions < np.asarray(self.action_low)) | (actions > np.asarray(self.action_high))
+
+    def clip_to_limits(self, actions: np.ndarray) -> np.ndarray:
+        """Actions ``[..., D]`` clipped to the declared limits (unchanged if unbounded)."""
+        if self.action_low is None:
+            return actions
+        low = np.asarray(self.action_low, dtype=actions.dtype)
+        high = np.asarray(self.action_high, dtype=actions.dtype)
+        return np.clip(actions, low, high)
+
+    def load_normalizers(self) -> FeatureNormalizers:
+        """Read the stats file and build the action (``[.., D]``) and state (``[.., S]``) normalisers."""
+        return build_normalizers(self.normalization, self.raw_action_dim, self.state_dim)
+
+
+def _as_float32(value: object, error: type, expected: str, *args) -> np.ndarray:
+    try:
+        array = np.asarray(value)
+    except (TypeError, ValueError) as exc:
+        raise error(f"cannot be read as an array ({exc}); expected {expected}", *args) from exc
+    if not (np.issubdtype(array.dtype, np.floating) or np.issubdtype(array.dtype, np.integer)):
+        raise error(f"has dtype {array.dtype}; expected {expected}", *args)
+    return array.astype(np.float32)
+
+
+# ---- the Cosmos3 seed ---------------------------------------------------------------------------
+
+
+def _pose(prefix: str = "") -> list[str]:
+    """A 9-D pose: translation xyz and a 6-D rotation (two columns of the rotation matrix)."""
+    return [f"{prefix}{axis}" for axis in ("x", "y", "z")] + [f"{prefix}rot6d_{i}" for i in range(6)]
+
+
+def _arm(prefix: str = "") -> list[str]:
+    return _pose(prefix) + [f"{prefix}gripper"]
+
+
+def _hand(side: str) -> list[str]:
+    tips = [f"{side}_tip{finger}_{axis}" for finger in range(5) for axis in ("x", "y", "z")]
+    return _pose(f"{side}_wrist_") + tips
+
+
+# name: (domain id, raw width, channel names or None, extra fields). Domain ids and widths are
+# Cosmos3's; names follow the paper's composition (9-D pose, 1-D gripper, 15-D fingertips).
+_COSMOS3_EMBODIMENTS: dict[str, tuple[int, int, list[str] | None, dict[str, Any]]] = {
+    "av": (1, 9, _pose(), {}),
+    "camera_pose": (2, 9, _pose(), {}),
+    "hand_pose": (3, 57, _pose("ego_") + _hand("left") + _hand("right"), {}),
+    "pusht": (4, 2, ["x", "y"], {}),
+    "libero": (5, 10, _arm(), {"viewpoint": "concat_view", "fps": 20.0}),
+    "umi": (6, 10, _arm(), {}),
+    "bridge_orig_lerobot": (7, 10, _arm(), {"fps": 5.0}),
+    "droid_lerobot": (8, 10, _arm(), {"viewpoint": "concat_view", "fps": 15.0, "default_chunk_size": 32}),
+    "robomind-franka": (8, 10, _arm(), {}),
+    "galbot": (9, 30, None, {}),
+    "robomind-franka-dual": (12, 20, _arm("left_") + _arm("right_"), {}),
+    "robomind-ur": (13, 10, _arm(), {}),
+    "agibotworld": (15, 29, _pose("ego_") + _arm("left_") + _arm("right_"), {}),
+    "agibot_gear_gripper": (15, 29, _pose("ego_") + _arm("left_") + _arm("right_"), {}),
+    "agibot_gear_gripper_ext": (15, 29, _pose("ego_") + _arm("left_") + _arm("right_"), {}),
+    "fractal": (20, 10, _arm(), {}),
+}
+
+
+def cosmos3_embodiments() -> list[Embodiment]:
+    """The Cosmos3 embodiment domains with their reference domain ids and raw action widths."""
+    out = []
+    for name, (domain_id, dim, names, extra) in _COSMOS3_EMBODIMENTS.items():
+        out.append(
+            Embodiment(name=name, domain_id=domain_id, raw_action_dim=dim, action_names=names or (), **extra)
+        )
+    return out
+
+
+# ---- registry -----------------------------------------------------------------------------------
+
+
+class _ConfigFile(BaseModel):
+    """Top level of an embodiment config file; entries are validated after merging."""
+
+    model_config = ConfigDict(extra="forbid")
+    embodiments: list[dict[str, Any]]
+
+
+def _format_validation_error(exc: ValidationError, where: str) -> str:
+    problems = []
+    for err in exc.errors():
+        loc = ".".join(str(part) for part in err["loc"])
+        problems.append(f"{where}.{loc}: {err['msg']}" if loc else f"{where}: {err['msg']}")
+    return "; ".join(problems)
+
+
+class EmbodimentRegistry:
+    """Embodiments by name. Not shared mutable state: build one at startup, then only read it."""
+
+    def __init__(self, embodiments: Iterable[Embodiment] = ()) -> None:
+        self._by_name: dict[str, Embodiment] = {}
+        for embodiment in embodiments:
+            self.register(embodiment)
+
+    @classmethod
+    def cosmos3(cls) -> EmbodimentRegistry:
+        """A registry holding the Cosmos3 embodiment domains."""
+        return cls(cosmos3_embodiments())
+
+    def register(self, embodiment: Embodiment, *, replace: bool = False) -> None:
+        if embodiment.name in self._by_name and not replace:
+            raise EmbodimentConfigError(f"embodiment {embodiment.name!r} is already registered")
+        self._by_name[embodiment.name] = embodiment
+
+    def get(self, name: str) -> Embodiment:
+        """The embodiment called ``name``; UnknownEmbodiment (naming the known ones) otherwise."""
+        try:
+            return self._by_name[name]
+        except (KeyError, TypeError):
+            raise UnknownEmbodiment(str(name), self._by_name) from None
+
+    def names(self) -> list[str]:
+        return sorted(self._by_name)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._by_name
+
+    def __iter__(self) -> Iterator[Embodiment]:
+        return iter(self._by_name[name] for name in self.names())
+
+    def __len__(self) -> int:
+        return len(self._by_name)
+
+    def load_config(self, path: str | Path) -> list[str]:
+        """Add or update embodiments from a JSON config file; returns the names it touched.
+
+        An entry whose name exists updates only the fields it gives; a new name needs at least
+        ``domain_id`` and ``raw_action_dim``. Errors name the file, the entry and the key.
+        """
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except OSError as exc:
+            raise EmbodimentConfigError(f"cannot read embodiment config {path}: {exc.strerror}") from exc
+        except json.JSONDecodeError as exc:
+            raise EmbodimentConfigError(f"{path}: not valid JSON ({exc})") from exc
+        try:
+            config = _ConfigFile.model_validate(data)
+        except ValidationError as exc:
+            raise EmbodimentConfigError(_format_validation_error(exc, str(path))) from None
+
+        updated: dict[str, Embodiment] = {}
+        for index, entry in enumerate(config.embodiments):
+            where = f"{path}: embodiments[{index}]"
+            name = entry.get("name")
+            if not isinstance(name, str) or not name:
+                raise EmbodimentConfigError(f"{where}.name: required, a non-empty string")
+            where = f"{where} ({name!r})"
+            base = updated.get(name) or self._by_name.get(name)
+            fields = base.model_dump() if base is not None else {}
+            if base is not None and entry.get("raw_action_dim", base.raw_action_dim) != base.raw_action_dim:
+                # a new width invalidates the inherited per-channel labels and limits
+                for label in ("action_names", "action_units", "action_low", "action_high"):
+                    fields.pop(label, None)
+            fields.update(entry)
+            fields["normalization"] = self._normalization_fields(entry, fields, path.parent, where)
+            try:
+                updated[name] = Embodiment.model_validate(fields)
+            except ValidationError as exc:
+                raise EmbodimentConfigError(_format_validation_error(exc, where)) from None
+        for embodiment in updated.values():
+            self.register(embodiment, replace=True)
+        return list(updated)
+
+    @staticmethod
+    def _normalization_fields(entry: dict, fields: dict, folder: Path, where: str) -> Any:
+        """The entry's normalization block with a relative stats_path made absolute."""
+        spec = fields.get("normalization", NormalizationSpec())
+        if "normalization" not in entry:
+            return spec
+        if not isinstance(spec, dict):
+            raise EmbodimentConfigError(f"{where}.normalization: expected an object")
+        spec = dict(spec)
+        if spec.get("stats_path") is not None:
+            stats_path = Path(spec["stats_path"])
+            spec["stats_path"] = stats_path if stats_path.is_absolute() else folder / stats_path
+        return spec
+
+
+def load_registry(config_path: str | Path | None = None) -> EmbodimentRegistry:
+    """The Cosmos3 registry, extended by ``config_path`` when given."""
+    registry = EmbodimentRegistry.cosmos3()
+    if config_path is not None:
+        registry.load_config(config_path)
+    return registry

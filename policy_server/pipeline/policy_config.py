@@ -1,0 +1,55 @@
+"""`policy.json`: the sampler defaults and conditioning geometry of a policy checkpoint folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from policy_server.pipeline.schedulers import SAMPLER_NAMES
+
+
+class PolicyConfigError(ValueError):
+    """`policy.json` is missing or invalid; the message names the file and the field."""
+
+
+class PolicyConfig(BaseModel):
+    """Defaults a tick uses unless the request overrides them.
+
+    canvas_hw: conditioning canvas (height, width) in pixels; frames are downscaled and padded to it.
+    guidance_interval: CFG applies only while lo < timestep < hi (timestep = sigma * 1000); None = always.
+    embodiments_file: JSON file (relative to the folder) declaring the served embodiments.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = "cosmos3-policy"
+    sampler: str = "unipc"
+    num_steps: int = Field(10, ge=1, le=1000)
+    guidance: float = Field(1.0, ge=1.0)
+    shift: float = Field(5.0, gt=0.0)
+    guidance_interval: tuple[float, float] | None = None
+    canvas_hw: tuple[int, int] = (64, 64)
+    pad_mode: str = "reflect"
+    use_system_prompt: bool = True
+    embodiments_file: str = "embodiments.json"
+
+    @field_validator("sampler")
+    @classmethod
+    def _known_sampler(cls, value: str) -> str:
+        if value not in SAMPLER_NAMES:
+            raise ValueError(f"unknown sampler {value!r}; expected one of {SAMPLER_NAMES}")
+        return value
+
+    @classmethod
+    def load(cls, path: str | Path) -> PolicyConfig:
+        path = Path(path)
+        if not path.is_file():
+            raise PolicyConfigError(f"{path}: no policy config; expected a JSON file with the sampler defaults")
+        try:
+            return cls.model_validate_json(path.read_text())
+        except ValidationError as error:
+            raise PolicyConfigError(f"{path}: {error}") from None
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.model_dump_json(indent=2) + "\n")

@@ -1,0 +1,195 @@
+"""Assemble the gRPC server (policy service, health, reflection, auth, TLS, limits), the metrics
+endpoint and the optional openpi WebSocket endpoint around one engine.
+
+    server = build_server(config, engine).start()
+    ...                      # server.grpc_port, server.metrics_port, server.websocket_port
+    server.stop()
+"""
+
+from __future__ import annotations
+
+import logging
+import ssl
+import threading
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from policy_server.config import ServerConfig
+from policy_server.engine.api import Engine
+from policy_server.server.auth import TokenAuthInterceptor, read_token_file
+from policy_server.server.metrics import ServerMetrics
+from policy_server.server.proto import policy_server_pb2 as pb
+from policy_server.server.proto import policy_server_pb2_grpc as pb_grpc
+from policy_server.server.servicer import PolicyServicer
+from policy_server.server.websocket import OpenpiWebsocketServer
+
+log = logging.getLogger(__name__)
+
+POLICY_SERVICE = pb.DESCRIPTOR.services_by_name["PolicyService"].full_name
+_READY_POLL_S = 0.05
+
+
+def _keepalive_options() -> list[tuple[str, int]]:
+    # A dead robot link should be noticed in seconds: ping every 10 s, give up after 5 s, and let
+    # clients ping on idle connections (robots often sit idle between episodes).
+    return [
+        ("grpc.keepalive_time_ms", 10_000),
+        ("grpc.keepalive_timeout_ms", 5_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+def _bind_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+class PolicyServer:
+    """The running server. Not started until ``start()``; usable as a context manager."""
+
+    def __init__(self, config: ServerConfig, engine: Engine) -> None:
+        self.config = config
+        self.engine = engine
+        self.metrics = ServerMetrics(engine)
+        self._token = read_token_file(config.auth_token_file) if config.auth_token_file else None
+        self._grpc: grpc.Server | None = None
+        self._health = health.HealthServicer(experimental_non_blocking=True)
+        self._websocket: OpenpiWebsocketServer | None = None
+        self._stop_polling = threading.Event()
+        self._poller: threading.Thread | None = None
+        self.grpc_port: int | None = None
+        self.metrics_port: int | None = None
+        self.websocket_port: int | None = None
+
+    @property
+    def target(self) -> str:
+        """``host:port`` a client on this machine can dial."""
+        return _bind_address(self.config.host, self.grpc_port)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def start(self) -> PolicyServer:
+        cfg = self.config
+        interceptors = [TokenAuthInterceptor(self._token)] if self._token else []
+        # Each Control stream holds one worker thread for its lifetime, so size the pool for every
+        # session streaming at once plus room for unary calls.
+        workers = 2 * cfg.max_sessions + 8
+        self._grpc = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpc"),
+            interceptors=interceptors,
+            options=[
+                # Frames up to 2x the limit reach the servicer, which answers PAYLOAD_TOO_LARGE with
+                # a reason; gRPC core cuts anything larger with plain RESOURCE_EXHAUSTED.
+                ("grpc.max_receive_message_length", 2 * cfg.max_message_bytes),
+                ("grpc.max_send_message_length", cfg.max_message_bytes),
+                ("grpc.so_reuseport", 0),
+                *_keepalive_options(),
+            ],
+        )
+        pb_grpc.add_PolicyServiceServicer_to_server(
+            PolicyServicer(self.engine, self.metrics, cfg.max_message_bytes), self._grpc
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
+        if cfg.reflection:
+            reflection.enable_server_reflection(
+                (POLICY_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self._grpc
+            )
+
+        credentials = None
+        if cfg.tls:
+            credentials = grpc.ssl_server_credentials([(cfg.tls_key.read_bytes(), cfg.tls_cert.read_bytes())])
+        self.grpc_port = self._add_port(_bind_address(cfg.host, cfg.port), credentials)
+        if cfg.unix_socket is not None:
+            self._add_port(f"unix:{cfg.unix_socket}", credentials)
+
+        self._set_health(self.engine.ready())
+        self._grpc.start()
+        self._poller = threading.Thread(target=self._poll_readiness, daemon=True, name="health-poll")
+        self._poller.start()
+
+        if cfg.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(cfg.host, cfg.metrics_port)
+        if cfg.websocket_port is not None:
+            ssl_context = None
+            if cfg.tls:
+                ssl_context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+                ssl_context.load_cert_chain(cfg.tls_cert, cfg.tls_key)
+            self._websocket = OpenpiWebsocketServer(
+                self.engine,
+                self.metrics,
+                cfg.host,
+                cfg.websocket_port,
+                cfg.max_message_bytes,
+                token=self._token,
+                embodiment=cfg.websocket_embodiment,
+                ssl_context=ssl_context,
+            )
+            self.websocket_port = self._websocket.start()
+        log.info(
+            "policy-server listening on %s (grpc%s)%s%s",
+            self.target,
+            "+tls" if cfg.tls else "",
+            f", metrics :{self.metrics_port}" if self.metrics_port is not None else "",
+            f", openpi websocket :{self.websocket_port}" if self.websocket_port is not None else "",
+        )
+        return self
+
+    def _add_port(self, address: str, credentials: grpc.ServerCredentials | None) -> int:
+        port = (
+            self._grpc.add_secure_port(address, credentials)
+            if credentials
+            else self._grpc.add_insecure_port(address)
+        )
+        if port == 0:
+            raise OSError(f"could not bind gRPC to {address} (in use or not permitted)")
+        return port
+
+    def stop(self, grace_s: float = 2.0) -> None:
+        """Flip health to NOT_SERVING, stop accepting calls, let running calls finish for ``grace_s``."""
+        self._stop_polling.set()
+        self._health.enter_graceful_shutdown()
+        if self._websocket is not None:
+            self._websocket.stop()
+            self._websocket = None
+        self.metrics.stop()
+        if self._grpc is not None:
+            self._grpc.stop(grace_s).wait()
+            self._grpc = None
+
+    def wait_for_termination(self, timeout_s: float | None = None) -> bool:
+        """Block until the gRPC server stops; True if it did within ``timeout_s``."""
+        return self._grpc is None or self._grpc.wait_for_termination(timeout_s)
+
+    def __enter__(self) -> PolicyServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop(grace_s=0.5)
+
+    # -- health -------------------------------------------------------------------------------
+
+    def _set_health(self, ready: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for service in ("", POLICY_SERVICE):
+            self._health.set(service, status)
+
+    def _poll_readiness(self) -> None:
+        # The engine only exposes ready(); poll it so health follows loading, warmup and any later
+        # re-warm without the engine knowing about gRPC.
+        last = None
+        while not self._stop_polling.wait(_READY_POLL_S):
+            ready = bool(self.engine.ready())
+            if ready != last:
+                self._set_health(ready)
+                last = ready
+
+
+def build_server(config: ServerConfig, engine: Engine) -> PolicyServer:
+    """The server for ``engine`` configured by ``config``; call ``.start()`` (or use ``with``)."""
+    return PolicyServer(config, engine)

@@ -1,0 +1,70 @@
+"""Bearer-token authentication for every gRPC method except standard health checks.
+
+Clients send ``authorization: Bearer <token>`` call metadata. Health checks stay open so that
+orchestrators (docker, k8s probes) can poll readiness without holding the secret; they reveal
+nothing but SERVING / NOT_SERVING.
+"""
+
+from __future__ import annotations
+
+import hmac
+from pathlib import Path
+
+import grpc
+
+from policy_server.server.errors import make_error
+
+AUTH_HEADER = "authorization"
+_OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
+
+
+def read_token_file(path: Path) -> str:
+    """The token is the file's content without surrounding whitespace; an empty file is an error."""
+    token = Path(path).read_text().strip()
+    if not token:
+        raise ValueError(f"auth token file {path} is empty")
+    if any(ch.isspace() for ch in token):
+        raise ValueError(f"auth token in {path} contains whitespace; expected a single token")
+    return token
+
+
+def bearer_token_matches(header_value: str | None, token: str) -> bool:
+    """Constant-time check of an ``Authorization`` value against the expected token."""
+    if not header_value:
+        return False
+    scheme, _, presented = header_value.partition(" ")
+    if scheme.lower() not in ("bearer", "api-key"):  # "Api-Key" is what openpi-client sends
+        return False
+    return hmac.compare_digest(presented.strip().encode(), token.encode())
+
+
+def _rejecting_handler(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as ``handler`` that fails with UNAUTHENTICATED."""
+    error = make_error("UNAUTHENTICATED", message, field=AUTH_HEADER, expected="Bearer <token>")
+
+    def reject(request_or_iterator, context):
+        context.set_trailing_metadata(error.trailing_metadata())
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(reject)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(reject)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(reject)
+    return grpc.unary_unary_rpc_method_handler(reject)
+
+
+class TokenAuthInterceptor(grpc.ServerInterceptor):
+    def __init__(self, token: str) -> None:
+        self._token = token
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(_OPEN_PREFIXES):
+            return handler
+        header = dict(handler_call_details.invocation_metadata or ()).get(AUTH_HEADER)
+        if bearer_token_matches(header, self._token):
+            return handler
+        message = "missing authorization metadata" if not header else "invalid authorization token"
+        return _rejecting_handler(handler, message)

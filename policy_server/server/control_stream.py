@@ -1,0 +1,237 @@
+"""One ``Control`` call: the real-time observation -> action-chunk loop of a session.
+
+Three threads cooperate so that events are never held back by inference:
+
+- the *reader* consumes client messages, validates and decodes each observation frame (bad ones
+  are answered with an error event and the stream lives on) and puts it in the pending list;
+- the *worker* takes the oldest pending frame and runs ``engine.act`` on it;
+- the gRPC handler thread yields events from the outbound queue as soon as they exist.
+
+Newest observation wins: while the worker is busy, a new frame replaces every waiting frame not
+marked ``must_answer``, and each replaced frame is reported as ``Superseded`` right away. Frames
+whose epoch is not the session's current one are rejected with STALE_EPOCH, both on arrival and
+again when the worker picks them up (a reset may happen in between).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import grpc
+
+from policy_server.engine.api import Engine, Observation, StaleEpoch
+from policy_server.server import convert, validate
+from policy_server.server.errors import ServiceError, from_exception, make_error
+from policy_server.server.metrics import ServerMetrics
+from policy_server.server.proto import policy_server_pb2 as pb
+
+_END = object()  # outbound sentinel: the stream is over
+
+
+@dataclass
+class _PendingFrame:
+    obs_id: int
+    epoch: int
+    observation: Observation
+    must_answer: bool
+    received_s: float  # time.monotonic() at arrival
+    client_time_ns: int
+
+
+class ControlStream:
+    def __init__(
+        self, engine: Engine, metrics: ServerMetrics, max_message_bytes: int, context: grpc.ServicerContext
+    ) -> None:
+        self._engine = engine
+        self._metrics = metrics
+        self._max_message_bytes = max_message_bytes
+        self._context = context
+        self._session_id = ""
+        self._outbound: queue.Queue = queue.Queue()
+        self._cond = threading.Condition()
+        self._pending: list[_PendingFrame] = []
+        self._reader_done = False
+        self._stopped = False
+
+    # -- the handler thread ------------------------------------------------------------------
+
+    def run(self, requests: Iterator[pb.ControlRequest]) -> Iterator[pb.ControlEvent]:
+        first = next(requests, None)
+        if first is None:
+            return
+        if first.WhichOneof("kind") != "start":
+            raise make_error(
+                "STREAM_NOT_STARTED",
+                "the first Control message must be `start`",
+                field="start",
+                expected="ControlStart{session_id}",
+                got=first.WhichOneof("kind") or "an empty message",
+            )
+        self._session_id = validate.session_id(first.start.session_id, "start.session_id")
+        handle = self._engine.session(self._session_id)  # UnknownSession ends the stream: NOT_FOUND
+        yield pb.ControlEvent(started=convert.session_to_proto(handle))
+
+        self._context.add_callback(self._on_rpc_done)
+        reader = threading.Thread(
+            target=self._read, args=(requests,), daemon=True, name=f"control-read-{self._session_id[:8]}"
+        )
+        worker = threading.Thread(target=self._work, daemon=True, name=f"control-work-{self._session_id[:8]}")
+        reader.start()
+        worker.start()
+        while True:
+            event = self._outbound.get()
+            if event is _END:
+                return
+            yield event
+
+    def _on_rpc_done(self) -> None:
+        """Client cancelled, deadline passed or the call finished: stop both threads."""
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+        self._outbound.put(_END)
+
+    def _should_abort(self) -> bool:
+        return self._stopped
+
+    # -- the reader thread -------------------------------------------------------------------
+
+    def _read(self, requests: Iterator[pb.ControlRequest]) -> None:
+        try:
+            for request in requests:
+                kind = request.WhichOneof("kind")
+                if kind == "observation":
+                    self._accept(request.observation, request.ByteSize())
+                elif kind == "budget":
+                    self._update_budget(request.budget)
+                elif kind == "ping":
+                    self._outbound.put(
+                        pb.ControlEvent(pong=pb.Pong(client_time_ns=request.ping.client_time_ns))
+                    )
+                elif kind == "start":
+                    self._emit_error(
+                        0,
+                        make_error(
+                            "INVALID_ARGUMENT",
+                            "the stream is already started",
+                            field="start",
+                            expected="observation, budget or ping",
+                            got="a second start",
+                        ),
+                    )
+                else:
+                    self._emit_error(
+                        0,
+                        make_error(
+                            "MISSING_FIELD",
+                            "empty ControlRequest",
+                            field="kind",
+                            expected="observation, budget or ping",
+                            got="nothing",
+                        ),
+                    )
+        except Exception:  # noqa: BLE001 - the client went away mid-read; the done-callback stops us
+            pass
+        finally:
+            with self._cond:
+                self._reader_done = True
+                self._cond.notify_all()
+
+    def _accept(self, frame: pb.ObservationFrame, size: int) -> None:
+        received = time.monotonic()
+        try:
+            if size > self._max_message_bytes:
+                raise make_error(
+                    "PAYLOAD_TOO_LARGE",
+                    f"observation frame of {size} bytes exceeds the limit",
+                    field="observation",
+                    expected=f"<= {self._max_message_bytes} bytes",
+                    got=f"{size} bytes",
+                )
+            validate.epoch(frame.epoch, "observation.epoch")
+            validate.require(frame.HasField("observation"), "observation.observation", "an Observation")
+            handle = self._engine.session(self._session_id)
+            if frame.epoch != handle.epoch:
+                raise StaleEpoch(self._session_id, handle.epoch, frame.epoch)
+            spec = validate.embodiment(self._engine.info(), handle.embodiment)
+            observation = validate.observation(frame.observation, spec, "observation.observation")
+        except Exception as exc:  # noqa: BLE001 - one bad frame is answered, the stream lives on
+            self._emit_error(frame.obs_id, exc)
+            return
+        incoming = _PendingFrame(
+            frame.obs_id,
+            frame.epoch,
+            observation,
+            frame.must_answer,
+            received,
+            frame.observation.client_time_ns,
+        )
+        with self._cond:
+            dropped = [p for p in self._pending if not p.must_answer]
+            self._pending = [p for p in self._pending if p.must_answer] + [incoming]
+            for old in dropped:
+                self._metrics.superseded.inc()
+                self._outbound.put(
+                    pb.ControlEvent(
+                        superseded=pb.Superseded(
+                            obs_id=old.obs_id, by_obs_id=incoming.obs_id, epoch=old.epoch
+                        )
+                    )
+                )
+            self._cond.notify_all()
+
+    def _update_budget(self, update: pb.BudgetUpdate) -> None:
+        try:
+            budget = validate.budget_ms(update.budget_ms, "budget.budget_ms")
+            handle = self._engine.set_budget(self._session_id, budget)
+        except Exception as exc:  # noqa: BLE001
+            self._emit_error(0, exc)
+            return
+        self._outbound.put(pb.ControlEvent(budget=convert.session_to_proto(handle)))
+
+    # -- the worker thread -------------------------------------------------------------------
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending and not self._reader_done and not self._stopped:
+                    self._cond.wait()
+                if self._stopped or not self._pending:
+                    break
+                frame = self._pending.pop(0)
+            try:
+                result = self._engine.act(
+                    self._session_id,
+                    frame.epoch,
+                    frame.observation,
+                    deadline_s=None,
+                    should_abort=self._should_abort,
+                )
+            except Exception as exc:  # noqa: BLE001
+                self._emit_error(frame.obs_id, exc)
+                continue
+            served_ms = (time.monotonic() - frame.received_s) * 1e3
+            self._metrics.observe_tick(result, served_ms, "grpc_stream")
+            self._outbound.put(
+                pb.ControlEvent(
+                    chunk=convert.act_result_to_proto(
+                        result,
+                        self._session_id,
+                        frame.epoch,
+                        frame.observation.step_index,
+                        served_ms,
+                        obs_id=frame.obs_id,
+                        client_time_ns=frame.client_time_ns,
+                    )
+                )
+            )
+        self._outbound.put(_END)
+
+    def _emit_error(self, obs_id: int, exc: BaseException) -> None:
+        error: ServiceError = from_exception(exc)
+        self._metrics.observe_error(error.reason)
+        self._outbound.put(pb.ControlEvent(error=pb.ControlError(obs_id=obs_id, error=error.detail)))

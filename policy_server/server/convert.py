@@ -1,0 +1,148 @@
+"""Engine dataclasses -> protobuf messages (the answer direction)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import numpy as np
+
+from policy_server.engine.api import (
+    ActResult,
+    EmbodimentSpec,
+    ImageEncoding,
+    ServerInfo,
+    SessionHandle,
+    TickRecord,
+)
+from policy_server.server.proto import policy_server_pb2 as pb
+from policy_server.server.wire import tensor_to_proto
+
+PROTOCOL_VERSION = "policy_server.v1"
+
+
+def _server_version() -> str:
+    try:
+        return importlib.metadata.version("policy-server")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never pip-installed
+        return "source-tree"
+
+
+SERVER_VERSION = _server_version()
+
+_ENCODINGS = {
+    ImageEncoding.JPEG: pb.IMAGE_ENCODING_JPEG,
+    ImageEncoding.PNG: pb.IMAGE_ENCODING_PNG,
+    ImageEncoding.RAW: pb.IMAGE_ENCODING_RAW,
+}
+
+
+def embodiment_to_proto(spec: EmbodimentSpec) -> pb.EmbodimentSpec:
+    return pb.EmbodimentSpec(
+        name=spec.name,
+        cameras=[
+            pb.CameraSpec(
+                name=c.name,
+                height=c.height,
+                width=c.width,
+                channels=c.channels,
+                encodings=[_ENCODINGS[e] for e in c.encodings],
+            )
+            for c in spec.cameras
+        ],
+        state_dim=spec.state_dim,
+        state_names=list(spec.state_names),
+        state_units=list(spec.state_units),
+        action=pb.ActionSpec(
+            dim=spec.action.dim,
+            names=list(spec.action.names),
+            units=list(spec.action.units),
+            low=list(spec.action.low),
+            high=list(spec.action.high),
+        ),
+        default_chunk_size=spec.default_chunk_size,
+        min_chunk_size=spec.min_chunk_size,
+        max_chunk_size=spec.max_chunk_size,
+        control_hz=spec.control_hz,
+    )
+
+
+def server_info_to_proto(info: ServerInfo, ready: bool, max_message_bytes: int) -> pb.ServerInfo:
+    return pb.ServerInfo(
+        protocol_version=PROTOCOL_VERSION,
+        server_version=SERVER_VERSION,
+        model=pb.ModelInfo(
+            name=info.model_name,
+            digest=info.model_digest,
+            device=info.device,
+            num_steps=info.num_steps,
+            diffusion_cache=info.diffusion_cache,
+        ),
+        embodiments=[embodiment_to_proto(e) for e in info.embodiments],
+        limits=pb.Limits(
+            max_sessions=info.max_sessions,
+            max_message_bytes=max_message_bytes,
+            max_reason_tokens=info.max_reason_tokens,
+        ),
+        default_budget_ms=info.default_budget_ms,
+        warmup_profile=[
+            pb.ProfilePoint(
+                label=p.label,
+                p50_ms=p.p50_ms,
+                p95_ms=p.p95_ms,
+                full_calls=p.full_calls,
+                skipped_calls=p.skipped_calls,
+            )
+            for p in info.warmup_profile
+        ],
+        ready=ready,
+    )
+
+
+def session_to_proto(handle: SessionHandle) -> pb.Session:
+    return pb.Session(
+        session_id=handle.session_id,
+        epoch=handle.epoch,
+        embodiment=handle.embodiment,
+        instruction=handle.instruction,
+        budget_ms=handle.budget_ms,
+        chunk_size=handle.chunk_size,
+        seed=handle.seed,
+    )
+
+
+def tick_to_proto(tick: TickRecord) -> pb.TickRecord:
+    return pb.TickRecord(
+        budget_ms=tick.budget_ms,
+        deadline_ms=tick.deadline_ms,
+        predicted_ms=dict(tick.predicted_ms),
+        actual_ms=dict(tick.actual_ms),
+        knobs=dict(tick.knobs),
+        full_calls=tick.full_calls,
+        skipped_calls=tick.skipped_calls,
+        forced_skips=tick.forced_skips,
+        fail_open=tick.fail_open,
+        fallbacks=list(tick.fallbacks),
+        deadline_met=tick.deadline_met,
+    )
+
+
+def act_result_to_proto(
+    result: ActResult,
+    session_id: str,
+    epoch: int,
+    obs_step_index: int,
+    served_ms: float,
+    obs_id: int = 0,
+    client_time_ns: int = 0,
+) -> pb.ActionChunk:
+    return pb.ActionChunk(
+        session_id=session_id,
+        epoch=epoch,
+        obs_id=obs_id,
+        obs_step_index=obs_step_index,
+        first_step_index=result.first_step_index,
+        actions=tensor_to_proto(np.asarray(result.actions, dtype=np.float32)),
+        tick=tick_to_proto(result.tick),
+        served_ms=served_ms,
+        client_time_ns=client_time_ns,
+    )

@@ -1,0 +1,160 @@
+"""Every error a client can see: a precise gRPC status plus a machine-readable reason.
+
+A failed call carries trailing metadata
+- ``policy-server-reason``: the stable reason code, e.g. ``SCHEMA_MISMATCH``;
+- ``policy-server-field``: the offending request field, when there is one;
+- ``policy-server-error-bin``: a serialized ``policy_server.v1.ErrorDetail`` with everything else
+  (expected / got, best achievable latency, retry delay).
+On the Control stream the same ``ErrorDetail`` arrives inside a ``ControlEvent.error``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from collections.abc import Callable
+
+import grpc
+
+from policy_server.engine.api import BudgetInfeasible, EngineError, WarmingUp
+from policy_server.server.proto import policy_server_pb2 as pb
+from policy_server.server.wire import WireError
+
+log = logging.getLogger(__name__)
+
+REASON_KEY = "policy-server-reason"
+FIELD_KEY = "policy-server-field"
+DETAIL_KEY = "policy-server-error-bin"
+
+# Reason code -> gRPC status. Anything not listed is a request-content problem (INVALID_ARGUMENT).
+_STATUS_BY_REASON: dict[str, grpc.StatusCode] = {
+    "SESSION_NOT_FOUND": grpc.StatusCode.NOT_FOUND,
+    "STALE_EPOCH": grpc.StatusCode.FAILED_PRECONDITION,
+    "BUDGET_INFEASIBLE": grpc.StatusCode.FAILED_PRECONDITION,
+    "STREAM_NOT_STARTED": grpc.StatusCode.FAILED_PRECONDITION,
+    "WARMING_UP": grpc.StatusCode.UNAVAILABLE,
+    "TOO_MANY_SESSIONS": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "PAYLOAD_TOO_LARGE": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "CANCELLED": grpc.StatusCode.CANCELLED,
+    "DEADLINE_EXCEEDED": grpc.StatusCode.DEADLINE_EXCEEDED,
+    "NON_FINITE_OUTPUT": grpc.StatusCode.INTERNAL,
+    "ENGINE_ERROR": grpc.StatusCode.INTERNAL,
+    "INTERNAL": grpc.StatusCode.INTERNAL,
+    "UNAUTHENTICATED": grpc.StatusCode.UNAUTHENTICATED,
+}
+
+
+def status_for(reason: str) -> grpc.StatusCode:
+    return _STATUS_BY_REASON.get(reason, grpc.StatusCode.INVALID_ARGUMENT)
+
+
+class ServiceError(Exception):
+    """An error ready to be sent: status code plus ErrorDetail."""
+
+    def __init__(self, detail: pb.ErrorDetail) -> None:
+        super().__init__(detail.message)
+        self.detail = detail
+
+    @property
+    def code(self) -> grpc.StatusCode:
+        return status_for(self.detail.reason)
+
+    @property
+    def reason(self) -> str:
+        return self.detail.reason
+
+    def trailing_metadata(self) -> tuple[tuple[str, str | bytes], ...]:
+        items: list[tuple[str, str | bytes]] = [(REASON_KEY, self.detail.reason)]
+        if self.detail.field:
+            items.append((FIELD_KEY, self.detail.field))
+        items.append((DETAIL_KEY, self.detail.SerializeToString()))
+        return tuple(items)
+
+
+def make_error(
+    reason: str, message: str, field: str = "", expected: str = "", got: str = "", **extra: float
+) -> ServiceError:
+    """Build a ServiceError; ``extra`` may set best_achievable_ms / retry_after_ms."""
+    detail = pb.ErrorDetail(
+        code=status_for(reason).name,
+        reason=reason,
+        message=message,
+        field=field,
+        expected=expected,
+        got=got,
+        **extra,
+    )
+    return ServiceError(detail)
+
+
+def from_exception(exc: BaseException) -> ServiceError:
+    """Translate engine, wire and unexpected errors; unexpected ones are logged with traceback."""
+    if isinstance(exc, ServiceError):
+        return exc
+    if isinstance(exc, WireError):
+        return make_error(exc.reason, str(exc), exc.field, exc.expected, exc.got)
+    if isinstance(exc, EngineError):
+        details = exc.details()
+        extra: dict[str, float] = {}
+        if isinstance(exc, BudgetInfeasible):
+            extra["best_achievable_ms"] = exc.best_achievable_ms
+        if isinstance(exc, WarmingUp):
+            extra["retry_after_ms"] = exc.retry_after_ms
+        err = make_error(
+            exc.reason,
+            exc.message,
+            details.get("field", ""),
+            details.get("expected", ""),
+            details.get("got", ""),
+            **extra,
+        )
+        for key, value in details.items():
+            if key not in ("field", "expected", "got"):
+                err.detail.metadata[key] = value
+        return err
+    log.exception("internal error while serving a request", exc_info=exc)
+    return make_error("INTERNAL", f"internal server error ({type(exc).__name__}); see the server log")
+
+
+def abort(context: grpc.ServicerContext, error: ServiceError) -> None:
+    """End the call with the error's status, message and trailing metadata (raises)."""
+    context.set_trailing_metadata(error.trailing_metadata())
+    context.abort(error.code, error.detail.message)
+
+
+def rpc_errors(on_error: Callable[[ServiceError], None] | None = None):
+    """Decorator for servicer methods (unary or server-streaming): any exception ends the call
+    with its precise status. ``on_error`` sees each error first (metrics)."""
+
+    def decorate(method):
+        if inspect.isgeneratorfunction(method):
+
+            @functools.wraps(method)
+            def stream_wrapper(self, request, context):
+                try:
+                    yield from method(self, request, context)
+                except Exception as exc:  # noqa: BLE001 - every failure must become a status
+                    _fail(self, context, exc)
+
+            return stream_wrapper
+
+        @functools.wraps(method)
+        def unary_wrapper(self, request, context):
+            try:
+                return method(self, request, context)
+            except Exception as exc:  # noqa: BLE001
+                _fail(self, context, exc)
+
+        return unary_wrapper
+
+    def _fail(servicer, context, exc):
+        # Wrapped methods raise and never call context.abort themselves, so exc is never grpc's own
+        # abort signal.
+        error = from_exception(exc)
+        hook = on_error or getattr(servicer, "on_error", None)
+        if hook is not None:
+            hook(error)
+        abort(context, error)
+
+    return decorate

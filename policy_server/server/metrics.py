@@ -1,0 +1,100 @@
+"""Prometheus metrics, exposed on their own HTTP port (``--metrics-port``).
+
+Each server owns its registry, so several servers in one process (tests) never collide.
+Latencies are in ms; the histogram buckets bracket the default 120 ms budget finely.
+"""
+
+from __future__ import annotations
+
+import threading
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from policy_server.engine.api import ActResult, Engine
+
+_LATENCY_BUCKETS_MS = (1, 2, 5, 10, 20, 35, 50, 75, 100, 110, 120, 130, 150, 200, 300, 500, 1000, 2000, 5000)
+
+
+class ServerMetrics:
+    """Counters and histograms the servicers update, gauges read from the engine at scrape time."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.stage_ms = Histogram(
+            "policy_server_stage_latency_ms",
+            "Per-stage latency of one tick (ms); "
+            "stage 'served' is request-in to answer-ready inside the server",
+            ["stage"],
+            buckets=_LATENCY_BUCKETS_MS,
+            registry=r,
+        )
+        self.ticks = Counter("policy_server_ticks", "Action chunks served", ["transport"], registry=r)
+        self.deadline_misses = Counter(
+            "policy_server_deadline_misses", "Ticks that finished after their deadline", registry=r
+        )
+        self.cache_decisions = Counter(
+            "policy_server_cache_decisions",
+            "GEN-stack calls by diffusion-cache decision",
+            ["decision"],
+            registry=r,
+        )
+        self.fallbacks = Counter(
+            "policy_server_fallbacks", "Budget fallbacks applied", ["fallback"], registry=r
+        )
+        self.errors = Counter(
+            "policy_server_errors", "Requests answered with an error", ["reason"], registry=r
+        )
+        self.superseded = Counter(
+            "policy_server_superseded_observations",
+            "Control-stream observations dropped for a newer one",
+            registry=r,
+        )
+        self.reason_pieces = Counter(
+            "policy_server_reason_pieces", "Reasoner text pieces streamed", registry=r
+        )
+        Gauge("policy_server_sessions", "Open sessions", registry=r).set_function(
+            lambda: engine.stats().sessions
+        )
+        Gauge("policy_server_queue_depth", "Requests waiting for the model worker", registry=r).set_function(
+            lambda: engine.stats().queue_depth
+        )
+        Gauge("policy_server_ready", "1 once warmup is done and health is SERVING", registry=r).set_function(
+            lambda: 1.0 if engine.ready() else 0.0
+        )
+        self._http: WSGIServer | None = None
+        self._thread: threading.Thread | None = None
+
+    def observe_tick(self, result: ActResult, served_ms: float, transport: str) -> None:
+        tick = result.tick
+        self.ticks.labels(transport).inc()
+        for stage, ms in tick.actual_ms.items():
+            self.stage_ms.labels(stage).observe(ms)
+        self.stage_ms.labels("served").observe(served_ms)
+        if not tick.deadline_met:
+            self.deadline_misses.inc()
+        for decision, count in (
+            ("full", tick.full_calls),
+            ("skipped", tick.skipped_calls),
+            ("forced_skip", tick.forced_skips),
+            ("fail_open", tick.fail_open),
+        ):
+            if count:
+                self.cache_decisions.labels(decision).inc(count)
+        for fallback in tick.fallbacks:
+            self.fallbacks.labels(fallback).inc()
+
+    def observe_error(self, reason: str) -> None:
+        self.errors.labels(reason).inc()
+
+    def serve(self, host: str, port: int) -> int:
+        """Start the /metrics HTTP endpoint; returns the bound port (``port`` 0 picks a free one)."""
+        self._http, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        return int(self._http.server_port)
+
+    def stop(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None

@@ -1,0 +1,159 @@
+"""``policy_server.v1.PolicyService``: validates each request, calls the engine, answers.
+
+Each method raises on failure; ``rpc_errors`` turns the exception into the precise gRPC status
+with its machine-readable reason (see ``errors.py``), so the server keeps serving the next call.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import grpc
+
+from policy_server.engine.api import Engine, InvalidArgument, StaleEpoch, WarmingUp
+from policy_server.server import convert, validate
+from policy_server.server.control_stream import ControlStream
+from policy_server.server.errors import ServiceError, make_error, rpc_errors
+from policy_server.server.metrics import ServerMetrics
+from policy_server.server.proto import policy_server_pb2 as pb
+from policy_server.server.proto import policy_server_pb2_grpc as pb_grpc
+
+# gRPC reports "no deadline" as a time remaining far in the future.
+_NO_DEADLINE_S = 1e8
+
+
+class PolicyServicer(pb_grpc.PolicyServiceServicer):
+    def __init__(self, engine: Engine, metrics: ServerMetrics, max_message_bytes: int) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.max_message_bytes = max_message_bytes
+
+    def on_error(self, error: ServiceError) -> None:
+        self.metrics.observe_error(error.reason)
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _check_size(self, request, field: str) -> None:
+        # gRPC core already refuses anything above twice the limit (see app.py); this check gives
+        # the frames in between a precise reason.
+        size = request.ByteSize()
+        if size > self.max_message_bytes:
+            raise make_error(
+                "PAYLOAD_TOO_LARGE",
+                f"{field} of {size} bytes exceeds the message limit",
+                field=field,
+                expected=f"<= {self.max_message_bytes} bytes",
+                got=f"{size} bytes",
+            )
+
+    def _require_ready(self) -> None:
+        if not self.engine.ready():
+            raise WarmingUp(self.engine.stats().warmup_progress)
+
+    # -- server and sessions -------------------------------------------------------------------
+
+    @rpc_errors()
+    def GetServerInfo(self, request, context):
+        return convert.server_info_to_proto(self.engine.info(), self.engine.ready(), self.max_message_bytes)
+
+    @rpc_errors()
+    def OpenSession(self, request: pb.OpenSessionRequest, context):
+        self._check_size(request, "request")
+        self._require_ready()
+        spec = validate.embodiment(self.engine.info(), request.embodiment)
+        instruction = validate.instruction(request.instruction)
+        budget = validate.budget_ms(request.budget_ms) if request.HasField("budget_ms") else None
+        chunk = validate.chunk_size(spec, request.chunk_size) if request.HasField("chunk_size") else None
+        seed = request.seed if request.HasField("seed") else None
+        handle = self.engine.open_session(
+            spec.name, instruction, budget_ms=budget, chunk_size=chunk, seed=seed
+        )
+        return convert.session_to_proto(handle)
+
+    @rpc_errors()
+    def ResetSession(self, request: pb.ResetSessionRequest, context):
+        return convert.session_to_proto(self.engine.reset_session(validate.session_id(request.session_id)))
+
+    @rpc_errors()
+    def CloseSession(self, request: pb.CloseSessionRequest, context):
+        self.engine.close_session(validate.session_id(request.session_id))
+        return pb.CloseSessionResponse()
+
+    @rpc_errors()
+    def SetBudget(self, request: pb.SetBudgetRequest, context):
+        session_id = validate.session_id(request.session_id)
+        budget = validate.budget_ms(request.budget_ms)
+        return convert.session_to_proto(self.engine.set_budget(session_id, budget))
+
+    # -- acting --------------------------------------------------------------------------------
+
+    @rpc_errors()
+    def Act(self, request: pb.ActRequest, context: grpc.ServicerContext):
+        received = time.monotonic()
+        self._check_size(request, "request")
+        self._require_ready()
+        session_id = validate.session_id(request.session_id)
+        epoch = validate.epoch(request.epoch)
+        validate.require(request.HasField("observation"), "observation", "an Observation")
+        handle = self.engine.session(session_id)
+        if epoch != handle.epoch:  # cheap early rejection; the engine re-checks under its lock
+            raise StaleEpoch(session_id, handle.epoch, epoch)
+        spec = validate.embodiment(self.engine.info(), handle.embodiment)
+        observation = validate.observation(request.observation, spec)
+        remaining = context.time_remaining()
+        deadline_s = received + remaining if remaining < _NO_DEADLINE_S else None
+        result = self.engine.act(
+            session_id,
+            epoch,
+            observation,
+            deadline_s=deadline_s,
+            should_abort=lambda: not context.is_active(),
+        )
+        served_ms = (time.monotonic() - received) * 1e3
+        self.metrics.observe_tick(result, served_ms, "grpc")
+        return convert.act_result_to_proto(
+            result,
+            session_id,
+            epoch,
+            observation.step_index,
+            served_ms,
+            client_time_ns=request.observation.client_time_ns,
+        )
+
+    @rpc_errors()
+    def Control(self, request_iterator, context):
+        yield from ControlStream(self.engine, self.metrics, self.max_message_bytes, context).run(
+            request_iterator
+        )
+
+    # -- reasoner ------------------------------------------------------------------------------
+
+    @rpc_errors()
+    def Reason(self, request: pb.ReasonRequest, context: grpc.ServicerContext):
+        started = time.monotonic()
+        self._check_size(request, "request")
+        self._require_ready()
+        validate.require(bool(request.prompt.strip()), "prompt", "a non-empty prompt")
+        limit = self.engine.info().max_reason_tokens
+        if not 1 <= request.max_new_tokens <= limit:
+            raise InvalidArgument(
+                "max_new_tokens", f"1..{limit}", str(request.max_new_tokens), reason="BAD_VALUE"
+            )
+        if not (math.isfinite(request.temperature) and request.temperature >= 0):
+            raise InvalidArgument(
+                "temperature", "a finite value >= 0", repr(request.temperature), reason="BAD_VALUE"
+            )
+        pieces = self.engine.reason(
+            request.prompt,
+            request.max_new_tokens,
+            temperature=request.temperature,
+            seed=request.seed if request.HasField("seed") else None,
+            should_abort=lambda: not context.is_active(),
+        )
+        count = 0
+        for text in pieces:
+            self.metrics.reason_pieces.inc()
+            yield pb.ReasonChunk(text=text, index=count, elapsed_ms=(time.monotonic() - started) * 1e3)
+            count += 1
+        yield pb.ReasonChunk(done=True, index=count, elapsed_ms=(time.monotonic() - started) * 1e3)

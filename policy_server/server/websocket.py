@@ -1,0 +1,363 @@
+"""openpi-compatible WebSocket endpoint (``--websocket-port``), so ``openpi-client`` works unchanged.
+
+The openpi wire: on connect the server sends one msgpack frame of metadata; then strictly one
+msgpack-numpy observation dict in, one reply dict out. ``GET /healthz`` answers 200 once the model
+is warm (503 before). Arrays travel as ``{"__ndarray__": True, "data", "dtype", "shape"}``; only
+bool, integer and float dtypes are accepted (no object arrays, nothing is ever unpickled).
+
+Each connection is one session of the server's default budget, opened on the first observation
+(it needs the ``prompt``). Observation keys, for each declared camera ``cam``:
+``observation/cam``, ``observation/images/cam`` or ``images: {cam: ...}``, uint8 [H, W, 3] or
+[3, H, W], resized with padding to the declared size as openpi's own server does; state under
+``observation/state`` or ``state``; text under ``prompt``; optional integer ``step_index``.
+``{"reset": True}`` starts a new episode (epoch + 1).
+
+Replies: ``actions`` float32 [K, action_dim] plus ``first_step_index``, ``epoch``, the tick record
+and openpi's ``policy_timing`` / ``server_timing`` blocks. An error is a *text* frame
+``"REASON: message"`` (openpi-client raises it as RuntimeError); the connection stays usable
+after a bad observation and is closed (1011) only on an internal error.
+"""
+
+from __future__ import annotations
+
+import http
+import logging
+import threading
+import time
+from dataclasses import asdict
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import cv2
+import msgpack
+import numpy as np
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.server import Server, ServerConnection, serve
+
+from policy_server.engine.api import (
+    EmbodimentSpec,
+    Engine,
+    InvalidArgument,
+    Observation,
+    SchemaMismatch,
+    SessionHandle,
+    UnknownEmbodiment,
+    WarmingUp,
+)
+from policy_server.server import validate
+from policy_server.server.auth import bearer_token_matches
+from policy_server.server.errors import from_exception
+from policy_server.server.metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
+
+_ALLOWED_KINDS = {"b", "i", "u", "f"}
+
+
+# ---------------------------------------------------------------------------------------------
+# msgpack-numpy (openpi's array convention), implemented without any pickle fallback
+# ---------------------------------------------------------------------------------------------
+
+
+def _pack_default(obj: Any) -> Any:
+    if isinstance(obj, np.ndarray):
+        if obj.dtype.kind not in _ALLOWED_KINDS:
+            raise TypeError(f"cannot send arrays of dtype {obj.dtype}")
+        return {
+            b"__ndarray__": True,
+            b"data": np.ascontiguousarray(obj).tobytes(),
+            b"dtype": obj.dtype.str,
+            b"shape": list(obj.shape),
+        }
+    if isinstance(obj, np.generic):
+        return {b"__npgeneric__": True, b"data": obj.item(), b"dtype": obj.dtype.str}
+    raise TypeError(f"cannot pack {type(obj).__name__}")
+
+
+def _unpack_hook(obj: dict) -> Any:
+    if b"__ndarray__" in obj:
+        dtype = np.dtype(obj[b"dtype"])
+        if dtype.kind not in _ALLOWED_KINDS:
+            raise ValueError(f"array dtype {dtype} is not allowed (bool, int, uint, float only)")
+        shape = tuple(int(s) for s in obj[b"shape"])
+        if any(s < 0 for s in shape):
+            raise ValueError(f"negative array dimension in {list(shape)}")
+        data = obj[b"data"]
+        if len(data) != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
+            raise ValueError(
+                f"array data is {len(data)} bytes, shape {list(shape)} {dtype} needs "
+                f"{int(np.prod(shape, dtype=np.int64)) * dtype.itemsize}"
+            )
+        return np.frombuffer(data, dtype=dtype).reshape(shape)
+    if b"__npgeneric__" in obj:
+        dtype = np.dtype(obj[b"dtype"])
+        if dtype.kind not in _ALLOWED_KINDS:
+            raise ValueError(f"scalar dtype {dtype} is not allowed")
+        return dtype.type(obj[b"data"])
+    return obj
+
+
+def packb(obj: Any) -> bytes:
+    return msgpack.packb(obj, default=_pack_default)
+
+
+def unpackb(data: bytes) -> Any:
+    return msgpack.unpackb(data, object_hook=_unpack_hook)
+
+
+# ---------------------------------------------------------------------------------------------
+# Observation mapping
+# ---------------------------------------------------------------------------------------------
+
+
+def _resize_with_pad(image: np.ndarray, height: int, width: int) -> np.ndarray:
+    """Scale to fit [height, width] keeping the aspect ratio, centre, pad with black."""
+    h, w = image.shape[:2]
+    if (h, w) == (height, width):
+        return image
+    scale = min(height / h, width / w)
+    new_h, new_w = max(1, round(h * scale)), max(1, round(w * scale))
+    resized = cv2.resize(
+        image, (new_w, new_h), interpolation=cv2.INTER_AREA if scale < 1 else cv2.INTER_LINEAR
+    )
+    out = np.zeros((height, width, image.shape[2]), dtype=np.uint8)
+    top, left = (height - new_h) // 2, (width - new_w) // 2
+    out[top : top + new_h, left : left + new_w] = resized
+    return out
+
+
+def _camera_frame(message: dict, name: str) -> tuple[str, Any]:
+    nested = message.get("images")
+    if isinstance(nested, dict) and name in nested:
+        return f"images/{name}", nested[name]
+    for key in (f"observation/{name}", f"observation/images/{name}"):
+        if key in message:
+            return key, message[key]
+    return f"observation/{name}", None
+
+
+def observation_from_message(message: dict, spec: EmbodimentSpec, step_index: int) -> Observation:
+    """Map an openpi observation dict onto the embodiment's schema (raises InvalidArgument)."""
+    images: dict[str, np.ndarray] = {}
+    for camera in spec.cameras:
+        key, frame = _camera_frame(message, camera.name)
+        if frame is None:
+            raise SchemaMismatch(key, f"uint8 [H, W, 3] for camera {camera.name!r}", "no such key")
+        if not isinstance(frame, np.ndarray) or frame.dtype != np.uint8 or frame.ndim != 3:
+            got = (
+                f"{frame.dtype} {list(frame.shape)}"
+                if isinstance(frame, np.ndarray)
+                else type(frame).__name__
+            )
+            raise SchemaMismatch(key, "uint8 [H, W, 3] or [3, H, W]", got)
+        if frame.shape[-1] != camera.channels and frame.shape[0] == camera.channels:
+            frame = np.transpose(frame, (1, 2, 0))  # CHW, as several openpi examples send
+        if frame.shape[-1] != camera.channels:
+            raise SchemaMismatch(key, f"{camera.channels} channels", f"shape {list(frame.shape)}")
+        images[camera.name] = _resize_with_pad(np.ascontiguousarray(frame), camera.height, camera.width)
+
+    state = None
+    if spec.state_dim > 0:
+        key = "observation/state" if "observation/state" in message else "state"
+        raw = message.get(key)
+        if raw is None:
+            raise SchemaMismatch(key, f"float [{spec.state_dim}]", "no such key")
+        values = np.asarray(raw)
+        if values.dtype.kind not in ("f", "i", "u"):
+            raise InvalidArgument(key, "a float array", str(values.dtype), reason="BAD_DTYPE")
+        if values.shape != (spec.state_dim,):
+            raise SchemaMismatch(key, f"shape [{spec.state_dim}]", f"shape {list(values.shape)}")
+        if not np.all(np.isfinite(values)):
+            raise InvalidArgument(key, "finite values", "NaN/Inf", reason="NON_FINITE")
+        state = values.astype(np.float32)
+
+    prompt = message.get("prompt", "")
+    if not isinstance(prompt, str):
+        raise InvalidArgument("prompt", "a string", type(prompt).__name__, reason="BAD_VALUE")
+    step = message.get("step_index", step_index)
+    if isinstance(step, np.generic):
+        step = step.item()
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise InvalidArgument("step_index", "a non-negative integer", repr(step), reason="BAD_VALUE")
+    return Observation(images=images, state=state, instruction=prompt, step_index=step)
+
+
+# ---------------------------------------------------------------------------------------------
+# The server
+# ---------------------------------------------------------------------------------------------
+
+
+class OpenpiWebsocketServer:
+    """Threaded WebSocket server; one handler thread per connection."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        metrics: ServerMetrics,
+        host: str,
+        port: int,
+        max_message_bytes: int,
+        token: str | None = None,
+        embodiment: str | None = None,
+        ssl_context=None,
+    ) -> None:
+        self._engine = engine
+        self._metrics = metrics
+        self._host, self._port = host, port
+        self._max_message_bytes = max_message_bytes
+        self._token = token
+        self._default_embodiment = embodiment
+        self._ssl = ssl_context
+        self._server: Server | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        assert self._server is not None, "start() first"
+        return int(self._server.socket.getsockname()[1])
+
+    def start(self) -> int:
+        if self._default_embodiment is not None:
+            validate.embodiment(self._engine.info(), self._default_embodiment)
+        self._server = serve(
+            self._handle,
+            self._host,
+            self._port,
+            ssl=self._ssl,
+            compression=None,
+            max_size=self._max_message_bytes,
+            process_request=self._process_request,
+        )
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True, name="openpi-ws")
+        self._thread.start()
+        return self.port
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server = None
+
+    # -- HTTP side: /healthz, auth, embodiment selection ---------------------------------------
+
+    def _embodiment_for(self, path: str) -> EmbodimentSpec:
+        info = self._engine.info()
+        names = parse_qs(urlsplit(path).query).get("embodiment")
+        name = names[0] if names else (self._default_embodiment or info.embodiments[0].name)
+        spec = info.embodiment(name)
+        if spec is None:
+            raise UnknownEmbodiment(name, tuple(e.name for e in info.embodiments))
+        return spec
+
+    def _process_request(self, connection: ServerConnection, request):
+        if urlsplit(request.path).path == "/healthz":
+            if self._engine.ready():
+                return connection.respond(http.HTTPStatus.OK, "OK\n")
+            return connection.respond(http.HTTPStatus.SERVICE_UNAVAILABLE, "warming up\n")
+        if self._token is not None and not bearer_token_matches(
+            request.headers.get("Authorization"), self._token
+        ):
+            return connection.respond(
+                http.HTTPStatus.UNAUTHORIZED, "UNAUTHENTICATED: missing or invalid token\n"
+            )
+        try:
+            self._embodiment_for(request.path)
+        except UnknownEmbodiment as exc:
+            return connection.respond(http.HTTPStatus.BAD_REQUEST, f"{exc.reason}: {exc.message}\n")
+        return None
+
+    # -- WebSocket side ------------------------------------------------------------------------
+
+    def _metadata(self, spec: EmbodimentSpec) -> dict:
+        info = self._engine.info()
+        return {
+            "server": "policy-server",
+            "protocol_version": "policy_server.v1",
+            "model": info.model_name,
+            "model_digest": info.model_digest,
+            "embodiment": spec.name,
+            "cameras": {c.name: [c.height, c.width, c.channels] for c in spec.cameras},
+            "state_dim": spec.state_dim,
+            "action_dim": spec.action.dim,
+            "action_units": list(spec.action.units),
+            "action_low": list(spec.action.low),
+            "action_high": list(spec.action.high),
+            "chunk_size": spec.default_chunk_size,
+            "control_hz": spec.control_hz,
+            "budget_ms": info.default_budget_ms,
+            "observation_keys": {
+                "images": [f"observation/{c.name}" for c in spec.cameras],
+                "state": "observation/state" if spec.state_dim else None,
+                "prompt": "prompt",
+            },
+            "images_resized_with_pad": True,
+        }
+
+    def _handle(self, connection: ServerConnection) -> None:
+        spec = self._embodiment_for(connection.request.path)
+        session: SessionHandle | None = None
+        steps = 0
+        prev_total_ms = 0.0
+        try:
+            connection.send(packb(self._metadata(spec)))
+            while True:
+                raw = connection.recv()
+                started = time.monotonic()
+                try:
+                    if isinstance(raw, str):
+                        raise InvalidArgument(
+                            "frame", "a binary msgpack frame", "a text frame", reason="BAD_VALUE"
+                        )
+                    message = self._decode(raw)
+                    if message.get("reset") is True:
+                        if session is not None:
+                            session = self._engine.reset_session(session.session_id)
+                        connection.send(packb({"reset": True, "epoch": session.epoch if session else 0}))
+                        continue
+                    if not self._engine.ready():
+                        raise WarmingUp(self._engine.stats().warmup_progress)
+                    observation = observation_from_message(message, spec, steps)
+                    if session is None:
+                        validate.instruction(observation.instruction, "prompt")
+                        session = self._engine.open_session(spec.name, observation.instruction)
+                    result = self._engine.act(session.session_id, session.epoch, observation)
+                except Exception as exc:  # noqa: BLE001 - answered as a text frame
+                    error = from_exception(exc)
+                    self._metrics.observe_error(error.reason)
+                    connection.send(f"{error.reason}: {error.detail.message}")
+                    if error.reason == "INTERNAL":
+                        connection.close(code=1011, reason="internal error")
+                        return
+                    continue
+                steps = observation.step_index + 1
+                served_ms = (time.monotonic() - started) * 1e3
+                self._metrics.observe_tick(result, served_ms, "websocket")
+                reply = {
+                    "actions": np.asarray(result.actions, dtype=np.float32),
+                    "first_step_index": result.first_step_index,
+                    "epoch": session.epoch,
+                    "tick": asdict(result.tick),
+                    "policy_timing": {"infer_ms": float(result.tick.actual_ms.get("total", served_ms))},
+                    "server_timing": {"infer_ms": served_ms, "prev_total_ms": prev_total_ms},
+                }
+                connection.send(packb(reply))
+                prev_total_ms = (time.monotonic() - started) * 1e3
+        except ConnectionClosed:
+            pass
+        finally:
+            if session is not None:
+                try:
+                    self._engine.close_session(session.session_id)
+                except Exception:  # noqa: BLE001 - already gone (e.g. engine shut down); nothing to free
+                    log.debug("session %s was already closed", session.session_id)
+
+    @staticmethod
+    def _decode(raw: bytes) -> dict:
+        try:
+            message = unpackb(raw)
+        except Exception as exc:  # noqa: BLE001 - msgpack raises many types for bad input
+            raise InvalidArgument(
+                "frame", "a msgpack-numpy map", f"undecodable data ({exc})", reason="BAD_VALUE"
+            ) from exc
+        if not isinstance(message, dict):
+            raise InvalidArgument("frame", "a msgpack map", type(message).__name__, reason="BAD_VALUE")
+        return message

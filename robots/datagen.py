@@ -1,0 +1,145 @@
+"""Generate scripted-expert demonstrations.
+
+    python -m robots.datagen --episodes 400 --out /work/data/reach-400
+
+Episode i is rolled out from seed ``seed_offset + i``, so a dataset is reproducible from its
+arguments alone. Keep ``seed_offset + episodes`` below ``robots.envs.HELDOUT_SEED_OFFSET``: seeds from
+there on are reserved for evaluation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+from tqdm import tqdm
+
+from robots.dataset import METADATA_FILE, Episode, array_stats, save_episode, write_metadata
+from robots.envs import DOMAIN_ID, EMBODIMENT, HELDOUT_SEED_OFFSET, REACH_ID
+from robots.expert import ReachExpert
+
+
+def collect_episode(env: gym.Env, expert: ReachExpert, seed: int) -> Episode:
+    """Roll out ``expert`` in ``env`` from ``seed`` until success or the time limit."""
+    obs, info = env.reset(seed=seed)
+    frames, states, actions = [obs["image"]], [obs["state"]], []
+    instruction = obs["instruction"]
+    done = False
+    while not done:
+        action = expert(env)
+        obs, _, terminated, truncated, info = env.step(action)
+        frames.append(obs["image"])
+        states.append(obs["state"])
+        actions.append(action)
+        done = terminated or truncated
+    return Episode(
+        frames=np.stack(frames),
+        states=np.stack(states).astype(np.float32),
+        actions=np.stack(actions).astype(np.float32),
+        instruction=instruction,
+        seed=seed,
+        target_color=info["target_color"],
+        success=bool(info["is_success"]),
+    )
+
+
+def generate(
+    out_dir: str | Path,
+    episodes: int,
+    env_id: str = REACH_ID,
+    seed_offset: int = 0,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> dict:
+    """Write ``episodes`` demonstrations to ``out_dir``; return the metadata written to dataset.json."""
+    if episodes < 1:
+        raise ValueError(f"episodes={episodes}; expected at least 1")
+    if seed_offset < 0 or seed_offset + episodes > HELDOUT_SEED_OFFSET:
+        raise ValueError(
+            f"seeds {seed_offset}..{seed_offset + episodes - 1} overlap the held-out evaluation seeds "
+            f"(>= {HELDOUT_SEED_OFFSET}); expected 0 <= seed_offset and "
+            f"seed_offset + episodes <= {HELDOUT_SEED_OFFSET}"
+        )
+    out = Path(out_dir)
+    if (out / METADATA_FILE).exists() and not overwrite:
+        raise FileExistsError(
+            f"{out} already holds a dataset; pass overwrite=True (--overwrite) to replace it"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob("episode_*.safetensors"):
+        stale.unlink()
+
+    env = gym.make(env_id)
+    expert = ReachExpert()
+    entries, all_actions, all_states = [], [], []
+    bar = tqdm(range(episodes), desc=f"demos -> {out}", unit="ep", disable=not progress)
+    for index in bar:
+        episode = collect_episode(env, expert, seed_offset + index)
+        entries.append(save_episode(out, index, episode))
+        all_actions.append(episode.actions)
+        all_states.append(episode.states)
+        successes = sum(e["success"] for e in entries)
+        bar.set_postfix(success=f"{successes / len(entries):.1%}", steps=episode.num_steps, refresh=False)
+    env.close()
+
+    base = env.unwrapped
+    config = base.config
+    metadata = {
+        "env_id": env_id,
+        "env_config": dataclasses.asdict(config),
+        "embodiment": EMBODIMENT,
+        "domain_id": DOMAIN_ID,
+        "fps": config.control_hz,
+        "image": {"height": config.image_size, "width": config.image_size, "channels": "RGB"},
+        "action": {
+            "meaning": "effector velocity (vx, vy)",
+            "units": "m/s",
+            "low": base.action_space.low.tolist(),
+            "high": base.action_space.high.tolist(),
+            "stats": array_stats(np.concatenate(all_actions)),
+        },
+        "state": {
+            "meaning": "effector position (x, y)",
+            "units": "m",
+            "stats": array_stats(np.concatenate(all_states)),
+        },
+        "seed_offset": seed_offset,
+        "num_episodes": episodes,
+        "success_rate": sum(e["success"] for e in entries) / episodes,
+        "episodes": entries,
+    }
+    write_metadata(out, metadata)
+    return metadata
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--episodes", type=int, required=True, help="number of demonstrations")
+    parser.add_argument("--out", required=True, help="output directory (keep datasets out of the repository)")
+    parser.add_argument("--env-id", default=REACH_ID, help=f"gymnasium id (default {REACH_ID})")
+    parser.add_argument("--seed-offset", type=int, default=0, help="seed of episode 0 (default 0)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing dataset in --out")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    args = parser.parse_args(argv)
+    metadata = generate(
+        args.out,
+        args.episodes,
+        env_id=args.env_id,
+        seed_offset=args.seed_offset,
+        overwrite=args.overwrite,
+        progress=not args.no_progress,
+    )
+    lengths = [e["num_steps"] for e in metadata["episodes"]]
+    print(
+        f"wrote {metadata['num_episodes']} episodes to {args.out}: success {metadata['success_rate']:.1%}, "
+        f"steps mean {np.mean(lengths):.1f} max {max(lengths)}"
+    )
+
+
+if __name__ == "__main__":
+    main()

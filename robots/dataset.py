@@ -1,0 +1,138 @@
+"""On-disk format of demonstration datasets, shared by data generation and training.
+
+A dataset is a directory::
+
+    dataset.json              metadata: env id and config, units, per-episode index, statistics
+    episode_000000.safetensors
+    episode_000001.safetensors
+    ...
+
+Each episode file holds (T = number of actions):
+    ``frames``  uint8   [T+1, S, S, 3]  RGB observations; frame i is seen before action i
+    ``states``  float32 [T+1, 2]        effector xy, m
+    ``actions`` float32 [T, 2]          effector velocity, m/s; action i moves frame i to frame i+1
+Strings (instruction, colour) live in ``dataset.json``, never in the tensor files.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import load_file, save_file
+
+METADATA_FILE = "dataset.json"
+FORMAT_VERSION = 1
+
+
+@dataclass
+class Episode:
+    """One demonstration. Shapes as in the module docstring."""
+
+    frames: np.ndarray
+    states: np.ndarray
+    actions: np.ndarray
+    instruction: str
+    seed: int
+    target_color: str
+    success: bool
+
+    def __post_init__(self) -> None:
+        steps = len(self.actions)
+        if self.frames.dtype != np.uint8 or self.frames.ndim != 4 or self.frames.shape[-1] != 3:
+            raise ValueError(
+                f"frames must be uint8 [T+1, H, W, 3], got {self.frames.dtype} {self.frames.shape}"
+            )
+        if len(self.frames) != steps + 1 or len(self.states) != steps + 1:
+            raise ValueError(
+                f"expected T+1 = {steps + 1} frames and states for T = {steps} actions, "
+                f"got {len(self.frames)} frames and {len(self.states)} states"
+            )
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.actions)
+
+
+def episode_file(index: int) -> str:
+    return f"episode_{index:06d}.safetensors"
+
+
+def save_episode(directory: Path, index: int, episode: Episode) -> dict:
+    """Write the tensors of one episode; return its entry for ``dataset.json``."""
+    tensors = {
+        "frames": np.ascontiguousarray(episode.frames),
+        "states": np.ascontiguousarray(episode.states, dtype=np.float32),
+        "actions": np.ascontiguousarray(episode.actions, dtype=np.float32),
+    }
+    save_file(tensors, str(Path(directory) / episode_file(index)))
+    return {
+        "file": episode_file(index),
+        "seed": episode.seed,
+        "instruction": episode.instruction,
+        "target_color": episode.target_color,
+        "num_steps": episode.num_steps,
+        "success": episode.success,
+    }
+
+
+def array_stats(values: np.ndarray) -> dict[str, list[float]]:
+    """Per-dimension statistics of ``values`` [N, D] (the inputs of min-max, mean-std and quantile
+    normalisation)."""
+    values = np.asarray(values, dtype=np.float64)
+    return {
+        "min": values.min(0).tolist(),
+        "max": values.max(0).tolist(),
+        "mean": values.mean(0).tolist(),
+        "std": values.std(0).tolist(),
+        "q01": np.quantile(values, 0.01, axis=0).tolist(),
+        "q99": np.quantile(values, 0.99, axis=0).tolist(),
+    }
+
+
+def write_metadata(directory: Path, metadata: dict) -> None:
+    path = Path(directory) / METADATA_FILE
+    path.write_text(
+        json.dumps({"format_version": FORMAT_VERSION, **metadata}, indent=2, sort_keys=True) + "\n"
+    )
+
+
+class DemoDataset:
+    """Read access to a dataset directory written by ``robots.datagen``."""
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        path = self.directory / METADATA_FILE
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{path} not found; expected a dataset written by `python -m robots.datagen`"
+            )
+        self.metadata = json.loads(path.read_text())
+        if self.metadata.get("format_version") != FORMAT_VERSION:
+            raise ValueError(
+                f"{path} has format_version {self.metadata.get('format_version')!r}; "
+                f"expected {FORMAT_VERSION}"
+            )
+        self.entries: list[dict] = self.metadata["episodes"]
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __getitem__(self, index: int) -> Episode:
+        entry = self.entries[index]
+        tensors = load_file(str(self.directory / entry["file"]))
+        return Episode(
+            frames=tensors["frames"],
+            states=tensors["states"],
+            actions=tensors["actions"],
+            instruction=entry["instruction"],
+            seed=entry["seed"],
+            target_color=entry["target_color"],
+            success=entry["success"],
+        )
+
+    def __iter__(self):
+        for index in range(len(self)):
+            yield self[index]

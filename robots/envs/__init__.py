@@ -1,0 +1,47 @@
+"""Built-in simulated tasks, registered with gymnasium on import.
+
+``import robots.envs`` makes ``gymnasium.make("PolicyServer/Reach-v0")`` available.
+"""
+
+import gymnasium
+
+from robots.envs.reach import (
+    COLORS,
+    DOMAIN_ID,
+    EMBODIMENT,
+    HELDOUT_SEED_OFFSET,
+    ReachConfig,
+    ReachEnv,
+    ReachScene,
+)
+
+REACH_ID = "PolicyServer/Reach-v0"
+REACH_HARD_ID = "PolicyServer/ReachHard-v0"
+
+_REGISTRATIONS = {
+    # Three discs drawn from four colours: a language-blind policy succeeds about one time in three.
+    REACH_ID: {},
+    # All four colours on the table: a language-blind policy succeeds about one time in four.
+    REACH_HARD_ID: {"num_objects": 4},
+}
+
+for _env_id, _kwargs in _REGISTRATIONS.items():
+    if _env_id not in gymnasium.registry:
+        gymnasium.register(
+            id=_env_id,
+            entry_point="robots.envs.reach:ReachEnv",
+            max_episode_steps=ReachConfig().max_episode_steps,
+            kwargs=_kwargs,
+        )
+
+__all__ = [
+    "COLORS",
+    "DOMAIN_ID",
+    "EMBODIMENT",
+    "HELDOUT_SEED_OFFSET",
+    "REACH_HARD_ID",
+    "REACH_ID",
+    "ReachConfig",
+    "ReachEnv",
+    "ReachScene",
+]

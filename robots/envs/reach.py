@@ -1,0 +1,285 @@
+"""Coloured-target reaching on a table top: a planar end-effector must touch the object the
+instruction names.
+
+The scene is a square table seen from above. Several discs of distinct colours lie on it; the
+instruction ("reach the red circle") picks one of them. A policy that ignores the instruction can
+at best guess, so it fails most episodes. Actions are planar end-effector velocities (the Cosmos3
+``pusht`` embodiment: domain id 4, raw action width 2).
+
+Units: positions in metres in the table frame (origin at the bottom-left corner, x right, y up),
+velocities in m/s, one control step lasts ``1 / control_hz`` seconds.
+"""
+
+from __future__ import annotations
+
+import string
+from dataclasses import dataclass, field, replace
+
+import cv2
+import gymnasium as gym
+import numpy as np
+from gymnasium import spaces
+
+# RGB, chosen to stay distinct after VAE compression and from the table colour.
+COLORS: dict[str, tuple[int, int, int]] = {
+    "red": (215, 40, 40),
+    "green": (35, 165, 60),
+    "blue": (40, 75, 215),
+    "yellow": (235, 200, 25),
+}
+TABLE_RGB = (196, 186, 166)
+EFFECTOR_RGB = (30, 30, 30)
+
+EMBODIMENT = "pusht"
+DOMAIN_ID = 4
+ACTION_DIM = 2
+STATE_DIM = 2
+
+# Seeds 0 .. HELDOUT_SEED_OFFSET-1 are for demonstrations; evaluation uses seeds from the offset on,
+# so a policy is never scored on a scene it was trained on.
+HELDOUT_SEED_OFFSET = 1_000_000
+
+_INSTRUCTION_CHARSET = frozenset(string.ascii_lowercase + " ")
+_INSTRUCTION_MAX_LENGTH = 64
+# Subpixel precision for OpenCV drawing: coordinates are scaled by 2**_SHIFT.
+_SHIFT = 4
+
+
+@dataclass(frozen=True)
+class ReachConfig:
+    """Geometry and dynamics of one task variant (all lengths in metres)."""
+
+    table_size: float = 0.5  # side of the square workspace, m
+    num_objects: int = 3
+    colors: tuple[str, ...] = ("red", "green", "blue", "yellow")
+    object_radius: float = 0.035  # m
+    effector_half_size: float = 0.018  # half side of the drawn square, m
+    success_radius: float = 0.03  # effector centre within this distance of the target centre, m
+    min_separation: float = 0.12  # between any two objects and between effector start and objects, m
+    object_margin: float = 0.06  # object centres keep this distance from the table edge, m
+    max_speed: float = 0.2  # per-axis velocity limit, m/s
+    control_hz: float = 10.0
+    max_episode_steps: int = 80
+    image_size: int = 64  # observation image side, pixels
+    instruction_template: str = "reach the {color} circle"
+
+    def __post_init__(self) -> None:
+        unknown = [c for c in self.colors if c not in COLORS]
+        if unknown:
+            raise ValueError(f"unknown colours {unknown}; expected names from {sorted(COLORS)}")
+        if not 2 <= self.num_objects <= len(self.colors):
+            raise ValueError(
+                f"num_objects={self.num_objects} must be between 2 and "
+                f"the number of colours ({len(self.colors)})"
+            )
+        for color in self.colors:
+            text = self.instruction_template.format(color=color)
+            if not set(text) <= _INSTRUCTION_CHARSET or len(text) > _INSTRUCTION_MAX_LENGTH:
+                raise ValueError(
+                    f"instruction {text!r}: expected at most {_INSTRUCTION_MAX_LENGTH} "
+                    "lowercase letters and spaces"
+                )
+
+    @property
+    def dt(self) -> float:
+        """Duration of one control step, s."""
+        return 1.0 / self.control_hz
+
+
+@dataclass
+class ReachScene:
+    """Privileged simulator state (what a scripted expert may read)."""
+
+    effector_xy: np.ndarray  # [2] float64, m
+    object_xy: np.ndarray  # [N, 2] float64, m
+    object_colors: tuple[str, ...]  # [N]
+    target_index: int
+    steps: int = 0
+    success: bool = False
+
+    @property
+    def target_xy(self) -> np.ndarray:
+        return self.object_xy[self.target_index]
+
+    @property
+    def target_color(self) -> str:
+        return self.object_colors[self.target_index]
+
+    def distance_to_target(self) -> float:
+        return float(np.linalg.norm(self.effector_xy - self.target_xy))
+
+
+@dataclass
+class _Canvas:
+    """Static background of one render size, cached because the table never changes."""
+
+    size: int
+    background: np.ndarray = field(repr=False)
+
+
+class ReachEnv(gym.Env):
+    """Reach the coloured disc named by the instruction.
+
+    Observation (dict):
+        ``image``: uint8 [S, S, 3] RGB top-down view (S = ``config.image_size``),
+        ``state``: float32 [2] effector xy, m,
+        ``instruction``: str, e.g. "reach the red circle".
+    Action: float32 [2] effector velocity (vx, vy) in m/s, each within ±``config.max_speed``;
+    larger values are clipped, non-finite values raise ``ValueError``.
+    Reward: 1.0 on the step that reaches the target, else 0.0. The episode terminates on success and
+    is truncated after ``config.max_episode_steps`` steps.
+    ``info``: ``is_success``, ``distance`` (m), ``target_color``, ``target_xy`` (m).
+    """
+
+    metadata = {"render_modes": ["rgb_array"], "render_fps": 10}
+
+    def __init__(
+        self,
+        render_mode: str | None = None,
+        render_size: int = 256,
+        config: ReachConfig | None = None,
+        **config_overrides,
+    ):
+        """``config_overrides`` replace single ``ReachConfig`` fields, e.g. ``num_objects=4``, so that
+        ``gymnasium.make("PolicyServer/Reach-v0", num_objects=4)`` works."""
+        unknown = sorted(set(config_overrides) - set(ReachConfig.__dataclass_fields__))
+        if unknown:
+            raise TypeError(
+                f"unknown ReachConfig fields {unknown}; "
+                f"expected some of {sorted(ReachConfig.__dataclass_fields__)}"
+            )
+        self.config = replace(config or ReachConfig(), **config_overrides)
+        if render_mode not in (None, "rgb_array"):
+            raise ValueError(f"render_mode={render_mode!r} is not supported; expected None or 'rgb_array'")
+        self.render_mode = render_mode
+        self.render_size = int(render_size)
+        self.metadata = {**self.metadata, "render_fps": self.config.control_hz}
+
+        cfg = self.config
+        speed = np.full(ACTION_DIM, cfg.max_speed, dtype=np.float32)
+        self.action_space = spaces.Box(-speed, speed, dtype=np.float32)
+        self.observation_space = spaces.Dict(
+            {
+                "image": spaces.Box(0, 255, (cfg.image_size, cfg.image_size, 3), dtype=np.uint8),
+                "state": spaces.Box(0.0, cfg.table_size, (STATE_DIM,), dtype=np.float32),
+                "instruction": spaces.Text(max_length=_INSTRUCTION_MAX_LENGTH, charset=_INSTRUCTION_CHARSET),
+            }
+        )
+        self._canvases: dict[int, _Canvas] = {}
+        self.scene: ReachScene | None = None
+
+    # ------------------------------------------------------------------ gymnasium API
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        """Sample a new scene. ``options={"target_color": "red"}`` fixes the named colour."""
+        super().reset(seed=seed)
+        target_color = (options or {}).get("target_color")
+        if target_color is not None and target_color not in self.config.colors:
+            raise ValueError(f"target_color={target_color!r} is not one of {list(self.config.colors)}")
+        self.scene = self._sample_scene(target_color)
+        return self._observation(), self._info()
+
+    def step(self, action):
+        if self.scene is None:
+            raise RuntimeError("step() called before reset()")
+        action = np.asarray(action, dtype=np.float64)
+        if action.shape != (ACTION_DIM,):
+            raise ValueError(
+                f"action has shape {action.shape}; expected ({ACTION_DIM},) effector velocity in m/s"
+            )
+        if not np.all(np.isfinite(action)):
+            raise ValueError(
+                f"action {action.tolist()} contains NaN or Inf; expected finite velocities in m/s"
+            )
+        cfg = self.config
+        scene = self.scene
+        velocity = np.clip(action, -cfg.max_speed, cfg.max_speed)
+        scene.effector_xy = np.clip(scene.effector_xy + velocity * cfg.dt, 0.0, cfg.table_size)
+        scene.steps += 1
+        scene.success = scene.distance_to_target() <= cfg.success_radius
+        terminated = scene.success
+        truncated = not terminated and scene.steps >= cfg.max_episode_steps
+        reward = 1.0 if scene.success else 0.0
+        return self._observation(), reward, terminated, truncated, self._info()
+
+    def render(self):
+        if self.render_mode != "rgb_array":
+            return None
+        return self.draw(self.render_size)
+
+    # ------------------------------------------------------------------ helpers
+
+    @property
+    def instruction(self) -> str:
+        if self.scene is None:
+            raise RuntimeError("no instruction before reset()")
+        return self.config.instruction_template.format(color=self.scene.target_color)
+
+    def draw(self, size: int) -> np.ndarray:
+        """Top-down RGB view of the current scene, uint8 [size, size, 3]."""
+        canvas = self._canvas(size)
+        image = canvas.background.copy()
+        cfg = self.config
+        scale = size / cfg.table_size * (1 << _SHIFT)  # fixed-point pixels per metre
+
+        def to_pixel(xy: np.ndarray) -> tuple[int, int]:
+            # y points up on the table but rows grow downwards in the image.
+            return int(round(xy[0] * scale)), int(round((cfg.table_size - xy[1]) * scale))
+
+        radius = int(round(cfg.object_radius * scale))
+        for xy, color in zip(self.scene.object_xy, self.scene.object_colors, strict=True):
+            cv2.circle(image, to_pixel(xy), radius, COLORS[color], -1, cv2.LINE_AA, _SHIFT)
+        cx, cy = to_pixel(self.scene.effector_xy)
+        half = int(round(cfg.effector_half_size * scale))
+        cv2.rectangle(
+            image, (cx - half, cy - half), (cx + half, cy + half), EFFECTOR_RGB, -1, cv2.LINE_AA, _SHIFT
+        )
+        return image
+
+    def _canvas(self, size: int) -> _Canvas:
+        if size not in self._canvases:
+            background = np.empty((size, size, 3), dtype=np.uint8)
+            background[:] = TABLE_RGB
+            self._canvases[size] = _Canvas(size, background)
+        return self._canvases[size]
+
+    def _observation(self) -> dict:
+        return {
+            "image": self.draw(self.config.image_size),
+            "state": self.scene.effector_xy.astype(np.float32),
+            "instruction": self.instruction,
+        }
+
+    def _info(self) -> dict:
+        scene = self.scene
+        return {
+            "is_success": scene.success,
+            "distance": scene.distance_to_target(),
+            "target_color": scene.target_color,
+            "target_xy": scene.target_xy.copy(),
+        }
+
+    def _sample_scene(self, target_color: str | None) -> ReachScene:
+        cfg = self.config
+        rng = self.np_random
+        colors = tuple(str(c) for c in rng.permutation(list(cfg.colors))[: cfg.num_objects])
+        if target_color is not None and target_color not in colors:
+            colors = (target_color,) + colors[1:]  # replace one distractor by the requested colour
+        lo, hi = cfg.object_margin, cfg.table_size - cfg.object_margin
+        # Rejection sampling: with the default geometry a valid layout is found in a few draws.
+        for _ in range(10_000):
+            points = rng.uniform(lo, hi, size=(cfg.num_objects + 1, 2))
+            gaps = np.linalg.norm(points[:, None] - points[None], axis=-1)
+            if np.all(gaps[np.triu_indices(len(points), 1)] >= cfg.min_separation):
+                break
+        else:
+            raise RuntimeError(
+                f"could not place {cfg.num_objects} objects with separation {cfg.min_separation} m"
+            )
+        if target_color is None:
+            target_index = int(rng.integers(cfg.num_objects))
+        else:
+            target_index = colors.index(target_color)
+        return ReachScene(
+            effector_xy=points[-1], object_xy=points[:-1], object_colors=colors, target_index=target_index
+        )

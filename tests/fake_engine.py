@@ -1,0 +1,281 @@
+"""Test double for the ``Engine`` protocol, plus helpers to run a server on it.
+
+``FakeEngine`` is deterministic numpy, not a model: the chunk is a closed-form function of the
+observation (``expected_actions``), so transport tests can check that images, state and step
+indices arrive intact. It implements the engine-side rules the transport relies on (epochs,
+session limit, budget feasibility, warmup, abort polling) and lets a test hold ``act`` at a gate
+to make stream timing deterministic. The real engine lives in ``policy_server/engine/``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+
+from policy_server.config import ServerConfig, build_config
+from policy_server.engine.api import (
+    ActionSpec,
+    ActResult,
+    BudgetInfeasible,
+    CameraSpec,
+    Cancelled,
+    DeadlineExpired,
+    EmbodimentSpec,
+    EngineStats,
+    Observation,
+    ProfilePoint,
+    ServerInfo,
+    SessionHandle,
+    StaleEpoch,
+    TickRecord,
+    TooManySessions,
+    UnknownSession,
+    WarmingUp,
+)
+from policy_server.server.app import PolicyServer, build_server
+
+PUSHT = EmbodimentSpec(
+    name="pusht",
+    cameras=(CameraSpec("image", height=48, width=64),),
+    state_dim=2,
+    state_names=("agent_x", "agent_y"),
+    state_units=("px", "px"),
+    action=ActionSpec(dim=2, names=("target_x", "target_y"), units=("px", "px"), low=(-1.0, -1.0), high=(1.0, 1.0)),
+    default_chunk_size=8,
+    min_chunk_size=1,
+    max_chunk_size=16,
+    control_hz=10.0,
+)
+LIBERO = EmbodimentSpec(
+    name="libero",
+    cameras=(CameraSpec("image", height=32, width=32), CameraSpec("wrist", height=24, width=32)),
+    state_dim=8,
+    action=ActionSpec(dim=7, units=("m", "m", "m", "rad", "rad", "rad", "1")),
+    default_chunk_size=16,
+    min_chunk_size=1,
+    max_chunk_size=16,
+    control_hz=20.0,
+)
+BEST_ACHIEVABLE_MS = 5.0
+ACTUAL_TOTAL_MS = 3.0
+
+
+def expected_actions(observation: Observation, chunk_size: int, spec: EmbodimentSpec) -> np.ndarray:
+    """float32 [chunk_size, action_dim]: what FakeEngine answers for ``observation``."""
+    base = sum(float(observation.images[c.name].mean()) / 255.0 for c in spec.cameras)
+    if observation.state is not None:
+        base += float(np.sum(observation.state))
+    k = np.arange(chunk_size, dtype=np.float64)[:, None]
+    d = np.arange(spec.action.dim, dtype=np.float64)[None, :]
+    actions = np.tanh(0.1 * base + 0.01 * (observation.step_index + k) + 0.1 * d)
+    return actions.astype(np.float32)
+
+
+class FakeEngine:
+    def __init__(
+        self,
+        *,
+        max_sessions: int = 4,
+        default_budget_ms: float = 120.0,
+        ready: bool = True,
+        max_reason_tokens: int = 32,
+        embodiments: tuple[EmbodimentSpec, ...] = (PUSHT, LIBERO),
+    ) -> None:
+        self._info = ServerInfo(
+            model_name="fake-policy",
+            embodiments=embodiments,
+            default_budget_ms=default_budget_ms,
+            max_sessions=max_sessions,
+            model_digest="sha256:fake",
+            device="cpu",
+            max_reason_tokens=max_reason_tokens,
+            warmup_profile=(
+                ProfilePoint("uncached", 4.0, 4.5, 20, 0),
+                ProfilePoint("seacache", 2.5, 3.0, 12, 8),
+            ),
+            num_steps=10,
+            diffusion_cache=True,
+        )
+        self._ready = ready
+        self._lock = threading.Lock()
+        self._sessions: dict[str, SessionHandle] = {}
+        self._ids = itertools.count(1)
+        self._gate: threading.Event | None = None
+        self._entered = threading.Semaphore(0)
+        self.acts: list[tuple[str, int, int]] = []  # (session_id, epoch, step_index) of completed acts
+        self.instructions: dict[str, str] = {}
+        self.deadlines: list[float | None] = []
+        self.aborted = 0
+
+    # -- test controls -------------------------------------------------------------------------
+
+    def set_ready(self, ready: bool) -> None:
+        self._ready = ready
+
+    def hold(self) -> None:
+        """Make every act() wait at a gate until release()."""
+        self._gate = threading.Event()
+
+    def release(self) -> None:
+        gate, self._gate = self._gate, None
+        if gate is not None:
+            gate.set()
+
+    def wait_entered(self, timeout_s: float = 5.0) -> None:
+        """Block until one more act() call has started (and passed validation)."""
+        if not self._entered.acquire(timeout=timeout_s):
+            raise TimeoutError("act() was not entered")
+
+    # -- Engine protocol -----------------------------------------------------------------------
+
+    def info(self) -> ServerInfo:
+        return self._info
+
+    def ready(self) -> bool:
+        return self._ready
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            return EngineStats(
+                sessions=len(self._sessions), queue_depth=0, warmup_progress=1.0 if self._ready else 0.5
+            )
+
+    def close(self) -> None:
+        with self._lock:
+            self._sessions.clear()
+
+    def _check_budget(self, budget_ms: float) -> None:
+        if budget_ms < BEST_ACHIEVABLE_MS:
+            raise BudgetInfeasible(budget_ms, BEST_ACHIEVABLE_MS)
+
+    def open_session(
+        self, embodiment, instruction, budget_ms=None, chunk_size=None, seed=None
+    ) -> SessionHandle:
+        if not self._ready:
+            raise WarmingUp(0.5)
+        spec = self._info.embodiment(embodiment)
+        budget = self._info.default_budget_ms if budget_ms is None else budget_ms
+        self._check_budget(budget)
+        with self._lock:
+            if len(self._sessions) >= self._info.max_sessions:
+                raise TooManySessions(self._info.max_sessions)
+            handle = SessionHandle(
+                f"s{next(self._ids)}",
+                1,
+                embodiment,
+                instruction,
+                budget,
+                chunk_size or spec.default_chunk_size,
+                seed or 0,
+            )
+            self._sessions[handle.session_id] = handle
+            self.instructions[handle.session_id] = instruction
+        return handle
+
+    def session(self, session_id: str) -> SessionHandle:
+        with self._lock:
+            if session_id not in self._sessions:
+                raise UnknownSession(session_id)
+            return self._sessions[session_id]
+
+    def _replace(self, session_id: str, **changes) -> SessionHandle:
+        with self._lock:
+            if session_id not in self._sessions:
+                raise UnknownSession(session_id)
+            old = self._sessions[session_id]
+            new = SessionHandle(**{**old.__dict__, **changes})
+            self._sessions[session_id] = new
+            return new
+
+    def reset_session(self, session_id: str) -> SessionHandle:
+        return self._replace(session_id, epoch=self.session(session_id).epoch + 1)
+
+    def close_session(self, session_id: str) -> None:
+        with self._lock:
+            if self._sessions.pop(session_id, None) is None:
+                raise UnknownSession(session_id)
+
+    def set_budget(self, session_id: str, budget_ms: float) -> SessionHandle:
+        self.session(session_id)
+        self._check_budget(budget_ms)
+        return self._replace(session_id, budget_ms=budget_ms)
+
+    def act(
+        self,
+        session_id: str,
+        epoch: int,
+        observation: Observation,
+        deadline_s: float | None = None,
+        should_abort: Callable[[], bool] | None = None,
+    ) -> ActResult:
+        if not self._ready:
+            raise WarmingUp(0.5)
+        handle = self.session(session_id)
+        if epoch != handle.epoch:
+            raise StaleEpoch(session_id, handle.epoch, epoch)
+        self._entered.release()
+        self.deadlines.append(deadline_s)
+        gate = self._gate
+        while gate is not None and not gate.wait(0.01):
+            if should_abort is not None and should_abort():
+                self.aborted += 1
+                raise Cancelled("the caller cancelled")
+            if deadline_s is not None and time.monotonic() > deadline_s:
+                self.aborted += 1
+                raise DeadlineExpired("the caller's deadline passed")
+        handle = self.session(session_id)  # a reset may have happened while we waited
+        if epoch != handle.epoch:
+            raise StaleEpoch(session_id, handle.epoch, epoch)
+        if observation.instruction:
+            self.instructions[session_id] = observation.instruction
+        spec = self._info.embodiment(handle.embodiment)
+        actions = expected_actions(observation, handle.chunk_size, spec)
+        deadline_ms = handle.budget_ms
+        if deadline_s is not None:
+            deadline_ms = min(deadline_ms, (deadline_s - time.monotonic()) * 1e3)
+        tick = TickRecord(
+            budget_ms=handle.budget_ms,
+            deadline_ms=deadline_ms,
+            predicted_ms={"denoise": 2.0, "total": 2.5},
+            actual_ms={"denoise": 2.5, "total": ACTUAL_TOTAL_MS},
+            knobs={"threshold": 0.25, "max_consecutive": 2, "num_steps": 10},
+            full_calls=12,
+            skipped_calls=8,
+            forced_skips=1,
+            fail_open=0,
+            fallbacks=("drop_cfg_late",) if handle.budget_ms < 10 else (),
+            deadline_met=ACTUAL_TOTAL_MS <= handle.budget_ms,
+        )
+        self.acts.append((session_id, epoch, observation.step_index))
+        return ActResult(actions=actions, first_step_index=observation.step_index, tick=tick)
+
+    def reason(
+        self,
+        prompt: str,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        seed: int | None = None,
+        should_abort: Callable[[], bool] | None = None,
+    ) -> Iterator[str]:
+        words = f"To {prompt.strip()}: first approach the object, then grasp it, then place it.".split(" ")
+        for index, word in enumerate(words[:max_new_tokens]):
+            if should_abort is not None and should_abort():
+                return
+            yield word if index == 0 else " " + word
+
+
+@contextlib.contextmanager
+def serve_fake(engine: FakeEngine | None = None, **config) -> Iterator[PolicyServer]:
+    """Run a real gRPC server (free loopback port) around ``engine``; stops on exit."""
+    engine = engine or FakeEngine()
+    cfg: ServerConfig = build_config(overrides={"port": 0, **config})
+    server = build_server(cfg, engine).start()
+    try:
+        yield server
+    finally:
+        server.stop(grace_s=0.2)

@@ -1,0 +1,193 @@
+"""Deadline guard, tick loop and tick record, with a fake clock and a fake model whose calls advance it.
+
+The fake model: every call costs CALL_MS (embed, indicator, heads); a full call adds the stack time. So
+c_full = CALL_MS + stack and c_skip = CALL_MS, exactly what the guard and the planner assume.
+"""
+
+import json
+
+import pytest
+import torch
+
+from policy_server.budget.cost_model import CallCosts, CostModel
+from policy_server.budget.guard import DeadlineGuard
+from policy_server.budget.history import SessionHistory
+from policy_server.budget.planner import plan_tick
+from policy_server.budget.record import TickRecord
+from policy_server.budget.tick import TickBudget
+from policy_server.cache.seacache import SeaCache, SeaCacheConfig
+
+CALL_MS, STACK_MS, ENCODE_MS, DECODE_MS = 1.0, 9.0, 5.0, 5.0
+COSTS = CallCosts(full_ms=CALL_MS + STACK_MS, skip_ms=CALL_MS, fixed_ms={"encode": ENCODE_MS, "decode": DECODE_MS})
+KEY = ("fake", 2, 4, 4)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, ms: float) -> None:
+        self.now += ms
+
+
+def rough_latents(num_steps, distance=0.5):
+    """Latents whose SEA indicators move by ``distance`` rel-L1 per step: the gate refreshes every step."""
+    base = torch.randn(2, 2, 4, 4, generator=torch.Generator().manual_seed(0))
+    return [base * (1 + distance) ** i for i in range(num_steps)]
+
+
+def run_denoise(clock, plan, cache, stack_ms=lambda step: STACK_MS):
+    """The sampler loop of one tick on the fake model; the plan fixes steps and CFG branches."""
+    latents = rough_latents(plan.num_steps)
+    gen_in = torch.zeros(3, 2)
+
+    def full_for(step):
+        def full():
+            clock.advance(stack_ms(step))
+            return gen_in + 1.0
+
+        return full
+
+    with torch.no_grad():
+        for step in range(plan.num_steps):
+            for branch in plan.branches(step):
+                clock.advance(CALL_MS)
+                cache.run_stack(step, branch, 0.5, [latents[step]], gen_in, full_for(step))
+
+
+def run_tick(clock, budget, plan, guarded=True, stack_ms=lambda step: STACK_MS):
+    """encode → arm guard → denoise → decode; returns (cache record, stage times in ms)."""
+    start = clock()
+    clock.advance(ENCODE_MS)
+    budget.arm(plan, KEY, start)
+    guard = budget.guard
+    cache = SeaCache(
+        SeaCacheConfig(),
+        force_skip=guard.force_skip if guarded else None,
+        on_decision=guard.on_decision,
+    )
+    cache.begin(plan.num_steps, threshold=plan.thresholds, max_consecutive_cached=plan.cap)
+    t0 = clock()
+    run_denoise(clock, plan, cache, stack_ms)
+    t1 = clock()
+    clock.advance(DECODE_MS)
+    return cache.record(), {"encode": ENCODE_MS, "denoise": t1 - t0, "decode": DECODE_MS}
+
+
+def warm_budget(clock):
+    model = CostModel(alpha=0.2, warm_samples=3)
+    for _ in range(3):
+        model.observe_full(KEY, COSTS.full_ms)
+        model.observe_skip(KEY, COSTS.skip_ms)
+        model.observe_stage(KEY, "encode", ENCODE_MS)
+        model.observe_stage(KEY, "decode", DECODE_MS)
+    assert model.is_warm(KEY)
+    return TickBudget(model, clock=clock, post_stages=("decode",))
+
+
+def test_guard_holds_the_deadline_when_the_gate_refreshes_every_step():
+    clock = FakeClock()
+    budget = warm_budget(clock)
+    plan = budget.plan(KEY, 120.0, 10, 2, None)
+    assert plan.setting == "t0.25-c2" and plan.fits  # the prior expects 8 of 20 calls full
+
+    unguarded, stages = run_tick(clock, budget, plan, guarded=False)
+    assert unguarded.full_calls == 20  # the gate wants a refresh every step
+    assert sum(stages.values()) == pytest.approx(210.0)
+
+    rec, stages = run_tick(clock, budget, plan)
+    total = sum(stages.values())
+    assert total <= 120.0
+    assert rec.forced_skips > 0 and rec.forced_skips == budget.guard.forced_skips
+    assert rec.sequence("cond")[-1] == "F" and rec.sequence("uncond")[-1] == "F"  # final step kept full
+    # Every forced skip was needed: a guard that forced one fewer would have missed.
+    assert total + (COSTS.full_ms - COSTS.skip_ms) > 120.0
+
+
+def test_guard_adapts_to_a_slowdown_within_the_tick():
+    clock = FakeClock()
+    budget = warm_budget(clock)
+    plan = budget.plan(KEY, 150.0, 10, 2, None)
+    slow = lambda step: STACK_MS if step < 3 else 2 * STACK_MS  # noqa: E731
+    rec, stages = run_tick(clock, budget, plan, stack_ms=slow)
+    assert sum(stages.values()) <= 150.0
+    slow_fulls = [c for c in budget.guard.calls if c.full and c.step >= 3]
+    assert slow_fulls and all(c.ms == pytest.approx(CALL_MS + 2 * STACK_MS) for c in slow_fulls)
+
+
+def test_guard_never_forces_the_final_step_and_checks_branches():
+    clock = FakeClock()
+    guard = DeadlineGuard(clock)
+    plan = plan_tick(60.0, 4, 2, COSTS)
+    assert guard.force_skip(1, "cond") is False  # not armed yet
+    guard.start(plan, COSTS, deadline_at_ms=10.0)  # already hopeless
+    assert guard.force_skip(0, "cond") is True
+    assert guard.force_skip(3, "cond") is False
+    with pytest.raises(ValueError, match="not planned"):
+        guard.force_skip(0, "sideways")
+    assert [r.step for r in guard.requested_skips] == [0]
+    assert guard.requested_skips[0].overshoot_ms == pytest.approx(10.0 + 2 * 1.0 + 4 * 1.0 + 2 * 10.0 - 10.0)
+
+
+def test_guard_does_not_force_when_time_is_ample():
+    clock = FakeClock()
+    guard = DeadlineGuard(clock)
+    plan = plan_tick(500.0, 10, 2, COSTS)
+    guard.start(plan, COSTS, deadline_at_ms=500.0)
+    assert not any(guard.force_skip(s, b) for s in range(10) for b in plan.branches(s))
+
+
+def test_forced_request_without_history_fails_open_and_is_not_counted_as_forced():
+    clock = FakeClock()
+    budget = warm_budget(clock)
+    plan = budget.plan(KEY, 30.0, 10, 2, None)  # far too tight: the guard asks at step 0 already
+    rec, _ = run_tick(clock, budget, plan)
+    assert rec.branches["cond"].fail_open_reasons.get("no_history") == 1
+    assert any(r.step == 0 for r in budget.guard.requested_skips)
+    assert budget.guard.forced_skips == rec.forced_skips
+
+
+def test_tick_loop_learns_costs_and_counts_and_keeps_every_deadline():
+    clock = FakeClock()
+    budget = warm_budget(clock)
+    history = SessionHistory()
+    records = []
+    for _ in range(8):
+        plan = budget.plan(KEY, 120.0, 10, 2, history)
+        cache_record, stages = run_tick(clock, budget, plan)
+        records.append(budget.finish(KEY, plan, history, cache_record.counts_dict(), stages,
+                                     sequences={b: cache_record.sequence(b) for b in ("cond", "uncond")}))
+    assert all(r.deadline_met for r in records)
+    ladder = [s.name for s in budget.config.ladder]
+    chosen = [ladder.index(r.setting) for r in records]
+    assert chosen[-1] > chosen[0]  # learned that the gate refreshes often on this trajectory
+    assert records[-1].forced_skips < records[0].forced_skips
+    costs = budget.cost_model.costs(KEY)
+    assert costs.full_ms == pytest.approx(COSTS.full_ms) and costs.skip_ms == pytest.approx(COSTS.skip_ms)
+    assert costs.full_samples > 3
+
+
+def test_tick_record_contents_and_json():
+    plan = plan_tick(50.0, 10, 2, COSTS)
+    counts = {
+        "cond": {"full": 2, "skipped": 8, "forced_skip": 1, "fail_open": 0, "fail_open_reasons": {}},
+        "uncond": {"full": 1, "skipped": 2, "forced_skip": 0, "fail_open": 1,
+                   "fail_open_reasons": {"no_history": 1}},
+    }
+    rec = TickRecord.build(plan, counts, {"encode": 5.0, "denoise": 41.0, "decode": 5.0})
+    assert rec.actual_ms == 51.0 and not rec.deadline_met
+    assert (rec.full_calls, rec.skipped_calls, rec.forced_skips, rec.fail_opens) == (3, 10, 1, 1)
+    assert rec.fallbacks == ("drop_uncond_from_step=3",) and not rec.feasible
+    assert rec.best_achievable_ms == pytest.approx(66.0)
+    assert rec.predicted_stage_ms["denoise"] == pytest.approx(plan.predicted_ms - 10.0)
+    data = json.loads(json.dumps(rec.to_dict()))
+    assert data["branches"]["uncond"]["fail_open_reasons"] == {"no_history": 1}
+    assert data["setting"] == plan.setting and len(data["thresholds"]) == 10
+    assert TickRecord.build(plan, counts, {"denoise": 30.0}, actual_ms=49.0).deadline_met
+    with pytest.raises(ValueError, match="forced_skip"):
+        TickRecord.build(plan, {"cond": {"full": 1, "skipped": 0}}, {"denoise": 1.0})
+    with pytest.raises(ValueError, match="denoise"):
+        TickRecord.build(plan, counts, {"denoise": -1.0})

@@ -1,0 +1,188 @@
+"""Per-tick planner: no caching when it fits, more aggressive settings as the budget shrinks, learning from
+the session, and the infeasible path with its fallbacks in fixed order."""
+
+import pytest
+
+from policy_server.budget.cost_model import CallCosts
+from policy_server.budget.history import SessionHistory, natural_full_calls
+from policy_server.budget.planner import (
+    DEFAULT_LADDER,
+    MAX_CACHING,
+    CacheSetting,
+    PlannerConfig,
+    min_full_calls,
+    plan_tick,
+)
+
+# c_full 10 ms, c_skip 1 ms, 10 ms fixed. N = 10 with CFG: 20 calls, 210 ms uncached.
+COSTS = CallCosts(full_ms=10.0, skip_ms=1.0, fixed_ms={"encode": 5.0, "decode": 5.0})
+LADDER_NAMES = [s.name for s in DEFAULT_LADDER]
+
+
+@pytest.mark.parametrize(
+    "n, per_cap",
+    [(4, (3, 2, 2)), (10, (6, 4, 4)), (20, (11, 8, 6)), (30, (16, 11, 9)), (35, (18, 13, 10))],
+)
+def test_min_full_calls_matches_the_spec_table(n, per_cap):
+    assert tuple(min_full_calls(n, 0, 1, 1, cap) for cap in (1, 2, 3)) == per_cap
+    assert min_full_calls(n, n, 1, 1, 2) == 2 * per_cap[1]  # both CFG branches
+    assert min_full_calls(n, 0, 1, 1, 0) == 2  # maximal caching: retention + cache end
+
+
+def test_min_full_calls_with_uncond_dropped_late():
+    # uncond on steps 0..3: full at 0 (retention), then never reaches the cache end.
+    assert min_full_calls(10, 4, 1, 1, 0) == 2 + 1
+    assert min_full_calls(10, 4, 1, 1, 2) == 4 + 2  # uncond: F S S F
+
+
+def test_no_caching_when_the_uncached_tick_fits():
+    plan = plan_tick(250.0, 10, 2, COSTS)
+    assert plan.setting == "none" and not plan.caching
+    assert plan.thresholds == (0.0,) * 10 and plan.cap == 0
+    assert plan.expected_full_calls == plan.calls == 20
+    assert plan.predicted_ms == pytest.approx(210.0)
+    assert plan.predicted_stage_ms == {"encode": 5.0, "decode": 5.0, "denoise": 200.0}
+    assert plan.feasible and plan.fits and plan.fallbacks == ()
+
+
+def test_settings_get_more_aggressive_as_the_budget_shrinks():
+    chosen = []
+    for deadline in range(250, 60, -10):
+        plan = plan_tick(float(deadline), 10, 2, COSTS)
+        assert plan.fits and plan.feasible
+        chosen.append(-1 if plan.setting == "none" else LADDER_NAMES.index(plan.setting))
+        assert plan.expected_full_calls <= plan.full_calls_max
+    assert chosen == sorted(chosen)
+    assert chosen[0] == -1 and chosen[-1] == LADDER_NAMES.index("max")
+    assert len(set(chosen)) >= 3
+
+
+def test_prior_is_the_best_case_of_the_cap():
+    # F_max = floor((120 - 10 - 20) / 9) = 10: cap 1 needs 12, cap 2 needs 8.
+    plan = plan_tick(120.0, 10, 2, COSTS)
+    assert plan.full_calls_max == 10
+    assert plan.setting == "t0.25-c2" and plan.cap == 2 and plan.thresholds == (0.25,) * 10
+    assert plan.expected_full_calls == 8
+    assert plan.predicted_ms == pytest.approx(10 + 8 * 10 + 12 * 1)
+
+
+def test_planner_learns_full_counts_from_the_session():
+    history = SessionHistory(window=4)
+    structure = (10, 10)
+    history.observe("t0.25-c2", structure, 14)  # the gate refreshed more than the cap alone forces
+    plan = plan_tick(120.0, 10, 2, COSTS, history)
+    assert plan.setting == "t0.50-c2"  # never tried: prior raised to nothing (more aggressive unseen) -> 8
+    history.observe("t0.50-c2", structure, 12)
+    plan = plan_tick(120.0, 10, 2, COSTS, history)
+    # t1.00-c3 is untried; its prior is its cap's best case (8), which fits.
+    assert plan.setting == "t1.00-c3" and plan.expected_full_calls == 8
+    # F_max 12: the cap-1 rungs' prior (12) is raised to the 14 that t0.25-c2 needed, so t0.50-c2 wins.
+    plan = plan_tick(138.0, 10, 2, COSTS, history)
+    assert plan.full_calls_max == 12
+    assert plan.setting == "t0.50-c2" and plan.expected_full_calls == 12
+
+
+def test_prior_is_raised_to_what_a_more_aggressive_setting_needed():
+    history = SessionHistory()
+    history.observe("max", (10, 10), 9)
+    plan = plan_tick(120.0, 10, 2, COSTS, history)
+    # Every rung above max now expects >= 9 full calls; cap-2 rungs' best case 8 is raised to 9.
+    assert plan.setting == "t0.25-c2" and plan.expected_full_calls == 9
+
+
+def test_learned_counts_use_a_high_quantile_of_the_window():
+    history = SessionHistory(window=3)
+    for count in (20, 8, 8, 9):  # the 20 falls out of the window
+        history.observe("t0.25-c2", (10, 10), count)
+    assert history.counts("t0.25-c2", (10, 10)) == [8, 8, 9]
+    assert history.quantile("t0.25-c2", (10, 10), 0.9) == 9
+    assert history.quantile("t0.25-c2", (10, 10), 0.5) == 8
+    assert history.quantile("other", (10, 10), 0.9) is None
+
+
+def test_natural_full_calls_counts_forced_skips_as_wanted_refreshes():
+    counts = {"cond": {"full": 4, "forced_skip": 2}, "uncond": {"full": 5, "forced_skip": 0}}
+    assert natural_full_calls(counts) == 11
+    with pytest.raises(ValueError, match="forced_skip"):
+        natural_full_calls({"cond": {"full": 1}})
+
+
+def test_infeasible_reports_best_latency_and_drops_uncond_first():
+    # Maximal caching at 10 steps with CFG: 4 full + 16 skip = 66 ms > 50 ms.
+    plan = plan_tick(50.0, 10, 2, COSTS)
+    assert not plan.feasible
+    assert plan.best_achievable_ms == pytest.approx(66.0)
+    # uncond on steps < k: 3 full calls + (7 + k) skips + 10 fixed = 47 + k <= 50
+    assert plan.fallbacks == ("drop_uncond_from_step=3",)
+    assert (plan.num_steps, plan.cfg_steps) == (10, 3)
+    assert plan.branches(2) == ("cond", "uncond") and plan.branches(3) == ("cond",)
+    assert plan.fits and plan.predicted_ms <= 50.0
+    assert "infeasible" in plan.summary() and "drop_uncond_from_step=3" in plan.summary()
+
+
+def test_fewer_steps_only_after_dropping_uncond():
+    plan = plan_tick(40.0, 10, 2, COSTS)
+    assert not plan.feasible
+    assert plan.fallbacks == ("drop_uncond_from_step=1", "num_steps=10->2")
+    assert (plan.num_steps, plan.cfg_steps) == (2, 1)
+    assert plan.fits and plan.predicted_ms == pytest.approx(40.0)
+    assert plan.requested_steps == 10
+
+
+def test_nothing_fits_is_reported_not_hidden():
+    plan = plan_tick(20.0, 10, 2, COSTS)
+    assert not plan.feasible and not plan.fits
+    assert plan.fallbacks == ("drop_uncond_from_step=1", "num_steps=10->2")
+    assert plan.setting == MAX_CACHING.name
+    assert plan.predicted_ms > 20.0
+    assert "expected to be missed" in plan.summary()
+
+
+def test_disabled_fallbacks_leave_the_structure_alone():
+    config = PlannerConfig(drop_uncond=False, fewer_steps=False)
+    plan = plan_tick(50.0, 10, 2, COSTS, config=config)
+    assert not plan.feasible and not plan.fits and plan.fallbacks == ()
+    assert (plan.num_steps, plan.cfg_steps, plan.setting) == (10, 10, "max")
+
+
+def test_without_cfg_only_fewer_steps_can_help():
+    # 1 pass: maximal caching = 2 full + 8 skip + 10 fixed = 38 ms.
+    plan = plan_tick(30.0, 10, 1, COSTS)
+    assert not plan.feasible and plan.best_achievable_ms == pytest.approx(38.0)
+    assert plan.fallbacks == ("num_steps=10->2",)
+    assert plan.cfg_steps == 0 and plan.fits
+
+
+def test_callable_threshold_schedule_in_a_custom_ladder():
+    late_careful = CacheSetting("ramp", lambda step, n: 0.5 if step < n // 2 else 0.1, 2)
+    plan = plan_tick(120.0, 10, 2, COSTS, config=PlannerConfig(ladder=(late_careful,)))
+    assert plan.setting == "ramp"
+    assert plan.thresholds == (0.5,) * 5 + (0.1,) * 5
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"ladder": (CacheSetting("a", 0.5, 2), CacheSetting("b", 0.25, 2))}, "least to most"),
+        ({"ladder": (CacheSetting("a", 0.5, 3), CacheSetting("b", 0.5, 2))}, "least to most"),
+        ({"ladder": (CacheSetting("a", 0.5, 2), CacheSetting("a", 0.6, 2))}, "unique"),
+        ({"count_quantile": 0.0}, "count_quantile"),
+        ({"min_steps": 0}, "min_steps"),
+    ],
+)
+def test_config_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        PlannerConfig(**kwargs)
+
+
+def test_bad_plan_arguments():
+    with pytest.raises(ValueError, match="deadline_ms"):
+        plan_tick(0.0, 10, 2, COSTS)
+    with pytest.raises(ValueError, match="passes"):
+        plan_tick(100.0, 10, 3, COSTS)
+    with pytest.raises(ValueError, match="num_steps"):
+        plan_tick(100.0, 0, 2, COSTS)
+    with pytest.raises(ValueError, match="cap"):
+        CacheSetting("x", 0.2, -1)
+    with pytest.raises(ValueError, match="none"):
+        CacheSetting("none", 0.2, 1)

@@ -1,0 +1,198 @@
+"""Embodiment registry: Cosmos3 seed, config files, typed errors and request checks."""
+
+import json
+
+import numpy as np
+import pytest
+
+from policy_server.pipeline.embodiments import (
+    MAX_ACTION_DIM,
+    Embodiment,
+    EmbodimentConfigError,
+    EmbodimentRegistry,
+    load_registry,
+)
+from policy_server.pipeline.errors import (
+    InvalidActions,
+    InvalidChunkSize,
+    InvalidState,
+    PolicyInputError,
+    UnknownEmbodiment,
+)
+
+
+def test_seed_matches_the_reference_tables():
+    omni = pytest.importorskip("diffusers.pipelines.cosmos.pipeline_cosmos3_omni")
+    registry = EmbodimentRegistry.cosmos3()
+    domain_ids = {name: i for name, i in omni._EMBODIMENT_TO_DOMAIN_ID.items() if name != "no_action"}
+    assert {e.name: e.domain_id for e in registry} == domain_ids
+    for name, width in omni._EMBODIMENT_TO_RAW_ACTION_DIM.items():
+        assert registry.get(name).raw_action_dim == width
+    assert registry.get("libero").raw_action_dim == 10  # the LIBERO recipe's Δpos + rot6d + gripper
+
+
+def test_seeded_fields():
+    registry = EmbodimentRegistry.cosmos3()
+    pusht = registry.get("pusht")
+    assert (pusht.domain_id, pusht.raw_action_dim, pusht.action_names) == (4, 2, ("x", "y"))
+    assert pusht.state_dim == 0 and pusht.normalization.method == "none"
+    droid = registry.get("droid_lerobot")
+    assert (droid.fps, droid.default_chunk_size, droid.viewpoint) == (15.0, 32, "concat_view")
+    hand = registry.get("hand_pose")
+    assert len(hand.action_names) == len(set(hand.action_names)) == 57
+    assert registry.get("galbot").action_names[0] == "a0"
+    assert all(e.raw_action_dim <= MAX_ACTION_DIM and 0 <= e.domain_id < 32 for e in registry)
+
+
+def test_unknown_embodiment_names_the_known_ones():
+    registry = EmbodimentRegistry.cosmos3()
+    with pytest.raises(UnknownEmbodiment) as info:
+        registry.get("ur5e")
+    err = info.value
+    assert isinstance(err, PolicyInputError) and isinstance(err, ValueError)
+    assert err.field == "embodiment"
+    assert "'ur5e'" in str(err) and "pusht" in str(err) and "droid_lerobot" in str(err)
+    assert "ur5e" not in registry and "pusht" in registry
+
+
+def write(tmp_path, data, name="embodiments.json"):
+    path = tmp_path / name
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_config_adds_and_overrides(tmp_path):
+    (tmp_path / "stats").mkdir()
+    (tmp_path / "stats" / "pusht.json").write_text(
+        json.dumps({
+            "action": {"min": [-0.2, -0.2], "max": [0.2, 0.2]},
+            "state": {"min": [0, 0], "max": [0.5, 0.5]},
+        })
+    )
+    path = write(tmp_path, {"embodiments": [
+        {"name": "pusht", "fps": 10, "state_dim": 2, "action_units": ["m/s", "m/s"],
+         "action_low": [-0.2, -0.2], "action_high": [0.2, 0.2],
+         "normalization": {"method": "minmax", "stats_path": "stats/pusht.json"}},
+        {"name": "my_arm", "domain_id": 21, "raw_action_dim": 7, "viewpoint": "concat_view",
+         "cameras": ["wrist", "front"]},
+    ]})
+    registry = load_registry(path)
+    pusht = registry.get("pusht")
+    assert (pusht.domain_id, pusht.raw_action_dim, pusht.action_names) == (4, 2, ("x", "y"))  # inherited
+    assert (pusht.fps, pusht.state_dim, pusht.action_units) == (10.0, 2, ("m/s", "m/s"))
+    assert pusht.normalization.stats_path == tmp_path / "stats" / "pusht.json"
+    norms = pusht.load_normalizers()
+    np.testing.assert_allclose(norms.action.normalize(np.array([0.2, -0.2])), [1.0, -1.0], atol=1e-6)
+    np.testing.assert_allclose(norms.state.normalize(np.array([0.25, 0.0])), [0.0, -1.0], atol=1e-6)
+    arm = registry.get("my_arm")
+    assert arm.action_names == tuple(f"a{i}" for i in range(7)) and arm.viewpoint == "concat_view"
+    assert arm.cameras == ("wrist", "front") and pusht.cameras == ("image",)
+    # the default seed is untouched by loading into another registry
+    assert EmbodimentRegistry.cosmos3().get("pusht").fps == 24.0
+
+
+def test_width_change_drops_inherited_labels(tmp_path):
+    registry = EmbodimentRegistry.cosmos3()
+    registry.load_config(write(tmp_path, {"embodiments": [{"name": "pusht", "raw_action_dim": 3}]}))
+    assert registry.get("pusht").action_names == ("a0", "a1", "a2")
+
+
+@pytest.mark.parametrize(
+    "entry,match",
+    [
+        ({"name": "pusht", "raw_action_dim": 65},
+         r"embodiments\[0\] \('pusht'\)\.raw_action_dim: .*less than or equal to 64"),
+        ({"name": "pusht", "domain_id": 32}, r"\.domain_id: .*less than 32"),
+        ({"name": "pusht", "colour": "red"}, r"\('pusht'\)\.colour: Extra inputs are not permitted"),
+        ({"name": "new_bot", "raw_action_dim": 3}, r"\('new_bot'\)\.domain_id: Field required"),
+        ({"name": "pusht", "action_low": [0, 0]}, "give both action_low and action_high"),
+        ({"name": "pusht", "action_low": [0, 0], "action_high": [1]},
+         "action_high has 1 entries; expected raw_action_dim=2"),
+        ({"name": "pusht", "action_low": [1, 0], "action_high": [0, 1]},
+         r"action_low > action_high for channels \[0\]"),
+        ({"name": "pusht", "viewpoint": "top"}, "viewpoint 'top' is unknown; expected one of ego_view"),
+        ({"name": "pusht", "cameras": []}, "must be distinct non-empty names"),
+        ({"name": "pusht", "cameras": ["wrist", "wrist"]}, "must be distinct non-empty names"),
+        ({"name": "pusht", "fps": 0}, r"\.fps: .*greater than 0"),
+        ({"name": "pusht", "default_chunk_size": 80}, "default_chunk_size=80 exceeds max_chunk_size=64"),
+        ({"name": "pusht", "normalization": {"method": "minmax"}}, "needs normalization.stats_path"),
+        ({"name": "pusht", "normalization": {"method": "zscore", "stats_path": "s.json"}},
+         "'zscore' is unknown"),
+        ({"name": "pusht", "normalization": {"methd": "minmax"}}, r"normalization\.methd"),
+        ({"raw_action_dim": 2}, r"embodiments\[0\]\.name: required"),
+    ],
+)
+def test_config_errors_name_the_key(tmp_path, entry, match):
+    path = write(tmp_path, {"embodiments": [entry]})
+    with pytest.raises(EmbodimentConfigError, match=match) as info:
+        load_registry(path)
+    assert str(path) in str(info.value)
+
+
+def test_config_file_errors(tmp_path):
+    with pytest.raises(EmbodimentConfigError, match="cannot read embodiment config"):
+        load_registry(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("[")
+    with pytest.raises(EmbodimentConfigError, match="not valid JSON"):
+        load_registry(bad)
+    with pytest.raises(EmbodimentConfigError, match=r"\.robots: Extra inputs"):
+        load_registry(write(tmp_path, {"embodiments": [], "robots": []}))
+    with pytest.raises(EmbodimentConfigError, match="already registered"):
+        EmbodimentRegistry.cosmos3().register(Embodiment(name="pusht", domain_id=4, raw_action_dim=2))
+
+
+def test_a_bad_entry_leaves_the_registry_unchanged(tmp_path):
+    registry = EmbodimentRegistry.cosmos3()
+    path = write(tmp_path, {"embodiments": [{"name": "pusht", "fps": 5}, {"name": "pusht", "fps": -1}]})
+    with pytest.raises(EmbodimentConfigError):
+        registry.load_config(path)
+    assert registry.get("pusht").fps == 24.0
+
+
+def test_chunk_size_checks():
+    pusht = EmbodimentRegistry.cosmos3().get("pusht")
+    assert pusht.check_chunk_size(8) == 8
+    assert pusht.check_chunk_size(np.int64(64)) == 64
+    for bad in (0, 65, 2.0, True, "8", None):
+        with pytest.raises(InvalidChunkSize, match=r"expected an integer in \[1, 64\]") as info:
+            pusht.check_chunk_size(bad)
+        assert info.value.field == "chunk_size"
+
+
+def test_state_checks():
+    arm = Embodiment(name="arm", domain_id=21, raw_action_dim=3, state_dim=2)
+    np.testing.assert_array_equal(arm.check_state([1, 2]), np.array([1, 2], dtype=np.float32))
+    assert arm.check_state(np.array([1.0, 2.0])).dtype == np.float32
+    cases = [
+        (None, "missing; embodiment 'arm' expects a finite float vector of length state_dim=2"),
+        ([1.0, 2.0, 3.0], r"got shape \(3,\); expected"),
+        ([[1.0, 2.0]], r"got shape \(1, 2\)"),
+        ([np.nan, 1.0], r"entries \[0\] are NaN or infinite"),
+        ([1.0, np.inf], r"entries \[1\] are NaN or infinite"),
+        (["a", "b"], "has dtype <U1"),
+    ]
+    for value, match in cases:
+        with pytest.raises(InvalidState, match=match) as info:
+            arm.check_state(value)
+        assert info.value.field == "state"
+    no_state = Embodiment(name="cam", domain_id=2, raw_action_dim=9)
+    assert no_state.check_state(None) is None
+    with pytest.raises(InvalidState, match="takes no state"):
+        no_state.check_state([0.0])
+
+
+def test_action_checks_and_limits():
+    arm = Embodiment(name="arm", domain_id=21, raw_action_dim=2, action_low=(-1, -1), action_high=(1, 2))
+    actions = arm.check_actions([[0.5, 3.0], [-2.0, 0.0]])
+    assert actions.dtype == np.float32 and actions.shape == (2, 2)
+    np.testing.assert_array_equal(arm.out_of_limits(actions), [[False, True], [True, False]])
+    np.testing.assert_array_equal(arm.clip_to_limits(actions), [[0.5, 2.0], [-1.0, 0.0]])
+    expected = r"got shape \(2, 3\); expected a finite float array \[T >= 1, 2\]"
+    with pytest.raises(InvalidActions, match=expected):
+        arm.check_actions(np.zeros((2, 3)))
+    with pytest.raises(InvalidActions, match=r"rows \[1\] hold NaN") as info:
+        arm.check_actions([[0, 0], [np.nan, 0]], field="history_actions")
+    assert info.value.field == "history_actions"
+    unbounded = Embodiment(name="free", domain_id=22, raw_action_dim=2)
+    assert not unbounded.out_of_limits(np.full((3, 2), 1e9)).any()

@@ -1,0 +1,173 @@
+"""The built-in reaching task: determinism, instructions, success test, action limits, rendering."""
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from gymnasium.utils.env_checker import check_env
+
+from robots.envs import COLORS, REACH_HARD_ID, REACH_ID, ReachConfig, ReachEnv
+
+
+def rollout_images(seed: int, actions: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    env = gym.make(REACH_ID)
+    obs, _ = env.reset(seed=seed)
+    images, states = [obs["image"]], [obs["state"]]
+    for action in actions:
+        obs, *_ = env.step(action)
+        images.append(obs["image"])
+        states.append(obs["state"])
+    return images, states
+
+
+def test_passes_gymnasium_env_checker():
+    check_env(gym.make(REACH_ID, render_mode="rgb_array").unwrapped, skip_render_check=False)
+
+
+def test_registered_ids_make_envs_with_time_limit():
+    env = gym.make(REACH_ID)
+    assert isinstance(env.unwrapped, ReachEnv)
+    assert env.spec.max_episode_steps == ReachConfig().max_episode_steps
+    hard = gym.make(REACH_HARD_ID)
+    assert hard.unwrapped.config.num_objects == 4
+    overridden = gym.make(REACH_ID, num_objects=2, max_speed=0.1)
+    assert overridden.unwrapped.config.num_objects == 2
+    assert overridden.unwrapped.action_space.high.tolist() == pytest.approx([0.1, 0.1])
+
+
+def test_unknown_config_override_is_rejected():
+    with pytest.raises(TypeError, match="num_objcts"):
+        ReachEnv(num_objcts=4)
+    with pytest.raises(ValueError, match="purple"):
+        ReachEnv(colors=("red", "purple", "blue"))
+    with pytest.raises(ValueError, match="lowercase"):
+        ReachEnv(instruction_template="Reach the {color} circle!")
+
+
+def test_same_seed_same_episode_different_seed_different_scene():
+    actions = np.random.default_rng(0).uniform(-0.2, 0.2, size=(6, 2)).astype(np.float32)
+    images_a, states_a = rollout_images(7, actions)
+    images_b, states_b = rollout_images(7, actions)
+    for a, b in zip(images_a, images_b, strict=True):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(np.stack(states_a), np.stack(states_b))
+    images_c, _ = rollout_images(8, actions)
+    assert not np.array_equal(images_a[0], images_c[0])
+
+
+def test_observation_shapes_dtypes_and_units():
+    env = ReachEnv()
+    obs, info = env.reset(seed=3)
+    assert obs["image"].shape == (64, 64, 3) and obs["image"].dtype == np.uint8
+    assert obs["state"].shape == (2,) and obs["state"].dtype == np.float32
+    assert env.observation_space.contains(obs)
+    np.testing.assert_allclose(obs["state"], env.scene.effector_xy.astype(np.float32))
+    assert obs["instruction"] == f"reach the {info['target_color']} circle"
+    # the named colour is actually drawn: some pixel is close to it
+    color = np.array(COLORS[info["target_color"]], dtype=np.int32)
+    assert np.min(np.abs(obs["image"].astype(np.int32) - color).sum(-1)) < 30
+
+
+def test_render_sizes():
+    env = ReachEnv(render_mode="rgb_array", render_size=128)
+    env.reset(seed=0)
+    frame = env.render()
+    assert frame.shape == (128, 128, 3) and frame.dtype == np.uint8
+    assert ReachEnv().render() is None  # no render mode: nothing to return
+
+
+def test_instruction_variants_cover_all_colours_and_match_a_present_object():
+    env = ReachEnv()
+    seen = set()
+    for seed in range(60):
+        obs, info = env.reset(seed=seed)
+        seen.add(obs["instruction"])
+        assert info["target_color"] in env.scene.object_colors
+        assert len(set(env.scene.object_colors)) == env.config.num_objects  # colours are distinct
+    assert seen == {f"reach the {c} circle" for c in ReachConfig().colors}
+
+
+def test_reset_option_fixes_target_colour():
+    env = ReachEnv()
+    for seed in range(10):
+        obs, info = env.reset(seed=seed, options={"target_color": "yellow"})
+        assert info["target_color"] == "yellow" and obs["instruction"] == "reach the yellow circle"
+    with pytest.raises(ValueError, match="purple"):
+        env.reset(seed=0, options={"target_color": "purple"})
+
+
+def test_scene_respects_separation():
+    env = ReachEnv()
+    cfg = env.config
+    for seed in range(50):
+        env.reset(seed=seed)
+        points = np.vstack([env.scene.object_xy, env.scene.effector_xy])
+        gaps = np.linalg.norm(points[:, None] - points[None], axis=-1)[np.triu_indices(len(points), 1)]
+        assert gaps.min() >= cfg.min_separation
+
+
+def test_success_is_geometric_and_terminates():
+    env = ReachEnv()
+    env.reset(seed=1)
+    cfg = env.config
+    target = env.scene.target_xy.copy()
+    # place the effector just outside the success radius, then step onto the target
+    env.scene.effector_xy = target + np.array([cfg.success_radius + 0.005, 0.0])
+    _, reward, terminated, _, info = env.step(np.zeros(2, np.float32))
+    assert not terminated and reward == 0.0 and not info["is_success"]
+    _, reward, terminated, truncated, info = env.step(np.array([-0.01 / cfg.dt, 0.0], np.float32))
+    assert terminated and not truncated and reward == 1.0 and info["is_success"]
+    assert info["distance"] == pytest.approx(cfg.success_radius - 0.005)
+
+
+def test_reaching_a_distractor_is_not_success():
+    env = ReachEnv()
+    env.reset(seed=2)
+    distractor = next(i for i in range(env.config.num_objects) if i != env.scene.target_index)
+    env.scene.effector_xy = env.scene.object_xy[distractor].copy()
+    _, reward, terminated, _, info = env.step(np.zeros(2, np.float32))
+    assert not terminated and reward == 0.0 and not info["is_success"]
+
+
+def test_truncates_at_time_limit():
+    env = gym.make(REACH_ID)
+    env.reset(seed=0)
+    limit = env.spec.max_episode_steps
+    for step in range(1, limit + 1):
+        _, _, terminated, truncated, _ = env.step(np.zeros(2, np.float32))
+        assert not terminated
+        assert truncated == (step == limit)
+
+
+def test_actions_are_clipped_to_declared_limits_and_workspace():
+    env = ReachEnv()
+    env.reset(seed=4)
+    cfg = env.config
+    assert env.action_space.high.tolist() == pytest.approx([cfg.max_speed] * 2)
+    start = env.scene.effector_xy.copy()
+    env.step(np.array([10.0, -10.0], np.float32))
+    np.testing.assert_allclose(
+        env.scene.effector_xy - start, [cfg.max_speed * cfg.dt, -cfg.max_speed * cfg.dt]
+    )
+    for _ in range(40):  # push into the corner: the effector stays on the table
+        obs, *_ = env.step(np.array([cfg.max_speed, cfg.max_speed], np.float32))
+    assert env.observation_space["state"].contains(obs["state"])
+    np.testing.assert_allclose(obs["state"], [cfg.table_size, cfg.table_size])
+
+
+@pytest.mark.parametrize("bad", [[np.nan, 0.0], [0.0, np.inf], [0.1, 0.1, 0.1]])
+def test_bad_actions_raise(bad):
+    env = ReachEnv()
+    env.reset(seed=0)
+    with pytest.raises(ValueError, match="action"):
+        env.step(np.array(bad, np.float32))
+
+
+def test_language_blind_policy_fails_most_episodes():
+    """Going to the nearest object (ignoring the instruction) succeeds about one time in three."""
+    env = ReachEnv()
+    successes = 0
+    for seed in range(100):
+        env.reset(seed=seed)
+        nearest = np.argmin(np.linalg.norm(env.scene.object_xy - env.scene.effector_xy, axis=-1))
+        successes += int(nearest == env.scene.target_index)
+    assert successes < 50

@@ -1,0 +1,183 @@
+"""Checkpoint IO: diffusers layouts, native-key remap, and errors that name what is wrong."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from diffusers.models.transformers.transformer_cosmos3 import Cosmos3OmniTransformer as Reference
+from safetensors.torch import load_file, save_file
+
+from policy_server.benchmarks.forward import random_model
+from policy_server.model import (
+    CheckpointError,
+    ConfigError,
+    Cosmos3TransformerConfig,
+    load_transformer,
+    remap_native_keys,
+    save_transformer,
+    to_native_keys,
+)
+from policy_server.model.checkpoint import WEIGHTS_INDEX_NAME, WEIGHTS_NAME
+
+TINY = dict(head_dim=16, hidden_size=32, intermediate_size=48, num_attention_heads=2, num_key_value_heads=1,
+            num_hidden_layers=2, vocab_size=64, latent_channel=4, patch_latent_dim=16,
+            rope_axes_dim=[4, 2, 2], action_gen=True, action_dim=6, sound_gen=True, sound_dim=8)
+EDGE = TINY | dict(hidden_act="relu2", qk_norm_for_text=False, use_und_k_norm_for_gen=True, sound_gen=False,
+                   sound_dim=None)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model(Cosmos3TransformerConfig(**TINY), seed=4)
+
+
+@pytest.fixture
+def saved(model, tmp_path):
+    return save_transformer(model, tmp_path / "transformer")
+
+
+def assert_same_weights(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for key in sa:
+        assert torch.equal(sa[key], sb[key]), key
+
+
+def test_save_then_load_round_trips(model, saved):
+    loaded = load_transformer(saved)
+    assert loaded.config == model.config
+    assert_same_weights(loaded, model)
+    assert not loaded.training
+
+
+def test_saved_directory_loads_in_diffusers(model, saved):
+    reference = Reference.from_pretrained(saved)
+    assert reference.state_dict().keys() == model.state_dict().keys()
+    for key, value in model.state_dict().items():
+        assert torch.equal(reference.state_dict()[key], value), key
+
+
+def test_sharded_diffusers_checkpoint_and_pipeline_root(model, tmp_path):
+    reference = Reference(**TINY)
+    reference.load_state_dict(model.state_dict())
+    reference.save_pretrained(tmp_path / "transformer", max_shard_size="40KB")
+    assert (tmp_path / "transformer" / WEIGHTS_INDEX_NAME).is_file()
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "Cosmos3OmniPipeline"}))
+    for path in (tmp_path / "transformer", tmp_path):
+        assert_same_weights(load_transformer(path), model)
+
+
+def test_edge_checkpoint_with_exporter_metadata_loads(tmp_path):
+    reference = Reference(**EDGE)
+    reference.load_state_dict(random_model(Cosmos3TransformerConfig(**EDGE), seed=5).state_dict())
+    reference.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    # The Cosmos3 Edge exporter writes these two metadata fields into transformer/config.json.
+    config.update(backbone_type="cosmos3_edge_nemotron_dense", temporal_compression_factor=4)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    loaded = load_transformer(tmp_path)
+    assert "layers.0.self_attn.k_norm_und_for_gen.weight" in loaded.state_dict()
+    assert "layers.0.self_attn.norm_q.weight" not in loaded.state_dict()
+    assert "layers.0.mlp.gate_proj.weight" not in loaded.state_dict()
+    assert_same_weights(loaded, reference)
+
+
+def rewrite_weights(directory, edit):
+    tensors = load_file(directory / WEIGHTS_NAME)
+    edit(tensors)
+    save_file(tensors, directory / WEIGHTS_NAME)
+
+
+def test_missing_key_is_named(saved):
+    rewrite_weights(saved, lambda t: t.pop("layers.1.self_attn.add_k_proj.weight"))
+    with pytest.raises(CheckpointError, match=r"missing key.*layers\.1\.self_attn\.add_k_proj\.weight"):
+        load_transformer(saved)
+
+
+def test_unexpected_key_is_named(saved):
+    rewrite_weights(saved, lambda t: t.update({"layers.0.self_attn.extra_proj.weight": torch.zeros(2)}))
+    with pytest.raises(CheckpointError, match=r"unexpected key.*layers\.0\.self_attn\.extra_proj\.weight"):
+        load_transformer(saved)
+
+
+def test_shape_mismatch_is_named(saved):
+    rewrite_weights(saved, lambda t: t.update({"proj_out.bias": torch.zeros(7)}))
+    expected = r"shape mismatch.*proj_out\.bias: checkpoint \(7,\) vs model \(16,\)"
+    with pytest.raises(CheckpointError, match=expected):
+        load_transformer(saved)
+
+
+def test_unknown_config_field_is_named(saved):
+    config = json.loads((saved / "config.json").read_text())
+    config["num_experts"] = 8
+    (saved / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="num_experts"):
+        load_transformer(saved)
+
+
+def test_config_accepts_diffusers_bookkeeping_and_resolves_rope_sections():
+    config = Cosmos3TransformerConfig.from_dict(
+        {"_class_name": "Cosmos3OmniTransformer", "_diffusers_version": "0.42.1", "dtype": "bfloat16",
+         "_name_or_path": "nvidia/x", "rope_scaling": {"mrope_section": [24, 20, 20]}})
+    assert config.rope_axes_dim == [24, 20, 20]
+    assert config == Cosmos3TransformerConfig(rope_scaling={"mrope_section": [24, 20, 20]})
+    smaller = Cosmos3TransformerConfig(head_dim=64, rope_scaling={"mrope_section": [16, 8, 8]})
+    assert smaller.rope_axes_dim == [16, 8, 8]
+    with pytest.raises(ConfigError, match="hidden_act"):
+        Cosmos3TransformerConfig(hidden_act="gelu")
+    with pytest.raises(ConfigError, match="rope_axes_dim"):
+        Cosmos3TransformerConfig(rope_axes_dim=[24, 20, 19])
+
+
+def test_not_a_checkpoint_is_reported(tmp_path):
+    with pytest.raises(CheckpointError, match="config.json"):
+        load_transformer(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    with pytest.raises(CheckpointError, match=WEIGHTS_NAME):
+        load_transformer(tmp_path)
+
+
+def test_native_key_names():
+    lm = "language_model.model."
+    names = {
+        f"{lm}layers.0.self_attn.q_proj_moe_gen.weight": "layers.0.self_attn.add_q_proj.weight",
+        f"{lm}layers.0.self_attn.o_proj_moe_gen.weight": "layers.0.self_attn.to_add_out.weight",
+        f"{lm}layers.0.self_attn.k_norm_moe_gen.weight": "layers.0.self_attn.norm_added_k.weight",
+        f"{lm}layers.3.self_attn.q_proj.weight": "layers.3.self_attn.to_q.weight",
+        f"{lm}layers.3.self_attn.k_norm.weight": "layers.3.self_attn.norm_k.weight",
+        f"{lm}layers.3.self_attn.k_norm_und_for_gen.weight": "layers.3.self_attn.k_norm_und_for_gen.weight",
+        f"{lm}layers.3.mlp_moe_gen.up_proj.weight": "layers.3.mlp_moe_gen.up_proj.weight",
+        f"{lm}layers.3.input_layernorm_moe_gen.weight": "layers.3.input_layernorm_moe_gen.weight",
+        f"{lm}embed_tokens.weight": "embed_tokens.weight",
+        f"{lm}norm_moe_gen.weight": "norm_moe_gen.weight",
+        "language_model.lm_head.weight": "lm_head.weight",
+        "vae2llm.weight": "proj_in.weight",
+        "llm2vae.bias": "proj_out.bias",
+        "time_embedder.mlp.0.weight": "time_embedder.linear_1.weight",
+        "time_embedder.mlp.2.bias": "time_embedder.linear_2.bias",
+        "action2llm.fc.weight": "action_proj_in.fc.weight",
+        "llm2action.bias.weight": "action_proj_out.bias.weight",
+        "action_modality_embed": "action_modality_embed",
+        "sound2llm.weight": "audio_proj_in.weight",
+        "llm2sound.bias": "audio_proj_out.bias",
+        "sound_modality_embed": "audio_modality_embed",
+    }
+    native = {f"model.net.{key}": torch.zeros(1) for key in names}  # framework export wrapper
+    # The reasoner's ViT is not part of the generator transformer: dropped.
+    native["model.net.language_model.visual.blocks.0.attn.qkv.weight"] = torch.zeros(1)
+    assert sorted(remap_native_keys(native)) == sorted(names.values())
+    with pytest.raises(CheckpointError, match="net_ema.vae2llm.weight"):
+        remap_native_keys({"net_ema.vae2llm.weight": torch.zeros(1)})
+
+
+def test_native_remap_round_trip_and_native_checkpoint_loads(model, saved):
+    state = model.state_dict()
+    native = to_native_keys(state)
+    assert "language_model.model.layers.0.self_attn.q_proj_moe_gen.weight" in native
+    assert "vae2llm.weight" in native and "llm2sound.weight" in native
+    back = remap_native_keys(native)
+    assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
+    save_file({k: v.contiguous() for k, v in native.items()}, saved / WEIGHTS_NAME)
+    assert_same_weights(load_transformer(saved), model)

@@ -1,0 +1,472 @@
+"""SeaCache: extrapolation, the gate state machine, CFG branches, reset, fail-open, forced skips (spec §5)."""
+
+import math
+
+import pytest
+import torch
+
+from policy_server.cache.controller import NoCache, StepController
+from policy_server.cache.extrapolation import newton_extrapolate
+from policy_server.cache.sea_filter import SeaFilter
+from policy_server.cache.seacache import SeaCache, SeaCacheConfig, resolve_thresholds
+
+N_GEN, DIM = 6, 4
+
+
+def latents_with_distances(distances, sigma_steps, seed=0):
+    """Noisy latents [C, T, H, W] per step whose SEA indicators are ``distances[i]`` rel-L1 apart.
+
+    The filter is linear and, at a fixed sigma, the same at every step, so scaling one latent by
+    ``1 + d`` scales its indicator by ``1 + d``: rel-L1 between consecutive steps is exactly ``d``.
+    """
+    base = torch.randn(2, 2, 4, 4, generator=torch.Generator().manual_seed(seed))
+    out, scale = [base], 1.0
+    for d in distances[: sigma_steps - 1]:
+        scale *= 1.0 + d
+        out.append(base * scale)
+    return out
+
+
+def residual_full(sign=1.0, calls=None):
+    """Fake GEN stack whose residual is linear in the step: ``gen_in + sign * step``."""
+
+    def make(step, gen_in, branch):
+        def full():
+            if calls is not None:
+                calls.append((step, branch))
+            return gen_in + sign * float(step)
+
+        return full
+
+    return make
+
+
+def drive(cache, latents, sigma=0.5, branches=("cond",), make_full=None, gen_in=None, steps=None):
+    """Run one request through ``cache``; returns outputs {(step, branch): tensor}."""
+    make_full = make_full or residual_full()
+    gen_in = gen_in if gen_in is not None else torch.ones(N_GEN, DIM)
+    outs = {}
+    with torch.no_grad():
+        for step in steps if steps is not None else range(len(latents)):
+            for branch in branches:
+                outs[(step, branch)] = cache.run_stack(
+                    step=step, branch=branch, sigma=sigma, noisy_vision=[latents[step]], gen_in=gen_in,
+                    full=make_full(step, gen_in, branch),
+                )
+    return outs
+
+
+# ---------------------------------------------------------------- extrapolation (§5.4)
+
+
+def test_order1_from_steps_0_and_3_at_4():
+    r0, r3 = torch.randn(3, 2), torch.randn(3, 2)
+    got = newton_extrapolate([(0, r0), (3, r3)], 4, 1)
+    torch.testing.assert_close(got, r3 + (r3 - r0) / 3)
+
+
+def test_order0_returns_last_residual_as_a_copy():
+    r0, r1 = torch.randn(3), torch.randn(3)
+    got = newton_extrapolate([(0, r0), (1, r1)], 5, 0)
+    assert torch.equal(got, r1)
+    got += 1
+    assert not torch.equal(got, r1)
+
+
+def test_order2_on_collinear_residuals_equals_order1():
+    a, b = torch.randn(4), torch.randn(4)
+    hist = [(s, a + b * s) for s in (0, 2, 3)]
+    torch.testing.assert_close(newton_extrapolate(hist, 6, 2), newton_extrapolate(hist, 6, 1))
+    torch.testing.assert_close(newton_extrapolate(hist, 6, 2), a + 6 * b)
+
+
+def test_order2_is_exact_on_quadratics_at_uneven_steps():
+    a, b, c = torch.randn(4), torch.randn(4), torch.randn(4)
+    hist = [(s, a + b * s + c * s * s) for s in (0, 1, 2, 5)]  # the oldest entry is ignored
+    torch.testing.assert_close(newton_extrapolate(hist, 7, 2), a + 7 * b + 49 * c, rtol=1e-5, atol=1e-4)
+
+
+def test_extrapolation_falls_back_with_short_history_and_equal_steps():
+    r = torch.randn(3)
+    assert torch.equal(newton_extrapolate([(2, r)], 5, 2), r)
+    assert torch.equal(newton_extrapolate([(2, r - 1), (2, r)], 5, 1), r)
+    with pytest.raises(ValueError, match="at least one"):
+        newton_extrapolate([], 1, 1)
+    with pytest.raises(ValueError, match="order"):
+        newton_extrapolate([(0, r)], 1, 3)
+
+
+# ---------------------------------------------------------------- the gate (§5.3)
+
+
+def test_default_decisions_with_distance_0_05_are_FSSFSSFSSF():
+    cache = SeaCache(SeaCacheConfig())
+    cache.begin(10)
+    drive(cache, latents_with_distances([0.05] * 9, 10))
+    rec = cache.record()
+    assert rec.sequence("cond") == "FSSFSSFSSF"
+    full_reasons = [d.reason for d in rec.decisions if d.full]
+    assert full_reasons == ["retention", "cap", "cap", "cache_end"]
+    assert rec.branches["cond"].full == 4 and rec.branches["cond"].skipped == 6
+    assert rec.branches["cond"].fail_open == 0
+    assert [round(d.distance, 4) for d in rec.decisions[1:3]] == [0.05, 0.05]
+    assert rec.decisions[2].accumulated == pytest.approx(0.10, abs=1e-5)
+
+
+def test_threshold_crossings_refresh_without_cap():
+    cache = SeaCache(SeaCacheConfig(threshold=0.35, max_consecutive_cached=0))
+    cache.begin(10)
+    drive(cache, latents_with_distances([0.1] * 9, 10))
+    rec = cache.record()
+    assert rec.sequence("cond") == "FSSSFSSSFF"
+    assert rec.branches["cond"].full_reasons == {"retention": 1, "threshold": 2, "cache_end": 1}
+
+
+def test_large_distances_refresh_every_step():
+    cache = SeaCache()
+    cache.begin(6)
+    drive(cache, latents_with_distances([0.3] * 5, 6))
+    assert cache.record().sequence("cond") == "FFFFFF"
+
+
+def test_per_step_threshold_schedule_and_callable():
+    schedule = [0.0] * 5 + [1.0] * 5
+    for spec in (schedule, lambda step, n: 0.0 if step < n // 2 else 1.0):
+        cache = SeaCache(SeaCacheConfig(threshold=spec))
+        cache.begin(10)
+        drive(cache, latents_with_distances([0.05] * 9, 10))
+        assert cache.record().sequence("cond") == "FFFFFSSFSF"
+        assert cache.record().thresholds == tuple(schedule)
+
+
+def test_begin_overrides_schedule_and_cap_for_one_request_only():
+    cache = SeaCache()
+    lat = latents_with_distances([0.05] * 9, 10)
+    cache.begin(10, threshold=1.0, max_consecutive_cached=0)
+    drive(cache, lat)
+    assert cache.record().sequence("cond") == "FSSSSSSSSF"
+    assert cache.record().max_consecutive_cached == 0
+    cache.begin(10)
+    drive(cache, lat)
+    assert cache.record().sequence("cond") == "FSSFSSFSSF"
+
+
+def test_skipped_output_is_gen_in_plus_extrapolated_residual():
+    # The fake stack's residual is exactly linear in the step, so once two full steps exist, order 1
+    # reproduces every full output; before that (steps 1, 2) only the step-0 residual can be reused.
+    gen_in = torch.randn(N_GEN, DIM)
+    lat = latents_with_distances([0.05] * 9, 10)
+    cache = SeaCache()
+    cache.begin(10)
+    outs = drive(cache, lat, gen_in=gen_in)
+    assert cache.record().sequence("cond") == "FSSFSSFSSF"
+    for step in range(10):
+        expected = gen_in if step in (1, 2) else gen_in + step
+        torch.testing.assert_close(outs[(step, "cond")], expected)
+
+    cache0 = SeaCache(SeaCacheConfig(residual_order=0))
+    cache0.begin(10)
+    outs0 = drive(cache0, lat, gen_in=gen_in)
+    torch.testing.assert_close(outs0[(1, "cond")], gen_in + 0.0)  # reuse of the step-0 residual
+    torch.testing.assert_close(outs0[(5, "cond")], gen_in + 3.0)
+
+
+def test_residual_order_2_uses_three_full_steps():
+    gen_in = torch.zeros(N_GEN, DIM)
+
+    def make_full(step, g, branch):
+        return lambda: g + float(step * step)
+
+    cache = SeaCache(SeaCacheConfig(residual_order=2))
+    cache.begin(10)
+    outs = drive(cache, latents_with_distances([0.05] * 9, 10), gen_in=gen_in, make_full=make_full)
+    # Full at 0, 3, 6: quadratic through them is exact for step**2 at 7 and 8.
+    torch.testing.assert_close(outs[(7, "cond")], gen_in + 49.0)
+    torch.testing.assert_close(outs[(8, "cond")], gen_in + 64.0)
+
+
+# ---------------------------------------------------------------- threshold 0 (§5.1)
+
+
+class _TinyStack(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(4)
+        self.w = torch.nn.Parameter(torch.randn(DIM, DIM, generator=g) * 0.3)
+
+    def forward(self, h, text):
+        for _ in range(3):
+            h = h + torch.tanh(h @ self.w + text)
+        return h
+
+
+def _sample(controller, num_steps=6, guidance=2.0):
+    """A small flow sampler: the noisy latent drives gen_in, CFG over two branches, Euler steps."""
+    stack = _TinyStack()
+    x = torch.randn(1, 1, 3, 2, generator=torch.Generator().manual_seed(5))  # [C, T, H, W], 6 values = N_GEN
+    texts = {"cond": torch.ones(DIM) * 0.2, "uncond": torch.zeros(DIM)}
+    sigmas = torch.linspace(1.0, 0.0, num_steps + 1)
+    controller.begin(num_steps)
+    with torch.no_grad():
+        for i in range(num_steps):
+            gen_in = x.reshape(N_GEN, 1).expand(N_GEN, DIM) * (1 + float(sigmas[i]))
+            v = {}
+            for b in ("cond", "uncond"):
+                out = controller.run_stack(i, b, float(sigmas[i]), [x], gen_in,
+                                           lambda b=b, g=gen_in: stack(g, texts[b]))
+                v[b] = out.mean(dim=1).reshape(x.shape)
+            vel = v["uncond"] + guidance * (v["cond"] - v["uncond"])
+            x = x + (sigmas[i + 1] - sigmas[i]) * vel
+    return x
+
+
+def test_threshold_zero_is_bit_identical_to_no_cache():
+    ref = _sample(NoCache())
+    cache = SeaCache(SeaCacheConfig(threshold=0.0))
+    got = _sample(cache)
+    assert torch.equal(got, ref)
+    rec = cache.record()
+    assert rec.full_calls == 6 * 2 and rec.skipped_calls == 0
+    assert cache.sea_filter.cached_gains == 0  # the gate is off: no FFTs were computed
+
+
+def test_caching_changes_the_sample_when_threshold_is_large():
+    ref = _sample(NoCache())
+    cache = SeaCache(SeaCacheConfig(threshold=10.0))
+    got = _sample(cache)
+    assert cache.record().skipped_calls > 0
+    assert not torch.equal(got, ref)
+
+
+def test_controllers_satisfy_the_protocol():
+    assert isinstance(SeaCache(), StepController)
+    assert isinstance(NoCache(), StepController)
+
+
+# ---------------------------------------------------------------- CFG branches (§5.5)
+
+
+def test_cfg_branches_keep_separate_residuals():
+    gen_in = torch.zeros(N_GEN, DIM)
+
+    def make_full(step, g, branch):
+        sign = 1.0 if branch == "cond" else -1.0
+        return lambda: g + sign * step
+
+    cache = SeaCache()
+    cache.begin(10)
+    outs = drive(cache, latents_with_distances([0.05] * 9, 10), branches=("cond", "uncond"),
+                 gen_in=gen_in, make_full=make_full)
+    rec = cache.record()
+    assert rec.sequence("cond") == rec.sequence("uncond") == "FSSFSSFSSF"
+    for step in range(3, 10):
+        torch.testing.assert_close(outs[(step, "cond")], gen_in + step)
+        torch.testing.assert_close(outs[(step, "uncond")], gen_in - step)
+
+
+def test_indicator_is_computed_once_per_step_and_shared():
+    class CountingFilter(SeaFilter):
+        calls = 0
+
+        def indicator(self, latent, sigma):
+            CountingFilter.calls += 1
+            return super().indicator(latent, sigma)
+
+    cache = SeaCache(sea_filter=CountingFilter())
+    cache.begin(10)
+    drive(cache, latents_with_distances([0.05] * 9, 10), branches=("cond", "uncond"))
+    assert CountingFilter.calls == 10
+
+
+def test_branch_state_is_independent_when_one_branch_is_forced():
+    cache = SeaCache(SeaCacheConfig(), force_skip=lambda step, branch: branch == "uncond")
+    cache.begin(10)
+    drive(cache, latents_with_distances([0.05] * 9, 10), branches=("cond", "uncond"))
+    rec = cache.record()
+    assert rec.sequence("cond") == "FSSFSSFSSF"
+    # uncond: step 0 has no history (fail-open); steps 1-2 skip by the gate; from step 3 on the cap (and at
+    # step 9 the cache end) wants a refresh and the guard overrides it every time.
+    assert rec.sequence("uncond") == "FSSSSSSSSS"
+    assert rec.branches["uncond"].forced_skip == 7
+    assert rec.branches["uncond"].fail_open_reasons == {"no_history": 1}
+    assert rec.branches["cond"].forced_skip == 0
+
+
+# ---------------------------------------------------------------- reset (§5.6)
+
+
+def test_second_request_starts_fresh():
+    lat = latents_with_distances([0.05] * 9, 10)
+    cache = SeaCache()
+    cache.begin(10)
+    drive(cache, lat, make_full=residual_full(sign=5.0))
+    first = cache.record()
+    cache.begin(10)
+    gen_in = torch.zeros(N_GEN, DIM)
+    outs = drive(cache, lat, gen_in=gen_in)
+    second = cache.record()
+    assert first is not second and len(second.decisions) == 10
+    assert second.sequence("cond") == "FSSFSSFSSF"
+    # Residuals leaked from request 1 (5 * step) would show up in the skips.
+    torch.testing.assert_close(outs[(1, "cond")], gen_in)
+    torch.testing.assert_close(outs[(4, "cond")], gen_in + 4.0)
+
+
+def test_non_adjacent_step_resets_and_runs_full():
+    lat = latents_with_distances([0.05] * 9, 10)
+    cache = SeaCache()
+    cache.begin(10)
+    drive(cache, lat, steps=[0, 1, 2, 5, 6, 7])
+    rec = cache.record()
+    assert rec.sequence("cond") == "FSSFSS"
+    assert rec.decisions[3].reason == "non_adjacent_step"
+    assert rec.branches["cond"].fail_open_reasons == {"non_adjacent_step": 1}
+
+
+def test_repeated_step_counts_as_non_adjacent():
+    lat = latents_with_distances([0.05] * 9, 10)
+    cache = SeaCache()
+    cache.begin(10)
+    drive(cache, lat, steps=[0, 1, 1])
+    assert [d.reason for d in cache.record().decisions] == ["retention", "gate", "non_adjacent_step"]
+
+
+# ---------------------------------------------------------------- fail-open (§5.7)
+
+
+def _decide(cache, steps, latent_for, gen_in_for, sigma_for=lambda s: 0.5):
+    with torch.no_grad():
+        for s in steps:
+            g = gen_in_for(s)
+            cache.run_stack(s, "cond", sigma_for(s), latent_for(s), g, lambda g=g, s=s: g + s)
+    return cache.record()
+
+
+def test_no_noisy_vision_never_skips():
+    cache = SeaCache(SeaCacheConfig(threshold=100.0))
+    cache.begin(6)
+    rec = _decide(cache, range(6), lambda s: [], lambda s: torch.zeros(N_GEN, DIM))
+    assert rec.sequence("cond") == "FFFFFF"
+    assert rec.branches["cond"].fail_open_reasons == {"no_noisy_vision": 4}
+
+
+def test_stack_input_shape_change_clears_history_and_runs_full():
+    lat = latents_with_distances([0.01] * 9, 10)
+    cache = SeaCache(SeaCacheConfig(max_consecutive_cached=0))
+    cache.begin(10)
+    rec = _decide(cache, range(10), lambda s: [lat[s]],
+                  lambda s: torch.zeros(N_GEN + (s >= 4), DIM))
+    assert rec.sequence("cond") == "FSSSFSSSSF"
+    assert rec.decisions[4].reason == "shape_change"
+
+
+def test_noisy_vision_shape_change_runs_full():
+    lat = latents_with_distances([0.01] * 9, 10)
+    cache = SeaCache(SeaCacheConfig(max_consecutive_cached=0))
+    cache.begin(10)
+    rec = _decide(cache, range(10), lambda s: [lat[s] if s < 3 else lat[s][:, :, :2]],
+                  lambda s: torch.zeros(N_GEN, DIM))
+    assert rec.sequence("cond") == "FSSFSSSSSF"
+    assert rec.decisions[3].reason == "shape_change"
+
+
+def test_grad_enabled_runs_full():
+    cache = SeaCache(SeaCacheConfig(threshold=100.0))
+    cache.begin(4)
+    lat = latents_with_distances([0.01] * 3, 4)
+    with torch.enable_grad():
+        for s in range(4):
+            g = torch.zeros(N_GEN, DIM)
+            cache.run_stack(s, "cond", 0.5, [lat[s]], g, lambda g=g: g + 1)
+    assert cache.record().sequence("cond") == "FFFF"
+    assert cache.record().branches["cond"].fail_open_reasons == {"grad_enabled": 4}
+
+
+@pytest.mark.parametrize("bad_sigma", [1.5, -0.1, math.nan])
+def test_sigma_out_of_range_runs_full(bad_sigma):
+    lat = latents_with_distances([0.01] * 5, 6)
+    cache = SeaCache(SeaCacheConfig(threshold=100.0))
+    cache.begin(6)
+    rec = _decide(cache, range(6), lambda s: [lat[s]], lambda s: torch.zeros(N_GEN, DIM),
+                  sigma_for=lambda s: bad_sigma if s == 2 else 0.5)
+    assert rec.sequence("cond") == "FSFFSF"  # step 3 has no previous indicator after the bad step
+    assert rec.branches["cond"].fail_open_reasons == {"sigma_out_of_range": 1, "no_previous_indicator": 1}
+
+
+# ---------------------------------------------------------------- forced skips
+
+
+def test_force_skip_overrides_gate_full_when_history_exists():
+    asked = []
+
+    def force(step, branch):
+        asked.append(step)
+        return step in (0, 2, 3)
+
+    cache = SeaCache(SeaCacheConfig(), force_skip=force)
+    cache.begin(6)
+    drive(cache, latents_with_distances([0.5] * 5, 6))  # the gate wants FULL every step
+    rec = cache.record()
+    assert asked == [0, 1, 2, 3, 4, 5]
+    assert rec.sequence("cond") == "FFSSFF"
+    reasons = [d.reason for d in rec.decisions]
+    assert reasons == ["no_history", "threshold", "forced", "forced", "cap", "cache_end"]
+    counts = rec.branches["cond"]
+    assert (counts.forced_skip, counts.skipped, counts.fail_open) == (2, 2, 1)
+
+
+def test_on_decision_sees_every_call_after_it_completes():
+    seen = []
+    cache = SeaCache(on_decision=seen.append)
+    cache.begin(4)
+    drive(cache, latents_with_distances([0.05] * 3, 4), branches=("cond", "uncond"))
+    assert [(d.step, d.branch) for d in seen] == [(s, b) for s in range(4) for b in ("cond", "uncond")]
+    assert seen == cache.record().decisions
+
+
+# ---------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"threshold": -0.1}, "threshold"),
+        ({"threshold": math.inf}, "threshold"),
+        ({"threshold": "0.2"}, "threshold"),
+        ({"threshold": [0.1, -1.0]}, "step 1"),
+        ({"residual_order": 3}, "residual_order"),
+        ({"retention_steps": -1}, "retention_steps"),
+        ({"max_consecutive_cached": True}, "max_consecutive_cached"),
+        ({"power_exp": 0.0}, "power_exp"),
+    ],
+)
+def test_config_rejects_bad_values(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        SeaCacheConfig(**kwargs)
+
+
+def test_schedule_length_and_call_arguments_are_checked():
+    with pytest.raises(ValueError, match="one per step"):
+        resolve_thresholds([0.1, 0.2], 3)
+    cache = SeaCache()
+    with pytest.raises(RuntimeError, match="begin"):
+        cache.run_stack(0, "cond", 0.5, [], torch.zeros(1), lambda: torch.zeros(1))
+    cache.begin(3)
+    with pytest.raises(ValueError, match=r"step must be an int in \[0, 3\)"):
+        cache.run_stack(3, "cond", 0.5, [], torch.zeros(1), lambda: torch.zeros(1))
+    with pytest.raises(ValueError, match=r"\[C, T, H, W\]"):
+        cache.run_stack(0, "cond", 0.5, [torch.zeros(2, 2)], torch.zeros(1), lambda: torch.zeros(1))
+    with pytest.raises(TypeError, match="list"):
+        cache.run_stack(0, "cond", 0.5, torch.zeros(1, 1, 1, 1), torch.zeros(1), lambda: torch.zeros(1))
+    with pytest.raises(ValueError, match="shape"):
+        cache.run_stack(0, "cond", 0.5, [], torch.zeros(2), lambda: torch.zeros(3))
+
+
+def test_record_serialises_to_plain_data():
+    cache = SeaCache()
+    cache.begin(4)
+    drive(cache, latents_with_distances([0.05] * 3, 4), branches=("cond", "uncond"))
+    data = cache.record().to_dict()
+    assert data["sequences"] == {"cond": "FSSF", "uncond": "FSSF"}
+    assert data["branches"]["cond"]["full"] == 2
+    assert len(data["decisions"]) == 8

@@ -1,0 +1,295 @@
+"""A real gRPC server on a free loopback port, driven with the client library: a full session,
+server info, health and reflection, auth, TLS, Unix sockets, deadlines, the reasoner, metrics."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import threading
+import time
+import urllib.request
+
+import grpc
+import numpy as np
+import pytest
+from fake_engine import BEST_ACHIEVABLE_MS, PUSHT, FakeEngine, expected_actions, serve_fake
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+from policy_server.client import PolicyClient, PolicyServerError
+from policy_server.engine.api import Observation
+
+STATE = np.array([0.5, -0.25], np.float32)
+
+
+def frame(seed=0, height=48, width=64):
+    return np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+
+
+def expected(step: int, seed: int = 0, chunk: int = 8, instruction: str = "") -> np.ndarray:
+    return expected_actions(Observation({"image": frame(seed)}, STATE, instruction, step), chunk, PUSHT)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return FakeEngine()
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    with serve_fake(engine, reflection=True, metrics_port=0) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with PolicyClient(server.target) as c:
+        yield c
+
+
+def test_server_info_publishes_schema_limits_budget_and_profile(client):
+    info = client.server_info()
+    assert info.protocol_version == "policy_server.v1" and info.ready
+    assert info.model.name == "fake-policy" and info.model.digest == "sha256:fake"
+    assert [e.name for e in info.embodiments] == ["pusht", "libero"]
+    pusht = info.embodiments[0]
+    assert [(c.name, c.height, c.width, c.channels) for c in pusht.cameras] == [("image", 48, 64, 3)]
+    assert pusht.state_dim == 2 and pusht.action.dim == 2 and list(pusht.action.units) == ["px", "px"]
+    assert list(pusht.action.low) == [-1.0, -1.0] and list(pusht.action.high) == [1.0, 1.0]
+    assert (pusht.default_chunk_size, pusht.min_chunk_size, pusht.max_chunk_size) == (8, 1, 16)
+    assert info.limits.max_sessions == 4 and info.limits.max_message_bytes == 16 * 1024 * 1024
+    assert info.default_budget_ms == 120.0
+    assert [(p.label, p.p95_ms) for p in info.warmup_profile] == [("uncached", 4.5), ("seacache", 3.0)]
+
+
+def test_full_session(client, engine):
+    session = client.open_session("pusht", "push the T", budget_ms=80, chunk_size=4, seed=7)
+    assert (session.epoch, session.budget_ms, session.chunk_size, session.seed) == (1, 80.0, 4, 7)
+
+    for step in (0, 4, 8):
+        chunk = client.act(session, {"image": frame()}, STATE, step_index=step, encoding="png")
+        np.testing.assert_array_equal(chunk.actions, expected(step, chunk=4))
+        assert chunk.actions.dtype == np.float32
+        assert (chunk.first_step_index, chunk.obs_step_index, chunk.epoch) == (step, step, 1)
+        assert chunk.served_ms > 0 and chunk.round_trip_ms >= chunk.served_ms
+        assert chunk.tick.budget_ms == 80.0 and chunk.tick.deadline_met
+        assert (chunk.tick.full_calls, chunk.tick.skipped_calls, chunk.tick.forced_skips) == (12, 8, 1)
+        assert dict(chunk.tick.knobs)["threshold"] == pytest.approx(0.25)
+        assert dict(chunk.tick.actual_ms)["total"] == pytest.approx(3.0)
+
+    client.act(session, {"image": frame()}, STATE, instruction="now push it left", step_index=12)
+    assert engine.instructions[session.session_id] == "now push it left"
+
+    session = client.set_budget(session, 60)
+    assert session.budget_ms == 60.0
+    session = client.reset_session(session)
+    assert session.epoch == 2
+    chunk = client.act(session, {"image": frame(1)}, STATE, step_index=0, encoding="raw")
+    np.testing.assert_array_equal(chunk.actions, expected(0, seed=1, chunk=4))
+    assert chunk.epoch == 2 and chunk.tick.budget_ms == 60.0
+
+    client.close_session(session)
+    with pytest.raises(PolicyServerError) as err:
+        client.act(session, {"image": frame()}, STATE)
+    assert err.value.reason == "SESSION_NOT_FOUND"
+
+
+def test_deadline_is_passed_to_the_engine_and_expired_work_is_abandoned(client, engine):
+    session = client.open_session("pusht", "hold")
+    engine.hold()
+    aborted = engine.aborted
+    try:
+        with pytest.raises(PolicyServerError) as err:
+            client.act(session, {"image": frame()}, STATE, timeout_s=0.3)
+        assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        deadline = engine.deadlines[-1]
+        assert deadline is not None and deadline <= time.monotonic()
+        for _ in range(200):  # the engine notices within one poll
+            if engine.aborted > aborted:
+                break
+            time.sleep(0.01)
+        assert engine.aborted == aborted + 1
+    finally:
+        engine.release()
+    chunk = client.act(session, {"image": frame()}, STATE, step_index=2, encoding="png")
+    np.testing.assert_array_equal(chunk.actions, expected(2))
+    client.close_session(session)
+
+
+def test_reasoner_streams_pieces(client):
+    pieces = list(client.reason("stack the blocks", max_new_tokens=5))
+    assert pieces == ["To", " stack", " the", " blocks:", " first"]
+    full = "".join(client.reason("stack the blocks", max_new_tokens=32))  # stops at its own end
+    assert full == "To stack the blocks: first approach the object, then grasp it, then place it."
+
+
+def test_reasoner_stream_can_be_abandoned_early(client):
+    stream = client.reason("wipe the table", max_new_tokens=20)
+    assert next(stream) == "To"
+    stream.close()  # cancels the call
+    assert list(client.reason("wipe", max_new_tokens=2)) == ["To", " wipe:"]
+
+
+def test_health_and_warmup(engine):
+    engine = FakeEngine(ready=False)
+    with serve_fake(engine) as server, PolicyClient(server.target) as client:
+        assert client.health() == "NOT_SERVING"
+        assert client.health("policy_server.v1.PolicyService") == "NOT_SERVING"
+        assert client.server_info().ready is False
+        with pytest.raises(PolicyServerError) as err:
+            client.open_session("pusht", "too early")
+        assert (err.value.code, err.value.reason) == (grpc.StatusCode.UNAVAILABLE, "WARMING_UP")
+        assert err.value.retry_after_ms > 0
+        with pytest.raises(TimeoutError):
+            client.wait_until_serving(timeout_s=0.2)
+        engine.set_ready(True)
+        client.wait_until_serving(timeout_s=10)
+        assert client.health("policy_server.v1.PolicyService") == "SERVING"
+        assert client.open_session("pusht", "now").epoch == 1
+        server.stop(grace_s=0.1)
+
+
+def test_reflection_lists_and_describes_the_service(server):
+    with grpc.insecure_channel(server.target) as channel:
+        database = ProtoReflectionDescriptorDatabase(channel)
+        services = set(database.get_services())
+        assert {"policy_server.v1.PolicyService", "grpc.health.v1.Health"} <= services
+        file = database.FindFileContainingSymbol("policy_server.v1.PolicyService")
+        assert file.name == "policy_server/v1/policy_server.proto"
+        assert "ActRequest" in [m.name for m in file.message_type]
+
+
+def test_reflection_is_off_by_default():
+    with serve_fake() as server, grpc.insecure_channel(server.target) as channel:
+        with pytest.raises(grpc.RpcError) as err:
+            ProtoReflectionDescriptorDatabase(channel).get_services()
+        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_metrics_endpoint_exports_ticks_stages_cache_and_sessions(server, client):
+    session = client.open_session("pusht", "measure")
+    client.act(session, {"image": frame()}, STATE, encoding="png")
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).read().decode()
+    client.close_session(session)
+    lines = text.splitlines()
+
+    def value(prefix: str) -> float:
+        return float(next(line for line in lines if line.startswith(prefix)).rsplit(" ", 1)[1])
+
+    assert value('policy_server_ticks_total{transport="grpc"}') >= 1
+    assert value('policy_server_cache_decisions_total{decision="full"}') >= 12
+    assert value('policy_server_cache_decisions_total{decision="forced_skip"}') >= 1
+    assert value('policy_server_stage_latency_ms_count{stage="total"}') >= 1
+    assert value('policy_server_stage_latency_ms_count{stage="served"}') >= 1
+    assert value("policy_server_sessions") >= 1
+    assert value("policy_server_ready") == 1
+    assert "policy_server_queue_depth" in text and "policy_server_deadline_misses_total" in text
+
+
+def test_deadline_misses_are_counted(server, client):
+    before = server.metrics.deadline_misses._value.get()
+    session = client.open_session("pusht", "tight", budget_ms=BEST_ACHIEVABLE_MS)  # fake answers in 3 ms
+    chunk = client.act(session, {"image": frame()}, STATE)
+    assert chunk.tick.deadline_met and server.metrics.deadline_misses._value.get() == before
+    client.close_session(session)
+
+
+# -- security ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def token_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("auth") / "token"
+    path.write_text("s3cret-token\n")
+    return path
+
+
+def test_token_auth(token_file):
+    with serve_fake(auth_token_file=token_file) as server:
+        with PolicyClient(server.target) as anonymous:
+            assert anonymous.health() == "SERVING"  # health stays open for probes
+            with pytest.raises(PolicyServerError) as err:
+                anonymous.open_session("pusht", "no token")
+            assert (err.value.code, err.value.reason) == (grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED")
+            assert "missing" in err.value.message
+            with pytest.raises(PolicyServerError) as err:
+                list(anonymous.reason("no token", 3))
+            assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
+        with PolicyClient(server.target, token="wrong") as wrong:
+            with pytest.raises(PolicyServerError) as err:
+                wrong.server_info()
+            assert err.value.code == grpc.StatusCode.UNAUTHENTICATED and "invalid" in err.value.message
+        with PolicyClient(server.target, token_file=token_file) as good:
+            session = good.open_session("pusht", "with token")
+            chunk = good.act(session, {"image": frame()}, STATE, step_index=1, encoding="png")
+            np.testing.assert_array_equal(chunk.actions, expected(1))
+
+
+def _self_signed(tmp_path):
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
+                                                    x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = tmp_path / "server.crt", tmp_path / "server.key"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert_path, key_path
+
+
+def test_tls(tmp_path):
+    cert, key = _self_signed(tmp_path)
+    (tmp_path / "other").mkdir()
+    other_cert, _ = _self_signed(tmp_path / "other")
+    with serve_fake(tls_cert=cert, tls_key=key) as server:
+        with PolicyClient(server.target, root_certificates=cert.read_bytes(), server_name="localhost") as client:
+            session = client.open_session("pusht", "encrypted")
+            chunk = client.act(session, {"image": frame()}, STATE, step_index=3, encoding="png")
+            np.testing.assert_array_equal(chunk.actions, expected(3))
+        with PolicyClient(server.target, timeout_s=1.0) as plaintext:
+            with pytest.raises(PolicyServerError) as err:
+                plaintext.health()
+            assert err.value.code == grpc.StatusCode.UNAVAILABLE
+        with PolicyClient(server.target, root_certificates=other_cert.read_bytes(), timeout_s=1.0) as untrusted:
+            with pytest.raises(PolicyServerError) as err:
+                untrusted.health()
+            assert err.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_unix_socket(tmp_path):
+    socket_path = tmp_path / "policy.sock"
+    with serve_fake(unix_socket=socket_path) as server:
+        with PolicyClient(f"unix:{socket_path}") as client:
+            session = client.open_session("pusht", "local")
+            np.testing.assert_array_equal(
+                client.act(session, {"image": frame()}, STATE, step_index=5, encoding="png").actions, expected(5))
+        assert server.grpc_port > 0
+
+
+def test_concurrent_sessions_are_isolated(client):
+    sessions = [client.open_session("pusht", f"robot {i}") for i in range(3)]
+    results: dict[int, np.ndarray] = {}
+
+    def run(i: int) -> None:
+        results[i] = client.act(sessions[i], {"image": frame(i)}, STATE, step_index=i, encoding="png").actions
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    for i in range(3):
+        np.testing.assert_array_equal(results[i], expected(i, seed=i))
+        client.close_session(sessions[i])

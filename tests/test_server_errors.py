@@ -1,0 +1,290 @@
+"""Bad input, one kind at a time: each is answered with its precise gRPC status, machine-readable
+reason and offending field, and the server then serves the next good request correctly."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import cv2
+import grpc
+import numpy as np
+import pytest
+from fake_engine import LIBERO, PUSHT, FakeEngine, expected_actions, serve_fake
+
+from policy_server.client import PolicyClient, PolicyServerError, Session, build_observation
+from policy_server.engine.api import Observation
+from policy_server.server.proto import policy_server_pb2 as pb
+from policy_server.server.wire import encode_image, tensor_to_proto
+
+MAX_MESSAGE_MB = 0.25
+LIMIT = int(MAX_MESSAGE_MB * 1024 * 1024)
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+
+
+def frame(height=48, width=64, seed=0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+
+
+STATE = np.array([0.25, -0.5], np.float32)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return FakeEngine(max_sessions=8)
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    with serve_fake(engine, max_message_mb=MAX_MESSAGE_MB) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with PolicyClient(server.target, timeout_s=10) as c:
+        yield c
+
+
+@pytest.fixture
+def session(client):
+    s = client.open_session("pusht", "push the T into the goal")
+    yield s
+    try:
+        client.close_session(s)
+    except PolicyServerError:
+        pass
+
+
+def good_request(session: Session, step: int = 3) -> pb.ActRequest:
+    obs = build_observation({"image": frame()}, STATE, step_index=step, encoding="png")
+    return pb.ActRequest(session_id=session.session_id, epoch=session.epoch, observation=obs)
+
+
+def assert_still_serving(client: PolicyClient, session: Session) -> None:
+    """The next good request is answered with the exact chunk for its observation."""
+    chunk = client.act_request(good_request(session, step=7))
+    expected = expected_actions(Observation({"image": frame()}, STATE, "", 7), session.chunk_size, PUSHT)
+    np.testing.assert_array_equal(chunk.actions, expected)
+    assert chunk.first_step_index == 7
+
+
+def with_image(session: Session, image: pb.Image, name: str = "image") -> pb.ActRequest:
+    request = good_request(session)
+    request.observation.images[name].CopyFrom(image)
+    return request
+
+
+def with_state(session: Session, state: pb.Tensor | None) -> pb.ActRequest:
+    request = good_request(session)
+    request.observation.ClearField("state")
+    if state is not None:
+        request.observation.state.CopyFrom(state)
+    return request
+
+
+def png_bytes(image: np.ndarray) -> bytes:
+    return cv2.imencode(".png", image)[1].tobytes()
+
+
+@dataclass
+class Case:
+    name: str
+    call: Callable[[PolicyClient, Session], object]
+    code: grpc.StatusCode
+    reason: str
+    field: str
+
+
+def act(request_builder):
+    return lambda client, session: client.act_request(request_builder(session))
+
+
+def stale_epoch(client: PolicyClient, session: Session):
+    client.reset_session(session)  # epoch 1 -> 2; the request still says 1
+    return client.act_request(good_request(session))
+
+
+def oversized(factor: float):
+    def build(session):
+        request = good_request(session)
+        request.observation.instruction = "x" * int(LIMIT * factor)
+        return request
+
+    return act(build)
+
+
+def open_session(**fields):
+    def call(client, session):
+        return client.open_session(**{"embodiment": "pusht", "instruction": "push", **fields})
+
+    return call
+
+
+def reason_raw(**fields):
+    def call(client, session):
+        return list(client.reason(**{"prompt": "plan", "max_new_tokens": 4, **fields}))
+
+    return call
+
+
+CASES = [
+    # images
+    Case("bad_jpeg", act(lambda s: with_image(s, pb.Image(encoding=pb.IMAGE_ENCODING_JPEG, data=b"\xff\xd8\xffgarbage"))),
+         INVALID, "IMAGE_DECODE_FAILED", "observation.images[image]"),
+    Case("truncated_jpeg", act(lambda s: with_image(s, pb.Image(
+        encoding=pb.IMAGE_ENCODING_JPEG, data=encode_image(frame(), "jpeg").data[:600]))),
+         INVALID, "IMAGE_DECODE_FAILED", "observation.images[image]"),
+    Case("png_bytes_labelled_jpeg", act(lambda s: with_image(s, pb.Image(
+        encoding=pb.IMAGE_ENCODING_JPEG, data=png_bytes(frame())))),
+         INVALID, "IMAGE_DECODE_FAILED", "observation.images[image]"),
+    Case("wrong_image_size", act(lambda s: with_image(s, encode_image(frame(32, 32), "png"))),
+         INVALID, "SCHEMA_MISMATCH", "observation.images[image]"),
+    Case("grayscale_png", act(lambda s: with_image(s, pb.Image(
+        encoding=pb.IMAGE_ENCODING_PNG, data=png_bytes(frame()[..., 0])))),
+         INVALID, "SCHEMA_MISMATCH", "observation.images[image]"),
+    Case("rgba_raw", act(lambda s: with_image(s, pb.Image(
+        encoding=pb.IMAGE_ENCODING_RAW, height=48, width=64, channels=4, data=bytes(48 * 64 * 4)))),
+         INVALID, "SCHEMA_MISMATCH", "observation.images[image]"),
+    Case("raw_length_mismatch", act(lambda s: with_image(s, pb.Image(
+        encoding=pb.IMAGE_ENCODING_RAW, height=48, width=64, channels=3, data=bytes(100)))),
+         INVALID, "BAD_IMAGE", "observation.images[image].data"),
+    Case("raw_without_shape", act(lambda s: with_image(s, pb.Image(encoding=pb.IMAGE_ENCODING_RAW,
+                                                                    data=bytes(48 * 64 * 3)))),
+         INVALID, "MISSING_FIELD", "observation.images[image]"),
+    Case("unknown_encoding", act(lambda s: with_image(s, pb.Image(encoding=17, data=b"x"))),
+         INVALID, "UNKNOWN_ENCODING", "observation.images[image].encoding"),
+    Case("unspecified_encoding", act(lambda s: with_image(s, pb.Image(data=png_bytes(frame())))),
+         INVALID, "UNKNOWN_ENCODING", "observation.images[image].encoding"),
+    Case("missing_camera", act(lambda s: (lambda r: (r.observation.images.clear(), r)[1])(good_request(s))),
+         INVALID, "SCHEMA_MISMATCH", "observation.images[image]"),
+    Case("unknown_camera", act(lambda s: with_image(s, encode_image(frame(), "png"), name="wrist")),
+         INVALID, "SCHEMA_MISMATCH", "observation.images"),
+    # state
+    Case("nan_state", act(lambda s: with_state(s, tensor_to_proto(np.array([0.1, np.nan], np.float32)))),
+         INVALID, "NON_FINITE", "observation.state"),
+    Case("inf_state", act(lambda s: with_state(s, tensor_to_proto(np.array([np.inf, 0.0], np.float64)))),
+         INVALID, "NON_FINITE", "observation.state"),
+    Case("wrong_state_dim", act(lambda s: with_state(s, tensor_to_proto(np.zeros(5, np.float32)))),
+         INVALID, "SCHEMA_MISMATCH", "observation.state"),
+    Case("missing_state", act(lambda s: with_state(s, None)),
+         INVALID, "SCHEMA_MISMATCH", "observation.state"),
+    Case("unspecified_dtype", act(lambda s: with_state(s, pb.Tensor(shape=[2], data=bytes(8)))),
+         INVALID, "BAD_DTYPE", "observation.state.dtype"),
+    Case("integer_state", act(lambda s: with_state(s, tensor_to_proto(np.array([1, 2], np.int32)))),
+         INVALID, "BAD_DTYPE", "observation.state.dtype"),
+    Case("shape_data_mismatch", act(lambda s: with_state(s, pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[2],
+                                                                         data=bytes(12)))),
+         INVALID, "BAD_TENSOR", "observation.state.data"),
+    Case("negative_dimension", act(lambda s: with_state(s, pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[-2],
+                                                                        data=bytes(8)))),
+         INVALID, "BAD_TENSOR", "observation.state.shape"),
+    # request envelope and session state
+    Case("missing_observation", act(lambda s: pb.ActRequest(session_id=s.session_id, epoch=s.epoch)),
+         INVALID, "MISSING_FIELD", "observation"),
+    Case("missing_session_id", act(lambda s: pb.ActRequest(epoch=1, observation=good_request(s).observation)),
+         INVALID, "MISSING_FIELD", "session_id"),
+    Case("missing_epoch", act(lambda s: pb.ActRequest(session_id=s.session_id,
+                                                     observation=good_request(s).observation)),
+         INVALID, "MISSING_FIELD", "epoch"),
+    Case("unknown_session", act(lambda s: pb.ActRequest(session_id="no-such-session", epoch=1,
+                                                       observation=good_request(s).observation)),
+         grpc.StatusCode.NOT_FOUND, "SESSION_NOT_FOUND", ""),
+    Case("stale_epoch", stale_epoch, grpc.StatusCode.FAILED_PRECONDITION, "STALE_EPOCH", ""),
+    Case("oversized_message", oversized(1.2), grpc.StatusCode.RESOURCE_EXHAUSTED, "PAYLOAD_TOO_LARGE", "request"),
+    Case("far_oversized_message", oversized(2.5), grpc.StatusCode.RESOURCE_EXHAUSTED, "PAYLOAD_TOO_LARGE", ""),
+    # sessions and budgets
+    Case("unknown_embodiment", open_session(embodiment="hexapod"), INVALID, "UNKNOWN_EMBODIMENT", "embodiment"),
+    Case("missing_embodiment", open_session(embodiment=""), INVALID, "MISSING_FIELD", "embodiment"),
+    Case("empty_instruction", open_session(instruction="   "), INVALID, "MISSING_FIELD", "instruction"),
+    Case("negative_budget", open_session(budget_ms=-5.0), INVALID, "BAD_VALUE", "budget_ms"),
+    Case("nan_budget", open_session(budget_ms=math.nan), INVALID, "BAD_VALUE", "budget_ms"),
+    Case("chunk_size_out_of_range", open_session(chunk_size=99), INVALID, "BAD_VALUE", "chunk_size"),
+    Case("infeasible_budget_at_open", open_session(budget_ms=1.0), grpc.StatusCode.FAILED_PRECONDITION,
+         "BUDGET_INFEASIBLE", ""),
+    Case("infeasible_budget_update", lambda c, s: c.set_budget(s, 2.0), grpc.StatusCode.FAILED_PRECONDITION,
+         "BUDGET_INFEASIBLE", ""),
+    Case("zero_budget_update", lambda c, s: c.set_budget(s, 0.0), INVALID, "BAD_VALUE", "budget_ms"),
+    Case("reset_unknown_session", lambda c, s: c.reset_session("nope"), grpc.StatusCode.NOT_FOUND,
+         "SESSION_NOT_FOUND", ""),
+    Case("close_unknown_session", lambda c, s: c.close_session("nope"), grpc.StatusCode.NOT_FOUND,
+         "SESSION_NOT_FOUND", ""),
+    # reasoner
+    Case("empty_prompt", reason_raw(prompt=""), INVALID, "MISSING_FIELD", "prompt"),
+    Case("zero_new_tokens", reason_raw(max_new_tokens=0), INVALID, "BAD_VALUE", "max_new_tokens"),
+    Case("too_many_new_tokens", reason_raw(max_new_tokens=10_000), INVALID, "BAD_VALUE", "max_new_tokens"),
+    Case("negative_temperature", reason_raw(temperature=-1.0), INVALID, "BAD_VALUE", "temperature"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_bad_input_gets_precise_status_and_server_keeps_serving(case, client, session):
+    with pytest.raises(PolicyServerError) as err:
+        case.call(client, session)
+    assert err.value.code == case.code, err.value
+    assert err.value.reason == case.reason, err.value
+    assert err.value.field == case.field, err.value
+    if case.reason != "PAYLOAD_TOO_LARGE" or case.field:  # the servicer wrote the message itself
+        assert err.value.message
+    current = client.reset_session(session) if case.reason == "STALE_EPOCH" else session
+    assert_still_serving(client, current)
+
+
+def test_error_details_carry_expected_and_got(client, session):
+    with pytest.raises(PolicyServerError) as err:
+        client.act_request(with_state(session, tensor_to_proto(np.zeros(5, np.float32))))
+    assert err.value.detail.expected == "shape [2]" and err.value.detail.got == "shape [5]"
+    assert err.value.detail.code == "INVALID_ARGUMENT"
+
+
+def test_budget_infeasible_reports_best_achievable_latency(client, session):
+    with pytest.raises(PolicyServerError) as err:
+        client.set_budget(session, 2.0)
+    assert err.value.best_achievable_ms == pytest.approx(5.0)
+    assert client.set_budget(session, 50.0).budget_ms == 50.0
+
+
+def test_stale_epoch_names_both_epochs(client, session):
+    client.reset_session(session)
+    with pytest.raises(PolicyServerError) as err:
+        client.act_request(good_request(session))
+    assert err.value.detail.expected == "2" and err.value.detail.got == "1"
+
+
+def test_too_many_sessions_is_resource_exhausted(client, engine):
+    opened = []
+    try:
+        while len(opened) < engine.info().max_sessions:
+            try:
+                opened.append(client.open_session("pusht", "fill"))
+            except PolicyServerError as exc:
+                assert exc.reason == "TOO_MANY_SESSIONS"
+                break
+        with pytest.raises(PolicyServerError) as err:
+            client.open_session("pusht", "one too many")
+        assert (err.value.code, err.value.reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "TOO_MANY_SESSIONS")
+    finally:
+        for s in opened:
+            client.close_session(s)
+    assert client.open_session("pusht", "room again").epoch == 1
+
+
+def test_multi_camera_embodiment_accepts_all_encodings(client):
+    session = client.open_session("libero", "put the bowl on the plate")
+    images = {"image": frame(32, 32, seed=1), "wrist": frame(24, 32, seed=2)}
+    state = np.linspace(-1, 1, 8).astype(np.float32)
+    for encoding in ("png", "raw"):
+        chunk = client.act(session, images, state, step_index=11, encoding=encoding)
+        expected = expected_actions(Observation(images, state, "", 11), 16, LIBERO)
+        np.testing.assert_array_equal(chunk.actions, expected)
+    chunk = client.act(session, images, state, step_index=11, encoding="jpeg", jpeg_quality=95)
+    assert chunk.actions.shape == (16, 7)
+    client.close_session(session)
+
+
+def test_metrics_count_errors_by_reason(server, client, session):
+    before = server.metrics.errors.labels("NON_FINITE")._value.get()
+    with pytest.raises(PolicyServerError):
+        client.act_request(with_state(session, tensor_to_proto(np.array([np.nan, 0], np.float32))))
+    assert server.metrics.errors.labels("NON_FINITE")._value.get() == before + 1
