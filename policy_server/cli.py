@@ -95,12 +95,15 @@ def serve(config: ServerConfig) -> int:
         flush=True,
     )
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
-    log.info("shutting down")
-    server.stop(grace_s=2.0)
-    engine.close()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        stop.wait()
+        log.info("shutting down")
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        server.stop(grace_s=2.0)
+        engine.close()
     return 0
 
 

@@ -65,9 +65,7 @@ def generate(
         )
     out = Path(out_dir)
     if (out / METADATA_FILE).exists() and not overwrite:
-        raise FileExistsError(
-            f"{out} already holds a dataset; pass overwrite=True (--overwrite) to replace it"
-        )
+        raise FileExistsError(f"{out} already holds a dataset; pass overwrite=True (--overwrite) to replace it")
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob("episode_*.safetensors"):
         stale.unlink()
@@ -116,9 +114,7 @@ def generate(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--episodes", type=int, required=True, help="number of demonstrations")
     parser.add_argument("--out", required=True, help="output directory (keep datasets out of the repository)")
     parser.add_argument("--env-id", default=REACH_ID, help=f"gymnasium id (default {REACH_ID})")

@@ -42,9 +42,7 @@ class Episode:
     def __post_init__(self) -> None:
         steps = len(self.actions)
         if self.frames.dtype != np.uint8 or self.frames.ndim != 4 or self.frames.shape[-1] != 3:
-            raise ValueError(
-                f"frames must be uint8 [T+1, H, W, 3], got {self.frames.dtype} {self.frames.shape}"
-            )
+            raise ValueError(f"frames must be uint8 [T+1, H, W, 3], got {self.frames.dtype} {self.frames.shape}")
         if len(self.frames) != steps + 1 or len(self.states) != steps + 1:
             raise ValueError(
                 f"expected T+1 = {steps + 1} frames and states for T = {steps} actions, "
@@ -94,9 +92,7 @@ def array_stats(values: np.ndarray) -> dict[str, list[float]]:
 
 def write_metadata(directory: Path, metadata: dict) -> None:
     path = Path(directory) / METADATA_FILE
-    path.write_text(
-        json.dumps({"format_version": FORMAT_VERSION, **metadata}, indent=2, sort_keys=True) + "\n"
-    )
+    path.write_text(json.dumps({"format_version": FORMAT_VERSION, **metadata}, indent=2, sort_keys=True) + "\n")
 
 
 class DemoDataset:
@@ -106,14 +102,11 @@ class DemoDataset:
         self.directory = Path(directory)
         path = self.directory / METADATA_FILE
         if not path.is_file():
-            raise FileNotFoundError(
-                f"{path} not found; expected a dataset written by `python -m robots.datagen`"
-            )
+            raise FileNotFoundError(f"{path} not found; expected a dataset written by `python -m robots.datagen`")
         self.metadata = json.loads(path.read_text())
         if self.metadata.get("format_version") != FORMAT_VERSION:
             raise ValueError(
-                f"{path} has format_version {self.metadata.get('format_version')!r}; "
-                f"expected {FORMAT_VERSION}"
+                f"{path} has format_version {self.metadata.get('format_version')!r}; expected {FORMAT_VERSION}"
             )
         self.entries: list[dict] = self.metadata["episodes"]
 

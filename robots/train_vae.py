@@ -72,9 +72,7 @@ class ClipSampler:
     def all_clips(self, limit: int) -> torch.Tensor:
         """Deterministic evaluation set: clips starting at every ``frames``-th frame, at most ``limit``."""
         clips = [
-            self.clip(e, s)
-            for e, episode in enumerate(self.episodes)
-            for s in range(0, len(episode), self.frames)
+            self.clip(e, s) for e, episode in enumerate(self.episodes) for s in range(0, len(episode), self.frames)
         ]
         return to_unit_range(torch.stack(clips[:limit]))
 
@@ -92,17 +90,13 @@ def kl_divergence(mean: torch.Tensor, logvar: torch.Tensor) -> torch.Tensor:
 def evaluate(model: SmallVideoVAE, clips: torch.Tensor, batch_size: int = 32) -> float:
     """PSNR (dB) of posterior-mean reconstructions of ``clips`` [N, 3, T, H, W]."""
     model.eval()
-    recon = torch.cat(
-        [model.decode(model.encode(clips[i : i + batch_size])) for i in range(0, len(clips), batch_size)]
-    )
+    recon = torch.cat([model.decode(model.encode(clips[i : i + batch_size])) for i in range(0, len(clips), batch_size)])
     model.train()
     return psnr(clips, recon)
 
 
 @torch.no_grad()
-def latent_statistics(
-    model: SmallVideoVAE, clips: torch.Tensor, batch_size: int = 32
-) -> tuple[torch.Tensor, ...]:
+def latent_statistics(model: SmallVideoVAE, clips: torch.Tensor, batch_size: int = 32) -> tuple[torch.Tensor, ...]:
     """Per-channel mean and std [C] of the raw posterior means of ``clips``."""
     model.eval()
     means = [model.encode_moments(clips[i : i + batch_size])[0] for i in range(0, len(clips), batch_size)]
@@ -121,14 +115,10 @@ def train(args: TrainVAEArgs) -> tuple[SmallVideoVAE, dict]:
     train_sampler = ClipSampler(episodes[num_val:], args.frames, args.seed)
     val_clips = ClipSampler(episodes[:num_val] or episodes, args.frames, args.seed).all_clips(256)
 
-    config = SmallVideoVAEConfig(
-        latent_channels=args.latent_channels, block_channels=tuple(args.block_channels)
-    )
+    config = SmallVideoVAEConfig(latent_channels=args.latent_channels, block_channels=tuple(args.block_channels))
     model = SmallVideoVAE(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(
-        optimizer, max_lr=args.lr, total_steps=args.steps, pct_start=0.05
-    )
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=args.steps, pct_start=0.05)
     generator = torch.Generator().manual_seed(args.seed)
 
     started = time.perf_counter()
@@ -170,9 +160,7 @@ def train(args: TrainVAEArgs) -> tuple[SmallVideoVAE, dict]:
 
 def main(argv: list[str] | None = None) -> None:
     defaults = TrainVAEArgs(data="", out="")
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", required=True, help="dataset directory written by robots.datagen")
     parser.add_argument("--out", required=True, help="output folder (config.json + safetensors)")
     parser.add_argument("--steps", type=int, default=defaults.steps)

@@ -10,10 +10,14 @@ to make stream timing deterministic. The real engine lives in ``policy_server/en
 from __future__ import annotations
 
 import contextlib
+import datetime
+import ipaddress
 import itertools
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import numpy as np
 
@@ -118,7 +122,8 @@ class FakeEngine:
         self._ready = ready
 
     def hold(self) -> None:
-        """Make every act() wait at a gate until release()."""
+        """Make every act() wait at a gate until release(); wait_entered() counts from now."""
+        self._entered = threading.Semaphore(0)
         self._gate = threading.Event()
 
     def release(self) -> None:
@@ -141,9 +146,7 @@ class FakeEngine:
 
     def stats(self) -> EngineStats:
         with self._lock:
-            return EngineStats(
-                sessions=len(self._sessions), queue_depth=0, warmup_progress=1.0 if self._ready else 0.5
-            )
+            return EngineStats(sessions=len(self._sessions), queue_depth=0, warmup_progress=1.0 if self._ready else 0.5)
 
     def close(self) -> None:
         with self._lock:
@@ -153,9 +156,7 @@ class FakeEngine:
         if budget_ms < BEST_ACHIEVABLE_MS:
             raise BudgetInfeasible(budget_ms, BEST_ACHIEVABLE_MS)
 
-    def open_session(
-        self, embodiment, instruction, budget_ms=None, chunk_size=None, seed=None
-    ) -> SessionHandle:
+    def open_session(self, embodiment, instruction, budget_ms=None, chunk_size=None, seed=None) -> SessionHandle:
         if not self._ready:
             raise WarmingUp(0.5)
         spec = self._info.embodiment(embodiment)
@@ -279,3 +280,69 @@ def serve_fake(engine: FakeEngine | None = None, **config) -> Iterator[PolicySer
         yield server
     finally:
         server.stop(grace_s=0.2)
+
+
+def self_signed_cert(directory: Path) -> tuple[Path, Path]:
+    """A throw-away certificate for localhost / 127.0.0.1; returns (cert.pem, key.pem) paths.
+    Uses the ``cryptography`` package when installed, else the openssl command."""
+    try:
+        from cryptography import x509
+    except ImportError:
+        return _self_signed_cert_openssl(directory)
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.UTC)
+    san = x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(san, critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = directory / "server.crt", directory / "server.key"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    return cert_path, key_path
+
+
+def _self_signed_cert_openssl(directory: Path) -> tuple[Path, Path]:
+    cert_path, key_path = directory / "server.crt", directory / "server.key"
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            str(key_path),
+            "-out",
+            str(cert_path),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost,IP:127.0.0.1",
+            "-addext",
+            "basicConstraints=critical,CA:TRUE",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return cert_path, key_path

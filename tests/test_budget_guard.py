@@ -129,7 +129,8 @@ def test_guard_never_forces_the_final_step_and_checks_branches():
     with pytest.raises(ValueError, match="not planned"):
         guard.force_skip(0, "sideways")
     assert [r.step for r in guard.requested_skips] == [0]
-    assert guard.requested_skips[0].overshoot_ms == pytest.approx(10.0 + 2 * 1.0 + 4 * 1.0 + 2 * 10.0 - 10.0)
+    # full now + 5 skips (uncond at 0, steps 1-2) + 2 full final calls - deadline
+    assert guard.requested_skips[0].overshoot_ms == pytest.approx(10.0 + 5 * 1.0 + 2 * 10.0 - 10.0)
 
 
 def test_guard_does_not_force_when_time_is_ample():

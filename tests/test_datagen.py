@@ -12,9 +12,7 @@ from robots.envs import HELDOUT_SEED_OFFSET
 
 def test_tiny_run_writes_consistent_episodes(tmp_path):
     metadata = generate(tmp_path / "a", episodes=3, seed_offset=10, progress=False)
-    assert (
-        metadata["success_rate"] == 1.0 and metadata["embodiment"] == "pusht" and metadata["domain_id"] == 4
-    )
+    assert metadata["success_rate"] == 1.0 and metadata["embodiment"] == "pusht" and metadata["domain_id"] == 4
     data = DemoDataset(tmp_path / "a")
     assert len(data) == 3
     for index, episode in enumerate(data):

@@ -145,9 +145,7 @@ def test_actions_are_clipped_to_declared_limits_and_workspace():
     assert env.action_space.high.tolist() == pytest.approx([cfg.max_speed] * 2)
     start = env.scene.effector_xy.copy()
     env.step(np.array([10.0, -10.0], np.float32))
-    np.testing.assert_allclose(
-        env.scene.effector_xy - start, [cfg.max_speed * cfg.dt, -cfg.max_speed * cfg.dt]
-    )
+    np.testing.assert_allclose(env.scene.effector_xy - start, [cfg.max_speed * cfg.dt, -cfg.max_speed * cfg.dt])
     for _ in range(40):  # push into the corner: the effector stays on the table
         obs, *_ = env.step(np.array([cfg.max_speed, cfg.max_speed], np.float32))
     assert env.observation_space["state"].contains(obs["state"])

@@ -66,12 +66,14 @@ def test_one_prefill_serves_every_step(model):
             assert_outputs_close(split_call(model, kwargs, und_kv), model(**kwargs))
 
 
-def test_precomputed_gen_rotary_is_the_same(model):
+def test_layout_built_once_serves_every_step(model):
     kwargs = step_kwargs(model)
     with torch.no_grad():
-        rotary = model.gen_rotary(kwargs["position_ids"], kwargs["und_len"])
-        plain, reused = split_call(model, kwargs), split_call(model, kwargs, gen_rotary=rotary)
-    assert torch.equal(plain[0][0], reused[0][0]) and torch.equal(plain[2][0], reused[2][0])
+        layout = model.gen_layout(**kwargs)
+        for step, timestep in enumerate((950.0, 20.0)):
+            step_args = step_kwargs(model, seed=20 + step, timestep=timestep)
+            plain, reused = split_call(model, step_args), split_call(model, step_args, layout=layout)
+            assert torch.equal(plain[0][0], reused[0][0]) and torch.equal(plain[2][0], reused[2][0])
 
 
 def test_cached_keys_are_what_gen_queries_read(model):
@@ -95,11 +97,13 @@ def test_gen_input_layout(model):
     with torch.no_grad():
         gen = model.embed_gen(**kwargs)
     n_gen = kwargs["sequence_length"] - kwargs["und_len"]
-    assert isinstance(gen, GenInput)
+    assert isinstance(gen, GenInput) and gen.und_len == kwargs["und_len"]
     assert gen.hidden.shape == (n_gen, model.config.hidden_size)
     assert gen.cos.shape == gen.sin.shape == (n_gen, model.config.head_dim)
-    assert torch.equal(gen.vision_readout_rows, kwargs["vision_mse_loss_indexes"] - kwargs["und_len"])
-    assert torch.equal(gen.action_readout_rows, kwargs["action_mse_loss_indexes"] - kwargs["und_len"])
+    layout = gen.layout
+    assert torch.equal(layout.vision.readout_rows, kwargs["vision_mse_loss_indexes"] - kwargs["und_len"])
+    assert torch.equal(layout.action.readout_rows, kwargs["action_mse_loss_indexes"] - kwargs["und_len"])
+    assert torch.equal(layout.vision.rows, kwargs["vision_sequence_indexes"] - kwargs["und_len"])
 
 
 def test_time_embedding_only_on_noisy_rows(model):
@@ -149,6 +153,7 @@ def test_gen_stack_rejects_kv_of_another_prompt(model):
         (lambda kw: kw.update(vision_token_shapes=[(3, 2, 2)]), "vision_token_shapes"),
         (lambda kw: kw.update(action_domain_ids=[torch.tensor([40])]), "domain ids"),
         (lambda kw: kw.update(position_ids=kw["position_ids"][:, :-1]), "position_ids"),
+        (lambda kw: kw.update(vision_timestep=kw["vision_timesteps"]), "vision_timestep"),
     ],
 )
 def test_embed_gen_names_bad_inputs(model, change, named):

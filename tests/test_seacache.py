@@ -470,3 +470,26 @@ def test_record_serialises_to_plain_data():
     assert data["sequences"] == {"cond": "FSSF", "uncond": "FSSF"}
     assert data["branches"]["cond"]["full"] == 2
     assert len(data["decisions"]) == 8
+
+
+def test_sigma_may_be_a_scalar_tensor_but_not_a_string():
+    lat = latents_with_distances([0.05] * 3, 4)
+    cache = SeaCache()
+    cache.begin(4)
+    with torch.no_grad():
+        for s in range(4):
+            g = torch.zeros(N_GEN, DIM)
+            cache.run_stack(s, "cond", torch.tensor(0.5), [lat[s]], g, lambda g=g: g + 1)
+        assert cache.record().sequence("cond") == "FSSF"
+        cache.begin(4)
+        with pytest.raises(TypeError, match="sigma"):
+            cache.run_stack(0, "cond", "0.5", [lat[0]], torch.zeros(1), lambda: torch.zeros(1))
+
+
+def test_runs_under_inference_mode():
+    with torch.inference_mode():
+        lat = latents_with_distances([0.05] * 9, 10)
+        cache = SeaCache()
+        cache.begin(10)
+        drive(cache, lat, branches=("cond", "uncond"))
+    assert cache.record().sequence("uncond") == "FSSFSSFSSF"

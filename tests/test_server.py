@@ -3,8 +3,6 @@ server info, health and reflection, auth, TLS, Unix sockets, deadlines, the reas
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import threading
 import time
 import urllib.request
@@ -12,7 +10,7 @@ import urllib.request
 import grpc
 import numpy as np
 import pytest
-from fake_engine import BEST_ACHIEVABLE_MS, PUSHT, FakeEngine, expected_actions, serve_fake
+from fake_engine import BEST_ACHIEVABLE_MS, PUSHT, FakeEngine, expected_actions, self_signed_cert, serve_fake
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from policy_server.client import PolicyClient, PolicyServerError
@@ -224,35 +222,10 @@ def test_token_auth(token_file):
             np.testing.assert_array_equal(chunk.actions, expected(1))
 
 
-def _self_signed(tmp_path):
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                                    x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )
-    cert_path, key_path = tmp_path / "server.crt", tmp_path / "server.key"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
-    return cert_path, key_path
-
-
 def test_tls(tmp_path):
-    cert, key = _self_signed(tmp_path)
+    cert, key = self_signed_cert(tmp_path)
     (tmp_path / "other").mkdir()
-    other_cert, _ = _self_signed(tmp_path / "other")
+    other_cert, _ = self_signed_cert(tmp_path / "other")
     with serve_fake(tls_cert=cert, tls_key=key) as server:
         with PolicyClient(server.target, root_certificates=cert.read_bytes(), server_name="localhost") as client:
             session = client.open_session("pusht", "encrypted")

@@ -84,6 +84,12 @@ def with_state(session: Session, state: pb.Tensor | None) -> pb.ActRequest:
     return request
 
 
+def without_images(session: Session) -> pb.ActRequest:
+    request = good_request(session)
+    request.observation.images.clear()
+    return request
+
+
 def png_bytes(image: np.ndarray) -> bytes:
     return cv2.imencode(".png", image)[1].tobytes()
 
@@ -129,38 +135,33 @@ def reason_raw(**fields):
     return call
 
 
+def image_case(name: str, image: pb.Image, reason: str, field: str = "observation.images[image]",
+               camera: str = "image") -> Case:
+    return Case(name, act(lambda s: with_image(s, image, camera)), INVALID, reason, field)
+
+
+JPEG, PNG, RAW = pb.IMAGE_ENCODING_JPEG, pb.IMAGE_ENCODING_PNG, pb.IMAGE_ENCODING_RAW
+GOOD_JPEG = encode_image(frame(), "jpeg").data
+
 CASES = [
     # images
-    Case("bad_jpeg", act(lambda s: with_image(s, pb.Image(encoding=pb.IMAGE_ENCODING_JPEG, data=b"\xff\xd8\xffgarbage"))),
-         INVALID, "IMAGE_DECODE_FAILED", "observation.images[image]"),
-    Case("truncated_jpeg", act(lambda s: with_image(s, pb.Image(
-        encoding=pb.IMAGE_ENCODING_JPEG, data=encode_image(frame(), "jpeg").data[:600]))),
-         INVALID, "IMAGE_DECODE_FAILED", "observation.images[image]"),
-    Case("png_bytes_labelled_jpeg", act(lambda s: with_image(s, pb.Image(
-        encoding=pb.IMAGE_ENCODING_JPEG, data=png_bytes(frame())))),
-         INVALID, "IMAGE_DECODE_FAILED", "observation.images[image]"),
-    Case("wrong_image_size", act(lambda s: with_image(s, encode_image(frame(32, 32), "png"))),
-         INVALID, "SCHEMA_MISMATCH", "observation.images[image]"),
-    Case("grayscale_png", act(lambda s: with_image(s, pb.Image(
-        encoding=pb.IMAGE_ENCODING_PNG, data=png_bytes(frame()[..., 0])))),
-         INVALID, "SCHEMA_MISMATCH", "observation.images[image]"),
-    Case("rgba_raw", act(lambda s: with_image(s, pb.Image(
-        encoding=pb.IMAGE_ENCODING_RAW, height=48, width=64, channels=4, data=bytes(48 * 64 * 4)))),
-         INVALID, "SCHEMA_MISMATCH", "observation.images[image]"),
-    Case("raw_length_mismatch", act(lambda s: with_image(s, pb.Image(
-        encoding=pb.IMAGE_ENCODING_RAW, height=48, width=64, channels=3, data=bytes(100)))),
-         INVALID, "BAD_IMAGE", "observation.images[image].data"),
-    Case("raw_without_shape", act(lambda s: with_image(s, pb.Image(encoding=pb.IMAGE_ENCODING_RAW,
-                                                                    data=bytes(48 * 64 * 3)))),
-         INVALID, "MISSING_FIELD", "observation.images[image]"),
-    Case("unknown_encoding", act(lambda s: with_image(s, pb.Image(encoding=17, data=b"x"))),
-         INVALID, "UNKNOWN_ENCODING", "observation.images[image].encoding"),
-    Case("unspecified_encoding", act(lambda s: with_image(s, pb.Image(data=png_bytes(frame())))),
-         INVALID, "UNKNOWN_ENCODING", "observation.images[image].encoding"),
-    Case("missing_camera", act(lambda s: (lambda r: (r.observation.images.clear(), r)[1])(good_request(s))),
-         INVALID, "SCHEMA_MISMATCH", "observation.images[image]"),
-    Case("unknown_camera", act(lambda s: with_image(s, encode_image(frame(), "png"), name="wrist")),
-         INVALID, "SCHEMA_MISMATCH", "observation.images"),
+    image_case("bad_jpeg", pb.Image(encoding=JPEG, data=b"\xff\xd8\xffgarbage"), "IMAGE_DECODE_FAILED"),
+    image_case("truncated_jpeg", pb.Image(encoding=JPEG, data=GOOD_JPEG[:600]), "IMAGE_DECODE_FAILED"),
+    image_case("png_bytes_labelled_jpeg", pb.Image(encoding=JPEG, data=png_bytes(frame())), "IMAGE_DECODE_FAILED"),
+    image_case("wrong_image_size", encode_image(frame(32, 32), "png"), "SCHEMA_MISMATCH"),
+    image_case("grayscale_png", pb.Image(encoding=PNG, data=png_bytes(frame()[..., 0])), "SCHEMA_MISMATCH"),
+    image_case("rgba_raw", pb.Image(encoding=RAW, height=48, width=64, channels=4, data=bytes(48 * 64 * 4)),
+               "SCHEMA_MISMATCH"),
+    image_case("raw_length_mismatch", pb.Image(encoding=RAW, height=48, width=64, channels=3, data=bytes(100)),
+               "BAD_IMAGE", "observation.images[image].data"),
+    image_case("raw_without_shape", pb.Image(encoding=RAW, data=bytes(48 * 64 * 3)), "MISSING_FIELD"),
+    image_case("unknown_encoding", pb.Image(encoding=17, data=b"x"), "UNKNOWN_ENCODING",
+               "observation.images[image].encoding"),
+    image_case("unspecified_encoding", pb.Image(data=png_bytes(frame())), "UNKNOWN_ENCODING",
+               "observation.images[image].encoding"),
+    image_case("unknown_camera", encode_image(frame(), "png"), "SCHEMA_MISMATCH", "observation.images",
+               camera="wrist"),
+    Case("missing_camera", act(without_images), INVALID, "SCHEMA_MISMATCH", "observation.images[image]"),
     # state
     Case("nan_state", act(lambda s: with_state(s, tensor_to_proto(np.array([0.1, np.nan], np.float32)))),
          INVALID, "NON_FINITE", "observation.state"),

@@ -1,11 +1,13 @@
 """Small video VAE (tokenizer interface) and the conditioning canvas helpers."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+import policy_server
 from policy_server.model.vae import (
     CONFIG_NAME,
     WEIGHTS_NAME,
@@ -13,6 +15,7 @@ from policy_server.model.vae import (
     SmallVideoVAEConfig,
     VideoTokenizer,
     count_parameters,
+    psnr,
 )
 from policy_server.pipeline.conditioning import (
     closest_canvas,
@@ -21,6 +24,8 @@ from policy_server.pipeline.conditioning import (
     fit_to_canvas,
     frames_to_clip,
 )
+from robots.envs import COLORS, HELDOUT_SEED_OFFSET, ReachConfig, ReachEnv
+from robots.expert import ReachExpert
 
 torch.set_num_threads(1)
 
@@ -230,3 +235,47 @@ def test_vae_on_canvas_end_to_end(vae):
         latents = crop_latent_padding(vae.encode(canvas), placement, vae.spatial_compression)
     assert placement.content_hw == (48, 64)
     assert latents.shape == (1, 16, 3, 6, 8)
+
+
+# ---------------------------------------------------------------- the shipped (trained) VAE
+
+EMBEDDED_VAE = Path(policy_server.__file__).parent / "assets" / "embedded" / "vae"
+
+
+def expert_clip(seed: int, num_frames: int = 9) -> tuple[np.ndarray, ReachEnv]:
+    """Frames [T, 64, 64, 3] of an expert episode on a held-out seed (last frame repeated)."""
+    env = ReachEnv()
+    obs, _ = env.reset(seed=HELDOUT_SEED_OFFSET + seed)
+    first_scene = (env.scene.object_xy.copy(), env.scene.object_colors)
+    frames, done, expert = [obs["image"]], False, ReachExpert()
+    while not done and len(frames) < num_frames:
+        obs, _, terminated, truncated, _ = env.step(expert(env))
+        frames.append(obs["image"])
+        done = terminated or truncated
+    frames += [frames[-1]] * (num_frames - len(frames))
+    return np.stack(frames), first_scene
+
+
+def test_embedded_vae_is_small_and_reconstructs_held_out_scenes():
+    assert (EMBEDDED_VAE / WEIGHTS_NAME).stat().st_size <= 2 * 1024 * 1024
+    vae = SmallVideoVAE.from_pretrained(EMBEDDED_VAE)
+    clips, scenes = zip(*(expert_clip(seed) for seed in range(8)), strict=True)
+    video = torch.cat([frames_to_clip(frames) for frames in clips])
+    with torch.no_grad():
+        latents = vae.encode(video)
+        recon = vae.decode(latents)
+    assert psnr(video, recon) > 30.0
+    # normalisation statistics fit unseen scenes: per-channel moments near 0 and 1
+    per_channel = latents.transpose(0, 1).reshape(vae.latent_channels, -1)
+    assert per_channel.mean(1).abs().max() < 0.5
+    assert ((per_channel.std(1) > 0.5) & (per_channel.std(1) < 1.5)).all()
+    # what the policy needs: every disc keeps its colour in the reconstructed first frame
+    palette = {name: np.array(rgb, np.float32) for name, rgb in COLORS.items()}
+    first = ((recon[:, :, 0].permute(0, 2, 3, 1).numpy() + 1) * 127.5).astype(np.float32)
+    size, table = first.shape[1], ReachConfig().table_size
+    for image, (object_xy, colors) in zip(first, scenes, strict=True):
+        for (x, y), color in zip(object_xy, colors, strict=True):
+            col, row = int(x / table * size), int((table - y) / table * size)
+            pixel = image[row, col]
+            nearest = min(palette, key=lambda name: np.abs(palette[name] - pixel).sum())
+            assert nearest == color

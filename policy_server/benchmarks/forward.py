@@ -156,7 +156,7 @@ def measure_forward(config: Cosmos3TransformerConfig, n_text: int = 40,
 
     - `full_ms`: our `forward` (both pathways, diffusers-equivalent);
     - `gen_only_ms`: `embed_gen` + `gen_stack` + `heads` against UND K/V prefilled once, with the
-      GEN rotary table computed once per request (what the sampler runs every step);
+      GEN layout (rows, rotary tables) built once per request (what the sampler runs every step);
     - `reference_full_ms`: diffusers' `Cosmos3OmniTransformer.forward` at the same weights.
     `ratio_gen_only_vs_reference` is `reference_full_ms / gen_only_ms` (the GEN-only speed-up).
     """
@@ -168,10 +168,10 @@ def measure_forward(config: Cosmos3TransformerConfig, n_text: int = 40,
 
     with torch.inference_mode():
         und_kv = model.prefill_und(kwargs["input_ids"], kwargs["position_ids"][:, :und_len])
-        rotary = model.gen_rotary(kwargs["position_ids"], und_len)
+        layout = model.gen_layout(**kwargs)
 
         def gen_only():
-            gen = model.embed_gen(**kwargs, gen_rotary=rotary)
+            gen = model.embed_gen(**kwargs, layout=layout)
             return model.heads(model.gen_stack(gen, und_kv), gen)
 
         calls = {"full_ms": lambda: model(**kwargs), "gen_only_ms": gen_only,

@@ -1,0 +1,23 @@
+"""Latency-budget control (pure Python): cost model, per-tick planner, in-tick deadline guard, tick record."""
+
+from .cost_model import CallCosts, CostModel
+from .guard import DeadlineGuard
+from .history import SessionHistory
+from .planner import DEFAULT_LADDER, MAX_CACHING, CacheSetting, PlannerConfig, TickPlan, plan_tick
+from .record import TickRecord
+from .tick import TickBudget
+
+__all__ = [
+    "DEFAULT_LADDER",
+    "MAX_CACHING",
+    "CacheSetting",
+    "CallCosts",
+    "CostModel",
+    "DeadlineGuard",
+    "PlannerConfig",
+    "SessionHistory",
+    "TickBudget",
+    "TickPlan",
+    "TickRecord",
+    "plan_tick",
+]

@@ -1,9 +1,10 @@
 """In-tick deadline guard: forces SKIP whenever running FULL now would make the deadline unreachable.
 
 Before a call at step ``s`` that the cache gate wants to run FULL, the guard checks whether
-``now + c_full + (remaining non-final calls) * c_skip + (final-step calls) * c_full + reserve_after``
-exceeds the deadline; if so it answers True and SeaCache skips instead (when it has a residual). The final
-step is reserved as FULL and never forced. This bounds the tick even when the gate would refresh every step.
+``now + rest of this call as FULL + (remaining non-final calls) * c_skip + (final-step calls) * c_full
++ reserve_after`` exceeds the deadline; if so it answers True and SeaCache skips instead (when it has a
+residual). The final step is reserved as FULL and never forced. This bounds the tick even when the gate
+would refresh every step.
 
 The guard also times every call (via ``on_decision``, which SeaCache calls after each call completes), so the
 cost model learns c_full and c_skip from real ticks, and so a slowdown seen earlier in the same tick raises
@@ -112,10 +113,13 @@ class DeadlineGuard:
         later_in_step = len(branches) - 1 - branches.index(branch)
         final_calls = len(plan.branches(plan.num_steps - 1))
         middle_calls = later_in_step + sum(len(plan.branches(s)) for s in range(step + 1, plan.num_steps - 1))
+        now = self.clock()
+        # Part of this call (its embedding, the previous call's heads and sampler update) is already spent.
+        rest_of_this_call = max(0.0, self._full_ms - (now - self._last_mark))
         needed = (
-            self._full_ms + middle_calls * self._skip_ms + final_calls * self._full_ms + self._reserve_after
+            rest_of_this_call + middle_calls * self._skip_ms + final_calls * self._full_ms + self._reserve_after
         )
-        overshoot = self.clock() + needed - self._deadline_at
+        overshoot = now + needed - self._deadline_at
         if overshoot > 0:
             self._requested.append(ForcedSkip(step, branch, overshoot))
             return True

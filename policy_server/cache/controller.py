@@ -6,6 +6,9 @@ The sampler calls, for each step ``i`` and CFG branch ``b`` ("cond", "uncond")::
                                    gen_in=gen.hidden, full=lambda: model.gen_stack(gen, und_kv[b]))
 
 ``begin(num_steps)`` is called once per request before the first step; ``record()`` after the last.
+``noisy_vision`` holds every vision item with at least one noisy frame, whole (its clean conditioning frames
+included), and leaves out fully conditioned items; it is empty for packs without noisy vision (inverse
+dynamics), which makes SeaCache fail open. This matches diffusers' Cosmos3 SeaCache hook.
 """
 
 from __future__ import annotations

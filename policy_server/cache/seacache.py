@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -117,6 +118,16 @@ class _BranchState:
     last_step: int | None = None
 
 
+def _sigma_value(sigma: object) -> float | None:
+    """The step's sigma as a float, or None when it is not finite or outside [0, 1] (the cache fails open)."""
+    if isinstance(sigma, torch.Tensor) and sigma.numel() == 1:
+        sigma = sigma.item()
+    if isinstance(sigma, bool) or not isinstance(sigma, numbers.Real):
+        raise TypeError(f"sigma must be a real number in [0, 1], got {type(sigma).__name__}")
+    value = float(sigma)
+    return value if math.isfinite(value) and 0.0 <= value <= 1.0 else None
+
+
 def _history_matches(history: list[tuple[int, torch.Tensor]], gen_in: torch.Tensor) -> bool:
     return all(
         r.shape == gen_in.shape and r.dtype == gen_in.dtype and r.device == gen_in.device for _, r in history
@@ -210,8 +221,7 @@ class SeaCache:
     ) -> torch.Tensor:
         check_step_call(step, branch, self._num_steps)
         noisy_vision = self._check_noisy_vision(noisy_vision)
-        num_steps = self._num_steps
-        cfg = self.config
+        sigma_value = _sigma_value(sigma)
         threshold = self._thresholds[step]
 
         state = self._states.setdefault(branch, _BranchState())
@@ -220,44 +230,15 @@ class SeaCache:
             state = self._states[branch] = _BranchState()
         state.last_step = step
 
-        sigma_ok = (
-            isinstance(sigma, int | float) and not isinstance(sigma, bool) and math.isfinite(sigma)
-            and 0.0 <= sigma <= 1.0
-        )
         indicator = None
-        if self._gate_active and sigma_ok and noisy_vision:
-            indicator = self._shared_indicator(step, float(sigma), noisy_vision)
-
-        # The gate: a FULL reason, or None for SKIP. `accumulated` is what the accumulator holds if we skip.
-        distance: float | None = None
-        accumulated = state.accumulated
+        if self._gate_active and sigma_value is not None and noisy_vision:
+            indicator = self._shared_indicator(step, sigma_value, noisy_vision)
         if non_adjacent:
-            reason = "non_adjacent_step"
-        elif torch.is_grad_enabled():
-            reason = "grad_enabled"
-        elif not sigma_ok:
-            reason = "sigma_out_of_range"
-        elif step < cfg.retention_steps:
-            reason = "retention"
-        elif step >= num_steps - cfg.cache_end_steps:
-            reason = "cache_end"
-        elif not noisy_vision:
-            reason = "no_noisy_vision"
-        elif not self._gate_active:
-            reason = "threshold"
-        elif self._cap > 0 and state.consecutive_cached >= self._cap:
-            reason = "cap"
-        elif state.prev_indicator is None:
-            reason = "no_previous_indicator"
+            reason, distance, accumulated = "non_adjacent_step", None, 0.0
         else:
-            distance = self._distance(indicator, state.prev_indicator)
-            if distance is None:
-                reason = "shape_change"
-            elif not math.isfinite(distance):
-                reason = "nonfinite_distance"
-            else:
-                accumulated = state.accumulated + distance
-                reason = "threshold" if accumulated >= threshold else None
+            reason, distance, accumulated = self._gate(
+                step, state, indicator, sigma_value, noisy_vision, threshold
+            )
         # prev follows every step, forced or not, so the accumulator sums the step-to-step drift.
         state.prev_indicator = indicator
 
@@ -280,7 +261,7 @@ class SeaCache:
         if reason is None:
             state.accumulated = accumulated
             state.consecutive_cached += 1
-            out = gen_in + newton_extrapolate(state.history, step, cfg.residual_order)
+            out = gen_in + newton_extrapolate(state.history, step, self.config.residual_order)
             decision = StepDecision(step, branch, False, skip_reason, distance, accumulated, threshold)
         else:
             state.accumulated = 0.0
@@ -293,7 +274,7 @@ class SeaCache:
                 )
             if self._gate_active or self.force_skip is not None:
                 state.history.append((step, (out - gen_in).detach()))
-                del state.history[: -(cfg.residual_order + 1)]
+                del state.history[: -(self.config.residual_order + 1)]
             decision = StepDecision(step, branch, True, reason, distance, 0.0, threshold)
             if reason in FAIL_OPEN_REASONS:
                 self._warn_fail_open(reason, step, branch)
@@ -304,6 +285,40 @@ class SeaCache:
         return out
 
     # ------------------------------------------------------------------ helpers
+
+    def _gate(
+        self,
+        step: int,
+        state: _BranchState,
+        indicator: list[torch.Tensor] | None,
+        sigma: float | None,
+        noisy_vision: list[torch.Tensor],
+        threshold: float,
+    ) -> tuple[str | None, float | None, float]:
+        """The accumulate-and-refresh rule: ``(full reason or None for SKIP, distance, accumulator if SKIP)``."""
+        if torch.is_grad_enabled():
+            return "grad_enabled", None, 0.0
+        if sigma is None:
+            return "sigma_out_of_range", None, 0.0
+        if step < self.config.retention_steps:
+            return "retention", None, 0.0
+        if step >= self._num_steps - self.config.cache_end_steps:
+            return "cache_end", None, 0.0
+        if not noisy_vision:
+            return "no_noisy_vision", None, 0.0
+        if not self._gate_active:
+            return "threshold", None, 0.0
+        if self._cap > 0 and state.consecutive_cached >= self._cap:
+            return "cap", None, state.accumulated
+        if state.prev_indicator is None:
+            return "no_previous_indicator", None, 0.0
+        distance = self._distance(indicator, state.prev_indicator)
+        if distance is None:
+            return "shape_change", None, 0.0
+        if not math.isfinite(distance):
+            return "nonfinite_distance", distance, 0.0
+        accumulated = state.accumulated + distance
+        return ("threshold" if accumulated >= threshold else None), distance, accumulated
 
     @staticmethod
     def _check_noisy_vision(noisy_vision: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -322,11 +337,16 @@ class SeaCache:
     def _shared_indicator(
         self, step: int, sigma: float, noisy_vision: list[torch.Tensor]
     ) -> list[torch.Tensor]:
-        """SEA indicators of this step, computed once and reused by the other CFG branches of the step."""
+        """SEA indicators of this step, computed once and reused by the other CFG branches of the step.
+
+        The branches of one step see the same latent tensors (the sampler updates them only after every
+        branch ran), so storage, shape, dtype and device identify them within a step. Version counters are
+        not used: inference-mode tensors have none.
+        """
         key = (
             step,
             sigma,
-            tuple((t.data_ptr(), tuple(t.shape), t.dtype, str(t.device), t._version) for t in noisy_vision),
+            tuple((t.data_ptr(), tuple(t.shape), t.dtype, str(t.device)) for t in noisy_vision),
         )
         if key != self._indicator_key:
             self._indicator_key = key

@@ -160,9 +160,10 @@ class TickRecord:
     """Why one answer was as fast (or slow) as it was.
 
     predicted_ms / actual_ms: per stage (e.g. "queue", "encode", "prefill", "denoise", "decode")
-    and "total", in ms. knobs: the settings the budget planner chose (e.g. "threshold",
-    "max_consecutive", "num_steps", "cfg"); full/skipped/forced/fail_open count GEN-stack calls
-    summed over CFG branches; fallbacks name each degradation applied, in order.
+    and always "total" (engine-side latency of the tick), in ms. knobs: the settings the budget
+    planner chose (e.g. "threshold", "max_consecutive", "num_steps", "cfg"); full / skipped /
+    forced / fail_open count GEN-stack calls summed over CFG branches; fallbacks name each
+    degradation applied, in order.
     """
 
     budget_ms: float

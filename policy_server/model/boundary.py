@@ -1,7 +1,8 @@
 """The data that crosses the cacheable boundary of `Cosmos3OmniTransformer`.
 
 `UndKV` is computed once per request and CFG branch (`prefill_und`); `GenInput` once per denoising
-step (`embed_gen`); `gen_stack` maps `(GenInput, UndKV)` to the GEN hidden states that `heads` decode.
+step (`embed_gen`, which may reuse a request's `GenLayout`); `gen_stack` maps `(GenInput, UndKV)` to
+the GEN hidden states that `heads` decode.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from policy_server.model.gen_layout import GenLayout
 
 
 @dataclass
@@ -34,23 +37,26 @@ class UndKV:
 
 @dataclass
 class GenInput:
-    """Embedded generated rows of one denoising step plus what the heads need to decode them.
+    """Embedded generated rows of one denoising step, plus their request-static layout.
 
-    Row indexes below are GEN-local: joint-sequence index minus `und_len`.
+    `layout` holds the rotary tables and GEN-local rows (joint index minus `und_len`) the stack and
+    the heads need; it is the same object every step when the caller passes one to `embed_gen`.
     """
 
-    hidden: torch.Tensor                      # [N_gen, D] projected rows, time embedding on noisy rows
-    cos: torch.Tensor                         # [N_gen, hd] rotary cosines of the generated rows
-    sin: torch.Tensor                         # [N_gen, hd]
-    und_len: int                              # text rows the UndKV must hold
-    vision_token_shapes: list[tuple[int, int, int]]   # patch grid (T, h, w) per vision item
-    vision_latent_shapes: list[tuple[int, int, int]]  # unpadded latent (T, H, W) per item
-    vision_noisy_frame_indexes: list[torch.Tensor]    # latent frames predicted, per item
-    vision_readout_rows: torch.Tensor                 # [N_noisy_patches] rows read by proj_out
-    sound_token_shapes: list[tuple[int, int, int]] | None = None
-    sound_noisy_frame_indexes: list[torch.Tensor] | None = None
-    sound_readout_rows: torch.Tensor | None = None
-    action_token_shapes: list[tuple[int, int, int]] | None = None
-    action_noisy_frame_indexes: list[torch.Tensor] | None = None
-    action_readout_rows: torch.Tensor | None = None
-    action_readout_domain_ids: torch.Tensor | None = None  # [N_noisy_actions] domain id per read row
+    hidden: torch.Tensor  # [N_gen, D] projected rows, time embedding added on noisy rows
+    layout: GenLayout
+
+    @property
+    def cos(self) -> torch.Tensor:
+        """[N_gen, hd] rotary cosines of the generated rows."""
+        return self.layout.cos
+
+    @property
+    def sin(self) -> torch.Tensor:
+        """[N_gen, hd] rotary sines of the generated rows."""
+        return self.layout.sin
+
+    @property
+    def und_len(self) -> int:
+        """Text rows the `UndKV` paired with this input must hold."""
+        return self.layout.und_len

@@ -98,6 +98,8 @@ class DomainAwareLinear(nn.Module):
         if domain_ids.shape[0] != x.shape[0]:
             raise ValueError(f"need one domain id per action row: {x.shape[0]} rows, {len(domain_ids)} ids")
         domains = domain_ids.unique().tolist()
+        if not domains:  # no noisy action rows (forward dynamics): nothing to project
+            return x.new_zeros((0, self.output_size))
         if min(domains) < 0 or max(domains) >= self.num_domains:
             raise ValueError(f"action domain ids must be in [0, {self.num_domains}), got {domains}")
         if len(domains) == 1:

@@ -5,7 +5,8 @@ Config fields, `state_dict` keys and the `forward` signature/return value are th
 `forward`, the model exposes the boundary the sampler and SeaCache work with (docs/ARCHITECTURE.md):
 
     und_kv = model.prefill_und(input_ids, position_ids[:, :und_len])   # once per request and CFG branch
-    gen = model.embed_gen(**forward_kwargs)                            # every step
+    layout = model.gen_layout(**forward_kwargs)                        # once per request and CFG branch
+    gen = model.embed_gen(**forward_kwargs, layout=layout)             # every step
     vision, sound, action = model.heads(model.gen_stack(gen, und_kv), gen)
 
 which equals `model.forward(**forward_kwargs, return_dict=False)`. The reasoner (autoregressive text)
@@ -17,7 +18,7 @@ rows before `und_len` are UND, the rest GEN.
 
 from __future__ import annotations
 
-import math
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,7 @@ from torch import nn
 from policy_server.model.boundary import GenInput, UndKV
 from policy_server.model.config import Cosmos3TransformerConfig
 from policy_server.model.decoder import Cosmos3MoTDecoderLayer
+from policy_server.model.gen_layout import GenLayout, ModalityLayout, build_gen_layout
 from policy_server.model.layers import (
     DomainAwareLinear,
     TimestepEmbedding,
@@ -45,18 +47,6 @@ class Cosmos3OmniTransformerOutput:
     sample: list[torch.Tensor]                # vision, each [1, C_lat, T, H, W]; zeros on clean frames
     sound: list[torch.Tensor] | None = None   # each [sound_dim, T]
     action: list[torch.Tensor] | None = None  # each [T, action_dim]; zeros on clean rows
-
-
-def _noisy_packed_rows(noisy_frame_indexes: list[torch.Tensor], token_shapes: list[tuple[int, int, int]],
-                       device: torch.device) -> torch.Tensor:
-    """Packed-row indexes of every token in a noisy frame, items concatenated in order."""
-    rows, start = [], 0
-    for noisy, shape in zip(noisy_frame_indexes, token_shapes, strict=True):
-        per_frame = shape[1] * shape[2]
-        frame_rows = noisy.to(device=device, dtype=torch.long)[:, None] * per_frame
-        rows.append((frame_rows + torch.arange(per_frame, device=device) + start).reshape(-1))
-        start += shape[0] * per_frame
-    return torch.cat(rows)
 
 
 def _require(condition: bool, message: str) -> None:
@@ -122,186 +112,111 @@ class Cosmos3OmniTransformer(nn.Module):
 
     # ------------------------------------------------------------------ GEN embedding (every step)
 
-    def gen_rotary(self, position_ids: torch.Tensor, und_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotary `cos, sin [N_gen, hd]` of the generated rows; static per request, so reusable."""
-        return self.rotary_emb(position_ids[..., und_len:], self.dtype)
+    def gen_layout(self, input_ids=None, text_indexes=None, position_ids=None, und_len: int = 0,
+                   sequence_length: int = 0, vision_tokens=None, vision_token_shapes=None,
+                   vision_sequence_indexes=None, vision_mse_loss_indexes=None, vision_timesteps=None,
+                   vision_noisy_frame_indexes=None, sound_tokens=None, sound_token_shapes=None,
+                   sound_sequence_indexes=None, sound_mse_loss_indexes=None, sound_timesteps=None,
+                   sound_noisy_frame_indexes=None, action_tokens=None, action_token_shapes=None,
+                   action_sequence_indexes=None, action_mse_loss_indexes=None, action_timesteps=None,
+                   action_noisy_frame_indexes=None, action_domain_ids=None, return_dict: bool = True) -> GenLayout:
+        """The request-static part of `embed_gen` (rows, rotary tables, checks), from `forward`'s kwargs.
 
-    def embed_gen(
-        self,
-        input_ids: torch.Tensor | None = None,
-        text_indexes: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-        und_len: int = 0,
-        sequence_length: int = 0,
-        vision_tokens: list[torch.Tensor] | None = None,
-        vision_token_shapes: list[tuple[int, int, int]] | None = None,
-        vision_sequence_indexes: torch.Tensor | None = None,
-        vision_mse_loss_indexes: torch.Tensor | None = None,
-        vision_timesteps: torch.Tensor | None = None,
-        vision_noisy_frame_indexes: list[torch.Tensor] | None = None,
-        sound_tokens: list[torch.Tensor] | None = None,
-        sound_token_shapes: list[tuple[int, int, int]] | None = None,
-        sound_sequence_indexes: torch.Tensor | None = None,
-        sound_mse_loss_indexes: torch.Tensor | None = None,
-        sound_timesteps: torch.Tensor | None = None,
-        sound_noisy_frame_indexes: list[torch.Tensor] | None = None,
-        action_tokens: list[torch.Tensor] | None = None,
-        action_token_shapes: list[tuple[int, int, int]] | None = None,
-        action_sequence_indexes: torch.Tensor | None = None,
-        action_mse_loss_indexes: torch.Tensor | None = None,
-        action_timesteps: torch.Tensor | None = None,
-        action_noisy_frame_indexes: list[torch.Tensor] | None = None,
-        action_domain_ids: list[torch.Tensor] | None = None,
-        return_dict: bool = True,
-        gen_rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> GenInput:
-        """Embed the generated rows of one step. Takes `forward`'s keyword arguments.
-
-        Text arguments (`input_ids`, `text_indexes`) and `return_dict` are accepted and ignored, so one
-        kwargs dict serves both calls. `gen_rotary` may pass `gen_rotary(position_ids, und_len)`
-        computed once per request. Vision patches get `proj_in`, sound rows `audio_proj_in` +
-        `audio_modality_embed`, action rows `action_proj_in` (per domain) + `action_modality_embed`;
-        noisy rows then get the timestep embedding of `timesteps * timestep_scale`.
+        Build it once per request and CFG branch and pass it as `embed_gen(..., layout=...)`; it only
+        depends on the index/shape arguments, not on the step's latents or timesteps.
         """
-        del input_ids, text_indexes, return_dict
-        c = self.config
-        _require(position_ids is not None and vision_tokens is not None and vision_token_shapes is not None
-                 and vision_sequence_indexes is not None and vision_mse_loss_indexes is not None
-                 and vision_timesteps is not None and vision_noisy_frame_indexes is not None,
-                 "position_ids and all vision_* arguments are required (the diffusers forward signature)")
-        num_gen = sequence_length - und_len
-        _require(und_len >= 0 and num_gen >= 0,
-                 f"need 0 <= und_len <= sequence_length, got {und_len} and {sequence_length}")
-        _require(position_ids.shape[-1] == sequence_length,
-                 f"position_ids must be [3, {sequence_length}] or [{sequence_length}], "
-                 f"got {tuple(position_ids.shape)}")
-        dtype, device = self.dtype, self.device
-        has_sound = sound_tokens is not None and sound_sequence_indexes is not None
-        has_action = action_tokens is not None and action_sequence_indexes is not None
-        _require(not has_sound or c.sound_gen, "sound_tokens given but this model has sound_gen=False")
-        _require(not has_action or c.action_gen, "action_tokens given but this model has action_gen=False")
-
-        def gen_rows(indexes: torch.Tensor, count: int, name: str) -> torch.Tensor:
-            """Joint-sequence indexes -> GEN-local rows, checked to lie in the GEN part."""
-            indexes = indexes.to(device=device, dtype=torch.long).reshape(-1)
-            _require(indexes.numel() == count, f"{name} has {indexes.numel()} entries, expected {count}")
-            if count:
-                low, high = (int(v) for v in torch.aminmax(indexes))
-                _require(low >= und_len and high < sequence_length,
-                         f"{name} must index generated rows [{und_len}, {sequence_length}), "
-                         f"got [{low}, {high}]")
-            return indexes - und_len
-
-        blocks: list[tuple[torch.Tensor, torch.Tensor]] = []  # (GEN rows, embedded rows)
-        noisy_rows: list[torch.Tensor] = []                    # GEN rows that get a time embedding
-        timesteps: list[torch.Tensor] = []
-
-        # Vision: pad to the patch grid, patchify, project.
-        patches, latent_shapes = self._patchify(vision_tokens, vision_token_shapes)
-        rows = gen_rows(vision_sequence_indexes, patches.shape[0], "vision_sequence_indexes")
-        blocks.append((rows, self.proj_in(patches.to(dtype))))
-        noisy = _noisy_packed_rows(vision_noisy_frame_indexes, vision_token_shapes, device)
-        _require(vision_timesteps.numel() == noisy.numel(),
-                 f"vision_timesteps has {vision_timesteps.numel()} entries, expected one per noisy patch "
-                 f"({noisy.numel()})")
-        noisy_rows.append(rows[noisy])
-        timesteps.append(vision_timesteps.reshape(-1))
-        vision_readout = gen_rows(vision_mse_loss_indexes, noisy.numel(), "vision_mse_loss_indexes")
-
-        sound_readout = None
-        if has_sound:
-            _require(len(sound_tokens) == len(sound_token_shapes) == len(sound_noisy_frame_indexes),
-                     "sound_tokens, sound_token_shapes and sound_noisy_frame_indexes need one entry per item")
-            packed = torch.cat([s[:, : shape[0]].T
-                                for s, shape in zip(sound_tokens, sound_token_shapes, strict=True)])
-            _require(packed.shape[1] == c.sound_dim, f"sound tokens must have {c.sound_dim} channels")
-            rows = gen_rows(sound_sequence_indexes, packed.shape[0], "sound_sequence_indexes")
-            blocks.append((rows, self.audio_proj_in(packed.to(dtype)) + self.audio_modality_embed))
-            noisy = _noisy_packed_rows(sound_noisy_frame_indexes, sound_token_shapes, device)
-            _require(sound_timesteps is not None and sound_timesteps.numel() == noisy.numel(),
-                     f"sound_timesteps must have one entry per noisy sound row ({noisy.numel()})")
-            noisy_rows.append(rows[noisy])
-            timesteps.append(sound_timesteps.reshape(-1))
-            sound_readout = gen_rows(sound_mse_loss_indexes, noisy.numel(), "sound_mse_loss_indexes")
-
-        action_readout = action_readout_domains = None
-        if has_action:
-            _require(action_domain_ids is not None
-                     and len(action_tokens) == len(action_token_shapes) == len(action_noisy_frame_indexes)
-                     == len(action_domain_ids),
-                     "action_tokens, action_token_shapes, action_noisy_frame_indexes and action_domain_ids "
-                     "must have one entry per item")
-            items = list(zip(action_tokens, action_token_shapes, action_domain_ids, strict=True))
-            packed = torch.cat([a[: shape[0]] for a, shape, _ in items])
-            _require(packed.ndim == 2 and packed.shape[1] == c.action_dim,
-                     f"action tokens must be [T, {c.action_dim}], got rows of {tuple(packed.shape[1:])}")
-            row_domains = torch.cat([d.reshape(1).expand(shape[0]) for _, shape, d in items])
-            rows = gen_rows(action_sequence_indexes, packed.shape[0], "action_sequence_indexes")
-            embedded = self.action_proj_in(packed.to(dtype), row_domains) + self.action_modality_embed
-            blocks.append((rows, embedded))
-            noisy = _noisy_packed_rows(action_noisy_frame_indexes, action_token_shapes, device)
-            action_readout = gen_rows(action_mse_loss_indexes, noisy.numel(), "action_mse_loss_indexes")
-            if action_readout.numel() > 0:  # the reference adds no time embedding when no action row is read
-                _require(action_timesteps is not None and action_timesteps.numel() == noisy.numel(),
-                         f"action_timesteps must have one entry per noisy action row ({noisy.numel()})")
-                noisy_rows.append(rows[noisy])
-                timesteps.append(action_timesteps.reshape(-1))
-            action_readout_domains = torch.cat([
-                d.reshape(1).expand(len(n))
-                for d, n in zip(action_domain_ids, action_noisy_frame_indexes, strict=True)
-            ])
-
-        hidden = torch.zeros((num_gen, c.hidden_size), dtype=dtype, device=device)
-        for rows, embedded in blocks:
-            hidden.index_copy_(0, rows, embedded)
-        hidden.index_add_(0, torch.cat(noisy_rows), self._timestep_embedding(torch.cat(
-            [t.to(device=device, dtype=torch.float32) for t in timesteps])))
-
-        cos, sin = gen_rotary if gen_rotary is not None else self.gen_rotary(position_ids, und_len)
-        _require(cos.shape[0] == num_gen, f"gen_rotary must cover {num_gen} generated rows, has {len(cos)}")
-        return GenInput(
-            hidden=hidden, cos=cos, sin=sin, und_len=und_len,
-            vision_token_shapes=[tuple(s) for s in vision_token_shapes], vision_latent_shapes=latent_shapes,
-            vision_noisy_frame_indexes=list(vision_noisy_frame_indexes), vision_readout_rows=vision_readout,
-            sound_token_shapes=sound_token_shapes if has_sound else None,
-            sound_noisy_frame_indexes=sound_noisy_frame_indexes if has_sound else None,
-            sound_readout_rows=sound_readout,
-            action_token_shapes=action_token_shapes if has_action else None,
-            action_noisy_frame_indexes=action_noisy_frame_indexes if has_action else None,
-            action_readout_rows=action_readout, action_readout_domain_ids=action_readout_domains,
+        del input_ids, text_indexes, vision_timesteps, sound_timesteps, action_timesteps, return_dict
+        return build_gen_layout(
+            self.config, self.rotary_emb, self.device, self.dtype, position_ids, und_len, sequence_length,
+            vision_tokens, vision_token_shapes, vision_sequence_indexes, vision_mse_loss_indexes,
+            vision_noisy_frame_indexes, sound_tokens, sound_token_shapes, sound_sequence_indexes,
+            sound_mse_loss_indexes, sound_noisy_frame_indexes, action_tokens, action_token_shapes,
+            action_sequence_indexes, action_mse_loss_indexes, action_noisy_frame_indexes, action_domain_ids,
         )
 
-    def _timestep_embedding(self, timesteps: torch.Tensor) -> torch.Tensor:
-        """Scheduler timesteps `[N]` (sigma * 1000) -> `[N, D]` in the model dtype (MLP in its own dtype)."""
-        features = sinusoidal_timestep_features(timesteps * self.config.timestep_scale, TIMESTEP_FEATURES)
-        embed_dtype = self.time_embedder.linear_1.weight.dtype
-        return self.time_embedder(features.to(embed_dtype)).to(self.dtype)
+    def embed_gen(self, layout: GenLayout | None = None, **forward_kwargs) -> GenInput:
+        """Embed the generated rows of one step from `forward`'s keyword arguments.
 
-    def _patchify(self, vision_tokens: list[torch.Tensor], token_shapes: list[tuple[int, int, int]]):
+        Vision patches get `proj_in`; sound rows `audio_proj_in` + `audio_modality_embed`; action rows
+        `action_proj_in` (per domain) + `action_modality_embed`; noisy rows then get the timestep
+        embedding of `timesteps * timestep_scale`. Text arguments are accepted and ignored, so one
+        kwargs dict serves `forward` and this call. `layout`: `gen_layout(**forward_kwargs)` of this
+        request, to skip rebuilding it every step.
+        """
+        unknown = forward_kwargs.keys() - _FORWARD_ARGUMENTS
+        _require(not unknown, f"unknown embed_gen argument(s) {sorted(unknown)}; expected forward's keywords")
+        if layout is None:
+            layout = self.gen_layout(**forward_kwargs)
+        c, dtype = self.config, self.dtype
+        hidden = torch.zeros((layout.num_gen, c.hidden_size), dtype=dtype, device=self.device)
+        timesteps = []
+
+        vision_tokens = forward_kwargs["vision_tokens"]
+        hidden.index_copy_(0, layout.vision.rows, self.proj_in(self._patchify(vision_tokens, layout).to(dtype)))
+        timesteps.append(self._step_timesteps(forward_kwargs.get("vision_timesteps"), layout.vision, "vision"))
+
+        if layout.sound is not None:
+            packed = torch.cat([s[:, : shape[0]].T for s, shape in zip(
+                forward_kwargs["sound_tokens"], layout.sound.token_shapes, strict=True)])
+            _require(packed.shape == (layout.sound.rows.numel(), c.sound_dim),
+                     f"sound tokens must pack to [{layout.sound.rows.numel()}, {c.sound_dim}], "
+                     f"got {tuple(packed.shape)}")
+            embedded = self.audio_proj_in(packed.to(dtype)) + self.audio_modality_embed
+            hidden.index_copy_(0, layout.sound.rows, embedded)
+            timesteps.append(self._step_timesteps(forward_kwargs.get("sound_timesteps"), layout.sound, "sound"))
+
+        if layout.action is not None:
+            packed = torch.cat([a[: shape[0]] for a, shape in zip(
+                forward_kwargs["action_tokens"], layout.action.token_shapes, strict=True)])
+            _require(packed.shape == (layout.action.rows.numel(), c.action_dim),
+                     f"action tokens must pack to [{layout.action.rows.numel()}, {c.action_dim}], "
+                     f"got {tuple(packed.shape)}")
+            embedded = self.action_proj_in(packed.to(dtype), layout.action_row_domains) + self.action_modality_embed
+            hidden.index_copy_(0, layout.action.rows, embedded)
+            if layout.action.readout_rows.numel() > 0:  # mirrors the row set in `layout.time_rows`
+                timesteps.append(
+                    self._step_timesteps(forward_kwargs.get("action_timesteps"), layout.action, "action"))
+
+        hidden.index_add_(0, layout.time_rows, self._timestep_embedding(torch.cat(timesteps)))
+        return GenInput(hidden=hidden, layout=layout)
+
+    def _step_timesteps(self, timesteps: torch.Tensor | None, modality: ModalityLayout, name: str) -> torch.Tensor:
+        """One scheduler timestep per noisy row of a modality, as fp32 on the model's device."""
+        expected = modality.noisy_rows.numel()
+        _require(timesteps is not None and timesteps.numel() == expected,
+                 f"{name}_timesteps must have one entry per noisy {name} token ({expected}), got "
+                 f"{None if timesteps is None else timesteps.numel()}")
+        return timesteps.reshape(-1).to(device=self.device, dtype=torch.float32)
+
+    def _timestep_embedding(self, timesteps: torch.Tensor) -> torch.Tensor:
+        """Scheduler timesteps `[N]` (sigma * 1000) -> `[N, D]` in the model dtype (MLP in its own dtype).
+
+        Every noisy row of a step usually shares one timestep, so the MLP runs once per distinct value.
+        """
+        distinct, row_of = torch.unique(timesteps, return_inverse=True)
+        features = sinusoidal_timestep_features(distinct * self.config.timestep_scale, TIMESTEP_FEATURES)
+        embed_dtype = self.time_embedder.linear_1.weight.dtype
+        return self.time_embedder(features.to(embed_dtype)).to(self.dtype)[row_of]
+
+    def _patchify(self, vision_tokens: list[torch.Tensor], layout: GenLayout) -> torch.Tensor:
         """Latents `[1, C, T, H, W]` -> packed patches `[sum T*h*w, p*p*C]` (t, h, w major; p, q, c minor).
 
-        Odd H/W are zero-padded up to the patch size; the unpadded `(T, H, W)` is returned per item.
+        Odd H/W are zero-padded up to the patch size.
         """
         c, p = self.config.latent_channel, self.config.latent_patch_size
-        _require(len(vision_tokens) == len(token_shapes),
-                 f"{len(vision_tokens)} vision_tokens but {len(token_shapes)} vision_token_shapes")
-        packed, latent_shapes = [], []
-        for latent, shape in zip(vision_tokens, token_shapes, strict=True):
-            if latent.ndim == 5:
-                _require(latent.shape[0] == 1, f"vision latent batch must be 1, got {tuple(latent.shape)}")
-                latent = latent[0]
-            _require(latent.ndim == 4 and latent.shape[0] == c,
-                     f"vision latent must be [1, {c}, T, H, W], got {tuple(latent.shape)}")
-            t, h, w = latent.shape[1:]
-            grid = (t, math.ceil(h / p), math.ceil(w / p))
-            _require(tuple(shape) == grid, f"vision_token_shapes entry {tuple(shape)} does not match the "
-                     f"latent's patch grid {grid} (latent T, H, W = {t}, {h}, {w}; patch {p})")
+        _require(len(vision_tokens) == len(layout.vision_latent_shapes),
+                 f"{len(vision_tokens)} vision_tokens, the layout has {len(layout.vision_latent_shapes)}")
+        packed = []
+        for latent, (t, h, w), (_, gh, gw) in zip(vision_tokens, layout.vision_latent_shapes,
+                                                  layout.vision.token_shapes, strict=True):
+            latent = latent.reshape(latent.shape[-4:])
+            _require(latent.shape == (c, t, h, w),
+                     f"vision latent must be [1, {c}, {t}, {h}, {w}] as laid out, got {tuple(latent.shape)}")
             if h % p or w % p:
-                latent = torch.nn.functional.pad(latent, (0, grid[2] * p - w, 0, grid[1] * p - h))
-            patches = latent.reshape(c, t, grid[1], p, grid[2], p).permute(1, 2, 4, 3, 5, 0)
+                latent = torch.nn.functional.pad(latent, (0, gw * p - w, 0, gh * p - h))
+            patches = latent.reshape(c, t, gh, p, gw, p).permute(1, 2, 4, 3, 5, 0)
             packed.append(patches.reshape(-1, p * p * c))
-            latent_shapes.append((t, h, w))
-        return torch.cat(packed), latent_shapes
+        return torch.cat(packed)
 
     # ------------------------------------------------------------------ GEN stack (what SeaCache skips)
 
@@ -321,35 +236,35 @@ class Cosmos3OmniTransformer(nn.Module):
 
     def heads(self, gen_out: torch.Tensor, gen: GenInput):
         """GEN hidden states `[N_gen, D]` -> `(vision, sound | None, action | None)` velocity lists."""
-        vision = self._unpatchify(self.proj_out(gen_out[gen.vision_readout_rows]), gen)
+        layout = gen.layout
+        vision = self._unpatchify(self.proj_out(gen_out[layout.vision.readout_rows]), layout)
         sound = None
-        if gen.sound_readout_rows is not None:
-            preds = self.audio_proj_out(gen_out[gen.sound_readout_rows])
-            items = self._scatter_noisy(preds, gen.sound_token_shapes, gen.sound_noisy_frame_indexes)
-            sound = [item.T for item in items]
+        if layout.sound is not None:
+            preds = self.audio_proj_out(gen_out[layout.sound.readout_rows])
+            sound = [item.T for item in self._scatter_noisy(preds, layout.sound)]
         action = None
-        if gen.action_readout_rows is not None:
-            preds = self.action_proj_out(gen_out[gen.action_readout_rows], gen.action_readout_domain_ids)
-            action = self._scatter_noisy(preds, gen.action_token_shapes, gen.action_noisy_frame_indexes)
+        if layout.action is not None:
+            preds = self.action_proj_out(gen_out[layout.action.readout_rows], layout.action_readout_domains)
+            action = self._scatter_noisy(preds, layout.action)
         return vision, sound, action
 
     @staticmethod
-    def _scatter_noisy(preds: torch.Tensor, token_shapes, noisy_frame_indexes) -> list[torch.Tensor]:
+    def _scatter_noisy(preds: torch.Tensor, modality: ModalityLayout) -> list[torch.Tensor]:
         """Packed `[N_noisy, C]` -> per item `[T, C]`, zeros on clean rows."""
         items, start = [], 0
-        for shape, noisy in zip(token_shapes, noisy_frame_indexes, strict=True):
+        for shape, noisy in zip(modality.token_shapes, modality.noisy_frame_indexes, strict=True):
             out = preds.new_zeros((shape[0], preds.shape[1]))
             out[noisy] = preds[start : start + len(noisy)]
             start += len(noisy)
             items.append(out)
         return items
 
-    def _unpatchify(self, preds: torch.Tensor, gen: GenInput) -> list[torch.Tensor]:
-        """Noisy patches `[N, p*p*C]` -> `[1, C, T, H, W]`: zeros on clean frames, padding cropped."""
+    def _unpatchify(self, preds: torch.Tensor, layout: GenLayout) -> list[torch.Tensor]:
+        """Noisy patches `[N, p*p*C]` -> `[1, C, T, H, W]` per item: zeros on clean frames, padding cropped."""
         c, p = self.config.latent_channel, self.config.latent_patch_size
         items, start = [], 0
-        for (t, gh, gw), (_, h, w), noisy in zip(gen.vision_token_shapes, gen.vision_latent_shapes,
-                                                 gen.vision_noisy_frame_indexes, strict=True):
+        for (t, gh, gw), (_, h, w), noisy in zip(layout.vision.token_shapes, layout.vision_latent_shapes,
+                                                 layout.vision.noisy_frame_indexes, strict=True):
             out = preds.new_zeros((c, t, h, w))
             count = len(noisy) * gh * gw
             if count:
@@ -439,3 +354,7 @@ class Cosmos3OmniTransformer(nn.Module):
         if not all_positions:
             hidden = hidden[-1]
         return self.lm_head(self.norm(hidden))
+
+
+# Keyword arguments of the diffusers-compatible `forward`, which `embed_gen` accepts.
+_FORWARD_ARGUMENTS = frozenset(inspect.signature(Cosmos3OmniTransformer.forward).parameters) - {"self"}

@@ -72,15 +72,12 @@ class SmallVideoVAEConfig:
         for name in ("latents_mean", "latents_std"):
             values = getattr(self, name)
             if len(values) != self.latent_channels:
-                raise ValueError(
-                    f"{name} has {len(values)} entries; expected latent_channels={self.latent_channels}"
-                )
+                raise ValueError(f"{name} has {len(values)} entries; expected latent_channels={self.latent_channels}")
         if min(self.latents_std) <= 0:
             raise ValueError(f"latents_std must be positive, got {self.latents_std}")
         if any(c % self.group_norm_groups for c in self.block_channels):
             raise ValueError(
-                f"block_channels {self.block_channels} must be multiples of "
-                f"group_norm_groups={self.group_norm_groups}"
+                f"block_channels {self.block_channels} must be multiples of group_norm_groups={self.group_norm_groups}"
             )
 
     @property
@@ -186,9 +183,7 @@ class SmallVideoVAE(nn.Module):
 
         stats_shape = (1, cfg.latent_channels, 1, 1, 1)
         # Not persistent: config.json is their single source of truth.
-        self.register_buffer(
-            "latents_mean", torch.tensor(cfg.latents_mean).view(stats_shape), persistent=False
-        )
+        self.register_buffer("latents_mean", torch.tensor(cfg.latents_mean).view(stats_shape), persistent=False)
         self.register_buffer("latents_std", torch.tensor(cfg.latents_std).view(stats_shape), persistent=False)
 
     # ------------------------------------------------------------------ interface
@@ -209,9 +204,7 @@ class SmallVideoVAE(nn.Module):
         """T_lat = (T - 1) / tc + 1 for T = tc*k + 1 frames."""
         tc = self.temporal_compression
         if num_frames < 1 or (num_frames - 1) % tc:
-            raise ValueError(
-                f"num_frames={num_frames}; expected {tc}k + 1 frames (1, {tc + 1}, {2 * tc + 1}, ...)"
-            )
+            raise ValueError(f"num_frames={num_frames}; expected {tc}k + 1 frames (1, {tc + 1}, {2 * tc + 1}, ...)")
         return (num_frames - 1) // tc + 1
 
     def num_pixel_frames(self, num_latent_frames: int) -> int:
@@ -226,9 +219,7 @@ class SmallVideoVAE(nn.Module):
         mean = mean.detach().to(torch.float32).reshape(-1)
         std = std.detach().to(torch.float32).reshape(-1)
         if mean.numel() != self.latent_channels or std.numel() != self.latent_channels:
-            raise ValueError(
-                f"latent stats have {mean.numel()}/{std.numel()} entries; expected {self.latent_channels}"
-            )
+            raise ValueError(f"latent stats have {mean.numel()}/{std.numel()} entries; expected {self.latent_channels}")
         self.config.latents_mean = mean.tolist()
         self.config.latents_std = std.tolist()
         self.latents_mean.copy_(mean.view(shape))
@@ -289,9 +280,7 @@ class SmallVideoVAE(nn.Module):
         frames = self.frame_decoder(x.reshape(b * t, feat, hl, wl))
         return frames.view(b, t, *frames.shape[1:]).transpose(1, 2)
 
-    def forward(
-        self, video: Tensor, generator: torch.Generator | None = None
-    ) -> tuple[Tensor, Tensor, Tensor]:
+    def forward(self, video: Tensor, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """Training pass: (reconstruction [B, 3, T, H, W] unclamped, posterior mean, log-variance)."""
         mean, logvar = self.encode_moments(video)
         noise = torch.randn(mean.shape, generator=generator, device=mean.device, dtype=mean.dtype)
@@ -309,9 +298,7 @@ class SmallVideoVAE(nn.Module):
             )
         _, c, t, h, w = video.shape
         if c != self.config.in_channels:
-            raise ValueError(
-                f"video has {c} channels at dim 1; expected {self.config.in_channels} ([B, 3, T, H, W])"
-            )
+            raise ValueError(f"video has {c} channels at dim 1; expected {self.config.in_channels} ([B, 3, T, H, W])")
         if (t - 1) % tc:
             raise ValueError(f"video has T={t} frames; expected {tc}k + 1 (1, {tc + 1}, {2 * tc + 1}, ...)")
         if h % sc or w % sc:
@@ -320,8 +307,7 @@ class SmallVideoVAE(nn.Module):
     def _check_latents(self, latents: Tensor) -> None:
         if not isinstance(latents, Tensor) or latents.ndim != 5 or latents.shape[1] != self.latent_channels:
             raise ValueError(
-                f"latents must be [B, {self.latent_channels}, T_lat, h, w], "
-                f"got {tuple(getattr(latents, 'shape', ()))}"
+                f"latents must be [B, {self.latent_channels}, T_lat, h, w], got {tuple(getattr(latents, 'shape', ()))}"
             )
 
     # ------------------------------------------------------------------ checkpoint IO
@@ -343,9 +329,7 @@ class SmallVideoVAE(nn.Module):
         config_path, weights_path = directory / CONFIG_NAME, directory / WEIGHTS_NAME
         for required in (config_path, weights_path):
             if not required.is_file():
-                raise FileNotFoundError(
-                    f"{required} not found; expected {CONFIG_NAME} and {WEIGHTS_NAME} there"
-                )
+                raise FileNotFoundError(f"{required} not found; expected {CONFIG_NAME} and {WEIGHTS_NAME} there")
         config = SmallVideoVAEConfig.from_json_dict(json.loads(config_path.read_text()))
         model = cls(config)
         state = load_file(str(weights_path), device=str(device))

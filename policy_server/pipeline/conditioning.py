@@ -72,9 +72,7 @@ def downscale(images: Tensor, size_hw: tuple[int, int]) -> Tensor:
         raise ValueError(f"target size {target_h}x{target_w} must be at least 1x1")
     if (target_h, target_w) == (h, w):
         return images
-    resized = F.interpolate(
-        images, size=(target_h, target_w), mode="bicubic", align_corners=False, antialias=True
-    )
+    resized = F.interpolate(images, size=(target_h, target_w), mode="bicubic", align_corners=False, antialias=True)
     return resized.clamp(-1.0, 1.0)
 
 
@@ -88,9 +86,7 @@ def fit_to_canvas(
     if pad_mode not in PAD_MODES:
         raise ValueError(f"pad_mode={pad_mode!r}; expected one of {PAD_MODES}")
     if not isinstance(clip, Tensor) or clip.ndim != 5 or not clip.is_floating_point():
-        raise ValueError(
-            f"clip must be a float tensor [B, C, T, H, W], got {tuple(getattr(clip, 'shape', ()))}"
-        )
+        raise ValueError(f"clip must be a float tensor [B, C, T, H, W], got {tuple(getattr(clip, 'shape', ()))}")
     canvas_h, canvas_w = (int(s) for s in canvas_hw)
     if canvas_h < 1 or canvas_w < 1:
         raise ValueError(f"canvas {canvas_h}x{canvas_w} must be at least 1x1")

@@ -163,7 +163,7 @@ class PolicyPipeline:
             input_ids[branch] = ids
             ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
             positions = torch.arange(len(ids), dtype=torch.float32, device=self.device).expand(3, -1)
-            with torch.inference_mode():
+            with torch.no_grad():
                 und_kv[branch] = self.transformer.prefill_und(ids_t, positions)
         return PromptState(self.prompt_key(instruction, embodiment, chunk_size, cfg), input_ids, und_kv)
 
@@ -186,7 +186,7 @@ class PolicyPipeline:
         cfg = guidance != 1.0
         timings: dict[str, float] = {}
 
-        with torch.inference_mode():
+        with torch.no_grad():
             clock = time.perf_counter()
             clean_latent, placement_hw = self._encode_condition(request, chunk)
             timings["encode"] = _ms_since(clock)
@@ -212,7 +212,7 @@ class PolicyPipeline:
 
     def decode_video(self, latents: torch.Tensor) -> np.ndarray:
         """Predicted future frames: latents [C, T, h, w] -> uint8 RGB [T_pixels, H, W, 3] on the canvas."""
-        with torch.inference_mode():
+        with torch.no_grad():
             video = self.vae.decode(latents.unsqueeze(0).to(self.device))[0]
         frames = ((video.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
         return frames.permute(1, 2, 3, 0).cpu().numpy()

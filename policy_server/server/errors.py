@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-from collections.abc import Callable
 
 import grpc
 
@@ -123,38 +122,33 @@ def abort(context: grpc.ServicerContext, error: ServiceError) -> None:
     context.abort(error.code, error.detail.message)
 
 
-def rpc_errors(on_error: Callable[[ServiceError], None] | None = None):
-    """Decorator for servicer methods (unary or server-streaming): any exception ends the call
-    with its precise status. ``on_error`` sees each error first (metrics)."""
+def rpc_errors(method):
+    """Decorator for servicer methods (unary or server-streaming): any exception ends the call with
+    its precise status. The servicer's ``on_error(ServiceError)`` sees each error first (metrics)."""
 
-    def decorate(method):
-        if inspect.isgeneratorfunction(method):
-
-            @functools.wraps(method)
-            def stream_wrapper(self, request, context):
-                try:
-                    yield from method(self, request, context)
-                except Exception as exc:  # noqa: BLE001 - every failure must become a status
-                    _fail(self, context, exc)
-
-            return stream_wrapper
-
-        @functools.wraps(method)
-        def unary_wrapper(self, request, context):
-            try:
-                return method(self, request, context)
-            except Exception as exc:  # noqa: BLE001
-                _fail(self, context, exc)
-
-        return unary_wrapper
-
-    def _fail(servicer, context, exc):
+    def fail(servicer, context, exc: Exception) -> None:
         # Wrapped methods raise and never call context.abort themselves, so exc is never grpc's own
         # abort signal.
         error = from_exception(exc)
-        hook = on_error or getattr(servicer, "on_error", None)
-        if hook is not None:
-            hook(error)
+        servicer.on_error(error)
         abort(context, error)
 
-    return decorate
+    if inspect.isgeneratorfunction(method):
+
+        @functools.wraps(method)
+        def stream_wrapper(self, request, context):
+            try:
+                yield from method(self, request, context)
+            except Exception as exc:  # noqa: BLE001 - every failure must become a status
+                fail(self, context, exc)
+
+        return stream_wrapper
+
+    @functools.wraps(method)
+    def unary_wrapper(self, request, context):
+        try:
+            return method(self, request, context)
+        except Exception as exc:  # noqa: BLE001
+            fail(self, context, exc)
+
+    return unary_wrapper

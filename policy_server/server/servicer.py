@@ -53,11 +53,11 @@ class PolicyServicer(pb_grpc.PolicyServiceServicer):
 
     # -- server and sessions -------------------------------------------------------------------
 
-    @rpc_errors()
+    @rpc_errors
     def GetServerInfo(self, request, context):
         return convert.server_info_to_proto(self.engine.info(), self.engine.ready(), self.max_message_bytes)
 
-    @rpc_errors()
+    @rpc_errors
     def OpenSession(self, request: pb.OpenSessionRequest, context):
         self._check_size(request, "request")
         self._require_ready()
@@ -71,16 +71,16 @@ class PolicyServicer(pb_grpc.PolicyServiceServicer):
         )
         return convert.session_to_proto(handle)
 
-    @rpc_errors()
+    @rpc_errors
     def ResetSession(self, request: pb.ResetSessionRequest, context):
         return convert.session_to_proto(self.engine.reset_session(validate.session_id(request.session_id)))
 
-    @rpc_errors()
+    @rpc_errors
     def CloseSession(self, request: pb.CloseSessionRequest, context):
         self.engine.close_session(validate.session_id(request.session_id))
         return pb.CloseSessionResponse()
 
-    @rpc_errors()
+    @rpc_errors
     def SetBudget(self, request: pb.SetBudgetRequest, context):
         session_id = validate.session_id(request.session_id)
         budget = validate.budget_ms(request.budget_ms)
@@ -88,7 +88,7 @@ class PolicyServicer(pb_grpc.PolicyServiceServicer):
 
     # -- acting --------------------------------------------------------------------------------
 
-    @rpc_errors()
+    @rpc_errors
     def Act(self, request: pb.ActRequest, context: grpc.ServicerContext):
         received = time.monotonic()
         self._check_size(request, "request")
@@ -121,7 +121,7 @@ class PolicyServicer(pb_grpc.PolicyServiceServicer):
             client_time_ns=request.observation.client_time_ns,
         )
 
-    @rpc_errors()
+    @rpc_errors
     def Control(self, request_iterator, context):
         yield from ControlStream(self.engine, self.metrics, self.max_message_bytes, context).run(
             request_iterator
@@ -129,7 +129,7 @@ class PolicyServicer(pb_grpc.PolicyServiceServicer):
 
     # -- reasoner ------------------------------------------------------------------------------
 
-    @rpc_errors()
+    @rpc_errors
     def Reason(self, request: pb.ReasonRequest, context: grpc.ServicerContext):
         started = time.monotonic()
         self._check_size(request, "request")

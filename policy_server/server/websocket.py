@@ -42,6 +42,7 @@ from policy_server.engine.api import (
     SchemaMismatch,
     SessionHandle,
     UnknownEmbodiment,
+    UnknownSession,
     WarmingUp,
 )
 from policy_server.server import validate
@@ -227,6 +228,7 @@ class OpenpiWebsocketServer:
             compression=None,
             max_size=self._max_message_bytes,
             process_request=self._process_request,
+            close_timeout=2,  # shutdown waits this long at most for a client that does not close
         )
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True, name="openpi-ws")
         self._thread.start()
@@ -336,7 +338,7 @@ class OpenpiWebsocketServer:
                     "first_step_index": result.first_step_index,
                     "epoch": session.epoch,
                     "tick": asdict(result.tick),
-                    "policy_timing": {"infer_ms": float(result.tick.actual_ms.get("total", served_ms))},
+                    "policy_timing": {"infer_ms": float(result.tick.actual_ms["total"])},
                     "server_timing": {"infer_ms": served_ms, "prev_total_ms": prev_total_ms},
                 }
                 connection.send(packb(reply))
@@ -347,7 +349,7 @@ class OpenpiWebsocketServer:
             if session is not None:
                 try:
                     self._engine.close_session(session.session_id)
-                except Exception:  # noqa: BLE001 - already gone (e.g. engine shut down); nothing to free
+                except UnknownSession:  # already gone (closed elsewhere or the engine shut down)
                     log.debug("session %s was already closed", session.session_id)
 
     @staticmethod

@@ -13,7 +13,7 @@ velocities in m/s, one control step lasts ``1 / control_hz`` seconds.
 from __future__ import annotations
 
 import string
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import cv2
 import gymnasium as gym
@@ -69,15 +69,13 @@ class ReachConfig:
             raise ValueError(f"unknown colours {unknown}; expected names from {sorted(COLORS)}")
         if not 2 <= self.num_objects <= len(self.colors):
             raise ValueError(
-                f"num_objects={self.num_objects} must be between 2 and "
-                f"the number of colours ({len(self.colors)})"
+                f"num_objects={self.num_objects} must be between 2 and the number of colours ({len(self.colors)})"
             )
         for color in self.colors:
             text = self.instruction_template.format(color=color)
             if not set(text) <= _INSTRUCTION_CHARSET or len(text) > _INSTRUCTION_MAX_LENGTH:
                 raise ValueError(
-                    f"instruction {text!r}: expected at most {_INSTRUCTION_MAX_LENGTH} "
-                    "lowercase letters and spaces"
+                    f"instruction {text!r}: expected at most {_INSTRUCTION_MAX_LENGTH} lowercase letters and spaces"
                 )
 
     @property
@@ -109,14 +107,6 @@ class ReachScene:
         return float(np.linalg.norm(self.effector_xy - self.target_xy))
 
 
-@dataclass
-class _Canvas:
-    """Static background of one render size, cached because the table never changes."""
-
-    size: int
-    background: np.ndarray = field(repr=False)
-
-
 class ReachEnv(gym.Env):
     """Reach the coloured disc named by the instruction.
 
@@ -145,8 +135,7 @@ class ReachEnv(gym.Env):
         unknown = sorted(set(config_overrides) - set(ReachConfig.__dataclass_fields__))
         if unknown:
             raise TypeError(
-                f"unknown ReachConfig fields {unknown}; "
-                f"expected some of {sorted(ReachConfig.__dataclass_fields__)}"
+                f"unknown ReachConfig fields {unknown}; expected some of {sorted(ReachConfig.__dataclass_fields__)}"
             )
         self.config = replace(config or ReachConfig(), **config_overrides)
         if render_mode not in (None, "rgb_array"):
@@ -165,7 +154,8 @@ class ReachEnv(gym.Env):
                 "instruction": spaces.Text(max_length=_INSTRUCTION_MAX_LENGTH, charset=_INSTRUCTION_CHARSET),
             }
         )
-        self._canvases: dict[int, _Canvas] = {}
+        # Table backgrounds per render size, cached because the table never changes.
+        self._backgrounds: dict[int, np.ndarray] = {}
         self.scene: ReachScene | None = None
 
     # ------------------------------------------------------------------ gymnasium API
@@ -184,13 +174,9 @@ class ReachEnv(gym.Env):
             raise RuntimeError("step() called before reset()")
         action = np.asarray(action, dtype=np.float64)
         if action.shape != (ACTION_DIM,):
-            raise ValueError(
-                f"action has shape {action.shape}; expected ({ACTION_DIM},) effector velocity in m/s"
-            )
+            raise ValueError(f"action has shape {action.shape}; expected ({ACTION_DIM},) effector velocity in m/s")
         if not np.all(np.isfinite(action)):
-            raise ValueError(
-                f"action {action.tolist()} contains NaN or Inf; expected finite velocities in m/s"
-            )
+            raise ValueError(f"action {action.tolist()} contains NaN or Inf; expected finite velocities in m/s")
         cfg = self.config
         scene = self.scene
         velocity = np.clip(action, -cfg.max_speed, cfg.max_speed)
@@ -217,8 +203,11 @@ class ReachEnv(gym.Env):
 
     def draw(self, size: int) -> np.ndarray:
         """Top-down RGB view of the current scene, uint8 [size, size, 3]."""
-        canvas = self._canvas(size)
-        image = canvas.background.copy()
+        if self.scene is None:
+            raise RuntimeError("nothing to draw before reset()")
+        if size not in self._backgrounds:
+            self._backgrounds[size] = np.broadcast_to(np.array(TABLE_RGB, np.uint8), (size, size, 3))
+        image = self._backgrounds[size].copy()
         cfg = self.config
         scale = size / cfg.table_size * (1 << _SHIFT)  # fixed-point pixels per metre
 
@@ -231,17 +220,8 @@ class ReachEnv(gym.Env):
             cv2.circle(image, to_pixel(xy), radius, COLORS[color], -1, cv2.LINE_AA, _SHIFT)
         cx, cy = to_pixel(self.scene.effector_xy)
         half = int(round(cfg.effector_half_size * scale))
-        cv2.rectangle(
-            image, (cx - half, cy - half), (cx + half, cy + half), EFFECTOR_RGB, -1, cv2.LINE_AA, _SHIFT
-        )
+        cv2.rectangle(image, (cx - half, cy - half), (cx + half, cy + half), EFFECTOR_RGB, -1, cv2.LINE_AA, _SHIFT)
         return image
-
-    def _canvas(self, size: int) -> _Canvas:
-        if size not in self._canvases:
-            background = np.empty((size, size, 3), dtype=np.uint8)
-            background[:] = TABLE_RGB
-            self._canvases[size] = _Canvas(size, background)
-        return self._canvases[size]
 
     def _observation(self) -> dict:
         return {
@@ -273,9 +253,7 @@ class ReachEnv(gym.Env):
             if np.all(gaps[np.triu_indices(len(points), 1)] >= cfg.min_separation):
                 break
         else:
-            raise RuntimeError(
-                f"could not place {cfg.num_objects} objects with separation {cfg.min_separation} m"
-            )
+            raise RuntimeError(f"could not place {cfg.num_objects} objects with separation {cfg.min_separation} m")
         if target_color is None:
             target_index = int(rng.integers(cfg.num_objects))
         else:

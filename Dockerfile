@@ -1,0 +1,38 @@
+# policy-server image: gRPC policy server (+ openpi WebSocket and Prometheus ports) on one GPU.
+#
+#   docker build -t policy-server .
+#   docker run --gpus 1 -p 127.0.0.1:50051:50051 policy-server
+#
+# The image also holds the robot-side tools (policy-rollout), so the simulated robot in
+# docker-compose.yml runs from the same image.
+FROM python:3.11-slim-bookworm
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+WORKDIR /opt/policy-server
+
+# torch first and pinned: the Linux wheel on PyPI is the CUDA build the GPU needs, and installing
+# it before the project keeps pip from resolving a different version for `torch<2.14`.
+RUN pip install torch==2.13.0
+
+COPY pyproject.toml README.md ./
+COPY protos ./protos
+COPY policy_server ./policy_server
+COPY robots ./robots
+RUN pip install .
+
+RUN useradd --create-home --uid 10001 policy
+USER policy
+
+# 50051 gRPC, 8000 openpi WebSocket, 9090 Prometheus /metrics
+EXPOSE 50051 8000 9090
+
+# Health stays reachable without the auth token; SERVING only once the model is warm.
+HEALTHCHECK --interval=10s --timeout=5s --start-period=300s --retries=3 \
+    CMD ["python", "-m", "policy_server.client", "health", "--target", "127.0.0.1:50051"]
+
+ENTRYPOINT ["policy-server"]
+CMD ["--host", "0.0.0.0", "--port", "50051", "--device", "cuda", "--metrics-port", "9090"]

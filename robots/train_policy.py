@@ -1,0 +1,246 @@
+"""Train the embedded Cosmos3 policy by flow matching on expert demonstrations.
+
+    python -m robots.train_policy --data /work/data/reach --vae policy_server/assets/embedded/vae \
+        --out policy_server/assets/embedded --steps 6000
+
+Each training sample is one control tick of a demonstration: the frame at step t (clean latent
+frame 0), the next K frames (noisy future latents), the K expert actions from t (noisy action rows)
+and the effector state at t (a clean state row). Like Cosmos3 policy training, one loss covers the
+video and action velocities (`v = noise - x0`, actions weighted 10x); the prompt is dropped to the
+negative prompt 10% of the time so classifier-free guidance works at inference.
+
+Samples of one instruction share a single text prefill per optimiser step (the cacheable boundary:
+`prefill_und` once, then `embed_gen` + `gen_stack` + `heads` per sample, with gradients through both).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from policy_server.model import Cosmos3OmniTransformer
+from policy_server.model.text_tokenizer import TextTokenizer
+from policy_server.model.vae import SmallVideoVAE
+from policy_server.pipeline.conditioning import frames_to_clip
+from policy_server.pipeline.normalization import make_normalizer, parse_stats
+from policy_server.pipeline.packing import ActionLayout, pack_request
+from policy_server.pipeline.policy import default_model_path
+from policy_server.pipeline.prompts import action_prompt_pair
+from robots import embedded
+from robots.dataset import DemoDataset, Episode, array_stats
+
+ACTION_LOSS_WEIGHT = 10.0  # Cosmos3 action_loss_weight
+PROMPT_DROPOUT = 0.1
+
+
+@dataclass
+class TrainingWindows:
+    """All training samples, pre-encoded. N windows."""
+
+    latents: torch.Tensor  # [N, C, T_lat, h, w] normalised VAE latents
+    actions: torch.Tensor  # [N, K, A] normalised actions, zero-padded to the model's action_dim
+    states: torch.Tensor  # [N, A] normalised state row, zero-padded
+    prompt_index: torch.Tensor  # [N] index into the instruction list
+    instructions: list[str]
+
+
+def collect_windows(episodes: list[Episode], vae: SmallVideoVAE, chunk: int, action_dim: int, stats: dict,
+                    stride: int, batch: int = 64) -> TrainingWindows:
+    """Cut every episode into ticks (every `stride` steps) and VAE-encode their K+1-frame clips."""
+    parsed = parse_stats(stats)
+    action_norm = make_normalizer("minmax", parsed["action"], parsed["action"].dim)
+    state_norm = make_normalizer("minmax", parsed["state"], parsed["state"].dim)
+    clips, actions, states, prompts, instructions = [], [], [], [], []
+    for episode in tqdm(episodes, desc="windows", unit="episode"):
+        if episode.instruction not in instructions:
+            instructions.append(episode.instruction)
+        steps = episode.num_steps
+        for t in range(0, steps, stride):
+            frame_idx = np.minimum(np.arange(t, t + chunk + 1), steps)
+            clips.append(episode.frames[frame_idx])
+            # After the episode ends the effector holds still: zero velocity.
+            acts = np.zeros((chunk, episode.actions.shape[1]), np.float64)
+            valid = episode.actions[t: t + chunk]
+            acts[: len(valid)] = valid
+            acts = action_norm.normalize(acts)
+            padded = np.zeros((chunk, action_dim), np.float32)
+            padded[:, : acts.shape[1]] = acts
+            actions.append(padded)
+            state = np.zeros(action_dim, np.float32)
+            state[: episode.states.shape[1]] = state_norm.normalize(episode.states[t].astype(np.float64))
+            states.append(state)
+            prompts.append(instructions.index(episode.instruction))
+    latents = []
+    with torch.inference_mode():
+        for start in tqdm(range(0, len(clips), batch), desc="vae encode", unit="batch"):
+            video = torch.cat([frames_to_clip(c) for c in clips[start: start + batch]])
+            latents.append(vae.encode(video))
+    return TrainingWindows(
+        latents=torch.cat(latents).float(),
+        actions=torch.from_numpy(np.stack(actions)),
+        states=torch.from_numpy(np.stack(states)),
+        prompt_index=torch.tensor(prompts),
+        instructions=instructions,
+    )
+
+
+def sample_sigmas(n: int, shift: float, generator: torch.Generator) -> torch.Tensor:
+    """Logit-normal sigmas shifted like the inference schedule: `s*u / (1 + (s-1)*u)`."""
+    u = torch.sigmoid(torch.randn(n, generator=generator))
+    return shift * u / (1 + (shift - 1) * u)
+
+
+def train(
+    data_dir: Path,
+    vae_dir: Path,
+    out_dir: Path,
+    steps: int,
+    batch_size: int = 32,
+    lr: float = 3e-4,
+    seed: int = 0,
+    stride: int = 1,
+    ema_decay: float = 0.999,
+    log_every: int = 100,
+) -> dict:
+    """Train from scratch and write a complete pipeline folder to `out_dir`. Returns a summary."""
+    torch.manual_seed(seed)
+    generator = torch.Generator().manual_seed(seed)
+    dataset = DemoDataset(data_dir)
+    vae = SmallVideoVAE.from_pretrained(vae_dir).eval()
+    tokenizer = TextTokenizer.from_dir(default_model_path() / "text_tokenizer")
+    policy = embedded.policy_config()
+    config = embedded.transformer_config()
+    chunk = embedded.CHUNK_SIZE
+    episodes = list(dataset)
+    stats = {
+        "action": array_stats(np.concatenate([e.actions for e in episodes])),
+        "state": array_stats(np.concatenate([e.states for e in episodes])),
+    }
+    windows = collect_windows(episodes, vae, chunk, config.action_dim, stats, stride)
+    n = windows.latents.shape[0]
+
+    env_fps = embedded.embodiment_entry()["fps"]
+    view_point = embedded.embodiment_entry()["viewpoint"]
+    height, width = policy.canvas_hw
+    prompt_ids = []
+    for instruction in windows.instructions:
+        pair = action_prompt_pair(instruction, view_point=view_point, num_frames=chunk + 1, fps=env_fps,
+                                  height=height, width=width, use_system_prompt=policy.use_system_prompt)
+        prompt_ids.append(tokenizer.encode(pair.cond, system_prompt=pair.system_prompt))
+    negative_ids = tokenizer.encode(pair.uncond, system_prompt=pair.system_prompt)
+
+    model = Cosmos3OmniTransformer(config).train()
+    ema = copy.deepcopy(model).eval().requires_grad_(False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.99))
+    warmup = min(200, steps // 10 + 1)
+
+    def lr_at(step: int) -> float:
+        if step < warmup:
+            return lr * (step + 1) / warmup
+        return lr * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+
+    raw_dim = embedded.embodiment_entry()["raw_action_dim"]
+    latent_shape = tuple(windows.latents.shape[1:])
+    layout = ActionLayout(chunk_size=chunk, num_prefix=1, clean_rows=(0,), domain_id=embedded.DOMAIN_ID)
+    packs = {}
+
+    def packed(ids: list[int]):
+        key = tuple(ids)
+        if key not in packs:
+            packs[key] = pack_request(config, ids, latent_shape, [0], env_fps, layout)
+        return packs[key]
+
+    losses, started = [], time.perf_counter()
+    progress = tqdm(range(steps), desc="train policy", unit="step")
+    for step in progress:
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step)
+        index = torch.randint(0, n, (batch_size,), generator=generator)
+        drop = torch.rand(batch_size, generator=generator) < PROMPT_DROPOUT
+        sigmas = sample_sigmas(batch_size, policy.shift, generator)
+        # Group samples by prompt so each text prefix is prefilled once per step.
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for b in range(batch_size):
+            ids = negative_ids if drop[b] else prompt_ids[windows.prompt_index[index[b]]]
+            groups.setdefault(tuple(ids), []).append(b)
+        optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for ids, members in groups.items():
+            seq = packed(list(ids))
+            und_kv = model.prefill_und(seq.input_ids, seq.position_ids[:, : seq.und_len])
+            group_loss = 0.0
+            for b in members:
+                i = int(index[b])
+                sigma = float(sigmas[b])
+                x0_v = windows.latents[i]
+                eps_v = torch.randn(x0_v.shape, generator=generator)
+                x_v = (1 - sigma) * x0_v + sigma * eps_v
+                x_v[:, 0] = x0_v[:, 0]
+                x0_a = windows.actions[i]
+                eps_a = torch.randn(x0_a.shape, generator=generator)
+                eps_a[:, raw_dim:] = 0
+                x_a = torch.cat([windows.states[i][None], (1 - sigma) * x0_a + sigma * eps_a])
+                gen = model.embed_gen(**seq.model_kwargs(x_v, x_a, sigma * 1000.0))
+                pred_v, _, pred_a = model.heads(model.gen_stack(gen, und_kv), gen)
+                target_v = (eps_v - x0_v)[:, 1:]
+                target_a = (eps_a - x0_a)[:, :raw_dim]
+                loss_v = (pred_v[0][0][:, 1:] - target_v).pow(2).mean()
+                loss_a = (pred_a[0][1:, :raw_dim] - target_a).pow(2).mean()
+                group_loss = group_loss + loss_v + ACTION_LOSS_WEIGHT * loss_a
+            (group_loss / batch_size).backward()
+            total += group_loss.item() / batch_size
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        with torch.no_grad():
+            decay = min(ema_decay, (1 + step) / (10 + step))
+            for p_ema, p in zip(ema.parameters(), model.parameters(), strict=True):
+                p_ema.lerp_(p, 1 - decay)
+        losses.append(total)
+        if (step + 1) % log_every == 0 or step + 1 == steps:
+            progress.set_postfix(loss=f"{np.mean(losses[-log_every:]):.4f}")
+
+    embedded.write_pipeline_folder(out_dir, ema, vae, tokenizer, stats, policy)
+    summary = {
+        "steps": steps,
+        "batch_size": batch_size,
+        "windows": n,
+        "episodes": len(episodes),
+        "instructions": windows.instructions,
+        "final_loss": float(np.mean(losses[-max(1, min(100, steps)):])),
+        "seconds": time.perf_counter() - started,
+        "params": sum(p.numel() for p in model.parameters()),
+    }
+    (Path(out_dir) / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", type=Path, required=True, help="dataset folder from robots.datagen")
+    parser.add_argument("--vae", type=Path, default=default_model_path() / "vae")
+    parser.add_argument("--out", type=Path, required=True, help="pipeline folder to write")
+    parser.add_argument("--steps", type=int, default=6000)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--stride", type=int, default=1, help="take a training tick every N steps")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.batch_size < 1 or args.stride < 1:
+        parser.error("--steps, --batch-size and --stride must be positive")
+    torch.set_num_threads(args.threads)
+    summary = train(args.data, args.vae, args.out, args.steps, args.batch_size, args.lr, args.seed, args.stride)
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""ServerConfig and the policy-server CLI: defaults, every flag also settable in a file, CLI wins,
+unknown keys and bad values rejected by name, and the serve / bench dispatch."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import types
+
+import pytest
+import yaml
+from fake_engine import FakeEngine
+
+import policy_server.engine
+import policy_server.server.app as app
+from policy_server import cli
+from policy_server.client import PolicyClient
+from policy_server.config import ConfigError, ServerConfig, build_config, read_config_file
+
+
+def test_defaults():
+    config = ServerConfig()
+    assert config.latency_budget_ms == 120.0
+    assert (config.host, config.port) == ("127.0.0.1", 50051)  # loopback unless asked otherwise
+    assert config.diffusion_cache is True
+    assert (config.diffusion_cache_thresh, config.diffusion_cache_residual_order,
+            config.diffusion_cache_max_consecutive) == (0.25, 1, 2)
+    assert config.checkpoint is None and config.reflection is False
+    assert config.metrics_port is None and config.websocket_port is None and config.auth_token_file is None
+    assert config.max_message_bytes == 16 * 1024 * 1024
+
+
+def test_every_flag_is_a_config_field_and_every_field_a_flag():
+    dests = {a.dest for a in cli.build_parser()._actions if a.dest not in ("help", "config")}
+    assert dests == set(ServerConfig.model_fields)
+
+
+def test_flags_parse_into_the_config(tmp_path):
+    token = tmp_path / "token"
+    token.write_text("t")
+    config = cli.config_from_args([
+        "--latency-budget-ms", "80", "--no-diffusion-cache", "--diffusion-cache-thresh", "0.4",
+        "--diffusion-cache-residual-order", "0", "--diffusion-cache-max-consecutive", "0", "--port", "6000",
+        "--host", "0.0.0.0", "--unix-socket", str(tmp_path / "s.sock"), "--device", "cuda:1",
+        "--max-sessions", "2", "--max-message-mb", "8", "--auth-token-file", str(token), "--reflection",
+        "--metrics-port", "9100", "--websocket-port", "8000", "--websocket-embodiment", "libero",
+    ])
+    assert config.latency_budget_ms == 80 and config.diffusion_cache is False
+    assert (config.diffusion_cache_thresh, config.diffusion_cache_residual_order) == (0.4, 0)
+    assert (config.port, config.host, config.device, config.max_sessions) == (6000, "0.0.0.0", "cuda:1", 2)
+    assert config.auth_token_file == token and config.reflection
+    assert (config.metrics_port, config.websocket_port, config.websocket_embodiment) == (9100, 8000, "libero")
+
+
+def full_file_values(tmp_path) -> dict:
+    for name in ("token", "cert.pem", "key.pem"):
+        (tmp_path / name).write_text("x")
+    (tmp_path / "ckpt").mkdir()
+    return {
+        "latency_budget_ms": 95, "checkpoint": str(tmp_path / "ckpt"), "device": "cpu",
+        "diffusion_cache": False, "diffusion_cache_thresh": 0.3, "diffusion_cache_residual_order": 2,
+        "diffusion_cache_max_consecutive": 3, "host": "127.0.0.1", "port": 7000,
+        "unix_socket": str(tmp_path / "p.sock"), "websocket_port": 8001, "websocket_embodiment": "pusht",
+        "metrics_port": 9091, "reflection": True, "max_sessions": 3, "max_message_mb": 4,
+        "auth_token_file": str(tmp_path / "token"), "tls_cert": str(tmp_path / "cert.pem"),
+        "tls_key": str(tmp_path / "key.pem"),
+    }
+
+
+def test_every_field_can_be_set_in_a_yaml_file_and_flags_override_it(tmp_path):
+    values = full_file_values(tmp_path)
+    assert set(values) == set(ServerConfig.model_fields)
+    path = tmp_path / "server.yaml"
+    path.write_text(yaml.safe_dump(values))
+    config = cli.config_from_args(["--config", str(path)])
+    for key, value in values.items():
+        got = getattr(config, key)
+        assert (str(got) if key in ("checkpoint", "unix_socket", "auth_token_file", "tls_cert", "tls_key")
+                else got) == value, key
+    overridden = cli.config_from_args(["--config", str(path), "--latency-budget-ms", "60", "--diffusion-cache",
+                                       "--no-reflection"])
+    assert (overridden.latency_budget_ms, overridden.diffusion_cache, overridden.reflection) == (60, True, False)
+    assert overridden.port == 7000  # untouched by the command line
+
+
+def test_json_file_with_flag_spelling(tmp_path):
+    path = tmp_path / "server.json"
+    path.write_text(json.dumps({"latency-budget-ms": 70, "max-sessions": 6}))
+    config = build_config(read_config_file(path))
+    assert (config.latency_budget_ms, config.max_sessions) == (70, 6)
+
+
+@pytest.mark.parametrize(
+    ("values", "key"),
+    [
+        ({"latency_budget_ms": -5}, "latency_budget_ms"),
+        ({"latency_budget_ms": "fast"}, "latency_budget_ms"),
+        ({"port": 70000}, "port"),
+        ({"device": "gpu"}, "device"),
+        ({"diffusion_cache_thresh": -0.1}, "diffusion_cache_thresh"),
+        ({"diffusion_cache_residual_order": 7}, "diffusion_cache_residual_order"),
+        ({"max_sessions": 0}, "max_sessions"),
+        ({"max_message_mb": 0}, "max_message_mb"),
+        ({"auth_token_file": "/nonexistent/token"}, "auth_token_file"),
+        ({"latency_budgt_ms": 100}, "latency_budgt_ms"),
+    ],
+)
+def test_bad_values_and_unknown_keys_are_rejected_by_name(tmp_path, values, key):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(values))
+    with pytest.raises(ConfigError) as err:
+        cli.config_from_args(["--config", str(path)])
+    assert key in str(err.value)
+
+
+def test_tls_needs_cert_and_key_together(tmp_path):
+    (tmp_path / "cert.pem").write_text("x")
+    with pytest.raises(ConfigError, match="tls_cert and tls_key"):
+        build_config(overrides={"tls_cert": str(tmp_path / "cert.pem")})
+
+
+@pytest.mark.parametrize("content", ["- a\n- b\n", "port: [1, 2\n"])
+def test_malformed_files_are_rejected(tmp_path, content):
+    path = tmp_path / "c.yaml"
+    path.write_text(content)
+    with pytest.raises(ConfigError, match=str(path)):
+        read_config_file(path)
+
+
+def test_main_reports_config_errors_with_exit_code_2(capsys):
+    assert cli.main(["--port", "-3"]) == 2
+    assert "port" in capsys.readouterr().err
+
+
+def test_bench_subcommand_dispatches_to_policy_server_bench(monkeypatch):
+    calls = []
+    fake = types.ModuleType("policy_server.bench")
+    fake.main = lambda argv: calls.append(argv) or 0
+    monkeypatch.setitem(sys.modules, "policy_server.bench", fake)
+    assert cli.main(["bench", "--out", "b.json"]) == 0
+    assert calls == [["--out", "b.json"]]
+
+
+def test_serve_builds_the_engine_serves_and_stops_on_sigterm(monkeypatch):
+    engine = FakeEngine()
+    built = {}
+
+    def build_engine(config):
+        built["config"] = config
+        return engine
+
+    real_build_server = app.build_server
+
+    def build_server(config, eng):
+        built["server"] = real_build_server(config, eng)
+        return built["server"]
+
+    monkeypatch.setattr(policy_server.engine, "build_engine", build_engine, raising=False)
+    monkeypatch.setattr(app, "build_server", build_server)
+
+    def drive():
+        while "server" not in built or built["server"].grpc_port is None:
+            threading.Event().wait(0.01)
+        with PolicyClient(built["server"].target) as client:
+            client.wait_until_serving(timeout_s=10)
+            built["session"] = client.open_session("pusht", "cli")
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    previous = signal.getsignal(signal.SIGTERM)
+    driver = threading.Thread(target=drive, daemon=True)
+    driver.start()
+    assert cli.main(["serve", "--port", "0", "--latency-budget-ms", "90"]) == 0
+    driver.join(5)
+    assert built["config"].latency_budget_ms == 90 and built["session"].epoch == 1
+    assert engine.stats().sessions == 0  # engine.close() ran
+    assert signal.getsignal(signal.SIGTERM) is previous

@@ -1,0 +1,100 @@
+"""Dockerfile and docker-compose.yml are correct by construction (no Docker engine here): every
+referenced file, console script and flag exists, the GPU is reserved, the network is internal."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+from policy_server import cli
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load((REPO / "docker-compose.yml").read_text())
+
+
+@pytest.fixture(scope="module")
+def dockerfile() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with line continuations joined and comments dropped."""
+    text = (REPO / "Dockerfile").read_text().replace("\\\n", " ")
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            keyword, _, rest = line.partition(" ")
+            out.append((keyword.upper(), rest.strip()))
+    return out
+
+
+@pytest.fixture(scope="module")
+def scripts() -> dict[str, str]:
+    return tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+
+
+def module_file(entry_point: str) -> Path:
+    module = entry_point.split(":")[0]
+    return REPO / (module.replace(".", "/") + ".py")
+
+
+def exec_form(args: str) -> list[str]:
+    return json.loads(args) if args.startswith("[") else shlex.split(args)
+
+
+def test_dockerfile_copies_existing_paths_and_runs_the_server(dockerfile, scripts):
+    instructions = dict(dockerfile)
+    assert instructions["FROM"].startswith("python:3.11")
+    for keyword, args in dockerfile:
+        if keyword == "COPY":
+            *sources, _dest = args.split()
+            for source in sources:
+                assert (REPO / source).exists(), f"COPY source {source} missing"
+    assert "torch==2.13.0" in " ".join(a for k, a in dockerfile if k == "RUN")
+    entrypoint = exec_form(instructions["ENTRYPOINT"])
+    assert entrypoint == ["policy-server"] and module_file(scripts["policy-server"]).exists()
+    config = cli.config_from_args(exec_form(instructions["CMD"]))  # the default flags validate
+    assert config.device == "cuda" and config.port == 50051
+    assert set(instructions["EXPOSE"].split()) == {"50051", "8000", "9090"}
+    assert instructions["USER"] != "root"
+
+
+def test_healthchecks_use_the_client_probe(dockerfile, compose):
+    docker_check = dict(dockerfile)["HEALTHCHECK"]
+    probe = exec_form(docker_check[docker_check.index("CMD") + 3:].strip())
+    compose_probe = compose["services"]["policy-server"]["healthcheck"]["test"]
+    assert compose_probe[0] == "CMD" and compose_probe[1:] == probe
+    assert probe[:3] == ["python", "-m", "policy_server.client"] and probe[3] == "health"
+    assert (REPO / "policy_server/client/__main__.py").exists()
+
+
+def test_compose_server_reserves_a_gpu_on_an_internal_network(compose):
+    server = compose["services"]["policy-server"]
+    assert (REPO / server["build"]["context"] / server["build"]["dockerfile"]).exists()
+    devices = server["deploy"]["resources"]["reservations"]["devices"]
+    assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+    assert compose["networks"]["robot-net"]["internal"] is True
+    assert server["networks"] == ["robot-net"]
+    for mapping in server.get("ports", []):
+        assert str(mapping).startswith("127.0.0.1:"), f"port {mapping} would be exposed beyond loopback"
+    config = cli.config_from_args(server["command"])
+    assert (config.port, config.metrics_port, config.websocket_port) == (50051, 9090, 8000)
+
+
+def test_compose_robot_waits_for_a_healthy_server(compose, scripts):
+    robot = compose["services"]["robot"]
+    assert robot["image"] == compose["services"]["policy-server"]["image"]
+    assert robot["depends_on"]["policy-server"]["condition"] == "service_healthy"
+    assert robot["networks"] == ["robot-net"]
+    assert robot["command"][robot["command"].index("--server") + 1] == "policy-server:50051"
+    assert robot["entrypoint"] == ["policy-rollout"] and "policy-rollout" in scripts
+    rollout = module_file(scripts["policy-rollout"])
+    if not rollout.exists():
+        pytest.skip(f"{rollout.relative_to(REPO)} (policy-rollout) is not written yet")
+    assert "--server" in rollout.read_text(), "policy-rollout must accept --server HOST:PORT"

@@ -1,0 +1,132 @@
+"""End to end through `PolicyPipeline` on an untrained embedded-size model: modes, masking, determinism,
+CFG records, prompt reuse, cache equivalence and input validation."""
+
+import numpy as np
+import pytest
+import torch
+
+from policy_server.cache.controller import NoCache
+from policy_server.cache.seacache import SeaCache, SeaCacheConfig
+from policy_server.pipeline.errors import PolicyInputError
+from policy_server.pipeline.policy import PolicyRequest
+from robots.embedded import build_random_pipeline
+
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def pipe(tmp_path_factory):
+    torch.manual_seed(0)
+    return build_random_pipeline(tmp_path_factory.mktemp("pipeline"), seed=0)
+
+
+def _image(seed=0):
+    return np.random.default_rng(seed).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+
+
+def _request(**overrides):
+    fields = dict(images={"image": _image()}, instruction="reach the red circle", embodiment="pusht",
+                  state=np.array([0.1, 0.2], np.float32), num_steps=STEPS, seed=3)
+    fields.update(overrides)
+    return PolicyRequest(**fields)
+
+
+def test_policy_mode_shapes_and_determinism(pipe):
+    out = pipe(_request())
+    again = pipe(_request())
+    other_seed = pipe(_request(seed=4))
+    assert out.actions.shape == (8, 2) and out.actions.dtype == np.float32
+    assert np.all(np.isfinite(out.actions))
+    assert out.latents.shape == (16, 3, 8, 8)
+    assert np.array_equal(out.actions, again.actions)
+    assert torch.equal(out.latents, again.latents)
+    assert not np.array_equal(out.actions, other_seed.actions)
+    assert set(out.timings_ms) == {"encode", "prefill", "denoise", "decode", "total"}
+
+
+def test_conditioning_frame_stays_clean(pipe):
+    request = _request()
+    out = pipe(request)
+    clean, _ = pipe._encode_condition(request, chunk=8)
+    assert torch.equal(out.latents[:, 0], clean[:, 0])
+
+
+def test_cfg_records_and_drop_uncond_fallback(pipe):
+    out = pipe(_request(guidance=2.0))
+    assert [s.branches for s in out.steps] == [("cond", "uncond")] * STEPS
+    sigmas = [s.sigma for s in out.steps]
+    assert sigmas == sorted(sigmas, reverse=True)
+    late = pipe(_request(guidance=2.0, cfg_steps=1))
+    assert [s.branches for s in late.steps] == [("cond", "uncond")] + [("cond",)] * (STEPS - 1)
+    assert late.cache.full_calls == STEPS + 1
+    single = pipe(_request(guidance=1.0))
+    assert all(s.branches == ("cond",) for s in single.steps)
+
+
+def test_prompt_state_reuse_is_exact(pipe):
+    request = _request(guidance=2.0)
+    prompt = pipe.encode_prompt(request.instruction, pipe.embodiments.get("pusht"), 8, cfg=True)
+    assert torch.equal(
+        torch.from_numpy(pipe(request, prompt=prompt).actions), torch.from_numpy(pipe(request).actions)
+    )
+
+
+def test_seacache_threshold_zero_is_bit_identical(pipe):
+    request = _request(guidance=2.0, num_steps=6)
+    plain = pipe(request, controller=NoCache())
+    cached = pipe(request, controller=SeaCache(SeaCacheConfig(threshold=0.0)))
+    assert np.array_equal(plain.actions, cached.actions)
+    assert torch.equal(plain.latents, cached.latents)
+    skipping = pipe(request, controller=SeaCache(SeaCacheConfig(threshold=10.0)))
+    assert skipping.cache.skipped_calls > 0
+    assert not np.array_equal(plain.actions, skipping.actions)
+
+
+def test_instruction_changes_the_answer(pipe):
+    red = pipe(_request(guidance=2.0))
+    blue = pipe(_request(guidance=2.0, instruction="reach the blue circle"))
+    assert not np.array_equal(red.actions, blue.actions)
+
+
+def test_forward_dynamics_keeps_given_actions(pipe):
+    given = np.linspace(-0.15, 0.15, 16, dtype=np.float32).reshape(8, 2)
+    out = pipe(_request(mode="forward_dynamics", actions=given, guidance=1.0))
+    np.testing.assert_allclose(out.actions, given, atol=1e-5)
+    assert out.cache.full_calls == STEPS  # future frames are still generated
+
+
+def test_inverse_dynamics_generates_actions_from_clean_video(pipe):
+    video = np.stack([_image(i) for i in range(9)])
+    out = pipe(_request(mode="inverse_dynamics", video=video, images={}))
+    assert out.actions.shape == (8, 2) and np.all(np.isfinite(out.actions))
+    clean, _ = pipe._encode_condition(_request(mode="inverse_dynamics", video=video, images={}), chunk=8)
+    assert torch.equal(out.latents, clean)
+    # No noisy vision: SeaCache fails open and runs every step full.
+    cached = pipe(_request(mode="inverse_dynamics", video=video, images={}),
+                  controller=SeaCache(SeaCacheConfig(threshold=10.0)))
+    assert cached.cache.skipped_calls == 0 and np.array_equal(cached.actions, out.actions)
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (dict(images={"image": _image().astype(np.float32)}), "images[image]"),
+        (dict(images={"image": _image()[..., :2]}), "images[image]"),
+        (dict(images={"wrist": _image()}), "images"),
+        (dict(state=np.array([np.nan, 0.1], np.float32)), "state"),
+        (dict(state=np.array([0.1, 0.2, 0.3], np.float32)), "state"),
+        (dict(state=None), "state"),
+        (dict(embodiment="unicycle"), "embodiment"),
+        (dict(chunk_size=0), "chunk_size"),
+        (dict(chunk_size=17), "chunk_size"),
+        (dict(instruction="   "), "instruction"),
+        (dict(mode="dream"), "mode"),
+        (dict(guidance=0.5), "guidance"),
+        (dict(mode="forward_dynamics", actions=np.zeros((3, 2), np.float32)), "actions"),
+    ],
+)
+def test_bad_input_names_the_field(pipe, overrides, field):
+    with pytest.raises(PolicyInputError) as error:
+        pipe(_request(**overrides))
+    assert error.value.field == field
+    assert str(error.value).startswith(field.split("[")[0])

@@ -1,0 +1,214 @@
+"""The Control stream: newest observation wins, superseded frames are reported, stale epochs are
+rejected, bad frames do not end the stream, budgets change mid-stream, the client reconnects."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import numpy as np
+import pytest
+from fake_engine import PUSHT, FakeEngine, expected_actions, serve_fake
+
+from policy_server.client import Backoff, ControlStream, PolicyClient, PolicyServerError
+from policy_server.config import build_config
+from policy_server.engine.api import Observation
+from policy_server.server.app import build_server
+from policy_server.server.proto import policy_server_pb2 as pb
+
+STATE = np.array([0.1, 0.2], np.float32)
+IMAGE = np.full((48, 64, 3), 90, np.uint8)
+
+
+def expected(step: int) -> np.ndarray:
+    return expected_actions(Observation({"image": IMAGE}, STATE, "", step), 8, PUSHT)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return FakeEngine(max_sessions=16)
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    with serve_fake(engine, max_message_mb=0.25, max_sessions=16) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with PolicyClient(server.target) as c:
+        yield c
+
+
+@pytest.fixture
+def stream(client, engine):
+    session = client.open_session("pusht", "push")
+    with ControlStream(client, session) as s:
+        yield s
+    engine.release()
+
+
+def send(stream: ControlStream, step: int, **kwargs) -> int:
+    return stream.send({"image": IMAGE}, STATE, step_index=step, encoding="png", **kwargs)
+
+
+def test_chunks_answer_their_frames(stream):
+    for step in (0, 8, 16):
+        obs_id = send(stream, step)
+        chunk = stream.next_chunk()
+        assert chunk.obs_id == obs_id and chunk.first_step_index == step
+        np.testing.assert_array_equal(chunk.actions, expected(step))
+
+
+def test_newest_observation_wins_and_superseded_frames_are_reported(stream, engine):
+    engine.hold()
+    first = send(stream, 1)
+    engine.wait_entered()  # frame 1 is being computed
+    second, third = send(stream, 2), send(stream, 3)
+    event = stream.next_event()
+    assert (event.kind, event.obs_id, event.by_obs_id) == ("superseded", second, third)
+    engine.release()
+    answered = [stream.next_chunk(), stream.next_chunk()]
+    assert [c.obs_id for c in answered] == [first, third]
+    assert [c.first_step_index for c in answered] == [1, 3]
+
+
+def test_must_answer_frames_are_never_superseded(stream, engine):
+    engine.hold()
+    first = send(stream, 1)
+    engine.wait_entered()
+    kept = send(stream, 2, must_answer=True)
+    dropped = send(stream, 3)
+    newest = send(stream, 4)
+    event = stream.next_event()
+    assert (event.kind, event.obs_id, event.by_obs_id) == ("superseded", dropped, newest)
+    engine.release()
+    assert [stream.next_chunk().obs_id for _ in range(3)] == [first, kept, newest]
+
+
+def test_frames_with_an_old_epoch_are_rejected(stream):
+    old_epoch = stream.session.epoch
+    session = stream.reset()
+    assert session.epoch == old_epoch + 1
+    stale = stream.send_observation(pb.Observation(), epoch=old_epoch)  # rejected before decoding
+    event = stream.next_event()
+    assert (event.kind, event.obs_id, event.error.reason) == ("error", stale, "STALE_EPOCH")
+    assert event.error.code == grpc.StatusCode.FAILED_PRECONDITION
+    fresh = send(stream, 0)
+    chunk = stream.next_chunk()
+    assert chunk.obs_id == fresh and chunk.epoch == session.epoch
+
+
+def test_a_reply_computed_across_a_reset_is_never_delivered(stream, engine):
+    engine.hold()
+    in_flight = send(stream, 5)
+    engine.wait_entered()
+    stream.reset()
+    engine.release()
+    event = stream.next_event()
+    assert (event.kind, event.obs_id, event.error.reason) == ("error", in_flight, "STALE_EPOCH")
+
+
+def test_bad_frames_get_error_events_and_the_stream_lives_on(stream):
+    nan = stream.send({"image": IMAGE}, np.array([np.nan, 0.0]), step_index=1)
+    event = stream.next_event()
+    assert (event.kind, event.obs_id, event.error.reason, event.error.field) == (
+        "error", nan, "NON_FINITE", "observation.observation.state")
+    small = stream.send({"image": IMAGE[:10]}, STATE, step_index=2, encoding="png")
+    assert stream.next_event().error.reason == "SCHEMA_MISMATCH"
+    big = pb.Observation(instruction="x" * 300_000, step_index=3)
+    too_big = stream.send_observation(big)
+    event = stream.next_event()
+    assert (event.obs_id, event.error.reason) == (too_big, "PAYLOAD_TOO_LARGE")
+    assert small != too_big
+    good = send(stream, 4)
+    assert stream.next_chunk().obs_id == good
+
+
+def test_budget_update_and_ping(stream):
+    stream.set_budget(45.0)
+    event = stream.next_event()
+    assert event.kind == "budget" and event.session.budget_ms == 45.0
+    stream.set_budget(1.0)
+    event = stream.next_event()
+    assert event.kind == "error" and event.error.reason == "BUDGET_INFEASIBLE"
+    assert event.error.best_achievable_ms == pytest.approx(5.0)
+    stream.ping()
+    event = stream.next_event()
+    assert event.kind == "pong" and event.client_time_ns > 0
+    send(stream, 0)
+    assert stream.next_chunk().tick.budget_ms == 45.0
+
+
+def test_half_close_still_answers_accepted_frames(client):
+    session = client.open_session("pusht", "finish up")
+    stream = ControlStream(client, session).open()
+    ids = [send(stream, step, must_answer=True) for step in range(3)]
+    stream.close()
+    events = []
+    while not events or events[-1].kind != "closed":
+        events.append(stream.next_event())
+    assert [e.obs_id for e in events if e.kind == "chunk"] == ids
+    assert events[-1].error is None
+
+
+def test_stream_for_an_unknown_session_fails_with_not_found(client):
+    session = client.open_session("pusht", "gone")
+    client.close_session(session)
+    with pytest.raises(PolicyServerError) as err:
+        ControlStream(client, session).open()
+    assert (err.value.code, err.value.reason) == (grpc.StatusCode.NOT_FOUND, "SESSION_NOT_FOUND")
+
+
+def test_stream_must_start_with_start(client):
+    frame = pb.ControlRequest(ping=pb.Ping(client_time_ns=1))
+    with pytest.raises(grpc.RpcError) as err:
+        list(client.stub.Control(iter([frame]), timeout=5))
+    error = PolicyServerError.from_rpc_error(err.value)
+    assert (error.code, error.reason, error.field) == (
+        grpc.StatusCode.FAILED_PRECONDITION, "STREAM_NOT_STARTED", "start")
+
+
+def test_cancelling_the_stream_abandons_work_in_flight(client, engine):
+    session = client.open_session("pusht", "cancel me")
+    stream = ControlStream(client, session, reconnect=False).open()
+    aborted = engine.aborted
+    engine.hold()
+    try:
+        send(stream, 1)
+        engine.wait_entered()
+        stream._call.cancel()
+        for _ in range(200):
+            if engine.aborted > aborted:
+                break
+            time.sleep(0.01)
+        assert engine.aborted == aborted + 1
+    finally:
+        engine.release()
+
+
+def test_reconnects_and_replaces_the_session_after_a_server_restart():
+    first = build_server(build_config(overrides={"port": 0}), FakeEngine()).start()
+    port = first.grpc_port
+    client = PolicyClient(first.target, backoff=Backoff(initial_s=0.05, max_s=0.2, max_attempts=100))
+    session = client.open_session("pusht", "survive a restart", budget_ms=90)
+    stream = ControlStream(client, session).open()
+    second = None
+    try:
+        send(stream, 0)
+        assert stream.next_chunk().epoch == 1
+        first.stop(grace_s=0.1)
+        second = build_server(build_config(overrides={"port": port}), FakeEngine()).start()
+        event = stream.next_event(timeout_s=20)
+        assert event.kind == "reconnected" and event.session_replaced
+        assert event.session.budget_ms == 90.0 and event.session.instruction == "survive a restart"
+        obs_id = send(stream, 1)
+        chunk = stream.next_chunk(timeout_s=10)
+        assert chunk.obs_id == obs_id and chunk.session_id == stream.session.session_id
+        np.testing.assert_array_equal(chunk.actions, expected(1))
+    finally:
+        stream.close()
+        client.close()
+        if second is not None:
+            second.stop(grace_s=0.1)

@@ -1,0 +1,215 @@
+"""The openpi-compatible WebSocket endpoint, driven by the published ``openpi-client`` package.
+
+openpi-client declares numpy<2; it is installed with ``pip install --no-deps openpi-client`` (its
+WebSocket client needs only msgpack and websockets, which the server depends on anyway).
+"""
+
+from __future__ import annotations
+
+import ssl
+import time
+import urllib.error
+import urllib.request
+
+import msgpack
+import numpy as np
+import pytest
+import websockets.sync.client
+from fake_engine import LIBERO, PUSHT, FakeEngine, expected_actions, self_signed_cert, serve_fake
+from openpi_client import msgpack_numpy
+from openpi_client.websocket_client_policy import WebsocketClientPolicy
+from websockets.exceptions import InvalidMessage, InvalidStatus
+
+from policy_server.engine.api import Observation
+from policy_server.server.websocket import _resize_with_pad
+
+IMAGE = np.random.default_rng(3).integers(0, 256, (48, 64, 3), dtype=np.uint8)
+STATE = np.array([0.3, -0.1], np.float32)
+
+# openpi-client 0.1.2 calls websockets' connect() outside a context manager.
+pytestmark = pytest.mark.filterwarnings("ignore:connect\\(\\) must be used as a context manager:DeprecationWarning")
+
+
+def openpi_observation(step: int | None = None, **extra) -> dict:
+    obs = {"observation/image": IMAGE, "observation/state": STATE, "prompt": "push the T", **extra}
+    if step is not None:
+        obs["step_index"] = step
+    return obs
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return FakeEngine()
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    with serve_fake(engine, websocket_port=0) as running:
+        yield running
+
+
+@pytest.fixture
+def policy(server):
+    client = WebsocketClientPolicy(host="127.0.0.1", port=server.websocket_port)
+    yield client
+    client._ws.close()
+
+
+def test_metadata_frame_describes_the_embodiment(policy):
+    meta = policy.get_server_metadata()
+    assert meta["server"] == "policy-server" and meta["embodiment"] == "pusht"
+    assert meta["cameras"] == {"image": [48, 64, 3]}
+    assert (meta["state_dim"], meta["action_dim"], meta["chunk_size"]) == (2, 2, 8)
+    assert meta["observation_keys"]["images"] == ["observation/image"]
+    assert meta["budget_ms"] == 120.0
+
+
+def test_infer_returns_the_exact_chunk(policy):
+    for step in (0, 8):
+        reply = policy.infer(openpi_observation(step))
+        expected = expected_actions(Observation({"image": IMAGE}, STATE, "", step), 8, PUSHT)
+        np.testing.assert_array_equal(reply["actions"], expected)
+        assert reply["actions"].dtype == np.float32
+        assert reply["first_step_index"] == step and reply["epoch"] == 1
+        assert reply["server_timing"]["infer_ms"] > 0 and reply["policy_timing"]["infer_ms"] == 3.0
+        assert reply["tick"]["full_calls"] == 12 and reply["tick"]["deadline_met"] is True
+
+
+def test_step_index_defaults_to_a_per_connection_counter(policy):
+    assert policy.infer(openpi_observation())["first_step_index"] == 0
+    assert policy.infer(openpi_observation(step=5))["first_step_index"] == 5
+    assert policy.infer(openpi_observation())["first_step_index"] == 6
+
+
+def test_chw_and_other_sizes_are_resized_with_padding(policy):
+    big = np.random.default_rng(1).integers(0, 256, (96, 160, 3), dtype=np.uint8)
+    reply = policy.infer({"observation/image": np.transpose(big, (2, 0, 1)), "observation/state": STATE,
+                          "prompt": "push", "step_index": 2})
+    resized = _resize_with_pad(big, 48, 64)
+    expected = expected_actions(Observation({"image": resized}, STATE, "", 2), 8, PUSHT)
+    np.testing.assert_array_equal(reply["actions"], expected)
+
+
+def test_resize_with_pad_keeps_aspect_ratio():
+    out = _resize_with_pad(np.full((10, 40, 3), 255, np.uint8), 48, 64)
+    assert out.shape == (48, 64, 3)
+    rows = np.flatnonzero(out[:, :, 0].max(axis=1))
+    assert (rows[0], rows[-1]) == (16, 31)  # 64 x 16 content, centred, black bars above and below
+
+
+def test_bad_input_is_a_text_error_and_the_connection_stays_usable(policy):
+    with pytest.raises(RuntimeError, match="NON_FINITE"):
+        policy.infer(openpi_observation() | {"observation/state": np.array([np.nan, 0.0])})
+    with pytest.raises(RuntimeError, match="SCHEMA_MISMATCH"):
+        policy.infer({"observation/state": STATE, "prompt": "no image"})
+    with pytest.raises(RuntimeError, match="SCHEMA_MISMATCH"):
+        policy.infer(openpi_observation() | {"observation/state": np.zeros(7, np.float32)})
+    reply = policy.infer(openpi_observation(step=1))
+    assert reply["actions"].shape == (8, 2)
+
+
+def test_first_observation_needs_a_prompt(policy):
+    obs = openpi_observation()
+    del obs["prompt"]
+    with pytest.raises(RuntimeError, match="MISSING_FIELD"):
+        policy.infer(obs)
+    assert policy.infer(openpi_observation())["epoch"] == 1
+    assert policy.infer(obs)["actions"].shape == (8, 2)  # later ones keep the session's instruction
+
+
+def test_reset_starts_a_new_episode(server):
+    with websockets.sync.client.connect(f"ws://127.0.0.1:{server.websocket_port}", compression=None) as ws:
+        msgpack_numpy.unpackb(ws.recv())
+        ws.send(msgpack_numpy.packb(openpi_observation()))
+        assert msgpack_numpy.unpackb(ws.recv())["epoch"] == 1
+        ws.send(msgpack_numpy.packb({"reset": True}))
+        assert msgpack_numpy.unpackb(ws.recv()) == {"reset": True, "epoch": 2}
+        ws.send(msgpack_numpy.packb(openpi_observation()))
+        assert msgpack_numpy.unpackb(ws.recv())["epoch"] == 2
+
+
+def test_object_arrays_are_refused_without_unpickling(server):
+    evil = {b"__ndarray__": True, b"data": b"\x80\x04K\x01.", b"dtype": "|O", b"shape": [1]}
+    with websockets.sync.client.connect(f"ws://127.0.0.1:{server.websocket_port}", compression=None) as ws:
+        ws.recv()
+        ws.send(msgpack.packb({"observation/image": evil, "prompt": "x"}))
+        reply = ws.recv()
+        assert isinstance(reply, str) and reply.startswith("BAD_VALUE") and "not allowed" in reply
+        ws.send(b"\xc1 not msgpack")
+        assert ws.recv().startswith("BAD_VALUE")
+
+
+def test_session_is_closed_when_the_connection_closes(server, engine):
+    before = engine.stats().sessions
+    policy = WebsocketClientPolicy(host="127.0.0.1", port=server.websocket_port)
+    policy.infer(openpi_observation())
+    assert engine.stats().sessions == before + 1
+    policy._ws.close()
+    for _ in range(200):
+        if engine.stats().sessions == before:
+            break
+        time.sleep(0.01)
+    assert engine.stats().sessions == before
+
+
+def test_embodiment_is_chosen_by_query_parameter(server):
+    policy = WebsocketClientPolicy(host=f"ws://127.0.0.1:{server.websocket_port}/?embodiment=libero")
+    try:
+        assert policy.get_server_metadata()["embodiment"] == "libero"
+        images = {"image": np.zeros((32, 32, 3), np.uint8), "wrist": np.ones((24, 32, 3), np.uint8)}
+        state = np.arange(8, dtype=np.float32) / 10
+        reply = policy.infer({"images": images, "state": state, "prompt": "bowl"})
+        expected = expected_actions(Observation(images, state, "", 0), 16, LIBERO)
+        np.testing.assert_array_equal(reply["actions"], expected)
+    finally:
+        policy._ws.close()
+    with pytest.raises(InvalidStatus) as err:
+        WebsocketClientPolicy(host=f"ws://127.0.0.1:{server.websocket_port}/?embodiment=hexapod")
+    assert err.value.response.status_code == 400
+
+
+def test_healthz_follows_readiness():
+    engine = FakeEngine(ready=False)
+    with serve_fake(engine, websocket_port=0) as server:
+        url = f"http://127.0.0.1:{server.websocket_port}/healthz"
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(url, timeout=5)
+        assert err.value.code == 503
+        err.value.close()  # an open 503 response would hold the server's shutdown for its close timeout
+        policy = WebsocketClientPolicy(host="127.0.0.1", port=server.websocket_port)
+        with pytest.raises(RuntimeError, match="WARMING_UP"):
+            policy.infer(openpi_observation())
+        engine.set_ready(True)
+        assert urllib.request.urlopen(url, timeout=5).status == 200
+        assert policy.infer(openpi_observation())["actions"].shape == (8, 2)
+        policy._ws.close()
+
+
+def test_api_key_is_checked(tmp_path):
+    token = tmp_path / "token"
+    token.write_text("k3y")
+    with serve_fake(websocket_port=0, auth_token_file=token) as server:
+        with pytest.raises(InvalidStatus) as err:
+            WebsocketClientPolicy(host="127.0.0.1", port=server.websocket_port)
+        assert err.value.response.status_code == 401
+        with pytest.raises(InvalidStatus):
+            WebsocketClientPolicy(host="127.0.0.1", port=server.websocket_port, api_key="wrong")
+        policy = WebsocketClientPolicy(host="127.0.0.1", port=server.websocket_port, api_key="k3y")
+        assert policy.infer(openpi_observation())["actions"].shape == (8, 2)
+        policy._ws.close()
+        # /healthz stays open for probes
+        assert urllib.request.urlopen(f"http://127.0.0.1:{server.websocket_port}/healthz", timeout=5).status == 200
+
+
+def test_websocket_uses_tls_when_the_server_does(tmp_path):
+    cert, key = self_signed_cert(tmp_path)
+    context = ssl.create_default_context(cafile=str(cert))
+    with serve_fake(websocket_port=0, tls_cert=cert, tls_key=key) as server:
+        uri = f"wss://127.0.0.1:{server.websocket_port}"
+        with websockets.sync.client.connect(uri, ssl=context, compression=None) as ws:
+            assert msgpack_numpy.unpackb(ws.recv())["embodiment"] == "pusht"
+            ws.send(msgpack_numpy.packb(openpi_observation(step=4)))
+            assert msgpack_numpy.unpackb(ws.recv())["first_step_index"] == 4
+        with pytest.raises(InvalidMessage):  # plaintext against TLS: no valid HTTP response
+            with websockets.sync.client.connect(f"ws://127.0.0.1:{server.websocket_port}", open_timeout=2):
+                pass
