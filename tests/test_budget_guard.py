@@ -192,3 +192,20 @@ def test_tick_record_contents_and_json():
         TickRecord.build(plan, {"cond": {"full": 1, "skipped": 0}}, {"denoise": 1.0})
     with pytest.raises(ValueError, match="denoise"):
         TickRecord.build(plan, counts, {"denoise": -1.0})
+
+
+def test_first_call_of_a_tick_is_not_a_cost_sample():
+    clock = FakeClock()
+    budget = warm_budget(clock)
+    plan = budget.plan(KEY, 500.0, 4, 2, None)
+    budget.arm(plan, KEY, clock())
+    clock.advance(50.0)  # setup between arming and the loop (encode) lands in the first call's time
+    cache = SeaCache(SeaCacheConfig(threshold=plan.thresholds, max_consecutive_cached=plan.cap),
+                     force_skip=budget.guard.force_skip, on_decision=budget.guard.on_decision)
+    cache.begin(plan.num_steps)
+    run_denoise(clock, plan, cache)
+    calls = budget.guard.calls
+    assert calls[0].includes_setup and calls[0].ms == pytest.approx(50.0 + COSTS.full_ms)
+    timings = budget.guard.call_timings()
+    assert len(timings) == len(calls) - 1
+    assert all(ms == pytest.approx(COSTS.full_ms if full else COSTS.skip_ms) for full, ms in timings)

@@ -161,3 +161,11 @@ def test_embed_gen_names_bad_inputs(model, change, named):
     change(kwargs)
     with torch.no_grad(), pytest.raises(ValueError, match=named):
         model.embed_gen(**kwargs)
+
+
+def test_reused_layout_rejects_latents_of_another_shape(model):
+    layout = model.gen_layout(**step_kwargs(model))
+    other = policy_step_kwargs(model.config, n_text=9, vision_shape=(8, 3, 6, 6), chunk=4, state_rows=1,
+                               sound_frames=5 if model.config.sound_gen else 0)
+    with torch.no_grad(), pytest.raises(ValueError, match="vision latent"):
+        model.embed_gen(**other, layout=layout)

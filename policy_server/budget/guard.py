@@ -39,13 +39,15 @@ class _Decision(Protocol):
 
 @dataclass(frozen=True)
 class CallTiming:
-    """One sampler call as timed by the guard (ms)."""
+    """One sampler call as timed by the guard (ms). The tick's first call also holds whatever ran between
+    ``start`` and the loop (``includes_setup``), so it does not count as a cost sample."""
 
     step: int
     branch: str
     full: bool
     forced: bool
     ms: float
+    includes_setup: bool = False
 
 
 @dataclass(frozen=True)
@@ -83,7 +85,7 @@ class DeadlineGuard:
     def start(
         self, plan: TickPlan, costs: CallCosts, deadline_at_ms: float, reserve_after_ms: float = 0.0
     ) -> None:
-        """Arm for one tick's denoising loop, starting now.
+        """Arm for one tick, at or shortly before the start of its denoising loop.
 
         deadline_at_ms: the tick's absolute deadline on ``clock``. reserve_after_ms: time the stages after the
         loop (decode, post-processing) need before the deadline.
@@ -131,7 +133,10 @@ class DeadlineGuard:
         ms = now - self._last_mark
         self._last_mark = now
         forced = not decision.full and decision.reason == "forced"
-        self._calls.append(CallTiming(decision.step, decision.branch, decision.full, forced, ms))
+        first = not self._calls
+        self._calls.append(CallTiming(decision.step, decision.branch, decision.full, forced, ms, first))
+        if first:
+            return
         if decision.full:
             self._full_ms = max(self._full_ms, ms)
         else:
@@ -144,8 +149,8 @@ class DeadlineGuard:
         return list(self._calls)
 
     def call_timings(self) -> list[tuple[bool, float]]:
-        """``(ran_full, ms)`` per call, for ``CostModel.observe_calls``."""
-        return [(c.full, c.ms) for c in self._calls]
+        """``(ran_full, ms)`` per call after the first, for ``CostModel.observe_calls``."""
+        return [(c.full, c.ms) for c in self._calls if not c.includes_setup]
 
     @property
     def forced_skips(self) -> int:

@@ -3,11 +3,14 @@
 Usage by the engine (one instance per model worker, one ``SessionHistory`` per session)::
 
     plan = budget.plan(shape_key, remaining_ms, num_steps, passes, session_history)
-    budget.arm(plan, shape_key, tick_started_at_ms)         # right before the denoising loop
-    cache = SeaCache(config, force_skip=budget.guard.force_skip, on_decision=budget.guard.on_decision)
-    cache.begin(plan.num_steps, threshold=plan.thresholds, max_consecutive_cached=plan.cap)
-    ... run the sampler with plan.num_steps steps and the uncond pass on steps < plan.cfg_steps ...
+    cache = SeaCache(SeaCacheConfig(threshold=plan.thresholds, max_consecutive_cached=plan.cap),
+                     force_skip=budget.guard.force_skip, on_decision=budget.guard.on_decision,
+                     sea_filter=shared_sea_filter)             # keeps the gain cache across ticks
+    budget.arm(plan, shape_key, tick_started_at_ms)            # before the pipeline call
+    ... run the pipeline with plan.num_steps steps and cfg_steps=plan.cfg_steps ...
     record = budget.finish(shape_key, plan, session_history, cache.record().counts_dict(), stage_ms)
+
+``budget`` is pure Python: the cache classes are named above only to show the wiring.
 """
 
 from __future__ import annotations

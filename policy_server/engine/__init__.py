@@ -1,0 +1,25 @@
+"""The engine: sessions, one model worker, deadlines and warmup.
+
+`engine.api` (the transport's contract) imports no torch; `build_engine` loads the model lazily so
+that the server and client packages stay importable without it.
+"""
+
+from __future__ import annotations
+
+
+def build_engine(config):
+    """A started `ModelEngine` for the CLI's `ServerConfig`; it warms up in the background."""
+    import torch
+
+    from policy_server.engine.engine import ModelEngine, resolve_device, settings_from_config
+    from policy_server.pipeline.policy import PolicyPipeline
+
+    device = resolve_device(config.device)
+    if device == "cpu":
+        # The embedded model's matrices are too small to split across threads; more threads only
+        # contend with the transport and make tick latency noisier.
+        torch.set_num_threads(1)
+    pipeline = PolicyPipeline.from_pretrained(config.checkpoint, device=device)
+    engine = ModelEngine(pipeline, settings_from_config(config))
+    engine.start()
+    return engine

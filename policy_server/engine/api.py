@@ -177,6 +177,12 @@ class TickRecord:
     fail_open: int = 0
     fallbacks: tuple[str, ...] = ()
     deadline_met: bool = True
+    setting: str = ""
+    thresholds: tuple[float, ...] = ()
+    branches: Mapping[str, Mapping[str, object]] = field(default_factory=dict)
+    sequences: Mapping[str, str] = field(default_factory=dict)
+    feasible: bool = True
+    best_achievable_ms: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from policy_server.model.checkpoint import (
     to_native_keys,
 )
 from policy_server.model.config import ConfigError, Cosmos3TransformerConfig
+from policy_server.model.gen_layout import GenLayout, ModalityLayout
 from policy_server.model.reasoner_cache import ReasonerKVCache
 from policy_server.model.transformer import Cosmos3OmniTransformer, Cosmos3OmniTransformerOutput
 
@@ -19,6 +20,8 @@ __all__ = [
     "Cosmos3OmniTransformerOutput",
     "Cosmos3TransformerConfig",
     "GenInput",
+    "GenLayout",
+    "ModalityLayout",
     "ReasonerKVCache",
     "UndKV",
     "load_transformer",

@@ -61,13 +61,14 @@ def noisy_packed_rows(noisy_frame_indexes: list[torch.Tensor], token_shapes: lis
     return torch.cat(rows)
 
 
-def build_gen_layout(config: Cosmos3TransformerConfig, rotary, device: torch.device, dtype: torch.dtype,
-                     position_ids: torch.Tensor | None, und_len: int, sequence_length: int,
-                     vision_tokens: list[torch.Tensor] | None,
-                     vision_token_shapes: list[tuple[int, int, int]] | None,
-                     vision_sequence_indexes: torch.Tensor | None,
-                     vision_mse_loss_indexes: torch.Tensor | None,
-                     vision_noisy_frame_indexes: list[torch.Tensor] | None,
+def build_gen_layout(config: Cosmos3TransformerConfig, rotary, device: torch.device, dtype: torch.dtype, *,
+                     und_len: int, sequence_length: int,
+                     position_ids: torch.Tensor | None = None,
+                     vision_tokens: list[torch.Tensor] | None = None,
+                     vision_token_shapes: list[tuple[int, int, int]] | None = None,
+                     vision_sequence_indexes: torch.Tensor | None = None,
+                     vision_mse_loss_indexes: torch.Tensor | None = None,
+                     vision_noisy_frame_indexes: list[torch.Tensor] | None = None,
                      sound_tokens: list[torch.Tensor] | None = None,
                      sound_token_shapes: list[tuple[int, int, int]] | None = None,
                      sound_sequence_indexes: torch.Tensor | None = None,

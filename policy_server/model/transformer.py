@@ -112,29 +112,17 @@ class Cosmos3OmniTransformer(nn.Module):
 
     # ------------------------------------------------------------------ GEN embedding (every step)
 
-    def gen_layout(self, input_ids=None, text_indexes=None, position_ids=None, und_len: int = 0,
-                   sequence_length: int = 0, vision_tokens=None, vision_token_shapes=None,
-                   vision_sequence_indexes=None, vision_mse_loss_indexes=None, vision_timesteps=None,
-                   vision_noisy_frame_indexes=None, sound_tokens=None, sound_token_shapes=None,
-                   sound_sequence_indexes=None, sound_mse_loss_indexes=None, sound_timesteps=None,
-                   sound_noisy_frame_indexes=None, action_tokens=None, action_token_shapes=None,
-                   action_sequence_indexes=None, action_mse_loss_indexes=None, action_timesteps=None,
-                   action_noisy_frame_indexes=None, action_domain_ids=None, return_dict: bool = True) -> GenLayout:
+    def gen_layout(self, **forward_kwargs) -> GenLayout:
         """The request-static part of `embed_gen` (rows, rotary tables, checks), from `forward`'s kwargs.
 
         Build it once per request and CFG branch and pass it as `embed_gen(..., layout=...)`; it only
         depends on the index/shape arguments, not on the step's latents or timesteps.
         """
-        del input_ids, text_indexes, vision_timesteps, sound_timesteps, action_timesteps, return_dict
-        return build_gen_layout(
-            self.config, self.rotary_emb, self.device, self.dtype, position_ids, und_len, sequence_length,
-            vision_tokens, vision_token_shapes, vision_sequence_indexes, vision_mse_loss_indexes,
-            vision_noisy_frame_indexes, sound_tokens, sound_token_shapes, sound_sequence_indexes,
-            sound_mse_loss_indexes, sound_noisy_frame_indexes, action_tokens, action_token_shapes,
-            action_sequence_indexes, action_mse_loss_indexes, action_noisy_frame_indexes, action_domain_ids,
-        )
+        _check_forward_kwargs(forward_kwargs)
+        layout_kwargs = {k: v for k, v in forward_kwargs.items() if k in _LAYOUT_ARGUMENTS}
+        return build_gen_layout(self.config, self.rotary_emb, self.device, self.dtype, **layout_kwargs)
 
-    def embed_gen(self, layout: GenLayout | None = None, **forward_kwargs) -> GenInput:
+    def embed_gen(self, *, layout: GenLayout | None = None, **forward_kwargs) -> GenInput:
         """Embed the generated rows of one step from `forward`'s keyword arguments.
 
         Vision patches get `proj_in`; sound rows `audio_proj_in` + `audio_modality_embed`; action rows
@@ -143,8 +131,7 @@ class Cosmos3OmniTransformer(nn.Module):
         kwargs dict serves `forward` and this call. `layout`: `gen_layout(**forward_kwargs)` of this
         request, to skip rebuilding it every step.
         """
-        unknown = forward_kwargs.keys() - _FORWARD_ARGUMENTS
-        _require(not unknown, f"unknown embed_gen argument(s) {sorted(unknown)}; expected forward's keywords")
+        _check_forward_kwargs(forward_kwargs)
         if layout is None:
             layout = self.gen_layout(**forward_kwargs)
         c, dtype = self.config, self.dtype
@@ -356,5 +343,12 @@ class Cosmos3OmniTransformer(nn.Module):
         return self.lm_head(self.norm(hidden))
 
 
-# Keyword arguments of the diffusers-compatible `forward`, which `embed_gen` accepts.
+# Keyword arguments of the diffusers-compatible `forward`, which `embed_gen` and `gen_layout` accept,
+# and the subset that fixes the GEN layout.
 _FORWARD_ARGUMENTS = frozenset(inspect.signature(Cosmos3OmniTransformer.forward).parameters) - {"self"}
+_LAYOUT_ARGUMENTS = _FORWARD_ARGUMENTS & frozenset(inspect.signature(build_gen_layout).parameters)
+
+
+def _check_forward_kwargs(kwargs: dict) -> None:
+    unknown = kwargs.keys() - _FORWARD_ARGUMENTS
+    _require(not unknown, f"unknown argument(s) {sorted(unknown)}; expected the keywords of forward()")

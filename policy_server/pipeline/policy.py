@@ -28,7 +28,7 @@ from policy_server.model import Cosmos3OmniTransformer, UndKV, load_transformer
 from policy_server.model.text_tokenizer import TextTokenizer
 from policy_server.model.vae import SmallVideoVAE
 from policy_server.pipeline.conditioning import crop_latent_padding, fit_to_canvas, frames_to_clip
-from policy_server.pipeline.embodiments import Embodiment, EmbodimentRegistry, load_registry
+from policy_server.pipeline.embodiments import Embodiment, EmbodimentRegistry
 from policy_server.pipeline.errors import (
     EmptyInstruction,
     InvalidActions,
@@ -106,7 +106,10 @@ class PromptState:
 
 
 class PolicyPipeline:
-    """The Cosmos3 policy: transformer + video VAE + text tokenizer + embodiments + sampler defaults."""
+    """The Cosmos3 policy: transformer + video VAE + text tokenizer + embodiments + sampler defaults.
+
+    `embodiments` is the full Cosmos3 registry extended by the checkpoint's file; `served_embodiments`
+    names the entries that file declares, the ones the server offers."""
 
     def __init__(
         self,
@@ -115,12 +118,14 @@ class PolicyPipeline:
         tokenizer: TextTokenizer,
         embodiments: EmbodimentRegistry,
         config: PolicyConfig,
+        served_embodiments: list[str],
     ):
         self.transformer = transformer.eval()
         self.vae = vae.eval()
         self.tokenizer = tokenizer
         self.embodiments = embodiments
         self.config = config
+        self.served_embodiments = served_embodiments  # what this checkpoint was trained for
         self._normalizers: dict[str, FeatureNormalizers] = {}
 
     @classmethod
@@ -129,12 +134,15 @@ class PolicyPipeline:
         None loads the embedded model shipped in the package."""
         root = Path(path) if path is not None else default_model_path()
         config = PolicyConfig.load(root / "policy.json")
+        embodiments = EmbodimentRegistry.cosmos3()
+        served = embodiments.load_config(root / config.embodiments_file)
         return cls(
             transformer=load_transformer(root / "transformer", device=device),
             vae=SmallVideoVAE.from_pretrained(root / "vae").to(device),
             tokenizer=TextTokenizer.from_dir(root / "text_tokenizer"),
-            embodiments=load_registry(root / config.embodiments_file),
+            embodiments=embodiments,
             config=config,
+            served_embodiments=served,
         )
 
     @property

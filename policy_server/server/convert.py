@@ -123,6 +123,21 @@ def tick_to_proto(tick: TickRecord) -> pb.TickRecord:
         fail_open=tick.fail_open,
         fallbacks=list(tick.fallbacks),
         deadline_met=tick.deadline_met,
+        setting=tick.setting,
+        thresholds=list(tick.thresholds),
+        branches={
+            name: pb.BranchCounts(
+                full=int(counts["full"]),
+                skipped=int(counts["skipped"]),
+                forced_skip=int(counts["forced_skip"]),
+                fail_open=int(counts["fail_open"]),
+                sequence=tick.sequences.get(name, ""),
+                fail_open_reasons={k: int(v) for k, v in dict(counts.get("fail_open_reasons", {})).items()},
+            )
+            for name, counts in tick.branches.items()
+        },
+        feasible=tick.feasible,
+        best_achievable_ms=tick.best_achievable_ms,
     )
 
 

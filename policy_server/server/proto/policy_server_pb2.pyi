@@ -267,7 +267,7 @@ class ActRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., observation: _Optional[_Union[Observation, _Mapping]] = ...) -> None: ...
 
 class TickRecord(_message.Message):
-    __slots__ = ("budget_ms", "deadline_ms", "predicted_ms", "actual_ms", "knobs", "full_calls", "skipped_calls", "forced_skips", "fail_open", "fallbacks", "deadline_met")
+    __slots__ = ("budget_ms", "deadline_ms", "predicted_ms", "actual_ms", "knobs", "full_calls", "skipped_calls", "forced_skips", "fail_open", "fallbacks", "deadline_met", "setting", "thresholds", "branches", "feasible", "best_achievable_ms")
     class PredictedMsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -289,6 +289,13 @@ class TickRecord(_message.Message):
         key: str
         value: float
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class BranchesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: BranchCounts
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[BranchCounts, _Mapping]] = ...) -> None: ...
     BUDGET_MS_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_MS_FIELD_NUMBER: _ClassVar[int]
@@ -300,6 +307,11 @@ class TickRecord(_message.Message):
     FAIL_OPEN_FIELD_NUMBER: _ClassVar[int]
     FALLBACKS_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_MET_FIELD_NUMBER: _ClassVar[int]
+    SETTING_FIELD_NUMBER: _ClassVar[int]
+    THRESHOLDS_FIELD_NUMBER: _ClassVar[int]
+    BRANCHES_FIELD_NUMBER: _ClassVar[int]
+    FEASIBLE_FIELD_NUMBER: _ClassVar[int]
+    BEST_ACHIEVABLE_MS_FIELD_NUMBER: _ClassVar[int]
     budget_ms: float
     deadline_ms: float
     predicted_ms: _containers.ScalarMap[str, float]
@@ -311,7 +323,35 @@ class TickRecord(_message.Message):
     fail_open: int
     fallbacks: _containers.RepeatedScalarFieldContainer[str]
     deadline_met: bool
-    def __init__(self, budget_ms: _Optional[float] = ..., deadline_ms: _Optional[float] = ..., predicted_ms: _Optional[_Mapping[str, float]] = ..., actual_ms: _Optional[_Mapping[str, float]] = ..., knobs: _Optional[_Mapping[str, float]] = ..., full_calls: _Optional[int] = ..., skipped_calls: _Optional[int] = ..., forced_skips: _Optional[int] = ..., fail_open: _Optional[int] = ..., fallbacks: _Optional[_Iterable[str]] = ..., deadline_met: _Optional[bool] = ...) -> None: ...
+    setting: str
+    thresholds: _containers.RepeatedScalarFieldContainer[float]
+    branches: _containers.MessageMap[str, BranchCounts]
+    feasible: bool
+    best_achievable_ms: float
+    def __init__(self, budget_ms: _Optional[float] = ..., deadline_ms: _Optional[float] = ..., predicted_ms: _Optional[_Mapping[str, float]] = ..., actual_ms: _Optional[_Mapping[str, float]] = ..., knobs: _Optional[_Mapping[str, float]] = ..., full_calls: _Optional[int] = ..., skipped_calls: _Optional[int] = ..., forced_skips: _Optional[int] = ..., fail_open: _Optional[int] = ..., fallbacks: _Optional[_Iterable[str]] = ..., deadline_met: _Optional[bool] = ..., setting: _Optional[str] = ..., thresholds: _Optional[_Iterable[float]] = ..., branches: _Optional[_Mapping[str, BranchCounts]] = ..., feasible: _Optional[bool] = ..., best_achievable_ms: _Optional[float] = ...) -> None: ...
+
+class BranchCounts(_message.Message):
+    __slots__ = ("full", "skipped", "forced_skip", "fail_open", "sequence", "fail_open_reasons")
+    class FailOpenReasonsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    FULL_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    FORCED_SKIP_FIELD_NUMBER: _ClassVar[int]
+    FAIL_OPEN_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    FAIL_OPEN_REASONS_FIELD_NUMBER: _ClassVar[int]
+    full: int
+    skipped: int
+    forced_skip: int
+    fail_open: int
+    sequence: str
+    fail_open_reasons: _containers.ScalarMap[str, int]
+    def __init__(self, full: _Optional[int] = ..., skipped: _Optional[int] = ..., forced_skip: _Optional[int] = ..., fail_open: _Optional[int] = ..., sequence: _Optional[str] = ..., fail_open_reasons: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class ActionChunk(_message.Message):
     __slots__ = ("session_id", "epoch", "obs_id", "obs_step_index", "first_step_index", "actions", "tick", "served_ms", "client_time_ns")

@@ -1,0 +1,74 @@
+"""Per-session state: identity, epoch, the task, the budget, and what carries over between ticks."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from dataclasses import dataclass, field
+
+from policy_server.budget.history import SessionHistory
+from policy_server.engine.api import SessionHandle, TooManySessions, UnknownSession
+from policy_server.pipeline.policy import PromptState
+
+
+@dataclass
+class Session:
+    """One robot (or simulated episode stream) talking to the server.
+
+    prompt: the text K/V of the current instruction, reused while it does not change.
+    history: full-call counts of the previous ticks per cache setting, for the budget planner.
+    """
+
+    session_id: str
+    embodiment: str
+    instruction: str
+    budget_ms: float
+    chunk_size: int
+    seed: int
+    epoch: int = 1
+    ticks: int = 0
+    prompt: PromptState | None = None
+    history: SessionHistory = field(default_factory=SessionHistory)
+
+    def handle(self) -> SessionHandle:
+        return SessionHandle(self.session_id, self.epoch, self.embodiment, self.instruction, self.budget_ms,
+                             self.chunk_size, self.seed)
+
+
+class SessionTable:
+    """Thread-safe map of open sessions with a size limit."""
+
+    def __init__(self, max_sessions: int):
+        self.max_sessions = max_sessions
+        self._sessions: dict[str, Session] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def open(self, **fields) -> Session:
+        with self._lock:
+            if len(self._sessions) >= self.max_sessions:
+                raise TooManySessions(self.max_sessions)
+            session = Session(session_id=uuid.uuid4().hex, **fields)
+            self._sessions[session.session_id] = session
+            return session
+
+    def get(self, session_id: str) -> Session:
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise UnknownSession(session_id)
+        return session
+
+    def close(self, session_id: str) -> None:
+        with self._lock:
+            if self._sessions.pop(session_id, None) is None:
+                raise UnknownSession(session_id)
+
+    def reset(self, session_id: str) -> Session:
+        """Start a new episode: epoch + 1, tick count and learned history cleared (the instruction's K/V stay)."""
+        session = self.get(session_id)
+        session.epoch += 1
+        session.ticks = 0
+        session.history.clear()
+        return session

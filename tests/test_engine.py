@@ -1,0 +1,127 @@
+"""`ModelEngine` on an untrained embedded-size pipeline: warmup, sessions, ticks and their records,
+budget planning, cancellation, and the reasoner."""
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from policy_server.engine import api
+from policy_server.engine.engine import EngineSettings, ModelEngine
+from robots.embedded import build_random_pipeline
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    torch.set_num_threads(1)
+    pipeline = build_random_pipeline(tmp_path_factory.mktemp("engine-model"), seed=1)
+    engine = ModelEngine(pipeline, EngineSettings(warmup_ticks=2, max_sessions=3, default_budget_ms=10_000.0))
+    assert not engine.ready()
+    engine.start()
+    assert engine.wait_ready(timeout_s=300)
+    yield engine
+    engine.close()
+
+
+def _observation(step=0, instruction=""):
+    rng = np.random.default_rng(step)
+    return api.Observation(images={"image": rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)},
+                           state=np.array([0.2, 0.3], np.float32), instruction=instruction, step_index=step)
+
+
+def test_info_describes_the_served_embodiment_and_warmup(engine):
+    info = engine.info()
+    assert [e.name for e in info.embodiments] == ["pusht"]
+    spec = info.embodiments[0]
+    assert spec.state_dim == 2 and spec.action.dim == 2
+    assert spec.cameras[0].name == "image" and (spec.cameras[0].height, spec.cameras[0].width) == (64, 64)
+    labels = [p.label for p in info.warmup_profile]
+    assert labels == ["pusht/uncached", "pusht/max_caching"]
+    uncached, cached = info.warmup_profile
+    assert cached.skipped_calls > 0 and uncached.skipped_calls == 0
+
+
+def test_generous_budget_runs_uncached_and_reports_the_tick(engine):
+    session = engine.open_session("pusht", "reach the red circle")
+    result = engine.act(session.session_id, session.epoch, _observation())
+    assert result.actions.shape == (8, 2) and result.actions.dtype == np.float32
+    assert np.all(np.abs(result.actions) <= 0.2 + 1e-6)  # clipped to the declared limits
+    tick = result.tick
+    assert tick.setting == "none" and tick.skipped_calls == 0
+    assert tick.deadline_met
+    assert set(tick.branches) == {"cond", "uncond"}
+    assert tick.sequences["cond"] == "F" * 10
+    assert {"encode", "prefill", "denoise", "decode", "queue", "total"} <= set(tick.actual_ms)
+    engine.close_session(session.session_id)
+
+
+def test_tight_budget_caches_and_the_guard_keeps_the_deadline(engine):
+    uncached_ms = engine.info().warmup_profile[0].p50_ms
+    session = engine.open_session("pusht", "reach the blue circle", budget_ms=0.6 * uncached_ms)
+    records = [engine.act(session.session_id, 1, _observation(i)).tick for i in range(4)]
+    assert all(r.setting != "none" for r in records)
+    assert all(r.skipped_calls > 0 for r in records)
+    assert all(r.full_calls + r.skipped_calls == sum(len(s) for s in r.sequences.values()) for r in records)
+    engine.close_session(session.session_id)
+
+
+def test_same_seed_and_inputs_give_the_same_chunk(engine):
+    first = engine.open_session("pusht", "reach the red circle", seed=7)
+    second = engine.open_session("pusht", "reach the red circle", seed=7)
+    a = engine.act(first.session_id, 1, _observation(3)).actions
+    b = engine.act(second.session_id, 1, _observation(3)).actions
+    assert np.array_equal(a, b)
+    engine.close_session(first.session_id)
+    engine.close_session(second.session_id)
+
+
+def test_session_errors(engine):
+    session = engine.open_session("pusht", "reach the red circle")
+    with pytest.raises(api.UnknownSession):
+        engine.act("nope", 1, _observation())
+    reset = engine.reset_session(session.session_id)
+    assert reset.epoch == 2
+    with pytest.raises(api.StaleEpoch):
+        engine.act(session.session_id, 1, _observation())
+    with pytest.raises(api.UnknownEmbodiment):
+        engine.open_session("unicycle", "go")
+    with pytest.raises(api.BudgetInfeasible) as infeasible:
+        engine.set_budget(session.session_id, 0.01)
+    assert infeasible.value.best_achievable_ms > 0.01
+    others = [engine.open_session("pusht", "x") for _ in range(2)]
+    with pytest.raises(api.TooManySessions):
+        engine.open_session("pusht", "one too many")
+    for s in [session, *others]:
+        engine.close_session(s.session_id)
+    with pytest.raises(api.UnknownSession):
+        engine.close_session(session.session_id)
+
+
+def test_cancellation_and_expired_deadline(engine):
+    session = engine.open_session("pusht", "reach the red circle")
+    with pytest.raises(api.Cancelled):
+        engine.act(session.session_id, 1, _observation(), should_abort=lambda: True)
+    with pytest.raises(api.DeadlineExpired):
+        engine.act(session.session_id, 1, _observation(), deadline_s=time.monotonic() - 1)
+    # The session keeps serving after both.
+    assert engine.act(session.session_id, 1, _observation()).actions.shape == (8, 2)
+    engine.close_session(session.session_id)
+
+
+def test_instruction_change_prefills_again(engine):
+    session = engine.open_session("pusht", "reach the red circle")
+    engine.act(session.session_id, 1, _observation())
+    reused = engine.act(session.session_id, 1, _observation(1)).tick
+    changed = engine.act(session.session_id, 1, _observation(2, instruction="reach the green circle")).tick
+    assert reused.actual_ms["prefill"] < changed.actual_ms["prefill"]
+    assert engine.session(session.session_id).instruction == "reach the green circle"
+    engine.close_session(session.session_id)
+
+
+def test_reasoner_streams_text_and_bypasses_the_diffusion_cache(engine):
+    pieces = list(engine.reason("describe the table", max_new_tokens=12, seed=0))
+    again = list(engine.reason("describe the table", max_new_tokens=12, seed=0))
+    assert pieces == again
+    assert 0 < len(pieces) <= 12
+    assert all(isinstance(p, str) and p for p in pieces)
