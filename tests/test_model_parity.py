@@ -60,8 +60,13 @@ def grid_positions(t: int, h: int, w: int, offset: float, fps: float, tcf: int, 
 
 
 def policy_inputs(config: Cosmos3TransformerConfig, seed: int = 0, timestep: float = 723.0,
-                  domain_id: int = 5, n_text: int = 7, latent_thw=(3, 5, 7), chunk: int = 4) -> dict:
-    """Policy-mode forward kwargs, packed like diffusers' `Cosmos3OmniPipeline` (plus one clean state row)."""
+                  domain_id: int = 5, n_text: int = 7, latent_thw=(3, 5, 7), chunk: int = 4,
+                  mode: str = "policy") -> dict:
+    """Action-mode forward kwargs, packed like diffusers' `Cosmos3OmniPipeline` (plus one clean state row).
+
+    `mode`: "policy" (frame 0 clean; actions noisy), "forward_dynamics" (frame 0 and all actions
+    clean) or "inverse_dynamics" (all frames clean; actions noisy).
+    """
     g = torch.Generator().manual_seed(seed)
     t, h, w = latent_thw
     gh, gw = (h + 1) // 2, (w + 1) // 2
@@ -72,7 +77,7 @@ def policy_inputs(config: Cosmos3TransformerConfig, seed: int = 0, timestep: flo
     if n_sound:
         positions.append(grid_positions(n_sound, 1, 1, offset, config.sound_latent_fps, tcf=1, base_tcf=1))
     positions.append(grid_positions(n_action, 1, 1, offset, fps, tcf=1, base_tcf=4, start_frame=0))
-    noisy_frames = torch.arange(1, t)
+    noisy_frames = torch.arange(t if mode == "inverse_dynamics" else 1, t)
     vision_seq = torch.arange(n_text, n_text + n_vision)
     kwargs = dict(
         input_ids=torch.randint(0, config.vocab_size, (n_text,), generator=g),
@@ -83,7 +88,7 @@ def policy_inputs(config: Cosmos3TransformerConfig, seed: int = 0, timestep: flo
         vision_tokens=[torch.randn(1, config.latent_channel, t, h, w, generator=g)],
         vision_token_shapes=[(t, gh, gw)],
         vision_sequence_indexes=vision_seq,
-        vision_mse_loss_indexes=vision_seq[per_frame:],
+        vision_mse_loss_indexes=vision_seq[per_frame:] if len(noisy_frames) else vision_seq[:0],
         vision_timesteps=torch.full((len(noisy_frames) * per_frame,), timestep),
         vision_noisy_frame_indexes=[noisy_frames],
     )
@@ -96,11 +101,13 @@ def policy_inputs(config: Cosmos3TransformerConfig, seed: int = 0, timestep: flo
                       sound_noisy_frame_indexes=[torch.arange(n_sound)])
         start += n_sound
     action_seq = torch.arange(start, start + n_action)
-    noisy_rows = torch.arange(1, n_action)  # row 0: the current robot state, given as conditioning
+    # Row 0 is the current robot state, given as conditioning; forward dynamics gives every action.
+    noisy_rows = torch.arange(n_action if mode == "forward_dynamics" else 1, n_action)
     kwargs.update(action_tokens=[torch.randn(n_action, config.action_dim, generator=g)],
                   action_token_shapes=[(n_action, 1, 1)], action_sequence_indexes=action_seq,
                   action_mse_loss_indexes=action_seq[noisy_rows],
-                  action_timesteps=torch.full((chunk,), timestep), action_noisy_frame_indexes=[noisy_rows],
+                  action_timesteps=torch.full((len(noisy_rows),), timestep),
+                  action_noisy_frame_indexes=[noisy_rows],
                   action_domain_ids=[torch.tensor([domain_id])])
     return kwargs
 
@@ -175,3 +182,28 @@ def test_config_round_trips_through_diffusers(models):
     ours_fields = dataclasses.asdict(ours.config)
     for name, value in ours_fields.items():
         assert reference.config[name] == value, name
+
+
+@pytest.mark.parametrize("mode", ["forward_dynamics", "inverse_dynamics"])
+def test_dynamics_modes_match_diffusers(models, mode):
+    reference, ours = models
+    kwargs = policy_inputs(ours.config, mode=mode)
+    with torch.no_grad():
+        ref_vision, _, ref_action = reference(**kwargs, return_dict=False)
+        vision, _, action = ours(**kwargs, return_dict=False)
+    assert_close(vision[0], ref_vision[0])
+    assert_close(action[0], ref_action[0])
+    predicted = action[0] if mode == "inverse_dynamics" else vision[0]
+    assert predicted.abs().amax() > 0
+
+
+def test_integer_positions_match_diffusers(models):
+    """Without fps modulation the pipeline passes integer position ids."""
+    reference, ours = models
+    kwargs = policy_inputs(ours.config)
+    kwargs["position_ids"] = kwargs["position_ids"].round().long()
+    with torch.no_grad():
+        ref_vision, _, ref_action = reference(**kwargs, return_dict=False)
+        vision, _, action = ours(**kwargs, return_dict=False)
+    assert_close(vision[0], ref_vision[0])
+    assert_close(action[0], ref_action[0])

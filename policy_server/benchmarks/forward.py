@@ -201,10 +201,10 @@ def _time_ms(call, device: torch.device) -> float:
 
 
 def embedded_like_config() -> Cosmos3TransformerConfig:
-    """A config shaped like the embedded model: D=128, 4 layers, 4 heads, 2 KV heads, hd 32."""
+    """A config shaped like the embedded model: D=128, F=384, 4 layers, 4 heads, 2 KV heads, hd 32."""
     return Cosmos3TransformerConfig(
-        head_dim=32, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
-        num_hidden_layers=4, vocab_size=512, latent_channel=16, patch_latent_dim=64, rope_axes_dim=[8, 4, 4],
+        head_dim=32, hidden_size=128, intermediate_size=384, num_attention_heads=4, num_key_value_heads=2,
+        num_hidden_layers=4, vocab_size=512, latent_channel=16, patch_latent_dim=64, rope_axes_dim=[6, 5, 5],
         action_gen=True, action_dim=16,
     )
 

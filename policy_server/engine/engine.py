@@ -109,6 +109,8 @@ class ModelEngine:
         self._warmup_error: BaseException | None = None
         self._profile: tuple[api.ProfilePoint, ...] = ()
         self._embodiments = {name: pipeline.embodiments.get(name) for name in pipeline.served_embodiments}
+        # The pipeline output of the latest tick (generated latents, step records), for benchmarks.
+        self.last_output: PolicyOutput | None = None
 
     # ------------------------------------------------------------------------------ lifecycle
 
@@ -278,6 +280,7 @@ class ModelEngine:
                 raise api.DeadlineExpired(f"the caller's deadline passed: {stop}") from None
             raise api.Cancelled(f"the caller went away: {stop}") from None
         session.ticks += 1
+        self.last_output = out
 
         actions = out.actions
         if not np.all(np.isfinite(actions)):

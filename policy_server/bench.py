@@ -1,0 +1,326 @@
+"""`policy-server bench`: latency and action quality per cache/budget setting, as JSON + PNG plots.
+
+    policy-server bench --out bench.json --ticks 500
+
+Every configuration sees the same observations (expert trajectories of the built-in Reach task on
+held-out seeds) with the same seed, hence the same initial noise, tick by tick and interleaved, so
+machine drift cancels and errors compare like with like:
+
+- `uncached`               the pipeline without caching (the quality reference);
+- `seacache_default`       SeaCache 0.25 / order 1 / cap 2 on every tick, no budget control;
+- `fewer_steps_<n>`        the naive alternative: n < N sampler steps, chosen to fit each budget;
+- `budget_<ms>`            the engine's budget controller (planner + guard + SeaCache) at that budget;
+- `budget_<ms>_slowdown`   the same, with an extra delay per full GEN-stack call from the halfway tick.
+
+Latency is the pipeline's end-to-end time for the fixed settings and the engine's (queue included)
+for the budget settings. The JSON layout is `../shared/design/BENCH.md`'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import gymnasium
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from policy_server.cache.controller import NoCache
+from policy_server.cache.seacache import SeaCache, SeaCacheConfig
+from policy_server.engine import api
+from policy_server.engine.engine import EngineSettings, ModelEngine
+from policy_server.pipeline.policy import PolicyOutput, PolicyPipeline, PolicyRequest
+
+SCHEMA = 1
+
+
+@dataclass
+class ConfigRun:
+    """Per-tick measurements of one configuration."""
+
+    name: str
+    budget_ms: float | None = None
+    latency_ms: list[float] = field(default_factory=list)
+    full: list[int] = field(default_factory=list)
+    skipped: list[int] = field(default_factory=list)
+    forced: list[int] = field(default_factory=list)
+    rel_l2: list[float] = field(default_factory=list)
+    psnr_db: list[float] = field(default_factory=list)
+    settings: dict[str, int] = field(default_factory=dict)
+
+    def add(self, latency_ms: float, out: PolicyOutput, reference: PolicyOutput | None) -> None:
+        self.latency_ms.append(latency_ms)
+        self.full.append(out.cache.full_calls)
+        self.skipped.append(out.cache.skipped_calls)
+        self.forced.append(out.cache.forced_skips)
+        if reference is not None:
+            self.rel_l2.append(action_rel_l2(out.actions, reference.actions))
+            self.psnr_db.append(latent_psnr_db(out.latents, reference.latents))
+
+    def summary(self) -> dict:
+        latency = np.asarray(self.latency_ms)
+        summary = {
+            "name": self.name,
+            "p50_ms": float(np.percentile(latency, 50)),
+            "p99_ms": float(np.percentile(latency, 99)),
+            "mean_ms": float(latency.mean()),
+            "ticks": len(latency),
+            "full_calls": float(np.mean(self.full)),
+            "skipped_calls": float(np.mean(self.skipped)),
+            "forced_skips": float(np.mean(self.forced)),
+            "action_rel_l2": float(np.mean(self.rel_l2)) if self.rel_l2 else 0.0,
+            "action_rel_l2_p90": float(np.percentile(self.rel_l2, 90)) if self.rel_l2 else 0.0,
+            "latent_psnr_db": _finite_mean(self.psnr_db) if self.psnr_db else None,
+            "budget_ms": self.budget_ms,
+            "miss_rate": float(np.mean(latency > self.budget_ms)) if self.budget_ms is not None else None,
+        }
+        if self.settings:
+            summary["cache_settings"] = dict(sorted(self.settings.items(), key=lambda kv: -kv[1]))
+        return summary
+
+
+def action_rel_l2(actions: np.ndarray, reference: np.ndarray) -> float:
+    """||a - a_ref|| / ||a_ref|| over the whole chunk."""
+    return float(np.linalg.norm(actions - reference) / max(np.linalg.norm(reference), 1e-12))
+
+
+def latent_psnr_db(latents: torch.Tensor, reference: torch.Tensor) -> float:
+    """PSNR of the generated (noisy) latent frames against the reference, peak = the reference's range."""
+    generated, target = latents[:, 1:].float(), reference[:, 1:].float()
+    mse = float((generated - target).pow(2).mean())
+    peak = float(target.max() - target.min())
+    return math.inf if mse == 0 else 10 * math.log10(peak**2 / mse)
+
+
+def _finite_mean(values: list[float]) -> float | None:
+    finite = [v for v in values if math.isfinite(v)]
+    return float(np.mean(finite)) if finite else None  # None: identical to the reference on every tick
+
+
+def collect_observations(count: int, seed: int) -> list[dict]:
+    """Observations along expert trajectories of the Reach task (held-out seeds), `count` in total."""
+    import robots.envs  # noqa: F401  (registers the environments)
+    from robots.envs.reach import HELDOUT_SEED_OFFSET
+    from robots.expert import ReachExpert
+
+    env = gymnasium.make("PolicyServer/Reach-v0")
+    expert = ReachExpert()
+    observations: list[dict] = []
+    episode = 0
+    while len(observations) < count:
+        obs, _ = env.reset(seed=HELDOUT_SEED_OFFSET + seed * 10_000 + episode)
+        done = False
+        while not done and len(observations) < count:
+            observations.append(obs)
+            obs, _, terminated, truncated, _ = env.step(expert(env))
+            done = terminated or truncated
+        episode += 1
+    env.close()
+    return observations
+
+
+def run(args: argparse.Namespace) -> dict:
+    torch.set_num_threads(args.threads)
+    pipeline = PolicyPipeline.from_pretrained(args.checkpoint, device=args.device)
+    embodiment = pipeline.embodiments.get(pipeline.served_embodiments[0])
+    steps = pipeline.config.num_steps
+
+    settings = EngineSettings(warmup_ticks=args.warmup, max_sessions=8)
+    engine = ModelEngine(pipeline, settings)
+    slow_engine = ModelEngine(pipeline, settings)  # its own cost model: it must learn the slowdown itself
+    for e in (engine, slow_engine):
+        e.start()
+        e.wait_ready()
+    uncached_warm_ms = engine.info().warmup_profile[0].p50_ms
+    budgets = [round(f * uncached_warm_ms, 1) for f in args.budget_fractions]
+    fewer = {b: max(1, math.floor(steps * b / uncached_warm_ms)) for b in budgets}
+    slow_budget = budgets[0]
+    slowdown_ms = args.slowdown_ms
+    if slowdown_ms is None:
+        full_ms = engine.cost_model.costs((embodiment.name, embodiment.default_chunk_size)).full_ms
+        slowdown_ms = round(0.5 * full_ms, 2)
+
+    runs = {"uncached": ConfigRun("uncached"), "seacache_default": ConfigRun("seacache_default")}
+    for b, n in fewer.items():
+        runs.setdefault(f"fewer_steps_{n}", ConfigRun(f"fewer_steps_{n}", budget_ms=b))
+    sessions = {}
+    for b in budgets:
+        name = f"budget_{b:g}"
+        runs[name] = ConfigRun(name, budget_ms=b)
+        sessions[name] = (engine, engine.open_session(embodiment.name, "warm up", budget_ms=b, seed=0))
+    slow_name = f"budget_{slow_budget:g}_slowdown"
+    runs[slow_name] = ConfigRun(slow_name, budget_ms=slow_budget)
+    sessions[slow_name] = (slow_engine, slow_engine.open_session(embodiment.name, "warm up",
+                                                                 budget_ms=slow_budget, seed=0))
+
+    observations = collect_observations(args.ticks, args.seed)
+    order = list(runs)
+    for tick, obs in enumerate(tqdm(observations, desc="bench", unit="tick")):
+        if tick == args.ticks // 2:
+            slow_engine.full_call_delay_ms = slowdown_ms
+        request = PolicyRequest(images={"image": obs["image"]}, instruction=obs["instruction"],
+                                embodiment=embodiment.name, state=obs["state"], seed=tick)
+        reference = pipeline(request, controller=NoCache())
+        runs["uncached"].add(reference.timings_ms["total"], reference, reference)
+        rotation = order[tick % len(order):] + order[: tick % len(order)]  # interleave: no config always first
+        for name in rotation:
+            run_ = runs[name]
+            if name == "uncached":
+                continue
+            if name == "seacache_default":
+                out = pipeline(request, controller=SeaCache(SeaCacheConfig()))
+                run_.add(out.timings_ms["total"], out, reference)
+            elif name.startswith("fewer_steps_"):
+                n = int(name.rsplit("_", 1)[1])
+                out = pipeline(PolicyRequest(**{**request.__dict__, "num_steps": n}), controller=NoCache())
+                run_.add(out.timings_ms["total"], out, reference)
+            else:
+                owner, session = sessions[name]
+                result = owner.act(session.session_id, session.epoch, api.Observation(
+                    images={"image": obs["image"]}, state=obs["state"], instruction=obs["instruction"],
+                    step_index=tick))
+                run_.add(result.tick.actual_ms["total"], owner.last_output, reference)
+                run_.settings[result.tick.setting] = run_.settings.get(result.tick.setting, 0) + 1
+
+    for e in (engine, slow_engine):
+        e.close()
+    report = {
+        "schema": SCHEMA,
+        "machine": {
+            "device": str(pipeline.device),
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "gpu": torch.cuda.get_device_name(0) if pipeline.device.type == "cuda" else None,
+            "cpu": platform.processor() or platform.machine(),
+        },
+        "model": model_summary(pipeline, embodiment.name),
+        "forward": forward_summary(pipeline, args),
+        "uncached_warmup_p50_ms": uncached_warm_ms,
+        "slowdown": {"config": slow_name, "extra_ms_per_full_call": slowdown_ms, "from_tick": args.ticks // 2},
+        "configs": [runs[name].summary() for name in order],
+    }
+    return report
+
+
+def model_summary(pipeline: PolicyPipeline, embodiment: str) -> dict:
+    config = pipeline.config
+    prompt = pipeline.encode_prompt("reach the red circle", pipeline.embodiments.get(embodiment),
+                                    pipeline.embodiments.get(embodiment).default_chunk_size,
+                                    cfg=config.guidance != 1.0)
+    c = pipeline.transformer.config
+    height, width = config.canvas_hw
+    chunk = pipeline.embodiments.get(embodiment).default_chunk_size
+    latent_t = pipeline.vae.num_latent_frames(chunk + 1)
+    sc, p = pipeline.vae.spatial_compression, c.latent_patch_size
+    vision_tokens = latent_t * math.ceil(height / sc / p) * math.ceil(width / sc / p)
+    return {
+        "name": config.name,
+        "params": sum(t.numel() for t in pipeline.transformer.parameters()),
+        "steps": config.num_steps,
+        "sampler": config.sampler,
+        "shift": config.shift,
+        "cfg": config.guidance != 1.0,
+        "guidance": config.guidance,
+        "text_tokens": len(prompt.input_ids["cond"]),
+        "gen_tokens": vision_tokens + chunk + (1 if pipeline.embodiments.get(embodiment).state_dim else 0),
+    }
+
+
+def forward_summary(pipeline: PolicyPipeline, args: argparse.Namespace) -> dict | None:
+    """Per-step call times of the served transformer: full, GEN-only and the diffusers reference."""
+    if not args.reference:
+        return None
+    from policy_server.benchmarks.forward import measure_forward
+
+    c = pipeline.transformer.config
+    height, width = pipeline.config.canvas_hw
+    embodiment = pipeline.embodiments.get(pipeline.served_embodiments[0])
+    sc = pipeline.vae.spatial_compression
+    shape = (c.latent_channel, pipeline.vae.num_latent_frames(embodiment.default_chunk_size + 1),
+             height // sc, width // sc)
+    prompt = pipeline.encode_prompt("reach the red circle", embodiment, embodiment.default_chunk_size, cfg=False)
+    return measure_forward(c, n_text=len(prompt.input_ids["cond"]), vision_shape=shape,
+                           chunk=embodiment.default_chunk_size, repeats=args.forward_repeats,
+                           device=pipeline.device)
+
+
+def plot(report: dict, out: Path) -> list[Path]:
+    """Latency distribution per config, and action error against latency."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = report["configs"]
+    paths = []
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    names = [c["name"] for c in configs]
+    ax.barh(names, [c["p99_ms"] for c in configs], color="#c7d6ea", label="p99")
+    ax.barh(names, [c["p50_ms"] for c in configs], color="#3b6ea8", label="p50")
+    for c in configs:
+        if c["budget_ms"] is not None and c["name"].startswith("budget_"):
+            ax.plot([c["budget_ms"]] * 2, [names.index(c["name"]) - 0.4, names.index(c["name"]) + 0.4], "r-")
+    ax.set_xlabel("tick latency (ms); red: budget")
+    ax.set_title(f"{report['model']['name']} on {report['machine']['device']}: latency per config")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    paths.append(out.with_name(out.stem + "_latency.png"))
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for c in configs:
+        ax.scatter(c["p50_ms"], c["action_rel_l2"], s=40)
+        ax.annotate(c["name"], (c["p50_ms"], c["action_rel_l2"]), textcoords="offset points", xytext=(4, 4),
+                    fontsize=8)
+    ax.set_xlabel("p50 tick latency (ms)")
+    ax.set_ylabel("action rel. L2 error vs uncached")
+    ax.set_title("action error against latency")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    paths.append(out.with_name(out.stem + "_error_vs_latency.png"))
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    return paths
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="policy-server bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("bench.json"), help="JSON path; PNGs go beside it")
+    parser.add_argument("--checkpoint", type=Path, default=None, help="pipeline folder (default: embedded)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--ticks", type=int, default=500)
+    parser.add_argument("--warmup", type=int, default=4, help="warmup ticks per engine and cache mode")
+    parser.add_argument("--budget-fractions", type=float, nargs="+", default=[0.5, 0.75],
+                        help="budgets as fractions of the uncached warmup p50")
+    parser.add_argument("--slowdown-ms", type=float, default=None,
+                        help="extra ms per full call from the halfway tick (default: half a full call)")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--reference", action=argparse.BooleanOptionalAction, default=True,
+                        help="time diffusers' reference forward (needs the [dev] extra)")
+    parser.add_argument("--forward-repeats", type=int, default=50)
+    args = parser.parse_args(argv)
+    if args.ticks < 2 or args.warmup < 2:
+        parser.error("--ticks and --warmup must be at least 2")
+    if not all(0 < f < 1 for f in args.budget_fractions):
+        parser.error("--budget-fractions must lie in (0, 1): budgets below the uncached latency")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    report = run(args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    paths = plot(report, args.out)
+    print(json.dumps({"out": str(args.out), "plots": [str(p) for p in paths],
+                      "configs": {c["name"]: {k: c[k] for k in ("p50_ms", "p99_ms", "action_rel_l2", "miss_rate")}
+                                  for c in report["configs"]}}, indent=2))
+    return 0

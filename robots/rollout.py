@@ -1,0 +1,266 @@
+"""`policy-rollout`: closed-loop episodes of the built-in Reach task driven by the policy.
+
+    policy-rollout --server 127.0.0.1:50051 --episodes 100 --parallel 4
+    policy-rollout --in-process --episodes 100 --latency-budget-ms 60 --out runs/reach.json --videos 4
+
+Each environment gets its own session; a tick sends the camera frame and effector state, and the
+robot executes the first `--execute` actions of the returned chunk before asking again. Episodes use
+held-out seeds (never seen in the demonstrations). The JSON report holds the success rate, episode
+lengths, per-tick latency (p50/p99), deadline misses and cache decisions; a PNG summary sits beside
+it, and `--videos N` writes MP4s of the first N episodes with the predicted future frames (decoded
+from the generated latents, in-process only) beside the real ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import cv2
+import gymnasium
+import numpy as np
+
+import robots.envs  # noqa: F401  (registers the environments)
+from robots.envs.reach import HELDOUT_SEED_OFFSET
+
+
+@dataclass
+class TickStats:
+    latency_ms: float
+    budget_ms: float
+    deadline_met: bool
+    full_calls: int
+    skipped_calls: int
+    forced_skips: int
+    setting: str
+
+
+@dataclass
+class EpisodeResult:
+    seed: int
+    instruction: str
+    success: bool
+    steps: int
+    ticks: list[TickStats] = field(default_factory=list)
+    frames: list[np.ndarray] = field(default_factory=list)  # side-by-side video frames, when recorded
+
+
+class ServerPolicy:
+    """Talks to a running server through the client library."""
+
+    def __init__(self, target: str, budget_ms: float | None, token_file: Path | None):
+        from policy_server.client import PolicyClient
+
+        self.client = PolicyClient(target, token_file=token_file, timeout_s=60)
+        self.client.wait_until_serving(timeout_s=600)
+        self.budget_ms = budget_ms
+
+    def open(self, instruction: str, seed: int):
+        return self.client.open_session("pusht", instruction, budget_ms=self.budget_ms, seed=seed)
+
+    def act(self, session, obs: dict, step: int, want_video: bool = False):
+        chunk = self.client.act(session, {"image": obs["image"]}, obs["state"], step_index=step, encoding="png")
+        tick = chunk.tick
+        stats = TickStats(tick.actual_ms["total"], tick.budget_ms, tick.deadline_met, tick.full_calls,
+                          tick.skipped_calls, tick.forced_skips, tick.setting)
+        return chunk.actions, stats, None
+
+    def close(self, session) -> None:
+        self.client.close_session(session)
+
+
+class InProcessPolicy:
+    """Runs the engine in this process (no network); can also decode the predicted video."""
+
+    def __init__(self, checkpoint: Path | None, budget_ms: float, cache: bool, parallel: int):
+        import torch
+
+        from policy_server.engine.engine import EngineSettings, ModelEngine
+        from policy_server.pipeline.policy import PolicyPipeline
+
+        torch.set_num_threads(1)
+        self.pipeline = PolicyPipeline.from_pretrained(checkpoint)
+        self.engine = ModelEngine(self.pipeline, EngineSettings(default_budget_ms=budget_ms, diffusion_cache=cache,
+                                                                max_sessions=max(4, parallel)))
+        self.engine.start()
+        self.engine.wait_ready()
+        self._lock = threading.Lock()
+
+    def open(self, instruction: str, seed: int):
+        return self.engine.open_session("pusht", instruction, seed=seed)
+
+    def act(self, session, obs: dict, step: int, want_video: bool = False):
+        from policy_server.engine.api import Observation
+
+        observation = Observation(images={"image": obs["image"]}, state=obs["state"], step_index=step)
+        with self._lock if want_video else contextlib.nullcontext():
+            result = self.engine.act(session.session_id, session.epoch, observation)
+            latents = self.engine.last_output.latents if want_video else None
+        tick = result.tick
+        stats = TickStats(tick.actual_ms["total"], tick.budget_ms, tick.deadline_met, tick.full_calls,
+                          tick.skipped_calls, tick.forced_skips, tick.setting)
+        predicted = self.pipeline.decode_video(latents) if latents is not None else None
+        return result.actions, stats, predicted
+
+    def close(self, session) -> None:
+        self.engine.close_session(session.session_id)
+
+
+def run_episode(policy, index: int, execute: int, record_video: bool) -> EpisodeResult:
+    env = gymnasium.make("PolicyServer/Reach-v0", render_mode="rgb_array", render_size=128)
+    seed = HELDOUT_SEED_OFFSET + index
+    obs, _ = env.reset(seed=seed)
+    session = policy.open(obs["instruction"], seed)
+    result = EpisodeResult(seed=seed, instruction=obs["instruction"], success=False, steps=0)
+    done = False
+    try:
+        while not done:
+            actions, stats, predicted = policy.act(session, obs, result.steps, want_video=record_video)
+            result.ticks.append(stats)
+            for k, action in enumerate(actions[:execute]):
+                obs, _, terminated, truncated, info = env.step(action)
+                result.steps += 1
+                if record_video:
+                    result.frames.append(_side_by_side(env.render(), predicted, k + 1))
+                done = terminated or truncated
+                if done:
+                    result.success = bool(info["is_success"])
+                    break
+    finally:
+        policy.close(session)
+        env.close()
+    return result
+
+
+def _side_by_side(real: np.ndarray, predicted: np.ndarray | None, offset: int) -> np.ndarray:
+    """Real frame (left) and the model's predicted frame for the same instant (right), 128 px each."""
+    size = real.shape[0]
+    right = np.zeros_like(real)
+    if predicted is not None:
+        frame = predicted[min(offset, len(predicted) - 1)]
+        right = cv2.resize(frame, (size, size), interpolation=cv2.INTER_NEAREST)
+    return np.concatenate([real, right], axis=1)
+
+
+def write_video(path: Path, frames: list[np.ndarray], fps: float) -> None:
+    height, width = frames[0].shape[:2]
+    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), fps, (width, height))
+    for frame in frames:
+        writer.write(cv2.cvtColor(frame, cv2.COLOR_RGB2BGR))
+    writer.release()
+
+
+def summarize(results: list[EpisodeResult], seconds: float, config: dict) -> dict:
+    ticks = [t for r in results for t in r.ticks]
+    latency = np.array([t.latency_ms for t in ticks])
+    settings: dict[str, int] = {}
+    for t in ticks:
+        settings[t.setting] = settings.get(t.setting, 0) + 1
+    success = [r.success for r in results]
+    return {
+        "config": config,
+        "episodes": len(results),
+        "success_rate": float(np.mean(success)),
+        "episode_length_mean": float(np.mean([r.steps for r in results])),
+        "episode_length_success_mean": float(np.mean([r.steps for r in results if r.success])) if any(success)
+        else None,
+        "ticks": len(ticks),
+        "latency_p50_ms": float(np.percentile(latency, 50)),
+        "latency_p99_ms": float(np.percentile(latency, 99)),
+        "deadline_misses": int(sum(not t.deadline_met for t in ticks)),
+        "miss_rate": float(np.mean([not t.deadline_met for t in ticks])),
+        "full_calls_per_tick": float(np.mean([t.full_calls for t in ticks])),
+        "skipped_calls_per_tick": float(np.mean([t.skipped_calls for t in ticks])),
+        "forced_skips_per_tick": float(np.mean([t.forced_skips for t in ticks])),
+        "cache_settings": settings,
+        "wall_s": seconds,
+        "per_episode": [{"seed": r.seed, "instruction": r.instruction, "success": r.success, "steps": r.steps}
+                        for r in results],
+    }
+
+
+def plot_summary(report: dict, latencies: list[float], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    left.hist(latencies, bins=40, color="#3b6ea8")
+    budget = report["config"].get("latency_budget_ms")
+    if budget:
+        left.axvline(budget, color="r", label=f"budget {budget:g} ms")
+        left.legend()
+    left.set_xlabel("tick latency (ms)")
+    left.set_title(f"p50 {report['latency_p50_ms']:.0f} ms, p99 {report['latency_p99_ms']:.0f} ms, "
+                   f"misses {report['miss_rate']:.1%}")
+    lengths = [e["steps"] for e in report["per_episode"]]
+    colours = ["#2e8b57" if e["success"] else "#c0392b" for e in report["per_episode"]]
+    right.bar(range(len(lengths)), lengths, color=colours)
+    right.set_xlabel("episode")
+    right.set_ylabel("steps (green: success)")
+    right.set_title(f"success {report['success_rate']:.0%} over {report['episodes']} episodes")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="policy-rollout", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--server", help="host:port of a running policy-server")
+    where.add_argument("--in-process", action="store_true", help="run the engine in this process")
+    parser.add_argument("--checkpoint", type=Path, default=None, help="in-process: pipeline folder")
+    parser.add_argument("--latency-budget-ms", type=float, default=None,
+                        help="per-tick budget (server: per session; in-process default 120)")
+    parser.add_argument("--no-diffusion-cache", action="store_true", help="in-process: run uncached")
+    parser.add_argument("--episodes", type=int, default=100)
+    parser.add_argument("--parallel", type=int, default=1,
+                        help="environments (and sessions) at once; they share one model worker, so queueing
+                        "counts against each tick's budget")
+    parser.add_argument("--execute", type=int, default=4, help="actions executed per chunk before replanning")
+    parser.add_argument("--first-episode", type=int, default=0, help="held-out seed index of episode 0")
+    parser.add_argument("--videos", type=int, default=0, help="MP4s of the first N episodes (in-process)")
+    parser.add_argument("--auth-token-file", type=Path, default=None)
+    parser.add_argument("--out", type=Path, default=Path("rollout.json"))
+    args = parser.parse_args(argv)
+    if args.episodes < 1 or args.parallel < 1 or args.execute < 1:
+        parser.error("--episodes, --parallel and --execute must be positive")
+    if args.videos and not args.in_process:
+        parser.error("--videos needs --in-process (the predicted frames come from the generated latents)")
+
+    budget = args.latency_budget_ms
+    if args.in_process:
+        policy = InProcessPolicy(args.checkpoint, budget or 120.0, not args.no_diffusion_cache, args.parallel)
+    else:
+        policy = ServerPolicy(args.server, budget, args.auth_token_file)
+
+    started = time.perf_counter()
+    indices = range(args.first_episode, args.first_episode + args.episodes)
+    with ThreadPoolExecutor(max_workers=args.parallel) as pool:
+        futures = [pool.submit(run_episode, policy, i, args.execute, n < args.videos) for n, i in enumerate(indices)]
+        results = [f.result() for f in futures]
+    seconds = time.perf_counter() - started
+
+    config = {"server": args.server, "in_process": args.in_process, "latency_budget_ms": budget,
+              "diffusion_cache": not args.no_diffusion_cache, "execute": args.execute, "parallel": args.parallel,
+              "first_episode": args.first_episode}
+    report = summarize(results, seconds, config)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    plot_summary(report, [t.latency_ms for r in results for t in r.ticks], args.out.with_suffix(".png"))
+    for result in results[: args.videos]:
+        write_video(args.out.with_name(f"{args.out.stem}_episode{result.seed}.mp4"), result.frames, fps=10)
+    print(json.dumps({k: v for k, v in report.items() if k != "per_episode"}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
