@@ -223,8 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-diffusion-cache", action="store_true", help="in-process: run uncached")
     parser.add_argument("--episodes", type=int, default=100)
     parser.add_argument("--parallel", type=int, default=1,
-                        help="environments (and sessions) at once; they share one model worker, so queueing
-                        "counts against each tick's budget")
+                        help="environments (and sessions) at once; they share one model worker, so "
+                        "queueing counts against each tick's budget")
     parser.add_argument("--execute", type=int, default=4, help="actions executed per chunk before replanning")
     parser.add_argument("--first-episode", type=int, default=0, help="held-out seed index of episode 0")
     parser.add_argument("--videos", type=int, default=0, help="MP4s of the first N episodes (in-process)")
