@@ -49,12 +49,12 @@ class GenInput:
     @property
     def cos(self) -> torch.Tensor:
         """[N_gen, hd] rotary cosines of the generated rows."""
-        return self.layout.cos
+        return self.layout.rotary.cos
 
     @property
     def sin(self) -> torch.Tensor:
         """[N_gen, hd] rotary sines of the generated rows."""
-        return self.layout.sin
+        return self.layout.rotary.sin
 
     @property
     def und_len(self) -> int:

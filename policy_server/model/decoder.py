@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from policy_server.model.config import Cosmos3TransformerConfig
-from policy_server.model.layers import GatedMLP, make_rms_norm
-from policy_server.model.rope import apply_rotary
+from policy_server.model.layers import GatedMLP, RMSNorm, gated_mlp, linear, rms_norm
+from policy_server.model.rope import RotaryTables
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
@@ -47,46 +47,52 @@ class Cosmos3PackedMoTAttention(nn.Module):
         self.to_k = nn.Linear(d, kv_heads * hd, bias=bias)
         self.to_v = nn.Linear(d, kv_heads * hd, bias=bias)
         self.to_out = nn.Linear(heads * hd, d, bias=bias)
-        # Edge has no text q/k norm; identity modules hold no parameters, hence no checkpoint keys.
-        self.norm_q = make_rms_norm(hd, eps, nemotron) if config.qk_norm_for_text else nn.Identity()
-        self.norm_k = make_rms_norm(hd, eps, nemotron) if config.qk_norm_for_text else nn.Identity()
+        # Edge has no text q/k norm: no module, hence no checkpoint keys.
+        self.norm_q = RMSNorm(hd, eps, nemotron) if config.qk_norm_for_text else None
+        self.norm_k = RMSNorm(hd, eps, nemotron) if config.qk_norm_for_text else None
         # Edge normalises the text keys a second way for GEN queries only; the causal path keeps raw keys.
-        self.k_norm_und_for_gen = make_rms_norm(hd, eps, nemotron) if config.has_und_k_norm_for_gen else None
+        self.k_norm_und_for_gen = RMSNorm(hd, eps, nemotron) if config.has_und_k_norm_for_gen else None
 
         # GEN pathway: same shapes, always with q/k norm.
         self.add_q_proj = nn.Linear(d, heads * hd, bias=bias)
         self.add_k_proj = nn.Linear(d, kv_heads * hd, bias=bias)
         self.add_v_proj = nn.Linear(d, kv_heads * hd, bias=bias)
         self.to_add_out = nn.Linear(heads * hd, d, bias=bias)
-        self.norm_added_q = make_rms_norm(hd, eps, nemotron)
-        self.norm_added_k = make_rms_norm(hd, eps, nemotron)
+        self.norm_added_q = RMSNorm(hd, eps, nemotron)
+        self.norm_added_k = RMSNorm(hd, eps, nemotron)
 
-    def und_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def und_qkv(self, x: torch.Tensor, rotary: RotaryTables):
         """Text rows `[N, D]` -> q `[N, H, hd]`, causal k, GEN-side k, v `[KV, N, hd]` (normed, rotated)."""
         n = x.shape[0]
-        q = self.norm_q(self.to_q(x).view(n, self.num_attention_heads, self.head_dim))
-        k = self.norm_k(self.to_k(x).view(n, self.num_key_value_heads, self.head_dim))
-        v = self.to_v(x).view(n, self.num_key_value_heads, self.head_dim)
-        k_for_gen = k if self.k_norm_und_for_gen is None else self.k_norm_und_for_gen(k)
-        q = apply_rotary(q, cos, sin)
-        k_causal = apply_rotary(k, cos, sin).transpose(0, 1)
+        q = linear(self.to_q, x).view(n, self.num_attention_heads, self.head_dim)
+        k = linear(self.to_k, x).view(n, self.num_key_value_heads, self.head_dim)
+        v = linear(self.to_v, x).view(n, self.num_key_value_heads, self.head_dim)
+        if self.norm_q is not None:
+            q, k = rms_norm(self.norm_q, q), rms_norm(self.norm_k, k)
+        k_causal = rotary.apply(k).transpose(0, 1)
         if self.k_norm_und_for_gen is None:
             k_for_gen = k_causal
         else:
-            k_for_gen = apply_rotary(k_for_gen, cos, sin).transpose(0, 1)
-        return q, k_causal, k_for_gen, v.transpose(0, 1)
+            k_for_gen = rotary.apply(rms_norm(self.k_norm_und_for_gen, k)).transpose(0, 1)
+        return rotary.apply(q), k_causal, k_for_gen, v.transpose(0, 1)
 
-    def gen_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """Generated rows `[N, D]` -> q `[N, H, hd]`, k/v `[KV, N, hd]`, post norm+RoPE."""
-        n = x.shape[0]
-        q = self.norm_added_q(self.add_q_proj(x).view(n, self.num_attention_heads, self.head_dim))
-        k = self.norm_added_k(self.add_k_proj(x).view(n, self.num_key_value_heads, self.head_dim))
-        v = self.add_v_proj(x).view(n, self.num_key_value_heads, self.head_dim)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin).transpose(0, 1), v.transpose(0, 1)
+    def gen_qkv(self, x: torch.Tensor, rotary: RotaryTables):
+        """Generated rows `[N, D]` -> q `[N, H, hd]`, k/v `[KV, N, hd]` (normed, rotated)."""
+        n, heads = x.shape[0], self.num_attention_heads
+        q = rms_norm(self.norm_added_q, linear(self.add_q_proj, x).view(n, heads, self.head_dim))
+        k = rms_norm(self.norm_added_k, linear(self.add_k_proj, x).view(n, self.num_key_value_heads, self.head_dim))
+        v = linear(self.add_v_proj, x).view(n, self.num_key_value_heads, self.head_dim)
+        qk = rotary.apply(torch.cat((q, k), dim=1))  # one rotation for queries and keys
+        return qk[:, :heads], qk[:, heads:].transpose(0, 1), v.transpose(0, 1)
 
 
 class Cosmos3MoTDecoderLayer(nn.Module):
-    """Pre-norm decoder layer with a full set of weights per pathway (diffusers names)."""
+    """Pre-norm decoder layer with a full set of weights per pathway (diffusers names).
+
+    The pathways call their submodules through `linear`/`rms_norm`/`gated_mlp` rather than
+    `module(x)`: with few rows per step, module-call overhead is a sizeable share of a step
+    (`policy_server/benchmarks/forward.py` measures it).
+    """
 
     def __init__(self, config: Cosmos3TransformerConfig):
         super().__init__()
@@ -94,24 +100,21 @@ class Cosmos3MoTDecoderLayer(nn.Module):
         self.self_attn = Cosmos3PackedMoTAttention(config)
         self.mlp = GatedMLP(d, config.intermediate_size, config.hidden_act)
         self.mlp_moe_gen = GatedMLP(d, config.intermediate_size, config.hidden_act)
-        self.input_layernorm = make_rms_norm(d, eps, nemotron)
-        self.input_layernorm_moe_gen = make_rms_norm(d, eps, nemotron)
-        self.post_attention_layernorm = make_rms_norm(d, eps, nemotron)
-        self.post_attention_layernorm_moe_gen = make_rms_norm(d, eps, nemotron)
+        self.input_layernorm = RMSNorm(d, eps, nemotron)
+        self.input_layernorm_moe_gen = RMSNorm(d, eps, nemotron)
+        self.post_attention_layernorm = RMSNorm(d, eps, nemotron)
+        self.post_attention_layernorm_moe_gen = RMSNorm(d, eps, nemotron)
 
-    def forward_und(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                    past: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    store=None):
-        """UND pathway for text rows `x [n, D]` at rotary `cos, sin [n, hd]`.
+    def forward_und(self, x: torch.Tensor, rotary: RotaryTables, store=None):
+        """UND pathway for text rows `x [n, D]` with their rotary tables.
 
-        Without `past`: causal attention among the `n` rows. Returns `(x_out, k_for_gen, v)`, the
+        Without `store`: causal attention among the `n` rows. Returns `(x_out, k_for_gen, v)`, the
         K/V GEN queries of this layer read (`[KV, n, hd]`).
         With `store(k, v) -> (k_all, v_all)` (a reasoner KV cache): the new causal keys are appended
         first and the rows attend to everything cached so far, causally. Returns `(x_out, None, None)`.
         """
         attn = self.self_attn
-        h = self.input_layernorm(x)
-        q, k, k_for_gen, v = attn.und_qkv(h, cos, sin)
+        q, k, k_for_gen, v = attn.und_qkv(rms_norm(self.input_layernorm, x), rotary)
         if store is None:
             out = attend(q, k, v, causal=True)
         else:
@@ -127,16 +130,15 @@ class Cosmos3MoTDecoderLayer(nn.Module):
                 mask = torch.arange(k_all.shape[1], device=x.device)[None, :] <= rows
                 out = attend(q, k_all, v_all, mask=mask)
             k_for_gen = v = None
-        x = x + attn.to_out(out)
-        x = x + self.mlp(self.post_attention_layernorm(x))
+        x = x + linear(attn.to_out, out)
+        x = x + gated_mlp(self.mlp, rms_norm(self.post_attention_layernorm, x))
         return x, k_for_gen, v
 
-    def forward_gen(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                    und_k: torch.Tensor, und_v: torch.Tensor) -> torch.Tensor:
+    def forward_gen(self, x: torch.Tensor, rotary: RotaryTables, und_k: torch.Tensor,
+                    und_v: torch.Tensor) -> torch.Tensor:
         """GEN pathway for generated rows `x [N_gen, D]` against this layer's text K/V `[KV, N_und, hd]`."""
         attn = self.self_attn
-        h = self.input_layernorm_moe_gen(x)
-        q, k, v = attn.gen_qkv(h, cos, sin)
+        q, k, v = attn.gen_qkv(rms_norm(self.input_layernorm_moe_gen, x), rotary)
         out = attend(q, torch.cat((und_k, k), dim=1), torch.cat((und_v, v), dim=1))
-        x = x + attn.to_add_out(out)
-        return x + self.mlp_moe_gen(self.post_attention_layernorm_moe_gen(x))
+        x = x + linear(attn.to_add_out, out)
+        return x + gated_mlp(self.mlp_moe_gen, rms_norm(self.post_attention_layernorm_moe_gen, x))

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from policy_server.model.config import Cosmos3TransformerConfig
+from policy_server.model.rope import RotaryTables
 
 
 @dataclass(frozen=True)
@@ -33,8 +34,7 @@ class GenLayout:
 
     und_len: int                              # text rows before the generated ones
     num_gen: int                              # generated rows, N_gen
-    cos: torch.Tensor                         # [N_gen, hd] rotary tables of the generated rows
-    sin: torch.Tensor
+    rotary: RotaryTables                      # rotation tables of the generated rows, [N_gen, hd]
     vision: ModalityLayout
     vision_latent_shapes: list[tuple[int, int, int]]  # unpadded latent (T, H, W) per item
     sound: ModalityLayout | None
@@ -82,7 +82,7 @@ def build_gen_layout(config: Cosmos3TransformerConfig, rotary, device: torch.dev
                      action_domain_ids: list[torch.Tensor] | None = None) -> GenLayout:
     """Validate the forward kwargs' GEN layout and express it in GEN-local rows.
 
-    `rotary(position_ids, dtype) -> (cos, sin)` builds the rotary tables of the generated rows.
+    `rotary(position_ids, dtype) -> RotaryTables` builds the rotation tables of the generated rows.
     Raises `ValueError` naming the argument that does not fit.
     """
     _require(position_ids is not None and vision_tokens is not None and vision_token_shapes is not None
@@ -154,9 +154,8 @@ def build_gen_layout(config: Cosmos3TransformerConfig, rotary, device: torch.dev
         if action.readout_rows.numel() > 0:  # the reference adds no time embedding when no action row is read
             time_rows.append(action.noisy_rows)
 
-    cos, sin = rotary(position_ids[..., und_len:].to(device), dtype)
-    return GenLayout(und_len=und_len, num_gen=num_gen, cos=cos, sin=sin, vision=vision,
-                     vision_latent_shapes=latent_shapes, sound=sound, action=action,
+    return GenLayout(und_len=und_len, num_gen=num_gen, rotary=rotary(position_ids[..., und_len:].to(device), dtype),
+                     vision=vision, vision_latent_shapes=latent_shapes, sound=sound, action=action,
                      action_row_domains=row_domains, action_readout_domains=readout_domains,
                      time_rows=torch.cat(time_rows))
 

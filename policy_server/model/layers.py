@@ -16,46 +16,40 @@ _HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 class RMSNorm(nn.Module):
-    """Qwen-style RMSNorm over the last dim: statistics in fp32, result in the weight's precision."""
+    """RMSNorm over the last dim, in the Qwen or the Nemotron (Edge) precision convention.
 
-    def __init__(self, dim: int, eps: float):
+    Both take statistics in fp32. Qwen rounds the normalised input to a low-precision weight's dtype
+    before scaling; Nemotron upcasts the weight and scales in fp32, then casts back to the input's
+    dtype. Identical in fp32.
+    """
+
+    def __init__(self, dim: int, eps: float, nemotron: bool = False):
         super().__init__()
         self.eps = eps
-        self.normalized_shape = (dim,)
+        self.nemotron = nemotron
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            # Same arithmetic as the explicit path below, in one call (it is on the per-step hot path).
-            return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
-        variance = x.float().pow(2).mean(-1, keepdim=True)
-        x = x * torch.rsqrt(variance + self.eps)
-        if self.weight.dtype in _HALF_DTYPES:
-            # Low-precision checkpoints round before the scale, as the reference implementation does.
-            x = x.to(self.weight.dtype)
-        return x * self.weight
+        return rms_norm(self, x)
 
 
-class NemotronRMSNorm(nn.Module):
-    """Nemotron (Edge) RMSNorm: input and weight upcast to fp32, result cast back to the input dtype."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.normalized_shape = (dim,)
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
-        input_dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * x).to(input_dtype)
+def rms_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """`norm(x)` without the module call (hot paths call this directly)."""
+    weight = norm.weight
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, norm.eps)  # the same arithmetic, one call
+    if norm.nemotron:
+        scaled = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + norm.eps)
+        return (weight.float() * scaled).to(x.dtype)
+    x = x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + norm.eps)
+    if weight.dtype in _HALF_DTYPES:
+        x = x.to(weight.dtype)
+    return x * weight
 
 
-def make_rms_norm(dim: int, eps: float, nemotron: bool) -> nn.Module:
-    return NemotronRMSNorm(dim, eps) if nemotron else RMSNorm(dim, eps)
+def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """`layer(x)` without the module call."""
+    return F.linear(x, layer.weight, layer.bias)
 
 
 class GatedMLP(nn.Module):
@@ -70,9 +64,14 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.relu2:
-            return self.down_proj(torch.relu(self.up_proj(x)).square())
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return gated_mlp(self, x)
+
+
+def gated_mlp(mlp: GatedMLP, x: torch.Tensor) -> torch.Tensor:
+    """`mlp(x)` without the module calls."""
+    if mlp.relu2:
+        return linear(mlp.down_proj, torch.relu(linear(mlp.up_proj, x)).square())
+    return linear(mlp.down_proj, F.silu(linear(mlp.gate_proj, x)) * linear(mlp.up_proj, x))
 
 
 class DomainAwareLinear(nn.Module):

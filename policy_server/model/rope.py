@@ -7,11 +7,35 @@ same id on all three axes, which makes this plain 1-D RoPE for them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 
+@dataclass(frozen=True)
+class RotaryTables:
+    """Rotation tables of N rows: `cos`, `sin` `[N, head_dim]` (`cat(freqs, freqs)` layout)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    # rotate_half(x) * sin == roll(x, hd/2) * signed_sin: folding the sign into the table makes the
+    # rotation three kernels (mul, roll, addcmul) instead of five; it runs on every step.
+    _cos_rows: torch.Tensor = field(init=False, repr=False)
+    _signed_sin_rows: torch.Tensor = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        half = self.sin.shape[-1] // 2
+        signed = torch.cat((-self.sin[:, :half], self.sin[:, half:]), dim=-1)
+        object.__setattr__(self, "_cos_rows", self.cos.unsqueeze(1))
+        object.__setattr__(self, "_signed_sin_rows", signed.unsqueeze(1))
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """Rotate-half RoPE of `x [N, heads, head_dim]`: `x * cos + rotate_half(x) * sin`."""
+        return torch.addcmul(x * self._cos_rows, x.roll(x.shape[-1] // 2, dims=-1), self._signed_sin_rows)
+
+
 class MultimodalRotaryEmbedding:
-    """Builds `cos, sin [N, head_dim]` from position ids `[3, N]` (t, h, w) or `[N]`.
+    """Builds `RotaryTables` from position ids `[3, N]` (t, h, w) or `[N]`.
 
     Not an `nn.Module` on purpose: the inverse frequencies must stay fp32 when the model is cast to
     bf16, and the position products must be computed in fp32 (bf16 cannot tell positions above 256
@@ -33,8 +57,8 @@ class MultimodalRotaryEmbedding:
             self._on_device[device] = (self.inv_freq.to(device), self.axis_of_frequency.to(device))
         return self._on_device[device]
 
-    def __call__(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """position_ids `[3, N]` or `[N]` (int or float) -> `(cos, sin)`, each `[N, head_dim]` in `dtype`."""
+    def __call__(self, position_ids: torch.Tensor, dtype: torch.dtype) -> RotaryTables:
+        """position_ids `[3, N]` or `[N]` (int or float) -> tables `[N, head_dim]` in `dtype`."""
         if position_ids.ndim == 1:
             position_ids = position_ids.unsqueeze(0).expand(3, -1)
         if position_ids.ndim != 2 or position_ids.shape[0] != 3:
@@ -44,11 +68,4 @@ class MultimodalRotaryEmbedding:
             positions = position_ids.float()[axis].T  # [N, head_dim/2]: the axis each frequency reads
             freqs = positions * inv_freq
         angles = torch.cat((freqs, freqs), dim=-1)
-        return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE: x `[N, heads, head_dim]`, cos/sin `[N, head_dim]` -> `[N, heads, head_dim]`."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
+        return RotaryTables(angles.cos().to(dtype), angles.sin().to(dtype))

@@ -28,12 +28,7 @@ from policy_server.model.boundary import GenInput, UndKV
 from policy_server.model.config import Cosmos3TransformerConfig
 from policy_server.model.decoder import Cosmos3MoTDecoderLayer
 from policy_server.model.gen_layout import GenLayout, ModalityLayout, build_gen_layout
-from policy_server.model.layers import (
-    DomainAwareLinear,
-    TimestepEmbedding,
-    make_rms_norm,
-    sinusoidal_timestep_features,
-)
+from policy_server.model.layers import DomainAwareLinear, RMSNorm, TimestepEmbedding, sinusoidal_timestep_features
 from policy_server.model.reasoner_cache import ReasonerKVCache
 from policy_server.model.rope import MultimodalRotaryEmbedding
 
@@ -63,8 +58,8 @@ class Cosmos3OmniTransformer(nn.Module):
         d = c.hidden_size
         self.embed_tokens = nn.Embedding(c.vocab_size, d)
         self.layers = nn.ModuleList(Cosmos3MoTDecoderLayer(c) for _ in range(c.num_hidden_layers))
-        self.norm = make_rms_norm(d, c.rms_norm_eps, c.nemotron_backbone)
-        self.norm_moe_gen = make_rms_norm(d, c.rms_norm_eps, c.nemotron_backbone)
+        self.norm = RMSNorm(d, c.rms_norm_eps, c.nemotron_backbone)
+        self.norm_moe_gen = RMSNorm(d, c.rms_norm_eps, c.nemotron_backbone)
         self.rotary_emb = MultimodalRotaryEmbedding(c.head_dim, c.rope_theta, c.rope_axes_dim)
         self.lm_head = nn.Linear(d, c.vocab_size, bias=False)
         self.proj_in = nn.Linear(c.patch_latent_dim, d)
@@ -102,10 +97,10 @@ class Cosmos3OmniTransformer(nn.Module):
         if hidden.shape[0] == 0:
             empty = hidden.new_zeros((c.num_key_value_heads, 0, c.head_dim))
             return UndKV([empty] * c.num_hidden_layers, [empty] * c.num_hidden_layers)
-        cos, sin = self.rotary_emb(position_ids, hidden.dtype)
+        rotary = self.rotary_emb(position_ids, hidden.dtype)
         keys, values = [], []
         for layer in self.layers:
-            hidden, k, v = layer.forward_und(hidden, cos, sin)
+            hidden, k, v = layer.forward_und(hidden, rotary)
             keys.append(k.contiguous())
             values.append(v.contiguous())
         return UndKV(keys, values)
@@ -216,7 +211,7 @@ class Cosmos3OmniTransformer(nn.Module):
                  "(K/V from another prompt or CFG branch?)")
         x = gen.hidden
         for layer, k, v in zip(self.layers, und_kv.keys, und_kv.values, strict=True):
-            x = layer.forward_gen(x, gen.cos, gen.sin, k, v)
+            x = layer.forward_gen(x, gen.layout.rotary, k, v)
         return self.norm_moe_gen(x)
 
     # ------------------------------------------------------------------ heads (every step)
@@ -333,10 +328,10 @@ class Cosmos3OmniTransformer(nn.Module):
                  f"input_ids must be a non-empty [n] tensor, got {tuple(input_ids.shape)}")
         n = input_ids.shape[0]
         positions = torch.arange(cache.length, cache.length + n, device=input_ids.device, dtype=torch.float32)
-        cos, sin = self.rotary_emb(positions, self.dtype)
+        rotary = self.rotary_emb(positions, self.dtype)
         hidden = self.embed_tokens(input_ids)
         for index, layer in enumerate(self.layers):
-            hidden, _, _ = layer.forward_und(hidden, cos, sin, store=cache.writer(index, n))
+            hidden, _, _ = layer.forward_und(hidden, rotary, store=cache.writer(index, n))
         cache.advance(n)
         if not all_positions:
             hidden = hidden[-1]

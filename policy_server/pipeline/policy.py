@@ -334,6 +334,13 @@ class PolicyPipeline:
             branch: pack_request(config, ids, latent_shape, clean_frames, embodiment.fps, layout, device)
             for branch, ids in prompt.input_ids.items()
         }
+        # Rows and rotary tables of the generated rows are static for the request: build them once.
+        model_dtype = self.transformer.dtype
+        layouts = {
+            branch: self.transformer.gen_layout(
+                **seq.model_kwargs(vision.to(model_dtype), actions.to(model_dtype), timestep=0.0))
+            for branch, seq in packed.items()
+        }
         noisy_vision = len(clean_frames) < num_latent_frames
         noisy_actions = len(clean_rows) < rows
 
@@ -342,7 +349,6 @@ class PolicyPipeline:
         lo, hi = self.config.guidance_interval or (-math.inf, math.inf)
         controller.begin(steps)
         records: list[StepRecord] = []
-        model_dtype = self.transformer.dtype
         for i in range(steps):
             if should_abort is not None and should_abort():
                 raise Aborted(f"abandoned before step {i} of {steps}")
@@ -356,7 +362,7 @@ class PolicyPipeline:
             for branch in branches:
                 clock = time.perf_counter()
                 kwargs = packed[branch].model_kwargs(vision.to(model_dtype), actions.to(model_dtype), timestep)
-                gen = self.transformer.embed_gen(**kwargs)
+                gen = self.transformer.embed_gen(layout=layouts[branch], **kwargs)
                 und_kv = prompt.und_kv[branch]
                 stack_out = controller.run_stack(
                     step=i, branch=branch, sigma=sigma, noisy_vision=indicator, gen_in=gen.hidden,
