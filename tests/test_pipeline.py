@@ -88,6 +88,17 @@ def test_instruction_changes_the_answer(pipe):
     assert not np.array_equal(red.actions, blue.actions)
 
 
+def test_history_rows_are_clean_conditioning(pipe):
+    history = np.array([[0.1, -0.1], [0.05, 0.0]], np.float32)
+    out = pipe(_request(history_actions=history, guidance=1.0))
+    plain = pipe(_request(guidance=1.0))
+    assert out.actions.shape == (8, 2)
+    assert not np.array_equal(out.actions, plain.actions)
+    with pytest.raises(PolicyInputError) as error:
+        pipe(_request(history_actions=np.zeros((2, 3), np.float32)))
+    assert error.value.field == "history_actions"
+
+
 def test_forward_dynamics_keeps_given_actions(pipe):
     given = np.linspace(-0.15, 0.15, 16, dtype=np.float32).reshape(8, 2)
     out = pipe(_request(mode="forward_dynamics", actions=given, guidance=1.0))

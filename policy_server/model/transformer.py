@@ -292,6 +292,7 @@ class Cosmos3OmniTransformer(nn.Module):
         Returns `(vision, sound, action)` with `return_dict=False`, else `Cosmos3OmniTransformerOutput`.
         Text rows are `embed_tokens(input_ids)` placed at `text_indexes` (all below `und_len`).
         """
+        # The same keyword set goes on to embed_gen, which ignores the text arguments.
         kwargs = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         text_indexes = text_indexes.reshape(-1)
         _require(text_indexes.numel() == input_ids.numel(),

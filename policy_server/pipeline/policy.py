@@ -57,6 +57,8 @@ class PolicyRequest:
     images: camera name -> uint8 RGB [H, W, 3]; the embodiment's cameras, concatenated left to right.
     state: float32 [state_dim] in physical units, or None when the embodiment takes no state.
     actions: forward_dynamics only: float32 [K, raw_action_dim] in physical units.
+    history_actions: optional float32 [H, raw_action_dim], the actions executed just before this tick
+        (most recent last), given to the model as clean rows before the chunk.
     video: inverse_dynamics only: uint8 RGB [K + 1, H, W, 3] frames (single camera).
     cfg_steps: run the unconditional CFG pass only on the first `cfg_steps` steps (budget fallback);
         None runs it wherever the guidance interval allows.
@@ -72,6 +74,7 @@ class PolicyRequest:
     guidance: float | None = None
     seed: int = 0
     actions: np.ndarray | None = None
+    history_actions: np.ndarray | None = None
     video: np.ndarray | None = None
     cfg_steps: int | None = None
 
@@ -244,6 +247,8 @@ class PolicyPipeline:
             raise InvalidSamplerSettings("guidance", f"guidance={guidance!r}; expected a finite value >= 1")
         self._validate_images(request, embodiment)
         embodiment.check_state(request.state)
+        if request.history_actions is not None:
+            embodiment.check_actions(request.history_actions, field="history_actions")
         if request.mode == "forward_dynamics":
             actions = embodiment.check_actions(request.actions)
             if actions.shape[0] != chunk:
@@ -309,20 +314,25 @@ class PolicyPipeline:
         vision[:, : clean_latent.shape[1]] = clean_latent[:, :num_latent_frames]
         clean_vision = vision[:, clean_frames].clone()
 
+        # Action stream rows: [history (H) | state (0 or 1) | chunk (K)]; everything before the chunk is clean.
+        normalizers = self.normalizers(embodiment)
+        history = [] if request.history_actions is None else list(np.asarray(request.history_actions, np.float64))
         has_state = embodiment.state_dim > 0
-        num_prefix = 1 if has_state else 0
+        num_prefix = len(history) + (1 if has_state else 0)
         action_dim = config.action_dim
         rows = num_prefix + chunk
         noise_a = torch.randn((rows, action_dim), generator=generator).to(device)
         clean_actions = torch.zeros((rows, action_dim), device=device)
-        clean_rows: list[int] = []
+        if history:
+            past = normalizers.action.normalize(np.stack(history))
+            clean_actions[: len(history), : embodiment.raw_action_dim] = torch.from_numpy(past).float()
         if has_state:
-            state = self.normalizers(embodiment).state.normalize(np.asarray(request.state, dtype=np.float64))
-            clean_actions[0, : len(state)] = torch.from_numpy(state).float()
-            clean_rows.append(0)
+            state = normalizers.state.normalize(np.asarray(request.state, dtype=np.float64))
+            clean_actions[num_prefix - 1, : len(state)] = torch.from_numpy(state).float()
+        clean_rows = list(range(num_prefix))
         if request.mode == "forward_dynamics":
-            normalized = self.normalizers(embodiment).action.normalize(np.asarray(request.actions, dtype=np.float64))
-            clean_actions[num_prefix:, : embodiment.raw_action_dim] = torch.from_numpy(normalized).float()
+            given = normalizers.action.normalize(np.asarray(request.actions, dtype=np.float64))
+            clean_actions[num_prefix:, : embodiment.raw_action_dim] = torch.from_numpy(given).float()
             clean_rows.extend(range(num_prefix, rows))
         action_mask = torch.zeros((rows, 1), device=device)
         action_mask[clean_rows] = 1.0
