@@ -93,6 +93,18 @@ def collect_windows(episodes: list[Episode], vae: SmallVideoVAE, chunk: int, act
     )
 
 
+def init_for_training(model: Cosmos3OmniTransformer) -> None:
+    """Scale the per-domain action projections like linear layers (std 1/sqrt(fan_in), zero bias).
+
+    They are stored as embeddings, whose default N(0, 1) init would make the first action outputs
+    about sqrt(hidden_size) times too large and waste the start of training shrinking them.
+    """
+    with torch.no_grad():
+        for projection in (model.action_proj_in, model.action_proj_out):
+            projection.fc.weight.normal_(0.0, projection.input_size**-0.5)
+            projection.bias.weight.zero_()
+
+
 def sample_sigmas(n: int, shift: float, generator: torch.Generator) -> torch.Tensor:
     """Logit-normal sigmas shifted like the inference schedule: `s*u / (1 + (s-1)*u)`."""
     u = torch.sigmoid(torch.randn(n, generator=generator))
@@ -139,6 +151,7 @@ def train(
     negative_ids = tokenizer.encode(pair.uncond, system_prompt=pair.system_prompt)
 
     model = Cosmos3OmniTransformer(config).train()
+    init_for_training(model)
     ema = copy.deepcopy(model).eval().requires_grad_(False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.99))
     warmup = min(200, steps // 10 + 1)
