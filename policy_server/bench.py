@@ -12,6 +12,9 @@ machine drift cancels and errors compare like with like:
 - `budget_<ms>`            the engine's budget controller (planner + guard + SeaCache) at that budget;
 - `budget_<ms>_slowdown`   the same, with an extra delay per full GEN-stack call from the halfway tick.
 
+With `--closed-loop N` every configuration also drives N held-out Reach episodes (the same seeds for
+all) and the report adds `success_rate`.
+
 Latency is the pipeline's end-to-end time for the fixed settings and the engine's (queue included)
 for the budget settings. The JSON layout is `../shared/design/BENCH.md`'s.
 """
@@ -124,6 +127,66 @@ def collect_observations(count: int, seed: int) -> list[dict]:
     return observations
 
 
+class _FixedSettingPolicy:
+    """`robots.rollout` policy protocol over the pipeline with one fixed controller per tick."""
+
+    def __init__(self, pipeline: PolicyPipeline, embodiment: str, make_controller, num_steps: int | None = None):
+        self.pipeline, self.embodiment = pipeline, embodiment
+        self.make_controller, self.num_steps = make_controller, num_steps
+
+    def open(self, instruction: str, seed: int):
+        return {"instruction": instruction, "seed": seed, "ticks": 0}
+
+    def act(self, session: dict, obs: dict, step: int, want_video: bool = False):
+        from robots.rollout import TickStats
+
+        request = PolicyRequest(images={"image": obs["image"]}, instruction=session["instruction"],
+                                embodiment=self.embodiment, state=obs["state"], num_steps=self.num_steps,
+                                seed=session["seed"] + session["ticks"])
+        session["ticks"] += 1
+        out = self.pipeline(request, controller=self.make_controller())
+        stats = TickStats(out.timings_ms["total"], math.inf, True, out.cache.full_calls, out.cache.skipped_calls,
+                          out.cache.forced_skips, "fixed")
+        return out.actions, stats, None
+
+    def close(self, session) -> None:
+        pass
+
+
+class _EnginePolicy:
+    """`robots.rollout` policy protocol over an engine session at a fixed budget."""
+
+    def __init__(self, engine: ModelEngine, embodiment: str, budget_ms: float):
+        self.engine, self.embodiment, self.budget_ms = engine, embodiment, budget_ms
+
+    def open(self, instruction: str, seed: int):
+        return self.engine.open_session(self.embodiment, instruction, budget_ms=self.budget_ms, seed=seed)
+
+    def act(self, session, obs: dict, step: int, want_video: bool = False):
+        from robots.rollout import TickStats
+
+        result = self.engine.act(session.session_id, session.epoch, api.Observation(
+            images={"image": obs["image"]}, state=obs["state"], step_index=step))
+        tick = result.tick
+        stats = TickStats(tick.actual_ms["total"], tick.budget_ms, tick.deadline_met, tick.full_calls,
+                          tick.skipped_calls, tick.forced_skips, tick.setting)
+        return result.actions, stats, None
+
+    def close(self, session) -> None:
+        self.engine.close_session(session.session_id)
+
+
+def closed_loop(policies: dict, episodes: int, execute: int) -> dict[str, float]:
+    """Success rate of each config's policy over the same held-out episodes (seed indices 0..N-1)."""
+    from robots.rollout import run_episode
+
+    rates = {}
+    for name, policy in tqdm(policies.items(), desc="closed loop", unit="config"):
+        results = [run_episode(policy, i, execute, record_video=False) for i in range(episodes)]
+        rates[name] = float(np.mean([r.success for r in results]))
+    return rates
+
+
 def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     pipeline = PolicyPipeline.from_pretrained(args.checkpoint, device=args.device)
@@ -187,6 +250,23 @@ def run(args: argparse.Namespace) -> dict:
                 run_.add(result.tick.actual_ms["total"], owner.last_output, reference)
                 run_.settings[result.tick.setting] = run_.settings.get(result.tick.setting, 0) + 1
 
+    summaries = [runs[name].summary() for name in order]
+    if args.closed_loop:
+        policies = {
+            "uncached": _FixedSettingPolicy(pipeline, embodiment.name, NoCache),
+            "seacache_default": _FixedSettingPolicy(pipeline, embodiment.name, lambda: SeaCache(SeaCacheConfig())),
+        }
+        for n in fewer.values():
+            policies[f"fewer_steps_{n}"] = _FixedSettingPolicy(pipeline, embodiment.name, NoCache, num_steps=n)
+        for b in budgets:
+            policies[f"budget_{b:g}"] = _EnginePolicy(engine, embodiment.name, b)
+        slow_engine.full_call_delay_ms = slowdown_ms
+        policies[slow_name] = _EnginePolicy(slow_engine, embodiment.name, slow_budget)
+        rates = closed_loop(policies, args.closed_loop, args.execute)
+        for summary in summaries:
+            summary["success_rate"] = rates[summary["name"]]
+            summary["episodes"] = args.closed_loop
+
     for e in (engine, slow_engine):
         e.close()
     report = {
@@ -202,7 +282,7 @@ def run(args: argparse.Namespace) -> dict:
         "forward": forward_summary(pipeline, args),
         "uncached_warmup_p50_ms": uncached_warm_ms,
         "slowdown": {"config": slow_name, "extra_ms_per_full_call": slowdown_ms, "from_tick": args.ticks // 2},
-        "configs": [runs[name].summary() for name in order],
+        "configs": summaries,
     }
     return report
 
@@ -306,9 +386,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--reference", action=argparse.BooleanOptionalAction, default=True,
                         help="time diffusers' reference forward (needs the [dev] extra)")
     parser.add_argument("--forward-repeats", type=int, default=50)
+    parser.add_argument("--closed-loop", type=int, default=0, metavar="N",
+                        help="also run N held-out Reach episodes per config and report success_rate")
+    parser.add_argument("--execute", type=int, default=4, help="closed loop: actions executed per chunk")
     args = parser.parse_args(argv)
     if args.ticks < 2 or args.warmup < 2:
         parser.error("--ticks and --warmup must be at least 2")
+    if args.closed_loop < 0 or args.execute < 1:
+        parser.error("--closed-loop must be >= 0 and --execute >= 1")
     if not all(0 < f < 1 for f in args.budget_fractions):
         parser.error("--budget-fractions must lie in (0, 1): budgets below the uncached latency")
     return args
