@@ -78,7 +78,8 @@ class ServerPolicy:
 class InProcessPolicy:
     """Runs the engine in this process (no network); can also decode the predicted video."""
 
-    def __init__(self, checkpoint: Path | None, budget_ms: float, cache: bool, parallel: int):
+    def __init__(self, checkpoint: Path | None, budget_ms: float, cache: bool, parallel: int,
+                 sampler_overrides: dict):
         import torch
 
         from policy_server.engine.engine import EngineSettings, ModelEngine
@@ -86,6 +87,9 @@ class InProcessPolicy:
 
         torch.set_num_threads(1)
         self.pipeline = PolicyPipeline.from_pretrained(checkpoint)
+        if sampler_overrides:
+            config = self.pipeline.config
+            self.pipeline.config = type(config).model_validate({**config.model_dump(), **sampler_overrides})
         self.engine = ModelEngine(self.pipeline, EngineSettings(default_budget_ms=budget_ms, diffusion_cache=cache,
                                                                 max_sessions=max(4, parallel)))
         self.engine.start()
@@ -221,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--latency-budget-ms", type=float, default=None,
                         help="per-tick budget (server: per session; in-process default 120)")
     parser.add_argument("--no-diffusion-cache", action="store_true", help="in-process: run uncached")
+    parser.add_argument("--num-steps", type=int, default=None, help="in-process: sampler steps (policy.json)")
+    parser.add_argument("--guidance", type=float, default=None, help="in-process: CFG scale (policy.json)")
     parser.add_argument("--episodes", type=int, default=100)
     parser.add_argument("--parallel", type=int, default=1,
                         help="environments (and sessions) at once; they share one model worker, so "
@@ -233,12 +239,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.episodes < 1 or args.parallel < 1 or args.execute < 1:
         parser.error("--episodes, --parallel and --execute must be positive")
+    overrides = {k: v for k, v in (("num_steps", args.num_steps), ("guidance", args.guidance)) if v is not None}
+    if args.num_steps is not None and args.num_steps < 1 or args.guidance is not None and not args.guidance >= 1:
+        parser.error("--num-steps must be >= 1 and --guidance >= 1")
+    if overrides and not args.in_process:
+        parser.error("--num-steps and --guidance need --in-process (a server uses its own settings)")
     if args.videos and not args.in_process:
         parser.error("--videos needs --in-process (the predicted frames come from the generated latents)")
 
     budget = args.latency_budget_ms
     if args.in_process:
-        policy = InProcessPolicy(args.checkpoint, budget or 120.0, not args.no_diffusion_cache, args.parallel)
+        policy = InProcessPolicy(args.checkpoint, budget or 120.0, not args.no_diffusion_cache, args.parallel,
+                                 overrides)
     else:
         policy = ServerPolicy(args.server, budget, args.auth_token_file)
 
@@ -251,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
 
     config = {"server": args.server, "in_process": args.in_process, "latency_budget_ms": budget,
               "diffusion_cache": not args.no_diffusion_cache, "execute": args.execute, "parallel": args.parallel,
-              "first_episode": args.first_episode}
+              "first_episode": args.first_episode, **overrides}
     report = summarize(results, seconds, config)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
