@@ -177,6 +177,9 @@ class ModelEngine:
         spec = self._embodiments[embodiment]
         chunk = spec.default_chunk_size if chunk_size is None else chunk_size
         budget = self.settings.default_budget_ms if budget_ms is None else budget_ms
+        spec.check_chunk_size(chunk)
+        if self._budget_controlled() and not self.cost_model.is_warm(self._cost_key(embodiment, chunk)):
+            self._submit(self._warm_shape, spec, chunk)  # a chunk size warmup did not cover
         self._check_feasible(embodiment, chunk, budget)
         session = self.sessions.open(embodiment=embodiment, instruction=instruction, budget_ms=budget,
                                      chunk_size=chunk, seed=0 if seed is None else seed)
@@ -199,11 +202,9 @@ class ModelEngine:
 
     def _check_feasible(self, embodiment: str, chunk: int, budget_ms: float) -> None:
         """Reject a budget that even maximal caching plus every fallback is predicted to miss."""
-        if not self.settings.diffusion_cache:
+        if not self._budget_controlled():
             return
         key = self._cost_key(embodiment, chunk)
-        if not self.cost_model.is_warm(key):
-            return  # a shape warmup did not cover: learned on the first ticks
         plan = self.budget.plan(key, budget_ms, self.pipeline.config.num_steps, self._passes(), None)
         if not plan.fits:
             raise api.BudgetInfeasible(budget_ms, plan.predicted_ms)
@@ -246,7 +247,7 @@ class ModelEngine:
         steps, passes = self.pipeline.config.num_steps, self._passes()
 
         plan = None
-        if self.settings.diffusion_cache:
+        if self._budget_controlled():
             plan = self.budget.plan(key, max(left_ms, 1e-3), steps, passes, session.history)
             self.budget.arm(plan, key, started_ms)
             controller: StepController = SeaCache(
@@ -316,8 +317,9 @@ class ModelEngine:
             return api.TickRecord(
                 budget_ms=session.budget_ms, deadline_ms=left_ms, actual_ms={**stage_ms, "total": total_ms},
                 knobs=knobs, full_calls=cache.full_calls, skipped_calls=cache.skipped_calls,
-                deadline_met=total_ms <= left_ms, setting="disabled", sequences=sequences,
-                branches=cache.counts_dict(),
+                deadline_met=total_ms <= left_ms,
+                setting="uncacheable" if self.settings.diffusion_cache else "disabled",
+                sequences=sequences, branches=cache.counts_dict(),
             )
         stages = {k: v for k, v in stage_ms.items() if k != "queue"}
         record: BudgetTickRecord = self.budget.finish(key, plan, session.history, cache.counts_dict(), stages,
@@ -351,6 +353,11 @@ class ModelEngine:
         for stage in ("encode", "prefill", "decode"):
             self.cost_model.observe_stage(key, stage, stage_ms[stage])
 
+    def _budget_controlled(self) -> bool:
+        """Whether ticks are planned and guarded: the cache is on and the step count leaves steps between
+        the always-full first and last ones (with 1 or 2 steps nothing can be skipped)."""
+        return self.settings.diffusion_cache and self.pipeline.config.num_steps > 2
+
     def _passes(self) -> int:
         return 2 if self.pipeline.config.guidance != 1.0 else 1
 
@@ -367,40 +374,45 @@ class ModelEngine:
     # ------------------------------------------------------------------------------ warmup
 
     def _warmup(self) -> None:
-        """Run uncached and maximally cached ticks per served embodiment to fill the cost model, and record
-        the latency profile published in `info()`."""
+        """Warm every served embodiment at its default chunk size; publish the latency profile in `info()`."""
         try:
+            embodiments = list(self._embodiments.values())
             profile = []
-            jobs = [(e, mode) for e in self._embodiments.values() for mode in ("uncached", "max_caching")]
-            for index, (embodiment, mode) in enumerate(jobs):
-                totals, full, skipped = [], 0, 0
-                for tick in range(self.settings.warmup_ticks):
-                    out = self._warmup_tick(embodiment, mode, tick)
-                    stage_ms = {stage: out.timings_ms[stage] for stage in STAGES}
-                    self._observe_output(self._cost_key(embodiment.name, embodiment.default_chunk_size), out,
-                                         stage_ms)
-                    if tick > 0:  # the first tick pays one-time allocation costs
-                        totals.append(out.timings_ms["total"])
-                    full, skipped = out.cache.full_calls, out.cache.skipped_calls
-                    self._warm_progress = (index * self.settings.warmup_ticks + tick + 1) / (
-                        len(jobs) * self.settings.warmup_ticks)
-                profile.append(api.ProfilePoint(label=f"{embodiment.name}/{mode}", p50_ms=float(np.median(totals)),
-                                                p95_ms=float(np.percentile(totals, 95)), full_calls=full,
-                                                skipped_calls=skipped))
+            for index, embodiment in enumerate(embodiments):
+                profile.extend(self._warm_shape(embodiment, embodiment.default_chunk_size))
+                self._warm_progress = (index + 1) / len(embodiments)
             self._profile = tuple(profile)
         except BaseException as error:  # surfaced by wait_ready() and every request
             self._warmup_error = error
         finally:
             self._ready.set()
 
-    def _warmup_tick(self, embodiment: Embodiment, mode: str, tick: int) -> PolicyOutput:
+    def _warm_shape(self, embodiment: Embodiment, chunk: int) -> list[api.ProfilePoint]:
+        """Fill the cost model for one request shape: uncached ticks time full calls and the fixed stages,
+        maximally cached ticks time skipped calls. Returns the two latency profile points."""
+        key = self._cost_key(embodiment.name, chunk)
+        profile = []
+        for mode in ("uncached", "max_caching"):
+            totals, full, skipped = [], 0, 0
+            for tick in range(self.settings.warmup_ticks):
+                out = self._warmup_tick(embodiment, chunk, mode, tick)
+                self._observe_output(key, out, {stage: out.timings_ms[stage] for stage in STAGES})
+                if tick > 0:  # the first tick pays one-time allocation costs
+                    totals.append(out.timings_ms["total"])
+                full, skipped = out.cache.full_calls, out.cache.skipped_calls
+            profile.append(api.ProfilePoint(label=f"{embodiment.name}/{mode}", p50_ms=float(np.median(totals)),
+                                            p95_ms=float(np.percentile(totals, 95)), full_calls=full,
+                                            skipped_calls=skipped))
+        return profile
+
+    def _warmup_tick(self, embodiment: Embodiment, chunk: int, mode: str, tick: int) -> PolicyOutput:
         height, width = self.pipeline.config.canvas_hw
         rng = np.random.default_rng(tick)
         images = {name: rng.integers(0, 256, (height, width // len(embodiment.cameras), 3), dtype=np.uint8)
                   for name in embodiment.cameras}
         state = np.zeros(embodiment.state_dim, np.float32) if embodiment.state_dim else None
         request = PolicyRequest(images=images, instruction="warm up", embodiment=embodiment.name, state=state,
-                                chunk_size=embodiment.default_chunk_size, seed=tick)
+                                chunk_size=chunk, seed=tick)
         controller = NoCache() if mode == "uncached" else SeaCache(
             SeaCacheConfig(threshold=MAX_CACHING.threshold, max_consecutive_cached=MAX_CACHING.cap),
             sea_filter=self._sea_filter)

@@ -1,0 +1,52 @@
+"""`policy-server bench` and `policy-rollout` at toy size on an untrained embedded-size model: the files
+they promise exist and hold the documented keys."""
+
+import json
+
+import pytest
+
+from policy_server.bench import main as bench_main
+from robots.embedded import build_random_pipeline
+from robots.rollout import main as rollout_main
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("bench-model")
+    build_random_pipeline(directory, seed=3)
+    return directory
+
+
+def test_bench_writes_the_documented_report(model_dir, tmp_path):
+    out = tmp_path / "bench.json"
+    assert bench_main(["--checkpoint", str(model_dir), "--ticks", "4", "--warmup", "2", "--out", str(out),
+                       "--forward-repeats", "2", "--closed-loop", "1"]) == 0
+    report = json.loads(out.read_text())
+    assert report["schema"] == 1
+    assert {"device", "torch", "threads", "gpu"} <= set(report["machine"])
+    assert {"name", "params", "steps", "cfg", "guidance", "text_tokens", "gen_tokens"} <= set(report["model"])
+    assert {"full_ms", "gen_only_ms", "reference_full_ms", "ratio_gen_only_vs_reference"} <= set(report["forward"])
+    names = [c["name"] for c in report["configs"]]
+    assert names[:2] == ["uncached", "seacache_default"]
+    assert any(n.startswith("fewer_steps_") for n in names)
+    assert any(n.startswith("budget_") and n.endswith("_slowdown") for n in names)
+    keys = {"p50_ms", "p99_ms", "full_calls", "skipped_calls", "forced_skips", "action_rel_l2", "latent_psnr_db",
+            "budget_ms", "miss_rate", "success_rate"}
+    for config in report["configs"]:
+        assert keys <= set(config)
+    uncached = report["configs"][0]
+    assert uncached["action_rel_l2"] == 0.0 and uncached["skipped_calls"] == 0
+    assert (tmp_path / "bench_latency.png").stat().st_size > 0
+    assert (tmp_path / "bench_error_vs_latency.png").stat().st_size > 0
+
+
+def test_rollout_in_process_writes_report_plot_and_video(model_dir, tmp_path):
+    out = tmp_path / "rollout.json"
+    assert rollout_main(["--in-process", "--checkpoint", str(model_dir), "--episodes", "2", "--num-steps", "2",
+                         "--latency-budget-ms", "500", "--videos", "1", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["episodes"] == 2 and len(report["per_episode"]) == 2
+    assert {"success_rate", "latency_p50_ms", "latency_p99_ms", "miss_rate", "cache_settings"} <= set(report)
+    assert out.with_suffix(".png").stat().st_size > 0
+    videos = list(tmp_path.glob("rollout_episode*.mp4"))
+    assert len(videos) == 1 and videos[0].stat().st_size > 0
