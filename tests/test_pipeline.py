@@ -123,6 +123,7 @@ def test_inverse_dynamics_generates_actions_from_clean_video(pipe):
     [
         (dict(images={"image": _image().astype(np.float32)}), "images[image]"),
         (dict(images={"image": _image()[..., :2]}), "images[image]"),
+        (dict(images={"image": _image()[:0]}), "images[image]"),
         (dict(images={"wrist": _image()}), "images"),
         (dict(state=np.array([np.nan, 0.1], np.float32)), "state"),
         (dict(state=np.array([0.1, 0.2, 0.3], np.float32)), "state"),

@@ -270,9 +270,9 @@ class PolicyPipeline:
         for name in embodiment.cameras:
             image = request.images[name]
             if not isinstance(image, np.ndarray) or image.dtype != np.uint8 or image.ndim != 3 \
-                    or image.shape[-1] != 3:
+                    or image.shape[-1] != 3 or min(image.shape[:2]) < 1:
                 got = f"{getattr(image, 'dtype', type(image).__name__)} {getattr(image, 'shape', '')}"
-                raise InvalidImage(f"image {name!r} is {got}; expected uint8 RGB [H, W, 3]",
+                raise InvalidImage(f"image {name!r} is {got}; expected uint8 RGB [H >= 1, W >= 1, 3]",
                                    field=f"images[{name}]")
             heights.add(image.shape[0])
         if len(heights) > 1:
