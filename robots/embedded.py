@@ -52,11 +52,13 @@ def transformer_config() -> Cosmos3TransformerConfig:
 
 
 def policy_config() -> PolicyConfig:
+    """20 UniPC steps with CFG 2: an uncached tick takes about 160 ms on one 2-core-CPU thread, so the
+    default 120 ms budget makes the controller cache; accuracy no longer improves with more steps."""
     env = ReachConfig()
     return PolicyConfig(
         name="cosmos3-tiny-reach",
         sampler="unipc",
-        num_steps=10,
+        num_steps=20,
         guidance=2.0,
         shift=3.0,
         canvas_hw=(env.image_size, env.image_size),

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from policy_server.model import Cosmos3OmniTransformer
+from policy_server.model import Cosmos3OmniTransformer, load_transformer
 from policy_server.model.text_tokenizer import TextTokenizer
 from policy_server.model.vae import SmallVideoVAE
 from policy_server.pipeline.conditioning import frames_to_clip
@@ -122,8 +122,10 @@ def train(
     stride: int = 1,
     ema_decay: float = 0.999,
     log_every: int = 100,
+    init_from: Path | None = None,
 ) -> dict:
-    """Train from scratch and write a complete pipeline folder to `out_dir`. Returns a summary."""
+    """Train (from scratch, or from the transformer in `init_from`) and write a complete pipeline folder to
+    `out_dir`. Returns a summary."""
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
     dataset = DemoDataset(data_dir)
@@ -150,8 +152,11 @@ def train(
         prompt_ids.append(tokenizer.encode(pair.cond, system_prompt=pair.system_prompt))
     negative_ids = tokenizer.encode(pair.uncond, system_prompt=pair.system_prompt)
 
-    model = Cosmos3OmniTransformer(config).train()
-    init_for_training(model)
+    if init_from is None:
+        model = Cosmos3OmniTransformer(config).train()
+        init_for_training(model)
+    else:
+        model = load_transformer(init_from).float().train()
     ema = copy.deepcopy(model).eval().requires_grad_(False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.99))
     warmup = min(200, steps // 10 + 1)
@@ -231,6 +236,7 @@ def train(
         "final_loss": float(np.mean(losses[-max(1, min(100, steps)):])),
         "seconds": time.perf_counter() - started,
         "params": sum(p.numel() for p in model.parameters()),
+        "init": str(init_from) if init_from is not None else "scratch",
     }
     (Path(out_dir) / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
@@ -247,11 +253,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--stride", type=int, default=1, help="take a training tick every N steps")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--init", type=Path, default=None,
+                        help="start from this pipeline folder's transformer instead of from scratch")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.batch_size < 1 or args.stride < 1:
         parser.error("--steps, --batch-size and --stride must be positive")
     torch.set_num_threads(args.threads)
-    summary = train(args.data, args.vae, args.out, args.steps, args.batch_size, args.lr, args.seed, args.stride)
+    summary = train(args.data, args.vae, args.out, args.steps, args.batch_size, args.lr, args.seed, args.stride,
+                    init_from=args.init)
     print(json.dumps(summary, indent=2))
 
 
