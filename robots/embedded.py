@@ -6,6 +6,7 @@ raw action width 2: effector velocity in m/s) with the effector position as a cl
 
 A pipeline folder holds::
 
+    model_index.json     the diffusers pipeline index: which folder holds which component
     policy.json          sampler defaults and conditioning canvas (PolicyConfig)
     embodiments.json     the served embodiment(s), pointing at the stats file
     action_stats.json    action/state statistics for normalisation
@@ -114,7 +115,20 @@ def write_pipeline_folder(
     (directory / STATS_FILE).write_text(json.dumps(stats, indent=2) + "\n")
     (directory / "embodiments.json").write_text(json.dumps({"embodiments": [embodiment_entry()]}, indent=2) + "\n")
     (config or policy_config()).save(directory / "policy.json")
+    write_model_index(directory)
     return directory
+
+
+def write_model_index(directory: str | Path) -> None:
+    """`model_index.json` naming each component folder, so the folder is a diffusers-layout pipeline root."""
+    index = {
+        "_class_name": "Cosmos3PolicyPipeline",
+        "_diffusers_version": "0.42.1",
+        "transformer": ["diffusers", "Cosmos3OmniTransformer"],
+        "vae": ["policy_server", "SmallVideoVAE"],
+        "text_tokenizer": ["tokenizers", "Tokenizer"],
+    }
+    (Path(directory) / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
 def build_random_pipeline(directory: str | Path, seed: int = 0, vae_dir: str | Path | None = None) -> PolicyPipeline:

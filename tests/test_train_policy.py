@@ -4,9 +4,12 @@
 import json
 
 import numpy as np
+import torch
 
+from policy_server.model import load_transformer
 from policy_server.pipeline.policy import PolicyPipeline, PolicyRequest, default_model_path
 from robots.datagen import generate
+from robots.embedded import build_random_pipeline
 from robots.train_policy import train
 
 
@@ -25,3 +28,13 @@ def test_train_a_few_steps_and_serve_the_result(tmp_path):
                                 instruction="reach the red circle", embodiment="pusht",
                                 state=np.array([0.2, 0.2], np.float32), num_steps=2))
     assert result.actions.shape == (8, 2) and np.all(np.isfinite(result.actions))
+
+
+
+def test_pipeline_folder_is_a_diffusers_layout_root(tmp_path):
+    pipe = build_random_pipeline(tmp_path, seed=5)
+    index = json.loads((tmp_path / "model_index.json").read_text())
+    assert index["transformer"] == ["diffusers", "Cosmos3OmniTransformer"]
+    loaded = load_transformer(tmp_path)  # a pipeline root resolves to transformer/
+    expected = pipe.transformer.state_dict()
+    assert all(torch.equal(tensor, expected[key]) for key, tensor in loaded.state_dict().items())
