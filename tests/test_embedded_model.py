@@ -1,0 +1,33 @@
+"""The embedded model shipped in the package: size, layout, and one real tick on the built-in task."""
+
+from pathlib import Path
+
+import gymnasium
+import numpy as np
+
+import robots.envs  # noqa: F401  (registers the environments)
+from policy_server.pipeline.policy import PolicyPipeline, PolicyRequest, default_model_path
+from robots.envs.reach import HELDOUT_SEED_OFFSET
+
+
+def test_shipped_folder_is_small_and_complete():
+    root = default_model_path()
+    total = sum(f.stat().st_size for f in Path(root).rglob("*") if f.is_file())
+    assert total <= 25 * 2**20
+    for name in ("model_index.json", "policy.json", "embodiments.json", "action_stats.json"):
+        assert (root / name).is_file()
+    for folder in ("transformer", "vae"):
+        assert (root / folder / "config.json").is_file()
+        assert (root / folder / "diffusion_pytorch_model.safetensors").is_file()
+    assert (root / "text_tokenizer" / "tokenizer.json").is_file()
+
+
+def test_default_pipeline_answers_a_reach_observation():
+    pipe = PolicyPipeline.from_pretrained(None)
+    assert pipe.served_embodiments == ["pusht"]
+    env = gymnasium.make("PolicyServer/Reach-v0")
+    obs, _ = env.reset(seed=HELDOUT_SEED_OFFSET)
+    out = pipe(PolicyRequest(images={"image": obs["image"]}, instruction=obs["instruction"], embodiment="pusht",
+                             state=obs["state"], num_steps=4))
+    assert out.actions.shape == (8, 2)
+    assert np.all(np.isfinite(out.actions))
