@@ -78,3 +78,14 @@ def test_inverse_dynamics_has_no_noisy_vision():
     seq = pack_request(cfg, [1, 2], (4, 3, 2, 2), [0, 1, 2], 24.0, ActionLayout(8, 0, (), 4))
     assert seq.num_noisy_vision_tokens == 0
     assert seq.action_noisy_rows.numel() == 8
+
+
+def test_sound_rows_sit_between_vision_and_actions():
+    cfg = _config()
+    seq = pack_request(cfg, [1, 2], (4, 3, 2, 2), [0], 24.0, ActionLayout(8, 0, (), 4), sound_frames=5)
+    ref, _ = get_3d_mrope_ids_vae_tokens(5, 1, 1, temporal_offset=2 + 15000, fps=cfg.sound_latent_fps,
+                                         base_fps=24.0, temporal_compression_factor=1)
+    assert torch.equal(seq.position_ids[:, 2 + 3:2 + 3 + 5], ref.float())
+    kwargs = seq.model_kwargs(torch.zeros(4, 3, 2, 2), torch.zeros(8, 6), 500.0, torch.zeros(7, 5))
+    assert kwargs["sound_sequence_indexes"].tolist() == [5, 6, 7, 8, 9]
+    assert seq.action_sequence_indexes.tolist()[0] == 10 and seq.sequence_length == 18

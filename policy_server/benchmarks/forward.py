@@ -15,12 +15,12 @@ import torch
 
 from policy_server.model.config import Cosmos3TransformerConfig
 from policy_server.model.transformer import Cosmos3OmniTransformer
+from policy_server.pipeline.packing import ActionLayout, pack_request
 
 # Policy-mode defaults of the benchmark request.
 DEFAULT_FPS = 10.0          # pixel frame rate, Hz (sets the fps-modulated temporal positions)
 DEFAULT_TIMESTEP = 700.0    # scheduler timestep (sigma * 1000) on every noisy row
 DEFAULT_DOMAIN_ID = 4       # pusht
-VAE_TEMPORAL_COMPRESSION = 4
 
 
 def policy_step_kwargs(config: Cosmos3TransformerConfig, n_text: int, vision_shape: tuple[int, int, int, int],
@@ -37,79 +37,16 @@ def policy_step_kwargs(config: Cosmos3TransformerConfig, n_text: int, vision_sha
     `config.sound_gen`).
     """
     generator = torch.Generator().manual_seed(seed)
-    c, t, h, w = vision_shape
-    p = config.latent_patch_size
-    gh, gw = -(-h // p), -(-w // p)
-    per_frame = gh * gw
-    n_vision = t * per_frame
-    offset = n_text + config.unified_3d_mrope_temporal_modality_margin
-    base_ticks = config.base_fps / VAE_TEMPORAL_COMPRESSION
-
-    text_pos = torch.arange(n_text, dtype=torch.float32).expand(3, -1)
-    frame_t = torch.arange(t, dtype=torch.float32) / (fps / VAE_TEMPORAL_COMPRESSION) * base_ticks + offset
-    vision_pos = torch.stack([
-        frame_t.repeat_interleave(per_frame),
-        torch.arange(gh, dtype=torch.float32).repeat_interleave(gw).repeat(t),
-        torch.arange(gw, dtype=torch.float32).repeat(t * gh),
-    ])
-    n_sound = sound_frames
-    n_action = state_rows + chunk
-    # Action row i leads to pixel frame i + 1 - state_rows; sound frames tick at the sound latent rate.
-    action_t = (torch.arange(n_action, dtype=torch.float32) + 1 - state_rows) / fps * base_ticks + offset
-    sound_t = torch.arange(n_sound, dtype=torch.float32) / config.sound_latent_fps * config.base_fps + offset
-    position_ids = torch.cat([
-        text_pos, vision_pos,
-        torch.stack([sound_t, torch.zeros(n_sound), torch.zeros(n_sound)]),
-        torch.stack([action_t, torch.zeros(n_action), torch.zeros(n_action)]),
-    ], dim=1)
-
-    noisy_frames = torch.arange(1, t)
-    vision_seq = torch.arange(n_text, n_text + n_vision)
-    sound_seq = torch.arange(n_text + n_vision, n_text + n_vision + n_sound)
-    action_seq = torch.arange(n_text + n_vision + n_sound, n_text + n_vision + n_sound + n_action)
-    kwargs = dict(
-        input_ids=torch.randint(0, config.vocab_size, (n_text,), generator=generator),
-        text_indexes=torch.arange(n_text),
-        position_ids=position_ids,
-        und_len=n_text,
-        sequence_length=n_text + n_vision + n_sound + n_action,
-        vision_tokens=[torch.randn(1, c, t, h, w, generator=generator)],
-        vision_token_shapes=[(t, gh, gw)],
-        vision_sequence_indexes=vision_seq,
-        vision_mse_loss_indexes=vision_seq[per_frame:],
-        vision_timesteps=torch.full((len(noisy_frames) * per_frame,), timestep),
-        vision_noisy_frame_indexes=[noisy_frames],
-        return_dict=False,
-    )
-    if n_sound:
-        kwargs.update(
-            sound_tokens=[torch.randn(config.sound_dim, n_sound, generator=generator)],
-            sound_token_shapes=[(n_sound, 1, 1)],
-            sound_sequence_indexes=sound_seq,
-            sound_mse_loss_indexes=sound_seq,
-            sound_timesteps=torch.full((n_sound,), timestep),
-            sound_noisy_frame_indexes=[torch.arange(n_sound)],
-        )
-    if config.action_gen:
-        noisy_rows = torch.arange(state_rows, n_action)
-        kwargs.update(
-            action_tokens=[torch.randn(n_action, config.action_dim, generator=generator)],
-            action_token_shapes=[(n_action, 1, 1)],
-            action_sequence_indexes=action_seq,
-            action_mse_loss_indexes=action_seq[noisy_rows],
-            action_timesteps=torch.full((chunk,), timestep),
-            action_noisy_frame_indexes=[noisy_rows],
-            action_domain_ids=[torch.tensor([domain_id])],
-        )
-    return {k: _to(v, device) for k, v in kwargs.items()}
-
-
-def _to(value, device):
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, list):
-        return [_to(v, device) for v in value]
-    return value
+    action = ActionLayout(chunk, state_rows, tuple(range(state_rows)), domain_id) if config.action_gen else None
+    input_ids = torch.randint(0, config.vocab_size, (n_text,), generator=generator).tolist()
+    seq = pack_request(config, input_ids, vision_shape, clean_frames=[0], fps=fps, action=action, device=device,
+                       sound_frames=sound_frames)
+    vision = torch.randn(vision_shape, generator=generator)
+    actions = torch.randn(action.num_rows, config.action_dim, generator=generator) if action else None
+    sound = torch.randn(config.sound_dim, sound_frames, generator=generator) if sound_frames else None
+    kwargs = seq.model_kwargs(vision.to(device), None if actions is None else actions.to(device), timestep,
+                              None if sound is None else sound.to(device))
+    return {**kwargs, "return_dict": False}
 
 
 def random_model(config: Cosmos3TransformerConfig, seed: int = 0) -> Cosmos3OmniTransformer:

@@ -13,8 +13,8 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -221,13 +221,20 @@ class ModelEngine:
         return self._submit(self._tick, session, epoch, observation, arrived_ms, deadline_s, should_abort)
 
     def _submit(self, fn, *args):
+        """Run `fn(*args)` on the model worker and wait for its result."""
+        return self._enqueue(fn, *args).result()
+
+    def _enqueue(self, fn, *args) -> Future:
+        """Queue `fn(*args)` on the model worker; the queue depth counts it until it finishes."""
         with self._queued_lock:
             self._queued += 1
-        try:
-            return self._worker.submit(fn, *args).result()
-        finally:
-            with self._queued_lock:
-                self._queued -= 1
+        future = self._worker.submit(fn, *args)
+        future.add_done_callback(self._dequeue)
+        return future
+
+    def _dequeue(self, _: Future) -> None:
+        with self._queued_lock:
+            self._queued -= 1
 
     def _tick(self, session: Session, epoch: int, observation: api.Observation, arrived_ms: float,
               deadline_s: float | None, should_abort: Callable[[], bool] | None) -> api.ActResult:
@@ -449,10 +456,7 @@ class ModelEngine:
             except BaseException as error:
                 pieces.put(error)
 
-        with self._queued_lock:
-            self._queued += 1
-        future = self._worker.submit(job)
-        future.add_done_callback(lambda _: self._dequeue())
+        self._enqueue(job)
 
         def stream() -> Iterator[str]:
             while (item := pieces.get()) is not done:
@@ -462,15 +466,10 @@ class ModelEngine:
 
         return stream()
 
-    def _dequeue(self) -> None:
-        with self._queued_lock:
-            self._queued -= 1
-
 
 def settings_from_config(config) -> EngineSettings:
     """EngineSettings from the CLI's `ServerConfig`."""
-    return replace(
-        EngineSettings(),
+    return EngineSettings(
         default_budget_ms=config.latency_budget_ms,
         max_sessions=config.max_sessions,
         diffusion_cache=config.diffusion_cache,

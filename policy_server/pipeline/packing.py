@@ -1,4 +1,4 @@
-"""Sequence packing for one Cosmos3 request: `[text | vision patches | action rows]`.
+"""Sequence packing for one Cosmos3 request: `[text | vision patches | sound frames | action rows]`.
 
 Everything here is static for a request and CFG branch; only the noisy latents and the timestep
 change between denoising steps, and `PackedSequence.model_kwargs` splices them in. The result is the
@@ -86,6 +86,7 @@ class PackedSequence:
     vision_noisy_frames: torch.Tensor  # [T_noisy] long, latent frame indices
     vision_sequence_indexes: torch.Tensor  # [T*h*w]
     vision_mse_loss_indexes: torch.Tensor  # [T_noisy*h*w]
+    sound_frames: int  # noisy sound latent frames (0: no sound)
     action: ActionLayout | None
     action_noisy_rows: torch.Tensor | None  # [K_noisy] long
     action_sequence_indexes: torch.Tensor | None
@@ -96,10 +97,14 @@ class PackedSequence:
         return self.vision_mse_loss_indexes.numel()
 
     def model_kwargs(
-        self, vision_latents: torch.Tensor, action_latents: torch.Tensor | None, timestep: float
+        self,
+        vision_latents: torch.Tensor,
+        action_latents: torch.Tensor | None,
+        timestep: float,
+        sound_latents: torch.Tensor | None = None,
     ) -> dict:
         """Forward kwargs for one step. `vision_latents` `[C, T, H, W]`, `action_latents` `[rows, A]`,
-        `timestep` = sigma * 1000 (the scheduler timestep)."""
+        `sound_latents` `[C_sound, T_sound]`, `timestep` = sigma * 1000 (the scheduler timestep)."""
         device = vision_latents.device
         kwargs = dict(
             input_ids=self.input_ids,
@@ -114,6 +119,17 @@ class PackedSequence:
             vision_timesteps=torch.full((self.num_noisy_vision_tokens,), timestep, device=device),
             vision_noisy_frame_indexes=[self.vision_noisy_frames],
         )
+        if self.sound_frames:
+            start = self.und_len + self.vision_sequence_indexes.numel()
+            rows = torch.arange(start, start + self.sound_frames, device=device)
+            kwargs.update(
+                sound_tokens=[sound_latents],
+                sound_token_shapes=[(self.sound_frames, 1, 1)],
+                sound_sequence_indexes=rows,
+                sound_mse_loss_indexes=rows,
+                sound_timesteps=torch.full((self.sound_frames,), timestep, device=device),
+                sound_noisy_frame_indexes=[torch.arange(self.sound_frames, device=device)],
+            )
         if self.action is not None:
             kwargs.update(
                 action_tokens=[action_latents],
@@ -135,6 +151,7 @@ def pack_request(
     fps: float,
     action: ActionLayout | None,
     device: torch.device | str = "cpu",
+    sound_frames: int = 0,
 ) -> PackedSequence:
     """Lay out one request.
 
@@ -144,6 +161,8 @@ def pack_request(
         clean_frames: latent frames given as conditioning (no timestep embedding, zero velocity).
         fps: frame rate of the pixel video, Hz.
         action: action-stream layout, or None for a video-only request.
+        sound_frames: noisy sound latent frames between the vision and action rows (0: none); they tick
+            at `config.sound_latent_fps` from the same temporal offset as the video.
     """
     float_positions = config.enable_fps_modulation
     und_len = len(input_ids)
@@ -170,6 +189,13 @@ def pack_request(
 
     segments = [text_ids.float(), vision_ids.float()]
     length = und_len + num_vision
+    if sound_frames:
+        segments.append(grid_position_ids(
+            sound_frames, 1, 1, temporal_offset=gen_offset,
+            fps=config.sound_latent_fps if config.enable_fps_modulation else None,
+            base_fps=float(config.base_fps), temporal_compression=1, base_temporal_compression=1,
+        ).float())
+        length += sound_frames
     action_noisy = action_seq = action_mse = None
     if action is not None:
         # History/state rows precede the chunk; shift them so chunk row 0 lands on pixel frame 1.
@@ -203,6 +229,7 @@ def pack_request(
         vision_noisy_frames=noisy_frames.to(device),
         vision_sequence_indexes=vision_seq.to(device),
         vision_mse_loss_indexes=vision_mse.to(device),
+        sound_frames=sound_frames,
         action=action,
         action_noisy_rows=to_device(action_noisy),
         action_sequence_indexes=to_device(action_seq),
