@@ -37,6 +37,7 @@ from policy_server.cache.controller import NoCache
 from policy_server.cache.seacache import SeaCache, SeaCacheConfig
 from policy_server.engine import api
 from policy_server.engine.engine import EngineSettings, ModelEngine
+from policy_server.pipeline.embodiments import Embodiment
 from policy_server.pipeline.policy import PolicyOutput, PolicyPipeline, PolicyRequest
 
 SCHEMA = 1
@@ -278,8 +279,8 @@ def run(args: argparse.Namespace) -> dict:
             "gpu": torch.cuda.get_device_name(0) if pipeline.device.type == "cuda" else None,
             "cpu": platform.processor() or platform.machine(),
         },
-        "model": model_summary(pipeline, embodiment.name),
-        "forward": forward_summary(pipeline, args),
+        "model": model_summary(pipeline, embodiment),
+        "forward": forward_summary(pipeline, embodiment, args),
         "uncached_warmup_p50_ms": uncached_warm_ms,
         "slowdown": {"config": slow_name, "extra_ms_per_full_call": slowdown_ms, "from_tick": args.ticks // 2},
         "configs": summaries,
@@ -287,17 +288,23 @@ def run(args: argparse.Namespace) -> dict:
     return report
 
 
-def model_summary(pipeline: PolicyPipeline, embodiment: str) -> dict:
+SAMPLE_INSTRUCTION = "reach the red circle"  # for token counts only
+
+
+def latent_shape(pipeline: PolicyPipeline, embodiment: Embodiment) -> tuple[int, int, int, int]:
+    """`(C, T, h, w)` of one tick's video latent at the embodiment's default chunk."""
+    height, width = pipeline.config.canvas_hw
+    sc = pipeline.vae.spatial_compression
+    frames = pipeline.vae.num_latent_frames(embodiment.default_chunk_size + 1)
+    return pipeline.transformer.config.latent_channel, frames, height // sc, width // sc
+
+
+def model_summary(pipeline: PolicyPipeline, embodiment: Embodiment) -> dict:
     config = pipeline.config
-    prompt = pipeline.encode_prompt("reach the red circle", pipeline.embodiments.get(embodiment),
-                                    pipeline.embodiments.get(embodiment).default_chunk_size,
-                                    cfg=config.guidance != 1.0)
-    c = pipeline.transformer.config
-    height, width = config.canvas_hw
-    chunk = pipeline.embodiments.get(embodiment).default_chunk_size
-    latent_t = pipeline.vae.num_latent_frames(chunk + 1)
-    sc, p = pipeline.vae.spatial_compression, c.latent_patch_size
-    vision_tokens = latent_t * math.ceil(height / sc / p) * math.ceil(width / sc / p)
+    chunk = embodiment.default_chunk_size
+    prompt = pipeline.encode_prompt(SAMPLE_INSTRUCTION, embodiment, chunk, cfg=False)
+    _, frames, h, w = latent_shape(pipeline, embodiment)
+    p = pipeline.transformer.config.latent_patch_size
     return {
         "name": config.name,
         "params": sum(t.numel() for t in pipeline.transformer.parameters()),
@@ -307,26 +314,21 @@ def model_summary(pipeline: PolicyPipeline, embodiment: str) -> dict:
         "cfg": config.guidance != 1.0,
         "guidance": config.guidance,
         "text_tokens": len(prompt.input_ids["cond"]),
-        "gen_tokens": vision_tokens + chunk + (1 if pipeline.embodiments.get(embodiment).state_dim else 0),
+        "gen_tokens": frames * math.ceil(h / p) * math.ceil(w / p) + chunk + (1 if embodiment.state_dim else 0),
     }
 
 
-def forward_summary(pipeline: PolicyPipeline, args: argparse.Namespace) -> dict | None:
-    """Per-step call times of the served transformer: full, GEN-only and the diffusers reference."""
+def forward_summary(pipeline: PolicyPipeline, embodiment: Embodiment, args: argparse.Namespace) -> dict | None:
+    """Per-step call times of the served transformer's config: full, GEN-only and the diffusers reference."""
     if not args.reference:
         return None
     from policy_server.benchmarks.forward import measure_forward
 
-    c = pipeline.transformer.config
-    height, width = pipeline.config.canvas_hw
-    embodiment = pipeline.embodiments.get(pipeline.served_embodiments[0])
-    sc = pipeline.vae.spatial_compression
-    shape = (c.latent_channel, pipeline.vae.num_latent_frames(embodiment.default_chunk_size + 1),
-             height // sc, width // sc)
-    prompt = pipeline.encode_prompt("reach the red circle", embodiment, embodiment.default_chunk_size, cfg=False)
-    return measure_forward(c, n_text=len(prompt.input_ids["cond"]), vision_shape=shape,
-                           chunk=embodiment.default_chunk_size, repeats=args.forward_repeats,
-                           device=pipeline.device)
+    chunk = embodiment.default_chunk_size
+    prompt = pipeline.encode_prompt(SAMPLE_INSTRUCTION, embodiment, chunk, cfg=False)
+    return measure_forward(pipeline.transformer.config, n_text=len(prompt.input_ids["cond"]),
+                           vision_shape=latent_shape(pipeline, embodiment), chunk=chunk,
+                           repeats=args.forward_repeats, device=pipeline.device)
 
 
 def plot(report: dict, out: Path) -> list[Path]:

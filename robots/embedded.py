@@ -24,7 +24,7 @@ import torch
 
 from policy_server.model import Cosmos3OmniTransformer, Cosmos3TransformerConfig, save_transformer
 from policy_server.model.text_tokenizer import TextTokenizer
-from policy_server.model.vae import SmallVideoVAE, SmallVideoVAEConfig
+from policy_server.model.vae import SmallVideoVAE
 from policy_server.pipeline.policy import PolicyPipeline, default_model_path
 from policy_server.pipeline.policy_config import PolicyConfig
 from robots.envs.reach import ACTION_DIM, DOMAIN_ID, EMBODIMENT, STATE_DIM, ReachConfig
@@ -132,15 +132,13 @@ def write_model_index(directory: str | Path) -> None:
     (Path(directory) / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
-def build_random_pipeline(directory: str | Path, seed: int = 0, vae_dir: str | Path | None = None) -> PolicyPipeline:
-    """An untrained embedded pipeline (random transformer; the shipped VAE and tokenizer when present)
-    written to `directory` and loaded back. Used by tests and benchmarks that need the real shapes."""
+def build_random_pipeline(directory: str | Path, seed: int = 0) -> PolicyPipeline:
+    """An untrained embedded pipeline (random transformer, the shipped VAE and tokenizer) written to
+    `directory` and loaded back. Used by tests and benchmarks that need the real shapes."""
     torch.manual_seed(seed)
     transformer = Cosmos3OmniTransformer(transformer_config())
     shipped = default_model_path()
-    vae_dir = Path(vae_dir) if vae_dir is not None else shipped / "vae"
-    vae = SmallVideoVAE.from_pretrained(vae_dir) if (vae_dir / "config.json").is_file() \
-        else SmallVideoVAE(SmallVideoVAEConfig())
+    vae = SmallVideoVAE.from_pretrained(shipped / "vae")
     tokenizer = TextTokenizer.from_dir(shipped / "text_tokenizer")
     write_pipeline_folder(directory, transformer, vae, tokenizer, default_stats())
     return PolicyPipeline.from_pretrained(directory)
