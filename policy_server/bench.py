@@ -168,10 +168,7 @@ class _EnginePolicy:
 
         result = self.engine.act(session.session_id, session.epoch, api.Observation(
             images={"image": obs["image"]}, state=obs["state"], step_index=step))
-        tick = result.tick
-        stats = TickStats(tick.actual_ms["total"], tick.budget_ms, tick.deadline_met, tick.full_calls,
-                          tick.skipped_calls, tick.forced_skips, tick.setting)
-        return result.actions, stats, None
+        return result.actions, TickStats.of(result.tick), None
 
     def close(self, session) -> None:
         self.engine.close_session(session.session_id)

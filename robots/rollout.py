@@ -40,6 +40,12 @@ class TickStats:
     forced_skips: int
     setting: str
 
+    @classmethod
+    def of(cls, tick) -> TickStats:
+        """From a tick record (the client's `ActionChunk.tick` or the engine's `TickRecord`)."""
+        return cls(tick.actual_ms["total"], tick.budget_ms, tick.deadline_met, tick.full_calls, tick.skipped_calls,
+                   tick.forced_skips, tick.setting)
+
 
 @dataclass
 class EpisodeResult:
@@ -66,10 +72,7 @@ class ServerPolicy:
 
     def act(self, session, obs: dict, step: int, want_video: bool = False):
         chunk = self.client.act(session, {"image": obs["image"]}, obs["state"], step_index=step, encoding="png")
-        tick = chunk.tick
-        stats = TickStats(tick.actual_ms["total"], tick.budget_ms, tick.deadline_met, tick.full_calls,
-                          tick.skipped_calls, tick.forced_skips, tick.setting)
-        return chunk.actions, stats, None
+        return chunk.actions, TickStats.of(chunk.tick), None
 
     def close(self, session) -> None:
         self.client.close_session(session)
@@ -106,9 +109,7 @@ class InProcessPolicy:
         with self._lock if want_video else contextlib.nullcontext():
             result = self.engine.act(session.session_id, session.epoch, observation)
             latents = self.engine.last_output.latents if want_video else None
-        tick = result.tick
-        stats = TickStats(tick.actual_ms["total"], tick.budget_ms, tick.deadline_met, tick.full_calls,
-                          tick.skipped_calls, tick.forced_skips, tick.setting)
+        stats = TickStats.of(result.tick)
         predicted = self.pipeline.decode_video(latents) if latents is not None else None
         return result.actions, stats, predicted
 
@@ -262,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     seconds = time.perf_counter() - started
 
     config = {"server": args.server, "in_process": args.in_process, "latency_budget_ms": budget,
-              "diffusion_cache": not args.no_diffusion_cache, "execute": args.execute, "parallel": args.parallel,
+              "diffusion_cache": not args.no_diffusion_cache if args.in_process else None,  # a server decides itself "execute": args.execute, "parallel": args.parallel,
               "first_episode": args.first_episode, **overrides}
     report = summarize(results, seconds, config)
     args.out.parent.mkdir(parents=True, exist_ok=True)
