@@ -263,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     seconds = time.perf_counter() - started
 
     config = {"server": args.server, "in_process": args.in_process, "latency_budget_ms": budget,
-              "diffusion_cache": not args.no_diffusion_cache if args.in_process else None,  # a server decides itself "execute": args.execute, "parallel": args.parallel,
+              "diffusion_cache": not args.no_diffusion_cache if args.in_process else None,
+              "execute": args.execute, "parallel": args.parallel,
               "first_episode": args.first_episode, **overrides}
     report = summarize(results, seconds, config)
     args.out.parent.mkdir(parents=True, exist_ok=True)
