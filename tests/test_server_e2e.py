@@ -6,7 +6,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 
 import grpc
 import numpy as np
@@ -107,5 +106,4 @@ def test_unknown_session_and_infeasible_budget(server):
     with pytest.raises(PolicyServerError) as error:
         server.act(session, {"image": _image()}, STATE)
     assert error.value.code == grpc.StatusCode.NOT_FOUND
-    started = time.monotonic()
-    assert server.health() == "SERVING" and time.monotonic() - started < 30
+    assert server.health() == "SERVING"
