@@ -56,6 +56,12 @@ class ConfigRun:
     rel_l2: list[float] = field(default_factory=list)
     psnr_db: list[float] = field(default_factory=list)
     settings: dict[str, int] = field(default_factory=dict)
+    fallbacks: dict[str, int] = field(default_factory=dict)  # ticks per fallback kind, e.g. "late_finish_at_step"
+
+    def add_tick_record(self, tick: api.TickRecord) -> None:
+        self.settings[tick.setting] = self.settings.get(tick.setting, 0) + 1
+        for kind in {fallback.split("=")[0] for fallback in tick.fallbacks}:
+            self.fallbacks[kind] = self.fallbacks.get(kind, 0) + 1
 
     def add(self, latency_ms: float, out: PolicyOutput, reference: PolicyOutput | None) -> None:
         self.latency_ms.append(latency_ms)
@@ -85,6 +91,7 @@ class ConfigRun:
         }
         if self.settings:
             summary["cache_settings"] = dict(sorted(self.settings.items(), key=lambda kv: -kv[1]))
+            summary["fallback_ticks"] = dict(sorted(self.fallbacks.items()))
         return summary
 
 
@@ -246,7 +253,7 @@ def run(args: argparse.Namespace) -> dict:
                     images={"image": obs["image"]}, state=obs["state"], instruction=obs["instruction"],
                     step_index=tick))
                 run_.add(result.tick.actual_ms["total"], owner.last_output, reference)
-                run_.settings[result.tick.setting] = run_.settings.get(result.tick.setting, 0) + 1
+                run_.add_tick_record(result.tick)
 
     summaries = [runs[name].summary() for name in order]
     if args.closed_loop:

@@ -10,7 +10,8 @@ video and action velocities (`v = noise - x0`, actions weighted 10x); the prompt
 negative prompt 10% of the time so classifier-free guidance works at inference.
 
 Samples of one instruction share a single text prefill per optimiser step (the cacheable boundary:
-`prefill_und` once, then `embed_gen` + `gen_stack` + `heads` per sample, with gradients through both).
+`prefill_und` once per prompt, then `embed_gen` per sample and one batched `gen_stack` for all samples
+whose prompts have the same length, with gradients through both pathways).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 from tqdm import tqdm
 
 from policy_server.model import Cosmos3OmniTransformer, load_transformer
+from policy_server.model.boundary import GenInput, UndKV
 from policy_server.model.text_tokenizer import TextTokenizer
 from policy_server.model.vae import SmallVideoVAE
 from policy_server.pipeline.conditioning import frames_to_clip
@@ -122,10 +124,11 @@ def train(
     stride: int = 1,
     ema_decay: float = 0.999,
     log_every: int = 100,
+    save_every: int | None = None,
     init_from: Path | None = None,
 ) -> dict:
     """Train (from scratch, or from the transformer in `init_from`) and write a complete pipeline folder to
-    `out_dir`. Returns a summary."""
+    `out_dir` (also every `save_every` steps, with the EMA weights so far). Returns a summary."""
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
     dataset = DemoDataset(data_dir)
@@ -169,13 +172,18 @@ def train(
     raw_dim = embedded.embodiment_entry()["raw_action_dim"]
     latent_shape = tuple(windows.latents.shape[1:])
     layout = ActionLayout(chunk_size=chunk, num_prefix=1, clean_rows=(0,), domain_id=embedded.DOMAIN_ID)
-    packs = {}
+    packs, layouts = {}, {}
 
-    def packed(ids: list[int]):
-        key = tuple(ids)
-        if key not in packs:
-            packs[key] = pack_request(config, ids, latent_shape, [0], env_fps, layout)
-        return packs[key]
+    def packed(ids: tuple[int, ...]):
+        if ids not in packs:
+            packs[ids] = pack_request(config, list(ids), latent_shape, [0], env_fps, layout)
+        return packs[ids]
+
+    def gen_layout(seq, kwargs):
+        # The GEN layout depends on the text length only, not on which words fill it.
+        if seq.und_len not in layouts:
+            layouts[seq.und_len] = model.gen_layout(**kwargs)
+        return layouts[seq.und_len]
 
     losses, started = [], time.perf_counter()
     progress = tqdm(range(steps), desc="train policy", unit="step")
@@ -185,20 +193,23 @@ def train(
         index = torch.randint(0, n, (batch_size,), generator=generator)
         drop = torch.rand(batch_size, generator=generator) < PROMPT_DROPOUT
         sigmas = sample_sigmas(batch_size, policy.shift, generator)
-        # Group samples by prompt so each text prefix is prefilled once per step.
-        groups: dict[tuple[int, ...], list[int]] = {}
-        for b in range(batch_size):
-            ids = negative_ids if drop[b] else prompt_ids[windows.prompt_index[index[b]]]
-            groups.setdefault(tuple(ids), []).append(b)
+        prompts = [tuple(negative_ids if drop[b] else prompt_ids[windows.prompt_index[index[b]]])
+                   for b in range(batch_size)]
+        # Each distinct prompt is prefilled once per step; samples whose prompts have the same length
+        # share a GEN layout and run through the GEN stack as one batch.
+        und_kv = {}
+        for ids in set(prompts):
+            seq = packed(ids)
+            und_kv[ids] = model.prefill_und(seq.input_ids, seq.position_ids[:, : seq.und_len])
+        by_length: dict[int, list[int]] = {}
+        for b, ids in enumerate(prompts):
+            by_length.setdefault(len(ids), []).append(b)
         optimizer.zero_grad(set_to_none=True)
-        total = 0.0
-        for ids, members in groups.items():
-            seq = packed(list(ids))
-            und_kv = model.prefill_und(seq.input_ids, seq.position_ids[:, : seq.und_len])
-            group_loss = 0.0
+        loss = 0.0
+        for members in by_length.values():
+            gens, targets_v, targets_a = [], [], []
             for b in members:
-                i = int(index[b])
-                sigma = float(sigmas[b])
+                i, sigma = int(index[b]), float(sigmas[b])
                 x0_v = windows.latents[i]
                 eps_v = torch.randn(x0_v.shape, generator=generator)
                 x_v = (1 - sigma) * x0_v + sigma * eps_v
@@ -207,15 +218,20 @@ def train(
                 eps_a = torch.randn(x0_a.shape, generator=generator)
                 eps_a[:, raw_dim:] = 0
                 x_a = torch.cat([windows.states[i][None], (1 - sigma) * x0_a + sigma * eps_a])
-                gen = model.embed_gen(**seq.model_kwargs(x_v, x_a, sigma * 1000.0))
-                pred_v, _, pred_a = model.heads(model.gen_stack(gen, und_kv), gen)
-                target_v = (eps_v - x0_v)[:, 1:]
-                target_a = (eps_a - x0_a)[:, :raw_dim]
-                loss_v = (pred_v[0][0][:, 1:] - target_v).pow(2).mean()
-                loss_a = (pred_a[0][1:, :raw_dim] - target_a).pow(2).mean()
-                group_loss = group_loss + loss_v + ACTION_LOSS_WEIGHT * loss_a
-            (group_loss / batch_size).backward()
-            total += group_loss.item() / batch_size
+                seq = packed(prompts[b])
+                kwargs = seq.model_kwargs(x_v, x_a, sigma * 1000.0)
+                gens.append(model.embed_gen(**kwargs, layout=gen_layout(seq, kwargs)))
+                targets_v.append((eps_v - x0_v)[:, 1:])
+                targets_a.append((eps_a - x0_a)[:, :raw_dim])
+            gen = GenInput.stack(gens)
+            out = model.gen_stack(gen, UndKV.stack([und_kv[prompts[b]] for b in members]))
+            for row in range(len(members)):
+                pred_v, _, pred_a = model.heads(out[row], gen)
+                loss_v = (pred_v[0][0][:, 1:] - targets_v[row]).pow(2).mean()
+                loss_a = (pred_a[0][1:, :raw_dim] - targets_a[row]).pow(2).mean()
+                loss = loss + (loss_v + ACTION_LOSS_WEIGHT * loss_a) / batch_size
+        loss.backward()
+        total = loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         with torch.no_grad():
@@ -225,6 +241,9 @@ def train(
         losses.append(total)
         if (step + 1) % log_every == 0 or step + 1 == steps:
             progress.set_postfix(loss=f"{np.mean(losses[-log_every:]):.4f}")
+        if save_every and (step + 1) % save_every == 0 and step + 1 < steps:
+            # A servable folder part-way through: evaluate it while training goes on, or keep it if stopped.
+            embedded.write_pipeline_folder(out_dir, ema, vae, tokenizer, stats, policy)
 
     embedded.write_pipeline_folder(out_dir, ema, vae, tokenizer, stats, policy)
     summary = {
@@ -253,6 +272,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--stride", type=int, default=1, help="take a training tick every N steps")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--save-every", type=int, default=None,
+                        help="also write the folder every N steps (EMA weights so far)")
     parser.add_argument("--init", type=Path, default=None,
                         help="start from this pipeline folder's transformer instead of from scratch")
     args = parser.parse_args(argv)
@@ -260,7 +281,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--steps, --batch-size and --stride must be positive")
     torch.set_num_threads(args.threads)
     summary = train(args.data, args.vae, args.out, args.steps, args.batch_size, args.lr, args.seed, args.stride,
-                    init_from=args.init)
+                    save_every=args.save_every, init_from=args.init)
     print(json.dumps(summary, indent=2))
 
 

@@ -41,6 +41,7 @@ class TrainVAEArgs:
     seed: int = 0
     threads: int = 1
     progress: bool = True
+    init: str | None = None  # fine-tune this VAE folder instead of training from scratch
 
 
 class ClipSampler:
@@ -115,8 +116,11 @@ def train(args: TrainVAEArgs) -> tuple[SmallVideoVAE, dict]:
     train_sampler = ClipSampler(episodes[num_val:], args.frames, args.seed)
     val_clips = ClipSampler(episodes[:num_val] or episodes, args.frames, args.seed).all_clips(256)
 
-    config = SmallVideoVAEConfig(latent_channels=args.latent_channels, block_channels=tuple(args.block_channels))
-    model = SmallVideoVAE(config)
+    if args.init is None:
+        model = SmallVideoVAE(SmallVideoVAEConfig(latent_channels=args.latent_channels,
+                                                  block_channels=tuple(args.block_channels)))
+    else:
+        model = SmallVideoVAE.from_pretrained(args.init).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=args.steps, pct_start=0.05)
     generator = torch.Generator().manual_seed(args.seed)
@@ -153,6 +157,7 @@ def train(args: TrainVAEArgs) -> tuple[SmallVideoVAE, dict]:
         "val_clips": len(val_clips),
         "train_episodes": len(train_sampler.episodes),
         "data": str(args.data),
+        "init": args.init or "scratch",
     }
     (out / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
     return model, report
@@ -176,6 +181,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--threads", type=int, default=defaults.threads, help="torch CPU threads")
+    parser.add_argument("--init", default=None,
+                        help="fine-tune this VAE folder (its architecture overrides --latent-channels and "
+                        "--block-channels)")
     parser.add_argument("--no-progress", action="store_true")
     ns = parser.parse_args(argv)
     if ns.frames < 1 or (ns.frames - 1) % 4:
@@ -193,6 +201,7 @@ def main(argv: list[str] | None = None) -> None:
         seed=ns.seed,
         threads=ns.threads,
         progress=not ns.no_progress,
+        init=ns.init,
     )
     _, report = train(args)
     print(json.dumps(report, indent=2))

@@ -39,10 +39,13 @@ def rough_latents(num_steps, distance=0.5):
     return [base * (1 + distance) ** i for i in range(num_steps)]
 
 
-def run_denoise(clock, plan, cache, stack_ms=lambda step: STACK_MS):
-    """The sampler loop of one tick on the fake model; the plan fixes steps and CFG branches."""
+def run_denoise(clock, plan, cache, stack_ms=lambda step: STACK_MS, pacer=None, stall_ms=lambda step: 0.0):
+    """The sampler loop of one tick on the fake model; the plan fixes steps and CFG branches, and `pacer`
+    (the guard) may drop the uncond pass or end the loop. `stall_ms(step)` passes before the step.
+    Returns the branches run per step."""
     latents = rough_latents(plan.num_steps)
     gen_in = torch.zeros(3, 2)
+    ran = []
 
     def full_for(step):
         def full():
@@ -53,12 +56,21 @@ def run_denoise(clock, plan, cache, stack_ms=lambda step: STACK_MS):
 
     with torch.no_grad():
         for step in range(plan.num_steps):
-            for branch in plan.branches(step):
+            clock.advance(stall_ms(step))
+            branches, last = plan.branches(step), False
+            if pacer is not None:
+                use_uncond, last = pacer.pace(step, len(branches) == 2)
+                branches = branches if use_uncond else branches[:1]
+            for branch in branches:
                 clock.advance(CALL_MS)
                 cache.run_stack(step, branch, 0.5, [latents[step]], gen_in, full_for(step))
+            ran.append(branches)
+            if last:
+                break
+    return ran
 
 
-def run_tick(clock, budget, plan, guarded=True, stack_ms=lambda step: STACK_MS):
+def run_tick(clock, budget, plan, guarded=True, stack_ms=lambda step: STACK_MS, stall_ms=lambda step: 0.0):
     """encode → arm guard → denoise → decode; returns (cache record, stage times in ms)."""
     start = clock()
     clock.advance(ENCODE_MS)
@@ -71,7 +83,7 @@ def run_tick(clock, budget, plan, guarded=True, stack_ms=lambda step: STACK_MS):
     )
     cache.begin(plan.num_steps, threshold=plan.thresholds, max_consecutive_cached=plan.cap)
     t0 = clock()
-    run_denoise(clock, plan, cache, stack_ms)
+    run_denoise(clock, plan, cache, stack_ms, guard if guarded else None, stall_ms)
     t1 = clock()
     clock.advance(DECODE_MS)
     return cache.record(), {"encode": ENCODE_MS, "denoise": t1 - t0, "decode": DECODE_MS}
@@ -116,6 +128,37 @@ def test_guard_adapts_to_a_slowdown_within_the_tick():
     assert sum(stages.values()) <= 150.0
     slow_fulls = [c for c in budget.guard.calls if c.full and c.step >= 3]
     assert slow_fulls and all(c.ms == pytest.approx(CALL_MS + 2 * STACK_MS) for c in slow_fulls)
+
+
+@pytest.mark.parametrize(
+    ("stall", "late", "cond_calls", "uncond_calls"),
+    [
+        (0.0, (), 10, 10),  # on time: the tick runs as planned
+        (10.0, ("late_drop_uncond_from_step=4",), 10, 4),  # dropping the rest's uncond pass is enough
+        (25.0, ("late_finish_at_step=4/10",), 5, 4),  # only stopping now is
+    ],
+)
+def test_guard_paces_a_stalled_tick_into_its_deadline(stall, late, cond_calls, uncond_calls):
+    """The guard balances this plan exactly on its 120 ms deadline; a stall before step 4 costs the rest of
+    the tick its uncond pass or its remaining steps, in that order, and the deadline still holds."""
+    clock = FakeClock()
+    budget = warm_budget(clock)
+    plan = budget.plan(KEY, 120.0, 10, 2, None)
+    record, stages = run_tick(clock, budget, plan, stall_ms=lambda step: stall if step == 4 else 0.0)
+    assert sum(stages.values()) <= 120.0
+    assert budget.guard.late_fallbacks == late
+    assert len(record.sequence("cond")) == cond_calls and len(record.sequence("uncond")) == uncond_calls
+
+
+def test_a_stall_no_fallback_can_absorb_is_reported_as_a_miss():
+    clock = FakeClock()
+    budget = warm_budget(clock)
+    plan = budget.plan(KEY, 120.0, 10, 2, None)
+    start = clock()
+    cache_record, stages = run_tick(clock, budget, plan, stall_ms=lambda step: 40.0 if step == 4 else 0.0)
+    record = budget.finish(KEY, plan, None, cache_record.counts_dict(), stages, actual_ms=clock() - start)
+    assert record.fallbacks == ("late_finish_at_step=4/10",) and not record.deadline_met
+    assert record.actual_ms == pytest.approx(131.0)  # 85 ms on time + 40 ms stall + 1 skipped call + decode
 
 
 def test_guard_never_forces_the_final_step_and_checks_branches():

@@ -76,6 +76,34 @@ def test_layout_built_once_serves_every_step(model):
             assert torch.equal(plain[0][0], reused[0][0]) and torch.equal(plain[2][0], reused[2][0])
 
 
+def test_batched_gen_stack_equals_one_request_at_a_time(model):
+    """Requests sharing a layout run as one `[B, N_gen, D]` batch (micro-batching, training)."""
+    base = step_kwargs(model)
+    with torch.no_grad():
+        layout = model.gen_layout(**base)
+        prompts, gens, single = [], [], []
+        for item, timestep in enumerate((900.0, 400.0, 50.0)):
+            kwargs = step_kwargs(model, seed=30 + item, timestep=timestep)  # own prompt, latents and noise level
+            prompts.append(model.prefill_und(kwargs["input_ids"], kwargs["position_ids"][:, : kwargs["und_len"]]))
+            gens.append(model.embed_gen(**kwargs, layout=layout))
+            single.append(model.gen_stack(gens[-1], prompts[-1]))
+        batched = model.gen_stack(GenInput.stack(gens), UndKV.stack(prompts))
+    assert batched.shape == (3, *single[0].shape)
+    for row, alone in enumerate(single):
+        assert (batched[row] - alone).abs().max().item() <= TOLERANCE
+
+
+def test_batch_needs_one_layout_and_matching_kv(model):
+    kwargs = step_kwargs(model)
+    with torch.no_grad():
+        und_kv = model.prefill_und(kwargs["input_ids"], kwargs["position_ids"][:, : kwargs["und_len"]])
+        first, second = model.embed_gen(**kwargs), model.embed_gen(**kwargs)
+        with pytest.raises(ValueError, match="same GenLayout"):
+            GenInput.stack([first, second])
+        with pytest.raises(ValueError, match="same B"):
+            model.gen_stack(GenInput.stack([first, first]), UndKV.stack([und_kv] * 3))
+
+
 def test_cached_keys_are_what_gen_queries_read(model):
     """UndKV keys are post norm+RoPE; on Edge the `k_norm_und_for_gen` version, unlike the causal keys."""
     kwargs = step_kwargs(model)

@@ -63,6 +63,34 @@ def test_cfg_records_and_drop_uncond_fallback(pipe):
     assert all(s.branches == ("cond",) for s in single.steps)
 
 
+class ScriptedPacer:
+    """Stands in for the deadline guard: drops the uncond pass from `drop_from`, ends the loop at `last`."""
+
+    def __init__(self, drop_from=None, last=None):
+        self.drop_from, self.last, self.asked = drop_from, last, []
+
+    def pace(self, step, use_uncond):
+        self.asked.append((step, use_uncond))
+        dropped = self.drop_from is not None and step >= self.drop_from
+        return use_uncond and not dropped, step == self.last
+
+
+def test_pacer_that_never_intervenes_changes_nothing(pipe):
+    pacer = ScriptedPacer()
+    paced, plain = pipe(_request(), pacer=pacer), pipe(_request())
+    assert pacer.asked == [(step, True) for step in range(STEPS)]
+    assert np.array_equal(paced.actions, plain.actions) and torch.equal(paced.latents, plain.latents)
+
+
+def test_pacer_drops_uncond_then_ends_the_loop_on_a_clean_estimate(pipe):
+    out = pipe(_request(), pacer=ScriptedPacer(drop_from=1, last=2))
+    assert [record.branches for record in out.steps] == [("cond", "uncond"), ("cond",), ("cond",)]
+    assert out.cache.sequence("uncond") == "F" and out.cache.sequence("cond") == "FFF"
+    assert np.all(np.isfinite(out.actions)) and not np.array_equal(out.actions, pipe(_request()).actions)
+    clean = pipe.vae.encode(torch.from_numpy(_image()).permute(2, 0, 1)[None, :, None].float() / 127.5 - 1)
+    assert torch.allclose(out.latents[:, 0], clean[0, :, 0].float(), atol=1e-5)  # conditioning frame kept
+
+
 def test_prompt_state_reuse_is_exact(pipe):
     request = _request(guidance=2.0)
     prompt = pipe.encode_prompt(request.instruction, pipe.embodiments.get("pusht"), 8, cfg=True)

@@ -3,18 +3,24 @@
 Before a call at step ``s`` that the cache gate wants to run FULL, the guard checks whether
 ``now + rest of this call as FULL + (remaining non-final calls) * c_skip + (final-step calls) * c_full
 + reserve_after`` exceeds the deadline; if so it answers True and SeaCache skips instead (when it has a
-residual). The final step is reserved as FULL and never forced. This bounds the tick even when the gate
-would refresh every step.
+residual). The planned final step is reserved as FULL and never forced. This bounds the tick even when
+the gate would refresh every step.
 
-The guard also times every call (via ``on_decision``, which SeaCache calls after each call completes), so the
-cost model learns c_full and c_skip from real ticks, and so a slowdown seen earlier in the same tick raises
-the per-call estimates for the rest of it. A call's time runs from the end of the previous call (or the
-start of the denoising loop) to its own end, so it includes the embedding, heads, CFG combine and sampler
-update around the stack.
+Before each sampler step the pipeline asks the guard to ``pace`` it. When even skipping every call left
+cannot meet the deadline (a stall, a machine slower than the cost model knows), the tick gives up quality
+in the planner's fallback order: first the uncond pass of the remaining steps, then the remaining steps
+themselves (the sampler jumps to its clean estimate). Both are listed in ``late_fallbacks``.
+
+The guard also times every call (via ``on_decision``, which SeaCache calls after each call completes), so
+the cost model learns c_full and c_skip from real ticks, and so a slowdown seen earlier in the same tick
+raises the per-call estimates for the rest of it (c_full: the slowest full call so far; c_skip: the
+median skipped call). A call's time runs from the end of the previous call (or the start of the denoising
+loop) to its own end, so it includes the embedding, heads, CFG combine and sampler update around the stack.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -77,10 +83,15 @@ class DeadlineGuard:
         self._reserve_after = 0.0
         self._full_ms = 0.0
         self._skip_ms = 0.0
+        self._prior_skip_ms = 0.0
+        self._skip_samples: list[float] = []
         self._last_mark = 0.0
         self._started_at = 0.0
         self._calls: list[CallTiming] = []
         self._requested: list[ForcedSkip] = []
+        self._uncond_stop: int | None = None  # first step without the uncond pass, set by ``pace``
+        self._final_step: int | None = None  # an earlier last step, set by ``pace``
+        self._late: list[str] = []
 
     def start(
         self, plan: TickPlan, costs: CallCosts, deadline_at_ms: float, reserve_after_ms: float = 0.0
@@ -97,10 +108,57 @@ class DeadlineGuard:
         self._deadline_at = float(deadline_at_ms)
         self._reserve_after = float(reserve_after_ms)
         self._full_ms = cautious.full_ms
-        self._skip_ms = cautious.skip_ms
+        self._skip_ms = self._prior_skip_ms = cautious.skip_ms
+        self._skip_samples = []
         self._started_at = self._last_mark = self.clock()
         self._calls = []
         self._requested = []
+        self._uncond_stop = None
+        self._final_step = None
+        self._late = []
+
+    # ---------------------------------------------------------------- hooks for the pipeline
+
+    def pace(self, step: int, use_uncond: bool) -> tuple[bool, bool]:
+        """Before sampler step ``step``: ``(run the uncond pass, make this the last step)``.
+
+        ``use_uncond``: whether the sampler would run the uncond pass at this step.
+        """
+        plan = self._plan
+        if plan is None:
+            return use_uncond, False
+        use_uncond = use_uncond and (self._uncond_stop is None or step < self._uncond_stop)
+        if step >= plan.num_steps - 1:
+            return use_uncond, False
+        now = self.clock()
+        if now + self._cheapest_rest(step, self._uncond_stop) <= self._deadline_at:
+            return use_uncond, False
+        if use_uncond and now + self._cheapest_rest(step, step) <= self._deadline_at:
+            self._uncond_stop = step
+            self._late.append(f"late_drop_uncond_from_step={step}")
+            return False, False
+        self._uncond_stop = step if self._uncond_stop is None else self._uncond_stop
+        self._final_step = step
+        self._late.append(f"late_finish_at_step={step}/{plan.num_steps}")
+        return False, True
+
+    def _branches(self, step: int) -> tuple[str, ...]:
+        branches = self._plan.branches(step)
+        if self._uncond_stop is not None and step >= self._uncond_stop:
+            return branches[:1]
+        return branches
+
+    def _cheapest_rest(self, step: int, uncond_stop: int | None) -> float:
+        """Time from the start of ``step`` to the deadline-relevant end of the tick if every call but the final
+        step's were skipped, with the uncond pass gone from ``uncond_stop`` on."""
+        plan = self._plan
+        last = plan.num_steps - 1
+
+        def calls(s: int) -> int:
+            return 1 if uncond_stop is not None and s >= uncond_stop else len(plan.branches(s))
+
+        middle = sum(calls(s) for s in range(step, last))
+        return middle * self._skip_ms + calls(last) * self._full_ms + self._reserve_after
 
     # ---------------------------------------------------------------- hooks for the step controller
 
@@ -108,16 +166,21 @@ class DeadlineGuard:
         """True when a FULL call now would leave too little time for the rest of the tick."""
         plan = self._plan
         if plan is None or step >= plan.num_steps - 1:
-            return False  # unarmed, or the final step: reserved as FULL
-        branches = plan.branches(step)
+            return False  # unarmed, or the planned final step: reserved as FULL
+        branches = self._branches(step)
         if branch not in branches:
             raise ValueError(f"branch {branch!r} is not planned at step {step}; planned: {branches}")
         later_in_step = len(branches) - 1 - branches.index(branch)
-        final_calls = len(plan.branches(plan.num_steps - 1))
-        middle_calls = later_in_step + sum(len(plan.branches(s)) for s in range(step + 1, plan.num_steps - 1))
+        final = plan.num_steps - 1 if self._final_step is None else self._final_step
+        if step >= final:  # ``pace`` made this the last step: nothing follows it
+            middle_calls, final_calls = later_in_step, 0
+        else:
+            final_calls = len(self._branches(final))
+            middle_calls = later_in_step + sum(len(self._branches(s)) for s in range(step + 1, final))
         now = self.clock()
-        # Part of this call (its embedding, the previous call's heads and sampler update) is already spent.
-        rest_of_this_call = max(0.0, self._full_ms - (now - self._last_mark))
+        # Part of this call (its embedding, the previous call's heads and sampler update) is already spent;
+        # at most what a skipped call costs, since anything longer was a stall, not progress on this call.
+        rest_of_this_call = self._full_ms - min(now - self._last_mark, self._skip_ms)
         needed = (
             rest_of_this_call + middle_calls * self._skip_ms + final_calls * self._full_ms + self._reserve_after
         )
@@ -140,7 +203,11 @@ class DeadlineGuard:
         if decision.full:
             self._full_ms = max(self._full_ms, ms)
         else:
-            self._skip_ms = max(self._skip_ms, ms)
+            # Skipped calls are many and short: one stall must not make every later one look slow (that
+            # would end the tick early for nothing), so the estimate follows their median once there are a few.
+            self._skip_samples.append(ms)
+            if len(self._skip_samples) >= 3:
+                self._skip_ms = max(self._prior_skip_ms, statistics.median(self._skip_samples))
 
     # ---------------------------------------------------------------- what happened
 
@@ -151,6 +218,11 @@ class DeadlineGuard:
     def call_timings(self) -> list[tuple[bool, float]]:
         """``(ran_full, ms)`` per call after the first, for ``CostModel.observe_calls``."""
         return [(c.full, c.ms) for c in self._calls if not c.includes_setup]
+
+    @property
+    def late_fallbacks(self) -> tuple[str, ...]:
+        """What ``pace`` gave up in this tick, in order (empty when the tick ran as planned)."""
+        return tuple(self._late)
 
     @property
     def forced_skips(self) -> int:

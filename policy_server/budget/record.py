@@ -42,8 +42,9 @@ class TickRecord:
     """One control tick, as reported to the client and the benchmark.
 
     budget_ms: the deadline the tick was planned for. predicted_* / actual_*: total and per stage (ms).
-    setting / thresholds / cap: the cache knobs used (``"none"``: no caching). sequences: per-branch
-    decision strings (``F`` full, ``S`` skip) when the caller passes them.
+    setting / thresholds / cap: the cache knobs used (``"none"``: no caching). fallbacks: the planner's, then
+    the guard's in-tick ones (``late_*``). sequences: per-branch decision strings (``F`` full, ``S`` skip)
+    when the caller passes them.
     """
 
     budget_ms: float
@@ -73,11 +74,13 @@ class TickRecord:
         actual_stage_ms: Mapping[str, float],
         actual_ms: float | None = None,
         sequences: Mapping[str, str] | None = None,
+        late_fallbacks: tuple[str, ...] = (),
     ) -> TickRecord:
         """Assemble the record of a finished tick.
 
         cache_counts: ``CacheRecord.counts_dict()``. actual_stage_ms: measured stages (``denoise`` included).
-        actual_ms: the tick's end-to-end latency; defaults to the sum of the stages.
+        actual_ms: the tick's end-to-end latency; defaults to the sum of the stages. late_fallbacks: what the
+        guard gave up during the tick (``DeadlineGuard.late_fallbacks``), listed after the planned ones.
         """
         for stage, ms in actual_stage_ms.items():
             if not isinstance(ms, int | float) or not math.isfinite(ms) or ms < 0:
@@ -99,7 +102,7 @@ class TickRecord:
             branches={b: BranchTickCounts.from_counts(b, c) for b, c in cache_counts.items()},
             feasible=plan.feasible,
             best_achievable_ms=plan.best_achievable_ms,
-            fallbacks=tuple(plan.fallbacks),
+            fallbacks=tuple(plan.fallbacks) + tuple(late_fallbacks),
             deadline_met=total <= plan.deadline_ms,
             sequences=dict(sequences or {}),
         )

@@ -7,7 +7,7 @@ Usage by the engine (one instance per model worker, one ``SessionHistory`` per s
                      force_skip=budget.guard.force_skip, on_decision=budget.guard.on_decision,
                      sea_filter=shared_sea_filter)             # keeps the gain cache across ticks
     budget.arm(plan, shape_key, tick_started_at_ms)            # before the pipeline call
-    ... run the pipeline with plan.num_steps steps and cfg_steps=plan.cfg_steps ...
+    ... run the pipeline with plan.num_steps steps, cfg_steps=plan.cfg_steps, pacer=budget.guard ...
     record = budget.finish(shape_key, plan, session_history, cache.record().counts_dict(), stage_ms)
 
 ``budget`` is pure Python: the cache classes are named above only to show the wiring.
@@ -71,7 +71,8 @@ class TickBudget:
     ) -> TickRecord:
         """Record the tick, feed its call and stage timings to the cost model, and its full-call count to
         the session history. ``actual_stage_ms`` holds every stage including ``denoise``."""
-        record = TickRecord.build(plan, cache_counts, actual_stage_ms, actual_ms, sequences)
+        record = TickRecord.build(plan, cache_counts, actual_stage_ms, actual_ms, sequences,
+                                  late_fallbacks=self.guard.late_fallbacks)
         self.cost_model.observe_calls(key, self.guard.call_timings())
         for stage, ms in actual_stage_ms.items():
             if stage != DENOISE_STAGE:

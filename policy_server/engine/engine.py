@@ -2,8 +2,9 @@
 
 One worker thread owns the model; requests queue in front of it. A control tick is planned against
 the smaller of the session's budget and the caller's deadline, counting the time it waited in the
-queue: the budget planner picks this tick's cache setting, the deadline guard arms, and SeaCache
-runs with the guard's force-skip hook. The finished tick feeds the cost model and the session's
+queue: the budget planner picks this tick's cache setting, the deadline guard arms, SeaCache runs
+with the guard's force-skip hook, and the guard paces the sampler (drops the uncond pass or ends the
+loop early when a stall leaves no other way to the deadline). The finished tick feeds the cost model and the session's
 history, and the answer carries the full record of why it was as fast as it was.
 """
 
@@ -282,7 +283,8 @@ class ModelEngine:
             return expired or (should_abort is not None and should_abort())
 
         try:
-            out = self.pipeline(request, prompt=session.prompt, controller=controller, should_abort=abort)
+            out = self.pipeline(request, prompt=session.prompt, controller=controller, should_abort=abort,
+                                pacer=self.budget.guard if plan is not None else None)
         except Aborted as stop:
             if deadline_s is not None and time.monotonic() >= deadline_s:
                 raise api.DeadlineExpired(f"the caller's deadline passed: {stop}") from None
@@ -343,7 +345,7 @@ class ModelEngine:
             skipped_calls=record.skipped_calls,
             forced_skips=cache.forced_skips,
             fail_open=cache.fail_opens,
-            fallbacks=tuple(plan.fallbacks),
+            fallbacks=record.fallbacks,
             deadline_met=total_ms <= left_ms,
             setting=plan.setting,
             thresholds=tuple(plan.thresholds),

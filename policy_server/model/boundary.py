@@ -18,17 +18,24 @@ from policy_server.model.gen_layout import GenLayout
 class UndKV:
     """Per-layer keys/values of the text (UND) rows as GEN queries read them.
 
-    `keys[l]`, `values[l]`: `[KV, N_und, hd]`. Keys are taken after the q/k norm and RoPE; on Edge
-    they are the `k_norm_und_for_gen` version, not the keys the causal text path uses.
+    `keys[l]`, `values[l]`: `[KV, N_und, hd]`, or `[B, KV, N_und, hd]` for a batch (`stack`). Keys are
+    taken after the q/k norm and RoPE; on Edge they are the `k_norm_und_for_gen` version, not the keys
+    the causal text path uses.
     """
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
 
+    @classmethod
+    def stack(cls, items: list[UndKV]) -> UndKV:
+        """The K/V of B requests with the same text length, batched layer by layer."""
+        return cls([torch.stack(layer) for layer in zip(*(i.keys for i in items), strict=True)],
+                   [torch.stack(layer) for layer in zip(*(i.values for i in items), strict=True)])
+
     @property
     def length(self) -> int:
         """N_und, the number of text rows."""
-        return self.keys[0].shape[1]
+        return self.keys[0].shape[-2]
 
     @property
     def num_layers(self) -> int:
@@ -43,8 +50,16 @@ class GenInput:
     the heads need; it is the same object every step when the caller passes one to `embed_gen`.
     """
 
-    hidden: torch.Tensor  # [N_gen, D] projected rows, time embedding added on noisy rows
+    hidden: torch.Tensor  # [N_gen, D] projected rows, time embedding added on noisy rows; [B, N_gen, D] batched
     layout: GenLayout
+
+    @classmethod
+    def stack(cls, items: list[GenInput]) -> GenInput:
+        """B steps' inputs that share one layout object, as one batch."""
+        layout = items[0].layout
+        if any(item.layout is not layout for item in items):
+            raise ValueError("only inputs built with the same GenLayout object can be batched")
+        return cls(torch.stack([item.hidden for item in items]), layout)
 
     @property
     def cos(self) -> torch.Tensor:

@@ -6,7 +6,8 @@ causally among themselves and never see GEN. So a layer's UND K/V do not depend 
 step, and the GEN pathway can run alone against K/V cached once per request (`forward_gen`).
 
 Tensor layout: rows are packed without a batch dim, `[N, D]`; per-head tensors are `[N, heads, hd]`;
-cached keys/values are head-major `[KV, N, hd]`, the layout attention consumes.
+cached keys/values are head-major `[KV, N, hd]`, the layout attention consumes. The GEN pathway also
+takes a leading batch dim (requests that share one layout: micro-batching and training).
 """
 
 from __future__ import annotations
@@ -22,12 +23,15 @@ from policy_server.model.rope import RotaryTables
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
            mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Scaled dot-product GQA: q `[N, H, hd]`, k/v `[KV, M, hd]` -> `[N, H*hd]` (scale `hd**-0.5`)."""
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
-        attn_mask=mask, is_causal=causal, enable_gqa=True,
-    )
-    return out.squeeze(0).transpose(0, 1).reshape(q.shape[0], -1)
+    """Scaled dot-product GQA (scale `hd**-0.5`): q `[(B,) N, H, hd]`, k/v `[(B,) KV, M, hd]` -> `[(B,) N, H*hd]`."""
+    batched = q.ndim == 4
+    heads_first = q.transpose(-3, -2)
+    if not batched:
+        heads_first, k, v = heads_first.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+    out = F.scaled_dot_product_attention(heads_first, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
+    if not batched:
+        out = out.squeeze(0)
+    return out.transpose(-3, -2).reshape(*q.shape[:-2], -1)
 
 
 class Cosmos3PackedMoTAttention(nn.Module):
@@ -77,13 +81,14 @@ class Cosmos3PackedMoTAttention(nn.Module):
         return rotary.apply(q), k_causal, k_for_gen, v.transpose(0, 1)
 
     def gen_qkv(self, x: torch.Tensor, rotary: RotaryTables):
-        """Generated rows `[N, D]` -> q `[N, H, hd]`, k/v `[KV, N, hd]` (normed, rotated)."""
-        n, heads = x.shape[0], self.num_attention_heads
-        q = rms_norm(self.norm_added_q, linear(self.add_q_proj, x).view(n, heads, self.head_dim))
-        k = rms_norm(self.norm_added_k, linear(self.add_k_proj, x).view(n, self.num_key_value_heads, self.head_dim))
-        v = linear(self.add_v_proj, x).view(n, self.num_key_value_heads, self.head_dim)
-        qk = rotary.apply(torch.cat((q, k), dim=1))  # one rotation for queries and keys
-        return qk[:, :heads], qk[:, heads:].transpose(0, 1), v.transpose(0, 1)
+        """Generated rows `[(B,) N, D]` -> q `[(B,) N, H, hd]`, k/v `[(B,) KV, N, hd]` (normed, rotated)."""
+        rows, heads = x.shape[:-1], self.num_attention_heads
+        q = rms_norm(self.norm_added_q, linear(self.add_q_proj, x).view(*rows, heads, self.head_dim))
+        k = rms_norm(self.norm_added_k,
+                     linear(self.add_k_proj, x).view(*rows, self.num_key_value_heads, self.head_dim))
+        v = linear(self.add_v_proj, x).view(*rows, self.num_key_value_heads, self.head_dim)
+        qk = rotary.apply(torch.cat((q, k), dim=-2))  # one rotation for queries and keys
+        return qk[..., :heads, :], qk[..., heads:, :].transpose(-3, -2), v.transpose(-3, -2)
 
 
 class Cosmos3MoTDecoderLayer(nn.Module):
@@ -136,9 +141,12 @@ class Cosmos3MoTDecoderLayer(nn.Module):
 
     def forward_gen(self, x: torch.Tensor, rotary: RotaryTables, und_k: torch.Tensor,
                     und_v: torch.Tensor) -> torch.Tensor:
-        """GEN pathway for generated rows `x [N_gen, D]` against this layer's text K/V `[KV, N_und, hd]`."""
+        """GEN pathway for generated rows `x [N_gen, D]` against this layer's text K/V `[KV, N_und, hd]`.
+
+        A batch of requests with one layout runs as `x [B, N_gen, D]` against K/V `[B, KV, N_und, hd]`.
+        """
         attn = self.self_attn
         q, k, v = attn.gen_qkv(rms_norm(self.input_layernorm_moe_gen, x), rotary)
-        out = attend(q, torch.cat((und_k, k), dim=1), torch.cat((und_v, v), dim=1))
+        out = attend(q, torch.cat((und_k, k), dim=-2), torch.cat((und_v, v), dim=-2))
         x = x + linear(attn.to_add_out, out)
         return x + gated_mlp(self.mlp_moe_gen, rms_norm(self.post_attention_layernorm_moe_gen, x))

@@ -203,9 +203,17 @@ class Cosmos3OmniTransformer(nn.Module):
     # ------------------------------------------------------------------ GEN stack (what SeaCache skips)
 
     def gen_stack(self, gen: GenInput, und_kv: UndKV) -> torch.Tensor:
-        """All layers' GEN pathway against cached text K/V, then `norm_moe_gen`: `[N_gen, D]`."""
+        """All layers' GEN pathway against cached text K/V, then `norm_moe_gen`: `[N_gen, D]`.
+
+        Batched (`GenInput.stack`, `UndKV.stack`): `[B, N_gen, D]`; decode item b with
+        `heads(out[b], gen)`.
+        """
         _require(und_kv.num_layers == len(self.layers),
                  f"und_kv has {und_kv.num_layers} layers, the model {len(self.layers)}")
+        _require(gen.hidden.ndim == und_kv.keys[0].ndim - 1
+                 and (gen.hidden.ndim == 2 or gen.hidden.shape[0] == und_kv.keys[0].shape[0]),
+                 f"GEN rows {tuple(gen.hidden.shape)} and text K/V {tuple(und_kv.keys[0].shape)} "
+                 "must both be single or both batched with the same B")
         _require(und_kv.length == gen.und_len,
                  f"und_kv holds {und_kv.length} text rows but this step's und_len is {gen.und_len} "
                  "(K/V from another prompt or CFG branch?)")

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -44,6 +45,13 @@ from policy_server.pipeline.schedulers import make_sampler
 
 MODES = ("policy", "forward_dynamics", "inverse_dynamics")
 BRANCHES = ("cond", "uncond")
+
+
+class StepPacer(Protocol):
+    """Lets a deadline guard shorten a running tick (`policy_server.budget.guard.DeadlineGuard`)."""
+
+    def pace(self, step: int, use_uncond: bool) -> tuple[bool, bool]:
+        """Before sampler step `step`: `(run the uncond pass, make this the last step)`."""
 
 
 class Aborted(RuntimeError):
@@ -190,6 +198,7 @@ class PolicyPipeline:
         prompt: PromptState | None = None,
         controller: StepController | None = None,
         should_abort: Callable[[], bool] | None = None,
+        pacer: StepPacer | None = None,
     ) -> PolicyOutput:
         t_start = time.perf_counter()
         embodiment, chunk, steps, guidance = self._validate(request)
@@ -210,7 +219,7 @@ class PolicyPipeline:
 
             clock = time.perf_counter()
             latents, actions, steps_done = self._denoise(
-                request, embodiment, chunk, steps, guidance, clean_latent, prompt, controller, should_abort
+                request, embodiment, chunk, steps, guidance, clean_latent, prompt, controller, should_abort, pacer
             )
             timings["denoise"] = _ms_since(clock)
 
@@ -296,7 +305,7 @@ class PolicyPipeline:
         return latents[0].float(), placement.content_hw
 
     def _denoise(self, request, embodiment, chunk, steps, guidance, clean_latent, prompt, controller,
-                 should_abort):
+                 should_abort, pacer):
         config = self.transformer.config
         device = self.device
         generator = torch.Generator(device="cpu").manual_seed(request.seed)
@@ -365,6 +374,9 @@ class PolicyPipeline:
             sigma = sampler.sigmas[i]
             timestep = float(sampler.timesteps[i])
             use_cfg = guidance != 1.0 and i < cfg_steps and lo < timestep < hi
+            last = False
+            if pacer is not None:
+                use_cfg, last = pacer.pace(i, use_cfg)
             branches = BRANCHES if use_cfg else BRANCHES[:1]
             record = StepRecord(i, sigma, timestep, branches)
             indicator = [vision] if noisy_vision else []
@@ -393,13 +405,20 @@ class PolicyPipeline:
                 v_action = u_action + guidance * (v_action - u_action)
             if not noisy_actions:
                 v_action = torch.zeros_like(v_action)
-            stepped = sampler.step({"vision": v_vision, "action": v_action}, {"vision": vision, "action": actions})
-            vision, actions = stepped["vision"], stepped["action"]
+            if last:
+                # Out of time: jump to the clean estimate, x0 = x_t - sigma * v for flow matching.
+                vision, actions = vision - sigma * v_vision, actions - sigma * v_action
+            else:
+                stepped = sampler.step({"vision": v_vision, "action": v_action},
+                                       {"vision": vision, "action": actions})
+                vision, actions = stepped["vision"], stepped["action"]
             # Conditioning rows stay exactly what was given.
             vision[:, clean_frames] = clean_vision
             actions[clean_rows] = clean_actions[clean_rows]
             actions[:, embodiment.raw_action_dim:] = 0
             records.append(record)
+            if last:
+                break
         return vision, actions, records
 
 

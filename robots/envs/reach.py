@@ -27,7 +27,7 @@ COLORS: dict[str, tuple[int, int, int]] = {
     "blue": (40, 75, 215),
     "yellow": (235, 200, 25),
 }
-TABLE_RGB = (196, 186, 166)
+TABLE_RGB = (196, 186, 166)  # at the table centre; see `ReachConfig.table_tint`
 EFFECTOR_RGB = (30, 30, 30)
 
 EMBODIMENT = "pusht"
@@ -62,6 +62,11 @@ class ReachConfig:
     max_episode_steps: int = 80
     image_size: int = 64  # observation image side, pixels
     instruction_template: str = "reach the {color} circle"
+    # The table mat is tinted: red grows to the right and green to the top, by up to this many RGB
+    # levels at the edges. Every image patch thus shows where it lies on the table. The Cosmos3
+    # transformer has only relative (RoPE) positions, so on a plain mat a patch's content would not
+    # say where it is and the policy could not read the target's position from it.
+    table_tint: int = 0
 
     def __post_init__(self) -> None:
         unknown = [c for c in self.colors if c not in COLORS]
@@ -71,6 +76,8 @@ class ReachConfig:
             raise ValueError(
                 f"num_objects={self.num_objects} must be between 2 and the number of colours ({len(self.colors)})"
             )
+        if not 0 <= self.table_tint <= 60:
+            raise ValueError(f"table_tint={self.table_tint} must be between 0 and 60 RGB levels")
         for color in self.colors:
             text = self.instruction_template.format(color=color)
             if not set(text) <= _INSTRUCTION_CHARSET or len(text) > _INSTRUCTION_MAX_LENGTH:
@@ -105,6 +112,17 @@ class ReachScene:
 
     def distance_to_target(self) -> float:
         return float(np.linalg.norm(self.effector_xy - self.target_xy))
+
+
+def table_background(size: int, tint: int) -> np.ndarray:
+    """The empty table mat, uint8 [size, size, 3]: `TABLE_RGB` at the centre, red +-`tint` from left
+    to right, green +-`tint` from bottom to top (pixel centres)."""
+    ramp = (np.arange(size) + 0.5) / size * 2 - 1  # -1 .. 1 across the image
+    image = np.empty((size, size, 3), np.float64)
+    image[:] = TABLE_RGB
+    image[..., 0] += tint * ramp[None, :]
+    image[..., 1] += tint * -ramp[:, None]  # rows grow downwards, y upwards
+    return np.clip(np.round(image), 0, 255).astype(np.uint8)
 
 
 class ReachEnv(gym.Env):
@@ -205,10 +223,10 @@ class ReachEnv(gym.Env):
         """Top-down RGB view of the current scene, uint8 [size, size, 3]."""
         if self.scene is None:
             raise RuntimeError("nothing to draw before reset()")
-        if size not in self._backgrounds:
-            self._backgrounds[size] = np.broadcast_to(np.array(TABLE_RGB, np.uint8), (size, size, 3))
-        image = self._backgrounds[size].copy()
         cfg = self.config
+        if size not in self._backgrounds:
+            self._backgrounds[size] = table_background(size, cfg.table_tint)
+        image = self._backgrounds[size].copy()
         scale = size / cfg.table_size * (1 << _SHIFT)  # fixed-point pixels per metre
 
         def to_pixel(xy: np.ndarray) -> tuple[int, int]:
