@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("limits and security")
     g.add_argument("--max-sessions", type=int, help="concurrent sessions (4)")
+    g.add_argument("--max-batch", type=int,
+                   help="queued ticks of one request shape that run as one micro-batch, 1 = off (4)")
     g.add_argument("--max-message-mb", type=float, help="largest accepted request in MiB (16)")
     g.add_argument(
         "--auth-token-file", type=Path, help="require `authorization: Bearer <token>` from this file"

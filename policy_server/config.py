@@ -62,6 +62,7 @@ class ServerConfig(BaseModel):
 
     # Limits
     max_sessions: int = Field(4, ge=1, description="concurrent sessions")
+    max_batch: int = Field(4, ge=1, le=64, description="queued ticks of one shape run together (1 = no micro-batching)")
     max_message_mb: float = Field(
         16.0, gt=0, le=1024, allow_inf_nan=False, description="max request size (MiB)"
     )

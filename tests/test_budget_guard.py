@@ -71,11 +71,10 @@ def run_denoise(clock, plan, cache, stack_ms=lambda step: STACK_MS, pacer=None, 
 
 
 def run_tick(clock, budget, plan, guarded=True, stack_ms=lambda step: STACK_MS, stall_ms=lambda step: 0.0):
-    """encode → arm guard → denoise → decode; returns (cache record, stage times in ms)."""
+    """encode → arm guard → denoise → decode; returns (cache record, stage times in ms, guard)."""
     start = clock()
     clock.advance(ENCODE_MS)
-    budget.arm(plan, KEY, start)
-    guard = budget.guard
+    guard = budget.arm(plan, KEY, start)
     cache = SeaCache(
         SeaCacheConfig(),
         force_skip=guard.force_skip if guarded else None,
@@ -86,7 +85,7 @@ def run_tick(clock, budget, plan, guarded=True, stack_ms=lambda step: STACK_MS, 
     run_denoise(clock, plan, cache, stack_ms, guard if guarded else None, stall_ms)
     t1 = clock()
     clock.advance(DECODE_MS)
-    return cache.record(), {"encode": ENCODE_MS, "denoise": t1 - t0, "decode": DECODE_MS}
+    return cache.record(), {"encode": ENCODE_MS, "denoise": t1 - t0, "decode": DECODE_MS}, guard
 
 
 def warm_budget(clock):
@@ -106,14 +105,14 @@ def test_guard_holds_the_deadline_when_the_gate_refreshes_every_step():
     plan = budget.plan(KEY, 120.0, 10, 2, None)
     assert plan.setting == "t0.25-c2" and plan.fits  # the prior expects 8 of 20 calls full
 
-    unguarded, stages = run_tick(clock, budget, plan, guarded=False)
+    unguarded, stages, _ = run_tick(clock, budget, plan, guarded=False)
     assert unguarded.full_calls == 20  # the gate wants a refresh every step
     assert sum(stages.values()) == pytest.approx(210.0)
 
-    rec, stages = run_tick(clock, budget, plan)
+    rec, stages, guard = run_tick(clock, budget, plan)
     total = sum(stages.values())
     assert total <= 120.0
-    assert rec.forced_skips > 0 and rec.forced_skips == budget.guard.forced_skips
+    assert rec.forced_skips > 0 and rec.forced_skips == guard.forced_skips
     assert rec.sequence("cond")[-1] == "F" and rec.sequence("uncond")[-1] == "F"  # final step kept full
     # Every forced skip was needed: a guard that forced one fewer would have missed.
     assert total + (COSTS.full_ms - COSTS.skip_ms) > 120.0
@@ -124,9 +123,9 @@ def test_guard_adapts_to_a_slowdown_within_the_tick():
     budget = warm_budget(clock)
     plan = budget.plan(KEY, 150.0, 10, 2, None)
     slow = lambda step: STACK_MS if step < 3 else 2 * STACK_MS  # noqa: E731
-    rec, stages = run_tick(clock, budget, plan, stack_ms=slow)
+    rec, stages, guard = run_tick(clock, budget, plan, stack_ms=slow)
     assert sum(stages.values()) <= 150.0
-    slow_fulls = [c for c in budget.guard.calls if c.full and c.step >= 3]
+    slow_fulls = [c for c in guard.calls if c.full and c.step >= 3]
     assert slow_fulls and all(c.ms == pytest.approx(CALL_MS + 2 * STACK_MS) for c in slow_fulls)
 
 
@@ -144,9 +143,9 @@ def test_guard_paces_a_stalled_tick_into_its_deadline(stall, late, cond_calls, u
     clock = FakeClock()
     budget = warm_budget(clock)
     plan = budget.plan(KEY, 120.0, 10, 2, None)
-    record, stages = run_tick(clock, budget, plan, stall_ms=lambda step: stall if step == 4 else 0.0)
+    record, stages, guard = run_tick(clock, budget, plan, stall_ms=lambda step: stall if step == 4 else 0.0)
     assert sum(stages.values()) <= 120.0
-    assert budget.guard.late_fallbacks == late
+    assert guard.late_fallbacks == late
     assert len(record.sequence("cond")) == cond_calls and len(record.sequence("uncond")) == uncond_calls
 
 
@@ -155,8 +154,8 @@ def test_a_stall_no_fallback_can_absorb_is_reported_as_a_miss():
     budget = warm_budget(clock)
     plan = budget.plan(KEY, 120.0, 10, 2, None)
     start = clock()
-    cache_record, stages = run_tick(clock, budget, plan, stall_ms=lambda step: 40.0 if step == 4 else 0.0)
-    record = budget.finish(KEY, plan, None, cache_record.counts_dict(), stages, actual_ms=clock() - start)
+    cache_record, stages, guard = run_tick(clock, budget, plan, stall_ms=lambda step: 40.0 if step == 4 else 0.0)
+    record = budget.finish(KEY, plan, guard, None, cache_record.counts_dict(), stages, actual_ms=clock() - start)
     assert record.fallbacks == ("late_finish_at_step=4/10",) and not record.deadline_met
     assert record.actual_ms == pytest.approx(131.0)  # 85 ms on time + 40 ms stall + 1 skipped call + decode
 
@@ -188,10 +187,10 @@ def test_forced_request_without_history_fails_open_and_is_not_counted_as_forced(
     clock = FakeClock()
     budget = warm_budget(clock)
     plan = budget.plan(KEY, 30.0, 10, 2, None)  # far too tight: the guard asks at step 0 already
-    rec, _ = run_tick(clock, budget, plan)
+    rec, _, guard = run_tick(clock, budget, plan)
     assert rec.branches["cond"].fail_open_reasons.get("no_history") == 1
-    assert any(r.step == 0 for r in budget.guard.requested_skips)
-    assert budget.guard.forced_skips == rec.forced_skips
+    assert any(r.step == 0 for r in guard.requested_skips)
+    assert guard.forced_skips == rec.forced_skips
 
 
 def test_tick_loop_learns_costs_and_counts_and_keeps_every_deadline():
@@ -201,8 +200,8 @@ def test_tick_loop_learns_costs_and_counts_and_keeps_every_deadline():
     records = []
     for _ in range(8):
         plan = budget.plan(KEY, 120.0, 10, 2, history)
-        cache_record, stages = run_tick(clock, budget, plan)
-        records.append(budget.finish(KEY, plan, history, cache_record.counts_dict(), stages,
+        cache_record, stages, guard = run_tick(clock, budget, plan)
+        records.append(budget.finish(KEY, plan, guard, history, cache_record.counts_dict(), stages,
                                      sequences={b: cache_record.sequence(b) for b in ("cond", "uncond")}))
     assert all(r.deadline_met for r in records)
     ladder = [s.name for s in budget.config.ladder]
@@ -241,14 +240,14 @@ def test_first_call_of_a_tick_is_not_a_cost_sample():
     clock = FakeClock()
     budget = warm_budget(clock)
     plan = budget.plan(KEY, 500.0, 4, 2, None)
-    budget.arm(plan, KEY, clock())
+    guard = budget.arm(plan, KEY, clock())
     clock.advance(50.0)  # setup between arming and the loop (encode) lands in the first call's time
     cache = SeaCache(SeaCacheConfig(threshold=plan.thresholds, max_consecutive_cached=plan.cap),
-                     force_skip=budget.guard.force_skip, on_decision=budget.guard.on_decision)
+                     force_skip=guard.force_skip, on_decision=guard.on_decision)
     cache.begin(plan.num_steps)
     run_denoise(clock, plan, cache)
-    calls = budget.guard.calls
+    calls = guard.calls
     assert calls[0].includes_setup and calls[0].ms == pytest.approx(50.0 + COSTS.full_ms)
-    timings = budget.guard.call_timings()
+    timings = guard.call_timings()
     assert len(timings) == len(calls) - 1
     assert all(ms == pytest.approx(COSTS.full_ms if full else COSTS.skip_ms) for full, ms in timings)

@@ -1,7 +1,9 @@
 """`ModelEngine` on an untrained embedded-size pipeline: warmup, sessions, ticks and their records,
 budget planning, cancellation, and the reasoner."""
 
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -74,6 +76,53 @@ def test_same_seed_and_inputs_give_the_same_chunk(engine):
     assert np.array_equal(a, b)
     engine.close_session(first.session_id)
     engine.close_session(second.session_id)
+
+
+def _act_queued_together(engine, calls):
+    """Hold the model worker until every `engine.act(*call)` has queued, then let them run; returns each
+    call's result or exception."""
+    gate = threading.Event()
+    engine._worker.submit(gate.wait)
+
+    def act(call):
+        try:
+            return engine.act(*call[:3], **call[3] if len(call) > 3 else {})
+        except api.EngineError as error:
+            return error
+
+    with ThreadPoolExecutor(len(calls)) as pool:
+        futures = [pool.submit(act, call) for call in calls]
+        while engine.stats().queue_depth < len(calls):
+            time.sleep(0.005)
+        gate.set()
+        return [f.result() for f in futures]
+
+
+def test_queued_ticks_of_one_shape_run_as_a_micro_batch_with_the_same_answers(engine):
+    sessions = [engine.open_session("pusht", f"reach the {color} circle", seed=11) for color in ("red", "blue")]
+    alone = [engine.act(s.session_id, 1, _observation(5)) for s in sessions]
+    assert [r.tick.knobs["batch_size"] for r in alone] == [1, 1]
+    for s in sessions:
+        engine.reset_session(s.session_id)  # same seed and tick count again
+    together = _act_queued_together(engine, [(s.session_id, 2, _observation(5)) for s in sessions])
+    assert [r.tick.knobs["batch_size"] for r in together] == [2, 2]
+    for single, batched in zip(alone, together, strict=True):
+        np.testing.assert_allclose(batched.actions, single.actions, atol=1e-5)
+        assert batched.tick.sequences == single.tick.sequences
+    for s in sessions:
+        engine.close_session(s.session_id)
+
+
+def test_a_failing_tick_does_not_hold_up_its_micro_batch(engine):
+    sessions = [engine.open_session("pusht", "reach the red circle", seed=s) for s in range(3)]
+    calls = [(s.session_id, 1, _observation(s.seed)) for s in sessions]
+    calls[1] = (*calls[1], {"should_abort": lambda: True})  # its caller goes away
+    results = _act_queued_together(engine, calls)
+    assert isinstance(results[1], api.Cancelled)
+    assert all(r.actions.shape == (8, 2) and r.tick.knobs["batch_size"] == 3 for r in (results[0], results[2]))
+    assert engine.stats().queue_depth == 0
+    for s in sessions:
+        engine.close_session(s.session_id)
 
 
 def test_session_errors(engine):

@@ -3,12 +3,14 @@
 Usage by the engine (one instance per model worker, one ``SessionHistory`` per session)::
 
     plan = budget.plan(shape_key, remaining_ms, num_steps, passes, session_history)
+    guard = budget.arm(plan, shape_key, tick_started_at_ms)    # before the pipeline call
     cache = SeaCache(SeaCacheConfig(threshold=plan.thresholds, max_consecutive_cached=plan.cap),
-                     force_skip=budget.guard.force_skip, on_decision=budget.guard.on_decision,
+                     force_skip=guard.force_skip, on_decision=guard.on_decision,
                      sea_filter=shared_sea_filter)             # keeps the gain cache across ticks
-    budget.arm(plan, shape_key, tick_started_at_ms)            # before the pipeline call
-    ... run the pipeline with plan.num_steps steps, cfg_steps=plan.cfg_steps, pacer=budget.guard ...
-    record = budget.finish(shape_key, plan, session_history, cache.record().counts_dict(), stage_ms)
+    ... run the pipeline with plan.num_steps steps, cfg_steps=plan.cfg_steps, pacer=guard ...
+    record = budget.finish(shape_key, plan, guard, session_history, cache.record().counts_dict(), stage_ms)
+
+Each tick gets its own guard, so ticks that run together (a micro-batch) each keep their own deadline.
 
 ``budget`` is pure Python: the cache classes are named above only to show the wiring.
 """
@@ -44,7 +46,6 @@ class TickBudget:
         self.config = config or PlannerConfig()
         self.clock = clock
         self.post_stages = tuple(post_stages)
-        self.guard = DeadlineGuard(clock, cost_margin_devs=self.config.cost_margin_devs)
 
     def plan(
         self, key: Hashable, deadline_ms: float, num_steps: int, passes: int, history: SessionHistory | None
@@ -52,31 +53,37 @@ class TickBudget:
         """Plan a tick with ``deadline_ms`` left in it (see ``plan_tick``)."""
         return plan_tick(deadline_ms, num_steps, passes, self.cost_model.costs(key), history, self.config)
 
-    def arm(self, plan: TickPlan, key: Hashable, tick_started_at_ms: float) -> None:
-        """Start the guard for this tick's denoising loop; the deadline is ``tick_started_at_ms + budget``."""
+    def arm(self, plan: TickPlan, key: Hashable, tick_started_at_ms: float) -> DeadlineGuard:
+        """A guard started for this tick's denoising loop; the deadline is ``tick_started_at_ms + budget``."""
         costs = self.cost_model.costs(key)
         reserve = costs.cautious(self.config.cost_margin_devs).fixed_ms
         reserve_after = sum(reserve.get(stage, 0.0) for stage in self.post_stages)
-        self.guard.start(plan, costs, tick_started_at_ms + plan.deadline_ms, reserve_after)
+        guard = DeadlineGuard(self.clock, cost_margin_devs=self.config.cost_margin_devs)
+        guard.start(plan, costs, tick_started_at_ms + plan.deadline_ms, reserve_after)
+        return guard
 
     def finish(
         self,
         key: Hashable,
         plan: TickPlan,
+        guard: DeadlineGuard,
         history: SessionHistory | None,
         cache_counts: Mapping[str, Mapping[str, object]],
         actual_stage_ms: Mapping[str, float],
         actual_ms: float | None = None,
         sequences: Mapping[str, str] | None = None,
+        learn_costs: bool = True,
     ) -> TickRecord:
-        """Record the tick, feed its call and stage timings to the cost model, and its full-call count to
-        the session history. ``actual_stage_ms`` holds every stage including ``denoise``."""
+        """Record the tick, feed its call and stage timings to the cost model (unless ``learn_costs`` is
+        False: a tick that shared its calls with others in a batch is not a single tick's cost), and its
+        full-call count to the session history. ``actual_stage_ms`` holds every stage including ``denoise``."""
         record = TickRecord.build(plan, cache_counts, actual_stage_ms, actual_ms, sequences,
-                                  late_fallbacks=self.guard.late_fallbacks)
-        self.cost_model.observe_calls(key, self.guard.call_timings())
-        for stage, ms in actual_stage_ms.items():
-            if stage != DENOISE_STAGE:
-                self.cost_model.observe_stage(key, stage, ms)
+                                  late_fallbacks=guard.late_fallbacks)
+        if learn_costs:
+            self.cost_model.observe_calls(key, guard.call_timings())
+            for stage, ms in actual_stage_ms.items():
+                if stage != DENOISE_STAGE:
+                    self.cost_model.observe_stage(key, stage, ms)
         if history is not None and plan.caching:
             history.observe(plan.setting, plan.structure, natural_full_calls(cache_counts))
         return record

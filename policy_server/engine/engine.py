@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Hashable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -29,6 +29,7 @@ from policy_server.cache.controller import NoCache, StepController
 from policy_server.cache.sea_filter import SeaFilter
 from policy_server.cache.seacache import SeaCache, SeaCacheConfig
 from policy_server.engine import api
+from policy_server.engine.batching import StackBatcher
 from policy_server.engine.sessions import Session, SessionTable
 from policy_server.pipeline.embodiments import Embodiment
 from policy_server.pipeline.policy import Aborted, PolicyOutput, PolicyPipeline, PolicyRequest
@@ -41,7 +42,8 @@ STAGES = ("encode", "prefill", "denoise", "decode")
 class EngineSettings:
     """Serving knobs. `cache_threshold` / `max_consecutive_cached` define the middle of the planner's ladder
     (the published Cosmos3 default 0.25 / 2); `full_call_delay_ms` injects an artificial slowdown per full
-    GEN-stack call (benchmarks and fault drills)."""
+    GEN-stack call (benchmarks and fault drills). `max_batch`: the most queued ticks of one shape that run
+    together as a micro-batch (1 = one tick at a time)."""
 
     default_budget_ms: float = 120.0
     max_sessions: int = 4
@@ -52,6 +54,7 @@ class EngineSettings:
     warmup_ticks: int = 4
     max_reason_tokens: int = 256
     full_call_delay_ms: float = 0.0
+    max_batch: int = 4
 
 
 def cache_ladder(threshold: float, cap: int) -> tuple[CacheSetting, ...]:
@@ -87,6 +90,23 @@ class _DelayedFull:
         return self.inner.record()
 
 
+@dataclass
+class _TickJob:
+    """A queued control tick and the future its caller waits on."""
+
+    session: Session
+    epoch: int
+    observation: api.Observation
+    arrived_ms: float
+    deadline_s: float | None
+    should_abort: Callable[[], bool] | None
+    result: Future = field(default_factory=Future)
+
+    @property
+    def shape(self) -> tuple[str, int]:
+        return self.session.embodiment, self.session.chunk_size
+
+
 class ModelEngine:
     """Thread-safe `Engine` over a `PolicyPipeline`. Call `start()` to load the worker and warm up."""
 
@@ -103,6 +123,9 @@ class ModelEngine:
         self.full_call_delay_ms = self.settings.full_call_delay_ms
         self._sea_filter = SeaFilter()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-worker")
+        # Ticks of a micro-batch run on these threads while the worker waits for them.
+        self._batch_threads = ThreadPoolExecutor(max_workers=self.settings.max_batch, thread_name_prefix="tick")
+        self._inbox: list[_TickJob] = []  # queued ticks, oldest first; guarded by _queued_lock
         self._queued = 0
         self._queued_lock = threading.Lock()
         self._ready = threading.Event()
@@ -128,6 +151,7 @@ class ModelEngine:
 
     def close(self) -> None:
         self._worker.shutdown(wait=True, cancel_futures=True)
+        self._batch_threads.shutdown(wait=True)
 
     def ready(self) -> bool:
         return self._ready.is_set() and self._warmup_error is None
@@ -218,8 +242,41 @@ class ModelEngine:
         session = self.sessions.get(session_id)
         if epoch != session.epoch:
             raise api.StaleEpoch(session_id, session.epoch, epoch)
-        arrived_ms = self.clock()
-        return self._submit(self._tick, session, epoch, observation, arrived_ms, deadline_s, should_abort)
+        job = _TickJob(session, epoch, observation, self.clock(), deadline_s, should_abort)
+        with self._queued_lock:
+            self._queued += 1
+            self._inbox.append(job)
+        job.result.add_done_callback(self._dequeue)
+        self._worker.submit(self._run_queued_ticks)
+        return job.result.result()
+
+    def _run_queued_ticks(self) -> None:
+        """On the worker: run the oldest queued tick, with up to `max_batch - 1` other queued ticks of the same
+        shape from other sessions as one micro-batch. (Each `act` queues one call of this; ticks an
+        earlier call already took leave it nothing to do.)"""
+        with self._queued_lock:
+            if not self._inbox:
+                return
+            batch = [self._inbox.pop(0)]
+            for job in list(self._inbox):
+                if len(batch) == self.settings.max_batch:
+                    break
+                if job.shape == batch[0].shape and all(job.session is not b.session for b in batch):
+                    batch.append(job)
+                    self._inbox.remove(job)
+        if len(batch) == 1:
+            _settle(batch[0].result, self._tick, batch[0])
+            return
+        batcher = StackBatcher(self.pipeline.transformer.gen_stack, len(batch))
+
+        def run_in_batch(job: _TickJob) -> None:
+            try:
+                _settle(job.result, self._tick, job, batcher)
+            finally:
+                batcher.leave()
+
+        for finished in [self._batch_threads.submit(run_in_batch, job) for job in batch]:
+            finished.result()
 
     def _submit(self, fn, *args):
         """Run `fn(*args)` on the model worker and wait for its result."""
@@ -237,8 +294,10 @@ class ModelEngine:
         with self._queued_lock:
             self._queued -= 1
 
-    def _tick(self, session: Session, epoch: int, observation: api.Observation, arrived_ms: float,
-              deadline_s: float | None, should_abort: Callable[[], bool] | None) -> api.ActResult:
+    def _tick(self, job: _TickJob, batcher: StackBatcher | None = None) -> api.ActResult:
+        """One control tick; `batcher`: the micro-batch's GEN-stack rendezvous when it runs with others."""
+        session, epoch, observation = job.session, job.epoch, job.observation
+        arrived_ms, deadline_s, should_abort = job.arrived_ms, job.deadline_s, job.should_abort
         if epoch != session.epoch:  # reset while queued
             raise api.StaleEpoch(session.session_id, session.epoch, epoch)
         started_ms = self.clock()
@@ -254,15 +313,14 @@ class ModelEngine:
         key = self._cost_key(session.embodiment, session.chunk_size)
         steps, passes = self.pipeline.config.num_steps, self._passes()
 
-        plan = None
+        plan = guard = None
         if self._budget_controlled():
             plan = self.budget.plan(key, max(left_ms, 1e-3), steps, passes, session.history)
-            self.budget.arm(plan, key, started_ms)
+            guard = self.budget.arm(plan, key, started_ms)
             controller: StepController = SeaCache(
                 SeaCacheConfig(threshold=plan.thresholds, residual_order=self.settings.residual_order,
                                max_consecutive_cached=plan.cap),
-                force_skip=self.budget.guard.force_skip, on_decision=self.budget.guard.on_decision,
-                sea_filter=self._sea_filter,
+                force_skip=guard.force_skip, on_decision=guard.on_decision, sea_filter=self._sea_filter,
             )
             steps, cfg_steps = plan.num_steps, plan.cfg_steps
         else:
@@ -284,7 +342,7 @@ class ModelEngine:
 
         try:
             out = self.pipeline(request, prompt=session.prompt, controller=controller, should_abort=abort,
-                                pacer=self.budget.guard if plan is not None else None)
+                                pacer=guard, stack=None if batcher is None else batcher.run)
         except Aborted as stop:
             if deadline_s is not None and time.monotonic() >= deadline_s:
                 raise api.DeadlineExpired(f"the caller's deadline passed: {stop}") from None
@@ -302,7 +360,8 @@ class ModelEngine:
         stage_ms["prefill"] += prefill_ms
         stage_ms["queue"] = started_ms - arrived_ms
         total_ms = self.clock() - arrived_ms
-        tick = self._record(session, plan, out, stage_ms, total_ms, left_ms, clipped, key)
+        batch_size = 1 if batcher is None else batcher.participants
+        tick = self._record(session, plan, guard, out, stage_ms, total_ms, left_ms, clipped, key, batch_size)
         return api.ActResult(actions=actions.astype(np.float32), first_step_index=observation.step_index,
                              tick=tick)
 
@@ -316,13 +375,17 @@ class ModelEngine:
                                                      passes == 2)
         return self.clock() - started
 
-    def _record(self, session: Session, plan, out: PolicyOutput, stage_ms: dict[str, float], total_ms: float,
-                left_ms: float, clipped: int, key: Hashable) -> api.TickRecord:
+    def _record(self, session: Session, plan, guard, out: PolicyOutput, stage_ms: dict[str, float],
+                total_ms: float, left_ms: float, clipped: int, key: Hashable, batch_size: int) -> api.TickRecord:
+        """The tick's record; a tick that ran in a micro-batch does not teach the cost model single-tick costs."""
         cache = out.cache
         sequences = {branch: cache.sequence(branch) for branch in cache.branches}
-        knobs = {"num_steps": float(len(out.steps)), "clipped_actions": float(clipped)}
+        knobs = {"num_steps": float(len(out.steps)), "clipped_actions": float(clipped),
+                 "batch_size": float(batch_size)}
+        learn_costs = batch_size == 1
         if plan is None:
-            self._observe_output(key, out, stage_ms)
+            if learn_costs:
+                self._observe_output(key, out, stage_ms)
             return api.TickRecord(
                 budget_ms=session.budget_ms, deadline_ms=left_ms, actual_ms={**stage_ms, "total": total_ms},
                 knobs=knobs, full_calls=cache.full_calls, skipped_calls=cache.skipped_calls,
@@ -331,8 +394,9 @@ class ModelEngine:
                 sequences=sequences, branches=cache.counts_dict(),
             )
         stages = {k: v for k, v in stage_ms.items() if k != "queue"}
-        record: BudgetTickRecord = self.budget.finish(key, plan, session.history, cache.counts_dict(), stages,
-                                                      actual_ms=total_ms, sequences=sequences)
+        record: BudgetTickRecord = self.budget.finish(key, plan, guard, session.history, cache.counts_dict(),
+                                                      stages, actual_ms=total_ms, sequences=sequences,
+                                                      learn_costs=learn_costs)
         knobs.update(cap=float(plan.cap), cfg_steps=float(plan.cfg_steps),
                      threshold=max(plan.thresholds, default=0.0), expected_full_calls=float(plan.expected_full_calls))
         return api.TickRecord(
@@ -474,6 +538,7 @@ def settings_from_config(config) -> EngineSettings:
     return EngineSettings(
         default_budget_ms=config.latency_budget_ms,
         max_sessions=config.max_sessions,
+        max_batch=config.max_batch,
         diffusion_cache=config.diffusion_cache,
         cache_threshold=config.diffusion_cache_thresh,
         residual_order=config.diffusion_cache_residual_order,
@@ -486,3 +551,10 @@ def resolve_device(name: str) -> str:
         return "cuda" if torch.cuda.is_available() else "cpu"
     return name
 
+
+def _settle(result: Future, fn, *args) -> None:
+    """Run `fn(*args)` and put its return value or exception into `result`."""
+    try:
+        result.set_result(fn(*args))
+    except BaseException as error:  # the caller of `act` gets it, the worker keeps serving
+        result.set_exception(error)

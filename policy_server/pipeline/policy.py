@@ -25,7 +25,8 @@ import numpy as np
 import torch
 
 from policy_server.cache.controller import CacheRecord, NoCache, StepController
-from policy_server.model import Cosmos3OmniTransformer, UndKV, load_transformer
+from policy_server.model import Cosmos3OmniTransformer, GenInput, UndKV, load_transformer
+from policy_server.model.gen_layout import GenLayout
 from policy_server.model.text_tokenizer import TextTokenizer
 from policy_server.model.vae import SmallVideoVAE
 from policy_server.pipeline.conditioning import crop_latent_padding, fit_to_canvas, frames_to_clip
@@ -137,6 +138,9 @@ class PolicyPipeline:
         self.embodiments = embodiments
         self.config = config
         self.served_embodiments = served_embodiments  # what this checkpoint was trained for
+        # GEN layouts by request shape: ticks of the same shape share one object, which is what lets
+        # the engine run their GEN stacks as one batch (`GenInput.stack`).
+        self._gen_layouts: dict[tuple, GenLayout] = {}
         self._normalizers: dict[str, FeatureNormalizers] = {}
 
     @classmethod
@@ -199,7 +203,12 @@ class PolicyPipeline:
         controller: StepController | None = None,
         should_abort: Callable[[], bool] | None = None,
         pacer: StepPacer | None = None,
+        stack: Callable[[GenInput, UndKV], torch.Tensor] | None = None,
     ) -> PolicyOutput:
+        """Run one tick. `prompt`: the session's text K/V (prefilled here when missing or stale);
+        `controller`: the step cache (default `NoCache`); `should_abort`: checked before every step;
+        `pacer`: the deadline guard's say before every step; `stack`: runs the GEN stack of a full call
+        (default the transformer's; the engine's batcher when several ticks run together)."""
         t_start = time.perf_counter()
         embodiment, chunk, steps, guidance = self._validate(request)
         controller = controller or NoCache()
@@ -219,7 +228,8 @@ class PolicyPipeline:
 
             clock = time.perf_counter()
             latents, actions, steps_done = self._denoise(
-                request, embodiment, chunk, steps, guidance, clean_latent, prompt, controller, should_abort, pacer
+                request, embodiment, chunk, steps, guidance, clean_latent, prompt, controller, should_abort, pacer,
+                stack or self.transformer.gen_stack,
             )
             timings["denoise"] = _ms_since(clock)
 
@@ -305,7 +315,7 @@ class PolicyPipeline:
         return latents[0].float(), placement.content_hw
 
     def _denoise(self, request, embodiment, chunk, steps, guidance, clean_latent, prompt, controller,
-                 should_abort, pacer):
+                 should_abort, pacer, stack):
         config = self.transformer.config
         device = self.device
         generator = torch.Generator(device="cpu").manual_seed(request.seed)
@@ -353,13 +363,16 @@ class PolicyPipeline:
             branch: pack_request(config, ids, latent_shape, clean_frames, embodiment.fps, layout, device)
             for branch, ids in prompt.input_ids.items()
         }
-        # Rows and rotary tables of the generated rows are static for the request: build them once.
+        # Rows and rotary tables of the generated rows depend on the request's shape only: build them once.
         model_dtype = self.transformer.dtype
-        layouts = {
-            branch: self.transformer.gen_layout(
-                **seq.model_kwargs(vision.to(model_dtype), actions.to(model_dtype), timestep=0.0))
-            for branch, seq in packed.items()
-        }
+        layouts = {}
+        for branch, seq in packed.items():
+            shape_key = (seq.und_len, latent_shape, tuple(clean_frames), layout, embodiment.fps)
+            if shape_key not in self._gen_layouts:
+                built = self.transformer.gen_layout(
+                    **seq.model_kwargs(vision.to(model_dtype), actions.to(model_dtype), timestep=0.0))
+                self._gen_layouts.setdefault(shape_key, built)  # ticks on other threads keep the first one
+            layouts[branch] = self._gen_layouts[shape_key]
         noisy_vision = len(clean_frames) < num_latent_frames
         noisy_actions = len(clean_rows) < rows
 
@@ -388,7 +401,7 @@ class PolicyPipeline:
                 und_kv = prompt.und_kv[branch]
                 stack_out = controller.run_stack(
                     step=i, branch=branch, sigma=sigma, noisy_vision=indicator, gen_in=gen.hidden,
-                    full=lambda gen=gen, und_kv=und_kv: self.transformer.gen_stack(gen, und_kv),
+                    full=lambda gen=gen, und_kv=und_kv: stack(gen, und_kv),
                 )
                 pred_vision, _, pred_action = self.transformer.heads(stack_out, gen)
                 v_vision = pred_vision[0][0].float()
