@@ -45,7 +45,8 @@ def test_flags_parse_into_the_config(tmp_path):
         "--latency-budget-ms", "80", "--no-diffusion-cache", "--diffusion-cache-thresh", "0.4",
         "--diffusion-cache-residual-order", "0", "--diffusion-cache-max-consecutive", "0", "--port", "6000",
         "--host", "0.0.0.0", "--unix-socket", str(tmp_path / "s.sock"), "--device", "cuda:1",
-        "--max-sessions", "2", "--max-batch", "3", "--max-message-mb", "8", "--auth-token-file", str(token), "--reflection",
+        "--max-sessions", "2", "--max-batch", "3", "--max-message-mb", "8", "--auth-token-file", str(token),
+        "--reflection",
         "--metrics-port", "9100", "--websocket-port", "8000", "--websocket-embodiment", "libero",
     ])
     assert config.latency_budget_ms == 80 and config.diffusion_cache is False

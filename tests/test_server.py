@@ -181,6 +181,7 @@ def test_metrics_endpoint_exports_ticks_stages_cache_and_sessions(server, client
     assert value("policy_server_sessions") >= 1
     assert value("policy_server_ready") == 1
     assert "policy_server_queue_depth" in text and "policy_server_deadline_misses_total" in text
+    assert value('policy_server_batch_size_bucket{le="1.0"}') >= 1  # the fake engine runs ticks alone
 
 
 def test_deadline_misses_are_counted(server, client):

@@ -41,7 +41,12 @@ class ServerMetrics:
             registry=r,
         )
         self.fallbacks = Counter(
-            "policy_server_fallbacks", "Budget fallbacks applied", ["fallback"], registry=r
+            "policy_server_fallbacks", "Budget fallbacks applied, by kind (e.g. late_finish_at_step)", ["fallback"],
+            registry=r,
+        )
+        self.batch_size = Histogram(
+            "policy_server_batch_size", "Ticks in the micro-batch each tick ran in (1 = alone)",
+            buckets=(1, 2, 3, 4, 6, 8, 16, 32, 64), registry=r,
         )
         self.errors = Counter(
             "policy_server_errors", "Requests answered with an error", ["reason"], registry=r
@@ -83,7 +88,8 @@ class ServerMetrics:
             if count:
                 self.cache_decisions.labels(decision).inc(count)
         for fallback in tick.fallbacks:
-            self.fallbacks.labels(fallback).inc()
+            self.fallbacks.labels(fallback.split("=")[0]).inc()  # the kind; the step would explode the labels
+        self.batch_size.observe(tick.knobs.get("batch_size", 1.0))
 
     def observe_error(self, reason: str) -> None:
         self.errors.labels(reason).inc()
