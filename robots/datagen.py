@@ -2,9 +2,14 @@
 
     python -m robots.datagen --episodes 400 --out /work/data/reach-400
 
-Episode i is rolled out from seed ``seed_offset + i``, so a dataset is reproducible from its
-arguments alone. Keep ``seed_offset + episodes`` below ``robots.envs.HELDOUT_SEED_OFFSET``: seeds from
-there on are reserved for evaluation.
+Episode i is rolled out from seed ``seed_offset + i // targets_per_scene``, so a dataset is reproducible
+from its arguments alone. Keep the seeds below ``robots.envs.HELDOUT_SEED_OFFSET``: seeds from there on
+are reserved for evaluation.
+
+With ``--targets-per-scene K`` every scene is demonstrated K times, once per target object (the first K
+objects of the scene). The same first frame then comes with different instructions and different
+actions, which is what teaches a policy to read the instruction instead of guessing the target from
+the scene alone.
 """
 
 from __future__ import annotations
@@ -22,9 +27,13 @@ from robots.envs import DOMAIN_ID, EMBODIMENT, HELDOUT_SEED_OFFSET, REACH_ID
 from robots.expert import ReachExpert
 
 
-def collect_episode(env: gym.Env, expert: ReachExpert, seed: int) -> Episode:
-    """Roll out ``expert`` in ``env`` from ``seed`` until success or the time limit."""
+def collect_episode(env: gym.Env, expert: ReachExpert, seed: int, target: int | None = None) -> Episode:
+    """Roll out ``expert`` in ``env`` from ``seed`` until success or the time limit. ``target``: index of
+    the object to reach in the scene (default: the one the seed picks)."""
     obs, info = env.reset(seed=seed)
+    if target is not None:
+        color = env.unwrapped.scene.object_colors[target]
+        obs, info = env.reset(seed=seed, options={"target_color": color})  # same scene, this target
     frames, states, actions = [obs["image"]], [obs["state"]], []
     instruction = obs["instruction"]
     done = False
@@ -53,15 +62,17 @@ def generate(
     seed_offset: int = 0,
     overwrite: bool = False,
     progress: bool = True,
+    targets_per_scene: int = 1,
 ) -> dict:
     """Write ``episodes`` demonstrations to ``out_dir``; return the metadata written to dataset.json."""
     if episodes < 1:
         raise ValueError(f"episodes={episodes}; expected at least 1")
-    if seed_offset < 0 or seed_offset + episodes > HELDOUT_SEED_OFFSET:
+    scenes = -(-episodes // targets_per_scene)
+    if seed_offset < 0 or seed_offset + scenes > HELDOUT_SEED_OFFSET:
         raise ValueError(
-            f"seeds {seed_offset}..{seed_offset + episodes - 1} overlap the held-out evaluation seeds "
+            f"seeds {seed_offset}..{seed_offset + scenes - 1} overlap the held-out evaluation seeds "
             f"(>= {HELDOUT_SEED_OFFSET}); expected 0 <= seed_offset and "
-            f"seed_offset + episodes <= {HELDOUT_SEED_OFFSET}"
+            f"seed_offset + episodes / targets_per_scene <= {HELDOUT_SEED_OFFSET}"
         )
     out = Path(out_dir)
     if (out / METADATA_FILE).exists() and not overwrite:
@@ -71,11 +82,16 @@ def generate(
         stale.unlink()
 
     env = gym.make(env_id)
+    num_objects = env.unwrapped.config.num_objects
+    if not 1 <= targets_per_scene <= num_objects:
+        raise ValueError(f"targets_per_scene={targets_per_scene}; expected 1 to {num_objects} (objects per scene)")
     expert = ReachExpert()
     entries, all_actions, all_states = [], [], []
     bar = tqdm(range(episodes), desc=f"demos -> {out}", unit="ep", disable=not progress)
     for index in bar:
-        episode = collect_episode(env, expert, seed_offset + index)
+        seed = seed_offset + index // targets_per_scene
+        target = None if targets_per_scene == 1 else index % targets_per_scene
+        episode = collect_episode(env, expert, seed, target)
         entries.append(save_episode(out, index, episode))
         all_actions.append(episode.actions)
         all_states.append(episode.states)
@@ -106,6 +122,7 @@ def generate(
         },
         "seed_offset": seed_offset,
         "num_episodes": episodes,
+        "targets_per_scene": targets_per_scene,
         "success_rate": sum(e["success"] for e in entries) / episodes,
         "episodes": entries,
     }
@@ -119,6 +136,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True, help="output directory (keep datasets out of the repository)")
     parser.add_argument("--env-id", default=REACH_ID, help=f"gymnasium id (default {REACH_ID})")
     parser.add_argument("--seed-offset", type=int, default=0, help="seed of episode 0 (default 0)")
+    parser.add_argument("--targets-per-scene", type=int, default=1,
+                        help="demonstrate each scene once per target object, up to the objects per scene (1)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing dataset in --out")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     args = parser.parse_args(argv)
@@ -129,6 +148,7 @@ def main(argv: list[str] | None = None) -> None:
         seed_offset=args.seed_offset,
         overwrite=args.overwrite,
         progress=not args.no_progress,
+        targets_per_scene=args.targets_per_scene,
     )
     lengths = [e["num_steps"] for e in metadata["episodes"]]
     print(

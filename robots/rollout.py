@@ -53,6 +53,9 @@ class EpisodeResult:
     instruction: str
     success: bool
     steps: int
+    target_color: str = ""
+    final_distance_m: float = 0.0  # effector to target at the end
+    nearest_color: str = ""  # the object the effector ended closest to: tells a wrong choice from imprecision
     ticks: list[TickStats] = field(default_factory=list)
     frames: list[np.ndarray] = field(default_factory=list)  # side-by-side video frames, when recorded
 
@@ -137,6 +140,10 @@ def run_episode(policy, index: int, execute: int, record_video: bool) -> Episode
                 if done:
                     result.success = bool(info["is_success"])
                     break
+        scene = env.unwrapped.scene
+        nearest = int(np.argmin(np.linalg.norm(scene.object_xy - scene.effector_xy, axis=1)))
+        result.target_color, result.nearest_color = scene.target_color, scene.object_colors[nearest]
+        result.final_distance_m = scene.distance_to_target()
     finally:
         policy.close(session)
         env.close()
@@ -168,6 +175,7 @@ def summarize(results: list[EpisodeResult], seconds: float, config: dict) -> dic
     for t in ticks:
         settings[t.setting] = settings.get(t.setting, 0) + 1
     success = [r.success for r in results]
+    failures = [r for r in results if not r.success]
     return {
         "config": config,
         "episodes": len(results),
@@ -175,6 +183,10 @@ def summarize(results: list[EpisodeResult], seconds: float, config: dict) -> dic
         "episode_length_mean": float(np.mean([r.steps for r in results])),
         "episode_length_success_mean": float(np.mean([r.steps for r in results if r.success])) if any(success)
         else None,
+        # Of the failed episodes: how many ended nearest a wrong object, and how far from the target.
+        "failures_nearest_wrong_object": sum(r.nearest_color != r.target_color for r in failures),
+        "failures_final_distance_m_median": float(np.median([r.final_distance_m for r in failures]))
+        if failures else None,
         "ticks": len(ticks),
         "latency_p50_ms": float(np.percentile(latency, 50)),
         "latency_p99_ms": float(np.percentile(latency, 99)),
@@ -185,7 +197,8 @@ def summarize(results: list[EpisodeResult], seconds: float, config: dict) -> dic
         "forced_skips_per_tick": float(np.mean([t.forced_skips for t in ticks])),
         "cache_settings": settings,
         "wall_s": seconds,
-        "per_episode": [{"seed": r.seed, "instruction": r.instruction, "success": r.success, "steps": r.steps}
+        "per_episode": [{"seed": r.seed, "instruction": r.instruction, "success": r.success, "steps": r.steps,
+                         "final_distance_m": round(r.final_distance_m, 4), "nearest_color": r.nearest_color}
                         for r in results],
     }
 

@@ -42,6 +42,19 @@ def test_same_seeds_give_identical_datasets(tmp_path):
     ).read_bytes()
 
 
+def test_targets_per_scene_demonstrates_one_scene_once_per_object(tmp_path):
+    generate(tmp_path, episodes=6, targets_per_scene=3, progress=False)
+    episodes = list(DemoDataset(tmp_path))
+    assert [e.seed for e in episodes] == [0, 0, 0, 1, 1, 1]
+    for scene in (episodes[:3], episodes[3:]):
+        assert len({e.target_color for e in scene}) == 3
+        assert len({e.instruction for e in scene}) == 3
+        assert all(np.array_equal(e.frames[0], scene[0].frames[0]) for e in scene)  # same first frame
+        assert all(e.success for e in scene)
+    with pytest.raises(ValueError, match="targets_per_scene"):
+        generate(tmp_path / "bad", episodes=4, targets_per_scene=4, progress=False)
+
+
 def test_refuses_to_overwrite_and_held_out_seeds(tmp_path):
     generate(tmp_path, episodes=1, progress=False)
     with pytest.raises(FileExistsError, match="overwrite"):

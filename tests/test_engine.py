@@ -177,3 +177,23 @@ def test_reasoner_streams_text_and_bypasses_the_diffusion_cache(engine):
     assert pieces == again
     assert 0 < len(pieces) <= 12
     assert all(isinstance(p, str) and p for p in pieces)
+
+
+def test_close_answers_ticks_still_queued(tmp_path):
+    pipeline = build_random_pipeline(tmp_path, seed=2)
+    engine = ModelEngine(pipeline, EngineSettings(warmup_ticks=1))
+    engine.start()
+    assert engine.wait_ready(timeout_s=300)
+    session = engine.open_session("pusht", "reach the red circle")
+    gate = threading.Event()
+    engine._worker.submit(gate.wait)
+    with ThreadPoolExecutor(2) as pool:
+        tick = pool.submit(engine.act, session.session_id, 1, _observation())
+        while engine.stats().queue_depth < 1:
+            time.sleep(0.005)
+        closing = pool.submit(engine.close)
+        time.sleep(0.05)  # close() has cancelled the queued worker call and waits for the gate
+        gate.set()
+        closing.result(timeout=60)
+        with pytest.raises(api.Cancelled, match="shut down"):
+            tick.result(timeout=60)

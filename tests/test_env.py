@@ -6,6 +6,7 @@ import pytest
 from gymnasium.utils.env_checker import check_env
 
 from robots.envs import COLORS, REACH_HARD_ID, REACH_ID, ReachConfig, ReachEnv
+from robots.envs.reach import TABLE_RGB, table_background
 
 
 def rollout_images(seed: int, actions: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -93,6 +94,18 @@ def test_reset_option_fixes_target_colour():
         assert info["target_color"] == "yellow" and obs["instruction"] == "reach the yellow circle"
     with pytest.raises(ValueError, match="purple"):
         env.reset(seed=0, options={"target_color": "purple"})
+
+
+def test_table_tint_tells_every_image_patch_where_it_lies():
+    table = table_background(64, 40)
+    red, green = table[..., 0].astype(int), table[..., 1].astype(int)
+    assert red[:, -1].min() - red[:, 0].max() >= 70  # red grows to the right (x)
+    assert green[0].min() - green[-1].max() >= 70  # green grows to the top (y), i.e. up the image
+    assert np.all(np.diff(red[0]) >= 0) and np.all(np.diff(green[:, 0]) <= 0)
+    plain = table_background(64, 0)
+    assert np.all(plain == np.array(TABLE_RGB, np.uint8))
+    with pytest.raises(ValueError, match="table_tint"):
+        ReachConfig(table_tint=90)
 
 
 def test_scene_respects_separation():

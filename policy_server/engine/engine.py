@@ -152,6 +152,10 @@ class ModelEngine:
     def close(self) -> None:
         self._worker.shutdown(wait=True, cancel_futures=True)
         self._batch_threads.shutdown(wait=True)
+        with self._queued_lock:
+            left, self._inbox = self._inbox, []
+        for job in left:  # their worker calls were cancelled: answer the callers instead of leaving them waiting
+            job.result.set_exception(api.Cancelled("the engine shut down before this tick ran"))
 
     def ready(self) -> bool:
         return self._ready.is_set() and self._warmup_error is None
@@ -470,7 +474,7 @@ class ModelEngine:
             for tick in range(self.settings.warmup_ticks):
                 out = self._warmup_tick(embodiment, chunk, mode, tick)
                 self._observe_output(key, out, {stage: out.timings_ms[stage] for stage in STAGES})
-                if tick > 0:  # the first tick pays one-time allocation costs
+                if tick > 0 or self.settings.warmup_ticks == 1:  # the first tick pays one-time allocation costs
                     totals.append(out.timings_ms["total"])
                 full, skipped = out.cache.full_calls, out.cache.skipped_calls
             profile.append(api.ProfilePoint(label=f"{embodiment.name}/{mode}", p50_ms=float(np.median(totals)),
