@@ -35,8 +35,7 @@ from policy_server.model.vae import SmallVideoVAE
 from policy_server.pipeline.conditioning import frames_to_clip
 from policy_server.pipeline.normalization import make_normalizer, parse_stats
 from policy_server.pipeline.packing import ActionLayout, pack_request
-from policy_server.pipeline.policy import default_model_path
-from policy_server.pipeline.prompts import action_prompt_pair
+from policy_server.pipeline.policy import default_model_path, policy_prompt_pair
 from robots import embedded
 from robots.dataset import DemoDataset, Episode, array_stats
 
@@ -147,11 +146,9 @@ def train(
 
     env_fps = embedded.embodiment_entry()["fps"]
     view_point = embedded.embodiment_entry()["viewpoint"]
-    height, width = policy.canvas_hw
     prompt_ids = []
     for instruction in windows.instructions:
-        pair = action_prompt_pair(instruction, view_point=view_point, num_frames=chunk + 1, fps=env_fps,
-                                  height=height, width=width, use_system_prompt=policy.use_system_prompt)
+        pair = policy_prompt_pair(policy, instruction, view_point, env_fps, chunk)
         prompt_ids.append(tokenizer.encode(pair.cond, system_prompt=pair.system_prompt))
     negative_ids = tokenizer.encode(pair.uncond, system_prompt=pair.system_prompt)
 
@@ -185,7 +182,7 @@ def train(
             layouts[seq.und_len] = model.gen_layout(**kwargs)
         return layouts[seq.und_len]
 
-    losses, started = [], time.perf_counter()
+    losses, action_losses, started = [], [], time.perf_counter()
     progress = tqdm(range(steps), desc="train policy", unit="step")
     for step in progress:
         for group in optimizer.param_groups:
@@ -205,7 +202,7 @@ def train(
         for b, ids in enumerate(prompts):
             by_length.setdefault(len(ids), []).append(b)
         optimizer.zero_grad(set_to_none=True)
-        loss = 0.0
+        loss, action_loss = 0.0, 0.0
         for members in by_length.values():
             gens, targets_v, targets_a = [], [], []
             for b in members:
@@ -230,6 +227,7 @@ def train(
                 loss_v = (pred_v[0][0][:, 1:] - targets_v[row]).pow(2).mean()
                 loss_a = (pred_a[0][1:, :raw_dim] - targets_a[row]).pow(2).mean()
                 loss = loss + (loss_v + ACTION_LOSS_WEIGHT * loss_a) / batch_size
+                action_loss += loss_a.item() / batch_size
         loss.backward()
         total = loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -239,8 +237,10 @@ def train(
             for p_ema, p in zip(ema.parameters(), model.parameters(), strict=True):
                 p_ema.lerp_(p, 1 - decay)
         losses.append(total)
+        action_losses.append(action_loss)
         if (step + 1) % log_every == 0 or step + 1 == steps:
-            progress.set_postfix(loss=f"{np.mean(losses[-log_every:]):.4f}")
+            progress.set_postfix(loss=f"{np.mean(losses[-log_every:]):.4f}",
+                                 action_mse=f"{np.mean(action_losses[-log_every:]):.4f}")
         if save_every and (step + 1) % save_every == 0 and step + 1 < steps:
             # A servable folder part-way through: evaluate it while training goes on, or keep it if stopped.
             embedded.write_pipeline_folder(out_dir, ema, vae, tokenizer, stats, policy)
@@ -253,6 +253,7 @@ def train(
         "episodes": len(episodes),
         "instructions": windows.instructions,
         "final_loss": float(np.mean(losses[-max(1, min(100, steps)):])),
+        "final_action_mse": float(np.mean(action_losses[-max(1, min(100, steps)):])),
         "seconds": time.perf_counter() - started,
         "params": sum(p.numel() for p in model.parameters()),
         "init": str(init_from) if init_from is not None else "scratch",

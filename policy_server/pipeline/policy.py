@@ -41,7 +41,7 @@ from policy_server.pipeline.errors import (
 from policy_server.pipeline.normalization import FeatureNormalizers
 from policy_server.pipeline.packing import ActionLayout, PackedSequence, pack_request
 from policy_server.pipeline.policy_config import PolicyConfig
-from policy_server.pipeline.prompts import action_prompt_pair
+from policy_server.pipeline.prompts import PromptPair, action_prompt_pair
 from policy_server.pipeline.schedulers import make_sampler
 
 MODES = ("policy", "forward_dynamics", "inverse_dynamics")
@@ -174,11 +174,7 @@ class PolicyPipeline:
 
     def encode_prompt(self, instruction: str, embodiment: Embodiment, chunk_size: int, cfg: bool) -> PromptState:
         """Tokenize the action caption (and negative prompt) and prefill the text K/V of each branch."""
-        height, width = self.config.canvas_hw
-        pair = action_prompt_pair(
-            instruction, view_point=embodiment.viewpoint, num_frames=chunk_size + 1, fps=embodiment.fps,
-            height=height, width=width, use_system_prompt=self.config.use_system_prompt,
-        )
+        pair = policy_prompt_pair(self.config, instruction, embodiment.viewpoint, embodiment.fps, chunk_size)
         texts = {"cond": pair.cond, "uncond": pair.uncond}
         input_ids, und_kv = {}, {}
         for branch in BRANCHES if cfg else BRANCHES[:1]:
@@ -433,6 +429,15 @@ class PolicyPipeline:
             if last:
                 break
         return vision, actions, records
+
+
+def policy_prompt_pair(config: PolicyConfig, instruction: str, view_point: str | None, fps: float,
+                       chunk_size: int) -> PromptPair:
+    """The CFG prompt pair of a policy tick: the JSON action caption and the empty negative (training uses
+    it too, so that both see the same text)."""
+    height, width = config.canvas_hw
+    return action_prompt_pair(instruction, view_point=view_point, num_frames=chunk_size + 1, fps=fps,
+                              height=height, width=width, use_system_prompt=config.use_system_prompt)
 
 
 def default_model_path() -> Path:

@@ -66,7 +66,7 @@ class ReachConfig:
     # levels at the edges. Every image patch thus shows where it lies on the table. The Cosmos3
     # transformer has only relative (RoPE) positions, so on a plain mat a patch's content would not
     # say where it is and the policy could not read the target's position from it.
-    table_tint: int = 0
+    table_tint: int = 40
 
     def __post_init__(self) -> None:
         unknown = [c for c in self.colors if c not in COLORS]
