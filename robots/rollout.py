@@ -39,12 +39,13 @@ class TickStats:
     skipped_calls: int
     forced_skips: int
     setting: str
+    batch_size: int = 1  # ticks of other sessions it ran with, itself included
 
     @classmethod
     def of(cls, tick) -> TickStats:
         """From a tick record (the client's `ActionChunk.tick` or the engine's `TickRecord`)."""
         return cls(tick.actual_ms["total"], tick.budget_ms, tick.deadline_met, tick.full_calls, tick.skipped_calls,
-                   tick.forced_skips, tick.setting)
+                   tick.forced_skips, tick.setting, int(tick.knobs.get("batch_size", 1)))
 
 
 @dataclass
@@ -172,8 +173,10 @@ def summarize(results: list[EpisodeResult], seconds: float, config: dict) -> dic
     ticks = [t for r in results for t in r.ticks]
     latency = np.array([t.latency_ms for t in ticks])
     settings: dict[str, int] = {}
+    batch_sizes: dict[int, int] = {}
     for t in ticks:
         settings[t.setting] = settings.get(t.setting, 0) + 1
+        batch_sizes[t.batch_size] = batch_sizes.get(t.batch_size, 0) + 1
     success = [r.success for r in results]
     failures = [r for r in results if not r.success]
     return {
@@ -196,6 +199,7 @@ def summarize(results: list[EpisodeResult], seconds: float, config: dict) -> dic
         "skipped_calls_per_tick": float(np.mean([t.skipped_calls for t in ticks])),
         "forced_skips_per_tick": float(np.mean([t.forced_skips for t in ticks])),
         "cache_settings": settings,
+        "ticks_by_batch_size": dict(sorted(batch_sizes.items())),
         "wall_s": seconds,
         "per_episode": [{"seed": r.seed, "instruction": r.instruction, "success": r.success, "steps": r.steps,
                          "final_distance_m": round(r.final_distance_m, 4), "nearest_color": r.nearest_color}

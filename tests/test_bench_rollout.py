@@ -47,6 +47,8 @@ def test_rollout_in_process_writes_report_plot_and_video(model_dir, tmp_path):
     report = json.loads(out.read_text())
     assert report["episodes"] == 2 and len(report["per_episode"]) == 2
     assert {"success_rate", "latency_p50_ms", "latency_p99_ms", "miss_rate", "cache_settings"} <= set(report)
+    assert report["ticks_by_batch_size"] == {"1": report["ticks"]}  # one environment: every tick ran alone
+    assert all(e["nearest_color"] and e["final_distance_m"] >= 0 for e in report["per_episode"])
     assert out.with_suffix(".png").stat().st_size > 0
     videos = list(tmp_path.glob("rollout_episode*.mp4"))
     assert len(videos) == 1 and videos[0].stat().st_size > 0
