@@ -60,7 +60,7 @@ class ConfigRun:
 
     def add_tick_record(self, tick: api.TickRecord) -> None:
         self.settings[tick.setting] = self.settings.get(tick.setting, 0) + 1
-        for kind in {fallback.split("=")[0] for fallback in tick.fallbacks}:
+        for kind in set(tick.fallback_kinds):
             self.fallbacks[kind] = self.fallbacks.get(kind, 0) + 1
 
     def add(self, latency_ms: float, out: PolicyOutput, reference: PolicyOutput | None) -> None:

@@ -141,15 +141,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing dataset in --out")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     args = parser.parse_args(argv)
-    metadata = generate(
-        args.out,
-        args.episodes,
-        env_id=args.env_id,
-        seed_offset=args.seed_offset,
-        overwrite=args.overwrite,
-        progress=not args.no_progress,
-        targets_per_scene=args.targets_per_scene,
-    )
+    try:
+        metadata = generate(
+            args.out,
+            args.episodes,
+            env_id=args.env_id,
+            seed_offset=args.seed_offset,
+            overwrite=args.overwrite,
+            progress=not args.no_progress,
+            targets_per_scene=args.targets_per_scene,
+        )
+    except (ValueError, FileExistsError) as error:  # bad arguments: one line, not a traceback
+        parser.error(str(error))
     lengths = [e["num_steps"] for e in metadata["episodes"]]
     print(
         f"wrote {metadata['num_episodes']} episodes to {args.out}: success {metadata['success_rate']:.1%}, "

@@ -45,7 +45,7 @@ class TickStats:
     def of(cls, tick) -> TickStats:
         """From a tick record (the client's `ActionChunk.tick` or the engine's `TickRecord`)."""
         return cls(tick.actual_ms["total"], tick.budget_ms, tick.deadline_met, tick.full_calls, tick.skipped_calls,
-                   tick.forced_skips, tick.setting, int(tick.knobs.get("batch_size", 1)))
+                   tick.forced_skips, tick.setting, int(tick.knobs["batch_size"]))
 
 
 @dataclass

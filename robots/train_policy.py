@@ -278,11 +278,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--init", type=Path, default=None,
                         help="start from this pipeline folder's transformer instead of from scratch")
     args = parser.parse_args(argv)
-    if args.steps < 1 or args.batch_size < 1 or args.stride < 1:
-        parser.error("--steps, --batch-size and --stride must be positive")
+    if min(args.steps, args.batch_size, args.stride) < 1 or args.save_every is not None and args.save_every < 1:
+        parser.error("--steps, --batch-size, --stride and --save-every must be positive")
     torch.set_num_threads(args.threads)
-    summary = train(args.data, args.vae, args.out, args.steps, args.batch_size, args.lr, args.seed, args.stride,
-                    save_every=args.save_every, init_from=args.init)
+    try:
+        summary = train(args.data, args.vae, args.out, args.steps, args.batch_size, args.lr, args.seed,
+                        args.stride, save_every=args.save_every, init_from=args.init)
+    except FileNotFoundError as missing:  # --data, --vae or --init is not what it should be
+        parser.error(str(missing))
     print(json.dumps(summary, indent=2))
 
 

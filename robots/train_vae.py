@@ -203,7 +203,10 @@ def main(argv: list[str] | None = None) -> None:
         progress=not ns.no_progress,
         init=ns.init,
     )
-    _, report = train(args)
+    try:
+        _, report = train(args)
+    except FileNotFoundError as missing:  # --data or --init is not what it should be
+        parser.error(str(missing))
     print(json.dumps(report, indent=2))
 
 

@@ -244,7 +244,7 @@ class FakeEngine:
             deadline_ms=deadline_ms,
             predicted_ms={"denoise": 2.0, "total": 2.5},
             actual_ms={"denoise": 2.5, "total": ACTUAL_TOTAL_MS},
-            knobs={"threshold": 0.25, "max_consecutive": 2, "num_steps": 10},
+            knobs={"threshold": 0.25, "max_consecutive": 2, "num_steps": 10, "batch_size": 1},
             full_calls=12,
             skipped_calls=8,
             forced_skips=1,

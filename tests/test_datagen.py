@@ -72,3 +72,17 @@ def test_cli(tmp_path, capsys):
         "episode_000000.safetensors",
         "episode_000001.safetensors",
     ]
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--episodes", "3", "--targets-per-scene", "4"], "targets_per_scene=4"),
+        (["--episodes", "0"], "episodes=0"),
+        (["--episodes", "2", "--seed-offset", str(HELDOUT_SEED_OFFSET)], "held-out"),
+    ],
+)
+def test_cli_names_a_bad_argument_in_one_line(tmp_path, capsys, argv, named):
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--out", str(tmp_path), "--no-progress"])
+    assert exit_info.value.code == 2 and named in capsys.readouterr().err

@@ -86,9 +86,9 @@ def test_pacer_drops_uncond_then_ends_the_loop_on_a_clean_estimate(pipe):
     out = pipe(_request(), pacer=ScriptedPacer(drop_from=1, last=2))
     assert [record.branches for record in out.steps] == [("cond", "uncond"), ("cond",), ("cond",)]
     assert out.cache.sequence("uncond") == "F" and out.cache.sequence("cond") == "FFF"
-    assert np.all(np.isfinite(out.actions)) and not np.array_equal(out.actions, pipe(_request()).actions)
-    clean = pipe.vae.encode(torch.from_numpy(_image()).permute(2, 0, 1)[None, :, None].float() / 127.5 - 1)
-    assert torch.allclose(out.latents[:, 0], clean[0, :, 0].float(), atol=1e-5)  # conditioning frame kept
+    full = pipe(_request())
+    assert np.all(np.isfinite(out.actions)) and not np.array_equal(out.actions, full.actions)
+    assert torch.equal(out.latents[:, 0], full.latents[:, 0])  # the conditioning frame is kept exactly
 
 
 def test_prompt_state_reuse_is_exact(pipe):

@@ -4,13 +4,14 @@
 import json
 
 import numpy as np
+import pytest
 import torch
 
 from policy_server.model import load_transformer
 from policy_server.pipeline.policy import PolicyPipeline, PolicyRequest, default_model_path
 from robots.datagen import generate
 from robots.embedded import build_random_pipeline
-from robots.train_policy import train
+from robots.train_policy import main, train
 
 
 def test_train_a_few_steps_and_serve_the_result(tmp_path):
@@ -38,3 +39,17 @@ def test_pipeline_folder_is_a_diffusers_layout_root(tmp_path):
     loaded = load_transformer(tmp_path)  # a pipeline root resolves to transformer/
     expected = pipe.transformer.state_dict()
     assert all(torch.equal(tensor, expected[key]) for key, tensor in loaded.state_dict().items())
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--save-every", "0"], "--save-every must be positive"),
+        (["--steps", "0"], "must be positive"),
+        ([], "dataset.json not found"),
+    ],
+)
+def test_cli_names_a_bad_argument_in_one_line(tmp_path, capsys, argv, named):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--data", str(tmp_path / "no-data"), "--out", str(tmp_path / "out"), *argv])
+    assert exit_info.value.code == 2 and named in capsys.readouterr().err

@@ -137,28 +137,24 @@ class DeadlineGuard:
             self._uncond_stop = step
             self._late.append(f"late_drop_uncond_from_step={step}")
             return False, False
-        self._uncond_stop = step if self._uncond_stop is None else self._uncond_stop
+        if self._uncond_stop is None:
+            self._uncond_stop = step
         self._final_step = step
         self._late.append(f"late_finish_at_step={step}/{plan.num_steps}")
         return False, True
 
-    def _branches(self, step: int) -> tuple[str, ...]:
+    def _branches(self, step: int, uncond_stop: int | None = None) -> tuple[str, ...]:
+        """The branches run at ``step``: the plan's, without uncond from ``uncond_stop`` (default: as paced)."""
+        uncond_stop = self._uncond_stop if uncond_stop is None else uncond_stop
         branches = self._plan.branches(step)
-        if self._uncond_stop is not None and step >= self._uncond_stop:
-            return branches[:1]
-        return branches
+        return branches[:1] if uncond_stop is not None and step >= uncond_stop else branches
 
     def _cheapest_rest(self, step: int, uncond_stop: int | None) -> float:
         """Time from the start of ``step`` to the deadline-relevant end of the tick if every call but the final
         step's were skipped, with the uncond pass gone from ``uncond_stop`` on."""
-        plan = self._plan
-        last = plan.num_steps - 1
-
-        def calls(s: int) -> int:
-            return 1 if uncond_stop is not None and s >= uncond_stop else len(plan.branches(s))
-
-        middle = sum(calls(s) for s in range(step, last))
-        return middle * self._skip_ms + calls(last) * self._full_ms + self._reserve_after
+        last = self._plan.num_steps - 1
+        middle = sum(len(self._branches(s, uncond_stop)) for s in range(step, last))
+        return middle * self._skip_ms + len(self._branches(last, uncond_stop)) * self._full_ms + self._reserve_after
 
     # ---------------------------------------------------------------- hooks for the step controller
 

@@ -161,7 +161,8 @@ class TickRecord:
 
     predicted_ms / actual_ms: per stage (e.g. "queue", "encode", "prefill", "denoise", "decode")
     and always "total" (engine-side latency of the tick), in ms. knobs: the settings the budget
-    planner chose (e.g. "threshold", "max_consecutive", "num_steps", "cfg"); full / skipped /
+    planner chose (e.g. "threshold", "max_consecutive", "num_steps", "cfg") and "batch_size", the
+    ticks of the micro-batch this one ran in (1 = alone); full / skipped /
     forced / fail_open count GEN-stack calls summed over CFG branches; fallbacks name each
     degradation applied, in order.
     """
@@ -183,6 +184,11 @@ class TickRecord:
     sequences: Mapping[str, str] = field(default_factory=dict)
     feasible: bool = True
     best_achievable_ms: float = 0.0
+
+    @property
+    def fallback_kinds(self) -> tuple[str, ...]:
+        """Each fallback without its step or count, e.g. ``late_finish_at_step=4/20`` -> ``late_finish_at_step``."""
+        return tuple(fallback.split("=")[0] for fallback in self.fallbacks)
 
 
 @dataclass(frozen=True)

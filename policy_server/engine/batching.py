@@ -42,7 +42,6 @@ class StackBatcher:
         self._running = participants
         self._waiting: list[_Call] = []
         self._changed = threading.Condition()
-        self.batch_sizes: list[int] = []  # rows of every stack call made, in order
 
     def run(self, gen: GenInput, und_kv: UndKV) -> torch.Tensor:
         """The GEN stack output `[N_gen, D]` of this tick's call, computed in a batch with the others."""
@@ -79,7 +78,6 @@ class StackBatcher:
                                           UndKV.stack([c.und_kv for c in group]))
                     for row, call in enumerate(group):
                         call.output = out[row]
-                self.batch_sizes.append(len(group))
             except Exception as error:  # every tick of the group gets the failure, none hangs
                 for call in group:
                     call.error = error

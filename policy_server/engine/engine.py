@@ -1,11 +1,12 @@
 """`ModelEngine`: the `Engine` the transport calls, backed by one `PolicyPipeline` on one device.
 
-One worker thread owns the model; requests queue in front of it. A control tick is planned against
-the smaller of the session's budget and the caller's deadline, counting the time it waited in the
-queue: the budget planner picks this tick's cache setting, the deadline guard arms, SeaCache runs
+One worker thread owns the model; requests queue in front of it, and queued ticks of one shape from
+different sessions start together as a micro-batch (`engine/batching.py`). A control tick is planned
+against the smaller of the session's budget and the caller's deadline, counting the time it waited in
+the queue: the budget planner picks this tick's cache setting, its deadline guard arms, SeaCache runs
 with the guard's force-skip hook, and the guard paces the sampler (drops the uncond pass or ends the
-loop early when a stall leaves no other way to the deadline). The finished tick feeds the cost model and the session's
-history, and the answer carries the full record of why it was as fast as it was.
+loop early when a stall leaves no other way to the deadline). The finished tick feeds the cost model
+and the session's history, and the answer carries the full record of why it was as fast as it was.
 """
 
 from __future__ import annotations

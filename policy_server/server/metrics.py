@@ -87,9 +87,9 @@ class ServerMetrics:
         ):
             if count:
                 self.cache_decisions.labels(decision).inc(count)
-        for fallback in tick.fallbacks:
-            self.fallbacks.labels(fallback.split("=")[0]).inc()  # the kind; the step would explode the labels
-        self.batch_size.observe(tick.knobs.get("batch_size", 1.0))
+        for kind in tick.fallback_kinds:  # the kind only: steps in the label would explode the series
+            self.fallbacks.labels(kind).inc()
+        self.batch_size.observe(tick.knobs["batch_size"])
 
     def observe_error(self, reason: str) -> None:
         self.errors.labels(reason).inc()
