@@ -64,8 +64,12 @@ class Image(_message.Message):
     def __init__(self, encoding: _Optional[_Union[ImageEncoding, str]] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., channels: _Optional[int] = ..., data: _Optional[bytes] = ..., capture_time_ns: _Optional[int] = ...) -> None: ...
 
 class GetServerInfoRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("budget_ms", "rate_hz")
+    BUDGET_MS_FIELD_NUMBER: _ClassVar[int]
+    RATE_HZ_FIELD_NUMBER: _ClassVar[int]
+    budget_ms: float
+    rate_hz: float
+    def __init__(self, budget_ms: _Optional[float] = ..., rate_hz: _Optional[float] = ...) -> None: ...
 
 class CameraSpec(_message.Message):
     __slots__ = ("name", "height", "width", "channels", "encodings")
@@ -96,7 +100,7 @@ class ActionSpec(_message.Message):
     def __init__(self, dim: _Optional[int] = ..., names: _Optional[_Iterable[str]] = ..., units: _Optional[_Iterable[str]] = ..., low: _Optional[_Iterable[float]] = ..., high: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class EmbodimentSpec(_message.Message):
-    __slots__ = ("name", "cameras", "state_dim", "state_names", "state_units", "action", "default_chunk_size", "min_chunk_size", "max_chunk_size", "control_hz")
+    __slots__ = ("name", "cameras", "state_dim", "state_names", "state_units", "action", "default_chunk_size", "min_chunk_size", "max_chunk_size", "control_hz", "state_low", "state_high")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CAMERAS_FIELD_NUMBER: _ClassVar[int]
     STATE_DIM_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +111,8 @@ class EmbodimentSpec(_message.Message):
     MIN_CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
     CONTROL_HZ_FIELD_NUMBER: _ClassVar[int]
+    STATE_LOW_FIELD_NUMBER: _ClassVar[int]
+    STATE_HIGH_FIELD_NUMBER: _ClassVar[int]
     name: str
     cameras: _containers.RepeatedCompositeFieldContainer[CameraSpec]
     state_dim: int
@@ -117,7 +123,9 @@ class EmbodimentSpec(_message.Message):
     min_chunk_size: int
     max_chunk_size: int
     control_hz: float
-    def __init__(self, name: _Optional[str] = ..., cameras: _Optional[_Iterable[_Union[CameraSpec, _Mapping]]] = ..., state_dim: _Optional[int] = ..., state_names: _Optional[_Iterable[str]] = ..., state_units: _Optional[_Iterable[str]] = ..., action: _Optional[_Union[ActionSpec, _Mapping]] = ..., default_chunk_size: _Optional[int] = ..., min_chunk_size: _Optional[int] = ..., max_chunk_size: _Optional[int] = ..., control_hz: _Optional[float] = ...) -> None: ...
+    state_low: _containers.RepeatedScalarFieldContainer[float]
+    state_high: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, name: _Optional[str] = ..., cameras: _Optional[_Iterable[_Union[CameraSpec, _Mapping]]] = ..., state_dim: _Optional[int] = ..., state_names: _Optional[_Iterable[str]] = ..., state_units: _Optional[_Iterable[str]] = ..., action: _Optional[_Union[ActionSpec, _Mapping]] = ..., default_chunk_size: _Optional[int] = ..., min_chunk_size: _Optional[int] = ..., max_chunk_size: _Optional[int] = ..., control_hz: _Optional[float] = ..., state_low: _Optional[_Iterable[float]] = ..., state_high: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ProfilePoint(_message.Message):
     __slots__ = ("label", "p50_ms", "p95_ms", "full_calls", "skipped_calls")
@@ -134,14 +142,42 @@ class ProfilePoint(_message.Message):
     def __init__(self, label: _Optional[str] = ..., p50_ms: _Optional[float] = ..., p95_ms: _Optional[float] = ..., full_calls: _Optional[int] = ..., skipped_calls: _Optional[int] = ...) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("max_sessions", "max_message_bytes", "max_reason_tokens")
+    __slots__ = ("max_sessions", "max_message_bytes", "max_reason_tokens", "max_instruction_tokens", "max_prompt_tokens", "max_text_bytes", "max_budget_ms", "max_rate_hz", "max_temperature")
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_REASON_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_INSTRUCTION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TEXT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_BUDGET_MS_FIELD_NUMBER: _ClassVar[int]
+    MAX_RATE_HZ_FIELD_NUMBER: _ClassVar[int]
+    MAX_TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     max_sessions: int
     max_message_bytes: int
     max_reason_tokens: int
-    def __init__(self, max_sessions: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_reason_tokens: _Optional[int] = ...) -> None: ...
+    max_instruction_tokens: int
+    max_prompt_tokens: int
+    max_text_bytes: int
+    max_budget_ms: float
+    max_rate_hz: float
+    max_temperature: float
+    def __init__(self, max_sessions: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_reason_tokens: _Optional[int] = ..., max_instruction_tokens: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_text_bytes: _Optional[int] = ..., max_budget_ms: _Optional[float] = ..., max_rate_hz: _Optional[float] = ..., max_temperature: _Optional[float] = ...) -> None: ...
+
+class Capacity(_message.Message):
+    __slots__ = ("embodiment", "chunk_size", "budget_ms", "rate_hz", "sessions_alone", "sessions_more")
+    EMBODIMENT_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_MS_FIELD_NUMBER: _ClassVar[int]
+    RATE_HZ_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_ALONE_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_MORE_FIELD_NUMBER: _ClassVar[int]
+    embodiment: str
+    chunk_size: int
+    budget_ms: float
+    rate_hz: float
+    sessions_alone: int
+    sessions_more: int
+    def __init__(self, embodiment: _Optional[str] = ..., chunk_size: _Optional[int] = ..., budget_ms: _Optional[float] = ..., rate_hz: _Optional[float] = ..., sessions_alone: _Optional[int] = ..., sessions_more: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
     __slots__ = ("name", "digest", "device", "num_steps", "diffusion_cache")
@@ -158,7 +194,7 @@ class ModelInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., digest: _Optional[str] = ..., device: _Optional[str] = ..., num_steps: _Optional[int] = ..., diffusion_cache: _Optional[bool] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("protocol_version", "server_version", "model", "embodiments", "limits", "default_budget_ms", "warmup_profile", "ready")
+    __slots__ = ("protocol_version", "server_version", "model", "embodiments", "limits", "default_budget_ms", "warmup_profile", "ready", "capacity")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +203,7 @@ class ServerInfo(_message.Message):
     DEFAULT_BUDGET_MS_FIELD_NUMBER: _ClassVar[int]
     WARMUP_PROFILE_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
     protocol_version: str
     server_version: str
     model: ModelInfo
@@ -175,26 +212,31 @@ class ServerInfo(_message.Message):
     default_budget_ms: float
     warmup_profile: _containers.RepeatedCompositeFieldContainer[ProfilePoint]
     ready: bool
-    def __init__(self, protocol_version: _Optional[str] = ..., server_version: _Optional[str] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., embodiments: _Optional[_Iterable[_Union[EmbodimentSpec, _Mapping]]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., default_budget_ms: _Optional[float] = ..., warmup_profile: _Optional[_Iterable[_Union[ProfilePoint, _Mapping]]] = ..., ready: _Optional[bool] = ...) -> None: ...
+    capacity: _containers.RepeatedCompositeFieldContainer[Capacity]
+    def __init__(self, protocol_version: _Optional[str] = ..., server_version: _Optional[str] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., embodiments: _Optional[_Iterable[_Union[EmbodimentSpec, _Mapping]]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., default_budget_ms: _Optional[float] = ..., warmup_profile: _Optional[_Iterable[_Union[ProfilePoint, _Mapping]]] = ..., ready: _Optional[bool] = ..., capacity: _Optional[_Iterable[_Union[Capacity, _Mapping]]] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("embodiment", "instruction", "budget_ms", "chunk_size", "seed", "client_name")
+    __slots__ = ("embodiment", "instruction", "budget_ms", "chunk_size", "seed", "client_name", "rate_hz", "actions_per_chunk")
     EMBODIMENT_FIELD_NUMBER: _ClassVar[int]
     INSTRUCTION_FIELD_NUMBER: _ClassVar[int]
     BUDGET_MS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    RATE_HZ_FIELD_NUMBER: _ClassVar[int]
+    ACTIONS_PER_CHUNK_FIELD_NUMBER: _ClassVar[int]
     embodiment: str
     instruction: str
     budget_ms: float
     chunk_size: int
     seed: int
     client_name: str
-    def __init__(self, embodiment: _Optional[str] = ..., instruction: _Optional[str] = ..., budget_ms: _Optional[float] = ..., chunk_size: _Optional[int] = ..., seed: _Optional[int] = ..., client_name: _Optional[str] = ...) -> None: ...
+    rate_hz: float
+    actions_per_chunk: int
+    def __init__(self, embodiment: _Optional[str] = ..., instruction: _Optional[str] = ..., budget_ms: _Optional[float] = ..., chunk_size: _Optional[int] = ..., seed: _Optional[int] = ..., client_name: _Optional[str] = ..., rate_hz: _Optional[float] = ..., actions_per_chunk: _Optional[int] = ...) -> None: ...
 
 class Session(_message.Message):
-    __slots__ = ("session_id", "epoch", "embodiment", "instruction", "budget_ms", "chunk_size", "seed")
+    __slots__ = ("session_id", "epoch", "embodiment", "instruction", "budget_ms", "chunk_size", "seed", "rate_hz", "slot_ms")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     EMBODIMENT_FIELD_NUMBER: _ClassVar[int]
@@ -202,6 +244,8 @@ class Session(_message.Message):
     BUDGET_MS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    RATE_HZ_FIELD_NUMBER: _ClassVar[int]
+    SLOT_MS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     embodiment: str
@@ -209,7 +253,9 @@ class Session(_message.Message):
     budget_ms: float
     chunk_size: int
     seed: int
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., embodiment: _Optional[str] = ..., instruction: _Optional[str] = ..., budget_ms: _Optional[float] = ..., chunk_size: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+    rate_hz: float
+    slot_ms: float
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., embodiment: _Optional[str] = ..., instruction: _Optional[str] = ..., budget_ms: _Optional[float] = ..., chunk_size: _Optional[int] = ..., seed: _Optional[int] = ..., rate_hz: _Optional[float] = ..., slot_ms: _Optional[float] = ...) -> None: ...
 
 class ResetSessionRequest(_message.Message):
     __slots__ = ("session_id",)

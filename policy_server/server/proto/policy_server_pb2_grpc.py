@@ -82,15 +82,17 @@ class PolicyServiceServicer:
     """
 
     def GetServerInfo(self, request, context):
-        """Model, embodiments with their observation/action schema, limits, default budget and the
-        warmup latency profile. Answers while the server is still warming up.
+        """Model, embodiments with their observation/action schema, limits, default budget, the
+        warmup latency profile and how many more sessions fit. Answers while the server is warming up.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def OpenSession(self, request, context):
-        """Opens a session at epoch 1 for one robot (or one simulated environment).
+        """Opens a session at epoch 1 for one robot (or one simulated environment). RESOURCE_EXHAUSTED /
+        OVERLOADED (with the capacity in the message) when the open sessions' ticks plus this one's, at
+        their rates, could not all meet their budgets.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -138,7 +140,8 @@ class PolicyServiceServicer:
 
     def SetBudget(self, request, context):
         """Changes a session's per-tick latency budget. FAILED_PRECONDITION / BUDGET_INFEASIBLE (with
-        the best achievable latency) when even maximal caching cannot meet it.
+        the best achievable latency) when even maximal caching cannot meet it; RESOURCE_EXHAUSTED /
+        OVERLOADED when the open sessions would no longer fit with it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
