@@ -35,4 +35,4 @@ HEALTHCHECK --interval=10s --timeout=5s --start-period=300s --retries=3 \
     CMD ["python", "-m", "policy_server.client", "health", "--target", "127.0.0.1:50051"]
 
 ENTRYPOINT ["policy-server"]
-CMD ["--host", "0.0.0.0", "--port", "50051", "--device", "cuda", "--metrics-port", "9090"]
+CMD ["--host", "0.0.0.0", "--port", "50051", "--device", "cuda", "--metrics-port", "9090", "--metrics-host", "0.0.0.0"]

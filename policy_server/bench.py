@@ -168,7 +168,8 @@ class _EnginePolicy:
         self.engine, self.embodiment, self.budget_ms = engine, embodiment, budget_ms
 
     def open(self, instruction: str, seed: int):
-        return self.engine.open_session(self.embodiment, instruction, budget_ms=self.budget_ms, seed=seed)
+        return self.engine.open_session(self.embodiment, instruction, budget_ms=self.budget_ms, seed=seed,
+                                        rate_hz=0.0)
 
     def act(self, session, obs: dict, step: int, want_video: bool = False):
         from robots.rollout import TickStats
@@ -198,33 +199,44 @@ def run(args: argparse.Namespace) -> dict:
     embodiment = pipeline.embodiments.get(pipeline.served_embodiments[0])
     steps = pipeline.config.num_steps
 
+    # One engine per budgeted config: each session has the worker to itself, as one robot would, and the
+    # slowdown run's engine must learn the slowdown on its own.
     settings = EngineSettings(warmup_ticks=args.warmup, max_sessions=8)
-    engine = ModelEngine(pipeline, settings)
-    slow_engine = ModelEngine(pipeline, settings)  # its own cost model: it must learn the slowdown itself
-    for e in (engine, slow_engine):
-        e.start()
-        e.wait_ready()
+
+    def started_engine() -> ModelEngine:
+        engine = ModelEngine(pipeline, settings)
+        engine.start()
+        engine.wait_ready()
+        return engine
+
+    engine = started_engine()
     uncached_warm_ms = engine.info().warmup_profile[0].p50_ms
     budgets = [round(f * uncached_warm_ms, 1) for f in args.budget_fractions]
     fewer = {b: max(1, math.floor(steps * b / uncached_warm_ms)) for b in budgets}
     slow_budget = budgets[0]
     slowdown_ms = args.slowdown_ms
     if slowdown_ms is None:
-        full_ms = engine.cost_model.costs((embodiment.name, embodiment.default_chunk_size)).full_ms
-        slowdown_ms = round(0.5 * full_ms, 2)
+        tokens = len(pipeline.tokenizer.tokenize("warm up"))
+        key = engine.cost_key(embodiment.name, embodiment.default_chunk_size, tokens)
+        slowdown_ms = round(0.5 * engine.cost_model.costs(key).full_ms, 2)
 
     runs = {"uncached": ConfigRun("uncached"), "seacache_default": ConfigRun("seacache_default")}
     for b, n in fewer.items():
         runs.setdefault(f"fewer_steps_{n}", ConfigRun(f"fewer_steps_{n}", budget_ms=b))
     sessions = {}
-    for b in budgets:
+    engines = [engine]
+    for index, b in enumerate(budgets):
         name = f"budget_{b:g}"
         runs[name] = ConfigRun(name, budget_ms=b)
-        sessions[name] = (engine, engine.open_session(embodiment.name, "warm up", budget_ms=b, seed=0))
+        owner = engine if index == 0 else started_engine()
+        engines.append(owner)
+        sessions[name] = (owner, owner.open_session(embodiment.name, "warm up", budget_ms=b, seed=0, rate_hz=0.0))
     slow_name = f"budget_{slow_budget:g}_slowdown"
     runs[slow_name] = ConfigRun(slow_name, budget_ms=slow_budget)
+    slow_engine = started_engine()
+    engines.append(slow_engine)
     sessions[slow_name] = (slow_engine, slow_engine.open_session(embodiment.name, "warm up",
-                                                                 budget_ms=slow_budget, seed=0))
+                                                                 budget_ms=slow_budget, seed=0, rate_hz=0.0))
 
     observations = collect_observations(args.ticks, args.seed)
     order = list(runs)
@@ -256,6 +268,8 @@ def run(args: argparse.Namespace) -> dict:
                 run_.add_tick_record(result.tick)
 
     summaries = [runs[name].summary() for name in order]
+    for owner, session in sessions.values():
+        owner.close_session(session.session_id)
     if args.closed_loop:
         policies = {
             "uncached": _FixedSettingPolicy(pipeline, embodiment.name, NoCache),
@@ -264,7 +278,7 @@ def run(args: argparse.Namespace) -> dict:
         for n in fewer.values():
             policies[f"fewer_steps_{n}"] = _FixedSettingPolicy(pipeline, embodiment.name, NoCache, num_steps=n)
         for b in budgets:
-            policies[f"budget_{b:g}"] = _EnginePolicy(engine, embodiment.name, b)
+            policies[f"budget_{b:g}"] = _EnginePolicy(sessions[f"budget_{b:g}"][0], embodiment.name, b)
         slow_engine.full_call_delay_ms = slowdown_ms
         policies[slow_name] = _EnginePolicy(slow_engine, embodiment.name, slow_budget)
         rates = closed_loop(policies, args.closed_loop, args.execute)
@@ -272,7 +286,7 @@ def run(args: argparse.Namespace) -> dict:
             summary["success_rate"] = rates[summary["name"]]
             summary["episodes"] = args.closed_loop
 
-    for e in (engine, slow_engine):
+    for e in engines:
         e.close()
     report = {
         "schema": SCHEMA,
@@ -299,7 +313,7 @@ def latent_shape(pipeline: PolicyPipeline, embodiment: Embodiment) -> tuple[int,
     """`(C, T, h, w)` of one tick's video latent at the embodiment's default chunk."""
     height, width = pipeline.config.canvas_hw
     sc = pipeline.vae.spatial_compression
-    frames = pipeline.vae.num_latent_frames(embodiment.default_chunk_size + 1)
+    frames = pipeline.vae.num_latent_frames(pipeline.clip_frames(embodiment.default_chunk_size))
     return pipeline.transformer.config.latent_channel, frames, height // sc, width // sc
 
 

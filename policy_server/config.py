@@ -14,6 +14,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from policy_server.limits import MAX_BUDGET_MS, MAX_RESIDUAL_ORDER
+
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
@@ -26,7 +28,8 @@ class ServerConfig(BaseModel):
 
     # Latency budget and model
     latency_budget_ms: float = Field(
-        120.0, gt=0, allow_inf_nan=False, description="default per-tick latency budget (ms) of new sessions"
+        120.0, gt=0, le=MAX_BUDGET_MS, allow_inf_nan=False,
+        description="default per-tick latency budget (ms) of new sessions",
     )
     checkpoint: Path | None = Field(
         None, description="checkpoint directory or file; unset = the embedded model"
@@ -39,7 +42,7 @@ class ServerConfig(BaseModel):
         0.25, ge=0, allow_inf_nan=False, description="SEA accumulated relative-L1 threshold"
     )
     diffusion_cache_residual_order: int = Field(
-        1, ge=0, le=3, description="Newton extrapolation order (0 = reuse, 1 = linear)"
+        1, ge=0, le=MAX_RESIDUAL_ORDER, description="Newton extrapolation order (0 = reuse, 1 = linear, 2 = quadratic)"
     )
     diffusion_cache_max_consecutive: int = Field(
         2, ge=0, description="max consecutive cached steps per CFG branch (0 = no cap)"
@@ -57,6 +60,9 @@ class ServerConfig(BaseModel):
     )
     metrics_port: int | None = Field(
         None, ge=0, le=65535, description="Prometheus /metrics port (unset = off)"
+    )
+    metrics_host: str = Field(
+        "127.0.0.1", min_length=1, description="/metrics bind address (loopback unless asked otherwise)"
     )
     reflection: bool = Field(False, description="enable gRPC server reflection")
 

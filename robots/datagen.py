@@ -1,6 +1,6 @@
 """Generate scripted-expert demonstrations.
 
-    python -m robots.datagen --episodes 400 --out /work/data/reach-400
+    python -m robots.datagen --episodes 400 --out runs/data/reach-400
 
 Episode i is rolled out from seed ``seed_offset + i // targets_per_scene``, so a dataset is reproducible
 from its arguments alone. Keep the seeds below ``robots.envs.HELDOUT_SEED_OFFSET``: seeds from there on
@@ -23,7 +23,7 @@ import numpy as np
 from tqdm import tqdm
 
 from robots.dataset import METADATA_FILE, Episode, array_stats, save_episode, write_metadata
-from robots.envs import DOMAIN_ID, EMBODIMENT, HELDOUT_SEED_OFFSET, REACH_ID
+from robots.envs import DOMAIN_ID, EMBODIMENT, HELDOUT_SEED_OFFSET, REACH_HARD_ID, REACH_ID
 from robots.expert import ReachExpert
 
 
@@ -67,6 +67,10 @@ def generate(
     """Write ``episodes`` demonstrations to ``out_dir``; return the metadata written to dataset.json."""
     if episodes < 1:
         raise ValueError(f"episodes={episodes}; expected at least 1")
+    env = gym.make(env_id)
+    num_objects = env.unwrapped.config.num_objects
+    if not 1 <= targets_per_scene <= num_objects:
+        raise ValueError(f"targets_per_scene={targets_per_scene}; expected 1 to {num_objects} (objects per scene)")
     scenes = -(-episodes // targets_per_scene)
     if seed_offset < 0 or seed_offset + scenes > HELDOUT_SEED_OFFSET:
         raise ValueError(
@@ -81,10 +85,6 @@ def generate(
     for stale in out.glob("episode_*.safetensors"):
         stale.unlink()
 
-    env = gym.make(env_id)
-    num_objects = env.unwrapped.config.num_objects
-    if not 1 <= targets_per_scene <= num_objects:
-        raise ValueError(f"targets_per_scene={targets_per_scene}; expected 1 to {num_objects} (objects per scene)")
     expert = ReachExpert()
     entries, all_actions, all_states = [], [], []
     bar = tqdm(range(episodes), desc=f"demos -> {out}", unit="ep", disable=not progress)
@@ -133,8 +133,9 @@ def generate(
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--episodes", type=int, required=True, help="number of demonstrations")
-    parser.add_argument("--out", required=True, help="output directory (keep datasets out of the repository)")
-    parser.add_argument("--env-id", default=REACH_ID, help=f"gymnasium id (default {REACH_ID})")
+    parser.add_argument("--out", required=True, help="output directory, created with its parents (e.g. runs/data/NAME)")
+    parser.add_argument("--env-id", default=REACH_ID, choices=[REACH_ID, REACH_HARD_ID],
+                        help=f"gymnasium id (default {REACH_ID})")
     parser.add_argument("--seed-offset", type=int, default=0, help="seed of episode 0 (default 0)")
     parser.add_argument("--targets-per-scene", type=int, default=1,
                         help="demonstrate each scene once per target object, up to the objects per scene (1)")

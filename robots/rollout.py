@@ -27,6 +27,7 @@ import gymnasium
 import numpy as np
 
 import robots.envs  # noqa: F401  (registers the environments)
+from policy_server.limits import MAX_BUDGET_MS
 from robots.envs.reach import HELDOUT_SEED_OFFSET
 
 
@@ -72,7 +73,8 @@ class ServerPolicy:
         self.budget_ms = budget_ms
 
     def open(self, instruction: str, seed: int):
-        return self.client.open_session("pusht", instruction, budget_ms=self.budget_ms, seed=seed)
+        # A simulation asks again as soon as it is answered: a closed loop (rate 0), not a declared rate.
+        return self.client.open_session("pusht", instruction, budget_ms=self.budget_ms, seed=seed, rate_hz=0.0)
 
     def act(self, session, obs: dict, step: int, want_video: bool = False):
         chunk = self.client.act(session, {"image": obs["image"]}, obs["state"], step_index=step, encoding="png")
@@ -104,7 +106,7 @@ class InProcessPolicy:
         self._lock = threading.Lock()
 
     def open(self, instruction: str, seed: int):
-        return self.engine.open_session("pusht", instruction, seed=seed)
+        return self.engine.open_session("pusht", instruction, seed=seed, rate_hz=0.0)
 
     def act(self, session, obs: dict, step: int, want_video: bool = False):
         from policy_server.engine.api import Observation
@@ -114,7 +116,7 @@ class InProcessPolicy:
             result = self.engine.act(session.session_id, session.epoch, observation)
             latents = self.engine.last_output.latents if want_video else None
         stats = TickStats.of(result.tick)
-        predicted = self.pipeline.decode_video(latents) if latents is not None else None
+        predicted = self.pipeline.decode_video(latents, session.chunk_size) if latents is not None else None
         return result.actions, stats, predicted
 
     def close(self, session) -> None:
@@ -241,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     where.add_argument("--in-process", action="store_true", help="run the engine in this process")
     parser.add_argument("--checkpoint", type=Path, default=None, help="in-process: pipeline folder")
     parser.add_argument("--latency-budget-ms", type=float, default=None,
-                        help="per-tick budget (server: per session; in-process default 120)")
+                        help="per-tick budget (server: per session; in-process default 120, or none uncached)")
     parser.add_argument("--no-diffusion-cache", action="store_true", help="in-process: run uncached")
     parser.add_argument("--num-steps", type=int, default=None, help="in-process: sampler steps (policy.json)")
     parser.add_argument("--guidance", type=float, default=None, help="in-process: CFG scale (policy.json)")
@@ -267,8 +269,10 @@ def main(argv: list[str] | None = None) -> int:
 
     budget = args.latency_budget_ms
     if args.in_process:
-        policy = InProcessPolicy(args.checkpoint, budget or 120.0, not args.no_diffusion_cache, args.parallel,
-                                 overrides)
+        # Uncached ticks are not budgeted: without --latency-budget-ms they get the largest budget there is.
+        default_budget = MAX_BUDGET_MS if args.no_diffusion_cache else 120.0
+        policy = InProcessPolicy(args.checkpoint, budget or default_budget, not args.no_diffusion_cache,
+                                 args.parallel, overrides)
     else:
         policy = ServerPolicy(args.server, budget, args.auth_token_file)
 

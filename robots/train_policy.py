@@ -1,7 +1,6 @@
 """Train the embedded Cosmos3 policy by flow matching on expert demonstrations.
 
-    python -m robots.train_policy --data /work/data/reach --vae policy_server/assets/embedded/vae \
-        --out policy_server/assets/embedded --steps 6000
+    python -m robots.train_policy --data runs/data/reach-400 --vae runs/vae --out runs/policy --steps 6000
 
 Each training sample is one control tick of a demonstration: the frame at step t (clean latent
 frame 0), the next K frames (noisy future latents), the K expert actions from t (noisy action rows)
@@ -30,6 +29,7 @@ from tqdm import tqdm
 
 from policy_server.model import Cosmos3OmniTransformer, load_transformer
 from policy_server.model.boundary import GenInput, UndKV
+from policy_server.model.checkpoint import CheckpointError
 from policy_server.model.text_tokenizer import TextTokenizer
 from policy_server.model.vae import SmallVideoVAE
 from policy_server.pipeline.conditioning import frames_to_clip
@@ -141,6 +141,11 @@ def train(
         "action": array_stats(np.concatenate([e.actions for e in episodes])),
         "state": array_stats(np.concatenate([e.states for e in episodes])),
     }
+    if init_from is None:
+        model = Cosmos3OmniTransformer(config).train()
+        init_for_training(model)
+    else:  # before the minutes of VAE encoding, so that a bad --init fails at once
+        model = load_transformer(init_from).float().train()
     windows = collect_windows(episodes, vae, chunk, config.action_dim, stats, stride)
     n = windows.latents.shape[0]
 
@@ -152,11 +157,6 @@ def train(
         prompt_ids.append(tokenizer.encode(pair.cond, system_prompt=pair.system_prompt))
     negative_ids = tokenizer.encode(pair.uncond, system_prompt=pair.system_prompt)
 
-    if init_from is None:
-        model = Cosmos3OmniTransformer(config).train()
-        init_for_training(model)
-    else:
-        model = load_transformer(init_from).float().train()
     ema = copy.deepcopy(model).eval().requires_grad_(False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.99))
     warmup = min(200, steps // 10 + 1)
@@ -278,13 +278,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--init", type=Path, default=None,
                         help="start from this pipeline folder's transformer instead of from scratch")
     args = parser.parse_args(argv)
-    if min(args.steps, args.batch_size, args.stride) < 1 or args.save_every is not None and args.save_every < 1:
-        parser.error("--steps, --batch-size, --stride and --save-every must be positive")
+    for flag, value in (("--steps", args.steps), ("--batch-size", args.batch_size), ("--stride", args.stride),
+                        ("--threads", args.threads), ("--save-every", args.save_every)):
+        if value is not None and value < 1:
+            parser.error(f"{flag} {value}: expected a positive integer")
+    if not args.lr > 0:
+        parser.error(f"--lr {args.lr}: expected a positive learning rate")
     torch.set_num_threads(args.threads)
     try:
         summary = train(args.data, args.vae, args.out, args.steps, args.batch_size, args.lr, args.seed,
                         args.stride, save_every=args.save_every, init_from=args.init)
-    except FileNotFoundError as missing:  # --data, --vae or --init is not what it should be
+    except (FileNotFoundError, CheckpointError) as missing:  # --data, --vae or --init is not what it should be
         parser.error(str(missing))
     print(json.dumps(summary, indent=2))
 

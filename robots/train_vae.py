@@ -1,6 +1,6 @@
 """Train the small video VAE on demonstration frames.
 
-    python -m robots.train_vae --data /work/data/reach-400 --out policy_server/assets/embedded/vae
+    python -m robots.train_vae --data runs/data/reach-400 --out runs/vae
 
 Loss: mean squared reconstruction error plus a small KL term (the latents only need to be smooth,
 not Gaussian). After training, the per-channel mean and standard deviation of the posterior means
@@ -122,7 +122,10 @@ def train(args: TrainVAEArgs) -> tuple[SmallVideoVAE, dict]:
     else:
         model = SmallVideoVAE.from_pretrained(args.init).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=args.steps, pct_start=0.05)
+    # OneCycleLR's warmup ends at step 0.05 * steps - 1 and it divides by that length, so runs of 20 steps
+    # or fewer, too short for a warmup step, skip the warmup.
+    warmup = 0.05 if args.steps > 20 else 0.0
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=args.steps, pct_start=warmup)
     generator = torch.Generator().manual_seed(args.seed)
 
     started = time.perf_counter()
@@ -188,6 +191,17 @@ def main(argv: list[str] | None = None) -> None:
     ns = parser.parse_args(argv)
     if ns.frames < 1 or (ns.frames - 1) % 4:
         parser.error(f"--frames {ns.frames}: expected 4k + 1 (1, 5, 9, ...)")
+    for flag, value in (("--steps", ns.steps), ("--batch-size", ns.batch_size), ("--threads", ns.threads),
+                        ("--latent-channels", ns.latent_channels)):
+        if value < 1:
+            parser.error(f"{flag} {value}: expected a positive integer")
+    if not ns.lr > 0:
+        parser.error(f"--lr {ns.lr}: expected a positive learning rate")
+    try:
+        block_channels = tuple(int(c) for c in ns.block_channels.split(","))
+        SmallVideoVAEConfig(latent_channels=ns.latent_channels, block_channels=block_channels)  # validates them
+    except ValueError as error:
+        parser.error(f"--block-channels {ns.block_channels}: {error}")
     args = TrainVAEArgs(
         data=ns.data,
         out=ns.out,
@@ -197,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
         lr=ns.lr,
         kl_weight=ns.kl_weight,
         latent_channels=ns.latent_channels,
-        block_channels=tuple(int(c) for c in ns.block_channels.split(",")),
+        block_channels=block_channels,
         seed=ns.seed,
         threads=ns.threads,
         progress=not ns.no_progress,

@@ -156,7 +156,11 @@ class FakeEngine:
         if budget_ms < BEST_ACHIEVABLE_MS:
             raise BudgetInfeasible(budget_ms, BEST_ACHIEVABLE_MS)
 
-    def open_session(self, embodiment, instruction, budget_ms=None, chunk_size=None, seed=None) -> SessionHandle:
+    def capacity(self, budget_ms=None, rate_hz=None) -> tuple:
+        return ()
+
+    def open_session(self, embodiment, instruction, budget_ms=None, chunk_size=None, seed=None, rate_hz=None,
+                     actions_per_chunk=None) -> SessionHandle:
         if not self._ready:
             raise WarmingUp(0.5)
         spec = self._info.embodiment(embodiment)
@@ -262,6 +266,7 @@ class FakeEngine:
         temperature: float = 0.0,
         seed: int | None = None,
         should_abort: Callable[[], bool] | None = None,
+        deadline_s: float | None = None,
     ) -> Iterator[str]:
         words = f"To {prompt.strip()}: first approach the object, then grasp it, then place it.".split(" ")
         for index, word in enumerate(words[:max_new_tokens]):

@@ -1,78 +1,73 @@
-"""Online cost model: EWMA means and deviations per request shape, warmness, validation."""
+"""Cost model: one sample per tick per cost, medians over a window, per shape key."""
+
+from __future__ import annotations
 
 import math
 
 import pytest
 
-from policy_server.budget.cost_model import CallCosts, CostModel, Ewma
+from policy_server.budget.cost_model import CallCosts, CostModel, WindowStat
 
 
-def test_ewma_first_sample_then_weighted_updates():
-    e = Ewma(alpha=0.25)
-    e.update(8.0)
-    assert (e.mean, e.deviation, e.samples) == (8.0, 0.0, 1)
-    e.update(12.0)
-    assert e.mean == pytest.approx(9.0)  # 8 + 0.25 * 4
-    assert e.deviation == pytest.approx(1.0)  # 0 + 0.25 * (4 - 0)
-    e.update(9.0)
-    assert e.mean == pytest.approx(9.0)
-    assert e.deviation == pytest.approx(0.75)
-    assert e.upper(2.0) == pytest.approx(10.5)
+def test_window_stat_is_the_median_and_median_absolute_deviation():
+    stat = WindowStat(window=5)
+    for value in (10.0, 12.0, 11.0, 30.0, 9.0):
+        stat.update(value)
+    assert stat.samples == 5
+    assert stat.median == 11.0
+    assert stat.deviation == 1.0  # |10-11|, |12-11|, 0, 19, 2 -> median 1
+    for value in (50.0, 50.0, 50.0):  # a lasting change takes over once it fills half the window
+        stat.update(value)
+    assert stat.samples == 5 and stat.median == 50.0
 
 
-def test_ewma_tracks_a_step_change():
-    e = Ewma(alpha=0.2)
-    for _ in range(5):
-        e.update(10.0)
-    for _ in range(30):
-        e.update(20.0)
-    assert e.mean == pytest.approx(20.0, abs=0.02)
-
-
-def test_costs_per_shape_key_and_warmness():
-    model = CostModel(alpha=0.5, warm_samples=2)
-    key, other = ("pusht", 96, 96, 2), ("pusht", 64, 64, 2)
-    with pytest.raises(LookupError, match="warmup"):
-        model.costs(key)
-    model.observe_calls(key, [(True, 10.0), (False, 2.0), (True, 14.0)])
-    assert not model.is_warm(key)
-    model.observe_skip(key, 4.0)
-    assert model.is_warm(key) and not model.is_warm(other)
-    model.observe_stage(key, "encode", 3.0)
-    model.observe_stage(key, "decode", 5.0)
+def test_each_tick_is_one_sample_of_each_cost():
+    model = CostModel(window=8)
+    key, other = ("pusht", 9, 32), ("pusht", 17, 32)
+    model.observe_tick(key, [(True, 10.0), (False, 2.0), (True, 14.0), (True, 11.0)], {"encode": 3.0})
+    assert model.samples(key) == {"full": 1, "skip": 1, "encode": 1}
+    assert not model.is_warm(other) and model.samples(other) == {"full": 0, "skip": 0}
     costs = model.costs(key)
-    assert costs.full_ms == pytest.approx(12.0)
-    assert costs.skip_ms == pytest.approx(3.0)
-    assert costs.fixed_ms == {"encode": 3.0, "decode": 5.0}
-    assert costs.fixed_total_ms == 8.0
-    assert (costs.full_samples, costs.skip_samples) == (2, 2)
-    assert model.samples(key) == {"full": 2, "skip": 2, "encode": 1, "decode": 1}
-    assert model.samples(other) == {"full": 0, "skip": 0}
-    with pytest.raises(LookupError):
+    assert (costs.full_ms, costs.skip_ms, costs.fixed_ms) == (11.0, 2.0, {"encode": 3.0})
+    with pytest.raises(LookupError, match="warmup"):
         model.costs(other)
+    model.observe_tick(other, [(True, 7.0)])  # no skip seen yet: a skip is not counted on to save time
+    assert model.costs(other).skip_ms == 7.0
 
 
-def test_cautious_costs_add_deviations():
-    costs = CallCosts(full_ms=10.0, skip_ms=2.0, fixed_ms={"decode": 4.0}, full_dev_ms=1.0, skip_dev_ms=0.5,
-                      fixed_dev_ms={"decode": 2.0})
+def test_one_slow_tick_does_not_move_the_estimates():
+    model = CostModel(window=16)
+    key = ("pusht", 9, 32)
+    for _ in range(10):
+        model.observe_tick(key, [(True, 10.0)] * 4 + [(False, 2.0)] * 4, {"prefill": 3.0})
+    before = model.costs(key)
+    model.observe_tick(key, [(True, 900.0)] * 40 + [(False, 400.0)] * 4, {"prefill": 900.0})
+    after = model.costs(key)
+    assert (after.full_ms, after.skip_ms, after.fixed_ms["prefill"]) == (before.full_ms, before.skip_ms, 3.0)
+    assert after.full_dev_ms == before.full_dev_ms == 0.0
+
+
+def test_cautious_costs_add_deviations_and_a_stage_can_be_left_out():
+    costs = CallCosts(full_ms=10.0, skip_ms=2.0, fixed_ms={"decode": 4.0, "prefill": 5.0}, full_dev_ms=1.0,
+                      skip_dev_ms=0.5, fixed_dev_ms={"decode": 2.0})
     c = costs.cautious(2.0)
-    assert (c.full_ms, c.skip_ms, c.fixed_ms["decode"]) == (12.0, 3.0, 8.0)
+    assert (c.full_ms, c.skip_ms, c.fixed_ms["decode"], c.fixed_ms["prefill"]) == (12.0, 3.0, 8.0, 5.0)
     assert costs.cautious(0.0).full_ms == 10.0
+    reused = costs.without("prefill")
+    assert reused.fixed_ms == {"decode": 4.0} and reused.fixed_total_ms == 4.0
 
 
 @pytest.mark.parametrize("bad", [-1.0, math.nan, math.inf, "3"])
 def test_bad_durations_are_rejected(bad):
     model = CostModel()
     with pytest.raises(ValueError, match="duration"):
-        model.observe_full("k", bad)
-    with pytest.raises(ValueError, match="duration"):
-        model.observe_stage("k", "decode", bad)
+        model.observe_tick("k", [(True, bad)])
+    with pytest.raises(ValueError, match="decode"):
+        model.observe_tick("k", [], {"decode": bad})
 
 
 def test_bad_parameters_are_rejected():
-    with pytest.raises(ValueError, match="alpha"):
-        CostModel(alpha=0.0)
-    with pytest.raises(ValueError, match="warm_samples"):
-        CostModel(warm_samples=0)
+    with pytest.raises(ValueError, match="window"):
+        CostModel(window=0)
     with pytest.raises(ValueError, match="stage"):
-        CostModel().observe_stage("k", "", 1.0)
+        CostModel().observe_tick("k", [], {"": 1.0})

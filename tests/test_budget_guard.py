@@ -89,12 +89,10 @@ def run_tick(clock, budget, plan, guarded=True, stack_ms=lambda step: STACK_MS, 
 
 
 def warm_budget(clock):
-    model = CostModel(alpha=0.2, warm_samples=3)
+    model = CostModel()
     for _ in range(3):
-        model.observe_full(KEY, COSTS.full_ms)
-        model.observe_skip(KEY, COSTS.skip_ms)
-        model.observe_stage(KEY, "encode", ENCODE_MS)
-        model.observe_stage(KEY, "decode", DECODE_MS)
+        model.observe_tick(KEY, [(True, COSTS.full_ms), (False, COSTS.skip_ms)],
+                           {"encode": ENCODE_MS, "decode": DECODE_MS})
     assert model.is_warm(KEY)
     return TickBudget(model, clock=clock, post_stages=("decode",))
 
@@ -102,7 +100,7 @@ def warm_budget(clock):
 def test_guard_holds_the_deadline_when_the_gate_refreshes_every_step():
     clock = FakeClock()
     budget = warm_budget(clock)
-    plan = budget.plan(KEY, 120.0, 10, 2, None)
+    plan = budget.plan(KEY, 120.0, 10, 2, None, prefill=False)
     assert plan.setting == "t0.25-c2" and plan.fits  # the prior expects 8 of 20 calls full
 
     unguarded, stages, _ = run_tick(clock, budget, plan, guarded=False)
@@ -121,7 +119,7 @@ def test_guard_holds_the_deadline_when_the_gate_refreshes_every_step():
 def test_guard_adapts_to_a_slowdown_within_the_tick():
     clock = FakeClock()
     budget = warm_budget(clock)
-    plan = budget.plan(KEY, 150.0, 10, 2, None)
+    plan = budget.plan(KEY, 150.0, 10, 2, None, prefill=False)
     slow = lambda step: STACK_MS if step < 3 else 2 * STACK_MS  # noqa: E731
     rec, stages, guard = run_tick(clock, budget, plan, stack_ms=slow)
     assert sum(stages.values()) <= 150.0
@@ -142,7 +140,7 @@ def test_guard_paces_a_stalled_tick_into_its_deadline(stall, late, cond_calls, u
     the tick its uncond pass or its remaining steps, in that order, and the deadline still holds."""
     clock = FakeClock()
     budget = warm_budget(clock)
-    plan = budget.plan(KEY, 120.0, 10, 2, None)
+    plan = budget.plan(KEY, 120.0, 10, 2, None, prefill=False)
     record, stages, guard = run_tick(clock, budget, plan, stall_ms=lambda step: stall if step == 4 else 0.0)
     assert sum(stages.values()) <= 120.0
     assert guard.late_fallbacks == late
@@ -152,7 +150,7 @@ def test_guard_paces_a_stalled_tick_into_its_deadline(stall, late, cond_calls, u
 def test_a_stall_no_fallback_can_absorb_is_reported_as_a_miss():
     clock = FakeClock()
     budget = warm_budget(clock)
-    plan = budget.plan(KEY, 120.0, 10, 2, None)
+    plan = budget.plan(KEY, 120.0, 10, 2, None, prefill=False)
     start = clock()
     cache_record, stages, guard = run_tick(clock, budget, plan, stall_ms=lambda step: 40.0 if step == 4 else 0.0)
     record = budget.finish(KEY, plan, guard, None, cache_record.counts_dict(), stages, actual_ms=clock() - start)
@@ -186,7 +184,7 @@ def test_guard_does_not_force_when_time_is_ample():
 def test_forced_request_without_history_fails_open_and_is_not_counted_as_forced():
     clock = FakeClock()
     budget = warm_budget(clock)
-    plan = budget.plan(KEY, 30.0, 10, 2, None)  # far too tight: the guard asks at step 0 already
+    plan = budget.plan(KEY, 30.0, 10, 2, None, prefill=False)  # far too tight: the guard asks at step 0 already
     rec, _, guard = run_tick(clock, budget, plan)
     assert rec.branches["cond"].fail_open_reasons.get("no_history") == 1
     assert any(r.step == 0 for r in guard.requested_skips)
@@ -199,7 +197,7 @@ def test_tick_loop_learns_costs_and_counts_and_keeps_every_deadline():
     history = SessionHistory()
     records = []
     for _ in range(8):
-        plan = budget.plan(KEY, 120.0, 10, 2, history)
+        plan = budget.plan(KEY, 120.0, 10, 2, history, prefill=False)
         cache_record, stages, guard = run_tick(clock, budget, plan)
         records.append(budget.finish(KEY, plan, guard, history, cache_record.counts_dict(), stages,
                                      sequences={b: cache_record.sequence(b) for b in ("cond", "uncond")}))
@@ -210,7 +208,7 @@ def test_tick_loop_learns_costs_and_counts_and_keeps_every_deadline():
     assert records[-1].forced_skips < records[0].forced_skips
     costs = budget.cost_model.costs(KEY)
     assert costs.full_ms == pytest.approx(COSTS.full_ms) and costs.skip_ms == pytest.approx(COSTS.skip_ms)
-    assert costs.full_samples > 3
+    assert budget.cost_model.samples(KEY)["full"] == 3 + 8  # warmup, then one sample per tick
 
 
 def test_tick_record_contents_and_json():
@@ -239,7 +237,7 @@ def test_tick_record_contents_and_json():
 def test_first_call_of_a_tick_is_not_a_cost_sample():
     clock = FakeClock()
     budget = warm_budget(clock)
-    plan = budget.plan(KEY, 500.0, 4, 2, None)
+    plan = budget.plan(KEY, 500.0, 4, 2, None, prefill=False)
     guard = budget.arm(plan, KEY, clock())
     clock.advance(50.0)  # setup between arming and the loop (encode) lands in the first call's time
     cache = SeaCache(SeaCacheConfig(threshold=plan.thresholds, max_consecutive_cached=plan.cap),

@@ -66,7 +66,8 @@ def full_file_values(tmp_path) -> dict:
         "diffusion_cache": False, "diffusion_cache_thresh": 0.3, "diffusion_cache_residual_order": 2,
         "diffusion_cache_max_consecutive": 3, "host": "127.0.0.1", "port": 7000,
         "unix_socket": str(tmp_path / "p.sock"), "websocket_port": 8001, "websocket_embodiment": "pusht",
-        "metrics_port": 9091, "reflection": True, "max_sessions": 3, "max_batch": 2, "max_message_mb": 4,
+        "metrics_port": 9091, "metrics_host": "::1", "reflection": True, "max_sessions": 3, "max_batch": 2,
+        "max_message_mb": 4,
         "auth_token_file": str(tmp_path / "token"), "tls_cert": str(tmp_path / "cert.pem"),
         "tls_key": str(tmp_path / "key.pem"),
     }
@@ -104,6 +105,8 @@ def test_json_file_with_flag_spelling(tmp_path):
         ({"device": "gpu"}, "device"),
         ({"diffusion_cache_thresh": -0.1}, "diffusion_cache_thresh"),
         ({"diffusion_cache_residual_order": 7}, "diffusion_cache_residual_order"),
+        ({"diffusion_cache_residual_order": 3}, "diffusion_cache_residual_order"),  # SeaCache's limit is 2
+        ({"latency_budget_ms": 1e9}, "latency_budget_ms"),
         ({"max_sessions": 0}, "max_sessions"),
         ({"max_message_mb": 0}, "max_message_mb"),
         ({"auth_token_file": "/nonexistent/token"}, "auth_token_file"),
@@ -179,3 +182,20 @@ def test_serve_builds_the_engine_serves_and_stops_on_sigterm(monkeypatch):
     assert built["config"].latency_budget_ms == 90 and built["session"].epoch == 1
     assert engine.stats().sessions == 0  # engine.close() ran
     assert signal.getsignal(signal.SIGTERM) is previous
+
+
+def test_every_residual_order_the_config_accepts_is_one_seacache_accepts():
+    from policy_server.cache.seacache import SeaCacheConfig
+
+    accepted = [order for order in range(6) if _accepts(diffusion_cache_residual_order=order)]
+    assert accepted == [0, 1, 2]
+    for order in accepted:
+        SeaCacheConfig(residual_order=order)
+
+
+def _accepts(**values) -> bool:
+    try:
+        build_config(values)
+    except ConfigError:
+        return False
+    return True

@@ -78,11 +78,25 @@ def test_cli(tmp_path, capsys):
     ("argv", "named"),
     [
         (["--episodes", "3", "--targets-per-scene", "4"], "targets_per_scene=4"),
+        (["--episodes", "3", "--targets-per-scene", "0"], "targets_per_scene=0; expected 1 to 3"),
         (["--episodes", "0"], "episodes=0"),
+        (["--episodes", "-1"], "episodes=-1"),
+        (["--episodes", "1.5"], "argument --episodes: invalid int value: '1.5'"),
+        (["--episodes", "2", "--env-id", "CartPole-v1"], "argument --env-id: invalid choice: 'CartPole-v1'"),
         (["--episodes", "2", "--seed-offset", str(HELDOUT_SEED_OFFSET)], "held-out"),
     ],
 )
 def test_cli_names_a_bad_argument_in_one_line(tmp_path, capsys, argv, named):
     with pytest.raises(SystemExit) as exit_info:
-        main([*argv, "--out", str(tmp_path), "--no-progress"])
-    assert exit_info.value.code == 2 and named in capsys.readouterr().err
+        main([*argv, "--out", str(tmp_path / "out"), "--no-progress"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err
+    assert [line for line in err.splitlines() if "error:" in line] == [err.splitlines()[-1]]
+    assert named in err.splitlines()[-1]
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_creates_nested_out_folders(tmp_path, capsys):
+    main(["--episodes", "1", "--out", str(tmp_path / "runs" / "data" / "reach-1"), "--no-progress"])
+    assert len(DemoDataset(tmp_path / "runs" / "data" / "reach-1")) == 1
+    assert "wrote 1 episodes" in capsys.readouterr().out

@@ -45,7 +45,7 @@ def test_info_describes_the_served_embodiment_and_warmup(engine):
 
 
 def test_generous_budget_runs_uncached_and_reports_the_tick(engine):
-    session = engine.open_session("pusht", "reach the red circle")
+    session = engine.open_session("pusht", "reach the red circle", rate_hz=0)
     result = engine.act(session.session_id, session.epoch, _observation())
     assert result.actions.shape == (8, 2) and result.actions.dtype == np.float32
     assert np.all(np.abs(result.actions) <= 0.2 + 1e-6)  # clipped to the declared limits
@@ -60,7 +60,7 @@ def test_generous_budget_runs_uncached_and_reports_the_tick(engine):
 
 def test_tight_budget_caches_and_the_guard_keeps_the_deadline(engine):
     uncached_ms = engine.info().warmup_profile[0].p50_ms
-    session = engine.open_session("pusht", "reach the blue circle", budget_ms=0.6 * uncached_ms)
+    session = engine.open_session("pusht", "reach the blue circle", budget_ms=0.6 * uncached_ms, rate_hz=0)
     records = [engine.act(session.session_id, 1, _observation(i)).tick for i in range(4)]
     assert all(r.setting != "none" for r in records)
     assert all(r.skipped_calls > 0 for r in records)
@@ -69,8 +69,8 @@ def test_tight_budget_caches_and_the_guard_keeps_the_deadline(engine):
 
 
 def test_same_seed_and_inputs_give_the_same_chunk(engine):
-    first = engine.open_session("pusht", "reach the red circle", seed=7)
-    second = engine.open_session("pusht", "reach the red circle", seed=7)
+    first = engine.open_session("pusht", "reach the red circle", seed=7, rate_hz=0)
+    second = engine.open_session("pusht", "reach the red circle", seed=7, rate_hz=0)
     a = engine.act(first.session_id, 1, _observation(3)).actions
     b = engine.act(second.session_id, 1, _observation(3)).actions
     assert np.array_equal(a, b)
@@ -78,11 +78,32 @@ def test_same_seed_and_inputs_give_the_same_chunk(engine):
     engine.close_session(second.session_id)
 
 
+class _Gate:
+    """A background job that holds the model worker until `opened` is set."""
+
+    def __init__(self):
+        self.running, self.opened = threading.Event(), threading.Event()
+
+    def step(self):
+        self.running.set()
+        self.opened.wait()
+        return True
+
+    def fail(self, error):
+        pass
+
+
+def _hold_worker(engine) -> threading.Event:
+    gate = _Gate()
+    engine._worker.submit_job(gate)
+    gate.running.wait()
+    return gate.opened
+
+
 def _act_queued_together(engine, calls):
     """Hold the model worker until every `engine.act(*call)` has queued, then let them run; returns each
     call's result or exception."""
-    gate = threading.Event()
-    engine._worker.submit(gate.wait)
+    gate = _hold_worker(engine)
 
     def act(call):
         try:
@@ -92,14 +113,15 @@ def _act_queued_together(engine, calls):
 
     with ThreadPoolExecutor(len(calls)) as pool:
         futures = [pool.submit(act, call) for call in calls]
-        while engine.stats().queue_depth < len(calls):
+        while engine.stats().queue_depth < len(calls) + 1:  # the gate and the ticks
             time.sleep(0.005)
         gate.set()
         return [f.result() for f in futures]
 
 
 def test_queued_ticks_of_one_shape_run_as_a_micro_batch_with_the_same_answers(engine):
-    sessions = [engine.open_session("pusht", f"reach the {color} circle", seed=11) for color in ("red", "blue")]
+    sessions = [engine.open_session("pusht", f"reach the {color} circle", seed=11, rate_hz=0)
+                for color in ("red", "blue")]
     alone = [engine.act(s.session_id, 1, _observation(5)) for s in sessions]
     assert [r.tick.knobs["batch_size"] for r in alone] == [1, 1]
     for s in sessions:
@@ -114,7 +136,7 @@ def test_queued_ticks_of_one_shape_run_as_a_micro_batch_with_the_same_answers(en
 
 
 def test_a_failing_tick_does_not_hold_up_its_micro_batch(engine):
-    sessions = [engine.open_session("pusht", "reach the red circle", seed=s) for s in range(3)]
+    sessions = [engine.open_session("pusht", "reach the red circle", seed=s, rate_hz=0) for s in range(3)]
     calls = [(s.session_id, 1, _observation(s.seed)) for s in sessions]
     calls[1] = (*calls[1], {"should_abort": lambda: True})  # its caller goes away
     results = _act_queued_together(engine, calls)
@@ -126,7 +148,7 @@ def test_a_failing_tick_does_not_hold_up_its_micro_batch(engine):
 
 
 def test_session_errors(engine):
-    session = engine.open_session("pusht", "reach the red circle")
+    session = engine.open_session("pusht", "reach the red circle", rate_hz=0)
     with pytest.raises(api.UnknownSession):
         engine.act("nope", 1, _observation())
     reset = engine.reset_session(session.session_id)
@@ -138,9 +160,9 @@ def test_session_errors(engine):
     with pytest.raises(api.BudgetInfeasible) as infeasible:
         engine.set_budget(session.session_id, 0.01)
     assert infeasible.value.best_achievable_ms > 0.01
-    others = [engine.open_session("pusht", "x") for _ in range(2)]
+    others = [engine.open_session("pusht", "x", rate_hz=0) for _ in range(2)]
     with pytest.raises(api.TooManySessions):
-        engine.open_session("pusht", "one too many")
+        engine.open_session("pusht", "one too many", rate_hz=0)
     for s in [session, *others]:
         engine.close_session(s.session_id)
     with pytest.raises(api.UnknownSession):
@@ -148,7 +170,7 @@ def test_session_errors(engine):
 
 
 def test_cancellation_and_expired_deadline(engine):
-    session = engine.open_session("pusht", "reach the red circle")
+    session = engine.open_session("pusht", "reach the red circle", rate_hz=0)
     with pytest.raises(api.Cancelled):
         engine.act(session.session_id, 1, _observation(), should_abort=lambda: True)
     with pytest.raises(api.DeadlineExpired):
@@ -159,7 +181,7 @@ def test_cancellation_and_expired_deadline(engine):
 
 
 def test_instruction_change_prefills_again(engine):
-    session = engine.open_session("pusht", "reach the red circle")
+    session = engine.open_session("pusht", "reach the red circle", rate_hz=0)
     engine.act(session.session_id, 1, _observation())
     first = engine.sessions.get(session.session_id).prompt
     engine.act(session.session_id, 1, _observation(1))
@@ -184,16 +206,16 @@ def test_close_answers_ticks_still_queued(tmp_path):
     engine = ModelEngine(pipeline, EngineSettings(warmup_ticks=1))
     engine.start()
     assert engine.wait_ready(timeout_s=300)
-    session = engine.open_session("pusht", "reach the red circle")
-    gate = threading.Event()
-    engine._worker.submit(gate.wait)
+    session = engine.open_session("pusht", "reach the red circle", rate_hz=0)
+    gate = _hold_worker(engine)
     with ThreadPoolExecutor(2) as pool:
         tick = pool.submit(engine.act, session.session_id, 1, _observation())
-        while engine.stats().queue_depth < 1:
+        while engine.stats().queue_depth < 2:
             time.sleep(0.005)
         closing = pool.submit(engine.close)
-        time.sleep(0.05)  # close() has cancelled the queued worker call and waits for the gate
+        with pytest.raises(api.ShuttingDown):  # answered at once, not after the running step
+            tick.result(timeout=60)
         gate.set()
         closing.result(timeout=60)
-        with pytest.raises(api.Cancelled, match="shut down"):
-            tick.result(timeout=60)
+    with pytest.raises(api.ShuttingDown):
+        engine.open_session("pusht", "reach the red circle")

@@ -31,7 +31,6 @@ def test_train_a_few_steps_and_serve_the_result(tmp_path):
     assert result.actions.shape == (8, 2) and np.all(np.isfinite(result.actions))
 
 
-
 def test_pipeline_folder_is_a_diffusers_layout_root(tmp_path):
     pipe = build_random_pipeline(tmp_path, seed=5)
     index = json.loads((tmp_path / "model_index.json").read_text())
@@ -41,15 +40,42 @@ def test_pipeline_folder_is_a_diffusers_layout_root(tmp_path):
     assert all(torch.equal(tensor, expected[key]) for key, tensor in loaded.state_dict().items())
 
 
+def test_cli_trains_a_single_step(tmp_path, capsys):
+    generate(tmp_path / "demos", episodes=1, progress=False)
+    out = tmp_path / "runs" / "policy"  # parents are created
+    main(["--data", str(tmp_path / "demos"), "--out", str(out), "--steps", "1", "--batch-size", "2"])
+    summary = json.loads((out / "training.json").read_text())
+    assert summary["steps"] == 1 and np.isfinite(summary["final_loss"])
+    assert summary == json.loads(capsys.readouterr().out)
+    assert PolicyPipeline.from_pretrained(out).served_embodiments == ["pusht"]
+
+
 @pytest.mark.parametrize(
     ("argv", "named"),
     [
-        (["--save-every", "0"], "--save-every must be positive"),
-        (["--steps", "0"], "must be positive"),
+        (["--save-every", "0"], "--save-every 0: expected a positive integer"),
+        (["--steps", "0"], "--steps 0: expected a positive integer"),
+        (["--steps", "-2"], "--steps -2: expected a positive integer"),
+        (["--steps", "2.5"], "argument --steps: invalid int value: '2.5'"),
+        (["--threads", "0"], "--threads 0: expected a positive integer"),
+        (["--lr", "-1"], "--lr -1.0: expected a positive learning rate"),
         ([], "dataset.json not found"),
     ],
 )
 def test_cli_names_a_bad_argument_in_one_line(tmp_path, capsys, argv, named):
     with pytest.raises(SystemExit) as exit_info:
         main(["--data", str(tmp_path / "no-data"), "--out", str(tmp_path / "out"), *argv])
-    assert exit_info.value.code == 2 and named in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err
+    assert [line for line in err.splitlines() if "error:" in line] == [err.splitlines()[-1]]
+    assert named in err.splitlines()[-1]
+
+
+def test_cli_rejects_a_missing_init_folder_before_encoding(tmp_path, capsys):
+    generate(tmp_path / "demos", episodes=1, progress=False)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--data", str(tmp_path / "demos"), "--out", str(tmp_path / "out"), "--init", str(tmp_path / "nope")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.splitlines()[-1].endswith(f"{tmp_path / 'nope'} is not a directory")
+    assert "vae encode" not in err  # it failed before minutes of encoding on a real dataset
+    assert not (tmp_path / "out").exists()

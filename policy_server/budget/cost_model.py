@@ -1,16 +1,24 @@
-"""Online cost model: EWMA of the per-call and fixed costs of a request, keyed by request shape.
+"""Online cost model: robust per-shape estimates of what one tick's calls and stages cost (ms).
 
 Three costs matter for a tick of N steps and P CFG passes with F full calls (spec §4):
 ``T = c_fixed + F * c_full + (N * P - F) * c_skip`` (ms), where ``c_full`` is one call whose GEN stack runs,
 ``c_skip`` one call whose stack is skipped (embed, SEA indicator, extrapolation, heads), and ``c_fixed`` the
-sum of the fixed stages (encode, prefill, decode, ...). Each cost is an exponentially weighted moving
-average with a matching average absolute deviation (as in TCP's RTT estimator), so callers can plan on
-``mean + k * deviation``. Warmup fills the model before the server reports SERVING.
+sum of the fixed stages (encode, prefill, decode, ...).
+
+Costs are keyed by what they depend on (the caller's key: embodiment, clip length, text length), and
+each finished tick adds *one* sample per cost: the median of its full calls, the median of its skipped
+calls, each stage it ran. An estimate is the median of the last ``window`` samples, with their median
+absolute deviation as the spread, so callers can plan on ``median + k * deviation``. One slow tick
+(a long instruction, a stall) is one sample among ``window`` and cannot move what other ticks are
+planned on; a lasting slowdown takes over once it fills half the window. Warmup fills the model
+before the server reports SERVING.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -21,32 +29,32 @@ def _check_ms(name: str, value: float) -> float:
     return float(value)
 
 
-@dataclass
-class Ewma:
-    """EWMA of a duration (ms) and of its absolute deviation from the running mean."""
+class WindowStat:
+    """Median and median absolute deviation of the last ``window`` samples of a duration (ms)."""
 
-    alpha: float
-    mean: float = 0.0
-    deviation: float = 0.0
-    samples: int = 0
+    def __init__(self, window: int) -> None:
+        self._samples: deque[float] = deque(maxlen=window)
 
     def update(self, value: float) -> None:
-        if self.samples == 0:
-            self.mean, self.deviation = value, 0.0
-        else:
-            error = value - self.mean
-            self.mean += self.alpha * error
-            self.deviation += self.alpha * (abs(error) - self.deviation)
-        self.samples += 1
+        self._samples.append(value)
 
-    def upper(self, devs: float) -> float:
-        """``mean + devs * deviation`` (ms): a cautious estimate."""
-        return self.mean + devs * self.deviation
+    @property
+    def samples(self) -> int:
+        return len(self._samples)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self._samples)
+
+    @property
+    def deviation(self) -> float:
+        center = self.median
+        return statistics.median(abs(v - center) for v in self._samples)
 
 
 @dataclass(frozen=True)
 class CallCosts:
-    """A snapshot of the costs of one request shape (ms); ``*_dev_ms`` are mean absolute deviations."""
+    """A snapshot of the costs of one request shape (ms); ``*_dev_ms`` are their spreads."""
 
     full_ms: float
     skip_ms: float
@@ -54,8 +62,6 @@ class CallCosts:
     full_dev_ms: float = 0.0
     skip_dev_ms: float = 0.0
     fixed_dev_ms: Mapping[str, float] = field(default_factory=dict)
-    full_samples: int = 0
-    skip_samples: int = 0
 
     @property
     def fixed_total_ms(self) -> float:
@@ -70,73 +76,63 @@ class CallCosts:
             full_dev_ms=self.full_dev_ms,
             skip_dev_ms=self.skip_dev_ms,
             fixed_dev_ms=dict(self.fixed_dev_ms),
-            full_samples=self.full_samples,
-            skip_samples=self.skip_samples,
+        )
+
+    def without(self, stage: str) -> CallCosts:
+        """The costs of a tick that skips the fixed ``stage`` (e.g. ``prefill`` when the text K/V are reused)."""
+        return CallCosts(
+            full_ms=self.full_ms, skip_ms=self.skip_ms,
+            fixed_ms={k: v for k, v in self.fixed_ms.items() if k != stage},
+            full_dev_ms=self.full_dev_ms, skip_dev_ms=self.skip_dev_ms,
+            fixed_dev_ms={k: v for k, v in self.fixed_dev_ms.items() if k != stage},
         )
 
 
 @dataclass
 class _ShapeCosts:
-    full: Ewma
-    skip: Ewma
-    stages: dict[str, Ewma]
+    full: WindowStat
+    skip: WindowStat
+    stages: dict[str, WindowStat]
 
 
 class CostModel:
-    """Per request-shape EWMA of c_full, c_skip and each fixed stage (ms).
+    """Per request-shape estimates of c_full, c_skip and each fixed stage (ms), one sample per tick.
 
-    key: any hashable description of the request shape that changes the costs, e.g.
-        ``("pusht", 96, 96, cfg_passes)``: the model, image resolution and packed sequence length.
-    alpha: EWMA weight of a new sample (0 < alpha <= 1).
-    warm_samples: samples of each of c_full and c_skip needed before ``is_warm``.
+    key: any hashable description of what the costs depend on.
+    window: ticks each estimate looks back over.
     """
 
-    def __init__(self, alpha: float = 0.2, warm_samples: int = 3) -> None:
-        if not 0.0 < alpha <= 1.0:
-            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
-        if warm_samples < 1:
-            raise ValueError(f"warm_samples must be >= 1, got {warm_samples}")
-        self.alpha = alpha
-        self.warm_samples = warm_samples
+    def __init__(self, window: int = 32) -> None:
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.window = window
         self._shapes: dict[Hashable, _ShapeCosts] = {}
 
-    def _entry(self, key: Hashable) -> _ShapeCosts:
+    def observe_tick(self, key: Hashable, calls: Iterable[tuple[bool, float]],
+                     stages: Mapping[str, float] | None = None) -> None:
+        """One finished tick: its calls ``(ran_full, ms)`` and the fixed ``stages`` it ran (name -> ms)."""
         entry = self._shapes.get(key)
         if entry is None:
-            entry = self._shapes[key] = _ShapeCosts(Ewma(self.alpha), Ewma(self.alpha), {})
-        return entry
-
-    def observe_full(self, key: Hashable, ms: float) -> None:
-        """One call that ran the GEN stack took ``ms``."""
-        self._entry(key).full.update(_check_ms("full call duration", ms))
-
-    def observe_skip(self, key: Hashable, ms: float) -> None:
-        """One call whose GEN stack was skipped took ``ms``."""
-        self._entry(key).skip.update(_check_ms("skipped call duration", ms))
-
-    def observe_stage(self, key: Hashable, stage: str, ms: float) -> None:
-        """A fixed stage (``encode``, ``prefill``, ``decode``, ...) of one request took ``ms``."""
-        if not isinstance(stage, str) or not stage:
-            raise ValueError(f"stage must be a non-empty name, got {stage!r}")
-        entry = self._entry(key)
-        entry.stages.setdefault(stage, Ewma(self.alpha)).update(_check_ms(f"stage {stage!r} duration", ms))
-
-    def observe_calls(self, key: Hashable, calls: Iterable[tuple[bool, float]]) -> None:
-        """Feed per-call timings ``(ran_full, ms)``, e.g. from ``DeadlineGuard.call_timings()``."""
+            entry = self._shapes[key] = _ShapeCosts(WindowStat(self.window), WindowStat(self.window), {})
+        full, skip = [], []
         for ran_full, ms in calls:
-            (self.observe_full if ran_full else self.observe_skip)(key, ms)
+            (full if ran_full else skip).append(_check_ms("call duration", ms))
+        if full:
+            entry.full.update(statistics.median(full))
+        if skip:
+            entry.skip.update(statistics.median(skip))
+        for stage, ms in (stages or {}).items():
+            if not isinstance(stage, str) or not stage:
+                raise ValueError(f"stage must be a non-empty name, got {stage!r}")
+            entry.stages.setdefault(stage, WindowStat(self.window)).update(_check_ms(f"stage {stage!r}", ms))
 
     def is_warm(self, key: Hashable) -> bool:
-        """Whether both call costs have at least ``warm_samples`` samples for this shape."""
+        """Whether full calls have been observed for this shape."""
         entry = self._shapes.get(key)
-        return (
-            entry is not None
-            and entry.full.samples >= self.warm_samples
-            and entry.skip.samples >= self.warm_samples
-        )
+        return entry is not None and entry.full.samples > 0
 
     def samples(self, key: Hashable) -> dict[str, int]:
-        """Sample counts per cost for this shape (``full``, ``skip`` and each stage)."""
+        """Ticks observed per cost for this shape (``full``, ``skip`` and each stage)."""
         entry = self._shapes.get(key)
         if entry is None:
             return {"full": 0, "skip": 0}
@@ -144,20 +140,17 @@ class CostModel:
                 **{k: e.samples for k, e in entry.stages.items()}}
 
     def costs(self, key: Hashable) -> CallCosts:
-        """Current estimates for this shape; raises if c_full or c_skip has never been observed."""
-        entry = self._shapes.get(key)
-        if entry is None or entry.full.samples == 0 or entry.skip.samples == 0:
-            raise LookupError(
-                f"no cost samples for request shape {key!r} (full and skipped calls are both needed); "
-                "run warmup for this shape first"
-            )
+        """Current estimates for this shape; raises if no full call has been observed. Until a skipped call
+        has been, a skip is taken to cost what a full call does (caching is not counted on to save time)."""
+        if not self.is_warm(key):
+            raise LookupError(f"no cost samples for request shape {key!r}; run warmup for this shape first")
+        entry = self._shapes[key]
+        skip = entry.skip if entry.skip.samples else entry.full
         return CallCosts(
-            full_ms=entry.full.mean,
-            skip_ms=entry.skip.mean,
-            fixed_ms={k: e.mean for k, e in entry.stages.items()},
+            full_ms=entry.full.median,
+            skip_ms=skip.median,
+            fixed_ms={k: e.median for k, e in entry.stages.items()},
             full_dev_ms=entry.full.deviation,
-            skip_dev_ms=entry.skip.deviation,
+            skip_dev_ms=skip.deviation,
             fixed_dev_ms={k: e.deviation for k, e in entry.stages.items()},
-            full_samples=entry.full.samples,
-            skip_samples=entry.skip.samples,
         )

@@ -2,7 +2,7 @@
 
 Usage by the engine (one instance per model worker, one ``SessionHistory`` per session)::
 
-    plan = budget.plan(shape_key, remaining_ms, num_steps, passes, session_history)
+    plan = budget.plan(shape_key, remaining_ms, num_steps, passes, session_history, prefill=False)
     guard = budget.arm(plan, shape_key, tick_started_at_ms)    # before the pipeline call
     cache = SeaCache(SeaCacheConfig(threshold=plan.thresholds, max_consecutive_cached=plan.cap),
                      force_skip=guard.force_skip, on_decision=guard.on_decision,
@@ -26,6 +26,7 @@ from .planner import PlannerConfig, TickPlan, plan_tick
 from .record import TickRecord
 
 DENOISE_STAGE = "denoise"
+PREFILL_STAGE = "prefill"
 
 
 class TickBudget:
@@ -48,10 +49,15 @@ class TickBudget:
         self.post_stages = tuple(post_stages)
 
     def plan(
-        self, key: Hashable, deadline_ms: float, num_steps: int, passes: int, history: SessionHistory | None
+        self, key: Hashable, deadline_ms: float, num_steps: int, passes: int, history: SessionHistory | None,
+        prefill: bool,
     ) -> TickPlan:
-        """Plan a tick with ``deadline_ms`` left in it (see ``plan_tick``)."""
-        return plan_tick(deadline_ms, num_steps, passes, self.cost_model.costs(key), history, self.config)
+        """Plan a tick with ``deadline_ms`` left in it (see ``plan_tick``); ``prefill``: whether it must prefill
+        its text K/V (a new instruction) or reuses them."""
+        costs = self.cost_model.costs(key)
+        if not prefill:
+            costs = costs.without(PREFILL_STAGE)
+        return plan_tick(deadline_ms, num_steps, passes, costs, history, self.config)
 
     def arm(self, plan: TickPlan, key: Hashable, tick_started_at_ms: float) -> DeadlineGuard:
         """A guard started for this tick's denoising loop; the deadline is ``tick_started_at_ms + budget``."""
@@ -73,17 +79,18 @@ class TickBudget:
         actual_ms: float | None = None,
         sequences: Mapping[str, str] | None = None,
         learn_costs: bool = True,
+        prefilled: bool = True,
     ) -> TickRecord:
         """Record the tick, feed its call and stage timings to the cost model (unless ``learn_costs`` is
         False: a tick that shared its calls with others in a batch is not a single tick's cost), and its
-        full-call count to the session history. ``actual_stage_ms`` holds every stage including ``denoise``."""
+        full-call count to the session history. ``actual_stage_ms`` holds every stage including ``denoise``;
+        ``prefilled``: whether the tick prefilled its text K/V (a reused prefix says nothing of that cost)."""
         record = TickRecord.build(plan, cache_counts, actual_stage_ms, actual_ms, sequences,
                                   late_fallbacks=guard.late_fallbacks)
         if learn_costs:
-            self.cost_model.observe_calls(key, guard.call_timings())
-            for stage, ms in actual_stage_ms.items():
-                if stage != DENOISE_STAGE:
-                    self.cost_model.observe_stage(key, stage, ms)
+            stages = {stage: ms for stage, ms in actual_stage_ms.items()
+                      if stage != DENOISE_STAGE and (prefilled or stage != PREFILL_STAGE)}
+            self.cost_model.observe_tick(key, guard.call_timings(), stages)
         if history is not None and plan.caching:
             history.observe(plan.setting, plan.structure, natural_full_calls(cache_counts))
         return record

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-MAX_RESIDUAL_ORDER = 2
+from policy_server.limits import MAX_RESIDUAL_ORDER
 
 
 def newton_extrapolate(history: Sequence[tuple[int, torch.Tensor]], step: int, order: int) -> torch.Tensor:

@@ -147,8 +147,14 @@ class PolicyClient:
         chunk_size: int | None = None,
         seed: int | None = None,
         client_name: str = "",
+        rate_hz: float | None = None,
+        actions_per_chunk: int | None = None,
         timeout_s: float | None = None,
     ) -> Session:
+        """``rate_hz``: chunk requests per second this client will send (unset: the server's default,
+        control_hz / actions_per_chunk); ``actions_per_chunk``: actions executed from each chunk before
+        asking again (unset: the chunk size). The server admits the session only if its ticks at that
+        rate fit beside the others: RESOURCE_EXHAUSTED / OVERLOADED otherwise."""
         request = pb.OpenSessionRequest(
             embodiment=embodiment, instruction=instruction, client_name=client_name
         )
@@ -158,6 +164,10 @@ class PolicyClient:
             request.chunk_size = chunk_size
         if seed is not None:
             request.seed = seed
+        if rate_hz is not None:
+            request.rate_hz = rate_hz
+        if actions_per_chunk is not None:
+            request.actions_per_chunk = actions_per_chunk
         return Session.from_proto(self._call(self.stub.OpenSession, request, timeout_s))
 
     def reset_session(self, session: Session | str, timeout_s: float | None = None) -> Session:

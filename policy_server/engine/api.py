@@ -63,8 +63,9 @@ class ActionSpec:
 class EmbodimentSpec:
     """Observation and action schema of one robot type the model can drive.
 
-    ``state_dim`` 0 means the embodiment takes no proprioceptive state. A chunk holds
-    ``chunk_size`` consecutive actions, one per control period (1 / ``control_hz`` s).
+    ``state_dim`` 0 means the embodiment takes no proprioceptive state; ``state_low`` /
+    ``state_high`` bound each state dimension (inclusive). A chunk holds ``chunk_size`` consecutive
+    actions, one per control period (1 / ``control_hz`` s).
     """
 
     name: str
@@ -73,6 +74,8 @@ class EmbodimentSpec:
     action: ActionSpec
     state_names: tuple[str, ...] = ()
     state_units: tuple[str, ...] = ()  # one per state dimension, or empty
+    state_low: tuple[float, ...] = ()
+    state_high: tuple[float, ...] = ()
     default_chunk_size: int = 8
     min_chunk_size: int = 1
     max_chunk_size: int = 8
@@ -94,8 +97,21 @@ class ProfilePoint:
 
 
 @dataclass(frozen=True)
+class Capacity:
+    """How many sessions of one embodiment (at its default chunk size) fit at a budget (ms) and rate (Hz)."""
+
+    embodiment: str
+    chunk_size: int
+    budget_ms: float
+    rate_hz: float
+    sessions_alone: int  # on an otherwise idle server
+    sessions_more: int  # beside the sessions open now
+
+
+@dataclass(frozen=True)
 class ServerInfo:
-    """What the engine serves; the transport publishes it verbatim (plus its own limits)."""
+    """What the engine serves; the transport publishes it verbatim (plus its own limits).
+    Token limits count tokens of the model's own tokenizer."""
 
     model_name: str
     embodiments: tuple[EmbodimentSpec, ...]
@@ -104,6 +120,8 @@ class ServerInfo:
     model_digest: str = ""
     device: str = "cpu"
     max_reason_tokens: int = 256
+    max_instruction_tokens: int = 0
+    max_prompt_tokens: int = 0
     warmup_profile: tuple[ProfilePoint, ...] = ()
     num_steps: int = 0
     diffusion_cache: bool = False
@@ -128,7 +146,11 @@ class EngineStats:
 
 @dataclass(frozen=True)
 class SessionHandle:
-    """A session as the engine sees it now. ``epoch`` starts at 1 and grows by one per reset."""
+    """A session as the engine sees it now. ``epoch`` starts at 1 and grows by one per reset.
+
+    rate_hz: the chunk-request rate it was admitted at; slot_ms: the model time reserved for each of
+    its ticks (its ticks are planned in it, at most ``budget_ms``).
+    """
 
     session_id: str
     epoch: int
@@ -137,6 +159,8 @@ class SessionHandle:
     budget_ms: float
     chunk_size: int
     seed: int = 0
+    rate_hz: float = 0.0
+    slot_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -310,6 +334,64 @@ class WarmingUp(EngineError):
         return {"progress": f"{self.progress:.3f}", "retry_after_ms": f"{self.retry_after_ms:g}"}
 
 
+class Overloaded(EngineError):
+    """The open sessions plus this one could not all meet their budgets at their request rates."""
+
+    reason = "OVERLOADED"
+
+    def __init__(self, message: str, sessions_fit: int) -> None:
+        super().__init__(message)
+        self.sessions_fit = sessions_fit
+
+    def details(self) -> dict[str, str]:
+        return {"sessions_fit": str(self.sessions_fit)}
+
+
+class RateExceeded(EngineError):
+    """A session asked for a tick sooner than its declared rate allows; retry after ``retry_after_ms``."""
+
+    reason = "RATE_EXCEEDED"
+
+    def __init__(self, session_id: str, rate_hz: float, measured_hz: float, retry_after_ms: float) -> None:
+        super().__init__(
+            f"session {session_id!r} declared {rate_hz:g} Hz but asks at about {measured_hz:.3g} Hz; "
+            f"the next tick is due in {retry_after_ms:.0f} ms (declare a higher rate_hz on OpenSession)"
+        )
+        self.rate_hz, self.measured_hz, self.retry_after_ms = rate_hz, measured_hz, retry_after_ms
+
+    def details(self) -> dict[str, str]:
+        return {"rate_hz": f"{self.rate_hz:g}", "measured_hz": f"{self.measured_hz:.3f}",
+                "retry_after_ms": f"{self.retry_after_ms:.1f}"}
+
+
+class SessionBusy(EngineError):
+    """The session already has a tick queued or running; a session asks for one chunk at a time."""
+
+    reason = "SESSION_BUSY"
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__(
+            f"session {session_id!r} already has a tick in flight; send the next observation after its "
+            "answer (or use the Control stream, where the newest observation wins)"
+        )
+
+
+class TooManyReasonCalls(EngineError):
+    reason = "TOO_MANY_REASON_CALLS"
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"all {limit} reasoner calls are in use; retry when one finishes")
+
+
+class ShuttingDown(EngineError):
+    """The server is stopping; the request was not (or no longer) served."""
+
+    reason = "SHUTTING_DOWN"
+
+    def __init__(self) -> None:
+        super().__init__("the server is shutting down")
+
+
 class TooManySessions(EngineError):
     reason = "TOO_MANY_SESSIONS"
 
@@ -362,6 +444,11 @@ class Engine(Protocol):
         """Stop the model worker and free the device; called once at server shutdown."""
         ...
 
+    def capacity(self, budget_ms: float | None = None, rate_hz: float | None = None) -> tuple[Capacity, ...]:
+        """Per served embodiment: how many sessions at ``budget_ms`` and ``rate_hz`` fit (None: the default
+        budget, the embodiment's default rate). Empty while warming up."""
+        ...
+
     def open_session(
         self,
         embodiment: str,
@@ -369,9 +456,12 @@ class Engine(Protocol):
         budget_ms: float | None = None,
         chunk_size: int | None = None,
         seed: int | None = None,
+        rate_hz: float | None = None,
+        actions_per_chunk: int | None = None,
     ) -> SessionHandle:
-        """Open a session at epoch 1. ``None`` takes the server default.
-        Raises TooManySessions, BudgetInfeasible, WarmingUp."""
+        """Open a session at epoch 1. ``None`` takes the server default; the default rate is
+        ``control_hz / actions_per_chunk`` (and ``actions_per_chunk`` defaults to the chunk size).
+        Raises InvalidArgument, TooManySessions, BudgetInfeasible, Overloaded, WarmingUp."""
         ...
 
     def session(self, session_id: str) -> SessionHandle:
@@ -387,7 +477,7 @@ class Engine(Protocol):
         ...
 
     def set_budget(self, session_id: str, budget_ms: float) -> SessionHandle:
-        """Change the per-tick budget (ms). Raises UnknownSession, BudgetInfeasible."""
+        """Change the per-tick budget (ms). Raises UnknownSession, BudgetInfeasible, Overloaded."""
         ...
 
     def act(
@@ -401,9 +491,10 @@ class Engine(Protocol):
         """Compute the action chunk for ``observation``.
 
         The tick is planned against min(session budget, ``deadline_s`` - now). ``should_abort``
-        is polled between denoising steps; when it returns True (or ``deadline_s`` passes) the
-        work is abandoned within one step (Cancelled / DeadlineExpired).
-        Raises UnknownSession, StaleEpoch, WarmingUp, Cancelled, DeadlineExpired, NonFiniteOutput.
+        is polled while the tick waits and between denoising steps; when it returns True (or
+        ``deadline_s`` passes) the work is abandoned within one step (Cancelled / DeadlineExpired).
+        Raises InvalidArgument (an instruction over the token limit), UnknownSession, StaleEpoch,
+        SessionBusy, RateExceeded, WarmingUp, Cancelled, DeadlineExpired, NonFiniteOutput, ShuttingDown.
         """
         ...
 
@@ -414,7 +505,10 @@ class Engine(Protocol):
         temperature: float = 0.0,
         seed: int | None = None,
         should_abort: Callable[[], bool] | None = None,
+        deadline_s: float | None = None,
     ) -> Iterator[str]:
         """Stream reasoner text pieces (autoregressive with a KV cache; never the diffusion cache).
-        Stops after ``max_new_tokens`` tokens or an end token, or when ``should_abort()``."""
+        Stops after ``max_new_tokens`` tokens or an end token; abandoned within one prefill chunk or
+        token when ``should_abort()`` or ``deadline_s`` passes. Control ticks run first: the reasoner
+        works between them. Raises InvalidArgument (a prompt over the token limit), TooManyReasonCalls."""
         ...

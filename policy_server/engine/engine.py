@@ -1,12 +1,14 @@
 """`ModelEngine`: the `Engine` the transport calls, backed by one `PolicyPipeline` on one device.
 
-One worker thread owns the model; requests queue in front of it, and queued ticks of one shape from
-different sessions start together as a micro-batch (`engine/batching.py`). A control tick is planned
-against the smaller of the session's budget and the caller's deadline, counting the time it waited in
-the queue: the budget planner picks this tick's cache setting, its deadline guard arms, SeaCache runs
-with the guard's force-skip hook, and the guard paces the sampler (drops the uncond pass or ends the
-loop early when a stall leaves no other way to the deadline). The finished tick feeds the cost model
-and the session's history, and the answer carries the full record of why it was as fast as it was.
+One worker thread owns the model (`engine/worker.py`): control ticks go first, queued ticks of one
+shape from different sessions start together as a micro-batch (`engine/batching.py`), and reasoner
+calls run one prefill chunk or token at a time between ticks. A session is admitted only when every
+open session's ticks still meet their budgets (`engine/admission.py`); it gets a slot, the model time
+its ticks are planned in. A tick is planned against the smallest of its slot, its budget less the
+time it queued, and the caller's deadline: the budget planner picks this tick's cache setting, its
+deadline guard arms, SeaCache runs with the guard's force-skip hook, and the guard paces the sampler.
+The finished tick feeds the cost model and the session's history, and the answer carries the full
+record of why it was as fast as it was.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as wait_for
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -30,13 +33,22 @@ from policy_server.cache.controller import NoCache, StepController
 from policy_server.cache.sea_filter import SeaFilter
 from policy_server.cache.seacache import SeaCache, SeaCacheConfig
 from policy_server.engine import api
+from policy_server.engine.admission import Demand, RateLimiter, assign_slots, default_rate_hz, sessions_that_fit
 from policy_server.engine.batching import StackBatcher
 from policy_server.engine.sessions import Session, SessionTable
+from policy_server.engine.worker import GeneratorJob, ModelWorker, TickJob
+from policy_server.limits import MAX_BUDGET_MS, MAX_INSTRUCTION_TOKENS, MAX_PROMPT_TOKENS
 from policy_server.pipeline.embodiments import Embodiment
 from policy_server.pipeline.policy import Aborted, PolicyOutput, PolicyPipeline, PolicyRequest
-from policy_server.pipeline.reasoner import generate
+from policy_server.pipeline.reasoner import ReasonerStream
 
 STAGES = ("encode", "prefill", "denoise", "decode")
+# Ticks attend to their instruction's text K/V, so each call costs more with a longer instruction.
+# Costs are learned per instruction-length group, and warmup fills each group at its longest.
+INSTRUCTION_TOKEN_GROUPS = (32, MAX_INSTRUCTION_TOKENS)
+_POLL_S = 0.02  # how often a waiting caller checks whether it went away
+_ABANDONED_WAIT_S = 1.0  # how long a new tick waits for its session's abandoned one to stop
+_CLOSE_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -44,7 +56,7 @@ class EngineSettings:
     """Serving knobs. `cache_threshold` / `max_consecutive_cached` define the middle of the planner's ladder
     (the published Cosmos3 default 0.25 / 2); `full_call_delay_ms` injects an artificial slowdown per full
     GEN-stack call (benchmarks and fault drills). `max_batch`: the most queued ticks of one shape that run
-    together as a micro-batch (1 = one tick at a time)."""
+    together as a micro-batch (1 = one tick at a time). `max_reason_calls`: reasoner calls at once."""
 
     default_budget_ms: float = 120.0
     max_sessions: int = 4
@@ -54,6 +66,7 @@ class EngineSettings:
     max_consecutive_cached: int = 2
     warmup_ticks: int = 4
     max_reason_tokens: int = 256
+    max_reason_calls: int = 2
     full_call_delay_ms: float = 0.0
     max_batch: int = 4
 
@@ -91,25 +104,30 @@ class _DelayedFull:
         return self.inner.record()
 
 
-@dataclass
-class _TickJob:
-    """A queued control tick and the future its caller waits on."""
+@dataclass(frozen=True)
+class _TickRequest:
+    """What a queued tick carries. `instruction_tokens`: of `observation.instruction`, when it sets one."""
 
-    session: Session
     epoch: int
     observation: api.Observation
+    instruction_tokens: int
     arrived_ms: float
     deadline_s: float | None
     should_abort: Callable[[], bool] | None
-    result: Future = field(default_factory=Future)
 
-    @property
-    def shape(self) -> tuple[str, int]:
-        return self.session.embodiment, self.session.chunk_size
+    def gone(self) -> bool:
+        """The caller's deadline passed or it went away."""
+        expired = self.deadline_s is not None and time.monotonic() >= self.deadline_s
+        return expired or (self.should_abort is not None and self.should_abort())
+
+    def gone_error(self) -> api.EngineError:
+        if self.deadline_s is not None and time.monotonic() >= self.deadline_s:
+            return api.DeadlineExpired("the caller's deadline passed before the tick finished")
+        return api.Cancelled("the caller went away")
 
 
 class ModelEngine:
-    """Thread-safe `Engine` over a `PolicyPipeline`. Call `start()` to load the worker and warm up."""
+    """Thread-safe `Engine` over a `PolicyPipeline`. Call `start()` to warm up."""
 
     def __init__(self, pipeline: PolicyPipeline, settings: EngineSettings | None = None,
                  clock: Callable[[], float] = monotonic_ms):
@@ -123,17 +141,17 @@ class ModelEngine:
         self.budget = TickBudget(self.cost_model, planner, clock=clock, post_stages=("decode",))
         self.full_call_delay_ms = self.settings.full_call_delay_ms
         self._sea_filter = SeaFilter()
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-worker")
-        # Ticks of a micro-batch run on these threads while the worker waits for them.
-        self._batch_threads = ThreadPoolExecutor(max_workers=self.settings.max_batch, thread_name_prefix="tick")
-        self._inbox: list[_TickJob] = []  # queued ticks, oldest first; guarded by _queued_lock
-        self._queued = 0
-        self._queued_lock = threading.Lock()
+        self._worker = ModelWorker(self._tick, lambda size: StackBatcher(pipeline.transformer.gen_stack, size),
+                                   self.settings.max_batch)
+        self._embodiments = {name: pipeline.embodiments.get(name) for name in pipeline.served_embodiments}
+        self._admission = threading.Lock()  # held while slots are assigned, so two opens cannot both fit
+        self._reason_calls = threading.Semaphore(self.settings.max_reason_calls)
+        self._closing = threading.Event()
         self._ready = threading.Event()
         self._warm_progress = 0.0
         self._warmup_error: BaseException | None = None
         self._profile: tuple[api.ProfilePoint, ...] = ()
-        self._embodiments = {name: pipeline.embodiments.get(name) for name in pipeline.served_embodiments}
+        self._blocking_ms = 0.0  # the longest reasoner step: what a tick may find running when it arrives
         # The pipeline output of the latest tick (generated latents, step records), for benchmarks.
         self.last_output: PolicyOutput | None = None
 
@@ -141,7 +159,7 @@ class ModelEngine:
 
     def start(self) -> None:
         """Warm up in the background; `ready()` turns True when the cost model is filled."""
-        self._worker.submit(self._warmup)
+        self._worker.submit_job(GeneratorJob(self._warmup(), self._warmup_failed))
 
     def wait_ready(self, timeout_s: float | None = None) -> bool:
         if not self._ready.wait(timeout_s):
@@ -151,18 +169,15 @@ class ModelEngine:
         return True
 
     def close(self) -> None:
-        self._worker.shutdown(wait=True, cancel_futures=True)
-        self._batch_threads.shutdown(wait=True)
-        with self._queued_lock:
-            left, self._inbox = self._inbox, []
-        for job in left:  # their worker calls were cancelled: answer the callers instead of leaving them waiting
-            job.result.set_exception(api.Cancelled("the engine shut down before this tick ran"))
+        """Abandon the running tick within one step, fail everything queued, stop the worker."""
+        self._closing.set()
+        self._worker.close(_CLOSE_TIMEOUT_S)
 
     def ready(self) -> bool:
         return self._ready.is_set() and self._warmup_error is None
 
     def stats(self) -> api.EngineStats:
-        return api.EngineStats(sessions=len(self.sessions), queue_depth=self._queued,
+        return api.EngineStats(sessions=len(self.sessions), queue_depth=self._worker.queue_depth,
                                warmup_progress=self._warm_progress)
 
     def info(self) -> api.ServerInfo:
@@ -172,8 +187,11 @@ class ModelEngine:
             embodiments=tuple(self._spec(e) for e in self._embodiments.values()),
             default_budget_ms=self.settings.default_budget_ms,
             max_sessions=self.settings.max_sessions,
+            model_digest=self.pipeline.digest,
             device=str(self.pipeline.device),
             max_reason_tokens=self.settings.max_reason_tokens,
+            max_instruction_tokens=MAX_INSTRUCTION_TOKENS,
+            max_prompt_tokens=MAX_PROMPT_TOKENS,
             warmup_profile=self._profile,
             num_steps=config.num_steps,
             diffusion_cache=self.settings.diffusion_cache,
@@ -183,36 +201,72 @@ class ModelEngine:
         height, width = self.pipeline.config.canvas_hw
         cameras = tuple(api.CameraSpec(name, height, width // len(embodiment.cameras))
                         for name in embodiment.cameras)
+        state_range = embodiment.state_range(self.pipeline.normalizers(embodiment).state)
+        low, high = ((), ()) if state_range is None else (tuple(map(float, state_range[0])),
+                                                           tuple(map(float, state_range[1])))
         return api.EmbodimentSpec(
             name=embodiment.name,
             cameras=cameras,
             state_dim=embodiment.state_dim,
             action=api.ActionSpec(
-                dim=embodiment.raw_action_dim, names=tuple(embodiment.action_names),
-                units=",".join(embodiment.action_units),
+                dim=embodiment.raw_action_dim, names=embodiment.action_names, units=embodiment.action_units,
                 low=tuple(embodiment.action_low or ()), high=tuple(embodiment.action_high or ()),
             ),
+            state_names=embodiment.state_names,
+            state_units=embodiment.state_units,
+            state_low=low,
+            state_high=high,
             default_chunk_size=embodiment.default_chunk_size,
             max_chunk_size=embodiment.max_chunk_size,
             control_hz=embodiment.fps,
         )
 
-    # ------------------------------------------------------------------------------ sessions
+    # ------------------------------------------------------------------------------ admission
+
+    def capacity(self, budget_ms: float | None = None, rate_hz: float | None = None) -> tuple[api.Capacity, ...]:
+        if not self.ready():
+            return ()
+        budget = self.settings.default_budget_ms if budget_ms is None else budget_ms
+        with self._admission:
+            sessions = self.sessions.all()
+            out = []
+            for embodiment in self._embodiments.values():
+                chunk = embodiment.default_chunk_size
+                rate = default_rate_hz(embodiment.fps, chunk) if rate_hz is None else rate_hz
+                demand = self._demand(self.cost_key(embodiment.name, chunk, 0), budget, rate)
+                limit = self.settings.max_sessions
+                out.append(api.Capacity(
+                    embodiment=embodiment.name, chunk_size=chunk, budget_ms=budget, rate_hz=rate,
+                    sessions_alone=sessions_that_fit([], demand, self._blocking_ms, limit),
+                    sessions_more=sessions_that_fit([s.demand for s in sessions], demand, self._blocking_ms,
+                                                    limit - len(sessions)),
+                ))
+        return tuple(out)
 
     def open_session(self, embodiment: str, instruction: str, budget_ms: float | None = None,
-                     chunk_size: int | None = None, seed: int | None = None) -> api.SessionHandle:
+                     chunk_size: int | None = None, seed: int | None = None, rate_hz: float | None = None,
+                     actions_per_chunk: int | None = None) -> api.SessionHandle:
         self._require_ready()
         if embodiment not in self._embodiments:
             raise api.UnknownEmbodiment(embodiment, tuple(self._embodiments))
         spec = self._embodiments[embodiment]
         chunk = spec.default_chunk_size if chunk_size is None else chunk_size
+        executed = chunk if actions_per_chunk is None else actions_per_chunk
+        if not 1 <= executed <= chunk:
+            raise api.InvalidArgument("actions_per_chunk", f"1..{chunk} (the chunk size)", str(executed),
+                                      reason="BAD_VALUE")
+        rate = default_rate_hz(spec.fps, executed) if rate_hz is None else rate_hz
         budget = self.settings.default_budget_ms if budget_ms is None else budget_ms
-        spec.check_chunk_size(chunk)
-        if self._budget_controlled() and not self.cost_model.is_warm(self._cost_key(embodiment, chunk)):
-            self._submit(self._warm_shape, spec, chunk)  # a chunk size warmup did not cover
-        self._check_feasible(embodiment, chunk, budget)
-        session = self.sessions.open(embodiment=embodiment, instruction=instruction, budget_ms=budget,
-                                     chunk_size=chunk, seed=0 if seed is None else seed)
+        key = self.cost_key(embodiment, chunk, self._instruction_tokens(instruction, "instruction"))
+        demand = self._demand(key, budget, rate)
+        if demand.floor_ms > budget:
+            raise api.BudgetInfeasible(budget, demand.floor_ms)
+        with self._admission:
+            self._admit([*[s.demand for s in self.sessions.all()], demand], demand)
+            session = self.sessions.open(embodiment=embodiment, instruction=instruction, budget_ms=budget,
+                                         chunk_size=chunk, seed=0 if seed is None else seed, cost_key=key,
+                                         demand=demand, limiter=RateLimiter(rate, time.monotonic()))
+            self._assign_slots()
         return session.handle()
 
     def session(self, session_id: str) -> api.SessionHandle:
@@ -222,22 +276,51 @@ class ModelEngine:
         return self.sessions.reset(session_id).handle()
 
     def close_session(self, session_id: str) -> None:
-        self.sessions.close(session_id)
+        with self._admission:
+            self.sessions.close(session_id)
+            self._assign_slots()
 
     def set_budget(self, session_id: str, budget_ms: float) -> api.SessionHandle:
         session = self.sessions.get(session_id)
-        self._check_feasible(session.embodiment, session.chunk_size, budget_ms)
-        session.budget_ms = budget_ms
+        old = session.demand
+        demand = Demand(budget_ms, old.rate_hz, old.floor_ms, old.ceiling_ms)
+        if demand.floor_ms > budget_ms:
+            raise api.BudgetInfeasible(budget_ms, demand.floor_ms)
+        with self._admission:
+            others = [s.demand for s in self.sessions.all() if s is not session]
+            self._admit([*others, demand], demand)
+            session.demand, session.budget_ms = demand, budget_ms
+            self._assign_slots()
         return session.handle()
 
-    def _check_feasible(self, embodiment: str, chunk: int, budget_ms: float) -> None:
-        """Reject a budget that even maximal caching plus every fallback is predicted to miss."""
-        if not self._budget_controlled():
+    def _demand(self, key: Hashable, budget_ms: float, rate_hz: float) -> Demand:
+        """A session's claim on the worker: its cheapest tick (the planner's floor) and its uncached tick."""
+        steps, passes = self.pipeline.config.num_steps, self._passes()
+        ceiling = self.budget.plan(key, MAX_BUDGET_MS, steps, passes, None, prefill=True).predicted_ms
+        floor = ceiling
+        if self._budget_controlled():
+            floor = self.budget.plan(key, 1e-3, steps, passes, None, prefill=True).predicted_ms
+        return Demand(budget_ms, rate_hz, floor, ceiling)
+
+    def _admit(self, demands: list[Demand], new: Demand) -> None:
+        """Raise Overloaded unless every demand (``new`` among them) can be met (under ``_admission``)."""
+        if assign_slots(demands, self._blocking_ms) is not None:
             return
-        key = self._cost_key(embodiment, chunk)
-        plan = self.budget.plan(key, budget_ms, self.pipeline.config.num_steps, self._passes(), None)
-        if not plan.fits:
-            raise api.BudgetInfeasible(budget_ms, plan.predicted_ms)
+        others = [d for d in demands if d is not new]
+        fit = sessions_that_fit(others, new, self._blocking_ms, self.settings.max_sessions)
+        queue_ms = self._blocking_ms + sum(d.floor_ms for d in demands)
+        load = sum(d.rate_hz * d.floor_ms for d in demands) / 1e3
+        raise api.Overloaded(
+            f"the server cannot take this session: with the {len(others)} open session(s), a tick could wait "
+            f"{queue_ms:.0f} ms against the tightest budget of {min(d.budget_ms for d in demands):g} ms, and "
+            f"the declared rates would claim {load:.0%} of the model; {fit} session(s) like this one fit now "
+            "(a larger budget or a lower rate_hz fits more)", sessions_fit=fit)
+
+    def _assign_slots(self) -> None:
+        sessions = self.sessions.all()
+        slots = assign_slots([s.demand for s in sessions], self._blocking_ms)
+        for session, slot in zip(sessions, slots, strict=True):
+            session.slot_ms = slot
 
     # ------------------------------------------------------------------------------ ticks
 
@@ -247,80 +330,57 @@ class ModelEngine:
         session = self.sessions.get(session_id)
         if epoch != session.epoch:
             raise api.StaleEpoch(session_id, session.epoch, epoch)
-        job = _TickJob(session, epoch, observation, self.clock(), deadline_s, should_abort)
-        with self._queued_lock:
-            self._queued += 1
-            self._inbox.append(job)
-        job.result.add_done_callback(self._dequeue)
-        self._worker.submit(self._run_queued_ticks)
-        return job.result.result()
-
-    def _run_queued_ticks(self) -> None:
-        """On the worker: run the oldest queued tick, with up to `max_batch - 1` other queued ticks of the same
-        shape from other sessions as one micro-batch. (Each `act` queues one call of this; ticks an
-        earlier call already took leave it nothing to do.)"""
-        with self._queued_lock:
-            if not self._inbox:
-                return
-            batch = [self._inbox.pop(0)]
-            for job in list(self._inbox):
-                if len(batch) == self.settings.max_batch:
-                    break
-                if job.shape == batch[0].shape and all(job.session is not b.session for b in batch):
-                    batch.append(job)
-                    self._inbox.remove(job)
-        if len(batch) == 1:
-            _settle(batch[0].result, self._tick, batch[0])
-            return
-        batcher = StackBatcher(self.pipeline.transformer.gen_stack, len(batch))
-
-        def run_in_batch(job: _TickJob) -> None:
+        tokens = self._instruction_tokens(observation.instruction, "observation.instruction") \
+            if observation.instruction else 0
+        request = _TickRequest(epoch, observation, tokens, self.clock(), deadline_s, should_abort)
+        prior = session.in_flight
+        if prior is not None and prior.payload.gone():  # it stops within one step: wait instead of refusing
+            wait_for([prior.result], timeout=_ABANDONED_WAIT_S)
+        with session.lock:
+            if session.in_flight is not None and not session.in_flight.result.done():
+                raise api.SessionBusy(session_id)
+            wait_s = session.limiter.take(time.monotonic())
+            if wait_s > 0:
+                raise api.RateExceeded(session_id, session.limiter.rate_hz, session.limiter.measured_hz,
+                                       wait_s * 1e3)
+            job = TickJob(session, self._batch_shape(session), request)
+            session.in_flight = job
+        self._worker.submit_tick(job)
+        while True:
             try:
-                _settle(job.result, self._tick, job, batcher)
-            finally:
-                batcher.leave()
+                return job.result.result(timeout=_POLL_S)
+            except FutureTimeout:
+                if request.gone() and self._worker.withdraw(job):
+                    error = request.gone_error()
+                    job.result.set_exception(error)
+                    raise error from None
 
-        for finished in [self._batch_threads.submit(run_in_batch, job) for job in batch]:
-            finished.result()
-
-    def _submit(self, fn, *args):
-        """Run `fn(*args)` on the model worker and wait for its result."""
-        return self._enqueue(fn, *args).result()
-
-    def _enqueue(self, fn, *args) -> Future:
-        """Queue `fn(*args)` on the model worker; the queue depth counts it until it finishes."""
-        with self._queued_lock:
-            self._queued += 1
-        future = self._worker.submit(fn, *args)
-        future.add_done_callback(self._dequeue)
-        return future
-
-    def _dequeue(self, _: Future) -> None:
-        with self._queued_lock:
-            self._queued -= 1
-
-    def _tick(self, job: _TickJob, batcher: StackBatcher | None = None) -> api.ActResult:
-        """One control tick; `batcher`: the micro-batch's GEN-stack rendezvous when it runs with others."""
-        session, epoch, observation = job.session, job.epoch, job.observation
-        arrived_ms, deadline_s, should_abort = job.arrived_ms, job.deadline_s, job.should_abort
-        if epoch != session.epoch:  # reset while queued
-            raise api.StaleEpoch(session.session_id, session.epoch, epoch)
+    def _tick(self, job: TickJob, batcher: StackBatcher | None) -> api.ActResult:
+        """One control tick, on the worker; `batcher`: the micro-batch's GEN-stack rendezvous, if any."""
+        session, request = job.session, job.payload
+        observation = request.observation
+        if request.epoch != session.epoch:  # reset while queued
+            raise api.StaleEpoch(session.session_id, session.epoch, request.epoch)
+        if request.gone():
+            raise request.gone_error()
         started_ms = self.clock()
-        left_ms = session.budget_ms - (started_ms - arrived_ms)
-        if deadline_s is not None:
-            caller_left_ms = (deadline_s - time.monotonic()) * 1e3
-            if caller_left_ms <= 0:
-                raise api.DeadlineExpired("the caller's deadline passed while the request was queued")
-            left_ms = min(left_ms, caller_left_ms)
-        if observation.instruction:
+        left_ms = session.budget_ms - (started_ms - request.arrived_ms)
+        if request.deadline_s is not None:
+            left_ms = min(left_ms, (request.deadline_s - time.monotonic()) * 1e3)
+        if observation.instruction and observation.instruction != session.instruction:
             session.instruction = observation.instruction
+            session.cost_key = self.cost_key(session.embodiment, session.chunk_size, request.instruction_tokens)
         embodiment = self._embodiments[session.embodiment]
-        key = self._cost_key(session.embodiment, session.chunk_size)
+        key = session.cost_key
         steps, passes = self.pipeline.config.num_steps, self._passes()
+        prefill = not self._prompt_ready(session, embodiment, passes)
 
         plan = guard = None
         if self._budget_controlled():
-            plan = self.budget.plan(key, max(left_ms, 1e-3), steps, passes, session.history)
+            # A slot that holds the uncached tick is no cap: rounding must not turn caching on.
+            slot_ms = session.slot_ms if session.slot_ms < session.demand.ceiling_ms else left_ms
+            plan_ms = max(min(left_ms, slot_ms), 1e-3)
+            plan = self.budget.plan(key, plan_ms, steps, passes, session.history, prefill=prefill)
             guard = self.budget.arm(plan, key, started_ms)
             controller: StepController = SeaCache(
                 SeaCacheConfig(threshold=plan.thresholds, residual_order=self.settings.residual_order,
@@ -335,23 +395,22 @@ class ModelEngine:
             controller = _DelayedFull(controller, self.full_call_delay_ms)
 
         prefill_ms = self._ensure_prompt(session, embodiment, passes)
-        request = PolicyRequest(
+        pipeline_request = PolicyRequest(
             images=observation.images, instruction=session.instruction, embodiment=session.embodiment,
             state=observation.state, chunk_size=session.chunk_size, num_steps=steps,
             seed=session.seed + session.ticks, cfg_steps=cfg_steps,
         )
 
         def abort() -> bool:
-            expired = deadline_s is not None and time.monotonic() >= deadline_s
-            return expired or (should_abort is not None and should_abort())
+            return self._closing.is_set() or request.gone()
 
         try:
-            out = self.pipeline(request, prompt=session.prompt, controller=controller, should_abort=abort,
+            out = self.pipeline(pipeline_request, prompt=session.prompt, controller=controller, should_abort=abort,
                                 pacer=guard, stack=None if batcher is None else batcher.run)
-        except Aborted as stop:
-            if deadline_s is not None and time.monotonic() >= deadline_s:
-                raise api.DeadlineExpired(f"the caller's deadline passed: {stop}") from None
-            raise api.Cancelled(f"the caller went away: {stop}") from None
+        except Aborted:
+            if self._closing.is_set():
+                raise api.ShuttingDown() from None
+            raise request.gone_error() from None
         session.ticks += 1
         self.last_output = out
 
@@ -363,17 +422,21 @@ class ModelEngine:
 
         stage_ms = {stage: out.timings_ms[stage] for stage in STAGES}
         stage_ms["prefill"] += prefill_ms
-        stage_ms["queue"] = started_ms - arrived_ms
-        total_ms = self.clock() - arrived_ms
+        stage_ms["queue"] = started_ms - request.arrived_ms
+        total_ms = self.clock() - request.arrived_ms
         batch_size = 1 if batcher is None else batcher.participants
-        tick = self._record(session, plan, guard, out, stage_ms, total_ms, left_ms, clipped, key, batch_size)
+        tick = self._record(session, plan, guard, out, stage_ms, total_ms, left_ms, clipped, key, batch_size,
+                            prefill)
         return api.ActResult(actions=actions.astype(np.float32), first_step_index=observation.step_index,
                              tick=tick)
 
+    def _prompt_ready(self, session: Session, embodiment: Embodiment, passes: int) -> bool:
+        key = self.pipeline.prompt_key(session.instruction, embodiment, session.chunk_size, passes == 2)
+        return session.prompt is not None and session.prompt.key == key
+
     def _ensure_prompt(self, session: Session, embodiment: Embodiment, passes: int) -> float:
         """Prefill the instruction's text K/V unless the session already holds it; returns the ms spent."""
-        key = self.pipeline.prompt_key(session.instruction, embodiment, session.chunk_size, passes == 2)
-        if session.prompt is not None and session.prompt.key == key:
+        if self._prompt_ready(session, embodiment, passes):
             return 0.0
         started = self.clock()
         session.prompt = self.pipeline.encode_prompt(session.instruction, embodiment, session.chunk_size,
@@ -381,16 +444,17 @@ class ModelEngine:
         return self.clock() - started
 
     def _record(self, session: Session, plan, guard, out: PolicyOutput, stage_ms: dict[str, float],
-                total_ms: float, left_ms: float, clipped: int, key: Hashable, batch_size: int) -> api.TickRecord:
+                total_ms: float, left_ms: float, clipped: int, key: Hashable, batch_size: int,
+                prefilled: bool) -> api.TickRecord:
         """The tick's record; a tick that ran in a micro-batch does not teach the cost model single-tick costs."""
         cache = out.cache
         sequences = {branch: cache.sequence(branch) for branch in cache.branches}
         knobs = {"num_steps": float(len(out.steps)), "clipped_actions": float(clipped),
-                 "batch_size": float(batch_size)}
+                 "batch_size": float(batch_size), "slot_ms": session.slot_ms}
         learn_costs = batch_size == 1
         if plan is None:
             if learn_costs:
-                self._observe_output(key, out, stage_ms)
+                self._observe_output(key, out, stage_ms, prefilled)
             return api.TickRecord(
                 budget_ms=session.budget_ms, deadline_ms=left_ms, actual_ms={**stage_ms, "total": total_ms},
                 knobs=knobs, full_calls=cache.full_calls, skipped_calls=cache.skipped_calls,
@@ -401,7 +465,7 @@ class ModelEngine:
         stages = {k: v for k, v in stage_ms.items() if k != "queue"}
         record: BudgetTickRecord = self.budget.finish(key, plan, guard, session.history, cache.counts_dict(),
                                                       stages, actual_ms=total_ms, sequences=sequences,
-                                                      learn_costs=learn_costs)
+                                                      learn_costs=learn_costs, prefilled=prefilled)
         knobs.update(cap=float(plan.cap), cfg_steps=float(plan.cfg_steps),
                      threshold=max(plan.thresholds, default=0.0), expected_full_calls=float(plan.expected_full_calls))
         return api.TickRecord(
@@ -424,12 +488,11 @@ class ModelEngine:
             best_achievable_ms=plan.best_achievable_ms,
         )
 
-    def _observe_output(self, key: Hashable, out: PolicyOutput, stage_ms: dict[str, float]) -> None:
+    def _observe_output(self, key: Hashable, out: PolicyOutput, stage_ms: dict[str, float], prefilled: bool) -> None:
         """Feed a tick run without the guard (warmup, cache disabled) to the cost model."""
         calls = [(d.full, out.steps[d.step].ms[d.branch]) for d in out.cache.decisions]
-        self.cost_model.observe_calls(key, calls)
-        for stage in ("encode", "prefill", "decode"):
-            self.cost_model.observe_stage(key, stage, stage_ms[stage])
+        stages = ("encode", "prefill", "decode") if prefilled else ("encode", "decode")
+        self.cost_model.observe_tick(key, calls, {stage: stage_ms[stage] for stage in stages})
 
     def _budget_controlled(self) -> bool:
         """Whether ticks are planned and guarded: the cache is on and the step count leaves steps between
@@ -439,11 +502,26 @@ class ModelEngine:
     def _passes(self) -> int:
         return 2 if self.pipeline.config.guidance != 1.0 else 1
 
-    @staticmethod
-    def _cost_key(embodiment: str, chunk: int) -> tuple[str, int]:
-        return (embodiment, chunk)
+    def cost_key(self, embodiment: str, chunk: int, instruction_tokens: int) -> tuple[str, int, int]:
+        """What a tick's costs depend on: the embodiment, the clip length (pixel frames on the VAE's grid)
+        and the instruction-length group."""
+        group = next(bound for bound in INSTRUCTION_TOKEN_GROUPS if instruction_tokens <= bound)
+        return embodiment, self.pipeline.clip_frames(chunk), group
+
+    def _batch_shape(self, session: Session) -> tuple[str, int]:
+        return session.embodiment, session.chunk_size
+
+    def _instruction_tokens(self, text: str, field: str) -> int:
+        """Token count of an instruction; InvalidArgument over the limit."""
+        count = len(self.pipeline.tokenizer.tokenize(text))
+        if count > MAX_INSTRUCTION_TOKENS:
+            raise api.InvalidArgument(field, f"at most {MAX_INSTRUCTION_TOKENS} tokens", f"{count} tokens",
+                                      reason="TOO_LONG")
+        return count
 
     def _require_ready(self) -> None:
+        if self._closing.is_set():
+            raise api.ShuttingDown()
         if self._warmup_error is not None:
             raise RuntimeError("the engine failed to warm up") from self._warmup_error
         if not self._ready.is_set():
@@ -451,91 +529,153 @@ class ModelEngine:
 
     # ------------------------------------------------------------------------------ warmup
 
-    def _warmup(self) -> None:
-        """Warm every served embodiment at its default chunk size; publish the latency profile in `info()`."""
-        try:
-            embodiments = list(self._embodiments.values())
-            profile = []
-            for index, embodiment in enumerate(embodiments):
-                profile.extend(self._warm_shape(embodiment, embodiment.default_chunk_size))
-                self._warm_progress = (index + 1) / len(embodiments)
-            self._profile = tuple(profile)
-        except BaseException as error:  # surfaced by wait_ready() and every request
-            self._warmup_error = error
-        finally:
-            self._ready.set()
+    def _warmup(self) -> Iterator[None]:
+        """Fill the cost model for every shape served, one tick per step (the default shape first, with
+        `warmup_ticks` ticks per mode for the latency profile in `info()`), then time the reasoner's steps."""
+        shapes = self._warm_shapes()
+        profile = []
+        for index, (embodiment, chunk, tokens, default) in enumerate(shapes):
+            ticks = self.settings.warmup_ticks if default else 1
+            points = yield from self._warm_shape(embodiment, chunk, tokens, ticks)
+            if default:
+                profile.extend(points)
+            self._warm_progress = (index + 1) / (len(shapes) + 1)
+        self._profile = tuple(profile)
+        self._blocking_ms = yield from self._time_reasoner_steps()
+        self._ready.set()
 
-    def _warm_shape(self, embodiment: Embodiment, chunk: int) -> list[api.ProfilePoint]:
-        """Fill the cost model for one request shape: uncached ticks time full calls and the fixed stages,
-        maximally cached ticks time skipped calls. Returns the two latency profile points."""
-        key = self._cost_key(embodiment.name, chunk)
+    def _warmup_failed(self, error: BaseException) -> None:
+        self._warmup_error = error  # surfaced by wait_ready() and every request
+        self._ready.set()
+
+    def _warm_shapes(self) -> list[tuple[Embodiment, int, int, bool]]:
+        """`(embodiment, chunk, instruction tokens, is the default shape)`, one per cost key, defaults first:
+        each clip length at its largest chunk, each instruction group at its longest instruction."""
+        shapes = []
+        for embodiment in self._embodiments.values():
+            clips: dict[int, int] = {}
+            for chunk in range(1, embodiment.max_chunk_size + 1):
+                clips[self.pipeline.clip_frames(chunk)] = chunk
+            default_clip = self.pipeline.clip_frames(embodiment.default_chunk_size)
+            for clip, chunk in clips.items():
+                for tokens in INSTRUCTION_TOKEN_GROUPS:
+                    default = clip == default_clip and tokens == INSTRUCTION_TOKEN_GROUPS[0]
+                    shapes.append((embodiment, embodiment.default_chunk_size if default else chunk, tokens, default))
+        return sorted(shapes, key=lambda shape: not shape[3])
+
+    def _warm_shape(self, embodiment: Embodiment, chunk: int, tokens: int, ticks: int):
+        """Uncached ticks time full calls and the fixed stages, maximally cached ticks time skipped calls.
+        Yields after each tick; returns the two latency profile points."""
+        key = self.cost_key(embodiment.name, chunk, tokens)
+        instruction = self._text_of(tokens)
         profile = []
         for mode in ("uncached", "max_caching"):
             totals, full, skipped = [], 0, 0
-            for tick in range(self.settings.warmup_ticks):
-                out = self._warmup_tick(embodiment, chunk, mode, tick)
-                self._observe_output(key, out, {stage: out.timings_ms[stage] for stage in STAGES})
-                if tick > 0 or self.settings.warmup_ticks == 1:  # the first tick pays one-time allocation costs
+            for tick in range(ticks):
+                out = self._warmup_tick(embodiment, chunk, instruction, mode, tick)
+                self._observe_output(key, out, {stage: out.timings_ms[stage] for stage in STAGES}, prefilled=True)
+                if tick > 0 or ticks == 1:  # the first tick pays one-time allocation costs
                     totals.append(out.timings_ms["total"])
                 full, skipped = out.cache.full_calls, out.cache.skipped_calls
+                yield
             profile.append(api.ProfilePoint(label=f"{embodiment.name}/{mode}", p50_ms=float(np.median(totals)),
                                             p95_ms=float(np.percentile(totals, 95)), full_calls=full,
                                             skipped_calls=skipped))
         return profile
 
-    def _warmup_tick(self, embodiment: Embodiment, chunk: int, mode: str, tick: int) -> PolicyOutput:
+    def _warmup_tick(self, embodiment: Embodiment, chunk: int, instruction: str, mode: str, tick: int) -> PolicyOutput:
         height, width = self.pipeline.config.canvas_hw
         rng = np.random.default_rng(tick)
         images = {name: rng.integers(0, 256, (height, width // len(embodiment.cameras), 3), dtype=np.uint8)
                   for name in embodiment.cameras}
         state = np.zeros(embodiment.state_dim, np.float32) if embodiment.state_dim else None
-        request = PolicyRequest(images=images, instruction="warm up", embodiment=embodiment.name, state=state,
+        request = PolicyRequest(images=images, instruction=instruction, embodiment=embodiment.name, state=state,
                                 chunk_size=chunk, seed=tick)
         controller = NoCache() if mode == "uncached" else SeaCache(
             SeaCacheConfig(threshold=MAX_CACHING.threshold, max_consecutive_cached=MAX_CACHING.cap),
             sea_filter=self._sea_filter)
         return self.pipeline(request, controller=controller)
 
+    def _text_of(self, tokens: int) -> str:
+        """An instruction of about `tokens` tokens (at most that many)."""
+        tokenizer = self.pipeline.tokenizer
+        ids = tokenizer.tokenize("reach the red circle and then the blue square " * tokens)
+        text = tokenizer.decode(ids[:tokens]).strip()
+        while len(tokenizer.tokenize(text)) > tokens:
+            text = text[:-1]
+        return text
+
+    def _time_reasoner_steps(self):
+        """The longest step of a reasoner call at the prompt limit (ms): a prefill chunk or a token."""
+        config = self.pipeline.transformer.config
+        ids = torch.arange(MAX_PROMPT_TOKENS) % config.vocab_size
+        stream = ReasonerStream(self.pipeline.transformer, ids, max_new_tokens=4)
+        longest = 0.0
+        while not stream.done:
+            started = self.clock()
+            stream.step()
+            longest = max(longest, self.clock() - started)
+            yield
+        return longest
+
     # ------------------------------------------------------------------------------ reasoner
 
     def reason(self, prompt: str, max_new_tokens: int, temperature: float = 0.0, seed: int | None = None,
-               should_abort: Callable[[], bool] | None = None) -> Iterator[str]:
+               should_abort: Callable[[], bool] | None = None, deadline_s: float | None = None) -> Iterator[str]:
         """Autoregressive text over the UND weights with a KV cache; never touches the diffusion cache."""
         self._require_ready()
-        limit = min(max_new_tokens, self.settings.max_reason_tokens)
         tokenizer = self.pipeline.tokenizer
+        count = len(tokenizer.tokenize(prompt))
+        if count > MAX_PROMPT_TOKENS:
+            raise api.InvalidArgument("prompt", f"at most {MAX_PROMPT_TOKENS} tokens", f"{count} tokens",
+                                      reason="TOO_LONG")
+        if not self._reason_calls.acquire(blocking=False):
+            raise api.TooManyReasonCalls(self.settings.max_reason_calls)
+        ids = torch.tensor(tokenizer.tokenize(tokenizer.apply_chat_template([{"role": "user", "content": prompt}])),
+                           dtype=torch.long)
+        stops = {tokenizer.eos_token_id, *tokenizer.special_token_ids.values()}
+        stream = ReasonerStream(self.pipeline.transformer, ids, min(max_new_tokens, self.settings.max_reason_tokens),
+                                temperature=temperature, stop_token_ids=stops, seed=seed or 0)
         pieces: queue.Queue = queue.Queue()
         done = object()
 
-        def job() -> None:
-            try:
-                text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-                ids = torch.tensor(tokenizer.tokenize(text), dtype=torch.long)
-                stops = {tokenizer.eos_token_id, *tokenizer.special_token_ids.values()}
-                produced: list[int] = []
-                emitted = ""
-                for token in generate(self.pipeline.transformer, ids, limit, temperature=temperature,
-                                      stop_token_ids=stops, seed=seed or 0):
-                    if token in stops or (should_abort is not None and should_abort()):
-                        break
+        def steps() -> Iterator[None]:
+            produced: list[int] = []
+            emitted = ""
+            while not stream.done:
+                if self._closing.is_set():
+                    raise api.ShuttingDown()
+                if deadline_s is not None and time.monotonic() >= deadline_s:
+                    raise api.DeadlineExpired("the caller's deadline passed during reasoning")
+                if should_abort is not None and should_abort():
+                    raise api.Cancelled("the caller went away")
+                token = stream.step()
+                if token is not None and token not in stops:
                     produced.append(token)
                     decoded = tokenizer.decode(produced)
                     if len(decoded) > len(emitted) and not decoded.endswith("\ufffd"):
                         pieces.put(decoded[len(emitted):])
                         emitted = decoded
-                pieces.put(done)
-            except BaseException as error:
-                pieces.put(error)
+                yield
+            finish(done)
 
-        self._enqueue(job)
+        def finish(last: object) -> None:
+            pieces.put(last)
+            self._reason_calls.release()
 
-        def stream() -> Iterator[str]:
+        try:
+            self._worker.submit_job(GeneratorJob(steps(), finish))
+        except api.ShuttingDown:
+            self._reason_calls.release()
+            raise
+
+        def stream_pieces() -> Iterator[str]:
             while (item := pieces.get()) is not done:
                 if isinstance(item, BaseException):
                     raise item
                 yield item
 
-        return stream()
+        return stream_pieces()
 
 
 def settings_from_config(config) -> EngineSettings:
@@ -555,11 +695,3 @@ def resolve_device(name: str) -> str:
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return name
-
-
-def _settle(result: Future, fn, *args) -> None:
-    """Run `fn(*args)` and put its return value or exception into `result`."""
-    try:
-        result.set_result(fn(*args))
-    except BaseException as error:  # the caller of `act` gets it, the worker keeps serving
-        result.set_exception(error)

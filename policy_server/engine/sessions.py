@@ -1,20 +1,27 @@
-"""Per-session state: identity, epoch, the task, the budget, and what carries over between ticks."""
+"""Per-session state: identity, epoch, the task, the budget and rate, and what carries over between ticks."""
 
 from __future__ import annotations
 
 import threading
 import uuid
+from collections.abc import Hashable
 from dataclasses import dataclass, field
+from typing import Any
 
 from policy_server.budget.history import SessionHistory
+from policy_server.engine.admission import Demand, RateLimiter
 from policy_server.engine.api import SessionHandle, TooManySessions, UnknownSession
 from policy_server.pipeline.policy import PromptState
 
 
-@dataclass
+@dataclass(eq=False)
 class Session:
     """One robot (or simulated episode stream) talking to the server.
 
+    cost_key: what its ticks cost is learned under (embodiment, clip length, instruction length).
+    demand: what admission reserved it for; slot_ms: the model time each of its ticks is planned in.
+    limiter: refuses ticks asked for faster than the declared rate.
+    in_flight: its tick queued or running, if any (a session has at most one).
     prompt: the text K/V of the current instruction, reused while it does not change.
     history: full-call counts of the previous ticks per cache setting, for the budget planner.
     """
@@ -25,14 +32,20 @@ class Session:
     budget_ms: float
     chunk_size: int
     seed: int
+    cost_key: Hashable
+    demand: Demand
+    limiter: RateLimiter
+    slot_ms: float = 0.0
     epoch: int = 1
     ticks: int = 0
+    in_flight: Any = None
     prompt: PromptState | None = None
     history: SessionHistory = field(default_factory=SessionHistory)
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def handle(self) -> SessionHandle:
         return SessionHandle(self.session_id, self.epoch, self.embodiment, self.instruction, self.budget_ms,
-                             self.chunk_size, self.seed)
+                             self.chunk_size, self.seed, rate_hz=self.demand.rate_hz, slot_ms=self.slot_ms)
 
 
 class SessionTable:
@@ -45,6 +58,10 @@ class SessionTable:
 
     def __len__(self) -> int:
         return len(self._sessions)
+
+    def all(self) -> list[Session]:
+        with self._lock:
+            return list(self._sessions.values())
 
     def open(self, **fields) -> Session:
         with self._lock:

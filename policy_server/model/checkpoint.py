@@ -10,6 +10,7 @@ Weights named in the cosmos-framework's native scheme (`language_model.model.lay
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -257,3 +258,15 @@ def save_transformer(model: Cosmos3OmniTransformer, directory: str | Path) -> Pa
     tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     save_file(tensors, str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
     return directory
+
+
+def weights_digest(root: str | Path) -> str:
+    """``sha256:<hex>`` over every ``.safetensors`` file under ``root`` (relative path and bytes, in path
+    order): the identity of the weights a server serves."""
+    root = Path(root)
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.safetensors")):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+        with path.open("rb") as file:
+            digest.update(hashlib.file_digest(file, "sha256").digest())
+    return f"sha256:{digest.hexdigest()}"

@@ -21,6 +21,7 @@ have no stats: their actions stay in the model's normalised space unless a confi
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ from policy_server.pipeline.normalization import (
     NORMALIZATION_METHODS,
     FeatureNormalizers,
     NormalizationSpec,
+    Normalizer,
     build_normalizers,
 )
 from policy_server.pipeline.prompts import DEFAULT_VIEWPOINT, VIEWPOINTS
@@ -43,6 +45,9 @@ NO_ACTION_DOMAIN_ID = 0  # Cosmos3's "no_action" domain (video-only samples); no
 BASE_FPS = 24.0  # Cosmos3's base frame rate, the default where the reference gives none
 DEFAULT_CHUNK_SIZE = 16
 DEFAULT_MAX_CHUNK_SIZE = 64
+# A state without a declared range is accepted where normalisation maps it into [-10, 10]: five
+# times the span minmax training data covers, and far from float32 overflow in the state row.
+MODEL_STATE_BOUND = 10.0
 
 
 class EmbodimentConfigError(ValueError):
@@ -60,6 +65,9 @@ class Embodiment(BaseModel):
         action_low, action_high: physical limits per channel (None: unbounded).
         state_dim: proprio state width S (0: the policy takes no state). A state enters the sequence
             as a clean action row, so S <= 64.
+        state_names, state_units: one entry per state channel.
+        state_low, state_high: the accepted state range per channel, inclusive (None: the range
+            that normalisation maps onto ``±MODEL_STATE_BOUND``, see ``state_range``).
         cameras: image keys a request must carry, in the order their frames are placed side by
             side when there are several (a concatenated view).
         viewpoint: camera framing named in the action prompt.
@@ -79,6 +87,10 @@ class Embodiment(BaseModel):
     action_low: tuple[float, ...] | None = None
     action_high: tuple[float, ...] | None = None
     state_dim: int = Field(default=0, ge=0, le=MAX_ACTION_DIM)
+    state_names: tuple[str, ...] = ()
+    state_units: tuple[str, ...] = ()
+    state_low: tuple[float, ...] | None = None
+    state_high: tuple[float, ...] | None = None
     cameras: tuple[str, ...] = ("image",)
     viewpoint: str = DEFAULT_VIEWPOINT
     fps: float = Field(default=BASE_FPS, gt=0, allow_inf_nan=False)
@@ -90,29 +102,34 @@ class Embodiment(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _fill_channel_labels(cls, data: Any) -> Any:
-        """Default names ``a0..`` and units ``"normalized"`` when none are given."""
-        if isinstance(data, dict) and isinstance(data.get("raw_action_dim"), int):
-            dim = data["raw_action_dim"]
-            data = dict(data)
-            if not data.get("action_names"):
-                data["action_names"] = tuple(f"a{i}" for i in range(dim))
-            if not data.get("action_units"):
-                data["action_units"] = ("normalized",) * dim
+        """Default names ``a0..`` / ``s0..`` and units ``"normalized"`` when none are given."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        labels = (("action", "a", data.get("raw_action_dim")), ("state", "s", data.get("state_dim", 0)))
+        for kind, prefix, dim in labels:
+            if isinstance(dim, int):
+                if not data.get(f"{kind}_names"):
+                    data[f"{kind}_names"] = tuple(f"{prefix}{i}" for i in range(dim))
+                if not data.get(f"{kind}_units"):
+                    data[f"{kind}_units"] = ("normalized",) * dim
         return data
 
     @model_validator(mode="after")
     def _check_consistency(self) -> Embodiment:
-        dim = self.raw_action_dim
-        for label in ("action_names", "action_units", "action_low", "action_high"):
-            values = getattr(self, label)
-            if values is not None and len(values) != dim:
-                raise ValueError(f"{label} has {len(values)} entries; expected raw_action_dim={dim}")
-        if (self.action_low is None) != (self.action_high is None):
-            raise ValueError("give both action_low and action_high, or neither")
-        if self.action_low is not None:
-            pairs = enumerate(zip(self.action_low, self.action_high, strict=True))
-            if bad := [i for i, (lo, hi) in pairs if lo > hi]:
-                raise ValueError(f"action_low > action_high for channels {bad}")
+        for kind, dim_name in (("action", "raw_action_dim"), ("state", "state_dim")):
+            dim = getattr(self, dim_name)
+            for label in (f"{kind}_names", f"{kind}_units", f"{kind}_low", f"{kind}_high"):
+                values = getattr(self, label)
+                if values is not None and len(values) != dim:
+                    raise ValueError(f"{label} has {len(values)} entries; expected {dim_name}={dim}")
+            low, high = getattr(self, f"{kind}_low"), getattr(self, f"{kind}_high")
+            if (low is None) != (high is None):
+                raise ValueError(f"give both {kind}_low and {kind}_high, or neither")
+            if low is not None:
+                pairs = enumerate(zip(low, high, strict=True))
+                if bad := [i for i, (lo, hi) in pairs if not (math.isfinite(lo) and math.isfinite(hi) and lo <= hi)]:
+                    raise ValueError(f"{kind}_low > {kind}_high or not finite for channels {bad}")
         if not self.cameras or len(set(self.cameras)) != len(self.cameras) or not all(self.cameras):
             raise ValueError(f"cameras {list(self.cameras)} must be distinct non-empty names, at least one")
         if self.viewpoint not in VIEWPOINTS:
@@ -145,10 +162,21 @@ class Embodiment(BaseModel):
             raise InvalidChunkSize(chunk_size, 1, self.max_chunk_size)
         return int(chunk_size)
 
+    def state_range(self, normalizer: Normalizer | None) -> tuple[np.ndarray, np.ndarray] | None:
+        """The accepted state range, float64 ``([S], [S])``: the declared one, else what ``normalizer``
+        maps onto ``±MODEL_STATE_BOUND``. None when the embodiment takes no state."""
+        if self.state_dim == 0:
+            return None
+        if self.state_low is not None:
+            return np.asarray(self.state_low, np.float64), np.asarray(self.state_high, np.float64)
+        spread = MODEL_STATE_BOUND * normalizer.scale
+        return normalizer.offset - spread, normalizer.offset + spread
+
     def check_state(self, state: object) -> np.ndarray | None:
         """The proprio state as float32 ``[S]``; None when the embodiment takes none.
 
         Raises InvalidState when a state is missing, unexpected, the wrong length, or not finite.
+        The range is the transport's to check, against ``state_range``.
         """
         if self.state_dim == 0:
             if state is not None:

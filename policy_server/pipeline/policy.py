@@ -26,6 +26,7 @@ import torch
 
 from policy_server.cache.controller import CacheRecord, NoCache, StepController
 from policy_server.model import Cosmos3OmniTransformer, GenInput, UndKV, load_transformer
+from policy_server.model.checkpoint import weights_digest
 from policy_server.model.gen_layout import GenLayout
 from policy_server.model.text_tokenizer import TextTokenizer
 from policy_server.model.vae import SmallVideoVAE
@@ -121,7 +122,7 @@ class PolicyPipeline:
     """The Cosmos3 policy: transformer + video VAE + text tokenizer + embodiments + sampler defaults.
 
     `embodiments` is the full Cosmos3 registry extended by the checkpoint's file; `served_embodiments`
-    names the entries that file declares, the ones the server offers."""
+    names the entries that file declares, the ones the server offers. `digest` identifies the weights."""
 
     def __init__(
         self,
@@ -131,6 +132,7 @@ class PolicyPipeline:
         embodiments: EmbodimentRegistry,
         config: PolicyConfig,
         served_embodiments: list[str],
+        digest: str = "",
     ):
         self.transformer = transformer.eval()
         self.vae = vae.eval()
@@ -138,6 +140,7 @@ class PolicyPipeline:
         self.embodiments = embodiments
         self.config = config
         self.served_embodiments = served_embodiments  # what this checkpoint was trained for
+        self.digest = digest
         # GEN layouts by request shape: ticks of the same shape share one object, which is what lets
         # the engine run their GEN stacks as one batch (`GenInput.stack`).
         self._gen_layouts: dict[tuple, GenLayout] = {}
@@ -158,6 +161,7 @@ class PolicyPipeline:
             embodiments=embodiments,
             config=config,
             served_embodiments=served,
+            digest=weights_digest(root),
         )
 
     @property
@@ -236,12 +240,19 @@ class PolicyPipeline:
         timings["total"] = _ms_since(t_start)
         return PolicyOutput(physical, latents, steps_done, timings, controller.record())
 
-    def decode_video(self, latents: torch.Tensor) -> np.ndarray:
-        """Predicted future frames: latents [C, T, h, w] -> uint8 RGB [T_pixels, H, W, 3] on the canvas."""
+    def clip_frames(self, chunk: int) -> int:
+        """Pixel frames of the clip a chunk of `chunk` actions lives in: the `chunk + 1` frames rounded up to
+        the VAE's temporal grid (`4k + 1`). Frames past `chunk + 1` are padding, generated and dropped."""
+        tc = self.vae.temporal_compression
+        return tc * math.ceil(chunk / tc) + 1
+
+    def decode_video(self, latents: torch.Tensor, chunk: int) -> np.ndarray:
+        """Predicted frames of a chunk of `chunk` actions: latents [C, T, h, w] -> uint8 RGB
+        [chunk + 1, H, W, 3] on the canvas (the temporal padding dropped)."""
         with torch.no_grad():
             video = self.vae.decode(latents.unsqueeze(0).to(self.device))[0]
         frames = ((video.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
-        return frames.permute(1, 2, 3, 0).cpu().numpy()
+        return frames.permute(1, 2, 3, 0)[: chunk + 1].cpu().numpy()
 
     # ------------------------------------------------------------------------------------ parts
 
@@ -297,7 +308,7 @@ class PolicyPipeline:
         """VAE latents of the conditioning frames, padding cropped: [C, T_clean, h, w]."""
         if request.mode == "inverse_dynamics":
             frames = request.video
-            num_frames = chunk + 1
+            num_frames = self.clip_frames(chunk)  # the last frame repeated over the temporal padding
         else:
             cams = [request.images[c] for c in self.embodiments.get(request.embodiment).cameras]
             frames = np.concatenate(cams, axis=1) if len(cams) > 1 else cams[0]
@@ -315,7 +326,7 @@ class PolicyPipeline:
         config = self.transformer.config
         device = self.device
         generator = torch.Generator(device="cpu").manual_seed(request.seed)
-        num_latent_frames = self.vae.num_latent_frames(chunk + 1)
+        num_latent_frames = self.vae.num_latent_frames(self.clip_frames(chunk))
         channels, _, height, width = clean_latent.shape
         latent_shape = (channels, num_latent_frames, height, width)
 

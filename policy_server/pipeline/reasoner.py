@@ -1,8 +1,11 @@
 """Reasoner text generation: autoregressive decoding over the UND (text) weights with a KV cache.
 
 Only `embed_tokens`, the UND half of every layer, `norm` and `lm_head` run. The prompt is prefilled
-in one pass, then tokens are decoded one at a time against the cache. This path never touches the
-GEN pathway or the diffusion-step cache (SeaCache), which only wraps `gen_stack`.
+in chunks of `PREFILL_CHUNK` tokens, then tokens are decoded one at a time against the cache.
+`ReasonerStream.step()` does one of these pieces of work at a time, so that a caller can stop between
+any two (a deadline, a cancelled call) and run other work in between (the engine's control ticks).
+This path never touches the GEN pathway or the diffusion-step cache (SeaCache), which only wraps
+`gen_stack`.
 """
 
 from __future__ import annotations
@@ -44,7 +47,10 @@ def sample_token(logits: torch.Tensor, temperature: float, top_k: int | None, to
     """
     if temperature == 0:
         return int(torch.argmax(logits))
-    logits = logits.float().cpu() / temperature
+    # In float64 (a float32 temperature of 1e-300 is 0), shifted by the maximum: a tiny temperature then
+    # sends the others to -inf and keeps the maximum at 0, never inf - inf.
+    logits = logits.double().cpu()
+    logits = (logits - logits.max()) / temperature
     if top_k is not None and top_k < logits.numel():
         kth_largest = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth_largest, float("-inf"))
@@ -59,36 +65,63 @@ def sample_token(logits: torch.Tensor, temperature: float, top_k: int | None, to
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+PREFILL_CHUNK = 32  # prompt tokens per prefill step
+
+
+class ReasonerStream:
+    """Generation for one prompt `input_ids [N]`, one piece of work per `step()`.
+
+    Greedy when `temperature == 0`, else temperature / top-k / top-p sampling from a CPU generator
+    seeded with `seed` (same inputs and seed give the same tokens). Generation stops after
+    `max_new_tokens` tokens or a token in `stop_token_ids` (which is still returned, so callers can
+    tell why it stopped).
+    """
+
+    def __init__(self, model: Cosmos3OmniTransformer, input_ids: torch.Tensor, max_new_tokens: int,
+                 temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+                 stop_token_ids: Iterable[int] = (), seed: int = 0) -> None:
+        _check_arguments(model, input_ids, max_new_tokens, temperature, top_k, top_p)
+        self._model = model
+        self._prompt = input_ids.to(model.device)
+        self._sampling = (temperature, top_k, top_p)
+        self._stop = {int(t) for t in stop_token_ids}
+        self._left = max_new_tokens
+        self._generator = torch.Generator(device="cpu").manual_seed(seed)
+        # The last generated token is never fed back, so the cache needs room for prompt + new - 1.
+        self._cache = model.new_reasoner_cache(self._prompt.numel() + max(max_new_tokens - 1, 0))
+        self._logits: torch.Tensor | None = None  # of the last token fed, once the prompt is in
+        self.done = max_new_tokens == 0
+
+    def step(self) -> int | None:
+        """Prefill the next chunk of the prompt (returns None), or decode one token (returns it)."""
+        # Inference mode per model call, never across steps: the caller's code in between runs in its own mode.
+        with torch.inference_mode():
+            filled = self._cache.length
+            if filled < self._prompt.numel():
+                logits = self._model.reasoner_forward(self._prompt[filled: filled + PREFILL_CHUNK], self._cache)
+                if self._cache.length == self._prompt.numel():
+                    self._logits = logits
+                return None
+            token = sample_token(self._logits, *self._sampling, self._generator)
+            self._left -= 1
+            self.done = token in self._stop or self._left == 0
+            if not self.done:
+                self._logits = self._model.reasoner_forward(
+                    torch.tensor([token], device=self._prompt.device), self._cache)
+            return token
+
+
 def generate(model: Cosmos3OmniTransformer, input_ids: torch.Tensor, max_new_tokens: int,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
              stop_token_ids: Iterable[int] = (), seed: int = 0) -> Iterator[int]:
-    """Yield up to `max_new_tokens` generated token ids for the prompt `input_ids [N]`.
-
-    Greedy when `temperature == 0`, else temperature / top-k / top-p sampling from a CPU generator
-    seeded with `seed` (same inputs and seed give the same tokens). Generation stops after a token in
-    `stop_token_ids`, which is yielded as the last item so callers can tell why it stopped. Lazily
-    evaluated: the prompt is prefilled at the first `next()`.
-    """
-    _check_arguments(model, input_ids, max_new_tokens, temperature, top_k, top_p)
-    stop = {int(t) for t in stop_token_ids}
-    return _decode(model, input_ids.to(model.device), max_new_tokens, temperature, top_k, top_p, stop, seed)
+    """Yield up to `max_new_tokens` generated token ids for the prompt `input_ids [N]` (see
+    `ReasonerStream`). Arguments are checked at the call; the prompt is prefilled at the first `next()`."""
+    stream = ReasonerStream(model, input_ids, max_new_tokens, temperature, top_k, top_p, stop_token_ids, seed)
+    return _tokens(stream)
 
 
-def _decode(model: Cosmos3OmniTransformer, input_ids: torch.Tensor, max_new_tokens: int, temperature: float,
-            top_k: int | None, top_p: float | None, stop: set[int], seed: int) -> Iterator[int]:
-    if max_new_tokens == 0:
-        return
-    generator = torch.Generator(device="cpu").manual_seed(seed)
-    # The last generated token is never fed back, so the cache needs room for prompt + new - 1.
-    cache = model.new_reasoner_cache(input_ids.numel() + max_new_tokens - 1)
-    # Inference mode is entered per model call, never across a `yield`: the caller's code between
-    # tokens must run in its own autograd mode.
-    with torch.inference_mode():
-        logits = model.reasoner_forward(input_ids, cache)
-    for produced in range(1, max_new_tokens + 1):
-        token = sample_token(logits, temperature, top_k, top_p, generator)
-        yield token
-        if token in stop or produced == max_new_tokens:
-            return
-        with torch.inference_mode():
-            logits = model.reasoner_forward(torch.tensor([token], device=input_ids.device), cache)
+def _tokens(stream: ReasonerStream) -> Iterator[int]:
+    while not stream.done:
+        token = stream.step()
+        if token is not None:
+            yield token

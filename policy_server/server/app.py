@@ -20,9 +20,9 @@ from grpc_reflection.v1alpha import reflection
 from policy_server.config import ServerConfig
 from policy_server.engine.api import Engine
 from policy_server.server.auth import TokenAuthInterceptor, read_token_file
+from policy_server.server.errors import lenient_parser
 from policy_server.server.metrics import ServerMetrics
 from policy_server.server.proto import policy_server_pb2 as pb
-from policy_server.server.proto import policy_server_pb2_grpc as pb_grpc
 from policy_server.server.servicer import PolicyServicer
 from policy_server.server.websocket import OpenpiWebsocketServer
 
@@ -42,6 +42,24 @@ def _keepalive_options() -> list[tuple[str, int]]:
         ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
         ("grpc.http2.max_pings_without_data", 0),
     ]
+
+
+def _policy_service_handler(servicer: PolicyServicer) -> grpc.GenericRpcHandler:
+    """The PolicyService methods, with request deserializers that never raise (see ``lenient_parser``)."""
+    kinds = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }
+    service = pb.DESCRIPTOR.services_by_name["PolicyService"]
+    handlers = {}
+    for method in service.methods:
+        request, response = (getattr(pb, m.name) for m in (method.input_type, method.output_type))
+        make = kinds[(method.client_streaming, method.server_streaming)]
+        handlers[method.name] = make(getattr(servicer, method.name), request_deserializer=lenient_parser(request),
+                                     response_serializer=response.SerializeToString)
+    return grpc.method_handlers_generic_handler(service.full_name, handlers)
 
 
 def _bind_address(host: str, port: int) -> str:
@@ -75,12 +93,14 @@ class PolicyServer:
     def start(self) -> PolicyServer:
         cfg = self.config
         interceptors = [TokenAuthInterceptor(self._token)] if self._token else []
-        # Each Control stream holds one worker thread for its lifetime, so size the pool for every
-        # session streaming at once plus room for unary calls.
+        # Each Control stream and Reason call holds a thread for its lifetime, so size the pool for every
+        # session streaming at once plus room for unary calls. Calls beyond it are refused at once
+        # (RESOURCE_EXHAUSTED) rather than queued behind calls that may last an episode.
         workers = 2 * cfg.max_sessions + 8
         self._grpc = grpc.server(
             futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpc"),
             interceptors=interceptors,
+            maximum_concurrent_rpcs=workers,
             options=[
                 # Frames up to 2x the limit reach the servicer, which answers PAYLOAD_TOO_LARGE with
                 # a reason; gRPC core cuts anything larger with plain RESOURCE_EXHAUSTED.
@@ -90,8 +110,8 @@ class PolicyServer:
                 *_keepalive_options(),
             ],
         )
-        pb_grpc.add_PolicyServiceServicer_to_server(
-            PolicyServicer(self.engine, self.metrics, cfg.max_message_bytes), self._grpc
+        self._grpc.add_generic_rpc_handlers(
+            (_policy_service_handler(PolicyServicer(self.engine, self.metrics, cfg.max_message_bytes)),)
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
         if cfg.reflection:
@@ -112,7 +132,7 @@ class PolicyServer:
         self._poller.start()
 
         if cfg.metrics_port is not None:
-            self.metrics_port = self.metrics.serve(cfg.host, cfg.metrics_port)
+            self.metrics_port = self.metrics.serve(cfg.metrics_host, cfg.metrics_port, token=self._token)
         if cfg.websocket_port is not None:
             ssl_context = None
             if cfg.tls:

@@ -10,7 +10,9 @@ Three threads cooperate so that events are never held back by inference:
 Newest observation wins: while the worker is busy, a new frame replaces every waiting frame not
 marked ``must_answer``, and each replaced frame is reported as ``Superseded`` right away. Frames
 whose epoch is not the session's current one are rejected with STALE_EPOCH, both on arrival and
-again when the worker picks them up (a reset may happen in between).
+again when the worker picks them up (a reset may happen in between). A frame that comes sooner than
+the session's declared rate allows waits (throttled) until its tick is due, unless a newer frame
+replaces it meanwhile; a message that does not parse is answered with an error event.
 """
 
 from __future__ import annotations
@@ -23,9 +25,9 @@ from dataclasses import dataclass
 
 import grpc
 
-from policy_server.engine.api import Engine, Observation, StaleEpoch
+from policy_server.engine.api import Engine, Observation, RateExceeded, StaleEpoch
 from policy_server.server import convert, validate
-from policy_server.server.errors import ServiceError, from_exception, make_error
+from policy_server.server.errors import ServiceError, Undecodable, from_exception, make_error
 from policy_server.server.metrics import ServerMetrics
 from policy_server.server.proto import policy_server_pb2 as pb
 
@@ -63,6 +65,8 @@ class ControlStream:
         first = next(requests, None)
         if first is None:
             return
+        if isinstance(first, Undecodable):
+            raise first.error("start")
         if first.WhichOneof("kind") != "start":
             raise make_error(
                 "STREAM_NOT_STARTED",
@@ -103,6 +107,9 @@ class ControlStream:
     def _read(self, requests: Iterator[pb.ControlRequest]) -> None:
         try:
             for request in requests:
+                if isinstance(request, Undecodable):
+                    self._emit_error(0, request.error())
+                    continue
                 kind = request.WhichOneof("kind")
                 if kind == "observation":
                     self._accept(request.observation, request.ByteSize())
@@ -211,6 +218,9 @@ class ControlStream:
                     deadline_s=None,
                     should_abort=self._should_abort,
                 )
+            except RateExceeded as early:
+                self._hold(frame, early.retry_after_ms / 1e3)
+                continue
             except Exception as exc:  # noqa: BLE001
                 self._emit_error(frame.obs_id, exc)
                 continue
@@ -230,6 +240,13 @@ class ControlStream:
                 )
             )
         self._outbound.put(_END)
+
+    def _hold(self, frame: _PendingFrame, wait_s: float) -> None:
+        """Throttle: put ``frame`` back first in line and wait until its tick is due (a newer frame that
+        arrives meanwhile supersedes it as usual)."""
+        with self._cond:
+            self._pending.insert(0, frame)
+            self._cond.wait_for(lambda: self._stopped, timeout=wait_s)
 
     def _emit_error(self, obs_id: int, exc: BaseException) -> None:
         error: ServiceError = from_exception(exc)

@@ -6,8 +6,10 @@ import importlib.metadata
 
 import numpy as np
 
+from policy_server import limits
 from policy_server.engine.api import (
     ActResult,
+    Capacity,
     EmbodimentSpec,
     ImageEncoding,
     ServerInfo,
@@ -63,10 +65,13 @@ def embodiment_to_proto(spec: EmbodimentSpec) -> pb.EmbodimentSpec:
         min_chunk_size=spec.min_chunk_size,
         max_chunk_size=spec.max_chunk_size,
         control_hz=spec.control_hz,
+        state_low=list(spec.state_low),
+        state_high=list(spec.state_high),
     )
 
 
-def server_info_to_proto(info: ServerInfo, ready: bool, max_message_bytes: int) -> pb.ServerInfo:
+def server_info_to_proto(info: ServerInfo, ready: bool, max_message_bytes: int,
+                         capacity: tuple[Capacity, ...]) -> pb.ServerInfo:
     return pb.ServerInfo(
         protocol_version=PROTOCOL_VERSION,
         server_version=SERVER_VERSION,
@@ -82,6 +87,12 @@ def server_info_to_proto(info: ServerInfo, ready: bool, max_message_bytes: int) 
             max_sessions=info.max_sessions,
             max_message_bytes=max_message_bytes,
             max_reason_tokens=info.max_reason_tokens,
+            max_instruction_tokens=info.max_instruction_tokens,
+            max_prompt_tokens=info.max_prompt_tokens,
+            max_text_bytes=limits.MAX_TEXT_BYTES,
+            max_budget_ms=limits.MAX_BUDGET_MS,
+            max_rate_hz=limits.MAX_RATE_HZ,
+            max_temperature=limits.MAX_TEMPERATURE,
         ),
         default_budget_ms=info.default_budget_ms,
         warmup_profile=[
@@ -95,6 +106,11 @@ def server_info_to_proto(info: ServerInfo, ready: bool, max_message_bytes: int) 
             for p in info.warmup_profile
         ],
         ready=ready,
+        capacity=[
+            pb.Capacity(embodiment=c.embodiment, chunk_size=c.chunk_size, budget_ms=c.budget_ms, rate_hz=c.rate_hz,
+                        sessions_alone=c.sessions_alone, sessions_more=c.sessions_more)
+            for c in capacity
+        ],
     )
 
 
@@ -107,6 +123,8 @@ def session_to_proto(handle: SessionHandle) -> pb.Session:
         budget_ms=handle.budget_ms,
         chunk_size=handle.chunk_size,
         seed=handle.seed,
+        rate_hz=handle.rate_hz,
+        slot_ms=handle.slot_ms,
     )
 
 

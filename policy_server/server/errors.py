@@ -13,10 +13,11 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+from dataclasses import dataclass
 
 import grpc
 
-from policy_server.engine.api import BudgetInfeasible, EngineError, WarmingUp
+from policy_server.engine.api import BudgetInfeasible, EngineError, InvalidArgument, RateExceeded, WarmingUp
 from policy_server.server.proto import policy_server_pb2 as pb
 from policy_server.server.wire import WireError
 
@@ -33,7 +34,12 @@ _STATUS_BY_REASON: dict[str, grpc.StatusCode] = {
     "BUDGET_INFEASIBLE": grpc.StatusCode.FAILED_PRECONDITION,
     "STREAM_NOT_STARTED": grpc.StatusCode.FAILED_PRECONDITION,
     "WARMING_UP": grpc.StatusCode.UNAVAILABLE,
+    "SHUTTING_DOWN": grpc.StatusCode.UNAVAILABLE,
     "TOO_MANY_SESSIONS": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "OVERLOADED": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "RATE_EXCEEDED": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "SESSION_BUSY": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "TOO_MANY_REASON_CALLS": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "PAYLOAD_TOO_LARGE": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "CANCELLED": grpc.StatusCode.CANCELLED,
     "DEADLINE_EXCEEDED": grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -42,6 +48,15 @@ _STATUS_BY_REASON: dict[str, grpc.StatusCode] = {
     "INTERNAL": grpc.StatusCode.INTERNAL,
     "UNAUTHENTICATED": grpc.StatusCode.UNAUTHENTICATED,
 }
+
+
+# Every text an error carries is clipped: trailing metadata is small, and a client's own input
+# (a session id, a camera name) must not make the error about it too large to send.
+_MAX_TEXT = 400
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= _MAX_TEXT else text[: _MAX_TEXT - 3] + "..."
 
 
 def status_for(reason: str) -> grpc.StatusCode:
@@ -78,10 +93,10 @@ def make_error(
     detail = pb.ErrorDetail(
         code=status_for(reason).name,
         reason=reason,
-        message=message,
-        field=field,
-        expected=expected,
-        got=got,
+        message=_clip(message),
+        field=_clip(field),
+        expected=_clip(expected),
+        got=_clip(got),
         **extra,
     )
     return ServiceError(detail)
@@ -98,7 +113,7 @@ def from_exception(exc: BaseException) -> ServiceError:
         extra: dict[str, float] = {}
         if isinstance(exc, BudgetInfeasible):
             extra["best_achievable_ms"] = exc.best_achievable_ms
-        if isinstance(exc, WarmingUp):
+        if isinstance(exc, WarmingUp | RateExceeded):
             extra["retry_after_ms"] = exc.retry_after_ms
         err = make_error(
             exc.reason,
@@ -110,7 +125,7 @@ def from_exception(exc: BaseException) -> ServiceError:
         )
         for key, value in details.items():
             if key not in ("field", "expected", "got"):
-                err.detail.metadata[key] = value
+                err.detail.metadata[key] = _clip(value)
         return err
     log.exception("internal error while serving a request", exc_info=exc)
     return make_error("INTERNAL", f"internal server error ({type(exc).__name__}); see the server log")
@@ -122,9 +137,44 @@ def abort(context: grpc.ServicerContext, error: ServiceError) -> None:
     context.abort(error.code, error.detail.message)
 
 
+@dataclass(frozen=True)
+class Undecodable:
+    """What the server's request deserializer returns for bytes that do not parse as ``message``."""
+
+    message: str  # the expected message type's full name
+    size: int  # bytes received
+    problem: str
+
+    def error(self, field: str = "request") -> InvalidArgument:
+        return InvalidArgument(field, f"a serialized {self.message}",
+                               f"{self.size} bytes that do not parse ({self.problem})", reason="BAD_REQUEST")
+
+
+def lenient_parser(message_class):
+    """A request deserializer that never raises: bytes that do not parse become ``Undecodable``, which
+    the servicer answers with INVALID_ARGUMENT (gRPC's own would answer INTERNAL with a traceback)."""
+    name = message_class.DESCRIPTOR.full_name
+
+    def parse(data: bytes):
+        try:
+            return message_class.FromString(data)
+        except Exception as exc:  # noqa: BLE001 - protobuf raises DecodeError, and others for some inputs
+            return Undecodable(name, len(data), str(exc) or type(exc).__name__)
+
+    return parse
+
+
+def check_decoded(request) -> None:
+    """Raise the INVALID_ARGUMENT error for a request that did not parse (logged in one line)."""
+    if isinstance(request, Undecodable):
+        log.warning("undecodable %s request of %d bytes: %s", request.message, request.size, request.problem)
+        raise request.error()
+
+
 def rpc_errors(method):
     """Decorator for servicer methods (unary or server-streaming): any exception ends the call with
-    its precise status. The servicer's ``on_error(ServiceError)`` sees each error first (metrics)."""
+    its precise status, and a request that did not parse is answered INVALID_ARGUMENT before the method
+    runs. The servicer's ``on_error(ServiceError)`` sees each error first (metrics)."""
 
     def fail(servicer, context, exc: Exception) -> None:
         # Wrapped methods raise and never call context.abort themselves, so exc is never grpc's own
@@ -138,6 +188,7 @@ def rpc_errors(method):
         @functools.wraps(method)
         def stream_wrapper(self, request, context):
             try:
+                check_decoded(request)
                 yield from method(self, request, context)
             except Exception as exc:  # noqa: BLE001 - every failure must become a status
                 fail(self, context, exc)
@@ -147,6 +198,7 @@ def rpc_errors(method):
     @functools.wraps(method)
     def unary_wrapper(self, request, context):
         try:
+            check_decoded(request)
             return method(self, request, context)
         except Exception as exc:  # noqa: BLE001
             fail(self, context, exc)

@@ -1,17 +1,23 @@
-"""Prometheus metrics, exposed on their own HTTP port (``--metrics-port``).
+"""Prometheus metrics, exposed on their own HTTP port (``--metrics-port``, on ``--metrics-host``).
 
 Each server owns its registry, so several servers in one process (tests) never collide.
-Latencies are in ms; the histogram buckets bracket the default 120 ms budget finely.
+Latencies are in ms; the histogram buckets bracket the default 120 ms budget finely. When the server
+requires a token, so does ``/metrics`` (``Authorization: Bearer <token>``, as Prometheus'
+``authorization`` scrape setting sends it): session counts and error reasons are not for everyone.
 """
 
 from __future__ import annotations
 
+import http
+import socket
 import threading
-from wsgiref.simple_server import WSGIServer
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
 from policy_server.engine.api import ActResult, Engine
+from policy_server.server.auth import bearer_token_matches
 
 _LATENCY_BUCKETS_MS = (1, 2, 5, 10, 20, 35, 50, 75, 100, 110, 120, 130, 150, 200, 300, 500, 1000, 2000, 5000)
 
@@ -94,9 +100,16 @@ class ServerMetrics:
     def observe_error(self, reason: str) -> None:
         self.errors.labels(reason).inc()
 
-    def serve(self, host: str, port: int) -> int:
-        """Start the /metrics HTTP endpoint; returns the bound port (``port`` 0 picks a free one)."""
-        self._http, self._thread = start_http_server(port, addr=host, registry=self.registry)
+    def serve(self, host: str, port: int, token: str | None = None) -> int:
+        """Start the /metrics HTTP endpoint; returns the bound port (``port`` 0 picks a free one).
+        With ``token``, a scrape without ``Authorization: Bearer <token>`` gets 401."""
+        app = make_wsgi_app(self.registry)
+        if token is not None:
+            app = _require_token(app, token)
+        server_class = _Server6 if ":" in host else _Server
+        self._http = make_server(host.strip("[]"), port, app, server_class=server_class, handler_class=_QuietHandler)
+        self._thread = threading.Thread(target=self._http.serve_forever, daemon=True, name="metrics")
+        self._thread.start()
         return int(self._http.server_port)
 
     def stop(self) -> None:
@@ -104,3 +117,29 @@ class ServerMetrics:
             self._http.shutdown()
             self._http.server_close()
             self._http = None
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _Server6(_Server):
+    address_family = socket.AF_INET6
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format, *args):  # noqa: A002 - the base class's name; scrapes are not news
+        pass
+
+
+def _require_token(app, token: str):
+    """WSGI middleware: 401 unless the request carries the bearer token."""
+    def guarded(environ, start_response):
+        if bearer_token_matches(environ.get("HTTP_AUTHORIZATION"), token):
+            return app(environ, start_response)
+        status = http.HTTPStatus.UNAUTHORIZED
+        start_response(f"{status.value} {status.phrase}", [("Content-Type", "text/plain"),
+                                                           ("WWW-Authenticate", "Bearer")])
+        return [b"UNAUTHENTICATED: /metrics needs the server's token (Authorization: Bearer <token>)\n"]
+
+    return guarded

@@ -6,7 +6,6 @@ with its machine-readable reason (see ``errors.py``), so the server keeps servin
 
 from __future__ import annotations
 
-import math
 import time
 
 import grpc
@@ -54,8 +53,11 @@ class PolicyServicer(pb_grpc.PolicyServiceServicer):
     # -- server and sessions -------------------------------------------------------------------
 
     @rpc_errors
-    def GetServerInfo(self, request, context):
-        return convert.server_info_to_proto(self.engine.info(), self.engine.ready(), self.max_message_bytes)
+    def GetServerInfo(self, request: pb.GetServerInfoRequest, context):
+        budget = validate.budget_ms(request.budget_ms) if request.HasField("budget_ms") else None
+        rate = validate.rate_hz(request.rate_hz) if request.HasField("rate_hz") else None
+        return convert.server_info_to_proto(self.engine.info(), self.engine.ready(), self.max_message_bytes,
+                                            self.engine.capacity(budget, rate))
 
     @rpc_errors
     def OpenSession(self, request: pb.OpenSessionRequest, context):
@@ -66,8 +68,13 @@ class PolicyServicer(pb_grpc.PolicyServiceServicer):
         budget = validate.budget_ms(request.budget_ms) if request.HasField("budget_ms") else None
         chunk = validate.chunk_size(spec, request.chunk_size) if request.HasField("chunk_size") else None
         seed = request.seed if request.HasField("seed") else None
+        rate = validate.rate_hz(request.rate_hz) if request.HasField("rate_hz") else None
+        executed = None
+        if request.HasField("actions_per_chunk"):
+            executed = validate.actions_per_chunk(request.actions_per_chunk, chunk or spec.default_chunk_size)
         handle = self.engine.open_session(
-            spec.name, instruction, budget_ms=budget, chunk_size=chunk, seed=seed
+            spec.name, instruction, budget_ms=budget, chunk_size=chunk, seed=seed, rate_hz=rate,
+            actions_per_chunk=executed,
         )
         return convert.session_to_proto(handle)
 
@@ -134,22 +141,20 @@ class PolicyServicer(pb_grpc.PolicyServiceServicer):
         started = time.monotonic()
         self._check_size(request, "request")
         self._require_ready()
-        validate.require(bool(request.prompt.strip()), "prompt", "a non-empty prompt")
+        prompt = validate.text(request.prompt, "prompt", "prompt")
         limit = self.engine.info().max_reason_tokens
         if not 1 <= request.max_new_tokens <= limit:
             raise InvalidArgument(
                 "max_new_tokens", f"1..{limit}", str(request.max_new_tokens), reason="BAD_VALUE"
             )
-        if not (math.isfinite(request.temperature) and request.temperature >= 0):
-            raise InvalidArgument(
-                "temperature", "a finite value >= 0", repr(request.temperature), reason="BAD_VALUE"
-            )
+        remaining = context.time_remaining()
         pieces = self.engine.reason(
-            request.prompt,
+            prompt,
             request.max_new_tokens,
-            temperature=request.temperature,
+            temperature=validate.temperature(request.temperature),
             seed=request.seed if request.HasField("seed") else None,
             should_abort=lambda: not context.is_active(),
+            deadline_s=started + remaining if remaining < _NO_DEADLINE_S else None,
         )
         count = 0
         for text in pieces:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import http
 import logging
+import math
 import threading
 import time
 from dataclasses import asdict
@@ -45,6 +46,7 @@ from policy_server.engine.api import (
     UnknownSession,
     WarmingUp,
 )
+from policy_server.limits import MAX_FRAME_SIDE
 from policy_server.server import validate
 from policy_server.server.auth import bearer_token_matches
 from policy_server.server.errors import from_exception
@@ -84,11 +86,9 @@ def _unpack_hook(obj: dict) -> Any:
         if any(s < 0 for s in shape):
             raise ValueError(f"negative array dimension in {list(shape)}")
         data = obj[b"data"]
-        if len(data) != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
-            raise ValueError(
-                f"array data is {len(data)} bytes, shape {list(shape)} {dtype} needs "
-                f"{int(np.prod(shape, dtype=np.int64)) * dtype.itemsize}"
-            )
+        needed = math.prod(shape) * dtype.itemsize  # exact: a numpy product can overflow to a match
+        if not isinstance(data, bytes) or len(data) != needed:
+            raise ValueError(f"array data must be {needed} bytes for shape {list(shape)} {dtype}")
         return np.frombuffer(data, dtype=dtype).reshape(shape)
     if b"__npgeneric__" in obj:
         dtype = np.dtype(obj[b"dtype"])
@@ -153,8 +153,9 @@ def observation_from_message(message: dict, spec: EmbodimentSpec, step_index: in
             raise SchemaMismatch(key, "uint8 [H, W, 3] or [3, H, W]", got)
         if frame.shape[-1] != camera.channels and frame.shape[0] == camera.channels:
             frame = np.transpose(frame, (1, 2, 0))  # CHW, as several openpi examples send
-        if frame.shape[-1] != camera.channels:
-            raise SchemaMismatch(key, f"{camera.channels} channels", f"shape {list(frame.shape)}")
+        if frame.shape[-1] != camera.channels or not all(1 <= side <= MAX_FRAME_SIDE for side in frame.shape[:2]):
+            raise SchemaMismatch(key, f"[H, W, {camera.channels}] with sides in 1..{MAX_FRAME_SIDE}",
+                                 f"shape {list(frame.shape)}")
         images[camera.name] = _resize_with_pad(np.ascontiguousarray(frame), camera.height, camera.width)
 
     state = None
@@ -163,18 +164,17 @@ def observation_from_message(message: dict, spec: EmbodimentSpec, step_index: in
         raw = message.get(key)
         if raw is None:
             raise SchemaMismatch(key, f"float [{spec.state_dim}]", "no such key")
-        values = np.asarray(raw)
-        if values.dtype.kind not in ("f", "i", "u"):
-            raise InvalidArgument(key, "a float array", str(values.dtype), reason="BAD_DTYPE")
-        if values.shape != (spec.state_dim,):
-            raise SchemaMismatch(key, f"shape [{spec.state_dim}]", f"shape {list(values.shape)}")
-        if not np.all(np.isfinite(values)):
-            raise InvalidArgument(key, "finite values", "NaN/Inf", reason="NON_FINITE")
-        state = values.astype(np.float32)
+        if isinstance(raw, list | tuple) and all(isinstance(v, int | float) and not isinstance(v, bool) for v in raw):
+            raw = np.asarray(raw, np.float64)
+        if not isinstance(raw, np.ndarray) or raw.dtype.kind not in ("f", "i", "u"):
+            got = str(raw.dtype) if isinstance(raw, np.ndarray) else type(raw).__name__
+            raise InvalidArgument(key, "a numeric array", got, reason="BAD_DTYPE")
+        state = validate.state(raw, spec, key)
 
     prompt = message.get("prompt", "")
     if not isinstance(prompt, str):
         raise InvalidArgument("prompt", "a string", type(prompt).__name__, reason="BAD_VALUE")
+    validate.optional_instruction(prompt, "prompt")
     step = message.get("step_index", step_index)
     if isinstance(step, np.generic):
         step = step.item()
@@ -320,7 +320,8 @@ class OpenpiWebsocketServer:
                     observation = observation_from_message(message, spec, steps)
                     if session is None:
                         validate.instruction(observation.instruction, "prompt")
-                        session = self._engine.open_session(spec.name, observation.instruction)
+                        # The openpi protocol cannot declare a rate: its clients ask again when a chunk runs out.
+                        session = self._engine.open_session(spec.name, observation.instruction, rate_hz=0.0)
                     result = self._engine.act(session.session_id, session.epoch, observation)
                 except Exception as exc:  # noqa: BLE001 - answered as a text frame
                     error = from_exception(exc)

@@ -8,6 +8,7 @@ their header size has been checked, so a tiny file cannot claim a huge frame) or
 
 from __future__ import annotations
 
+import math
 import struct
 
 import cv2
@@ -69,7 +70,7 @@ def tensor_from_proto(tensor: pb.Tensor, field: str) -> np.ndarray:
     shape = tuple(int(s) for s in tensor.shape)
     if any(s < 0 for s in shape):
         raise WireError(f"{field}.shape", "non-negative dimensions", str(list(shape)), "BAD_TENSOR")
-    expected_bytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    expected_bytes = math.prod(shape) * dtype.itemsize  # exact: a numpy product can overflow to a match
     if len(tensor.data) != expected_bytes:
         raise WireError(
             f"{field}.data",

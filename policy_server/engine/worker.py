@@ -1,0 +1,193 @@
+"""The model worker: one thread, one loop, over the control ticks and the background work of one model.
+
+Control ticks always go first. The oldest queued tick starts together with up to ``max_batch - 1``
+queued ticks of the same shape from other sessions (a micro-batch, see ``engine/batching.py``).
+Background work (reasoner calls, warmup) is a ``BackgroundJob``: the loop runs one ``step()`` of the
+oldest job, then looks at the ticks again, so a tick waits for at most one background step. Jobs
+take turns, step by step.
+
+``close()`` stops the loop after the step in progress; queued ticks and jobs are failed with
+``ShuttingDown`` so that no caller is left waiting.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Hashable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from policy_server.engine import api
+
+
+class BackgroundJob(Protocol):
+    def step(self) -> bool:
+        """Do one bounded piece of work; True when the job is finished."""
+
+    def fail(self, error: BaseException) -> None:
+        """The job will not run again (shutdown, or its ``step`` raised ``error``)."""
+
+
+@dataclass(eq=False)
+class TickJob:
+    """A queued control tick and the future its caller waits on. ``shape``: what batching groups on."""
+
+    session: Any
+    shape: Hashable
+    payload: Any
+    result: Future = field(default_factory=Future)
+
+
+class ModelWorker:
+    """Runs ``run_tick(job, batcher_or_None)`` for ticks and ``step()`` for background jobs on one thread.
+
+    ``make_batcher(size)`` builds the rendezvous of a micro-batch of ``size`` ticks (it must have
+    ``leave()``); each tick of a batch runs on its own thread while the worker waits for them.
+    """
+
+    def __init__(self, run_tick: Callable[[TickJob, Any], Any], make_batcher: Callable[[int], Any],
+                 max_batch: int) -> None:
+        self._run_tick = run_tick
+        self._make_batcher = make_batcher
+        self._max_batch = max_batch
+        self._ticks: list[TickJob] = []  # oldest first
+        self._jobs: deque[BackgroundJob] = deque()
+        self._running = 0  # ticks and jobs taken off the queues, not yet finished
+        self._closed = False
+        self._changed = threading.Condition()
+        self._batch_threads = ThreadPoolExecutor(max_workers=max_batch, thread_name_prefix="tick")
+        self._thread = threading.Thread(target=self._loop, name="model-worker", daemon=True)
+        self._thread.start()
+
+    @property
+    def queue_depth(self) -> int:
+        """Ticks and background jobs waiting or running."""
+        with self._changed:
+            return len(self._ticks) + len(self._jobs) + self._running
+
+    def submit_tick(self, job: TickJob) -> None:
+        with self._changed:
+            if self._closed:
+                raise api.ShuttingDown()
+            self._ticks.append(job)
+            self._changed.notify()
+
+    def withdraw(self, job: TickJob) -> bool:
+        """Take a tick off the queue before it starts; False when it already started (or finished)."""
+        with self._changed:
+            if job in self._ticks:
+                self._ticks.remove(job)
+                return True
+            return False
+
+    def submit_job(self, job: BackgroundJob) -> None:
+        with self._changed:
+            if self._closed:
+                raise api.ShuttingDown()
+            self._jobs.append(job)
+            self._changed.notify()
+
+    def close(self, timeout_s: float) -> None:
+        """Stop after the step in progress (waiting ``timeout_s`` at most) and fail everything queued."""
+        with self._changed:
+            self._closed = True
+            ticks, self._ticks = self._ticks, []
+            jobs, self._jobs = list(self._jobs), deque()
+            self._changed.notify_all()
+        for tick in ticks:
+            tick.result.set_exception(api.ShuttingDown())
+        for job in jobs:
+            job.fail(api.ShuttingDown())
+        self._thread.join(timeout_s)
+        self._batch_threads.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------------------------ the loop
+
+    def _loop(self) -> None:
+        while True:
+            with self._changed:
+                while not (self._closed or self._ticks or self._jobs):
+                    self._changed.wait()
+                if self._closed:
+                    return
+                if self._ticks:
+                    batch, job = self._take_batch(), None
+                    self._running += len(batch)
+                else:
+                    batch, job = [], self._jobs.popleft()
+                    self._running += 1
+            try:
+                if batch:
+                    self._run_batch(batch)
+                else:
+                    self._step(job)
+            finally:
+                with self._changed:
+                    self._running -= len(batch) if batch else 1
+
+    def _take_batch(self) -> list[TickJob]:
+        """The oldest tick and queued ticks of its shape from other sessions (under the lock)."""
+        batch = [self._ticks.pop(0)]
+        for tick in list(self._ticks):
+            if len(batch) == self._max_batch:
+                break
+            if tick.shape == batch[0].shape and all(tick.session is not b.session for b in batch):
+                batch.append(tick)
+                self._ticks.remove(tick)
+        return batch
+
+    def _run_batch(self, batch: list[TickJob]) -> None:
+        if len(batch) == 1:
+            _settle(batch[0].result, self._run_tick, batch[0], None)
+            return
+        batcher = self._make_batcher(len(batch))
+
+        def run_in_batch(tick: TickJob) -> None:
+            try:
+                _settle(tick.result, self._run_tick, tick, batcher)
+            finally:
+                batcher.leave()
+
+        for finished in [self._batch_threads.submit(run_in_batch, tick) for tick in batch]:
+            finished.result()
+
+    def _step(self, job: BackgroundJob) -> None:
+        try:
+            finished = job.step()
+        except BaseException as error:  # the job's caller gets it; the worker keeps serving
+            job.fail(error)
+            return
+        if not finished:
+            with self._changed:
+                if self._closed:
+                    job.fail(api.ShuttingDown())
+                else:
+                    self._jobs.append(job)
+
+
+def _settle(result: Future, fn, *args) -> None:
+    """Run ``fn(*args)`` and put its return value or exception into ``result``."""
+    try:
+        result.set_result(fn(*args))
+    except BaseException as error:  # the caller gets it, the worker keeps serving
+        result.set_exception(error)
+
+
+class GeneratorJob:
+    """A background job whose steps are the yields of a generator; ``on_fail(error)`` when it cannot finish."""
+
+    def __init__(self, steps: Iterator[Any], on_fail: Callable[[BaseException], None]) -> None:
+        self._steps, self._on_fail = steps, on_fail
+
+    def step(self) -> bool:
+        try:
+            next(self._steps)
+        except StopIteration:
+            return True
+        return False
+
+    def fail(self, error: BaseException) -> None:
+        self._steps.close()
+        self._on_fail(error)
