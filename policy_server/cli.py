@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -21,6 +22,8 @@ from typing import Any
 from policy_server.config import ConfigError, ServerConfig, build_config, read_config_file
 
 log = logging.getLogger("policy_server")
+SHUTDOWN_GRACE_S = 2.0  # running calls may finish within this after SIGTERM
+SHUTDOWN_TIMEOUT_S = 8.0  # then the engine has this long to stop
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,9 +109,21 @@ def serve(config: ServerConfig) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        server.stop(grace_s=2.0)
+        # Running calls get the grace period, the engine stops within one step; should anything still
+        # hang (a stuck device call), the process leaves anyway.
+        watchdog = threading.Timer(SHUTDOWN_GRACE_S + SHUTDOWN_TIMEOUT_S, _exit_now)
+        watchdog.daemon = True
+        watchdog.start()
+        server.stop(grace_s=SHUTDOWN_GRACE_S)
         engine.close()
+        watchdog.cancel()
     return 0
+
+
+def _exit_now() -> None:
+    print(f"policy-server: shutdown took over {SHUTDOWN_GRACE_S + SHUTDOWN_TIMEOUT_S:g} s; exiting now",
+          file=sys.stderr, flush=True)
+    os._exit(1)
 
 
 def main(argv: list[str] | None = None) -> int:

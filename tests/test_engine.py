@@ -142,6 +142,9 @@ def test_a_failing_tick_does_not_hold_up_its_micro_batch(engine):
     results = _act_queued_together(engine, calls)
     assert isinstance(results[1], api.Cancelled)
     assert all(r.actions.shape == (8, 2) and r.tick.knobs["batch_size"] == 3 for r in (results[0], results[2]))
+    deadline = time.monotonic() + 10  # the worker counts the batch until its last thread is done
+    while engine.stats().queue_depth and time.monotonic() < deadline:
+        time.sleep(0.005)
     assert engine.stats().queue_depth == 0
     for s in sessions:
         engine.close_session(s.session_id)
@@ -219,3 +222,178 @@ def test_close_answers_ticks_still_queued(tmp_path):
         closing.result(timeout=60)
     with pytest.raises(api.ShuttingDown):
         engine.open_session("pusht", "reach the red circle")
+
+
+def test_every_advertised_chunk_size_is_served(engine):
+    spec = engine.info().embodiments[0]
+    for chunk in range(spec.min_chunk_size, spec.max_chunk_size + 1):
+        session = engine.open_session("pusht", "reach the red circle", chunk_size=chunk, rate_hz=0)
+        result = engine.act(session.session_id, 1, _observation(chunk))
+        assert result.actions.shape == (chunk, 2), chunk
+        assert np.all(np.isfinite(result.actions))
+        engine.close_session(session.session_id)
+
+
+def test_a_second_tick_while_one_is_in_flight_is_refused(engine):
+    session = engine.open_session("pusht", "reach the red circle", rate_hz=0)
+    gate = _hold_worker(engine)
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(engine.act, session.session_id, 1, _observation())
+        while engine.stats().queue_depth < 2:
+            time.sleep(0.005)
+        with pytest.raises(api.SessionBusy):
+            engine.act(session.session_id, 1, _observation(1))
+        gate.set()
+        assert first.result(timeout=60).actions.shape == (8, 2)
+    assert engine.act(session.session_id, 1, _observation(2)).actions.shape == (8, 2)
+    engine.close_session(session.session_id)
+
+
+def test_a_tick_whose_caller_left_while_queued_is_withdrawn(engine):
+    session = engine.open_session("pusht", "reach the red circle", rate_hz=0)
+    gate = _hold_worker(engine)
+    gone = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(engine.act, session.session_id, 1, _observation(), None, gone.is_set)
+        while engine.stats().queue_depth < 2:
+            time.sleep(0.005)
+        gone.set()
+        with pytest.raises(api.Cancelled):
+            first.result(timeout=60)
+        assert engine.stats().queue_depth == 1  # only the gate: the tick left the queue at once
+        gate.set()
+    assert engine.act(session.session_id, 1, _observation(1)).actions.shape == (8, 2)
+    engine.close_session(session.session_id)
+
+
+def test_ticks_faster_than_the_declared_rate_are_refused(engine):
+    session = engine.open_session("pusht", "reach the red circle", rate_hz=0.5)
+    assert session.rate_hz == 0.5
+    for step in range(2):  # a burst of two absorbs jitter
+        engine.act(session.session_id, 1, _observation(step))
+    with pytest.raises(api.RateExceeded) as early:
+        engine.act(session.session_id, 1, _observation(2))
+    assert 0 < early.value.retry_after_ms <= 2000
+    assert early.value.measured_hz > 0.5
+    engine.close_session(session.session_id)
+
+
+def test_default_rate_comes_from_the_control_rate_and_the_actions_executed(engine):
+    spec = engine.info().embodiments[0]
+    session = engine.open_session("pusht", "reach the red circle", actions_per_chunk=4)
+    assert session.rate_hz == pytest.approx(spec.control_hz / 4)
+    engine.close_session(session.session_id)
+    with pytest.raises(api.InvalidArgument, match="actions_per_chunk"):
+        engine.open_session("pusht", "reach the red circle", actions_per_chunk=9)
+
+
+def _floor_ms(engine) -> float:
+    """The cheapest tick the planner can make: what BUDGET_INFEASIBLE reports."""
+    with pytest.raises(api.BudgetInfeasible) as infeasible:
+        engine.open_session("pusht", "reach the red circle", budget_ms=0.01, rate_hz=0)
+    return infeasible.value.best_achievable_ms
+
+
+def test_admission_refuses_sessions_whose_ticks_could_not_all_meet_their_budgets(engine):
+    budget = 2.5 * _floor_ms(engine)
+    capacity = engine.capacity(budget, 0.0)[0]
+    assert (capacity.sessions_alone, capacity.sessions_more) == (2, 2)
+    sessions = [engine.open_session("pusht", "reach the red circle", budget_ms=budget, rate_hz=0) for _ in range(2)]
+    assert engine.capacity(budget, 0.0)[0].sessions_more == 0
+    assert all(s.slot_ms <= budget / 2 for s in map(lambda s: engine.session(s.session_id), sessions))
+    with pytest.raises(api.Overloaded, match="0 session") as refused:
+        engine.open_session("pusht", "reach the red circle", budget_ms=budget, rate_hz=0)
+    assert refused.value.sessions_fit == 0
+    with pytest.raises(api.Overloaded):  # nor may a budget change squeeze the others
+        engine.set_budget(sessions[0].session_id, 1.5 * _floor_ms(engine))
+    for step, session in enumerate(sessions):  # the admitted ones are served within their budgets
+        assert engine.act(session.session_id, 1, _observation(step)).tick.deadline_met
+    engine.close_session(sessions[0].session_id)
+    assert engine.capacity(budget, 0.0)[0].sessions_more == 1
+    engine.close_session(sessions[1].session_id)
+
+
+def test_declared_rates_must_fit_the_model_time(engine):
+    floor = _floor_ms(engine)
+    rate = 0.6 * 1000 / floor  # each session would claim 60% of the model at its cheapest
+    assert engine.capacity(10_000.0, rate)[0].sessions_alone == 1
+    session = engine.open_session("pusht", "reach the red circle", rate_hz=rate)
+    with pytest.raises(api.Overloaded):
+        engine.open_session("pusht", "reach the red circle", rate_hz=rate)
+    engine.close_session(session.session_id)
+
+
+def test_instructions_over_the_token_limit_are_refused(engine):
+    from policy_server.limits import MAX_INSTRUCTION_TOKENS
+
+    longest = engine._text_of(MAX_INSTRUCTION_TOKENS)
+    with pytest.raises(api.InvalidArgument, match="instruction: expected at most 128 tokens"):
+        engine.open_session("pusht", longest + " and more", rate_hz=0)
+    session = engine.open_session("pusht", longest, rate_hz=0)
+    assert engine.act(session.session_id, 1, _observation()).tick.deadline_met
+    with pytest.raises(api.InvalidArgument, match="observation.instruction"):
+        engine.act(session.session_id, 1, _observation(1, instruction=longest + " and more"))
+    engine.close_session(session.session_id)
+
+
+def test_a_long_instruction_or_a_slow_tick_does_not_change_what_other_sessions_get(engine):
+    short_key = engine.cost_key("pusht", 8, 4)
+    budget = 2.5 * _floor_ms(engine)
+    before_costs, before_capacity = engine.cost_model.costs(short_key), engine.capacity(budget, 0.0)
+    from policy_server.limits import MAX_INSTRUCTION_TOKENS
+
+    long_session = engine.open_session("pusht", engine._text_of(MAX_INSTRUCTION_TOKENS), rate_hz=0)
+    engine.act(long_session.session_id, 1, _observation())
+    assert engine.cost_model.costs(short_key) == before_costs  # learned under its own key
+    engine.close_session(long_session.session_id)
+    session = engine.open_session("pusht", "reach the red circle", rate_hz=0)
+    engine.full_call_delay_ms = 20.0  # one stalled tick: every full call 20 ms slower
+    try:
+        stalled = engine.act(session.session_id, 1, _observation(1))
+    finally:
+        engine.full_call_delay_ms = 0.0
+    assert stalled.tick.actual_ms["denoise"] > 20.0 * stalled.tick.full_calls
+    engine.close_session(session.session_id)
+    assert engine.capacity(budget, 0.0) == before_capacity
+
+
+def test_reasoner_sampling_at_a_vanishing_temperature_is_greedy(engine):
+    greedy = list(engine.reason("describe the table", max_new_tokens=8, seed=0))
+    for temperature in (1e-300, 5e-324):
+        assert list(engine.reason("describe the table", max_new_tokens=8, temperature=temperature)) == greedy
+
+
+def test_reasoner_stops_at_its_deadline_or_cancellation_even_during_a_long_prefill(engine):
+    from policy_server.limits import MAX_PROMPT_TOKENS
+
+    prompt = engine._text_of(MAX_PROMPT_TOKENS - 40)  # room for the chat template
+    with pytest.raises(api.DeadlineExpired):
+        list(engine.reason(prompt, max_new_tokens=256, deadline_s=time.monotonic() + 0.01))
+    with pytest.raises(api.Cancelled):
+        list(engine.reason(prompt, max_new_tokens=256, should_abort=lambda: True))
+    with pytest.raises(api.InvalidArgument, match="prompt: expected at most"):
+        engine.reason(prompt * 3, max_new_tokens=4)
+    # Every call above gave its slot back.
+    assert list(engine.reason("describe the table", max_new_tokens=4, seed=0))
+
+
+def test_reasoner_calls_are_bounded(engine):
+    gate = _hold_worker(engine)
+    running = [engine.reason("describe the table", max_new_tokens=2) for _ in range(2)]
+    with pytest.raises(api.TooManyReasonCalls):
+        engine.reason("describe the table", max_new_tokens=2)
+    gate.set()
+    assert all(isinstance(list(stream), list) for stream in running)
+
+
+def test_close_stops_a_running_reasoner_call_and_every_caller_is_answered(tmp_path):
+    pipeline = build_random_pipeline(tmp_path, seed=3)
+    engine = ModelEngine(pipeline, EngineSettings(warmup_ticks=1))
+    engine.start()
+    assert engine.wait_ready(timeout_s=300)
+    from policy_server.limits import MAX_PROMPT_TOKENS
+
+    stream = engine.reason(engine._text_of(MAX_PROMPT_TOKENS - 40), max_new_tokens=256)
+    engine.close()
+    with pytest.raises(api.ShuttingDown):
+        list(stream)

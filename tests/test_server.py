@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import grpc
@@ -267,3 +268,20 @@ def test_concurrent_sessions_are_isolated(client):
     for i in range(3):
         np.testing.assert_array_equal(results[i], expected(i, seed=i))
         client.close_session(sessions[i])
+
+
+def test_metrics_need_the_token_when_the_server_does_and_stay_on_loopback(tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("metrics-secret")
+    with serve_fake(FakeEngine(), metrics_port=0, auth_token_file=str(token_file)) as running:
+        assert running.metrics._http.server_address[0] == "127.0.0.1"
+        url = f"http://127.0.0.1:{running.metrics_port}/metrics"
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(url, timeout=5)
+        assert refused.value.code == 401
+        wrong = urllib.request.Request(url, headers={"Authorization": "Bearer nope"})
+        with pytest.raises(urllib.error.HTTPError):
+            urllib.request.urlopen(wrong, timeout=5)
+        scrape = urllib.request.Request(url, headers={"Authorization": "Bearer metrics-secret"})
+        text = urllib.request.urlopen(scrape, timeout=5).read().decode()
+        assert "policy_server_sessions" in text and "policy_server_errors" in text

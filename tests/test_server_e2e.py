@@ -31,7 +31,8 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def served(tmp_path_factory):
+    """The client of a running server process, and the path of its log."""
     model_dir = tmp_path_factory.mktemp("e2e-model")
     build_random_pipeline(model_dir, seed=2)
     port = _free_port()
@@ -51,11 +52,21 @@ def server(tmp_path_factory):
         log.seek(0)
         process.kill()
         raise AssertionError("server did not become SERVING:\n" + log.read()) from None
-    yield client
+    yield client, logs / "server.log"
     client.close()
     process.terminate()
     process.wait(timeout=30)
     log.close()
+
+
+@pytest.fixture(scope="module")
+def server(served):
+    return served[0]
+
+
+@pytest.fixture(scope="module")
+def server_log(served):
+    return served[1]
 
 
 def _image(seed=0):
@@ -155,6 +166,15 @@ def _stale_epoch(client, session):
     return client.act_request(_request(session))
 
 
+def _act_with_instruction(text):
+    def call(client, session):
+        request = _request(session)
+        request.observation.instruction = text
+        return client.act_request(request)
+
+    return call
+
+
 def _oversized(client, session):
     request = _request(session)
     request.observation.instruction = "x" * int(1.5 * MAX_MESSAGE_MB * 2**20)
@@ -189,6 +209,23 @@ BAD_INPUTS = {
     "infeasible_budget": (lambda c, s: c.set_budget(s, 0.01), grpc.StatusCode.FAILED_PRECONDITION,
                           "BUDGET_INFEASIBLE"),
     "empty_reasoner_prompt": (lambda c, s: list(c.reason("", max_new_tokens=4)), INVALID, "MISSING_FIELD"),
+    # Found by probing the real process; each answered INTERNAL before.
+    "float64_state_beyond_float32": (_with_state(tensor_to_proto(np.array([1e300, 0.0]))), INVALID, "OUT_OF_RANGE"),
+    "float32_state_at_its_limits": (_act(state=np.array([3e38, -3e38], np.float32)), INVALID, "OUT_OF_RANGE"),
+    "state_off_the_table": (_act(state=np.array([0.6, 0.2], np.float32)), INVALID, "OUT_OF_RANGE"),
+    "instruction_over_the_byte_limit": (_act_with_instruction("x" * (1 << 19)), INVALID, "TOO_LONG"),
+    "instruction_over_the_token_limit": (_act_with_instruction("reach the red circle " * 40), INVALID, "TOO_LONG"),
+    "open_with_a_long_instruction": (lambda c, s: c.open_session("pusht", "go " * 200), INVALID, "TOO_LONG"),
+    "prompt_over_the_token_limit": (lambda c, s: list(c.reason("why " * 600, max_new_tokens=4)), INVALID, "TOO_LONG"),
+    "huge_temperature": (lambda c, s: list(c.reason("why?", max_new_tokens=4, temperature=1e9)), INVALID,
+                         "BAD_VALUE"),
+    "huge_budget": (lambda c, s: c.open_session("pusht", "go", budget_ms=1e12), INVALID, "BAD_VALUE"),
+    "negative_rate": (lambda c, s: c.open_session("pusht", "go", rate_hz=-1.0), INVALID, "BAD_VALUE"),
+    "more_actions_executed_than_a_chunk_holds": (lambda c, s: c.open_session("pusht", "go", actions_per_chunk=9),
+                                                  INVALID, "BAD_VALUE"),
+    "very_long_session_id": (lambda c, s: c.act_request(pb.ActRequest(session_id="x" * 100_000, epoch=1,
+                                                                      observation=_request(s).observation)),
+                             INVALID, "BAD_VALUE"),
 }
 
 
@@ -215,3 +252,121 @@ def test_unknown_session_and_infeasible_budget(server):
         server.act(session, {"image": _image()}, STATE)
     assert error.value.code == grpc.StatusCode.NOT_FOUND
     assert server.health() == "SERVING"
+
+
+def test_server_info_describes_units_state_limits_capacity_and_the_weights(server):
+    info = server.stub.GetServerInfo(pb.GetServerInfoRequest(), metadata=server.metadata, timeout=30)
+    spec = info.embodiments[0]
+    assert list(spec.action.units) == ["m/s", "m/s"] and list(spec.action.names) == ["vx", "vy"]
+    assert (list(spec.state_names), list(spec.state_units)) == (["x", "y"], ["m", "m"])
+    assert (list(spec.state_low), list(spec.state_high)) == ([0.0, 0.0], [0.5, 0.5])
+    assert info.model.digest.startswith("sha256:") and len(info.model.digest) == len("sha256:") + 64
+    limits = info.limits
+    assert (limits.max_instruction_tokens, limits.max_prompt_tokens) == (128, 512)
+    assert limits.max_text_bytes > 0 and limits.max_budget_ms > 0 and limits.max_rate_hz > 0
+    (capacity,) = info.capacity
+    assert capacity.embodiment == "pusht" and capacity.budget_ms == info.default_budget_ms
+    assert capacity.rate_hz == spec.control_hz / spec.default_chunk_size
+    assert capacity.sessions_alone >= capacity.sessions_more >= 1
+
+
+@pytest.mark.parametrize("chunk", range(1, 17))
+def test_every_advertised_chunk_size_is_served(server, chunk):
+    session = server.open_session("pusht", "reach the red circle", chunk_size=chunk)
+    assert server.act(session, {"image": _image()}, STATE).actions.shape == (chunk, 2)
+    server.close_session(session)
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 5e-324])
+def test_reasoner_at_a_vanishing_temperature_answers(server, temperature):
+    assert list(server.reason("what is on the table?", max_new_tokens=4, temperature=temperature, seed=1)) == \
+        list(server.reason("what is on the table?", max_new_tokens=4, seed=1))
+
+
+def test_request_bytes_that_do_not_parse_are_invalid_argument_and_logged_in_one_line(server, server_log):
+    metadata = (("authorization", f"Bearer {TOKEN}"),)
+    with grpc.insecure_channel(server.target) as channel:
+        for method in ("OpenSession", "Act", "GetServerInfo", "SetBudget"):
+            call = channel.unary_unary(f"/policy_server.v1.PolicyService/{method}")
+            with pytest.raises(grpc.RpcError) as error:
+                call(b"\xff\xff\xff\xff", metadata=metadata, timeout=30)
+            assert error.value.code() == INVALID, method
+            reasons = dict(error.value.trailing_metadata())
+            assert reasons["policy-server-reason"] == "BAD_REQUEST"
+    session = server.open_session("pusht", "reach the red circle")
+    assert server.act(session, {"image": _image()}, STATE).actions.shape == (8, 2)
+    server.close_session(session)
+    log = server_log.read_text()
+    assert log.count("undecodable policy_server.v1.") >= 4
+    assert "Traceback" not in log and "Exception deserializing" not in log
+
+
+def test_ticks_asked_for_faster_than_declared_are_refused_with_a_retry_delay(server):
+    session = server.open_session("pusht", "reach the red circle", rate_hz=0.2)
+    for step in range(2):
+        server.act(session, {"image": _image(step)}, STATE)
+    with pytest.raises(PolicyServerError) as early:
+        server.act(session, {"image": _image()}, STATE)
+    assert (early.value.code, early.value.reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "RATE_EXCEEDED")
+    assert early.value.detail.retry_after_ms > 0
+    server.close_session(session)
+
+
+def test_sessions_beyond_capacity_are_refused_with_the_capacity_figure(server):
+    with pytest.raises(PolicyServerError) as infeasible:
+        server.open_session("pusht", "reach the red circle", budget_ms=0.01)
+    budget = 2.5 * infeasible.value.detail.best_achievable_ms  # room for two of the cheapest ticks
+    info = server.stub.GetServerInfo(pb.GetServerInfoRequest(budget_ms=budget, rate_hz=0.0),
+                                     metadata=server.metadata, timeout=30)
+    assert (info.capacity[0].sessions_alone, info.capacity[0].sessions_more) == (2, 2)
+    opened = [server.open_session("pusht", "reach the red circle", budget_ms=budget, rate_hz=0.0) for _ in range(2)]
+    with pytest.raises(PolicyServerError) as refused:
+        server.open_session("pusht", "reach the red circle", budget_ms=budget, rate_hz=0.0)
+    assert (refused.value.code, refused.value.reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "OVERLOADED")
+    assert "0 session(s) like this one fit now" in refused.value.detail.message
+    for session in opened:
+        assert server.act(session, {"image": _image()}, STATE).tick.deadline_met
+        server.close_session(session)
+
+
+def test_sigterm_stops_the_server_promptly_whatever_it_is_doing(tmp_path):
+    """A tick and a long reasoner call are running when SIGTERM comes: the process still exits within
+    the grace period plus one step, and both callers get an answer."""
+    import threading
+    import time
+
+    build_random_pipeline(tmp_path / "model", seed=4)
+    port = _free_port()
+    log = open(tmp_path / "server.log", "w+")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "policy_server.cli", "--checkpoint", str(tmp_path / "model"), "--port", str(port),
+         "--latency-budget-ms", "20000", "--device", "cpu"],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    client = PolicyClient(f"127.0.0.1:{port}", timeout_s=60)
+    try:
+        client.wait_until_serving(timeout_s=240)
+        answers = []
+
+        def reason():
+            try:
+                answers.append(list(client.reason("why " * 200, max_new_tokens=256)))  # 400 of 512 tokens
+            except PolicyServerError as error:
+                answers.append(error.reason)
+
+        thread = threading.Thread(target=reason)
+        thread.start()
+        time.sleep(0.5)
+        process.terminate()
+        started = time.monotonic()
+        process.wait(timeout=30)
+        took = time.monotonic() - started
+        thread.join(timeout=30)
+        assert process.returncode == 0
+        assert took < 10, f"exit took {took:.1f} s"
+        assert len(answers) == 1 and answers[0] != "TOO_LONG"  # answered (text or an error), not left hanging
+    finally:
+        if process.poll() is None:
+            process.kill()
+        client.close()
+        log.close()

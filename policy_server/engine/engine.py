@@ -542,6 +542,7 @@ class ModelEngine:
             self._warm_progress = (index + 1) / (len(shapes) + 1)
         self._profile = tuple(profile)
         self._blocking_ms = yield from self._time_reasoner_steps()
+        self._warm_progress = 1.0
         self._ready.set()
 
     def _warmup_failed(self, error: BaseException) -> None:
