@@ -25,6 +25,7 @@ import argparse
 import json
 import math
 import platform
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -421,7 +422,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    report = run(args)
+    try:
+        report = run(args)
+    except api.BudgetInfeasible as infeasible:  # the machine is slower than the fractions assume
+        print(f"policy-server bench: {infeasible.message}; choose larger --budget-fractions", file=sys.stderr)
+        return 2
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     paths = plot(report, args.out)
