@@ -275,6 +275,7 @@ def test_ticks_faster_than_the_declared_rate_are_refused(engine):
         engine.act(session.session_id, 1, _observation(2))
     assert 0 < early.value.retry_after_ms <= 2000
     assert early.value.measured_hz > 0.5
+    assert engine.session(session.session_id).measured_rate_hz == early.value.measured_hz
     engine.close_session(session.session_id)
 
 

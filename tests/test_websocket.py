@@ -104,6 +104,10 @@ def test_bad_input_is_a_text_error_and_the_connection_stays_usable(policy):
         policy.infer({"observation/state": STATE, "prompt": "no image"})
     with pytest.raises(RuntimeError, match="SCHEMA_MISMATCH"):
         policy.infer(openpi_observation() | {"observation/state": np.zeros(7, np.float32)})
+    with pytest.raises(RuntimeError, match="OUT_OF_RANGE"):  # finite, but no float32 holds it
+        policy.infer(openpi_observation() | {"observation/state": np.array([1e300, 0.0])})
+    with pytest.raises(RuntimeError, match="SCHEMA_MISMATCH"):  # a frame with no pixels
+        policy.infer(openpi_observation() | {"observation/image": np.zeros((0, 64, 3), np.uint8)})
     reply = policy.infer(openpi_observation(step=1))
     assert reply["actions"].shape == (8, 2)
 

@@ -149,7 +149,8 @@ class SessionHandle:
     """A session as the engine sees it now. ``epoch`` starts at 1 and grows by one per reset.
 
     rate_hz: the chunk-request rate it was admitted at; slot_ms: the model time reserved for each of
-    its ticks (its ticks are planned in it, at most ``budget_ms``).
+    its ticks (its ticks are planned in it, at most ``budget_ms``); measured_rate_hz: the rate the
+    engine has seen (0 before two ticks).
     """
 
     session_id: str
@@ -161,6 +162,7 @@ class SessionHandle:
     seed: int = 0
     rate_hz: float = 0.0
     slot_ms: float = 0.0
+    measured_rate_hz: float = 0.0
 
 
 @dataclass(frozen=True)

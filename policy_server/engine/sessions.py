@@ -45,7 +45,8 @@ class Session:
 
     def handle(self) -> SessionHandle:
         return SessionHandle(self.session_id, self.epoch, self.embodiment, self.instruction, self.budget_ms,
-                             self.chunk_size, self.seed, rate_hz=self.demand.rate_hz, slot_ms=self.slot_ms)
+                             self.chunk_size, self.seed, rate_hz=self.demand.rate_hz, slot_ms=self.slot_ms,
+                             measured_rate_hz=self.limiter.measured_hz)
 
 
 class SessionTable:

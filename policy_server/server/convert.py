@@ -125,6 +125,7 @@ def session_to_proto(handle: SessionHandle) -> pb.Session:
         seed=handle.seed,
         rate_hz=handle.rate_hz,
         slot_ms=handle.slot_ms,
+        measured_rate_hz=handle.measured_rate_hz,
     )
 
 

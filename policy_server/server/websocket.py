@@ -178,8 +178,8 @@ def observation_from_message(message: dict, spec: EmbodimentSpec, step_index: in
     step = message.get("step_index", step_index)
     if isinstance(step, np.generic):
         step = step.item()
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise InvalidArgument("step_index", "a non-negative integer", repr(step), reason="BAD_VALUE")
+    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < 2**63:
+        raise InvalidArgument("step_index", "an integer in [0, 2^63)", repr(step), reason="BAD_VALUE")
     return Observation(images=images, state=state, instruction=prompt, step_index=step)
 
 

@@ -236,7 +236,7 @@ class OpenSessionRequest(_message.Message):
     def __init__(self, embodiment: _Optional[str] = ..., instruction: _Optional[str] = ..., budget_ms: _Optional[float] = ..., chunk_size: _Optional[int] = ..., seed: _Optional[int] = ..., client_name: _Optional[str] = ..., rate_hz: _Optional[float] = ..., actions_per_chunk: _Optional[int] = ...) -> None: ...
 
 class Session(_message.Message):
-    __slots__ = ("session_id", "epoch", "embodiment", "instruction", "budget_ms", "chunk_size", "seed", "rate_hz", "slot_ms")
+    __slots__ = ("session_id", "epoch", "embodiment", "instruction", "budget_ms", "chunk_size", "seed", "rate_hz", "slot_ms", "measured_rate_hz")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     EMBODIMENT_FIELD_NUMBER: _ClassVar[int]
@@ -246,6 +246,7 @@ class Session(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     RATE_HZ_FIELD_NUMBER: _ClassVar[int]
     SLOT_MS_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_RATE_HZ_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     embodiment: str
@@ -255,7 +256,8 @@ class Session(_message.Message):
     seed: int
     rate_hz: float
     slot_ms: float
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., embodiment: _Optional[str] = ..., instruction: _Optional[str] = ..., budget_ms: _Optional[float] = ..., chunk_size: _Optional[int] = ..., seed: _Optional[int] = ..., rate_hz: _Optional[float] = ..., slot_ms: _Optional[float] = ...) -> None: ...
+    measured_rate_hz: float
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., embodiment: _Optional[str] = ..., instruction: _Optional[str] = ..., budget_ms: _Optional[float] = ..., chunk_size: _Optional[int] = ..., seed: _Optional[int] = ..., rate_hz: _Optional[float] = ..., slot_ms: _Optional[float] = ..., measured_rate_hz: _Optional[float] = ...) -> None: ...
 
 class ResetSessionRequest(_message.Message):
     __slots__ = ("session_id",)
