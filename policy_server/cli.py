@@ -1,8 +1,7 @@
-"""``policy-server``: serve a policy (default action), benchmark it, or soak-test a server.
+"""``policy-server``: serve a policy (default action) or benchmark it.
 
     policy-server [serve] --latency-budget-ms 120 --port 50051 [--config server.yaml] ...
     policy-server bench [bench options]          # see policy_server.bench
-    policy-server soak [soak options]            # see policy_server.soak
 
 Every flag is a ``ServerConfig`` field (``--max-sessions`` <-> ``max_sessions``) and may also be set
 in the ``--config`` file; flags given on the command line win.
@@ -132,10 +131,6 @@ def main(argv: list[str] | None = None) -> int:
         from policy_server.bench import main as bench_main  # lazy: the benchmark needs torch
 
         return bench_main(argv[1:])
-    if argv and argv[0] == "soak":
-        from policy_server.soak import main as soak_main  # lazy: like bench, a separate tool
-
-        return soak_main(argv[1:])
     if argv and argv[0] == "serve":
         argv = argv[1:]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -398,3 +398,20 @@ def test_close_stops_a_running_reasoner_call_and_every_caller_is_answered(tmp_pa
     engine.close()
     with pytest.raises(api.ShuttingDown):
         list(stream)
+
+
+def test_a_tick_is_judged_against_its_budget_from_arrival(engine):
+    session = engine.open_session("pusht", "reach the red circle", budget_ms=2000.0, rate_hz=0)
+    gate = _hold_worker(engine)
+    with ThreadPoolExecutor(1) as pool:
+        queued = pool.submit(engine.act, session.session_id, 1, _observation())
+        while engine.stats().queue_depth < 2:
+            time.sleep(0.005)
+        time.sleep(0.3)  # the tick waits in the queue; the wait counts once, in its total
+        gate.set()
+        tick = queued.result(timeout=60).tick
+    assert tick.deadline_ms == 2000.0 and tick.actual_ms["queue"] >= 300.0
+    assert tick.deadline_met == (tick.actual_ms["total"] <= 2000.0) and tick.deadline_met
+    caller = engine.act(session.session_id, 1, _observation(1), deadline_s=time.monotonic() + 1.5).tick
+    assert 1400.0 < caller.deadline_ms <= 1500.0  # the caller's deadline is the tighter one
+    engine.close_session(session.session_id)

@@ -28,6 +28,7 @@ from .extrapolation import MAX_RESIDUAL_ORDER, newton_extrapolate
 from .sea_filter import SeaFilter, rel_l1
 
 logger = logging.getLogger(__name__)
+_WARNED_FAIL_OPENS: set[str] = set()  # fail-open reasons already warned about in this process
 
 # A threshold for every step: one number, one number per step, or f(step, num_steps) -> number.
 ThresholdSpec = float | Sequence[float] | Callable[[int, int], float]
@@ -171,7 +172,6 @@ class SeaCache:
         self._indicator_key: tuple | None = None
         self._indicator: list[torch.Tensor] | None = None
         self._distances: dict[tuple[int, int], float] = {}
-        self._warned: set[str] = set()
 
     # ------------------------------------------------------------------ per request
 
@@ -369,9 +369,11 @@ class SeaCache:
         return d
 
     def _warn_fail_open(self, reason: str, step: int, branch: str) -> None:
-        # A fail-open that repeats every request (inverse dynamics) would flood the log: warn once per reason.
-        if reason in self._warned:
+        # A fail-open that repeats every request (inverse dynamics, a guard asking to skip before the first
+        # residual) would flood the log: warn once per reason and process, then only at debug level.
+        if reason in _WARNED_FAIL_OPENS:
             logger.debug("SeaCache fail-open (%s) at step %d branch %s", reason, step, branch)
             return
-        self._warned.add(reason)
-        logger.warning("SeaCache ran full (fail-open: %s) at step %d branch %r", reason, step, branch)
+        _WARNED_FAIL_OPENS.add(reason)
+        logger.warning("SeaCache ran full (fail-open: %s) at step %d branch %r; further ones are logged at "
+                       "debug level", reason, step, branch)

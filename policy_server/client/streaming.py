@@ -59,17 +59,12 @@ class ControlStream:
         reconnect: bool = True,
         backoff: Backoff | None = None,
         reopen_session: bool = True,
-        rate_hz: float | None = None,
-        actions_per_chunk: int | None = None,
     ) -> None:
-        """``rate_hz`` / ``actions_per_chunk``: what the session was opened with (see
-        ``PolicyClient.open_session``), declared again if the session has to be reopened."""
         self._client = client
         self._session = session
         self._reconnect = reconnect
         self._backoff = backoff or client.backoff
         self._reopen_session = reopen_session
-        self._rate_hz, self._actions_per_chunk = rate_hz, actions_per_chunk
         self._events: queue.Queue[StreamEvent] = queue.Queue()
         self._lock = threading.Lock()
         self._requests: queue.Queue | None = None
@@ -154,8 +149,7 @@ class ControlStream:
                 budget_ms=old.budget_ms,
                 chunk_size=old.chunk_size,
                 seed=old.seed,
-                rate_hz=self._rate_hz,
-                actions_per_chunk=self._actions_per_chunk,
+                rate_hz=old.rate_hz,
             )
             self._connect()
         except PolicyServerError as exc:

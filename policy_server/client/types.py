@@ -14,7 +14,11 @@ from policy_server.server.wire import encode_image, tensor_from_proto, tensor_to
 
 @dataclass(frozen=True)
 class Session:
-    """A session as last reported by the server; ``epoch`` grows by one per reset."""
+    """A session as last reported by the server; ``epoch`` grows by one per reset.
+
+    rate_hz: the request rate it was admitted at (0: closed loop); slot_ms: the model time the server
+    reserves for each of its ticks; measured_rate_hz: the rate the server has seen from it.
+    """
 
     session_id: str
     epoch: int
@@ -23,6 +27,9 @@ class Session:
     budget_ms: float
     chunk_size: int
     seed: int
+    rate_hz: float = 0.0
+    slot_ms: float = 0.0
+    measured_rate_hz: float = 0.0
 
     @classmethod
     def from_proto(cls, msg: pb.Session) -> Session:
@@ -34,6 +41,9 @@ class Session:
             msg.budget_ms,
             msg.chunk_size,
             msg.seed,
+            msg.rate_hz,
+            msg.slot_ms,
+            msg.measured_rate_hz,
         )
 
 

@@ -106,12 +106,14 @@ class _DelayedFull:
 
 @dataclass(frozen=True)
 class _TickRequest:
-    """What a queued tick carries. `instruction_tokens`: of `observation.instruction`, when it sets one."""
+    """What a queued tick carries. `instruction_tokens`: of `observation.instruction`, when it sets one.
+    `deadline_ms`: from arrival, the smaller of the session budget and the caller's deadline."""
 
     epoch: int
     observation: api.Observation
     instruction_tokens: int
     arrived_ms: float
+    deadline_ms: float
     deadline_s: float | None
     should_abort: Callable[[], bool] | None
 
@@ -332,7 +334,10 @@ class ModelEngine:
             raise api.StaleEpoch(session_id, session.epoch, epoch)
         tokens = self._instruction_tokens(observation.instruction, "observation.instruction") \
             if observation.instruction else 0
-        request = _TickRequest(epoch, observation, tokens, self.clock(), deadline_s, should_abort)
+        deadline_ms = session.budget_ms
+        if deadline_s is not None:
+            deadline_ms = min(deadline_ms, (deadline_s - time.monotonic()) * 1e3)
+        request = _TickRequest(epoch, observation, tokens, self.clock(), deadline_ms, deadline_s, should_abort)
         prior = session.in_flight
         if prior is not None and prior.payload.gone():  # it stops within one step: wait instead of refusing
             wait_for([prior.result], timeout=_ABANDONED_WAIT_S)
@@ -364,9 +369,7 @@ class ModelEngine:
         if request.gone():
             raise request.gone_error()
         started_ms = self.clock()
-        left_ms = session.budget_ms - (started_ms - request.arrived_ms)
-        if request.deadline_s is not None:
-            left_ms = min(left_ms, (request.deadline_s - time.monotonic()) * 1e3)
+        left_ms = request.deadline_ms - (started_ms - request.arrived_ms)
         if observation.instruction and observation.instruction != session.instruction:
             session.instruction = observation.instruction
             session.cost_key = self.cost_key(session.embodiment, session.chunk_size, request.instruction_tokens)
@@ -425,8 +428,8 @@ class ModelEngine:
         stage_ms["queue"] = started_ms - request.arrived_ms
         total_ms = self.clock() - request.arrived_ms
         batch_size = 1 if batcher is None else batcher.participants
-        tick = self._record(session, plan, guard, out, stage_ms, total_ms, left_ms, clipped, key, batch_size,
-                            prefill)
+        tick = self._record(session, plan, guard, out, stage_ms, total_ms, request.deadline_ms, clipped, key,
+                            batch_size, prefill)
         return api.ActResult(actions=actions.astype(np.float32), first_step_index=observation.step_index,
                              tick=tick)
 
@@ -444,9 +447,10 @@ class ModelEngine:
         return self.clock() - started
 
     def _record(self, session: Session, plan, guard, out: PolicyOutput, stage_ms: dict[str, float],
-                total_ms: float, left_ms: float, clipped: int, key: Hashable, batch_size: int,
+                total_ms: float, deadline_ms: float, clipped: int, key: Hashable, batch_size: int,
                 prefilled: bool) -> api.TickRecord:
-        """The tick's record; a tick that ran in a micro-batch does not teach the cost model single-tick costs."""
+        """The tick's record; `total_ms` and `deadline_ms` both count from the tick's arrival. A tick that
+        ran in a micro-batch does not teach the cost model single-tick costs."""
         cache = out.cache
         sequences = {branch: cache.sequence(branch) for branch in cache.branches}
         knobs = {"num_steps": float(len(out.steps)), "clipped_actions": float(clipped),
@@ -456,9 +460,9 @@ class ModelEngine:
             if learn_costs:
                 self._observe_output(key, out, stage_ms, prefilled)
             return api.TickRecord(
-                budget_ms=session.budget_ms, deadline_ms=left_ms, actual_ms={**stage_ms, "total": total_ms},
+                budget_ms=session.budget_ms, deadline_ms=deadline_ms, actual_ms={**stage_ms, "total": total_ms},
                 knobs=knobs, full_calls=cache.full_calls, skipped_calls=cache.skipped_calls,
-                deadline_met=total_ms <= left_ms,
+                deadline_met=total_ms <= deadline_ms,
                 setting="uncacheable" if self.settings.diffusion_cache else "disabled",
                 sequences=sequences, branches=cache.counts_dict(),
             )
@@ -470,7 +474,7 @@ class ModelEngine:
                      threshold=max(plan.thresholds, default=0.0), expected_full_calls=float(plan.expected_full_calls))
         return api.TickRecord(
             budget_ms=session.budget_ms,
-            deadline_ms=left_ms,
+            deadline_ms=deadline_ms,
             predicted_ms={**plan.predicted_stage_ms, "total": plan.predicted_ms},
             actual_ms={**stage_ms, "total": total_ms},
             knobs=knobs,
@@ -479,7 +483,7 @@ class ModelEngine:
             forced_skips=cache.forced_skips,
             fail_open=cache.fail_opens,
             fallbacks=record.fallbacks,
-            deadline_met=total_ms <= left_ms,
+            deadline_met=total_ms <= deadline_ms,
             setting=plan.setting,
             thresholds=tuple(plan.thresholds),
             branches=cache.counts_dict(),

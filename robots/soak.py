@@ -1,0 +1,628 @@
+"""`policy-soak` (or `python -m robots.soak`): many sessions on one real server for a long time; wrong answers, errors,
+deadline misses and the server's memory.
+
+    policy-soak --sessions 8 --ticks 1000 --out soak.json
+    policy-soak --server 127.0.0.1:50051 --server-pid 1234 --sessions 4 --ticks 200
+
+Without ``--server`` it starts ``policy-server`` as a child process on a free loopback port (its log
+beside the report) and stops it at the end. Every session runs on its own thread with its own
+connection and its own Reach simulator (``robots/envs/reach.py``): a tick sends the camera frame and
+effector state, waits for the chunk, executes its first ``actions_per_chunk`` actions, and when the
+episode ends starts a new one (ResetSession: epoch + 1). Even-numbered sessions use unary ``Act``,
+odd-numbered ones the ``Control`` stream. Each session declares its request rate when it opens and
+never sends faster: a tick starts no earlier than 1/rate after the previous one.
+
+Every answer is checked against what was sent (session id, epoch, and on the stream obs_id). Failed
+ticks are counted by gRPC status and reason; RESOURCE_EXHAUSTED / RATE_EXCEEDED refusals apart from
+the errors. The server's resident memory (VmRSS) is sampled every ``--rss-every-s``; growth counts
+from the first sample after every session has done ``--warmup-ticks`` ticks, when the allocator
+pools and caches have been filled once.
+
+The JSON report goes to ``--out``, a PNG of RSS and latency over time beside it. Exit status: 0 when
+every check passed (no errors, refusals or wrong answers, miss rate <= ``--max-miss-rate``, RSS
+growth < ``--max-rss-growth-mb``), 1 when one failed, 3 when the server refused to open a session
+(e.g. RESOURCE_EXHAUSTED / OVERLOADED: the load does not fit; try a lower ``--rate-hz``), 4 when the
+server it started did not come up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import gymnasium
+import numpy as np
+
+import robots.envs  # noqa: F401  (registers the environments)
+from policy_server.client import ActionChunk, ControlStream, PolicyClient, PolicyServerError, Session
+from robots.envs.reach import EMBODIMENT, HELDOUT_SEED_OFFSET
+
+EXAMPLES = 5  # error and wrong-answer messages kept per session, for the report
+
+
+# -- the server ----------------------------------------------------------------------------------
+
+
+class ServerFailed(Exception):
+    """The server this soak started exited or never became SERVING."""
+
+
+class ServerProcess:
+    """A real ``policy-server`` child process on a free 127.0.0.1 port, output in ``log_path``."""
+
+    def __init__(self, server_args: list[str], log_path: Path, startup_timeout_s: float) -> None:
+        with socket.socket() as s:  # the port is free now; the server binds it a moment later
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.target = f"127.0.0.1:{port}"
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "policy_server.cli", "--host", "127.0.0.1", "--port", str(port), *server_args],
+            stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        self.pid = self.process.pid
+        try:
+            self._wait_serving(startup_timeout_s)
+        except (ServerFailed, TimeoutError) as exc:
+            self.stop()
+            raise ServerFailed(f"{exc}\n--- {log_path} (end) ---\n{self.log_tail()}") from None
+
+    def _wait_serving(self, timeout_s: float) -> None:
+        end = time.monotonic() + timeout_s
+        with PolicyClient(self.target) as client:
+            while True:  # in 1 s steps, so that a server that crashed is noticed at once
+                if self.process.poll() is not None:
+                    raise ServerFailed(f"the server exited with status {self.process.returncode} while starting")
+                try:
+                    client.wait_until_serving(timeout_s=1.0)
+                    return
+                except TimeoutError:
+                    if time.monotonic() > end:
+                        raise
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_path.read_text().splitlines()[-lines:])
+
+    def stop(self) -> int:
+        """SIGTERM (graceful shutdown), SIGKILL after 30 s; returns the exit status."""
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self._log.close()
+        return self.process.returncode
+
+
+def read_rss_mb(pid: int) -> float | None:
+    """Resident set size of a process in MB (MiB: /proc reports kB of 1024 bytes); None once it has
+    exited (gone, or a zombie, which has no VmRSS line)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return None
+    lines = [line for line in status.splitlines() if line.startswith("VmRSS:")]
+    return int(lines[0].split()[1]) / 1024 if lines else None
+
+
+class RssSampler:
+    """Samples a process's RSS every ``every_s`` on a background thread: ``series`` holds (s, MB)."""
+
+    def __init__(self, pid: int, every_s: float, t0: float) -> None:
+        self.pid, self.every_s, self.t0 = pid, every_s, t0
+        self.series: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="rss-sampler")
+        self._thread.start()
+
+    def sample(self) -> float | None:
+        rss = read_rss_mb(self.pid)
+        if rss is not None:
+            self.series.append((time.monotonic() - self.t0, rss))
+        return rss
+
+    def _run(self) -> None:
+        # Stops early if the server exits; the errors and server_process in the report say why.
+        while self.sample() is not None and not self._stop.wait(self.every_s):
+            pass
+
+    def finish(self) -> None:
+        """Stop sampling, with one last sample now if the process still exists."""
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+
+
+# -- one session -----------------------------------------------------------------------------------
+
+
+def episode_seed(args: argparse.Namespace, session: int, episode: int) -> int:
+    """Held-out simulator scenes (never in the demonstrations), different for every session."""
+    return HELDOUT_SEED_OFFSET + args.seed + 100_000 * session + episode
+
+
+@dataclass
+class Tick:
+    """One answered tick; time in s since the soak started, latencies in ms."""
+
+    t_s: float
+    served_ms: float  # request received -> answer ready, inside the server
+    total_ms: float  # the tick record's total: queue, encode, prefill, denoise, decode
+    client_ms: float  # send -> answer, as this client saw it
+    queue_ms: float  # waited in the server's queue before it started
+    deadline_ms: float  # the tick record's deadline, from arrival: min(budget, caller deadline)
+    deadline_met: bool
+
+
+@dataclass
+class SessionResult:
+    index: int
+    kind: str  # "unary" or "stream"
+    session_id: str
+    sent: int = 0
+    ticks: list[Tick] = field(default_factory=list)
+    errors: Counter = field(default_factory=Counter)  # "CODE/REASON" -> count
+    error_examples: list[str] = field(default_factory=list)
+    rate_refused: int = 0
+    wrong: int = 0
+    wrong_examples: list[str] = field(default_factory=list)
+    superseded: int = 0
+    resets: int = 0
+    last_epoch: int = 1
+
+    def error(self, exc: PolicyServerError, during: str = "") -> None:
+        self.errors[f"{exc.code.name}/{exc.reason}"] += 1
+        if len(self.error_examples) < EXAMPLES:
+            self.error_examples.append(f"{during}{exc}")
+
+    def summary(self) -> dict:
+        return {
+            "index": self.index, "kind": self.kind, "session_id": self.session_id, "sent": self.sent,
+            "answered": len(self.ticks), "errors": dict(self.errors), "error_examples": self.error_examples,
+            "rate_refused": self.rate_refused, "wrong_answers": self.wrong, "wrong_examples": self.wrong_examples,
+            "superseded": self.superseded, "resets": self.resets, "last_epoch": self.last_epoch,
+            "misses": sum(not t.deadline_met for t in self.ticks),
+        }
+
+
+class StreamEnded(Exception):
+    """The Control stream closed or fell silent: the session cannot go on."""
+
+    def __init__(self, error: PolicyServerError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class Unary:
+    """A session driven with unary ``Act`` calls."""
+
+    kind = "unary"
+    obs_id = 0  # what Act answers carry
+
+    def __init__(self, client: PolicyClient, session: Session, args: argparse.Namespace) -> None:
+        self.client, self.session, self.timeout_s = client, session, args.timeout_s
+
+    def act(self, obs: dict, step: int, instruction: str, result: SessionResult) -> ActionChunk | None:
+        return self.client.act(self.session, {"image": obs["image"]}, obs["state"], instruction=instruction,
+                               step_index=step, encoding="png", timeout_s=self.timeout_s)
+
+    def reset(self) -> None:
+        self.session = self.client.reset_session(self.session)
+
+    def close(self) -> None:
+        pass
+
+
+class Stream:
+    """A session driven over the ``Control`` stream, one frame in flight at a time."""
+
+    kind = "stream"
+
+    def __init__(self, client: PolicyClient, session: Session, args: argparse.Namespace) -> None:
+        self.client, self.timeout_s = client, args.timeout_s
+        self.stream = ControlStream(client, session).open()
+        self.obs_id = 0
+
+    @property
+    def session(self) -> Session:
+        return self.stream.session
+
+    def act(self, obs: dict, step: int, instruction: str, result: SessionResult) -> ActionChunk | None:
+        """The chunk answering this frame, or None if the server superseded it."""
+        self.obs_id = self.stream.send({"image": obs["image"]}, obs["state"], instruction=instruction,
+                                       step_index=step, encoding="png")
+        while True:
+            try:
+                event = self.stream.next_event(self.timeout_s)
+            except TimeoutError as exc:
+                raise StreamEnded(PolicyServerError(grpc.StatusCode.DEADLINE_EXCEEDED, "NO_ANSWER", str(exc))) \
+                    from None
+            if event.kind == "chunk":
+                return event.chunk
+            if event.kind == "superseded":
+                result.superseded += 1  # only one frame is ever in flight: the server should drop none
+                if event.obs_id == self.obs_id:
+                    return None
+            elif event.kind == "error":
+                if event.obs_id == self.obs_id:
+                    raise event.error
+                result.error(event.error, f"stream event for obs {event.obs_id}: ")
+            elif event.kind == "closed":
+                raise StreamEnded(event.error or PolicyServerError(
+                    grpc.StatusCode.CANCELLED, "STREAM_CLOSED", "the control stream ended"))
+            elif event.kind == "reconnected":  # the link dropped: on loopback that is a server failure
+                result.error(PolicyServerError(grpc.StatusCode.UNAVAILABLE, "RECONNECTED",
+                                               f"session replaced: {event.session_replaced}"))
+
+    def reset(self) -> None:
+        self.stream.reset()
+
+    def close(self) -> None:
+        self.stream.close()
+
+
+def run_session(driver: Unary | Stream, result: SessionResult, args: argparse.Namespace, pace_s: float,
+                t0: float) -> SessionResult:
+    """``args.ticks`` ticks, each sent at least ``pace_s`` (s) after the previous one, the chunks driving
+    the simulator."""
+    env = gymnasium.make("PolicyServer/Reach-v0", max_episode_steps=args.episode_steps)
+    episode, step = 0, 0
+    obs, _ = env.reset(seed=episode_seed(args, result.index, episode))
+    instruction = ""  # "" keeps the session's instruction; a new episode sends its own
+    execute = args.actions_per_chunk or driver.session.chunk_size
+    next_send = time.monotonic()
+    for _ in range(args.ticks):
+        time.sleep(max(0.0, next_send - time.monotonic()))
+        sent = time.monotonic()
+        next_send = sent + pace_s
+        result.sent += 1
+        session = driver.session
+        try:
+            chunk = driver.act(obs, step, instruction, result)
+        except StreamEnded as exc:
+            result.error(exc.error)
+            break
+        except PolicyServerError as exc:
+            if exc.reason == "RATE_EXCEEDED":
+                result.rate_refused += 1
+            else:
+                result.error(exc)
+            continue
+        if chunk is None:
+            continue
+        answered = time.monotonic()
+        if (chunk.session_id, chunk.epoch, chunk.obs_id) != (session.session_id, session.epoch, driver.obs_id):
+            result.wrong += 1
+            if len(result.wrong_examples) < EXAMPLES:
+                result.wrong_examples.append(
+                    f"sent {session.session_id} epoch {session.epoch} obs {driver.obs_id}, "
+                    f"got {chunk.session_id} epoch {chunk.epoch} obs {chunk.obs_id}")
+        result.ticks.append(Tick(answered - t0, chunk.served_ms, chunk.tick.actual_ms["total"],
+                                 (answered - sent) * 1e3, chunk.tick.actual_ms["queue"], chunk.tick.deadline_ms,
+                                 chunk.tick.deadline_met))
+        instruction = ""
+        for action in chunk.actions[:execute]:
+            obs, _, terminated, truncated, _ = env.step(action)
+            step += 1
+            if terminated or truncated:
+                episode, step = episode + 1, 0
+                obs, _ = env.reset(seed=episode_seed(args, result.index, episode))
+                instruction = obs["instruction"]
+                try:
+                    driver.reset()
+                    result.resets += 1
+                    result.last_epoch = driver.session.epoch
+                except PolicyServerError as exc:
+                    result.error(exc, "ResetSession: ")
+                break
+    env.close()
+    return result
+
+
+# -- the report ------------------------------------------------------------------------------------
+
+
+def percentiles(values: list[float]) -> dict | None:
+    if not values:
+        return None
+    return {"p50": float(np.percentile(values, 50)), "p99": float(np.percentile(values, 99)),
+            "max": float(np.max(values))}
+
+
+def rss_summary(series: list[tuple[float, float]], warm_s: float, after_close_mb: float | None) -> dict:
+    """RSS (MB) after warmup (the first sample at or after ``warm_s``), at the end, the growth between, and
+    the growth in each third of that time. It levels off when the last third grew less than half as
+    much as the first, or under 2 MB; with fewer than 4 samples after warmup it cannot tell."""
+    after = [(t, mb) for t, mb in series if t >= warm_s] or series[-1:]
+    (start_s, start_mb), (end_s, final_mb) = after[0], after[-1]
+    thirds = levels_off = None
+    if len(after) >= 4:
+        times, mbs = zip(*after, strict=True)
+        at = np.interp(np.linspace(start_s, end_s, 4), times, mbs)
+        thirds = [float(g) for g in np.diff(at)]
+        levels_off = thirds[2] < max(2.0, 0.5 * thirds[0])
+    return {"series": series, "after_warmup_at_s": start_s, "after_warmup_mb": start_mb, "final_mb": final_mb,
+            "growth_mb": final_mb - start_mb, "growth_by_third_mb": thirds, "levels_off": levels_off,
+            "after_close_mb": after_close_mb}
+
+
+def build_report(args: argparse.Namespace, config: dict, results: list[SessionResult], wall_s: float,
+                 rss: dict | None) -> dict:
+    ticks = [t for r in results for t in r.ticks]
+    after_warmup = [t for r in results for t in r.ticks[args.warmup_ticks:]]
+    errors = sum((r.errors for r in results), Counter())
+    missed = [t for t in ticks if not t.deadline_met]
+    misses = len(missed)
+    tenth = wall_s / 10
+    by_tenth = []
+    for k in range(10):  # does latency drift as the run goes on?
+        window = [t for t in ticks if k * tenth <= t.t_s < (k + 1) * tenth]
+        by_tenth.append({"from_s": k * tenth, "ticks": len(window), "misses": sum(not t.deadline_met for t in window),
+                         "served_ms": percentiles([t.served_ms for t in window])})
+    report = {
+        "config": config,
+        "wall_s": wall_s,
+        "sent": sum(r.sent for r in results),
+        "answered": len(ticks),
+        "errors": dict(errors),
+        "rate_refused": sum(r.rate_refused for r in results),
+        "wrong_answers": sum(r.wrong for r in results),
+        "superseded": sum(r.superseded for r in results),
+        "resets": sum(r.resets for r in results),
+        "misses": misses,
+        "miss_rate": misses / len(ticks) if ticks else None,
+        "miss_rate_after_warmup": sum(not t.deadline_met for t in after_warmup) / len(after_warmup)
+        if after_warmup else None,
+        "latency_ms": {"served": percentiles([t.served_ms for t in ticks]),
+                       "tick_total": percentiles([t.total_ms for t in ticks]),
+                       "client": percentiles([t.client_ms for t in ticks]),
+                       "queue": percentiles([t.queue_ms for t in ticks]),
+                       "deadline": percentiles([t.deadline_ms for t in ticks])},
+        # What the missed ticks looked like: over the budget, or a short deadline after a long queue?
+        "missed_ms": {"tick_total": percentiles([t.total_ms for t in missed]),
+                      "queue": percentiles([t.queue_ms for t in missed]),
+                      "deadline": percentiles([t.deadline_ms for t in missed])},
+        "latency_by_tenth": by_tenth,
+        "rss": rss,
+        "sessions": [r.summary() for r in results],
+    }
+    checks = {
+        "errors": not errors,
+        "rate_refused": report["rate_refused"] == 0,
+        "wrong_answers": report["wrong_answers"] == 0,
+        "all_answered": len(ticks) == args.sessions * args.ticks,
+        "miss_rate": bool(ticks) and report["miss_rate"] <= args.max_miss_rate,
+        "rss_growth": None if rss is None else rss["growth_mb"] < args.max_rss_growth_mb,  # None: not measured
+    }
+    report["checks"] = checks
+    report["passed"] = all(ok is not False for ok in checks.values())
+    return report
+
+
+def plot(report: dict, results: list[SessionResult], out: Path) -> None:
+    """Server RSS (MB) and the served latency of every tick (ms) over time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
+    rss = report["rss"]
+    if rss is not None:
+        top.plot(*zip(*rss["series"], strict=True), "k.-", markersize=3)
+        top.axvline(rss["after_warmup_at_s"], color="tab:orange", linestyle="--", label="after warmup")
+        top.legend(loc="lower right")
+    top.set_ylabel("server RSS (MB)")
+    top.set_title(f"soak: {len(results)} sessions x {report['config']['ticks']} ticks "
+                  f"at {report['config']['rate_hz']:g} Hz")
+    for kind, color in (("unary", "tab:blue"), ("stream", "tab:green")):
+        ticks = [t for r in results if r.kind == kind for t in r.ticks]
+        bottom.scatter([t.t_s for t in ticks], [t.served_ms for t in ticks], s=2, color=color, label=kind)
+    budget = report["config"]["budget_ms"]
+    bottom.axhline(budget, color="tab:red", linestyle="--", label=f"budget {budget:g} ms")
+    bottom.set_xlabel("time since start (s)")
+    bottom.set_ylabel("served latency (ms)")
+    bottom.legend(loc="upper right", markerscale=4)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def print_summary(report: dict, out: Path) -> None:
+    c, latency, rss = report["config"], report["latency_ms"], report["rss"]
+    print(f"soak: {c['sessions']} sessions x {c['ticks']} ticks at {c['rate_hz']:g} Hz each "
+          f"({c['actions_per_chunk']} actions per chunk, budget {c['budget_ms']:g} ms), {report['wall_s']:.0f} s")
+    print(f"  answered {report['answered']}/{report['sent']}; errors {report['errors'] or 0}; "
+          f"rate refused {report['rate_refused']}; wrong answers {report['wrong_answers']}; "
+          f"superseded {report['superseded']}; resets {report['resets']}")
+    if report["answered"]:
+        served, total = latency["served"], latency["tick_total"]
+        print(f"  deadline misses {report['misses']} ({report['miss_rate']:.2%}); served p50 {served['p50']:.1f} ms "
+              f"p99 {served['p99']:.1f} ms; tick total p50 {total['p50']:.1f} ms p99 {total['p99']:.1f} ms")
+    if rss is not None:
+        thirds = rss["growth_by_third_mb"]
+        shape = ("too few samples to tell whether it levels off" if thirds is None else
+                 "by third " + " / ".join(f"{g:+.1f}" for g in thirds) + " MB: "
+                 + ("levels off" if rss["levels_off"] else "still growing"))
+        print(f"  server RSS after warmup {rss['after_warmup_mb']:.1f} MB, final {rss['final_mb']:.1f} MB, "
+              f"growth {rss['growth_mb']:+.1f} MB ({shape})")
+        if rss["after_close_mb"] is not None:
+            print(f"  server RSS after closing the sessions {rss['after_close_mb']:.1f} MB")
+    failed = [name for name, ok in report["checks"].items() if ok is False]
+    print(f"  {'PASS' if report['passed'] else 'FAIL: ' + ', '.join(failed)} (report {out})")
+
+
+# -- the command -----------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="policy-soak", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sessions", type=int, default=8, help="concurrent sessions, half unary, half stream (8)")
+    p.add_argument("--ticks", type=int, default=1000, help="ticks per session (1000)")
+    p.add_argument("--rate-hz", type=float,
+                   help="chunk requests per second each session declares and keeps to (unset: the server's "
+                   "default, control_hz / actions per chunk)")
+    p.add_argument("--actions-per-chunk", type=int, help="actions executed from each chunk (unset: the chunk size)")
+    p.add_argument("--episode-steps", type=int, default=80, help="control steps before an episode is cut (80)")
+    p.add_argument("--warmup-ticks", type=int, default=50, help="ticks per session before RSS growth counts (50)")
+    p.add_argument("--rss-every-s", type=float, default=2.0, help="RSS sampling period in s (2)")
+    p.add_argument("--timeout-s", type=float, default=30.0, help="longest wait for one answer in s (30)")
+    p.add_argument("--max-miss-rate", type=float, default=0.01, help="deadline misses allowed, fraction (0.01)")
+    p.add_argument("--max-rss-growth-mb", type=float, default=50.0, help="RSS growth allowed after warmup (50 MB)")
+    p.add_argument("--seed", type=int, default=0, help="offset of the simulator seeds (0)")
+    p.add_argument("--out", type=Path, default=Path("soak.json"), help="JSON report; PNG and server log beside it")
+    p.add_argument("--startup-timeout-s", type=float, default=300.0, help="wait for the server to serve, s (300)")
+    g = p.add_argument_group("a server already running (instead of starting one)")
+    g.add_argument("--server", metavar="HOST:PORT", help="soak this server")
+    g.add_argument("--server-pid", type=int, help="its process id, to sample its RSS (same machine)")
+    g = p.add_argument_group("the server the soak starts (policy-server flags)")
+    g.add_argument("--latency-budget-ms", type=float, help="default per-tick budget, ms (server default)")
+    g.add_argument("--max-sessions", type=int, help="session limit (default: --sessions)")
+    g.add_argument("--max-batch", type=int, help="micro-batch size (server default)")
+    g.add_argument("--diffusion-cache", action=argparse.BooleanOptionalAction, help="SeaCache (server default)")
+    args = p.parse_args(argv)
+    server_flags = (args.latency_budget_ms, args.max_sessions, args.max_batch, args.diffusion_cache)
+    if args.server and any(v is not None for v in server_flags):
+        p.error("--latency-budget-ms, --max-sessions, --max-batch and --diffusion-cache apply only to a server "
+                "the soak starts, not with --server")
+    if args.server_pid is not None and not args.server:
+        p.error("--server-pid needs --server")
+    return args
+
+
+def server_flags(args: argparse.Namespace) -> list[str]:
+    flags = ["--max-sessions", str(args.max_sessions or args.sessions)]
+    if args.latency_budget_ms is not None:
+        flags += ["--latency-budget-ms", str(args.latency_budget_ms)]
+    if args.max_batch is not None:
+        flags += ["--max-batch", str(args.max_batch)]
+    if args.diffusion_cache is not None:
+        flags.append("--diffusion-cache" if args.diffusion_cache else "--no-diffusion-cache")
+    return flags
+
+
+def open_drivers(args: argparse.Namespace, target: str) -> tuple[list[Unary | Stream], dict | None]:
+    """Open every session (even index: unary, odd: stream), one connection each. On a refusal, close
+    those already open and return what was refused instead."""
+    drivers: list[Unary | Stream] = []
+    for index in range(args.sessions):
+        kind = Unary if index % 2 == 0 else Stream
+        env = gymnasium.make("PolicyServer/Reach-v0")
+        instruction = env.reset(seed=episode_seed(args, index, 0))[0]["instruction"]
+        env.close()
+        client = PolicyClient(target, timeout_s=args.timeout_s)
+        try:
+            session = client.open_session(EMBODIMENT, instruction, seed=index, client_name=f"soak-{index}",
+                                          rate_hz=args.rate_hz, actions_per_chunk=args.actions_per_chunk)
+            drivers.append(kind(client, session, args))
+        except PolicyServerError as exc:
+            client.close()
+            close_drivers(drivers)
+            return [], {"session": index, "kind": kind.kind, "code": exc.code.name, "reason": exc.reason,
+                        "message": exc.message}
+    return drivers, None
+
+
+def close_drivers(drivers: list[Unary | Stream]) -> list[str]:
+    """Close streams, sessions and connections; returns what failed (a server that died mid-soak)."""
+    failures = []
+    for driver in drivers:
+        driver.close()
+        try:
+            driver.client.close_session(driver.session)
+        except PolicyServerError as exc:
+            failures.append(f"CloseSession {driver.session.session_id}: {exc}")
+        driver.client.close()
+    return failures
+
+
+def soak(args: argparse.Namespace, target: str, pid: int | None) -> tuple[dict, list[SessionResult]]:
+    with PolicyClient(target, timeout_s=args.timeout_s) as client:
+        client.wait_until_serving(timeout_s=args.startup_timeout_s)
+        info = client.server_info()
+    spec = next(e for e in info.embodiments if e.name == EMBODIMENT)
+    execute = args.actions_per_chunk or spec.default_chunk_size
+    # What the server assumes for an undeclared rate (the proto's rule), so the pacing matches it.
+    rate_hz = args.rate_hz or spec.control_hz / execute
+    config = {
+        "sessions": args.sessions, "ticks": args.ticks, "rate_hz": rate_hz, "rate_declared": args.rate_hz is not None,
+        "actions_per_chunk": execute, "chunk_size": spec.default_chunk_size, "control_hz": spec.control_hz,
+        "episode_steps": args.episode_steps, "warmup_ticks": args.warmup_ticks, "timeout_s": args.timeout_s,
+        "budget_ms": info.default_budget_ms, "max_sessions": info.limits.max_sessions,
+        "server": target, "server_flags": None if args.server else server_flags(args),
+        "model": {"name": info.model.name, "device": info.model.device, "num_steps": info.model.num_steps,
+                  "diffusion_cache": info.model.diffusion_cache},
+        "max_miss_rate": args.max_miss_rate, "max_rss_growth_mb": args.max_rss_growth_mb,
+    }
+    t0 = time.monotonic()
+    sampler = RssSampler(pid, args.rss_every_s, t0) if pid is not None else None
+    drivers, refused = open_drivers(args, target)
+    if refused is not None:
+        if sampler is not None:
+            sampler.finish()
+        return {"config": config, "refused_open": refused, "passed": False}, []
+    with ThreadPoolExecutor(max_workers=len(drivers), thread_name_prefix="soak-session") as pool:
+        futures = [pool.submit(run_session, d, SessionResult(i, d.kind, d.session.session_id), args,
+                               1.0 / rate_hz, t0) for i, d in enumerate(drivers)]
+        results = [f.result() for f in futures]
+    wall_s = time.monotonic() - t0
+    rss = None
+    if sampler is not None:
+        sampler.finish()
+        # Warmup ends when the slowest session has done its warmup ticks.
+        warm_s = max((r.ticks[min(args.warmup_ticks, len(r.ticks)) - 1].t_s if r.ticks else 0.0) for r in results)
+    close_failures = close_drivers(drivers)
+    if sampler is not None:
+        rss = {"pid": pid, "every_s": args.rss_every_s, **rss_summary(sampler.series, warm_s, read_rss_mb(pid))}
+    report = build_report(args, config, results, wall_s, rss)
+    report["close_failures"] = close_failures
+    return report, results
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    server = None
+    if args.server is None:
+        try:
+            server = ServerProcess(server_flags(args), args.out.with_suffix(".server.log"), args.startup_timeout_s)
+        except ServerFailed as exc:
+            print(f"policy-soak: the server did not start: {exc}", file=sys.stderr)
+            return 4
+    try:
+        report, results = soak(args, args.server or server.target, server.pid if server else args.server_pid)
+    except TimeoutError as exc:  # only a --server can still be not SERVING here
+        print(f"policy-soak: {exc}", file=sys.stderr)
+        return 4
+    finally:
+        if server is not None:
+            died = server.process.poll()  # None while it runs: the soak should not have killed it
+            status = server.stop()
+    if server is not None:
+        report["server_process"] = {"pid": server.pid, "log": str(server.log_path),
+                                    "exited_during_soak": died, "exit_status": status}
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    refused = report.get("refused_open")
+    if refused is not None:
+        print(f"policy-soak: the server refused session {refused['session']} ({refused['kind']}): "
+              f"{refused['code']} {refused['reason']}: {refused['message']}", file=sys.stderr)
+        print(f"  the load does not fit; try a lower --rate-hz or a larger --latency-budget-ms (report {args.out})",
+              file=sys.stderr)
+        return 3
+    plot(report, results, args.out.with_suffix(".png"))
+    print_summary(report, args.out)
+    return 0 if report["passed"] else 1

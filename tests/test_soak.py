@@ -1,0 +1,85 @@
+"""`policy-soak` at toy size: against a real server process every answer matches its session and
+epoch and the report holds the documented keys; a session the server refuses is reported, not a crash."""
+
+import json
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from policy_server.server.errors import REASON_KEY
+from policy_server.server.proto import policy_server_pb2 as pb
+from policy_server.server.proto import policy_server_pb2_grpc as pb_grpc
+from robots.soak import main as soak_main
+
+
+def test_soak_against_a_real_server(tmp_path):
+    out = tmp_path / "soak.json"
+    # 16-step episodes: every session resets (a new epoch) every two ticks.
+    rc = soak_main(["--sessions", "2", "--ticks", "6", "--episode-steps", "16", "--warmup-ticks", "2",
+                    "--rss-every-s", "0.5", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert rc == (0 if report["passed"] else 1)
+    assert {"config", "wall_s", "errors", "wrong_answers", "misses", "miss_rate", "latency_ms", "latency_by_tenth",
+            "rss", "sessions", "checks", "server_process"} <= set(report)
+    assert (report["sent"], report["answered"]) == (12, 12)
+    assert report["errors"] == {} and report["rate_refused"] == 0 and report["superseded"] == 0
+    assert report["wrong_answers"] == 0
+    assert [s["kind"] for s in report["sessions"]] == ["unary", "stream"]
+    for session in report["sessions"]:
+        assert session["answered"] == 6 and session["resets"] >= 2
+        assert session["last_epoch"] == session["resets"] + 1
+    for name in ("served", "tick_total", "client"):
+        assert report["latency_ms"][name]["p50"] <= report["latency_ms"][name]["p99"]
+    rss = report["rss"]
+    assert rss["pid"] == report["server_process"]["pid"] and len(rss["series"]) >= 2
+    assert rss["after_warmup_mb"] > 0 and rss["growth_mb"] == rss["final_mb"] - rss["after_warmup_mb"]
+    assert report["server_process"]["exited_during_soak"] is None  # the server lived through it
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
+class _AdmitsOne(pb_grpc.PolicyServiceServicer):
+    """Opens the first session and refuses the next as OVERLOADED, like a server at capacity."""
+
+    def __init__(self):
+        self.opened, self.closed = [], []
+
+    def GetServerInfo(self, request, context):
+        spec = pb.EmbodimentSpec(name="pusht", control_hz=10.0, default_chunk_size=8, max_chunk_size=8)
+        return pb.ServerInfo(embodiments=[spec], default_budget_ms=120.0, ready=True,
+                             limits=pb.Limits(max_sessions=8), model=pb.ModelInfo(name="fake", device="cpu"))
+
+    def OpenSession(self, request, context):
+        if self.opened:
+            context.set_trailing_metadata(((REASON_KEY, "OVERLOADED"),))
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "1 session of pusht fits at 1.25 Hz")
+        self.opened.append(request)
+        return pb.Session(session_id="s0", epoch=1, embodiment="pusht", chunk_size=8, rate_hz=1.25)
+
+    def CloseSession(self, request, context):
+        self.closed.append(request.session_id)
+        return pb.CloseSessionResponse()
+
+
+def test_soak_reports_a_refused_session(tmp_path, capsys):
+    servicer = _AdmitsOne()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    pb_grpc.add_PolicyServiceServicer_to_server(servicer, server)
+    health_servicer = health.HealthServicer()
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        out = tmp_path / "soak.json"
+        rc = soak_main(["--server", f"127.0.0.1:{port}", "--sessions", "2", "--ticks", "3", "--rate-hz", "2",
+                        "--out", str(out)])
+    finally:
+        server.stop(grace=None)
+    assert rc == 3
+    report = json.loads(out.read_text())
+    assert report["refused_open"] == {"session": 1, "kind": "stream", "code": "RESOURCE_EXHAUSTED",
+                                      "reason": "OVERLOADED", "message": "1 session of pusht fits at 1.25 Hz"}
+    assert servicer.opened[0].rate_hz == 2.0  # the declared rate went out on the wire
+    assert servicer.closed == ["s0"]  # the session it did get was closed again
+    assert "refused session 1 (stream): RESOURCE_EXHAUSTED OVERLOADED" in capsys.readouterr().err
