@@ -31,6 +31,7 @@ _DTYPE_BY_NUMPY = {dt: code for code, dt in DTYPES.items()}
 ENCODING_NAMES = {pb.IMAGE_ENCODING_JPEG: "JPEG", pb.IMAGE_ENCODING_PNG: "PNG", pb.IMAGE_ENCODING_RAW: "RAW"}
 
 MAX_TENSOR_DIMS = 32  # numpy's own limit is 64
+MAX_TENSOR_BYTES = 1 << 31  # far above any message; below what numpy refuses to shape
 
 _PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 _JPEG_MAGIC = b"\xff\xd8\xff"
@@ -70,9 +71,12 @@ def tensor_from_proto(tensor: pb.Tensor, field: str) -> np.ndarray:
         name = pb.DType.Name(tensor.dtype) if tensor.dtype in pb.DType.values() else str(tensor.dtype)
         raise WireError(f"{field}.dtype", f"one of {[pb.DType.Name(c) for c in DTYPES]}", name, "BAD_DTYPE")
     shape = tuple(int(s) for s in tensor.shape)
-    if any(s < 0 for s in shape) or len(shape) > MAX_TENSOR_DIMS:
-        raise WireError(f"{field}.shape", f"at most {MAX_TENSOR_DIMS} non-negative dimensions",
-                        f"{len(shape)} dimensions" if len(shape) > MAX_TENSOR_DIMS else str(list(shape)), "BAD_TENSOR")
+    # Even an empty tensor's other dimensions must fit: numpy refuses shapes it could never hold.
+    extent = math.prod(max(s, 1) for s in shape) * dtype.itemsize
+    if any(s < 0 for s in shape) or len(shape) > MAX_TENSOR_DIMS or extent > MAX_TENSOR_BYTES:
+        shown = f"{len(shape)} dimensions" if len(shape) > MAX_TENSOR_DIMS else str(list(shape))
+        raise WireError(f"{field}.shape", f"at most {MAX_TENSOR_DIMS} non-negative dimensions spanning at most "
+                        f"{MAX_TENSOR_BYTES} bytes", shown, "BAD_TENSOR")
     expected_bytes = math.prod(shape) * dtype.itemsize  # exact: a numpy product can overflow to a match
     if len(tensor.data) != expected_bytes:
         raise WireError(
