@@ -16,3 +16,4 @@ MAX_BUDGET_MS = 60_000.0  # a session's per-tick latency budget
 MAX_RATE_HZ = 1_000.0  # a session's declared chunk-request rate
 MAX_TEMPERATURE = 100.0  # Reason sampling temperature (0 = greedy)
 MAX_FRAME_SIDE = 4096  # pixels, of a camera frame the server resizes itself (the WebSocket adapter)
+MAX_FRAME_RATE_HZ = 100.0  # observation frames per second on one Control stream (decoding them costs CPU)

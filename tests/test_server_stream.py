@@ -212,3 +212,22 @@ def test_reconnects_and_replaces_the_session_after_a_server_restart():
         client.close()
         if second is not None:
             second.stop(grace_s=0.1)
+
+
+def test_a_flood_of_frames_is_refused_undecoded_and_the_stream_lives_on(stream):
+    from policy_server.limits import MAX_FRAME_RATE_HZ
+
+    flood = [stream.send_observation(pb.Observation(instruction="x", step_index=i))
+             for i in range(int(MAX_FRAME_RATE_HZ))]  # far faster than 100 per second
+    refused = set()
+    while len(refused) < len(flood) // 2:
+        event = stream.next_event()
+        if event.kind == "error" and event.error.reason == "RATE_EXCEEDED":
+            assert event.error.retry_after_ms > 0 and event.error.field == "observation"
+            refused.add(event.obs_id)
+    assert refused <= set(flood)
+    time.sleep(1.0)  # the bucket refills
+    good = send(stream, 1)
+    while (event := stream.next_event()).kind != "chunk":
+        pass
+    assert event.chunk.obs_id == good

@@ -18,7 +18,7 @@ import websockets.sync.client
 from fake_engine import LIBERO, PUSHT, FakeEngine, expected_actions, self_signed_cert, serve_fake
 from openpi_client import msgpack_numpy
 from openpi_client.websocket_client_policy import WebsocketClientPolicy
-from websockets.exceptions import InvalidMessage, InvalidStatus
+from websockets.exceptions import ConnectionClosed, InvalidMessage, InvalidStatus
 
 from policy_server.engine.api import Observation
 from policy_server.server.websocket import _resize_with_pad
@@ -217,3 +217,21 @@ def test_websocket_uses_tls_when_the_server_does(tmp_path):
         with pytest.raises(InvalidMessage):  # plaintext against TLS: no valid HTTP response
             with websockets.sync.client.connect(f"ws://127.0.0.1:{server.websocket_port}", open_timeout=2):
                 pass
+
+
+def test_connections_beyond_the_session_limit_are_turned_away(server):
+    limit = server.engine.info().max_sessions + 4
+    url = f"ws://127.0.0.1:{server.websocket_port}"
+    held = [websockets.sync.client.connect(url, compression=None) for _ in range(limit)]
+    try:
+        for ws in held:
+            ws.recv()  # the metadata frame: each of these is being served
+        with websockets.sync.client.connect(url, compression=None) as extra:
+            with pytest.raises(ConnectionClosed) as closed:
+                extra.recv(timeout=10)
+            assert closed.value.rcvd.code == 1013
+    finally:
+        for ws in held:
+            ws.close()
+    with websockets.sync.client.connect(url, compression=None) as again:  # room again once they left
+        assert msgpack_numpy.unpackb(again.recv(timeout=10))["embodiment"]

@@ -12,7 +12,9 @@ marked ``must_answer``, and each replaced frame is reported as ``Superseded`` ri
 whose epoch is not the session's current one are rejected with STALE_EPOCH, both on arrival and
 again when the worker picks them up (a reset may happen in between). A frame that comes sooner than
 the session's declared rate allows waits (throttled) until its tick is due, unless a newer frame
-replaces it meanwhile; a message that does not parse is answered with an error event.
+replaces it meanwhile; a message that does not parse is answered with an error event. Frames beyond
+``MAX_FRAME_RATE_HZ`` are answered RATE_EXCEEDED without being decoded, so that a flood of frames cannot
+take the CPU from the model.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ from dataclasses import dataclass
 
 import grpc
 
+from policy_server.engine.admission import RateLimiter
 from policy_server.engine.api import Engine, Observation, RateExceeded, StaleEpoch
+from policy_server.limits import MAX_FRAME_RATE_HZ
 from policy_server.server import convert, validate
 from policy_server.server.errors import ServiceError, Undecodable, from_exception, make_error
 from policy_server.server.metrics import ServerMetrics
@@ -58,6 +62,7 @@ class ControlStream:
         self._pending: list[_PendingFrame] = []
         self._reader_done = False
         self._stopped = False
+        self._frames = RateLimiter(MAX_FRAME_RATE_HZ, time.monotonic(), burst=MAX_FRAME_RATE_HZ / 5)
 
     # -- the handler thread ------------------------------------------------------------------
 
@@ -151,6 +156,15 @@ class ControlStream:
     def _accept(self, frame: pb.ObservationFrame, size: int) -> None:
         received = time.monotonic()
         try:
+            wait_s = self._frames.take(received)
+            if wait_s > 0:
+                raise make_error(
+                    "RATE_EXCEEDED",
+                    f"observation frames arrive at about {self._frames.measured_hz:.0f} per second; this one was "
+                    "dropped undecoded",
+                    field="observation", expected=f"at most {MAX_FRAME_RATE_HZ:g} frames per second",
+                    got=f"{self._frames.measured_hz:.0f} per second", retry_after_ms=wait_s * 1e3,
+                )
             if size > self._max_message_bytes:
                 raise make_error(
                     "PAYLOAD_TOO_LARGE",

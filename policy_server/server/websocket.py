@@ -15,7 +15,8 @@ Each connection is one session of the server's default budget, opened on the fir
 Replies: ``actions`` float32 [K, action_dim] plus ``first_step_index``, ``epoch``, the tick record
 and openpi's ``policy_timing`` / ``server_timing`` blocks. An error is a *text* frame
 ``"REASON: message"`` (openpi-client raises it as RuntimeError); the connection stays usable
-after a bad observation and is closed (1011) only on an internal error.
+after a bad observation and is closed (1011) only on an internal error. Connections beyond
+``max_sessions + 4`` are closed at once with 1013 (try again later).
 """
 
 from __future__ import annotations
@@ -211,6 +212,8 @@ class OpenpiWebsocketServer:
         self._ssl = ssl_context
         self._server: Server | None = None
         self._thread: threading.Thread | None = None
+        # Each connection holds a thread: beyond one per session (plus a few that are closing), refuse.
+        self._connections = threading.BoundedSemaphore(engine.info().max_sessions + 4)
 
     @property
     def port(self) -> int:
@@ -295,6 +298,15 @@ class OpenpiWebsocketServer:
         }
 
     def _handle(self, connection: ServerConnection) -> None:
+        if not self._connections.acquire(blocking=False):
+            connection.close(code=1013, reason="too many connections; try again later")
+            return
+        try:
+            self._serve_connection(connection)
+        finally:
+            self._connections.release()
+
+    def _serve_connection(self, connection: ServerConnection) -> None:
         spec = self._embodiment_for(connection.request.path)
         session: SessionHandle | None = None
         steps = 0
