@@ -285,3 +285,12 @@ def test_metrics_need_the_token_when_the_server_does_and_stay_on_loopback(tmp_pa
         scrape = urllib.request.Request(url, headers={"Authorization": "Bearer metrics-secret"})
         text = urllib.request.urlopen(scrape, timeout=5).read().decode()
         assert "policy_server_sessions" in text and "policy_server_errors" in text
+
+
+def test_a_float64_state_float32_cannot_hold_is_refused_not_turned_into_inf(client):
+    session = client.open_session("pusht", "push the T")
+    with pytest.raises(PolicyServerError) as refused:
+        client.act(session, {"image": frame()}, np.array([1e300, 0.0]))
+    assert (refused.value.reason, refused.value.field) == ("OUT_OF_RANGE", "observation.state")
+    assert client.act(session, {"image": frame()}, np.array([0.1, 0.2])).actions.shape == (8, 2)  # float64 is fine
+    client.close_session(session)

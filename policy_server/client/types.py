@@ -92,10 +92,14 @@ def build_observation(
     encoding: str = "jpeg",
     jpeg_quality: int = 90,
 ) -> pb.Observation:
-    """Encode camera frames (uint8 RGB [H, W, 3]) and state (float [S], sent as float32)."""
+    """Encode camera frames (uint8 RGB [H, W, 3]) and state (float [S]: float64 stays float64, anything
+    else is sent as float32)."""
     msg = pb.Observation(instruction=instruction, step_index=step_index, client_time_ns=time.monotonic_ns())
     for name, image in images.items():
         msg.images[name].CopyFrom(encode_image(image, encoding, jpeg_quality))
     if state is not None:
-        msg.state.CopyFrom(tensor_to_proto(np.asarray(state, dtype=np.float32)))
+        state = np.asarray(state)
+        # A float64 value float32 cannot hold must reach the server as it is, to be refused as out of range,
+        # not turn into inf on the way.
+        msg.state.CopyFrom(tensor_to_proto(state if state.dtype == np.float64 else state.astype(np.float32)))
     return msg
