@@ -89,10 +89,20 @@ def config_from_args(argv: list[str]) -> ServerConfig:
 def serve(config: ServerConfig) -> int:
     """Build the engine, serve until SIGINT/SIGTERM, shut down gracefully."""
     from policy_server.engine import build_engine  # lazy: imports torch and the model
+    from policy_server.pipeline.policy import CheckpointLoadError
     from policy_server.server.app import build_server
 
-    engine = build_engine(config)
-    server = build_server(config, engine).start()
+    try:
+        engine = build_engine(config)
+    except CheckpointLoadError as exc:
+        print(f"policy-server: {exc}", file=sys.stderr)
+        return 2
+    try:
+        server = build_server(config, engine).start()
+    except OSError as exc:  # the port is taken, or the address is not this machine's
+        print(f"policy-server: {exc}", file=sys.stderr)
+        engine.close()
+        return 2
     print(
         f"policy-server: gRPC on {server.target}"
         + (f", unix:{config.unix_socket}" if config.unix_socket else "")

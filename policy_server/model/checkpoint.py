@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from policy_server.model.config import Cosmos3TransformerConfig
@@ -195,11 +195,14 @@ def read_state_dict(directory: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"no weights in {directory}: expected {WEIGHTS_NAME} or {WEIGHTS_INDEX_NAME}")
     tensors: dict[str, torch.Tensor] = {}
     for shard in shards:
-        with safe_open(str(directory / shard), framework="pt", device="cpu") as handle:
-            for key in handle.keys():
-                if weight_map is not None and weight_map.get(key) != shard:
-                    continue  # the index is authoritative about which shard owns a key
-                tensors[key] = handle.get_tensor(key)
+        try:
+            with safe_open(str(directory / shard), framework="pt", device="cpu") as handle:
+                for key in handle.keys():
+                    if weight_map is not None and weight_map.get(key) != shard:
+                        continue  # the index is authoritative about which shard owns a key
+                    tensors[key] = handle.get_tensor(key)
+        except SafetensorError as error:
+            raise CheckpointError(f"{directory / shard}: not a readable safetensors file ({error})") from None
     if weight_map is not None:
         absent = [k for k in weight_map if k not in tensors]
         if absent:

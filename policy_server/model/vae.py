@@ -23,9 +23,12 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from torch.nn import functional as F
+
+from policy_server.model.checkpoint import CheckpointError
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
@@ -330,9 +333,15 @@ class SmallVideoVAE(nn.Module):
         for required in (config_path, weights_path):
             if not required.is_file():
                 raise FileNotFoundError(f"{required} not found; expected {CONFIG_NAME} and {WEIGHTS_NAME} there")
-        config = SmallVideoVAEConfig.from_json_dict(json.loads(config_path.read_text()))
+        try:
+            config = SmallVideoVAEConfig.from_json_dict(json.loads(config_path.read_text()))
+        except (ValueError, TypeError) as error:  # bad JSON, a foreign config, bad values
+            raise CheckpointError(f"{config_path}: {error}") from None
         model = cls(config)
-        state = load_file(str(weights_path), device=str(device))
+        try:
+            state = load_file(str(weights_path), device=str(device))
+        except SafetensorError as error:
+            raise CheckpointError(f"{weights_path}: not a readable safetensors file ({error})") from None
         expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
         found = {k: tuple(v.shape) for k, v in state.items()}
         if expected != found:
@@ -340,7 +349,7 @@ class SmallVideoVAE(nn.Module):
             unexpected = sorted(set(found) - set(expected))
             shared = set(found) & set(expected)
             resized = {k: (found[k], expected[k]) for k in shared if found[k] != expected[k]}
-            raise ValueError(
+            raise CheckpointError(
                 f"{weights_path} does not match {config_path}: missing {missing}, unexpected {unexpected}, "
                 f"size (file, config) {resized}"
             )

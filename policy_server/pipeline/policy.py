@@ -14,6 +14,7 @@ Modes (Cosmos3 `build_sequence_plan_from_mode`):
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -26,12 +27,13 @@ import torch
 
 from policy_server.cache.controller import CacheRecord, NoCache, StepController
 from policy_server.model import Cosmos3OmniTransformer, GenInput, UndKV, load_transformer
-from policy_server.model.checkpoint import weights_digest
+from policy_server.model.checkpoint import CheckpointError, weights_digest
+from policy_server.model.config import ConfigError as ModelConfigError
 from policy_server.model.gen_layout import GenLayout
-from policy_server.model.text_tokenizer import TextTokenizer
+from policy_server.model.text_tokenizer import TextTokenizer, TextTokenizerError
 from policy_server.model.vae import SmallVideoVAE
 from policy_server.pipeline.conditioning import crop_latent_padding, fit_to_canvas, frames_to_clip
-from policy_server.pipeline.embodiments import Embodiment, EmbodimentRegistry
+from policy_server.pipeline.embodiments import Embodiment, EmbodimentConfigError, EmbodimentRegistry
 from policy_server.pipeline.errors import (
     EmptyInstruction,
     InvalidActions,
@@ -39,9 +41,9 @@ from policy_server.pipeline.errors import (
     InvalidMode,
     InvalidSamplerSettings,
 )
-from policy_server.pipeline.normalization import FeatureNormalizers
+from policy_server.pipeline.normalization import FeatureNormalizers, NormalizationStatsError
 from policy_server.pipeline.packing import ActionLayout, PackedSequence, pack_request
-from policy_server.pipeline.policy_config import PolicyConfig
+from policy_server.pipeline.policy_config import PolicyConfig, PolicyConfigError
 from policy_server.pipeline.prompts import PromptPair, action_prompt_pair
 from policy_server.pipeline.schedulers import make_sampler
 
@@ -149,20 +151,34 @@ class PolicyPipeline:
     @classmethod
     def from_pretrained(cls, path: str | Path | None = None, device: str = "cpu") -> PolicyPipeline:
         """Load a pipeline folder (`transformer/`, `vae/`, `text_tokenizer/`, `policy.json`);
-        None loads the embedded model shipped in the package."""
+        None loads the embedded model shipped in the package. A folder that cannot be served raises
+        `CheckpointLoadError`, whose message names the file and what was expected."""
         root = Path(path) if path is not None else default_model_path()
-        config = PolicyConfig.load(root / "policy.json")
-        embodiments = EmbodimentRegistry.cosmos3()
-        served = embodiments.load_config(root / config.embodiments_file)
-        return cls(
-            transformer=load_transformer(root / "transformer", device=device),
-            vae=SmallVideoVAE.from_pretrained(root / "vae").to(device),
-            tokenizer=TextTokenizer.from_dir(root / "text_tokenizer"),
-            embodiments=embodiments,
-            config=config,
-            served_embodiments=served,
-            digest=weights_digest(root),
-        )
+        try:
+            if not root.is_dir():
+                raise CheckpointError(f"{root} is not a directory")
+            if not (root / "policy.json").is_file() and _pipeline_class(root) == "Cosmos3OmniPipeline":
+                raise CheckpointError(
+                    f"{root / 'model_index.json'} names a Cosmos3OmniPipeline as diffusers saves it; this server "
+                    "serves pipeline folders with policy.json and embodiments.json (the embedded model's layout)"
+                )
+            config = PolicyConfig.load(root / "policy.json")
+            embodiments = EmbodimentRegistry.cosmos3()
+            served = embodiments.load_config(root / config.embodiments_file)
+            pipeline = cls(
+                transformer=load_transformer(root / "transformer", device=device),
+                vae=SmallVideoVAE.from_pretrained(root / "vae").to(device),
+                tokenizer=TextTokenizer.from_dir(root / "text_tokenizer"),
+                embodiments=embodiments,
+                config=config,
+                served_embodiments=served,
+                digest=weights_digest(root),
+            )
+            for name in served:  # stats files are read now, not at the first tick
+                pipeline.normalizers(embodiments.get(name))
+        except _LOAD_ERRORS as error:
+            raise CheckpointLoadError(f"cannot serve checkpoint {root}: {error}") from error
+        return pipeline
 
     @property
     def device(self) -> torch.device:
@@ -449,6 +465,23 @@ def policy_prompt_pair(config: PolicyConfig, instruction: str, view_point: str |
     height, width = config.canvas_hw
     return action_prompt_pair(instruction, view_point=view_point, num_frames=chunk_size + 1, fps=fps,
                               height=height, width=width, use_system_prompt=config.use_system_prompt)
+
+
+class CheckpointLoadError(ValueError):
+    """A checkpoint folder that cannot be served; the message names the file and what was expected."""
+
+
+# What bad files raise while a folder loads: each names the file and the field at fault.
+_LOAD_ERRORS = (CheckpointError, ModelConfigError, PolicyConfigError, EmbodimentConfigError, NormalizationStatsError,
+                TextTokenizerError, OSError)
+
+
+def _pipeline_class(root: Path) -> str | None:
+    """`_class_name` of the folder's `model_index.json`, if it has a readable one."""
+    try:
+        return json.loads((root / "model_index.json").read_text()).get("_class_name")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def default_model_path() -> Path:

@@ -159,11 +159,14 @@ class PolicyServer:
         return self
 
     def _add_port(self, address: str, credentials: grpc.ServerCredentials | None) -> int:
-        port = (
-            self._grpc.add_secure_port(address, credentials)
-            if credentials
-            else self._grpc.add_insecure_port(address)
-        )
+        try:
+            port = (
+                self._grpc.add_secure_port(address, credentials)
+                if credentials
+                else self._grpc.add_insecure_port(address)
+            )
+        except RuntimeError:  # grpcio's way of saying the bind failed
+            port = 0
         if port == 0:
             raise OSError(f"could not bind gRPC to {address} (in use or not permitted)")
         return port

@@ -1,0 +1,80 @@
+"""`policy-server --checkpoint DIR` on folders that cannot be served: one line on stderr naming the file and
+what was expected, exit status 2, no traceback, and no server left running."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+
+import pytest
+
+from policy_server import cli
+from robots.embedded import build_random_pipeline
+
+
+@pytest.fixture(scope="module")
+def good_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("good")
+    build_random_pipeline(folder, seed=5)
+    return folder
+
+
+def _edit_json(path, **changes):
+    data = json.loads(path.read_text())
+    data.update(changes)
+    path.write_text(json.dumps(data))
+
+
+def _remove(path):
+    path.unlink()
+
+
+BROKEN = {
+    "empty_folder": (lambda root: [_remove(p) for p in root.rglob("*") if p.is_file()],
+                     "policy.json: no policy config"),
+    "diffusers_pipeline_folder": (
+        lambda root: (_remove(root / "policy.json"),
+                      _edit_json(root / "model_index.json", _class_name="Cosmos3OmniPipeline")),
+        "names a Cosmos3OmniPipeline"),
+    "missing_transformer_weights": (lambda root: _remove(root / "transformer/diffusion_pytorch_model.safetensors"),
+                                    "no weights in"),
+    "unknown_transformer_config_field": (lambda root: _edit_json(root / "transformer/config.json", hiden_size=3),
+                                         "hiden_size"),
+    "transformer_shape_mismatch": (lambda root: _edit_json(root / "transformer/config.json", action_dim=32),
+                                   "shape mismatch"),
+    "foreign_vae_class": (lambda root: _edit_json(root / "vae/config.json", _class_name="AutoencoderKLWan"),
+                          "vae/config.json: config is for 'AutoencoderKLWan'; expected 'SmallVideoVAE'"),
+    "truncated_vae_weights": (lambda root: (root / "vae/diffusion_pytorch_model.safetensors").write_bytes(b"\x00" * 7),
+                              "vae/diffusion_pytorch_model.safetensors: not a readable safetensors file"),
+    "truncated_transformer_weights": (
+        lambda root: (root / "transformer/diffusion_pytorch_model.safetensors").write_bytes(b"\x00" * 7),
+        "transformer/diffusion_pytorch_model.safetensors: not a readable safetensors file"),
+    "missing_tokenizer": (lambda root: shutil.rmtree(root / "text_tokenizer"), "no tokenizer.json in"),
+    "bad_embodiment_entry": (
+        lambda root: _edit_json(root / "embodiments.json", embodiments=[{"name": "pusht", "domain_id": 99}]),
+        "domain_id"),
+    "missing_stats_file": (lambda root: _remove(root / "action_stats.json"), "action_stats.json"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN))
+def test_a_checkpoint_that_cannot_be_served_is_one_line_and_exit_2(good_folder, tmp_path, capsys, name):
+    breakage, expected = BROKEN[name]
+    root = tmp_path / "ckpt"
+    shutil.copytree(good_folder, root)
+    breakage(root)
+    assert cli.main(["--checkpoint", str(root), "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"policy-server: cannot serve checkpoint {root}: ") and "\n" not in err, err
+    assert expected in err and "Traceback" not in err
+
+
+def test_a_port_in_use_is_one_line_and_exit_2(good_folder, capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert cli.main(["--checkpoint", str(good_folder), "--port", str(port)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("policy-server: could not bind gRPC to 127.0.0.1:") and "\n" not in err, err
