@@ -11,7 +11,9 @@ from policy_server.pipeline.schedulers import (
     EulerSampler,
     UniPCSampler,
     flow_schedule,
+    karras_flow_schedule,
     make_sampler,
+    scheduler_settings,
 )
 
 diffusers = pytest.importorskip("diffusers")
@@ -191,3 +193,78 @@ def test_bad_settings_name_the_field(kwargs, field):
     assert isinstance(info.value, PolicyInputError)
     assert info.value.field == field
     assert "expected" in str(info.value)
+
+
+def karras_reference(num_steps: int, sigma_min=0.147, sigma_max=200.0, final="zero", solver_order=2):
+    scheduler = UniPCMultistepScheduler(
+        use_flow_sigmas=True, prediction_type="flow_prediction", use_karras_sigmas=True, sigma_min=sigma_min,
+        sigma_max=sigma_max, final_sigmas_type=final, solver_order=solver_order,
+    )
+    scheduler.set_timesteps(num_steps)
+    return scheduler
+
+
+@pytest.mark.parametrize("num_steps", [1, 2, 4, 20, 35])
+def test_karras_flow_schedule_matches_diffusers(num_steps):
+    ref = karras_reference(num_steps)
+    schedule = karras_flow_schedule(num_steps, 0.147, 200.0)
+    assert list(schedule.timesteps) == ref.timesteps.tolist()
+    assert np.array_equal(np.array(schedule.sigmas, dtype=np.float32), ref.sigmas.numpy())
+    last = karras_flow_schedule(num_steps, 0.147, 200.0, "sigma_min")
+    reference = karras_reference(num_steps, final="sigma_min").sigmas.numpy()
+    assert np.array_equal(np.array(last.sigmas, dtype=np.float32), reference)
+
+
+@pytest.mark.parametrize("num_steps,solver_order", [(4, 2), (20, 2), (8, 1), (8, 3)])
+def test_unipc_on_karras_sigmas_matches_diffusers_every_step(num_steps, solver_order):
+    sampler = make_sampler("unipc", num_steps, 1.0, solver_order=solver_order, karras=(0.147, 200.0, "zero"))
+    diffs, _ = run_trajectories(sampler, karras_reference(num_steps, solver_order=solver_order), (3, 5, 4), seed=7)
+    assert max(diffs) <= 1e-6, diffs
+
+
+def _scheduler_folder(tmp_path, **config):
+    UniPCMultistepScheduler(**config).save_pretrained(tmp_path)
+    return tmp_path / "scheduler_config.json"
+
+
+def test_scheduler_settings_read_a_saved_diffusers_config(tmp_path):
+    path = _scheduler_folder(tmp_path, use_flow_sigmas=True, prediction_type="flow_prediction", use_karras_sigmas=True,
+                             sigma_min=0.147, sigma_max=200.0, solver_order=2)
+    settings = scheduler_settings(path)
+    assert settings == {"sampler": "unipc", "solver_order": 2, "final_sigma": "zero", "shift": 1.0,
+                        "sigma_schedule": "karras", "sigma_min": 0.147, "sigma_max": 200.0}
+    shifted = scheduler_settings(_scheduler_folder(tmp_path / "s", use_flow_sigmas=True, flow_shift=10.0,
+                                                   prediction_type="flow_prediction"))
+    assert (shifted["shift"], "sigma_schedule" in shifted) == (10.0, False)
+
+
+@pytest.mark.parametrize(
+    "config,field",
+    [
+        ({"prediction_type": "flow_prediction"}, "use_flow_sigmas=False"),  # not a flow scheduler
+        ({"use_flow_sigmas": True}, "prediction_type='epsilon'"),
+        ({"use_flow_sigmas": True, "prediction_type": "flow_prediction", "solver_type": "bh1"}, "solver_type"),
+        ({"use_flow_sigmas": True, "prediction_type": "flow_prediction", "use_karras_sigmas": True}, "sigma_min"),
+    ],
+)
+def test_scheduler_settings_name_what_this_server_does_not_implement(tmp_path, config, field):
+    from policy_server.model.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match=field):
+        scheduler_settings(_scheduler_folder(tmp_path, **config))
+    (tmp_path / "other.json").write_text('{"_class_name": "EulerDiscreteScheduler"}')
+    with pytest.raises(CheckpointError, match="expected 'UniPCMultistepScheduler'"):
+        scheduler_settings(tmp_path / "other.json")
+
+
+def test_policy_config_carries_the_karras_schedule_to_the_sampler():
+    from pydantic import ValidationError
+
+    from policy_server.pipeline.policy_config import PolicyConfig
+
+    config = PolicyConfig(sigma_schedule="karras", sigma_min=0.147, sigma_max=200.0)
+    sampler = make_sampler(config.sampler, 6, config.shift, solver_order=config.solver_order, karras=config.karras)
+    assert sampler.timesteps == karras_reference(6).timesteps.tolist()
+    assert PolicyConfig().karras is None
+    with pytest.raises(ValidationError, match="sigma_min < sigma_max"):
+        PolicyConfig(sigma_schedule="karras", sigma_min=5.0, sigma_max=1.0)

@@ -399,7 +399,8 @@ class PolicyPipeline:
         noisy_vision = len(clean_frames) < num_latent_frames
         noisy_actions = len(clean_rows) < rows
 
-        sampler = make_sampler(self.config.sampler, steps, self.config.shift)
+        sampler = make_sampler(self.config.sampler, steps, self.config.shift, solver_order=self.config.solver_order,
+                               karras=self.config.karras)
         cfg_steps = steps if request.cfg_steps is None else request.cfg_steps
         lo, hi = self.config.guidance_interval or (-math.inf, math.inf)
         controller.begin(steps)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from policy_server.pipeline.schedulers import SAMPLER_NAMES
 
@@ -17,6 +18,8 @@ class PolicyConfig(BaseModel):
     """Defaults a tick uses unless the request overrides them.
 
     canvas_hw: conditioning canvas (height, width) in pixels; frames are downscaled and padded to it.
+    sigma_schedule: "shifted" (flow sigmas shifted by ``shift``) or "karras" (Karras spacing of
+        [sigma_min, sigma_max] mapped to flow sigmas, unshifted); final_sigma: "zero" or "sigma_min".
     guidance_interval: CFG applies only while lo < timestep < hi (timestep = sigma * 1000); None = always.
     embodiments_file: JSON file (relative to the folder) declaring the served embodiments.
     """
@@ -28,6 +31,11 @@ class PolicyConfig(BaseModel):
     num_steps: int = Field(10, ge=1, le=1000)
     guidance: float = Field(1.0, ge=1.0)
     shift: float = Field(5.0, gt=0.0)
+    solver_order: int = Field(2, ge=1, le=3)
+    sigma_schedule: Literal["shifted", "karras"] = "shifted"
+    sigma_min: float = Field(0.0, ge=0.0)
+    sigma_max: float = Field(0.0, ge=0.0)
+    final_sigma: Literal["zero", "sigma_min"] = "zero"
     guidance_interval: tuple[float, float] | None = None
     canvas_hw: tuple[int, int] = (64, 64)
     pad_mode: str = "reflect"
@@ -40,6 +48,19 @@ class PolicyConfig(BaseModel):
         if value not in SAMPLER_NAMES:
             raise ValueError(f"unknown sampler {value!r}; expected one of {SAMPLER_NAMES}")
         return value
+
+    @model_validator(mode="after")
+    def _karras_bounds(self) -> PolicyConfig:
+        if self.sigma_schedule == "karras" and not 0 < self.sigma_min < self.sigma_max:
+            raise ValueError(
+                f"the karras schedule needs 0 < sigma_min < sigma_max, got {self.sigma_min}, {self.sigma_max}"
+            )
+        return self
+
+    @property
+    def karras(self) -> tuple[float, float, str] | None:
+        """``(sigma_min, sigma_max, final_sigma)`` for ``make_sampler`` when the schedule is Karras."""
+        return (self.sigma_min, self.sigma_max, self.final_sigma) if self.sigma_schedule == "karras" else None
 
     @classmethod
     def load(cls, path: str | Path) -> PolicyConfig:

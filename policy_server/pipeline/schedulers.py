@@ -5,7 +5,9 @@ Rectified flow interpolates ``x_σ = (1 − σ)·x0 + σ·ε``; the model predic
 
 The schedule and the UniPC update reproduce diffusers' ``UniPCMultistepScheduler(use_flow_sigmas=True,
 prediction_type="flow_prediction", flow_shift=s)`` (defaults ``solver_order=2``, ``solver_type="bh2"``,
-``predict_x0=True``, ``lower_order_final=True``) step for step in fp32.
+``predict_x0=True``, ``lower_order_final=True``) step for step in fp32, and with ``use_karras_sigmas=True``
+its Karras spacing of ``[sigma_min, sigma_max]`` mapped to flow sigmas (what Cosmos3 checkpoints ship,
+see ``SchedulerSettings.from_diffusers``).
 
 A sampler is per-request state: create one with :func:`make_sampler` for every request and call
 :meth:`FlowSampler.step` once per step, in order. Several modalities (vision latents, actions, sound)
@@ -17,13 +19,16 @@ coefficients give the same numbers as separate scheduler copies (and as stepping
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from policy_server.model.checkpoint import CheckpointError
 from policy_server.pipeline.errors import InvalidSamplerSettings
 
 NUM_TRAIN_TIMESTEPS = 1000
@@ -85,6 +90,27 @@ def flow_schedule(num_steps: int, shift: float, base_sigmas: list[float] | None 
     return FlowSchedule(
         sigmas=tuple(float(s) for s in sigmas_fp32), timesteps=tuple(int(t) for t in timesteps)
     )
+
+
+def karras_flow_schedule(num_steps: int, sigma_min: float, sigma_max: float, final_sigma: str = "zero") -> FlowSchedule:
+    """Karras sigmas (rho 7) between ``sigma_max`` and ``sigma_min`` in EDM units, mapped to flow sigmas by
+    ``σ / (σ + 1)``, as diffusers' UniPC builds them with ``use_karras_sigmas`` and ``use_flow_sigmas``
+    (no flow shift is applied then). ``final_sigma``: ``"zero"``, or ``"sigma_min"`` to end on the last one."""
+    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
+        raise InvalidSamplerSettings("num_steps", f"got {num_steps!r}; expected an integer >= 1")
+    if not (np.isfinite(sigma_min) and np.isfinite(sigma_max) and 0 < sigma_min < sigma_max):
+        raise InvalidSamplerSettings(
+            "sigma_min", f"got [{sigma_min!r}, {sigma_max!r}]; expected 0 < sigma_min < sigma_max"
+        )
+    rho = 7.0
+    ramp = np.linspace(0, 1, num_steps)
+    low, high = sigma_min ** (1 / rho), sigma_max ** (1 / rho)
+    edm = (high + ramp * (low - high)) ** rho
+    sigmas = edm / (edm + 1)
+    timesteps = (sigmas * NUM_TRAIN_TIMESTEPS).astype(np.int64)
+    last = 0.0 if final_sigma == "zero" else sigmas[-1]
+    sigmas_fp32 = np.append(sigmas, last).astype(np.float32)
+    return FlowSchedule(sigmas=tuple(float(s) for s in sigmas_fp32), timesteps=tuple(int(t) for t in timesteps))
 
 
 class FlowSampler(ABC):
@@ -333,6 +359,7 @@ def make_sampler(
     *,
     solver_order: int = 2,
     base_sigmas: list[float] | None = None,
+    karras: tuple[float, float, str] | None = None,
 ) -> FlowSampler:
     """A fresh per-request sampler.
 
@@ -342,8 +369,10 @@ def make_sampler(
         shift: flow shift s (Cosmos3 defaults: 10 for policy/dynamics, 5 for DROID serving, 3 for 256p).
         solver_order: UniPC order (diffusers default 2); ignored by Euler.
         base_sigmas: optional unshifted schedule of N values in (0, 1] instead of the linspace.
+        karras: ``(sigma_min, sigma_max, final_sigma)`` for the Karras flow schedule instead of the shifted
+            one (``shift`` and ``base_sigmas`` are then unused, as in diffusers).
     """
-    schedule = flow_schedule(num_steps, shift, base_sigmas)
+    schedule = karras_flow_schedule(num_steps, *karras) if karras else flow_schedule(num_steps, shift, base_sigmas)
     if name == "unipc":
         return UniPCSampler(schedule, solver_order=solver_order)
     if name == "euler":
@@ -351,3 +380,54 @@ def make_sampler(
     raise InvalidSamplerSettings(
         "sampler", f"unknown sampler {name!r}; expected one of {', '.join(SAMPLER_NAMES)}"
     )
+
+
+# diffusers' defaults for the UniPCMultistepScheduler fields whose other values this module does not implement.
+_UNIPC_REQUIRED = {
+    "use_flow_sigmas": (False, True),
+    "prediction_type": ("epsilon", "flow_prediction"),
+    "solver_type": ("bh2", "bh2"),
+    "predict_x0": (True, True),
+    "lower_order_final": (True, True),
+    "thresholding": (False, False),
+    "use_dynamic_shifting": (False, False),
+    "use_exponential_sigmas": (False, False),
+    "use_beta_sigmas": (False, False),
+    "shift_terminal": (None, None),
+    "num_train_timesteps": (1000, NUM_TRAIN_TIMESTEPS),
+}
+
+
+def scheduler_settings(path: str | Path) -> dict[str, object]:
+    """`PolicyConfig` sampler fields from a diffusers ``scheduler_config.json`` (a flow-prediction
+    ``UniPCMultistepScheduler``, as Cosmos3 pipelines save it). Raises CheckpointError naming the field
+    whose value this sampler does not implement."""
+    path = Path(path)
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"{path}: cannot read the scheduler config ({error})") from None
+    if not isinstance(config, dict) or config.get("_class_name") != "UniPCMultistepScheduler":
+        got = config.get("_class_name") if isinstance(config, dict) else type(config).__name__
+        raise CheckpointError(f"{path}: _class_name {got!r}; expected 'UniPCMultistepScheduler'")
+    for key, (default, wanted) in _UNIPC_REQUIRED.items():
+        if config.get(key, default) != wanted:
+            raise CheckpointError(f"{path}: {key}={config.get(key, default)!r}; this server implements {wanted!r}")
+    order = config.get("solver_order", 2)
+    if not isinstance(order, int) or not 1 <= order <= MAX_SOLVER_ORDER:
+        raise CheckpointError(f"{path}: solver_order={order!r}; expected 1..{MAX_SOLVER_ORDER}")
+    final = config.get("final_sigmas_type", "zero")
+    if final not in ("zero", "sigma_min"):
+        raise CheckpointError(f"{path}: final_sigmas_type={final!r}; expected 'zero' or 'sigma_min'")
+    settings: dict[str, object] = {"sampler": "unipc", "solver_order": order, "final_sigma": final,
+                                   "shift": float(config.get("flow_shift", 1.0))}
+    if config.get("use_karras_sigmas", False):
+        low, high = config.get("sigma_min"), config.get("sigma_max")
+        if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in (low, high)) or not 0 < low < high:
+            raise CheckpointError(f"{path}: use_karras_sigmas needs 0 < sigma_min < sigma_max, got {low!r}, {high!r}")
+        settings.update(sigma_schedule="karras", sigma_min=float(low), sigma_max=float(high))
+    elif final != "zero":
+        raise CheckpointError(
+            f"{path}: final_sigmas_type={final!r} with flow-shifted sigmas; this server implements 'zero'"
+        )
+    return settings
