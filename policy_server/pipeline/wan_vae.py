@@ -1,0 +1,68 @@
+"""The Wan2.2 video VAE of real Cosmos3 checkpoints, through diffusers' `AutoencoderKLWan`, behind the same
+interface as the embedded `SmallVideoVAE` (`policy_server.model.vae.VideoTokenizer`).
+
+diffusers is imported only when such a folder is loaded, so the embedded model's start-up does not pay for
+it. Latents are normalised per channel with the config's `latents_mean` / `latents_std` and the posterior
+mode is used, exactly as `Cosmos3OmniPipeline` encodes and decodes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from policy_server.model.checkpoint import CheckpointError
+
+WAN_VAE_CLASS = "AutoencoderKLWan"
+
+
+class WanVideoVAE(torch.nn.Module):
+    """`AutoencoderKLWan` (z channels, spatial ÷16 with its 2×2 patchify, temporal ÷4 with frame 0 kept)."""
+
+    def __init__(self, vae) -> None:
+        super().__init__()
+        self.vae = vae
+        config = vae.config
+        self.spatial_compression = int(config.scale_factor_spatial)
+        self.temporal_compression = int(config.scale_factor_temporal)
+        self.latent_channels = int(config.z_dim)
+        shape = (1, -1, 1, 1, 1)
+        self.register_buffer("latents_mean", torch.tensor(config.latents_mean, dtype=vae.dtype).view(shape))
+        self.register_buffer("latents_inv_std", 1.0 / torch.tensor(config.latents_std, dtype=vae.dtype).view(shape))
+
+    @classmethod
+    def from_pretrained(cls, folder: str | Path) -> WanVideoVAE:
+        """Load `folder` (a pipeline's `vae/`); raises CheckpointError naming what is wrong."""
+        try:
+            from diffusers import AutoencoderKLWan  # lazy: only real checkpoints need diffusers
+        except ImportError:
+            raise CheckpointError(f"{folder}: the {WAN_VAE_CLASS} needs diffusers; "
+                                  "pip install 'policy-server[cosmos3]'") from None
+        try:
+            vae = AutoencoderKLWan.from_pretrained(str(folder))
+        except (OSError, ValueError, KeyError, RuntimeError) as error:
+            raise CheckpointError(f"{folder}: cannot load the {WAN_VAE_CLASS} ({error})") from None
+        for name in ("latents_mean", "latents_std"):
+            values = getattr(vae.config, name, None)
+            if values is None or len(values) != vae.config.z_dim:
+                raise CheckpointError(f"{folder}/config.json: {name} must hold z_dim={vae.config.z_dim} values")
+        return cls(vae.eval())
+
+    def num_latent_frames(self, num_frames: int) -> int:
+        """T_lat = (T - 1) / tc + 1 for T = tc·k + 1 frames."""
+        tc = self.temporal_compression
+        if num_frames < 1 or (num_frames - 1) % tc:
+            raise ValueError(f"num_frames={num_frames}; expected {tc}k + 1 frames (1, {tc + 1}, {2 * tc + 1}, ...)")
+        return (num_frames - 1) // tc + 1
+
+    def encode(self, video: Tensor) -> Tensor:
+        """Normalised latents [B, z, T_lat, H/16, W/16] of `video` [B, 3, T, H, W] in [-1, 1] (posterior mode)."""
+        raw = self.vae.encode(video.to(self.vae.dtype)).latent_dist.mode()
+        return ((raw - self.latents_mean) * self.latents_inv_std).to(video.dtype)
+
+    def decode(self, latents: Tensor) -> Tensor:
+        """Video [B, 3, T, H, W] in [-1, 1] from normalised latents [B, z, T_lat, h, w]."""
+        raw = latents.to(self.vae.dtype) / self.latents_inv_std + self.latents_mean
+        return self.vae.decode(raw).sample.to(latents.dtype).clamp(-1.0, 1.0)
