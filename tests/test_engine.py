@@ -295,8 +295,14 @@ def _floor_ms(engine) -> float:
     return infeasible.value.best_achievable_ms
 
 
+def _budget_for_two(engine) -> float:
+    """The smallest budget, in steps of a quarter of the cheapest tick, at which two sessions fit."""
+    floor = _floor_ms(engine)
+    return next(b for b in (floor * k / 4 for k in range(8, 40)) if engine.capacity(b, 0.0)[0].sessions_alone >= 2)
+
+
 def test_admission_refuses_sessions_whose_ticks_could_not_all_meet_their_budgets(engine):
-    budget = 2.5 * _floor_ms(engine)
+    budget = _budget_for_two(engine)
     capacity = engine.capacity(budget, 0.0)[0]
     assert (capacity.sessions_alone, capacity.sessions_more) == (2, 2)
     sessions = [engine.open_session("pusht", "reach the red circle", budget_ms=budget, rate_hz=0) for _ in range(2)]
@@ -339,7 +345,7 @@ def test_instructions_over_the_token_limit_are_refused(engine):
 
 def test_a_long_instruction_or_a_slow_tick_does_not_change_what_other_sessions_get(engine):
     short_key = engine.cost_key("pusht", 8, 4)
-    budget = 2.5 * _floor_ms(engine)
+    budget = _budget_for_two(engine) + 0.25 * _floor_ms(engine)  # off the edge: normal noise moves nothing
     before_costs, before_capacity = engine.cost_model.costs(short_key), engine.capacity(budget, 0.0)
     from policy_server.limits import MAX_INSTRUCTION_TOKENS
 

@@ -315,10 +315,15 @@ def test_ticks_asked_for_faster_than_declared_are_refused_with_a_retry_delay(ser
 def test_sessions_beyond_capacity_are_refused_with_the_capacity_figure(server):
     with pytest.raises(PolicyServerError) as infeasible:
         server.open_session("pusht", "reach the red circle", budget_ms=0.01)
-    budget = 2.5 * infeasible.value.detail.best_achievable_ms  # room for two of the cheapest ticks
-    info = server.stub.GetServerInfo(pb.GetServerInfoRequest(budget_ms=budget, rate_hz=0.0),
-                                     metadata=server.metadata, timeout=30)
-    assert (info.capacity[0].sessions_alone, info.capacity[0].sessions_more) == (2, 2)
+    floor = infeasible.value.detail.best_achievable_ms
+
+    def capacity(budget):
+        request = pb.GetServerInfoRequest(budget_ms=budget, rate_hz=0.0)
+        return server.stub.GetServerInfo(request, metadata=server.metadata, timeout=30).capacity[0]
+
+    # The smallest budget, in quarters of the cheapest tick, with room for two of them.
+    budget = next(b for b in (floor * k / 4 for k in range(8, 40)) if capacity(b).sessions_alone >= 2)
+    assert (capacity(budget).sessions_alone, capacity(budget).sessions_more) == (2, 2)
     opened = [server.open_session("pusht", "reach the red circle", budget_ms=budget, rate_hz=0.0) for _ in range(2)]
     with pytest.raises(PolicyServerError) as refused:
         server.open_session("pusht", "reach the red circle", budget_ms=budget, rate_hz=0.0)
