@@ -49,6 +49,8 @@ INSTRUCTION_TOKEN_GROUPS = (32, MAX_INSTRUCTION_TOKENS)
 _POLL_S = 0.02  # how often a waiting caller checks whether it went away
 _ABANDONED_WAIT_S = 1.0  # how long a new tick waits for its session's abandoned one to stop
 _CLOSE_TIMEOUT_S = 5.0
+# Sampler steps of the warmup ticks that only fill costs: the first and last step are full, the rest can skip.
+_SHORT_WARMUP_STEPS = 6
 
 
 @dataclass(frozen=True)
@@ -506,11 +508,11 @@ class ModelEngine:
     def _passes(self) -> int:
         return 2 if self.pipeline.config.guidance != 1.0 else 1
 
-    def cost_key(self, embodiment: str, chunk: int, instruction_tokens: int) -> tuple[str, int, int]:
-        """What a tick's costs depend on: the embodiment, the clip length (pixel frames on the VAE's grid)
-        and the instruction-length group."""
+    def cost_key(self, embodiment: str, chunk: int, instruction_tokens: int) -> tuple[int, bool, int]:
+        """What a tick's costs depend on: the clip length (pixel frames on the VAE's grid), whether a state
+        row comes with the actions, and the instruction-length group. Embodiments alike in these share costs."""
         group = next(bound for bound in INSTRUCTION_TOKEN_GROUPS if instruction_tokens <= bound)
-        return embodiment, self.pipeline.clip_frames(chunk), group
+        return self.pipeline.clip_frames(chunk), self._embodiments[embodiment].state_dim > 0, group
 
     def _batch_shape(self, session: Session) -> tuple[str, int]:
         return session.embodiment, session.chunk_size
@@ -534,13 +536,15 @@ class ModelEngine:
     # ------------------------------------------------------------------------------ warmup
 
     def _warmup(self) -> Iterator[None]:
-        """Fill the cost model for every shape served, one tick per step (the default shape first, with
-        `warmup_ticks` ticks per mode for the latency profile in `info()`), then time the reasoner's steps."""
+        """Fill the cost model for every cost key served, one tick per step, then time the reasoner's steps.
+        The first served embodiment's default shape runs `warmup_ticks` full ticks per mode for the latency
+        profile in `info()`; every other key one short tick per mode (costs are learned per call and stage,
+        so a few sampler steps teach them as well as all of them)."""
         shapes = self._warm_shapes()
         profile = []
         for index, (embodiment, chunk, tokens, default) in enumerate(shapes):
-            ticks = self.settings.warmup_ticks if default else 1
-            points = yield from self._warm_shape(embodiment, chunk, tokens, ticks)
+            ticks, steps = (self.settings.warmup_ticks, None) if default else (1, _SHORT_WARMUP_STEPS)
+            points = yield from self._warm_shape(embodiment, chunk, tokens, ticks, steps)
             if default:
                 profile.extend(points)
             self._warm_progress = (index + 1) / (len(shapes) + 1)
@@ -554,30 +558,31 @@ class ModelEngine:
         self._ready.set()
 
     def _warm_shapes(self) -> list[tuple[Embodiment, int, int, bool]]:
-        """`(embodiment, chunk, instruction tokens, is the default shape)`, one per cost key, defaults first:
-        each clip length at its largest chunk, each instruction group at its longest instruction."""
-        shapes = []
+        """`(embodiment, chunk, instruction tokens, is the default shape)`, one per cost key, the default first:
+        each key at the largest chunk any served embodiment asks with it, at its longest instruction."""
+        first = next(iter(self._embodiments.values()))
+        default_key = self.cost_key(first.name, first.default_chunk_size, 0)
+        shapes: dict[tuple, tuple[Embodiment, int, int, bool]] = {
+            default_key: (first, first.default_chunk_size, INSTRUCTION_TOKEN_GROUPS[0], True)}
         for embodiment in self._embodiments.values():
-            clips: dict[int, int] = {}
             for chunk in range(1, embodiment.max_chunk_size + 1):
-                clips[self.pipeline.clip_frames(chunk)] = chunk
-            default_clip = self.pipeline.clip_frames(embodiment.default_chunk_size)
-            for clip, chunk in clips.items():
                 for tokens in INSTRUCTION_TOKEN_GROUPS:
-                    default = clip == default_clip and tokens == INSTRUCTION_TOKEN_GROUPS[0]
-                    shapes.append((embodiment, embodiment.default_chunk_size if default else chunk, tokens, default))
-        return sorted(shapes, key=lambda shape: not shape[3])
+                    key = self.cost_key(embodiment.name, chunk, tokens)
+                    if key != default_key and chunk >= shapes.get(key, (None, 0))[1]:
+                        shapes[key] = (embodiment, chunk, tokens, False)
+        return list(shapes.values())
 
-    def _warm_shape(self, embodiment: Embodiment, chunk: int, tokens: int, ticks: int):
-        """Uncached ticks time full calls and the fixed stages, maximally cached ticks time skipped calls.
-        Yields after each tick; returns the two latency profile points."""
+    def _warm_shape(self, embodiment: Embodiment, chunk: int, tokens: int, ticks: int, steps: int | None):
+        """Uncached ticks time full calls and the fixed stages, maximally cached ticks time skipped calls
+        (`steps`: sampler steps per tick, None for the configured number). Yields after each tick; returns the
+        two latency profile points."""
         key = self.cost_key(embodiment.name, chunk, tokens)
         instruction = self._text_of(tokens)
         profile = []
         for mode in ("uncached", "max_caching"):
             totals, full, skipped = [], 0, 0
             for tick in range(ticks):
-                out = self._warmup_tick(embodiment, chunk, instruction, mode, tick)
+                out = self._warmup_tick(embodiment, chunk, instruction, mode, tick, steps)
                 self._observe_output(key, out, {stage: out.timings_ms[stage] for stage in STAGES}, prefilled=True)
                 if tick > 0 or ticks == 1:  # the first tick pays one-time allocation costs
                     totals.append(out.timings_ms["total"])
@@ -588,14 +593,16 @@ class ModelEngine:
                                             skipped_calls=skipped))
         return profile
 
-    def _warmup_tick(self, embodiment: Embodiment, chunk: int, instruction: str, mode: str, tick: int) -> PolicyOutput:
+    def _warmup_tick(self, embodiment: Embodiment, chunk: int, instruction: str, mode: str, tick: int,
+                     steps: int | None) -> PolicyOutput:
         height, width = self.pipeline.config.canvas_hw
         rng = np.random.default_rng(tick)
         images = {name: rng.integers(0, 256, (height, width // len(embodiment.cameras), 3), dtype=np.uint8)
                   for name in embodiment.cameras}
         state = np.zeros(embodiment.state_dim, np.float32) if embodiment.state_dim else None
         request = PolicyRequest(images=images, instruction=instruction, embodiment=embodiment.name, state=state,
-                                chunk_size=chunk, seed=tick)
+                                chunk_size=chunk, seed=tick,
+                                num_steps=None if steps is None else min(steps, self.pipeline.config.num_steps))
         controller = NoCache() if mode == "uncached" else SeaCache(
             SeaCacheConfig(threshold=MAX_CACHING.threshold, max_consecutive_cached=MAX_CACHING.cap),
             sea_filter=self._sea_filter)
