@@ -328,7 +328,8 @@ def test_sessions_beyond_capacity_are_refused_with_the_capacity_figure(server):
     with pytest.raises(PolicyServerError) as refused:
         server.open_session("pusht", "reach the red circle", budget_ms=budget, rate_hz=0.0)
     assert (refused.value.code, refused.value.reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "OVERLOADED")
-    assert "0 session(s) like this one fit now" in refused.value.detail.message
+    assert "no session like this one fits beside them, 2 would on an idle server" in refused.value.detail.message
+    assert refused.value.detail.metadata["sessions_fit"] == "2"
     for session in opened:
         assert server.act(session, {"image": _image()}, STATE).tick.deadline_met
         server.close_session(session)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import threading
 from collections import deque
 from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -107,10 +108,15 @@ class CostModel:
             raise ValueError(f"window must be >= 1, got {window}")
         self.window = window
         self._shapes: dict[Hashable, _ShapeCosts] = {}
+        self._lock = threading.Lock()  # the model worker writes while request threads plan and admit
 
     def observe_tick(self, key: Hashable, calls: Iterable[tuple[bool, float]],
                      stages: Mapping[str, float] | None = None) -> None:
         """One finished tick: its calls ``(ran_full, ms)`` and the fixed ``stages`` it ran (name -> ms)."""
+        with self._lock:
+            self._observe(key, calls, stages or {})
+
+    def _observe(self, key: Hashable, calls: Iterable[tuple[bool, float]], stages: Mapping[str, float]) -> None:
         entry = self._shapes.get(key)
         if entry is None:
             entry = self._shapes[key] = _ShapeCosts(WindowStat(self.window), WindowStat(self.window), {})
@@ -121,18 +127,26 @@ class CostModel:
             entry.full.update(statistics.median(full))
         if skip:
             entry.skip.update(statistics.median(skip))
-        for stage, ms in (stages or {}).items():
+        for stage, ms in stages.items():
             if not isinstance(stage, str) or not stage:
                 raise ValueError(f"stage must be a non-empty name, got {stage!r}")
             entry.stages.setdefault(stage, WindowStat(self.window)).update(_check_ms(f"stage {stage!r}", ms))
 
     def is_warm(self, key: Hashable) -> bool:
         """Whether full calls have been observed for this shape."""
+        with self._lock:
+            return self._warm(key)
+
+    def _warm(self, key: Hashable) -> bool:
         entry = self._shapes.get(key)
         return entry is not None and entry.full.samples > 0
 
     def samples(self, key: Hashable) -> dict[str, int]:
         """Ticks observed per cost for this shape (``full``, ``skip`` and each stage)."""
+        with self._lock:
+            return self._samples(key)
+
+    def _samples(self, key: Hashable) -> dict[str, int]:
         entry = self._shapes.get(key)
         if entry is None:
             return {"full": 0, "skip": 0}
@@ -142,7 +156,11 @@ class CostModel:
     def costs(self, key: Hashable) -> CallCosts:
         """Current estimates for this shape; raises if no full call has been observed. Until a skipped call
         has been, a skip is taken to cost what a full call does (caching is not counted on to save time)."""
-        if not self.is_warm(key):
+        with self._lock:
+            return self._costs(key)
+
+    def _costs(self, key: Hashable) -> CallCosts:
+        if not self._warm(key):
             raise LookupError(f"no cost samples for request shape {key!r}; run warmup for this shape first")
         entry = self._shapes[key]
         skip = entry.skip if entry.skip.samples else entry.full

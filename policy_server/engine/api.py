@@ -337,7 +337,8 @@ class WarmingUp(EngineError):
 
 
 class Overloaded(EngineError):
-    """The open sessions plus this one could not all meet their budgets at their request rates."""
+    """The open sessions plus this one could not all meet their budgets at their request rates.
+    ``sessions_fit``: how many sessions like this one an idle server would take."""
 
     reason = "OVERLOADED"
 

@@ -237,7 +237,7 @@ class ModelEngine:
             for embodiment in self._embodiments.values():
                 chunk = embodiment.default_chunk_size
                 rate = default_rate_hz(embodiment.fps, chunk) if rate_hz is None else rate_hz
-                demand = self._demand(self.cost_key(embodiment.name, chunk, 0), budget, rate)
+                demand = self._demand(embodiment.name, chunk, budget, rate)
                 limit = self.settings.max_sessions
                 out.append(api.Capacity(
                     embodiment=embodiment.name, chunk_size=chunk, budget_ms=budget, rate_hz=rate,
@@ -262,7 +262,7 @@ class ModelEngine:
         rate = default_rate_hz(spec.fps, executed) if rate_hz is None else rate_hz
         budget = self.settings.default_budget_ms if budget_ms is None else budget_ms
         key = self.cost_key(embodiment, chunk, self._instruction_tokens(instruction, "instruction"))
-        demand = self._demand(key, budget, rate)
+        demand = self._demand(embodiment, chunk, budget, rate)
         if demand.floor_ms > budget:
             raise api.BudgetInfeasible(budget, demand.floor_ms)
         with self._admission:
@@ -297,8 +297,10 @@ class ModelEngine:
             self._assign_slots()
         return session.handle()
 
-    def _demand(self, key: Hashable, budget_ms: float, rate_hz: float) -> Demand:
-        """A session's claim on the worker: its cheapest tick (the planner's floor) and its uncached tick."""
+    def _demand(self, embodiment: str, chunk: int, budget_ms: float, rate_hz: float) -> Demand:
+        """A session's claim on the worker: its cheapest tick (the planner's floor) and its uncached tick, at
+        the longest instruction it may send (an observation may change the instruction at any tick)."""
+        key = self.cost_key(embodiment, chunk, MAX_INSTRUCTION_TOKENS)
         steps, passes = self.pipeline.config.num_steps, self._passes()
         ceiling = self.budget.plan(key, MAX_BUDGET_MS, steps, passes, None, prefill=True).predicted_ms
         floor = ceiling
@@ -311,14 +313,14 @@ class ModelEngine:
         if assign_slots(demands, self._blocking_ms) is not None:
             return
         others = [d for d in demands if d is not new]
-        fit = sessions_that_fit(others, new, self._blocking_ms, self.settings.max_sessions)
+        alone = sessions_that_fit([], new, self._blocking_ms, self.settings.max_sessions)
         queue_ms = self._blocking_ms + sum(d.floor_ms for d in demands)
         load = sum(d.rate_hz * d.floor_ms for d in demands) / 1e3
         raise api.Overloaded(
             f"the server cannot take this session: with the {len(others)} open session(s), a tick could wait "
             f"{queue_ms:.0f} ms against the tightest budget of {min(d.budget_ms for d in demands):g} ms, and "
-            f"the declared rates would claim {load:.0%} of the model; {fit} session(s) like this one fit now "
-            "(a larger budget or a lower rate_hz fits more)", sessions_fit=fit)
+            f"the declared rates would claim {load:.0%} of the model; no session like this one fits beside them, "
+            f"{alone} would on an idle server (a larger budget or a lower rate_hz fits more)", sessions_fit=alone)
 
     def _assign_slots(self) -> None:
         sessions = self.sessions.all()
@@ -641,26 +643,32 @@ class ModelEngine:
         if count > MAX_PROMPT_TOKENS:
             raise api.InvalidArgument("prompt", f"at most {MAX_PROMPT_TOKENS} tokens", f"{count} tokens",
                                       reason="TOO_LONG")
-        if not self._reason_calls.acquire(blocking=False):
-            raise api.TooManyReasonCalls(self.settings.max_reason_calls)
         ids = torch.tensor(tokenizer.tokenize(tokenizer.apply_chat_template([{"role": "user", "content": prompt}])),
                            dtype=torch.long)
         stops = {tokenizer.eos_token_id, *tokenizer.special_token_ids.values()}
         stream = ReasonerStream(self.pipeline.transformer, ids, min(max_new_tokens, self.settings.max_reason_tokens),
                                 temperature=temperature, stop_token_ids=stops, seed=seed or 0)
+        if not self._reason_calls.acquire(blocking=False):  # released by finish(), whatever ends the call
+            raise api.TooManyReasonCalls(self.settings.max_reason_calls)
         pieces: queue.Queue = queue.Queue()
         done = object()
+
+        def stopped() -> api.EngineError | None:
+            """Why the call must end now, if it must."""
+            if self._closing.is_set():
+                return api.ShuttingDown()
+            if deadline_s is not None and time.monotonic() >= deadline_s:
+                return api.DeadlineExpired("the caller's deadline passed during reasoning")
+            if should_abort is not None and should_abort():
+                return api.Cancelled("the caller went away")
+            return None
 
         def steps() -> Iterator[None]:
             produced: list[int] = []
             emitted = ""
             while not stream.done:
-                if self._closing.is_set():
-                    raise api.ShuttingDown()
-                if deadline_s is not None and time.monotonic() >= deadline_s:
-                    raise api.DeadlineExpired("the caller's deadline passed during reasoning")
-                if should_abort is not None and should_abort():
-                    raise api.Cancelled("the caller went away")
+                if (reason := stopped()) is not None:
+                    raise reason
                 token = stream.step()
                 if token is not None and token not in stops:
                     produced.append(token)
@@ -675,14 +683,25 @@ class ModelEngine:
             pieces.put(last)
             self._reason_calls.release()
 
+        job = GeneratorJob(steps(), finish)
         try:
-            self._worker.submit_job(GeneratorJob(steps(), finish))
+            self._worker.submit_job(job)
         except api.ShuttingDown:
             self._reason_calls.release()
             raise
 
         def stream_pieces() -> Iterator[str]:
-            while (item := pieces.get()) is not done:
+            # Ticks go first, so a busy worker may not step this job for a long time: the caller's deadline
+            # and departure are also watched here, and end the job between two of its steps.
+            while True:
+                try:
+                    item = pieces.get(timeout=_POLL_S)
+                except queue.Empty:
+                    if (reason := stopped()) is not None and self._worker.withdraw_job(job):
+                        job.fail(reason)
+                    continue
+                if item is done:
+                    return
                 if isinstance(item, BaseException):
                     raise item
                 yield item

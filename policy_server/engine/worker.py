@@ -82,6 +82,14 @@ class ModelWorker:
                 return True
             return False
 
+    def withdraw_job(self, job: BackgroundJob) -> bool:
+        """Take a background job off the queue between its steps; False while a step of it runs."""
+        with self._changed:
+            if job in self._jobs:
+                self._jobs.remove(job)
+                return True
+            return False
+
     def submit_job(self, job: BackgroundJob) -> None:
         with self._changed:
             if self._closed:
@@ -150,7 +158,14 @@ class ModelWorker:
             finally:
                 batcher.leave()
 
-        for finished in [self._batch_threads.submit(run_in_batch, tick) for tick in batch]:
+        try:
+            started = [self._batch_threads.submit(run_in_batch, tick) for tick in batch]
+        except RuntimeError:  # close() gave up waiting and shut the batch threads down
+            for tick in batch:
+                if not tick.result.done():
+                    tick.result.set_exception(api.ShuttingDown())
+            raise
+        for finished in started:
             finished.result()
 
     def _step(self, job: BackgroundJob) -> None:
