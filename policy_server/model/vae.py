@@ -34,6 +34,14 @@ CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 
 
+def latent_frames(num_frames: int, temporal_compression: int) -> int:
+    """T_lat = (T - 1) / tc + 1 for a causal video VAE that keeps frame 0, on T = tc*k + 1 frames."""
+    tc = temporal_compression
+    if num_frames < 1 or (num_frames - 1) % tc:
+        raise ValueError(f"num_frames={num_frames}; expected {tc}k + 1 frames (1, {tc + 1}, {2 * tc + 1}, ...)")
+    return (num_frames - 1) // tc + 1
+
+
 @runtime_checkable
 class VideoTokenizer(Protocol):
     """What the pipeline needs from a video tokenizer."""
@@ -204,11 +212,7 @@ class SmallVideoVAE(nn.Module):
         return self.config.latent_channels
 
     def num_latent_frames(self, num_frames: int) -> int:
-        """T_lat = (T - 1) / tc + 1 for T = tc*k + 1 frames."""
-        tc = self.temporal_compression
-        if num_frames < 1 or (num_frames - 1) % tc:
-            raise ValueError(f"num_frames={num_frames}; expected {tc}k + 1 frames (1, {tc + 1}, {2 * tc + 1}, ...)")
-        return (num_frames - 1) // tc + 1
+        return latent_frames(num_frames, self.temporal_compression)
 
     def num_pixel_frames(self, num_latent_frames: int) -> int:
         """T = tc * (T_lat - 1) + 1."""

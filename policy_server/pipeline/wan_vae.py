@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from policy_server.model.checkpoint import CheckpointError
+from policy_server.model.vae import latent_frames
 
 WAN_VAE_CLASS = "AutoencoderKLWan"
 
@@ -51,11 +52,7 @@ class WanVideoVAE(torch.nn.Module):
         return cls(vae.eval())
 
     def num_latent_frames(self, num_frames: int) -> int:
-        """T_lat = (T - 1) / tc + 1 for T = tc·k + 1 frames."""
-        tc = self.temporal_compression
-        if num_frames < 1 or (num_frames - 1) % tc:
-            raise ValueError(f"num_frames={num_frames}; expected {tc}k + 1 frames (1, {tc + 1}, {2 * tc + 1}, ...)")
-        return (num_frames - 1) // tc + 1
+        return latent_frames(num_frames, self.temporal_compression)
 
     def encode(self, video: Tensor) -> Tensor:
         """Normalised latents [B, z, T_lat, H/16, W/16] of `video` [B, 3, T, H, W] in [-1, 1] (posterior mode)."""
