@@ -100,6 +100,14 @@ def _hold_worker(engine) -> threading.Event:
     return gate.opened
 
 
+def _queue_act(pool, engine, *args):
+    """Submit `engine.act(*args)` on `pool` and wait until it is queued behind the held worker."""
+    future = pool.submit(engine.act, *args)
+    while engine.stats().queue_depth < 2:  # the gate and this tick
+        time.sleep(0.005)
+    return future
+
+
 def _act_queued_together(engine, calls):
     """Hold the model worker until every `engine.act(*call)` has queued, then let them run; returns each
     call's result or exception."""
@@ -212,9 +220,7 @@ def test_close_answers_ticks_still_queued(tmp_path):
     session = engine.open_session("pusht", "reach the red circle", rate_hz=0)
     gate = _hold_worker(engine)
     with ThreadPoolExecutor(2) as pool:
-        tick = pool.submit(engine.act, session.session_id, 1, _observation())
-        while engine.stats().queue_depth < 2:
-            time.sleep(0.005)
+        tick = _queue_act(pool, engine, session.session_id, 1, _observation())
         closing = pool.submit(engine.close)
         with pytest.raises(api.ShuttingDown):  # answered at once, not after the running step
             tick.result(timeout=60)
@@ -238,9 +244,7 @@ def test_a_second_tick_while_one_is_in_flight_is_refused(engine):
     session = engine.open_session("pusht", "reach the red circle", rate_hz=0)
     gate = _hold_worker(engine)
     with ThreadPoolExecutor(1) as pool:
-        first = pool.submit(engine.act, session.session_id, 1, _observation())
-        while engine.stats().queue_depth < 2:
-            time.sleep(0.005)
+        first = _queue_act(pool, engine, session.session_id, 1, _observation())
         with pytest.raises(api.SessionBusy):
             engine.act(session.session_id, 1, _observation(1))
         gate.set()
@@ -254,9 +258,7 @@ def test_a_tick_whose_caller_left_while_queued_is_withdrawn(engine):
     gate = _hold_worker(engine)
     gone = threading.Event()
     with ThreadPoolExecutor(1) as pool:
-        first = pool.submit(engine.act, session.session_id, 1, _observation(), None, gone.is_set)
-        while engine.stats().queue_depth < 2:
-            time.sleep(0.005)
+        first = _queue_act(pool, engine, session.session_id, 1, _observation(), None, gone.is_set)
         gone.set()
         with pytest.raises(api.Cancelled):
             first.result(timeout=60)
@@ -386,11 +388,13 @@ def test_reasoner_stops_at_its_deadline_or_cancellation_even_during_a_long_prefi
 
 def test_reasoner_calls_are_bounded(engine):
     gate = _hold_worker(engine)
-    running = [engine.reason("describe the table", max_new_tokens=2) for _ in range(2)]
+    running = [engine.reason("describe the table", max_new_tokens=12, seed=0) for _ in range(2)]
     with pytest.raises(api.TooManyReasonCalls):
-        engine.reason("describe the table", max_new_tokens=2)
+        engine.reason("describe the table", max_new_tokens=12, seed=0)
     gate.set()
-    assert all(isinstance(list(stream), list) for stream in running)
+    answers = [list(stream) for stream in running]
+    assert answers[0] and answers[0] == answers[1]  # both ran to their end
+    assert list(engine.reason("describe the table", max_new_tokens=12, seed=0)) == answers[0]  # slots given back
 
 
 def test_close_stops_a_running_reasoner_call_and_every_caller_is_answered(tmp_path):
@@ -410,9 +414,7 @@ def test_a_tick_is_judged_against_its_budget_from_arrival(engine):
     session = engine.open_session("pusht", "reach the red circle", budget_ms=2000.0, rate_hz=0)
     gate = _hold_worker(engine)
     with ThreadPoolExecutor(1) as pool:
-        queued = pool.submit(engine.act, session.session_id, 1, _observation())
-        while engine.stats().queue_depth < 2:
-            time.sleep(0.005)
+        queued = _queue_act(pool, engine, session.session_id, 1, _observation())
         time.sleep(0.3)  # the tick waits in the queue; the wait counts once, in its total
         gate.set()
         tick = queued.result(timeout=60).tick

@@ -321,6 +321,13 @@ def close_quietly(served: Served, session_id: str) -> None:
         pass
 
 
+def acts_then_closes(served: Served, failures: Failures, session: pb.Session | Live, example: str, after: str) -> None:
+    """The session still acts on a good observation (recorded against ``example``), then is closed."""
+    act = pb.ActRequest(session_id=session.session_id, epoch=session.epoch, observation=good_observation())
+    unary(served, failures, "Act", act, example, f"Act (good, on {after})")
+    close_quietly(served, session.session_id)
+
+
 def good_act(served: Served, session_id: str, epoch: int) -> pb.ActionChunk:
     request = pb.ActRequest(session_id=session_id, epoch=epoch, observation=good_observation(7))
     chunk = served.stub.Act(request, timeout=TIMEOUT_S)
@@ -821,9 +828,7 @@ def test_fuzz_open_session(served):
         session = unary(served, failures, "OpenSession", request, example)
         if session is not None:
             # Deep path: the session it opened must act.
-            act = pb.ActRequest(session_id=session.session_id, epoch=session.epoch, observation=good_observation())
-            unary(served, failures, "Act", act, example, "Act (good, on the session this OpenSession opened)")
-            close_quietly(served, session.session_id)
+            acts_then_closes(served, failures, session, example, "the session this OpenSession opened")
         still_serving(served, failures, example)
 
     run()
@@ -876,9 +881,7 @@ def test_fuzz_reset_close_set_budget(served, closed_id):
                 elif rpc == "ResetSession":
                     live.epoch = answer.epoch
         if not closed:
-            act = pb.ActRequest(session_id=live.session_id, epoch=live.epoch, observation=good_observation())
-            unary(served, failures, "Act", act, example, "Act (good, on the session, after the requests above)")
-            close_quietly(served, live.session_id)
+            acts_then_closes(served, failures, live, example, "the session, after the requests above")
         still_serving(served, failures, example)
 
     run()
@@ -946,9 +949,7 @@ def test_fuzz_act(served, closed_id):
                                         & (actions <= np.tile(high, shape[0]) + 1e-6)):
                     failures.wrong("Act", f"actions outside the declared limits: {actions.tolist()}", example)
         # The fuzzed session itself keeps acting, and the server keeps serving.
-        good = pb.ActRequest(session_id=live.session_id, epoch=live.epoch, observation=good_observation())
-        unary(served, failures, "Act", good, example, "Act (good, on the same session, after the request above)")
-        close_quietly(served, live.session_id)
+        acts_then_closes(served, failures, live, example, "the same session, after the request above")
         still_serving(served, failures, example)
 
     run()

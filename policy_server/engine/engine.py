@@ -352,7 +352,7 @@ class ModelEngine:
             if wait_s > 0:
                 raise api.RateExceeded(session_id, session.limiter.rate_hz, session.limiter.measured_hz,
                                        wait_s * 1e3)
-            job = TickJob(session, self._batch_shape(session), request)
+            job = TickJob(session, (session.embodiment, session.chunk_size), request)
             session.in_flight = job
         self._worker.submit_tick(job)
         while True:
@@ -401,7 +401,7 @@ class ModelEngine:
         if self.full_call_delay_ms > 0:
             controller = _DelayedFull(controller, self.full_call_delay_ms)
 
-        prefill_ms = self._ensure_prompt(session, embodiment, passes)
+        prefill_ms = self._prefill(session, embodiment, passes) if prefill else 0.0
         pipeline_request = PolicyRequest(
             images=observation.images, instruction=session.instruction, embodiment=session.embodiment,
             state=observation.state, chunk_size=session.chunk_size, num_steps=steps,
@@ -441,10 +441,8 @@ class ModelEngine:
         key = self.pipeline.prompt_key(session.instruction, embodiment, session.chunk_size, passes == 2)
         return session.prompt is not None and session.prompt.key == key
 
-    def _ensure_prompt(self, session: Session, embodiment: Embodiment, passes: int) -> float:
-        """Prefill the instruction's text K/V unless the session already holds it; returns the ms spent."""
-        if self._prompt_ready(session, embodiment, passes):
-            return 0.0
+    def _prefill(self, session: Session, embodiment: Embodiment, passes: int) -> float:
+        """Prefill the text K/V of the session's instruction; returns the ms spent."""
         started = self.clock()
         session.prompt = self.pipeline.encode_prompt(session.instruction, embodiment, session.chunk_size,
                                                      passes == 2)
@@ -515,9 +513,6 @@ class ModelEngine:
         row comes with the actions, and the instruction-length group. Embodiments alike in these share costs."""
         group = next(bound for bound in INSTRUCTION_TOKEN_GROUPS if instruction_tokens <= bound)
         return self.pipeline.clip_frames(chunk), self._embodiments[embodiment].state_dim > 0, group
-
-    def _batch_shape(self, session: Session) -> tuple[str, int]:
-        return session.embodiment, session.chunk_size
 
     def _instruction_tokens(self, text: str, field: str) -> int:
         """Token count of an instruction; InvalidArgument over the limit."""
@@ -697,7 +692,7 @@ class ModelEngine:
                 try:
                     item = pieces.get(timeout=_POLL_S)
                 except queue.Empty:
-                    if (reason := stopped()) is not None and self._worker.withdraw_job(job):
+                    if (reason := stopped()) is not None and self._worker.withdraw(job):
                         job.fail(reason)
                     continue
                 if item is done:

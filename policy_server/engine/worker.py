@@ -74,19 +74,13 @@ class ModelWorker:
             self._ticks.append(job)
             self._changed.notify()
 
-    def withdraw(self, job: TickJob) -> bool:
-        """Take a tick off the queue before it starts; False when it already started (or finished)."""
+    def withdraw(self, job: TickJob | BackgroundJob) -> bool:
+        """Take a queued tick off before it starts, or a background job off between two of its steps;
+        False when the tick already started, or a step of the job is running (or it finished)."""
+        queued = self._ticks if isinstance(job, TickJob) else self._jobs
         with self._changed:
-            if job in self._ticks:
-                self._ticks.remove(job)
-                return True
-            return False
-
-    def withdraw_job(self, job: BackgroundJob) -> bool:
-        """Take a background job off the queue between its steps; False while a step of it runs."""
-        with self._changed:
-            if job in self._jobs:
-                self._jobs.remove(job)
+            if job in queued:
+                queued.remove(job)
                 return True
             return False
 
