@@ -95,7 +95,7 @@ class _Gate:
 
 def _hold_worker(engine) -> threading.Event:
     gate = _Gate()
-    engine._worker.submit_job(gate)
+    engine._worker.submit(gate)
     gate.running.wait()
     return gate.opened
 

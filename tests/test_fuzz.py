@@ -211,6 +211,13 @@ class Failures:
         group.setdefault("message", message)
         group.setdefault("log", logged)
 
+    def begin(self) -> bool:
+        """Count one more example; False once a fatal failure has stopped the test."""
+        if self.fatal:
+            return False
+        self.examples += 1
+        return True
+
     def wrong(self, rpc: str, what: str, example: str) -> None:
         """A call that succeeded with an answer that is not a good one."""
         self.record(rpc, "OK but a bad answer", "", what, example, [])
@@ -780,9 +787,8 @@ def test_fuzz_get_server_info(served):
     @fuzz_settings(30)
     @given(request=requests)
     def run(request):
-        if failures.fatal:
+        if not failures.begin():
             return
-        failures.examples += 1
         example = describe(request)
         info = unary(served, failures, "GetServerInfo", request, example)
         if info is not None and not (info.protocol_version == "policy_server.v1" and info.embodiments):
@@ -821,9 +827,8 @@ def test_fuzz_open_session(served):
     @example(request=pb.OpenSessionRequest(embodiment=EMBODIMENT, instruction=INSTRUCTION, chunk_size=16))
     @example(request=pb.OpenSessionRequest(embodiment=EMBODIMENT, instruction=INSTRUCTION, budget_ms=1e-300))
     def run(request):
-        if failures.fatal:
+        if not failures.begin():
             return
-        failures.examples += 1
         example = describe(request)
         session = unary(served, failures, "OpenSession", request, example)
         if session is not None:
@@ -857,9 +862,8 @@ def test_fuzz_reset_close_set_budget(served, closed_id):
     @example(ops=[("SetBudget", Ref.REAL, 1e-300)])
     @example(ops=[("SetBudget", Ref.REAL, 1e300), ("ResetSession", Ref.REAL)])
     def run(ops):
-        if failures.fatal:
+        if not failures.begin():
             return
-        failures.examples += 1
         live = live_session(served, failures, closed_id)
         if live is None:
             return
@@ -925,9 +929,8 @@ def test_fuzz_act(served, closed_id):
     @act_example(_tensor(pb.DTYPE_FLOAT32, [1] * 70, b"\0" * 4))
     @act_example(_tensor(pb.DTYPE_FLOAT32, [0, 2**63 - 1]))
     def run(session_id, epoch, observation, reset_first, deadline_s):
-        if failures.fatal:
+        if not failures.begin():
             return
-        failures.examples += 1
         live = live_session(served, failures, closed_id, reset_first)
         if live is None:
             return
@@ -1066,9 +1069,8 @@ def test_fuzz_control(served, closed_id):
              reset_first=False)
     @example(first=("ping", 5), rest=[], reset_first=False)
     def run(first, rest, reset_first):
-        if failures.fatal:
+        if not failures.begin():
             return
-        failures.examples += 1
         live = live_session(served, failures, closed_id, reset_first)
         if live is None:
             return
@@ -1122,9 +1124,8 @@ def test_fuzz_reason(served):
     @example(request=pb.ReasonRequest(prompt="hi", max_new_tokens=4, temperature=5e-324))
     @example(request=pb.ReasonRequest(prompt="hi", max_new_tokens=4, temperature=1e300))
     def run(request):
-        if failures.fatal:
+        if not failures.begin():
             return
-        failures.examples += 1
         example = describe(request)
         mark = served.log.mark()
         try:
@@ -1216,9 +1217,8 @@ def test_fuzz_undecodable_request_bytes(served_alone):
     @given(method=st.sampled_from(methods), data=st.data())
     def run(method, data):
         payload = data.draw(wire_bytes(method), label="payload")  # before any early return: same draws each run
-        if failures.fatal:
+        if not failures.begin():
             return
-        failures.examples += 1
         example = f"{method} <- {payload!r}" if len(payload) <= 80 else f"{method} <- {_bytes(payload)}"
         mark = served.log.mark()
         path = SERVICE + method
@@ -1408,9 +1408,8 @@ def test_fuzz_websocket(served):
     @example(path="", frames=[("binary", {**good_ws_observation(), "step_index": 2**64 - 1}),
                               ("binary", {"observation/image": FRAME, "observation/state": GOOD_STATE})])
     def run(path, frames):
-        if failures.fatal:
+        if not failures.begin():
             return
-        failures.examples += 1
         example = f"path={path!r} frames=" + describe([value for _, value in frames], 1200)
         mark = served.log.mark()
         try:

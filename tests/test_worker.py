@@ -47,15 +47,15 @@ def _steps(log: _Log, name: str, count: int, gate: threading.Event | None = None
 def test_ticks_run_between_the_steps_of_background_work():
     log, gate, started = _Log(), threading.Event(), threading.Event()
     worker = _worker(log)
-    worker.submit_job(GeneratorJob(_steps(log, "reason", 3, gate, started), lambda error: None))
-    worker.submit_job(GeneratorJob((x for x in ()), lambda error: None))  # a marker: runs after the first step
+    worker.submit(GeneratorJob(_steps(log, "reason", 3, gate, started), lambda error: None))
+    worker.submit(GeneratorJob((x for x in ()), lambda error: None))  # a marker: runs after the first step
     ticks = [TickJob(session=object(), shape="s", payload=i) for i in range(2)]
     started.wait()
     for tick in ticks:
-        worker.submit_tick(tick)
+        worker.submit(tick)
     gate.set()  # the reasoner's first step was running; both ticks come before its next one
     assert [t.result.result(timeout=10) for t in ticks] == [0, 1]
-    worker.submit_job(GeneratorJob(_steps(log, "end", 1), lambda error: None))
+    worker.submit(GeneratorJob(_steps(log, "end", 1), lambda error: None))
     while len(log.events) < 6:
         time.sleep(0.001)
     assert log.events[:3] == ["reason step 0", "tick 0", "tick 1"]
@@ -72,9 +72,9 @@ def test_a_failing_step_fails_its_job_and_the_worker_serves_on():
         yield
         raise ValueError("bad step")
 
-    worker.submit_job(GeneratorJob(broken(), failures.append))
+    worker.submit(GeneratorJob(broken(), failures.append))
     tick = TickJob(session=object(), shape="s", payload=7)
-    worker.submit_tick(tick)
+    worker.submit(tick)
     assert tick.result.result(timeout=10) == 7
     while not failures:
         time.sleep(0.001)
@@ -86,13 +86,13 @@ def test_close_fails_queued_ticks_and_jobs_and_refuses_new_work():
     log, gate = _Log(), threading.Event()
     worker = _worker(log)
     failures: list[BaseException] = []
-    worker.submit_job(GeneratorJob(_steps(log, "long", 2, gate), failures.append))
+    worker.submit(GeneratorJob(_steps(log, "long", 2, gate), failures.append))
     while worker.queue_depth < 1 or worker._jobs:  # the long job is running
         time.sleep(0.001)
     queued_job = GeneratorJob(_steps(log, "queued", 1), failures.append)
-    worker.submit_job(queued_job)
+    worker.submit(queued_job)
     tick = TickJob(session=object(), shape="s", payload=1)
-    worker.submit_tick(tick)
+    worker.submit(tick)
     closer = threading.Thread(target=worker.close, kwargs={"timeout_s": 10})
     closer.start()
     with pytest.raises(api.ShuttingDown):
@@ -103,17 +103,17 @@ def test_close_fails_queued_ticks_and_jobs_and_refuses_new_work():
     assert [type(f) for f in failures] == [api.ShuttingDown, api.ShuttingDown]  # queued, then the long one
     assert "long step 1" not in log.events  # stopped after the step in progress
     with pytest.raises(api.ShuttingDown):
-        worker.submit_tick(TickJob(session=object(), shape="s", payload=2))
+        worker.submit(TickJob(session=object(), shape="s", payload=2))
 
 
 def test_withdraw_takes_a_queued_tick_off_before_it_starts():
     log, gate = _Log(), threading.Event()
     worker = _worker(log)
-    worker.submit_job(GeneratorJob(_steps(log, "hold", 1, gate), lambda error: None))
+    worker.submit(GeneratorJob(_steps(log, "hold", 1, gate), lambda error: None))
     while worker._jobs:
         time.sleep(0.001)
     tick = TickJob(session=object(), shape="s", payload=3)
-    worker.submit_tick(tick)
+    worker.submit(tick)
     assert worker.withdraw(tick)
     assert not worker.withdraw(tick)
     gate.set()

@@ -163,7 +163,7 @@ class ModelEngine:
 
     def start(self) -> None:
         """Warm up in the background; `ready()` turns True when the cost model is filled."""
-        self._worker.submit_job(GeneratorJob(self._warmup(), self._warmup_failed))
+        self._worker.submit(GeneratorJob(self._warmup(), self._warmup_failed))
 
     def wait_ready(self, timeout_s: float | None = None) -> bool:
         if not self._ready.wait(timeout_s):
@@ -354,7 +354,7 @@ class ModelEngine:
                                        wait_s * 1e3)
             job = TickJob(session, (session.embodiment, session.chunk_size), request)
             session.in_flight = job
-        self._worker.submit_tick(job)
+        self._worker.submit(job)
         while True:
             try:
                 return job.result.result(timeout=_POLL_S)
@@ -680,7 +680,7 @@ class ModelEngine:
 
         job = GeneratorJob(steps(), finish)
         try:
-            self._worker.submit_job(job)
+            self._worker.submit(job)
         except api.ShuttingDown:
             self._reason_calls.release()
             raise

@@ -67,11 +67,12 @@ class ModelWorker:
         with self._changed:
             return len(self._ticks) + len(self._jobs) + self._running
 
-    def submit_tick(self, job: TickJob) -> None:
+    def submit(self, job: TickJob | BackgroundJob) -> None:
+        """Queue a tick or a background job; ShuttingDown once `close()` has begun."""
         with self._changed:
             if self._closed:
                 raise api.ShuttingDown()
-            self._ticks.append(job)
+            (self._ticks if isinstance(job, TickJob) else self._jobs).append(job)
             self._changed.notify()
 
     def withdraw(self, job: TickJob | BackgroundJob) -> bool:
@@ -83,13 +84,6 @@ class ModelWorker:
                 queued.remove(job)
                 return True
             return False
-
-    def submit_job(self, job: BackgroundJob) -> None:
-        with self._changed:
-            if self._closed:
-                raise api.ShuttingDown()
-            self._jobs.append(job)
-            self._changed.notify()
 
     def close(self, timeout_s: float) -> None:
         """Stop after the step in progress (waiting ``timeout_s`` at most) and fail everything queued."""
