@@ -25,6 +25,7 @@ import argparse
 import json
 import math
 import platform
+import resource
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,8 +37,9 @@ from tqdm import tqdm
 
 from policy_server.cache.controller import NoCache
 from policy_server.cache.seacache import SeaCache, SeaCacheConfig
+from policy_server.config import DTYPES, check_dtype
 from policy_server.engine import api
-from policy_server.engine.engine import EngineSettings, ModelEngine
+from policy_server.engine.engine import EngineSettings, ModelEngine, resolve_dtype
 from policy_server.pipeline.embodiments import Embodiment
 from policy_server.pipeline.policy import PolicyOutput, PolicyPipeline, PolicyRequest
 
@@ -196,7 +198,8 @@ def closed_loop(policies: dict, episodes: int, execute: int) -> dict[str, float]
 
 def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
-    pipeline = PolicyPipeline.from_pretrained(args.checkpoint, device=args.device)
+    pipeline = PolicyPipeline.from_pretrained(args.checkpoint, device=args.device,
+                                              dtype=resolve_dtype(args.dtype, args.device))
     embodiment = pipeline.embodiments.get(pipeline.served_embodiments[0])
     steps = pipeline.config.num_steps
 
@@ -289,6 +292,7 @@ def run(args: argparse.Namespace) -> dict:
 
     for e in engines:
         e.close()
+    memory = peak_memory(pipeline.device)  # before `forward_summary` builds diffusers' reference model beside ours
     report = {
         "schema": SCHEMA,
         "machine": {
@@ -297,6 +301,7 @@ def run(args: argparse.Namespace) -> dict:
             "threads": torch.get_num_threads(),
             "gpu": torch.cuda.get_device_name(0) if pipeline.device.type == "cuda" else None,
             "cpu": platform.processor() or platform.machine(),
+            **memory,
         },
         "model": model_summary(pipeline, embodiment),
         "forward": forward_summary(pipeline, embodiment, args),
@@ -310,23 +315,36 @@ def run(args: argparse.Namespace) -> dict:
 SAMPLE_INSTRUCTION = "reach the red circle"  # for token counts only
 
 
+def peak_memory(device: torch.device) -> dict:
+    """Peak memory of this process so far, MiB: host RSS (`ru_maxrss`, KiB on Linux), and on CUDA the
+    caching allocator's peak allocated (`peak_cuda_mb`) and reserved (`peak_cuda_reserved_mb`) on `device`."""
+    cuda = device.type == "cuda"
+    return {
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_cuda_mb": torch.cuda.max_memory_allocated(device) / 2**20 if cuda else None,
+        "peak_cuda_reserved_mb": torch.cuda.max_memory_reserved(device) / 2**20 if cuda else None,
+    }
+
+
 def latent_shape(pipeline: PolicyPipeline, embodiment: Embodiment) -> tuple[int, int, int, int]:
     """`(C, T, h, w)` of one tick's video latent at the embodiment's default chunk."""
     height, width = pipeline.config.canvas_hw
     sc = pipeline.vae.spatial_compression
-    frames = pipeline.vae.num_latent_frames(pipeline.clip_frames(embodiment.default_chunk_size))
+    frames = pipeline.num_latent_frames(embodiment.default_chunk_size)
     return pipeline.transformer.config.latent_channel, frames, height // sc, width // sc
 
 
 def model_summary(pipeline: PolicyPipeline, embodiment: Embodiment) -> dict:
     config = pipeline.config
     chunk = embodiment.default_chunk_size
-    prompt = pipeline.encode_prompt(SAMPLE_INSTRUCTION, embodiment, chunk, cfg=False)
+    prompt = pipeline.encode_prompt(SAMPLE_INSTRUCTION, embodiment, chunk, cfg=False, canvas_hw=config.canvas_hw)
     _, frames, h, w = latent_shape(pipeline, embodiment)
     p = pipeline.transformer.config.latent_patch_size
     return {
         "name": config.name,
         "params": sum(t.numel() for t in pipeline.transformer.parameters()),
+        "dtype": str(pipeline.transformer.dtype).removeprefix("torch."),  # the stack's; the time embedder is fp32
+        "param_bytes": sum(t.numel() * t.element_size() for t in pipeline.transformer.parameters()),
         "steps": config.num_steps,
         "sampler": config.sampler,
         "shift": config.shift,
@@ -344,7 +362,8 @@ def forward_summary(pipeline: PolicyPipeline, embodiment: Embodiment, args: argp
     from policy_server.benchmarks.forward import measure_forward
 
     chunk = embodiment.default_chunk_size
-    prompt = pipeline.encode_prompt(SAMPLE_INSTRUCTION, embodiment, chunk, cfg=False)
+    prompt = pipeline.encode_prompt(SAMPLE_INSTRUCTION, embodiment, chunk, cfg=False,
+                                    canvas_hw=pipeline.config.canvas_hw)
     return measure_forward(pipeline.transformer.config, n_text=len(prompt.input_ids["cond"]),
                            vision_shape=latent_shape(pipeline, embodiment), chunk=chunk,
                            repeats=args.forward_repeats, device=pipeline.device)
@@ -396,6 +415,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("bench.json"), help="JSON path; PNGs go beside it")
     parser.add_argument("--checkpoint", type=Path, default=None, help="pipeline folder (default: embedded)")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="auto",
+                        help=f"weight dtype: {', '.join(DTYPES)} (auto: bf16 on CUDA, fp32 on CPU)")
     parser.add_argument("--ticks", type=int, default=500)
     parser.add_argument("--warmup", type=int, default=4, help="warmup ticks per engine and cache mode")
     parser.add_argument("--budget-fractions", type=float, nargs="+", default=[0.5, 0.75],
@@ -411,6 +432,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="also run N held-out Reach episodes per config and report success_rate")
     parser.add_argument("--execute", type=int, default=4, help="closed loop: actions executed per chunk")
     args = parser.parse_args(argv)
+    try:
+        check_dtype(args.dtype)
+    except ValueError as error:  # one line, like the server's own flags
+        parser.exit(2, f"{parser.prog}: --dtype: {error}\n")
     if args.ticks < 2 or args.warmup < 2:
         parser.error("--ticks and --warmup must be at least 2")
     if args.closed_loop < 0 or args.execute < 1:

@@ -40,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--latency-budget-ms", type=float, help="default per-tick latency budget in ms (120)")
     g.add_argument("--checkpoint", type=Path, help="checkpoint to serve (default: the embedded model)")
     g.add_argument("--device", help="auto, cpu, cuda or cuda:N (auto)")
+    g.add_argument("--dtype", help="weight dtype: auto, bf16, fp16 or fp32 (auto: bf16 on CUDA, fp32 on CPU)")
 
     g = p.add_argument_group("diffusion step cache (SeaCache)")
     g.add_argument(
@@ -69,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-sessions", type=int, help="concurrent sessions (4)")
     g.add_argument("--max-batch", type=int,
                    help="queued ticks of one request shape that run as one micro-batch, 1 = off (4)")
+    g.add_argument("--max-dynamics-calls", type=int,
+                   help="forward / inverse dynamics calls at once; they cost every session capacity, 0 = off (0)")
     g.add_argument("--max-message-mb", type=float, help="largest accepted request in MiB (16)")
     g.add_argument(
         "--auth-token-file", type=Path, help="require `authorization: Bearer <token>` from this file"

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from policy_server.limits import MAX_BUDGET_MS, MAX_RESIDUAL_ORDER
 
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+DTYPES = ("auto", "bf16", "fp16", "fp32")  # auto: bf16 on CUDA, fp32 on CPU (engine.resolve_dtype)
 
 
 class ConfigError(ValueError):
@@ -35,6 +36,7 @@ class ServerConfig(BaseModel):
         None, description="checkpoint directory or file; unset = the embedded model"
     )
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
+    dtype: str = Field("auto", description="weight dtype: auto (bf16 on CUDA, fp32 on CPU), bf16, fp16 or fp32")
 
     # Diffusion step cache (SeaCache)
     diffusion_cache: bool = Field(True, description="enable SeaCache (off = bit-exact uncached sampling)")
@@ -69,6 +71,10 @@ class ServerConfig(BaseModel):
     # Limits
     max_sessions: int = Field(4, ge=1, description="concurrent sessions")
     max_batch: int = Field(4, ge=1, le=64, description="queued ticks of one shape run together (1 = no micro-batching)")
+    max_dynamics_calls: int = Field(
+        0, ge=0, le=8, description="forward / inverse dynamics calls at once (0 = off; on, every session's admission "
+        "reserves the longest piece of one such call)"
+    )
     max_message_mb: float = Field(
         16.0, gt=0, le=1024, allow_inf_nan=False, description="max request size (MiB)"
     )
@@ -83,6 +89,12 @@ class ServerConfig(BaseModel):
     def _known_device(cls, value: str) -> str:
         if not _DEVICE.match(value):
             raise ValueError(f"expected auto, cpu, cuda or cuda:N, got {value!r}")
+        return value
+
+    @field_validator("dtype")
+    @classmethod
+    def _known_dtype(cls, value: str) -> str:
+        check_dtype(value)
         return value
 
     @field_validator("checkpoint", "auth_token_file", "tls_cert", "tls_key")
@@ -105,6 +117,12 @@ class ServerConfig(BaseModel):
     @property
     def tls(self) -> bool:
         return self.tls_cert is not None
+
+
+def check_dtype(value: str) -> None:
+    """Raise `ValueError` unless `value` is one of `DTYPES` (shared by the server's and bench's --dtype)."""
+    if value not in DTYPES:
+        raise ValueError(f"expected {', '.join(DTYPES[:-1])} or {DTYPES[-1]}, got {value!r}")
 
 
 def _normalise_keys(values: dict[str, Any], source: str) -> dict[str, Any]:

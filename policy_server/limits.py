@@ -15,5 +15,11 @@ MAX_TEXT_BYTES = 16 * 1024
 MAX_BUDGET_MS = 60_000.0  # a session's per-tick latency budget
 MAX_RATE_HZ = 1_000.0  # a session's declared chunk-request rate
 MAX_TEMPERATURE = 100.0  # Reason sampling temperature (0 = greedy)
-MAX_FRAME_SIDE = 4096  # pixels, of a camera frame the server resizes itself (the WebSocket adapter)
+# Pixels, the longest side of a camera frame at the boundary (gRPC and WebSocket); the pipeline downscales
+# it to fit the model's canvas. A RAW frame at the limit (2048 x 2048 x 3 = 12 MiB) fits the default 16 MiB
+# message, and a JPEG/PNG header is checked against it before the frame is decoded.
+MAX_FRAME_SIDE = 2048
 MAX_FRAME_RATE_HZ = 100.0  # observation frames per second on one Control stream (decoding them costs CPU)
+# A forward / inverse dynamics call runs uncached at the model's step count between ticks (ticks go first);
+# it is abandoned after this long when its caller sets no shorter deadline.
+MAX_DYNAMICS_MS = 30_000.0

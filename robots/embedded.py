@@ -62,7 +62,7 @@ def policy_config() -> PolicyConfig:
         num_steps=20,
         guidance=2.0,
         shift=3.0,
-        canvas_hw=(env.image_size, env.image_size),
+        canvases=((env.image_size, env.image_size),),
         use_system_prompt=False,
     )
 

@@ -116,7 +116,7 @@ class InProcessPolicy:
             result = self.engine.act(session.session_id, session.epoch, observation)
             latents = self.engine.last_output.latents if want_video else None
         stats = TickStats.of(result.tick)
-        predicted = self.pipeline.decode_video(latents, session.chunk_size) if latents is not None else None
+        predicted = self.pipeline.decode_video(latents) if latents is not None else None
         return result.actions, stats, predicted
 
     def close(self, session) -> None:

@@ -153,7 +153,7 @@ def train(
     view_point = embedded.embodiment_entry()["viewpoint"]
     prompt_ids = []
     for instruction in windows.instructions:
-        pair = policy_prompt_pair(policy, instruction, view_point, env_fps, chunk)
+        pair = policy_prompt_pair(policy, instruction, view_point, env_fps, chunk, policy.canvas_hw)
         prompt_ids.append(tokenizer.encode(pair.cond, system_prompt=pair.system_prompt))
     negative_ids = tokenizer.encode(pair.uncond, system_prompt=pair.system_prompt)
 

@@ -114,8 +114,9 @@ def _randomize_transformer(model: torch.nn.Module, seed: int) -> None:
             param.copy_(value.to(param.dtype))
 
 
-def build_tiny_cosmos3_folder(path: Path, seed: int = 0) -> Path:
-    """Build a tiny random `Cosmos3OmniPipeline` fully offline and `save_pretrained` it into `path`."""
+def build_tiny_cosmos3_folder(path: Path, seed: int = 0, max_shard_size: str | None = None) -> Path:
+    """Build a tiny random `Cosmos3OmniPipeline` fully offline and `save_pretrained` it into `path`;
+    `max_shard_size` (e.g. "100KB") shards the weights as the published checkpoints are."""
     from diffusers import AutoencoderKLWan, Cosmos3OmniPipeline, Cosmos3OmniTransformer, UniPCMultistepScheduler
 
     path = Path(path)
@@ -133,12 +134,13 @@ def build_tiny_cosmos3_folder(path: Path, seed: int = 0) -> Path:
         transformer=transformer, text_tokenizer=build_text_tokenizer(), vae=vae, scheduler=scheduler,
         **PIPELINE_FLAGS,
     )
-    pipe.save_pretrained(path, safe_serialization=True)
+    sharding = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    pipe.save_pretrained(path, safe_serialization=True, **sharding)
     return path
 
 
 class PolicyResult(NamedTuple):
-    actions: np.ndarray  # [chunk, raw_action_dim] float32, model (normalised) space, as diffusers returns it
+    actions: np.ndarray | None  # [chunk, raw_action_dim] float32, model space, as diffusers returns it (not in FD)
     latents: np.ndarray | None  # [1, z, T_lat, h, w] final denoised, normalised video latents (output_type="latent")
 
 
@@ -180,12 +182,27 @@ def diffusers_policy_call(folder: Path, image_uint8_hwc: np.ndarray, instruction
     `negative_prompt`, `latents`, `action_latents`, `use_system_prompt`, `output_type` (default "latent"), `cache`,
     and any other `Cosmos3OmniPipeline.__call__` keyword.
     """
+    return diffusers_action_call(folder, "policy", image_uint8_hwc[None], instruction, embodiment, chunk_size,
+                                 num_steps, seed, **extra)
+
+
+def diffusers_action_call(folder: Path, mode: str, frames_uint8_thwc: np.ndarray, instruction: str, embodiment: str,
+                          chunk_size: int, num_steps: int, seed: int, raw_actions: np.ndarray | None = None,
+                          **extra: Any) -> PolicyResult:
+    """One diffusers action-mode call. `frames_uint8_thwc` [T, H, W, 3]: policy and forward_dynamics condition on
+    frame 0 (passed as `image`), inverse_dynamics on the whole video; `raw_actions` [chunk, raw_dim] drive
+    forward_dynamics. `extra` as for `diffusers_policy_call`, plus `pipe`: an already loaded pipeline to call."""
     from diffusers.pipelines.cosmos.pipeline_cosmos3_omni import CosmosActionCondition
 
-    pipe = load_pipeline(folder, cache=extra.pop("cache", True))
+    cache = extra.pop("cache", True)
+    pipe = extra.pop("pipe", None) or load_pipeline(folder, cache=cache)
+    frames = [_to_pil(frame) for frame in frames_uint8_thwc]
     action = CosmosActionCondition(
-        mode="policy", chunk_size=chunk_size, domain_name=embodiment,
-        resolution_tier=extra.pop("resolution_tier", 256), image=_to_pil(image_uint8_hwc),
+        mode=mode, chunk_size=chunk_size, domain_name=embodiment,
+        resolution_tier=extra.pop("resolution_tier", 256),
+        image=frames[0] if mode != "inverse_dynamics" else None,
+        video=frames if mode == "inverse_dynamics" else None,
+        raw_actions=None if raw_actions is None else torch.from_numpy(np.asarray(raw_actions, np.float32)),
         view_point=extra.pop("view_point", "ego_view"),
     )
     extra.setdefault("guidance_scale", 1.0)
@@ -194,6 +211,6 @@ def diffusers_policy_call(folder: Path, image_uint8_hwc: np.ndarray, instruction
     with torch.no_grad():
         out = pipe(prompt=instruction, action=action, num_inference_steps=num_steps, generator=generator,
                    enable_safety_check=False, **extra)
-    actions = out.action[0].float().numpy()
+    actions = out.action[0].float().numpy() if out.action is not None else None
     latents = out.video.float().cpu().numpy() if extra["output_type"] == "latent" else None
     return PolicyResult(actions=actions, latents=latents)

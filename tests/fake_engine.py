@@ -57,7 +57,7 @@ PUSHT = EmbodimentSpec(
 )
 LIBERO = EmbodimentSpec(
     name="libero",
-    cameras=(CameraSpec("image", height=32, width=32), CameraSpec("wrist", height=24, width=32)),
+    cameras=(CameraSpec("image", height=32, width=32), CameraSpec("wrist", height=32, width=32)),
     state_dim=8,
     action=ActionSpec(dim=7, units=("m", "m", "m", "rad", "rad", "rad", "1")),
     default_chunk_size=16,
@@ -160,7 +160,7 @@ class FakeEngine:
         return ()
 
     def open_session(self, embodiment, instruction, budget_ms=None, chunk_size=None, seed=None, rate_hz=None,
-                     actions_per_chunk=None) -> SessionHandle:
+                     actions_per_chunk=None, preview=False) -> SessionHandle:
         if not self._ready:
             raise WarmingUp(0.5)
         spec = self._info.embodiment(embodiment)
@@ -177,6 +177,7 @@ class FakeEngine:
                 budget,
                 chunk_size or spec.default_chunk_size,
                 seed or 0,
+                preview=preview,
             )
             self._sessions[handle.session_id] = handle
             self.instructions[handle.session_id] = instruction

@@ -8,6 +8,7 @@ import shutil
 import socket
 
 import pytest
+from cosmos3_folder import build_tiny_cosmos3_folder
 
 from policy_server import cli
 from robots.embedded import build_random_pipeline
@@ -33,10 +34,9 @@ def _remove(path):
 BROKEN = {
     "empty_folder": (lambda root: [_remove(p) for p in root.rglob("*") if p.is_file()],
                      "policy.json: no policy config"),
-    "diffusers_pipeline_folder": (
-        lambda root: (_remove(root / "policy.json"),
-                      _edit_json(root / "model_index.json", _class_name="Cosmos3OmniPipeline")),
-        "names a Cosmos3OmniPipeline"),
+    "embedded_folder_named_a_diffusers_pipeline": (
+        lambda root: _edit_json(root / "model_index.json", _class_name="Cosmos3OmniPipeline"),
+        "model_index.json: vae=['policy_server', 'SmallVideoVAE']; expected ['diffusers', 'AutoencoderKLWan']"),
     "missing_transformer_weights": (lambda root: _remove(root / "transformer/diffusion_pytorch_model.safetensors"),
                                     "no weights in"),
     "unknown_transformer_config_field": (lambda root: _edit_json(root / "transformer/config.json", hiden_size=3),
@@ -63,6 +63,48 @@ def test_a_checkpoint_that_cannot_be_served_is_one_line_and_exit_2(good_folder, 
     breakage, expected = BROKEN[name]
     root = tmp_path / "ckpt"
     shutil.copytree(good_folder, root)
+    breakage(root)
+    assert cli.main(["--checkpoint", str(root), "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"policy-server: cannot serve checkpoint {root}: ") and "\n" not in err, err
+    assert expected in err and "Traceback" not in err
+
+
+@pytest.fixture(scope="module")
+def diffusers_folder(tmp_path_factory):
+    """A sharded `Cosmos3OmniPipeline` folder as diffusers' `save_pretrained` writes it."""
+    return build_tiny_cosmos3_folder(tmp_path_factory.mktemp("cosmos3") / "pipe", max_shard_size="200KB")
+
+
+def _first_shard(root):
+    return sorted((root / "transformer").glob("*-of-*.safetensors"))[0]
+
+
+BROKEN_DIFFUSERS = {
+    "missing_component": (lambda root: shutil.rmtree(root / "vae"), "model_index.json lists vae but"),
+    "wrong_pipeline_component_class": (
+        lambda root: _edit_json(root / "model_index.json", transformer=["diffusers", "WanTransformer3DModel"]),
+        "model_index.json: transformer=['diffusers', 'WanTransformer3DModel']; expected ['diffusers', "
+        "'Cosmos3OmniTransformer']"),
+    "unknown_transformer_config_field": (lambda root: _edit_json(root / "transformer/config.json", hiden_size=3),
+                                         "hiden_size"),
+    "missing_shard": (lambda root: _remove(_first_shard(root)), "lists shard file(s) that do not exist"),
+    "shape_mismatch": (lambda root: _edit_json(root / "transformer/config.json", intermediate_size=80),
+                       "shape mismatch"),
+    "unknown_scheduler": (lambda root: _edit_json(root / "scheduler/scheduler_config.json",
+                                                  _class_name="DDIMScheduler"),
+                          "scheduler_config.json: _class_name 'DDIMScheduler'; expected 'UniPCMultistepScheduler'"),
+    "wan_vae_latent_stats": (lambda root: _edit_json(root / "vae/config.json", latents_std=[1.0]),
+                             "vae/config.json: latents_std must hold z_dim=8 values"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN_DIFFUSERS))
+def test_a_diffusers_folder_that_cannot_be_served_is_one_line_and_exit_2(diffusers_folder, tmp_path, capsys, name):
+    assert len(list((diffusers_folder / "transformer").glob("*-of-*.safetensors"))) > 1
+    breakage, expected = BROKEN_DIFFUSERS[name]
+    root = tmp_path / "ckpt"
+    shutil.copytree(diffusers_folder, root)
     breakage(root)
     assert cli.main(["--checkpoint", str(root), "--port", "0"]) == 2
     err = capsys.readouterr().err.strip()

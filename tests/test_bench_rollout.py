@@ -26,6 +26,10 @@ def test_bench_writes_the_documented_report(model_dir, tmp_path):
     assert report["schema"] == 1
     assert {"device", "torch", "threads", "gpu"} <= set(report["machine"])
     assert {"name", "params", "steps", "cfg", "guidance", "text_tokens", "gen_tokens"} <= set(report["model"])
+    assert report["machine"]["peak_rss_mb"] > 0
+    assert report["machine"]["peak_cuda_mb"] is report["machine"]["peak_cuda_reserved_mb"] is None  # CPU
+    assert report["model"]["dtype"] == "float32"  # --dtype auto on CPU
+    assert report["model"]["param_bytes"] == 4 * report["model"]["params"]
     assert {"full_ms", "gen_only_ms", "reference_full_ms", "ratio_gen_only_vs_reference"} <= set(report["forward"])
     names = [c["name"] for c in report["configs"]]
     assert names[:2] == ["uncached", "seacache_default"]

@@ -11,6 +11,7 @@ import threading
 import types
 
 import pytest
+import torch
 import yaml
 from fake_engine import FakeEngine
 
@@ -19,6 +20,7 @@ import policy_server.server.app as app
 from policy_server import cli
 from policy_server.client import PolicyClient
 from policy_server.config import ConfigError, ServerConfig, build_config, read_config_file
+from policy_server.engine.engine import resolve_dtype
 
 
 def test_defaults():
@@ -29,6 +31,7 @@ def test_defaults():
     assert (config.diffusion_cache_thresh, config.diffusion_cache_residual_order,
             config.diffusion_cache_max_consecutive) == (0.25, 1, 2)
     assert config.checkpoint is None and config.reflection is False
+    assert (config.device, config.dtype) == ("auto", "auto")
     assert config.metrics_port is None and config.websocket_port is None and config.auth_token_file is None
     assert config.max_message_bytes == 16 * 1024 * 1024
 
@@ -44,7 +47,7 @@ def test_flags_parse_into_the_config(tmp_path):
     config = cli.config_from_args([
         "--latency-budget-ms", "80", "--no-diffusion-cache", "--diffusion-cache-thresh", "0.4",
         "--diffusion-cache-residual-order", "0", "--diffusion-cache-max-consecutive", "0", "--port", "6000",
-        "--host", "0.0.0.0", "--unix-socket", str(tmp_path / "s.sock"), "--device", "cuda:1",
+        "--host", "0.0.0.0", "--unix-socket", str(tmp_path / "s.sock"), "--device", "cuda:1", "--dtype", "fp16",
         "--max-sessions", "2", "--max-batch", "3", "--max-message-mb", "8", "--auth-token-file", str(token),
         "--reflection",
         "--metrics-port", "9100", "--websocket-port", "8000", "--websocket-embodiment", "libero",
@@ -52,7 +55,7 @@ def test_flags_parse_into_the_config(tmp_path):
     assert config.latency_budget_ms == 80 and config.diffusion_cache is False
     assert (config.diffusion_cache_thresh, config.diffusion_cache_residual_order) == (0.4, 0)
     assert (config.port, config.host, config.device, config.max_sessions) == (6000, "0.0.0.0", "cuda:1", 2)
-    assert config.max_batch == 3
+    assert config.max_batch == 3 and config.dtype == "fp16"
     assert config.auth_token_file == token and config.reflection
     assert (config.metrics_port, config.websocket_port, config.websocket_embodiment) == (9100, 8000, "libero")
 
@@ -62,12 +65,12 @@ def full_file_values(tmp_path) -> dict:
         (tmp_path / name).write_text("x")
     (tmp_path / "ckpt").mkdir()
     return {
-        "latency_budget_ms": 95, "checkpoint": str(tmp_path / "ckpt"), "device": "cpu",
+        "latency_budget_ms": 95, "checkpoint": str(tmp_path / "ckpt"), "device": "cpu", "dtype": "bf16",
         "diffusion_cache": False, "diffusion_cache_thresh": 0.3, "diffusion_cache_residual_order": 2,
         "diffusion_cache_max_consecutive": 3, "host": "127.0.0.1", "port": 7000,
         "unix_socket": str(tmp_path / "p.sock"), "websocket_port": 8001, "websocket_embodiment": "pusht",
         "metrics_port": 9091, "metrics_host": "::1", "reflection": True, "max_sessions": 3, "max_batch": 2,
-        "max_message_mb": 4,
+        "max_dynamics_calls": 1, "max_message_mb": 4,
         "auth_token_file": str(tmp_path / "token"), "tls_cert": str(tmp_path / "cert.pem"),
         "tls_key": str(tmp_path / "key.pem"),
     }
@@ -103,6 +106,7 @@ def test_json_file_with_flag_spelling(tmp_path):
         ({"latency_budget_ms": "fast"}, "latency_budget_ms"),
         ({"port": 70000}, "port"),
         ({"device": "gpu"}, "device"),
+        ({"dtype": "bfloat16"}, "dtype"),
         ({"diffusion_cache_thresh": -0.1}, "diffusion_cache_thresh"),
         ({"diffusion_cache_residual_order": 7}, "diffusion_cache_residual_order"),
         ({"diffusion_cache_residual_order": 3}, "diffusion_cache_residual_order"),  # SeaCache's limit is 2
@@ -138,6 +142,43 @@ def test_malformed_files_are_rejected(tmp_path, content):
 def test_main_reports_config_errors_with_exit_code_2(capsys):
     assert cli.main(["--port", "-3"]) == 2
     assert "port" in capsys.readouterr().err
+
+
+def test_a_bad_dtype_is_one_line_naming_the_allowed_values_and_exit_2(capsys):
+    from policy_server.bench import main as bench_main
+
+    assert cli.main(["--dtype", "int8"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "dtype" in err and "expected auto, bf16, fp16 or fp32, got 'int8'" in err, err
+    with pytest.raises(SystemExit) as exit_:
+        bench_main(["--dtype", "int8"])
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2
+    assert err == "policy-server bench: --dtype: expected auto, bf16, fp16 or fp32, got 'int8'", err
+
+
+@pytest.mark.parametrize(("name", "device", "expected"), [
+    ("auto", "cpu", torch.float32), ("auto", "cuda", torch.bfloat16), ("auto", "cuda:1", torch.bfloat16),
+    ("bf16", "cpu", torch.bfloat16), ("fp16", "cuda", torch.float16), ("fp32", "cuda", torch.float32)])
+def test_dtype_resolves_on_the_device(name, device, expected):
+    assert resolve_dtype(name, device) == expected
+
+
+def test_the_engine_loads_the_pipeline_at_the_resolved_dtype(monkeypatch):
+    from policy_server.pipeline.policy import PolicyPipeline
+
+    calls = []
+
+    def from_pretrained(path, **kwargs):
+        calls.append(kwargs)
+        raise RuntimeError("stop after the load")
+
+    monkeypatch.setattr(PolicyPipeline, "from_pretrained", from_pretrained)
+    monkeypatch.setattr(torch, "set_num_threads", lambda threads: None)  # build_engine's CPU setting stays here
+    for name in ("auto", "fp16"):
+        with pytest.raises(RuntimeError, match="stop after the load"):
+            policy_server.engine.build_engine(build_config(overrides={"device": "cpu", "dtype": name}))
+    assert calls == [{"device": "cpu", "dtype": torch.float32}, {"device": "cpu", "dtype": torch.float16}]
 
 
 def test_bench_subcommand_dispatches_to_policy_server_bench(monkeypatch):

@@ -433,3 +433,15 @@ def test_a_reasoner_call_is_answered_at_its_deadline_even_while_ticks_hold_the_w
     assert time.monotonic() - started < 5
     gate.set()
     assert list(engine.reason("describe the table", max_new_tokens=4, seed=0))  # its slot was given back
+
+
+def test_dynamics_calls_are_off_unless_asked_for(engine):
+    """`max_dynamics_calls` 0 (the default): refused with DYNAMICS_OFF, and admission reserves nothing for them."""
+    assert engine.info().max_dynamics_calls == 0
+    session = engine.open_session("pusht", "reach the red circle", rate_hz=0)
+    try:
+        with pytest.raises(api.DynamicsOff, match="--max-dynamics-calls"):
+            engine.forward_dynamics(session.session_id, session.epoch, _observation(),
+                                    np.zeros((session.chunk_size, 2), np.float32))
+    finally:
+        engine.close_session(session.session_id)

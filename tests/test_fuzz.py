@@ -142,7 +142,8 @@ def real_server() -> Iterator[Served]:
     torch.set_num_threads(1)
     pipeline = PolicyPipeline.from_pretrained(None)
     pipeline.config = pipeline.config.model_copy(update={"num_steps": 3})  # cheap real ticks
-    engine = ModelEngine(pipeline, EngineSettings(warmup_ticks=1, max_sessions=16, default_budget_ms=60_000.0))
+    engine = ModelEngine(pipeline, EngineSettings(warmup_ticks=1, max_sessions=16, default_budget_ms=60_000.0,
+                                                   max_dynamics_calls=2))
     engine.start()
     assert engine.wait_ready(timeout_s=300)
     spec = engine.info().embodiment(EMBODIMENT)

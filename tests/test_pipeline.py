@@ -93,7 +93,7 @@ def test_pacer_drops_uncond_then_ends_the_loop_on_a_clean_estimate(pipe):
 
 def test_prompt_state_reuse_is_exact(pipe):
     request = _request(guidance=2.0)
-    prompt = pipe.encode_prompt(request.instruction, pipe.embodiments.get("pusht"), 8, cfg=True)
+    prompt = pipe.encode_prompt(request.instruction, pipe.embodiments.get("pusht"), 8, cfg=True, canvas_hw=(64, 64))
     assert torch.equal(
         torch.from_numpy(pipe(request, prompt=prompt).actions), torch.from_numpy(pipe(request).actions)
     )

@@ -34,6 +34,7 @@ def test_package_is_versioned_and_descriptor_keeps_the_canonical_path():
     service = pb.DESCRIPTOR.services_by_name["PolicyService"]
     assert set(service.methods_by_name) == {
         "GetServerInfo", "OpenSession", "ResetSession", "CloseSession", "Act", "Control", "Reason", "SetBudget",
+        "ForwardDynamics", "InverseDynamics",
     }
     control = service.methods_by_name["Control"]
     assert control.client_streaming and control.server_streaming
@@ -92,14 +93,14 @@ def _frame(height=48, width=64):
 @pytest.mark.parametrize("encoding", ["png", "raw"])
 def test_lossless_image_round_trip_is_exact_rgb(encoding):
     frame = _frame()
-    decoded = wire.decode_image(wire.encode_image(frame, encoding), "img", 48, 64)
+    decoded = wire.decode_image(wire.encode_image(frame, encoding), "img")
     np.testing.assert_array_equal(decoded, frame)
 
 
 def test_jpeg_round_trip_keeps_channel_order():
     frame = np.zeros((48, 64, 3), np.uint8)
     frame[..., 0] = 200  # pure red: a BGR/RGB swap would move it to channel 2
-    decoded = wire.decode_image(wire.encode_image(frame, "jpeg", jpeg_quality=95), "img", 48, 64)
+    decoded = wire.decode_image(wire.encode_image(frame, "jpeg", jpeg_quality=95), "img")
     assert abs(float(decoded[..., 0].mean()) - 200) < 3 and decoded[..., 2].mean() < 3
 
 
@@ -110,8 +111,27 @@ def test_image_size_is_checked_from_the_header_before_decoding():
     data[16:24] = (40000).to_bytes(4, "big") * 2
     msg = pb.Image(encoding=pb.IMAGE_ENCODING_PNG, data=bytes(data))
     with pytest.raises(wire.WireError) as err:
-        wire.decode_image(msg, "img", 48, 64)
+        wire.decode_image(msg, "img")
     assert err.value.reason == "SCHEMA_MISMATCH" and "40000" in err.value.got
+    assert err.value.expected == f"uint8 [H, W, 3] with H and W in 1..{wire.MAX_FRAME_SIDE}"
+
+
+@pytest.mark.parametrize("encoding", ["jpeg", "png", "raw"])
+@pytest.mark.parametrize(("height", "width"), [(8, 8), (8, 2048), (2048, 8), (37, 91)])
+def test_any_frame_size_within_the_bounds_decodes(encoding, height, width):
+    frame = _frame(height, width)
+    decoded = wire.decode_image(wire.encode_image(frame, encoding), "img", max_side=2048, min_side=8)
+    assert decoded.shape == (height, width, 3) and decoded.dtype == np.uint8
+
+
+@pytest.mark.parametrize("encoding", ["jpeg", "png", "raw"])
+@pytest.mark.parametrize(("height", "width"), [(7, 64), (64, 7), (2049, 8), (8, 2049)])
+def test_frames_outside_the_bounds_are_refused_naming_them(encoding, height, width):
+    with pytest.raises(wire.WireError) as err:
+        wire.decode_image(wire.encode_image(_frame(height, width), encoding), "cam", max_side=2048, min_side=8)
+    assert (err.value.reason, err.value.field) == ("SCHEMA_MISMATCH", "cam")
+    assert err.value.expected == "uint8 [H, W, 3] with H and W in 8..2048"
+    assert f"[{height}, {width}, ...]" in err.value.got
 
 
 def test_jpeg_header_size_parser_reads_sof():

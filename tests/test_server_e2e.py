@@ -42,7 +42,7 @@ def served(tmp_path_factory):
     process = subprocess.Popen(
         [sys.executable, "-m", "policy_server.cli", "--checkpoint", str(model_dir), "--port", str(port),
          "--latency-budget-ms", "5000", "--device", "cpu", "--reflection", "--auth-token-file", str(logs / "token"),
-         "--max-message-mb", str(MAX_MESSAGE_MB)],
+         "--max-message-mb", str(MAX_MESSAGE_MB), "--max-dynamics-calls", "2"],
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     client = PolicyClient(f"127.0.0.1:{port}", timeout_s=30, token=TOKEN)
@@ -94,6 +94,26 @@ def test_control_stream_answers_each_observation(server):
             stream.send({"image": _image(step)}, STATE, step_index=step, must_answer=True, encoding="png")
             chunk = stream.next_chunk(timeout_s=60)
             assert chunk.actions.shape == (8, 2)
+    server.close_session(session)
+
+
+def test_forward_and_inverse_dynamics_and_preview_frames(server):
+    info = server.server_info()
+    (camera,) = info.embodiments[0].cameras
+    assert (camera.min_side, camera.max_side, info.limits.max_frame_side) == (8, 2048, 2048)
+    assert info.limits.max_dynamics_ms > 0 and info.limits.max_dynamics_calls >= 1
+    session = server.open_session("pusht", "reach the red circle", preview=True)
+    actions = np.linspace(-0.1, 0.1, 16, dtype=np.float32).reshape(8, 2)
+    predicted = server.forward_dynamics(session, {"image": _image(1)}, actions, STATE, step_index=4)
+    assert predicted.frames.shape == (9, 64, 64, 3) and predicted.latents_shape[1:] == (3, 8, 8)
+    assert predicted.tick.actual_ms["video_decode"] > 0 and predicted.obs_step_index == 4
+    video = np.stack([_image(i) for i in range(9)])[:, :48]  # the camera's own size: 48 x 64
+    chunk = server.inverse_dynamics(session, {"image": video}, STATE, step_index=4)
+    assert chunk.actions.shape == (8, 2) and np.all(np.abs(chunk.actions) <= 0.2 + 1e-6)
+    assert chunk.first_step_index == 4 and chunk.tick.setting == "none"
+    act = server.act(session, {"image": _image(2)}, STATE)
+    assert act.preview_frames.shape == (9, 64, 64, 3) and act.tick.actual_ms["preview"] > 0
+    assert act.tick.deadline_met
     server.close_session(session)
 
 
@@ -185,7 +205,15 @@ BAD_INPUTS = {
     "bad_jpeg": (_act(image=pb.Image(encoding=JPEG, data=b"\xff\xd8\xffgarbage")), INVALID, "IMAGE_DECODE_FAILED"),
     "truncated_jpeg": (_act(image=pb.Image(encoding=JPEG, data=encode_image(_image(), "jpeg").data[:300])),
                        INVALID, "IMAGE_DECODE_FAILED"),
-    "wrong_image_size": (_act(image=encode_image(_image()[:32], "png")), INVALID, "SCHEMA_MISMATCH"),
+    "frame_below_the_smallest_side": (_act(image=encode_image(_image()[:4], "png")), INVALID, "SCHEMA_MISMATCH"),
+    "frame_beyond_the_longest_side": (_act(image=encode_image(np.zeros((8, 2049, 3), np.uint8), "jpeg")), INVALID,
+                                      "SCHEMA_MISMATCH"),
+    "forward_dynamics_actions_of_the_wrong_shape": (
+        lambda c, s: c.forward_dynamics(s, {"image": _image()}, np.zeros((3, 2), np.float32), STATE), INVALID,
+        "SCHEMA_MISMATCH"),
+    "inverse_dynamics_one_frame_too_few": (
+        lambda c, s: c.inverse_dynamics(s, {"image": np.stack([_image(i) for i in range(8)])}, STATE), INVALID,
+        "SCHEMA_MISMATCH"),
     "grayscale_png": (_act(image=pb.Image(encoding=PNG, data=_png(_image()[..., 0]))), INVALID, "SCHEMA_MISMATCH"),
     "raw_length_mismatch": (_act(image=pb.Image(encoding=RAW, height=64, width=64, channels=3, data=bytes(10))),
                             INVALID, "BAD_IMAGE"),

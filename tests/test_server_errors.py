@@ -15,6 +15,7 @@ from fake_engine import LIBERO, PUSHT, FakeEngine, expected_actions, serve_fake
 
 from policy_server.client import PolicyClient, PolicyServerError, Session, build_observation
 from policy_server.engine.api import Observation
+from policy_server.limits import MAX_FRAME_SIDE
 from policy_server.server.proto import policy_server_pb2 as pb
 from policy_server.server.wire import encode_image, tensor_to_proto
 
@@ -148,7 +149,14 @@ CASES = [
     image_case("bad_jpeg", pb.Image(encoding=JPEG, data=b"\xff\xd8\xffgarbage"), "IMAGE_DECODE_FAILED"),
     image_case("truncated_jpeg", pb.Image(encoding=JPEG, data=GOOD_JPEG[:600]), "IMAGE_DECODE_FAILED"),
     image_case("png_bytes_labelled_jpeg", pb.Image(encoding=JPEG, data=png_bytes(frame())), "IMAGE_DECODE_FAILED"),
-    image_case("wrong_image_size", encode_image(frame(32, 32), "png"), "SCHEMA_MISMATCH"),
+    image_case("frame_wider_than_the_side_limit", encode_image(frame(1, MAX_FRAME_SIDE + 1), "png"),
+               "SCHEMA_MISMATCH"),
+    image_case("raw_frame_taller_than_the_side_limit",
+               pb.Image(encoding=RAW, height=MAX_FRAME_SIDE + 1, width=1, channels=3,
+                        data=bytes(3 * (MAX_FRAME_SIDE + 1))),
+               "SCHEMA_MISMATCH"),
+    image_case("raw_frame_of_zero_width", pb.Image(encoding=RAW, height=48, width=0, channels=3, data=b""),
+               "MISSING_FIELD"),
     image_case("grayscale_png", pb.Image(encoding=PNG, data=png_bytes(frame()[..., 0])), "SCHEMA_MISMATCH"),
     image_case("rgba_raw", pb.Image(encoding=RAW, height=48, width=64, channels=4, data=bytes(48 * 64 * 4)),
                "SCHEMA_MISMATCH"),
@@ -273,7 +281,7 @@ def test_too_many_sessions_is_resource_exhausted(client, engine):
 
 def test_multi_camera_embodiment_accepts_all_encodings(client):
     session = client.open_session("libero", "put the bowl on the plate")
-    images = {"image": frame(32, 32, seed=1), "wrist": frame(24, 32, seed=2)}
+    images = {"image": frame(32, 32, seed=1), "wrist": frame(32, 40, seed=2)}  # one height, any widths
     state = np.linspace(-1, 1, 8).astype(np.float32)
     for encoding in ("png", "raw"):
         chunk = client.act(session, images, state, step_index=11, encoding=encoding)
@@ -281,6 +289,26 @@ def test_multi_camera_embodiment_accepts_all_encodings(client):
         np.testing.assert_array_equal(chunk.actions, expected)
     chunk = client.act(session, images, state, step_index=11, encoding="jpeg", jpeg_quality=95)
     assert chunk.actions.shape == (16, 7)
+    client.close_session(session)
+
+
+def test_frames_of_any_size_within_the_limit_are_accepted_as_sent(client, session):
+    for height, width in ((1, 1), (48, 64), (17, 301), (MAX_FRAME_SIDE, 2)):
+        image = frame(height, width, seed=height)
+        chunk = client.act(session, {"image": image}, STATE, step_index=2, encoding="png")
+        np.testing.assert_array_equal(chunk.actions, expected_actions(Observation({"image": image}, STATE, "", 2),
+                                                                      session.chunk_size, PUSHT))
+
+
+def test_cameras_of_different_heights_are_refused_naming_the_camera(client):
+    session = client.open_session("libero", "put the bowl on the plate")
+    images = {"image": frame(32, 32, seed=1), "wrist": frame(24, 32, seed=2)}
+    with pytest.raises(PolicyServerError) as err:
+        client.act(session, images, np.zeros(8, np.float32), encoding="png")
+    assert (err.value.code, err.value.reason, err.value.field) == (INVALID, "SCHEMA_MISMATCH",
+                                                                   "observation.images[wrist]")
+    assert err.value.detail.expected.startswith("height 32, as camera 'image'")
+    assert err.value.detail.got == "height 24"
     client.close_session(session)
 
 

@@ -13,6 +13,7 @@ from fake_engine import PUSHT, FakeEngine, expected_actions, serve_fake
 from policy_server.client import Backoff, ControlStream, PolicyClient, PolicyServerError
 from policy_server.config import build_config
 from policy_server.engine.api import Observation
+from policy_server.limits import MAX_FRAME_SIDE
 from policy_server.server.app import build_server
 from policy_server.server.proto import policy_server_pb2 as pb
 
@@ -115,13 +116,13 @@ def test_bad_frames_get_error_events_and_the_stream_lives_on(stream):
     event = stream.next_event()
     assert (event.kind, event.obs_id, event.error.reason, event.error.field) == (
         "error", nan, "NON_FINITE", "observation.observation.state")
-    small = stream.send({"image": IMAGE[:10]}, STATE, step_index=2, encoding="png")
-    assert stream.next_event().error.reason == "SCHEMA_MISMATCH"
+    wide = stream.send({"image": np.zeros((1, MAX_FRAME_SIDE + 1, 3), np.uint8)}, STATE, step_index=2, encoding="png")
+    assert stream.next_event().error.reason == "SCHEMA_MISMATCH"  # wider than any frame may be
     big = pb.Observation(instruction="x" * 300_000, step_index=3)
     too_big = stream.send_observation(big)
     event = stream.next_event()
     assert (event.obs_id, event.error.reason) == (too_big, "PAYLOAD_TOO_LARGE")
-    assert small != too_big
+    assert wide != too_big
     good = send(stream, 4)
     assert stream.next_chunk().obs_id == good
 

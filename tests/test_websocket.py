@@ -21,7 +21,7 @@ from openpi_client.websocket_client_policy import WebsocketClientPolicy
 from websockets.exceptions import ConnectionClosed, InvalidMessage, InvalidStatus
 
 from policy_server.engine.api import Observation
-from policy_server.server.websocket import _resize_with_pad
+from policy_server.limits import MAX_FRAME_SIDE
 
 IMAGE = np.random.default_rng(3).integers(0, 256, (48, 64, 3), dtype=np.uint8)
 STATE = np.array([0.3, -0.1], np.float32)
@@ -59,6 +59,7 @@ def test_metadata_frame_describes_the_embodiment(policy):
     meta = policy.get_server_metadata()
     assert meta["server"] == "policy-server" and meta["embodiment"] == "pusht"
     assert meta["cameras"] == {"image": [48, 64, 3]}
+    assert meta["frame_sides"] == {"image": [1, MAX_FRAME_SIDE]} and meta["images_resized_with_pad"] is False
     assert (meta["state_dim"], meta["action_dim"], meta["chunk_size"]) == (2, 2, 8)
     assert meta["observation_keys"]["images"] == ["observation/image"]
     assert meta["budget_ms"] == 120.0
@@ -81,20 +82,25 @@ def test_step_index_defaults_to_a_per_connection_counter(policy):
     assert policy.infer(openpi_observation())["first_step_index"] == 6
 
 
-def test_chw_and_other_sizes_are_resized_with_padding(policy):
+def test_chw_and_other_sizes_reach_the_engine_as_sent(policy):
     big = np.random.default_rng(1).integers(0, 256, (96, 160, 3), dtype=np.uint8)
     reply = policy.infer({"observation/image": np.transpose(big, (2, 0, 1)), "observation/state": STATE,
                           "prompt": "push", "step_index": 2})
-    resized = _resize_with_pad(big, 48, 64)
-    expected = expected_actions(Observation({"image": resized}, STATE, "", 2), 8, PUSHT)
+    expected = expected_actions(Observation({"image": big}, STATE, "", 2), 8, PUSHT)  # no resize on the way
     np.testing.assert_array_equal(reply["actions"], expected)
 
 
-def test_resize_with_pad_keeps_aspect_ratio():
-    out = _resize_with_pad(np.full((10, 40, 3), 255, np.uint8), 48, 64)
-    assert out.shape == (48, 64, 3)
-    rows = np.flatnonzero(out[:, :, 0].max(axis=1))
-    assert (rows[0], rows[-1]) == (16, 31)  # 64 x 16 content, centred, black bars above and below
+def test_frames_beyond_the_side_limit_or_of_different_heights_are_refused(server, policy):
+    with pytest.raises(RuntimeError, match=f"SCHEMA_MISMATCH: observation/image: expected \\[H, W, 3\\] with H and "
+                                           f"W in 1..{MAX_FRAME_SIDE}"):
+        policy.infer(openpi_observation() | {"observation/image": np.zeros((MAX_FRAME_SIDE + 1, 4, 3), np.uint8)})
+    url = f"ws://127.0.0.1:{server.websocket_port}?embodiment=libero"
+    with websockets.sync.client.connect(url, compression=None) as ws:
+        msgpack_numpy.unpackb(ws.recv())
+        images = {"observation/image": IMAGE, "observation/wrist": IMAGE[:40]}
+        ws.send(msgpack_numpy.packb({**images, "observation/state": np.zeros(8, np.float32), "prompt": "stack"}))
+        assert ws.recv() == ("SCHEMA_MISMATCH: observation/wrist: expected height 48, as camera 'image' (the model "
+                             "sees the cameras side by side), got height 40")
 
 
 def test_bad_input_is_a_text_error_and_the_connection_stays_usable(policy):
@@ -160,7 +166,7 @@ def test_embodiment_is_chosen_by_query_parameter(server):
     policy = WebsocketClientPolicy(host=f"ws://127.0.0.1:{server.websocket_port}/?embodiment=libero")
     try:
         assert policy.get_server_metadata()["embodiment"] == "libero"
-        images = {"image": np.zeros((32, 32, 3), np.uint8), "wrist": np.ones((24, 32, 3), np.uint8)}
+        images = {"image": np.zeros((32, 32, 3), np.uint8), "wrist": np.ones((32, 48, 3), np.uint8)}
         state = np.arange(8, dtype=np.float32) / 10
         reply = policy.infer({"images": images, "state": state, "prompt": "bowl"})
         expected = expected_actions(Observation(images, state, "", 0), 16, LIBERO)

@@ -27,13 +27,14 @@ from .record import TickRecord
 
 DENOISE_STAGE = "denoise"
 PREFILL_STAGE = "prefill"
+PREVIEW_STAGE = "preview"  # decoding the predicted frames, for the sessions that asked for them
 
 
 class TickBudget:
     """Planner + guard + cost-model learning for one model worker.
 
-    post_stages: fixed stages that run after the denoising loop (their estimated time is reserved by the
-    guard). clock: monotonic ms, shared with the guard.
+    post_stages: fixed stages that run after the denoising loop (the guard reserves the estimated time of
+    those the plan includes). clock: monotonic ms, shared with the guard.
     """
 
     def __init__(
@@ -50,20 +51,22 @@ class TickBudget:
 
     def plan(
         self, key: Hashable, deadline_ms: float, num_steps: int, passes: int, history: SessionHistory | None,
-        prefill: bool,
+        prefill: bool, preview: bool = False,
     ) -> TickPlan:
         """Plan a tick with ``deadline_ms`` left in it (see ``plan_tick``); ``prefill``: whether it must prefill
-        its text K/V (a new instruction) or reuses them."""
+        its text K/V (a new instruction) or reuses them; ``preview``: whether it decodes its predicted frames."""
         costs = self.cost_model.costs(key)
         if not prefill:
             costs = costs.without(PREFILL_STAGE)
+        if not preview:
+            costs = costs.without(PREVIEW_STAGE)
         return plan_tick(deadline_ms, num_steps, passes, costs, history, self.config)
 
     def arm(self, plan: TickPlan, key: Hashable, tick_started_at_ms: float) -> DeadlineGuard:
         """A guard started for this tick's denoising loop; the deadline is ``tick_started_at_ms + budget``."""
         costs = self.cost_model.costs(key)
         reserve = costs.cautious(self.config.cost_margin_devs).fixed_ms
-        reserve_after = sum(reserve.get(stage, 0.0) for stage in self.post_stages)
+        reserve_after = sum(reserve.get(stage, 0.0) for stage in self.post_stages if stage in plan.predicted_stage_ms)
         guard = DeadlineGuard(self.clock, cost_margin_devs=self.config.cost_margin_devs)
         guard.start(plan, costs, tick_started_at_ms + plan.deadline_ms, reserve_after)
         return guard

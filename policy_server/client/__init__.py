@@ -1,6 +1,7 @@
 """Python client library for policy-server (no torch).
 
-- ``PolicyClient``: blocking calls with deadlines (server info, health, sessions, ``act``, ``reason``).
+- ``PolicyClient``: blocking calls with deadlines (server info, health, sessions, ``act``, forward and
+  inverse dynamics, ``reason``).
 - ``ControlStream``: the real-time bidirectional stream, with reconnect and backoff.
 - ``ActionQueue``: robot-side buffer (stale-prefix drop by step index, chunk aggregation, refill threshold).
 """
@@ -10,7 +11,7 @@ from policy_server.client.backoff import Backoff
 from policy_server.client.errors import PolicyServerError
 from policy_server.client.streaming import ControlStream, StreamEvent
 from policy_server.client.sync_client import PolicyClient, make_channel
-from policy_server.client.types import ActionChunk, Session, build_observation
+from policy_server.client.types import ActionChunk, PredictedFrames, Session, build_observation
 
 __all__ = [
     "ActionChunk",
@@ -20,6 +21,7 @@ __all__ = [
     "ControlStream",
     "PolicyClient",
     "PolicyServerError",
+    "PredictedFrames",
     "Session",
     "StreamEvent",
     "build_observation",

@@ -4,6 +4,8 @@
         client.wait_until_serving(timeout_s=60)
         session = client.open_session("pusht", "push the T into the target")
         chunk = client.act(session, {"image": frame}, state=q, step_index=t, timeout_s=0.2)
+        future = client.forward_dynamics(session, {"image": frame}, actions, state=q)  # predicted frames
+        chunk = client.inverse_dynamics(session, {"image": video}, state=q)           # actions of a video
 
 Every call has a deadline (``timeout_s``, else the client default). Calls that only read
 (server info, health) are retried with backoff while the server is UNAVAILABLE; ``act`` and
@@ -24,7 +26,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from policy_server.client.backoff import Backoff
 from policy_server.client.errors import PolicyServerError
-from policy_server.client.types import ActionChunk, Session, build_observation
+from policy_server.client.types import (
+    ActionChunk,
+    PredictedFrames,
+    Session,
+    build_inverse_dynamics,
+    build_observation,
+    floats_to_proto,
+)
 from policy_server.server.proto import policy_server_pb2 as pb
 from policy_server.server.proto import policy_server_pb2_grpc as pb_grpc
 
@@ -149,14 +158,17 @@ class PolicyClient:
         client_name: str = "",
         rate_hz: float | None = None,
         actions_per_chunk: int | None = None,
+        preview: bool = False,
         timeout_s: float | None = None,
     ) -> Session:
         """``rate_hz``: chunk requests per second this client will send (unset: the server's default,
         control_hz / actions_per_chunk); ``actions_per_chunk``: actions executed from each chunk before
-        asking again (unset: the chunk size). The server admits the session only if its ticks at that
-        rate fit beside the others: RESOURCE_EXHAUSTED / OVERLOADED otherwise."""
+        asking again (unset: the chunk size); ``preview``: every chunk carries the predicted frames
+        (``ActionChunk.preview_frames``; their decode counts against the tick's budget). The server admits
+        the session only if its ticks at that rate fit beside the others: RESOURCE_EXHAUSTED / OVERLOADED
+        otherwise."""
         request = pb.OpenSessionRequest(
-            embodiment=embodiment, instruction=instruction, client_name=client_name
+            embodiment=embodiment, instruction=instruction, client_name=client_name, preview=preview
         )
         if budget_ms is not None:
             request.budget_ms = budget_ms
@@ -206,6 +218,52 @@ class PolicyClient:
     def act_request(self, request: pb.ActRequest, timeout_s: float | None = None) -> ActionChunk:
         """Send a hand-built ActRequest (for callers that encode observations themselves)."""
         return ActionChunk.from_proto(self._call(self.stub.Act, request, timeout_s))
+
+    def forward_dynamics(
+        self,
+        session: Session,
+        images: Mapping[str, np.ndarray],
+        actions: np.ndarray,
+        state: np.ndarray | None = None,
+        *,
+        instruction: str = "",
+        step_index: int = 0,
+        seed: int | None = None,
+        encoding: str = "jpeg",
+        jpeg_quality: int = 90,
+        timeout_s: float | None = None,
+    ) -> PredictedFrames:
+        """The frames ``actions`` (float [chunk_size, action_dim], physical units) lead to from this
+        observation. Not a control tick: uncached at the model's step count, between ticks, bounded by
+        ``timeout_s`` (and the server's ``Limits.max_dynamics_ms``). ``instruction`` "" uses the session's."""
+        request = pb.ForwardDynamicsRequest(
+            session_id=session.session_id, epoch=session.epoch,
+            observation=build_observation(images, state, instruction, step_index, encoding, jpeg_quality),
+            actions=floats_to_proto(actions),
+        )
+        if seed is not None:
+            request.seed = seed
+        return PredictedFrames.from_proto(self._call(self.stub.ForwardDynamics, request, timeout_s))
+
+    def inverse_dynamics(
+        self,
+        session: Session,
+        videos: Mapping[str, np.ndarray],
+        state: np.ndarray | None = None,
+        *,
+        instruction: str = "",
+        step_index: int = 0,
+        seed: int | None = None,
+        encoding: str = "jpeg",
+        jpeg_quality: int = 90,
+        timeout_s: float | None = None,
+    ) -> ActionChunk:
+        """The action chunk that explains ``videos`` (camera -> uint8 RGB [chunk_size + 1, H, W, 3];
+        ``state`` at frame 0): ``actions[i]`` takes frame i to frame i + 1, for control step
+        ``step_index + i``. Runs as ``forward_dynamics``."""
+        request = build_inverse_dynamics(session, videos, state, instruction, step_index, seed, encoding,
+                                         jpeg_quality)
+        return ActionChunk.from_proto(self._call(self.stub.InverseDynamics, request, timeout_s))
 
     def reason(
         self,

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from policy_server.server.proto import policy_server_pb2 as pb
-from policy_server.server.wire import encode_image, tensor_from_proto, tensor_to_proto
+from policy_server.server.wire import decode_image, encode_image, tensor_from_proto, tensor_to_proto
 
 
 @dataclass(frozen=True)
@@ -17,7 +17,8 @@ class Session:
     """A session as last reported by the server; ``epoch`` grows by one per reset.
 
     rate_hz: the request rate it was admitted at (0: closed loop); slot_ms: the model time the server
-    reserves for each of its ticks; measured_rate_hz: the rate the server has seen from it.
+    reserves for each of its ticks; measured_rate_hz: the rate the server has seen from it; preview: its
+    chunks carry the predicted frames.
     """
 
     session_id: str
@@ -30,6 +31,7 @@ class Session:
     rate_hz: float = 0.0
     slot_ms: float = 0.0
     measured_rate_hz: float = 0.0
+    preview: bool = False
 
     @classmethod
     def from_proto(cls, msg: pb.Session) -> Session:
@@ -44,13 +46,22 @@ class Session:
             msg.rate_hz,
             msg.slot_ms,
             msg.measured_rate_hz,
+            msg.preview,
         )
+
+
+def decode_frames(images, field: str) -> np.ndarray | None:
+    """JPEG frames from the server -> uint8 RGB [F, H, W, 3]; None when there are none."""
+    if not images:
+        return None
+    return np.stack([decode_image(image, f"{field}[{i}]") for i, image in enumerate(images)])
 
 
 @dataclass(frozen=True)
 class ActionChunk:
     """actions: float32 [K, action_dim] in physical units; ``actions[i]`` is for control step
-    ``first_step_index + i``. ``tick`` holds the server's timing and cache record (ms)."""
+    ``first_step_index + i``. ``tick`` holds the server's timing and cache record (ms). preview_frames: for a
+    session opened with preview, the predicted frames, uint8 RGB [F, H, W, 3] (else None)."""
 
     actions: np.ndarray
     first_step_index: int
@@ -61,6 +72,7 @@ class ActionChunk:
     served_ms: float
     tick: pb.TickRecord = field(repr=False)
     client_time_ns: int = 0
+    preview_frames: np.ndarray | None = field(default=None, repr=False)
 
     @classmethod
     def from_proto(cls, msg: pb.ActionChunk) -> ActionChunk:
@@ -74,6 +86,7 @@ class ActionChunk:
             served_ms=msg.served_ms,
             tick=msg.tick,
             client_time_ns=msg.client_time_ns,
+            preview_frames=decode_frames(msg.preview_frames, "preview_frames"),
         )
 
     @property
@@ -82,6 +95,33 @@ class ActionChunk:
         if not self.client_time_ns:
             return None
         return (time.monotonic_ns() - self.client_time_ns) / 1e6
+
+
+@dataclass(frozen=True)
+class PredictedFrames:
+    """Forward dynamics: frames uint8 RGB [F, H, W, 3] the model predicts (frame 0 reconstructs the
+    observation, frame i follows actions[i - 1]); latents_shape: the generated latents [C, T, h, w]; ``tick``:
+    the server's timing record (ms)."""
+
+    frames: np.ndarray
+    latents_shape: tuple[int, ...]
+    obs_step_index: int
+    session_id: str
+    epoch: int
+    served_ms: float
+    tick: pb.TickRecord = field(repr=False)
+
+    @classmethod
+    def from_proto(cls, msg: pb.PredictedFrames) -> PredictedFrames:
+        return cls(
+            frames=decode_frames(msg.frames, "frames"),
+            latents_shape=tuple(msg.latents_shape),
+            obs_step_index=msg.obs_step_index,
+            session_id=msg.session_id,
+            epoch=msg.epoch,
+            served_ms=msg.served_ms,
+            tick=msg.tick,
+        )
 
 
 def build_observation(
@@ -98,8 +138,34 @@ def build_observation(
     for name, image in images.items():
         msg.images[name].CopyFrom(encode_image(image, encoding, jpeg_quality))
     if state is not None:
-        state = np.asarray(state)
-        # A float64 value float32 cannot hold must reach the server as it is, to be refused as out of range,
-        # not turn into inf on the way.
-        msg.state.CopyFrom(tensor_to_proto(state if state.dtype == np.float64 else state.astype(np.float32)))
+        msg.state.CopyFrom(floats_to_proto(state))
+    return msg
+
+
+def floats_to_proto(values: np.ndarray) -> pb.Tensor:
+    """A state or action array: float64 stays float64, anything else is sent as float32 (a float64 value float32
+    cannot hold must reach the server as it is, to be refused as out of range, not turn into inf on the way)."""
+    values = np.asarray(values)
+    return tensor_to_proto(values if values.dtype == np.float64 else values.astype(np.float32))
+
+
+def build_inverse_dynamics(
+    session: Session,
+    videos: Mapping[str, np.ndarray],
+    state: np.ndarray | None = None,
+    instruction: str = "",
+    step_index: int = 0,
+    seed: int | None = None,
+    encoding: str = "jpeg",
+    jpeg_quality: int = 90,
+) -> pb.InverseDynamicsRequest:
+    """Encode camera videos (uint8 RGB [K + 1, H, W, 3] each) and the state at frame 0 (as ``build_observation``)."""
+    msg = pb.InverseDynamicsRequest(session_id=session.session_id, epoch=session.epoch, instruction=instruction,
+                                    step_index=step_index, client_time_ns=time.monotonic_ns())
+    for name, frames in videos.items():
+        msg.videos[name].frames.extend(encode_image(frame, encoding, jpeg_quality) for frame in frames)
+    if state is not None:
+        msg.state.CopyFrom(floats_to_proto(state))
+    if seed is not None:
+        msg.seed = seed
     return msg

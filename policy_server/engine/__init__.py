@@ -11,7 +11,7 @@ def build_engine(config):
     """A started `ModelEngine` for the CLI's `ServerConfig`; it warms up in the background."""
     import torch
 
-    from policy_server.engine.engine import ModelEngine, resolve_device, settings_from_config
+    from policy_server.engine.engine import ModelEngine, resolve_device, resolve_dtype, settings_from_config
     from policy_server.pipeline.policy import PolicyPipeline
 
     device = resolve_device(config.device)
@@ -19,7 +19,8 @@ def build_engine(config):
         # The embedded model's matrices are too small to split across threads; more threads only
         # contend with the transport and make tick latency noisier.
         torch.set_num_threads(1)
-    pipeline = PolicyPipeline.from_pretrained(config.checkpoint, device=device)
+    pipeline = PolicyPipeline.from_pretrained(config.checkpoint, device=device,
+                                              dtype=resolve_dtype(config.dtype, device))
     engine = ModelEngine(pipeline, settings_from_config(config))
     engine.start()
     return engine

@@ -18,6 +18,8 @@ from typing import ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 
+from policy_server.limits import MAX_FRAME_SIDE
+
 # ---------------------------------------------------------------------------------------------
 # Server and schema description
 # ---------------------------------------------------------------------------------------------
@@ -33,13 +35,18 @@ class ImageEncoding(StrEnum):
 
 @dataclass(frozen=True)
 class CameraSpec:
-    """One camera the embodiment expects in every observation: uint8 RGB [height, width, channels]."""
+    """One camera the embodiment expects in every observation: uint8 RGB [H, W, channels] with both sides
+    in ``min_side..max_side`` px, one H for all cameras of the embodiment (the model sees them side by side).
+    ``height`` x ``width``: the camera's share of the model's largest canvas, the largest frame it sees
+    unscaled (larger frames are downscaled to fit, smaller ones padded)."""
 
     name: str
     height: int
     width: int
     channels: int = 3
     encodings: tuple[ImageEncoding, ...] = (ImageEncoding.JPEG, ImageEncoding.PNG, ImageEncoding.RAW)
+    max_side: int = MAX_FRAME_SIDE
+    min_side: int = 1
 
 
 @dataclass(frozen=True)
@@ -125,6 +132,7 @@ class ServerInfo:
     warmup_profile: tuple[ProfilePoint, ...] = ()
     num_steps: int = 0
     diffusion_cache: bool = False
+    max_dynamics_calls: int = 0  # forward / inverse dynamics calls at once
 
     def embodiment(self, name: str) -> EmbodimentSpec | None:
         return next((e for e in self.embodiments if e.name == name), None)
@@ -150,7 +158,7 @@ class SessionHandle:
 
     rate_hz: the chunk-request rate it was admitted at; slot_ms: the model time reserved for each of
     its ticks (its ticks are planned in it, at most ``budget_ms``); measured_rate_hz: the rate the
-    engine has seen (0 before two ticks).
+    engine has seen (0 before two ticks); preview: its chunks carry the predicted frames.
     """
 
     session_id: str
@@ -163,13 +171,15 @@ class SessionHandle:
     rate_hz: float = 0.0
     slot_ms: float = 0.0
     measured_rate_hz: float = 0.0
+    preview: bool = False
 
 
 @dataclass(frozen=True)
 class Observation:
     """One validated observation.
 
-    images: camera name -> uint8 [H, W, 3] RGB, exactly the cameras and sizes the embodiment declares.
+    images: camera name -> uint8 [H, W, 3] RGB, exactly the embodiment's cameras, sides within their
+        declared bounds, one H for all.
     state: float32 [state_dim] in physical units, finite; None when the embodiment takes none.
     instruction: the task text; "" keeps the session's current instruction.
     step_index: the robot's control-step counter when the observation was captured.
@@ -182,15 +192,32 @@ class Observation:
 
 
 @dataclass(frozen=True)
+class VideoClip:
+    """One validated video for inverse dynamics.
+
+    frames: camera name -> uint8 [K + 1, H, W, 3] RGB (K: the session's chunk size), the embodiment's
+        cameras, sides within their declared bounds, one H for all.
+    state: float32 [state_dim] at frame 0, physical units; None when the embodiment takes none.
+    instruction: "" means the session's; used for this call only.
+    step_index: the control step of frame 0.
+    """
+
+    frames: Mapping[str, np.ndarray]
+    state: np.ndarray | None
+    instruction: str = ""
+    step_index: int = 0
+
+
+@dataclass(frozen=True)
 class TickRecord:
     """Why one answer was as fast (or slow) as it was.
 
-    predicted_ms / actual_ms: per stage (e.g. "queue", "encode", "prefill", "denoise", "decode")
-    and always "total" (engine-side latency of the tick), in ms. knobs: the settings the budget
-    planner chose (e.g. "threshold", "max_consecutive", "num_steps", "cfg") and "batch_size", the
-    ticks of the micro-batch this one ran in (1 = alone); full / skipped /
-    forced / fail_open count GEN-stack calls summed over CFG branches; fallbacks name each
-    degradation applied, in order.
+    predicted_ms / actual_ms: per stage (e.g. "queue", "encode", "prefill", "denoise", "decode", and
+    "preview" for a session with preview frames; "video_decode" for forward dynamics) and always "total"
+    (engine-side latency of the tick), in ms. knobs: the settings the budget planner chose (e.g.
+    "threshold", "max_consecutive", "num_steps", "cfg") and "batch_size", the ticks of the micro-batch
+    this one ran in (1 = alone); full / skipped / forced / fail_open count GEN-stack calls summed over
+    CFG branches; fallbacks name each degradation applied, in order.
     """
 
     budget_ms: float
@@ -221,10 +248,23 @@ class TickRecord:
 class ActResult:
     """An action chunk: float32 [K, action_dim] in physical units; ``actions[0]`` is meant for
     control step ``first_step_index`` (>= the observation's step index when the engine accounts
-    for its own delay)."""
+    for its own delay). preview_frames: for a session with preview, the predicted frames, uint8 RGB
+    [F, H, W, 3] (F = the frames the VAE decodes for the chunk: K + 1 when K is a multiple of its
+    temporal compression)."""
 
     actions: np.ndarray
     first_step_index: int
+    tick: TickRecord
+    preview_frames: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class PredictedVideo:
+    """Forward dynamics: frames uint8 RGB [F, H, W, 3] predicted for the given actions (frame 0
+    reconstructs the observation); latents_shape: the generated video latents [C, T, h, w]."""
+
+    frames: np.ndarray
+    latents_shape: tuple[int, ...]
     tick: TickRecord
 
 
@@ -386,6 +426,23 @@ class TooManyReasonCalls(EngineError):
         super().__init__(f"all {limit} reasoner calls are in use; retry when one finishes")
 
 
+class TooManyDynamicsCalls(EngineError):
+    reason = "TOO_MANY_DYNAMICS_CALLS"
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"all {limit} forward / inverse dynamics calls are in use; retry when one finishes")
+
+
+class DynamicsOff(EngineError):
+    """The server was started without dynamics calls (`--max-dynamics-calls 0`)."""
+
+    reason = "DYNAMICS_OFF"
+
+    def __init__(self) -> None:
+        super().__init__("this server takes no forward / inverse dynamics calls; start it with "
+                         "--max-dynamics-calls N (each session's admission then reserves room for one call's piece)")
+
+
 class ShuttingDown(EngineError):
     """The server is stopping; the request was not (or no longer) served."""
 
@@ -461,9 +518,11 @@ class Engine(Protocol):
         seed: int | None = None,
         rate_hz: float | None = None,
         actions_per_chunk: int | None = None,
+        preview: bool = False,
     ) -> SessionHandle:
         """Open a session at epoch 1. ``None`` takes the server default; the default rate is
         ``control_hz / actions_per_chunk`` (and ``actions_per_chunk`` defaults to the chunk size).
+        ``preview``: every chunk carries the predicted frames, their decode planned into the tick.
         Raises InvalidArgument, TooManySessions, BudgetInfeasible, Overloaded, WarmingUp."""
         ...
 
@@ -499,6 +558,36 @@ class Engine(Protocol):
         Raises InvalidArgument (an instruction over the token limit), UnknownSession, StaleEpoch,
         SessionBusy, RateExceeded, WarmingUp, Cancelled, DeadlineExpired, NonFiniteOutput, ShuttingDown.
         """
+        ...
+
+    def forward_dynamics(
+        self,
+        session_id: str,
+        epoch: int,
+        observation: Observation,
+        actions: np.ndarray,
+        seed: int | None = None,
+        deadline_s: float | None = None,
+        should_abort: Callable[[], bool] | None = None,
+    ) -> PredictedVideo:
+        """The frames ``actions`` (float32 [K, action_dim], physical units, within the declared limits; K the
+        session's chunk size) lead to from ``observation``. Uncached at the model's step count, as background
+        work between ticks; abandoned at ``deadline_s`` or after ``limits.MAX_DYNAMICS_MS``. ``seed`` None:
+        the session's. Raises InvalidArgument (instruction tokens), UnknownSession, StaleEpoch, WarmingUp,
+        TooManyDynamicsCalls, DynamicsOff, Cancelled, DeadlineExpired, ShuttingDown."""
+        ...
+
+    def inverse_dynamics(
+        self,
+        session_id: str,
+        epoch: int,
+        clip: VideoClip,
+        seed: int | None = None,
+        deadline_s: float | None = None,
+        should_abort: Callable[[], bool] | None = None,
+    ) -> ActResult:
+        """The action chunk that explains ``clip`` (K + 1 frames); ``actions[i]`` takes frame i to i + 1.
+        Runs and raises as ``forward_dynamics`` (and NonFiniteOutput)."""
         ...
 
     def reason(

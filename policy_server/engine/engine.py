@@ -2,7 +2,8 @@
 
 One worker thread owns the model (`engine/worker.py`): control ticks go first, queued ticks of one
 shape from different sessions start together as a micro-batch (`engine/batching.py`), and reasoner
-calls run one prefill chunk or token at a time between ticks. A session is admitted only when every
+calls run one prefill chunk or token at a time between ticks, forward / inverse dynamics calls one sampler step at
+a time (`_SteppedCall`). A session is admitted only when every
 open session's ticks still meet their budgets (`engine/admission.py`); it gets a slot, the model time
 its ticks are planned in. A tick is planned against the smallest of its slot, its budget less the
 time it queued, and the caller's deadline: the budget planner picks this tick's cache setting, its
@@ -13,10 +14,12 @@ record of why it was as fast as it was.
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterator
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait as wait_for
 from dataclasses import dataclass
@@ -28,7 +31,7 @@ from policy_server.budget.cost_model import CostModel
 from policy_server.budget.guard import monotonic_ms
 from policy_server.budget.planner import MAX_CACHING, CacheSetting, PlannerConfig
 from policy_server.budget.record import TickRecord as BudgetTickRecord
-from policy_server.budget.tick import TickBudget
+from policy_server.budget.tick import PREVIEW_STAGE, TickBudget
 from policy_server.cache.controller import NoCache, StepController
 from policy_server.cache.sea_filter import SeaFilter
 from policy_server.cache.seacache import SeaCache, SeaCacheConfig
@@ -37,9 +40,15 @@ from policy_server.engine.admission import Demand, RateLimiter, assign_slots, de
 from policy_server.engine.batching import StackBatcher
 from policy_server.engine.sessions import Session, SessionTable
 from policy_server.engine.worker import GeneratorJob, ModelWorker, TickJob
-from policy_server.limits import MAX_BUDGET_MS, MAX_INSTRUCTION_TOKENS, MAX_PROMPT_TOKENS
+from policy_server.limits import (
+    MAX_BUDGET_MS,
+    MAX_DYNAMICS_MS,
+    MAX_FRAME_SIDE,
+    MAX_INSTRUCTION_TOKENS,
+    MAX_PROMPT_TOKENS,
+)
 from policy_server.pipeline.embodiments import Embodiment
-from policy_server.pipeline.policy import Aborted, PolicyOutput, PolicyPipeline, PolicyRequest
+from policy_server.pipeline.policy import Aborted, PolicyOutput, PolicyPipeline, PolicyRequest, PromptState
 from policy_server.pipeline.reasoner import ReasonerStream
 
 STAGES = ("encode", "prefill", "denoise", "decode")
@@ -58,7 +67,9 @@ class EngineSettings:
     """Serving knobs. `cache_threshold` / `max_consecutive_cached` define the middle of the planner's ladder
     (the published Cosmos3 default 0.25 / 2); `full_call_delay_ms` injects an artificial slowdown per full
     GEN-stack call (benchmarks and fault drills). `max_batch`: the most queued ticks of one shape that run
-    together as a micro-batch (1 = one tick at a time). `max_reason_calls`: reasoner calls at once."""
+    together as a micro-batch (1 = one tick at a time). `max_reason_calls`: reasoner calls at once;
+    `max_dynamics_calls`: forward / inverse dynamics calls at once (0: none, and admission reserves nothing for
+    them)."""
 
     default_budget_ms: float = 120.0
     max_sessions: int = 4
@@ -69,6 +80,7 @@ class EngineSettings:
     warmup_ticks: int = 4
     max_reason_tokens: int = 256
     max_reason_calls: int = 2
+    max_dynamics_calls: int = 0
     full_call_delay_ms: float = 0.0
     max_batch: int = 4
 
@@ -130,6 +142,64 @@ class _TickRequest:
         return api.Cancelled("the caller went away")
 
 
+class _SteppedCall:
+    """Background work (a `worker.BackgroundJob`) that runs `work(pause)` on a thread of its own, one piece
+    per `step()`: a step lets the thread run until it calls `pause()` again or returns, while the model worker
+    waits for it. So the work never overlaps a tick, and a tick waits for at most one piece. `result` gets
+    what `work` returns or raises."""
+
+    def __init__(self, work: Callable[[Callable[[], None]], object]):
+        self._work = work
+        self.result: Future = Future()
+        self._resume, self._paused = threading.Semaphore(0), threading.Semaphore(0)
+        self._thread: threading.Thread | None = None
+        self._failure: BaseException | None = None
+
+    def step(self) -> bool:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, daemon=True, name="dynamics")
+            self._thread.start()
+        else:
+            self._resume.release()
+        self._paused.acquire()
+        return self.result.done()
+
+    def fail(self, error: BaseException) -> None:
+        """It will not be stepped again (shutdown, or its caller went away): a thread waiting in `pause()`
+        raises `error` there, which ends the work without touching the model."""
+        if self._thread is None:
+            self.result.set_exception(error)
+            return
+        self._failure = error
+        self._resume.release()
+
+    def _run(self) -> None:
+        try:
+            self.result.set_result(self._work(self._pause))
+        except BaseException as error:  # the caller gets it
+            self.result.set_exception(error)
+        finally:
+            self._paused.release()
+
+    def _pause(self) -> None:
+        self._paused.release()
+        self._resume.acquire()
+        if self._failure is not None:
+            raise self._failure
+
+
+class _PauseEachStep:
+    """Pacer of a dynamics call: hands the worker back before every sampler step, and adds up the ms the call
+    waited there (the pipeline's `denoise` time includes them)."""
+
+    def __init__(self, pause: Callable[[], float]):
+        self.pause, self.paused_ms = pause, 0.0
+
+    def pace(self, step: int, use_uncond: bool) -> tuple[bool, bool]:
+        self.paused_ms += self.pause()
+        return use_uncond, False
+
+
 class ModelEngine:
     """Thread-safe `Engine` over a `PolicyPipeline`. Call `start()` to warm up."""
 
@@ -142,7 +212,7 @@ class ModelEngine:
         self.cost_model = CostModel()
         planner = PlannerConfig(ladder=cache_ladder(self.settings.cache_threshold,
                                                     self.settings.max_consecutive_cached))
-        self.budget = TickBudget(self.cost_model, planner, clock=clock, post_stages=("decode",))
+        self.budget = TickBudget(self.cost_model, planner, clock=clock, post_stages=("decode", PREVIEW_STAGE))
         self.full_call_delay_ms = self.settings.full_call_delay_ms
         self._sea_filter = SeaFilter()
         self._worker = ModelWorker(self._tick, lambda size: StackBatcher(pipeline.transformer.gen_stack, size),
@@ -150,12 +220,19 @@ class ModelEngine:
         self._embodiments = {name: pipeline.embodiments.get(name) for name in pipeline.served_embodiments}
         self._admission = threading.Lock()  # held while slots are assigned, so two opens cannot both fit
         self._reason_calls = threading.Semaphore(self.settings.max_reason_calls)
+        self._dynamics_calls = threading.Semaphore(self.settings.max_dynamics_calls)
+        # Ticks learn costs only at the largest latent grid (frames smaller than the canvas make cheaper ticks,
+        # which would teach the planner costs below what a full frame needs).
+        canvas_h, canvas_w = pipeline.config.canvas_hw
+        m = pipeline.vae.spatial_compression
+        self._full_grid = (canvas_h // m) * (canvas_w // m)
         self._closing = threading.Event()
         self._ready = threading.Event()
         self._warm_progress = 0.0
         self._warmup_error: BaseException | None = None
         self._profile: tuple[api.ProfilePoint, ...] = ()
-        self._blocking_ms = 0.0  # the longest reasoner step: what a tick may find running when it arrives
+        # The longest reasoner step or dynamics piece: what a tick may find running when it arrives.
+        self._blocking_ms = 0.0
         # The pipeline output of the latest tick (generated latents, step records), for benchmarks.
         self.last_output: PolicyOutput | None = None
 
@@ -199,11 +276,14 @@ class ModelEngine:
             warmup_profile=self._profile,
             num_steps=config.num_steps,
             diffusion_cache=self.settings.diffusion_cache,
+            max_dynamics_calls=self.settings.max_dynamics_calls,
         )
 
     def _spec(self, embodiment: Embodiment) -> api.EmbodimentSpec:
         height, width = self.pipeline.config.canvas_hw
-        cameras = tuple(api.CameraSpec(name, height, width // len(embodiment.cameras))
+        # The pipeline floors frames to multiples of the VAE's spatial compression: a side needs at least that.
+        cameras = tuple(api.CameraSpec(name, height, width // len(embodiment.cameras), max_side=MAX_FRAME_SIDE,
+                                       min_side=self.pipeline.vae.spatial_compression)
                         for name in embodiment.cameras)
         state_range = embodiment.state_range(self.pipeline.normalizers(embodiment).state)
         low, high = ((), ()) if state_range is None else (tuple(map(float, state_range[0])),
@@ -249,7 +329,7 @@ class ModelEngine:
 
     def open_session(self, embodiment: str, instruction: str, budget_ms: float | None = None,
                      chunk_size: int | None = None, seed: int | None = None, rate_hz: float | None = None,
-                     actions_per_chunk: int | None = None) -> api.SessionHandle:
+                     actions_per_chunk: int | None = None, preview: bool = False) -> api.SessionHandle:
         self._require_ready()
         if embodiment not in self._embodiments:
             raise api.UnknownEmbodiment(embodiment, tuple(self._embodiments))
@@ -262,14 +342,14 @@ class ModelEngine:
         rate = default_rate_hz(spec.fps, executed) if rate_hz is None else rate_hz
         budget = self.settings.default_budget_ms if budget_ms is None else budget_ms
         key = self.cost_key(embodiment, chunk, self._instruction_tokens(instruction, "instruction"))
-        demand = self._demand(embodiment, chunk, budget, rate)
+        demand = self._demand(embodiment, chunk, budget, rate, preview)
         if demand.floor_ms > budget:
             raise api.BudgetInfeasible(budget, demand.floor_ms)
         with self._admission:
             self._admit([*[s.demand for s in self.sessions.all()], demand], demand)
             session = self.sessions.open(embodiment=embodiment, instruction=instruction, budget_ms=budget,
                                          chunk_size=chunk, seed=0 if seed is None else seed, cost_key=key,
-                                         demand=demand, limiter=RateLimiter(rate, time.monotonic()))
+                                         demand=demand, limiter=RateLimiter(rate, time.monotonic()), preview=preview)
             self._assign_slots()
         return session.handle()
 
@@ -297,15 +377,16 @@ class ModelEngine:
             self._assign_slots()
         return session.handle()
 
-    def _demand(self, embodiment: str, chunk: int, budget_ms: float, rate_hz: float) -> Demand:
+    def _demand(self, embodiment: str, chunk: int, budget_ms: float, rate_hz: float, preview: bool = False) -> Demand:
         """A session's claim on the worker: its cheapest tick (the planner's floor) and its uncached tick, at
-        the longest instruction it may send (an observation may change the instruction at any tick)."""
+        the longest instruction it may send (an observation may change the instruction at any tick), with the
+        decode of its predicted frames when it asked for them."""
         key = self.cost_key(embodiment, chunk, MAX_INSTRUCTION_TOKENS)
         steps, passes = self.pipeline.config.num_steps, self._passes()
-        ceiling = self.budget.plan(key, MAX_BUDGET_MS, steps, passes, None, prefill=True).predicted_ms
+        ceiling = self.budget.plan(key, MAX_BUDGET_MS, steps, passes, None, prefill=True, preview=preview).predicted_ms
         floor = ceiling
         if self._budget_controlled():
-            floor = self.budget.plan(key, 1e-3, steps, passes, None, prefill=True).predicted_ms
+            floor = self.budget.plan(key, 1e-3, steps, passes, None, prefill=True, preview=preview).predicted_ms
         return Demand(budget_ms, rate_hz, floor, ceiling)
 
     def _admit(self, demands: list[Demand], new: Demand) -> None:
@@ -380,14 +461,16 @@ class ModelEngine:
         embodiment = self._embodiments[session.embodiment]
         key = session.cost_key
         steps, passes = self.pipeline.config.num_steps, self._passes()
-        prefill = not self._prompt_ready(session, embodiment, passes)
+        canvas_hw = self.pipeline.canvas_for(embodiment, observation.images)
+        prefill = not self._prompt_ready(session, embodiment, passes, canvas_hw)
 
         plan = guard = None
         if self._budget_controlled():
             # A slot that holds the uncached tick is no cap: rounding must not turn caching on.
             slot_ms = session.slot_ms if session.slot_ms < session.demand.ceiling_ms else left_ms
             plan_ms = max(min(left_ms, slot_ms), 1e-3)
-            plan = self.budget.plan(key, plan_ms, steps, passes, session.history, prefill=prefill)
+            plan = self.budget.plan(key, plan_ms, steps, passes, session.history, prefill=prefill,
+                                    preview=session.preview)
             guard = self.budget.arm(plan, key, started_ms)
             controller: StepController = SeaCache(
                 SeaCacheConfig(threshold=plan.thresholds, residual_order=self.settings.residual_order,
@@ -401,7 +484,7 @@ class ModelEngine:
         if self.full_call_delay_ms > 0:
             controller = _DelayedFull(controller, self.full_call_delay_ms)
 
-        prefill_ms = self._prefill(session, embodiment, passes) if prefill else 0.0
+        prefill_ms = self._prefill(session, embodiment, passes, canvas_hw) if prefill else 0.0
         pipeline_request = PolicyRequest(
             images=observation.images, instruction=session.instruction, embodiment=session.embodiment,
             state=observation.state, chunk_size=session.chunk_size, num_steps=steps,
@@ -430,34 +513,40 @@ class ModelEngine:
         stage_ms = {stage: out.timings_ms[stage] for stage in STAGES}
         stage_ms["prefill"] += prefill_ms
         stage_ms["queue"] = started_ms - request.arrived_ms
+        frames = None
+        if session.preview:  # inside the tick: the plan reserved this stage, the guard kept time for it
+            clock = self.clock()
+            frames = self.pipeline.decode_video(out.latents)
+            stage_ms[PREVIEW_STAGE] = self.clock() - clock
         total_ms = self.clock() - request.arrived_ms
         batch_size = 1 if batcher is None else batcher.participants
         tick = self._record(session, plan, guard, out, stage_ms, total_ms, request.deadline_ms, clipped, key,
                             batch_size, prefill)
         return api.ActResult(actions=actions.astype(np.float32), first_step_index=observation.step_index,
-                             tick=tick)
+                             tick=tick, preview_frames=frames)
 
-    def _prompt_ready(self, session: Session, embodiment: Embodiment, passes: int) -> bool:
-        key = self.pipeline.prompt_key(session.instruction, embodiment, session.chunk_size, passes == 2)
+    def _prompt_ready(self, session: Session, embodiment: Embodiment, passes: int, canvas_hw: tuple[int, int]) -> bool:
+        key = self.pipeline.prompt_key(session.instruction, embodiment, session.chunk_size, passes == 2, canvas_hw)
         return session.prompt is not None and session.prompt.key == key
 
-    def _prefill(self, session: Session, embodiment: Embodiment, passes: int) -> float:
-        """Prefill the text K/V of the session's instruction; returns the ms spent."""
+    def _prefill(self, session: Session, embodiment: Embodiment, passes: int, canvas_hw: tuple[int, int]) -> float:
+        """Prefill the text K/V of the session's instruction for frames on `canvas_hw`; returns the ms spent."""
         started = self.clock()
         session.prompt = self.pipeline.encode_prompt(session.instruction, embodiment, session.chunk_size,
-                                                     passes == 2)
+                                                     passes == 2, canvas_hw)
         return self.clock() - started
 
     def _record(self, session: Session, plan, guard, out: PolicyOutput, stage_ms: dict[str, float],
                 total_ms: float, deadline_ms: float, clipped: int, key: Hashable, batch_size: int,
                 prefilled: bool) -> api.TickRecord:
         """The tick's record; `total_ms` and `deadline_ms` both count from the tick's arrival. A tick that
-        ran in a micro-batch does not teach the cost model single-tick costs."""
+        ran in a micro-batch does not teach the cost model single-tick costs, nor does one whose frames made a
+        smaller latent grid than the largest canvas's (costs are planned at that grid, the most a tick needs)."""
         cache = out.cache
         sequences = {branch: cache.sequence(branch) for branch in cache.branches}
         knobs = {"num_steps": float(len(out.steps)), "clipped_actions": float(clipped),
                  "batch_size": float(batch_size), "slot_ms": session.slot_ms}
-        learn_costs = batch_size == 1
+        learn_costs = batch_size == 1 and out.latents.shape[-2] * out.latents.shape[-1] == self._full_grid
         if plan is None:
             if learn_costs:
                 self._observe_output(key, out, stage_ms, prefilled)
@@ -497,8 +586,8 @@ class ModelEngine:
     def _observe_output(self, key: Hashable, out: PolicyOutput, stage_ms: dict[str, float], prefilled: bool) -> None:
         """Feed a tick run without the guard (warmup, cache disabled) to the cost model."""
         calls = [(d.full, out.steps[d.step].ms[d.branch]) for d in out.cache.decisions]
-        stages = ("encode", "prefill", "decode") if prefilled else ("encode", "decode")
-        self.cost_model.observe_tick(key, calls, {stage: stage_ms[stage] for stage in stages})
+        stages = ("encode", "prefill", "decode", PREVIEW_STAGE) if prefilled else ("encode", "decode", PREVIEW_STAGE)
+        self.cost_model.observe_tick(key, calls, {stage: stage_ms[stage] for stage in stages if stage in stage_ms})
 
     def _budget_controlled(self) -> bool:
         """Whether ticks are planned and guarded: the cache is on and the step count leaves steps between
@@ -509,10 +598,10 @@ class ModelEngine:
         return 2 if self.pipeline.config.guidance != 1.0 else 1
 
     def cost_key(self, embodiment: str, chunk: int, instruction_tokens: int) -> tuple[int, bool, int]:
-        """What a tick's costs depend on: the clip length (pixel frames on the VAE's grid), whether a state
-        row comes with the actions, and the instruction-length group. Embodiments alike in these share costs."""
+        """What a tick's costs depend on: the video's latent frames, whether a state row comes with the actions,
+        and the instruction-length group. Embodiments alike in these share costs."""
         group = next(bound for bound in INSTRUCTION_TOKEN_GROUPS if instruction_tokens <= bound)
-        return self.pipeline.clip_frames(chunk), self._embodiments[embodiment].state_dim > 0, group
+        return self.pipeline.num_latent_frames(chunk), self._embodiments[embodiment].state_dim > 0, group
 
     def _instruction_tokens(self, text: str, field: str) -> int:
         """Token count of an instruction; InvalidArgument over the limit."""
@@ -533,7 +622,8 @@ class ModelEngine:
     # ------------------------------------------------------------------------------ warmup
 
     def _warmup(self) -> Iterator[None]:
-        """Fill the cost model for every cost key served, one tick per step, then time the reasoner's steps.
+        """Fill the cost model for every cost key served, one tick per step, then time the reasoner's steps and
+        the pieces of dynamics calls (what a tick may find running).
         The first served embodiment's default shape runs `warmup_ticks` full ticks per mode for the latency
         profile in `info()`; every other key one short tick per mode (costs are learned per call and stage,
         so a few sampler steps teach them as well as all of them)."""
@@ -546,7 +636,10 @@ class ModelEngine:
                 profile.extend(points)
             self._warm_progress = (index + 1) / (len(shapes) + 1)
         self._profile = tuple(profile)
-        self._blocking_ms = yield from self._time_reasoner_steps()
+        reasoner_ms = yield from self._time_reasoner_steps()
+        # A server without dynamics calls need not reserve for their longest piece (the frames' decode).
+        dynamics_ms = (yield from self._time_dynamics_pieces()) if self.settings.max_dynamics_calls else 0.0
+        self._blocking_ms = max(reasoner_ms, dynamics_ms)
         self._warm_progress = 1.0
         self._ready.set()
 
@@ -580,7 +673,11 @@ class ModelEngine:
             totals, full, skipped = [], 0, 0
             for tick in range(ticks):
                 out = self._warmup_tick(embodiment, chunk, instruction, mode, tick, steps)
-                self._observe_output(key, out, {stage: out.timings_ms[stage] for stage in STAGES}, prefilled=True)
+                stage_ms = {stage: out.timings_ms[stage] for stage in STAGES}
+                clock = self.clock()  # what a session with preview frames adds to its ticks
+                self.pipeline.decode_video(out.latents)
+                stage_ms[PREVIEW_STAGE] = self.clock() - clock
+                self._observe_output(key, out, stage_ms, prefilled=True)
                 if tick > 0 or ticks == 1:  # the first tick pays one-time allocation costs
                     totals.append(out.timings_ms["total"])
                 full, skipped = out.cache.full_calls, out.cache.skipped_calls
@@ -626,6 +723,171 @@ class ModelEngine:
             longest = max(longest, self.clock() - started)
             yield
         return longest
+
+    def _time_dynamics_pieces(self):
+        """The longest piece (ms) of a forward and an inverse dynamics call at the longest clip any served
+        embodiment asks for and the longest instruction. A few sampler steps suffice: each is one piece."""
+        embodiment = max(self._embodiments.values(), key=lambda e: e.max_chunk_size)
+        chunk = embodiment.max_chunk_size
+        height, width = self.pipeline.config.canvas_hw
+        frames = np.zeros((chunk + 1, height, width // len(embodiment.cameras), 3), np.uint8)
+        cameras = {name: frames for name in embodiment.cameras}
+        video = np.concatenate(list(cameras.values()), axis=2)
+        common = dict(instruction=self._text_of(MAX_INSTRUCTION_TOKENS), embodiment=embodiment.name,
+                      state=np.zeros(embodiment.state_dim, np.float32) if embodiment.state_dim else None,
+                      chunk_size=chunk, num_steps=min(3, self.pipeline.config.num_steps))
+        calls = (
+            (PolicyRequest(images={name: frames[0] for name in cameras}, mode="forward_dynamics",
+                           actions=np.zeros((chunk, embodiment.raw_action_dim), np.float32), **common), True),
+            (PolicyRequest(images={}, mode="inverse_dynamics", video=video, **common), False),
+        )
+        canvas_hw = self.pipeline.canvas_for(embodiment, {name: frames[0] for name in cameras})
+        longest = 0.0
+        for request, decode_frames in calls:
+            job = _SteppedCall(self._dynamics_work(embodiment, request, canvas_hw, decode_frames, None, self.clock()))
+            finished = False
+            while not finished:
+                started = self.clock()
+                finished = job.step()
+                longest = max(longest, self.clock() - started)
+                yield
+            job.result.result()  # a failure fails the warmup
+        return longest
+
+    # ------------------------------------------------------------------------------ forward / inverse dynamics
+
+    def forward_dynamics(self, session_id: str, epoch: int, observation: api.Observation, actions: np.ndarray,
+                         seed: int | None = None, deadline_s: float | None = None,
+                         should_abort: Callable[[], bool] | None = None) -> api.PredictedVideo:
+        session, embodiment, instruction = self._dynamics_session(session_id, epoch, observation.instruction,
+                                                                  "observation.instruction")
+        request = PolicyRequest(images=observation.images, instruction=instruction, embodiment=session.embodiment,
+                                state=observation.state, mode="forward_dynamics", chunk_size=session.chunk_size,
+                                seed=session.seed if seed is None else seed, actions=actions)
+        canvas_hw = self.pipeline.canvas_for(embodiment, observation.images)
+        out, frames, tick = self._run_dynamics(session, embodiment, request, canvas_hw, True, deadline_s, should_abort)
+        return api.PredictedVideo(frames=frames, latents_shape=tuple(out.latents.shape), tick=tick)
+
+    def inverse_dynamics(self, session_id: str, epoch: int, clip: api.VideoClip, seed: int | None = None,
+                         deadline_s: float | None = None,
+                         should_abort: Callable[[], bool] | None = None) -> api.ActResult:
+        session, embodiment, instruction = self._dynamics_session(session_id, epoch, clip.instruction, "instruction")
+        cameras = [clip.frames[name] for name in embodiment.cameras]
+        # Side by side, frame by frame, as a tick sees its cameras.
+        video = np.concatenate(cameras, axis=2) if len(cameras) > 1 else cameras[0]
+        request = PolicyRequest(images={}, instruction=instruction, embodiment=session.embodiment, state=clip.state,
+                                mode="inverse_dynamics", chunk_size=session.chunk_size,
+                                seed=session.seed if seed is None else seed, video=video)
+        canvas_hw = self.pipeline.canvas_for(embodiment, {name: clip.frames[name][0] for name in embodiment.cameras})
+        out, _, tick = self._run_dynamics(session, embodiment, request, canvas_hw, False, deadline_s, should_abort)
+        if not np.all(np.isfinite(out.actions)):
+            raise api.NonFiniteOutput("the model produced NaN or Inf actions")
+        clipped = int(np.count_nonzero(embodiment.out_of_limits(out.actions)))
+        tick = dataclasses.replace(tick, knobs={**tick.knobs, "clipped_actions": float(clipped)})
+        return api.ActResult(actions=embodiment.clip_to_limits(out.actions).astype(np.float32),
+                             first_step_index=clip.step_index, tick=tick)
+
+    def _dynamics_session(self, session_id: str, epoch: int, instruction: str,
+                          field: str) -> tuple[Session, Embodiment, str]:
+        """The session a dynamics call runs on, its embodiment, and the call's instruction (else the session's)."""
+        self._require_ready()
+        session = self.sessions.get(session_id)
+        if epoch != session.epoch:
+            raise api.StaleEpoch(session_id, session.epoch, epoch)
+        if instruction:
+            self._instruction_tokens(instruction, field)
+        return session, self._embodiments[session.embodiment], instruction or session.instruction
+
+    def _run_dynamics(self, session: Session, embodiment: Embodiment, request: PolicyRequest,
+                      canvas_hw: tuple[int, int], decode_frames: bool, deadline_s: float | None,
+                      should_abort: Callable[[], bool] | None,
+                      ) -> tuple[PolicyOutput, np.ndarray | None, api.TickRecord]:
+        """Run a dynamics request uncached at the configured step count, as background work between ticks (at most
+        `max_dynamics_calls` at once), within the caller's deadline and `MAX_DYNAMICS_MS`. Returns the pipeline
+        output, the decoded frames (`decode_frames`) and the record."""
+        arrived_ms = self.clock()
+        bound_s = time.monotonic() + MAX_DYNAMICS_MS / 1e3
+        deadline_s = bound_s if deadline_s is None else min(deadline_s, bound_s)
+        deadline_ms = (deadline_s - time.monotonic()) * 1e3
+        if not self.settings.max_dynamics_calls:
+            raise api.DynamicsOff()
+        if not self._dynamics_calls.acquire(blocking=False):  # released when the call ends, however it ends
+            raise api.TooManyDynamicsCalls(self.settings.max_dynamics_calls)
+        job = _SteppedCall(self._dynamics_work(embodiment, request, canvas_hw, decode_frames, session.prompt,
+                                               arrived_ms))
+        job.result.add_done_callback(lambda _: self._dynamics_calls.release())
+        try:
+            self._worker.submit(job)
+        except api.ShuttingDown as error:
+            job.fail(error)
+            raise
+
+        def stopped() -> api.EngineError | None:
+            if self._closing.is_set():
+                return api.ShuttingDown()
+            if time.monotonic() >= deadline_s:
+                return api.DeadlineExpired(f"the call's deadline passed (the caller's, or the server's bound of "
+                                           f"{MAX_DYNAMICS_MS / 1e3:g} s)")
+            if should_abort is not None and should_abort():
+                return api.Cancelled("the caller went away")
+            return None
+
+        while True:
+            try:
+                out, frames, stage_ms = job.result.result(timeout=_POLL_S)
+                break
+            except FutureTimeout:
+                # Ticks go first, so the call may wait long between pieces: it ends between two of them.
+                if (reason := stopped()) is not None and self._worker.withdraw(job):
+                    job.fail(reason)
+        total_ms = self.clock() - arrived_ms
+        cache = out.cache
+        tick = api.TickRecord(
+            budget_ms=MAX_DYNAMICS_MS, deadline_ms=deadline_ms, actual_ms={**stage_ms, "total": total_ms},
+            knobs={"num_steps": float(len(out.steps)), "batch_size": 1.0}, full_calls=cache.full_calls,
+            skipped_calls=cache.skipped_calls, fail_open=cache.fail_opens, deadline_met=total_ms <= deadline_ms,
+            setting="none", branches=cache.counts_dict(),
+            sequences={branch: cache.sequence(branch) for branch in cache.branches},
+        )
+        return out, frames, tick
+
+    def _dynamics_work(self, embodiment: Embodiment, request: PolicyRequest, canvas_hw: tuple[int, int],
+                       decode_frames: bool, prompt: PromptState | None, arrived_ms: float):
+        """The `_SteppedCall` work of one dynamics call. Its pieces: the prefill (unless `prompt`, the
+        session's text K/V, fits), the encode, each sampler step, the frames' decode. The work returns the
+        pipeline output, the frames (or None) and the ms per stage, the waits since `arrived_ms` before and
+        between its pieces as "queue"."""
+        cfg = self._passes() == 2
+
+        def work(pause: Callable[[], None]):
+            def wait() -> float:
+                clock = self.clock()
+                pause()
+                return self.clock() - clock
+
+            stage_ms = {"queue": self.clock() - arrived_ms, "prefill": 0.0}
+            key = self.pipeline.prompt_key(request.instruction, embodiment, request.chunk_size, cfg, canvas_hw)
+            text = prompt
+            if text is None or text.key != key:
+                clock = self.clock()
+                text = self.pipeline.encode_prompt(request.instruction, embodiment, request.chunk_size, cfg, canvas_hw)
+                stage_ms["prefill"] = self.clock() - clock
+                stage_ms["queue"] += wait()
+            pacer = _PauseEachStep(wait)
+            out = self.pipeline(request, prompt=text, pacer=pacer)
+            stage_ms.update(encode=out.timings_ms["encode"], denoise=out.timings_ms["denoise"] - pacer.paused_ms,
+                            decode=out.timings_ms["decode"])
+            stage_ms["prefill"] += out.timings_ms["prefill"]
+            stage_ms["queue"] += pacer.paused_ms
+            frames = None
+            if decode_frames:
+                stage_ms["queue"] += wait()
+                clock = self.clock()
+                frames = self.pipeline.decode_video(out.latents)
+                stage_ms["video_decode"] = self.clock() - clock
+            return out, frames, stage_ms
+
+        return work
 
     # ------------------------------------------------------------------------------ reasoner
 
@@ -710,6 +972,7 @@ def settings_from_config(config) -> EngineSettings:
         default_budget_ms=config.latency_budget_ms,
         max_sessions=config.max_sessions,
         max_batch=config.max_batch,
+        max_dynamics_calls=config.max_dynamics_calls,
         diffusion_cache=config.diffusion_cache,
         cache_threshold=config.diffusion_cache_thresh,
         residual_order=config.diffusion_cache_residual_order,
@@ -721,3 +984,13 @@ def resolve_device(name: str) -> str:
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return name
+
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    """A `--dtype` name (`config.DTYPES`) on a resolved device: auto is bf16 on CUDA, fp32 elsewhere."""
+    if name == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    return _DTYPES[name]

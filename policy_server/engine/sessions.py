@@ -21,6 +21,7 @@ class Session:
     cost_key: what its ticks cost is learned under (embodiment, clip length, instruction length).
     demand: what admission reserved it for; slot_ms: the model time each of its ticks is planned in.
     limiter: refuses ticks asked for faster than the declared rate.
+    preview: its ticks decode and return the predicted frames (planned and admitted with that stage).
     in_flight: its tick queued or running, if any (a session has at most one).
     prompt: the text K/V of the current instruction, reused while it does not change.
     history: full-call counts of the previous ticks per cache setting, for the budget planner.
@@ -35,6 +36,7 @@ class Session:
     cost_key: Hashable
     demand: Demand
     limiter: RateLimiter
+    preview: bool = False
     slot_ms: float = 0.0
     epoch: int = 1
     ticks: int = 0
@@ -46,7 +48,7 @@ class Session:
     def handle(self) -> SessionHandle:
         return SessionHandle(self.session_id, self.epoch, self.embodiment, self.instruction, self.budget_ms,
                              self.chunk_size, self.seed, rate_hz=self.demand.rate_hz, slot_ms=self.slot_ms,
-                             measured_rate_hz=self.limiter.measured_hz)
+                             measured_rate_hz=self.limiter.measured_hz, preview=self.preview)
 
 
 class SessionTable:

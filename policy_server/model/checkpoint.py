@@ -13,7 +13,10 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -77,13 +80,16 @@ _NATIVE_VISION_PREFIXES = ("language_model.visual.", "language_model.model.visua
 _ATTENTION_KEY = re.compile(r"^(layers\.\d+\.self_attn\.)([a-z_]+)(\..+)$")
 
 
-def is_native_state_dict(state_dict: dict[str, torch.Tensor]) -> bool:
+V = TypeVar("V")  # what a key maps to: a tensor, or where the tensor is stored
+
+
+def is_native_state_dict(state_dict: Mapping[str, object]) -> bool:
     """Whether keys use the cosmos-framework native names (`language_model.*`, `vae2llm.*`, ...)."""
     native_roots = ("language_model.", "vae2llm.", "llm2vae.") + _NATIVE_WRAPPER_PREFIXES
     return any(key.startswith(native_roots) for key in state_dict)
 
 
-def remap_native_keys(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def remap_native_keys(state_dict: Mapping[str, V]) -> dict[str, V]:
     """Rename a cosmos-framework native state dict to diffusers' flat `Cosmos3OmniTransformer` keys.
 
     Strips `model.net.` / `net.` wrappers and `language_model.model.`, renames attention projections
@@ -93,7 +99,7 @@ def remap_native_keys(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Te
     `audio_proj_out`, `sound_modality_embed` -> `audio_modality_embed`) and drops the ViT. Keys it does
     not recognise raise `CheckpointError` naming them.
     """
-    remapped: dict[str, torch.Tensor] = {}
+    remapped: dict[str, V] = {}
     unknown: list[str] = []
     for key, tensor in state_dict.items():
         name = key
@@ -178,8 +184,17 @@ def resolve_transformer_dir(path: str | Path) -> Path:
     return path
 
 
-def read_state_dict(directory: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a transformer directory (single file or index + shards), on CPU as stored."""
+@dataclass(frozen=True)
+class StoredTensor:
+    """Where one tensor lives: its shard file and the name and shape it has there."""
+
+    file: Path
+    name: str
+    shape: tuple[int, ...]
+
+
+def index_tensors(directory: Path) -> dict[str, StoredTensor]:
+    """Every tensor of a transformer directory (single file or index + shards), from the headers only."""
     single, index = directory / WEIGHTS_NAME, directory / WEIGHTS_INDEX_NAME
     if index.is_file():
         weight_map = json.loads(index.read_text()).get("weight_map")
@@ -193,16 +208,17 @@ def read_state_dict(directory: Path) -> dict[str, torch.Tensor]:
         weight_map, shards = None, [single.name]
     else:
         raise CheckpointError(f"no weights in {directory}: expected {WEIGHTS_NAME} or {WEIGHTS_INDEX_NAME}")
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, StoredTensor] = {}
     for shard in shards:
+        file = directory / shard
         try:
-            with safe_open(str(directory / shard), framework="pt", device="cpu") as handle:
+            with safe_open(str(file), framework="pt", device="cpu") as handle:
                 for key in handle.keys():
                     if weight_map is not None and weight_map.get(key) != shard:
                         continue  # the index is authoritative about which shard owns a key
-                    tensors[key] = handle.get_tensor(key)
+                    tensors[key] = StoredTensor(file, key, tuple(handle.get_slice(key).get_shape()))
         except SafetensorError as error:
-            raise CheckpointError(f"{directory / shard}: not a readable safetensors file ({error})") from None
+            raise CheckpointError(f"{file}: not a readable safetensors file ({error})") from None
     if weight_map is not None:
         absent = [k for k in weight_map if k not in tensors]
         if absent:
@@ -210,38 +226,56 @@ def read_state_dict(directory: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def read_tensor(stored: StoredTensor, device: torch.device | str, dtype: torch.dtype | None) -> torch.Tensor:
+    """One stored tensor on `device`, cast to `dtype` (None = as stored).
+
+    A handle maps its whole shard, and every page read through it stays resident until the handle
+    closes: one handle per tensor keeps host memory at one tensor above what has been loaded.
+    """
+    try:
+        with safe_open(str(stored.file), framework="pt", device=str(device)) as handle:
+            tensor = handle.get_tensor(stored.name)
+    except SafetensorError as error:
+        raise CheckpointError(f"{stored.file}: cannot read {stored.name!r} ({error})") from None
+    return tensor if dtype is None else tensor.to(dtype)
+
+
 def load_transformer(path: str | Path, device: torch.device | str = "cpu",
                      dtype: torch.dtype | None = None) -> Cosmos3OmniTransformer:
     """Load a Cosmos3 transformer from a diffusers-layout directory (or pipeline root).
 
-    `dtype=None` keeps the stored dtype; otherwise every weight is cast to `dtype` except the time
-    embedder, which stays fp32 as in diffusers. Returns the model in eval mode. Raises
-    `ConfigError`/`CheckpointError` naming unknown config fields, missing or unexpected keys and shape
-    mismatches.
+    `dtype=None` keeps the stored dtype; otherwise every weight is cast to `dtype`. The time embedder
+    is fp32 in every case, as in diffusers. Tensors are read, cast and placed on `device` one at a
+    time into a model built on the meta device, so peak memory is the loaded model plus one tensor.
+    Returns the model in eval mode. Raises `ConfigError`/`CheckpointError` naming unknown config
+    fields, missing or unexpected keys and shape mismatches.
     """
     directory = resolve_transformer_dir(path)
     config = Cosmos3TransformerConfig.from_json_file(directory / CONFIG_NAME)
-    state_dict = read_state_dict(directory)
-    if is_native_state_dict(state_dict):
-        state_dict = remap_native_keys(state_dict)
+    stored = index_tensors(directory)
+    if is_native_state_dict(stored):
+        stored = remap_native_keys(stored)
     with torch.device("meta"):
         model = Cosmos3OmniTransformer(config)
-    check_state_dict(model, state_dict)
+    check_state_dict(model, {key: tensor.shape for key, tensor in stored.items()})
+    state_dict = {key: read_tensor(tensor, device, _load_dtype(key, dtype)) for key, tensor in stored.items()}
     model.load_state_dict(state_dict, strict=True, assign=True)
-    if dtype is not None:
-        model.to(dtype=dtype)
-        for name in _FP32_MODULES:
-            getattr(model, name).float()
-    return model.to(device).eval()
+    return model.eval()
 
 
-def check_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
-    """Raise `CheckpointError` listing missing keys, unexpected keys and shape mismatches."""
+def _load_dtype(key: str, dtype: torch.dtype | None) -> torch.dtype | None:
+    """The dtype a model key loads in: fp32 inside `_FP32_MODULES`, else `dtype` (None = as stored)."""
+    return torch.float32 if key.split(".", 1)[0] in _FP32_MODULES else dtype
+
+
+def check_state_dict(model: torch.nn.Module, shapes: dict[str, tuple[int, ...]]) -> None:
+    """Raise `CheckpointError` listing missing keys, unexpected keys and shape mismatches (checkpoint
+    key -> shape against the model's)."""
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    missing = [k for k in expected if k not in state_dict]
-    unexpected = [k for k in state_dict if k not in expected]
-    mismatched = [f"{k}: checkpoint {tuple(state_dict[k].shape)} vs model {shape}"
-                  for k, shape in expected.items() if k in state_dict and tuple(state_dict[k].shape) != shape]
+    missing = [k for k in expected if k not in shapes]
+    unexpected = [k for k in shapes if k not in expected]
+    mismatched = [f"{k}: checkpoint {shapes[k]} vs model {shape}"
+                  for k, shape in expected.items() if k in shapes and shapes[k] != shape]
     problems = []
     if missing:
         problems.append(f"missing key(s): {_show(missing)}")

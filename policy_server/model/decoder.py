@@ -73,12 +73,13 @@ class Cosmos3PackedMoTAttention(nn.Module):
         v = linear(self.to_v, x).view(n, self.num_key_value_heads, self.head_dim)
         if self.norm_q is not None:
             q, k = rms_norm(self.norm_q, q), rms_norm(self.norm_k, k)
-        k_causal = rotary.apply(k).transpose(0, 1)
+        # Unfused rotation: the text K/V and the reasoner's logits then round exactly as Qwen3's do.
+        k_causal = rotary.apply_unfused(k).transpose(0, 1)
         if self.k_norm_und_for_gen is None:
             k_for_gen = k_causal
         else:
-            k_for_gen = rotary.apply(rms_norm(self.k_norm_und_for_gen, k)).transpose(0, 1)
-        return rotary.apply(q), k_causal, k_for_gen, v.transpose(0, 1)
+            k_for_gen = rotary.apply_unfused(rms_norm(self.k_norm_und_for_gen, k)).transpose(0, 1)
+        return rotary.apply_unfused(q), k_causal, k_for_gen, v.transpose(0, 1)
 
     def gen_qkv(self, x: torch.Tensor, rotary: RotaryTables):
         """Generated rows `[(B,) N, D]` -> q `[(B,) N, H, hd]`, k/v `[(B,) KV, N, hd]` (normed, rotated)."""

@@ -33,6 +33,16 @@ class RotaryTables:
         """Rotate-half RoPE of `x [N, heads, head_dim]`: `x * cos + rotate_half(x) * sin`."""
         return torch.addcmul(x * self._cos_rows, x.roll(x.shape[-1] // 2, dims=-1), self._signed_sin_rows)
 
+    def apply_unfused(self, x: torch.Tensor) -> torch.Tensor:
+        """`apply` with the reference's roundings: each product is rounded before the sum.
+
+        The fused `addcmul` of `apply` adds the second product unrounded where transformers and diffusers
+        round it first, one ulp apart on many entries (in bf16 a logit's ulp is ~1e-2). The UND pathway
+        (once per prompt, and per reasoner token) uses this, so text K/V and reasoner logits equal Qwen3's
+        bit for bit; the GEN pathway, which runs on every step, keeps the fused kernel.
+        """
+        return x * self._cos_rows + x.roll(x.shape[-1] // 2, dims=-1) * self._signed_sin_rows
+
 
 class MultimodalRotaryEmbedding:
     """Builds `RotaryTables` from position ids `[3, N]` (t, h, w) or `[N]`.

@@ -1,10 +1,13 @@
-"""Conditioning frames: camera images to a VAE-ready clip on a fixed canvas, and back off the latent.
+"""Conditioning frames: camera images to a VAE-ready clip on a canvas, and back off the latent.
 
-Cosmos3 action models condition on a clip placed on a canvas of fixed size: the frames are
-downscaled with their aspect ratio kept (never upscaled), anchored at the top-left corner and
-padded on the right and bottom (reflect, or replicate where the padding is wider than the
-content, where reflection is undefined). After VAE encoding, the latent columns and rows that
-cover only padding are cropped off before packing.
+Cosmos3 action models condition on a clip placed on a canvas, prepared as diffusers'
+`Cosmos3OmniPipeline` does (`prepare_clip`):
+1. each frame is resized (PIL bilinear) down to multiples of the VAE's spatial compression;
+2. the canvas is the one of the resolution tier's aspect-ratio bins closest to the frame's h/w;
+3. the frames are downscaled to fit it with their aspect ratio kept (antialiased bicubic, never
+   upscaled), anchored at the top-left corner and padded on the right and bottom (reflect, or
+   replicate where the padding is wider than the content, where reflection is undefined).
+After VAE encoding, the latent columns and rows that cover only padding are cropped off.
 """
 
 from __future__ import annotations
@@ -14,10 +17,20 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from PIL import Image
 from torch import Tensor
 from torch.nn import functional as F
 
 PAD_MODES = ("reflect", "replicate")
+
+# Canvas bins (height, width) of each action resolution tier, in diffusers' `_ACTION_RESOLUTION_BINS` order
+# (ties in aspect ratio go to the earlier bin).
+RESOLUTION_TIERS: dict[int, tuple[tuple[int, int], ...]] = {
+    256: ((256, 256), (256, 320), (320, 256), (192, 320), (320, 192)),
+    480: ((640, 640), (544, 736), (736, 544), (480, 832), (832, 480)),
+    704: ((960, 960), (832, 1088), (1088, 832), (704, 1280), (1280, 704)),
+    720: ((960, 960), (832, 1104), (1104, 832), (720, 1280), (1280, 720)),
+}
 
 
 @dataclass(frozen=True)
@@ -56,11 +69,12 @@ def frames_to_clip(frames: np.ndarray, num_frames: int | None = None) -> Tensor:
         index = np.minimum(np.arange(num_frames), len(frames) - 1)
         frames = frames[index]
     clip = torch.from_numpy(np.ascontiguousarray(frames)).permute(3, 0, 1, 2).unsqueeze(0)
-    return clip.to(torch.float32) / 127.5 - 1.0
+    return clip.to(torch.float32) / 255.0 * 2.0 - 1.0  # diffusers' rounding: x / 255, then 2x - 1
 
 
 def downscale(images: Tensor, size_hw: tuple[int, int]) -> Tensor:
-    """Resize images [N, C, H, W] down to ``size_hw`` (antialiased bicubic, clamped to [-1, 1]).
+    """Resize images [N, C, H, W] down to ``size_hw`` (antialiased bicubic; the overshoot past [-1, 1] is
+    kept, as the Cosmos3 models saw it).
 
     Raises ``ValueError`` if either side would grow: upscaling invents detail the model never saw.
     """
@@ -72,8 +86,7 @@ def downscale(images: Tensor, size_hw: tuple[int, int]) -> Tensor:
         raise ValueError(f"target size {target_h}x{target_w} must be at least 1x1")
     if (target_h, target_w) == (h, w):
         return images
-    resized = F.interpolate(images, size=(target_h, target_w), mode="bicubic", align_corners=False, antialias=True)
-    return resized.clamp(-1.0, 1.0)
+    return F.interpolate(images, size=(target_h, target_w), mode="bicubic", align_corners=False, antialias=True)
 
 
 def fit_to_canvas(
@@ -93,8 +106,6 @@ def fit_to_canvas(
     b, c, t, h, w = clip.shape
     scale = min(canvas_h / h, canvas_w / w, 1.0)
     content_h, content_w = max(1, int(scale * h + 0.5)), max(1, int(scale * w + 0.5))
-    # Rounding may overshoot by one pixel on the side that defines the scale.
-    content_h, content_w = min(content_h, canvas_h), min(content_w, canvas_w)
 
     images = clip.transpose(1, 2).reshape(b * t, c, h, w)
     images = downscale(images, (content_h, content_w))
@@ -129,3 +140,25 @@ def closest_canvas(height: int, width: int, canvases: Sequence[tuple[int, int]])
         raise ValueError("no canvases to choose from")
     ratio = height / width
     return min(canvases, key=lambda hw: abs(hw[0] / hw[1] - ratio))
+
+
+def floor_to_multiple(frames: np.ndarray, multiple: int) -> np.ndarray:
+    """uint8 RGB frames [T, H, W, 3] resized (PIL bilinear, as diffusers' video processor does) down to the
+    nearest multiples of ``multiple``; unchanged when they already are. Needs H, W >= ``multiple``."""
+    t, h, w, _ = frames.shape
+    size_hw = (h - h % multiple, w - w % multiple)
+    if min(size_hw) < 1:
+        raise ValueError(f"frames are {h}x{w}; expected at least {multiple}x{multiple}")
+    if size_hw == (h, w):
+        return frames
+    resized = [np.asarray(Image.fromarray(frame).resize(size_hw[::-1], resample=Image.BILINEAR)) for frame in frames]
+    return np.stack(resized)
+
+
+def prepare_clip(frames: np.ndarray, num_frames: int, canvases: Sequence[tuple[int, int]], multiple: int,
+                 pad_mode: str = "reflect") -> tuple[Tensor, CanvasPlacement]:
+    """uint8 RGB frames [T, H, W, 3] -> the VAE-ready clip [1, 3, num_frames, canvas_h, canvas_w] in [-1, 1] on
+    the closest of ``canvases``, and its placement (steps 1-3 of the module docstring)."""
+    frames = floor_to_multiple(frames, multiple)
+    canvas_hw = closest_canvas(frames.shape[1], frames.shape[2], canvases)
+    return fit_to_canvas(frames_to_clip(frames, num_frames), canvas_hw, pad_mode=pad_mode)

@@ -89,3 +89,10 @@ class InvalidMode(PolicyInputError):
 
 class InvalidSamplerSettings(PolicyInputError):
     """A sampler name, step count, shift or guidance value out of range."""
+
+
+class InvalidNoise(PolicyInputError):
+    """Initial noise of the wrong shape or dtype, or not finite."""
+
+    def __init__(self, message: str, field: str = "noise") -> None:
+        super().__init__(field, message)

@@ -14,7 +14,6 @@ Modes (Cosmos3 `build_sequence_plan_from_mode`):
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -31,14 +30,16 @@ from policy_server.model.checkpoint import CheckpointError, weights_digest
 from policy_server.model.config import ConfigError as ModelConfigError
 from policy_server.model.gen_layout import GenLayout
 from policy_server.model.text_tokenizer import TextTokenizer, TextTokenizerError
-from policy_server.model.vae import SmallVideoVAE
-from policy_server.pipeline.conditioning import crop_latent_padding, fit_to_canvas, frames_to_clip
+from policy_server.model.vae import SmallVideoVAE, VideoTokenizer
+from policy_server.pipeline import diffusers_folder
+from policy_server.pipeline.conditioning import closest_canvas, crop_latent_padding, prepare_clip
 from policy_server.pipeline.embodiments import Embodiment, EmbodimentConfigError, EmbodimentRegistry
 from policy_server.pipeline.errors import (
     EmptyInstruction,
     InvalidActions,
     InvalidImage,
     InvalidMode,
+    InvalidNoise,
     InvalidSamplerSettings,
 )
 from policy_server.pipeline.normalization import FeatureNormalizers, NormalizationStatsError
@@ -46,6 +47,7 @@ from policy_server.pipeline.packing import ActionLayout, PackedSequence, pack_re
 from policy_server.pipeline.policy_config import PolicyConfig, PolicyConfigError
 from policy_server.pipeline.prompts import PromptPair, action_prompt_pair
 from policy_server.pipeline.schedulers import make_sampler
+from policy_server.pipeline.wan_vae import WanVideoVAE
 
 MODES = ("policy", "forward_dynamics", "inverse_dynamics")
 BRANCHES = ("cond", "uncond")
@@ -74,6 +76,8 @@ class PolicyRequest:
     video: inverse_dynamics only: uint8 RGB [K + 1, H, W, 3] frames (single camera).
     cfg_steps: run the unconditional CFG pass only on the first `cfg_steps` steps (budget fallback);
         None runs it wherever the guidance interval allows.
+    noise: the initial noise, like diffusers' `latents` / `action_latents`; None draws it from `seed` in
+        diffusers' order (vision, then actions).
     """
 
     images: Mapping[str, np.ndarray]
@@ -89,6 +93,21 @@ class PolicyRequest:
     history_actions: np.ndarray | None = None
     video: np.ndarray | None = None
     cfg_steps: int | None = None
+    noise: InitialNoise | None = None
+
+
+@dataclass(frozen=True)
+class InitialNoise:
+    """The sampler's starting point, float32. Where a row is conditioning (a clean latent frame, given or
+    prefix actions) the conditioning replaces it; channels past the embodiment's raw width start at zero.
+
+    vision: [C, T_lat, h, w], the generated video latents (T_lat = chunk // 4 + 1; h, w the content's latent
+        grid, `PolicyPipeline.latent_shape`).
+    actions: [chunk, action_dim], the chunk's action rows.
+    """
+
+    vision: torch.Tensor
+    actions: torch.Tensor
 
 
 @dataclass
@@ -129,7 +148,7 @@ class PolicyPipeline:
     def __init__(
         self,
         transformer: Cosmos3OmniTransformer,
-        vae: SmallVideoVAE,
+        vae: VideoTokenizer,
         tokenizer: TextTokenizer,
         embodiments: EmbodimentRegistry,
         config: PolicyConfig,
@@ -149,36 +168,61 @@ class PolicyPipeline:
         self._normalizers: dict[str, FeatureNormalizers] = {}
 
     @classmethod
-    def from_pretrained(cls, path: str | Path | None = None, device: str = "cpu") -> PolicyPipeline:
-        """Load a pipeline folder (`transformer/`, `vae/`, `text_tokenizer/`, `policy.json`);
-        None loads the embedded model shipped in the package. A folder that cannot be served raises
+    def from_pretrained(cls, path: str | Path | None = None, device: str = "cpu",
+                        dtype: torch.dtype | None = None) -> PolicyPipeline:
+        """Load a checkpoint folder; None loads the embedded model shipped in the package.
+
+        Two layouts: a diffusers `Cosmos3OmniPipeline` folder exactly as `save_pretrained` writes it
+        (`policy_server.pipeline.diffusers_folder`), or the embedded model's (`transformer/`, `vae/`,
+        `text_tokenizer/`, `policy.json`, `embodiments.json`). `dtype`: the weights' dtype (None keeps the
+        stored one); the time embedder and the sampler state stay fp32. A folder that cannot be served raises
         `CheckpointLoadError`, whose message names the file and what was expected."""
         root = Path(path) if path is not None else default_model_path()
         try:
             if not root.is_dir():
                 raise CheckpointError(f"{root} is not a directory")
-            if not (root / "policy.json").is_file() and _pipeline_class(root) == "Cosmos3OmniPipeline":
-                raise CheckpointError(
-                    f"{root / 'model_index.json'} names a Cosmos3OmniPipeline as diffusers saves it; this server "
-                    "serves pipeline folders with policy.json and embodiments.json (the embedded model's layout)"
-                )
-            config = PolicyConfig.load(root / "policy.json")
-            embodiments = EmbodimentRegistry.cosmos3()
-            served = embodiments.load_config(root / config.embodiments_file)
-            pipeline = cls(
-                transformer=load_transformer(root / "transformer", device=device),
-                vae=SmallVideoVAE.from_pretrained(root / "vae").to(device),
-                tokenizer=TextTokenizer.from_dir(root / "text_tokenizer"),
-                embodiments=embodiments,
-                config=config,
-                served_embodiments=served,
-                digest=weights_digest(root),
-            )
-            for name in served:  # stats files are read now, not at the first tick
-                pipeline.normalizers(embodiments.get(name))
+            load = cls._from_diffusers_folder if diffusers_folder.is_diffusers_folder(root) else cls._from_policy_folder
+            pipeline = load(root, device, dtype)
+            for name in pipeline.served_embodiments:  # stats files are read now, not at the first tick
+                pipeline.normalizers(pipeline.embodiments.get(name))
         except _LOAD_ERRORS as error:
             raise CheckpointLoadError(f"cannot serve checkpoint {root}: {error}") from error
         return pipeline
+
+    @classmethod
+    def _from_policy_folder(cls, root: Path, device: str, dtype: torch.dtype | None) -> PolicyPipeline:
+        config = PolicyConfig.load(root / "policy.json")
+        embodiments = EmbodimentRegistry.cosmos3()
+        served = embodiments.load_config(root / config.embodiments_file)
+        return cls(
+            transformer=load_transformer(root / "transformer", device=device, dtype=dtype),
+            vae=SmallVideoVAE.from_pretrained(root / "vae").to(device, dtype),
+            tokenizer=TextTokenizer.from_dir(root / "text_tokenizer"),
+            embodiments=embodiments,
+            config=config,
+            served_embodiments=served,
+            digest=weights_digest(root),
+        )
+
+    @classmethod
+    def _from_diffusers_folder(cls, root: Path, device: str, dtype: torch.dtype | None) -> PolicyPipeline:
+        flags = diffusers_folder.read_model_index(root)
+        config = diffusers_folder.policy_config(root, flags)
+        transformer = load_transformer(root / "transformer", device=device, dtype=dtype)
+        if not transformer.config.action_gen:
+            raise CheckpointError(f"{root / 'transformer' / 'config.json'}: action_gen=false; "
+                                  "a policy needs the action head (action_gen=true)")
+        embodiments = EmbodimentRegistry.cosmos3()
+        served = diffusers_folder.served_embodiments(root, embodiments, transformer.config.action_dim)
+        return cls(
+            transformer=transformer,
+            vae=WanVideoVAE.from_pretrained(root / "vae", dtype).to(device),
+            tokenizer=TextTokenizer.from_dir(root / "text_tokenizer"),
+            embodiments=embodiments,
+            config=config,
+            served_embodiments=served,
+            digest=weights_digest(root),
+        )
 
     @property
     def device(self) -> torch.device:
@@ -192,9 +236,11 @@ class PolicyPipeline:
 
     # ------------------------------------------------------------------------------------ prompt
 
-    def encode_prompt(self, instruction: str, embodiment: Embodiment, chunk_size: int, cfg: bool) -> PromptState:
+    def encode_prompt(self, instruction: str, embodiment: Embodiment, chunk_size: int, cfg: bool,
+                      canvas_hw: tuple[int, int]) -> PromptState:
         """Tokenize the action caption (and negative prompt) and prefill the text K/V of each branch."""
-        pair = policy_prompt_pair(self.config, instruction, embodiment.viewpoint, embodiment.fps, chunk_size)
+        pair = policy_prompt_pair(self.config, instruction, embodiment.viewpoint, embodiment.fps, chunk_size,
+                                  canvas_hw)
         texts = {"cond": pair.cond, "uncond": pair.uncond}
         input_ids, und_kv = {}, {}
         for branch in BRANCHES if cfg else BRANCHES[:1]:
@@ -204,11 +250,12 @@ class PolicyPipeline:
             positions = torch.arange(len(ids), dtype=torch.float32, device=self.device).expand(3, -1)
             with torch.no_grad():
                 und_kv[branch] = self.transformer.prefill_und(ids_t, positions)
-        return PromptState(self.prompt_key(instruction, embodiment, chunk_size, cfg), input_ids, und_kv)
+        return PromptState(self.prompt_key(instruction, embodiment, chunk_size, cfg, canvas_hw), input_ids, und_kv)
 
     @staticmethod
-    def prompt_key(instruction: str, embodiment: Embodiment, chunk_size: int, cfg: bool) -> tuple:
-        return (instruction, embodiment.name, chunk_size, cfg)
+    def prompt_key(instruction: str, embodiment: Embodiment, chunk_size: int, cfg: bool,
+                   canvas_hw: tuple[int, int]) -> tuple:
+        return (instruction, embodiment.name, chunk_size, cfg, canvas_hw)
 
     # ------------------------------------------------------------------------------------ tick
 
@@ -233,13 +280,13 @@ class PolicyPipeline:
 
         with torch.no_grad():
             clock = time.perf_counter()
-            clean_latent, placement_hw = self._encode_condition(request, chunk)
+            clean_latent, canvas_hw = self._encode_condition(request, chunk)
             timings["encode"] = _ms_since(clock)
 
             clock = time.perf_counter()
-            key = self.prompt_key(request.instruction, embodiment, chunk, cfg)
+            key = self.prompt_key(request.instruction, embodiment, chunk, cfg, canvas_hw)
             if prompt is None or prompt.key != key:
-                prompt = self.encode_prompt(request.instruction, embodiment, chunk, cfg)
+                prompt = self.encode_prompt(request.instruction, embodiment, chunk, cfg, canvas_hw)
             timings["prefill"] = _ms_since(clock)
 
             clock = time.perf_counter()
@@ -256,19 +303,33 @@ class PolicyPipeline:
         timings["total"] = _ms_since(t_start)
         return PolicyOutput(physical, latents, steps_done, timings, controller.record())
 
-    def clip_frames(self, chunk: int) -> int:
-        """Pixel frames of the clip a chunk of `chunk` actions lives in: the `chunk + 1` frames rounded up to
-        the VAE's temporal grid (`4k + 1`). Frames past `chunk + 1` are padding, generated and dropped."""
-        tc = self.vae.temporal_compression
-        return tc * math.ceil(chunk / tc) + 1
+    def num_latent_frames(self, chunk: int) -> int:
+        """Latent frames of the video a chunk of `chunk` actions lives in. The chunk spans `chunk + 1` frames;
+        the VAE keeps frame 0 and encodes whole groups of `tc` after it, dropping the rest (diffusers' rule)."""
+        return chunk // self.vae.temporal_compression + 1
 
-    def decode_video(self, latents: torch.Tensor, chunk: int) -> np.ndarray:
-        """Predicted frames of a chunk of `chunk` actions: latents [C, T, h, w] -> uint8 RGB
-        [chunk + 1, H, W, 3] on the canvas (the temporal padding dropped)."""
+    def num_video_frames(self, chunk: int) -> int:
+        """Pixel frames the VAE encodes and decodes for a chunk of `chunk` actions: `tc * (T_lat - 1) + 1`."""
+        return self.vae.temporal_compression * (self.num_latent_frames(chunk) - 1) + 1
+
+    def canvas_for(self, embodiment: Embodiment, images: Mapping[str, np.ndarray]) -> tuple[int, int]:
+        """The canvas (h, w) a tick's camera frames go on: their side-by-side size floored to the VAE's
+        multiple, binned by aspect ratio (what the tick's prompt caption names)."""
+        height = images[embodiment.cameras[0]].shape[0]
+        width = sum(images[camera].shape[1] for camera in embodiment.cameras)
+        multiple = self.vae.spatial_compression
+        return closest_canvas(height - height % multiple, width - width % multiple, self.config.canvases)
+
+    def decode_video(self, latents: torch.Tensor) -> np.ndarray:
+        """Predicted frames: latents [C, T_lat, h, w] -> uint8 RGB [num_video_frames, h * 16, w * 16, 3]."""
         with torch.no_grad():
-            video = self.vae.decode(latents.unsqueeze(0).to(self.device))[0]
+            video = self.vae.decode(latents.unsqueeze(0).to(self.device, self._vae_dtype))[0].float()
         frames = ((video.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
-        return frames.permute(1, 2, 3, 0)[: chunk + 1].cpu().numpy()
+        return frames.permute(1, 2, 3, 0).cpu().numpy()
+
+    @property
+    def _vae_dtype(self) -> torch.dtype:
+        return next(self.vae.parameters()).dtype
 
     # ------------------------------------------------------------------------------------ parts
 
@@ -298,11 +359,14 @@ class PolicyPipeline:
         return embodiment, chunk, steps, guidance
 
     def _validate_images(self, request: PolicyRequest, embodiment: Embodiment) -> None:
+        m = self.vae.spatial_compression  # frames are floored to multiples of it, so they need at least that
         if request.mode == "inverse_dynamics":
             video = request.video
             if not isinstance(video, np.ndarray) or video.dtype != np.uint8 or video.ndim != 4 \
-                    or video.shape[-1] != 3:
-                raise InvalidImage("inverse_dynamics needs a uint8 RGB video [K+1, H, W, 3]", field="video")
+                    or video.shape[-1] != 3 or video.shape[0] < 1 or min(video.shape[1:3]) < m:
+                got = f"{getattr(video, 'dtype', type(video).__name__)} {getattr(video, 'shape', '')}"
+                raise InvalidImage(f"video is {got}; inverse_dynamics needs a uint8 RGB video "
+                                   f"[K + 1, H >= {m}, W >= {m}, 3]", field="video")
             return
         missing = [c for c in embodiment.cameras if c not in request.images]
         extra = [c for c in request.images if c not in embodiment.cameras]
@@ -312,47 +376,46 @@ class PolicyPipeline:
         for name in embodiment.cameras:
             image = request.images[name]
             if not isinstance(image, np.ndarray) or image.dtype != np.uint8 or image.ndim != 3 \
-                    or image.shape[-1] != 3 or min(image.shape[:2]) < 1:
+                    or image.shape[-1] != 3 or min(image.shape[:2]) < m:
                 got = f"{getattr(image, 'dtype', type(image).__name__)} {getattr(image, 'shape', '')}"
-                raise InvalidImage(f"image {name!r} is {got}; expected uint8 RGB [H >= 1, W >= 1, 3]",
+                raise InvalidImage(f"image {name!r} is {got}; expected uint8 RGB [H >= {m}, W >= {m}, 3]",
                                    field=f"images[{name}]")
             heights.add(image.shape[0])
         if len(heights) > 1:
             raise InvalidImage(f"camera images have heights {sorted(heights)}; expected one common height")
 
     def _encode_condition(self, request: PolicyRequest, chunk: int) -> tuple[torch.Tensor, tuple[int, int]]:
-        """VAE latents of the conditioning frames, padding cropped: [C, T_clean, h, w]."""
+        """VAE latents of the conditioning frames, padding cropped: [C, T_clean, h, w], and the canvas (h, w)."""
         if request.mode == "inverse_dynamics":
-            frames = request.video
-            num_frames = self.clip_frames(chunk)  # the last frame repeated over the temporal padding
+            frames = request.video  # a shorter video is extended with its last frame
+            num_frames = self.num_video_frames(chunk)
         else:
             cams = [request.images[c] for c in self.embodiments.get(request.embodiment).cameras]
-            frames = np.concatenate(cams, axis=1) if len(cams) > 1 else cams[0]
+            frames = (np.concatenate(cams, axis=1) if len(cams) > 1 else cams[0])[None]
             # The VAE is causal in time: latent frame 0 depends on pixel frame 0 only, so the clean
             # conditioning latent needs just that frame.
             num_frames = 1
-        clip = frames_to_clip(frames, num_frames).to(self.device)
-        canvas, placement = fit_to_canvas(clip, self.config.canvas_hw, pad_mode=self.config.pad_mode)
-        latents = self.vae.encode(canvas)
+        clip, placement = prepare_clip(frames, num_frames, self.config.canvases, self.vae.spatial_compression,
+                                       self.config.pad_mode)
+        latents = self.vae.encode(clip.to(self.device, self._vae_dtype))
         latents = crop_latent_padding(latents, placement, self.vae.spatial_compression)
-        return latents[0].float(), placement.content_hw
+        return latents[0].float(), placement.canvas_hw
 
     def _denoise(self, request, embodiment, chunk, steps, guidance, clean_latent, prompt, controller,
                  should_abort, pacer, stack):
         config = self.transformer.config
         device = self.device
-        generator = torch.Generator(device="cpu").manual_seed(request.seed)
-        num_latent_frames = self.vae.num_latent_frames(self.clip_frames(chunk))
+        num_latent_frames = self.num_latent_frames(chunk)
         channels, _, height, width = clean_latent.shape
         latent_shape = (channels, num_latent_frames, height, width)
+        noise_v, noise_a = self._initial_noise(request, latent_shape, (chunk, config.action_dim))
 
         # Clean rows and initial state (fp32 sampler state; the transformer runs in its own dtype).
         if request.mode == "inverse_dynamics":
             clean_frames = list(range(num_latent_frames))
         else:
             clean_frames = [0]
-        noise_v = torch.randn(latent_shape, generator=generator).to(device)
-        vision = noise_v.clone()
+        vision = noise_v.to(device)
         vision[:, : clean_latent.shape[1]] = clean_latent[:, :num_latent_frames]
         clean_vision = vision[:, clean_frames].clone()
 
@@ -363,7 +426,6 @@ class PolicyPipeline:
         num_prefix = len(history) + (1 if has_state else 0)
         action_dim = config.action_dim
         rows = num_prefix + chunk
-        noise_a = torch.randn((rows, action_dim), generator=generator).to(device)
         clean_actions = torch.zeros((rows, action_dim), device=device)
         if history:
             past = normalizers.action.normalize(np.stack(history))
@@ -378,7 +440,8 @@ class PolicyPipeline:
             clean_rows.extend(range(num_prefix, rows))
         action_mask = torch.zeros((rows, 1), device=device)
         action_mask[clean_rows] = 1.0
-        actions = action_mask * clean_actions + (1 - action_mask) * noise_a
+        noise_rows = torch.cat([torch.zeros((num_prefix, action_dim)), noise_a]).to(device)
+        actions = action_mask * clean_actions + (1 - action_mask) * noise_rows
         actions[:, embodiment.raw_action_dim:] = 0
         layout = ActionLayout(chunk, num_prefix, tuple(clean_rows), embodiment.domain_id)
 
@@ -459,11 +522,30 @@ class PolicyPipeline:
         return vision, actions, records
 
 
+    @staticmethod
+    def _initial_noise(request: PolicyRequest, vision_shape: tuple[int, ...],
+                       action_shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Vision noise `vision_shape` and chunk action noise `action_shape` (float32, CPU): the request's, or
+        drawn from its seed in diffusers' order, so a seed gives the same noise there and here."""
+        if request.noise is None:
+            generator = torch.Generator(device="cpu").manual_seed(request.seed)
+            return torch.randn(vision_shape, generator=generator), torch.randn(action_shape, generator=generator)
+        noise = []
+        for name, shape in (("vision", vision_shape), ("actions", action_shape)):
+            tensor = getattr(request.noise, name)
+            if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.float32 or tuple(tensor.shape) != shape \
+                    or not torch.isfinite(tensor).all():
+                got = f"{getattr(tensor, 'dtype', type(tensor).__name__)} {tuple(getattr(tensor, 'shape', ()))}"
+                raise InvalidNoise(f"is {got}; expected finite float32 {list(shape)}", field=f"noise.{name}")
+            noise.append(tensor.cpu())
+        return noise[0], noise[1]
+
+
 def policy_prompt_pair(config: PolicyConfig, instruction: str, view_point: str | None, fps: float,
-                       chunk_size: int) -> PromptPair:
-    """The CFG prompt pair of a policy tick: the JSON action caption and the empty negative (training uses
-    it too, so that both see the same text)."""
-    height, width = config.canvas_hw
+                       chunk_size: int, canvas_hw: tuple[int, int]) -> PromptPair:
+    """The CFG prompt pair of a tick on a `canvas_hw` canvas: the JSON action caption and the empty negative
+    (training uses it too, so that both see the same text)."""
+    height, width = canvas_hw
     return action_prompt_pair(instruction, view_point=view_point, num_frames=chunk_size + 1, fps=fps,
                               height=height, width=width, use_system_prompt=config.use_system_prompt)
 
@@ -475,14 +557,6 @@ class CheckpointLoadError(ValueError):
 # What bad files raise while a folder loads: each names the file and the field at fault.
 _LOAD_ERRORS = (CheckpointError, ModelConfigError, PolicyConfigError, EmbodimentConfigError, NormalizationStatsError,
                 TextTokenizerError, OSError)
-
-
-def _pipeline_class(root: Path) -> str | None:
-    """`_class_name` of the folder's `model_index.json`, if it has a readable one."""
-    try:
-        return json.loads((root / "model_index.json").read_text()).get("_class_name")
-    except (OSError, ValueError, AttributeError):
-        return None
 
 
 def default_model_path() -> Path:

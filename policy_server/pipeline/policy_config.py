@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from policy_server.pipeline.conditioning import RESOLUTION_TIERS
 from policy_server.pipeline.schedulers import SAMPLER_NAMES
 
 
@@ -17,7 +18,9 @@ class PolicyConfigError(ValueError):
 class PolicyConfig(BaseModel):
     """Defaults a tick uses unless the request overrides them.
 
-    canvas_hw: conditioning canvas (height, width) in pixels; frames are downscaled and padded to it.
+    canvases: the conditioning canvases (height, width) in pixels; a frame goes on the one closest to its
+        aspect ratio, downscaled and padded (`policy_server.pipeline.conditioning`).
+    resolution_tier: Cosmos3's action resolution tier (256, 480, 704, 720): sets `canvases` to its bins.
     sigma_schedule: "shifted" (flow sigmas shifted by ``shift``) or "karras" (Karras spacing of
         [sigma_min, sigma_max] mapped to flow sigmas, unshifted); final_sigma: "zero" or "sigma_min".
     guidance_interval: CFG applies only while lo < timestep < hi (timestep = sigma * 1000); None = always.
@@ -37,7 +40,8 @@ class PolicyConfig(BaseModel):
     sigma_max: float = Field(0.0, ge=0.0)
     final_sigma: Literal["zero", "sigma_min"] = "zero"
     guidance_interval: tuple[float, float] | None = None
-    canvas_hw: tuple[int, int] = (64, 64)
+    canvases: tuple[tuple[int, int], ...] = ((64, 64),)
+    resolution_tier: int | None = None
     pad_mode: str = "reflect"
     use_system_prompt: bool = True
     embodiments_file: str = "embodiments.json"
@@ -47,6 +51,25 @@ class PolicyConfig(BaseModel):
     def _known_sampler(cls, value: str) -> str:
         if value not in SAMPLER_NAMES:
             raise ValueError(f"unknown sampler {value!r}; expected one of {SAMPLER_NAMES}")
+        return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tier_canvases(cls, data: object) -> object:
+        if not isinstance(data, dict) or data.get("resolution_tier") is None:
+            return data
+        tier = data["resolution_tier"]
+        if tier not in RESOLUTION_TIERS:
+            raise ValueError(f"resolution_tier {tier!r} is unknown; expected one of {sorted(RESOLUTION_TIERS)}")
+        if "canvases" in data and [tuple(c) for c in data["canvases"]] != list(RESOLUTION_TIERS[tier]):
+            raise ValueError("give resolution_tier or canvases, not both")
+        return {**data, "canvases": RESOLUTION_TIERS[tier]}
+
+    @field_validator("canvases")
+    @classmethod
+    def _positive_canvases(cls, value: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
+        if not value or any(min(hw) < 1 for hw in value):
+            raise ValueError(f"canvases {value} must be one or more (height, width) pairs of at least 1x1")
         return value
 
     @model_validator(mode="after")
@@ -62,6 +85,11 @@ class PolicyConfig(BaseModel):
         """``(sigma_min, sigma_max, final_sigma)`` for ``make_sampler`` when the schedule is Karras."""
         return (self.sigma_min, self.sigma_max, self.final_sigma) if self.sigma_schedule == "karras" else None
 
+    @property
+    def canvas_hw(self) -> tuple[int, int]:
+        """The largest canvas (by area): what warmup and admission plan a tick for."""
+        return max(self.canvases, key=lambda hw: hw[0] * hw[1])
+
     @classmethod
     def load(cls, path: str | Path) -> PolicyConfig:
         path = Path(path)
@@ -70,7 +98,16 @@ class PolicyConfig(BaseModel):
         try:
             return cls.model_validate_json(path.read_text())
         except ValidationError as error:
-            raise PolicyConfigError(f"{path}: {error}") from None
+            raise PolicyConfigError(describe(error, path)) from None
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.model_dump_json(indent=2) + "\n")
+
+
+def describe(error: ValidationError, path: Path) -> str:
+    """A pydantic error on one line: `path: field: message; ...`."""
+    problems = []
+    for problem in error.errors():
+        location = ".".join(str(part) for part in problem["loc"])
+        problems.append(f"{location}: {problem['msg']}" if location else problem["msg"])
+    return f"{path}: " + "; ".join(problems)

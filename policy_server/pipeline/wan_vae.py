@@ -34,15 +34,18 @@ class WanVideoVAE(torch.nn.Module):
         self.register_buffer("latents_inv_std", 1.0 / torch.tensor(config.latents_std, dtype=vae.dtype).view(shape))
 
     @classmethod
-    def from_pretrained(cls, folder: str | Path) -> WanVideoVAE:
-        """Load `folder` (a pipeline's `vae/`); raises CheckpointError naming what is wrong."""
+    def from_pretrained(cls, folder: str | Path, dtype: torch.dtype | None = None) -> WanVideoVAE:
+        """Load `folder` (a pipeline's `vae/`) in `dtype` (None: as stored); raises CheckpointError naming what
+        is wrong."""
         try:
             from diffusers import AutoencoderKLWan  # lazy: only real checkpoints need diffusers
+            from diffusers.utils import logging as diffusers_logging
         except ImportError:
             raise CheckpointError(f"{folder}: the {WAN_VAE_CLASS} needs diffusers; "
                                   "pip install 'policy-server[cosmos3]'") from None
+        diffusers_logging.disable_progress_bar()  # the server's log is line-oriented
         try:
-            vae = AutoencoderKLWan.from_pretrained(str(folder))
+            vae = AutoencoderKLWan.from_pretrained(str(folder), torch_dtype=dtype)
         except (OSError, ValueError, KeyError, RuntimeError) as error:
             raise CheckpointError(f"{folder}: cannot load the {WAN_VAE_CLASS} ({error})") from None
         for name in ("latents_mean", "latents_std"):

@@ -12,12 +12,13 @@ from policy_server.engine.api import (
     Capacity,
     EmbodimentSpec,
     ImageEncoding,
+    PredictedVideo,
     ServerInfo,
     SessionHandle,
     TickRecord,
 )
 from policy_server.server.proto import policy_server_pb2 as pb
-from policy_server.server.wire import tensor_to_proto
+from policy_server.server.wire import encode_image, tensor_to_proto
 
 PROTOCOL_VERSION = "policy_server.v1"
 
@@ -30,6 +31,8 @@ def _server_version() -> str:
 
 
 SERVER_VERSION = _server_version()
+
+FRAME_JPEG_QUALITY = 90  # predicted frames: ~1/10 the bytes of RAW, within a few levels of the decoded pixels
 
 _ENCODINGS = {
     ImageEncoding.JPEG: pb.IMAGE_ENCODING_JPEG,
@@ -48,6 +51,8 @@ def embodiment_to_proto(spec: EmbodimentSpec) -> pb.EmbodimentSpec:
                 width=c.width,
                 channels=c.channels,
                 encodings=[_ENCODINGS[e] for e in c.encodings],
+                max_side=c.max_side,
+                min_side=c.min_side,
             )
             for c in spec.cameras
         ],
@@ -93,6 +98,9 @@ def server_info_to_proto(info: ServerInfo, ready: bool, max_message_bytes: int,
             max_budget_ms=limits.MAX_BUDGET_MS,
             max_rate_hz=limits.MAX_RATE_HZ,
             max_temperature=limits.MAX_TEMPERATURE,
+            max_frame_side=limits.MAX_FRAME_SIDE,
+            max_dynamics_ms=limits.MAX_DYNAMICS_MS,
+            max_dynamics_calls=info.max_dynamics_calls,
         ),
         default_budget_ms=info.default_budget_ms,
         warmup_profile=[
@@ -126,6 +134,7 @@ def session_to_proto(handle: SessionHandle) -> pb.Session:
         rate_hz=handle.rate_hz,
         slot_ms=handle.slot_ms,
         measured_rate_hz=handle.measured_rate_hz,
+        preview=handle.preview,
     )
 
 
@@ -176,6 +185,26 @@ def act_result_to_proto(
         obs_step_index=obs_step_index,
         first_step_index=result.first_step_index,
         actions=tensor_to_proto(np.asarray(result.actions, dtype=np.float32)),
+        tick=tick_to_proto(result.tick),
+        served_ms=served_ms,
+        client_time_ns=client_time_ns,
+        preview_frames=[] if result.preview_frames is None else frames_to_proto(result.preview_frames),
+    )
+
+
+def frames_to_proto(frames: np.ndarray) -> list[pb.Image]:
+    """uint8 RGB [F, H, W, 3] -> one JPEG Image per frame."""
+    return [encode_image(frame, "jpeg", FRAME_JPEG_QUALITY) for frame in frames]
+
+
+def predicted_video_to_proto(result: PredictedVideo, session_id: str, epoch: int, obs_step_index: int,
+                             served_ms: float, client_time_ns: int = 0) -> pb.PredictedFrames:
+    return pb.PredictedFrames(
+        session_id=session_id,
+        epoch=epoch,
+        obs_step_index=obs_step_index,
+        frames=frames_to_proto(result.frames),
+        latents_shape=list(result.latents_shape),
         tick=tick_to_proto(result.tick),
         served_ms=served_ms,
         client_time_ns=client_time_ns,

@@ -10,7 +10,7 @@ import time
 
 import grpc
 
-from policy_server.engine.api import Engine, InvalidArgument, StaleEpoch, WarmingUp
+from policy_server.engine.api import EmbodimentSpec, Engine, InvalidArgument, SessionHandle, StaleEpoch, WarmingUp
 from policy_server.server import convert, validate
 from policy_server.server.control_stream import ControlStream
 from policy_server.server.errors import ServiceError, make_error, rpc_errors
@@ -50,6 +50,18 @@ class PolicyServicer(pb_grpc.PolicyServiceServicer):
         if not self.engine.ready():
             raise WarmingUp(self.engine.stats().warmup_progress)
 
+    def _session(self, session_id: str, epoch: int) -> tuple[SessionHandle, EmbodimentSpec]:
+        """The session a request names, at the epoch it names, and its embodiment."""
+        handle = self.engine.session(session_id)
+        if epoch != handle.epoch:  # cheap early rejection; the engine re-checks under its lock
+            raise StaleEpoch(session_id, handle.epoch, epoch)
+        return handle, validate.embodiment(self.engine.info(), handle.embodiment)
+
+    @staticmethod
+    def _deadline_s(context: grpc.ServicerContext, received: float) -> float | None:
+        remaining = context.time_remaining()
+        return received + remaining if remaining < _NO_DEADLINE_S else None
+
     # -- server and sessions -------------------------------------------------------------------
 
     @rpc_errors
@@ -74,7 +86,7 @@ class PolicyServicer(pb_grpc.PolicyServiceServicer):
             executed = validate.actions_per_chunk(request.actions_per_chunk, chunk or spec.default_chunk_size)
         handle = self.engine.open_session(
             spec.name, instruction, budget_ms=budget, chunk_size=chunk, seed=seed, rate_hz=rate,
-            actions_per_chunk=executed,
+            actions_per_chunk=executed, preview=request.preview,
         )
         return convert.session_to_proto(handle)
 
@@ -103,18 +115,13 @@ class PolicyServicer(pb_grpc.PolicyServiceServicer):
         session_id = validate.session_id(request.session_id)
         epoch = validate.epoch(request.epoch)
         validate.require(request.HasField("observation"), "observation", "an Observation")
-        handle = self.engine.session(session_id)
-        if epoch != handle.epoch:  # cheap early rejection; the engine re-checks under its lock
-            raise StaleEpoch(session_id, handle.epoch, epoch)
-        spec = validate.embodiment(self.engine.info(), handle.embodiment)
+        _, spec = self._session(session_id, epoch)
         observation = validate.observation(request.observation, spec)
-        remaining = context.time_remaining()
-        deadline_s = received + remaining if remaining < _NO_DEADLINE_S else None
         result = self.engine.act(
             session_id,
             epoch,
             observation,
-            deadline_s=deadline_s,
+            deadline_s=self._deadline_s(context, received),
             should_abort=lambda: not context.is_active(),
         )
         served_ms = (time.monotonic() - received) * 1e3
@@ -127,6 +134,44 @@ class PolicyServicer(pb_grpc.PolicyServiceServicer):
             served_ms,
             client_time_ns=request.observation.client_time_ns,
         )
+
+    # -- forward and inverse dynamics --------------------------------------------------------
+
+    @rpc_errors
+    def ForwardDynamics(self, request: pb.ForwardDynamicsRequest, context: grpc.ServicerContext):
+        received = time.monotonic()
+        self._check_size(request, "request")
+        self._require_ready()
+        session_id = validate.session_id(request.session_id)
+        epoch = validate.epoch(request.epoch)
+        validate.require(request.HasField("observation"), "observation", "an Observation")
+        validate.require(request.HasField("actions"), "actions", "the action chunk, a Tensor")
+        handle, spec = self._session(session_id, epoch)
+        observation = validate.observation(request.observation, spec)
+        actions = validate.actions(request.actions, spec, handle.chunk_size)
+        result = self.engine.forward_dynamics(
+            session_id, epoch, observation, actions, seed=request.seed if request.HasField("seed") else None,
+            deadline_s=self._deadline_s(context, received), should_abort=lambda: not context.is_active(),
+        )
+        return convert.predicted_video_to_proto(result, session_id, epoch, observation.step_index,
+                                                (time.monotonic() - received) * 1e3,
+                                                client_time_ns=request.observation.client_time_ns)
+
+    @rpc_errors
+    def InverseDynamics(self, request: pb.InverseDynamicsRequest, context: grpc.ServicerContext):
+        received = time.monotonic()
+        self._check_size(request, "request")
+        self._require_ready()
+        session_id = validate.session_id(request.session_id)
+        epoch = validate.epoch(request.epoch)
+        handle, spec = self._session(session_id, epoch)
+        clip = validate.video_clip(request, spec, handle.chunk_size)
+        result = self.engine.inverse_dynamics(
+            session_id, epoch, clip, seed=request.seed if request.HasField("seed") else None,
+            deadline_s=self._deadline_s(context, received), should_abort=lambda: not context.is_active(),
+        )
+        return convert.act_result_to_proto(result, session_id, epoch, clip.step_index,
+                                           (time.monotonic() - received) * 1e3, client_time_ns=request.client_time_ns)
 
     @rpc_errors
     def Control(self, request_iterator, context):
@@ -147,14 +192,13 @@ class PolicyServicer(pb_grpc.PolicyServiceServicer):
             raise InvalidArgument(
                 "max_new_tokens", f"1..{limit}", str(request.max_new_tokens), reason="BAD_VALUE"
             )
-        remaining = context.time_remaining()
         pieces = self.engine.reason(
             prompt,
             request.max_new_tokens,
             temperature=validate.temperature(request.temperature),
             seed=request.seed if request.HasField("seed") else None,
             should_abort=lambda: not context.is_active(),
-            deadline_s=started + remaining if remaining < _NO_DEADLINE_S else None,
+            deadline_s=self._deadline_s(context, started),
         )
         count = 0
         for text in pieces:

@@ -2,14 +2,15 @@
 
 Everything the wire can get wrong is caught here, before the engine is called: missing fields,
 tensors whose bytes do not match dtype x shape, images that do not decode or do not match the
-session's declared cameras, states outside the declared range, wrong state dimension, budgets,
-rates and texts outside ``policy_server.limits``. The engine checks only what needs its model:
-token counts.
+session's declared cameras (names, side bounds, one height for all), states and actions outside the
+declared range or of the wrong dimension, budgets, rates and texts outside ``policy_server.limits``.
+The engine checks only what needs its model: token counts.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -21,11 +22,12 @@ from policy_server.engine.api import (
     SchemaMismatch,
     ServerInfo,
     UnknownEmbodiment,
+    VideoClip,
 )
 from policy_server.server.proto import policy_server_pb2 as pb
 from policy_server.server.wire import decode_image, tensor_from_proto
 
-_STATE_DTYPES = (np.float32, np.float64)
+_FLOAT_DTYPES = (np.float32, np.float64)
 _MAX_ID_CHARS = 128  # session ids are 32 hex characters; embodiment names are short
 
 
@@ -111,70 +113,128 @@ def actions_per_chunk(value: int, chunk: int, field: str = "actions_per_chunk") 
     return value
 
 
+def _in_range(values: np.ndarray, low: tuple[float, ...], high: tuple[float, ...], what: str,
+              field: str) -> np.ndarray:
+    """``values`` (any numeric dtype, last axis per dimension) finite and inside ``[low, high]`` per dimension
+    (empty: what float32 can hold). Returns them as float32."""
+    wide = values.astype(np.float64)
+    if not np.all(np.isfinite(wide)):
+        bad = [int(i) for i in np.flatnonzero(~np.isfinite(wide.reshape(-1)))]
+        raise InvalidArgument(field, "finite values", f"NaN/Inf at index {bad}", reason="NON_FINITE")
+    if low:
+        lo, hi = np.asarray(low, np.float64), np.asarray(high, np.float64)
+        expected = f"values within the declared {what} range [{list(low)}, {list(high)}]"
+    else:
+        hi = np.full(values.shape[-1:], np.finfo(np.float32).max, np.float64)
+        lo, expected = -hi, "values float32 can represent"
+    outside = np.flatnonzero(((wide < lo) | (wide > hi)).reshape(-1))
+    if outside.size:
+        i = int(outside[0])
+        raise InvalidArgument(
+            field, expected,
+            f"{wide.reshape(-1)[i]:g} at index {i}" + (f" ({outside.size} out of range)" if outside.size > 1 else ""),
+            reason="OUT_OF_RANGE")
+    return wide.astype(np.float32)
+
+
 def state(values: np.ndarray, spec: EmbodimentSpec, field: str) -> np.ndarray:
     """A decoded state vector (any numeric dtype): the declared width, finite, inside the declared range.
     Returns float32 ``[state_dim]``."""
     if values.shape != (spec.state_dim,):
         raise SchemaMismatch(field, f"shape [{spec.state_dim}]", f"shape {list(values.shape)}")
-    wide = values.astype(np.float64)
-    if not np.all(np.isfinite(wide)):
-        bad = [int(i) for i in np.flatnonzero(~np.isfinite(wide))]
-        raise InvalidArgument(field, "finite values", f"NaN/Inf at index {bad}", reason="NON_FINITE")
-    if spec.state_low:
-        low, high = np.asarray(spec.state_low, np.float64), np.asarray(spec.state_high, np.float64)
-        expected = f"values within the declared state range [{list(spec.state_low)}, {list(spec.state_high)}]"
-    else:  # no declared range: what float32 can hold
-        high = np.full(spec.state_dim, np.finfo(np.float32).max, np.float64)
-        low, expected = -high, "values float32 can represent"
-    outside = np.flatnonzero((wide < low) | (wide > high))
-    if outside.size:
-        i = int(outside[0])
-        raise InvalidArgument(
-            field, expected,
-            f"{wide[i]:g} at index {i}" + (f" ({outside.size} out of range)" if outside.size > 1 else ""),
-            reason="OUT_OF_RANGE")
-    return wide.astype(np.float32)
+    return _in_range(values, spec.state_low, spec.state_high, "state", field)
+
+
+def _float_tensor(tensor: pb.Tensor, field: str) -> np.ndarray:
+    values = tensor_from_proto(tensor, field)
+    if values.dtype not in _FLOAT_DTYPES:
+        raise InvalidArgument(f"{field}.dtype", "DTYPE_FLOAT32 or DTYPE_FLOAT64", str(values.dtype), reason="BAD_DTYPE")
+    return values
+
+
+def actions(tensor: pb.Tensor, spec: EmbodimentSpec, chunk: int, field: str = "actions") -> np.ndarray:
+    """A forward-dynamics action chunk: float32/float64 ``[chunk, action_dim]`` in physical units, finite, inside
+    the declared action limits. Returns float32."""
+    values = _float_tensor(tensor, field)
+    if values.shape != (chunk, spec.action.dim):
+        raise SchemaMismatch(field, f"shape [{chunk}, {spec.action.dim}] (the session's chunk size x action dim)",
+                             f"shape {list(values.shape)}")
+    # Flat indices name the value: row * action_dim + dimension.
+    return _in_range(values, spec.action.low, spec.action.high, "action", field)
+
+
+def _state(message, spec: EmbodimentSpec, field: str) -> np.ndarray | None:
+    """The ``state`` field of an Observation or InverseDynamicsRequest."""
+    if spec.state_dim > 0:
+        if not message.HasField("state"):
+            raise SchemaMismatch(field, f"float32 [{spec.state_dim}]", "no state")
+        return state(_float_tensor(message.state, field), spec, field)
+    if message.HasField("state") and len(message.state.shape) and math.prod(message.state.shape) > 0:
+        raise SchemaMismatch(field, f"no state for {spec.name}", f"shape {list(message.state.shape)}")
+    return None
+
+
+def _cameras(sent, spec: EmbodimentSpec, field: str) -> None:
+    """``sent`` (a map keyed by camera name) holds exactly the embodiment's cameras."""
+    declared = {c.name for c in spec.cameras}
+    unexpected = sorted(set(sent) - declared)
+    if unexpected:
+        shown = [name[:_MAX_ID_CHARS] for name in unexpected[:4]]
+        raise SchemaMismatch(
+            field, f"cameras {sorted(declared)}",
+            f"unknown camera(s) {shown}" + (f" and {len(unexpected) - 4} more" if len(unexpected) > 4 else ""),
+        )
+    for camera in spec.cameras:
+        if camera.name not in sent:
+            raise SchemaMismatch(f"{field}[{camera.name}]", f"frames of camera {camera.name!r}",
+                                 f"none (sent: {sorted(sent)})")
+
+
+def _frame(image: pb.Image, camera, field: str) -> np.ndarray:
+    return decode_image(image, field, camera.max_side, camera.min_side, camera.channels)
+
+
+def one_height(frames: Mapping[str, np.ndarray], spec: EmbodimentSpec, field_of: Callable[[str], str]) -> None:
+    """The cameras' frames (``[..., H, W, C]``) share one height: the model sees them side by side.
+    ``field_of(camera)``: the field that carries a camera's frames."""
+    first = spec.cameras[0].name
+    for camera in spec.cameras[1:]:
+        height, expected = frames[camera.name].shape[-3], frames[first].shape[-3]
+        if height != expected:
+            raise SchemaMismatch(field_of(camera.name),
+                                 f"height {expected}, as camera {first!r} (the model sees the cameras side by side)",
+                                 f"height {height}")
 
 
 def observation(obs: pb.Observation, spec: EmbodimentSpec, field: str = "observation") -> Observation:
     """Decode and check one observation against the embodiment's declared schema."""
-    declared = {c.name for c in spec.cameras}
-    unexpected = sorted(set(obs.images) - declared)
-    if unexpected:
-        shown = [name[:_MAX_ID_CHARS] for name in unexpected[:4]]
-        raise SchemaMismatch(
-            f"{field}.images", f"cameras {sorted(declared)}",
-            f"unknown camera(s) {shown}" + (f" and {len(unexpected) - 4} more" if len(unexpected) > 4 else ""),
-        )
-    images: dict[str, np.ndarray] = {}
-    for camera in spec.cameras:
-        camera_field = f"{field}.images[{camera.name}]"
-        if camera.name not in obs.images:
-            raise SchemaMismatch(
-                camera_field,
-                f"a {camera.height}x{camera.width} RGB frame",
-                f"no frame (sent: {sorted(obs.images)})",
-            )
-        images[camera.name] = decode_image(
-            obs.images[camera.name], camera_field, camera.height, camera.width, camera.channels
-        )
-
-    state_values = None
-    state_field = f"{field}.state"
-    if spec.state_dim > 0:
-        if not obs.HasField("state"):
-            raise SchemaMismatch(state_field, f"float32 [{spec.state_dim}]", "no state")
-        values = tensor_from_proto(obs.state, state_field)
-        if values.dtype not in _STATE_DTYPES:
-            raise InvalidArgument(
-                f"{state_field}.dtype",
-                "DTYPE_FLOAT32 or DTYPE_FLOAT64",
-                str(values.dtype),
-                reason="BAD_DTYPE",
-            )
-        state_values = state(values, spec, state_field)
-    elif obs.HasField("state") and len(obs.state.shape) and math.prod(obs.state.shape) > 0:
-        raise SchemaMismatch(state_field, f"no state for {spec.name}", f"shape {list(obs.state.shape)}")
-
+    _cameras(obs.images, spec, f"{field}.images")
+    images = {camera.name: _frame(obs.images[camera.name], camera, f"{field}.images[{camera.name}]")
+              for camera in spec.cameras}
+    one_height(images, spec, lambda name: f"{field}.images[{name}]")
     instruction_text = optional_instruction(obs.instruction, f"{field}.instruction")
-    return Observation(images=images, state=state_values, instruction=instruction_text, step_index=obs.step_index)
+    return Observation(images=images, state=_state(obs, spec, f"{field}.state"), instruction=instruction_text,
+                       step_index=obs.step_index)
+
+
+def video_clip(request: pb.InverseDynamicsRequest, spec: EmbodimentSpec, chunk: int) -> VideoClip:
+    """Decode and check an inverse-dynamics video: per camera ``chunk + 1`` frames of one size, the cameras
+    sharing one height, plus the state at frame 0."""
+    _cameras(request.videos, spec, "videos")
+    frames: dict[str, np.ndarray] = {}
+    for camera in spec.cameras:
+        video_field = f"videos[{camera.name}].frames"
+        sent = request.videos[camera.name].frames
+        if len(sent) != chunk + 1:
+            raise SchemaMismatch(video_field, f"{chunk + 1} frames (the session's chunk size + 1)",
+                                 f"{len(sent)} frames")
+        decoded = [_frame(image, camera, f"{video_field}[{i}]") for i, image in enumerate(sent)]
+        for i, frame in enumerate(decoded[1:], start=1):
+            if frame.shape != decoded[0].shape:
+                raise SchemaMismatch(f"{video_field}[{i}]", f"the size of frame 0, {list(decoded[0].shape)}",
+                                     f"{list(frame.shape)}")
+        frames[camera.name] = np.stack(decoded)
+    one_height(frames, spec, lambda name: f"videos[{name}].frames")
+    return VideoClip(frames=frames, state=_state(request, spec, "state"),
+                     instruction=optional_instruction(request.instruction, "instruction"),
+                     step_index=request.step_index)

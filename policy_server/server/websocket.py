@@ -8,7 +8,8 @@ bool, integer and float dtypes are accepted (no object arrays, nothing is ever u
 Each connection is one session of the server's default budget, opened on the first observation
 (it needs the ``prompt``). Observation keys, for each declared camera ``cam``:
 ``observation/cam``, ``observation/images/cam`` or ``images: {cam: ...}``, uint8 [H, W, 3] or
-[3, H, W], resized with padding to the declared size as openpi's own server does; state under
+[3, H, W] with sides within the camera's declared bounds and one H for all cameras, passed to the
+engine as they are (the pipeline fits them to its canvas, as for gRPC); state under
 ``observation/state`` or ``state``; text under ``prompt``; optional integer ``step_index``.
 ``{"reset": True}`` starts a new episode (epoch + 1).
 
@@ -30,7 +31,6 @@ from dataclasses import asdict
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-import cv2
 import msgpack
 import numpy as np
 from websockets.exceptions import ConnectionClosed
@@ -47,7 +47,6 @@ from policy_server.engine.api import (
     UnknownSession,
     WarmingUp,
 )
-from policy_server.limits import MAX_FRAME_SIDE
 from policy_server.server import validate
 from policy_server.server.auth import bearer_token_matches
 from policy_server.server.errors import from_exception
@@ -112,22 +111,6 @@ def unpackb(data: bytes) -> Any:
 # ---------------------------------------------------------------------------------------------
 
 
-def _resize_with_pad(image: np.ndarray, height: int, width: int) -> np.ndarray:
-    """Scale to fit [height, width] keeping the aspect ratio, centre, pad with black."""
-    h, w = image.shape[:2]
-    if (h, w) == (height, width):
-        return image
-    scale = min(height / h, width / w)
-    new_h, new_w = max(1, round(h * scale)), max(1, round(w * scale))
-    resized = cv2.resize(
-        image, (new_w, new_h), interpolation=cv2.INTER_AREA if scale < 1 else cv2.INTER_LINEAR
-    )
-    out = np.zeros((height, width, image.shape[2]), dtype=np.uint8)
-    top, left = (height - new_h) // 2, (width - new_w) // 2
-    out[top : top + new_h, left : left + new_w] = resized
-    return out
-
-
 def _camera_frame(message: dict, name: str) -> tuple[str, Any]:
     nested = message.get("images")
     if isinstance(nested, dict) and name in nested:
@@ -154,10 +137,12 @@ def observation_from_message(message: dict, spec: EmbodimentSpec, step_index: in
             raise SchemaMismatch(key, "uint8 [H, W, 3] or [3, H, W]", got)
         if frame.shape[-1] != camera.channels and frame.shape[0] == camera.channels:
             frame = np.transpose(frame, (1, 2, 0))  # CHW, as several openpi examples send
-        if frame.shape[-1] != camera.channels or not all(1 <= side <= MAX_FRAME_SIDE for side in frame.shape[:2]):
-            raise SchemaMismatch(key, f"[H, W, {camera.channels}] with sides in 1..{MAX_FRAME_SIDE}",
+        bounds = range(camera.min_side, camera.max_side + 1)
+        if frame.shape[-1] != camera.channels or not all(side in bounds for side in frame.shape[:2]):
+            raise SchemaMismatch(key, f"[H, W, {camera.channels}] with H and W in {camera.min_side}..{camera.max_side}",
                                  f"shape {list(frame.shape)}")
-        images[camera.name] = _resize_with_pad(np.ascontiguousarray(frame), camera.height, camera.width)
+        images[camera.name] = np.ascontiguousarray(frame)
+    validate.one_height(images, spec, lambda name: _camera_frame(message, name)[0])
 
     state = None
     if spec.state_dim > 0:
@@ -280,7 +265,8 @@ class OpenpiWebsocketServer:
             "model": info.model_name,
             "model_digest": info.model_digest,
             "embodiment": spec.name,
-            "cameras": {c.name: [c.height, c.width, c.channels] for c in spec.cameras},
+            "cameras": {c.name: [c.height, c.width, c.channels] for c in spec.cameras},  # canvas share
+            "frame_sides": {c.name: [c.min_side, c.max_side] for c in spec.cameras},
             "state_dim": spec.state_dim,
             "action_dim": spec.action.dim,
             "action_units": list(spec.action.units),
@@ -294,7 +280,7 @@ class OpenpiWebsocketServer:
                 "state": "observation/state" if spec.state_dim else None,
                 "prompt": "prompt",
             },
-            "images_resized_with_pad": True,
+            "images_resized_with_pad": False,  # any size within frame_sides, one height for all cameras
         }
 
     def _handle(self, connection: ServerConnection) -> None:

@@ -14,6 +14,7 @@ import struct
 import cv2
 import numpy as np
 
+from policy_server.limits import MAX_FRAME_SIDE
 from policy_server.server.proto import policy_server_pb2 as pb
 
 # Wire dtype <-> numpy dtype (explicitly little-endian).
@@ -158,24 +159,32 @@ def _jpeg_size(data: bytes) -> tuple[int, int] | None:
     return None
 
 
-def decode_image(image: pb.Image, field: str, height: int, width: int, channels: int = 3) -> np.ndarray:
-    """Decode one camera frame and check it is uint8 RGB [height, width, channels].
+def decode_image(image: pb.Image, field: str, max_side: int = MAX_FRAME_SIDE, min_side: int = 1,
+                 channels: int = 3) -> np.ndarray:
+    """Decode one camera frame and check it is uint8 RGB [H, W, channels] with H and W in ``min_side..max_side``.
 
     Raises WireError with reason UNKNOWN_ENCODING, IMAGE_DECODE_FAILED, BAD_IMAGE or
-    SCHEMA_MISMATCH (wrong size or channel count).
+    SCHEMA_MISMATCH (a side outside the bounds, or the wrong channel count).
     """
-    expected = f"uint8 [{height}, {width}, {channels}]"
+    expected = f"uint8 [H, W, {channels}] with H and W in {min_side}..{max_side}"
+
+    def check_size(height: int, width: int, kind: str) -> None:
+        if not (min_side <= height <= max_side and min_side <= width <= max_side):
+            raise WireError(field, expected, f"{kind} [{height}, {width}, ...]", "SCHEMA_MISMATCH")
+
     if image.encoding == pb.IMAGE_ENCODING_RAW:
         got_shape = (image.height, image.width, image.channels)
         if 0 in got_shape:
             raise WireError(
                 f"{field}",
-                "RAW images to set height, width and channels",
+                f"RAW images to set height and width (in {min_side}..{max_side}) and channels ({channels})",
                 f"[{image.height}, {image.width}, {image.channels}]",
                 "MISSING_FIELD",
             )
-        if got_shape != (height, width, channels):
+        check_size(image.height, image.width, "RAW")
+        if image.channels != channels:
             raise WireError(field, expected, f"RAW {list(got_shape)}", "SCHEMA_MISMATCH")
+        height, width = image.height, image.width
         if len(image.data) != height * width * channels:
             raise WireError(
                 f"{field}.data",
@@ -206,8 +215,7 @@ def decode_image(image: pb.Image, field: str, height: int, width: int, channels:
             "IMAGE_DECODE_FAILED",
         )
     # Size check before decoding: a few hundred bytes can declare a gigapixel frame.
-    if size != (height, width):
-        raise WireError(field, expected, f"{kind} [{size[0]}, {size[1]}, ...]", "SCHEMA_MISMATCH")
+    check_size(*size, kind)
     if (image.height or image.width) and (image.height, image.width) != size:
         raise WireError(
             f"{field}.height",

@@ -72,18 +72,22 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self, budget_ms: _Optional[float] = ..., rate_hz: _Optional[float] = ...) -> None: ...
 
 class CameraSpec(_message.Message):
-    __slots__ = ("name", "height", "width", "channels", "encodings")
+    __slots__ = ("name", "height", "width", "channels", "encodings", "max_side", "min_side")
     NAME_FIELD_NUMBER: _ClassVar[int]
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
     WIDTH_FIELD_NUMBER: _ClassVar[int]
     CHANNELS_FIELD_NUMBER: _ClassVar[int]
     ENCODINGS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SIDE_FIELD_NUMBER: _ClassVar[int]
+    MIN_SIDE_FIELD_NUMBER: _ClassVar[int]
     name: str
     height: int
     width: int
     channels: int
     encodings: _containers.RepeatedScalarFieldContainer[ImageEncoding]
-    def __init__(self, name: _Optional[str] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., channels: _Optional[int] = ..., encodings: _Optional[_Iterable[_Union[ImageEncoding, str]]] = ...) -> None: ...
+    max_side: int
+    min_side: int
+    def __init__(self, name: _Optional[str] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., channels: _Optional[int] = ..., encodings: _Optional[_Iterable[_Union[ImageEncoding, str]]] = ..., max_side: _Optional[int] = ..., min_side: _Optional[int] = ...) -> None: ...
 
 class ActionSpec(_message.Message):
     __slots__ = ("dim", "names", "units", "low", "high")
@@ -142,7 +146,7 @@ class ProfilePoint(_message.Message):
     def __init__(self, label: _Optional[str] = ..., p50_ms: _Optional[float] = ..., p95_ms: _Optional[float] = ..., full_calls: _Optional[int] = ..., skipped_calls: _Optional[int] = ...) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("max_sessions", "max_message_bytes", "max_reason_tokens", "max_instruction_tokens", "max_prompt_tokens", "max_text_bytes", "max_budget_ms", "max_rate_hz", "max_temperature")
+    __slots__ = ("max_sessions", "max_message_bytes", "max_reason_tokens", "max_instruction_tokens", "max_prompt_tokens", "max_text_bytes", "max_budget_ms", "max_rate_hz", "max_temperature", "max_frame_side", "max_dynamics_ms", "max_dynamics_calls")
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_REASON_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +156,9 @@ class Limits(_message.Message):
     MAX_BUDGET_MS_FIELD_NUMBER: _ClassVar[int]
     MAX_RATE_HZ_FIELD_NUMBER: _ClassVar[int]
     MAX_TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    MAX_FRAME_SIDE_FIELD_NUMBER: _ClassVar[int]
+    MAX_DYNAMICS_MS_FIELD_NUMBER: _ClassVar[int]
+    MAX_DYNAMICS_CALLS_FIELD_NUMBER: _ClassVar[int]
     max_sessions: int
     max_message_bytes: int
     max_reason_tokens: int
@@ -161,7 +168,10 @@ class Limits(_message.Message):
     max_budget_ms: float
     max_rate_hz: float
     max_temperature: float
-    def __init__(self, max_sessions: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_reason_tokens: _Optional[int] = ..., max_instruction_tokens: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_text_bytes: _Optional[int] = ..., max_budget_ms: _Optional[float] = ..., max_rate_hz: _Optional[float] = ..., max_temperature: _Optional[float] = ...) -> None: ...
+    max_frame_side: int
+    max_dynamics_ms: float
+    max_dynamics_calls: int
+    def __init__(self, max_sessions: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_reason_tokens: _Optional[int] = ..., max_instruction_tokens: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_text_bytes: _Optional[int] = ..., max_budget_ms: _Optional[float] = ..., max_rate_hz: _Optional[float] = ..., max_temperature: _Optional[float] = ..., max_frame_side: _Optional[int] = ..., max_dynamics_ms: _Optional[float] = ..., max_dynamics_calls: _Optional[int] = ...) -> None: ...
 
 class Capacity(_message.Message):
     __slots__ = ("embodiment", "chunk_size", "budget_ms", "rate_hz", "sessions_alone", "sessions_more")
@@ -216,7 +226,7 @@ class ServerInfo(_message.Message):
     def __init__(self, protocol_version: _Optional[str] = ..., server_version: _Optional[str] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., embodiments: _Optional[_Iterable[_Union[EmbodimentSpec, _Mapping]]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., default_budget_ms: _Optional[float] = ..., warmup_profile: _Optional[_Iterable[_Union[ProfilePoint, _Mapping]]] = ..., ready: _Optional[bool] = ..., capacity: _Optional[_Iterable[_Union[Capacity, _Mapping]]] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("embodiment", "instruction", "budget_ms", "chunk_size", "seed", "client_name", "rate_hz", "actions_per_chunk")
+    __slots__ = ("embodiment", "instruction", "budget_ms", "chunk_size", "seed", "client_name", "rate_hz", "actions_per_chunk", "preview")
     EMBODIMENT_FIELD_NUMBER: _ClassVar[int]
     INSTRUCTION_FIELD_NUMBER: _ClassVar[int]
     BUDGET_MS_FIELD_NUMBER: _ClassVar[int]
@@ -225,6 +235,7 @@ class OpenSessionRequest(_message.Message):
     CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
     RATE_HZ_FIELD_NUMBER: _ClassVar[int]
     ACTIONS_PER_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    PREVIEW_FIELD_NUMBER: _ClassVar[int]
     embodiment: str
     instruction: str
     budget_ms: float
@@ -233,10 +244,11 @@ class OpenSessionRequest(_message.Message):
     client_name: str
     rate_hz: float
     actions_per_chunk: int
-    def __init__(self, embodiment: _Optional[str] = ..., instruction: _Optional[str] = ..., budget_ms: _Optional[float] = ..., chunk_size: _Optional[int] = ..., seed: _Optional[int] = ..., client_name: _Optional[str] = ..., rate_hz: _Optional[float] = ..., actions_per_chunk: _Optional[int] = ...) -> None: ...
+    preview: bool
+    def __init__(self, embodiment: _Optional[str] = ..., instruction: _Optional[str] = ..., budget_ms: _Optional[float] = ..., chunk_size: _Optional[int] = ..., seed: _Optional[int] = ..., client_name: _Optional[str] = ..., rate_hz: _Optional[float] = ..., actions_per_chunk: _Optional[int] = ..., preview: _Optional[bool] = ...) -> None: ...
 
 class Session(_message.Message):
-    __slots__ = ("session_id", "epoch", "embodiment", "instruction", "budget_ms", "chunk_size", "seed", "rate_hz", "slot_ms", "measured_rate_hz")
+    __slots__ = ("session_id", "epoch", "embodiment", "instruction", "budget_ms", "chunk_size", "seed", "rate_hz", "slot_ms", "measured_rate_hz", "preview")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     EMBODIMENT_FIELD_NUMBER: _ClassVar[int]
@@ -247,6 +259,7 @@ class Session(_message.Message):
     RATE_HZ_FIELD_NUMBER: _ClassVar[int]
     SLOT_MS_FIELD_NUMBER: _ClassVar[int]
     MEASURED_RATE_HZ_FIELD_NUMBER: _ClassVar[int]
+    PREVIEW_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     embodiment: str
@@ -257,7 +270,8 @@ class Session(_message.Message):
     rate_hz: float
     slot_ms: float
     measured_rate_hz: float
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., embodiment: _Optional[str] = ..., instruction: _Optional[str] = ..., budget_ms: _Optional[float] = ..., chunk_size: _Optional[int] = ..., seed: _Optional[int] = ..., rate_hz: _Optional[float] = ..., slot_ms: _Optional[float] = ..., measured_rate_hz: _Optional[float] = ...) -> None: ...
+    preview: bool
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., embodiment: _Optional[str] = ..., instruction: _Optional[str] = ..., budget_ms: _Optional[float] = ..., chunk_size: _Optional[int] = ..., seed: _Optional[int] = ..., rate_hz: _Optional[float] = ..., slot_ms: _Optional[float] = ..., measured_rate_hz: _Optional[float] = ..., preview: _Optional[bool] = ...) -> None: ...
 
 class ResetSessionRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -402,7 +416,7 @@ class BranchCounts(_message.Message):
     def __init__(self, full: _Optional[int] = ..., skipped: _Optional[int] = ..., forced_skip: _Optional[int] = ..., fail_open: _Optional[int] = ..., sequence: _Optional[str] = ..., fail_open_reasons: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class ActionChunk(_message.Message):
-    __slots__ = ("session_id", "epoch", "obs_id", "obs_step_index", "first_step_index", "actions", "tick", "served_ms", "client_time_ns")
+    __slots__ = ("session_id", "epoch", "obs_id", "obs_step_index", "first_step_index", "actions", "tick", "served_ms", "client_time_ns", "preview_frames")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     OBS_ID_FIELD_NUMBER: _ClassVar[int]
@@ -412,6 +426,7 @@ class ActionChunk(_message.Message):
     TICK_FIELD_NUMBER: _ClassVar[int]
     SERVED_MS_FIELD_NUMBER: _ClassVar[int]
     CLIENT_TIME_NS_FIELD_NUMBER: _ClassVar[int]
+    PREVIEW_FRAMES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     obs_id: int
@@ -421,7 +436,75 @@ class ActionChunk(_message.Message):
     tick: TickRecord
     served_ms: float
     client_time_ns: int
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., obs_id: _Optional[int] = ..., obs_step_index: _Optional[int] = ..., first_step_index: _Optional[int] = ..., actions: _Optional[_Union[Tensor, _Mapping]] = ..., tick: _Optional[_Union[TickRecord, _Mapping]] = ..., served_ms: _Optional[float] = ..., client_time_ns: _Optional[int] = ...) -> None: ...
+    preview_frames: _containers.RepeatedCompositeFieldContainer[Image]
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., obs_id: _Optional[int] = ..., obs_step_index: _Optional[int] = ..., first_step_index: _Optional[int] = ..., actions: _Optional[_Union[Tensor, _Mapping]] = ..., tick: _Optional[_Union[TickRecord, _Mapping]] = ..., served_ms: _Optional[float] = ..., client_time_ns: _Optional[int] = ..., preview_frames: _Optional[_Iterable[_Union[Image, _Mapping]]] = ...) -> None: ...
+
+class ForwardDynamicsRequest(_message.Message):
+    __slots__ = ("session_id", "epoch", "observation", "actions", "seed")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    OBSERVATION_FIELD_NUMBER: _ClassVar[int]
+    ACTIONS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    epoch: int
+    observation: Observation
+    actions: Tensor
+    seed: int
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., observation: _Optional[_Union[Observation, _Mapping]] = ..., actions: _Optional[_Union[Tensor, _Mapping]] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class PredictedFrames(_message.Message):
+    __slots__ = ("session_id", "epoch", "obs_step_index", "frames", "latents_shape", "tick", "served_ms", "client_time_ns")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    OBS_STEP_INDEX_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    LATENTS_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    TICK_FIELD_NUMBER: _ClassVar[int]
+    SERVED_MS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_TIME_NS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    epoch: int
+    obs_step_index: int
+    frames: _containers.RepeatedCompositeFieldContainer[Image]
+    latents_shape: _containers.RepeatedScalarFieldContainer[int]
+    tick: TickRecord
+    served_ms: float
+    client_time_ns: int
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., obs_step_index: _Optional[int] = ..., frames: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., latents_shape: _Optional[_Iterable[int]] = ..., tick: _Optional[_Union[TickRecord, _Mapping]] = ..., served_ms: _Optional[float] = ..., client_time_ns: _Optional[int] = ...) -> None: ...
+
+class Video(_message.Message):
+    __slots__ = ("frames",)
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    frames: _containers.RepeatedCompositeFieldContainer[Image]
+    def __init__(self, frames: _Optional[_Iterable[_Union[Image, _Mapping]]] = ...) -> None: ...
+
+class InverseDynamicsRequest(_message.Message):
+    __slots__ = ("session_id", "epoch", "videos", "state", "instruction", "step_index", "seed", "client_time_ns")
+    class VideosEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: Video
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[Video, _Mapping]] = ...) -> None: ...
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    VIDEOS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    INSTRUCTION_FIELD_NUMBER: _ClassVar[int]
+    STEP_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_TIME_NS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    epoch: int
+    videos: _containers.MessageMap[str, Video]
+    state: Tensor
+    instruction: str
+    step_index: int
+    seed: int
+    client_time_ns: int
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., videos: _Optional[_Mapping[str, Video]] = ..., state: _Optional[_Union[Tensor, _Mapping]] = ..., instruction: _Optional[str] = ..., step_index: _Optional[int] = ..., seed: _Optional[int] = ..., client_time_ns: _Optional[int] = ...) -> None: ...
 
 class ControlStart(_message.Message):
     __slots__ = ("session_id",)

@@ -75,6 +75,16 @@ class PolicyServiceStub:
                 request_serializer=policy__server_dot_v1_dot_policy__server__pb2.SetBudgetRequest.SerializeToString,
                 response_deserializer=policy__server_dot_v1_dot_policy__server__pb2.Session.FromString,
                 _registered_method=True)
+        self.ForwardDynamics = channel.unary_unary(
+                '/policy_server.v1.PolicyService/ForwardDynamics',
+                request_serializer=policy__server_dot_v1_dot_policy__server__pb2.ForwardDynamicsRequest.SerializeToString,
+                response_deserializer=policy__server_dot_v1_dot_policy__server__pb2.PredictedFrames.FromString,
+                _registered_method=True)
+        self.InverseDynamics = channel.unary_unary(
+                '/policy_server.v1.PolicyService/InverseDynamics',
+                request_serializer=policy__server_dot_v1_dot_policy__server__pb2.InverseDynamicsRequest.SerializeToString,
+                response_deserializer=policy__server_dot_v1_dot_policy__server__pb2.ActionChunk.FromString,
+                _registered_method=True)
 
 
 class PolicyServiceServicer:
@@ -147,6 +157,29 @@ class PolicyServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ForwardDynamics(self, request, context):
+        """Forward dynamics on an open session: an observation and an action chunk in, the frames the model
+        predicts those actions lead to out. Not a control tick, so not planned against the session budget:
+        it runs uncached at the model's step count (ModelInfo.num_steps), as background work between ticks,
+        one piece at a time (its prefill, its encode, each sampler step, the frames' decode): ticks go first
+        and wait for at most one piece, which admission counts like a reasoner step. Its budget is the
+        caller's deadline, at most Limits.max_dynamics_ms; past it the work is abandoned
+        (DEADLINE_EXCEEDED). At most Limits.max_dynamics_calls forward and inverse calls run at once; more
+        get RESOURCE_EXHAUSTED / TOO_MANY_DYNAMICS_CALLS. Validation and errors as for Act (INVALID_ARGUMENT
+        naming the field, SESSION_NOT_FOUND, STALE_EPOCH, WARMING_UP, ...). Neither call changes the session.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def InverseDynamics(self, request, context):
+        """Inverse dynamics on an open session: a video of chunk_size + 1 frames in, the action chunk that
+        explains it out (actions[i] takes frame i to frame i + 1). Budget and errors as ForwardDynamics.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PolicyServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -189,6 +222,16 @@ def add_PolicyServiceServicer_to_server(servicer, server):
                     servicer.SetBudget,
                     request_deserializer=policy__server_dot_v1_dot_policy__server__pb2.SetBudgetRequest.FromString,
                     response_serializer=policy__server_dot_v1_dot_policy__server__pb2.Session.SerializeToString,
+            ),
+            'ForwardDynamics': grpc.unary_unary_rpc_method_handler(
+                    servicer.ForwardDynamics,
+                    request_deserializer=policy__server_dot_v1_dot_policy__server__pb2.ForwardDynamicsRequest.FromString,
+                    response_serializer=policy__server_dot_v1_dot_policy__server__pb2.PredictedFrames.SerializeToString,
+            ),
+            'InverseDynamics': grpc.unary_unary_rpc_method_handler(
+                    servicer.InverseDynamics,
+                    request_deserializer=policy__server_dot_v1_dot_policy__server__pb2.InverseDynamicsRequest.FromString,
+                    response_serializer=policy__server_dot_v1_dot_policy__server__pb2.ActionChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -408,6 +451,60 @@ class PolicyService:
             '/policy_server.v1.PolicyService/SetBudget',
             policy__server_dot_v1_dot_policy__server__pb2.SetBudgetRequest.SerializeToString,
             policy__server_dot_v1_dot_policy__server__pb2.Session.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForwardDynamics(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/policy_server.v1.PolicyService/ForwardDynamics',
+            policy__server_dot_v1_dot_policy__server__pb2.ForwardDynamicsRequest.SerializeToString,
+            policy__server_dot_v1_dot_policy__server__pb2.PredictedFrames.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def InverseDynamics(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/policy_server.v1.PolicyService/InverseDynamics',
+            policy__server_dot_v1_dot_policy__server__pb2.InverseDynamicsRequest.SerializeToString,
+            policy__server_dot_v1_dot_policy__server__pb2.ActionChunk.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,374 @@
+"""Forward / inverse dynamics, preview frames and camera-native frame sizes, through the real engine (an untrained
+embedded-size pipeline) and the real gRPC server around it, driven with the client library."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from policy_server.client import ControlStream, PolicyClient, PolicyServerError, build_observation
+from policy_server.config import build_config
+from policy_server.engine import api
+from policy_server.engine.engine import EngineSettings, ModelEngine
+from policy_server.limits import MAX_DYNAMICS_MS, MAX_FRAME_SIDE
+from policy_server.pipeline.policy import PolicyRequest
+from policy_server.server.app import build_server
+from policy_server.server.convert import FRAME_JPEG_QUALITY
+from policy_server.server.proto import policy_server_pb2 as pb
+from policy_server.server.wire import decode_image, encode_image, tensor_to_proto
+from robots.embedded import build_random_pipeline
+
+INSTRUCTION = "reach the red circle"
+STATE = np.array([0.2, 0.3], np.float32)
+ACTIONS = np.linspace(-0.15, 0.15, 16, dtype=np.float32).reshape(8, 2)  # the session's chunk of 8, m/s
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+
+
+def _as_sent(frames):
+    """Frames after the wire's JPEG and the client's decode: what the answer must hold exactly."""
+    return np.stack([decode_image(encode_image(frame, "jpeg", FRAME_JPEG_QUALITY), "frame") for frame in frames])
+
+
+def _frame(seed=0, height=64, width=64):
+    return np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+
+
+def _video(seed=0, frames=9, height=64, width=64):
+    return np.stack([_frame(seed + i, height, width) for i in range(frames)])
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    torch.set_num_threads(1)
+    pipeline = build_random_pipeline(tmp_path_factory.mktemp("dynamics-model"), seed=1)
+    engine = ModelEngine(pipeline, EngineSettings(warmup_ticks=1, max_sessions=4, default_budget_ms=10_000.0,
+                                                   max_dynamics_calls=2))
+    engine.start()
+    assert engine.wait_ready(timeout_s=300)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def client(engine):
+    config = build_config(overrides={"host": "127.0.0.1", "port": 0, "device": "cpu", "max_sessions": 4,
+                                     "latency_budget_ms": 10_000.0})
+    server = build_server(config, engine).start()
+    with PolicyClient(server.target, timeout_s=60) as c:
+        yield c
+    server.stop(grace_s=0.5)
+
+
+@pytest.fixture
+def session(client):
+    opened = client.open_session("pusht", INSTRUCTION, seed=5, rate_hz=0)
+    yield opened
+    client.close_session(opened)
+
+
+def _reference(engine, **fields):
+    """What `PolicyPipeline` answers for the session's settings (chunk 8, seed 5, its instruction)."""
+    request = dict(images={}, instruction=INSTRUCTION, embodiment="pusht", state=STATE, chunk_size=8, seed=5)
+    return engine.pipeline(PolicyRequest(**{**request, **fields}))
+
+
+# ---------------------------------------------------------------------------------------------- inverse dynamics
+
+
+def test_inverse_dynamics_rpc_returns_what_the_pipeline_returns(engine, client, session):
+    video = _video(3)
+    chunk = client.inverse_dynamics(session, {"image": video}, STATE, step_index=7, encoding="png")
+    reference = _reference(engine, mode="inverse_dynamics", video=video)
+    np.testing.assert_array_equal(chunk.actions, engine.pipeline.embodiments.get("pusht").clip_to_limits(
+        reference.actions))
+    assert chunk.actions.shape == (8, 2) and chunk.first_step_index == 7 and chunk.epoch == session.epoch
+    steps = engine.pipeline.config.num_steps
+    assert chunk.tick.setting == "none" and chunk.tick.skipped_calls == 0  # uncached, all steps
+    assert chunk.tick.branches["cond"].sequence == "F" * steps and chunk.tick.knobs["num_steps"] == steps
+    assert {"queue", "prefill", "encode", "denoise", "decode", "total"} <= set(chunk.tick.actual_ms)
+    assert chunk.tick.budget_ms == MAX_DYNAMICS_MS and chunk.tick.deadline_ms <= 60_000.0
+    seeded = client.inverse_dynamics(session, {"image": video}, STATE, seed=11, encoding="png")
+    np.testing.assert_array_equal(seeded.actions, engine.pipeline.embodiments.get("pusht").clip_to_limits(
+        _reference(engine, mode="inverse_dynamics", video=video, seed=11).actions))
+
+
+def test_inverse_dynamics_takes_frames_of_the_camera_s_own_size(engine, client, session):
+    video = _video(4, height=48, width=80)
+    chunk = client.inverse_dynamics(session, {"image": video}, STATE, instruction="reach the blue circle",
+                                    encoding="raw")
+    reference = _reference(engine, mode="inverse_dynamics", video=video, instruction="reach the blue circle")
+    np.testing.assert_array_equal(chunk.actions, engine.pipeline.embodiments.get("pusht").clip_to_limits(
+        reference.actions))
+    assert client.reset_session(session).instruction == INSTRUCTION  # the call's instruction was for it only
+
+
+# ---------------------------------------------------------------------------------------------- forward dynamics
+
+
+def test_forward_dynamics_frames_are_the_pipeline_s_decoded_frames(engine, client, session):
+    image = _frame(1)
+    observation = api.Observation({"image": image}, STATE)
+    exact = engine.forward_dynamics(session.session_id, session.epoch, observation, ACTIONS)
+    reference = _reference(engine, images={"image": image}, mode="forward_dynamics", actions=ACTIONS)
+    expected = engine.pipeline.decode_video(reference.latents)
+    np.testing.assert_array_equal(exact.frames, expected)
+    assert exact.latents_shape == tuple(reference.latents.shape)
+    assert exact.tick.actual_ms["video_decode"] > 0
+
+    predicted = client.forward_dynamics(session, {"image": image}, ACTIONS, STATE, step_index=3, encoding="png")
+    assert predicted.frames.shape == expected.shape == (9, 64, 64, 3)  # chunk + 1 frames
+    np.testing.assert_array_equal(predicted.frames, _as_sent(expected))  # the pipeline's frames, JPEG-encoded
+    assert predicted.latents_shape == exact.latents_shape and predicted.obs_step_index == 3
+    assert {"queue", "prefill", "encode", "denoise", "decode", "video_decode", "total"} <= set(predicted.tick.actual_ms)
+    assert predicted.tick.setting == "none" and predicted.tick.skipped_calls == 0
+
+
+def test_forward_dynamics_accepts_float64_actions_and_checks_them_at_the_boundary(engine, client, session):
+    image = _frame(2)
+    wide = client.forward_dynamics(session, {"image": image}, ACTIONS.astype(np.float64), STATE, encoding="png")
+    narrow = client.forward_dynamics(session, {"image": image}, ACTIONS, STATE, encoding="png")
+    np.testing.assert_array_equal(wide.frames, narrow.frames)
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+
+
+def _fd(session, actions=ACTIONS, image=None, state=STATE, **fields):
+    observation = build_observation({"image": _frame()}, state, encoding="png")
+    if image is not None:
+        observation.images["image"].CopyFrom(image)
+    request = pb.ForwardDynamicsRequest(session_id=session.session_id, epoch=session.epoch, observation=observation,
+                                        **fields)
+    if actions is not None:
+        request.actions.CopyFrom(actions if isinstance(actions, pb.Tensor) else tensor_to_proto(actions))
+    return request
+
+
+def _id(session, frames=9, size=(64, 64), sizes=None, camera="image", state=STATE):
+    request = pb.InverseDynamicsRequest(session_id=session.session_id, epoch=session.epoch,
+                                        state=tensor_to_proto(state))
+    for i in range(frames):
+        height, width = sizes[i] if sizes else size
+        request.videos[camera].frames.append(encode_image(_frame(i, height, width), "png"))
+    return request
+
+
+def _call_fd(request_of):
+    return lambda client, session: client.stub.ForwardDynamics(request_of(session), timeout=60)
+
+
+def _call_id(request_of):
+    return lambda client, session: client.stub.InverseDynamics(request_of(session), timeout=60)
+
+
+def _stale(client, session):
+    client.reset_session(session)
+    return client.stub.ForwardDynamics(_fd(session), timeout=60)
+
+
+BAD = {
+    "fd_actions_of_the_wrong_shape": (_call_fd(lambda s: _fd(s, ACTIONS[:5])), INVALID, "SCHEMA_MISMATCH", "actions"),
+    "fd_actions_nan": (_call_fd(lambda s: _fd(s, np.where(ACTIONS > 0.1, np.nan, ACTIONS))), INVALID, "NON_FINITE",
+                       "actions"),
+    "fd_actions_beyond_the_limits": (_call_fd(lambda s: _fd(s, ACTIONS * 2)), INVALID, "OUT_OF_RANGE", "actions"),
+    "fd_integer_actions": (_call_fd(lambda s: _fd(s, ACTIONS.astype(np.int32))), INVALID, "BAD_DTYPE",
+                           "actions.dtype"),
+    "fd_actions_bytes_short": (_call_fd(lambda s: _fd(s, pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[8, 2],
+                                                                   data=bytes(8)))),
+                               INVALID, "BAD_TENSOR", "actions.data"),
+    "fd_without_actions": (_call_fd(lambda s: _fd(s, None)), INVALID, "MISSING_FIELD", "actions"),
+    "fd_without_observation": (_call_fd(lambda s: pb.ForwardDynamicsRequest(session_id=s.session_id, epoch=s.epoch)),
+                               INVALID, "MISSING_FIELD", "observation"),
+    "fd_frame_below_the_smallest_side": (_call_fd(lambda s: _fd(s, image=encode_image(_frame(0, 4, 64), "png"))),
+                                         INVALID, "SCHEMA_MISMATCH", "observation.images[image]"),
+    "fd_frame_beyond_the_longest_side": (_call_fd(lambda s: _fd(s, image=encode_image(
+        _frame(0, 8, MAX_FRAME_SIDE + 1), "jpeg"))), INVALID, "SCHEMA_MISMATCH", "observation.images[image]"),
+    "fd_rgba_frame": (_call_fd(lambda s: _fd(s, image=pb.Image(encoding=pb.IMAGE_ENCODING_RAW, height=8, width=8,
+                                                              channels=4, data=bytes(256)))),
+                      INVALID, "SCHEMA_MISMATCH", "observation.images[image]"),
+    "id_unknown_session": (_call_id(lambda s: pb.InverseDynamicsRequest(session_id="nope", epoch=1)),
+                           grpc.StatusCode.NOT_FOUND, "SESSION_NOT_FOUND", ""),
+    "fd_stale_epoch": (_stale, grpc.StatusCode.FAILED_PRECONDITION, "STALE_EPOCH", ""),
+    "id_one_frame_too_few": (_call_id(lambda s: _id(s, frames=8)), INVALID, "SCHEMA_MISMATCH", "videos[image].frames"),
+    "id_frames_of_two_sizes": (_call_id(lambda s: _id(s, sizes=[(64, 64)] * 3 + [(64, 48)] * 6)), INVALID,
+                               "SCHEMA_MISMATCH", "videos[image].frames[3]"),
+    "id_unknown_camera": (_call_id(lambda s: _id(s, camera="wrist")), INVALID, "SCHEMA_MISMATCH", "videos"),
+    "id_state_off_the_table": (_call_id(lambda s: _id(s, state=np.array([0.9, 0.1], np.float32))), INVALID,
+                               "OUT_OF_RANGE", "state"),
+    "id_frame_below_the_smallest_side": (_call_id(lambda s: _id(s, size=(64, 7))), INVALID, "SCHEMA_MISMATCH",
+                                         "videos[image].frames[0]"),
+    "id_instruction_over_the_token_limit": (_call_id(lambda s: pb.InverseDynamicsRequest(
+        **{**{f.name: v for f, v in _id(s).ListFields()}, "instruction": "reach the red circle " * 40})),
+        INVALID, "TOO_LONG", "instruction"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_bad_dynamics_input_gets_its_precise_status_and_the_next_call_is_served(client, session, name):
+    call, code, reason, field = BAD[name]
+    with pytest.raises(grpc.RpcError) as raised:
+        call(client, session)
+    error = PolicyServerError.from_rpc_error(raised.value)
+    assert (error.code, error.reason, error.field) == (code, reason, field), error
+    current = client.reset_session(session) if reason == "STALE_EPOCH" else session
+    assert client.inverse_dynamics(current, {"image": _video()}, STATE).actions.shape == (8, 2)
+
+
+def test_frame_bounds_are_named_in_the_error_and_published_in_server_info(client, session):
+    with pytest.raises(grpc.RpcError) as raised:
+        client.stub.ForwardDynamics(_fd(session, image=encode_image(_frame(0, 4, 64), "png")), timeout=60)
+    detail = PolicyServerError.from_rpc_error(raised.value).detail
+    assert (detail.expected, detail.got) == (f"uint8 [H, W, 3] with H and W in 8..{MAX_FRAME_SIDE}", "PNG [4, 64, ...]")
+    info = client.server_info()
+    (camera,) = info.embodiments[0].cameras
+    assert (camera.height, camera.width, camera.min_side, camera.max_side) == (64, 64, 8, MAX_FRAME_SIDE)
+    assert (info.limits.max_frame_side, info.limits.max_dynamics_ms, info.limits.max_dynamics_calls) == (
+        MAX_FRAME_SIDE, MAX_DYNAMICS_MS, 2)
+
+
+# ---------------------------------------------------------------------------------------------- bounded work
+
+
+class _Gate:
+    """A background job that holds the model worker until `opened` is set."""
+
+    def __init__(self):
+        self.running, self.opened = threading.Event(), threading.Event()
+
+    def step(self):
+        self.running.set()
+        self.opened.wait()
+        return True
+
+    def fail(self, error):
+        pass
+
+
+def _hold_worker(engine) -> threading.Event:
+    gate = _Gate()
+    engine._worker.submit(gate)
+    gate.running.wait()
+    return gate.opened
+
+
+def _clip():
+    return api.VideoClip({"image": _video()}, STATE)
+
+
+def test_dynamics_calls_beyond_the_limit_are_refused_and_each_deadline_is_kept(engine, client, session):
+    sid, epoch = session.session_id, session.epoch
+    gate = _hold_worker(engine)
+    with ThreadPoolExecutor(2) as pool:
+        queued = [pool.submit(engine.inverse_dynamics, sid, epoch, _clip(), deadline_s=time.monotonic() + 2.0)
+                  for _ in range(2)]
+        while engine.stats().queue_depth < 3:  # the gate and both calls
+            time.sleep(0.005)
+        with pytest.raises(api.TooManyDynamicsCalls):
+            engine.inverse_dynamics(sid, epoch, _clip())
+        with pytest.raises(grpc.RpcError) as refused:  # and over the wire
+            client.stub.InverseDynamics(_id(session), timeout=60)
+        assert PolicyServerError.from_rpc_error(refused.value).reason == "TOO_MANY_DYNAMICS_CALLS"
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        for call in queued:  # answered at their deadline although the worker is still held
+            with pytest.raises(api.DeadlineExpired):
+                call.result(timeout=30)
+    gate.set()
+    assert engine.inverse_dynamics(sid, epoch, _clip()).actions.shape == (8, 2)  # both slots were given back
+    with pytest.raises(PolicyServerError) as late:
+        client.inverse_dynamics(session, {"image": _video()}, STATE, timeout_s=0.02)
+    assert late.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_ticks_go_first_a_dynamics_call_runs_between_them(engine):
+    """A tick that arrives while a forward-dynamics call runs is served after one of the call's sampler steps,
+    not after the whole call: the call finishes last and its record counts the tick as its wait."""
+    ticking = engine.open_session("pusht", INSTRUCTION, rate_hz=0)
+    other = engine.open_session("pusht", INSTRUCTION, rate_hz=0)
+    finished = []
+    with ThreadPoolExecutor(1) as pool:
+        def predict():
+            result = engine.forward_dynamics(other.session_id, 1, api.Observation({"image": _frame()}, STATE), ACTIONS)
+            finished.append("dynamics")
+            return result
+
+        dynamics = pool.submit(predict)
+        while engine.stats().queue_depth < 1:
+            time.sleep(0.001)
+        tick = engine.act(ticking.session_id, 1, api.Observation({"image": _frame(1)}, STATE))
+        finished.append("tick")
+        predicted = dynamics.result(timeout=60)
+    assert finished == ["tick", "dynamics"]
+    assert predicted.tick.actual_ms["queue"] >= tick.tick.actual_ms["denoise"]
+    engine.close_session(ticking.session_id)
+    engine.close_session(other.session_id)
+
+
+# ---------------------------------------------------------------------------------------------- preview frames
+
+
+def test_a_preview_session_gets_its_predicted_frames_and_their_decode_is_in_the_tick(engine, client):
+    preview = client.open_session("pusht", INSTRUCTION, rate_hz=0, preview=True)
+    plain = client.open_session("pusht", INSTRUCTION, rate_hz=0)
+    assert preview.preview and not plain.preview
+    chunk = client.act(preview, {"image": _frame(1)}, STATE, encoding="png")
+    expected = engine.pipeline.decode_video(engine.last_output.latents)
+    assert chunk.preview_frames.shape == expected.shape == (9, 64, 64, 3)
+    np.testing.assert_array_equal(chunk.preview_frames, _as_sent(expected))
+    assert chunk.tick.actual_ms["preview"] > 0 and chunk.tick.predicted_ms["preview"] > 0
+    assert chunk.tick.actual_ms["total"] >= sum(v for k, v in chunk.tick.actual_ms.items() if k != "total")
+    without = client.act(plain, {"image": _frame(1)}, STATE, encoding="png")
+    assert without.preview_frames is None
+    assert "preview" not in without.tick.actual_ms and "preview" not in without.tick.predicted_ms
+    # Admission reserves the decode too: the preview session's uncached tick costs that much more.
+    key = engine.cost_key("pusht", 8, 128)
+    decode_ms = engine.cost_model.costs(key).cautious(engine.budget.config.cost_margin_devs).fixed_ms["preview"]
+    demands = [engine.sessions.get(s.session_id).demand for s in (preview, plain)]
+    assert demands[0].ceiling_ms == pytest.approx(demands[1].ceiling_ms + decode_ms)
+    client.close_session(preview)
+    client.close_session(plain)
+
+
+def test_engine_preview_frames_are_the_decoded_latents_of_the_tick(engine):
+    session = engine.open_session("pusht", INSTRUCTION, rate_hz=0, preview=True)
+    result = engine.act(session.session_id, 1, api.Observation({"image": _frame(2)}, STATE))
+    np.testing.assert_array_equal(result.preview_frames, engine.pipeline.decode_video(engine.last_output.latents))
+    engine.close_session(session.session_id)
+
+
+# ---------------------------------------------------------------------------------------------- camera-native sizes
+
+
+@pytest.mark.parametrize(("height", "width"), [(8, 8), (48, 64), (120, 200), (640, 480)])
+def test_ticks_take_frames_of_any_size_within_the_bounds(engine, client, session, height, width):
+    image = _frame(height, height, width)
+    before = engine.cost_model.samples(engine.sessions.get(session.session_id).cost_key)
+    chunk = client.act(session, {"image": image}, STATE, encoding="png")
+    assert chunk.actions.shape == (8, 2) and np.all(np.isfinite(chunk.actions))
+    after = engine.cost_model.samples(engine.sessions.get(session.session_id).cost_key)
+    # A frame that fills the canvas teaches the cost model; a smaller latent grid (cheaper) does not.
+    grid = engine.last_output.latents.shape[-2] * engine.last_output.latents.shape[-1]
+    assert (after != before) == (grid == 8 * 8)
+
+
+def test_the_control_stream_carries_preview_frames_too(client):
+    session = client.open_session("pusht", INSTRUCTION, rate_hz=0, preview=True)
+    with ControlStream(client, session) as stream:
+        stream.send({"image": _frame(3)}, STATE, step_index=1, must_answer=True, encoding="png")
+        chunk = stream.next_chunk(timeout_s=60)
+    assert chunk.preview_frames.shape == (9, 64, 64, 3) and chunk.tick.actual_ms["preview"] > 0
+    client.close_session(session)
+
+
+@pytest.mark.parametrize("method", ["ForwardDynamics", "InverseDynamics"])
+def test_request_bytes_that_do_not_parse_are_invalid_argument(client, method):
+    call = client.channel.unary_unary(f"/policy_server.v1.PolicyService/{method}")
+    with pytest.raises(grpc.RpcError) as raised:
+        call(b"\xff\xff\xff\xff", timeout=30)
+    assert raised.value.code() == INVALID
+    assert PolicyServerError.from_rpc_error(raised.value).reason == "BAD_REQUEST"
