@@ -30,6 +30,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import cv2
 import gymnasium
 import numpy as np
 import torch
@@ -41,7 +42,7 @@ from policy_server.config import DTYPES, check_dtype
 from policy_server.engine import api
 from policy_server.engine.engine import EngineSettings, ModelEngine, resolve_dtype
 from policy_server.pipeline.embodiments import Embodiment
-from policy_server.pipeline.policy import PolicyOutput, PolicyPipeline, PolicyRequest
+from policy_server.pipeline.policy import CheckpointLoadError, PolicyOutput, PolicyPipeline, PolicyRequest
 
 SCHEMA = 1
 
@@ -200,7 +201,17 @@ def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     pipeline = PolicyPipeline.from_pretrained(args.checkpoint, device=args.device,
                                               dtype=resolve_dtype(args.dtype, args.device))
-    embodiment = pipeline.embodiments.get(pipeline.served_embodiments[0])
+    name = args.embodiment or pipeline.served_embodiments[0]
+    if name not in pipeline.served_embodiments:
+        raise BenchError(f"--embodiment {name!r} is not served; expected one of {pipeline.served_embodiments}")
+    embodiment = pipeline.embodiments.get(name)
+    if args.closed_loop and (embodiment.raw_action_dim, embodiment.state_dim) != (2, 2):
+        raise BenchError(f"--closed-loop drives the built-in Reach task (2-D velocity actions, 2-D position state); "
+                         f"embodiment {embodiment.name!r} has {embodiment.raw_action_dim}-D actions and "
+                         f"{embodiment.state_dim}-D state")
+    if embodiment.state_dim not in (0, 2):
+        raise BenchError(f"the bench feeds the Reach task's 2-D state; embodiment {embodiment.name!r} takes "
+                         f"{embodiment.state_dim}-D state (choose another with --embodiment)")
     steps = pipeline.config.num_steps
 
     # One engine per budgeted config: each session has the worker to itself, as one robot would, and the
@@ -242,14 +253,17 @@ def run(args: argparse.Namespace) -> dict:
     sessions[slow_name] = (slow_engine, slow_engine.open_session(embodiment.name, "warm up",
                                                                  budget_ms=slow_budget, seed=0, rate_hz=0.0))
 
-    observations = collect_observations(args.ticks, args.seed)
+    observations = [model_inputs(obs, embodiment, args.frame_size)
+                    for obs in collect_observations(args.ticks, args.seed)]
+    latent_shape = None
     order = list(runs)
     for tick, obs in enumerate(tqdm(observations, desc="bench", unit="tick")):
         if tick == args.ticks // 2:
             slow_engine.full_call_delay_ms = slowdown_ms
-        request = PolicyRequest(images={"image": obs["image"]}, instruction=obs["instruction"],
+        request = PolicyRequest(images=obs["images"], instruction=obs["instruction"],
                                 embodiment=embodiment.name, state=obs["state"], seed=tick)
         reference = pipeline(request, controller=NoCache())
+        latent_shape = tuple(reference.latents.shape)
         runs["uncached"].add(reference.timings_ms["total"], reference, reference)
         rotation = order[tick % len(order):] + order[: tick % len(order)]  # interleave: no config always first
         for name in rotation:
@@ -266,8 +280,7 @@ def run(args: argparse.Namespace) -> dict:
             else:
                 owner, session = sessions[name]
                 result = owner.act(session.session_id, session.epoch, api.Observation(
-                    images={"image": obs["image"]}, state=obs["state"], instruction=obs["instruction"],
-                    step_index=tick))
+                    images=obs["images"], state=obs["state"], instruction=obs["instruction"], step_index=tick))
                 run_.add(result.tick.actual_ms["total"], owner.last_output, reference)
                 run_.add_tick_record(result.tick)
 
@@ -303,8 +316,8 @@ def run(args: argparse.Namespace) -> dict:
             "cpu": platform.processor() or platform.machine(),
             **memory,
         },
-        "model": model_summary(pipeline, embodiment),
-        "forward": forward_summary(pipeline, embodiment, args),
+        "model": model_summary(pipeline, embodiment, observations[0], latent_shape),
+        "forward": forward_summary(pipeline, embodiment, latent_shape, args),
         "uncached_warmup_p50_ms": uncached_warm_ms,
         "slowdown": {"config": slow_name, "extra_ms_per_full_call": slowdown_ms, "from_tick": args.ticks // 2},
         "configs": summaries,
@@ -326,36 +339,53 @@ def peak_memory(device: torch.device) -> dict:
     }
 
 
-def latent_shape(pipeline: PolicyPipeline, embodiment: Embodiment) -> tuple[int, int, int, int]:
-    """`(C, T, h, w)` of one tick's video latent at the embodiment's default chunk."""
-    height, width = pipeline.config.canvas_hw
-    sc = pipeline.vae.spatial_compression
-    frames = pipeline.num_latent_frames(embodiment.default_chunk_size)
-    return pipeline.transformer.config.latent_channel, frames, height // sc, width // sc
+def model_inputs(obs: dict, embodiment: Embodiment, frame_hw: tuple[int, int] | None) -> dict:
+    """A Reach observation as the embodiment's request inputs: its frame (resized to `frame_hw`, a camera's
+    native size, when given) for every camera side by side, its state when the embodiment takes one."""
+    image = obs["image"]
+    if frame_hw is not None:
+        width = frame_hw[1] // len(embodiment.cameras)
+        image = cv2.resize(image, (width, frame_hw[0]), interpolation=cv2.INTER_LINEAR)
+    return {"images": {camera: image for camera in embodiment.cameras}, "instruction": obs["instruction"],
+            "state": obs["state"] if embodiment.state_dim else None}
 
 
-def model_summary(pipeline: PolicyPipeline, embodiment: Embodiment) -> dict:
+def model_summary(pipeline: PolicyPipeline, embodiment: Embodiment, inputs: dict,
+                  latent_shape: tuple[int, ...]) -> dict:
+    """The served model and the shapes of one tick: the frames, the canvas they go on, the video latents
+    `[C, T, h, w]` and the token counts."""
     config = pipeline.config
     chunk = embodiment.default_chunk_size
-    prompt = pipeline.encode_prompt(SAMPLE_INSTRUCTION, embodiment, chunk, cfg=False, canvas_hw=config.canvas_hw)
-    _, frames, h, w = latent_shape(pipeline, embodiment)
+    canvas_hw = pipeline.canvas_for(embodiment, inputs["images"])
+    prompt = pipeline.encode_prompt(SAMPLE_INSTRUCTION, embodiment, chunk, cfg=False, canvas_hw=canvas_hw)
+    _, frames, h, w = latent_shape
     p = pipeline.transformer.config.latent_patch_size
+    first = inputs["images"][embodiment.cameras[0]]
     return {
         "name": config.name,
         "params": sum(t.numel() for t in pipeline.transformer.parameters()),
         "dtype": str(pipeline.transformer.dtype).removeprefix("torch."),  # the stack's; the time embedder is fp32
         "param_bytes": sum(t.numel() * t.element_size() for t in pipeline.transformer.parameters()),
+        "vae": type(pipeline.vae).__name__,
         "steps": config.num_steps,
         "sampler": config.sampler,
+        "sigma_schedule": config.sigma_schedule,
         "shift": config.shift,
         "cfg": config.guidance != 1.0,
         "guidance": config.guidance,
+        "embodiment": embodiment.name,
+        "chunk_size": chunk,
+        "action_dim": pipeline.transformer.config.action_dim,
+        "frame_hw": [first.shape[0], sum(inputs["images"][c].shape[1] for c in embodiment.cameras)],
+        "canvas_hw": list(canvas_hw),
+        "latent_shape": list(latent_shape),
         "text_tokens": len(prompt.input_ids["cond"]),
         "gen_tokens": frames * math.ceil(h / p) * math.ceil(w / p) + chunk + (1 if embodiment.state_dim else 0),
     }
 
 
-def forward_summary(pipeline: PolicyPipeline, embodiment: Embodiment, args: argparse.Namespace) -> dict | None:
+def forward_summary(pipeline: PolicyPipeline, embodiment: Embodiment, latent_shape: tuple[int, ...],
+                    args: argparse.Namespace) -> dict | None:
     """Per-step call times of the served transformer's config: full, GEN-only and the diffusers reference."""
     if not args.reference:
         return None
@@ -365,8 +395,8 @@ def forward_summary(pipeline: PolicyPipeline, embodiment: Embodiment, args: argp
     prompt = pipeline.encode_prompt(SAMPLE_INSTRUCTION, embodiment, chunk, cfg=False,
                                     canvas_hw=pipeline.config.canvas_hw)
     return measure_forward(pipeline.transformer.config, n_text=len(prompt.input_ids["cond"]),
-                           vision_shape=latent_shape(pipeline, embodiment), chunk=chunk,
-                           repeats=args.forward_repeats, device=pipeline.device)
+                           vision_shape=latent_shape, chunk=chunk, repeats=args.forward_repeats,
+                           device=pipeline.device)
 
 
 def plot(report: dict, out: Path) -> list[Path]:
@@ -413,7 +443,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="policy-server bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("bench.json"), help="JSON path; PNGs go beside it")
-    parser.add_argument("--checkpoint", type=Path, default=None, help="pipeline folder (default: embedded)")
+    parser.add_argument("--checkpoint", type=Path, default=None,
+                        help="the embedded layout or a diffusers Cosmos3OmniPipeline folder (default: embedded)")
+    parser.add_argument("--embodiment", default=None, help="embodiment to drive (default: the first served)")
+    parser.add_argument("--frame-size", type=_frame_size, default=None, metavar="HxW",
+                        help="resize the task's 64x64 frames to a camera's native size, e.g. 480x640")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto",
                         help=f"weight dtype: {', '.join(DTYPES)} (auto: bf16 on CUDA, fp32 on CPU)")
@@ -445,12 +479,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+class BenchError(ValueError):
+    """Options the bench cannot run with; the message says which and why."""
+
+
+def _frame_size(text: str) -> tuple[int, int]:
+    height, _, width = text.lower().partition("x")
+    if not (height.isdigit() and width.isdigit() and int(height) > 0 and int(width) > 0):
+        raise argparse.ArgumentTypeError(f"expected HxW in pixels, e.g. 480x640, got {text!r}")
+    return int(height), int(width)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         report = run(args)
     except api.BudgetInfeasible as infeasible:  # the machine is slower than the fractions assume
         print(f"policy-server bench: {infeasible.message}; choose larger --budget-fractions", file=sys.stderr)
+        return 2
+    except (BenchError, CheckpointLoadError) as error:
+        print(f"policy-server bench: {error}", file=sys.stderr)
         return 2
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")

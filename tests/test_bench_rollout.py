@@ -30,6 +30,7 @@ def test_bench_writes_the_documented_report(model_dir, tmp_path):
     assert report["machine"]["peak_cuda_mb"] is report["machine"]["peak_cuda_reserved_mb"] is None  # CPU
     assert report["model"]["dtype"] == "float32"  # --dtype auto on CPU
     assert report["model"]["param_bytes"] == 4 * report["model"]["params"]
+    assert report["model"]["latent_shape"] == [16, 3, 8, 8] and report["model"]["canvas_hw"] == [64, 64]
     assert {"full_ms", "gen_only_ms", "reference_full_ms", "ratio_gen_only_vs_reference"} <= set(report["forward"])
     names = [c["name"] for c in report["configs"]]
     assert names[:2] == ["uncached", "seacache_default"]
@@ -43,6 +44,35 @@ def test_bench_writes_the_documented_report(model_dir, tmp_path):
     assert uncached["action_rel_l2"] == 0.0 and uncached["skipped_calls"] == 0
     assert (tmp_path / "bench_latency.png").stat().st_size > 0
     assert (tmp_path / "bench_error_vs_latency.png").stat().st_size > 0
+
+
+def test_bench_on_a_diffusers_folder_reports_its_shapes(tmp_path):
+    """A `Cosmos3OmniPipeline` folder (overrides: 10 steps, one embodiment) driven with camera-sized frames."""
+    from cosmos3_folder import build_tiny_cosmos3_folder
+
+    folder = build_tiny_cosmos3_folder(tmp_path / "pipe")
+    (folder / "policy.json").write_text(json.dumps({"resolution_tier": 256, "num_steps": 10}))
+    (folder / "embodiments.json").write_text(json.dumps(
+        {"embodiments": [{"name": "bridge_orig_lerobot", "default_chunk_size": 8, "max_chunk_size": 8}]}))
+    out = tmp_path / "bench.json"
+    assert bench_main(["--checkpoint", str(folder), "--frame-size", "240x320", "--ticks", "2", "--warmup", "2",
+                       "--out", str(out), "--no-reference", "--budget-fractions", "0.8", "0.9"]) == 0
+    model = json.loads(out.read_text())["model"]
+    assert (model["vae"], model["embodiment"], model["action_dim"]) == ("WanVideoVAE", "bridge_orig_lerobot", 32)
+    # 240x320 (ratio 0.75) goes on the 256x320 canvas unscaled: 15x20 latent cells, 3 latent frames for chunk 8.
+    assert (model["frame_hw"], model["canvas_hw"], model["latent_shape"]) == ([240, 320], [256, 320], [8, 3, 15, 20])
+    assert model["sigma_schedule"] == "karras" and model["gen_tokens"] == 3 * 8 * 10 + 8
+
+
+def test_bench_refuses_what_it_cannot_drive(tmp_path, capsys):
+    from cosmos3_folder import build_tiny_cosmos3_folder
+
+    folder = build_tiny_cosmos3_folder(tmp_path / "pipe")
+    assert bench_main(["--checkpoint", str(folder), "--embodiment", "libero", "--out", str(tmp_path / "b.json")]) == 2
+    assert "--embodiment 'libero' is not served" in capsys.readouterr().err
+    assert bench_main(["--checkpoint", str(folder), "--embodiment", "pusht", "--closed-loop", "2",
+                       "--out", str(tmp_path / "b.json")]) == 2
+    assert "--closed-loop drives the built-in Reach task" in capsys.readouterr().err
 
 
 def test_rollout_in_process_writes_report_plot_and_video(model_dir, tmp_path):

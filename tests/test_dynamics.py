@@ -15,7 +15,7 @@ import torch
 from policy_server.client import ControlStream, PolicyClient, PolicyServerError, build_observation
 from policy_server.config import build_config
 from policy_server.engine import api
-from policy_server.engine.engine import EngineSettings, ModelEngine
+from policy_server.engine.engine import GRID_SAMPLES, EngineSettings, ModelEngine
 from policy_server.limits import MAX_DYNAMICS_MS, MAX_FRAME_SIDE
 from policy_server.pipeline.policy import PolicyRequest
 from policy_server.server.app import build_server
@@ -351,9 +351,29 @@ def test_ticks_take_frames_of_any_size_within_the_bounds(engine, client, session
     chunk = client.act(session, {"image": image}, STATE, encoding="png")
     assert chunk.actions.shape == (8, 2) and np.all(np.isfinite(chunk.actions))
     after = engine.cost_model.samples(engine.sessions.get(session.session_id).cost_key)
-    # A frame that fills the canvas teaches the cost model; a smaller latent grid (cheaper) does not.
-    grid = engine.last_output.latents.shape[-2] * engine.last_output.latents.shape[-1]
-    assert (after != before) == (grid == 8 * 8)
+    # A frame that fills the canvas teaches the full grid's costs; a smaller latent grid teaches its own.
+    grid = tuple(engine.last_output.latents.shape[-2:])
+    assert (after != before) == (grid == (8, 8))
+
+
+def test_a_smaller_latent_grid_is_planned_at_its_own_costs_once_seen(engine, client, session):
+    """48x64 frames sit on the 64x64 canvas unscaled: 6x8 latent cells, cheaper than the full 8x8."""
+    key = engine.sessions.get(session.session_id).cost_key
+    grid_key = (*key, (6, 8))
+    full_before = engine.cost_model.samples(key)["full"]
+    seen = engine.cost_model.samples(grid_key)["full"]
+    for step in range(max(GRID_SAMPLES - seen, 0)):
+        client.act(session, {"image": _frame(step, 48, 64)}, STATE, encoding="png", step_index=step)
+    assert engine.cost_model.samples(grid_key)["full"] >= GRID_SAMPLES
+    assert engine.cost_model.samples(key)["full"] == full_before  # the full grid's costs are untouched
+    steps, passes = engine.pipeline.config.num_steps, 2
+
+    def predicted_encode(cost_key):
+        return engine.budget.plan(cost_key, 1e4, steps, passes, None, prefill=False).predicted_stage_ms["encode"]
+
+    expected = predicted_encode(grid_key)
+    chunk = client.act(session, {"image": _frame(99, 48, 64)}, STATE, encoding="png", step_index=99)
+    assert chunk.tick.predicted_ms["encode"] == expected != predicted_encode(key)
 
 
 def test_the_control_stream_carries_preview_frames_too(client):

@@ -31,7 +31,7 @@ from policy_server.budget.cost_model import CostModel
 from policy_server.budget.guard import monotonic_ms
 from policy_server.budget.planner import MAX_CACHING, CacheSetting, PlannerConfig
 from policy_server.budget.record import TickRecord as BudgetTickRecord
-from policy_server.budget.tick import PREVIEW_STAGE, TickBudget
+from policy_server.budget.tick import PREFILL_STAGE, PREVIEW_STAGE, TickBudget
 from policy_server.cache.controller import NoCache, StepController
 from policy_server.cache.sea_filter import SeaFilter
 from policy_server.cache.seacache import SeaCache, SeaCacheConfig
@@ -60,6 +60,7 @@ _ABANDONED_WAIT_S = 1.0  # how long a new tick waits for its session's abandoned
 _CLOSE_TIMEOUT_S = 5.0
 # Sampler steps of the warmup ticks that only fill costs: the first and last step are full, the rest can skip.
 _SHORT_WARMUP_STEPS = 6
+GRID_SAMPLES = 8  # ticks at a smaller latent grid before they are planned at its own costs
 
 
 @dataclass(frozen=True)
@@ -221,11 +222,9 @@ class ModelEngine:
         self._admission = threading.Lock()  # held while slots are assigned, so two opens cannot both fit
         self._reason_calls = threading.Semaphore(self.settings.max_reason_calls)
         self._dynamics_calls = threading.Semaphore(self.settings.max_dynamics_calls)
-        # Ticks learn costs only at the largest latent grid (frames smaller than the canvas make cheaper ticks,
-        # which would teach the planner costs below what a full frame needs).
         canvas_h, canvas_w = pipeline.config.canvas_hw
         m = pipeline.vae.spatial_compression
-        self._full_grid = (canvas_h // m) * (canvas_w // m)
+        self._full_grid = (canvas_h // m, canvas_w // m)  # the largest latent grid: what admission plans for
         self._closing = threading.Event()
         self._ready = threading.Event()
         self._warm_progress = 0.0
@@ -459,10 +458,12 @@ class ModelEngine:
             session.instruction = observation.instruction
             session.cost_key = self.cost_key(session.embodiment, session.chunk_size, request.instruction_tokens)
         embodiment = self._embodiments[session.embodiment]
-        key = session.cost_key
         steps, passes = self.pipeline.config.num_steps, self._passes()
         canvas_hw = self.pipeline.canvas_for(embodiment, observation.images)
         prefill = not self._prompt_ready(session, embodiment, passes, canvas_hw)
+        unused = {stage for stage, used in ((PREFILL_STAGE, prefill), (PREVIEW_STAGE, session.preview)) if not used}
+        learn_key, key = self._grid_keys(session.cost_key, self.pipeline.latent_grid(embodiment, observation.images),
+                                         unused)
 
         plan = guard = None
         if self._budget_controlled():
@@ -520,7 +521,7 @@ class ModelEngine:
             stage_ms[PREVIEW_STAGE] = self.clock() - clock
         total_ms = self.clock() - request.arrived_ms
         batch_size = 1 if batcher is None else batcher.participants
-        tick = self._record(session, plan, guard, out, stage_ms, total_ms, request.deadline_ms, clipped, key,
+        tick = self._record(session, plan, guard, out, stage_ms, total_ms, request.deadline_ms, clipped, learn_key,
                             batch_size, prefill)
         return api.ActResult(actions=actions.astype(np.float32), first_step_index=observation.step_index,
                              tick=tick, preview_frames=frames)
@@ -536,17 +537,29 @@ class ModelEngine:
                                                      passes == 2, canvas_hw)
         return self.clock() - started
 
+    def _grid_keys(self, key: tuple, grid: tuple[int, int], unused: set[str]) -> tuple[tuple, tuple]:
+        """`(the key a tick's costs teach, the key it is planned with)` for frames making latent `grid` under the
+        full-grid cost key `key`, for a tick that skips the `unused` stages. A smaller grid has costs of its own;
+        until its calls have been seen `GRID_SAMPLES` times, and every stage the tick runs at least once, the
+        tick is planned at the full grid's, the most it can cost."""
+        if grid == self._full_grid:
+            return key, key
+        grid_key = (*key, grid)
+        seen = self.cost_model.samples(grid_key)
+        stages = set(self.cost_model.samples(key)) - {"full", "skip"} - unused
+        known = seen["full"] >= GRID_SAMPLES and stages <= set(seen)
+        return grid_key, grid_key if known else key
+
     def _record(self, session: Session, plan, guard, out: PolicyOutput, stage_ms: dict[str, float],
                 total_ms: float, deadline_ms: float, clipped: int, key: Hashable, batch_size: int,
                 prefilled: bool) -> api.TickRecord:
-        """The tick's record; `total_ms` and `deadline_ms` both count from the tick's arrival. A tick that
-        ran in a micro-batch does not teach the cost model single-tick costs, nor does one whose frames made a
-        smaller latent grid than the largest canvas's (costs are planned at that grid, the most a tick needs)."""
+        """The tick's record; `total_ms` and `deadline_ms` both count from the tick's arrival; its costs teach
+        `key`. A tick that ran in a micro-batch does not teach the cost model single-tick costs."""
         cache = out.cache
         sequences = {branch: cache.sequence(branch) for branch in cache.branches}
         knobs = {"num_steps": float(len(out.steps)), "clipped_actions": float(clipped),
                  "batch_size": float(batch_size), "slot_ms": session.slot_ms}
-        learn_costs = batch_size == 1 and out.latents.shape[-2] * out.latents.shape[-1] == self._full_grid
+        learn_costs = batch_size == 1
         if plan is None:
             if learn_costs:
                 self._observe_output(key, out, stage_ms, prefilled)

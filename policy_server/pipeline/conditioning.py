@@ -104,8 +104,7 @@ def fit_to_canvas(
     if canvas_h < 1 or canvas_w < 1:
         raise ValueError(f"canvas {canvas_h}x{canvas_w} must be at least 1x1")
     b, c, t, h, w = clip.shape
-    scale = min(canvas_h / h, canvas_w / w, 1.0)
-    content_h, content_w = max(1, int(scale * h + 0.5)), max(1, int(scale * w + 0.5))
+    content_h, content_w = content_size(h, w, (canvas_h, canvas_w))
 
     images = clip.transpose(1, 2).reshape(b * t, c, h, w)
     images = downscale(images, (content_h, content_w))
@@ -119,6 +118,12 @@ def fit_to_canvas(
     canvas = images.reshape(b, t, c, canvas_h, canvas_w).transpose(1, 2)
     placement = CanvasPlacement((h, w), (content_h, content_w), (canvas_h, canvas_w), applied)
     return canvas, placement
+
+
+def content_size(height: int, width: int, canvas_hw: tuple[int, int]) -> tuple[int, int]:
+    """(h, w) of a `height` x `width` frame fitted to `canvas_hw`: aspect kept, downscaled only."""
+    scale = min(canvas_hw[0] / height, canvas_hw[1] / width, 1.0)
+    return max(1, int(scale * height + 0.5)), max(1, int(scale * width + 0.5))
 
 
 def crop_latent_padding(latents: Tensor, placement: CanvasPlacement, spatial_compression: int) -> Tensor:

@@ -32,7 +32,7 @@ from policy_server.model.gen_layout import GenLayout
 from policy_server.model.text_tokenizer import TextTokenizer, TextTokenizerError
 from policy_server.model.vae import SmallVideoVAE, VideoTokenizer
 from policy_server.pipeline import diffusers_folder
-from policy_server.pipeline.conditioning import closest_canvas, crop_latent_padding, prepare_clip
+from policy_server.pipeline.conditioning import closest_canvas, content_size, crop_latent_padding, prepare_clip
 from policy_server.pipeline.embodiments import Embodiment, EmbodimentConfigError, EmbodimentRegistry
 from policy_server.pipeline.errors import (
     EmptyInstruction,
@@ -101,8 +101,8 @@ class InitialNoise:
     """The sampler's starting point, float32. Where a row is conditioning (a clean latent frame, given or
     prefix actions) the conditioning replaces it; channels past the embodiment's raw width start at zero.
 
-    vision: [C, T_lat, h, w], the generated video latents (T_lat = chunk // 4 + 1; h, w the content's latent
-        grid, `PolicyPipeline.latent_shape`).
+    vision: [C, T_lat, h, w], the video latents (T_lat = `PolicyPipeline.num_latent_frames(chunk)`; h, w the
+        latent grid of the frames' content, `PolicyPipeline.latent_grid`).
     actions: [chunk, action_dim], the chunk's action rows.
     """
 
@@ -315,10 +315,20 @@ class PolicyPipeline:
     def canvas_for(self, embodiment: Embodiment, images: Mapping[str, np.ndarray]) -> tuple[int, int]:
         """The canvas (h, w) a tick's camera frames go on: their side-by-side size floored to the VAE's
         multiple, binned by aspect ratio (what the tick's prompt caption names)."""
+        return closest_canvas(*self._floored_hw(embodiment, images), self.config.canvases)
+
+    def latent_grid(self, embodiment: Embodiment, images: Mapping[str, np.ndarray]) -> tuple[int, int]:
+        """Latent rows and columns a tick's frames make (what its cost depends on besides the chunk)."""
+        floored = self._floored_hw(embodiment, images)
+        content_h, content_w = content_size(*floored, closest_canvas(*floored, self.config.canvases))
+        m = self.vae.spatial_compression
+        return max(content_h // m, 1), max(content_w // m, 1)
+
+    def _floored_hw(self, embodiment: Embodiment, images: Mapping[str, np.ndarray]) -> tuple[int, int]:
         height = images[embodiment.cameras[0]].shape[0]
         width = sum(images[camera].shape[1] for camera in embodiment.cameras)
-        multiple = self.vae.spatial_compression
-        return closest_canvas(height - height % multiple, width - width % multiple, self.config.canvases)
+        m = self.vae.spatial_compression
+        return height - height % m, width - width % m
 
     def decode_video(self, latents: torch.Tensor) -> np.ndarray:
         """Predicted frames: latents [C, T_lat, h, w] -> uint8 RGB [num_video_frames, h * 16, w * 16, 3]."""
