@@ -41,6 +41,7 @@ from policy_server.cache.seacache import SeaCache, SeaCacheConfig
 from policy_server.config import DTYPES, check_dtype
 from policy_server.engine import api
 from policy_server.engine.engine import EngineSettings, ModelEngine, resolve_dtype
+from policy_server.limits import MAX_BUDGET_MS
 from policy_server.pipeline.embodiments import Embodiment
 from policy_server.pipeline.policy import CheckpointLoadError, PolicyOutput, PolicyPipeline, PolicyRequest
 
@@ -226,8 +227,8 @@ def run(args: argparse.Namespace) -> dict:
 
     engine = started_engine()
     uncached_warm_ms = engine.info().warmup_profile[0].p50_ms
-    budgets = [round(f * uncached_warm_ms, 1) for f in args.budget_fractions]
-    fewer = {b: max(1, math.floor(steps * b / uncached_warm_ms)) for b in budgets}
+    budgets = args.budgets_ms or [round(f * uncached_warm_ms, 1) for f in args.budget_fractions]
+    fewer = {b: min(steps, max(1, math.floor(steps * b / uncached_warm_ms))) for b in budgets}
     slow_budget = budgets[0]
     slowdown_ms = args.slowdown_ms
     if slowdown_ms is None:
@@ -453,6 +454,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help=f"weight dtype: {', '.join(DTYPES)} (auto: bf16 on CUDA, fp32 on CPU)")
     parser.add_argument("--ticks", type=int, default=500)
     parser.add_argument("--warmup", type=int, default=4, help="warmup ticks per engine and cache mode")
+    parser.add_argument("--budgets-ms", type=float, nargs="+", default=None,
+                        help="per-tick budgets to run, ms (default: --budget-fractions of the uncached latency)")
     parser.add_argument("--budget-fractions", type=float, nargs="+", default=[0.5, 0.75],
                         help="budgets as fractions of the uncached warmup p50")
     parser.add_argument("--slowdown-ms", type=float, default=None,
@@ -476,6 +479,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--closed-loop must be >= 0 and --execute >= 1")
     if not all(0 < f < 1 for f in args.budget_fractions):
         parser.error("--budget-fractions must lie in (0, 1): budgets below the uncached latency")
+    if args.budgets_ms is not None and not all(0 < b <= MAX_BUDGET_MS for b in args.budgets_ms):
+        parser.error(f"--budgets-ms must lie in (0, {MAX_BUDGET_MS:g}]")
     return args
 
 
@@ -495,7 +500,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         report = run(args)
     except api.BudgetInfeasible as infeasible:  # the machine is slower than the fractions assume
-        print(f"policy-server bench: {infeasible.message}; choose larger --budget-fractions", file=sys.stderr)
+        print(f"policy-server bench: {infeasible.message}; choose larger --budget-fractions or --budgets-ms",
+              file=sys.stderr)
         return 2
     except (BenchError, CheckpointLoadError) as error:
         print(f"policy-server bench: {error}", file=sys.stderr)

@@ -56,8 +56,10 @@ def test_bench_on_a_diffusers_folder_reports_its_shapes(tmp_path):
         {"embodiments": [{"name": "bridge_orig_lerobot", "default_chunk_size": 8, "max_chunk_size": 8}]}))
     out = tmp_path / "bench.json"
     assert bench_main(["--checkpoint", str(folder), "--frame-size", "240x320", "--ticks", "2", "--warmup", "2",
-                       "--out", str(out), "--no-reference", "--budget-fractions", "0.8", "0.9"]) == 0
-    model = json.loads(out.read_text())["model"]
+                       "--out", str(out), "--no-reference", "--budgets-ms", "20000", "30000"]) == 0
+    report = json.loads(out.read_text())
+    assert [c["budget_ms"] for c in report["configs"] if c["name"].startswith("budget_")] == [20000, 30000, 20000]
+    model = report["model"]
     assert (model["vae"], model["embodiment"], model["action_dim"]) == ("WanVideoVAE", "bridge_orig_lerobot", 32)
     # 240x320 (ratio 0.75) goes on the 256x320 canvas unscaled: 15x20 latent cells, 3 latent frames for chunk 8.
     assert (model["frame_hw"], model["canvas_hw"], model["latent_shape"]) == ([240, 320], [256, 320], [8, 3, 15, 20])

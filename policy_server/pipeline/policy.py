@@ -216,7 +216,7 @@ class PolicyPipeline:
         served = diffusers_folder.served_embodiments(root, embodiments, transformer.config.action_dim)
         return cls(
             transformer=transformer,
-            vae=WanVideoVAE.from_pretrained(root / "vae", dtype).to(device),
+            vae=WanVideoVAE.from_pretrained(root / "vae", device, dtype),
             tokenizer=TextTokenizer.from_dir(root / "text_tokenizer"),
             embodiments=embodiments,
             config=config,

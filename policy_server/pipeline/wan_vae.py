@@ -30,13 +30,14 @@ class WanVideoVAE(torch.nn.Module):
         self.temporal_compression = int(config.scale_factor_temporal)
         self.latent_channels = int(config.z_dim)
         shape = (1, -1, 1, 1, 1)
-        self.register_buffer("latents_mean", torch.tensor(config.latents_mean, dtype=vae.dtype).view(shape))
-        self.register_buffer("latents_inv_std", 1.0 / torch.tensor(config.latents_std, dtype=vae.dtype).view(shape))
+        like = {"dtype": vae.dtype, "device": vae.device}
+        self.register_buffer("latents_mean", torch.tensor(config.latents_mean, **like).view(shape))
+        self.register_buffer("latents_inv_std", 1.0 / torch.tensor(config.latents_std, **like).view(shape))
 
     @classmethod
-    def from_pretrained(cls, folder: str | Path, dtype: torch.dtype | None = None) -> WanVideoVAE:
-        """Load `folder` (a pipeline's `vae/`) in `dtype` (None: as stored); raises CheckpointError naming what
-        is wrong."""
+    def from_pretrained(cls, folder: str | Path, device: str = "cpu", dtype: torch.dtype | None = None) -> WanVideoVAE:
+        """Load `folder` (a pipeline's `vae/`) straight onto `device` in `dtype` (None: as stored); raises
+        CheckpointError naming what is wrong."""
         try:
             from diffusers import AutoencoderKLWan  # lazy: only real checkpoints need diffusers
             from diffusers.utils import logging as diffusers_logging
@@ -45,7 +46,7 @@ class WanVideoVAE(torch.nn.Module):
                                   "pip install 'policy-server[cosmos3]'") from None
         diffusers_logging.disable_progress_bar()  # the server's log is line-oriented
         try:
-            vae = AutoencoderKLWan.from_pretrained(str(folder), torch_dtype=dtype)
+            vae = AutoencoderKLWan.from_pretrained(str(folder), torch_dtype=dtype, device_map=str(device))
         except (OSError, ValueError, KeyError, RuntimeError) as error:
             raise CheckpointError(f"{folder}: cannot load the {WAN_VAE_CLASS} ({error})") from None
         for name in ("latents_mean", "latents_std"):
