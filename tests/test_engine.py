@@ -445,3 +445,17 @@ def test_dynamics_calls_are_off_unless_asked_for(engine):
                                     np.zeros((session.chunk_size, 2), np.float32))
     finally:
         engine.close_session(session.session_id)
+
+
+def test_warmup_measures_the_ends_and_defaults_and_interpolates_between(engine):
+    """Chunks 1..16 make 1..5 latent frames; warmup runs 1, 3 (the default chunk 8) and 5 and puts 2 and 4 on
+    the chord between their neighbours, so every shape a session may ask for has costs."""
+    model = engine.cost_model
+    for tokens in (0, 100):
+        keys = {frames: engine.cost_key("pusht", chunk, tokens) for frames, chunk in
+                ((1, 3), (2, 5), (3, 8), (4, 12), (5, 16))}
+        assert all(model.is_warm(key) for key in keys.values())
+        for between, (low, high) in ((2, (1, 3)), (4, (3, 5))):
+            costs, a, b = model.costs(keys[between]), model.costs(keys[low]), model.costs(keys[high])
+            assert min(a.full_ms, b.full_ms) <= costs.full_ms <= max(a.full_ms, b.full_ms)
+            assert set(costs.fixed_ms) == set(a.fixed_ms) & set(b.fixed_ms)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from policy_server.budget.cost_model import CostModel
+from policy_server.budget.cost_model import CallCosts, CostModel
 from policy_server.budget.guard import monotonic_ms
 from policy_server.budget.planner import MAX_CACHING, CacheSetting, PlannerConfig
 from policy_server.budget.record import TickRecord as BudgetTickRecord
@@ -650,6 +650,7 @@ class ModelEngine:
                 profile.extend(points)
             self._warm_progress = (index + 1) / (len(shapes) + 1)
         self._profile = tuple(profile)
+        self._interpolate_costs()
         reasoner_ms = yield from self._time_reasoner_steps()
         # A server without dynamics calls need not reserve for their longest piece (the frames' decode).
         dynamics_ms = (yield from self._time_dynamics_pieces()) if self.settings.max_dynamics_calls else 0.0
@@ -662,19 +663,49 @@ class ModelEngine:
         self._ready.set()
 
     def _warm_shapes(self) -> list[tuple[Embodiment, int, int, bool]]:
-        """`(embodiment, chunk, instruction tokens, is the default shape)`, one per cost key, the default first:
-        each key at the largest chunk any served embodiment asks with it, at its longest instruction."""
+        """`(embodiment, chunk, instruction tokens, is the default shape)` to measure, the default first: each
+        key at the largest chunk any served embodiment asks with it, at its longest instruction. Of the keys
+        that differ only in latent frames, the fewest and the most frames and every served embodiment's default
+        chunk are measured; the rest are interpolated (`_interpolate_costs`)."""
         first = next(iter(self._embodiments.values()))
         default_key = self.cost_key(first.name, first.default_chunk_size, 0)
         shapes: dict[tuple, tuple[Embodiment, int, int, bool]] = {
             default_key: (first, first.default_chunk_size, INSTRUCTION_TOKEN_GROUPS[0], True)}
+        every = self._all_shapes()
+        measured = {self.cost_key(e.name, e.default_chunk_size, tokens)
+                    for e in self._embodiments.values() for tokens in INSTRUCTION_TOKEN_GROUPS}
+        for family in {key[1:] for key in every}:
+            frames = sorted(key[0] for key in every if key[1:] == family)
+            measured |= {(frames[0], *family), (frames[-1], *family)}
+        for key in sorted(measured - {default_key}):
+            shapes[key] = every[key]
+        return list(shapes.values())
+
+    def _all_shapes(self) -> dict[tuple, tuple[Embodiment, int, int, bool]]:
+        """Every cost key served, at the largest chunk any served embodiment asks with it."""
+        shapes: dict[tuple, tuple[Embodiment, int, int, bool]] = {}
         for embodiment in self._embodiments.values():
             for chunk in range(1, embodiment.max_chunk_size + 1):
                 for tokens in INSTRUCTION_TOKEN_GROUPS:
                     key = self.cost_key(embodiment.name, chunk, tokens)
-                    if key != default_key and chunk >= shapes.get(key, (None, 0))[1]:
+                    if chunk >= shapes.get(key, (None, 0))[1]:
                         shapes[key] = (embodiment, chunk, tokens, False)
-        return list(shapes.values())
+        return shapes
+
+    def _interpolate_costs(self) -> None:
+        """Costs of the keys warmup did not run, linear in latent frames between the measured keys on either
+        side. A tick's cost is convex in its tokens (attention is quadratic), so the chord overestimates: such
+        a key starts out cautious, and its own ticks replace the estimate as they run."""
+        keys = list(self._all_shapes())
+        for key in keys:
+            if self.cost_model.is_warm(key):
+                continue
+            family = [k for k in keys if k[1:] == key[1:] and self.cost_model.is_warm(k)]
+            low = max((k for k in family if k[0] < key[0]), key=lambda k: k[0])
+            high = min((k for k in family if k[0] > key[0]), key=lambda k: k[0])
+            full, skip, stages = _interpolated(self.cost_model.costs(low), self.cost_model.costs(high),
+                                               (key[0] - low[0]) / (high[0] - low[0]))
+            self.cost_model.observe_tick(key, [(True, full), (False, skip)], stages)
 
     def _warm_shape(self, embodiment: Embodiment, chunk: int, tokens: int, ticks: int, steps: int | None):
         """Uncached ticks time full calls and the fixed stages, maximally cached ticks time skipped calls
@@ -986,6 +1017,15 @@ class ModelEngine:
                 yield item
 
         return stream_pieces()
+
+
+def _interpolated(low: CallCosts, high: CallCosts, weight: float) -> tuple[float, float, dict[str, float]]:
+    """`(full ms, skip ms, stage ms)` a `weight` of the way from `low`'s costs to `high`'s."""
+    def lerp(a: float, b: float) -> float:
+        return a + weight * (b - a)
+
+    stages = {stage: lerp(ms, high.fixed_ms[stage]) for stage, ms in low.fixed_ms.items() if stage in high.fixed_ms}
+    return lerp(low.full_ms, high.full_ms), lerp(low.skip_ms, high.skip_ms), stages
 
 
 def settings_from_config(config) -> EngineSettings:
