@@ -127,7 +127,12 @@ def serve(config: ServerConfig) -> int:
         watchdog.daemon = True
         watchdog.start()
         server.stop(grace_s=SHUTDOWN_GRACE_S)
-        engine.close()
+        if not engine.close():
+            # Every caller has been answered; only the worker's device call (a long VAE pass) is left, and
+            # interpreter teardown under a thread inside torch would abort the process: leave without it.
+            log.info("leaving the model worker's device call unfinished")
+            logging.shutdown()
+            os._exit(0)
         watchdog.cancel()
     return 0
 

@@ -148,9 +148,10 @@ class FakeEngine:
         with self._lock:
             return EngineStats(sessions=len(self._sessions), queue_depth=0, warmup_progress=1.0 if self._ready else 0.5)
 
-    def close(self) -> None:
+    def close(self) -> bool:
         with self._lock:
             self._sessions.clear()
+        return True
 
     def _check_budget(self, budget_ms: float) -> None:
         if budget_ms < BEST_ACHIEVABLE_MS:

@@ -10,9 +10,11 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -304,3 +306,29 @@ def test_seacache_at_diffusers_defaults_decides_as_diffusers_hook(folder, pipe, 
     assert "S" in expected["cond"], "no skips: the comparison would be trivial"
     np.testing.assert_allclose(out.actions, ref.actions, atol=ATOL, rtol=0)
     np.testing.assert_allclose(out.latents.numpy(), ref.latents[0], atol=ATOL, rtol=0)
+
+
+def test_sigterm_during_the_warmup_of_the_unchanged_folder_exits_cleanly(folder, tmp_path):
+    """The folder's warmup runs long VAE passes (640x640 canvases) that a stop cannot interrupt; SIGTERM in the
+    middle of one still ends the process with status 0 and no abort."""
+    log = open(tmp_path / "server.log", "w+")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "policy_server.cli", "--checkpoint", str(folder), "--port", "0", "--device", "cpu"],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        log.seek(0)
+        for _ in range(600):  # until the warmup runs its ticks
+            if "SeaCache ran full" in log.read() or process.poll() is not None:
+                break
+            log.seek(0)
+            time.sleep(0.1)
+        time.sleep(3)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+    finally:
+        process.kill()
+        log.seek(0)
+        output = log.read()
+        log.close()
+    assert "terminate called" not in output and "Traceback" not in output, output

@@ -106,6 +106,19 @@ def test_close_fails_queued_ticks_and_jobs_and_refuses_new_work():
         worker.submit(TickJob(session=object(), shape="s", payload=2))
 
 
+def test_close_says_whether_the_worker_stopped_within_its_timeout():
+    """A step that outlasts the timeout (a long device call) leaves the thread running: close says so, so that
+    the process can leave without tearing the interpreter down under it."""
+    log, gate, started = _Log(), threading.Event(), threading.Event()
+    worker = _worker(log)
+    worker.submit(GeneratorJob(_steps(log, "long", 1, gate, started), lambda error: None))
+    started.wait(timeout=10)
+    assert worker.close(timeout_s=0.05) is False
+    gate.set()
+    idle = _worker(log)
+    assert idle.close(timeout_s=10) is True
+
+
 def test_withdraw_takes_a_queued_tick_off_before_it_starts():
     log, gate = _Log(), threading.Event()
     worker = _worker(log)

@@ -500,8 +500,9 @@ class Engine(Protocol):
 
     def stats(self) -> EngineStats: ...
 
-    def close(self) -> None:
-        """Stop the model worker and free the device; called once at server shutdown."""
+    def close(self) -> bool:
+        """Stop the model worker and free the device; called once at server shutdown. Returns whether the
+        worker stopped (False: it is still inside a device call it cannot leave)."""
         ...
 
     def capacity(self, budget_ms: float | None = None, rate_hz: float | None = None) -> tuple[Capacity, ...]:

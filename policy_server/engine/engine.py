@@ -249,10 +249,11 @@ class ModelEngine:
             raise RuntimeError("warmup failed") from self._warmup_error
         return True
 
-    def close(self) -> None:
-        """Abandon the running tick within one step, fail everything queued, stop the worker."""
+    def close(self) -> bool:
+        """Abandon the running tick (or warmup tick) within one step, fail everything queued, stop the worker.
+        Returns whether the worker stopped within `_CLOSE_TIMEOUT_S` (a device call may hold it longer)."""
         self._closing.set()
-        self._worker.close(_CLOSE_TIMEOUT_S)
+        return self._worker.close(_CLOSE_TIMEOUT_S)
 
     def ready(self) -> bool:
         return self._ready.is_set() and self._warmup_error is None
@@ -753,7 +754,7 @@ class ModelEngine:
         controller = NoCache() if mode == "uncached" else SeaCache(
             SeaCacheConfig(threshold=MAX_CACHING.threshold, max_consecutive_cached=MAX_CACHING.cap),
             sea_filter=self._sea_filter)
-        return self.pipeline(request, controller=controller)
+        return self.pipeline(request, controller=controller, should_abort=self._closing.is_set)
 
     def _text_of(self, tokens: int) -> str:
         """An instruction of about `tokens` tokens (at most that many)."""

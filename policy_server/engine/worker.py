@@ -85,8 +85,9 @@ class ModelWorker:
                 return True
             return False
 
-    def close(self, timeout_s: float) -> None:
-        """Stop after the step in progress (waiting ``timeout_s`` at most) and fail everything queued."""
+    def close(self, timeout_s: float) -> bool:
+        """Stop after the step in progress (waiting ``timeout_s`` at most) and fail everything queued; returns
+        whether the worker thread stopped."""
         with self._changed:
             self._closed = True
             ticks, self._ticks = self._ticks, []
@@ -98,6 +99,7 @@ class ModelWorker:
             job.fail(api.ShuttingDown())
         self._thread.join(timeout_s)
         self._batch_threads.shutdown(wait=False, cancel_futures=True)
+        return not self._thread.is_alive()
 
     # ------------------------------------------------------------------------------ the loop
 
