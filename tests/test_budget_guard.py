@@ -76,11 +76,11 @@ def run_tick(clock, budget, plan, guarded=True, stack_ms=lambda step: STACK_MS, 
     clock.advance(ENCODE_MS)
     guard = budget.arm(plan, KEY, start)
     cache = SeaCache(
-        SeaCacheConfig(),
+        SeaCacheConfig(threshold=plan.thresholds, max_consecutive_cached=plan.cap),
         force_skip=guard.force_skip if guarded else None,
         on_decision=guard.on_decision,
     )
-    cache.begin(plan.num_steps, threshold=plan.thresholds, max_consecutive_cached=plan.cap)
+    cache.begin(plan.num_steps)
     t0 = clock()
     run_denoise(clock, plan, cache, stack_ms, guard if guarded else None, stall_ms)
     t1 = clock()

@@ -1,5 +1,5 @@
 """Client library pieces: the robot-side ActionQueue, backoff, error decoding, the health probe,
-and the layering rule that neither the client nor the transport imports torch."""
+and the layering rules: the client loads no server, engine, torch or cv2 module, the transport no torch."""
 
 from __future__ import annotations
 
@@ -154,6 +154,19 @@ def test_health_probe_command():
             client.wait_until_serving(timeout_s=10)
         ready = subprocess.run(probe, cwd=REPO, capture_output=True, text=True, timeout=60)
         assert (ready.returncode, ready.stdout.strip()) == (0, "SERVING")
+
+
+def test_client_loads_no_server_engine_torch_or_cv2():
+    code = (
+        "import sys\n"
+        "import policy_server.client\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'cv2')\n"
+        "             or m.startswith(('policy_server.server', 'policy_server.engine')))\n"
+        "print(bad)\n"
+        "sys.exit(1 if bad else 0)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_client_and_transport_do_not_import_torch():

@@ -20,8 +20,8 @@ from policy_server.limits import MAX_DYNAMICS_MS, MAX_FRAME_SIDE
 from policy_server.pipeline.policy import PolicyRequest
 from policy_server.server.app import build_server
 from policy_server.server.convert import FRAME_JPEG_QUALITY
-from policy_server.server.proto import policy_server_pb2 as pb
-from policy_server.server.wire import decode_image, encode_image, tensor_to_proto
+from policy_server.v1 import policy_server_pb2 as pb
+from policy_server.v1.wire import decode_image, encode_image, tensor_to_proto
 from robots.embedded import build_random_pipeline
 
 INSTRUCTION = "reach the red circle"

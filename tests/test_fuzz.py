@@ -54,10 +54,10 @@ from policy_server.config import build_config
 from policy_server.engine.engine import EngineSettings, ModelEngine
 from policy_server.pipeline.policy import PolicyPipeline
 from policy_server.server.app import build_server
-from policy_server.server.errors import REASON_KEY
-from policy_server.server.proto import policy_server_pb2 as pb
-from policy_server.server.proto import policy_server_pb2_grpc as pb_grpc
-from policy_server.server.wire import encode_image, tensor_to_proto
+from policy_server.v1 import policy_server_pb2 as pb
+from policy_server.v1 import policy_server_pb2_grpc as pb_grpc
+from policy_server.v1.errors import REASON_KEY
+from policy_server.v1.wire import encode_image, tensor_to_proto
 
 # The embedded model serves one embodiment; the fixture checks these against the engine's own description.
 EMBODIMENT, CAMERA, HEIGHT, WIDTH, STATE_DIM, ACTION_DIM, CHUNK = "pusht", "image", 64, 64, 2, 2, 8

@@ -43,8 +43,8 @@ from test_fuzz import (  # noqa: F401 - served and closed_id are the fixtures th
     weighted,
 )
 
-from policy_server.server.proto import policy_server_pb2 as pb
-from policy_server.server.wire import tensor_to_proto
+from policy_server.v1 import policy_server_pb2 as pb
+from policy_server.v1.wire import tensor_to_proto
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

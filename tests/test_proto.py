@@ -1,5 +1,6 @@
 """The wire contract: generated stubs are current, tensors and images round-trip, bad payloads are named."""
 
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -8,15 +9,15 @@ import cv2
 import numpy as np
 import pytest
 
-from policy_server.server import gen_proto, wire
-from policy_server.server.proto import policy_server_pb2 as pb
+from policy_server.v1 import gen_proto, wire
+from policy_server.v1 import policy_server_pb2 as pb
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def test_checked_in_stubs_match_a_fresh_generation():
     stale = gen_proto.stale_files()
-    assert stale == [], f"regenerate with `python -m policy_server.server.gen_proto`; stale: {stale}"
+    assert stale == [], f"regenerate with `python -m policy_server.v1.gen_proto`; stale: {stale}"
 
 
 def test_stale_check_detects_an_edited_stub(tmp_path):
@@ -42,8 +43,15 @@ def test_package_is_versioned_and_descriptor_keeps_the_canonical_path():
     assert not reason.client_streaming and reason.server_streaming
 
 
+def test_messages_pickle_under_the_module_path_the_proto_declares():
+    msg = pb.ActRequest(session_id="s", epoch=2, observation=pb.Observation(
+        images={"cam": wire.encode_image(_frame(), "raw")}, state=wire.tensor_to_proto(np.ones(3, np.float32))))
+    assert type(msg).__module__ == "policy_server.v1.policy_server_pb2"
+    assert pickle.loads(pickle.dumps(msg)) == msg
+
+
 def test_the_check_command_exits_zero_when_current():
-    result = subprocess.run([sys.executable, "-m", "policy_server.server.gen_proto", "--check"], cwd=REPO,
+    result = subprocess.run([sys.executable, "-m", "policy_server.v1.gen_proto", "--check"], cwd=REPO,
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
 

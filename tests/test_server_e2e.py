@@ -16,8 +16,8 @@ import pytest
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from policy_server.client import ControlStream, PolicyClient, PolicyServerError, build_observation
-from policy_server.server.proto import policy_server_pb2 as pb
-from policy_server.server.wire import encode_image, tensor_to_proto
+from policy_server.v1 import policy_server_pb2 as pb
+from policy_server.v1.wire import encode_image, tensor_to_proto
 from robots.embedded import build_random_pipeline
 
 TOKEN = "e2e-token"

@@ -16,8 +16,8 @@ from fake_engine import LIBERO, PUSHT, FakeEngine, expected_actions, serve_fake
 from policy_server.client import PolicyClient, PolicyServerError, Session, build_observation
 from policy_server.engine.api import Observation
 from policy_server.limits import MAX_FRAME_SIDE
-from policy_server.server.proto import policy_server_pb2 as pb
-from policy_server.server.wire import encode_image, tensor_to_proto
+from policy_server.v1 import policy_server_pb2 as pb
+from policy_server.v1.wire import encode_image, tensor_to_proto
 
 MAX_MESSAGE_MB = 0.25
 LIMIT = int(MAX_MESSAGE_MB * 1024 * 1024)

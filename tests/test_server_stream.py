@@ -15,7 +15,7 @@ from policy_server.config import build_config
 from policy_server.engine.api import Observation
 from policy_server.limits import MAX_FRAME_SIDE
 from policy_server.server.app import build_server
-from policy_server.server.proto import policy_server_pb2 as pb
+from policy_server.v1 import policy_server_pb2 as pb
 
 STATE = np.array([0.1, 0.2], np.float32)
 IMAGE = np.full((48, 64, 3), 90, np.uint8)

@@ -7,9 +7,9 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from policy_server.server.errors import REASON_KEY
-from policy_server.server.proto import policy_server_pb2 as pb
-from policy_server.server.proto import policy_server_pb2_grpc as pb_grpc
+from policy_server.v1 import policy_server_pb2 as pb
+from policy_server.v1 import policy_server_pb2_grpc as pb_grpc
+from policy_server.v1.errors import REASON_KEY
 from robots.soak import main as soak_main
 
 

@@ -9,6 +9,9 @@ The sampler calls, for each step ``i`` and CFG branch ``b`` ("cond", "uncond")::
 ``noisy_vision`` holds every vision item with at least one noisy frame, whole (its clean conditioning frames
 included), and leaves out fully conditioned items; it is empty for packs without noisy vision (inverse
 dynamics), which makes SeaCache fail open. This matches diffusers' Cosmos3 SeaCache hook.
+
+Controllers rely on the sampler and do not check it: calls run under no grad, sigma is in [0, 1], a branch's
+steps come one apart (it may start late or stop early), and the shapes stay fixed within a request.
 """
 
 from __future__ import annotations
@@ -20,16 +23,12 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 if TYPE_CHECKING:  # keep this module importable without torch (the budget layer reads records)
     import torch
 
-# Why a call ran FULL although the cache was allowed to skip: the cache could not trust its state.
+# Why a call ran FULL although the cache was allowed to skip: it had nothing to gate or extrapolate on.
 FAIL_OPEN_REASONS = frozenset(
     {
-        "no_history",  # a skip was wanted (gate or guard) but no residual is stored for this branch
+        "no_history",  # the guard asked for a skip but no residual is stored for this branch yet
         "no_previous_indicator",  # first indicator seen on this branch; nothing to compare against
-        "non_adjacent_step",  # step != previous step + 1 on this branch; state was reset
-        "shape_change",  # indicator or stack-input shape/dtype/device changed; history was cleared
         "no_noisy_vision",  # pack without noisy vision (inverse dynamics, action-only)
-        "grad_enabled",  # autograd on: caching is inference-only
-        "sigma_out_of_range",  # sigma not a finite number in [0, 1]
         "nonfinite_distance",  # the indicator distance was NaN or inf
     }
 )
@@ -166,16 +165,6 @@ class StepController(Protocol):
         ...
 
 
-def check_step_call(step: int, branch: str, num_steps: int | None) -> None:
-    """Validate the sampler's step/branch arguments (shared by every controller)."""
-    if num_steps is None:
-        raise RuntimeError("run_stack called before begin(num_steps)")
-    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < num_steps:
-        raise ValueError(f"step must be an int in [0, {num_steps}), got {step!r}")
-    if not isinstance(branch, str) or not branch:
-        raise ValueError(f"branch must be a non-empty CFG branch name such as 'cond', got {branch!r}")
-
-
 def check_num_steps(num_steps: int) -> int:
     if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
         raise ValueError(f"num_steps must be an int >= 1, got {num_steps!r}")
@@ -187,10 +176,9 @@ class NoCache:
 
     def __init__(self) -> None:
         self._record = CacheRecord(num_steps=0)
-        self._num_steps: int | None = None
 
     def begin(self, num_steps: int) -> None:
-        self._num_steps = check_num_steps(num_steps)
+        check_num_steps(num_steps)
         self._record = CacheRecord(num_steps=num_steps, thresholds=(0.0,) * num_steps)
 
     def run_stack(
@@ -202,7 +190,6 @@ class NoCache:
         gen_in: torch.Tensor,
         full: Callable[[], torch.Tensor],
     ) -> torch.Tensor:
-        check_step_call(step, branch, self._num_steps)
         self._record.add(StepDecision(step=step, branch=branch, full=True, reason="no_cache"))
         return full()
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import grpc
 
-from policy_server.server.errors import DETAIL_KEY, REASON_KEY
-from policy_server.server.proto import policy_server_pb2 as pb
+from policy_server.v1 import policy_server_pb2 as pb
+from policy_server.v1.errors import REASON_KEY, error_detail
 
 
 class PolicyServerError(Exception):
@@ -47,8 +47,8 @@ class PolicyServerError(Exception):
         code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
         message = (error.details() if hasattr(error, "details") else None) or ""
         trailing = dict(error.trailing_metadata() or ()) if hasattr(error, "trailing_metadata") else {}
-        if DETAIL_KEY in trailing:
-            detail = pb.ErrorDetail.FromString(trailing[DETAIL_KEY])
+        detail = error_detail(trailing)
+        if detail is not None:
             return cls(code, detail.reason, detail.message, detail)
         reason = trailing.get(REASON_KEY) or code.name
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in message:

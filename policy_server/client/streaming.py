@@ -29,7 +29,7 @@ from policy_server.client.backoff import Backoff
 from policy_server.client.errors import PolicyServerError
 from policy_server.client.sync_client import PolicyClient
 from policy_server.client.types import ActionChunk, Session, build_observation
-from policy_server.server.proto import policy_server_pb2 as pb
+from policy_server.v1 import policy_server_pb2 as pb
 
 log = logging.getLogger(__name__)
 

@@ -34,8 +34,8 @@ from policy_server.client.types import (
     build_observation,
     floats_to_proto,
 )
-from policy_server.server.proto import policy_server_pb2 as pb
-from policy_server.server.proto import policy_server_pb2_grpc as pb_grpc
+from policy_server.v1 import policy_server_pb2 as pb
+from policy_server.v1 import policy_server_pb2_grpc as pb_grpc
 
 T = TypeVar("T")
 

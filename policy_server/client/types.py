@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from policy_server.server.proto import policy_server_pb2 as pb
-from policy_server.server.wire import decode_image, encode_image, tensor_from_proto, tensor_to_proto
+from policy_server.v1 import policy_server_pb2 as pb
+from policy_server.v1.wire import decode_image, encode_image, tensor_from_proto, tensor_to_proto
 
 
 @dataclass(frozen=True)

@@ -150,10 +150,8 @@ def closest_canvas(height: int, width: int, canvases: Sequence[tuple[int, int]])
 def floor_to_multiple(frames: np.ndarray, multiple: int) -> np.ndarray:
     """uint8 RGB frames [T, H, W, 3] resized (PIL bilinear, as diffusers' video processor does) down to the
     nearest multiples of ``multiple``; unchanged when they already are. Needs H, W >= ``multiple``."""
-    t, h, w, _ = frames.shape
+    _, h, w, _ = frames.shape
     size_hw = (h - h % multiple, w - w % multiple)
-    if min(size_hw) < 1:
-        raise ValueError(f"frames are {h}x{w}; expected at least {multiple}x{multiple}")
     if size_hw == (h, w):
         return frames
     resized = [np.asarray(Image.fromarray(frame).resize(size_hw[::-1], resample=Image.BILINEAR)) for frame in frames]

@@ -2,8 +2,8 @@
 the openpi-compatible WebSocket adapter. No torch here: the model is reached only through the
 ``Engine`` protocol in ``policy_server.engine.api``.
 
-Kept import-light on purpose: the client library imports the generated stubs under
-``policy_server.server.proto`` and must not pull in the server machinery.
+Kept import-light on purpose: importing one transport module (``validate``, ``convert``) does not
+load the whole server (``app``). The wire protocol itself is ``policy_server.v1``, shared with the client.
 """
 
 from __future__ import annotations

@@ -22,9 +22,9 @@ from policy_server.engine.api import Engine
 from policy_server.server.auth import TokenAuthInterceptor, read_token_file
 from policy_server.server.errors import lenient_parser
 from policy_server.server.metrics import ServerMetrics
-from policy_server.server.proto import policy_server_pb2 as pb
 from policy_server.server.servicer import PolicyServicer
 from policy_server.server.websocket import OpenpiWebsocketServer
+from policy_server.v1 import policy_server_pb2 as pb
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ from policy_server.limits import MAX_FRAME_RATE_HZ
 from policy_server.server import convert, validate
 from policy_server.server.errors import ServiceError, Undecodable, from_exception, make_error
 from policy_server.server.metrics import ServerMetrics
-from policy_server.server.proto import policy_server_pb2 as pb
+from policy_server.v1 import policy_server_pb2 as pb
 
 _END = object()  # outbound sentinel: the stream is over
 

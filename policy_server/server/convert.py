@@ -17,8 +17,8 @@ from policy_server.engine.api import (
     SessionHandle,
     TickRecord,
 )
-from policy_server.server.proto import policy_server_pb2 as pb
-from policy_server.server.wire import encode_image, tensor_to_proto
+from policy_server.v1 import policy_server_pb2 as pb
+from policy_server.v1.wire import encode_image, tensor_to_proto
 
 PROTOCOL_VERSION = "policy_server.v1"
 

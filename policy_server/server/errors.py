@@ -1,11 +1,7 @@
 """Every error a client can see: a precise gRPC status plus a machine-readable reason.
 
-A failed call carries trailing metadata
-- ``policy-server-reason``: the stable reason code, e.g. ``SCHEMA_MISMATCH``;
-- ``policy-server-field``: the offending request field, when there is one;
-- ``policy-server-error-bin``: a serialized ``policy_server.v1.ErrorDetail`` with everything else
-  (expected / got, best achievable latency, retry delay).
-On the Control stream the same ``ErrorDetail`` arrives inside a ``ControlEvent.error``.
+How it travels (trailing metadata, or a ``ControlEvent.error`` on the Control stream) is protocol:
+``policy_server.v1.errors``.
 """
 
 from __future__ import annotations
@@ -18,14 +14,11 @@ from dataclasses import dataclass
 import grpc
 
 from policy_server.engine.api import BudgetInfeasible, EngineError, InvalidArgument, RateExceeded, WarmingUp
-from policy_server.server.proto import policy_server_pb2 as pb
-from policy_server.server.wire import WireError
+from policy_server.v1 import policy_server_pb2 as pb
+from policy_server.v1.errors import error_metadata
+from policy_server.v1.wire import WireError
 
 log = logging.getLogger(__name__)
-
-REASON_KEY = "policy-server-reason"
-FIELD_KEY = "policy-server-field"
-DETAIL_KEY = "policy-server-error-bin"
 
 # Reason code -> gRPC status. Anything not listed is a request-content problem (INVALID_ARGUMENT).
 _STATUS_BY_REASON: dict[str, grpc.StatusCode] = {
@@ -81,11 +74,7 @@ class ServiceError(Exception):
         return self.detail.reason
 
     def trailing_metadata(self) -> tuple[tuple[str, str | bytes], ...]:
-        items: list[tuple[str, str | bytes]] = [(REASON_KEY, self.detail.reason)]
-        if self.detail.field:
-            items.append((FIELD_KEY, self.detail.field))
-        items.append((DETAIL_KEY, self.detail.SerializeToString()))
-        return tuple(items)
+        return error_metadata(self.detail)
 
 
 def make_error(

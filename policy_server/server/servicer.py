@@ -15,8 +15,8 @@ from policy_server.server import convert, validate
 from policy_server.server.control_stream import ControlStream
 from policy_server.server.errors import ServiceError, make_error, rpc_errors
 from policy_server.server.metrics import ServerMetrics
-from policy_server.server.proto import policy_server_pb2 as pb
-from policy_server.server.proto import policy_server_pb2_grpc as pb_grpc
+from policy_server.v1 import policy_server_pb2 as pb
+from policy_server.v1 import policy_server_pb2_grpc as pb_grpc
 
 # gRPC reports "no deadline" as a time remaining far in the future.
 _NO_DEADLINE_S = 1e8

@@ -24,8 +24,8 @@ from policy_server.engine.api import (
     UnknownEmbodiment,
     VideoClip,
 )
-from policy_server.server.proto import policy_server_pb2 as pb
-from policy_server.server.wire import decode_image, tensor_from_proto
+from policy_server.v1 import policy_server_pb2 as pb
+from policy_server.v1.wire import decode_image, tensor_from_proto
 
 _FLOAT_DTYPES = (np.float32, np.float64)
 _MAX_ID_CHARS = 128  # session ids are 32 hex characters; embodiment names are short

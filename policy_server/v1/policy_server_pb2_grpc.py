@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from policy_server.server.proto import policy_server_pb2 as policy__server_dot_v1_dot_policy__server__pb2
+from policy_server.v1 import policy_server_pb2 as policy__server_dot_v1_dot_policy__server__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

@@ -1,12 +1,12 @@
 """Regenerate the checked-in Python stubs from ``protos/policy_server/v1/policy_server.proto``.
 
-    python -m policy_server.server.gen_proto           # rewrite policy_server/server/proto/*
-    python -m policy_server.server.gen_proto --check   # exit 1 if the checked-in stubs are stale
+    python -m policy_server.v1.gen_proto           # rewrite policy_server/v1/policy_server_pb2*
+    python -m policy_server.v1.gen_proto --check   # exit 1 if the checked-in stubs are stale
 
-protoc names the generated modules after the proto's path (``policy_server/v1/...``); the gRPC
-module's import of the message module is rewritten to the package the stubs live in, so the
-descriptor keeps its canonical file name ``policy_server/v1/policy_server.proto`` (what reflection
-clients such as grpcurl see).
+protoc names the generated modules after the proto's path (``policy_server/v1/...``), which is where
+they live: the modules are importable (and their messages picklable) under the names they record,
+and the descriptor keeps its canonical file name ``policy_server/v1/policy_server.proto`` (what
+reflection clients such as grpcurl see).
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PROTO_ROOT = REPO_ROOT / "protos"
 PROTO_FILE = Path("policy_server/v1/policy_server.proto")
-STUB_DIR = Path(__file__).resolve().parent / "proto"
-STUB_PACKAGE = "policy_server.server.proto"
+STUB_DIR = Path(__file__).resolve().parent
 GENERATED = ("policy_server_pb2.py", "policy_server_pb2.pyi", "policy_server_pb2_grpc.py")
 
 
@@ -47,10 +46,8 @@ def generate(out_dir: Path) -> list[Path]:
             raise RuntimeError(f"protoc failed with exit code {rc} on {PROTO_ROOT / PROTO_FILE}")
         written = []
         for name in GENERATED:
-            text = (Path(tmp) / PROTO_FILE.parent / name).read_text()
-            text = text.replace("from policy_server.v1 import", f"from {STUB_PACKAGE} import")
             target = out_dir / name
-            target.write_text(text)
+            target.write_text((Path(tmp) / PROTO_FILE.parent / name).read_text())
             written.append(target)
     return written
 

@@ -4,6 +4,7 @@ Decoding is strict: every malformed payload raises ``WireError`` naming the fiel
 expected and what arrived. Nothing here unpickles or evaluates anything: tensors are raw
 little-endian bytes with an explicit dtype and shape, images are JPEG/PNG decoded by OpenCV (after
 their header size has been checked, so a tiny file cannot claim a huge frame) or raw RGB bytes.
+OpenCV is imported by the functions that code JPEG / PNG, so a client that sends RAW frames never loads it.
 """
 
 from __future__ import annotations
@@ -11,11 +12,10 @@ from __future__ import annotations
 import math
 import struct
 
-import cv2
 import numpy as np
 
 from policy_server.limits import MAX_FRAME_SIDE
-from policy_server.server.proto import policy_server_pb2 as pb
+from policy_server.v1 import policy_server_pb2 as pb
 
 # Wire dtype <-> numpy dtype (explicitly little-endian).
 DTYPES: dict[int, np.dtype] = {
@@ -109,6 +109,8 @@ def encode_image(image: np.ndarray, encoding: str = "jpeg", jpeg_quality: int = 
             channels=channels,
             data=np.ascontiguousarray(image).tobytes(),
         )
+    import cv2
+
     # OpenCV encodes BGR; the wire is RGB.
     bgr = cv2.cvtColor(image, cv2.COLOR_RGB2BGR) if channels == 3 else image
     if kind == "jpeg":
@@ -223,6 +225,8 @@ def decode_image(image: pb.Image, field: str, max_side: int = MAX_FRAME_SIDE, mi
             f"[{image.height}, {image.width}]",
             "BAD_IMAGE",
         )
+    import cv2
+
     decoded = cv2.imdecode(np.frombuffer(data, dtype=np.uint8), cv2.IMREAD_UNCHANGED)
     if decoded is None:
         raise WireError(
