@@ -17,7 +17,7 @@ from policy_server.pipeline.errors import (
     InvalidChunkSize,
     InvalidState,
     PolicyInputError,
-    UnknownEmbodiment,
+    UnregisteredEmbodiment,
 )
 
 
@@ -46,7 +46,7 @@ def test_seeded_fields():
 
 def test_unknown_embodiment_names_the_known_ones():
     registry = EmbodimentRegistry.cosmos3()
-    with pytest.raises(UnknownEmbodiment) as info:
+    with pytest.raises(UnregisteredEmbodiment) as info:
         registry.get("ur5e")
     err = info.value
     assert isinstance(err, PolicyInputError) and isinstance(err, ValueError)
@@ -183,6 +183,24 @@ def test_state_checks():
     assert no_state.check_state(None) is None
     with pytest.raises(InvalidState, match="takes no state"):
         no_state.check_state([0.0])
+
+
+def test_to_spec_declares_one_label_per_channel():
+    arm = Embodiment(name="arm", domain_id=21, raw_action_dim=2, action_units=("m/s", "m/s"),
+                     action_low=(-1, -1), action_high=(1, 2), state_dim=1, state_units=("rad",),
+                     state_low=(-3.0,), state_high=(3.0,), cameras=("front", "wrist"), fps=15.0,
+                     default_chunk_size=4, max_chunk_size=8)
+    spec = arm.to_spec((64, 128), 16, None)
+    assert spec.name == "arm" and spec.control_hz == 15.0
+    assert (spec.default_chunk_size, spec.min_chunk_size, spec.max_chunk_size) == (4, 1, 8)
+    assert [(c.name, c.height, c.width, c.min_side) for c in spec.cameras] == [("front", 64, 64, 16),
+                                                                               ("wrist", 64, 64, 16)]
+    assert spec.action.units == ("m/s", "m/s")  # one unit per channel, not one per character
+    assert (spec.action.low, spec.action.high) == ((-1.0, -1.0), (1.0, 2.0))
+    assert (spec.state_dim, spec.state_units, spec.state_low, spec.state_high) == (1, ("rad",), (-3.0,), (3.0,))
+    for embodiment in EmbodimentRegistry.cosmos3():
+        action = embodiment.to_spec((64, 64), 16, None).action
+        assert action.dim == len(action.names) == len(action.units) == embodiment.raw_action_dim
 
 
 def test_action_checks_and_limits():

@@ -13,83 +13,19 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 
-from policy_server.limits import MAX_FRAME_SIDE
+# The embodiment schema is part of this contract; it lives in a leaf module so the pipeline can build it.
+from policy_server.specs import ActionSpec as ActionSpec
+from policy_server.specs import CameraSpec as CameraSpec
+from policy_server.specs import EmbodimentSpec as EmbodimentSpec
+from policy_server.specs import ImageEncoding as ImageEncoding
 
 # ---------------------------------------------------------------------------------------------
 # Server and schema description
 # ---------------------------------------------------------------------------------------------
-
-
-class ImageEncoding(StrEnum):
-    """How a camera frame travels on the wire. RAW is 8-bit RGB, row-major [H, W, C]."""
-
-    JPEG = "jpeg"
-    PNG = "png"
-    RAW = "raw"
-
-
-@dataclass(frozen=True)
-class CameraSpec:
-    """One camera the embodiment expects in every observation: uint8 RGB [H, W, channels] with both sides
-    in ``min_side..max_side`` px, one H for all cameras of the embodiment (the model sees them side by side).
-    ``height`` x ``width``: the camera's share of the model's largest canvas, the largest frame it sees
-    unscaled (larger frames are downscaled to fit, smaller ones padded)."""
-
-    name: str
-    height: int
-    width: int
-    channels: int = 3
-    encodings: tuple[ImageEncoding, ...] = (ImageEncoding.JPEG, ImageEncoding.PNG, ImageEncoding.RAW)
-    max_side: int = MAX_FRAME_SIDE
-    min_side: int = 1
-
-
-@dataclass(frozen=True)
-class ActionSpec:
-    """The action vector of one control step: float32 [dim] in physical units.
-
-    ``names`` / ``units`` hold one entry per dimension (or are empty).
-
-    ``low``/``high`` are the declared per-dimension limits (empty = unbounded); the engine
-    guarantees every returned action is finite and inside them.
-    """
-
-    dim: int
-    names: tuple[str, ...] = ()
-    units: tuple[str, ...] = ()
-    low: tuple[float, ...] = ()
-    high: tuple[float, ...] = ()
-
-
-@dataclass(frozen=True)
-class EmbodimentSpec:
-    """Observation and action schema of one robot type the model can drive.
-
-    ``state_dim`` 0 means the embodiment takes no proprioceptive state; ``state_low`` /
-    ``state_high`` bound each state dimension (inclusive). A chunk holds ``chunk_size`` consecutive
-    actions, one per control period (1 / ``control_hz`` s).
-    """
-
-    name: str
-    cameras: tuple[CameraSpec, ...]
-    state_dim: int
-    action: ActionSpec
-    state_names: tuple[str, ...] = ()
-    state_units: tuple[str, ...] = ()  # one per state dimension, or empty
-    state_low: tuple[float, ...] = ()
-    state_high: tuple[float, ...] = ()
-    default_chunk_size: int = 8
-    min_chunk_size: int = 1
-    max_chunk_size: int = 8
-    control_hz: float = 10.0
-
-    def camera(self, name: str) -> CameraSpec | None:
-        return next((c for c in self.cameras if c.name == name), None)
 
 
 @dataclass(frozen=True)
@@ -313,6 +249,10 @@ class SchemaMismatch(InvalidArgument):
 
 
 class UnknownEmbodiment(InvalidArgument):
+    """The embodiment is not one this server serves (``ServerInfo.embodiments``). A registered but
+    unserved embodiment is unknown here too; the pipeline's registry lookup raises its own
+    ``pipeline.errors.UnregisteredEmbodiment`` instead, which never reaches the wire."""
+
     reason = "UNKNOWN_EMBODIMENT"
 
     def __init__(self, name: str, known: tuple[str, ...]) -> None:

@@ -38,12 +38,11 @@ from policy_server.cache.seacache import SeaCache, SeaCacheConfig
 from policy_server.engine import api
 from policy_server.engine.admission import Demand, RateLimiter, assign_slots, default_rate_hz, sessions_that_fit
 from policy_server.engine.batching import StackBatcher
-from policy_server.engine.sessions import Session, SessionTable
+from policy_server.engine.sessions import SessionState, SessionTable
 from policy_server.engine.worker import GeneratorJob, ModelWorker, TickJob
 from policy_server.limits import (
     MAX_BUDGET_MS,
     MAX_DYNAMICS_MS,
-    MAX_FRAME_SIDE,
     MAX_INSTRUCTION_TOKENS,
     MAX_PROMPT_TOKENS,
 )
@@ -264,9 +263,12 @@ class ModelEngine:
 
     def info(self) -> api.ServerInfo:
         config = self.pipeline.config
+        # The pipeline floors frames to multiples of the VAE's spatial compression: a side needs at least that.
+        min_side = self.pipeline.vae.spatial_compression
         return api.ServerInfo(
             model_name=config.name,
-            embodiments=tuple(self._spec(e) for e in self._embodiments.values()),
+            embodiments=tuple(e.to_spec(config.canvas_hw, min_side, self.pipeline.normalizers(e).state)
+                              for e in self._embodiments.values()),
             default_budget_ms=self.settings.default_budget_ms,
             max_sessions=self.settings.max_sessions,
             model_digest=self.pipeline.digest,
@@ -278,32 +280,6 @@ class ModelEngine:
             num_steps=config.num_steps,
             diffusion_cache=self.settings.diffusion_cache,
             max_dynamics_calls=self.settings.max_dynamics_calls,
-        )
-
-    def _spec(self, embodiment: Embodiment) -> api.EmbodimentSpec:
-        height, width = self.pipeline.config.canvas_hw
-        # The pipeline floors frames to multiples of the VAE's spatial compression: a side needs at least that.
-        cameras = tuple(api.CameraSpec(name, height, width // len(embodiment.cameras), max_side=MAX_FRAME_SIDE,
-                                       min_side=self.pipeline.vae.spatial_compression)
-                        for name in embodiment.cameras)
-        state_range = embodiment.state_range(self.pipeline.normalizers(embodiment).state)
-        low, high = ((), ()) if state_range is None else (tuple(map(float, state_range[0])),
-                                                           tuple(map(float, state_range[1])))
-        return api.EmbodimentSpec(
-            name=embodiment.name,
-            cameras=cameras,
-            state_dim=embodiment.state_dim,
-            action=api.ActionSpec(
-                dim=embodiment.raw_action_dim, names=embodiment.action_names, units=embodiment.action_units,
-                low=tuple(embodiment.action_low or ()), high=tuple(embodiment.action_high or ()),
-            ),
-            state_names=embodiment.state_names,
-            state_units=embodiment.state_units,
-            state_low=low,
-            state_high=high,
-            default_chunk_size=embodiment.default_chunk_size,
-            max_chunk_size=embodiment.max_chunk_size,
-            control_hz=embodiment.fps,
         )
 
     # ------------------------------------------------------------------------------ admission
@@ -528,11 +504,12 @@ class ModelEngine:
         return api.ActResult(actions=actions.astype(np.float32), first_step_index=observation.step_index,
                              tick=tick, preview_frames=frames)
 
-    def _prompt_ready(self, session: Session, embodiment: Embodiment, passes: int, canvas_hw: tuple[int, int]) -> bool:
+    def _prompt_ready(self, session: SessionState, embodiment: Embodiment, passes: int,
+                      canvas_hw: tuple[int, int]) -> bool:
         key = self.pipeline.prompt_key(session.instruction, embodiment, session.chunk_size, passes == 2, canvas_hw)
         return session.prompt is not None and session.prompt.key == key
 
-    def _prefill(self, session: Session, embodiment: Embodiment, passes: int, canvas_hw: tuple[int, int]) -> float:
+    def _prefill(self, session: SessionState, embodiment: Embodiment, passes: int, canvas_hw: tuple[int, int]) -> float:
         """Prefill the text K/V of the session's instruction for frames on `canvas_hw`; returns the ms spent."""
         started = self.clock()
         session.prompt = self.pipeline.encode_prompt(session.instruction, embodiment, session.chunk_size,
@@ -552,7 +529,7 @@ class ModelEngine:
         known = seen["full"] >= GRID_SAMPLES and stages <= set(seen)
         return grid_key, grid_key if known else key
 
-    def _record(self, session: Session, plan, guard, out: PolicyOutput, stage_ms: dict[str, float],
+    def _record(self, session: SessionState, plan, guard, out: PolicyOutput, stage_ms: dict[str, float],
                 total_ms: float, deadline_ms: float, clipped: int, key: Hashable, batch_size: int,
                 prefilled: bool) -> api.TickRecord:
         """The tick's record; `total_ms` and `deadline_ms` both count from the tick's arrival; its costs teach
@@ -842,7 +819,7 @@ class ModelEngine:
                              first_step_index=clip.step_index, tick=tick)
 
     def _dynamics_session(self, session_id: str, epoch: int, instruction: str,
-                          field: str) -> tuple[Session, Embodiment, str]:
+                          field: str) -> tuple[SessionState, Embodiment, str]:
         """The session a dynamics call runs on, its embodiment, and the call's instruction (else the session's)."""
         self._require_ready()
         session = self.sessions.get(session_id)
@@ -852,7 +829,7 @@ class ModelEngine:
             self._instruction_tokens(instruction, field)
         return session, self._embodiments[session.embodiment], instruction or session.instruction
 
-    def _run_dynamics(self, session: Session, embodiment: Embodiment, request: PolicyRequest,
+    def _run_dynamics(self, session: SessionState, embodiment: Embodiment, request: PolicyRequest,
                       canvas_hw: tuple[int, int], decode_frames: bool, deadline_s: float | None,
                       should_abort: Callable[[], bool] | None,
                       ) -> tuple[PolicyOutput, np.ndarray | None, api.TickRecord]:

@@ -15,8 +15,10 @@ from policy_server.pipeline.policy import PromptState
 
 
 @dataclass(eq=False)
-class Session:
-    """One robot (or simulated episode stream) talking to the server.
+class SessionState:
+    """The engine's mutable state of one open session: one robot (or simulated episode stream)
+    talking to the server. ``handle()`` is the snapshot the transport sees (``api.SessionHandle``;
+    on the wire ``Session``, which the client reads as ``client.Session``).
 
     cost_key: what its ticks cost is learned under (embodiment, clip length, instruction length).
     demand: what admission reserved it for; slot_ms: the model time each of its ticks is planned in.
@@ -56,25 +58,25 @@ class SessionTable:
 
     def __init__(self, max_sessions: int):
         self.max_sessions = max_sessions
-        self._sessions: dict[str, Session] = {}
+        self._sessions: dict[str, SessionState] = {}
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def all(self) -> list[Session]:
+    def all(self) -> list[SessionState]:
         with self._lock:
             return list(self._sessions.values())
 
-    def open(self, **fields) -> Session:
+    def open(self, **fields) -> SessionState:
         with self._lock:
             if len(self._sessions) >= self.max_sessions:
                 raise TooManySessions(self.max_sessions)
-            session = Session(session_id=uuid.uuid4().hex, **fields)
+            session = SessionState(session_id=uuid.uuid4().hex, **fields)
             self._sessions[session.session_id] = session
             return session
 
-    def get(self, session_id: str) -> Session:
+    def get(self, session_id: str) -> SessionState:
         session = self._sessions.get(session_id)
         if session is None:
             raise UnknownSession(session_id)
@@ -85,7 +87,7 @@ class SessionTable:
             if self._sessions.pop(session_id, None) is None:
                 raise UnknownSession(session_id)
 
-    def reset(self, session_id: str) -> Session:
+    def reset(self, session_id: str) -> SessionState:
         """Start a new episode: epoch + 1, tick count and learned history cleared (the instruction's K/V stay)."""
         session = self.get(session_id)
         session.epoch += 1

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from policy_server.pipeline.errors import InvalidActions, InvalidChunkSize, InvalidState, UnknownEmbodiment
+from policy_server.pipeline.errors import InvalidActions, InvalidChunkSize, InvalidState, UnregisteredEmbodiment
 from policy_server.pipeline.normalization import (
     NORMALIZATION_METHODS,
     FeatureNormalizers,
@@ -38,6 +38,7 @@ from policy_server.pipeline.normalization import (
     build_normalizers,
 )
 from policy_server.pipeline.prompts import DEFAULT_VIEWPOINT, VIEWPOINTS
+from policy_server.specs import ActionSpec, CameraSpec, EmbodimentSpec
 
 MAX_ACTION_DIM = 64  # padded action width of the Cosmos3 transformers (`max_action_dim`)
 NUM_EMBODIMENT_DOMAINS = 32  # rows of the domain-aware action projections
@@ -217,6 +218,34 @@ class Embodiment(BaseModel):
         high = np.asarray(self.action_high, dtype=actions.dtype)
         return np.clip(actions, low, high)
 
+    def to_spec(self, canvas_hw: tuple[int, int], min_side: int, state_normalizer: Normalizer | None) -> EmbodimentSpec:
+        """The schema a server declares for this embodiment (``ServerInfo.embodiments``).
+
+        canvas_hw: the model's largest canvas; the cameras share its width side by side. min_side: the
+            smallest frame side the pipeline accepts (the VAE's spatial compression). state_normalizer:
+            the state normaliser, for the accepted state range when none is declared.
+        """
+        height, width = canvas_hw
+        state_range = self.state_range(state_normalizer)
+        low, high = ((), ()) if state_range is None else (tuple(map(float, state_range[0])),
+                                                           tuple(map(float, state_range[1])))
+        return EmbodimentSpec(
+            name=self.name,
+            cameras=tuple(CameraSpec(name, height, width // len(self.cameras), min_side=min_side)
+                          for name in self.cameras),
+            state_dim=self.state_dim,
+            action=ActionSpec(dim=self.raw_action_dim, names=self.action_names, units=self.action_units,
+                              low=self.action_low or (), high=self.action_high or ()),
+            state_names=self.state_names,
+            state_units=self.state_units,
+            state_low=low,
+            state_high=high,
+            default_chunk_size=self.default_chunk_size,
+            min_chunk_size=1,  # what check_chunk_size accepts
+            max_chunk_size=self.max_chunk_size,
+            control_hz=self.fps,
+        )
+
     def load_normalizers(self) -> FeatureNormalizers:
         """Read the stats file and build the action (``[.., D]``) and state (``[.., S]``) normalisers."""
         return build_normalizers(self.normalization, self.raw_action_dim, self.state_dim)
@@ -318,11 +347,11 @@ class EmbodimentRegistry:
         self._by_name[embodiment.name] = embodiment
 
     def get(self, name: str) -> Embodiment:
-        """The embodiment called ``name``; UnknownEmbodiment (naming the known ones) otherwise."""
+        """The embodiment called ``name``; UnregisteredEmbodiment (naming the known ones) otherwise."""
         try:
             return self._by_name[name]
         except (KeyError, TypeError):
-            raise UnknownEmbodiment(str(name), self._by_name) from None
+            raise UnregisteredEmbodiment(str(name), self._by_name) from None
 
     def names(self) -> list[str]:
         return sorted(self._by_name)

@@ -23,8 +23,12 @@ class PolicyInputError(ValueError):
         super().__init__(f"{field}: {message}")
 
 
-class UnknownEmbodiment(PolicyInputError):
-    """The embodiment name is not in the registry."""
+class UnregisteredEmbodiment(PolicyInputError):
+    """The embodiment name is not in the registry (the pipeline's lookup).
+
+    Not the transport's ``engine.api.UnknownEmbodiment``, which means "not served by this server"
+    (the served embodiments are a subset of the registered ones) and carries a wire reason.
+    """
 
     def __init__(self, name: str, known: Iterable[str]) -> None:
         self.name = name

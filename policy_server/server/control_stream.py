@@ -48,7 +48,9 @@ class _PendingFrame:
     client_time_ns: int
 
 
-class ControlStream:
+class ControlCall:
+    """The server side of one ``Control`` RPC (the client's counterpart is ``client.ControlStream``)."""
+
     def __init__(
         self, engine: Engine, metrics: ServerMetrics, max_message_bytes: int, context: grpc.ServicerContext
     ) -> None:

@@ -12,7 +12,7 @@ import grpc
 
 from policy_server.engine.api import EmbodimentSpec, Engine, InvalidArgument, SessionHandle, StaleEpoch, WarmingUp
 from policy_server.server import convert, validate
-from policy_server.server.control_stream import ControlStream
+from policy_server.server.control_stream import ControlCall
 from policy_server.server.errors import ServiceError, make_error, rpc_errors
 from policy_server.server.metrics import ServerMetrics
 from policy_server.v1 import policy_server_pb2 as pb
@@ -175,7 +175,7 @@ class PolicyServicer(pb_grpc.PolicyServiceServicer):
 
     @rpc_errors
     def Control(self, request_iterator, context):
-        yield from ControlStream(self.engine, self.metrics, self.max_message_bytes, context).run(
+        yield from ControlCall(self.engine, self.metrics, self.max_message_bytes, context).run(
             request_iterator
         )
 

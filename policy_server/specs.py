@@ -1,0 +1,81 @@
+"""The embodiment schema a server declares: what every observation must carry and what an action is.
+
+Plain frozen dataclasses (no torch, no protobuf), imported by both sides of the engine: the pipeline
+builds them from its ``Embodiment`` models (``Embodiment.to_spec``), and ``engine.api`` re-exports
+them as part of the transport's contract (``ServerInfo.embodiments``). A leaf module, like
+``limits``: it imports nothing of the project but ``limits``, so neither layer imports the other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from policy_server.limits import MAX_FRAME_SIDE
+
+
+class ImageEncoding(StrEnum):
+    """How a camera frame travels on the wire. RAW is 8-bit RGB, row-major [H, W, C]."""
+
+    JPEG = "jpeg"
+    PNG = "png"
+    RAW = "raw"
+
+
+@dataclass(frozen=True)
+class CameraSpec:
+    """One camera the embodiment expects in every observation: uint8 RGB [H, W, channels] with both sides
+    in ``min_side..max_side`` px, one H for all cameras of the embodiment (the model sees them side by side).
+    ``height`` x ``width``: the camera's share of the model's largest canvas, the largest frame it sees
+    unscaled (larger frames are downscaled to fit, smaller ones padded)."""
+
+    name: str
+    height: int
+    width: int
+    channels: int = 3
+    encodings: tuple[ImageEncoding, ...] = (ImageEncoding.JPEG, ImageEncoding.PNG, ImageEncoding.RAW)
+    max_side: int = MAX_FRAME_SIDE
+    min_side: int = 1
+
+
+@dataclass(frozen=True)
+class ActionSpec:
+    """The action vector of one control step: float32 [dim] in physical units.
+
+    ``names`` / ``units`` hold one entry per dimension (or are empty).
+
+    ``low``/``high`` are the declared per-dimension limits (empty = unbounded); the engine
+    guarantees every returned action is finite and inside them.
+    """
+
+    dim: int
+    names: tuple[str, ...] = ()
+    units: tuple[str, ...] = ()
+    low: tuple[float, ...] = ()
+    high: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class EmbodimentSpec:
+    """Observation and action schema of one robot type the model can drive.
+
+    ``state_dim`` 0 means the embodiment takes no proprioceptive state; ``state_low`` /
+    ``state_high`` bound each state dimension (inclusive). A chunk holds ``chunk_size`` consecutive
+    actions, one per control period (1 / ``control_hz`` s).
+    """
+
+    name: str
+    cameras: tuple[CameraSpec, ...]
+    state_dim: int
+    action: ActionSpec
+    state_names: tuple[str, ...] = ()
+    state_units: tuple[str, ...] = ()  # one per state dimension, or empty
+    state_low: tuple[float, ...] = ()
+    state_high: tuple[float, ...] = ()
+    default_chunk_size: int = 8
+    min_chunk_size: int = 1
+    max_chunk_size: int = 8
+    control_hz: float = 10.0
+
+    def camera(self, name: str) -> CameraSpec | None:
+        return next((c for c in self.cameras if c.name == name), None)
