@@ -2,6 +2,7 @@
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -9,7 +10,8 @@ import torch
 from policy_server.engine.batching import StackBatcher
 from policy_server.model import GenInput, UndKV
 
-LAYOUT_A, LAYOUT_B = object(), object()  # the batcher only compares layouts by identity
+# The batcher groups calls by `layout.key`; `GenInput.stack` then needs the one layout object per key.
+LAYOUT_A, LAYOUT_B = SimpleNamespace(key="a"), SimpleNamespace(key="b")
 
 
 def _call(layout, value):

@@ -136,6 +136,7 @@ def test_explicit_initial_noise_equals_diffusers_latents(folder, pipe):
     again, _ = ours(pipe, "policy", video, embodiment, chunk, seed=2,
                     noise=InitialNoise(vision=vision, actions=action_noise))
     np.testing.assert_array_equal(actions, again)
+    assert torch.equal(vision, torch.randn((8, chunk // 4 + 1, 6, 8), generator=torch.Generator().manual_seed(123)))
 
     # diffusers takes `latents` as given: frame 0 must already hold its clean conditioning latent.
     clean = torch.from_numpy(latents[:, :1])  # ours; equal to diffusers' within float rounding

@@ -2,16 +2,17 @@
 
 The engine runs each tick of a micro-batch on its own thread, with its own plan, SeaCache and deadline
 guard, exactly as it would run alone. Only the full GEN-stack calls meet here: `StackBatcher.run` blocks
-until every tick still running is either waiting in `run` or finished, then runs the waiting calls that
-share a GEN layout (same request shape and text length) as one `[B, N_gen, D]` stack and hands each tick
-its row. Calls with different layouts (e.g. the cond and uncond branches) run as separate batches in the
-same round. A tick that skips a step simply arrives later, in a later round.
+until every tick still running is either waiting in `run` or finished, then runs the waiting calls whose
+layouts share a `GenLayout.key` (the request shape, text length included; the pipeline keeps one layout
+object per key) as one `[B, N_gen, D]` stack and hands each tick its row. Calls of different shapes (e.g.
+cond and uncond branches of different text lengths) run as separate batches in the same round. A tick that
+skips a step simply arrives later, in a later round.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import torch
@@ -66,9 +67,9 @@ class StackBatcher:
         if not self._waiting or len(self._waiting) < self._running:
             return
         calls, self._waiting = self._waiting, []
-        groups: dict[int, list[_Call]] = {}
+        groups: dict[Hashable, list[_Call]] = {}
         for call in calls:
-            groups.setdefault(id(call.gen.layout), []).append(call)
+            groups.setdefault(call.gen.layout.key, []).append(call)
         for group in groups.values():
             try:
                 if len(group) == 1:

@@ -32,7 +32,8 @@ class BackgroundJob(Protocol):
 
 @dataclass(eq=False)
 class TickJob:
-    """A queued control tick and the future its caller waits on. ``shape``: what batching groups on."""
+    """A queued control tick and the future its caller waits on. ``shape``: which queued ticks may start
+    together; inside a batch, GEN-stack calls then group on their exact ``GenLayout.key``."""
 
     session: Any
     shape: Hashable

@@ -9,6 +9,7 @@ and validates them; `embed_gen` can then reuse the result every step.
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
@@ -30,8 +31,14 @@ class ModalityLayout:
 
 @dataclass(frozen=True)
 class GenLayout:
-    """Static layout of the generated rows of one request and CFG branch."""
+    """Static layout of the generated rows of one request and CFG branch.
 
+    `key` names the request shape the layout was built for: inputs whose layouts share a key can run
+    their GEN stacks as one batch (`GenInput.stack`, given one layout object per key). A layout built
+    without a key gets a unique one, so it batches only with itself.
+    """
+
+    key: Hashable
     und_len: int                              # text rows before the generated ones
     num_gen: int                              # generated rows, N_gen
     rotary: RotaryTables                      # rotation tables of the generated rows, [N_gen, hd]
@@ -62,7 +69,7 @@ def noisy_packed_rows(noisy_frame_indexes: list[torch.Tensor], token_shapes: lis
 
 
 def build_gen_layout(config: Cosmos3TransformerConfig, rotary, device: torch.device, dtype: torch.dtype, *,
-                     und_len: int, sequence_length: int,
+                     und_len: int, sequence_length: int, key: Hashable | None = None,
                      position_ids: torch.Tensor | None = None,
                      vision_tokens: list[torch.Tensor] | None = None,
                      vision_token_shapes: list[tuple[int, int, int]] | None = None,
@@ -82,7 +89,8 @@ def build_gen_layout(config: Cosmos3TransformerConfig, rotary, device: torch.dev
                      action_domain_ids: list[torch.Tensor] | None = None) -> GenLayout:
     """Validate the forward kwargs' GEN layout and express it in GEN-local rows.
 
-    `rotary(position_ids, dtype) -> RotaryTables` builds the rotation tables of the generated rows.
+    `rotary(position_ids, dtype) -> RotaryTables` builds the rotation tables of the generated rows;
+    `key`: the request shape (`GenLayout.key`), None for a fresh one.
     Raises `ValueError` naming the argument that does not fit.
     """
     _require(position_ids is not None and vision_tokens is not None and vision_token_shapes is not None
@@ -154,7 +162,8 @@ def build_gen_layout(config: Cosmos3TransformerConfig, rotary, device: torch.dev
         if action.readout_rows.numel() > 0:  # the reference adds no time embedding when no action row is read
             time_rows.append(action.noisy_rows)
 
-    return GenLayout(und_len=und_len, num_gen=num_gen, rotary=rotary(position_ids[..., und_len:].to(device), dtype),
+    return GenLayout(key=object() if key is None else key, und_len=und_len, num_gen=num_gen,
+                     rotary=rotary(position_ids[..., und_len:].to(device), dtype),
                      vision=vision, vision_latent_shapes=latent_shapes, sound=sound, action=action,
                      action_row_domains=row_domains, action_readout_domains=readout_domains,
                      time_rows=torch.cat(time_rows))

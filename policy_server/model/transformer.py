@@ -19,6 +19,7 @@ rows before `und_len` are UND, the rest GEN.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
@@ -107,15 +108,16 @@ class Cosmos3OmniTransformer(nn.Module):
 
     # ------------------------------------------------------------------ GEN embedding (every step)
 
-    def gen_layout(self, **forward_kwargs) -> GenLayout:
+    def gen_layout(self, *, key: Hashable | None = None, **forward_kwargs) -> GenLayout:
         """The request-static part of `embed_gen` (rows, rotary tables, checks), from `forward`'s kwargs.
 
         Build it once per request and CFG branch and pass it as `embed_gen(..., layout=...)`; it only
-        depends on the index/shape arguments, not on the step's latents or timesteps.
+        depends on the index/shape arguments, not on the step's latents or timesteps. `key`: the request
+        shape those arguments come from (`GenLayout.key`, what batching groups on); None for a fresh one.
         """
         _check_forward_kwargs(forward_kwargs)
         layout_kwargs = {k: v for k, v in forward_kwargs.items() if k in _LAYOUT_ARGUMENTS}
-        return build_gen_layout(self.config, self.rotary_emb, self.device, self.dtype, **layout_kwargs)
+        return build_gen_layout(self.config, self.rotary_emb, self.device, self.dtype, key=key, **layout_kwargs)
 
     def embed_gen(self, *, layout: GenLayout | None = None, **forward_kwargs) -> GenInput:
         """Embed the generated rows of one step from `forward`'s keyword arguments.

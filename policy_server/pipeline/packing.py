@@ -74,10 +74,25 @@ class ActionLayout:
         return self.num_prefix + self.chunk_size
 
 
+@dataclass(frozen=True)
+class RequestShape:
+    """What a packed request's GEN rows and rotary tables depend on: the `pack_request` arguments but the
+    prompt's words. Requests of one shape share one `GenLayout` (this is its `key`), which is what lets
+    ticks run their GEN stacks as one batch."""
+
+    und_len: int
+    latent_shape: tuple[int, int, int, int]
+    clean_frames: tuple[int, ...]
+    fps: float
+    action: ActionLayout | None
+    sound_frames: int
+
+
 @dataclass
 class PackedSequence:
     """Static layout of one packed request (one CFG branch). Indexes are positions in the joint sequence."""
 
+    shape: RequestShape
     und_len: int
     sequence_length: int
     input_ids: torch.Tensor  # [N_und] long
@@ -221,6 +236,7 @@ def pack_request(
         return None if t is None else t.to(device)
 
     return PackedSequence(
+        shape=RequestShape(und_len, tuple(latent_shape), tuple(clean_frames), fps, action, sound_frames),
         und_len=und_len,
         sequence_length=length,
         input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),

@@ -43,7 +43,7 @@ from policy_server.pipeline.errors import (
     InvalidSamplerSettings,
 )
 from policy_server.pipeline.normalization import FeatureNormalizers, NormalizationStatsError
-from policy_server.pipeline.packing import ActionLayout, PackedSequence, pack_request
+from policy_server.pipeline.packing import ActionLayout, PackedSequence, RequestShape, pack_request
 from policy_server.pipeline.policy_config import PolicyConfig, PolicyConfigError
 from policy_server.pipeline.prompts import PromptPair, action_prompt_pair
 from policy_server.pipeline.schedulers import make_sampler
@@ -139,6 +139,67 @@ class PromptState:
     und_kv: dict[str, UndKV]
 
 
+@dataclass
+class DenoiseState:
+    """One tick's sampler state (fp32; the transformer runs in its own dtype) and the conditioning it keeps.
+
+    vision: [C, T_lat, h, w] video latents; actions: [H + S + K, action_dim] action-stream rows (history,
+    state, chunk). Latent frames `clean_frames` and action rows `clean_rows` are conditioning: their
+    velocity is zero and every step restores them; action channels from `raw_action_dim` on stay zero.
+    """
+
+    vision: torch.Tensor
+    actions: torch.Tensor
+    clean_frames: list[int]
+    clean_vision: torch.Tensor  # [C, len(clean_frames), h, w]
+    clean_rows: list[int]
+    clean_actions: torch.Tensor  # [H + S + K, action_dim], the given values on `clean_rows`
+    raw_action_dim: int
+    action_layout: ActionLayout
+
+    @property
+    def noisy_vision(self) -> bool:
+        return len(self.clean_frames) < self.vision.shape[1]
+
+    @property
+    def noisy_actions(self) -> bool:
+        return len(self.clean_rows) < self.actions.shape[0]
+
+    def mask(self, v_vision: torch.Tensor, v_action: torch.Tensor) -> None:
+        """Zero, in place, the velocity of conditioning rows and of the padding action channels."""
+        v_vision[:, self.clean_frames] = 0
+        v_action[self.clean_rows] = 0
+        v_action[:, self.raw_action_dim:] = 0
+
+    def advance(self, vision: torch.Tensor, actions: torch.Tensor) -> None:
+        """Take the sampler's next state, its conditioning rows set back to exactly what was given."""
+        vision[:, self.clean_frames] = self.clean_vision
+        actions[self.clean_rows] = self.clean_actions[self.clean_rows]
+        actions[:, self.raw_action_dim:] = 0
+        self.vision, self.actions = vision, actions
+
+
+@dataclass(frozen=True)
+class Branch:
+    """One CFG branch of a tick: its packed sequence, the GEN layout of its shape and its text K/V."""
+
+    name: str
+    packed: PackedSequence
+    layout: GenLayout
+    und_kv: UndKV
+
+
+@dataclass(frozen=True)
+class StepHooks:
+    """Who has a say in the step loop besides the sampler: the step cache, the abort check and the deadline
+    guard before every step, and what runs a full GEN stack (the transformer's, or the engine's batcher)."""
+
+    controller: StepController
+    should_abort: Callable[[], bool] | None
+    pacer: StepPacer | None
+    stack: Callable[[GenInput, UndKV], torch.Tensor]
+
+
 class PolicyPipeline:
     """The Cosmos3 policy: transformer + video VAE + text tokenizer + embodiments + sampler defaults.
 
@@ -164,7 +225,7 @@ class PolicyPipeline:
         self.digest = digest
         # GEN layouts by request shape: ticks of the same shape share one object, which is what lets
         # the engine run their GEN stacks as one batch (`GenInput.stack`).
-        self._gen_layouts: dict[tuple, GenLayout] = {}
+        self._gen_layouts: dict[RequestShape, GenLayout] = {}
         self._normalizers: dict[str, FeatureNormalizers] = {}
 
     @classmethod
@@ -290,18 +351,18 @@ class PolicyPipeline:
             timings["prefill"] = _ms_since(clock)
 
             clock = time.perf_counter()
-            latents, actions, steps_done = self._denoise(
-                request, embodiment, chunk, steps, guidance, clean_latent, prompt, controller, should_abort, pacer,
-                stack or self.transformer.gen_stack,
-            )
+            state = self._initial_state(request, embodiment, chunk, clean_latent)
+            branches = self._branches(prompt, state, embodiment.fps)
+            hooks = StepHooks(controller, should_abort, pacer, stack or self.transformer.gen_stack)
+            steps_done = self._sample(state, branches, steps, guidance, request.cfg_steps, hooks)
             timings["denoise"] = _ms_since(clock)
 
             clock = time.perf_counter()
-            action_rows = actions[-chunk:, : embodiment.raw_action_dim].double().cpu().numpy()
+            action_rows = state.actions[-chunk:, : embodiment.raw_action_dim].double().cpu().numpy()
             physical = self.normalizers(embodiment).action.denormalize(action_rows).astype(np.float32)
             timings["decode"] = _ms_since(clock)
         timings["total"] = _ms_since(t_start)
-        return PolicyOutput(physical, latents, steps_done, timings, controller.record())
+        return PolicyOutput(physical, state.vision, steps_done, timings, controller.record())
 
     def num_latent_frames(self, chunk: int) -> int:
         """Latent frames of the video a chunk of `chunk` actions lives in. The chunk spans `chunk + 1` frames;
@@ -411,32 +472,34 @@ class PolicyPipeline:
         latents = crop_latent_padding(latents, placement, self.vae.spatial_compression)
         return latents[0].float(), placement.canvas_hw
 
-    def _denoise(self, request, embodiment, chunk, steps, guidance, clean_latent, prompt, controller,
-                 should_abort, pacer, stack):
-        config = self.transformer.config
-        device = self.device
+    # ------------------------------------------------------------------------------------ denoising
+
+    def _initial_state(self, request: PolicyRequest, embodiment: Embodiment, chunk: int,
+                       clean_latent: torch.Tensor) -> DenoiseState:
+        """The sampler's start: noise on the generated rows, the request's conditioning on the clean ones."""
         num_latent_frames = self.num_latent_frames(chunk)
         channels, _, height, width = clean_latent.shape
-        latent_shape = (channels, num_latent_frames, height, width)
-        noise_v, noise_a = self._initial_noise(request, latent_shape, (chunk, config.action_dim))
-
-        # Clean rows and initial state (fp32 sampler state; the transformer runs in its own dtype).
-        if request.mode == "inverse_dynamics":
-            clean_frames = list(range(num_latent_frames))
-        else:
-            clean_frames = [0]
-        vision = noise_v.to(device)
+        noise_v, noise_a = self._initial_noise(request, (channels, num_latent_frames, height, width),
+                                               (chunk, self.transformer.config.action_dim))
+        clean_frames = list(range(num_latent_frames)) if request.mode == "inverse_dynamics" else [0]
+        vision = noise_v.to(self.device, copy=True)  # the clean frames are written in; the caller's noise stays
         vision[:, : clean_latent.shape[1]] = clean_latent[:, :num_latent_frames]
-        clean_vision = vision[:, clean_frames].clone()
+        actions, clean_actions, layout = self._action_rows(request, embodiment, chunk, noise_a)
+        return DenoiseState(vision, actions, clean_frames, vision[:, clean_frames].clone(), list(layout.clean_rows),
+                            clean_actions, embodiment.raw_action_dim, layout)
 
-        # Action stream rows: [history (H) | state (0 or 1) | chunk (K)]; everything before the chunk is clean.
+    def _action_rows(self, request: PolicyRequest, embodiment: Embodiment, chunk: int,
+                     noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, ActionLayout]:
+        """Action-stream rows `[history (H) | state (0 or 1) | chunk (K)]`, everything before the chunk clean
+        (and the chunk too in forward_dynamics): the initial rows and the clean values, both
+        [H + S + K, action_dim], and their layout. `noise`: [K, action_dim]."""
         normalizers = self.normalizers(embodiment)
         history = [] if request.history_actions is None else list(np.asarray(request.history_actions, np.float64))
         has_state = embodiment.state_dim > 0
         num_prefix = len(history) + (1 if has_state else 0)
-        action_dim = config.action_dim
+        action_dim = self.transformer.config.action_dim
         rows = num_prefix + chunk
-        clean_actions = torch.zeros((rows, action_dim), device=device)
+        clean_actions = torch.zeros((rows, action_dim), device=self.device)
         if history:
             past = normalizers.action.normalize(np.stack(history))
             clean_actions[: len(history), : embodiment.raw_action_dim] = torch.from_numpy(past).float()
@@ -448,89 +511,90 @@ class PolicyPipeline:
             given = normalizers.action.normalize(np.asarray(request.actions, dtype=np.float64))
             clean_actions[num_prefix:, : embodiment.raw_action_dim] = torch.from_numpy(given).float()
             clean_rows.extend(range(num_prefix, rows))
-        action_mask = torch.zeros((rows, 1), device=device)
-        action_mask[clean_rows] = 1.0
-        noise_rows = torch.cat([torch.zeros((num_prefix, action_dim)), noise_a]).to(device)
-        actions = action_mask * clean_actions + (1 - action_mask) * noise_rows
+        mask = torch.zeros((rows, 1), device=self.device)
+        mask[clean_rows] = 1.0
+        noise_rows = torch.cat([torch.zeros((num_prefix, action_dim)), noise]).to(self.device)
+        actions = mask * clean_actions + (1 - mask) * noise_rows
         actions[:, embodiment.raw_action_dim:] = 0
-        layout = ActionLayout(chunk, num_prefix, tuple(clean_rows), embodiment.domain_id)
+        return actions, clean_actions, ActionLayout(chunk, num_prefix, tuple(clean_rows), embodiment.domain_id)
 
-        packed: dict[str, PackedSequence] = {
-            branch: pack_request(config, ids, latent_shape, clean_frames, embodiment.fps, layout, device)
-            for branch, ids in prompt.input_ids.items()
-        }
-        # Rows and rotary tables of the generated rows depend on the request's shape only: build them once.
-        model_dtype = self.transformer.dtype
-        layouts = {}
-        for branch, seq in packed.items():
-            shape_key = (seq.und_len, latent_shape, tuple(clean_frames), layout, embodiment.fps)
-            if shape_key not in self._gen_layouts:
-                built = self.transformer.gen_layout(
-                    **seq.model_kwargs(vision.to(model_dtype), actions.to(model_dtype), timestep=0.0))
-                self._gen_layouts.setdefault(shape_key, built)  # ticks on other threads keep the first one
-            layouts[branch] = self._gen_layouts[shape_key]
-        noisy_vision = len(clean_frames) < num_latent_frames
-        noisy_actions = len(clean_rows) < rows
+    def _branches(self, prompt: PromptState, state: DenoiseState, fps: float) -> dict[str, Branch]:
+        """Pack each CFG branch the prompt holds and give it the GEN layout of its shape."""
+        branches = {}
+        for name, ids in prompt.input_ids.items():
+            packed = pack_request(self.transformer.config, ids, tuple(state.vision.shape), state.clean_frames, fps,
+                                  state.action_layout, self.device)
+            branches[name] = Branch(name, packed, self._gen_layout(packed, state), prompt.und_kv[name])
+        return branches
 
+    def _gen_layout(self, packed: PackedSequence, state: DenoiseState) -> GenLayout:
+        """The one layout of `packed.shape`, built at the first tick of that shape: ticks that share it can run
+        their GEN stacks as one batch (`GenLayout.key`, `GenInput.stack`)."""
+        key = packed.shape
+        if key not in self._gen_layouts:
+            dtype = self.transformer.dtype
+            built = self.transformer.gen_layout(
+                key=key, **packed.model_kwargs(state.vision.to(dtype), state.actions.to(dtype), timestep=0.0))
+            self._gen_layouts.setdefault(key, built)  # ticks on other threads keep the first one
+        return self._gen_layouts[key]
+
+    def _sample(self, state: DenoiseState, branches: dict[str, Branch], steps: int, guidance: float,
+                cfg_steps: int | None, hooks: StepHooks) -> list[StepRecord]:
+        """The flow-matching step loop: advances `state` in place and returns what each step did.
+
+        The uncond pass runs on the first `cfg_steps` steps (None: all) inside the guidance interval, unless
+        the pacer drops it; a step the pacer makes the last jumps straight to the clean estimate."""
         sampler = make_sampler(self.config.sampler, steps, self.config.shift, solver_order=self.config.solver_order,
                                karras=self.config.karras)
-        cfg_steps = steps if request.cfg_steps is None else request.cfg_steps
+        cfg_steps = steps if cfg_steps is None else cfg_steps
         lo, hi = self.config.guidance_interval or (-math.inf, math.inf)
-        controller.begin(steps)
+        hooks.controller.begin(steps)
         records: list[StepRecord] = []
         for i in range(steps):
-            if should_abort is not None and should_abort():
+            if hooks.should_abort is not None and hooks.should_abort():
                 raise Aborted(f"abandoned before step {i} of {steps}")
             sigma = sampler.sigmas[i]
             timestep = float(sampler.timesteps[i])
             use_cfg = guidance != 1.0 and i < cfg_steps and lo < timestep < hi
             last = False
-            if pacer is not None:
-                use_cfg, last = pacer.pace(i, use_cfg)
-            branches = BRANCHES if use_cfg else BRANCHES[:1]
-            record = StepRecord(i, sigma, timestep, branches)
-            indicator = [vision] if noisy_vision else []
+            if hooks.pacer is not None:
+                use_cfg, last = hooks.pacer.pace(i, use_cfg)
+            record = StepRecord(i, sigma, timestep, BRANCHES if use_cfg else BRANCHES[:1])
             velocities = {}
-            for branch in branches:
+            for name in record.branches:
                 clock = time.perf_counter()
-                kwargs = packed[branch].model_kwargs(vision.to(model_dtype), actions.to(model_dtype), timestep)
-                gen = self.transformer.embed_gen(layout=layouts[branch], **kwargs)
-                und_kv = prompt.und_kv[branch]
-                stack_out = controller.run_stack(
-                    step=i, branch=branch, sigma=sigma, noisy_vision=indicator, gen_in=gen.hidden,
-                    full=lambda gen=gen, und_kv=und_kv: stack(gen, und_kv),
-                )
-                pred_vision, _, pred_action = self.transformer.heads(stack_out, gen)
-                v_vision = pred_vision[0][0].float()
-                v_action = pred_action[0].float()
-                v_vision[:, clean_frames] = 0
-                v_action[clean_rows] = 0
-                v_action[:, embodiment.raw_action_dim:] = 0
-                velocities[branch] = (v_vision, v_action)
-                record.ms[branch] = _ms_since(clock)
-            v_vision, v_action = velocities["cond"]
-            if use_cfg:
-                u_vision, u_action = velocities["uncond"]
-                v_vision = u_vision + guidance * (v_vision - u_vision)
-                v_action = u_action + guidance * (v_action - u_action)
-            if not noisy_actions:
+                velocities[name] = self._velocity(state, branches[name], i, sigma, timestep, hooks)
+                record.ms[name] = _ms_since(clock)
+            v_vision, v_action = _guided(velocities, guidance)
+            if not state.noisy_actions:
                 v_action = torch.zeros_like(v_action)
             if last:
                 # Out of time: jump to the clean estimate, x0 = x_t - sigma * v for flow matching.
-                vision, actions = vision - sigma * v_vision, actions - sigma * v_action
+                state.advance(state.vision - sigma * v_vision, state.actions - sigma * v_action)
             else:
                 stepped = sampler.step({"vision": v_vision, "action": v_action},
-                                       {"vision": vision, "action": actions})
-                vision, actions = stepped["vision"], stepped["action"]
-            # Conditioning rows stay exactly what was given.
-            vision[:, clean_frames] = clean_vision
-            actions[clean_rows] = clean_actions[clean_rows]
-            actions[:, embodiment.raw_action_dim:] = 0
+                                       {"vision": state.vision, "action": state.actions})
+                state.advance(stepped["vision"], stepped["action"])
             records.append(record)
             if last:
                 break
-        return vision, actions, records
+        return records
 
+    def _velocity(self, state: DenoiseState, branch: Branch, step: int, sigma: float, timestep: float,
+                  hooks: StepHooks) -> tuple[torch.Tensor, torch.Tensor]:
+        """One branch's velocities at one step, fp32, zero on clean rows: vision [C, T_lat, h, w], actions
+        [H + S + K, action_dim]. The step controller decides whether the GEN stack runs or is extrapolated."""
+        dtype = self.transformer.dtype
+        kwargs = branch.packed.model_kwargs(state.vision.to(dtype), state.actions.to(dtype), timestep)
+        gen = self.transformer.embed_gen(layout=branch.layout, **kwargs)
+        stack_out = hooks.controller.run_stack(
+            step=step, branch=branch.name, sigma=sigma, noisy_vision=[state.vision] if state.noisy_vision else [],
+            gen_in=gen.hidden, full=lambda: hooks.stack(gen, branch.und_kv),
+        )
+        pred_vision, _, pred_action = self.transformer.heads(stack_out, gen)
+        v_vision, v_action = pred_vision[0][0].float(), pred_action[0].float()
+        state.mask(v_vision, v_action)
+        return v_vision, v_action
 
     @staticmethod
     def _initial_noise(request: PolicyRequest, vision_shape: tuple[int, ...],
@@ -549,6 +613,17 @@ class PolicyPipeline:
                 raise InvalidNoise(f"is {got}; expected finite float32 {list(shape)}", field=f"noise.{name}")
             noise.append(tensor.cpu())
         return noise[0], noise[1]
+
+
+def _guided(velocities: dict[str, tuple[torch.Tensor, torch.Tensor]],
+            guidance: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's (vision, action) velocity: cond's, pushed away from uncond's by `guidance` when it ran."""
+    v_vision, v_action = velocities["cond"]
+    if "uncond" in velocities:
+        u_vision, u_action = velocities["uncond"]
+        v_vision = u_vision + guidance * (v_vision - u_vision)
+        v_action = u_action + guidance * (v_action - u_action)
+    return v_vision, v_action
 
 
 def policy_prompt_pair(config: PolicyConfig, instruction: str, view_point: str | None, fps: float,
