@@ -50,12 +50,17 @@ class PolicyServicer(pb_grpc.PolicyServiceServicer):
         if not self.engine.ready():
             raise WarmingUp(self.engine.stats().warmup_progress)
 
-    def _session(self, session_id: str, epoch: int) -> tuple[SessionHandle, EmbodimentSpec]:
-        """The session a request names, at the epoch it names, and its embodiment."""
+    def _session_request(self, request) -> tuple[str, int, SessionHandle, EmbodimentSpec]:
+        """A per-session request, size and readiness checked: its session id and epoch, the session at that
+        epoch, and its embodiment."""
+        self._check_size(request, "request")
+        self._require_ready()
+        session_id = validate.session_id(request.session_id)
+        epoch = validate.epoch(request.epoch)
         handle = self.engine.session(session_id)
         if epoch != handle.epoch:  # cheap early rejection; the engine re-checks under its lock
             raise StaleEpoch(session_id, handle.epoch, epoch)
-        return handle, validate.embodiment(self.engine.info(), handle.embodiment)
+        return session_id, epoch, handle, validate.embodiment(self.engine.info(), handle.embodiment)
 
     @staticmethod
     def _deadline_s(context: grpc.ServicerContext, received: float) -> float | None:
@@ -110,12 +115,8 @@ class PolicyServicer(pb_grpc.PolicyServiceServicer):
     @rpc_errors
     def Act(self, request: pb.ActRequest, context: grpc.ServicerContext):
         received = time.monotonic()
-        self._check_size(request, "request")
-        self._require_ready()
-        session_id = validate.session_id(request.session_id)
-        epoch = validate.epoch(request.epoch)
+        session_id, epoch, _, spec = self._session_request(request)
         validate.require(request.HasField("observation"), "observation", "an Observation")
-        _, spec = self._session(session_id, epoch)
         observation = validate.observation(request.observation, spec)
         result = self.engine.act(
             session_id,
@@ -140,13 +141,9 @@ class PolicyServicer(pb_grpc.PolicyServiceServicer):
     @rpc_errors
     def ForwardDynamics(self, request: pb.ForwardDynamicsRequest, context: grpc.ServicerContext):
         received = time.monotonic()
-        self._check_size(request, "request")
-        self._require_ready()
-        session_id = validate.session_id(request.session_id)
-        epoch = validate.epoch(request.epoch)
+        session_id, epoch, handle, spec = self._session_request(request)
         validate.require(request.HasField("observation"), "observation", "an Observation")
         validate.require(request.HasField("actions"), "actions", "the action chunk, a Tensor")
-        handle, spec = self._session(session_id, epoch)
         observation = validate.observation(request.observation, spec)
         actions = validate.actions(request.actions, spec, handle.chunk_size)
         result = self.engine.forward_dynamics(
@@ -160,11 +157,7 @@ class PolicyServicer(pb_grpc.PolicyServiceServicer):
     @rpc_errors
     def InverseDynamics(self, request: pb.InverseDynamicsRequest, context: grpc.ServicerContext):
         received = time.monotonic()
-        self._check_size(request, "request")
-        self._require_ready()
-        session_id = validate.session_id(request.session_id)
-        epoch = validate.epoch(request.epoch)
-        handle, spec = self._session(session_id, epoch)
+        session_id, epoch, handle, spec = self._session_request(request)
         clip = validate.video_clip(request, spec, handle.chunk_size)
         result = self.engine.inverse_dynamics(
             session_id, epoch, clip, seed=request.seed if request.HasField("seed") else None,
