@@ -3,7 +3,6 @@ embedded-size pipeline) and the real gRPC server around it, driven with the clie
 
 from __future__ import annotations
 
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -11,6 +10,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from worker_hold import hold_worker
 
 from policy_server.client import ControlStream, PolicyClient, PolicyServerError, build_observation
 from policy_server.config import build_config
@@ -235,35 +235,13 @@ def test_frame_bounds_are_named_in_the_error_and_published_in_server_info(client
 # ---------------------------------------------------------------------------------------------- bounded work
 
 
-class _Gate:
-    """A background job that holds the model worker until `opened` is set."""
-
-    def __init__(self):
-        self.running, self.opened = threading.Event(), threading.Event()
-
-    def step(self):
-        self.running.set()
-        self.opened.wait()
-        return True
-
-    def fail(self, error):
-        pass
-
-
-def _hold_worker(engine) -> threading.Event:
-    gate = _Gate()
-    engine._worker.submit(gate)
-    gate.running.wait()
-    return gate.opened
-
-
 def _clip():
     return api.VideoClip({"image": _video()}, STATE)
 
 
 def test_dynamics_calls_beyond_the_limit_are_refused_and_each_deadline_is_kept(engine, client, session):
     sid, epoch = session.session_id, session.epoch
-    gate = _hold_worker(engine)
+    gate = hold_worker(engine)
     with ThreadPoolExecutor(2) as pool:
         queued = [pool.submit(engine.inverse_dynamics, sid, epoch, _clip(), deadline_s=time.monotonic() + 2.0)
                   for _ in range(2)]

@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import torch
+from worker_hold import hold_worker
 
 from policy_server.engine import api
 from policy_server.engine.engine import EngineSettings, ModelEngine
@@ -78,28 +79,6 @@ def test_same_seed_and_inputs_give_the_same_chunk(engine):
     engine.close_session(second.session_id)
 
 
-class _Gate:
-    """A background job that holds the model worker until `opened` is set."""
-
-    def __init__(self):
-        self.running, self.opened = threading.Event(), threading.Event()
-
-    def step(self):
-        self.running.set()
-        self.opened.wait()
-        return True
-
-    def fail(self, error):
-        pass
-
-
-def _hold_worker(engine) -> threading.Event:
-    gate = _Gate()
-    engine._worker.submit(gate)
-    gate.running.wait()
-    return gate.opened
-
-
 def _queue_act(pool, engine, *args):
     """Submit `engine.act(*args)` on `pool` and wait until it is queued behind the held worker."""
     future = pool.submit(engine.act, *args)
@@ -111,7 +90,7 @@ def _queue_act(pool, engine, *args):
 def _act_queued_together(engine, calls):
     """Hold the model worker until every `engine.act(*call)` has queued, then let them run; returns each
     call's result or exception."""
-    gate = _hold_worker(engine)
+    gate = hold_worker(engine)
 
     def act(call):
         try:
@@ -218,7 +197,7 @@ def test_close_answers_ticks_still_queued(tmp_path):
     engine.start()
     assert engine.wait_ready(timeout_s=300)
     session = engine.open_session("pusht", "reach the red circle", rate_hz=0)
-    gate = _hold_worker(engine)
+    gate = hold_worker(engine)
     with ThreadPoolExecutor(2) as pool:
         tick = _queue_act(pool, engine, session.session_id, 1, _observation())
         closing = pool.submit(engine.close)
@@ -242,7 +221,7 @@ def test_every_advertised_chunk_size_is_served(engine):
 
 def test_a_second_tick_while_one_is_in_flight_is_refused(engine):
     session = engine.open_session("pusht", "reach the red circle", rate_hz=0)
-    gate = _hold_worker(engine)
+    gate = hold_worker(engine)
     with ThreadPoolExecutor(1) as pool:
         first = _queue_act(pool, engine, session.session_id, 1, _observation())
         with pytest.raises(api.SessionBusy):
@@ -255,7 +234,7 @@ def test_a_second_tick_while_one_is_in_flight_is_refused(engine):
 
 def test_a_tick_whose_caller_left_while_queued_is_withdrawn(engine):
     session = engine.open_session("pusht", "reach the red circle", rate_hz=0)
-    gate = _hold_worker(engine)
+    gate = hold_worker(engine)
     gone = threading.Event()
     with ThreadPoolExecutor(1) as pool:
         first = _queue_act(pool, engine, session.session_id, 1, _observation(), None, gone.is_set)
@@ -387,7 +366,7 @@ def test_reasoner_stops_at_its_deadline_or_cancellation_even_during_a_long_prefi
 
 
 def test_reasoner_calls_are_bounded(engine):
-    gate = _hold_worker(engine)
+    gate = hold_worker(engine)
     running = [engine.reason("describe the table", max_new_tokens=12, seed=0) for _ in range(2)]
     with pytest.raises(api.TooManyReasonCalls):
         engine.reason("describe the table", max_new_tokens=12, seed=0)
@@ -412,7 +391,7 @@ def test_close_stops_a_running_reasoner_call_and_every_caller_is_answered(tmp_pa
 
 def test_a_tick_is_judged_against_its_budget_from_arrival(engine):
     session = engine.open_session("pusht", "reach the red circle", budget_ms=2000.0, rate_hz=0)
-    gate = _hold_worker(engine)
+    gate = hold_worker(engine)
     with ThreadPoolExecutor(1) as pool:
         queued = _queue_act(pool, engine, session.session_id, 1, _observation())
         time.sleep(0.3)  # the tick waits in the queue; the wait counts once, in its total
@@ -426,7 +405,7 @@ def test_a_tick_is_judged_against_its_budget_from_arrival(engine):
 
 
 def test_a_reasoner_call_is_answered_at_its_deadline_even_while_ticks_hold_the_worker(engine):
-    gate = _hold_worker(engine)  # stands in for a worker busy with ticks: no background step runs
+    gate = hold_worker(engine)  # stands in for a worker busy with ticks: no background step runs
     started = time.monotonic()
     with pytest.raises(api.DeadlineExpired):
         list(engine.reason("describe the table", max_new_tokens=8, deadline_s=started + 0.2))
