@@ -1,15 +1,20 @@
-"""``policy-server``: serve a policy (default action) or benchmark it.
+"""``policy-server``: serve a policy (default action) or run an installed subcommand.
 
     policy-server [serve] --latency-budget-ms 120 --port 50051 [--config server.yaml] ...
-    policy-server bench [bench options]          # see policy_server.bench
+    policy-server bench [bench options]          # robots.bench
 
 Every flag is a ``ServerConfig`` field (``--max-sessions`` <-> ``max_sessions``) and may also be set
 in the ``--config`` file; flags given on the command line win.
+
+Other subcommands are found through the ``policy_server.commands`` entry-point group (``bench``:
+``robots.bench:main``, declared in pyproject.toml), so this package imports nothing of the packages that
+build on it. Each entry point is a ``main(argv) -> int``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import logging
 import os
 import signal
@@ -23,6 +28,7 @@ from policy_server.config import ConfigError, ServerConfig, build_config, read_c
 log = logging.getLogger("policy_server")
 SHUTDOWN_GRACE_S = 2.0  # running calls may finish within this after SIGTERM
 SHUTDOWN_TIMEOUT_S = 8.0  # then the engine has this long to stop
+COMMANDS_GROUP = "policy_server.commands"  # entry points: name -> main(argv) -> int
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="policy-server",
         argument_default=argparse.SUPPRESS,
         description="gRPC robot-policy server with a per-tick latency budget.",
-        epilog="Subcommands: `serve` (default) and `bench` (policy-server bench --help).",
+        epilog="Subcommands: `serve` (default) and those installed in the `policy_server.commands` "
+        "entry-point group, e.g. `bench` (policy-server bench --help).",
     )
     p.add_argument("--config", type=Path, help="YAML or JSON file with any of the settings below")
 
@@ -143,14 +150,24 @@ def _exit_now() -> None:
     os._exit(1)
 
 
+def subcommands() -> dict[str, importlib.metadata.EntryPoint]:
+    """The installed subcommands by name (`pip install -e .` registers the project's own)."""
+    return {ep.name: ep for ep in importlib.metadata.entry_points(group=COMMANDS_GROUP)}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "bench":
-        from policy_server.bench import main as bench_main  # lazy: the benchmark needs torch
-
-        return bench_main(argv[1:])
     if argv and argv[0] == "serve":
         argv = argv[1:]
+    elif argv and not argv[0].startswith("-"):
+        command = subcommands().get(argv[0])
+        if command is None:
+            known = ", ".join(["serve", *sorted(subcommands())])
+            print(f"policy-server: unknown subcommand {argv[0]!r}; expected one of {known} (entry points of "
+                  f"{COMMANDS_GROUP!r}: reinstall the package, `pip install -e .`, if one is missing)",
+                  file=sys.stderr)
+            return 2
+        return command.load()(argv[1:])  # loaded only now: the bench needs torch
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = config_from_args(argv)

@@ -7,16 +7,14 @@ Each environment gets its own session; a tick sends the camera frame and effecto
 robot executes the first `--execute` actions of the returned chunk before asking again. Episodes use
 held-out seeds (never seen in the demonstrations). The JSON report holds the success rate, episode
 lengths, per-tick latency (p50/p99), deadline misses and cache decisions; a PNG summary sits beside
-it, and `--videos N` writes MP4s of the first N episodes with the predicted future frames (decoded
-from the generated latents, in-process only) beside the real ones.
+it, and `--videos N` writes MP4s of the first N episodes with the predicted future frames (the
+session's preview frames, in-process only) beside the real ones.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -72,20 +70,23 @@ class ServerPolicy:
         self.client.wait_until_serving(timeout_s=600)
         self.budget_ms = budget_ms
 
-    def open(self, instruction: str, seed: int):
+    def open(self, instruction: str, seed: int, preview: bool = False):
         # A simulation asks again as soon as it is answered: a closed loop (rate 0), not a declared rate.
-        return self.client.open_session("pusht", instruction, budget_ms=self.budget_ms, seed=seed, rate_hz=0.0)
+        return self.client.open_session("pusht", instruction, budget_ms=self.budget_ms, seed=seed, rate_hz=0.0,
+                                        preview=preview)
 
     def act(self, session, obs: dict, step: int, want_video: bool = False):
         chunk = self.client.act(session, {"image": obs["image"]}, obs["state"], step_index=step, encoding="png")
-        return chunk.actions, TickStats.of(chunk.tick), None
+        return chunk.actions, TickStats.of(chunk.tick), chunk.preview_frames if want_video else None
 
     def close(self, session) -> None:
         self.client.close_session(session)
 
 
 class InProcessPolicy:
-    """Runs the engine in this process (no network); can also decode the predicted video."""
+    """Runs the engine in this process (no network); sessions of recorded episodes get the predicted video
+    as preview frames. `sampler_overrides` (`num_steps`, `guidance`) replace the checkpoint's sampler
+    settings: the pipeline is built with the validated overridden config."""
 
     def __init__(self, checkpoint: Path | None, budget_ms: float, cache: bool, parallel: int,
                  sampler_overrides: dict):
@@ -93,31 +94,28 @@ class InProcessPolicy:
 
         from policy_server.engine.engine import EngineSettings, ModelEngine
         from policy_server.pipeline.policy import PolicyPipeline
+        from policy_server.pipeline.policy_config import PolicyConfig
 
         torch.set_num_threads(1)
-        self.pipeline = PolicyPipeline.from_pretrained(checkpoint)
+        pipeline = PolicyPipeline.from_pretrained(checkpoint)
         if sampler_overrides:
-            config = self.pipeline.config
-            self.pipeline.config = type(config).model_validate({**config.model_dump(), **sampler_overrides})
-        self.engine = ModelEngine(self.pipeline, EngineSettings(default_budget_ms=budget_ms, diffusion_cache=cache,
-                                                                max_sessions=max(4, parallel)))
+            config = PolicyConfig.model_validate({**pipeline.config.model_dump(), **sampler_overrides})
+            pipeline = PolicyPipeline(pipeline.transformer, pipeline.vae, pipeline.tokenizer, pipeline.embodiments,
+                                      config, pipeline.served_embodiments, pipeline.digest)
+        self.engine = ModelEngine(pipeline, EngineSettings(default_budget_ms=budget_ms, diffusion_cache=cache,
+                                                           max_sessions=max(4, parallel)))
         self.engine.start()
         self.engine.wait_ready()
-        self._lock = threading.Lock()
 
-    def open(self, instruction: str, seed: int):
-        return self.engine.open_session("pusht", instruction, seed=seed, rate_hz=0.0)
+    def open(self, instruction: str, seed: int, preview: bool = False):
+        return self.engine.open_session("pusht", instruction, seed=seed, rate_hz=0.0, preview=preview)
 
     def act(self, session, obs: dict, step: int, want_video: bool = False):
         from policy_server.engine.api import Observation
 
         observation = Observation(images={"image": obs["image"]}, state=obs["state"], step_index=step)
-        with self._lock if want_video else contextlib.nullcontext():
-            result = self.engine.act(session.session_id, session.epoch, observation)
-            latents = self.engine.last_output.latents if want_video else None
-        stats = TickStats.of(result.tick)
-        predicted = self.pipeline.decode_video(latents) if latents is not None else None
-        return result.actions, stats, predicted
+        result = self.engine.act(session.session_id, session.epoch, observation)
+        return result.actions, TickStats.of(result.tick), result.preview_frames if want_video else None
 
     def close(self, session) -> None:
         self.engine.close_session(session.session_id)
@@ -127,7 +125,7 @@ def run_episode(policy, index: int, execute: int, record_video: bool) -> Episode
     env = gymnasium.make("PolicyServer/Reach-v0", render_mode="rgb_array", render_size=128)
     seed = HELDOUT_SEED_OFFSET + index
     obs, _ = env.reset(seed=seed)
-    session = policy.open(obs["instruction"], seed)
+    session = policy.open(obs["instruction"], seed, preview=record_video)
     result = EpisodeResult(seed=seed, instruction=obs["instruction"], success=False, steps=0)
     done = False
     try:
@@ -265,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     if overrides and not args.in_process:
         parser.error("--num-steps and --guidance need --in-process (a server uses its own settings)")
     if args.videos and not args.in_process:
-        parser.error("--videos needs --in-process (the predicted frames come from the generated latents)")
+        parser.error("--videos needs --in-process")
 
     budget = args.latency_budget_ms
     if args.in_process:

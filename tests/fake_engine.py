@@ -25,6 +25,7 @@ from policy_server.config import ServerConfig, build_config
 from policy_server.engine.api import (
     ActionSpec,
     ActResult,
+    BranchRecord,
     BudgetInfeasible,
     CameraSpec,
     Cancelled,
@@ -250,13 +251,11 @@ class FakeEngine:
             deadline_ms=deadline_ms,
             predicted_ms={"denoise": 2.0, "total": 2.5},
             actual_ms={"denoise": 2.5, "total": ACTUAL_TOTAL_MS},
-            knobs={"threshold": 0.25, "max_consecutive": 2, "num_steps": 10, "batch_size": 1},
-            full_calls=12,
-            skipped_calls=8,
-            forced_skips=1,
-            fail_open=0,
+            knobs={"threshold": 0.25, "cap": 2, "num_steps": 10, "batch_size": 1},
+            branches={"cond": BranchRecord(full=7, skipped=3, forced_skip=1, fail_open=0, sequence="FFSFFSFFSF"),
+                      "uncond": BranchRecord(full=5, skipped=5, forced_skip=0, fail_open=0, sequence="FSFSFSFSFF")},
+            setting="t0.25-c2",
             fallbacks=("drop_cfg_late",) if handle.budget_ms < 10 else (),
-            deadline_met=ACTUAL_TOTAL_MS <= handle.budget_ms,
         )
         self.acts.append((session_id, epoch, observation.step_index))
         return ActResult(actions=actions, first_step_index=observation.step_index, tick=tick)

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from policy_server.bench import main as bench_main
+from robots.bench import main as bench_main
 from robots.embedded import build_random_pipeline
 from robots.rollout import main as rollout_main
 

@@ -1,10 +1,8 @@
-"""Deadline guard, tick loop and tick record, with a fake clock and a fake model whose calls advance it.
+"""Deadline guard and the guarded tick loop, with a fake clock and a fake model whose calls advance it.
 
 The fake model: every call costs CALL_MS (embed, indicator, heads); a full call adds the stack time. So
 c_full = CALL_MS + stack and c_skip = CALL_MS, exactly what the guard and the planner assume.
 """
-
-import json
 
 import pytest
 import torch
@@ -13,8 +11,7 @@ from policy_server.budget.cost_model import CallCosts, CostModel
 from policy_server.budget.guard import DeadlineGuard
 from policy_server.budget.history import SessionHistory
 from policy_server.budget.planner import plan_tick
-from policy_server.budget.record import TickRecord
-from policy_server.budget.tick import TickBudget
+from policy_server.budget.tick import GuardedSteps, TickBudget
 from policy_server.cache.seacache import SeaCache, SeaCacheConfig
 
 CALL_MS, STACK_MS, ENCODE_MS, DECODE_MS = 1.0, 9.0, 5.0, 5.0
@@ -39,13 +36,8 @@ def rough_latents(num_steps, distance=0.5):
     return [base * (1 + distance) ** i for i in range(num_steps)]
 
 
-def run_denoise(clock, plan, cache, stack_ms=lambda step: STACK_MS, pacer=None, stall_ms=lambda step: 0.0):
-    """The sampler loop of one tick on the fake model; the plan fixes steps and CFG branches, and `pacer`
-    (the guard) may drop the uncond pass or end the loop. `stall_ms(step)` passes before the step.
-    Returns the branches run per step."""
-    latents = rough_latents(plan.num_steps)
-    gen_in = torch.zeros(3, 2)
-    ran = []
+def fake_stack(clock, gen_in, stack_ms):
+    """``full`` for a call at ``step``: the stack advances the clock by ``stack_ms(step)``."""
 
     def full_for(step):
         def full():
@@ -54,47 +46,73 @@ def run_denoise(clock, plan, cache, stack_ms=lambda step: STACK_MS, pacer=None, 
 
         return full
 
+    return full_for
+
+
+def run_denoise(clock, steps, stack_ms=lambda step: STACK_MS, stall_ms=lambda step: 0.0):
+    """The sampler loop of one tick on the fake model, driving ``steps`` (a ``GuardedSteps``) as the pipeline
+    does: the guard names each step's branches and may end the loop early. ``stall_ms(step)`` passes before the
+    step. Returns the branches run per step."""
+    latents = rough_latents(steps.plan.num_steps)
+    gen_in = torch.zeros(3, 2)
+    full_for = fake_stack(clock, gen_in, stack_ms)
+    ran = []
     with torch.no_grad():
-        for step in range(plan.num_steps):
+        for step in range(steps.plan.num_steps):
             clock.advance(stall_ms(step))
-            branches, last = plan.branches(step), False
-            if pacer is not None:
-                use_uncond, last = pacer.pace(step, len(branches) == 2)
-                branches = branches if use_uncond else branches[:1]
+            branches, last = steps.before_step(step)
             for branch in branches:
                 clock.advance(CALL_MS)
-                cache.run_stack(step, branch, 0.5, [latents[step]], gen_in, full_for(step))
+                steps.run_stack(step, branch, 0.5, [latents[step]], gen_in, full_for(step))
             ran.append(branches)
             if last:
                 break
     return ran
 
 
+def run_unguarded(clock, plan, cache, stack_ms=lambda step: STACK_MS):
+    """The same loop without a guard: a plain SeaCache on the plan's steps and branches."""
+    latents = rough_latents(plan.num_steps)
+    gen_in = torch.zeros(3, 2)
+    full_for = fake_stack(clock, gen_in, stack_ms)
+    cache.begin(plan.num_steps)
+    with torch.no_grad():
+        for step in range(plan.num_steps):
+            for branch in plan.branches(step):
+                clock.advance(CALL_MS)
+                cache.run_stack(step, branch, 0.5, [latents[step]], gen_in, full_for(step))
+
+
+def plan_cache(plan):
+    return SeaCache(SeaCacheConfig(threshold=plan.thresholds, max_consecutive_cached=plan.cap))
+
+
 def run_tick(clock, budget, plan, guarded=True, stack_ms=lambda step: STACK_MS, stall_ms=lambda step: 0.0):
-    """encode → arm guard → denoise → decode; returns (cache record, stage times in ms, guard)."""
+    """encode → guarded steps → denoise → decode; returns (cache record, stage times in ms, the GuardedSteps or
+    None when unguarded, the branches run per step)."""
     start = clock()
     clock.advance(ENCODE_MS)
-    guard = budget.arm(plan, KEY, start)
-    cache = SeaCache(
-        SeaCacheConfig(threshold=plan.thresholds, max_consecutive_cached=plan.cap),
-        force_skip=guard.force_skip if guarded else None,
-        on_decision=guard.on_decision,
-    )
-    cache.begin(plan.num_steps)
+    cache = plan_cache(plan)
+    steps, ran = None, None
     t0 = clock()
-    run_denoise(clock, plan, cache, stack_ms, guard if guarded else None, stall_ms)
+    if guarded:
+        steps = budget.guarded_steps(plan, KEY, start, cache)
+        assert isinstance(steps, GuardedSteps) and steps.plan is plan
+        ran = run_denoise(clock, steps, stack_ms, stall_ms)
+    else:
+        run_unguarded(clock, plan, cache, stack_ms)
     t1 = clock()
     clock.advance(DECODE_MS)
-    return cache.record(), {"encode": ENCODE_MS, "denoise": t1 - t0, "decode": DECODE_MS}, guard
+    return cache.record(), {"encode": ENCODE_MS, "denoise": t1 - t0, "decode": DECODE_MS}, steps, ran
 
 
-def warm_budget(clock):
+def warm_budget(clock, guided=range):
     model = CostModel()
     for _ in range(3):
         model.observe_tick(KEY, [(True, COSTS.full_ms), (False, COSTS.skip_ms)],
                            {"encode": ENCODE_MS, "decode": DECODE_MS})
     assert model.is_warm(KEY)
-    return TickBudget(model, clock=clock, post_stages=("decode",))
+    return TickBudget(model, clock=clock, post_stages=("decode",), guided=guided)
 
 
 def test_guard_holds_the_deadline_when_the_gate_refreshes_every_step():
@@ -103,17 +121,25 @@ def test_guard_holds_the_deadline_when_the_gate_refreshes_every_step():
     plan = budget.plan(KEY, 120.0, 10, 2, None, prefill=False)
     assert plan.setting == "t0.25-c2" and plan.fits  # the prior expects 8 of 20 calls full
 
-    unguarded, stages, _ = run_tick(clock, budget, plan, guarded=False)
+    unguarded, stages, _, _ = run_tick(clock, budget, plan, guarded=False)
     assert unguarded.full_calls == 20  # the gate wants a refresh every step
     assert sum(stages.values()) == pytest.approx(210.0)
 
-    rec, stages, guard = run_tick(clock, budget, plan)
+    rec, stages, steps, ran = run_tick(clock, budget, plan)
     total = sum(stages.values())
     assert total <= 120.0
-    assert rec.forced_skips > 0 and rec.forced_skips == guard.forced_skips
+    assert ran == [plan.branches(s) for s in range(10)] and steps.fallbacks == ()
+    assert rec.full_calls + rec.skipped_calls == plan.calls
+    # The gate skipped nothing on these latents: every skip is one the guard forced.
+    assert rec.forced_skips > 0 and rec.skipped_calls == rec.forced_skips and rec.fail_opens == 0
+    assert steps.record() is rec
     assert rec.sequence("cond")[-1] == "F" and rec.sequence("uncond")[-1] == "F"  # final step kept full
     # Every forced skip was needed: a guard that forced one fewer would have missed.
     assert total + (COSTS.full_ms - COSTS.skip_ms) > 120.0
+    # The guard timed every call but the first (which holds the setup before the loop).
+    timings = steps.guard.call_timings()
+    assert [full for full, _ in timings] == [d.full for d in rec.decisions[1:]]
+    assert all(ms == pytest.approx(COSTS.full_ms if full else COSTS.skip_ms) for full, ms in timings)
 
 
 def test_guard_adapts_to_a_slowdown_within_the_tick():
@@ -121,10 +147,12 @@ def test_guard_adapts_to_a_slowdown_within_the_tick():
     budget = warm_budget(clock)
     plan = budget.plan(KEY, 150.0, 10, 2, None, prefill=False)
     slow = lambda step: STACK_MS if step < 3 else 2 * STACK_MS  # noqa: E731
-    rec, stages, guard = run_tick(clock, budget, plan, stack_ms=slow)
+    rec, stages, steps, _ = run_tick(clock, budget, plan, stack_ms=slow)
     assert sum(stages.values()) <= 150.0
-    slow_fulls = [c for c in guard.calls if c.full and c.step >= 3]
-    assert slow_fulls and all(c.ms == pytest.approx(CALL_MS + 2 * STACK_MS) for c in slow_fulls)
+    timed = list(zip(rec.decisions[1:], steps.guard.call_timings(), strict=True))
+    assert all(d.full == full for d, (full, _) in timed)
+    slow_fulls = [ms for d, (full, ms) in timed if full and d.step >= 3]
+    assert slow_fulls and all(ms == pytest.approx(CALL_MS + 2 * STACK_MS) for ms in slow_fulls)
 
 
 @pytest.mark.parametrize(
@@ -141,10 +169,13 @@ def test_guard_paces_a_stalled_tick_into_its_deadline(stall, late, cond_calls, u
     clock = FakeClock()
     budget = warm_budget(clock)
     plan = budget.plan(KEY, 120.0, 10, 2, None, prefill=False)
-    record, stages, guard = run_tick(clock, budget, plan, stall_ms=lambda step: stall if step == 4 else 0.0)
+    assert plan.fallbacks == ()
+    record, stages, steps, ran = run_tick(clock, budget, plan, stall_ms=lambda step: stall if step == 4 else 0.0)
     assert sum(stages.values()) <= 120.0
-    assert guard.late_fallbacks == late
+    assert steps.fallbacks == steps.guard.late_fallbacks == late
     assert len(record.sequence("cond")) == cond_calls and len(record.sequence("uncond")) == uncond_calls
+    assert len(ran) == cond_calls and sum(len(b) for b in ran) == cond_calls + uncond_calls
+    assert all(branches == ("cond",) for branches in ran[uncond_calls:])
 
 
 def test_a_stall_no_fallback_can_absorb_is_reported_as_a_miss():
@@ -152,100 +183,121 @@ def test_a_stall_no_fallback_can_absorb_is_reported_as_a_miss():
     budget = warm_budget(clock)
     plan = budget.plan(KEY, 120.0, 10, 2, None, prefill=False)
     start = clock()
-    cache_record, stages, guard = run_tick(clock, budget, plan, stall_ms=lambda step: 40.0 if step == 4 else 0.0)
-    record = budget.finish(KEY, plan, guard, None, cache_record.counts_dict(), stages, actual_ms=clock() - start)
-    assert record.fallbacks == ("late_finish_at_step=4/10",) and not record.deadline_met
-    assert record.actual_ms == pytest.approx(131.0)  # 85 ms on time + 40 ms stall + 1 skipped call + decode
+    record, stages, steps, _ = run_tick(clock, budget, plan, stall_ms=lambda step: 40.0 if step == 4 else 0.0)
+    actual_ms = clock() - start
+    assert steps.fallbacks == ("late_finish_at_step=4/10",)
+    assert actual_ms > plan.deadline_ms
+    assert actual_ms == pytest.approx(131.0)  # 85 ms on time + 40 ms stall + 1 skipped call + decode
+    assert actual_ms == pytest.approx(sum(stages.values()))
+    assert len(record.sequence("cond")) == 5 and len(record.sequence("uncond")) == 4
 
 
-def test_guard_never_forces_the_final_step_and_checks_branches():
+def test_guard_never_forces_the_final_step():
     clock = FakeClock()
-    guard = DeadlineGuard(clock)
     plan = plan_tick(60.0, 4, 2, COSTS)
-    assert guard.force_skip(1, "cond") is False  # not armed yet
-    guard.start(plan, COSTS, deadline_at_ms=10.0)  # already hopeless
+    assert [plan.branches(s) for s in range(4)] == [("cond", "uncond")] * 4
+    guard = DeadlineGuard(plan, COSTS, deadline_at_ms=10.0, clock=clock)  # already hopeless
     assert guard.force_skip(0, "cond") is True
-    assert guard.force_skip(3, "cond") is False
-    with pytest.raises(ValueError, match="not planned"):
-        guard.force_skip(0, "sideways")
-    assert [r.step for r in guard.requested_skips] == [0]
-    # full now + 5 skips (uncond at 0, steps 1-2) + 2 full final calls - deadline
-    assert guard.requested_skips[0].overshoot_ms == pytest.approx(10.0 + 5 * 1.0 + 2 * 10.0 - 10.0)
+    assert guard.force_skip(3, "cond") is False and guard.force_skip(3, "uncond") is False
+
+
+@pytest.mark.parametrize("reserve_ms", [0.0, 5.0])
+def test_guard_forces_a_skip_exactly_when_a_full_call_would_overshoot(reserve_ms):
+    # At step 0 cond: this call full (10) + 5 skips (uncond at 0, steps 1-2) + 2 full final calls (20), then
+    # the reserve for the stages after the loop: 35 ms + reserve from now (0).
+    plan = plan_tick(60.0, 4, 2, COSTS)
+    needed = 10.0 + 5 * 1.0 + 2 * 10.0 + reserve_ms
+    on_time = DeadlineGuard(plan, COSTS, deadline_at_ms=needed, reserve_after_ms=reserve_ms, clock=FakeClock())
+    late = DeadlineGuard(plan, COSTS, deadline_at_ms=needed - 0.1, reserve_after_ms=reserve_ms, clock=FakeClock())
+    assert on_time.force_skip(0, "cond") is False
+    assert late.force_skip(0, "cond") is True
+    # The uncond call of step 0 has one call fewer after it.
+    assert DeadlineGuard(plan, COSTS, needed - 1.0, reserve_ms, FakeClock()).force_skip(0, "uncond") is False
 
 
 def test_guard_does_not_force_when_time_is_ample():
     clock = FakeClock()
-    guard = DeadlineGuard(clock)
     plan = plan_tick(500.0, 10, 2, COSTS)
-    guard.start(plan, COSTS, deadline_at_ms=500.0)
+    guard = DeadlineGuard(plan, COSTS, deadline_at_ms=500.0, clock=clock)
     assert not any(guard.force_skip(s, b) for s in range(10) for b in plan.branches(s))
+    assert guard.pace(0) == (("cond", "uncond"), False) and guard.late_fallbacks == ()
 
 
 def test_forced_request_without_history_fails_open_and_is_not_counted_as_forced():
     clock = FakeClock()
     budget = warm_budget(clock)
     plan = budget.plan(KEY, 30.0, 10, 2, None, prefill=False)  # far too tight: the guard asks at step 0 already
-    rec, _, guard = run_tick(clock, budget, plan)
+    assert plan.fallbacks
+    rec, _, steps, _ = run_tick(clock, budget, plan)
     assert rec.branches["cond"].fail_open_reasons.get("no_history") == 1
-    assert any(r.step == 0 for r in guard.requested_skips)
-    assert guard.forced_skips == rec.forced_skips
+    # Only a forced skip without a residual ends as ``no_history``: the guard asked at step 0 and the call ran.
+    first = rec.decisions[0]
+    assert (first.step, first.branch, first.full, first.reason) == (0, "cond", True, "no_history")
+    assert not first.forced and first.fail_open
+    assert rec.forced_skips == sum(d.forced for d in rec.decisions)
+    assert rec.full_calls == sum(d.full for d in rec.decisions) and rec.fail_opens >= 1
+    assert steps.fallbacks[: len(plan.fallbacks)] == plan.fallbacks
 
 
 def test_tick_loop_learns_costs_and_counts_and_keeps_every_deadline():
     clock = FakeClock()
     budget = warm_budget(clock)
     history = SessionHistory()
-    records = []
+    ticks = []
     for _ in range(8):
         plan = budget.plan(KEY, 120.0, 10, 2, history, prefill=False)
-        cache_record, stages, guard = run_tick(clock, budget, plan)
-        records.append(budget.finish(KEY, plan, guard, history, cache_record.counts_dict(), stages,
-                                     sequences={b: cache_record.sequence(b) for b in ("cond", "uncond")}))
-    assert all(r.deadline_met for r in records)
+        rec, stages, steps, _ = run_tick(clock, budget, plan)
+        budget.learn(KEY, steps, history, stages)
+        if not ticks:  # the history holds what the gate wanted: full calls plus the refreshes forced to skip
+            assert rec.forced_skips > 0
+            assert history.quantile(plan.setting, plan.structure, 1.0) == rec.full_calls + rec.forced_skips
+        ticks.append((plan, rec, sum(stages.values())))
+    assert all(total <= plan.deadline_ms for plan, _, total in ticks)
     ladder = [s.name for s in budget.config.ladder]
-    chosen = [ladder.index(r.setting) for r in records]
+    chosen = [ladder.index(plan.setting) for plan, _, _ in ticks]
     assert chosen[-1] > chosen[0]  # learned that the gate refreshes often on this trajectory
-    assert records[-1].forced_skips < records[0].forced_skips
+    assert ticks[-1][1].forced_skips < ticks[0][1].forced_skips
     costs = budget.cost_model.costs(KEY)
     assert costs.full_ms == pytest.approx(COSTS.full_ms) and costs.skip_ms == pytest.approx(COSTS.skip_ms)
     assert budget.cost_model.samples(KEY)["full"] == 3 + 8  # warmup, then one sample per tick
 
 
-def test_tick_record_contents_and_json():
-    plan = plan_tick(50.0, 10, 2, COSTS)
-    counts = {
-        "cond": {"full": 2, "skipped": 8, "forced_skip": 1, "fail_open": 0, "fail_open_reasons": {}},
-        "uncond": {"full": 1, "skipped": 2, "forced_skip": 0, "fail_open": 1,
-                   "fail_open_reasons": {"no_history": 1}},
-    }
-    rec = TickRecord.build(plan, counts, {"encode": 5.0, "denoise": 41.0, "decode": 5.0})
-    assert rec.actual_ms == 51.0 and not rec.deadline_met
-    assert (rec.full_calls, rec.skipped_calls, rec.forced_skips, rec.fail_opens) == (3, 10, 1, 1)
-    assert rec.fallbacks == ("drop_uncond_from_step=3",) and not rec.feasible
-    assert rec.best_achievable_ms == pytest.approx(66.0)
-    assert rec.predicted_stage_ms["denoise"] == pytest.approx(plan.predicted_ms - 10.0)
-    data = json.loads(json.dumps(rec.to_dict()))
-    assert data["branches"]["uncond"]["fail_open_reasons"] == {"no_history": 1}
-    assert data["setting"] == plan.setting and len(data["thresholds"]) == 10
-    assert TickRecord.build(plan, counts, {"denoise": 30.0}, actual_ms=49.0).deadline_met
-    with pytest.raises(ValueError, match="forced_skip"):
-        TickRecord.build(plan, {"cond": {"full": 1, "skipped": 0}}, {"denoise": 1.0})
-    with pytest.raises(ValueError, match="denoise"):
-        TickRecord.build(plan, counts, {"denoise": -1.0})
+def test_learn_without_costs_still_feeds_the_history():
+    clock = FakeClock()
+    budget = warm_budget(clock)
+    history = SessionHistory()
+    plan = budget.plan(KEY, 120.0, 10, 2, history, prefill=False)
+    rec, stages, steps, _ = run_tick(clock, budget, plan)
+    before = budget.cost_model.samples(KEY)
+    budget.learn(KEY, steps, history, stages, learn_costs=False)  # a tick that shared its calls in a batch
+    assert budget.cost_model.samples(KEY) == before
+    assert history.quantile(plan.setting, plan.structure, 1.0) == rec.full_calls + rec.forced_skips
+    budget.learn(KEY, steps, None, stages)  # no session history: costs only
+    assert budget.cost_model.samples(KEY)["full"] == before["full"] + 1
 
 
 def test_first_call_of_a_tick_is_not_a_cost_sample():
     clock = FakeClock()
     budget = warm_budget(clock)
     plan = budget.plan(KEY, 500.0, 4, 2, None, prefill=False)
-    guard = budget.arm(plan, KEY, clock())
+    steps = budget.guarded_steps(plan, KEY, clock(), plan_cache(plan))
     clock.advance(50.0)  # setup between arming and the loop (encode) lands in the first call's time
-    cache = SeaCache(SeaCacheConfig(threshold=plan.thresholds, max_consecutive_cached=plan.cap),
-                     force_skip=guard.force_skip, on_decision=guard.on_decision)
-    cache.begin(plan.num_steps)
-    run_denoise(clock, plan, cache)
-    calls = guard.calls
-    assert calls[0].includes_setup and calls[0].ms == pytest.approx(50.0 + COSTS.full_ms)
-    timings = guard.call_timings()
-    assert len(timings) == len(calls) - 1
+    run_denoise(clock, steps)
+    rec = steps.record()
+    assert len(rec.decisions) == plan.calls == 8
+    timings = steps.guard.call_timings()
+    assert len(timings) == len(rec.decisions) - 1
+    assert [full for full, _ in timings] == [d.full for d in rec.decisions[1:]]
     assert all(ms == pytest.approx(COSTS.full_ms if full else COSTS.skip_ms) for full, ms in timings)
+
+
+def test_guidance_interval_limits_the_guarded_ticks_uncond_pass():
+    clock = FakeClock()
+    budget = warm_budget(clock, guided=lambda n: range(0, 3))
+    plan = budget.plan(KEY, 500.0, 10, 2, None, prefill=False)
+    assert plan.uncond_steps == range(0, 3) and plan.calls == 13 and plan.setting == "none"
+    rec, stages, steps, ran = run_tick(clock, budget, plan)
+    assert ran == [("cond", "uncond")] * 3 + [("cond",)] * 7
+    assert rec.sequence("cond") == "F" * 10 and rec.sequence("uncond") == "FFF"
+    assert sum(stages.values()) == pytest.approx(ENCODE_MS + 13 * COSTS.full_ms + DECODE_MS)
+    assert steps.fallbacks == ()

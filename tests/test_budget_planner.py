@@ -4,7 +4,7 @@ the session, and the infeasible path with its fallbacks in fixed order."""
 import pytest
 
 from policy_server.budget.cost_model import CallCosts
-from policy_server.budget.history import SessionHistory, natural_full_calls
+from policy_server.budget.history import SessionHistory
 from policy_server.budget.planner import (
     DEFAULT_LADDER,
     MAX_CACHING,
@@ -24,15 +24,22 @@ LADDER_NAMES = [s.name for s in DEFAULT_LADDER]
     [(4, (3, 2, 2)), (10, (6, 4, 4)), (20, (11, 8, 6)), (30, (16, 11, 9)), (35, (18, 13, 10))],
 )
 def test_min_full_calls_matches_the_spec_table(n, per_cap):
-    assert tuple(min_full_calls(n, 0, 1, 1, cap) for cap in (1, 2, 3)) == per_cap
-    assert min_full_calls(n, n, 1, 1, 2) == 2 * per_cap[1]  # both CFG branches
-    assert min_full_calls(n, 0, 1, 1, 0) == 2  # maximal caching: retention + cache end
+    assert tuple(min_full_calls(n, range(0), 1, 1, cap) for cap in (1, 2, 3)) == per_cap
+    assert min_full_calls(n, range(n), 1, 1, 2) == 2 * per_cap[1]  # both CFG branches
+    assert min_full_calls(n, range(0), 1, 1, 0) == 2  # maximal caching: retention + cache end
 
 
 def test_min_full_calls_with_uncond_dropped_late():
     # uncond on steps 0..3: full at 0 (retention), then never reaches the cache end.
-    assert min_full_calls(10, 4, 1, 1, 0) == 2 + 1
-    assert min_full_calls(10, 4, 1, 1, 2) == 4 + 2  # uncond: F S S F
+    assert min_full_calls(10, range(4), 1, 1, 0) == 2 + 1
+    assert min_full_calls(10, range(4), 1, 1, 2) == 4 + 2  # uncond: F S S F
+
+
+def test_min_full_calls_with_uncond_starting_late():
+    # uncond on steps 3..9 (a guidance interval): its first call has no residual, its last is the cache end.
+    assert min_full_calls(10, range(3, 10), 1, 1, 0) == 2 + 2
+    assert min_full_calls(10, range(3, 10), 1, 1, 2) == 4 + 3  # uncond: F S S F S S F
+    assert min_full_calls(10, range(3, 6), 1, 1, 0) == 2 + 1  # uncond on 3..5 only: never reaches the end
 
 
 def test_no_caching_when_the_uncached_tick_fits():
@@ -94,17 +101,10 @@ def test_learned_counts_use_a_high_quantile_of_the_window():
     history = SessionHistory(window=3)
     for count in (20, 8, 8, 9):  # the 20 falls out of the window
         history.observe("t0.25-c2", (10, 10), count)
-    assert history.counts("t0.25-c2", (10, 10)) == [8, 8, 9]
+    assert history.quantile("t0.25-c2", (10, 10), 1.0) == 9  # the 20 is gone
     assert history.quantile("t0.25-c2", (10, 10), 0.9) == 9
     assert history.quantile("t0.25-c2", (10, 10), 0.5) == 8
     assert history.quantile("other", (10, 10), 0.9) is None
-
-
-def test_natural_full_calls_counts_forced_skips_as_wanted_refreshes():
-    counts = {"cond": {"full": 4, "forced_skip": 2}, "uncond": {"full": 5, "forced_skip": 0}}
-    assert natural_full_calls(counts) == 11
-    with pytest.raises(ValueError, match="forced_skip"):
-        natural_full_calls({"cond": {"full": 1}})
 
 
 def test_infeasible_reports_best_latency_and_drops_uncond_first():
@@ -115,6 +115,7 @@ def test_infeasible_reports_best_latency_and_drops_uncond_first():
     # uncond on steps < k: 3 full calls + (7 + k) skips + 10 fixed = 47 + k <= 50
     assert plan.fallbacks == ("drop_uncond_from_step=3",)
     assert (plan.num_steps, plan.cfg_steps) == (10, 3)
+    assert plan.uncond_steps == range(3) and plan.calls == 13
     assert plan.branches(2) == ("cond", "uncond") and plan.branches(3) == ("cond",)
     assert plan.fits and plan.predicted_ms <= 50.0
     assert "infeasible" in plan.summary() and "drop_uncond_from_step=3" in plan.summary()
@@ -125,6 +126,7 @@ def test_fewer_steps_only_after_dropping_uncond():
     assert not plan.feasible
     assert plan.fallbacks == ("drop_uncond_from_step=1", "num_steps=10->2")
     assert (plan.num_steps, plan.cfg_steps) == (2, 1)
+    assert plan.uncond_steps == range(1) and plan.calls == 3
     assert plan.fits and plan.predicted_ms == pytest.approx(40.0)
     assert plan.requested_steps == 10
 
@@ -150,7 +152,8 @@ def test_without_cfg_only_fewer_steps_can_help():
     plan = plan_tick(30.0, 10, 1, COSTS)
     assert not plan.feasible and plan.best_achievable_ms == pytest.approx(38.0)
     assert plan.fallbacks == ("num_steps=10->2",)
-    assert plan.cfg_steps == 0 and plan.fits
+    assert plan.cfg_steps == 0 and plan.uncond_steps == range(0) and plan.fits
+    assert plan.calls == 2 and plan.branches(0) == ("cond",)
 
 
 def test_callable_threshold_schedule_in_a_custom_ladder():
@@ -175,14 +178,37 @@ def test_config_validation(kwargs, match):
         PlannerConfig(**kwargs)
 
 
-def test_bad_plan_arguments():
-    with pytest.raises(ValueError, match="deadline_ms"):
-        plan_tick(0.0, 10, 2, COSTS)
-    with pytest.raises(ValueError, match="passes"):
-        plan_tick(100.0, 10, 3, COSTS)
-    with pytest.raises(ValueError, match="num_steps"):
-        plan_tick(100.0, 0, 2, COSTS)
-    with pytest.raises(ValueError, match="cap"):
-        CacheSetting("x", 0.2, -1)
-    with pytest.raises(ValueError, match="none"):
-        CacheSetting("none", 0.2, 1)
+def test_guidance_interval_limits_the_uncond_pass_and_the_planned_calls():
+    interval = lambda n: range(0, 3)  # noqa: E731
+    plan = plan_tick(250.0, 10, 2, COSTS, guided=interval)
+    assert plan.uncond_steps == range(0, 3) and plan.cfg_steps == 10 and plan.fallbacks == ()
+    assert [plan.branches(s) for s in range(10)] == [("cond", "uncond")] * 3 + [("cond",)] * 7
+    assert plan.setting == "none" and plan.calls == plan.expected_full_calls == 13
+    assert plan.predicted_ms == pytest.approx(10 + 13 * 10)
+    # 140 ms holds the uncached tick with the interval (13 calls), not without it (20 calls: 210 ms).
+    assert plan_tick(140.0, 10, 2, COSTS, guided=interval).setting == "none"
+    assert plan_tick(140.0, 10, 2, COSTS).caching
+    # Fewer uncond calls need fewer full calls: at the same setting, 5 instead of 8 (cond F S S F S S F S S F,
+    # uncond F S S), and maximal caching needs 3 (cond at 0 and 9, uncond at 0) instead of 4.
+    config = PlannerConfig(ladder=(CacheSetting("t0.25-c2", 0.25, 2),))
+    full_cfg = plan_tick(120.0, 10, 2, COSTS, config=config)
+    guided = plan_tick(120.0, 10, 2, COSTS, config=config, guided=interval)
+    assert full_cfg.setting == guided.setting == "t0.25-c2"
+    assert (full_cfg.expected_full_calls, guided.expected_full_calls) == (8, 5)
+    assert (full_cfg.min_full_calls, guided.min_full_calls) == (4, 3)
+    assert guided.full_calls_max == (120 - 10 - 13) // 9
+    assert guided.predicted_ms == pytest.approx(10 + 5 * 10 + 8 * 1)
+    # Fallback 1 cuts the interval: maximal caching over 13 calls needs 50 ms, over 12 (uncond on 0..1) 49 ms.
+    cut = plan_tick(49.0, 10, 2, COSTS, guided=interval)
+    assert not cut.feasible and cut.best_achievable_ms == pytest.approx(50.0)
+    assert cut.fallbacks == ("drop_uncond_from_step=2",) and cut.uncond_steps == range(0, 2)
+    assert cut.calls == 12 and cut.branches(1) == ("cond", "uncond") and cut.branches(2) == ("cond",)
+
+
+def test_guidance_interval_that_starts_late():
+    plan = plan_tick(250.0, 10, 2, COSTS, guided=lambda n: range(4, n))
+    assert plan.uncond_steps == range(4, 10) and plan.calls == 16
+    assert plan.branches(3) == ("cond",) and plan.branches(4) == plan.branches(9) == ("cond", "uncond")
+    assert plan.min_full_calls == 2 + 2  # uncond: full at 4 (no residual) and 9 (cache end)
+    # The interval follows the step count: at 20 steps it is range(4, 20).
+    assert plan_tick(500.0, 20, 2, COSTS, guided=lambda n: range(4, n)).uncond_steps == range(4, 20)

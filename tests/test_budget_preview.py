@@ -5,6 +5,7 @@ import pytest
 
 from policy_server.budget.cost_model import CostModel
 from policy_server.budget.tick import PREVIEW_STAGE, TickBudget
+from policy_server.cache.seacache import SeaCache
 
 KEY = ("shape",)
 STAGES_MS = {"encode": 2.0, "prefill": 3.0, "decode": 0.5, PREVIEW_STAGE: 7.0}
@@ -23,8 +24,8 @@ def test_a_preview_tick_plans_and_reserves_its_decode(budget):
     assert PREVIEW_STAGE not in plain.predicted_stage_ms
     assert preview.predicted_stage_ms[PREVIEW_STAGE] == 7.0
     assert preview.predicted_ms == pytest.approx(plain.predicted_ms + 7.0)  # both uncached: the stage is the difference
-    assert budget.arm(preview, KEY, 0.0)._reserve_after == pytest.approx(0.5 + 7.0)
-    assert budget.arm(plain, KEY, 0.0)._reserve_after == pytest.approx(0.5)
+    assert budget.guarded_steps(preview, KEY, 0.0, SeaCache()).guard._reserve_after == pytest.approx(0.5 + 7.0)
+    assert budget.guarded_steps(plain, KEY, 0.0, SeaCache()).guard._reserve_after == pytest.approx(0.5)
 
 
 def test_the_preview_stage_makes_a_tight_budget_cache_more(budget):

@@ -3,6 +3,7 @@ unknown keys and bad values rejected by name, and the serve / bench dispatch."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import signal
@@ -145,13 +146,11 @@ def test_main_reports_config_errors_with_exit_code_2(capsys):
 
 
 def test_a_bad_dtype_is_one_line_naming_the_allowed_values_and_exit_2(capsys):
-    from policy_server.bench import main as bench_main
-
     assert cli.main(["--dtype", "int8"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "dtype" in err and "expected auto, bf16, fp16 or fp32, got 'int8'" in err, err
     with pytest.raises(SystemExit) as exit_:
-        bench_main(["--dtype", "int8"])
+        cli.main(["bench", "--dtype", "int8"])  # through the installed entry point, to robots.bench
     err = capsys.readouterr().err.strip()
     assert exit_.value.code == 2
     assert err == "policy-server bench: --dtype: expected auto, bf16, fp16 or fp32, got 'int8'", err
@@ -181,13 +180,21 @@ def test_the_engine_loads_the_pipeline_at_the_resolved_dtype(monkeypatch):
     assert calls == [{"device": "cpu", "dtype": torch.float32}, {"device": "cpu", "dtype": torch.float16}]
 
 
-def test_bench_subcommand_dispatches_to_policy_server_bench(monkeypatch):
+def test_subcommands_dispatch_through_the_entry_point_group(monkeypatch, capsys):
     calls = []
-    fake = types.ModuleType("policy_server.bench")
+    fake = types.ModuleType("fake_bench")
     fake.main = lambda argv: calls.append(argv) or 0
-    monkeypatch.setitem(sys.modules, "policy_server.bench", fake)
+    monkeypatch.setitem(sys.modules, "fake_bench", fake)
+    entry = importlib.metadata.EntryPoint("bench", "fake_bench:main", cli.COMMANDS_GROUP)
+    monkeypatch.setattr(cli, "subcommands", lambda: {"bench": entry})
     assert cli.main(["bench", "--out", "b.json"]) == 0
     assert calls == [["--out", "b.json"]]
+    assert cli.main(["bnech"]) == 2
+    assert "unknown subcommand 'bnech'; expected one of serve, bench" in capsys.readouterr().err
+
+
+def test_bench_is_installed_as_a_policy_server_command():
+    assert cli.subcommands()["bench"].value == "robots.bench:main"
 
 
 def test_serve_builds_the_engine_serves_and_stops_on_sigterm(monkeypatch):

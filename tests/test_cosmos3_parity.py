@@ -300,7 +300,7 @@ def test_seacache_at_diffusers_defaults_decides_as_diffusers_hook(folder, pipe, 
                                 pipe=reference_pipe)
     request = PolicyRequest(images={"image": video[0]}, instruction=INSTRUCTION, embodiment=embodiment,
                             chunk_size=chunk, num_steps=steps, seed=2, guidance=guidance)
-    out = pipe(request, controller=SeaCache(SeaCacheConfig()))
+    out = pipe(request, cache=SeaCache(SeaCacheConfig()))
     ours_decisions = {branch: out.cache.sequence(branch) for branch in out.cache.branches}
     expected = {branch: seq for branch, seq in decisions.items() if seq}
     assert ours_decisions == expected

@@ -10,12 +10,14 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from recording import RecordingPipeline
 from worker_hold import hold_worker
 
 from policy_server.client import ControlStream, PolicyClient, PolicyServerError, build_observation
 from policy_server.config import build_config
 from policy_server.engine import api
-from policy_server.engine.engine import GRID_SAMPLES, EngineSettings, ModelEngine
+from policy_server.engine.engine import EngineSettings, ModelEngine
+from policy_server.engine.served import GRID_SAMPLES
 from policy_server.limits import MAX_DYNAMICS_MS, MAX_FRAME_SIDE
 from policy_server.pipeline.policy import PolicyRequest
 from policy_server.server.app import build_server
@@ -46,7 +48,7 @@ def _video(seed=0, frames=9, height=64, width=64):
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     torch.set_num_threads(1)
-    pipeline = build_random_pipeline(tmp_path_factory.mktemp("dynamics-model"), seed=1)
+    pipeline = RecordingPipeline.of(build_random_pipeline(tmp_path_factory.mktemp("dynamics-model"), seed=1))
     engine = ModelEngine(pipeline, EngineSettings(warmup_ticks=1, max_sessions=4, default_budget_ms=10_000.0,
                                                    max_dynamics_calls=2))
     engine.start()
@@ -75,7 +77,7 @@ def session(client):
 def _reference(engine, **fields):
     """What `PolicyPipeline` answers for the session's settings (chunk 8, seed 5, its instruction)."""
     request = dict(images={}, instruction=INSTRUCTION, embodiment="pusht", state=STATE, chunk_size=8, seed=5)
-    return engine.pipeline(PolicyRequest(**{**request, **fields}))
+    return engine.served.pipeline(PolicyRequest(**{**request, **fields}))
 
 
 # ---------------------------------------------------------------------------------------------- inverse dynamics
@@ -85,16 +87,16 @@ def test_inverse_dynamics_rpc_returns_what_the_pipeline_returns(engine, client, 
     video = _video(3)
     chunk = client.inverse_dynamics(session, {"image": video}, STATE, step_index=7, encoding="png")
     reference = _reference(engine, mode="inverse_dynamics", video=video)
-    np.testing.assert_array_equal(chunk.actions, engine.pipeline.embodiments.get("pusht").clip_to_limits(
+    np.testing.assert_array_equal(chunk.actions, engine.served.pipeline.embodiments.get("pusht").clip_to_limits(
         reference.actions))
     assert chunk.actions.shape == (8, 2) and chunk.first_step_index == 7 and chunk.epoch == session.epoch
-    steps = engine.pipeline.config.num_steps
+    steps = engine.served.pipeline.config.num_steps
     assert chunk.tick.setting == "none" and chunk.tick.skipped_calls == 0  # uncached, all steps
     assert chunk.tick.branches["cond"].sequence == "F" * steps and chunk.tick.knobs["num_steps"] == steps
     assert {"queue", "prefill", "encode", "denoise", "decode", "total"} <= set(chunk.tick.actual_ms)
     assert chunk.tick.budget_ms == MAX_DYNAMICS_MS and chunk.tick.deadline_ms <= 60_000.0
     seeded = client.inverse_dynamics(session, {"image": video}, STATE, seed=11, encoding="png")
-    np.testing.assert_array_equal(seeded.actions, engine.pipeline.embodiments.get("pusht").clip_to_limits(
+    np.testing.assert_array_equal(seeded.actions, engine.served.pipeline.embodiments.get("pusht").clip_to_limits(
         _reference(engine, mode="inverse_dynamics", video=video, seed=11).actions))
 
 
@@ -103,7 +105,7 @@ def test_inverse_dynamics_takes_frames_of_the_camera_s_own_size(engine, client, 
     chunk = client.inverse_dynamics(session, {"image": video}, STATE, instruction="reach the blue circle",
                                     encoding="raw")
     reference = _reference(engine, mode="inverse_dynamics", video=video, instruction="reach the blue circle")
-    np.testing.assert_array_equal(chunk.actions, engine.pipeline.embodiments.get("pusht").clip_to_limits(
+    np.testing.assert_array_equal(chunk.actions, engine.served.pipeline.embodiments.get("pusht").clip_to_limits(
         reference.actions))
     assert client.reset_session(session).instruction == INSTRUCTION  # the call's instruction was for it only
 
@@ -116,7 +118,7 @@ def test_forward_dynamics_frames_are_the_pipeline_s_decoded_frames(engine, clien
     observation = api.Observation({"image": image}, STATE)
     exact = engine.forward_dynamics(session.session_id, session.epoch, observation, ACTIONS)
     reference = _reference(engine, images={"image": image}, mode="forward_dynamics", actions=ACTIONS)
-    expected = engine.pipeline.decode_video(reference.latents)
+    expected = engine.served.pipeline.decode_video(reference.latents)
     np.testing.assert_array_equal(exact.frames, expected)
     assert exact.latents_shape == tuple(reference.latents.shape)
     assert exact.tick.actual_ms["video_decode"] > 0
@@ -295,7 +297,7 @@ def test_a_preview_session_gets_its_predicted_frames_and_their_decode_is_in_the_
     plain = client.open_session("pusht", INSTRUCTION, rate_hz=0)
     assert preview.preview and not plain.preview
     chunk = client.act(preview, {"image": _frame(1)}, STATE, encoding="png")
-    expected = engine.pipeline.decode_video(engine.last_output.latents)
+    expected = engine.served.pipeline.decode_video(engine.served.pipeline.last_output.latents)
     assert chunk.preview_frames.shape == expected.shape == (9, 64, 64, 3)
     np.testing.assert_array_equal(chunk.preview_frames, _as_sent(expected))
     assert chunk.tick.actual_ms["preview"] > 0 and chunk.tick.predicted_ms["preview"] > 0
@@ -304,8 +306,9 @@ def test_a_preview_session_gets_its_predicted_frames_and_their_decode_is_in_the_
     assert without.preview_frames is None
     assert "preview" not in without.tick.actual_ms and "preview" not in without.tick.predicted_ms
     # Admission reserves the decode too: the preview session's uncached tick costs that much more.
-    key = engine.cost_key("pusht", 8, 128)
-    decode_ms = engine.cost_model.costs(key).cautious(engine.budget.config.cost_margin_devs).fixed_ms["preview"]
+    key = engine.served.cost_key("pusht", 8, 128)
+    margin = engine.served.budget.config.cost_margin_devs
+    decode_ms = engine.served.cost_model.costs(key).cautious(margin).fixed_ms["preview"]
     demands = [engine.sessions.get(s.session_id).demand for s in (preview, plain)]
     assert demands[0].ceiling_ms == pytest.approx(demands[1].ceiling_ms + decode_ms)
     client.close_session(preview)
@@ -315,7 +318,8 @@ def test_a_preview_session_gets_its_predicted_frames_and_their_decode_is_in_the_
 def test_engine_preview_frames_are_the_decoded_latents_of_the_tick(engine):
     session = engine.open_session("pusht", INSTRUCTION, rate_hz=0, preview=True)
     result = engine.act(session.session_id, 1, api.Observation({"image": _frame(2)}, STATE))
-    np.testing.assert_array_equal(result.preview_frames, engine.pipeline.decode_video(engine.last_output.latents))
+    pipeline = engine.served.pipeline
+    np.testing.assert_array_equal(result.preview_frames, pipeline.decode_video(pipeline.last_output.latents))
     engine.close_session(session.session_id)
 
 
@@ -325,12 +329,12 @@ def test_engine_preview_frames_are_the_decoded_latents_of_the_tick(engine):
 @pytest.mark.parametrize(("height", "width"), [(8, 8), (48, 64), (120, 200), (640, 480)])
 def test_ticks_take_frames_of_any_size_within_the_bounds(engine, client, session, height, width):
     image = _frame(height, height, width)
-    before = engine.cost_model.samples(engine.sessions.get(session.session_id).cost_key)
+    before = engine.served.cost_model.samples(engine.sessions.get(session.session_id).cost_key)
     chunk = client.act(session, {"image": image}, STATE, encoding="png")
     assert chunk.actions.shape == (8, 2) and np.all(np.isfinite(chunk.actions))
-    after = engine.cost_model.samples(engine.sessions.get(session.session_id).cost_key)
+    after = engine.served.cost_model.samples(engine.sessions.get(session.session_id).cost_key)
     # A frame that fills the canvas teaches the full grid's costs; a smaller latent grid teaches its own.
-    grid = tuple(engine.last_output.latents.shape[-2:])
+    grid = tuple(engine.served.pipeline.last_output.latents.shape[-2:])
     assert (after != before) == (grid == (8, 8))
 
 
@@ -338,16 +342,16 @@ def test_a_smaller_latent_grid_is_planned_at_its_own_costs_once_seen(engine, cli
     """48x64 frames sit on the 64x64 canvas unscaled: 6x8 latent cells, cheaper than the full 8x8."""
     key = engine.sessions.get(session.session_id).cost_key
     grid_key = (*key, (6, 8))
-    full_before = engine.cost_model.samples(key)["full"]
-    seen = engine.cost_model.samples(grid_key)["full"]
+    full_before = engine.served.cost_model.samples(key)["full"]
+    seen = engine.served.cost_model.samples(grid_key)["full"]
     for step in range(max(GRID_SAMPLES - seen, 0)):
         client.act(session, {"image": _frame(step, 48, 64)}, STATE, encoding="png", step_index=step)
-    assert engine.cost_model.samples(grid_key)["full"] >= GRID_SAMPLES
-    assert engine.cost_model.samples(key)["full"] == full_before  # the full grid's costs are untouched
-    steps, passes = engine.pipeline.config.num_steps, 2
+    assert engine.served.cost_model.samples(grid_key)["full"] >= GRID_SAMPLES
+    assert engine.served.cost_model.samples(key)["full"] == full_before  # the full grid's costs are untouched
+    steps, passes = engine.served.pipeline.config.num_steps, 2
 
     def predicted_encode(cost_key):
-        return engine.budget.plan(cost_key, 1e4, steps, passes, None, prefill=False).predicted_stage_ms["encode"]
+        return engine.served.budget.plan(cost_key, 1e4, steps, passes, None, prefill=False).predicted_stage_ms["encode"]
 
     expected = predicted_encode(grid_key)
     chunk = client.act(session, {"image": _frame(99, 48, 64)}, STATE, encoding="png", step_index=99)

@@ -127,7 +127,7 @@ def test_gen_input_layout(model):
     n_gen = kwargs["sequence_length"] - kwargs["und_len"]
     assert isinstance(gen, GenInput) and gen.und_len == kwargs["und_len"]
     assert gen.hidden.shape == (n_gen, model.config.hidden_size)
-    assert gen.cos.shape == gen.sin.shape == (n_gen, model.config.head_dim)
+    assert gen.layout.rotary.cos.shape == gen.layout.rotary.sin.shape == (n_gen, model.config.head_dim)
     layout = gen.layout
     assert torch.equal(layout.vision.readout_rows, kwargs["vision_mse_loss_indexes"] - kwargs["und_len"])
     assert torch.equal(layout.action.readout_rows, kwargs["action_mse_loss_indexes"] - kwargs["und_len"])

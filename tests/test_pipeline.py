@@ -8,7 +8,7 @@ import torch
 from policy_server.cache.controller import NoCache
 from policy_server.cache.seacache import SeaCache, SeaCacheConfig
 from policy_server.pipeline.errors import PolicyInputError
-from policy_server.pipeline.policy import PolicyRequest
+from policy_server.pipeline.policy import FixedSteps, PolicyPipeline, PolicyRequest
 from robots.embedded import build_random_pipeline
 
 STEPS = 4
@@ -51,39 +51,53 @@ def test_conditioning_frame_stays_clean(pipe):
     assert torch.equal(out.latents[:, 0], clean[:, 0])
 
 
+class ScriptedSteps(FixedSteps):
+    """Stands in for the engine's tick: drops the uncond pass from `drop_from`, ends the loop at `last`."""
+
+    def __init__(self, pipe, drop_from=None, last=None):
+        super().__init__(STEPS, pipe.guided_steps(STEPS), pipe.transformer.gen_stack)
+        self.drop_from, self.last, self.asked = drop_from, last, []
+
+    def before_step(self, step):
+        branches, _ = super().before_step(step)
+        self.asked.append(step)
+        if self.drop_from is not None and step >= self.drop_from:
+            branches = branches[:1]
+        return branches, step == self.last
+
+
 def test_cfg_records_and_drop_uncond_fallback(pipe):
     out = pipe(_request(guidance=2.0))
     assert [s.branches for s in out.steps] == [("cond", "uncond")] * STEPS
     sigmas = [s.sigma for s in out.steps]
     assert sigmas == sorted(sigmas, reverse=True)
-    late = pipe(_request(guidance=2.0, cfg_steps=1))
+    late = pipe.run(_request(guidance=2.0), None, ScriptedSteps(pipe, drop_from=1))
     assert [s.branches for s in late.steps] == [("cond", "uncond")] + [("cond",)] * (STEPS - 1)
     assert late.cache.full_calls == STEPS + 1
     single = pipe(_request(guidance=1.0))
     assert all(s.branches == ("cond",) for s in single.steps)
 
 
-class ScriptedPacer:
-    """Stands in for the deadline guard: drops the uncond pass from `drop_from`, ends the loop at `last`."""
-
-    def __init__(self, drop_from=None, last=None):
-        self.drop_from, self.last, self.asked = drop_from, last, []
-
-    def pace(self, step, use_uncond):
-        self.asked.append((step, use_uncond))
-        dropped = self.drop_from is not None and step >= self.drop_from
-        return use_uncond and not dropped, step == self.last
-
-
-def test_pacer_that_never_intervenes_changes_nothing(pipe):
-    pacer = ScriptedPacer()
-    paced, plain = pipe(_request(), pacer=pacer), pipe(_request())
-    assert pacer.asked == [(step, True) for step in range(STEPS)]
-    assert np.array_equal(paced.actions, plain.actions) and torch.equal(paced.latents, plain.latents)
+def test_a_guidance_interval_runs_the_uncond_pass_only_inside_it(pipe):
+    timesteps = [s.timestep for s in pipe(_request(guidance=2.0)).steps]
+    interval = (timesteps[2] - 1.0, 1001.0)  # the first three steps
+    config = pipe.config.model_validate({**pipe.config.model_dump(), "guidance_interval": interval})
+    gated = PolicyPipeline(pipe.transformer, pipe.vae, pipe.tokenizer, pipe.embodiments, config,
+                           pipe.served_embodiments, pipe.digest)
+    assert gated.guided_steps(STEPS) == range(0, 3)
+    out = gated(_request(guidance=2.0))
+    assert [s.branches for s in out.steps] == [("cond", "uncond")] * 3 + [("cond",)] * (STEPS - 3)
 
 
-def test_pacer_drops_uncond_then_ends_the_loop_on_a_clean_estimate(pipe):
-    out = pipe(_request(), pacer=ScriptedPacer(drop_from=1, last=2))
+def test_step_control_that_never_intervenes_changes_nothing(pipe):
+    steps = ScriptedSteps(pipe)
+    controlled, plain = pipe.run(_request(), None, steps), pipe(_request())
+    assert steps.asked == list(range(STEPS))
+    assert np.array_equal(controlled.actions, plain.actions) and torch.equal(controlled.latents, plain.latents)
+
+
+def test_step_control_drops_uncond_then_ends_the_loop_on_a_clean_estimate(pipe):
+    out = pipe.run(_request(), None, ScriptedSteps(pipe, drop_from=1, last=2))
     assert [record.branches for record in out.steps] == [("cond", "uncond"), ("cond",), ("cond",)]
     assert out.cache.sequence("uncond") == "F" and out.cache.sequence("cond") == "FFF"
     full = pipe(_request())
@@ -101,11 +115,11 @@ def test_prompt_state_reuse_is_exact(pipe):
 
 def test_seacache_threshold_zero_is_bit_identical(pipe):
     request = _request(guidance=2.0, num_steps=6)
-    plain = pipe(request, controller=NoCache())
-    cached = pipe(request, controller=SeaCache(SeaCacheConfig(threshold=0.0)))
+    plain = pipe(request, cache=NoCache())
+    cached = pipe(request, cache=SeaCache(SeaCacheConfig(threshold=0.0)))
     assert np.array_equal(plain.actions, cached.actions)
     assert torch.equal(plain.latents, cached.latents)
-    skipping = pipe(request, controller=SeaCache(SeaCacheConfig(threshold=10.0)))
+    skipping = pipe(request, cache=SeaCache(SeaCacheConfig(threshold=10.0)))
     assert skipping.cache.skipped_calls > 0
     assert not np.array_equal(plain.actions, skipping.actions)
 
@@ -142,7 +156,7 @@ def test_inverse_dynamics_generates_actions_from_clean_video(pipe):
     assert torch.equal(out.latents, clean)
     # No noisy vision: SeaCache fails open and runs every step full.
     cached = pipe(_request(mode="inverse_dynamics", video=video, images={}),
-                  controller=SeaCache(SeaCacheConfig(threshold=10.0)))
+                  cache=SeaCache(SeaCacheConfig(threshold=10.0)))
     assert cached.cache.skipped_calls == 0 and np.array_equal(cached.actions, out.actions)
 
 

@@ -105,13 +105,16 @@ def test_output_keeps_input_dtype_and_computes_in_fp32():
 def test_gains_are_cached_per_shape_and_sigma():
     sea = SeaFilter(max_gains=3)
     g1 = sea.gain((2, 4, 4), 0.9, "cpu")
-    assert sea.gain((2, 4, 4), 0.9, "cpu") is g1
-    sea.gain((2, 4, 4), 0.8, "cpu")
-    sea.gain((2, 4, 8), 0.9, "cpu")
-    assert sea.cached_gains == 3
-    sea.gain((1, 4, 4), 0.9, "cpu")
-    assert sea.cached_gains == 3  # least recently used entry dropped
-    assert sea.gain((2, 4, 4), 0.8, "cpu") is not None
+    assert sea.gain((2, 4, 4), 0.9, "cpu") is g1  # a repeated request reuses the cached tensor
+    g2 = sea.gain((2, 4, 4), 0.8, "cpu")
+    g3 = sea.gain((2, 4, 8), 0.9, "cpu")
+    assert g2 is not g1 and g3 is not g1  # sigma and grid are both part of the key
+    sea.gain((1, 4, 4), 0.9, "cpu")  # a fourth gain: the least recently used one (g1) is dropped
+    assert sea.gain((2, 4, 4), 0.8, "cpu") is g2
+    assert sea.gain((2, 4, 8), 0.9, "cpu") is g3
+    again = sea.gain((2, 4, 4), 0.9, "cpu")
+    assert again is not g1  # recomputed after eviction, to the same values
+    torch.testing.assert_close(again, g1, rtol=0, atol=0)
 
 
 def test_filter_rejects_bad_shapes_and_parameters():

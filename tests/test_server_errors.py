@@ -11,11 +11,13 @@ import cv2
 import grpc
 import numpy as np
 import pytest
+import websockets.sync.client
 from fake_engine import LIBERO, PUSHT, FakeEngine, expected_actions, serve_fake
+from openpi_client import msgpack_numpy
 
-from policy_server.client import PolicyClient, PolicyServerError, Session, build_observation
+from policy_server.client import ControlStream, PolicyClient, PolicyServerError, Session, build_observation
 from policy_server.engine.api import Observation
-from policy_server.limits import MAX_FRAME_SIDE
+from policy_server.limits import MAX_FRAME_SIDE, MAX_TEXT_BYTES
 from policy_server.v1 import policy_server_pb2 as pb
 from policy_server.v1.wire import encode_image, tensor_to_proto
 
@@ -38,7 +40,7 @@ def engine():
 
 @pytest.fixture(scope="module")
 def server(engine):
-    with serve_fake(engine, max_message_mb=MAX_MESSAGE_MB) as running:
+    with serve_fake(engine, max_message_mb=MAX_MESSAGE_MB, websocket_port=0) as running:
         yield running
 
 
@@ -317,3 +319,54 @@ def test_metrics_count_errors_by_reason(server, client, session):
     with pytest.raises(PolicyServerError):
         client.act_request(with_state(session, tensor_to_proto(np.array([np.nan, 0], np.float32))))
     assert server.metrics.errors.labels("NON_FINITE")._value.get() == before + 1
+
+
+@dataclass
+class BadObservation:
+    name: str
+    embodiment: str
+    images: dict[str, np.ndarray]
+    state: np.ndarray
+    reason: str
+    same_detail: bool = True  # expected / got read alike on every wire (False: each wire decodes frames its own way)
+    instruction: str = "push"
+
+
+BAD_OBSERVATIONS = [
+    BadObservation("wrong_state_width", "pusht", {"image": frame()}, np.zeros(5, np.float32), "SCHEMA_MISMATCH"),
+    BadObservation("nan_state", "pusht", {"image": frame()}, np.array([0.1, np.nan], np.float32), "NON_FINITE"),
+    BadObservation("state_float32_cannot_hold", "pusht", {"image": frame()}, np.array([1e300, 0.0]), "OUT_OF_RANGE"),
+    BadObservation("frame_wider_than_the_side_limit", "pusht", {"image": frame(1, MAX_FRAME_SIDE + 1)}, STATE,
+                   "SCHEMA_MISMATCH", same_detail=False),
+    BadObservation("cameras_of_different_heights", "libero", {"image": frame(32, 32), "wrist": frame(24, 32)},
+                   np.zeros(8, np.float32), "SCHEMA_MISMATCH"),
+    BadObservation("instruction_too_long", "pusht", {"image": frame()}, STATE, "TOO_LONG",
+                   instruction="x" * (MAX_TEXT_BYTES + 1)),
+]
+
+
+@pytest.mark.parametrize("bad", BAD_OBSERVATIONS, ids=[b.name for b in BAD_OBSERVATIONS])
+def test_act_control_and_websocket_refuse_a_bad_observation_alike(bad, server, client):
+    session = client.open_session(bad.embodiment, "push")
+    with pytest.raises(PolicyServerError) as err:
+        client.act(session, bad.images, bad.state, instruction=bad.instruction, encoding="png")
+    act = err.value
+    with ControlStream(client, session) as stream:
+        obs_id = stream.send(bad.images, bad.state, instruction=bad.instruction, encoding="png")
+        event = stream.next_event()
+    client.close_session(session)
+    assert (event.kind, event.obs_id) == ("error", obs_id)
+    streamed = event.error
+    with websockets.sync.client.connect(f"ws://127.0.0.1:{server.websocket_port}?embodiment={bad.embodiment}",
+                                        compression=None) as ws:
+        ws.recv()  # the metadata frame
+        images = {f"observation/{name}": image for name, image in bad.images.items()}
+        ws.send(msgpack_numpy.packb({**images, "observation/state": bad.state, "prompt": bad.instruction}))
+        websocket_error = ws.recv()
+
+    assert act.code == streamed.code == INVALID
+    assert act.reason == streamed.reason == bad.reason and websocket_error.startswith(f"{bad.reason}: ")
+    assert streamed.field == f"observation.{act.field}"  # a Control frame nests the same Observation
+    if bad.same_detail:
+        assert (streamed.detail.expected, streamed.detail.got) == (act.detail.expected, act.detail.got)
+        assert websocket_error.endswith(f": expected {act.detail.expected}, got {act.detail.got}")

@@ -1,11 +1,10 @@
-"""Latency-budget control (pure Python): cost model, per-tick planner, in-tick deadline guard, tick record."""
+"""Latency-budget control (pure Python): cost model, per-tick planner, in-tick deadline guard."""
 
 from .cost_model import CallCosts, CostModel
 from .guard import DeadlineGuard
 from .history import SessionHistory
 from .planner import DEFAULT_LADDER, MAX_CACHING, CacheSetting, PlannerConfig, TickPlan, plan_tick
-from .record import TickRecord
-from .tick import TickBudget
+from .tick import GuardedSteps, TickBudget
 
 __all__ = [
     "DEFAULT_LADDER",
@@ -14,10 +13,10 @@ __all__ = [
     "CallCosts",
     "CostModel",
     "DeadlineGuard",
+    "GuardedSteps",
     "PlannerConfig",
     "SessionHistory",
     "TickBudget",
     "TickPlan",
-    "TickRecord",
     "plan_tick",
 ]

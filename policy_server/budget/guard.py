@@ -6,12 +6,13 @@ Before a call at step ``s`` that the cache gate wants to run FULL, the guard che
 residual). The planned final step is reserved as FULL and never forced. This bounds the tick even when
 the gate would refresh every step.
 
-Before each sampler step the pipeline asks the guard to ``pace`` it. When even skipping every call left
-cannot meet the deadline (a stall, a machine slower than the cost model knows), the tick gives up quality
-in the planner's fallback order: first the uncond pass of the remaining steps, then the remaining steps
-themselves (the sampler jumps to its clean estimate). Both are listed in ``late_fallbacks``.
+Before each sampler step the guard ``pace``s it: the plan's CFG branches of the step, and whether it is the
+last. When even skipping every call left cannot meet the deadline (a stall, a machine slower than the cost
+model knows), the tick gives up quality in the planner's fallback order: first the uncond pass of the
+remaining steps, then the remaining steps themselves (the sampler jumps to its clean estimate). Both are
+listed in ``late_fallbacks``.
 
-The guard also times every call (via ``on_decision``, which SeaCache calls after each call completes), so
+The guard also times every call (``on_call``, after each call completes), so
 the cost model learns c_full and c_skip from real ticks, and so a slowdown seen earlier in the same tick
 raises the per-call estimates for the rest of it (c_full: the slowest full call so far; c_skip: the
 median skipped call). A call's time runs from the end of the previous call (or the start of the denoising
@@ -46,7 +47,7 @@ class _Decision(Protocol):
 @dataclass(frozen=True)
 class CallTiming:
     """One sampler call as timed by the guard (ms). The tick's first call also holds whatever ran between
-    ``start`` and the loop (``includes_setup``), so it does not count as a cost sample."""
+    arming and the loop (``includes_setup``), so it does not count as a cost sample."""
 
     step: int
     branch: str
@@ -56,92 +57,52 @@ class CallTiming:
     includes_setup: bool = False
 
 
-@dataclass(frozen=True)
-class ForcedSkip:
-    """A skip the guard asked for; ``overshoot_ms``: how far past the deadline a full call would have led."""
-
-    step: int
-    branch: str
-    overshoot_ms: float
-
-
 class DeadlineGuard:
-    """Arm with ``start`` before the denoising loop of each tick; hand ``force_skip`` and ``on_decision``
-    to the step controller.
+    """The deadline of one tick's denoising loop, armed at (or shortly before) the loop's start.
 
-    clock: monotonic time in ms (injectable for tests).
-    cost_margin_devs: per-call estimates are ``mean + margin * deviation`` of the cost model.
+    deadline_at_ms: the tick's absolute deadline on ``clock`` (monotonic ms). reserve_after_ms: what the stages
+    after the loop (decode, post-processing) need before it. Per-call estimates are the cost model's
+    ``mean + cost_margin_devs * deviation``.
     """
 
-    def __init__(self, clock: Callable[[], float] = monotonic_ms, cost_margin_devs: float = 1.0) -> None:
-        if cost_margin_devs < 0:
-            raise ValueError(f"cost_margin_devs must be >= 0, got {cost_margin_devs}")
+    def __init__(self, plan: TickPlan, costs: CallCosts, deadline_at_ms: float, reserve_after_ms: float = 0.0,
+                 clock: Callable[[], float] = monotonic_ms, cost_margin_devs: float = 1.0) -> None:
+        cautious = costs.cautious(cost_margin_devs)
         self.clock = clock
-        self.cost_margin_devs = cost_margin_devs
-        self._plan: TickPlan | None = None
-        self._deadline_at = 0.0
-        self._reserve_after = 0.0
-        self._full_ms = 0.0
-        self._skip_ms = 0.0
-        self._prior_skip_ms = 0.0
-        self._skip_samples: list[float] = []
-        self._last_mark = 0.0
-        self._started_at = 0.0
-        self._calls: list[CallTiming] = []
-        self._requested: list[ForcedSkip] = []
-        self._uncond_stop: int | None = None  # first step without the uncond pass, set by ``pace``
-        self._final_step: int | None = None  # an earlier last step, set by ``pace``
-        self._late: list[str] = []
-
-    def start(
-        self, plan: TickPlan, costs: CallCosts, deadline_at_ms: float, reserve_after_ms: float = 0.0
-    ) -> None:
-        """Arm for one tick, at or shortly before the start of its denoising loop.
-
-        deadline_at_ms: the tick's absolute deadline on ``clock``. reserve_after_ms: time the stages after the
-        loop (decode, post-processing) need before the deadline.
-        """
-        if reserve_after_ms < 0:
-            raise ValueError(f"reserve_after_ms must be >= 0, got {reserve_after_ms}")
-        cautious = costs.cautious(self.cost_margin_devs)
         self._plan = plan
         self._deadline_at = float(deadline_at_ms)
         self._reserve_after = float(reserve_after_ms)
         self._full_ms = cautious.full_ms
         self._skip_ms = self._prior_skip_ms = cautious.skip_ms
-        self._skip_samples = []
-        self._started_at = self._last_mark = self.clock()
-        self._calls = []
-        self._requested = []
-        self._uncond_stop = None
-        self._final_step = None
-        self._late = []
+        self._skip_samples: list[float] = []
+        self._last_mark = clock()
+        self._calls: list[CallTiming] = []
+        self._uncond_stop: int | None = None  # first step without the uncond pass, set by ``pace``
+        self._final_step: int | None = None  # an earlier last step, set by ``pace``
+        self._late: list[str] = []
 
-    # ---------------------------------------------------------------- hooks for the pipeline
+    # ---------------------------------------------------------------- before each step
 
-    def pace(self, step: int, use_uncond: bool) -> tuple[bool, bool]:
-        """Before sampler step ``step``: ``(run the uncond pass, make this the last step)``.
-
-        ``use_uncond``: whether the sampler would run the uncond pass at this step.
-        """
+    def pace(self, step: int) -> tuple[tuple[str, ...], bool]:
+        """Before sampler step ``step``: the CFG branches to run (the plan's, less what a stall gave up) and
+        whether to make this the last step."""
         plan = self._plan
-        if plan is None:
-            return use_uncond, False
-        use_uncond = use_uncond and (self._uncond_stop is None or step < self._uncond_stop)
+        branches = self._branches(step)
         if step >= plan.num_steps - 1:
-            return use_uncond, False
+            return branches, False
         now = self.clock()
         if now + self._cheapest_rest(step, self._uncond_stop) <= self._deadline_at:
-            return use_uncond, False
-        if use_uncond and now + self._cheapest_rest(step, step) <= self._deadline_at:
+            return branches, False
+        uncond_left = any(len(self._branches(s)) == 2 for s in range(step, plan.num_steps))
+        if uncond_left and now + self._cheapest_rest(step, step) <= self._deadline_at:
             self._uncond_stop = step
             self._late.append(f"late_drop_uncond_from_step={step}")
-            return False, False
+            return branches[:1], False
         if self._uncond_stop is None:
             self._uncond_stop = step
         self._final_step = step
         self._late.append(f"late_finish_at_step={step}/{plan.num_steps}")
-        return False, True
+        return branches[:1], True
 
     def _branches(self, step: int, uncond_stop: int | None = None) -> tuple[str, ...]:
         """The branches run at ``step``: the plan's, without uncond from ``uncond_stop`` (default: as paced)."""
@@ -156,16 +117,14 @@ class DeadlineGuard:
         middle = sum(len(self._branches(s, uncond_stop)) for s in range(step, last))
         return middle * self._skip_ms + len(self._branches(last, uncond_stop)) * self._full_ms + self._reserve_after
 
-    # ---------------------------------------------------------------- hooks for the step controller
+    # ---------------------------------------------------------------- each call
 
     def force_skip(self, step: int, branch: str) -> bool:
         """True when a FULL call now would leave too little time for the rest of the tick."""
         plan = self._plan
-        if plan is None or step >= plan.num_steps - 1:
-            return False  # unarmed, or the planned final step: reserved as FULL
+        if step >= plan.num_steps - 1:
+            return False  # the planned final step: reserved as FULL
         branches = self._branches(step)
-        if branch not in branches:
-            raise ValueError(f"branch {branch!r} is not planned at step {step}; planned: {branches}")
         later_in_step = len(branches) - 1 - branches.index(branch)
         final = plan.num_steps - 1 if self._final_step is None else self._final_step
         if step >= final:  # ``pace`` made this the last step: nothing follows it
@@ -180,13 +139,9 @@ class DeadlineGuard:
         needed = (
             rest_of_this_call + middle_calls * self._skip_ms + final_calls * self._full_ms + self._reserve_after
         )
-        overshoot = now + needed - self._deadline_at
-        if overshoot > 0:
-            self._requested.append(ForcedSkip(step, branch, overshoot))
-            return True
-        return False
+        return now + needed > self._deadline_at
 
-    def on_decision(self, decision: _Decision) -> None:
+    def on_call(self, decision: _Decision) -> None:
         """Time the call that just completed; a slow call raises the estimates for the rest of the tick."""
         now = self.clock()
         ms = now - self._last_mark
@@ -207,30 +162,11 @@ class DeadlineGuard:
 
     # ---------------------------------------------------------------- what happened
 
-    @property
-    def calls(self) -> list[CallTiming]:
-        return list(self._calls)
-
     def call_timings(self) -> list[tuple[bool, float]]:
-        """``(ran_full, ms)`` per call after the first, for ``CostModel.observe_calls``."""
+        """``(ran_full, ms)`` per call after the first, for ``CostModel.observe_tick``."""
         return [(c.full, c.ms) for c in self._calls if not c.includes_setup]
 
     @property
     def late_fallbacks(self) -> tuple[str, ...]:
         """What ``pace`` gave up in this tick, in order (empty when the tick ran as planned)."""
         return tuple(self._late)
-
-    @property
-    def forced_skips(self) -> int:
-        """Forced skips the cache honoured."""
-        return sum(c.forced for c in self._calls)
-
-    @property
-    def requested_skips(self) -> list[ForcedSkip]:
-        """Every forced skip asked for (the cache cannot honour one without a residual history)."""
-        return list(self._requested)
-
-    @property
-    def elapsed_ms(self) -> float:
-        """From ``start`` to the end of the last call (ms)."""
-        return self._last_mark - self._started_at

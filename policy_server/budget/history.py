@@ -10,23 +10,9 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Mapping
 
 # (num_steps, cfg_steps): the full-call count depends on both.
 Structure = tuple[int, int]
-
-
-def natural_full_calls(cache_counts: Mapping[str, Mapping[str, int]]) -> int:
-    """Full calls the gate wanted in one tick (full + forced_skip), from ``CacheRecord.counts_dict()``."""
-    total = 0
-    for branch, counts in cache_counts.items():
-        try:
-            total += int(counts["full"]) + int(counts["forced_skip"])
-        except KeyError as missing:
-            raise ValueError(
-                f"cache counts of branch {branch!r} lack {missing}; expected full and forced_skip"
-            ) from None
-    return total
 
 
 class SessionHistory:
@@ -42,9 +28,6 @@ class SessionHistory:
         if full_calls < 0:
             raise ValueError(f"full_calls must be >= 0, got {full_calls}")
         self._counts.setdefault((setting, structure), deque(maxlen=self.window)).append(int(full_calls))
-
-    def counts(self, setting: str, structure: Structure) -> list[int]:
-        return list(self._counts.get((setting, structure), ()))
 
     def quantile(self, setting: str, structure: Structure, q: float) -> int | None:
         """The ``q`` quantile (nearest rank, rounded up) of the recent counts, or None if never observed."""

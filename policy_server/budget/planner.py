@@ -1,8 +1,10 @@
 """Per-tick plan: the SeaCache setting (threshold schedule, cap) that fits the deadline, or fallbacks.
 
-For N steps with uncond on the first K steps (K = N with CFG, 0 without) there are ``N + K`` calls. With F
-of them full, ``T = c_fixed + F * c_full + (N + K - F) * c_skip`` (ms), so at most
-``F_max = floor((D - c_fixed - (N + K) * c_skip) / (c_full - c_skip))`` full calls fit the deadline D.
+For N steps with uncond on U of them there are ``N + U`` calls. The uncond pass runs on the steps the
+pipeline's guidance interval allows (``guided(N)``: all N without an interval, none without CFG), cut at
+step K by fallback 1. With F of the calls full, ``T = c_fixed + F * c_full + (N + U - F) * c_skip`` (ms),
+so at most ``F_max = floor((D - c_fixed - (N + U) * c_skip) / (c_full - c_skip))`` full calls fit the
+deadline D. The plan's ``branches(step)`` is the one place that says which CFG branches a step runs.
 
 * ``F_max >= N + K``: no caching (threshold 0: bit-identical output).
 * else the least aggressive ladder setting whose expected full-call count fits. The expectation is a high
@@ -35,31 +37,15 @@ class CacheSetting:
     threshold: ThresholdRule
     cap: int
 
-    def __post_init__(self) -> None:
-        if not self.name or self.name == NO_CACHING:
-            raise ValueError(f"setting name must be non-empty and not {NO_CACHING!r}, got {self.name!r}")
-        if isinstance(self.cap, bool) or not isinstance(self.cap, int) or self.cap < 0:
-            raise ValueError(
-                f"cap of setting {self.name!r} must be an int >= 0 (0 = unlimited), got {self.cap!r}"
-            )
-        if not callable(self.threshold):
-            _check_threshold(self.name, self.threshold)
-
     def thresholds(self, num_steps: int) -> tuple[float, ...]:
         """One threshold per step: ``tuple[num_steps]``."""
         if callable(self.threshold):
-            return tuple(_check_threshold(self.name, self.threshold(i, num_steps)) for i in range(num_steps))
+            return tuple(float(self.threshold(i, num_steps)) for i in range(num_steps))
         return (float(self.threshold),) * num_steps
 
     @property
     def effective_cap(self) -> float:
         return math.inf if self.cap == 0 else self.cap
-
-
-def _check_threshold(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"threshold of setting {name!r} must be a finite number >= 0, got {value!r}")
-    return float(value)
 
 
 NO_CACHING = "none"
@@ -77,18 +63,18 @@ DEFAULT_LADDER = (
 
 
 def min_full_calls(
-    num_steps: int, cfg_steps: int, retention_steps: int, cache_end_steps: int, cap: int
+    num_steps: int, uncond_steps: range, retention_steps: int, cache_end_steps: int, cap: int
 ) -> int:
     """Fewest full calls of a tick when the gate never refreshes on its own (only forced refreshes).
 
-    The cond branch runs all ``num_steps``; uncond runs the first ``cfg_steps``. A branch's first call is
-    always full (no residual yet), as are steps ``< retention_steps`` and ``>= num_steps - cache_end_steps``,
-    and a cap > 0 forces a refresh after ``cap`` skips in a row.
+    The cond branch runs all ``num_steps``; uncond runs ``uncond_steps``. A branch's first call is always
+    full (no residual yet), as are steps ``< retention_steps`` and ``>= num_steps - cache_end_steps``, and a
+    cap > 0 forces a refresh after ``cap`` skips in a row.
     """
     total = 0
-    for branch_steps in (num_steps, cfg_steps):
+    for branch_steps in (range(num_steps), uncond_steps):
         consecutive, has_history = 0, False
-        for step in range(branch_steps):
+        for step in branch_steps:
             forced = (
                 not has_history
                 or step < retention_steps
@@ -156,7 +142,8 @@ class PlannerConfig:
 class TickPlan:
     """What one tick will run, and what the planner expects (ms).
 
-    cfg_steps: the uncond pass runs on steps ``< cfg_steps`` (``num_steps``: full CFG; 0: no CFG).
+    cfg_steps: fallback 1 keeps the uncond pass on steps ``< cfg_steps`` only (``num_steps``: no cut).
+    uncond_steps: the steps the uncond pass runs on: the guided ones before ``cfg_steps``.
     setting: ladder setting name, or ``"none"`` (no caching: every threshold 0).
     full_calls_max: F_max over all calls of the tick; expected_full_calls: what the chosen setting needs.
     feasible: maximal caching fits at the requested steps and passes; best_achievable_ms is its latency.
@@ -169,6 +156,7 @@ class TickPlan:
     requested_passes: int
     num_steps: int
     cfg_steps: int
+    uncond_steps: range
     setting: str
     thresholds: tuple[float, ...]
     cap: int
@@ -184,7 +172,7 @@ class TickPlan:
 
     @property
     def calls(self) -> int:
-        return self.num_steps + self.cfg_steps
+        return self.num_steps + len(self.uncond_steps)
 
     @property
     def structure(self) -> Structure:
@@ -196,12 +184,12 @@ class TickPlan:
 
     def branches(self, step: int) -> tuple[str, ...]:
         """CFG branches the sampler runs at ``step``, in call order."""
-        return ("cond", "uncond") if step < self.cfg_steps else ("cond",)
+        return ("cond", "uncond") if step in self.uncond_steps else ("cond",)
 
     def summary(self) -> str:
         head = (
             f"deadline {self.deadline_ms:.1f} ms: {self.setting} over {self.num_steps} steps "
-            f"(uncond on {self.cfg_steps}), {self.expected_full_calls}/{self.calls} full calls expected "
+            f"(uncond on {len(self.uncond_steps)}), {self.expected_full_calls}/{self.calls} full calls expected "
             f"(max {self.full_calls_max}), predicted {self.predicted_ms:.1f} ms"
         )
         if not self.feasible:
@@ -216,17 +204,18 @@ class TickPlan:
 class _Costs:
     """Latency arithmetic for one tick (ms)."""
 
-    def __init__(self, costs: CallCosts, deadline_ms: float) -> None:
+    def __init__(self, costs: CallCosts, deadline_ms: float, calls: Callable[[Structure], int]) -> None:
         self.full, self.skip, self.fixed = costs.full_ms, costs.skip_ms, costs.fixed_total_ms
         self.fixed_stages = dict(costs.fixed_ms)
         self.deadline = deadline_ms
+        self.calls = calls
 
     def latency(self, structure: Structure, full_calls: int) -> float:
-        calls = sum(structure)
+        calls = self.calls(structure)
         return self.fixed + full_calls * self.full + (calls - full_calls) * self.skip
 
     def full_calls_max(self, structure: Structure) -> int:
-        calls = sum(structure)
+        calls = self.calls(structure)
         spare = self.deadline - self.fixed - calls * self.skip
         if spare < 0:
             return -1
@@ -242,24 +231,26 @@ def plan_tick(
     costs: CallCosts,
     history: SessionHistory | None = None,
     config: PlannerConfig | None = None,
+    guided: Callable[[int], range] = range,
 ) -> TickPlan:
-    """Plan a tick of ``num_steps`` sampler steps and ``passes`` CFG passes (1 or 2) within ``deadline_ms``.
+    """Plan a tick of ``num_steps`` sampler steps and ``passes`` CFG passes (1 or 2) within ``deadline_ms`` > 0.
 
     deadline_ms: time left for the whole tick (fixed stages included). costs: from ``CostModel.costs``.
-    history: the session's previous ticks (None: priors only).
+    history: the session's previous ticks (None: priors only). guided: the steps of an n-step tick on which
+    the guidance interval allows the uncond pass (`PolicyPipeline.guided_steps`; default all).
     """
     config = config or PlannerConfig()
-    if not math.isfinite(deadline_ms) or deadline_ms <= 0:
-        raise ValueError(f"deadline_ms must be a finite number > 0, got {deadline_ms!r}")
-    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
-        raise ValueError(f"num_steps must be an int >= 1, got {num_steps!r}")
-    if passes not in (1, 2):
-        raise ValueError(f"passes must be 1 (no CFG) or 2 (cond + uncond), got {passes!r}")
-    cost = _Costs(costs.cautious(config.cost_margin_devs), deadline_ms)
     requested: Structure = (num_steps, num_steps if passes == 2 else 0)
 
+    def uncond(structure: Structure) -> range:
+        window = guided(structure[0])
+        return range(window.start, max(window.start, min(window.stop, structure[1])))
+
     def min_full(structure: Structure, cap: int) -> int:
-        return min_full_calls(*structure, config.retention_steps, config.cache_end_steps, cap)
+        return min_full_calls(structure[0], uncond(structure), config.retention_steps, config.cache_end_steps, cap)
+
+    cost = _Costs(costs.cautious(config.cost_margin_devs), deadline_ms,
+                  lambda structure: structure[0] + len(uncond(structure)))
 
     def fits_max_caching(structure: Structure) -> bool:
         return min_full(structure, 0) <= cost.full_calls_max(structure)
@@ -271,7 +262,7 @@ def plan_tick(
         structure, fallbacks = _apply_fallbacks(requested, config, fits_max_caching)
 
     f_max = cost.full_calls_max(structure)
-    calls = sum(structure)
+    calls = cost.calls(structure)
     n_steps = structure[0]
     if f_max >= calls:
         setting_name, thresholds, cap, expected = NO_CACHING, (0.0,) * n_steps, 0, calls
@@ -285,6 +276,7 @@ def plan_tick(
         requested_passes=passes,
         num_steps=n_steps,
         cfg_steps=structure[1],
+        uncond_steps=uncond(structure),
         setting=setting_name,
         thresholds=thresholds,
         cap=cap,

@@ -1,40 +1,73 @@
-"""One worker's budget loop: plan a tick, arm the in-tick guard, then learn from the finished tick.
+"""One worker's budget loop: plan a tick, guard its step loop, then learn from the finished tick.
 
 Usage by the engine (one instance per model worker, one ``SessionHistory`` per session)::
 
-    plan = budget.plan(shape_key, remaining_ms, num_steps, passes, session_history, prefill=False)
-    guard = budget.arm(plan, shape_key, tick_started_at_ms)    # before the pipeline call
-    cache = SeaCache(SeaCacheConfig(threshold=plan.thresholds, max_consecutive_cached=plan.cap),
-                     force_skip=guard.force_skip, on_decision=guard.on_decision,
-                     sea_filter=shared_sea_filter)             # keeps the gain cache across ticks
-    ... run the pipeline with plan.num_steps steps, cfg_steps=plan.cfg_steps, pacer=guard ...
-    record = budget.finish(shape_key, plan, guard, session_history, cache.record().counts_dict(), stage_ms)
+    plan = budget.plan(cost_key, time_left_ms, num_steps, passes, session_history, prefill=False)
+    steps = budget.guarded_steps(plan, cost_key, tick_started_at_ms, SeaCache(...))  # arms the deadline guard
+    ... the sampler asks steps.before_step(i) for each step's branches and steps.run_stack(...) for each call ...
+    budget.learn(cost_key, steps, session_history, stage_ms)
 
 Each tick gets its own guard, so ticks that run together (a micro-batch) each keep their own deadline.
-
-``budget`` is pure Python: the cache classes are named above only to show the wiring.
+``budget`` is pure Python: it hands the cache's tensors along without touching them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from .cost_model import CostModel
 from .guard import DeadlineGuard, monotonic_ms
-from .history import SessionHistory, natural_full_calls
+from .history import SessionHistory
 from .planner import PlannerConfig, TickPlan, plan_tick
-from .record import TickRecord
+
+if TYPE_CHECKING:
+    import torch
+
+    from policy_server.cache.controller import CacheRecord
+    from policy_server.cache.seacache import SeaCache
 
 DENOISE_STAGE = "denoise"
 PREFILL_STAGE = "prefill"
 PREVIEW_STAGE = "preview"  # decoding the predicted frames, for the sessions that asked for them
 
 
+class GuardedSteps:
+    """The step loop of one planned tick: the plan names each step's CFG branches, the deadline guard paces
+    the steps and turns a call the cache would run FULL into a skip when the deadline needs it."""
+
+    def __init__(self, plan: TickPlan, guard: DeadlineGuard, cache: SeaCache) -> None:
+        self.plan, self.guard, self.cache = plan, guard, cache
+        cache.begin(plan.num_steps)
+
+    def before_step(self, step: int) -> tuple[tuple[str, ...], bool]:
+        """The CFG branches of sampler step ``step`` and whether it is the last (``DeadlineGuard.pace``)."""
+        return self.guard.pace(step)
+
+    def run_stack(self, step: int, branch: str, sigma: float, noisy_vision: Sequence[torch.Tensor],
+                  gen_in: torch.Tensor, full: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The GEN stack output of one call: ``full()``, or the cache's estimate when its gate or the guard
+        skips it."""
+        gate = self.cache.gate(step, branch, sigma, noisy_vision)
+        out, decision = self.cache.apply(gate, gen_in, full, gate.full and self.guard.force_skip(step, branch))
+        self.guard.on_call(decision)
+        return out
+
+    def record(self) -> CacheRecord:
+        return self.cache.record()
+
+    @property
+    def fallbacks(self) -> tuple[str, ...]:
+        """The planner's fallbacks, then what the guard gave up during the tick."""
+        return self.plan.fallbacks + self.guard.late_fallbacks
+
+
 class TickBudget:
     """Planner + guard + cost-model learning for one model worker.
 
     post_stages: fixed stages that run after the denoising loop (the guard reserves the estimated time of
-    those the plan includes). clock: monotonic ms, shared with the guard.
+    those the plan includes). clock: monotonic ms, shared with the guard. guided: the steps of an n-step tick
+    the uncond pass may run on (``PolicyPipeline.guided_steps``).
     """
 
     def __init__(
@@ -43,57 +76,56 @@ class TickBudget:
         config: PlannerConfig | None = None,
         clock: Callable[[], float] = monotonic_ms,
         post_stages: Sequence[str] = ("decode",),
+        guided: Callable[[int], range] = range,
     ) -> None:
         self.cost_model = cost_model
         self.config = config or PlannerConfig()
         self.clock = clock
         self.post_stages = tuple(post_stages)
+        self.guided = guided
 
     def plan(
-        self, key: Hashable, deadline_ms: float, num_steps: int, passes: int, history: SessionHistory | None,
+        self, key: Hashable, time_left_ms: float, num_steps: int, passes: int, history: SessionHistory | None,
         prefill: bool, preview: bool = False,
     ) -> TickPlan:
-        """Plan a tick with ``deadline_ms`` left in it (see ``plan_tick``); ``prefill``: whether it must prefill
-        its text K/V (a new instruction) or reuses them; ``preview``: whether it decodes its predicted frames."""
+        """Plan a tick with ``time_left_ms`` > 0 left in it (see ``plan_tick``); ``prefill``: whether it must
+        prefill its text K/V (a new instruction) or reuses them; ``preview``: whether it decodes its predicted
+        frames."""
         costs = self.cost_model.costs(key)
         if not prefill:
             costs = costs.without(PREFILL_STAGE)
         if not preview:
             costs = costs.without(PREVIEW_STAGE)
-        return plan_tick(deadline_ms, num_steps, passes, costs, history, self.config)
+        return plan_tick(time_left_ms, num_steps, passes, costs, history, self.config, self.guided)
 
-    def arm(self, plan: TickPlan, key: Hashable, tick_started_at_ms: float) -> DeadlineGuard:
-        """A guard started for this tick's denoising loop; the deadline is ``tick_started_at_ms + budget``."""
+    def guarded_steps(self, plan: TickPlan, key: Hashable, tick_started_at_ms: float, cache: SeaCache) -> GuardedSteps:
+        """The tick's step loop under a guard armed now; the deadline is ``tick_started_at_ms + plan.deadline_ms``."""
         costs = self.cost_model.costs(key)
         reserve = costs.cautious(self.config.cost_margin_devs).fixed_ms
         reserve_after = sum(reserve.get(stage, 0.0) for stage in self.post_stages if stage in plan.predicted_stage_ms)
-        guard = DeadlineGuard(self.clock, cost_margin_devs=self.config.cost_margin_devs)
-        guard.start(plan, costs, tick_started_at_ms + plan.deadline_ms, reserve_after)
-        return guard
+        guard = DeadlineGuard(plan, costs, tick_started_at_ms + plan.deadline_ms, reserve_after, self.clock,
+                              self.config.cost_margin_devs)
+        return GuardedSteps(plan, guard, cache)
 
-    def finish(
+    def learn(
         self,
         key: Hashable,
-        plan: TickPlan,
-        guard: DeadlineGuard,
+        steps: GuardedSteps,
         history: SessionHistory | None,
-        cache_counts: Mapping[str, Mapping[str, object]],
-        actual_stage_ms: Mapping[str, float],
-        actual_ms: float | None = None,
-        sequences: Mapping[str, str] | None = None,
+        stage_ms: Mapping[str, float],
         learn_costs: bool = True,
         prefilled: bool = True,
-    ) -> TickRecord:
-        """Record the tick, feed its call and stage timings to the cost model (unless ``learn_costs`` is
-        False: a tick that shared its calls with others in a batch is not a single tick's cost), and its
-        full-call count to the session history. ``actual_stage_ms`` holds every stage including ``denoise``;
-        ``prefilled``: whether the tick prefilled its text K/V (a reused prefix says nothing of that cost)."""
-        record = TickRecord.build(plan, cache_counts, actual_stage_ms, actual_ms, sequences,
-                                  late_fallbacks=guard.late_fallbacks)
+    ) -> None:
+        """Feed the tick's call and stage timings to the cost model (unless ``learn_costs`` is False: a tick
+        that shared its calls with others in a batch is not a single tick's cost), and the full calls its gate
+        wanted to the session history. ``stage_ms`` holds every stage including ``denoise``; ``prefilled``:
+        whether the tick prefilled its text K/V (a reused prefix says nothing of that cost)."""
         if learn_costs:
-            stages = {stage: ms for stage, ms in actual_stage_ms.items()
+            stages = {stage: ms for stage, ms in stage_ms.items()
                       if stage != DENOISE_STAGE and (prefilled or stage != PREFILL_STAGE)}
-            self.cost_model.observe_tick(key, guard.call_timings(), stages)
+            self.cost_model.observe_tick(key, steps.guard.call_timings(), stages)
+        plan = steps.plan
         if history is not None and plan.caching:
-            history.observe(plan.setting, plan.structure, natural_full_calls(cache_counts))
-        return record
+            # A forced skip hides a refresh the gate wanted: the natural count is full + forced.
+            record = steps.record()
+            history.observe(plan.setting, plan.structure, record.full_calls + record.forced_skips)

@@ -17,7 +17,7 @@ steps come one apart (it may start late or stop early), and the shapes stay fixe
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # keep this module importable without torch (the budget layer reads records)
@@ -125,20 +125,6 @@ class CacheRecord:
     def fail_opens(self) -> int:
         return sum(c.fail_open for c in self.branches.values())
 
-    def counts_dict(self) -> dict[str, dict]:
-        """Per-branch counts as plain dicts (JSON-ready; what ``budget.record.TickRecord`` consumes)."""
-        return {branch: asdict(counts) for branch, counts in self.branches.items()}
-
-    def to_dict(self) -> dict:
-        return {
-            "num_steps": self.num_steps,
-            "thresholds": list(self.thresholds),
-            "max_consecutive_cached": self.max_consecutive_cached,
-            "branches": self.counts_dict(),
-            "sequences": {branch: self.sequence(branch) for branch in self.branches},
-            "decisions": [asdict(d) for d in self.decisions],
-        }
-
 
 @runtime_checkable
 class StepController(Protocol):
@@ -165,12 +151,6 @@ class StepController(Protocol):
         ...
 
 
-def check_num_steps(num_steps: int) -> int:
-    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
-        raise ValueError(f"num_steps must be an int >= 1, got {num_steps!r}")
-    return num_steps
-
-
 class NoCache:
     """Always runs the full stack; records every call as FULL with reason ``no_cache``."""
 
@@ -178,7 +158,6 @@ class NoCache:
         self._record = CacheRecord(num_steps=0)
 
     def begin(self, num_steps: int) -> None:
-        check_num_steps(num_steps)
         self._record = CacheRecord(num_steps=num_steps, thresholds=(0.0,) * num_steps)
 
     def run_stack(

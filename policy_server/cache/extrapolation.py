@@ -11,20 +11,15 @@ from collections.abc import Sequence
 
 import torch
 
-from policy_server.limits import MAX_RESIDUAL_ORDER
-
 
 def newton_extrapolate(history: Sequence[tuple[int, torch.Tensor]], step: int, order: int) -> torch.Tensor:
     """Evaluate at ``step`` the Newton polynomial through the last ``order + 1`` residuals of ``history``.
 
-    history: chronological ``(step_index, residual [N, D])`` pairs from full steps, step indices increasing.
+    history: chronological ``(step_index, residual [N, D])`` pairs from full steps (at least one), step indices
+    increasing; order: 0..``limits.MAX_RESIDUAL_ORDER``.
     With fewer entries than ``order + 1`` the order drops to what the history supports (one entry = reuse).
     Arithmetic runs in the residuals' dtype. Returns a new tensor, never a view of a stored residual.
     """
-    if not history:
-        raise ValueError("newton_extrapolate needs at least one residual in the history")
-    if not 0 <= order <= MAX_RESIDUAL_ORDER:
-        raise ValueError(f"residual order must be in 0..{MAX_RESIDUAL_ORDER}, got {order}")
     points = list(history[-(order + 1):])
     steps = [s for s, _ in points]
     if len(set(steps)) != len(steps):

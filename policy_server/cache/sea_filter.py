@@ -90,11 +90,6 @@ class SeaFilter:
                 self._gains.popitem(last=False)
             return g
 
-    @property
-    def cached_gains(self) -> int:
-        """Number of gain tensors held (for tests and diagnostics)."""
-        return len(self._gains)
-
     def filter_thwc(self, x: torch.Tensor, sigma: float) -> torch.Tensor:
         """Filter a ``[T, H, W, C]`` tensor over T, H, W; computed in fp32 with a complex FFT, cast back."""
         if x.ndim != 4:

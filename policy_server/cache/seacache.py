@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .controller import FAIL_OPEN_REASONS, CacheRecord, StepDecision, check_num_steps
-from .extrapolation import MAX_RESIDUAL_ORDER, newton_extrapolate
+from .controller import FAIL_OPEN_REASONS, CacheRecord, StepDecision
+from .extrapolation import newton_extrapolate
 from .sea_filter import SeaFilter, rel_l1
 
 logger = logging.getLogger(__name__)
@@ -29,25 +29,11 @@ _WARNED_FAIL_OPENS: set[str] = set()  # fail-open reasons already warned about i
 
 # A threshold for every step: one number, or one number per step (the budget planner's schedule).
 ThresholdSpec = float | Sequence[float]
-ForceSkip = Callable[[int, str], bool]
-DecisionObserver = Callable[[StepDecision], None]
-
-
-def _check_count(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-    return value
-
-
-def _check_threshold(value: object, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"threshold{where} must be a finite number >= 0, got {value!r}")
-    return float(value)
 
 
 @dataclass(frozen=True)
 class SeaCacheConfig:
-    """SeaCache knobs (Cosmos3 defaults).
+    """SeaCache knobs (Cosmos3 defaults), validated where a user sets them (`policy_server.config`).
 
     threshold: accumulated rel-L1 budget; 0 disables skipping (bit-identical to no cache). May be a per-step
         schedule (a sequence of N numbers).
@@ -64,21 +50,22 @@ class SeaCacheConfig:
     max_consecutive_cached: int = 2
     power_exp: float = 3.0
 
-    def __post_init__(self) -> None:
-        if isinstance(self.threshold, Sequence) and not isinstance(self.threshold, str):
-            checked = tuple(_check_threshold(v, f" for step {i}") for i, v in enumerate(self.threshold))
-            object.__setattr__(self, "threshold", checked)
-        else:
-            _check_threshold(self.threshold, "")
-        order = _check_count("residual_order", self.residual_order)
-        if order > MAX_RESIDUAL_ORDER:
-            raise ValueError(f"residual_order must be 0, 1 or 2, got {order}")
-        _check_count("retention_steps", self.retention_steps)
-        _check_count("cache_end_steps", self.cache_end_steps)
-        _check_count("max_consecutive_cached", self.max_consecutive_cached)
-        p = self.power_exp
-        if isinstance(p, bool) or not isinstance(p, int | float) or not math.isfinite(p) or p <= 0:
-            raise ValueError(f"power_exp must be a finite number > 0, got {p!r}")
+
+@dataclass(frozen=True)
+class Gate:
+    """The accumulate-and-refresh rule's choice for one call. `full_reason`: why it runs FULL, None for SKIP;
+    `accumulated`: the accumulator should the call be skipped."""
+
+    step: int
+    branch: str
+    full_reason: str | None
+    distance: float | None
+    accumulated: float
+    threshold: float
+
+    @property
+    def full(self) -> bool:
+        return self.full_reason is not None
 
 
 @dataclass
@@ -94,32 +81,16 @@ class _BranchState:
 class SeaCache:
     """Step controller implementing SeaCache; see the module docstring and ``StepController``.
 
-    force_skip(step, branch) -> bool: asked whenever a call would run FULL; True turns it into a SKIP if
-        this branch has a residual (counted as ``forced``), otherwise the call runs FULL and
-        is counted as fail-open ``no_history``. The deadline guard answers False on the final step.
-    on_decision(decision): called after each call completes (after ``full()`` returned, or after the skip),
-        so a deadline guard can time the calls.
-    sea_filter: share one filter (and its gain cache) between controllers; default: a private one.
+    ``run_stack`` gates and runs a call. A deadline guard goes between the two halves instead: ``gate``, then
+    ``apply`` with ``force_skip`` when the guard wants a call the gate chose FULL skipped. ``sea_filter``:
+    share one filter (and its gain cache) between controllers; default: a private one.
     """
 
-    def __init__(
-        self,
-        config: SeaCacheConfig | None = None,
-        force_skip: ForceSkip | None = None,
-        *,
-        on_decision: DecisionObserver | None = None,
-        sea_filter: SeaFilter | None = None,
-    ) -> None:
+    def __init__(self, config: SeaCacheConfig | None = None, sea_filter: SeaFilter | None = None) -> None:
         self.config = config if config is not None else SeaCacheConfig()
-        self.force_skip = force_skip
-        self.on_decision = on_decision
         self.sea_filter = sea_filter if sea_filter is not None else SeaFilter(self.config.power_exp)
-        if self.sea_filter.power_exp != float(self.config.power_exp):
-            raise ValueError(
-                f"sea_filter.power_exp {self.sea_filter.power_exp} differs from config.power_exp "
-                f"{self.config.power_exp}"
-            )
-        self._num_steps: int | None = None
+        assert self.sea_filter.power_exp == float(self.config.power_exp)
+        self._num_steps = 0
         self._thresholds: tuple[float, ...] = ()
         self._gate_active = True
         self._states: dict[str, _BranchState] = {}
@@ -132,16 +103,10 @@ class SeaCache:
 
     def begin(self, num_steps: int) -> None:
         """Reset all state for a request of ``num_steps`` steps."""
-        self._num_steps = check_num_steps(num_steps)
+        self._num_steps = num_steps
         threshold = self.config.threshold
-        if isinstance(threshold, tuple):
-            if len(threshold) != num_steps:
-                raise ValueError(
-                    f"threshold schedule has {len(threshold)} entries, expected one per step ({num_steps})"
-                )
-            self._thresholds = threshold
-        else:
-            self._thresholds = (float(threshold),) * num_steps
+        self._thresholds = tuple(threshold) if isinstance(threshold, Sequence) else (float(threshold),) * num_steps
+        assert len(self._thresholds) == num_steps, "one threshold per step"
         # With every threshold 0 the gate can never choose SKIP, so the indicator (FFTs) is not needed.
         self._gate_active = any(t > 0 for t in self._thresholds)
         self._states = {}
@@ -158,15 +123,13 @@ class SeaCache:
 
     # ------------------------------------------------------------------ the step
 
-    def run_stack(
-        self,
-        step: int,
-        branch: str,
-        sigma: float,
-        noisy_vision: Sequence[torch.Tensor],
-        gen_in: torch.Tensor,
-        full: Callable[[], torch.Tensor],
-    ) -> torch.Tensor:
+    def run_stack(self, step: int, branch: str, sigma: float, noisy_vision: Sequence[torch.Tensor],
+                  gen_in: torch.Tensor, full: Callable[[], torch.Tensor]) -> torch.Tensor:
+        out, _ = self.apply(self.gate(step, branch, sigma, noisy_vision), gen_in, full)
+        return out
+
+    def gate(self, step: int, branch: str, sigma: float, noisy_vision: Sequence[torch.Tensor]) -> Gate:
+        """What the accumulate-and-refresh rule chooses for this call; run it with ``apply``."""
         threshold = self._thresholds[step]
         state = self._states.setdefault(branch, _BranchState())
         indicator = None
@@ -175,10 +138,17 @@ class SeaCache:
         reason, distance, accumulated = self._gate(step, state, indicator, noisy_vision, threshold)
         # prev follows every step, forced or not, so the accumulator sums the step-to-step drift.
         state.prev_indicator = indicator
+        return Gate(step, branch, reason, distance, accumulated, threshold)
 
-        # The gate skips only after a full call of this branch, so only a forced skip can lack a residual.
-        skip_reason = "gate"
-        if reason is not None and self.force_skip is not None and self.force_skip(step, branch):
+    def apply(self, gate: Gate, gen_in: torch.Tensor, full: Callable[[], torch.Tensor],
+              force_skip: bool = False) -> tuple[torch.Tensor, StepDecision]:
+        """Run the call `gate` chose (``full()``) or estimate it (``gen_in`` plus the extrapolated residual).
+        ``force_skip`` turns a FULL into a SKIP (``forced``) when the branch has a residual; without one the call
+        runs FULL (fail-open ``no_history``). Returns the stack output and the recorded decision."""
+        state = self._states[gate.branch]
+        reason, skip_reason = gate.full_reason, "gate"
+        if reason is not None and force_skip:
+            # The gate skips only after a full call of this branch, so only a forced skip can lack a residual.
             if state.history:
                 # Forced SKIP: the gate's drift stays accumulated, so the next step wants a refresh again.
                 reason, skip_reason = None, "forced"
@@ -186,25 +156,22 @@ class SeaCache:
                 reason = "no_history"
 
         if reason is None:
-            state.accumulated = accumulated
+            state.accumulated = gate.accumulated
             state.consecutive_cached += 1
-            out = gen_in + newton_extrapolate(state.history, step, self.config.residual_order)
-            decision = StepDecision(step, branch, False, skip_reason, distance, accumulated, threshold)
+            out = gen_in + newton_extrapolate(state.history, gate.step, self.config.residual_order)
+            decision = StepDecision(gate.step, gate.branch, False, skip_reason, gate.distance, gate.accumulated,
+                                    gate.threshold)
         else:
             state.accumulated = 0.0
             state.consecutive_cached = 0
             out = full()
-            if self._gate_active or self.force_skip is not None:
-                state.history.append((step, (out - gen_in).detach()))
-                del state.history[: -(self.config.residual_order + 1)]
-            decision = StepDecision(step, branch, True, reason, distance, 0.0, threshold)
+            state.history.append((gate.step, (out - gen_in).detach()))
+            del state.history[: -(self.config.residual_order + 1)]
+            decision = StepDecision(gate.step, gate.branch, True, reason, gate.distance, 0.0, gate.threshold)
             if reason in FAIL_OPEN_REASONS:
-                self._warn_fail_open(reason, step, branch)
-
+                self._warn_fail_open(reason, gate.step, gate.branch)
         self._record.add(decision)
-        if self.on_decision is not None:
-            self.on_decision(decision)
-        return out
+        return out, decision
 
     # ------------------------------------------------------------------ helpers
 

@@ -20,7 +20,17 @@ each end within their own slot from the batch's start.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from policy_server.engine import api
+from policy_server.limits import MAX_BUDGET_MS, MAX_INSTRUCTION_TOKENS
+
+if TYPE_CHECKING:  # sessions hold a Demand: these two import this module
+    from policy_server.engine.served import ServedModel
+    from policy_server.engine.sessions import SessionState, SessionTable
 
 # Of the worker's time, what declared rates may claim: the rest absorbs timing noise and the transport.
 MAX_UTILIZATION = 0.9
@@ -104,3 +114,96 @@ class RateLimiter:
 def default_rate_hz(control_hz: float, actions_per_chunk: int) -> float:
     """The chunk-request rate of a client that executes ``actions_per_chunk`` actions per chunk."""
     return control_hz / actions_per_chunk
+
+
+class Admission:
+    """Which sessions one engine takes: every open session's demand must still be met with a new one (or a
+    new budget), else Overloaded with how many would fit. `blocking_ms()`: the longest background piece a
+    tick may find running (known after warmup)."""
+
+    def __init__(self, served: ServedModel, sessions: SessionTable, blocking_ms: Callable[[], float]):
+        self.served, self.sessions, self.blocking_ms = served, sessions, blocking_ms
+        self._lock = threading.Lock()  # held while slots are assigned, so two opens cannot both fit
+
+    def capacity(self, budget_ms: float, rate_hz: float | None) -> tuple[api.Capacity, ...]:
+        """Per served embodiment at its default chunk: sessions that fit alone and beside the open ones."""
+        limit = self.served.settings.max_sessions
+        with self._lock:
+            sessions = self.sessions.all()
+            out = []
+            for embodiment in self.served.embodiments.values():
+                chunk = embodiment.default_chunk_size
+                rate = default_rate_hz(embodiment.fps, chunk) if rate_hz is None else rate_hz
+                demand = self.demand(embodiment.name, chunk, budget_ms, rate)
+                out.append(api.Capacity(
+                    embodiment=embodiment.name, chunk_size=chunk, budget_ms=budget_ms, rate_hz=rate,
+                    sessions_alone=sessions_that_fit([], demand, self.blocking_ms(), limit),
+                    sessions_more=sessions_that_fit([s.demand for s in sessions], demand, self.blocking_ms(),
+                                                    limit - len(sessions)),
+                ))
+        return tuple(out)
+
+    def demand(self, embodiment: str, chunk: int, budget_ms: float, rate_hz: float, preview: bool = False) -> Demand:
+        """A session's claim on the worker: its cheapest tick (the planner's floor) and its uncached tick, at
+        the longest instruction it may send (an observation may change the instruction at any tick), with the
+        decode of its predicted frames when it asked for them. BudgetInfeasible below the floor."""
+        served = self.served
+        key = served.cost_key(embodiment, chunk, MAX_INSTRUCTION_TOKENS)
+
+        def predicted(time_left_ms: float) -> float:
+            return served.budget.plan(key, time_left_ms, served.num_steps, served.passes, None, prefill=True,
+                                      preview=preview).predicted_ms
+
+        ceiling = predicted(MAX_BUDGET_MS)
+        floor = predicted(1e-3) if served.budget_controlled else ceiling
+        return Demand(budget_ms, rate_hz, floor, ceiling)
+
+    def open(self, demand: Demand, open_session: Callable[[], SessionState]) -> SessionState:
+        """Admit `demand` beside the open sessions and open its session with `open_session()`."""
+        self._check_floor(demand)
+        with self._lock:
+            self._admit([*[s.demand for s in self.sessions.all()], demand], demand)
+            session = open_session()
+            self._assign_slots()
+        return session
+
+    def change_budget(self, session: SessionState, budget_ms: float) -> None:
+        old = session.demand
+        demand = Demand(budget_ms, old.rate_hz, old.floor_ms, old.ceiling_ms)
+        self._check_floor(demand)
+        with self._lock:
+            others = [s.demand for s in self.sessions.all() if s is not session]
+            self._admit([*others, demand], demand)
+            session.demand, session.budget_ms = demand, budget_ms
+            self._assign_slots()
+
+    def close(self, session_id: str) -> None:
+        with self._lock:
+            self.sessions.close(session_id)
+            self._assign_slots()
+
+    @staticmethod
+    def _check_floor(demand: Demand) -> None:
+        if demand.floor_ms > demand.budget_ms:
+            raise api.BudgetInfeasible(demand.budget_ms, demand.floor_ms)
+
+    def _admit(self, demands: list[Demand], new: Demand) -> None:
+        """Raise Overloaded unless every demand (``new`` among them) can be met (under ``_lock``)."""
+        blocking_ms = self.blocking_ms()
+        if assign_slots(demands, blocking_ms) is not None:
+            return
+        others = [d for d in demands if d is not new]
+        alone = sessions_that_fit([], new, blocking_ms, self.served.settings.max_sessions)
+        queue_ms = blocking_ms + sum(d.floor_ms for d in demands)
+        load = sum(d.rate_hz * d.floor_ms for d in demands) / 1e3
+        raise api.Overloaded(
+            f"the server cannot take this session: with the {len(others)} open session(s), a tick could wait "
+            f"{queue_ms:.0f} ms against the tightest budget of {min(d.budget_ms for d in demands):g} ms, and "
+            f"the declared rates would claim {load:.0%} of the model; no session like this one fits beside them, "
+            f"{alone} would on an idle server (a larger budget or a lower rate_hz fits more)", sessions_fit=alone)
+
+    def _assign_slots(self) -> None:
+        sessions = self.sessions.all()
+        slots = assign_slots([s.demand for s in sessions], self.blocking_ms())
+        for session, slot in zip(sessions, slots, strict=True):
+            session.slot_ms = slot

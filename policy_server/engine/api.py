@@ -145,34 +145,62 @@ class VideoClip:
 
 
 @dataclass(frozen=True)
-class TickRecord:
-    """Why one answer was as fast (or slow) as it was.
+class BranchRecord:
+    """GEN-stack calls of one CFG branch in one tick. ``skipped`` includes ``forced_skip``; ``full`` includes
+    ``fail_open``; ``sequence``: ``F`` full / ``S`` skip per step (e.g. ``FSSFSSFSSF``)."""
 
-    predicted_ms / actual_ms: per stage (e.g. "queue", "encode", "prefill", "denoise", "decode", and
-    "preview" for a session with preview frames; "video_decode" for forward dynamics) and always "total"
-    (engine-side latency of the tick), in ms. knobs: the settings the budget planner chose (e.g.
-    "threshold", "max_consecutive", "num_steps", "cfg") and "batch_size", the ticks of the micro-batch
-    this one ran in (1 = alone); full / skipped / forced / fail_open count GEN-stack calls summed over
-    CFG branches; fallbacks name each degradation applied, in order.
+    full: int
+    skipped: int
+    forced_skip: int
+    fail_open: int
+    sequence: str
+    fail_open_reasons: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TickRecord:
+    """Why one answer was as fast (or slow) as it was, built once by the tick that ran.
+
+    budget_ms: the session's per-tick budget; deadline_ms: the tick's, from its arrival (the smaller of the
+    budget and the caller's deadline). predicted_ms / actual_ms: per stage (e.g. "queue", "encode",
+    "prefill", "denoise", "decode", and "preview" for a session with preview frames; "video_decode" for
+    forward dynamics) and always "total" (engine-side latency of the tick), in ms. knobs: the settings the
+    budget planner chose (e.g. "threshold", "cap", "num_steps", "cfg_steps") and "batch_size", the ticks of
+    the micro-batch this one ran in (1 = alone). branches: the GEN-stack calls per CFG branch; fallbacks
+    name each degradation applied, in order.
     """
 
     budget_ms: float
     deadline_ms: float
+    actual_ms: Mapping[str, float]
+    knobs: Mapping[str, float]
+    branches: Mapping[str, BranchRecord]
+    setting: str
     predicted_ms: Mapping[str, float] = field(default_factory=dict)
-    actual_ms: Mapping[str, float] = field(default_factory=dict)
-    knobs: Mapping[str, float] = field(default_factory=dict)
-    full_calls: int = 0
-    skipped_calls: int = 0
-    forced_skips: int = 0
-    fail_open: int = 0
     fallbacks: tuple[str, ...] = ()
-    deadline_met: bool = True
-    setting: str = ""
     thresholds: tuple[float, ...] = ()
-    branches: Mapping[str, Mapping[str, object]] = field(default_factory=dict)
-    sequences: Mapping[str, str] = field(default_factory=dict)
     feasible: bool = True
     best_achievable_ms: float = 0.0
+
+    @property
+    def deadline_met(self) -> bool:
+        return self.actual_ms["total"] <= self.deadline_ms
+
+    @property
+    def full_calls(self) -> int:
+        return sum(b.full for b in self.branches.values())
+
+    @property
+    def skipped_calls(self) -> int:
+        return sum(b.skipped for b in self.branches.values())
+
+    @property
+    def forced_skips(self) -> int:
+        return sum(b.forced_skip for b in self.branches.values())
+
+    @property
+    def fail_open(self) -> int:
+        return sum(b.fail_open for b in self.branches.values())
 
     @property
     def fallback_kinds(self) -> tuple[str, ...]:

@@ -62,16 +62,6 @@ class GenInput:
         return cls(torch.stack([item.hidden for item in items]), layout)
 
     @property
-    def cos(self) -> torch.Tensor:
-        """[N_gen, hd] rotary cosines of the generated rows."""
-        return self.layout.rotary.cos
-
-    @property
-    def sin(self) -> torch.Tensor:
-        """[N_gen, hd] rotary sines of the generated rows."""
-        return self.layout.rotary.sin
-
-    @property
     def und_len(self) -> int:
         """Text rows the `UndKV` paired with this input must hold."""
         return self.layout.und_len

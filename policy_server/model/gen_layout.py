@@ -51,7 +51,8 @@ class GenLayout:
     time_rows: torch.Tensor                   # rows that get a time embedding: vision, sound, action
 
 
-def _require(condition: bool, message: str) -> None:
+def require(condition: bool, message: str) -> None:
+    """Raise ``ValueError(message)`` unless ``condition``: the model's check of caller-supplied inputs."""
     if not condition:
         raise ValueError(message)
 
@@ -93,44 +94,44 @@ def build_gen_layout(config: Cosmos3TransformerConfig, rotary, device: torch.dev
     `key`: the request shape (`GenLayout.key`), None for a fresh one.
     Raises `ValueError` naming the argument that does not fit.
     """
-    _require(position_ids is not None and vision_tokens is not None and vision_token_shapes is not None
-             and vision_sequence_indexes is not None and vision_mse_loss_indexes is not None
-             and vision_noisy_frame_indexes is not None,
-             "position_ids and all vision_* arguments are required (the diffusers forward signature)")
+    require(position_ids is not None and vision_tokens is not None and vision_token_shapes is not None
+            and vision_sequence_indexes is not None and vision_mse_loss_indexes is not None
+            and vision_noisy_frame_indexes is not None,
+            "position_ids and all vision_* arguments are required (the diffusers forward signature)")
     num_gen = sequence_length - und_len
-    _require(und_len >= 0 and num_gen >= 0,
-             f"need 0 <= und_len <= sequence_length, got {und_len} and {sequence_length}")
-    _require(position_ids.ndim in (1, 2) and position_ids.shape[-1] == sequence_length
-             and (position_ids.ndim == 1 or position_ids.shape[0] == 3),
-             f"position_ids must be [3, {sequence_length}] or [{sequence_length}], got {tuple(position_ids.shape)}")
+    require(und_len >= 0 and num_gen >= 0,
+            f"need 0 <= und_len <= sequence_length, got {und_len} and {sequence_length}")
+    require(position_ids.ndim in (1, 2) and position_ids.shape[-1] == sequence_length
+            and (position_ids.ndim == 1 or position_ids.shape[0] == 3),
+            f"position_ids must be [3, {sequence_length}] or [{sequence_length}], got {tuple(position_ids.shape)}")
     has_sound = sound_tokens is not None and sound_sequence_indexes is not None
     has_action = action_tokens is not None and action_sequence_indexes is not None
-    _require(not has_sound or config.sound_gen, "sound_tokens given but this model has sound_gen=False")
-    _require(not has_action or config.action_gen, "action_tokens given but this model has action_gen=False")
+    require(not has_sound or config.sound_gen, "sound_tokens given but this model has sound_gen=False")
+    require(not has_action or config.action_gen, "action_tokens given but this model has action_gen=False")
 
     def gen_rows(indexes: torch.Tensor, count: int, name: str) -> torch.Tensor:
         """Joint-sequence indexes -> GEN-local rows, checked to lie in the GEN part."""
         indexes = indexes.to(device=device, dtype=torch.long).reshape(-1)
-        _require(indexes.numel() == count, f"{name} has {indexes.numel()} entries, expected {count}")
+        require(indexes.numel() == count, f"{name} has {indexes.numel()} entries, expected {count}")
         if count:
             low, high = (int(v) for v in torch.aminmax(indexes))
-            _require(low >= und_len and high < sequence_length,
-                     f"{name} must index generated rows [{und_len}, {sequence_length}), got [{low}, {high}]")
+            require(low >= und_len and high < sequence_length,
+                    f"{name} must index generated rows [{und_len}, {sequence_length}), got [{low}, {high}]")
         return indexes - und_len
 
     def modality(name: str, token_shapes, sequence_indexes, mse_loss_indexes, noisy_frame_indexes):
-        _require(noisy_frame_indexes is not None and len(noisy_frame_indexes) == len(token_shapes),
-                 f"{name}_noisy_frame_indexes needs one entry per {name} item ({len(token_shapes)})")
+        require(noisy_frame_indexes is not None and len(noisy_frame_indexes) == len(token_shapes),
+                f"{name}_noisy_frame_indexes needs one entry per {name} item ({len(token_shapes)})")
         shapes = [tuple(int(v) for v in shape) for shape in token_shapes]
         rows = gen_rows(sequence_indexes, sum(math.prod(s) for s in shapes), f"{name}_sequence_indexes")
         noisy = noisy_packed_rows(noisy_frame_indexes, shapes, device)
-        _require(mse_loss_indexes is not None, f"{name}_mse_loss_indexes is required with {name}_tokens")
+        require(mse_loss_indexes is not None, f"{name}_mse_loss_indexes is required with {name}_tokens")
         readout = gen_rows(mse_loss_indexes, noisy.numel(), f"{name}_mse_loss_indexes")
         noisy_frames = [n.to(device=device, dtype=torch.long) for n in noisy_frame_indexes]
         return ModalityLayout(rows, shapes, noisy_frames, rows[noisy], readout)
 
-    _require(len(vision_tokens) == len(vision_token_shapes),
-             f"{len(vision_tokens)} vision_tokens but {len(vision_token_shapes)} vision_token_shapes")
+    require(len(vision_tokens) == len(vision_token_shapes),
+            f"{len(vision_tokens)} vision_tokens but {len(vision_token_shapes)} vision_token_shapes")
     latent_shapes = [_latent_shape(config, latent, shape) for latent, shape in zip(
         vision_tokens, vision_token_shapes, strict=True)]
     vision = modality("vision", vision_token_shapes, vision_sequence_indexes, vision_mse_loss_indexes,
@@ -139,23 +140,23 @@ def build_gen_layout(config: Cosmos3TransformerConfig, rotary, device: torch.dev
 
     sound = None
     if has_sound:
-        _require(sound_token_shapes is not None and len(sound_tokens) == len(sound_token_shapes),
-                 "sound_tokens and sound_token_shapes need one entry per sound item")
+        require(sound_token_shapes is not None and len(sound_tokens) == len(sound_token_shapes),
+                "sound_tokens and sound_token_shapes need one entry per sound item")
         sound = modality("sound", sound_token_shapes, sound_sequence_indexes, sound_mse_loss_indexes,
                          sound_noisy_frame_indexes)
         time_rows.append(sound.noisy_rows)
 
     action = row_domains = readout_domains = None
     if has_action:
-        _require(action_token_shapes is not None and action_domain_ids is not None
-                 and len(action_tokens) == len(action_token_shapes) == len(action_domain_ids),
-                 "action_tokens, action_token_shapes and action_domain_ids need one entry per action item")
+        require(action_token_shapes is not None and action_domain_ids is not None
+                and len(action_tokens) == len(action_token_shapes) == len(action_domain_ids),
+                "action_tokens, action_token_shapes and action_domain_ids need one entry per action item")
         action = modality("action", action_token_shapes, action_sequence_indexes, action_mse_loss_indexes,
                           action_noisy_frame_indexes)
         domains = [d.to(device=device, dtype=torch.long).reshape(1) for d in action_domain_ids]
         low, high = int(torch.cat(domains).min()), int(torch.cat(domains).max())
-        _require(low >= 0 and high < config.num_embodiment_domains,
-                 f"action domain ids must be in [0, {config.num_embodiment_domains}), got [{low}, {high}]")
+        require(low >= 0 and high < config.num_embodiment_domains,
+                f"action domain ids must be in [0, {config.num_embodiment_domains}), got [{low}, {high}]")
         row_domains = torch.cat([d.expand(s[0]) for d, s in zip(domains, action.token_shapes, strict=True)])
         readout_domains = torch.cat([d.expand(len(n)) for d, n in zip(
             domains, action.noisy_frame_indexes, strict=True)])
@@ -173,11 +174,11 @@ def _latent_shape(config: Cosmos3TransformerConfig, latent: torch.Tensor,
                   token_shape: tuple[int, int, int]) -> tuple[int, int, int]:
     """Unpadded `(T, H, W)` of a vision latent `[1, C, T, H, W]`, checked against its patch grid."""
     c, p = config.latent_channel, config.latent_patch_size
-    _require(latent.ndim in (4, 5) and (latent.ndim == 4 or latent.shape[0] == 1) and latent.shape[-4] == c,
-             f"vision latent must be [1, {c}, T, H, W], got {tuple(latent.shape)}")
+    require(latent.ndim in (4, 5) and (latent.ndim == 4 or latent.shape[0] == 1) and latent.shape[-4] == c,
+            f"vision latent must be [1, {c}, T, H, W], got {tuple(latent.shape)}")
     t, h, w = latent.shape[-3:]
     grid = (t, math.ceil(h / p), math.ceil(w / p))
-    _require(tuple(token_shape) == grid,
-             f"vision_token_shapes entry {tuple(token_shape)} does not match the latent's patch grid {grid} "
-             f"(latent T, H, W = {t}, {h}, {w}; patch {p})")
+    require(tuple(token_shape) == grid,
+            f"vision_token_shapes entry {tuple(token_shape)} does not match the latent's patch grid {grid} "
+            f"(latent T, H, W = {t}, {h}, {w}; patch {p})")
     return (t, h, w)

@@ -28,7 +28,7 @@ from torch import nn
 from policy_server.model.boundary import GenInput, UndKV
 from policy_server.model.config import Cosmos3TransformerConfig
 from policy_server.model.decoder import Cosmos3MoTDecoderLayer
-from policy_server.model.gen_layout import GenLayout, ModalityLayout, build_gen_layout
+from policy_server.model.gen_layout import GenLayout, ModalityLayout, build_gen_layout, require
 from policy_server.model.layers import DomainAwareLinear, RMSNorm, TimestepEmbedding, sinusoidal_timestep_features
 from policy_server.model.reasoner_cache import ReasonerKVCache
 from policy_server.model.rope import MultimodalRotaryEmbedding
@@ -43,11 +43,6 @@ class Cosmos3OmniTransformerOutput:
     sample: list[torch.Tensor]                # vision, each [1, C_lat, T, H, W]; zeros on clean frames
     sound: list[torch.Tensor] | None = None   # each [sound_dim, T]
     action: list[torch.Tensor] | None = None  # each [T, action_dim]; zeros on clean rows
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ValueError(message)
 
 
 class Cosmos3OmniTransformer(nn.Module):
@@ -88,9 +83,9 @@ class Cosmos3OmniTransformer(nn.Module):
 
     def prefill_und(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> UndKV:
         """Text ids `[N_und]` at mRoPE positions `[3, N_und]` -> per-layer K/V the GEN pathway reads."""
-        _require(input_ids.ndim == 1, f"input_ids must be [N_und], got {tuple(input_ids.shape)}")
-        _require(position_ids.shape[-1] == input_ids.shape[0],
-                 f"position_ids must cover {input_ids.shape[0]} text rows, got {tuple(position_ids.shape)}")
+        require(input_ids.ndim == 1, f"input_ids must be [N_und], got {tuple(input_ids.shape)}")
+        require(position_ids.shape[-1] == input_ids.shape[0],
+                f"position_ids must cover {input_ids.shape[0]} text rows, got {tuple(position_ids.shape)}")
         return self._und_stack_kv(self.embed_tokens(input_ids), position_ids)
 
     def _und_stack_kv(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> UndKV:
@@ -142,9 +137,9 @@ class Cosmos3OmniTransformer(nn.Module):
         if layout.sound is not None:
             packed = torch.cat([s[:, : shape[0]].T for s, shape in zip(
                 forward_kwargs["sound_tokens"], layout.sound.token_shapes, strict=True)])
-            _require(packed.shape == (layout.sound.rows.numel(), c.sound_dim),
-                     f"sound tokens must pack to [{layout.sound.rows.numel()}, {c.sound_dim}], "
-                     f"got {tuple(packed.shape)}")
+            require(packed.shape == (layout.sound.rows.numel(), c.sound_dim),
+                    f"sound tokens must pack to [{layout.sound.rows.numel()}, {c.sound_dim}], "
+                    f"got {tuple(packed.shape)}")
             embedded = self.audio_proj_in(packed.to(dtype)) + self.audio_modality_embed
             hidden.index_copy_(0, layout.sound.rows, embedded)
             timesteps.append(self._step_timesteps(forward_kwargs.get("sound_timesteps"), layout.sound, "sound"))
@@ -152,9 +147,9 @@ class Cosmos3OmniTransformer(nn.Module):
         if layout.action is not None:
             packed = torch.cat([a[: shape[0]] for a, shape in zip(
                 forward_kwargs["action_tokens"], layout.action.token_shapes, strict=True)])
-            _require(packed.shape == (layout.action.rows.numel(), c.action_dim),
-                     f"action tokens must pack to [{layout.action.rows.numel()}, {c.action_dim}], "
-                     f"got {tuple(packed.shape)}")
+            require(packed.shape == (layout.action.rows.numel(), c.action_dim),
+                    f"action tokens must pack to [{layout.action.rows.numel()}, {c.action_dim}], "
+                    f"got {tuple(packed.shape)}")
             embedded = self.action_proj_in(packed.to(dtype), layout.action_row_domains) + self.action_modality_embed
             hidden.index_copy_(0, layout.action.rows, embedded)
             if layout.action.readout_rows.numel() > 0:  # mirrors the row set in `layout.time_rows`
@@ -167,9 +162,9 @@ class Cosmos3OmniTransformer(nn.Module):
     def _step_timesteps(self, timesteps: torch.Tensor | None, modality: ModalityLayout, name: str) -> torch.Tensor:
         """One scheduler timestep per noisy row of a modality, as fp32 on the model's device."""
         expected = modality.noisy_rows.numel()
-        _require(timesteps is not None and timesteps.numel() == expected,
-                 f"{name}_timesteps must have one entry per noisy {name} token ({expected}), got "
-                 f"{None if timesteps is None else timesteps.numel()}")
+        require(timesteps is not None and timesteps.numel() == expected,
+                f"{name}_timesteps must have one entry per noisy {name} token ({expected}), got "
+                f"{None if timesteps is None else timesteps.numel()}")
         return timesteps.reshape(-1).to(device=self.device, dtype=torch.float32)
 
     def _timestep_embedding(self, timesteps: torch.Tensor) -> torch.Tensor:
@@ -188,14 +183,14 @@ class Cosmos3OmniTransformer(nn.Module):
         Odd H/W are zero-padded up to the patch size.
         """
         c, p = self.config.latent_channel, self.config.latent_patch_size
-        _require(len(vision_tokens) == len(layout.vision_latent_shapes),
-                 f"{len(vision_tokens)} vision_tokens, the layout has {len(layout.vision_latent_shapes)}")
+        require(len(vision_tokens) == len(layout.vision_latent_shapes),
+                f"{len(vision_tokens)} vision_tokens, the layout has {len(layout.vision_latent_shapes)}")
         packed = []
         for latent, (t, h, w), (_, gh, gw) in zip(vision_tokens, layout.vision_latent_shapes,
                                                   layout.vision.token_shapes, strict=True):
             latent = latent.reshape(latent.shape[-4:])
-            _require(latent.shape == (c, t, h, w),
-                     f"vision latent must be [1, {c}, {t}, {h}, {w}] as laid out, got {tuple(latent.shape)}")
+            require(latent.shape == (c, t, h, w),
+                    f"vision latent must be [1, {c}, {t}, {h}, {w}] as laid out, got {tuple(latent.shape)}")
             if h % p or w % p:
                 latent = torch.nn.functional.pad(latent, (0, gw * p - w, 0, gh * p - h))
             patches = latent.reshape(c, t, gh, p, gw, p).permute(1, 2, 4, 3, 5, 0)
@@ -210,15 +205,15 @@ class Cosmos3OmniTransformer(nn.Module):
         Batched (`GenInput.stack`, `UndKV.stack`): `[B, N_gen, D]`; decode item b with
         `heads(out[b], gen)`.
         """
-        _require(und_kv.num_layers == len(self.layers),
-                 f"und_kv has {und_kv.num_layers} layers, the model {len(self.layers)}")
-        _require(gen.hidden.ndim == und_kv.keys[0].ndim - 1
-                 and (gen.hidden.ndim == 2 or gen.hidden.shape[0] == und_kv.keys[0].shape[0]),
-                 f"GEN rows {tuple(gen.hidden.shape)} and text K/V {tuple(und_kv.keys[0].shape)} "
-                 "must both be single or both batched with the same B")
-        _require(und_kv.length == gen.und_len,
-                 f"und_kv holds {und_kv.length} text rows but this step's und_len is {gen.und_len} "
-                 "(K/V from another prompt or CFG branch?)")
+        require(und_kv.num_layers == len(self.layers),
+                f"und_kv has {und_kv.num_layers} layers, the model {len(self.layers)}")
+        require(gen.hidden.ndim == und_kv.keys[0].ndim - 1
+                and (gen.hidden.ndim == 2 or gen.hidden.shape[0] == und_kv.keys[0].shape[0]),
+                f"GEN rows {tuple(gen.hidden.shape)} and text K/V {tuple(und_kv.keys[0].shape)} "
+                "must both be single or both batched with the same B")
+        require(und_kv.length == gen.und_len,
+                f"und_kv holds {und_kv.length} text rows but this step's und_len is {gen.und_len} "
+                "(K/V from another prompt or CFG branch?)")
         x = gen.hidden
         for layer, k, v in zip(self.layers, und_kv.keys, und_kv.values, strict=True):
             x = layer.forward_gen(x, gen.layout.rotary, k, v)
@@ -305,10 +300,10 @@ class Cosmos3OmniTransformer(nn.Module):
         # The same keyword set goes on to embed_gen, which ignores the text arguments.
         kwargs = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         text_indexes = text_indexes.reshape(-1)
-        _require(text_indexes.numel() == input_ids.numel(),
-                 f"text_indexes has {text_indexes.numel()} entries for {input_ids.numel()} input_ids")
-        _require(text_indexes.numel() == 0 or int(text_indexes.max()) < und_len,
-                 f"text_indexes must lie in the UND prefix [0, {und_len})")
+        require(text_indexes.numel() == input_ids.numel(),
+                f"text_indexes has {text_indexes.numel()} entries for {input_ids.numel()} input_ids")
+        require(text_indexes.numel() == 0 or int(text_indexes.max()) < und_len,
+                f"text_indexes must lie in the UND prefix [0, {und_len})")
         text_rows = torch.zeros((und_len, self.config.hidden_size), dtype=self.embed_tokens.weight.dtype,
                                 device=self.device)
         text_rows[text_indexes] = self.embed_tokens(input_ids)
@@ -335,8 +330,8 @@ class Cosmos3OmniTransformer(nn.Module):
         cache length on all three mRoPE axes. Returns logits `[vocab]` of the last token, or `[n, vocab]`
         with `all_positions`. The cache is advanced by `n`.
         """
-        _require(input_ids.ndim == 1 and input_ids.numel() > 0,
-                 f"input_ids must be a non-empty [n] tensor, got {tuple(input_ids.shape)}")
+        require(input_ids.ndim == 1 and input_ids.numel() > 0,
+                f"input_ids must be a non-empty [n] tensor, got {tuple(input_ids.shape)}")
         n = input_ids.shape[0]
         positions = torch.arange(cache.length, cache.length + n, device=input_ids.device, dtype=torch.float32)
         rotary = self.rotary_emb(positions, self.dtype)
@@ -357,4 +352,4 @@ _LAYOUT_ARGUMENTS = _FORWARD_ARGUMENTS & frozenset(inspect.signature(build_gen_l
 
 def _check_forward_kwargs(kwargs: dict) -> None:
     unknown = kwargs.keys() - _FORWARD_ARGUMENTS
-    _require(not unknown, f"unknown argument(s) {sorted(unknown)}; expected the keywords of forward()")
+    require(not unknown, f"unknown argument(s) {sorted(unknown)}; expected the keywords of forward()")

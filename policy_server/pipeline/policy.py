@@ -1,10 +1,12 @@
 """`PolicyPipeline`: camera frames + instruction (+ state) -> action chunk and predicted video latents.
 
 One call is one control tick: encode the conditioning frame with the VAE, reuse (or prefill) the
-text K/V of each CFG branch, then run the flow-matching sampler. Each step and branch embeds the
-generated rows, lets the step controller decide whether the GEN stack runs or its residual is
-extrapolated (SeaCache, deadline guard), decodes velocities with the heads, masks clean rows,
-combines CFG and advances the fp32 sampler state. Actions leave in the embodiment's physical units.
+text K/V of each CFG branch, then run the flow-matching sampler. The caller's one say in the step loop
+is a `StepControl` (the engine's tick; `FixedSteps` without a deadline): before each step it names the
+CFG branches and whether the step is the last, and for each call it runs the GEN stack or has the step
+cache estimate it. Each step and branch embeds the generated rows, gets the stack output from the step
+control, decodes velocities with the heads, masks clean rows, combines CFG and advances the fp32 sampler
+state. Actions leave in the embodiment's physical units.
 
 Modes (Cosmos3 `build_sequence_plan_from_mode`):
     policy            first latent frame clean; future frames and the action chunk generated;
@@ -53,15 +55,44 @@ MODES = ("policy", "forward_dynamics", "inverse_dynamics")
 BRANCHES = ("cond", "uncond")
 
 
-class StepPacer(Protocol):
-    """Lets a deadline guard shorten a running tick (`policy_server.budget.guard.DeadlineGuard`)."""
+class StepControl(Protocol):
+    """The caller's one say in the step loop: the engine's `Tick` (plan, deadline guard, SeaCache) or
+    `FixedSteps` (a step cache alone)."""
 
-    def pace(self, step: int, use_uncond: bool) -> tuple[bool, bool]:
-        """Before sampler step `step`: `(run the uncond pass, make this the last step)`."""
+    def before_step(self, step: int) -> tuple[tuple[str, ...], bool]:
+        """Before sampler step `step`: the CFG branches to run, in call order, and whether it is the last step.
+        Raises `Aborted` to abandon the tick."""
+
+    def run_stack(self, step: int, branch: str, sigma: float, noisy_vision: list[torch.Tensor], gen: GenInput,
+                  und_kv: UndKV) -> torch.Tensor:
+        """The GEN stack output `[N_gen, D]` of one call: run, or estimated by the step cache."""
+
+    def record(self) -> CacheRecord:
+        """What the step cache decided in this tick."""
+
+
+class FixedSteps:
+    """Step control without a deadline: the uncond pass on every step of `guided`, `cache` (default `NoCache`)
+    deciding each GEN-stack call, `stack` running the full ones."""
+
+    def __init__(self, num_steps: int, guided: range, stack: Callable[[GenInput, UndKV], torch.Tensor],
+                 cache: StepController | None = None):
+        self.guided, self.stack = guided, stack
+        self.cache = cache or NoCache()
+        self.cache.begin(num_steps)
+
+    def before_step(self, step: int) -> tuple[tuple[str, ...], bool]:
+        return (BRANCHES if step in self.guided else BRANCHES[:1]), False
+
+    def run_stack(self, step, branch, sigma, noisy_vision, gen, und_kv):
+        return self.cache.run_stack(step, branch, sigma, noisy_vision, gen.hidden, lambda: self.stack(gen, und_kv))
+
+    def record(self) -> CacheRecord:
+        return self.cache.record()
 
 
 class Aborted(RuntimeError):
-    """`should_abort()` returned True between two denoising steps; the tick was abandoned."""
+    """The step control abandoned the tick between two denoising steps."""
 
 
 @dataclass
@@ -74,8 +105,6 @@ class PolicyRequest:
     history_actions: optional float32 [H, raw_action_dim], the actions executed just before this tick
         (most recent last), given to the model as clean rows before the chunk.
     video: inverse_dynamics only: uint8 RGB [K + 1, H, W, 3] frames (single camera).
-    cfg_steps: run the unconditional CFG pass only on the first `cfg_steps` steps (budget fallback);
-        None runs it wherever the guidance interval allows.
     noise: the initial noise, like diffusers' `latents` / `action_latents`; None draws it from `seed` in
         diffusers' order (vision, then actions).
     """
@@ -92,7 +121,6 @@ class PolicyRequest:
     actions: np.ndarray | None = None
     history_actions: np.ndarray | None = None
     video: np.ndarray | None = None
-    cfg_steps: int | None = None
     noise: InitialNoise | None = None
 
 
@@ -187,17 +215,6 @@ class Branch:
     packed: PackedSequence
     layout: GenLayout
     und_kv: UndKV
-
-
-@dataclass(frozen=True)
-class StepHooks:
-    """Who has a say in the step loop besides the sampler: the step cache, the abort check and the deadline
-    guard before every step, and what runs a full GEN stack (the transformer's, or the engine's batcher)."""
-
-    controller: StepController
-    should_abort: Callable[[], bool] | None
-    pacer: StepPacer | None
-    stack: Callable[[GenInput, UndKV], torch.Tensor]
 
 
 class PolicyPipeline:
@@ -320,22 +337,24 @@ class PolicyPipeline:
 
     # ------------------------------------------------------------------------------------ tick
 
-    def __call__(
-        self,
-        request: PolicyRequest,
-        prompt: PromptState | None = None,
-        controller: StepController | None = None,
-        should_abort: Callable[[], bool] | None = None,
-        pacer: StepPacer | None = None,
-        stack: Callable[[GenInput, UndKV], torch.Tensor] | None = None,
-    ) -> PolicyOutput:
-        """Run one tick. `prompt`: the session's text K/V (prefilled here when missing or stale);
-        `controller`: the step cache (default `NoCache`); `should_abort`: checked before every step;
-        `pacer`: the deadline guard's say before every step; `stack`: runs the GEN stack of a full call
-        (default the transformer's; the engine's batcher when several ticks run together)."""
+    def __call__(self, request: PolicyRequest, prompt: PromptState | None = None,
+                 cache: StepController | None = None) -> PolicyOutput:
+        """Check `request` (a `PolicyInputError` names what is wrong), then run one tick without a deadline: the
+        uncond pass wherever the guidance interval allows it, `cache` (default `NoCache`) deciding each
+        GEN-stack call. `prompt`: reusable text K/V (see `run`)."""
+        self.validate(request)
+        steps = self._num_steps(request)
+        guided = self.guided_steps(steps) if self._guidance(request) != 1.0 else range(0)
+        return self.run(request, prompt, FixedSteps(steps, guided, self.transformer.gen_stack, cache))
+
+    def run(self, request: PolicyRequest, prompt: PromptState | None, control: StepControl) -> PolicyOutput:
+        """Run one tick of a valid `request` under `control`, the one say the caller has in the step loop (the
+        engine builds its requests from what the transport validated). `prompt`: the session's text K/V
+        (prefilled here when missing or stale)."""
         t_start = time.perf_counter()
-        embodiment, chunk, steps, guidance = self._validate(request)
-        controller = controller or NoCache()
+        embodiment = self.embodiments.get(request.embodiment)
+        chunk = embodiment.default_chunk_size if request.chunk_size is None else request.chunk_size
+        steps, guidance = self._num_steps(request), self._guidance(request)
         cfg = guidance != 1.0
         timings: dict[str, float] = {}
 
@@ -353,8 +372,7 @@ class PolicyPipeline:
             clock = time.perf_counter()
             state = self._initial_state(request, embodiment, chunk, clean_latent)
             branches = self._branches(prompt, state, embodiment.fps)
-            hooks = StepHooks(controller, should_abort, pacer, stack or self.transformer.gen_stack)
-            steps_done = self._sample(state, branches, steps, guidance, request.cfg_steps, hooks)
+            steps_done = self._sample(state, branches, steps, guidance, control)
             timings["denoise"] = _ms_since(clock)
 
             clock = time.perf_counter()
@@ -362,7 +380,18 @@ class PolicyPipeline:
             physical = self.normalizers(embodiment).action.denormalize(action_rows).astype(np.float32)
             timings["decode"] = _ms_since(clock)
         timings["total"] = _ms_since(t_start)
-        return PolicyOutput(physical, state.vision, steps_done, timings, controller.record())
+        return PolicyOutput(physical, state.vision, steps_done, timings, control.record())
+
+    def guided_steps(self, num_steps: int) -> range:
+        """The sampler steps of a `num_steps` tick on which the uncond pass runs when guidance is on: those
+        whose timestep lies inside the guidance interval (all of them without one). Timesteps fall step by
+        step, so they are one run of steps."""
+        if self.config.guidance_interval is None:
+            return range(num_steps)
+        lo, hi = self.config.guidance_interval
+        timesteps = self._sampler(num_steps).timesteps
+        inside = [i for i in range(num_steps) if lo < float(timesteps[i]) < hi]
+        return range(inside[0], inside[-1] + 1) if inside else range(0)
 
     def num_latent_frames(self, chunk: int) -> int:
         """Latent frames of the video a chunk of `chunk` actions lives in. The chunk spans `chunk + 1` frames;
@@ -404,7 +433,8 @@ class PolicyPipeline:
 
     # ------------------------------------------------------------------------------------ parts
 
-    def _validate(self, request: PolicyRequest) -> tuple[Embodiment, int, int, float]:
+    def validate(self, request: PolicyRequest) -> None:
+        """Raise the `PolicyInputError` that names what is wrong with `request`, if anything is."""
         if request.mode not in MODES:
             raise InvalidMode(request.mode, MODES)
         embodiment = self.embodiments.get(request.embodiment)
@@ -427,7 +457,12 @@ class PolicyPipeline:
             actions = embodiment.check_actions(request.actions)
             if actions.shape[0] != chunk:
                 raise InvalidActions(f"got {actions.shape[0]} actions; expected chunk_size={chunk}")
-        return embodiment, chunk, steps, guidance
+
+    def _num_steps(self, request: PolicyRequest) -> int:
+        return request.num_steps or self.config.num_steps
+
+    def _guidance(self, request: PolicyRequest) -> float:
+        return self.config.guidance if request.guidance is None else float(request.guidance)
 
     def _validate_images(self, request: PolicyRequest, embodiment: Embodiment) -> None:
         m = self.vae.spatial_compression  # frames are floored to multiples of it, so they need at least that
@@ -538,32 +573,25 @@ class PolicyPipeline:
             self._gen_layouts.setdefault(key, built)  # ticks on other threads keep the first one
         return self._gen_layouts[key]
 
-    def _sample(self, state: DenoiseState, branches: dict[str, Branch], steps: int, guidance: float,
-                cfg_steps: int | None, hooks: StepHooks) -> list[StepRecord]:
-        """The flow-matching step loop: advances `state` in place and returns what each step did.
+    def _sampler(self, num_steps: int):
+        return make_sampler(self.config.sampler, num_steps, self.config.shift, solver_order=self.config.solver_order,
+                            karras=self.config.karras)
 
-        The uncond pass runs on the first `cfg_steps` steps (None: all) inside the guidance interval, unless
-        the pacer drops it; a step the pacer makes the last jumps straight to the clean estimate."""
-        sampler = make_sampler(self.config.sampler, steps, self.config.shift, solver_order=self.config.solver_order,
-                               karras=self.config.karras)
-        cfg_steps = steps if cfg_steps is None else cfg_steps
-        lo, hi = self.config.guidance_interval or (-math.inf, math.inf)
-        hooks.controller.begin(steps)
+    def _sample(self, state: DenoiseState, branches: dict[str, Branch], steps: int, guidance: float,
+                control: StepControl) -> list[StepRecord]:
+        """The flow-matching step loop: advances `state` in place and returns what each step did. `control`
+        names each step's CFG branches; a step it makes the last jumps straight to the clean estimate."""
+        sampler = self._sampler(steps)
         records: list[StepRecord] = []
         for i in range(steps):
-            if hooks.should_abort is not None and hooks.should_abort():
-                raise Aborted(f"abandoned before step {i} of {steps}")
+            run_branches, last = control.before_step(i)
             sigma = sampler.sigmas[i]
             timestep = float(sampler.timesteps[i])
-            use_cfg = guidance != 1.0 and i < cfg_steps and lo < timestep < hi
-            last = False
-            if hooks.pacer is not None:
-                use_cfg, last = hooks.pacer.pace(i, use_cfg)
-            record = StepRecord(i, sigma, timestep, BRANCHES if use_cfg else BRANCHES[:1])
+            record = StepRecord(i, sigma, timestep, run_branches)
             velocities = {}
-            for name in record.branches:
+            for name in run_branches:
                 clock = time.perf_counter()
-                velocities[name] = self._velocity(state, branches[name], i, sigma, timestep, hooks)
+                velocities[name] = self._velocity(state, branches[name], i, sigma, timestep, control)
                 record.ms[name] = _ms_since(clock)
             v_vision, v_action = _guided(velocities, guidance)
             if not state.noisy_actions:
@@ -581,16 +609,14 @@ class PolicyPipeline:
         return records
 
     def _velocity(self, state: DenoiseState, branch: Branch, step: int, sigma: float, timestep: float,
-                  hooks: StepHooks) -> tuple[torch.Tensor, torch.Tensor]:
+                  control: StepControl) -> tuple[torch.Tensor, torch.Tensor]:
         """One branch's velocities at one step, fp32, zero on clean rows: vision [C, T_lat, h, w], actions
-        [H + S + K, action_dim]. The step controller decides whether the GEN stack runs or is extrapolated."""
+        [H + S + K, action_dim]. The step control runs the GEN stack or has it estimated."""
         dtype = self.transformer.dtype
         kwargs = branch.packed.model_kwargs(state.vision.to(dtype), state.actions.to(dtype), timestep)
         gen = self.transformer.embed_gen(layout=branch.layout, **kwargs)
-        stack_out = hooks.controller.run_stack(
-            step=step, branch=branch.name, sigma=sigma, noisy_vision=[state.vision] if state.noisy_vision else [],
-            gen_in=gen.hidden, full=lambda: hooks.stack(gen, branch.und_kv),
-        )
+        noisy_vision = [state.vision] if state.noisy_vision else []
+        stack_out = control.run_stack(step, branch.name, sigma, noisy_vision, gen, branch.und_kv)
         pred_vision, _, pred_action = self.transformer.heads(stack_out, gen)
         v_vision, v_action = pred_vision[0][0].float(), pred_action[0].float()
         state.mask(v_vision, v_action)

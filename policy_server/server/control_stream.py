@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import grpc
 
 from policy_server.engine.admission import RateLimiter
-from policy_server.engine.api import Engine, Observation, RateExceeded, StaleEpoch
+from policy_server.engine.api import Engine, Observation, RateExceeded
 from policy_server.limits import MAX_FRAME_RATE_HZ
 from policy_server.server import convert, validate
 from policy_server.server.errors import ServiceError, Undecodable, from_exception, make_error
@@ -167,21 +167,10 @@ class ControlCall:
                     field="observation", expected=f"at most {MAX_FRAME_RATE_HZ:g} frames per second",
                     got=f"{self._frames.measured_hz:.0f} per second", retry_after_ms=wait_s * 1e3,
                 )
-            if size > self._max_message_bytes:
-                raise make_error(
-                    "PAYLOAD_TOO_LARGE",
-                    f"observation frame of {size} bytes exceeds the limit",
-                    field="observation",
-                    expected=f"<= {self._max_message_bytes} bytes",
-                    got=f"{size} bytes",
-                )
-            validate.epoch(frame.epoch, "observation.epoch")
-            validate.require(frame.HasField("observation"), "observation.observation", "an Observation")
-            handle = self._engine.session(self._session_id)
-            if frame.epoch != handle.epoch:
-                raise StaleEpoch(self._session_id, handle.epoch, frame.epoch)
-            spec = validate.embodiment(self._engine.info(), handle.embodiment)
-            observation = validate.observation(frame.observation, spec, "observation.observation")
+            validate.message_size(size, self._max_message_bytes, "observation", "observation frame")
+            epoch = validate.epoch(frame.epoch, "observation.epoch")
+            _, spec = validate.session_at(self._engine, self._session_id, epoch)
+            observation = validate.observation(validate.ProtoObservation.of(frame, "observation.observation"), spec)
         except Exception as exc:  # noqa: BLE001 - one bad frame is answered, the stream lives on
             self._emit_error(frame.obs_id, exc)
             return

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+from dataclasses import asdict
 
 import numpy as np
 
@@ -154,19 +155,19 @@ def tick_to_proto(tick: TickRecord) -> pb.TickRecord:
         setting=tick.setting,
         thresholds=list(tick.thresholds),
         branches={
-            name: pb.BranchCounts(
-                full=int(counts["full"]),
-                skipped=int(counts["skipped"]),
-                forced_skip=int(counts["forced_skip"]),
-                fail_open=int(counts["fail_open"]),
-                sequence=tick.sequences.get(name, ""),
-                fail_open_reasons={k: int(v) for k, v in dict(counts.get("fail_open_reasons", {})).items()},
-            )
-            for name, counts in tick.branches.items()
+            name: pb.BranchCounts(full=b.full, skipped=b.skipped, forced_skip=b.forced_skip, fail_open=b.fail_open,
+                                  sequence=b.sequence, fail_open_reasons=dict(b.fail_open_reasons))
+            for name, b in tick.branches.items()
         },
         feasible=tick.feasible,
         best_achievable_ms=tick.best_achievable_ms,
     )
+
+
+def tick_to_dict(tick: TickRecord) -> dict:
+    """The record as plain data (msgpack / JSON), with the proto's call totals and `deadline_met`."""
+    return {**asdict(tick), "full_calls": tick.full_calls, "skipped_calls": tick.skipped_calls,
+            "forced_skips": tick.forced_skips, "fail_open": tick.fail_open, "deadline_met": tick.deadline_met}
 
 
 def act_result_to_proto(

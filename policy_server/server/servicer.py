@@ -10,10 +10,10 @@ import time
 
 import grpc
 
-from policy_server.engine.api import EmbodimentSpec, Engine, InvalidArgument, SessionHandle, StaleEpoch, WarmingUp
+from policy_server.engine.api import EmbodimentSpec, Engine, SessionHandle, WarmingUp
 from policy_server.server import convert, validate
 from policy_server.server.control_stream import ControlCall
-from policy_server.server.errors import ServiceError, make_error, rpc_errors
+from policy_server.server.errors import ServiceError, rpc_errors
 from policy_server.server.metrics import ServerMetrics
 from policy_server.v1 import policy_server_pb2 as pb
 from policy_server.v1 import policy_server_pb2_grpc as pb_grpc
@@ -33,34 +33,17 @@ class PolicyServicer(pb_grpc.PolicyServiceServicer):
 
     # -- helpers ------------------------------------------------------------------------------
 
-    def _check_size(self, request, field: str) -> None:
-        # gRPC core already refuses anything above twice the limit (see app.py); this check gives
-        # the frames in between a precise reason.
-        size = request.ByteSize()
-        if size > self.max_message_bytes:
-            raise make_error(
-                "PAYLOAD_TOO_LARGE",
-                f"{field} of {size} bytes exceeds the message limit",
-                field=field,
-                expected=f"<= {self.max_message_bytes} bytes",
-                got=f"{size} bytes",
-            )
-
-    def _require_ready(self) -> None:
+    def _admit(self, request) -> None:
+        """A request within the message limit, to a warm engine."""
+        validate.message_size(request.ByteSize(), self.max_message_bytes, "request", "request")
         if not self.engine.ready():
             raise WarmingUp(self.engine.stats().warmup_progress)
 
-    def _session_request(self, request) -> tuple[str, int, SessionHandle, EmbodimentSpec]:
-        """A per-session request, size and readiness checked: its session id and epoch, the session at that
-        epoch, and its embodiment."""
-        self._check_size(request, "request")
-        self._require_ready()
+    def _session_request(self, request) -> tuple[SessionHandle, EmbodimentSpec]:
+        """A per-session request, admitted: the session it names at the epoch it names, and its embodiment."""
+        self._admit(request)
         session_id = validate.session_id(request.session_id)
-        epoch = validate.epoch(request.epoch)
-        handle = self.engine.session(session_id)
-        if epoch != handle.epoch:  # cheap early rejection; the engine re-checks under its lock
-            raise StaleEpoch(session_id, handle.epoch, epoch)
-        return session_id, epoch, handle, validate.embodiment(self.engine.info(), handle.embodiment)
+        return validate.session_at(self.engine, session_id, validate.epoch(request.epoch))
 
     @staticmethod
     def _deadline_s(context: grpc.ServicerContext, received: float) -> float | None:
@@ -78,8 +61,7 @@ class PolicyServicer(pb_grpc.PolicyServiceServicer):
 
     @rpc_errors
     def OpenSession(self, request: pb.OpenSessionRequest, context):
-        self._check_size(request, "request")
-        self._require_ready()
+        self._admit(request)
         spec = validate.embodiment(self.engine.info(), request.embodiment)
         instruction = validate.instruction(request.instruction)
         budget = validate.budget_ms(request.budget_ms) if request.HasField("budget_ms") else None
@@ -115,12 +97,11 @@ class PolicyServicer(pb_grpc.PolicyServiceServicer):
     @rpc_errors
     def Act(self, request: pb.ActRequest, context: grpc.ServicerContext):
         received = time.monotonic()
-        session_id, epoch, _, spec = self._session_request(request)
-        validate.require(request.HasField("observation"), "observation", "an Observation")
-        observation = validate.observation(request.observation, spec)
+        handle, spec = self._session_request(request)
+        observation = validate.observation(validate.ProtoObservation.of(request, "observation"), spec)
         result = self.engine.act(
-            session_id,
-            epoch,
+            handle.session_id,
+            handle.epoch,
             observation,
             deadline_s=self._deadline_s(context, received),
             should_abort=lambda: not context.is_active(),
@@ -129,8 +110,8 @@ class PolicyServicer(pb_grpc.PolicyServiceServicer):
         self.metrics.observe_tick(result, served_ms, "grpc")
         return convert.act_result_to_proto(
             result,
-            session_id,
-            epoch,
+            handle.session_id,
+            handle.epoch,
             observation.step_index,
             served_ms,
             client_time_ns=request.observation.client_time_ns,
@@ -141,29 +122,30 @@ class PolicyServicer(pb_grpc.PolicyServiceServicer):
     @rpc_errors
     def ForwardDynamics(self, request: pb.ForwardDynamicsRequest, context: grpc.ServicerContext):
         received = time.monotonic()
-        session_id, epoch, handle, spec = self._session_request(request)
-        validate.require(request.HasField("observation"), "observation", "an Observation")
+        handle, spec = self._session_request(request)
+        sent = validate.ProtoObservation.of(request, "observation")
         validate.require(request.HasField("actions"), "actions", "the action chunk, a Tensor")
-        observation = validate.observation(request.observation, spec)
+        observation = validate.observation(sent, spec)
         actions = validate.actions(request.actions, spec, handle.chunk_size)
         result = self.engine.forward_dynamics(
-            session_id, epoch, observation, actions, seed=request.seed if request.HasField("seed") else None,
+            handle.session_id, handle.epoch, observation, actions,
+            seed=request.seed if request.HasField("seed") else None,
             deadline_s=self._deadline_s(context, received), should_abort=lambda: not context.is_active(),
         )
-        return convert.predicted_video_to_proto(result, session_id, epoch, observation.step_index,
+        return convert.predicted_video_to_proto(result, handle.session_id, handle.epoch, observation.step_index,
                                                 (time.monotonic() - received) * 1e3,
                                                 client_time_ns=request.observation.client_time_ns)
 
     @rpc_errors
     def InverseDynamics(self, request: pb.InverseDynamicsRequest, context: grpc.ServicerContext):
         received = time.monotonic()
-        session_id, epoch, handle, spec = self._session_request(request)
+        handle, spec = self._session_request(request)
         clip = validate.video_clip(request, spec, handle.chunk_size)
         result = self.engine.inverse_dynamics(
-            session_id, epoch, clip, seed=request.seed if request.HasField("seed") else None,
+            handle.session_id, handle.epoch, clip, seed=request.seed if request.HasField("seed") else None,
             deadline_s=self._deadline_s(context, received), should_abort=lambda: not context.is_active(),
         )
-        return convert.act_result_to_proto(result, session_id, epoch, clip.step_index,
+        return convert.act_result_to_proto(result, handle.session_id, handle.epoch, clip.step_index,
                                            (time.monotonic() - received) * 1e3, client_time_ns=request.client_time_ns)
 
     @rpc_errors
@@ -177,17 +159,12 @@ class PolicyServicer(pb_grpc.PolicyServiceServicer):
     @rpc_errors
     def Reason(self, request: pb.ReasonRequest, context: grpc.ServicerContext):
         started = time.monotonic()
-        self._check_size(request, "request")
-        self._require_ready()
+        self._admit(request)
         prompt = validate.text(request.prompt, "prompt", "prompt")
-        limit = self.engine.info().max_reason_tokens
-        if not 1 <= request.max_new_tokens <= limit:
-            raise InvalidArgument(
-                "max_new_tokens", f"1..{limit}", str(request.max_new_tokens), reason="BAD_VALUE"
-            )
+        max_new_tokens = validate.max_new_tokens(request.max_new_tokens, self.engine.info().max_reason_tokens)
         pieces = self.engine.reason(
             prompt,
-            request.max_new_tokens,
+            max_new_tokens,
             temperature=validate.temperature(request.temperature),
             seed=request.seed if request.HasField("seed") else None,
             should_abort=lambda: not context.is_active(),

@@ -1,29 +1,38 @@
-"""Request validation: protobuf in, engine dataclasses out, or a precise error naming the field.
+"""Request validation: wire messages in, engine dataclasses out, or a precise error naming the field.
 
-Everything the wire can get wrong is caught here, before the engine is called: missing fields,
-tensors whose bytes do not match dtype x shape, images that do not decode or do not match the
-session's declared cameras (names, side bounds, one height for all), states and actions outside the
-declared range or of the wrong dimension, budgets, rates and texts outside ``policy_server.limits``.
-The engine checks only what needs its model: token counts.
+Everything the wire can get wrong is caught here, before the engine is called: messages over the size
+limit, missing fields, tensors whose bytes do not match dtype x shape, images that do not decode or do
+not match the session's declared cameras (names, side bounds, one height for all), states and actions
+outside the declared range or of the wrong dimension, budgets, rates and texts outside
+``policy_server.limits``. The engine checks only what needs its model: token counts.
+
+Every entry point that acts (unary ``Act``, the ``Control`` stream, the openpi WebSocket) turns its
+observation into an ``Observation`` through ``observation``: each wire only reads its own encoding
+(``SentObservation``), and the checks against the embodiment are made here, once, the same for all.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from typing import Protocol
 
 import numpy as np
 
 from policy_server import limits
 from policy_server.engine.api import (
     EmbodimentSpec,
+    Engine,
     InvalidArgument,
     Observation,
     SchemaMismatch,
     ServerInfo,
+    SessionHandle,
+    StaleEpoch,
     UnknownEmbodiment,
     VideoClip,
 )
+from policy_server.server.errors import make_error
 from policy_server.v1 import policy_server_pb2 as pb
 from policy_server.v1.wire import decode_image, tensor_from_proto
 
@@ -34,6 +43,15 @@ _MAX_ID_CHARS = 128  # session ids are 32 hex characters; embodiment names are s
 def require(present: bool, field: str, expected: str) -> None:
     if not present:
         raise InvalidArgument(field, expected, "nothing (field unset or empty)", reason="MISSING_FIELD")
+
+
+def message_size(size: int, limit: int, field: str, what: str) -> None:
+    """A message of ``size`` bytes within ``limit`` (the server's ``max_message_bytes``): PAYLOAD_TOO_LARGE otherwise.
+    gRPC core already refuses anything above twice the limit (see app.py); this check gives the messages in
+    between a precise reason."""
+    if size > limit:
+        raise make_error("PAYLOAD_TOO_LARGE", f"{what} of {size} bytes exceeds the message limit", field=field,
+                         expected=f"<= {limit} bytes", got=f"{size} bytes")
 
 
 def session_id(value: str, field: str = "session_id") -> str:
@@ -88,12 +106,30 @@ def temperature(value: float, field: str = "temperature") -> float:
     return float(value)
 
 
+def max_new_tokens(value: int, limit: int, field: str = "max_new_tokens") -> int:
+    """A Reason call's token count: 1..``limit`` (the engine's ``max_reason_tokens``)."""
+    if not 1 <= value <= limit:
+        raise InvalidArgument(field, f"1..{limit}", str(value), reason="BAD_VALUE")
+    return value
+
+
 def embodiment(info: ServerInfo, name: str) -> EmbodimentSpec:
     require(bool(name), "embodiment", f"one of {[e.name for e in info.embodiments]}")
     spec = info.embodiment(name)
     if spec is None:
         raise UnknownEmbodiment(name[:_MAX_ID_CHARS], tuple(e.name for e in info.embodiments))
     return spec
+
+
+def session_at(engine: Engine, session_id: str, epoch: int) -> tuple[SessionHandle, EmbodimentSpec]:
+    """The session a request names, at the epoch it names, and its embodiment. Raises UnknownSession, StaleEpoch.
+
+    A stale request is refused here, before its frames are decoded; the engine checks the epoch again under its
+    lock, since a reset may come in between."""
+    handle = engine.session(session_id)
+    if epoch != handle.epoch:
+        raise StaleEpoch(session_id, handle.epoch, epoch)
+    return handle, engine.info().embodiment(handle.embodiment)
 
 
 def chunk_size(spec: EmbodimentSpec, value: int, field: str = "chunk_size") -> int:
@@ -163,12 +199,13 @@ def actions(tensor: pb.Tensor, spec: EmbodimentSpec, chunk: int, field: str = "a
     return _in_range(values, spec.action.low, spec.action.high, "action", field)
 
 
-def _state(message, spec: EmbodimentSpec, field: str) -> np.ndarray | None:
-    """The ``state`` field of an Observation or InverseDynamicsRequest."""
+def _sent_state(message, spec: EmbodimentSpec, field: str) -> np.ndarray | None:
+    """The ``state`` tensor of an Observation or InverseDynamicsRequest as sent: float32/float64 values, not yet
+    checked against the embodiment; None for an embodiment without state (which must then get none)."""
     if spec.state_dim > 0:
         if not message.HasField("state"):
             raise SchemaMismatch(field, f"float32 [{spec.state_dim}]", "no state")
-        return state(_float_tensor(message.state, field), spec, field)
+        return _float_tensor(message.state, field)
     if message.HasField("state") and len(message.state.shape) and math.prod(message.state.shape) > 0:
         raise SchemaMismatch(field, f"no state for {spec.name}", f"shape {list(message.state.shape)}")
     return None
@@ -194,7 +231,7 @@ def _frame(image: pb.Image, camera, field: str) -> np.ndarray:
     return decode_image(image, field, camera.max_side, camera.min_side, camera.channels)
 
 
-def one_height(frames: Mapping[str, np.ndarray], spec: EmbodimentSpec, field_of: Callable[[str], str]) -> None:
+def _one_height(frames: Mapping[str, np.ndarray], spec: EmbodimentSpec, field_of: Callable[[str], str]) -> None:
     """The cameras' frames (``[..., H, W, C]``) share one height: the model sees them side by side.
     ``field_of(camera)``: the field that carries a camera's frames."""
     first = spec.cameras[0].name
@@ -206,15 +243,81 @@ def one_height(frames: Mapping[str, np.ndarray], spec: EmbodimentSpec, field_of:
                                  f"height {height}")
 
 
-def observation(obs: pb.Observation, spec: EmbodimentSpec, field: str = "observation") -> Observation:
-    """Decode and check one observation against the embodiment's declared schema."""
-    _cameras(obs.images, spec, f"{field}.images")
-    images = {camera.name: _frame(obs.images[camera.name], camera, f"{field}.images[{camera.name}]")
-              for camera in spec.cameras}
-    one_height(images, spec, lambda name: f"{field}.images[{name}]")
-    instruction_text = optional_instruction(obs.instruction, f"{field}.instruction")
-    return Observation(images=images, state=_state(obs, spec, f"{field}.state"), instruction=instruction_text,
-                       step_index=obs.step_index)
+# ---------------------------------------------------------------------------------------------
+# Observations: one check for every transport
+# ---------------------------------------------------------------------------------------------
+
+
+class SentObservation(Protocol):
+    """One observation as a transport carries it. The transport reads its own encoding (and raises its own errors
+    for what does not decode); ``observation`` checks what it reads against the embodiment."""
+
+    instruction_field: str
+    state_field: str
+
+    def frame_field(self, camera: str) -> str:
+        """The field that carries ``camera``'s frame, as errors name it."""
+        ...
+
+    def frames(self, spec: EmbodimentSpec) -> dict[str, np.ndarray]:
+        """Each declared camera's frame: uint8 [H, W, channels], H and W within the camera's side bounds."""
+        ...
+
+    def state(self, spec: EmbodimentSpec) -> np.ndarray | None:
+        """The state as sent (numeric, not yet checked against the embodiment); None when the embodiment takes
+        none."""
+        ...
+
+    def instruction(self) -> str:
+        """The task text; "" keeps the session's."""
+        ...
+
+    def step_index(self) -> int: ...
+
+
+def observation(sent: SentObservation, spec: EmbodimentSpec) -> Observation:
+    """``sent`` checked against the session's embodiment: its cameras' frames, one height for all, the instruction's
+    size, the state's width, finiteness and range (float32 [state_dim])."""
+    images = sent.frames(spec)
+    _one_height(images, spec, sent.frame_field)
+    instruction_text = optional_instruction(sent.instruction(), sent.instruction_field)
+    values = sent.state(spec)
+    return Observation(images=images, state=None if values is None else state(values, spec, sent.state_field),
+                       instruction=instruction_text, step_index=sent.step_index())
+
+
+class ProtoObservation:
+    """A ``pb.Observation`` at ``field``: ``observation`` of an ActRequest, ``observation.observation`` of a
+    Control frame."""
+
+    def __init__(self, message: pb.Observation, field: str) -> None:
+        self._message, self._field = message, field
+        self.instruction_field = f"{field}.instruction"
+        self.state_field = f"{field}.state"
+
+    @classmethod
+    def of(cls, parent, field: str) -> ProtoObservation:
+        """``parent.observation``, which must be set."""
+        require(parent.HasField("observation"), field, "an Observation")
+        return cls(parent.observation, field)
+
+    def frame_field(self, camera: str) -> str:
+        return f"{self._field}.images[{camera}]"
+
+    def frames(self, spec: EmbodimentSpec) -> dict[str, np.ndarray]:
+        images = self._message.images
+        _cameras(images, spec, f"{self._field}.images")
+        return {camera.name: _frame(images[camera.name], camera, self.frame_field(camera.name))
+                for camera in spec.cameras}
+
+    def state(self, spec: EmbodimentSpec) -> np.ndarray | None:
+        return _sent_state(self._message, spec, self.state_field)
+
+    def instruction(self) -> str:
+        return self._message.instruction
+
+    def step_index(self) -> int:
+        return self._message.step_index
 
 
 def video_clip(request: pb.InverseDynamicsRequest, spec: EmbodimentSpec, chunk: int) -> VideoClip:
@@ -234,7 +337,8 @@ def video_clip(request: pb.InverseDynamicsRequest, spec: EmbodimentSpec, chunk: 
                 raise SchemaMismatch(f"{video_field}[{i}]", f"the size of frame 0, {list(decoded[0].shape)}",
                                      f"{list(frame.shape)}")
         frames[camera.name] = np.stack(decoded)
-    one_height(frames, spec, lambda name: f"videos[{name}].frames")
-    return VideoClip(frames=frames, state=_state(request, spec, "state"),
+    _one_height(frames, spec, lambda name: f"videos[{name}].frames")
+    values = _sent_state(request, spec, "state")
+    return VideoClip(frames=frames, state=None if values is None else state(values, spec, "state"),
                      instruction=optional_instruction(request.instruction, "instruction"),
                      step_index=request.step_index)

@@ -27,7 +27,6 @@ import logging
 import math
 import threading
 import time
-from dataclasses import asdict
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -37,10 +36,10 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.server import Server, ServerConnection, serve
 
 from policy_server.engine.api import (
+    CameraSpec,
     EmbodimentSpec,
     Engine,
     InvalidArgument,
-    Observation,
     SchemaMismatch,
     SessionHandle,
     UnknownEmbodiment,
@@ -49,6 +48,7 @@ from policy_server.engine.api import (
 )
 from policy_server.server import validate
 from policy_server.server.auth import bearer_token_matches
+from policy_server.server.convert import tick_to_dict
 from policy_server.server.errors import from_exception
 from policy_server.server.metrics import ServerMetrics
 
@@ -121,19 +121,29 @@ def _camera_frame(message: dict, name: str) -> tuple[str, Any]:
     return f"observation/{name}", None
 
 
-def observation_from_message(message: dict, spec: EmbodimentSpec, step_index: int) -> Observation:
-    """Map an openpi observation dict onto the embodiment's schema (raises InvalidArgument)."""
-    images: dict[str, np.ndarray] = {}
-    for camera in spec.cameras:
-        key, frame = _camera_frame(message, camera.name)
+class OpenpiObservation:
+    """An openpi observation dict (keys in the module docstring), read for ``validate.observation``.
+    ``default_step``: the step index when the dict has none (the connection's counter)."""
+
+    instruction_field = "prompt"
+
+    def __init__(self, message: dict, default_step: int) -> None:
+        self._message, self._default_step = message, default_step
+        self.state_field = "observation/state" if "observation/state" in message else "state"
+
+    def frame_field(self, camera: str) -> str:
+        return _camera_frame(self._message, camera)[0]
+
+    def frames(self, spec: EmbodimentSpec) -> dict[str, np.ndarray]:
+        return {camera.name: self._frame(camera) for camera in spec.cameras}
+
+    def _frame(self, camera: CameraSpec) -> np.ndarray:
+        """uint8 [H, W, C] (or [C, H, W], transposed here), passed on at the size it was sent."""
+        key, frame = _camera_frame(self._message, camera.name)
         if frame is None:
             raise SchemaMismatch(key, f"uint8 [H, W, 3] for camera {camera.name!r}", "no such key")
         if not isinstance(frame, np.ndarray) or frame.dtype != np.uint8 or frame.ndim != 3:
-            got = (
-                f"{frame.dtype} {list(frame.shape)}"
-                if isinstance(frame, np.ndarray)
-                else type(frame).__name__
-            )
+            got = f"{frame.dtype} {list(frame.shape)}" if isinstance(frame, np.ndarray) else type(frame).__name__
             raise SchemaMismatch(key, "uint8 [H, W, 3] or [3, H, W]", got)
         if frame.shape[-1] != camera.channels and frame.shape[0] == camera.channels:
             frame = np.transpose(frame, (1, 2, 0))  # CHW, as several openpi examples send
@@ -141,32 +151,35 @@ def observation_from_message(message: dict, spec: EmbodimentSpec, step_index: in
         if frame.shape[-1] != camera.channels or not all(side in bounds for side in frame.shape[:2]):
             raise SchemaMismatch(key, f"[H, W, {camera.channels}] with H and W in {camera.min_side}..{camera.max_side}",
                                  f"shape {list(frame.shape)}")
-        images[camera.name] = np.ascontiguousarray(frame)
-    validate.one_height(images, spec, lambda name: _camera_frame(message, name)[0])
+        return np.ascontiguousarray(frame)
 
-    state = None
-    if spec.state_dim > 0:
-        key = "observation/state" if "observation/state" in message else "state"
-        raw = message.get(key)
+    def state(self, spec: EmbodimentSpec) -> np.ndarray | None:
+        """A numeric array or a list of numbers; a state sent to an embodiment without one is ignored."""
+        if spec.state_dim == 0:
+            return None
+        raw = self._message.get(self.state_field)
         if raw is None:
-            raise SchemaMismatch(key, f"float [{spec.state_dim}]", "no such key")
+            raise SchemaMismatch(self.state_field, f"float [{spec.state_dim}]", "no such key")
         if isinstance(raw, list | tuple) and all(isinstance(v, int | float) and not isinstance(v, bool) for v in raw):
             raw = np.asarray(raw, np.float64)
         if not isinstance(raw, np.ndarray) or raw.dtype.kind not in ("f", "i", "u"):
             got = str(raw.dtype) if isinstance(raw, np.ndarray) else type(raw).__name__
-            raise InvalidArgument(key, "a numeric array", got, reason="BAD_DTYPE")
-        state = validate.state(raw, spec, key)
+            raise InvalidArgument(self.state_field, "a numeric array", got, reason="BAD_DTYPE")
+        return raw
 
-    prompt = message.get("prompt", "")
-    if not isinstance(prompt, str):
-        raise InvalidArgument("prompt", "a string", type(prompt).__name__, reason="BAD_VALUE")
-    validate.optional_instruction(prompt, "prompt")
-    step = message.get("step_index", step_index)
-    if isinstance(step, np.generic):
-        step = step.item()
-    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < 2**63:
-        raise InvalidArgument("step_index", "an integer in [0, 2^63)", repr(step), reason="BAD_VALUE")
-    return Observation(images=images, state=state, instruction=prompt, step_index=step)
+    def instruction(self) -> str:
+        prompt = self._message.get("prompt", "")
+        if not isinstance(prompt, str):
+            raise InvalidArgument("prompt", "a string", type(prompt).__name__, reason="BAD_VALUE")
+        return prompt
+
+    def step_index(self) -> int:
+        step = self._message.get("step_index", self._default_step)
+        if isinstance(step, np.generic):
+            step = step.item()
+        if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < 2**63:
+            raise InvalidArgument("step_index", "an integer in [0, 2^63)", repr(step), reason="BAD_VALUE")
+        return step
 
 
 # ---------------------------------------------------------------------------------------------
@@ -232,11 +245,7 @@ class OpenpiWebsocketServer:
     def _embodiment_for(self, path: str) -> EmbodimentSpec:
         info = self._engine.info()
         names = parse_qs(urlsplit(path).query).get("embodiment")
-        name = names[0] if names else (self._default_embodiment or info.embodiments[0].name)
-        spec = info.embodiment(name)
-        if spec is None:
-            raise UnknownEmbodiment(name, tuple(e.name for e in info.embodiments))
-        return spec
+        return validate.embodiment(info, names[0] if names else (self._default_embodiment or info.embodiments[0].name))
 
     def _process_request(self, connection: ServerConnection, request):
         if urlsplit(request.path).path == "/healthz":
@@ -315,7 +324,7 @@ class OpenpiWebsocketServer:
                         continue
                     if not self._engine.ready():
                         raise WarmingUp(self._engine.stats().warmup_progress)
-                    observation = observation_from_message(message, spec, steps)
+                    observation = validate.observation(OpenpiObservation(message, steps), spec)
                     if session is None:
                         validate.instruction(observation.instruction, "prompt")
                         # The openpi protocol cannot declare a rate: its clients ask again when a chunk runs out.
@@ -336,7 +345,7 @@ class OpenpiWebsocketServer:
                     "actions": np.asarray(result.actions, dtype=np.float32),
                     "first_step_index": result.first_step_index,
                     "epoch": session.epoch,
-                    "tick": asdict(result.tick),
+                    "tick": tick_to_dict(result.tick),
                     "policy_timing": {"infer_ms": float(result.tick.actual_ms["total"])},
                     "server_timing": {"infer_ms": served_ms, "prev_total_ms": prev_total_ms},
                 }

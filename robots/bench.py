@@ -17,16 +17,23 @@ all) and the report adds `success_rate`.
 
 Latency is the pipeline's end-to-end time for the fixed settings and the engine's (queue included)
 for the budget settings. The JSON layout is `../shared/design/BENCH.md`'s.
+
+The bench lives on the robot side because it drives the built-in task and its expert; `policy-server
+bench` finds it through the `policy_server.commands` entry point. What it measures with, it owns: each
+budget engine runs a bench pipeline over the loaded weights that keeps the latest tick's output, and the
+slowdown is a forward pre-hook on the transformer that the bench switches on around one engine's calls.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import platform
 import resource
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +43,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+import robots.envs  # noqa: F401  (registers the environments)
 from policy_server.cache.controller import NoCache
 from policy_server.cache.seacache import SeaCache, SeaCacheConfig
 from policy_server.config import DTYPES, check_dtype
@@ -44,6 +52,9 @@ from policy_server.engine.engine import EngineSettings, ModelEngine, resolve_dty
 from policy_server.limits import MAX_BUDGET_MS
 from policy_server.pipeline.embodiments import Embodiment
 from policy_server.pipeline.policy import CheckpointLoadError, PolicyOutput, PolicyPipeline, PolicyRequest
+from robots.envs.reach import HELDOUT_SEED_OFFSET
+from robots.expert import ReachExpert
+from robots.rollout import TickStats, run_episode
 
 SCHEMA = 1
 
@@ -120,10 +131,6 @@ def _finite_mean(values: list[float]) -> float | None:
 
 def collect_observations(count: int, seed: int) -> list[dict]:
     """Observations along expert trajectories of the Reach task (held-out seeds), `count` in total."""
-    import robots.envs  # noqa: F401  (registers the environments)
-    from robots.envs.reach import HELDOUT_SEED_OFFSET
-    from robots.expert import ReachExpert
-
     env = gymnasium.make("PolicyServer/Reach-v0")
     expert = ReachExpert()
     observations: list[dict] = []
@@ -140,24 +147,65 @@ def collect_observations(count: int, seed: int) -> list[dict]:
     return observations
 
 
+class BenchPipeline(PolicyPipeline):
+    """A budget engine's own pipeline: the loaded pipeline's parts (the same weights, not a copy) that keeps
+    the output of the latest tick the engine runs through it, which the bench compares with the uncached
+    reference. The bench drives each engine one call at a time, so `last` is that call's tick."""
+
+    last: PolicyOutput | None = None
+
+    @classmethod
+    def over(cls, pipeline: PolicyPipeline) -> BenchPipeline:
+        return cls(pipeline.transformer, pipeline.vae, pipeline.tokenizer, pipeline.embodiments, pipeline.config,
+                   pipeline.served_embodiments, pipeline.digest)
+
+    def run(self, *args, **kwargs) -> PolicyOutput:
+        self.last = super().run(*args, **kwargs)
+        return self.last
+
+
+class Slowdown:
+    """`delay_ms` more per full GEN-stack call while switched on: a forward pre-hook on the transformer's
+    `norm_moe_gen`, which `gen_stack` calls exactly once per call, batched or not, and nothing else calls.
+    The engines share the transformer, so the bench switches it on only around the slowed engine's calls."""
+
+    def __init__(self, transformer: torch.nn.Module, delay_ms: float):
+        self.delay_ms = delay_ms
+        self.active = False
+        self._handle = transformer.norm_moe_gen.register_forward_pre_hook(self._delay)
+
+    def _delay(self, module, args) -> None:
+        if self.active:
+            time.sleep(self.delay_ms / 1e3)
+
+    @contextlib.contextmanager
+    def on(self, active: bool = True):
+        self.active = active
+        try:
+            yield
+        finally:
+            self.active = False
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+
 class _FixedSettingPolicy:
-    """`robots.rollout` policy protocol over the pipeline with one fixed controller per tick."""
+    """`robots.rollout` policy protocol over the pipeline with one fixed step cache per tick."""
 
-    def __init__(self, pipeline: PolicyPipeline, embodiment: str, make_controller, num_steps: int | None = None):
+    def __init__(self, pipeline: PolicyPipeline, embodiment: str, make_cache, num_steps: int | None = None):
         self.pipeline, self.embodiment = pipeline, embodiment
-        self.make_controller, self.num_steps = make_controller, num_steps
+        self.make_cache, self.num_steps = make_cache, num_steps
 
-    def open(self, instruction: str, seed: int):
+    def open(self, instruction: str, seed: int, preview: bool = False):
         return {"instruction": instruction, "seed": seed, "ticks": 0}
 
     def act(self, session: dict, obs: dict, step: int, want_video: bool = False):
-        from robots.rollout import TickStats
-
         request = PolicyRequest(images={"image": obs["image"]}, instruction=session["instruction"],
                                 embodiment=self.embodiment, state=obs["state"], num_steps=self.num_steps,
                                 seed=session["seed"] + session["ticks"])
         session["ticks"] += 1
-        out = self.pipeline(request, controller=self.make_controller())
+        out = self.pipeline(request, cache=self.make_cache())
         stats = TickStats(out.timings_ms["total"], math.inf, True, out.cache.full_calls, out.cache.skipped_calls,
                           out.cache.forced_skips, "fixed")
         return out.actions, stats, None
@@ -167,20 +215,20 @@ class _FixedSettingPolicy:
 
 
 class _EnginePolicy:
-    """`robots.rollout` policy protocol over an engine session at a fixed budget."""
+    """`robots.rollout` policy protocol over an engine session at a fixed budget; `slowdown`, when given, is
+    on during its ticks."""
 
-    def __init__(self, engine: ModelEngine, embodiment: str, budget_ms: float):
-        self.engine, self.embodiment, self.budget_ms = engine, embodiment, budget_ms
+    def __init__(self, engine: ModelEngine, embodiment: str, budget_ms: float, slowdown: Slowdown | None = None):
+        self.engine, self.embodiment, self.budget_ms, self.slowdown = engine, embodiment, budget_ms, slowdown
 
-    def open(self, instruction: str, seed: int):
+    def open(self, instruction: str, seed: int, preview: bool = False):
         return self.engine.open_session(self.embodiment, instruction, budget_ms=self.budget_ms, seed=seed,
                                         rate_hz=0.0)
 
     def act(self, session, obs: dict, step: int, want_video: bool = False):
-        from robots.rollout import TickStats
-
-        result = self.engine.act(session.session_id, session.epoch, api.Observation(
-            images={"image": obs["image"]}, state=obs["state"], step_index=step))
+        with self.slowdown.on() if self.slowdown is not None else contextlib.nullcontext():
+            result = self.engine.act(session.session_id, session.epoch, api.Observation(
+                images={"image": obs["image"]}, state=obs["state"], step_index=step))
         return result.actions, TickStats.of(result.tick), None
 
     def close(self, session) -> None:
@@ -189,8 +237,6 @@ class _EnginePolicy:
 
 def closed_loop(policies: dict, episodes: int, execute: int) -> dict[str, float]:
     """Success rate of each config's policy over the same held-out episodes (seed indices 0..N-1)."""
-    from robots.rollout import run_episode
-
     rates = {}
     for name, policy in tqdm(policies.items(), desc="closed loop", unit="config"):
         results = [run_episode(policy, i, execute, record_video=False) for i in range(episodes)]
@@ -216,54 +262,58 @@ def run(args: argparse.Namespace) -> dict:
     steps = pipeline.config.num_steps
 
     # One engine per budgeted config: each session has the worker to itself, as one robot would, and the
-    # slowdown run's engine must learn the slowdown on its own.
+    # slowdown run's engine must learn the slowdown on its own. Each runs its own bench pipeline over the
+    # shared weights, which keeps the engine's latest output (its latents) for the comparison.
     settings = EngineSettings(warmup_ticks=args.warmup, max_sessions=8)
 
-    def started_engine() -> ModelEngine:
-        engine = ModelEngine(pipeline, settings)
+    def started_engine() -> tuple[ModelEngine, BenchPipeline]:
+        own = BenchPipeline.over(pipeline)
+        engine = ModelEngine(own, settings)
         engine.start()
         engine.wait_ready()
-        return engine
+        return engine, own
 
-    engine = started_engine()
+    engine, engine_pipeline = started_engine()
     uncached_warm_ms = engine.info().warmup_profile[0].p50_ms
     budgets = args.budgets_ms or [round(f * uncached_warm_ms, 1) for f in args.budget_fractions]
     fewer = {b: min(steps, max(1, math.floor(steps * b / uncached_warm_ms))) for b in budgets}
     slow_budget = budgets[0]
     slowdown_ms = args.slowdown_ms
-    if slowdown_ms is None:
-        tokens = len(pipeline.tokenizer.tokenize("warm up"))
-        key = engine.cost_key(embodiment.name, embodiment.default_chunk_size, tokens)
-        slowdown_ms = round(0.5 * engine.cost_model.costs(key).full_ms, 2)
+    if slowdown_ms is None:  # half the full GEN-stack call the engine's warmup measured
+        served = engine.served
+        key = served.cost_key(embodiment.name, embodiment.default_chunk_size, served.instruction_tokens("warm up", ""))
+        slowdown_ms = round(0.5 * served.cost_model.costs(key).full_ms, 2)
 
     runs = {"uncached": ConfigRun("uncached"), "seacache_default": ConfigRun("seacache_default")}
     for b, n in fewer.items():
         runs.setdefault(f"fewer_steps_{n}", ConfigRun(f"fewer_steps_{n}", budget_ms=b))
-    sessions = {}
+    sessions = {}  # config name -> (engine, its bench pipeline, session)
     engines = [engine]
     for index, b in enumerate(budgets):
         name = f"budget_{b:g}"
         runs[name] = ConfigRun(name, budget_ms=b)
-        owner = engine if index == 0 else started_engine()
-        engines.append(owner)
-        sessions[name] = (owner, owner.open_session(embodiment.name, "warm up", budget_ms=b, seed=0, rate_hz=0.0))
+        owner, own = (engine, engine_pipeline) if index == 0 else started_engine()
+        if owner is not engine:
+            engines.append(owner)
+        sessions[name] = (owner, own, owner.open_session(embodiment.name, "warm up", budget_ms=b, seed=0,
+                                                         rate_hz=0.0))
     slow_name = f"budget_{slow_budget:g}_slowdown"
     runs[slow_name] = ConfigRun(slow_name, budget_ms=slow_budget)
-    slow_engine = started_engine()
+    slow_engine, slow_pipeline = started_engine()
     engines.append(slow_engine)
-    sessions[slow_name] = (slow_engine, slow_engine.open_session(embodiment.name, "warm up",
-                                                                 budget_ms=slow_budget, seed=0, rate_hz=0.0))
+    sessions[slow_name] = (slow_engine, slow_pipeline, slow_engine.open_session(
+        embodiment.name, "warm up", budget_ms=slow_budget, seed=0, rate_hz=0.0))
+    slowdown = Slowdown(pipeline.transformer, slowdown_ms)  # off until the halfway tick, and then only for slow_engine
 
     observations = [model_inputs(obs, embodiment, args.frame_size)
                     for obs in collect_observations(args.ticks, args.seed)]
     latent_shape = None
     order = list(runs)
     for tick, obs in enumerate(tqdm(observations, desc="bench", unit="tick")):
-        if tick == args.ticks // 2:
-            slow_engine.full_call_delay_ms = slowdown_ms
+        slowed = tick >= args.ticks // 2
         request = PolicyRequest(images=obs["images"], instruction=obs["instruction"],
                                 embodiment=embodiment.name, state=obs["state"], seed=tick)
-        reference = pipeline(request, controller=NoCache())
+        reference = pipeline(request, cache=NoCache())
         latent_shape = tuple(reference.latents.shape)
         runs["uncached"].add(reference.timings_ms["total"], reference, reference)
         rotation = order[tick % len(order):] + order[: tick % len(order)]  # interleave: no config always first
@@ -272,21 +322,22 @@ def run(args: argparse.Namespace) -> dict:
             if name == "uncached":
                 continue
             if name == "seacache_default":
-                out = pipeline(request, controller=SeaCache(SeaCacheConfig()))
+                out = pipeline(request, cache=SeaCache(SeaCacheConfig()))
                 run_.add(out.timings_ms["total"], out, reference)
             elif name.startswith("fewer_steps_"):
                 n = int(name.rsplit("_", 1)[1])
-                out = pipeline(PolicyRequest(**{**request.__dict__, "num_steps": n}), controller=NoCache())
+                out = pipeline(PolicyRequest(**{**request.__dict__, "num_steps": n}), cache=NoCache())
                 run_.add(out.timings_ms["total"], out, reference)
             else:
-                owner, session = sessions[name]
-                result = owner.act(session.session_id, session.epoch, api.Observation(
-                    images=obs["images"], state=obs["state"], instruction=obs["instruction"], step_index=tick))
-                run_.add(result.tick.actual_ms["total"], owner.last_output, reference)
+                owner, own, session = sessions[name]
+                with slowdown.on(slowed and owner is slow_engine):
+                    result = owner.act(session.session_id, session.epoch, api.Observation(
+                        images=obs["images"], state=obs["state"], instruction=obs["instruction"], step_index=tick))
+                run_.add(result.tick.actual_ms["total"], own.last, reference)
                 run_.add_tick_record(result.tick)
 
     summaries = [runs[name].summary() for name in order]
-    for owner, session in sessions.values():
+    for owner, _, session in sessions.values():
         owner.close_session(session.session_id)
     if args.closed_loop:
         policies = {
@@ -297,8 +348,7 @@ def run(args: argparse.Namespace) -> dict:
             policies[f"fewer_steps_{n}"] = _FixedSettingPolicy(pipeline, embodiment.name, NoCache, num_steps=n)
         for b in budgets:
             policies[f"budget_{b:g}"] = _EnginePolicy(sessions[f"budget_{b:g}"][0], embodiment.name, b)
-        slow_engine.full_call_delay_ms = slowdown_ms
-        policies[slow_name] = _EnginePolicy(slow_engine, embodiment.name, slow_budget)
+        policies[slow_name] = _EnginePolicy(slow_engine, embodiment.name, slow_budget, slowdown)
         rates = closed_loop(policies, args.closed_loop, args.execute)
         for summary in summaries:
             summary["success_rate"] = rates[summary["name"]]
@@ -306,6 +356,7 @@ def run(args: argparse.Namespace) -> dict:
 
     for e in engines:
         e.close()
+    slowdown.remove()
     memory = peak_memory(pipeline.device)  # before `forward_summary` builds diffusers' reference model beside ours
     report = {
         "schema": SCHEMA,

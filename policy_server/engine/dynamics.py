@@ -1,0 +1,219 @@
+"""Forward and inverse dynamics calls: background work between ticks, one sampler step at a time.
+
+A dynamics call runs uncached at the configured step count, on a thread of its own that the model worker
+steps piece by piece (`SteppedCall`): the prefill, the encode, each sampler step, the frames' decode. So it
+never overlaps a tick, and a tick waits for at most one piece. At most `max_dynamics_calls` run at once, each
+within the caller's deadline and `MAX_DYNAMICS_MS`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+
+import numpy as np
+
+from policy_server.engine import api
+from policy_server.engine.served import ServedModel
+from policy_server.engine.sessions import SessionState
+from policy_server.engine.tick import branch_records
+from policy_server.engine.worker import ModelWorker
+from policy_server.limits import MAX_DYNAMICS_MS
+from policy_server.pipeline.embodiments import Embodiment
+from policy_server.pipeline.policy import FixedSteps, PolicyOutput, PolicyRequest, PromptState
+
+_POLL_S = 0.02  # how often a waiting caller checks whether it went away
+
+
+class SteppedCall:
+    """Background work (a `worker.BackgroundJob`) that runs `work(pause)` on a thread of its own, one piece
+    per `step()`: a step lets the thread run until it calls `pause()` again or returns, while the model worker
+    waits for it. `result` gets what `work` returns or raises."""
+
+    def __init__(self, work: Callable[[Callable[[], None]], object]):
+        self._work = work
+        self.result: Future = Future()
+        self._resume, self._paused = threading.Semaphore(0), threading.Semaphore(0)
+        self._thread: threading.Thread | None = None
+        self._failure: BaseException | None = None
+
+    def step(self) -> bool:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, daemon=True, name="dynamics")
+            self._thread.start()
+        else:
+            self._resume.release()
+        self._paused.acquire()
+        return self.result.done()
+
+    def fail(self, error: BaseException) -> None:
+        """It will not be stepped again (shutdown, or its caller went away): a thread waiting in `pause()`
+        raises `error` there, which ends the work without touching the model."""
+        if self._thread is None:
+            self.result.set_exception(error)
+            return
+        self._failure = error
+        self._resume.release()
+
+    def _run(self) -> None:
+        try:
+            self.result.set_result(self._work(self._pause))
+        except BaseException as error:  # the caller gets it
+            self.result.set_exception(error)
+        finally:
+            self._paused.release()
+
+    def _pause(self) -> None:
+        self._paused.release()
+        self._resume.acquire()
+        if self._failure is not None:
+            raise self._failure
+
+
+class _PausedSteps(FixedSteps):
+    """Every call full; hands the worker back before each sampler step and adds up the ms it waited there
+    (the pipeline's `denoise` time includes them)."""
+
+    def __init__(self, served: ServedModel, num_steps: int, pause: Callable[[], float]):
+        guided = served.pipeline.guided_steps(num_steps) if served.passes == 2 else range(0)
+        super().__init__(num_steps, guided, served.pipeline.transformer.gen_stack)
+        self.pause, self.paused_ms = pause, 0.0
+
+    def before_step(self, step: int) -> tuple[tuple[str, ...], bool]:
+        self.paused_ms += self.pause()
+        return super().before_step(step)
+
+
+def dynamics_work(served: ServedModel, embodiment: Embodiment, request: PolicyRequest, canvas_hw: tuple[int, int],
+                  decode_frames: bool, prompt: PromptState | None, arrived_ms: float):
+    """The `SteppedCall` work of one dynamics call. Its pieces: the prefill (unless `prompt`, the session's
+    text K/V, fits), the encode, each sampler step, the frames' decode. The work returns the pipeline output,
+    the frames (or None) and the ms per stage, the waits since `arrived_ms` before and between its pieces as
+    "queue"."""
+    pipeline, clock = served.pipeline, served.clock
+
+    def work(pause: Callable[[], None]):
+        def wait() -> float:
+            started = clock()
+            pause()
+            return clock() - started
+
+        stage_ms = {"queue": clock() - arrived_ms}
+        text, stage_ms["prefill"] = served.prompt(request.instruction, embodiment, request.chunk_size, canvas_hw,
+                                                  prompt)
+        if text is not prompt:
+            stage_ms["queue"] += wait()
+        steps = _PausedSteps(served, request.num_steps or served.num_steps, wait)
+        out = pipeline.run(request, text, steps)
+        stage_ms.update(encode=out.timings_ms["encode"], denoise=out.timings_ms["denoise"] - steps.paused_ms,
+                        decode=out.timings_ms["decode"])
+        stage_ms["prefill"] += out.timings_ms["prefill"]
+        stage_ms["queue"] += steps.paused_ms
+        frames = None
+        if decode_frames:
+            stage_ms["queue"] += wait()
+            started = clock()
+            frames = pipeline.decode_video(out.latents)
+            stage_ms["video_decode"] = clock() - started
+        return out, frames, stage_ms
+
+    return work
+
+
+class Dynamics:
+    """The dynamics calls of one engine, run as background work on its model worker."""
+
+    def __init__(self, served: ServedModel, worker: ModelWorker):
+        self.served, self.worker = served, worker
+        self._calls = threading.Semaphore(served.settings.max_dynamics_calls)
+
+    def forward(self, session: SessionState, observation: api.Observation, actions: np.ndarray, seed: int | None,
+                deadline_s: float | None, should_abort: Callable[[], bool] | None) -> api.PredictedVideo:
+        embodiment = self.served.embodiments[session.embodiment]
+        instruction = self._instruction(session, observation.instruction, "observation.instruction")
+        request = PolicyRequest(images=observation.images, instruction=instruction, embodiment=session.embodiment,
+                                state=observation.state, mode="forward_dynamics",
+                                chunk_size=session.chunk_size, seed=session.seed if seed is None else seed,
+                                actions=actions)
+        canvas_hw = self.served.pipeline.canvas_for(embodiment, observation.images)
+        out, frames, tick = self._run(session, embodiment, request, canvas_hw, True, deadline_s, should_abort)
+        return api.PredictedVideo(frames=frames, latents_shape=tuple(out.latents.shape), tick=tick)
+
+    def inverse(self, session: SessionState, clip: api.VideoClip, seed: int | None, deadline_s: float | None,
+                should_abort: Callable[[], bool] | None) -> api.ActResult:
+        embodiment = self.served.embodiments[session.embodiment]
+        cameras = [clip.frames[name] for name in embodiment.cameras]
+        # Side by side, frame by frame, as a tick sees its cameras.
+        video = np.concatenate(cameras, axis=2) if len(cameras) > 1 else cameras[0]
+        request = PolicyRequest(images={}, instruction=self._instruction(session, clip.instruction, "instruction"),
+                                embodiment=session.embodiment, state=clip.state, mode="inverse_dynamics",
+                                chunk_size=session.chunk_size, seed=session.seed if seed is None else seed,
+                                video=video)
+        first_frames = {name: clip.frames[name][0] for name in embodiment.cameras}
+        canvas_hw = self.served.pipeline.canvas_for(embodiment, first_frames)
+        out, _, tick = self._run(session, embodiment, request, canvas_hw, False, deadline_s, should_abort)
+        if not np.all(np.isfinite(out.actions)):
+            raise api.NonFiniteOutput("the model produced NaN or Inf actions")
+        clipped = int(np.count_nonzero(embodiment.out_of_limits(out.actions)))
+        tick = dataclasses.replace(tick, knobs={**tick.knobs, "clipped_actions": float(clipped)})
+        return api.ActResult(actions=embodiment.clip_to_limits(out.actions).astype(np.float32),
+                             first_step_index=clip.step_index, tick=tick)
+
+    def _instruction(self, session: SessionState, instruction: str, field: str) -> str:
+        """The call's instruction (checked against the token limit), else the session's."""
+        if instruction:
+            self.served.instruction_tokens(instruction, field)
+        return instruction or session.instruction
+
+    def _run(self, session: SessionState, embodiment: Embodiment, request: PolicyRequest, canvas_hw: tuple[int, int],
+             decode_frames: bool, deadline_s: float | None, should_abort: Callable[[], bool] | None,
+             ) -> tuple[PolicyOutput, np.ndarray | None, api.TickRecord]:
+        """Run a dynamics request within the caller's deadline and `MAX_DYNAMICS_MS`. Returns the pipeline
+        output, the decoded frames (`decode_frames`) and the record."""
+        served = self.served
+        arrived_ms = served.clock()
+        bound_s = time.monotonic() + MAX_DYNAMICS_MS / 1e3
+        deadline_s = bound_s if deadline_s is None else min(deadline_s, bound_s)
+        deadline_ms = (deadline_s - time.monotonic()) * 1e3
+        if not served.settings.max_dynamics_calls:
+            raise api.DynamicsOff()
+        if not self._calls.acquire(blocking=False):  # released when the call ends, however it ends
+            raise api.TooManyDynamicsCalls(served.settings.max_dynamics_calls)
+        job = SteppedCall(dynamics_work(served, embodiment, request, canvas_hw, decode_frames, session.prompt,
+                                        arrived_ms))
+        job.result.add_done_callback(lambda _: self._calls.release())
+        try:
+            self.worker.submit(job)
+        except api.ShuttingDown as error:
+            job.fail(error)
+            raise
+
+        def stopped() -> api.EngineError | None:
+            if served.closing.is_set():
+                return api.ShuttingDown()
+            if time.monotonic() >= deadline_s:
+                return api.DeadlineExpired(f"the call's deadline passed (the caller's, or the server's bound of "
+                                           f"{MAX_DYNAMICS_MS / 1e3:g} s)")
+            if should_abort is not None and should_abort():
+                return api.Cancelled("the caller went away")
+            return None
+
+        while True:
+            try:
+                out, frames, stage_ms = job.result.result(timeout=_POLL_S)
+                break
+            except FutureTimeout:
+                # Ticks go first, so the call may wait long between pieces: it ends between two of them.
+                if (reason := stopped()) is not None and self.worker.withdraw(job):
+                    job.fail(reason)
+        tick = api.TickRecord(
+            budget_ms=MAX_DYNAMICS_MS, deadline_ms=deadline_ms,
+            actual_ms={**stage_ms, "total": served.clock() - arrived_ms},
+            knobs={"num_steps": float(len(out.steps)), "batch_size": 1.0}, branches=branch_records(out.cache),
+            setting="none",
+        )
+        return out, frames, tick

@@ -1,0 +1,104 @@
+"""Reasoner calls: autoregressive text over the UND weights with a KV cache, between ticks.
+
+A call is background work on the model worker, one prefill chunk or token per worker step, so a tick waits
+for at most one of them. It never touches the diffusion cache. At most `max_reason_calls` run at once.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+
+from policy_server.engine import api
+from policy_server.engine.served import ServedModel
+from policy_server.engine.worker import GeneratorJob, ModelWorker
+from policy_server.limits import MAX_PROMPT_TOKENS
+from policy_server.pipeline.reasoner import ReasonerStream
+
+_POLL_S = 0.02  # how often a waiting caller checks whether it went away
+
+
+class Reasoning:
+    """The reasoner calls of one engine, run as background work on its model worker."""
+
+    def __init__(self, served: ServedModel, worker: ModelWorker):
+        self.served, self.worker = served, worker
+        self._calls = threading.Semaphore(served.settings.max_reason_calls)
+
+    def reason(self, prompt: str, max_new_tokens: int, temperature: float = 0.0, seed: int | None = None,
+               should_abort: Callable[[], bool] | None = None, deadline_s: float | None = None) -> Iterator[str]:
+        """Autoregressive text over the UND weights with a KV cache; never touches the diffusion cache."""
+        tokenizer = self.served.pipeline.tokenizer
+        count = len(tokenizer.tokenize(prompt))
+        if count > MAX_PROMPT_TOKENS:
+            raise api.InvalidArgument("prompt", f"at most {MAX_PROMPT_TOKENS} tokens", f"{count} tokens",
+                                      reason="TOO_LONG")
+        ids = torch.tensor(tokenizer.tokenize(tokenizer.apply_chat_template([{"role": "user", "content": prompt}])),
+                           dtype=torch.long)
+        stops = {tokenizer.eos_token_id, *tokenizer.special_token_ids.values()}
+        max_tokens = min(max_new_tokens, self.served.settings.max_reason_tokens)
+        stream = ReasonerStream(self.served.pipeline.transformer, ids, max_tokens, temperature=temperature,
+                                stop_token_ids=stops, seed=seed or 0)
+        if not self._calls.acquire(blocking=False):  # released by finish(), whatever ends the call
+            raise api.TooManyReasonCalls(self.served.settings.max_reason_calls)
+        pieces: queue.Queue = queue.Queue()
+        done = object()
+
+        def stopped() -> api.EngineError | None:
+            """Why the call must end now, if it must."""
+            if self.served.closing.is_set():
+                return api.ShuttingDown()
+            if deadline_s is not None and time.monotonic() >= deadline_s:
+                return api.DeadlineExpired("the caller's deadline passed during reasoning")
+            if should_abort is not None and should_abort():
+                return api.Cancelled("the caller went away")
+            return None
+
+        def steps() -> Iterator[None]:
+            produced: list[int] = []
+            emitted = ""
+            while not stream.done:
+                if (reason := stopped()) is not None:
+                    raise reason
+                token = stream.step()
+                if token is not None and token not in stops:
+                    produced.append(token)
+                    decoded = tokenizer.decode(produced)
+                    if len(decoded) > len(emitted) and not decoded.endswith("\ufffd"):
+                        pieces.put(decoded[len(emitted):])
+                        emitted = decoded
+                yield
+            finish(done)
+
+        def finish(last: object) -> None:
+            pieces.put(last)
+            self._calls.release()
+
+        job = GeneratorJob(steps(), finish)
+        try:
+            self.worker.submit(job)
+        except api.ShuttingDown:
+            self._calls.release()
+            raise
+
+        def stream_pieces() -> Iterator[str]:
+            # Ticks go first, so a busy worker may not step this job for a long time: the caller's deadline
+            # and departure are also watched here, and end the job between two of its steps.
+            while True:
+                try:
+                    item = pieces.get(timeout=_POLL_S)
+                except queue.Empty:
+                    if (reason := stopped()) is not None and self.worker.withdraw(job):
+                        job.fail(reason)
+                    continue
+                if item is done:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+
+        return stream_pieces()

@@ -1,0 +1,142 @@
+"""`ServedModel`: the pipeline and what every part of the engine shares about it.
+
+Ticks (`engine/tick.py`), warmup (`engine/warmup.py`), dynamics calls (`engine/dynamics.py`), the
+reasoner (`engine/reasoning.py`) and admission all read the served embodiments, the cost model, the
+budget and the cost keys from here, so each rule about them is written once.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from policy_server.budget.cost_model import CostModel
+from policy_server.budget.planner import MAX_CACHING, CacheSetting, PlannerConfig
+from policy_server.budget.tick import PREFILL_STAGE, PREVIEW_STAGE, TickBudget
+from policy_server.cache.sea_filter import SeaFilter
+from policy_server.engine import api
+from policy_server.engine.sessions import SessionState
+from policy_server.limits import MAX_INSTRUCTION_TOKENS
+from policy_server.pipeline.embodiments import Embodiment
+from policy_server.pipeline.policy import PolicyPipeline, PromptState
+
+# Ticks attend to their instruction's text K/V, so each call costs more with a longer instruction.
+# Costs are learned per instruction-length group, and warmup fills each group at its longest.
+INSTRUCTION_TOKEN_GROUPS = (32, MAX_INSTRUCTION_TOKENS)
+GRID_SAMPLES = 8  # ticks at a smaller latent grid before they are planned at its own costs
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """Serving knobs. `cache_threshold` / `max_consecutive_cached` define the middle of the planner's ladder
+    (the published Cosmos3 default 0.25 / 2). `max_batch`: the most queued ticks of one shape that run
+    together as a micro-batch (1 = one tick at a time). `max_reason_calls`: reasoner calls at once;
+    `max_dynamics_calls`: forward / inverse dynamics calls at once (0: none, and admission reserves nothing for
+    them)."""
+
+    default_budget_ms: float = 120.0
+    max_sessions: int = 4
+    diffusion_cache: bool = True
+    cache_threshold: float = 0.25
+    residual_order: int = 1
+    max_consecutive_cached: int = 2
+    warmup_ticks: int = 4
+    max_reason_tokens: int = 256
+    max_reason_calls: int = 2
+    max_dynamics_calls: int = 0
+    max_batch: int = 4
+
+
+def cache_ladder(threshold: float, cap: int) -> tuple[CacheSetting, ...]:
+    """Least to most aggressive settings around (threshold, cap); (0.25, 2) gives the planner's default ladder."""
+    return (
+        CacheSetting(f"t{0.4 * threshold:.2f}-c1", 0.4 * threshold, 1),
+        CacheSetting(f"t{threshold:.2f}-c1", threshold, 1),
+        CacheSetting(f"t{threshold:.2f}-c{cap}", threshold, cap),
+        CacheSetting(f"t{2 * threshold:.2f}-c{cap}", 2 * threshold, cap),
+        CacheSetting(f"t{4 * threshold:.2f}-c{cap + 1}", 4 * threshold, cap + 1),
+        MAX_CACHING,
+    )
+
+
+class ServedModel:
+    """One pipeline on one device, with its cost model and budget. `closing` is set when the engine shuts
+    down: running work stops at its next step."""
+
+    def __init__(self, pipeline: PolicyPipeline, settings: EngineSettings, clock: Callable[[], float]):
+        self.pipeline = pipeline
+        self.settings = settings
+        self.clock = clock
+        self.cost_model = CostModel()
+        planner = PlannerConfig(ladder=cache_ladder(settings.cache_threshold, settings.max_consecutive_cached))
+        self.budget = TickBudget(self.cost_model, planner, clock=clock, post_stages=("decode", PREVIEW_STAGE),
+                                 guided=pipeline.guided_steps)
+        self.sea_filter = SeaFilter()  # its gain cache serves every tick
+        self.embodiments = {name: pipeline.embodiments.get(name) for name in pipeline.served_embodiments}
+        canvas_h, canvas_w = pipeline.config.canvas_hw
+        m = pipeline.vae.spatial_compression
+        self.full_grid = (canvas_h // m, canvas_w // m)  # the largest latent grid: what admission plans for
+        self.closing = threading.Event()
+
+    @property
+    def num_steps(self) -> int:
+        return self.pipeline.config.num_steps
+
+    @property
+    def passes(self) -> int:
+        """CFG passes per step: 2 with guidance, else 1."""
+        return 2 if self.pipeline.config.guidance != 1.0 else 1
+
+    @property
+    def budget_controlled(self) -> bool:
+        """Whether ticks are planned and guarded: the cache is on and the step count leaves steps between
+        the always-full first and last ones (with 1 or 2 steps nothing can be skipped)."""
+        return self.settings.diffusion_cache and self.num_steps > 2
+
+    def cost_key(self, embodiment: str, chunk: int, instruction_tokens: int) -> tuple[int, bool, int]:
+        """What a tick's costs depend on: the video's latent frames, whether a state row comes with the actions,
+        and the instruction-length group. Embodiments alike in these share costs."""
+        group = next(bound for bound in INSTRUCTION_TOKEN_GROUPS if instruction_tokens <= bound)
+        return self.pipeline.num_latent_frames(chunk), self.embodiments[embodiment].state_dim > 0, group
+
+    def grid_keys(self, key: tuple, grid: tuple[int, int], unused: set[str]) -> tuple[tuple, tuple]:
+        """`(the key a tick's costs teach, the key it is planned with)` for frames making latent `grid` under the
+        full-grid cost key `key`, for a tick that skips the `unused` stages. A smaller grid has costs of its own;
+        until its calls have been seen `GRID_SAMPLES` times, and every stage the tick runs at least once, the
+        tick is planned at the full grid's, the most it can cost."""
+        if grid == self.full_grid:
+            return key, key
+        grid_key = (*key, grid)
+        seen = self.cost_model.samples(grid_key)
+        stages = set(self.cost_model.samples(key)) - {"full", "skip"} - unused
+        known = seen["full"] >= GRID_SAMPLES and stages <= set(seen)
+        return grid_key, grid_key if known else key
+
+    def instruction_tokens(self, text: str, field: str) -> int:
+        """Token count of an instruction; InvalidArgument over the limit."""
+        count = len(self.pipeline.tokenizer.tokenize(text))
+        if count > MAX_INSTRUCTION_TOKENS:
+            raise api.InvalidArgument(field, f"at most {MAX_INSTRUCTION_TOKENS} tokens", f"{count} tokens",
+                                      reason="TOO_LONG")
+        return count
+
+    def prompt(self, instruction: str, embodiment: Embodiment, chunk: int, canvas_hw: tuple[int, int],
+               reuse: PromptState | None) -> tuple[PromptState, float]:
+        """The text K/V of `instruction` for frames on `canvas_hw`: `reuse` when it fits, else prefilled now.
+        Returns them and the ms spent."""
+        cfg = self.passes == 2
+        if reuse is not None and reuse.key == self.pipeline.prompt_key(instruction, embodiment, chunk, cfg, canvas_hw):
+            return reuse, 0.0
+        started = self.clock()
+        prompt = self.pipeline.encode_prompt(instruction, embodiment, chunk, cfg, canvas_hw)
+        return prompt, self.clock() - started
+
+    @staticmethod
+    def check_epoch(session: SessionState, epoch: int) -> None:
+        """StaleEpoch unless the caller's `epoch` is the session's (a reset starts a new one)."""
+        if epoch != session.epoch:
+            raise api.StaleEpoch(session.session_id, session.epoch, epoch)
+
+    def unused_stages(self, prefill: bool, preview: bool) -> set[str]:
+        return {stage for stage, used in ((PREFILL_STAGE, prefill), (PREVIEW_STAGE, preview)) if not used}

@@ -1,0 +1,229 @@
+"""`Tick`: one control tick on the model worker, and the one say it has in the pipeline's step loop.
+
+    plan -> arm the guard -> step control -> run the pipeline -> clip -> record
+
+A tick is planned against the smallest of its session's slot, its budget less the time it queued, and the
+caller's deadline. The budget planner picks its cache setting; the deadline guard, wrapped around SeaCache,
+paces its steps (`before_step`) and may force a call to skip (`run_stack`). The finished tick feeds the cost
+model and the session's history, and its `api.TickRecord`, built once here, says why it was as fast as it was.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from policy_server.budget.planner import TickPlan
+from policy_server.budget.tick import PREVIEW_STAGE, GuardedSteps
+from policy_server.cache.controller import CacheRecord, NoCache
+from policy_server.cache.seacache import SeaCache, SeaCacheConfig
+from policy_server.engine import api
+from policy_server.engine.batching import StackBatcher
+from policy_server.engine.served import ServedModel
+from policy_server.engine.sessions import SessionState
+from policy_server.model import GenInput, UndKV
+from policy_server.pipeline.policy import BRANCHES, Aborted, PolicyOutput, PolicyRequest
+
+STAGES = ("encode", "prefill", "denoise", "decode")
+
+
+@dataclass(frozen=True)
+class TickRequest:
+    """What a queued tick carries. `instruction_tokens`: of `observation.instruction`, when it sets one.
+    `deadline_ms`: from arrival, the smaller of the session budget and the caller's deadline."""
+
+    epoch: int
+    observation: api.Observation
+    instruction_tokens: int
+    arrived_ms: float
+    deadline_ms: float
+    deadline_s: float | None
+    should_abort: Callable[[], bool] | None
+
+    def gone(self) -> bool:
+        """The caller's deadline passed or it went away."""
+        expired = self.deadline_s is not None and time.monotonic() >= self.deadline_s
+        return expired or (self.should_abort is not None and self.should_abort())
+
+    def gone_error(self) -> api.EngineError:
+        if self.deadline_s is not None and time.monotonic() >= self.deadline_s:
+            return api.DeadlineExpired("the caller's deadline passed before the tick finished")
+        return api.Cancelled("the caller went away")
+
+
+def branch_records(cache: CacheRecord) -> dict[str, api.BranchRecord]:
+    """The record's view of what the step cache decided, per CFG branch."""
+    return {name: api.BranchRecord(full=c.full, skipped=c.skipped, forced_skip=c.forced_skip, fail_open=c.fail_open,
+                                   sequence=cache.sequence(name), fail_open_reasons=dict(c.fail_open_reasons))
+            for name, c in cache.branches.items()}
+
+
+class _EveryCallFull:
+    """The steps of a tick the budget does not control: the uncond pass on the `guided` steps, every call full."""
+
+    fallbacks: tuple[str, ...] = ()
+
+    def __init__(self, num_steps: int, guided: range):
+        self.guided, self.cache = guided, NoCache()
+        self.cache.begin(num_steps)
+
+    def before_step(self, step: int) -> tuple[tuple[str, ...], bool]:
+        return (BRANCHES if step in self.guided else BRANCHES[:1]), False
+
+    def run_stack(self, step, branch, sigma, noisy_vision, gen_in, full) -> torch.Tensor:
+        return self.cache.run_stack(step, branch, sigma, noisy_vision, gen_in, full)
+
+    def record(self) -> CacheRecord:
+        return self.cache.record()
+
+
+class Tick:
+    """One control tick of `session`; `batcher`: the micro-batch's GEN-stack rendezvous, None when alone."""
+
+    def __init__(self, served: ServedModel, session: SessionState, request: TickRequest,
+                 batcher: StackBatcher | None):
+        self.served, self.session, self.request = served, session, request
+        self._stack = served.pipeline.transformer.gen_stack if batcher is None else batcher.run
+        self._batch_size = 1 if batcher is None else batcher.participants
+        self._steps: GuardedSteps | _EveryCallFull | None = None
+
+    # ------------------------------------------------------------------ the pipeline's collaborator
+
+    def before_step(self, step: int) -> tuple[tuple[str, ...], bool]:
+        """The CFG branches of sampler step `step` and whether it is the last; `Aborted` when the tick must stop
+        (the engine shuts down, the caller's deadline passed or it went away)."""
+        if self.served.closing.is_set() or self.request.gone():
+            raise Aborted(f"abandoned before step {step}")
+        return self._steps.before_step(step)
+
+    def run_stack(self, step: int, branch: str, sigma: float, noisy_vision: list[torch.Tensor], gen: GenInput,
+                  und_kv: UndKV) -> torch.Tensor:
+        return self._steps.run_stack(step, branch, sigma, noisy_vision, gen.hidden, lambda: self._stack(gen, und_kv))
+
+    def record(self) -> CacheRecord:
+        return self._steps.record()
+
+    # ------------------------------------------------------------------ the tick
+
+    def run(self) -> api.ActResult:
+        served, session, request = self.served, self.session, self.request
+        pipeline = served.pipeline
+        observation = request.observation
+        if request.epoch != session.epoch:  # reset while queued
+            raise api.StaleEpoch(session.session_id, session.epoch, request.epoch)
+        if request.gone():
+            raise request.gone_error()
+        started_ms = served.clock()
+        left_ms = request.deadline_ms - (started_ms - request.arrived_ms)
+        if observation.instruction and observation.instruction != session.instruction:
+            session.instruction = observation.instruction
+            session.cost_key = served.cost_key(session.embodiment, session.chunk_size, request.instruction_tokens)
+        embodiment = served.embodiments[session.embodiment]
+        canvas_hw = pipeline.canvas_for(embodiment, observation.images)
+        prompt_key = pipeline.prompt_key(session.instruction, embodiment, session.chunk_size, served.passes == 2,
+                                         canvas_hw)
+        prefill = session.prompt is None or session.prompt.key != prompt_key
+        learn_key, key = served.grid_keys(session.cost_key, pipeline.latent_grid(embodiment, observation.images),
+                                          served.unused_stages(prefill, session.preview))
+
+        plan = self._plan(key, left_ms, prefill, started_ms)
+        session.prompt, prefill_ms = served.prompt(session.instruction, embodiment, session.chunk_size, canvas_hw,
+                                                   session.prompt)
+        pipeline_request = PolicyRequest(
+            images=observation.images, instruction=session.instruction, embodiment=session.embodiment,
+            state=observation.state, chunk_size=session.chunk_size,
+            num_steps=served.num_steps if plan is None else plan.num_steps, seed=session.seed + session.ticks,
+        )
+        try:
+            out = pipeline.run(pipeline_request, session.prompt, self)
+        except Aborted:
+            if served.closing.is_set():
+                raise api.ShuttingDown() from None
+            raise request.gone_error() from None
+        session.ticks += 1
+
+        actions = out.actions
+        if not np.all(np.isfinite(actions)):
+            raise api.NonFiniteOutput("the model produced NaN or Inf actions; nothing is sent to the robot")
+        clipped = int(np.count_nonzero(embodiment.out_of_limits(actions)))
+        actions = embodiment.clip_to_limits(actions)
+
+        stage_ms = {stage: out.timings_ms[stage] for stage in STAGES}
+        stage_ms["prefill"] += prefill_ms
+        stage_ms["queue"] = started_ms - request.arrived_ms
+        frames = None
+        if session.preview:  # inside the tick: the plan reserved this stage, the guard kept time for it
+            clock = served.clock()
+            frames = pipeline.decode_video(out.latents)
+            stage_ms[PREVIEW_STAGE] = served.clock() - clock
+        total_ms = served.clock() - request.arrived_ms
+        self._learn(learn_key, out, stage_ms, prefill)
+        tick = self._record(plan, out, {**stage_ms, "total": total_ms}, clipped)
+        return api.ActResult(actions=actions.astype(np.float32), first_step_index=observation.step_index,
+                             tick=tick, preview_frames=frames)
+
+    def _plan(self, key: tuple, left_ms: float, prefill: bool, started_ms: float) -> TickPlan | None:
+        """Plan the tick and set up its step control: guarded SeaCache, or every call full when the budget does
+        not control ticks (cache off, or too few steps to skip any)."""
+        served, session = self.served, self.session
+        if not served.budget_controlled:
+            guided = served.pipeline.guided_steps(served.num_steps) if served.passes == 2 else range(0)
+            self._steps = _EveryCallFull(served.num_steps, guided)
+            return None
+        # A slot that holds the uncached tick is no cap: rounding must not turn caching on.
+        slot_ms = session.slot_ms if session.slot_ms < session.demand.ceiling_ms else left_ms
+        plan = served.budget.plan(key, max(min(left_ms, slot_ms), 1e-3), served.num_steps, served.passes,
+                                  session.history, prefill=prefill, preview=session.preview)
+        cache = SeaCache(SeaCacheConfig(threshold=plan.thresholds, residual_order=served.settings.residual_order,
+                                        max_consecutive_cached=plan.cap), sea_filter=served.sea_filter)
+        self._steps = served.budget.guarded_steps(plan, key, started_ms, cache)
+        return plan
+
+    def _learn(self, key: tuple, out: PolicyOutput, stage_ms: dict[str, float], prefilled: bool) -> None:
+        """Feed the tick's costs under `key` (a tick that ran in a micro-batch does not teach single-tick costs)
+        and, when planned, its full-call count to the session's history."""
+        alone = self._batch_size == 1
+        if isinstance(self._steps, GuardedSteps):
+            stages = {k: v for k, v in stage_ms.items() if k != "queue"}
+            self.served.budget.learn(key, self._steps, self.session.history, stages, learn_costs=alone,
+                                     prefilled=prefilled)
+        elif alone:
+            observe_output(self.served, key, out, stage_ms, prefilled)
+
+    def _record(self, plan: TickPlan | None, out: PolicyOutput, actual_ms: dict[str, float],
+                clipped: int) -> api.TickRecord:
+        session = self.session
+        knobs = {"num_steps": float(len(out.steps)), "clipped_actions": float(clipped),
+                 "batch_size": float(self._batch_size), "slot_ms": session.slot_ms}
+        branches = branch_records(out.cache)
+        if plan is None:
+            return api.TickRecord(
+                budget_ms=session.budget_ms, deadline_ms=self.request.deadline_ms, actual_ms=actual_ms, knobs=knobs,
+                branches=branches, setting="uncacheable" if self.served.settings.diffusion_cache else "disabled")
+        knobs.update(cap=float(plan.cap), cfg_steps=float(plan.cfg_steps),
+                     threshold=max(plan.thresholds, default=0.0), expected_full_calls=float(plan.expected_full_calls))
+        return api.TickRecord(
+            budget_ms=session.budget_ms,
+            deadline_ms=self.request.deadline_ms,
+            actual_ms=actual_ms,
+            knobs=knobs,
+            branches=branches,
+            setting=plan.setting,
+            predicted_ms={**plan.predicted_stage_ms, "total": plan.predicted_ms},
+            fallbacks=self._steps.fallbacks,
+            thresholds=tuple(plan.thresholds),
+            feasible=plan.feasible,
+            best_achievable_ms=plan.best_achievable_ms,
+        )
+
+
+def observe_output(served: ServedModel, key: tuple, out: PolicyOutput, stage_ms: dict[str, float],
+                   prefilled: bool) -> None:
+    """Feed a tick run without the guard (warmup, cache disabled) to the cost model."""
+    calls = [(d.full, out.steps[d.step].ms[d.branch]) for d in out.cache.decisions]
+    stages = ("encode", "prefill", "decode", PREVIEW_STAGE) if prefilled else ("encode", "decode", PREVIEW_STAGE)
+    served.cost_model.observe_tick(key, calls, {stage: stage_ms[stage] for stage in stages if stage in stage_ms})

@@ -1,0 +1,245 @@
+"""Warmup: fill the cost model for every cost key served before health turns SERVING.
+
+One tick per worker step, so a shutdown interrupts it within one tick. The first served embodiment's
+default shape runs `warmup_ticks` full ticks per mode (uncached, maximal caching) for the latency profile
+in `info()`; every other key one short tick per mode (costs are learned per call and stage, so a few
+sampler steps teach them as well as all of them). Then the reasoner's steps and the pieces of dynamics calls
+are timed: what a tick may find running when it arrives.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from policy_server.budget.cost_model import CallCosts
+from policy_server.budget.planner import MAX_CACHING
+from policy_server.budget.tick import PREVIEW_STAGE
+from policy_server.cache.controller import NoCache, StepController
+from policy_server.cache.seacache import SeaCache, SeaCacheConfig
+from policy_server.engine import api
+from policy_server.engine.dynamics import SteppedCall, dynamics_work
+from policy_server.engine.served import INSTRUCTION_TOKEN_GROUPS, ServedModel
+from policy_server.engine.tick import STAGES, observe_output
+from policy_server.limits import MAX_INSTRUCTION_TOKENS, MAX_PROMPT_TOKENS
+from policy_server.pipeline.embodiments import Embodiment
+from policy_server.pipeline.policy import Aborted, FixedSteps, PolicyOutput, PolicyRequest
+from policy_server.pipeline.reasoner import ReasonerStream
+
+# Sampler steps of the warmup ticks that only fill costs: the first and last step are full, the rest can skip.
+_SHORT_WARMUP_STEPS = 6
+
+
+class _StopOnClose(FixedSteps):
+    """A warmup tick's steps: abandoned when the engine shuts down."""
+
+    def __init__(self, served: ServedModel, num_steps: int, guided: range, cache: StepController):
+        super().__init__(num_steps, guided, served.pipeline.transformer.gen_stack, cache)
+        self.closing = served.closing
+
+    def before_step(self, step: int) -> tuple[tuple[str, ...], bool]:
+        if self.closing.is_set():
+            raise Aborted(f"warmup abandoned before step {step}")
+        return super().before_step(step)
+
+
+class Warmup:
+    """The warmup of one engine: a generator of worker steps (`steps`), then `ready` is set. `progress` in
+    [0, 1]; `profile`: the latency profile points; `blocking_ms`: the longest reasoner step or dynamics piece;
+    `error`: what made it fail, if it did."""
+
+    def __init__(self, served: ServedModel):
+        self.served = served
+        self.ready = threading.Event()
+        self.progress = 0.0
+        self.profile: tuple[api.ProfilePoint, ...] = ()
+        self.blocking_ms = 0.0
+        self.error: BaseException | None = None
+        self._preview_ms_by_shape: dict[tuple[int, ...], float] = {}  # preview decode ms by latent shape
+
+    def steps(self) -> Iterator[None]:
+        """Fill the cost model for every cost key served, one tick per step, then time the reasoner's steps and
+        the pieces of dynamics calls (what a tick may find running).
+        The first served embodiment's default shape runs `warmup_ticks` full ticks per mode for the latency
+        profile in `info()`; every other key one short tick per mode (costs are learned per call and stage,
+        so a few sampler steps teach them as well as all of them)."""
+        shapes = self._warm_shapes()
+        profile = []
+        for index, (embodiment, chunk, tokens, default) in enumerate(shapes):
+            ticks, steps = (self.served.settings.warmup_ticks, None) if default else (1, _SHORT_WARMUP_STEPS)
+            points = yield from self._warm_shape(embodiment, chunk, tokens, ticks, steps)
+            if default:
+                profile.extend(points)
+            self.progress = (index + 1) / (len(shapes) + 1)
+        self.profile = tuple(profile)
+        self._interpolate_costs()
+        reasoner_ms = yield from self._time_reasoner_steps()
+        # A server without dynamics calls need not reserve for their longest piece (the frames' decode).
+        dynamics_ms = (yield from self._time_dynamics_pieces()) if self.served.settings.max_dynamics_calls else 0.0
+        self.blocking_ms = max(reasoner_ms, dynamics_ms)
+        self.progress = 1.0
+        self.ready.set()
+
+    def failed(self, error: BaseException) -> None:
+        self.error = error  # surfaced by wait_ready() and every request
+        self.ready.set()
+
+    def _warm_shapes(self) -> list[tuple[Embodiment, int, int, bool]]:
+        """`(embodiment, chunk, instruction tokens, is the default shape)` to measure, the default first: each
+        key at the largest chunk any served embodiment asks with it, at its longest instruction. Of the keys
+        that differ only in latent frames, the fewest and the most frames and every served embodiment's default
+        chunk are measured; the rest are interpolated (`_interpolate_costs`)."""
+        first = next(iter(self.served.embodiments.values()))
+        default_key = self.served.cost_key(first.name, first.default_chunk_size, 0)
+        shapes: dict[tuple, tuple[Embodiment, int, int, bool]] = {
+            default_key: (first, first.default_chunk_size, INSTRUCTION_TOKEN_GROUPS[0], True)}
+        every = self._all_shapes()
+        measured = {self.served.cost_key(e.name, e.default_chunk_size, tokens)
+                    for e in self.served.embodiments.values() for tokens in INSTRUCTION_TOKEN_GROUPS}
+        for family in {key[1:] for key in every}:
+            frames = sorted(key[0] for key in every if key[1:] == family)
+            measured |= {(frames[0], *family), (frames[-1], *family)}
+        for key in sorted(measured - {default_key}):
+            shapes[key] = every[key]
+        return list(shapes.values())
+
+    def _all_shapes(self) -> dict[tuple, tuple[Embodiment, int, int, bool]]:
+        """Every cost key served, at the largest chunk any served embodiment asks with it."""
+        shapes: dict[tuple, tuple[Embodiment, int, int, bool]] = {}
+        for embodiment in self.served.embodiments.values():
+            for chunk in range(1, embodiment.max_chunk_size + 1):
+                for tokens in INSTRUCTION_TOKEN_GROUPS:
+                    key = self.served.cost_key(embodiment.name, chunk, tokens)
+                    if chunk >= shapes.get(key, (None, 0))[1]:
+                        shapes[key] = (embodiment, chunk, tokens, False)
+        return shapes
+
+    def _interpolate_costs(self) -> None:
+        """Costs of the keys warmup did not run, linear in latent frames between the measured keys on either
+        side. A tick's cost is convex in its tokens (attention is quadratic), so the chord overestimates: such
+        a key starts out cautious, and its own ticks replace the estimate as they run."""
+        keys = list(self._all_shapes())
+        for key in keys:
+            if self.served.cost_model.is_warm(key):
+                continue
+            family = [k for k in keys if k[1:] == key[1:] and self.served.cost_model.is_warm(k)]
+            low = max((k for k in family if k[0] < key[0]), key=lambda k: k[0])
+            high = min((k for k in family if k[0] > key[0]), key=lambda k: k[0])
+            full, skip, stages = _interpolated(self.served.cost_model.costs(low), self.served.cost_model.costs(high),
+                                               (key[0] - low[0]) / (high[0] - low[0]))
+            self.served.cost_model.observe_tick(key, [(True, full), (False, skip)], stages)
+
+    def _warm_shape(self, embodiment: Embodiment, chunk: int, tokens: int, ticks: int, steps: int | None):
+        """Uncached ticks time full calls and the fixed stages, maximally cached ticks time skipped calls
+        (`steps`: sampler steps per tick, None for the configured number). Yields after each tick; returns the
+        two latency profile points."""
+        key = self.served.cost_key(embodiment.name, chunk, tokens)
+        instruction = self.text_of(tokens)
+        profile = []
+        for mode in ("uncached", "max_caching"):
+            totals, full, skipped = [], 0, 0
+            for tick in range(ticks):
+                out = self._warmup_tick(embodiment, chunk, instruction, mode, tick, steps)
+                stage_ms = {stage: out.timings_ms[stage] for stage in STAGES}
+                stage_ms[PREVIEW_STAGE] = self._preview_ms(out.latents)
+                observe_output(self.served, key, out, stage_ms, prefilled=True)
+                if tick > 0 or ticks == 1:  # the first tick pays one-time allocation costs
+                    totals.append(out.timings_ms["total"])
+                full, skipped = out.cache.full_calls, out.cache.skipped_calls
+                yield
+            profile.append(api.ProfilePoint(label=f"{embodiment.name}/{mode}", p50_ms=float(np.median(totals)),
+                                            p95_ms=float(np.percentile(totals, 95)), full_calls=full,
+                                            skipped_calls=skipped))
+        return profile
+
+    def _preview_ms(self, latents: torch.Tensor) -> float:
+        """What a session with preview frames adds to a tick making `latents`: their decode, timed once per
+        latent shape (it depends on nothing else, and long clips take the longest of the warmup)."""
+        shape = tuple(latents.shape)
+        if shape not in self._preview_ms_by_shape:
+            clock = self.served.clock()
+            self.served.pipeline.decode_video(latents)
+            self._preview_ms_by_shape[shape] = self.served.clock() - clock
+        return self._preview_ms_by_shape[shape]
+
+    def _warmup_tick(self, embodiment: Embodiment, chunk: int, instruction: str, mode: str, tick: int,
+                     steps: int | None) -> PolicyOutput:
+        height, width = self.served.pipeline.config.canvas_hw
+        rng = np.random.default_rng(tick)
+        images = {name: rng.integers(0, 256, (height, width // len(embodiment.cameras), 3), dtype=np.uint8)
+                  for name in embodiment.cameras}
+        state = np.zeros(embodiment.state_dim, np.float32) if embodiment.state_dim else None
+        request = PolicyRequest(images=images, instruction=instruction, embodiment=embodiment.name, state=state,
+                                chunk_size=chunk, seed=tick,
+                                num_steps=None if steps is None else min(steps, self.served.pipeline.config.num_steps))
+        cache = NoCache() if mode == "uncached" else SeaCache(
+            SeaCacheConfig(threshold=MAX_CACHING.threshold, max_consecutive_cached=MAX_CACHING.cap),
+            sea_filter=self.served.sea_filter)
+        num_steps = request.num_steps or self.served.num_steps
+        guided = self.served.pipeline.guided_steps(num_steps) if self.served.passes == 2 else range(0)
+        return self.served.pipeline.run(request, None, _StopOnClose(self.served, num_steps, guided, cache))
+
+    def text_of(self, tokens: int) -> str:
+        """An instruction of about `tokens` tokens (at most that many)."""
+        tokenizer = self.served.pipeline.tokenizer
+        ids = tokenizer.tokenize("reach the red circle and then the blue square " * tokens)
+        text = tokenizer.decode(ids[:tokens]).strip()
+        while len(tokenizer.tokenize(text)) > tokens:
+            text = text[:-1]
+        return text
+
+    def _time_reasoner_steps(self):
+        """The longest step of a reasoner call at the prompt limit (ms): a prefill chunk or a token."""
+        config = self.served.pipeline.transformer.config
+        ids = torch.arange(MAX_PROMPT_TOKENS) % config.vocab_size
+        stream = ReasonerStream(self.served.pipeline.transformer, ids, max_new_tokens=4)
+        longest = 0.0
+        while not stream.done:
+            started = self.served.clock()
+            stream.step()
+            longest = max(longest, self.served.clock() - started)
+            yield
+        return longest
+
+    def _time_dynamics_pieces(self):
+        """The longest piece (ms) of a forward and an inverse dynamics call at the longest clip any served
+        embodiment asks for and the longest instruction. A few sampler steps suffice: each is one piece."""
+        embodiment = max(self.served.embodiments.values(), key=lambda e: e.max_chunk_size)
+        chunk = embodiment.max_chunk_size
+        height, width = self.served.pipeline.config.canvas_hw
+        frames = np.zeros((chunk + 1, height, width // len(embodiment.cameras), 3), np.uint8)
+        cameras = {name: frames for name in embodiment.cameras}
+        video = np.concatenate(list(cameras.values()), axis=2)
+        common = dict(instruction=self.text_of(MAX_INSTRUCTION_TOKENS), embodiment=embodiment.name,
+                      state=np.zeros(embodiment.state_dim, np.float32) if embodiment.state_dim else None,
+                      chunk_size=chunk, num_steps=min(3, self.served.pipeline.config.num_steps))
+        calls = (
+            (PolicyRequest(images={name: frames[0] for name in cameras}, mode="forward_dynamics",
+                           actions=np.zeros((chunk, embodiment.raw_action_dim), np.float32), **common), True),
+            (PolicyRequest(images={}, mode="inverse_dynamics", video=video, **common), False),
+        )
+        canvas_hw = self.served.pipeline.canvas_for(embodiment, {name: frames[0] for name in cameras})
+        longest = 0.0
+        for request, decode_frames in calls:
+            job = SteppedCall(dynamics_work(self.served, embodiment, request, canvas_hw, decode_frames, None,
+                                            self.served.clock()))
+            finished = False
+            while not finished:
+                started = self.served.clock()
+                finished = job.step()
+                longest = max(longest, self.served.clock() - started)
+                yield
+            job.result.result()  # a failure fails the warmup
+        return longest
+
+
+def _interpolated(low: CallCosts, high: CallCosts, weight: float) -> tuple[float, float, dict[str, float]]:
+    """`(full ms, skip ms, stage ms)` a `weight` of the way from `low`'s costs to `high`'s."""
+    def lerp(a: float, b: float) -> float:
+        return a + weight * (b - a)
+
+    stages = {stage: lerp(ms, high.fixed_ms[stage]) for stage, ms in low.fixed_ms.items() if stage in high.fixed_ms}
+    return lerp(low.full_ms, high.full_ms), lerp(low.skip_ms, high.skip_ms), stages
