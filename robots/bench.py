@@ -51,7 +51,7 @@ from policy_server.engine import api
 from policy_server.engine.engine import EngineSettings, ModelEngine, resolve_dtype
 from policy_server.limits import MAX_BUDGET_MS
 from policy_server.pipeline.embodiments import Embodiment
-from policy_server.pipeline.policy import CheckpointLoadError, PolicyOutput, PolicyPipeline, PolicyRequest
+from policy_server.pipeline.policy import CheckpointLoadError, PolicyOutput, PolicyPipeline, PolicyRequest, TickSteps
 from robots.envs.reach import HELDOUT_SEED_OFFSET
 from robots.expert import ReachExpert
 from robots.rollout import TickStats, run_episode
@@ -159,8 +159,8 @@ class BenchPipeline(PolicyPipeline):
         return cls(pipeline.transformer, pipeline.vae, pipeline.tokenizer, pipeline.embodiments, pipeline.config,
                    pipeline.served_embodiments, pipeline.digest)
 
-    def run(self, *args, **kwargs) -> PolicyOutput:
-        self.last = super().run(*args, **kwargs)
+    def steps(self, *args, **kwargs) -> TickSteps:
+        self.last = yield from super().steps(*args, **kwargs)
         return self.last
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import time
 
-from policy_server.pipeline.policy import PolicyOutput, PolicyPipeline
+from policy_server.pipeline.policy import PolicyOutput, PolicyPipeline, TickSteps
 
 
 class RecordingPipeline(PolicyPipeline):
@@ -18,8 +18,8 @@ class RecordingPipeline(PolicyPipeline):
         return cls(pipeline.transformer, pipeline.vae, pipeline.tokenizer, pipeline.embodiments, pipeline.config,
                    pipeline.served_embodiments, pipeline.digest)
 
-    def run(self, *args, **kwargs) -> PolicyOutput:
-        self.last_output = super().run(*args, **kwargs)
+    def steps(self, *args, **kwargs) -> TickSteps:
+        self.last_output = yield from super().steps(*args, **kwargs)
         return self.last_output
 
 

@@ -63,7 +63,8 @@ def run_denoise(clock, steps, stack_ms=lambda step: STACK_MS, stall_ms=lambda st
             branches, last = steps.before_step(step)
             for branch in branches:
                 clock.advance(CALL_MS)
-                steps.run_stack(step, branch, 0.5, [latents[step]], gen_in, full_for(step))
+                if steps.estimate(step, branch, 0.5, [latents[step]], gen_in) is None:  # the call runs
+                    steps.ran(full_for(step)())
             ran.append(branches)
             if last:
                 break

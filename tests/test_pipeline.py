@@ -55,7 +55,7 @@ class ScriptedSteps(FixedSteps):
     """Stands in for the engine's tick: drops the uncond pass from `drop_from`, ends the loop at `last`."""
 
     def __init__(self, pipe, drop_from=None, last=None):
-        super().__init__(STEPS, pipe.guided_steps(STEPS), pipe.transformer.gen_stack)
+        super().__init__(STEPS, pipe.guided_steps(STEPS))
         self.drop_from, self.last, self.asked = drop_from, last, []
 
     def before_step(self, step):

@@ -39,10 +39,20 @@ def residual_full(sign=1.0, calls=None):
     return make
 
 
+def apply(cache, gate, gen_in, full, force_skip=False):
+    """Carry out `gate` as the deadline guard's wrapper does: ``skip``, else run ``full()`` and hand it to ``ran``.
+    Returns the output and the decision recorded."""
+    out = cache.skip(gate, gen_in, force_skip)
+    if out is None:
+        out = full()
+        cache.ran(out)
+    return out, cache.record().decisions[-1]
+
+
 def drive(cache, latents, sigma=0.5, branches=("cond",), make_full=None, gen_in=None, force=None):
     """Run one request through ``cache``; returns outputs {(step, branch): tensor}.
 
-    Without ``force`` every call goes through ``run_stack``; with it, through ``gate`` then ``apply`` with
+    Without ``force`` every call goes through ``run_stack``; with it, through ``gate`` then ``skip`` / ``ran`` with
     ``force_skip=force(step, branch)`` on every call (also those the gate already skips, which it must ignore).
     """
     make_full = make_full or residual_full()
@@ -59,7 +69,7 @@ def drive(cache, latents, sigma=0.5, branches=("cond",), make_full=None, gen_in=
                     )
                 else:
                     gate = cache.gate(step, branch, sigma, [latents[step]])
-                    outs[(step, branch)], _ = cache.apply(gate, gen_in, full, force_skip=force(step, branch))
+                    outs[(step, branch)], _ = apply(cache, gate, gen_in, full, force_skip=force(step, branch))
     return outs
 
 
@@ -353,7 +363,7 @@ def test_force_skip_overrides_gate_full_when_history_exists():
             gen_in = torch.zeros(N_GEN, DIM)
             gate = cache.gate(step, "cond", 0.5, [lat[step]])
             gates.append(gate)
-            out, decision = cache.apply(gate, gen_in, lambda g=gen_in, s=step: g + s,
+            out, decision = apply(cache, gate, gen_in, lambda g=gen_in, s=step: g + s,
                                         force_skip=gate.full and step in (0, 2, 3))
             decisions.append(decision)
             # A forced skip extrapolates the stored residuals (order 1 through steps 0 and 1: exactly the step).
@@ -370,7 +380,7 @@ def test_force_skip_overrides_gate_full_when_history_exists():
     assert (counts.forced_skip, counts.skipped, counts.fail_open) == (2, 2, 1)
 
 
-def test_apply_returns_the_recorded_decision_of_every_call():
+def test_skip_and_ran_record_the_decision_of_every_call():
     cache = SeaCache()
     cache.begin(4)
     lat = latents_with_distances([0.05] * 3, 4)
@@ -381,7 +391,7 @@ def test_apply_returns_the_recorded_decision_of_every_call():
                 gen_in = torch.zeros(N_GEN, DIM)
                 gate = cache.gate(step, branch, 0.5, [lat[step]])
                 assert len(cache.record().decisions) == len(seen)  # gating records nothing
-                _, decision = cache.apply(gate, gen_in, lambda g=gen_in: g + 1.0)
+                _, decision = apply(cache, gate, gen_in, lambda g=gen_in: g + 1.0)
                 assert (decision.step, decision.branch, decision.full) == (step, branch, gate.full)
                 assert decision.reason == (gate.full_reason if gate.full else "gate")
                 seen.append(decision)
@@ -390,7 +400,7 @@ def test_apply_returns_the_recorded_decision_of_every_call():
     assert all(a is b for a, b in zip(seen, cache.record().decisions, strict=True))
 
 
-def test_run_stack_is_gate_then_apply():
+def test_run_stack_is_gate_then_skip_or_ran():
     lat = latents_with_distances([0.05] * 9, 10)
     by_run, by_parts = SeaCache(), SeaCache()
     by_run.begin(10)

@@ -22,15 +22,15 @@ class _Log:
 
 
 def _worker(log: _Log, max_batch: int = 1) -> ModelWorker:
-    def run_tick(job: TickJob, batcher):
+    def tick_steps(job: TickJob, batch_size: int):
         log.add(f"tick {job.payload}")
         return job.payload
+        yield  # a tick is a generator; this one makes no model call
 
-    class Batcher:
-        def leave(self):
-            pass
+    def no_stack(gen, und_kv):
+        raise AssertionError("these ticks make no GEN-stack call")
 
-    return ModelWorker(run_tick, lambda size: Batcher(), max_batch)
+    return ModelWorker(tick_steps, no_stack, max_batch)
 
 
 def _steps(log: _Log, name: str, count: int, gate: threading.Event | None = None,

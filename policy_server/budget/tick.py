@@ -4,7 +4,8 @@ Usage by the engine (one instance per model worker, one ``SessionHistory`` per s
 
     plan = budget.plan(cost_key, time_left_ms, num_steps, passes, session_history, prefill=False)
     steps = budget.guarded_steps(plan, cost_key, tick_started_at_ms, SeaCache(...))  # arms the deadline guard
-    ... the sampler asks steps.before_step(i) for each step's branches and steps.run_stack(...) for each call ...
+    ... the sampler asks steps.before_step(i) for each step's branches, and steps.estimate(...) for each call
+    (None: it runs, and steps.ran(out) gets its output) ...
     budget.learn(cost_key, steps, session_history, stage_ms)
 
 Each tick gets its own guard, so ticks that run together (a micro-batch) each keep their own deadline.
@@ -44,14 +45,19 @@ class GuardedSteps:
         """The CFG branches of sampler step ``step`` and whether it is the last (``DeadlineGuard.pace``)."""
         return self.guard.pace(step)
 
-    def run_stack(self, step: int, branch: str, sigma: float, noisy_vision: Sequence[torch.Tensor],
-                  gen_in: torch.Tensor, full: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """The GEN stack output of one call: ``full()``, or the cache's estimate when its gate or the guard
-        skips it."""
+    def estimate(self, step: int, branch: str, sigma: float, noisy_vision: Sequence[torch.Tensor],
+                 gen_in: torch.Tensor) -> torch.Tensor | None:
+        """The cache's estimate of one call when its gate or the guard skips it; None when it runs."""
         gate = self.cache.gate(step, branch, sigma, noisy_vision)
-        out, decision = self.cache.apply(gate, gen_in, full, gate.full and self.guard.force_skip(step, branch))
-        self.guard.on_call(decision)
+        out = self.cache.skip(gate, gen_in, gate.full and self.guard.force_skip(step, branch))
+        if out is not None:
+            self.guard.on_call(self.cache.record().decisions[-1])
         return out
+
+    def ran(self, out: torch.Tensor) -> None:
+        """The output of the call that ran: the cache keeps its residual, the guard times it."""
+        self.cache.ran(out)
+        self.guard.on_call(self.cache.record().decisions[-1])
 
     def record(self) -> CacheRecord:
         return self.cache.record()

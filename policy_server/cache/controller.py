@@ -1,11 +1,15 @@
 """The step-controller contract between the sampler loop and the step cache, and the per-request record.
 
-The sampler calls, for each step ``i`` and CFG branch ``b`` ("cond", "uncond")::
+For each step ``i`` and CFG branch ``b`` ("cond", "uncond") the sampler asks::
 
-    gen_out = controller.run_stack(step=i, branch=b, sigma=sigma_i, noisy_vision=[x_t [C, T, H, W], ...],
-                                   gen_in=gen.hidden, full=lambda: model.gen_stack(gen, und_kv[b]))
+    gen_out = controller.estimate(step=i, branch=b, sigma=sigma_i, noisy_vision=[x_t [C, T, H, W], ...],
+                                  gen_in=gen.hidden)
+    if gen_out is None:                                   # the call runs (alone, or batched with others)
+        gen_out = model.gen_stack(gen, und_kv[b])
+        controller.ran(gen_out)
 
-``begin(num_steps)`` is called once per request before the first step; ``record()`` after the last.
+(``run_stack(..., full=...)`` does the same). ``begin(num_steps)`` is called once per request before the
+first step; ``record()`` after the last.
 ``noisy_vision`` holds every vision item with at least one noisy frame, whole (its clean conditioning frames
 included), and leaves out fully conditioned items; it is empty for packs without noisy vision (inverse
 dynamics), which makes SeaCache fail open. This matches diffusers' Cosmos3 SeaCache hook.
@@ -16,9 +20,10 @@ steps come one apart (it may start late or stop early), and the shapes stay fixe
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # keep this module importable without torch (the budget layer reads records)
     import torch
@@ -126,51 +131,57 @@ class CacheRecord:
         return sum(c.fail_open for c in self.branches.values())
 
 
-@runtime_checkable
-class StepController(Protocol):
-    """Decides, per sampler step and CFG branch, whether the GEN stack runs or its residual is reused."""
+class StepController(ABC):
+    """Decides, per sampler step and CFG branch, whether the GEN stack runs or its residual is reused.
 
+    A call is two halves, so that the stack itself can run elsewhere (batched with other ticks'):
+    ``estimate`` returns the skipped call's output, or None when the call must run; its output then goes to
+    ``ran``. ``run_stack`` does both around a ``full()`` it is given.
+    """
+
+    @abstractmethod
     def begin(self, num_steps: int) -> None:
         """Reset all state for a new request of ``num_steps`` sampler steps."""
-        ...
 
-    def run_stack(
-        self,
-        step: int,
-        branch: str,
-        sigma: float,
-        noisy_vision: Sequence[torch.Tensor],
-        gen_in: torch.Tensor,
-        full: Callable[[], torch.Tensor],
-    ) -> torch.Tensor:
-        """Return the GEN stack output ``[N_gen, D]``: ``full()`` or ``gen_in`` plus an estimated residual."""
-        ...
+    @abstractmethod
+    def estimate(self, step: int, branch: str, sigma: float, noisy_vision: Sequence[torch.Tensor],
+                 gen_in: torch.Tensor) -> torch.Tensor | None:
+        """``gen_in`` plus the estimated residual ``[N_gen, D]`` when this call is skipped; None when it runs."""
 
+    @abstractmethod
+    def ran(self, out: torch.Tensor) -> None:
+        """The GEN stack output ``[N_gen, D]`` of the call ``estimate`` said must run."""
+
+    @abstractmethod
     def record(self) -> CacheRecord:
         """Decisions and counts of the current (or last) request."""
-        ...
+
+    def run_stack(self, step: int, branch: str, sigma: float, noisy_vision: Sequence[torch.Tensor],
+                  gen_in: torch.Tensor, full: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The GEN stack output ``[N_gen, D]`` of one call: estimated, or ``full()``."""
+        out = self.estimate(step, branch, sigma, noisy_vision, gen_in)
+        if out is None:
+            out = full()
+            self.ran(out)
+        return out
 
 
-class NoCache:
+class NoCache(StepController):
     """Always runs the full stack; records every call as FULL with reason ``no_cache``."""
 
     def __init__(self) -> None:
         self._record = CacheRecord(num_steps=0)
+        self._pending: StepDecision | None = None
 
     def begin(self, num_steps: int) -> None:
         self._record = CacheRecord(num_steps=num_steps, thresholds=(0.0,) * num_steps)
 
-    def run_stack(
-        self,
-        step: int,
-        branch: str,
-        sigma: float,
-        noisy_vision: Sequence[torch.Tensor],
-        gen_in: torch.Tensor,
-        full: Callable[[], torch.Tensor],
-    ) -> torch.Tensor:
-        self._record.add(StepDecision(step=step, branch=branch, full=True, reason="no_cache"))
-        return full()
+    def estimate(self, step, branch, sigma, noisy_vision, gen_in) -> None:
+        self._pending = StepDecision(step=step, branch=branch, full=True, reason="no_cache")
+        return None
+
+    def ran(self, out: torch.Tensor) -> None:
+        self._record.add(self._pending)
 
     def record(self) -> CacheRecord:
         return self._record

@@ -9,7 +9,6 @@ consecutive steps stay comparable across noise levels (spec: ../shared/reference
 from __future__ import annotations
 
 import math
-import threading
 from collections import OrderedDict
 
 import torch
@@ -74,21 +73,19 @@ class SeaFilter:
         self.power_exp = float(power_exp)
         self.max_gains = max_gains
         self._gains: OrderedDict[tuple, torch.Tensor] = OrderedDict()
-        self._lock = threading.Lock()  # ticks of a micro-batch share one filter from several threads
 
     def gain(self, grid: tuple[int, int, int], sigma: float, device: torch.device | str) -> torch.Tensor:
         """Cached normalised gain fp32 ``[T, H, W, 1]`` for this grid and sigma."""
         key = (tuple(int(n) for n in grid), float(sigma), str(device))
-        with self._lock:
-            cached = self._gains.get(key)
-            if cached is not None:
-                self._gains.move_to_end(key)
-                return cached
-            g = sea_gain(key[0], key[1], self.power_exp, device)
-            self._gains[key] = g
-            if len(self._gains) > self.max_gains:
-                self._gains.popitem(last=False)
-            return g
+        cached = self._gains.get(key)
+        if cached is not None:
+            self._gains.move_to_end(key)
+            return cached
+        g = sea_gain(key[0], key[1], self.power_exp, device)
+        self._gains[key] = g
+        if len(self._gains) > self.max_gains:
+            self._gains.popitem(last=False)
+        return g
 
     def filter_thwc(self, x: torch.Tensor, sigma: float) -> torch.Tensor:
         """Filter a ``[T, H, W, C]`` tensor over T, H, W; computed in fp32 with a complex FFT, cast back."""

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from .controller import FAIL_OPEN_REASONS, CacheRecord, StepDecision
+from .controller import FAIL_OPEN_REASONS, CacheRecord, StepController, StepDecision
 from .extrapolation import newton_extrapolate
 from .sea_filter import SeaFilter, rel_l1
 
@@ -78,11 +78,12 @@ class _BranchState:
     consecutive_cached: int = 0
 
 
-class SeaCache:
+class SeaCache(StepController):
     """Step controller implementing SeaCache; see the module docstring and ``StepController``.
 
-    ``run_stack`` gates and runs a call. A deadline guard goes between the two halves instead: ``gate``, then
-    ``apply`` with ``force_skip`` when the guard wants a call the gate chose FULL skipped. ``sea_filter``:
+    ``estimate`` gates a call and skips it or says it must run (its output then goes to ``ran``). A deadline
+    guard goes between the gate and the skip instead: ``gate``, then ``skip`` with ``force_skip`` when the
+    guard wants a call the gate chose FULL skipped. ``sea_filter``:
     share one filter (and its gain cache) between controllers; default: a private one.
     """
 
@@ -98,6 +99,7 @@ class SeaCache:
         self._indicator_step: int | None = None
         self._indicator: list[torch.Tensor] | None = None
         self._distances: dict[tuple[int, int], float] = {}
+        self._pending: tuple[Gate, str, torch.Tensor] | None = None  # the call that runs: gate, reason, gen_in
 
     # ------------------------------------------------------------------ per request
 
@@ -123,13 +125,12 @@ class SeaCache:
 
     # ------------------------------------------------------------------ the step
 
-    def run_stack(self, step: int, branch: str, sigma: float, noisy_vision: Sequence[torch.Tensor],
-                  gen_in: torch.Tensor, full: Callable[[], torch.Tensor]) -> torch.Tensor:
-        out, _ = self.apply(self.gate(step, branch, sigma, noisy_vision), gen_in, full)
-        return out
+    def estimate(self, step: int, branch: str, sigma: float, noisy_vision: Sequence[torch.Tensor],
+                 gen_in: torch.Tensor) -> torch.Tensor | None:
+        return self.skip(self.gate(step, branch, sigma, noisy_vision), gen_in)
 
     def gate(self, step: int, branch: str, sigma: float, noisy_vision: Sequence[torch.Tensor]) -> Gate:
-        """What the accumulate-and-refresh rule chooses for this call; run it with ``apply``."""
+        """What the accumulate-and-refresh rule chooses for this call; carry it out with ``skip``."""
         threshold = self._thresholds[step]
         state = self._states.setdefault(branch, _BranchState())
         indicator = None
@@ -140,11 +141,10 @@ class SeaCache:
         state.prev_indicator = indicator
         return Gate(step, branch, reason, distance, accumulated, threshold)
 
-    def apply(self, gate: Gate, gen_in: torch.Tensor, full: Callable[[], torch.Tensor],
-              force_skip: bool = False) -> tuple[torch.Tensor, StepDecision]:
-        """Run the call `gate` chose (``full()``) or estimate it (``gen_in`` plus the extrapolated residual).
-        ``force_skip`` turns a FULL into a SKIP (``forced``) when the branch has a residual; without one the call
-        runs FULL (fail-open ``no_history``). Returns the stack output and the recorded decision."""
+    def skip(self, gate: Gate, gen_in: torch.Tensor, force_skip: bool = False) -> torch.Tensor | None:
+        """The call's estimate ``gen_in`` plus the extrapolated residual when ``gate`` skips it, or when
+        ``force_skip`` (the deadline guard's) turns its FULL into a SKIP and the branch has a residual; None when
+        it runs (fail-open ``no_history`` when forced without one), and then ``ran`` gets its output."""
         state = self._states[gate.branch]
         reason, skip_reason = gate.full_reason, "gate"
         if reason is not None and force_skip:
@@ -154,24 +154,25 @@ class SeaCache:
                 reason, skip_reason = None, "forced"
             else:
                 reason = "no_history"
+        if reason is not None:
+            self._pending = (gate, reason, gen_in)
+            return None
+        state.accumulated = gate.accumulated
+        state.consecutive_cached += 1
+        self._record.add(StepDecision(gate.step, gate.branch, False, skip_reason, gate.distance, gate.accumulated,
+                                      gate.threshold))
+        return gen_in + newton_extrapolate(state.history, gate.step, self.config.residual_order)
 
-        if reason is None:
-            state.accumulated = gate.accumulated
-            state.consecutive_cached += 1
-            out = gen_in + newton_extrapolate(state.history, gate.step, self.config.residual_order)
-            decision = StepDecision(gate.step, gate.branch, False, skip_reason, gate.distance, gate.accumulated,
-                                    gate.threshold)
-        else:
-            state.accumulated = 0.0
-            state.consecutive_cached = 0
-            out = full()
-            state.history.append((gate.step, (out - gen_in).detach()))
-            del state.history[: -(self.config.residual_order + 1)]
-            decision = StepDecision(gate.step, gate.branch, True, reason, gate.distance, 0.0, gate.threshold)
-            if reason in FAIL_OPEN_REASONS:
-                self._warn_fail_open(reason, gate.step, gate.branch)
-        self._record.add(decision)
-        return out, decision
+    def ran(self, out: torch.Tensor) -> None:
+        gate, reason, gen_in = self._pending
+        state = self._states[gate.branch]
+        state.accumulated = 0.0
+        state.consecutive_cached = 0
+        state.history.append((gate.step, (out - gen_in).detach()))
+        del state.history[: -(self.config.residual_order + 1)]
+        self._record.add(StepDecision(gate.step, gate.branch, True, reason, gate.distance, 0.0, gate.threshold))
+        if reason in FAIL_OPEN_REASONS:
+            self._warn_fail_open(reason, gate.step, gate.branch)
 
     # ------------------------------------------------------------------ helpers
 

@@ -1,8 +1,8 @@
 """Forward and inverse dynamics calls: background work between ticks, one sampler step at a time.
 
-A dynamics call runs uncached at the configured step count, on a thread of its own that the model worker
-steps piece by piece (`SteppedCall`): the prefill, the encode, each sampler step, the frames' decode. So it
-never overlaps a tick, and a tick waits for at most one piece. At most `max_dynamics_calls` run at once, each
+A dynamics call runs uncached at the configured step count as background work that the model worker steps
+piece by piece (`DynamicsCall`): the prefill, the encode, each sampler step, the frames' decode. So it never
+overlaps a tick, and a tick waits for at most one piece. At most `max_dynamics_calls` run at once, each
 within the caller's deadline and `MAX_DYNAMICS_MS`.
 """
 
@@ -29,99 +29,74 @@ from policy_server.pipeline.policy import FixedSteps, PolicyOutput, PolicyReques
 _POLL_S = 0.02  # how often a waiting caller checks whether it went away
 
 
-class SteppedCall:
-    """Background work (a `worker.BackgroundJob`) that runs `work(pause)` on a thread of its own, one piece
-    per `step()`: a step lets the thread run until it calls `pause()` again or returns, while the model worker
-    waits for it. `result` gets what `work` returns or raises."""
+class DynamicsCall:
+    """One dynamics call as background work (a `worker.BackgroundJob`), one piece per `step()`: the prefill
+    (unless `prompt`, the session's text K/V, fits), the encode, each sampler step, the frames' decode
+    (`decode_frames`). `result` gets the pipeline output, the frames (or None) and the ms per stage, the waits
+    since `arrived_ms` before and between its pieces as "queue"; or what ended the call."""
 
-    def __init__(self, work: Callable[[Callable[[], None]], object]):
-        self._work = work
+    def __init__(self, served: ServedModel, embodiment: Embodiment, request: PolicyRequest,
+                 canvas_hw: tuple[int, int], decode_frames: bool, prompt: PromptState | None, arrived_ms: float):
+        self.served = served
         self.result: Future = Future()
-        self._resume, self._paused = threading.Semaphore(0), threading.Semaphore(0)
-        self._thread: threading.Thread | None = None
-        self._failure: BaseException | None = None
+        self._pieces = self._run(embodiment, request, canvas_hw, decode_frames, prompt, arrived_ms)
 
     def step(self) -> bool:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, daemon=True, name="dynamics")
-            self._thread.start()
-        else:
-            self._resume.release()
-        self._paused.acquire()
-        return self.result.done()
+        try:
+            next(self._pieces)
+        except StopIteration as done:
+            self.result.set_result(done.value)
+            return True
+        return False
 
     def fail(self, error: BaseException) -> None:
-        """It will not be stepped again (shutdown, or its caller went away): a thread waiting in `pause()`
-        raises `error` there, which ends the work without touching the model."""
-        if self._thread is None:
-            self.result.set_exception(error)
-            return
-        self._failure = error
-        self._resume.release()
+        """It will not be stepped again (shutdown, its caller went away, or a piece raised `error`)."""
+        self._pieces.close()
+        self.result.set_exception(error)
 
-    def _run(self) -> None:
-        try:
-            self.result.set_result(self._work(self._pause))
-        except BaseException as error:  # the caller gets it
-            self.result.set_exception(error)
-        finally:
-            self._paused.release()
+    def _run(self, embodiment: Embodiment, request: PolicyRequest, canvas_hw: tuple[int, int], decode_frames: bool,
+             prompt: PromptState | None, arrived_ms: float):
+        served = self.served
+        pipeline, clock = served.pipeline, served.clock
+        waited = 0.0
 
-    def _pause(self) -> None:
-        self._paused.release()
-        self._resume.acquire()
-        if self._failure is not None:
-            raise self._failure
-
-
-class _PausedSteps(FixedSteps):
-    """Every call full; hands the worker back before each sampler step and adds up the ms it waited there
-    (the pipeline's `denoise` time includes them)."""
-
-    def __init__(self, served: ServedModel, num_steps: int, pause: Callable[[], float]):
-        guided = served.pipeline.guided_steps(num_steps) if served.passes == 2 else range(0)
-        super().__init__(num_steps, guided, served.pipeline.transformer.gen_stack)
-        self.pause, self.paused_ms = pause, 0.0
-
-    def before_step(self, step: int) -> tuple[tuple[str, ...], bool]:
-        self.paused_ms += self.pause()
-        return super().before_step(step)
-
-
-def dynamics_work(served: ServedModel, embodiment: Embodiment, request: PolicyRequest, canvas_hw: tuple[int, int],
-                  decode_frames: bool, prompt: PromptState | None, arrived_ms: float):
-    """The `SteppedCall` work of one dynamics call. Its pieces: the prefill (unless `prompt`, the session's
-    text K/V, fits), the encode, each sampler step, the frames' decode. The work returns the pipeline output,
-    the frames (or None) and the ms per stage, the waits since `arrived_ms` before and between its pieces as
-    "queue"."""
-    pipeline, clock = served.pipeline, served.clock
-
-    def work(pause: Callable[[], None]):
-        def wait() -> float:
-            started = clock()
-            pause()
-            return clock() - started
+        def resumed(paused_at: float) -> None:
+            nonlocal waited
+            waited += clock() - paused_at
 
         stage_ms = {"queue": clock() - arrived_ms}
         text, stage_ms["prefill"] = served.prompt(request.instruction, embodiment, request.chunk_size, canvas_hw,
                                                   prompt)
-        if text is not prompt:
-            stage_ms["queue"] += wait()
-        steps = _PausedSteps(served, request.num_steps or served.num_steps, wait)
-        out = pipeline.run(request, text, steps)
-        stage_ms.update(encode=out.timings_ms["encode"], denoise=out.timings_ms["denoise"] - steps.paused_ms,
+        num_steps = request.num_steps or served.num_steps
+        guided = pipeline.guided_steps(num_steps) if served.passes == 2 else range(0)
+        steps = pipeline.steps(request, text, FixedSteps(num_steps, guided))
+        sent = None
+        while True:  # the tick's step boundaries are this call's pieces; its full calls run in place
+            try:
+                call = steps.send(sent)
+            except StopIteration as done:
+                out = done.value
+                break
+            if call is None:
+                paused_at = clock()
+                yield
+                resumed(paused_at)
+                sent = None
+            else:
+                sent = pipeline.transformer.gen_stack(call.gen, call.und_kv)
+        stage_ms.update(encode=out.timings_ms["encode"], denoise=out.timings_ms["denoise"] - waited,
                         decode=out.timings_ms["decode"])
         stage_ms["prefill"] += out.timings_ms["prefill"]
-        stage_ms["queue"] += steps.paused_ms
         frames = None
         if decode_frames:
-            stage_ms["queue"] += wait()
+            paused_at = clock()
+            yield
+            resumed(paused_at)
             started = clock()
             frames = pipeline.decode_video(out.latents)
             stage_ms["video_decode"] = clock() - started
+        stage_ms["queue"] += waited
         return out, frames, stage_ms
-
-    return work
 
 
 class Dynamics:
@@ -183,8 +158,7 @@ class Dynamics:
             raise api.DynamicsOff()
         if not self._calls.acquire(blocking=False):  # released when the call ends, however it ends
             raise api.TooManyDynamicsCalls(served.settings.max_dynamics_calls)
-        job = SteppedCall(dynamics_work(served, embodiment, request, canvas_hw, decode_frames, session.prompt,
-                                        arrived_ms))
+        job = DynamicsCall(served, embodiment, request, canvas_hw, decode_frames, session.prompt, arrived_ms)
         job.result.add_done_callback(lambda _: self._calls.release())
         try:
             self.worker.submit(job)

@@ -1,8 +1,9 @@
 """`ModelEngine`: the `Engine` the transport calls, backed by one `PolicyPipeline` on one device.
 
 A facade: each request goes to the part that owns it. One model worker (`engine/worker.py`) takes all work
-off one queue, control ticks first: a tick (`engine/tick.py`) runs alone or, with queued ticks of one shape
-from other sessions, as a micro-batch whose ticks meet at the GEN stack (`engine/batching.py`). Reasoner
+off one queue, control ticks first, and is the only thread that runs the model: a tick (`engine/tick.py`) runs
+alone or, with queued ticks of one shape from other sessions, as a micro-batch whose full GEN-stack calls run
+as one stack (`engine/batching.py`). Reasoner
 calls (`engine/reasoning.py`) and forward / inverse dynamics calls (`engine/dynamics.py`) run between ticks,
 one piece per worker step. Warmup (`engine/warmup.py`) fills the cost model before `ready()`, and a session is
 admitted only when every open session's ticks still meet their budgets (`engine/admission.py`).
@@ -21,7 +22,6 @@ import torch
 from policy_server.budget.guard import monotonic_ms
 from policy_server.engine import api
 from policy_server.engine.admission import Admission, RateLimiter, default_rate_hz
-from policy_server.engine.batching import StackBatcher
 from policy_server.engine.dynamics import Dynamics
 from policy_server.engine.reasoning import Reasoning
 from policy_server.engine.served import EngineSettings, ServedModel
@@ -45,9 +45,8 @@ class ModelEngine:
         self.settings = settings or EngineSettings()
         self.served = ServedModel(pipeline, self.settings, clock)
         self.sessions = SessionTable(self.settings.max_sessions)
-        self._worker = ModelWorker(lambda job, batcher: Tick(self.served, job.session, job.payload, batcher).run(),
-                                   lambda size: StackBatcher(pipeline.transformer.gen_stack, size),
-                                   self.settings.max_batch)
+        self._worker = ModelWorker(lambda job, size: Tick(self.served, job.session, job.payload, size).steps(),
+                                   pipeline.transformer.gen_stack, self.settings.max_batch)
         self._warmup = Warmup(self.served)
         self._admission = Admission(self.served, self.sessions, lambda: self._warmup.blocking_ms)
         self._reasoning = Reasoning(self.served, self._worker)

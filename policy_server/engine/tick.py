@@ -4,14 +4,14 @@
 
 A tick is planned against the smallest of its session's slot, its budget less the time it queued, and the
 caller's deadline. The budget planner picks its cache setting; the deadline guard, wrapped around SeaCache,
-paces its steps (`before_step`) and may force a call to skip (`run_stack`). The finished tick feeds the cost
+paces its steps (`before_step`) and may force a call to skip (`estimate`). The finished tick feeds the cost
 model and the session's history, and its `api.TickRecord`, built once here, says why it was as fast as it was.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,14 +19,12 @@ import torch
 
 from policy_server.budget.planner import TickPlan
 from policy_server.budget.tick import PREVIEW_STAGE, GuardedSteps
-from policy_server.cache.controller import CacheRecord, NoCache
+from policy_server.cache.controller import CacheRecord
 from policy_server.cache.seacache import SeaCache, SeaCacheConfig
 from policy_server.engine import api
-from policy_server.engine.batching import StackBatcher
 from policy_server.engine.served import ServedModel
 from policy_server.engine.sessions import SessionState
-from policy_server.model import GenInput, UndKV
-from policy_server.pipeline.policy import BRANCHES, Aborted, PolicyOutput, PolicyRequest
+from policy_server.pipeline.policy import Aborted, FixedSteps, PolicyOutput, PolicyRequest, StackCall
 
 STAGES = ("encode", "prefill", "denoise", "decode")
 
@@ -62,34 +60,14 @@ def branch_records(cache: CacheRecord) -> dict[str, api.BranchRecord]:
             for name, c in cache.branches.items()}
 
 
-class _EveryCallFull:
-    """The steps of a tick the budget does not control: the uncond pass on the `guided` steps, every call full."""
-
-    fallbacks: tuple[str, ...] = ()
-
-    def __init__(self, num_steps: int, guided: range):
-        self.guided, self.cache = guided, NoCache()
-        self.cache.begin(num_steps)
-
-    def before_step(self, step: int) -> tuple[tuple[str, ...], bool]:
-        return (BRANCHES if step in self.guided else BRANCHES[:1]), False
-
-    def run_stack(self, step, branch, sigma, noisy_vision, gen_in, full) -> torch.Tensor:
-        return self.cache.run_stack(step, branch, sigma, noisy_vision, gen_in, full)
-
-    def record(self) -> CacheRecord:
-        return self.cache.record()
-
-
 class Tick:
-    """One control tick of `session`; `batcher`: the micro-batch's GEN-stack rendezvous, None when alone."""
+    """One control tick of `session`, run by the model worker through `steps()`: alone, or in a micro-batch of
+    `batch_size` ticks whose full GEN-stack calls the worker runs together."""
 
-    def __init__(self, served: ServedModel, session: SessionState, request: TickRequest,
-                 batcher: StackBatcher | None):
+    def __init__(self, served: ServedModel, session: SessionState, request: TickRequest, batch_size: int):
         self.served, self.session, self.request = served, session, request
-        self._stack = served.pipeline.transformer.gen_stack if batcher is None else batcher.run
-        self._batch_size = 1 if batcher is None else batcher.participants
-        self._steps: GuardedSteps | _EveryCallFull | None = None
+        self._batch_size = batch_size
+        self._steps: GuardedSteps | FixedSteps | None = None
 
     # ------------------------------------------------------------------ the pipeline's collaborator
 
@@ -100,16 +78,20 @@ class Tick:
             raise Aborted(f"abandoned before step {step}")
         return self._steps.before_step(step)
 
-    def run_stack(self, step: int, branch: str, sigma: float, noisy_vision: list[torch.Tensor], gen: GenInput,
-                  und_kv: UndKV) -> torch.Tensor:
-        return self._steps.run_stack(step, branch, sigma, noisy_vision, gen.hidden, lambda: self._stack(gen, und_kv))
+    def estimate(self, step: int, branch: str, sigma: float, noisy_vision: list[torch.Tensor],
+                 gen_in: torch.Tensor) -> torch.Tensor | None:
+        return self._steps.estimate(step, branch, sigma, noisy_vision, gen_in)
+
+    def ran(self, out: torch.Tensor) -> None:
+        self._steps.ran(out)
 
     def record(self) -> CacheRecord:
         return self._steps.record()
 
     # ------------------------------------------------------------------ the tick
 
-    def run(self) -> api.ActResult:
+    def steps(self) -> Generator[StackCall | None, torch.Tensor | None, api.ActResult]:
+        """The tick as the pipeline's `TickSteps`, returning the answer."""
         served, session, request = self.served, self.session, self.request
         pipeline = served.pipeline
         observation = request.observation
@@ -139,7 +121,7 @@ class Tick:
             num_steps=served.num_steps if plan is None else plan.num_steps, seed=session.seed + session.ticks,
         )
         try:
-            out = pipeline.run(pipeline_request, session.prompt, self)
+            out = yield from pipeline.steps(pipeline_request, session.prompt, self)
         except Aborted:
             if served.closing.is_set():
                 raise api.ShuttingDown() from None
@@ -172,7 +154,7 @@ class Tick:
         served, session = self.served, self.session
         if not served.budget_controlled:
             guided = served.pipeline.guided_steps(served.num_steps) if served.passes == 2 else range(0)
-            self._steps = _EveryCallFull(served.num_steps, guided)
+            self._steps = FixedSteps(served.num_steps, guided)
             return None
         # A slot that holds the uncached tick is no cap: rounding must not turn caching on.
         slot_ms = session.slot_ms if session.slot_ms < session.demand.ceiling_ms else left_ms

@@ -21,7 +21,7 @@ from policy_server.budget.tick import PREVIEW_STAGE
 from policy_server.cache.controller import NoCache, StepController
 from policy_server.cache.seacache import SeaCache, SeaCacheConfig
 from policy_server.engine import api
-from policy_server.engine.dynamics import SteppedCall, dynamics_work
+from policy_server.engine.dynamics import DynamicsCall
 from policy_server.engine.served import INSTRUCTION_TOKEN_GROUPS, ServedModel
 from policy_server.engine.tick import STAGES, observe_output
 from policy_server.limits import MAX_INSTRUCTION_TOKENS, MAX_PROMPT_TOKENS
@@ -37,7 +37,7 @@ class _StopOnClose(FixedSteps):
     """A warmup tick's steps: abandoned when the engine shuts down."""
 
     def __init__(self, served: ServedModel, num_steps: int, guided: range, cache: StepController):
-        super().__init__(num_steps, guided, served.pipeline.transformer.gen_stack, cache)
+        super().__init__(num_steps, guided, cache)
         self.closing = served.closing
 
     def before_step(self, step: int) -> tuple[tuple[str, ...], bool]:
@@ -224,8 +224,7 @@ class Warmup:
         canvas_hw = self.served.pipeline.canvas_for(embodiment, {name: frames[0] for name in cameras})
         longest = 0.0
         for request, decode_frames in calls:
-            job = SteppedCall(dynamics_work(self.served, embodiment, request, canvas_hw, decode_frames, None,
-                                            self.served.clock()))
+            job = DynamicsCall(self.served, embodiment, request, canvas_hw, decode_frames, None, self.served.clock())
             finished = False
             while not finished:
                 started = self.served.clock()

@@ -1,8 +1,9 @@
 """The model worker: one thread, one loop, over the control ticks and the background work of one model.
 
-Control ticks always go first. The oldest queued tick starts together with up to ``max_batch - 1``
-queued ticks of the same shape from other sessions (a micro-batch, see ``engine/batching.py``).
-Background work (reasoner calls, warmup) is a ``BackgroundJob``: the loop runs one ``step()`` of the
+This thread is the only one that runs the model. Control ticks always go first. The oldest queued tick
+starts together with up to ``max_batch - 1`` queued ticks of the same shape from other sessions (a
+micro-batch, see ``engine/batching.py``); each tick is a generator, and the worker runs them to the end.
+Background work (warmup, reasoner and dynamics calls) is a ``BackgroundJob``: the loop runs one ``step()`` of the
 oldest job, then looks at the ticks again, so a tick waits for at most one background step. Jobs
 take turns, step by step.
 
@@ -15,11 +16,15 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable, Hashable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import torch
+
 from policy_server.engine import api
+from policy_server.engine.batching import GenStack, run_together
+from policy_server.pipeline.policy import TickSteps
 
 
 class BackgroundJob(Protocol):
@@ -42,23 +47,22 @@ class TickJob:
 
 
 class ModelWorker:
-    """Runs ``run_tick(job, batcher_or_None)`` for ticks and ``step()`` for background jobs on one thread.
+    """Runs ticks and the ``step()`` of background jobs on one thread.
 
-    ``make_batcher(size)`` builds the rendezvous of a micro-batch of ``size`` ticks (it must have
-    ``leave()``); each tick of a batch runs on its own thread while the worker waits for them.
+    ``start_tick(job, batch_size)``: the generator of a queued tick (`Tick.steps`) in a micro-batch of
+    ``batch_size``; the worker runs the ticks of a batch together (``batching.run_together``) with
+    ``gen_stack`` running their full GEN-stack calls.
     """
 
-    def __init__(self, run_tick: Callable[[TickJob, Any], Any], make_batcher: Callable[[int], Any],
-                 max_batch: int) -> None:
-        self._run_tick = run_tick
-        self._make_batcher = make_batcher
+    def __init__(self, start_tick: Callable[[TickJob, int], TickSteps], gen_stack: GenStack, max_batch: int) -> None:
+        self._start_tick = start_tick
+        self._gen_stack = gen_stack
         self._max_batch = max_batch
         self._ticks: list[TickJob] = []  # oldest first
         self._jobs: deque[BackgroundJob] = deque()
         self._running = 0  # ticks and jobs taken off the queues, not yet finished
         self._closed = False
         self._changed = threading.Condition()
-        self._batch_threads = ThreadPoolExecutor(max_workers=max_batch, thread_name_prefix="tick")
         self._thread = threading.Thread(target=self._loop, name="model-worker", daemon=True)
         self._thread.start()
 
@@ -99,12 +103,12 @@ class ModelWorker:
         for job in jobs:
             job.fail(api.ShuttingDown())
         self._thread.join(timeout_s)
-        self._batch_threads.shutdown(wait=False, cancel_futures=True)
         return not self._thread.is_alive()
 
     # ------------------------------------------------------------------------------ the loop
 
     def _loop(self) -> None:
+        torch.set_grad_enabled(False)  # the worker only infers (grad mode is per thread)
         while True:
             with self._changed:
                 while not (self._closed or self._ticks or self._jobs):
@@ -138,26 +142,13 @@ class ModelWorker:
         return batch
 
     def _run_batch(self, batch: list[TickJob]) -> None:
-        if len(batch) == 1:
-            _settle(batch[0].result, self._run_tick, batch[0], None)
-            return
-        batcher = self._make_batcher(len(batch))
-
-        def run_in_batch(tick: TickJob) -> None:
+        ticks = []
+        for job in batch:
             try:
-                _settle(tick.result, self._run_tick, tick, batcher)
-            finally:
-                batcher.leave()
-
-        try:
-            started = [self._batch_threads.submit(run_in_batch, tick) for tick in batch]
-        except RuntimeError:  # close() gave up waiting and shut the batch threads down
-            for tick in batch:
-                if not tick.result.done():
-                    tick.result.set_exception(api.ShuttingDown())
-            raise
-        for finished in started:
-            finished.result()
+                ticks.append((self._start_tick(job, len(batch)), job.result))
+            except BaseException as error:  # the caller gets it, the worker keeps serving
+                job.result.set_exception(error)
+        run_together(ticks, self._gen_stack)
 
     def _step(self, job: BackgroundJob) -> None:
         try:
@@ -171,14 +162,6 @@ class ModelWorker:
                     job.fail(api.ShuttingDown())
                 else:
                     self._jobs.append(job)
-
-
-def _settle(result: Future, fn, *args) -> None:
-    """Run ``fn(*args)`` and put its return value or exception into ``result``."""
-    try:
-        result.set_result(fn(*args))
-    except BaseException as error:  # the caller gets it, the worker keeps serving
-        result.set_exception(error)
 
 
 class GeneratorJob:

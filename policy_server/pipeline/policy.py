@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -63,9 +63,13 @@ class StepControl(Protocol):
         """Before sampler step `step`: the CFG branches to run, in call order, and whether it is the last step.
         Raises `Aborted` to abandon the tick."""
 
-    def run_stack(self, step: int, branch: str, sigma: float, noisy_vision: list[torch.Tensor], gen: GenInput,
-                  und_kv: UndKV) -> torch.Tensor:
-        """The GEN stack output `[N_gen, D]` of one call: run, or estimated by the step cache."""
+    def estimate(self, step: int, branch: str, sigma: float, noisy_vision: list[torch.Tensor],
+                 gen_in: torch.Tensor) -> torch.Tensor | None:
+        """The GEN stack output `[N_gen, D]` of one call estimated by the step cache, or None when the call
+        runs; its output then goes to `ran`."""
+
+    def ran(self, out: torch.Tensor) -> None:
+        """The GEN stack output of the call that ran."""
 
     def record(self) -> CacheRecord:
         """What the step cache decided in this tick."""
@@ -73,22 +77,49 @@ class StepControl(Protocol):
 
 class FixedSteps:
     """Step control without a deadline: the uncond pass on every step of `guided`, `cache` (default `NoCache`)
-    deciding each GEN-stack call, `stack` running the full ones."""
+    deciding each GEN-stack call."""
 
-    def __init__(self, num_steps: int, guided: range, stack: Callable[[GenInput, UndKV], torch.Tensor],
-                 cache: StepController | None = None):
-        self.guided, self.stack = guided, stack
+    def __init__(self, num_steps: int, guided: range, cache: StepController | None = None):
+        self.guided = guided
         self.cache = cache or NoCache()
         self.cache.begin(num_steps)
 
     def before_step(self, step: int) -> tuple[tuple[str, ...], bool]:
         return (BRANCHES if step in self.guided else BRANCHES[:1]), False
 
-    def run_stack(self, step, branch, sigma, noisy_vision, gen, und_kv):
-        return self.cache.run_stack(step, branch, sigma, noisy_vision, gen.hidden, lambda: self.stack(gen, und_kv))
+    def estimate(self, step, branch, sigma, noisy_vision, gen_in) -> torch.Tensor | None:
+        return self.cache.estimate(step, branch, sigma, noisy_vision, gen_in)
+
+    def ran(self, out: torch.Tensor) -> None:
+        self.cache.ran(out)
 
     def record(self) -> CacheRecord:
         return self.cache.record()
+
+
+@dataclass(frozen=True)
+class StackCall:
+    """A full GEN-stack call the step loop waits on: send it back `gen_stack(gen, und_kv)`, `[N_gen, D]`."""
+
+    gen: GenInput
+    und_kv: UndKV
+
+
+# `PolicyPipeline.steps`: yields None before each sampler step (send back None) and a `StackCall` for each
+# full GEN-stack call (send back its output); returns the tick's `PolicyOutput`.
+TickSteps = Generator["StackCall | None", "torch.Tensor | None", "PolicyOutput"]
+
+
+def run_steps(steps: TickSteps, gen_stack: Callable[[GenInput, UndKV], torch.Tensor]) -> PolicyOutput:
+    """Run `steps` to the end on this thread, each full call through `gen_stack`."""
+    sent = None
+    with torch.no_grad():
+        while True:
+            try:
+                call = steps.send(sent)
+            except StopIteration as done:
+                return done.value
+            sent = None if call is None else gen_stack(call.gen, call.und_kv)
 
 
 class Aborted(RuntimeError):
@@ -345,12 +376,17 @@ class PolicyPipeline:
         self.validate(request)
         steps = self._num_steps(request)
         guided = self.guided_steps(steps) if self._guidance(request) != 1.0 else range(0)
-        return self.run(request, prompt, FixedSteps(steps, guided, self.transformer.gen_stack, cache))
+        return self.run(request, prompt, FixedSteps(steps, guided, cache))
 
     def run(self, request: PolicyRequest, prompt: PromptState | None, control: StepControl) -> PolicyOutput:
-        """Run one tick of a valid `request` under `control`, the one say the caller has in the step loop (the
-        engine builds its requests from what the transport validated). `prompt`: the session's text K/V
-        (prefilled here when missing or stale)."""
+        """`steps` run to the end on this thread."""
+        return run_steps(self.steps(request, prompt, control), self.transformer.gen_stack)
+
+    def steps(self, request: PolicyRequest, prompt: PromptState | None, control: StepControl) -> TickSteps:
+        """One tick of a valid `request` under `control`, the one say the caller has in the step loop (the
+        engine builds its requests from what the transport validated), as a generator (`TickSteps`): whoever
+        drives it runs the full GEN-stack calls, alone or batched with other ticks', and may stop between
+        sampler steps. `prompt`: the session's text K/V (prefilled here when missing or stale)."""
         t_start = time.perf_counter()
         embodiment = self.embodiments.get(request.embodiment)
         chunk = embodiment.default_chunk_size if request.chunk_size is None else request.chunk_size
@@ -372,7 +408,7 @@ class PolicyPipeline:
             clock = time.perf_counter()
             state = self._initial_state(request, embodiment, chunk, clean_latent)
             branches = self._branches(prompt, state, embodiment.fps)
-            steps_done = self._sample(state, branches, steps, guidance, control)
+            steps_done = yield from self._sample(state, branches, steps, guidance, control)
             timings["denoise"] = _ms_since(clock)
 
             clock = time.perf_counter()
@@ -568,9 +604,8 @@ class PolicyPipeline:
         key = packed.shape
         if key not in self._gen_layouts:
             dtype = self.transformer.dtype
-            built = self.transformer.gen_layout(
+            self._gen_layouts[key] = self.transformer.gen_layout(
                 key=key, **packed.model_kwargs(state.vision.to(dtype), state.actions.to(dtype), timestep=0.0))
-            self._gen_layouts.setdefault(key, built)  # ticks on other threads keep the first one
         return self._gen_layouts[key]
 
     def _sampler(self, num_steps: int):
@@ -578,12 +613,13 @@ class PolicyPipeline:
                             karras=self.config.karras)
 
     def _sample(self, state: DenoiseState, branches: dict[str, Branch], steps: int, guidance: float,
-                control: StepControl) -> list[StepRecord]:
+                control: StepControl) -> Generator[StackCall | None, torch.Tensor | None, list[StepRecord]]:
         """The flow-matching step loop: advances `state` in place and returns what each step did. `control`
         names each step's CFG branches; a step it makes the last jumps straight to the clean estimate."""
         sampler = self._sampler(steps)
         records: list[StepRecord] = []
         for i in range(steps):
+            yield None  # a step boundary: the driver may run other work, or stop the tick, here
             run_branches, last = control.before_step(i)
             sigma = sampler.sigmas[i]
             timestep = float(sampler.timesteps[i])
@@ -591,7 +627,7 @@ class PolicyPipeline:
             velocities = {}
             for name in run_branches:
                 clock = time.perf_counter()
-                velocities[name] = self._velocity(state, branches[name], i, sigma, timestep, control)
+                velocities[name] = yield from self._velocity(state, branches[name], i, sigma, timestep, control)
                 record.ms[name] = _ms_since(clock)
             v_vision, v_action = _guided(velocities, guidance)
             if not state.noisy_actions:
@@ -609,14 +645,17 @@ class PolicyPipeline:
         return records
 
     def _velocity(self, state: DenoiseState, branch: Branch, step: int, sigma: float, timestep: float,
-                  control: StepControl) -> tuple[torch.Tensor, torch.Tensor]:
+                  control: StepControl) -> Generator[StackCall, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """One branch's velocities at one step, fp32, zero on clean rows: vision [C, T_lat, h, w], actions
-        [H + S + K, action_dim]. The step control runs the GEN stack or has it estimated."""
+        [H + S + K, action_dim]. The step control estimates the GEN stack output, or the call runs."""
         dtype = self.transformer.dtype
         kwargs = branch.packed.model_kwargs(state.vision.to(dtype), state.actions.to(dtype), timestep)
         gen = self.transformer.embed_gen(layout=branch.layout, **kwargs)
         noisy_vision = [state.vision] if state.noisy_vision else []
-        stack_out = control.run_stack(step, branch.name, sigma, noisy_vision, gen, branch.und_kv)
+        stack_out = control.estimate(step, branch.name, sigma, noisy_vision, gen.hidden)
+        if stack_out is None:
+            stack_out = yield StackCall(gen, branch.und_kv)
+            control.ran(stack_out)
         pred_vision, _, pred_action = self.transformer.heads(stack_out, gen)
         v_vision, v_action = pred_vision[0][0].float(), pred_action[0].float()
         state.mask(v_vision, v_action)
