@@ -32,6 +32,7 @@ import json
 import math
 import platform
 import resource
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -279,10 +280,13 @@ def run(args: argparse.Namespace) -> dict:
     fewer = {b: min(steps, max(1, math.floor(steps * b / uncached_warm_ms))) for b in budgets}
     slow_budget = budgets[0]
     slowdown_ms = args.slowdown_ms
-    if slowdown_ms is None:  # half the full GEN-stack call the engine's warmup measured
-        served = engine.served
-        key = served.cost_key(embodiment.name, embodiment.default_chunk_size, served.instruction_tokens("warm up", ""))
-        slowdown_ms = round(0.5 * served.cost_model.costs(key).full_ms, 2)
+    observations = [model_inputs(obs, embodiment, args.frame_size)
+                    for obs in collect_observations(args.ticks, args.seed)]
+    if slowdown_ms is None:  # half a full call (embed, GEN stack, heads) as an uncached tick times them
+        first = observations[0]
+        probe = pipeline(PolicyRequest(images=first["images"], instruction=first["instruction"],
+                                       embodiment=embodiment.name, state=first["state"]))
+        slowdown_ms = round(0.5 * statistics.median(ms for step in probe.steps for ms in step.ms.values()), 2)
 
     runs = {"uncached": ConfigRun("uncached"), "seacache_default": ConfigRun("seacache_default")}
     for b, n in fewer.items():
@@ -305,8 +309,6 @@ def run(args: argparse.Namespace) -> dict:
         embodiment.name, "warm up", budget_ms=slow_budget, seed=0, rate_hz=0.0))
     slowdown = Slowdown(pipeline.transformer, slowdown_ms)  # off until the halfway tick, and then only for slow_engine
 
-    observations = [model_inputs(obs, embodiment, args.frame_size)
-                    for obs in collect_observations(args.ticks, args.seed)]
     latent_shape = None
     order = list(runs)
     for tick, obs in enumerate(tqdm(observations, desc="bench", unit="tick")):

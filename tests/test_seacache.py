@@ -132,7 +132,7 @@ def test_threshold_crossings_refresh_without_cap():
     drive(cache, latents_with_distances([0.1] * 9, 10))
     rec = cache.record()
     assert rec.sequence("cond") == "FSSSFSSSFF"
-    assert rec.branches["cond"].full_reasons == {"retention": 1, "threshold": 2, "cache_end": 1}
+    assert [d.reason for d in rec.decisions if d.full] == ["retention", "threshold", "threshold", "cache_end"]
 
 
 def test_large_distances_refresh_every_step():
@@ -425,8 +425,8 @@ def test_record_counts_and_sequences_per_branch():
     for branch in ("cond", "uncond"):
         counts = rec.branches[branch]
         assert (counts.full, counts.skipped, counts.forced_skip, counts.fail_open) == (2, 2, 0, 0)
-        assert counts.full_reasons == {"retention": 1, "cache_end": 1} and counts.calls == 4
-    assert (rec.full_calls, rec.skipped_calls, rec.forced_skips, rec.fail_opens) == (4, 4, 0, 0)
+        assert [d.reason for d in rec.decisions if d.branch == branch and d.full] == ["retention", "cache_end"]
+    assert (rec.full_calls, rec.skipped_calls, rec.forced_skips) == (4, 4, 0)
     assert len(rec.decisions) == 8 and rec.num_steps == 4
     assert rec.thresholds == (0.25,) * 4 and rec.max_consecutive_cached == 2
 

@@ -19,14 +19,10 @@ class SessionHistory:
     """Recent natural full-call counts per (setting name, structure) of one session; ``window`` ticks each."""
 
     def __init__(self, window: int = 16) -> None:
-        if window < 1:
-            raise ValueError(f"window must be >= 1, got {window}")
         self.window = window
         self._counts: dict[tuple[str, Structure], deque[int]] = {}
 
     def observe(self, setting: str, structure: Structure, full_calls: int) -> None:
-        if full_calls < 0:
-            raise ValueError(f"full_calls must be >= 0, got {full_calls}")
         self._counts.setdefault((setting, structure), deque(maxlen=self.window)).append(int(full_calls))
 
     def quantile(self, setting: str, structure: Structure, q: float) -> int | None:

@@ -37,9 +37,8 @@ FAIL_OPEN_REASONS = frozenset(
         "nonfinite_distance",  # the indicator distance was NaN or inf
     }
 )
-# Planned reasons for a FULL call (the cache works as designed).
-PLANNED_FULL_REASONS = frozenset({"no_cache", "retention", "cache_end", "cap", "threshold"})
-SKIP_REASONS = frozenset({"gate", "forced"})
+# The planned reasons for a FULL call are "no_cache", "retention", "cache_end", "cap" and "threshold"; a SKIP
+# is the gate's ("gate") or the deadline guard's ("forced").
 
 
 @dataclass
@@ -76,17 +75,11 @@ class BranchCounts:
     skipped: int = 0
     forced_skip: int = 0
     fail_open: int = 0
-    full_reasons: dict[str, int] = field(default_factory=dict)
     fail_open_reasons: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def calls(self) -> int:
-        return self.full + self.skipped
 
     def add(self, decision: StepDecision) -> None:
         if decision.full:
             self.full += 1
-            self.full_reasons[decision.reason] = self.full_reasons.get(decision.reason, 0) + 1
             if decision.fail_open:
                 self.fail_open += 1
                 self.fail_open_reasons[decision.reason] = self.fail_open_reasons.get(decision.reason, 0) + 1
@@ -126,9 +119,6 @@ class CacheRecord:
     def forced_skips(self) -> int:
         return sum(c.forced_skip for c in self.branches.values())
 
-    @property
-    def fail_opens(self) -> int:
-        return sum(c.fail_open for c in self.branches.values())
 
 
 class StepController(ABC):

@@ -51,6 +51,10 @@ class ModelEngine:
         self._admission = Admission(self.served, self.sessions, lambda: self._warmup.blocking_ms)
         self._reasoning = Reasoning(self.served, self._worker)
         self._dynamics = Dynamics(self.served, self._worker)
+        # The declared schema, read on every request: the pipeline floors frames to multiples of the VAE's
+        # spatial compression, so a side needs at least that.
+        self._specs = tuple(e.to_spec(pipeline.config.canvas_hw, pipeline.vae.spatial_compression,
+                                      pipeline.normalizers(e).state) for e in self.served.embodiments.values())
 
     # ------------------------------------------------------------------------------ lifecycle
 
@@ -81,12 +85,9 @@ class ModelEngine:
     def info(self) -> api.ServerInfo:
         pipeline = self.served.pipeline
         config = pipeline.config
-        # The pipeline floors frames to multiples of the VAE's spatial compression: a side needs at least that.
-        min_side = pipeline.vae.spatial_compression
         return api.ServerInfo(
             model_name=config.name,
-            embodiments=tuple(e.to_spec(config.canvas_hw, min_side, pipeline.normalizers(e).state)
-                              for e in self.served.embodiments.values()),
+            embodiments=self._specs,
             default_budget_ms=self.settings.default_budget_ms,
             max_sessions=self.settings.max_sessions,
             model_digest=pipeline.digest,
