@@ -147,8 +147,7 @@ class ModelEngine:
     def act(self, session_id: str, epoch: int, observation: api.Observation, deadline_s: float | None = None,
             should_abort: Callable[[], bool] | None = None) -> api.ActResult:
         self._require_ready()
-        session = self.sessions.get(session_id)
-        self.served.check_epoch(session, epoch)
+        session = self.sessions.get(session_id)  # its epoch is checked when the tick starts
         tokens = self.served.instruction_tokens(observation.instruction, "observation.instruction") \
             if observation.instruction else 0
         deadline_ms = session.budget_ms

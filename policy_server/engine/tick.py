@@ -95,8 +95,7 @@ class Tick:
         served, session, request = self.served, self.session, self.request
         pipeline = served.pipeline
         observation = request.observation
-        if request.epoch != session.epoch:  # reset while queued
-            raise api.StaleEpoch(session.session_id, session.epoch, request.epoch)
+        served.check_epoch(session, request.epoch)  # at the start: a reset may have come while it queued
         if request.gone():
             raise request.gone_error()
         started_ms = served.clock()
