@@ -45,6 +45,7 @@ import torch
 from tqdm import tqdm
 
 import robots.envs  # noqa: F401  (registers the environments)
+from policy_server.budget.planner import MAX_CACHING
 from policy_server.cache.controller import NoCache
 from policy_server.cache.seacache import SeaCache, SeaCacheConfig
 from policy_server.config import DTYPES, check_dtype
@@ -372,6 +373,7 @@ def run(args: argparse.Namespace) -> dict:
         },
         "model": model_summary(pipeline, embodiment, observations[0], latent_shape),
         "forward": forward_summary(pipeline, embodiment, latent_shape, args),
+        "tick_profile": tick_profile(pipeline, embodiment, observations[0], args.profile_ticks),
         "uncached_warmup_p50_ms": uncached_warm_ms,
         "slowdown": {"config": slow_name, "extra_ms_per_full_call": slowdown_ms, "from_tick": args.ticks // 2},
         "configs": summaries,
@@ -453,6 +455,57 @@ def forward_summary(pipeline: PolicyPipeline, embodiment: Embodiment, latent_sha
                            device=pipeline.device)
 
 
+# Profiler ops that are the model's arithmetic: matmuls and the attention kernel (by backend).
+MATMUL_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"})
+ATTENTION_OPS = frozenset({"aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_flash_attention_forward",
+                           "aten::_efficient_attention_forward", "aten::_scaled_dot_product_cudnn_attention",
+                           "aten::_scaled_dot_product_attention_math"})
+
+
+def tick_profile(pipeline: PolicyPipeline, embodiment: Embodiment, inputs: dict, ticks: int) -> dict | None:
+    """Where an uncached tick's time goes (ms per tick): its wall time (median, without the profiler), the
+    matmul and attention time the torch profiler attributes to it (self time, mean over `ticks`), their
+    ratio (1.0: nothing but arithmetic), the ops per tick, and one GEN-stack call's cost full and skipped
+    (median over an uncached and a maximally cached tick's calls: embed, stack or extrapolation, heads)."""
+    if ticks == 0:
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    request = PolicyRequest(images=inputs["images"], instruction=inputs["instruction"], embodiment=embodiment.name,
+                            state=inputs["state"])
+    pipeline(request)  # allocations and layouts of this shape are made outside the figures
+    walls, full_ms, skip_ms = [], [], []
+    for _ in range(ticks):
+        out = pipeline(request)
+        walls.append(out.timings_ms["total"])
+        full_ms.extend(ms for step in out.steps for ms in step.ms.values())
+        cached = pipeline(request, cache=SeaCache(SeaCacheConfig(threshold=MAX_CACHING.threshold,
+                                                                 max_consecutive_cached=MAX_CACHING.cap)))
+        skip_ms.extend(cached.steps[d.step].ms[d.branch] for d in cached.cache.decisions if not d.full)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if pipeline.device.type == "cuda" else [])
+    with profile(activities=activities) as profiler:
+        for _ in range(ticks):
+            pipeline(request)
+    events = profiler.key_averages()
+    cuda = pipeline.device.type == "cuda"
+
+    def op_ms(names: frozenset[str]) -> float:
+        total_us = sum((e.self_device_time_total if cuda else e.self_cpu_time_total) for e in events if e.key in names)
+        return total_us / 1e3 / ticks
+
+    wall_ms, matmul_ms, attention_ms = statistics.median(walls), op_ms(MATMUL_OPS), op_ms(ATTENTION_OPS)
+    return {
+        "wall_ms": wall_ms,
+        "matmul_ms": matmul_ms,
+        "attention_ms": attention_ms,
+        "wall_vs_arithmetic": wall_ms / (matmul_ms + attention_ms),
+        "ops_per_tick": sum(e.count for e in events if e.key.startswith("aten::")) / ticks,
+        "full_call_ms": statistics.median(full_ms),
+        "skipped_call_ms": statistics.median(skip_ms) if skip_ms else None,
+        "ticks": ticks,
+    }
+
+
 def plot(report: dict, out: Path) -> list[Path]:
     """Latency distribution per config, and action error against latency."""
     import matplotlib
@@ -515,6 +568,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="extra ms per full call from the halfway tick (default: half a full call)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile-ticks", type=int, default=5,
+                        help="uncached ticks profiled for `tick_profile` (wall vs matmul + attention); 0: skip")
     parser.add_argument("--reference", action=argparse.BooleanOptionalAction, default=True,
                         help="time diffusers' reference forward (needs the [dev] extra)")
     parser.add_argument("--forward-repeats", type=int, default=50)

@@ -20,7 +20,7 @@ def model_dir(tmp_path_factory):
 def test_bench_writes_the_documented_report(model_dir, tmp_path):
     out = tmp_path / "bench.json"
     assert bench_main(["--checkpoint", str(model_dir), "--ticks", "4", "--warmup", "2", "--out", str(out),
-                       "--forward-repeats", "2", "--closed-loop", "1",
+                       "--forward-repeats", "2", "--closed-loop", "1", "--profile-ticks", "1",
                        "--budget-fractions", "0.8", "0.9"]) == 0  # above the floor however loaded CI is
     report = json.loads(out.read_text())
     assert report["schema"] == 1
@@ -32,6 +32,10 @@ def test_bench_writes_the_documented_report(model_dir, tmp_path):
     assert report["model"]["param_bytes"] == 4 * report["model"]["params"]
     assert report["model"]["latent_shape"] == [16, 3, 8, 8] and report["model"]["canvas_hw"] == [64, 64]
     assert {"full_ms", "gen_only_ms", "reference_full_ms", "ratio_gen_only_vs_reference"} <= set(report["forward"])
+    profile = report["tick_profile"]
+    assert profile["matmul_ms"] > 0 and profile["attention_ms"] > 0 and profile["ops_per_tick"] > 0
+    assert profile["wall_vs_arithmetic"] == profile["wall_ms"] / (profile["matmul_ms"] + profile["attention_ms"])
+    assert profile["full_call_ms"] > profile["skipped_call_ms"] > 0  # a skip runs no GEN stack
     names = [c["name"] for c in report["configs"]]
     assert names[:2] == ["uncached", "seacache_default"]
     assert any(n.startswith("fewer_steps_") for n in names)
@@ -56,7 +60,8 @@ def test_bench_on_a_diffusers_folder_reports_its_shapes(tmp_path):
         {"embodiments": [{"name": "bridge_orig_lerobot", "default_chunk_size": 8, "max_chunk_size": 8}]}))
     out = tmp_path / "bench.json"
     assert bench_main(["--checkpoint", str(folder), "--frame-size", "240x320", "--ticks", "2", "--warmup", "2",
-                       "--out", str(out), "--no-reference", "--budgets-ms", "20000", "30000"]) == 0
+                       "--out", str(out), "--no-reference", "--profile-ticks", "0",
+                       "--budgets-ms", "20000", "30000"]) == 0
     report = json.loads(out.read_text())
     assert [c["budget_ms"] for c in report["configs"] if c["name"].startswith("budget_")] == [20000, 30000, 20000]
     model = report["model"]

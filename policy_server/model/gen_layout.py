@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from policy_server.model.config import Cosmos3TransformerConfig
+from policy_server.model.layers import DomainIds
 from policy_server.model.rope import RotaryTables
 
 
@@ -46,8 +47,8 @@ class GenLayout:
     vision_latent_shapes: list[tuple[int, int, int]]  # unpadded latent (T, H, W) per item
     sound: ModalityLayout | None
     action: ModalityLayout | None
-    action_row_domains: torch.Tensor | None      # [n_action_tokens] domain id of each packed row
-    action_readout_domains: torch.Tensor | None  # [n_noisy_actions] domain id of each read row
+    action_row_domains: DomainIds | None      # of each packed action row, [n_action_tokens]
+    action_readout_domains: DomainIds | None  # of each read action row, [n_noisy_actions]
     time_rows: torch.Tensor                   # rows that get a time embedding: vision, sound, action
 
 
@@ -157,9 +158,10 @@ def build_gen_layout(config: Cosmos3TransformerConfig, rotary, device: torch.dev
         low, high = int(torch.cat(domains).min()), int(torch.cat(domains).max())
         require(low >= 0 and high < config.num_embodiment_domains,
                 f"action domain ids must be in [0, {config.num_embodiment_domains}), got [{low}, {high}]")
-        row_domains = torch.cat([d.expand(s[0]) for d, s in zip(domains, action.token_shapes, strict=True)])
-        readout_domains = torch.cat([d.expand(len(n)) for d, n in zip(
-            domains, action.noisy_frame_indexes, strict=True)])
+        row_domains = DomainIds.of(torch.cat([d.expand(s[0]) for d, s in zip(domains, action.token_shapes,
+                                                                              strict=True)]))
+        readout_domains = DomainIds.of(torch.cat([d.expand(len(n)) for d, n in zip(
+            domains, action.noisy_frame_indexes, strict=True)]))
         if action.readout_rows.numel() > 0:  # the reference adds no time embedding when no action row is read
             time_rows.append(action.noisy_rows)
 

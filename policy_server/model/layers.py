@@ -7,6 +7,7 @@ published `transformer/` checkpoints.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -74,6 +75,19 @@ def gated_mlp(mlp: GatedMLP, x: torch.Tensor) -> torch.Tensor:
     return linear(mlp.down_proj, F.silu(linear(mlp.gate_proj, x)) * linear(mlp.up_proj, x))
 
 
+@dataclass(frozen=True)
+class DomainIds:
+    """The embodiment domain of each row, `rows` `[N]` (long, on the model's device), and the distinct domains
+    among them: fixed per layout, so the projections below never look them up per call."""
+
+    rows: torch.Tensor
+    distinct: tuple[int, ...]
+
+    @classmethod
+    def of(cls, rows: torch.Tensor) -> DomainIds:
+        return cls(rows, tuple(sorted(set(rows.tolist()))))
+
+
 class DomainAwareLinear(nn.Module):
     """One affine map per embodiment domain, stored as embeddings: `y = x @ W[d] + b[d]`.
 
@@ -89,24 +103,16 @@ class DomainAwareLinear(nn.Module):
         self.fc = nn.Embedding(num_domains, input_size * output_size)
         self.bias = nn.Embedding(num_domains, output_size)
 
-    def forward(self, x: torch.Tensor, domain_ids: torch.Tensor) -> torch.Tensor:
-        """x `[N, in]`, domain_ids `[N]` (int) -> `[N, out]`."""
-        if x.ndim != 2 or x.shape[1] != self.input_size:
-            raise ValueError(f"DomainAwareLinear input must be [N, {self.input_size}], got {tuple(x.shape)}")
-        domain_ids = domain_ids.reshape(-1).to(device=x.device, dtype=torch.long)
-        if domain_ids.shape[0] != x.shape[0]:
-            raise ValueError(f"need one domain id per action row: {x.shape[0]} rows, {len(domain_ids)} ids")
-        domains = domain_ids.unique().tolist()
-        if not domains:  # no noisy action rows (forward dynamics): nothing to project
+    def forward(self, x: torch.Tensor, domains: DomainIds) -> torch.Tensor:
+        """x `[N, in]`, one domain per row -> `[N, out]`."""
+        if not domains.distinct:  # no noisy action rows (forward dynamics): nothing to project
             return x.new_zeros((0, self.output_size))
-        if min(domains) < 0 or max(domains) >= self.num_domains:
-            raise ValueError(f"action domain ids must be in [0, {self.num_domains}), got {domains}")
-        if len(domains) == 1:
+        if len(domains.distinct) == 1:
             # The usual case (one embodiment per request): one matmul instead of a per-row bmm.
-            weight = self.fc.weight[domains[0]].view(self.input_size, self.output_size)
-            return x @ weight + self.bias.weight[domains[0]]
-        weight = self.fc(domain_ids).view(-1, self.input_size, self.output_size)
-        return torch.bmm(x.unsqueeze(1), weight).squeeze(1) + self.bias(domain_ids)
+            domain = domains.distinct[0]
+            return x @ self.fc.weight[domain].view(self.input_size, self.output_size) + self.bias.weight[domain]
+        weight = self.fc(domains.rows).view(-1, self.input_size, self.output_size)
+        return torch.bmm(x.unsqueeze(1), weight).squeeze(1) + self.bias(domains.rows)
 
 
 def sinusoidal_timestep_features(timesteps: torch.Tensor, dim: int = 256,
