@@ -19,6 +19,7 @@ coefficients give the same numbers as separate scheduler copies (and as stepping
 
 from __future__ import annotations
 
+import functools
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
@@ -126,6 +127,7 @@ class FlowSampler(ABC):
     def __init__(self, schedule: FlowSchedule) -> None:
         self.schedule = schedule
         self._sigmas_fp32 = torch.tensor(schedule.sigmas, dtype=torch.float32)
+        self._sigma_values = tuple(self._sigmas_fp32.tolist())  # exactly the fp32 values, hashable
         self._step_index = 0
         self._keys: tuple[str, ...] | None = None
 
@@ -215,6 +217,14 @@ def _log_snr(sigma: torch.Tensor) -> torch.Tensor:
     return torch.log(1 - sigma) - torch.log(sigma)
 
 
+@functools.lru_cache(maxsize=4096)
+def _cached_uni_coefficients(sigmas: tuple[float, ...], t: int, s0: int, history: tuple[int, ...],
+                             corrector: bool) -> _UniCoefficients:
+    """`_uni_coefficients` of a schedule given as its fp32 values: they depend on nothing else, and every tick
+    of a step count uses the same ones."""
+    return _uni_coefficients(torch.tensor(sigmas, dtype=torch.float32), t, s0, list(history), corrector)
+
+
 def _uni_coefficients(
     sigmas: torch.Tensor, t: int, s0: int, history: list[int], corrector: bool
 ) -> _UniCoefficients:
@@ -293,9 +303,9 @@ class UniPCSampler(FlowSampler):
         x0 = {k: samples[k] - sigma_i * velocities[k] for k in samples}
 
         if i > 0:
-            coef = _uni_coefficients(
-                self._sigmas_fp32, t=i, s0=i - 1,
-                history=[i - 1 - j for j in range(1, self._last_order)], corrector=True,
+            coef = _cached_uni_coefficients(
+                self._sigma_values, t=i, s0=i - 1,
+                history=tuple(i - 1 - j for j in range(1, self._last_order)), corrector=True,
             )
             samples = {
                 k: self._corrected(coef, self._x0_history[k], self._last_sample[k], x0[k]) for k in samples
@@ -307,8 +317,8 @@ class UniPCSampler(FlowSampler):
             del history[: -self.solver_order]
 
         order = min(self.solver_order, self.num_steps - i, self._warm_steps + 1)
-        coef = _uni_coefficients(
-            self._sigmas_fp32, t=i + 1, s0=i, history=[i - j for j in range(1, order)], corrector=False
+        coef = _cached_uni_coefficients(
+            self._sigma_values, t=i + 1, s0=i, history=tuple(i - j for j in range(1, order)), corrector=False
         )
         out = {k: self._predicted(coef, self._x0_history[k], samples[k]) for k in samples}
 
