@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from policy_server.budget.cost_model import CostModel
 from policy_server.budget.planner import MAX_CACHING, CacheSetting, PlannerConfig
-from policy_server.budget.tick import PREFILL_STAGE, PREVIEW_STAGE, TickBudget
+from policy_server.budget.tick import PREVIEW_STAGE, TickBudget
 from policy_server.cache.sea_filter import SeaFilter
 from policy_server.engine import api
 from policy_server.engine.sessions import SessionState
@@ -137,6 +137,3 @@ class ServedModel:
         """StaleEpoch unless the caller's `epoch` is the session's (a reset starts a new one)."""
         if epoch != session.epoch:
             raise api.StaleEpoch(session.session_id, session.epoch, epoch)
-
-    def unused_stages(self, prefill: bool, preview: bool) -> set[str]:
-        return {stage for stage, used in ((PREFILL_STAGE, prefill), (PREVIEW_STAGE, preview)) if not used}

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from policy_server.budget.planner import TickPlan
-from policy_server.budget.tick import PREVIEW_STAGE, GuardedSteps
+from policy_server.budget.tick import PREFILL_STAGE, PREVIEW_STAGE, GuardedSteps
 from policy_server.cache.controller import CacheRecord
 from policy_server.cache.seacache import SeaCache, SeaCacheConfig
 from policy_server.engine import api
@@ -108,8 +108,9 @@ class Tick:
         prompt_key = pipeline.prompt_key(session.instruction, embodiment, session.chunk_size, served.passes == 2,
                                          canvas_hw)
         prefill = session.prompt is None or session.prompt.key != prompt_key
+        unused = {stage for stage, used in ((PREFILL_STAGE, prefill), (PREVIEW_STAGE, session.preview)) if not used}
         learn_key, key = served.grid_keys(session.cost_key, pipeline.latent_grid(embodiment, observation.images),
-                                          served.unused_stages(prefill, session.preview))
+                                          unused)
 
         plan = self._plan(key, left_ms, prefill, started_ms)
         session.prompt, prefill_ms = served.prompt(session.instruction, embodiment, session.chunk_size, canvas_hw,
