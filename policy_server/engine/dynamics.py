@@ -60,16 +60,22 @@ class DynamicsCall:
         pipeline, clock = served.pipeline, served.clock
         waited = 0.0
 
-        def resumed(paused_at: float) -> None:
+        def pause():
+            """Hand the worker back until the next piece; the wait counts as queue time."""
             nonlocal waited
+            paused_at = clock()
+            yield
             waited += clock() - paused_at
 
         stage_ms = {"queue": clock() - arrived_ms}
         text, stage_ms["prefill"] = served.prompt(request.instruction, embodiment, request.chunk_size, canvas_hw,
                                                   prompt)
+        if text is not prompt:  # the prefill was a piece of its own
+            yield from pause()
         num_steps = request.num_steps or served.num_steps
         guided = pipeline.guided_steps(num_steps) if served.passes == 2 else range(0)
         steps = pipeline.steps(request, text, FixedSteps(num_steps, guided))
+        waited_before_steps = waited  # the pauses between sampler steps fall inside the pipeline's denoise time
         sent = None
         while True:  # the tick's step boundaries are this call's pieces; its full calls run in place
             try:
@@ -78,20 +84,16 @@ class DynamicsCall:
                 out = done.value
                 break
             if call is None:
-                paused_at = clock()
-                yield
-                resumed(paused_at)
+                yield from pause()
                 sent = None
             else:
                 sent = pipeline.transformer.gen_stack(call.gen, call.und_kv)
-        stage_ms.update(encode=out.timings_ms["encode"], denoise=out.timings_ms["denoise"] - waited,
-                        decode=out.timings_ms["decode"])
+        denoise_ms = out.timings_ms["denoise"] - (waited - waited_before_steps)
+        stage_ms.update(encode=out.timings_ms["encode"], denoise=denoise_ms, decode=out.timings_ms["decode"])
         stage_ms["prefill"] += out.timings_ms["prefill"]
         frames = None
         if decode_frames:
-            paused_at = clock()
-            yield
-            resumed(paused_at)
+            yield from pause()
             started = clock()
             frames = pipeline.decode_video(out.latents)
             stage_ms["video_decode"] = clock() - started

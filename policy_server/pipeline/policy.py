@@ -379,14 +379,16 @@ class PolicyPipeline:
         return self.run(request, prompt, FixedSteps(steps, guided, cache))
 
     def run(self, request: PolicyRequest, prompt: PromptState | None, control: StepControl) -> PolicyOutput:
-        """`steps` run to the end on this thread."""
+        """`steps(...)` run to the end on this thread, each full GEN-stack call through the transformer."""
         return run_steps(self.steps(request, prompt, control), self.transformer.gen_stack)
 
     def steps(self, request: PolicyRequest, prompt: PromptState | None, control: StepControl) -> TickSteps:
         """One tick of a valid `request` under `control`, the one say the caller has in the step loop (the
         engine builds its requests from what the transport validated), as a generator (`TickSteps`): whoever
         drives it runs the full GEN-stack calls, alone or batched with other ticks', and may stop between
-        sampler steps. `prompt`: the session's text K/V (prefilled here when missing or stale)."""
+        sampler steps; it drives them with grad disabled (`run_steps`, the engine's worker), since interleaved
+        generators would restore each other's grad mode out of order. `prompt`: the session's text K/V
+        (prefilled here when missing or stale)."""
         t_start = time.perf_counter()
         embodiment = self.embodiments.get(request.embodiment)
         chunk = embodiment.default_chunk_size if request.chunk_size is None else request.chunk_size
