@@ -3,6 +3,11 @@
 `UndKV` is computed once per request and CFG branch (`prefill_und`); `GenInput` once per denoising
 step (`embed_gen`, which may reuse a request's `GenLayout`); `gen_stack` maps `(GenInput, UndKV)` to
 the GEN hidden states that `heads` decode.
+
+Batches: `GenInput.stack` + `UndKV.stack` for requests sharing one layout object; `GenInput.stack_varied`
++ `UndKV.stack_padded` for requests whose layouts differ only in text length (the cond and uncond
+branches of one CFG step: same generated rows, different prompts, so different K/V lengths and GEN
+rotary positions).
 """
 
 from __future__ import annotations
@@ -10,8 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-from policy_server.model.gen_layout import GenLayout
+from policy_server.model.gen_layout import GenLayout, require
+from policy_server.model.rope import RotaryTables
 
 
 @dataclass
@@ -20,11 +27,13 @@ class UndKV:
 
     `keys[l]`, `values[l]`: `[KV, N_und, hd]`, or `[B, KV, N_und, hd]` for a batch (`stack`). Keys are
     taken after the q/k norm and RoPE; on Edge they are the `k_norm_und_for_gen` version, not the keys
-    the causal text path uses.
+    the causal text path uses. `lengths`: set by `stack_padded`, each item's text rows; rows past them
+    are zero padding up to `N_und_max`.
     """
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
+    lengths: tuple[int, ...] | None = None
 
     @classmethod
     def stack(cls, items: list[UndKV]) -> UndKV:
@@ -32,9 +41,27 @@ class UndKV:
         return cls([torch.stack(layer) for layer in zip(*(i.keys for i in items), strict=True)],
                    [torch.stack(layer) for layer in zip(*(i.values for i in items), strict=True)])
 
+    @classmethod
+    def stack_padded(cls, items: list[UndKV]) -> UndKV:
+        """The K/V of B requests of any text lengths, zero-padded to the longest: `[B, KV, N_und_max, hd]`.
+
+        Pair it with `GenInput.stack_varied` of the same requests in the same order, whose key mask
+        hides the padding. Built once per request pair, like the K/V themselves.
+        """
+        lengths = tuple(item.length for item in items)
+        longest = max(lengths)
+
+        def padded(layers: list[torch.Tensor], length: int) -> list[torch.Tensor]:
+            return [F.pad(t, (0, 0, 0, longest - length)) for t in layers]  # pads dim -2 at its end
+
+        keys = [padded(item.keys, n) for item, n in zip(items, lengths, strict=True)]
+        values = [padded(item.values, n) for item, n in zip(items, lengths, strict=True)]
+        return cls([torch.stack(layer) for layer in zip(*keys, strict=True)],
+                   [torch.stack(layer) for layer in zip(*values, strict=True)], lengths)
+
     @property
     def length(self) -> int:
-        """N_und, the number of text rows."""
+        """N_und, the number of text rows (N_und_max when padded)."""
         return self.keys[0].shape[-2]
 
     @property
@@ -51,7 +78,7 @@ class GenInput:
     """
 
     hidden: torch.Tensor  # [N_gen, D] projected rows, time embedding added on noisy rows; [B, N_gen, D] batched
-    layout: GenLayout
+    layout: GenLayout | PaddedGenLayouts  # the latter from `stack_varied`
 
     @classmethod
     def stack(cls, items: list[GenInput]) -> GenInput:
@@ -61,7 +88,70 @@ class GenInput:
             raise ValueError("only inputs built with the same GenLayout object can be batched")
         return cls(torch.stack([item.hidden for item in items]), layout)
 
+    @classmethod
+    def stack_varied(cls, items: list[GenInput], layouts: PaddedGenLayouts | None = None) -> GenInput:
+        """B steps' inputs with the same N_gen but any layouts (text lengths), as one batch.
+
+        Pair it with `UndKV.stack_padded` of the items' K/V in the same order; decode row b of the
+        stack's output with `heads(out[b], items[b])`. `layouts`: `PaddedGenLayouts.build` of the
+        items' layouts, to reuse across steps (it is built here when None).
+        """
+        if layouts is None:
+            layouts = PaddedGenLayouts.build([item.layout for item in items])
+        if len(items) != len(layouts.layouts) or any(
+                item.layout is not layout for item, layout in zip(items, layouts.layouts, strict=False)):
+            raise ValueError("layouts must be built from these items' GenLayout objects, in order")
+        return cls(torch.stack([item.hidden for item in items]), layouts)
+
     @property
     def und_len(self) -> int:
-        """Text rows the `UndKV` paired with this input must hold."""
+        """Text rows the `UndKV` paired with this input must hold (N_und_max for `stack_varied`)."""
         return self.layout.und_len
+
+    @property
+    def und_lens(self) -> tuple[int, ...] | None:
+        """Each item's text rows for `stack_varied`, which the paired `UndKV.lengths` must equal; else None."""
+        return self.layout.und_lens if isinstance(self.layout, PaddedGenLayouts) else None
+
+    @property
+    def key_mask(self) -> torch.Tensor | None:
+        """`[B, 1, 1, N_und_max + N_gen]` bool (True = attend) for padded text K/V; None when nothing is padded."""
+        return self.layout.key_mask if isinstance(self.layout, PaddedGenLayouts) else None
+
+
+@dataclass(frozen=True)
+class PaddedGenLayouts:
+    """The request-static part of a `stack_varied` batch: B layouts with one N_gen, any text lengths.
+
+    Build it once per set of layouts (e.g. a session's cond and uncond branch) and reuse it each step.
+    """
+
+    layouts: tuple[GenLayout, ...]
+    rotary: RotaryTables             # per item, [B, N_gen, hd]: GEN positions start after each item's text
+    und_lens: tuple[int, ...]        # text rows per item
+    key_mask: torch.Tensor | None    # [B, 1, 1, N_und_max + N_gen] bool, True = attend; None if lengths agree
+
+    @classmethod
+    def build(cls, layouts: list[GenLayout]) -> PaddedGenLayouts:
+        num_gen = layouts[0].num_gen
+        require(all(layout.num_gen == num_gen for layout in layouts),
+                f"stack_varied needs one N_gen, got {[layout.num_gen for layout in layouts]}")
+        und_lens = tuple(layout.und_len for layout in layouts)
+        longest = max(und_lens)
+        key_mask = None
+        if min(und_lens) != longest:  # equal lengths pad nothing: skip the mask and SDPA's masked kernel
+            device = layouts[0].rotary.cos.device
+            column = torch.arange(longest + num_gen, device=device)
+            lengths = torch.tensor(und_lens, device=device)[:, None]
+            # Key columns: an item's own text rows, then every GEN row (they start at N_und_max).
+            key_mask = ((column < lengths) | (column >= longest)).view(len(layouts), 1, 1, -1)
+        return cls(tuple(layouts), RotaryTables.stack([layout.rotary for layout in layouts]), und_lens, key_mask)
+
+    @property
+    def und_len(self) -> int:
+        """N_und_max, the text rows of the padded K/V."""
+        return max(self.und_lens)
+
+    @property
+    def num_gen(self) -> int:
+        return self.layouts[0].num_gen

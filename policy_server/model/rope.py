@@ -14,7 +14,10 @@ import torch
 
 @dataclass(frozen=True)
 class RotaryTables:
-    """Rotation tables of N rows: `cos`, `sin` `[N, head_dim]` (`cat(freqs, freqs)` layout)."""
+    """Rotation tables of N rows: `cos`, `sin` `[N, head_dim]` (`cat(freqs, freqs)` layout).
+
+    Stacked per item (`stack`): `[B, N, head_dim]`, for a batch whose rows sit at different positions.
+    """
 
     cos: torch.Tensor
     sin: torch.Tensor
@@ -25,12 +28,20 @@ class RotaryTables:
 
     def __post_init__(self) -> None:
         half = self.sin.shape[-1] // 2
-        signed = torch.cat((-self.sin[:, :half], self.sin[:, half:]), dim=-1)
-        object.__setattr__(self, "_cos_rows", self.cos.unsqueeze(1))
-        object.__setattr__(self, "_signed_sin_rows", signed.unsqueeze(1))
+        signed = torch.cat((-self.sin[..., :half], self.sin[..., half:]), dim=-1)
+        # A heads axis before head_dim: [(B,) N, 1, hd] broadcasts against x [(B,) N, heads, hd].
+        object.__setattr__(self, "_cos_rows", self.cos.unsqueeze(-2))
+        object.__setattr__(self, "_signed_sin_rows", signed.unsqueeze(-2))
+
+    @classmethod
+    def stack(cls, tables: list[RotaryTables]) -> RotaryTables:
+        """B tables of N rows each -> one table `[B, N, head_dim]`, item b rotating batch row b."""
+        return cls(torch.stack([t.cos for t in tables]), torch.stack([t.sin for t in tables]))
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
-        """Rotate-half RoPE of `x [N, heads, head_dim]`: `x * cos + rotate_half(x) * sin`."""
+        """Rotate-half RoPE of `x [(B,) N, heads, head_dim]`: `x * cos + rotate_half(x) * sin`.
+
+        Unstacked tables rotate every batch item alike; stacked ones (`[B, N, hd]`) each item by its own."""
         return torch.addcmul(x * self._cos_rows, x.roll(x.shape[-1] // 2, dims=-1), self._signed_sin_rows)
 
     def apply_unfused(self, x: torch.Tensor) -> torch.Tensor:

@@ -203,7 +203,9 @@ class Cosmos3OmniTransformer(nn.Module):
         """All layers' GEN pathway against cached text K/V, then `norm_moe_gen`: `[N_gen, D]`.
 
         Batched (`GenInput.stack`, `UndKV.stack`): `[B, N_gen, D]`; decode item b with
-        `heads(out[b], gen)`.
+        `heads(out[b], gen)`. Batched over text lengths (`GenInput.stack_varied(items)`,
+        `UndKV.stack_padded`, e.g. a CFG step's cond and uncond branch): `[B, N_gen, D]`; decode item b
+        with `heads(out[b], items[b])`.
         """
         require(und_kv.num_layers == len(self.layers),
                 f"und_kv has {und_kv.num_layers} layers, the model {len(self.layers)}")
@@ -214,9 +216,14 @@ class Cosmos3OmniTransformer(nn.Module):
         require(und_kv.length == gen.und_len,
                 f"und_kv holds {und_kv.length} text rows but this step's und_len is {gen.und_len} "
                 "(K/V from another prompt or CFG branch?)")
-        x = gen.hidden
+        # Where anything is padded, the key mask must hide exactly the K/V's padding: one length per item.
+        padded_kv = und_kv.lengths is not None and len(set(und_kv.lengths)) > 1
+        require(not (padded_kv or gen.key_mask is not None) or und_kv.lengths == gen.und_lens,
+                f"padded text K/V and GEN batch must agree on each item's text rows: und_kv "
+                f"(UndKV.stack_padded) has {und_kv.lengths}, the GEN batch (GenInput.stack_varied) {gen.und_lens}")
+        x, rotary, key_mask = gen.hidden, gen.layout.rotary, gen.key_mask
         for layer, k, v in zip(self.layers, und_kv.keys, und_kv.values, strict=True):
-            x = layer.forward_gen(x, gen.layout.rotary, k, v)
+            x = layer.forward_gen(x, rotary, k, v, key_mask)
         return self.norm_moe_gen(x)
 
     # ------------------------------------------------------------------ heads (every step)
