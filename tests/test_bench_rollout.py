@@ -34,7 +34,7 @@ def test_bench_writes_the_documented_report(model_dir, tmp_path):
     assert {"full_ms", "gen_only_ms", "reference_full_ms", "ratio_gen_only_vs_reference"} <= set(report["forward"])
     profile = report["tick_profile"]
     assert profile["matmul_ms"] > 0 and profile["attention_ms"] > 0 and profile["ops_per_tick"] > 0
-    assert profile["wall_vs_arithmetic"] == profile["wall_ms"] / (profile["matmul_ms"] + profile["attention_ms"])
+    assert profile["ticks"] == 1 and profile["wall_vs_arithmetic"] > 0
     assert profile["full_call_ms"] > profile["skipped_call_ms"] > 0  # a skip runs no GEN stack
     names = [c["name"] for c in report["configs"]]
     assert names[:2] == ["uncached", "seacache_default"]
@@ -64,6 +64,7 @@ def test_bench_on_a_diffusers_folder_reports_its_shapes(tmp_path):
                        "--budgets-ms", "20000", "30000"]) == 0
     report = json.loads(out.read_text())
     assert [c["budget_ms"] for c in report["configs"] if c["name"].startswith("budget_")] == [20000, 30000, 20000]
+    assert report["tick_profile"] is None  # --profile-ticks 0
     model = report["model"]
     assert (model["vae"], model["embodiment"], model["action_dim"]) == ("WanVideoVAE", "bridge_orig_lerobot", 32)
     # 240x320 (ratio 0.75) goes on the 256x320 canvas unscaled: 15x20 latent cells, 3 latent frames for chunk 8.

@@ -6,6 +6,7 @@ c_full = CALL_MS + stack and c_skip = CALL_MS, exactly what the guard and the pl
 
 import pytest
 import torch
+from cache_calls import run_stack
 
 from policy_server.budget.cost_model import CallCosts, CostModel
 from policy_server.budget.guard import DeadlineGuard
@@ -81,7 +82,7 @@ def run_unguarded(clock, plan, cache, stack_ms=lambda step: STACK_MS):
         for step in range(plan.num_steps):
             for branch in plan.branches(step):
                 clock.advance(CALL_MS)
-                cache.run_stack(step, branch, 0.5, [latents[step]], gen_in, full_for(step))
+                run_stack(cache, step, branch, 0.5, [latents[step]], gen_in, full_for(step))
 
 
 def plan_cache(plan):

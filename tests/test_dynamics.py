@@ -10,7 +10,6 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from recording import RecordingPipeline
 from worker_hold import hold_worker
 
 from policy_server.client import ControlStream, PolicyClient, PolicyServerError, build_observation
@@ -24,6 +23,7 @@ from policy_server.server.app import build_server
 from policy_server.server.convert import FRAME_JPEG_QUALITY
 from policy_server.v1 import policy_server_pb2 as pb
 from policy_server.v1.wire import decode_image, encode_image, tensor_to_proto
+from robots.bench import BenchPipeline
 from robots.embedded import build_random_pipeline
 
 INSTRUCTION = "reach the red circle"
@@ -48,7 +48,7 @@ def _video(seed=0, frames=9, height=64, width=64):
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     torch.set_num_threads(1)
-    pipeline = RecordingPipeline.of(build_random_pipeline(tmp_path_factory.mktemp("dynamics-model"), seed=1))
+    pipeline = BenchPipeline.over(build_random_pipeline(tmp_path_factory.mktemp("dynamics-model"), seed=1))
     engine = ModelEngine(pipeline, EngineSettings(warmup_ticks=1, max_sessions=4, default_budget_ms=10_000.0,
                                                    max_dynamics_calls=2))
     engine.start()
@@ -297,7 +297,7 @@ def test_a_preview_session_gets_its_predicted_frames_and_their_decode_is_in_the_
     plain = client.open_session("pusht", INSTRUCTION, rate_hz=0)
     assert preview.preview and not plain.preview
     chunk = client.act(preview, {"image": _frame(1)}, STATE, encoding="png")
-    expected = engine.served.pipeline.decode_video(engine.served.pipeline.last_output.latents)
+    expected = engine.served.pipeline.decode_video(engine.served.pipeline.last.latents)
     assert chunk.preview_frames.shape == expected.shape == (9, 64, 64, 3)
     np.testing.assert_array_equal(chunk.preview_frames, _as_sent(expected))
     assert chunk.tick.actual_ms["preview"] > 0 and chunk.tick.predicted_ms["preview"] > 0
@@ -319,7 +319,7 @@ def test_engine_preview_frames_are_the_decoded_latents_of_the_tick(engine):
     session = engine.open_session("pusht", INSTRUCTION, rate_hz=0, preview=True)
     result = engine.act(session.session_id, 1, api.Observation({"image": _frame(2)}, STATE))
     pipeline = engine.served.pipeline
-    np.testing.assert_array_equal(result.preview_frames, pipeline.decode_video(pipeline.last_output.latents))
+    np.testing.assert_array_equal(result.preview_frames, pipeline.decode_video(pipeline.last.latents))
     engine.close_session(session.session_id)
 
 
@@ -334,7 +334,7 @@ def test_ticks_take_frames_of_any_size_within_the_bounds(engine, client, session
     assert chunk.actions.shape == (8, 2) and np.all(np.isfinite(chunk.actions))
     after = engine.served.cost_model.samples(engine.sessions.get(session.session_id).cost_key)
     # A frame that fills the canvas teaches the full grid's costs; a smaller latent grid teaches its own.
-    grid = tuple(engine.served.pipeline.last_output.latents.shape[-2:])
+    grid = tuple(engine.served.pipeline.last.latents.shape[-2:])
     assert (after != before) == (grid == (8, 8))
 
 

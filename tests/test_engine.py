@@ -8,11 +8,11 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import torch
-from recording import slow_full_calls
 from worker_hold import hold_worker
 
 from policy_server.engine import api
 from policy_server.engine.engine import EngineSettings, ModelEngine
+from robots.bench import Slowdown
 from robots.embedded import build_random_pipeline
 
 
@@ -349,8 +349,10 @@ def test_a_long_instruction_or_a_slow_tick_does_not_change_what_other_sessions_g
     assert engine.served.cost_model.costs(short_key) == before_costs  # learned under its own key
     engine.close_session(long_session.session_id)
     session = engine.open_session("pusht", "reach the red circle", rate_hz=0)
-    with slow_full_calls(engine.served.pipeline, 20.0):  # one stalled tick: every full call 20 ms slower
+    slowdown = Slowdown(engine.served.pipeline.transformer, 20.0)
+    with slowdown.on():  # one stalled tick: every full call 20 ms slower
         stalled = engine.act(session.session_id, 1, _observation(1))
+    slowdown.remove()
     assert stalled.tick.actual_ms["denoise"] > 20.0 * stalled.tick.full_calls
     engine.close_session(session.session_id)
     assert engine.capacity(budget, 0.0) == before_capacity

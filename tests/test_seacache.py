@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from cache_calls import run_stack
 
 from policy_server.cache.controller import NoCache, StepController
 from policy_server.cache.extrapolation import newton_extrapolate
@@ -63,8 +64,8 @@ def drive(cache, latents, sigma=0.5, branches=("cond",), make_full=None, gen_in=
             for branch in branches:
                 full = make_full(step, gen_in, branch)
                 if force is None:
-                    outs[(step, branch)] = cache.run_stack(
-                        step=step, branch=branch, sigma=sigma, noisy_vision=[latents[step]], gen_in=gen_in,
+                    outs[(step, branch)] = run_stack(
+                        cache, step=step, branch=branch, sigma=sigma, noisy_vision=[latents[step]], gen_in=gen_in,
                         full=full,
                     )
                 else:
@@ -212,7 +213,7 @@ def _sample(controller, num_steps=6, guidance=2.0):
             gen_in = x.reshape(N_GEN, 1).expand(N_GEN, DIM) * (1 + float(sigmas[i]))
             v = {}
             for b in ("cond", "uncond"):
-                out = controller.run_stack(i, b, float(sigmas[i]), [x], gen_in,
+                out = run_stack(controller, i, b, float(sigmas[i]), [x], gen_in,
                                            lambda b=b, g=gen_in: stack(g, texts[b]))
                 v[b] = out.mean(dim=1).reshape(x.shape)
             vel = v["uncond"] + guidance * (v["cond"] - v["uncond"])
@@ -327,7 +328,7 @@ def test_no_noisy_vision_never_skips():
     with torch.no_grad():
         for s in range(6):
             g = torch.zeros(N_GEN, DIM)
-            cache.run_stack(s, "cond", 0.5, [], g, lambda g=g, s=s: g + s)
+            run_stack(cache, s, "cond", 0.5, [], g, lambda g=g, s=s: g + s)
     rec = cache.record()
     assert rec.sequence("cond") == "FFFFFF"
     assert rec.branches["cond"].fail_open_reasons == {"no_noisy_vision": 4}
@@ -342,7 +343,7 @@ def test_branch_that_starts_late_gates_from_its_second_step():
         for s in range(10):
             for b in ("cond", "uncond") if s >= 3 else ("cond",):
                 g = torch.zeros(N_GEN, DIM)
-                cache.run_stack(s, b, 0.5, [lat[s]], g, lambda g=g, s=s: g + s)
+                run_stack(cache, s, b, 0.5, [lat[s]], g, lambda g=g, s=s: g + s)
     rec = cache.record()
     assert rec.sequence("cond") == "FSSFSSFSSF"
     assert rec.sequence("uncond") == "FSSFSSF"

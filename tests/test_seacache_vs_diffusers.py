@@ -10,6 +10,7 @@ sequences and the velocity predictions must agree.
 
 import pytest
 import torch
+from cache_calls import run_stack
 
 diffusers = pytest.importorskip("diffusers")
 from diffusers import Cosmos3OmniTransformer  # noqa: E402
@@ -102,7 +103,7 @@ def _run_ours(threshold, order, cap):
             und_out, gen_out = stack(und_seq, gen_seq, rotary_emb)
             return gen_out
 
-        gen_out = cache.run_stack(gen_in=gen_seq, full=full, **current)
+        gen_out = run_stack(cache, gen_in=gen_seq, full=full, **current)
         return und_out, gen_out
 
     model._run_decoder_stack = cached_stack
@@ -141,6 +142,6 @@ def test_trajectory_exercises_threshold_and_cap_refreshes():
     cache.begin(NUM_STEPS)
     with torch.no_grad():
         for i, (s, x) in enumerate(zip(sigmas, latents, strict=True)):
-            cache.run_stack(i, "cond", s, [x], torch.zeros(2), lambda: torch.ones(2))
+            run_stack(cache, i, "cond", s, [x], torch.zeros(2), lambda: torch.ones(2))
     reasons = {d.reason for d in cache.record().decisions}
     assert {"threshold", "gate", "retention", "cache_end"} <= reasons

@@ -8,8 +8,7 @@ For each step ``i`` and CFG branch ``b`` ("cond", "uncond") the sampler asks::
         gen_out = model.gen_stack(gen, und_kv[b])
         controller.ran(gen_out)
 
-(``run_stack(..., full=...)`` does the same). ``begin(num_steps)`` is called once per request before the
-first step; ``record()`` after the last.
+``begin(num_steps)`` is called once per request before the first step; ``record()`` after the last.
 ``noisy_vision`` holds every vision item with at least one noisy frame, whole (its clean conditioning frames
 included), and leaves out fully conditioned items; it is empty for packs without noisy vision (inverse
 dynamics), which makes SeaCache fail open. This matches diffusers' Cosmos3 SeaCache hook.
@@ -21,7 +20,7 @@ steps come one apart (it may start late or stop early), and the shapes stay fixe
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -43,7 +42,7 @@ FAIL_OPEN_REASONS = frozenset(
 
 @dataclass
 class StepDecision:
-    """One ``run_stack`` call: what was decided and why.
+    """One GEN-stack call: what was decided and why.
 
     distance: the gate's rel-L1 distance to the previous indicator (None when the gate did not measure).
     accumulated: the accumulator after this step. threshold: the gate threshold in force at this step.
@@ -126,7 +125,7 @@ class StepController(ABC):
 
     A call is two halves, so that the stack itself can run elsewhere (batched with other ticks'):
     ``estimate`` returns the skipped call's output, or None when the call must run; its output then goes to
-    ``ran``. ``run_stack`` does both around a ``full()`` it is given.
+    ``ran``.
     """
 
     @abstractmethod
@@ -145,15 +144,6 @@ class StepController(ABC):
     @abstractmethod
     def record(self) -> CacheRecord:
         """Decisions and counts of the current (or last) request."""
-
-    def run_stack(self, step: int, branch: str, sigma: float, noisy_vision: Sequence[torch.Tensor],
-                  gen_in: torch.Tensor, full: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """The GEN stack output ``[N_gen, D]`` of one call: estimated, or ``full()``."""
-        out = self.estimate(step, branch, sigma, noisy_vision, gen_in)
-        if out is None:
-            out = full()
-            self.ran(out)
-        return out
 
 
 class NoCache(StepController):

@@ -24,7 +24,7 @@ from policy_server.engine.tick import branch_records
 from policy_server.engine.worker import ModelWorker
 from policy_server.limits import MAX_DYNAMICS_MS
 from policy_server.pipeline.embodiments import Embodiment
-from policy_server.pipeline.policy import FixedSteps, PolicyOutput, PolicyRequest, PromptState
+from policy_server.pipeline.policy import PolicyOutput, PolicyRequest, PromptState, stepwise
 
 _POLL_S = 0.02  # how often a waiting caller checks whether it went away
 
@@ -39,14 +39,20 @@ class DynamicsCall:
                  canvas_hw: tuple[int, int], decode_frames: bool, prompt: PromptState | None, arrived_ms: float):
         self.served = served
         self.result: Future = Future()
+        self._waited_ms = 0.0  # between its pieces, while the worker ran other work
+        self._paused_at: float | None = None
         self._pieces = self._run(embodiment, request, canvas_hw, decode_frames, prompt, arrived_ms)
 
     def step(self) -> bool:
+        clock = self.served.clock
+        if self._paused_at is not None:
+            self._waited_ms += clock() - self._paused_at
         try:
             next(self._pieces)
         except StopIteration as done:
             self.result.set_result(done.value)
             return True
+        self._paused_at = clock()
         return False
 
     def fail(self, error: BaseException) -> None:
@@ -56,48 +62,27 @@ class DynamicsCall:
 
     def _run(self, embodiment: Embodiment, request: PolicyRequest, canvas_hw: tuple[int, int], decode_frames: bool,
              prompt: PromptState | None, arrived_ms: float):
+        """The pieces: each `yield` hands the worker back until the next `step()`."""
         served = self.served
         pipeline, clock = served.pipeline, served.clock
-        waited = 0.0
-
-        def pause():
-            """Hand the worker back until the next piece; the wait counts as queue time."""
-            nonlocal waited
-            paused_at = clock()
-            yield
-            waited += clock() - paused_at
-
         stage_ms = {"queue": clock() - arrived_ms}
         text, stage_ms["prefill"] = served.prompt(request.instruction, embodiment, request.chunk_size, canvas_hw,
                                                   prompt)
         if text is not prompt:  # the prefill was a piece of its own
-            yield from pause()
-        num_steps = request.num_steps or served.num_steps
-        guided = pipeline.guided_steps(num_steps) if served.passes == 2 else range(0)
-        steps = pipeline.steps(request, text, FixedSteps(num_steps, guided))
-        waited_before_steps = waited  # the pauses between sampler steps fall inside the pipeline's denoise time
-        sent = None
-        while True:  # the tick's step boundaries are this call's pieces; its full calls run in place
-            try:
-                call = steps.send(sent)
-            except StopIteration as done:
-                out = done.value
-                break
-            if call is None:
-                yield from pause()
-                sent = None
-            else:
-                sent = pipeline.transformer.gen_stack(call.gen, call.und_kv)
-        denoise_ms = out.timings_ms["denoise"] - (waited - waited_before_steps)
+            yield
+        steps = pipeline.steps(request, text, served.fixed_steps(request.num_steps or served.num_steps))
+        waited_before_steps = self._waited_ms  # the waits between sampler steps fall inside the denoise time
+        out = yield from stepwise(steps, pipeline.transformer.gen_stack)
+        denoise_ms = out.timings_ms["denoise"] - (self._waited_ms - waited_before_steps)
         stage_ms.update(encode=out.timings_ms["encode"], denoise=denoise_ms, decode=out.timings_ms["decode"])
         stage_ms["prefill"] += out.timings_ms["prefill"]
         frames = None
         if decode_frames:
-            yield from pause()
+            yield
             started = clock()
             frames = pipeline.decode_video(out.latents)
             stage_ms["video_decode"] = clock() - started
-        stage_ms["queue"] += waited
+        stage_ms["queue"] += self._waited_ms
         return out, frames, stage_ms
 
 

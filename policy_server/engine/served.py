@@ -14,12 +14,13 @@ from dataclasses import dataclass
 from policy_server.budget.cost_model import CostModel
 from policy_server.budget.planner import MAX_CACHING, CacheSetting, PlannerConfig
 from policy_server.budget.tick import PREVIEW_STAGE, TickBudget
+from policy_server.cache.controller import StepController
 from policy_server.cache.sea_filter import SeaFilter
 from policy_server.engine import api
 from policy_server.engine.sessions import SessionState
 from policy_server.limits import MAX_INSTRUCTION_TOKENS
 from policy_server.pipeline.embodiments import Embodiment
-from policy_server.pipeline.policy import PolicyPipeline, PromptState
+from policy_server.pipeline.policy import FixedSteps, PolicyPipeline, PromptState
 
 # Ticks attend to their instruction's text K/V, so each call costs more with a longer instruction.
 # Costs are learned per instruction-length group, and warmup fills each group at its longest.
@@ -121,16 +122,25 @@ class ServedModel:
                                       reason="TOO_LONG")
         return count
 
+    def prompt_fits(self, prompt: PromptState | None, instruction: str, embodiment: Embodiment, chunk: int,
+                    canvas_hw: tuple[int, int]) -> bool:
+        """Whether `prompt` holds the text K/V of `instruction` for clips of `chunk` on `canvas_hw`."""
+        key = self.pipeline.prompt_key(instruction, embodiment, chunk, self.passes == 2, canvas_hw)
+        return prompt is not None and prompt.key == key
+
     def prompt(self, instruction: str, embodiment: Embodiment, chunk: int, canvas_hw: tuple[int, int],
                reuse: PromptState | None) -> tuple[PromptState, float]:
         """The text K/V of `instruction` for frames on `canvas_hw`: `reuse` when it fits, else prefilled now.
         Returns them and the ms spent."""
-        cfg = self.passes == 2
-        if reuse is not None and reuse.key == self.pipeline.prompt_key(instruction, embodiment, chunk, cfg, canvas_hw):
+        if self.prompt_fits(reuse, instruction, embodiment, chunk, canvas_hw):
             return reuse, 0.0
         started = self.clock()
-        prompt = self.pipeline.encode_prompt(instruction, embodiment, chunk, cfg, canvas_hw)
+        prompt = self.pipeline.encode_prompt(instruction, embodiment, chunk, self.passes == 2, canvas_hw)
         return prompt, self.clock() - started
+
+    def fixed_steps(self, num_steps: int, cache: StepController | None = None) -> FixedSteps:
+        """The step control of a call without a deadline at the served guidance (`PolicyPipeline.fixed_steps`)."""
+        return self.pipeline.fixed_steps(num_steps, self.pipeline.config.guidance, cache)
 
     @staticmethod
     def check_epoch(session: SessionState, epoch: int) -> None:

@@ -105,9 +105,7 @@ class Tick:
             session.cost_key = served.cost_key(session.embodiment, session.chunk_size, request.instruction_tokens)
         embodiment = served.embodiments[session.embodiment]
         canvas_hw = pipeline.canvas_for(embodiment, observation.images)
-        prompt_key = pipeline.prompt_key(session.instruction, embodiment, session.chunk_size, served.passes == 2,
-                                         canvas_hw)
-        prefill = session.prompt is None or session.prompt.key != prompt_key
+        prefill = not served.prompt_fits(session.prompt, session.instruction, embodiment, session.chunk_size, canvas_hw)
         unused = {stage for stage, used in ((PREFILL_STAGE, prefill), (PREVIEW_STAGE, session.preview)) if not used}
         learn_key, key = served.grid_keys(session.cost_key, pipeline.latent_grid(embodiment, observation.images),
                                           unused)
@@ -153,8 +151,7 @@ class Tick:
         not control ticks (cache off, or too few steps to skip any)."""
         served, session = self.served, self.session
         if not served.budget_controlled:
-            guided = served.pipeline.guided_steps(served.num_steps) if served.passes == 2 else range(0)
-            self._steps = FixedSteps(served.num_steps, guided)
+            self._steps = served.fixed_steps(served.num_steps)
             return None
         # A slot that holds the uncached tick is no cap: rounding must not turn caching on.
         slot_ms = session.slot_ms if session.slot_ms < session.demand.ceiling_ms else left_ms

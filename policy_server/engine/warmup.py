@@ -18,7 +18,7 @@ import torch
 from policy_server.budget.cost_model import CallCosts
 from policy_server.budget.planner import MAX_CACHING
 from policy_server.budget.tick import PREVIEW_STAGE
-from policy_server.cache.controller import NoCache, StepController
+from policy_server.cache.controller import NoCache
 from policy_server.cache.seacache import SeaCache, SeaCacheConfig
 from policy_server.engine import api
 from policy_server.engine.dynamics import DynamicsCall
@@ -26,24 +26,11 @@ from policy_server.engine.served import INSTRUCTION_TOKEN_GROUPS, ServedModel
 from policy_server.engine.tick import STAGES, observe_output
 from policy_server.limits import MAX_INSTRUCTION_TOKENS, MAX_PROMPT_TOKENS
 from policy_server.pipeline.embodiments import Embodiment
-from policy_server.pipeline.policy import Aborted, FixedSteps, PolicyOutput, PolicyRequest
+from policy_server.pipeline.policy import PolicyOutput, PolicyRequest, run_steps
 from policy_server.pipeline.reasoner import ReasonerStream
 
 # Sampler steps of the warmup ticks that only fill costs: the first and last step are full, the rest can skip.
 _SHORT_WARMUP_STEPS = 6
-
-
-class _StopOnClose(FixedSteps):
-    """A warmup tick's steps: abandoned when the engine shuts down."""
-
-    def __init__(self, served: ServedModel, num_steps: int, guided: range, cache: StepController):
-        super().__init__(num_steps, guided, cache)
-        self.closing = served.closing
-
-    def before_step(self, step: int) -> tuple[tuple[str, ...], bool]:
-        if self.closing.is_set():
-            raise Aborted(f"warmup abandoned before step {step}")
-        return super().before_step(step)
 
 
 class Warmup:
@@ -178,9 +165,10 @@ class Warmup:
         cache = NoCache() if mode == "uncached" else SeaCache(
             SeaCacheConfig(threshold=MAX_CACHING.threshold, max_consecutive_cached=MAX_CACHING.cap),
             sea_filter=self.served.sea_filter)
-        num_steps = request.num_steps or self.served.num_steps
-        guided = self.served.pipeline.guided_steps(num_steps) if self.served.passes == 2 else range(0)
-        return self.served.pipeline.run(request, None, _StopOnClose(self.served, num_steps, guided, cache))
+        steps = self.served.pipeline.steps(request, None, self.served.fixed_steps(request.num_steps or
+                                                                                   self.served.num_steps, cache))
+        # Abandoned between two sampler steps when the engine shuts down.
+        return run_steps(steps, self.served.pipeline.transformer.gen_stack, stop=self.served.closing.is_set)
 
     def text_of(self, tokens: int) -> str:
         """An instruction of about `tokens` tokens (at most that many)."""

@@ -110,16 +110,39 @@ class StackCall:
 TickSteps = Generator["StackCall | None", "torch.Tensor | None", "PolicyOutput"]
 
 
-def run_steps(steps: TickSteps, gen_stack: Callable[[GenInput, UndKV], torch.Tensor]) -> PolicyOutput:
-    """Run `steps` to the end on this thread, each full call through `gen_stack`."""
+def stepwise(steps: TickSteps, gen_stack: Callable[[GenInput, UndKV], torch.Tensor]):
+    """`steps` with its full calls run in place through `gen_stack`: a generator that yields at each sampler-step
+    boundary (where its driver may hand the thread to other work) and returns the `PolicyOutput`."""
     sent = None
-    with torch.no_grad():
+    try:
         while True:
             try:
                 call = steps.send(sent)
             except StopIteration as done:
                 return done.value
-            sent = None if call is None else gen_stack(call.gen, call.und_kv)
+            if call is None:
+                yield
+                sent = None
+            else:
+                sent = gen_stack(call.gen, call.und_kv)
+    finally:
+        steps.close()  # closed early: the tick ends here, on this thread, not whenever it is collected
+
+
+def run_steps(steps: TickSteps, gen_stack: Callable[[GenInput, UndKV], torch.Tensor],
+              stop: Callable[[], bool] | None = None) -> PolicyOutput:
+    """Run `steps` to the end on this thread, each full call through `gen_stack`; `Aborted` at the first step
+    boundary where `stop()` is True."""
+    pieces = stepwise(steps, gen_stack)
+    with torch.no_grad():
+        while True:
+            try:
+                next(pieces)
+            except StopIteration as done:
+                return done.value
+            if stop is not None and stop():
+                pieces.close()
+                raise Aborted("stopped between two sampler steps")
 
 
 class Aborted(RuntimeError):
@@ -374,9 +397,7 @@ class PolicyPipeline:
         uncond pass wherever the guidance interval allows it, `cache` (default `NoCache`) deciding each
         GEN-stack call. `prompt`: reusable text K/V (see `run`)."""
         self.validate(request)
-        steps = self._num_steps(request)
-        guided = self.guided_steps(steps) if self._guidance(request) != 1.0 else range(0)
-        return self.run(request, prompt, FixedSteps(steps, guided, cache))
+        return self.run(request, prompt, self.fixed_steps(self._num_steps(request), self._guidance(request), cache))
 
     def run(self, request: PolicyRequest, prompt: PromptState | None, control: StepControl) -> PolicyOutput:
         """`steps(...)` run to the end on this thread, each full GEN-stack call through the transformer."""
@@ -386,9 +407,10 @@ class PolicyPipeline:
         """One tick of a valid `request` under `control`, the one say the caller has in the step loop (the
         engine builds its requests from what the transport validated), as a generator (`TickSteps`): whoever
         drives it runs the full GEN-stack calls, alone or batched with other ticks', and may stop between
-        sampler steps; it drives them with grad disabled (`run_steps`, the engine's worker), since interleaved
-        generators would restore each other's grad mode out of order. `prompt`: the session's text K/V
-        (prefilled here when missing or stale)."""
+        sampler steps. The driver disables grad (`run_steps`, the engine's worker thread): a grad-mode context
+        held across the yields would be restored out of order by interleaved ticks, or on another thread when
+        an abandoned tick is collected. `prompt`: the session's text K/V (prefilled here when missing or
+        stale)."""
         t_start = time.perf_counter()
         embodiment = self.embodiments.get(request.embodiment)
         chunk = embodiment.default_chunk_size if request.chunk_size is None else request.chunk_size
@@ -396,29 +418,33 @@ class PolicyPipeline:
         cfg = guidance != 1.0
         timings: dict[str, float] = {}
 
-        with torch.no_grad():
-            clock = time.perf_counter()
-            clean_latent, canvas_hw = self._encode_condition(request, chunk)
-            timings["encode"] = _ms_since(clock)
+        clock = time.perf_counter()
+        clean_latent, canvas_hw = self._encode_condition(request, chunk)
+        timings["encode"] = _ms_since(clock)
 
-            clock = time.perf_counter()
-            key = self.prompt_key(request.instruction, embodiment, chunk, cfg, canvas_hw)
-            if prompt is None or prompt.key != key:
-                prompt = self.encode_prompt(request.instruction, embodiment, chunk, cfg, canvas_hw)
-            timings["prefill"] = _ms_since(clock)
+        clock = time.perf_counter()
+        key = self.prompt_key(request.instruction, embodiment, chunk, cfg, canvas_hw)
+        if prompt is None or prompt.key != key:
+            prompt = self.encode_prompt(request.instruction, embodiment, chunk, cfg, canvas_hw)
+        timings["prefill"] = _ms_since(clock)
 
-            clock = time.perf_counter()
-            state = self._initial_state(request, embodiment, chunk, clean_latent)
-            branches = self._branches(prompt, state, embodiment.fps)
-            steps_done = yield from self._sample(state, branches, steps, guidance, control)
-            timings["denoise"] = _ms_since(clock)
+        clock = time.perf_counter()
+        state = self._initial_state(request, embodiment, chunk, clean_latent)
+        branches = self._branches(prompt, state, embodiment.fps)
+        steps_done = yield from self._sample(state, branches, steps, guidance, control)
+        timings["denoise"] = _ms_since(clock)
 
-            clock = time.perf_counter()
-            action_rows = state.actions[-chunk:, : embodiment.raw_action_dim].double().cpu().numpy()
-            physical = self.normalizers(embodiment).action.denormalize(action_rows).astype(np.float32)
-            timings["decode"] = _ms_since(clock)
+        clock = time.perf_counter()
+        action_rows = state.actions[-chunk:, : embodiment.raw_action_dim].double().cpu().numpy()
+        physical = self.normalizers(embodiment).action.denormalize(action_rows).astype(np.float32)
+        timings["decode"] = _ms_since(clock)
         timings["total"] = _ms_since(t_start)
         return PolicyOutput(physical, state.vision, steps_done, timings, control.record())
+
+    def fixed_steps(self, num_steps: int, guidance: float, cache: StepController | None = None) -> FixedSteps:
+        """The step control of a tick without a deadline: the uncond pass on the guided steps when `guidance`
+        is on, `cache` (default `NoCache`) deciding each call."""
+        return FixedSteps(num_steps, self.guided_steps(num_steps) if guidance != 1.0 else range(0), cache)
 
     def guided_steps(self, num_steps: int) -> range:
         """The sampler steps of a `num_steps` tick on which the uncond pass runs when guidance is on: those
@@ -481,10 +507,10 @@ class PolicyPipeline:
         chunk = embodiment.check_chunk_size(
             embodiment.default_chunk_size if request.chunk_size is None else request.chunk_size
         )
-        steps = request.num_steps or self.config.num_steps
+        steps = self._num_steps(request)
         if not isinstance(steps, int) or not 1 <= steps <= 1000:
             raise InvalidSamplerSettings("num_steps", f"num_steps={steps!r}; expected an integer in [1, 1000]")
-        guidance = self.config.guidance if request.guidance is None else float(request.guidance)
+        guidance = self._guidance(request)
         if not math.isfinite(guidance) or guidance < 1.0:
             raise InvalidSamplerSettings("guidance", f"guidance={guidance!r}; expected a finite value >= 1")
         self._validate_images(request, embodiment)
