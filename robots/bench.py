@@ -45,12 +45,14 @@ import torch
 from tqdm import tqdm
 
 import robots.envs  # noqa: F401  (registers the environments)
+from policy_server.budget.cost_model import FULL, PAIR, SKIP
 from policy_server.budget.planner import MAX_CACHING
 from policy_server.cache.controller import NoCache
 from policy_server.cache.seacache import SeaCache, SeaCacheConfig
 from policy_server.config import DTYPES, check_dtype
 from policy_server.engine import api
 from policy_server.engine.engine import EngineSettings, ModelEngine, resolve_dtype
+from policy_server.engine.tick import step_calls
 from policy_server.limits import MAX_BUDGET_MS
 from policy_server.pipeline.embodiments import Embodiment
 from policy_server.pipeline.policy import CheckpointLoadError, PolicyOutput, PolicyPipeline, PolicyRequest, TickSteps
@@ -283,11 +285,11 @@ def run(args: argparse.Namespace) -> dict:
     slowdown_ms = args.slowdown_ms
     observations = [model_inputs(obs, embodiment, args.frame_size)
                     for obs in collect_observations(args.ticks, args.seed)]
-    if slowdown_ms is None:  # half a full call (embed, GEN stack, heads) as an uncached tick times them
+    if slowdown_ms is None:  # half an uncached step (embed, the branches' GEN stack as one call, heads)
         first = observations[0]
         probe = pipeline(PolicyRequest(images=first["images"], instruction=first["instruction"],
                                        embodiment=embodiment.name, state=first["state"]))
-        slowdown_ms = round(0.5 * statistics.median(ms for step in probe.steps for ms in step.ms.values()), 2)
+        slowdown_ms = round(0.5 * statistics.median(step.ms for step in probe.steps), 2)
 
     runs = {"uncached": ConfigRun("uncached"), "seacache_default": ConfigRun("seacache_default")}
     for b, n in fewer.items():
@@ -465,33 +467,46 @@ ATTENTION_OPS = frozenset({"aten::_scaled_dot_product_flash_attention_for_cpu", 
 def tick_profile(pipeline: PolicyPipeline, embodiment: Embodiment, inputs: dict, ticks: int) -> dict | None:
     """Where an uncached tick's time goes (ms per tick): its wall time (median, without the profiler), the
     matmul and attention time the torch profiler attributes to it (self time, mean over `ticks`), their
-    ratio (1.0: nothing but arithmetic), the ops per tick, and one GEN-stack call's cost full and skipped
-    (median over an uncached and a maximally cached tick's calls: embed, stack or extrapolation, heads)."""
+    ratio (1.0: nothing but arithmetic) and the ops per tick; the same tick with each step's CFG branches run
+    one by one (the path before batched CFG, interleaved tick by tick); and what one call costs (median over
+    the steps: embed, stack or extrapolation, heads, sampler update): full alone, both branches' as one batch,
+    skipped (a maximally cached tick's)."""
     if ticks == 0:
         return None
     from torch.profiler import ProfilerActivity, profile
 
     request = PolicyRequest(images=inputs["images"], instruction=inputs["instruction"], embodiment=embodiment.name,
                             state=inputs["state"])
-    pipeline(request)  # allocations and layouts of this shape are made outside the figures
-    walls, full_ms, skip_ms = [], [], []
+    steps, guidance = pipeline.config.num_steps, pipeline.config.guidance
+
+    def tick(cache=None, batch_branches: bool = True) -> PolicyOutput:
+        return pipeline.run(request, None, pipeline.fixed_steps(steps, guidance, cache, batch_branches))
+
+    def max_caching() -> SeaCache:
+        return SeaCache(SeaCacheConfig(threshold=MAX_CACHING.threshold, max_consecutive_cached=MAX_CACHING.cap))
+
+    tick(), tick(batch_branches=False)  # allocations and layouts of this shape are made outside the figures
+    walls, walls_one_by_one, calls = [], [], []
     for _ in range(ticks):
-        out = pipeline(request)
-        walls.append(out.timings_ms["total"])
-        full_ms.extend(ms for step in out.steps for ms in step.ms.values())
-        cached = pipeline(request, cache=SeaCache(SeaCacheConfig(threshold=MAX_CACHING.threshold,
-                                                                 max_consecutive_cached=MAX_CACHING.cap)))
-        skip_ms.extend(cached.steps[d.step].ms[d.branch] for d in cached.cache.decisions if not d.full)
+        for out, one_by_one in ((tick(), False), (tick(batch_branches=False), True),
+                                (tick(max_caching(), batch_branches=False), None)):
+            calls += step_calls(out.steps)
+            if one_by_one is not None:
+                (walls_one_by_one if one_by_one else walls).append(out.timings_ms["total"])
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if pipeline.device.type == "cuda" else [])
     with profile(activities=activities) as profiler:
         for _ in range(ticks):
-            pipeline(request)
+            tick()
     events = profiler.key_averages()
     cuda = pipeline.device.type == "cuda"
 
     def op_ms(names: frozenset[str]) -> float:
         total_us = sum((e.self_device_time_total if cuda else e.self_cpu_time_total) for e in events if e.key in names)
         return total_us / 1e3 / ticks
+
+    def call_ms(kind: str) -> float | None:
+        samples = [ms for k, ms in calls if k == kind]
+        return statistics.median(samples) if samples else None
 
     wall_ms, matmul_ms, attention_ms = statistics.median(walls), op_ms(MATMUL_OPS), op_ms(ATTENTION_OPS)
     return {
@@ -500,8 +515,10 @@ def tick_profile(pipeline: PolicyPipeline, embodiment: Embodiment, inputs: dict,
         "attention_ms": attention_ms,
         "wall_vs_arithmetic": wall_ms / (matmul_ms + attention_ms),
         "ops_per_tick": sum(e.count for e in events if e.key.startswith("aten::")) / ticks,
-        "full_call_ms": statistics.median(full_ms),
-        "skipped_call_ms": statistics.median(skip_ms) if skip_ms else None,
+        "wall_branches_one_by_one_ms": statistics.median(walls_one_by_one),
+        "full_call_ms": call_ms(FULL),
+        "batched_cfg_call_ms": call_ms(PAIR),
+        "skipped_call_ms": call_ms(SKIP),
         "ticks": ticks,
     }
 

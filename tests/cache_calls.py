@@ -9,5 +9,5 @@ def run_stack(cache, step, branch, sigma, noisy_vision, gen_in, full):
     out = cache.estimate(step, branch, sigma, noisy_vision, gen_in)
     if out is None:
         out = full()
-        cache.ran(out)
+        cache.ran(branch, out)
     return out

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from policy_server.budget.cost_model import CallCosts, CostModel, WindowStat
+from policy_server.budget.cost_model import FULL, PAIR, SKIP, CallCosts, CostModel, WindowStat
 
 
 def test_window_stat_is_the_median_and_median_absolute_deviation():
@@ -24,24 +24,40 @@ def test_window_stat_is_the_median_and_median_absolute_deviation():
 def test_each_tick_is_one_sample_of_each_cost():
     model = CostModel(window=8)
     key, other = ("pusht", 9, 32), ("pusht", 17, 32)
-    model.observe_tick(key, [(True, 10.0), (False, 2.0), (True, 14.0), (True, 11.0)], {"encode": 3.0})
-    assert model.samples(key) == {"full": 1, "skip": 1, "encode": 1}
-    assert not model.is_warm(other) and model.samples(other) == {"full": 0, "skip": 0}
+    model.observe_tick(key, [(FULL, 10.0), (SKIP, 2.0), (FULL, 14.0), (FULL, 11.0)], {"encode": 3.0})
+    assert model.samples(key) == {"full": 1, "pair": 0, "skip": 1, "encode": 1}
+    assert not model.is_warm(other) and model.samples(other) == {"full": 0, "pair": 0, "skip": 0}
     costs = model.costs(key)
     assert (costs.full_ms, costs.skip_ms, costs.fixed_ms) == (11.0, 2.0, {"encode": 3.0})
     with pytest.raises(LookupError, match="warmup"):
         model.costs(other)
-    model.observe_tick(other, [(True, 7.0)])  # no skip seen yet: a skip is not counted on to save time
+    model.observe_tick(other, [(FULL, 7.0)])  # no skip seen yet: a skip is not counted on to save time
     assert model.costs(other).skip_ms == 7.0
+    assert model.costs(other).pair_ms == 14.0  # no pair seen yet: nor is batching
+
+
+def test_pairs_are_their_own_cost_and_bound_what_was_not_seen():
+    model = CostModel(window=8)
+    model.observe_tick("k", [(PAIR, 12.0), (PAIR, 13.0), (SKIP, 2.0)])
+    assert model.is_warm("k")
+    costs = model.costs("k")
+    # A call alone costs at most what a pair of them does, until one is seen.
+    assert (costs.pair_ms, costs.full_ms, costs.skip_ms) == (12.5, 12.5, 2.0)
+    model.observe_tick("k", [(FULL, 7.0), (PAIR, 12.5)])
+    costs = model.costs("k")
+    assert (costs.full_ms, costs.pair_ms, costs.pair_saving_ms) == (7.0, 12.5, 1.5)
+    assert costs.cautious(1.0).pair_ms == 12.5 + costs.pair_dev_ms
+    with pytest.raises(ValueError, match="call kind"):
+        model.observe_tick("k", [("both", 3.0)])
 
 
 def test_one_slow_tick_does_not_move_the_estimates():
     model = CostModel(window=16)
     key = ("pusht", 9, 32)
     for _ in range(10):
-        model.observe_tick(key, [(True, 10.0)] * 4 + [(False, 2.0)] * 4, {"prefill": 3.0})
+        model.observe_tick(key, [(FULL, 10.0)] * 4 + [(SKIP, 2.0)] * 4, {"prefill": 3.0})
     before = model.costs(key)
-    model.observe_tick(key, [(True, 900.0)] * 40 + [(False, 400.0)] * 4, {"prefill": 900.0})
+    model.observe_tick(key, [(FULL, 900.0)] * 40 + [(SKIP, 400.0)] * 4, {"prefill": 900.0})
     after = model.costs(key)
     assert (after.full_ms, after.skip_ms, after.fixed_ms["prefill"]) == (before.full_ms, before.skip_ms, 3.0)
     assert after.full_dev_ms == before.full_dev_ms == 0.0
@@ -52,6 +68,7 @@ def test_cautious_costs_add_deviations_and_a_stage_can_be_left_out():
                       skip_dev_ms=0.5, fixed_dev_ms={"decode": 2.0})
     c = costs.cautious(2.0)
     assert (c.full_ms, c.skip_ms, c.fixed_ms["decode"], c.fixed_ms["prefill"]) == (12.0, 3.0, 8.0, 5.0)
+    assert c.pair_ms == 24.0  # two calls alone, each raised
     assert costs.cautious(0.0).full_ms == 10.0
     reused = costs.without("prefill")
     assert reused.fixed_ms == {"decode": 4.0} and reused.fixed_total_ms == 4.0
@@ -61,7 +78,7 @@ def test_cautious_costs_add_deviations_and_a_stage_can_be_left_out():
 def test_bad_durations_are_rejected(bad):
     model = CostModel()
     with pytest.raises(ValueError, match="duration"):
-        model.observe_tick("k", [(True, bad)])
+        model.observe_tick("k", [(FULL, bad)])
     with pytest.raises(ValueError, match="decode"):
         model.observe_tick("k", [], {"decode": bad})
 

@@ -1,22 +1,24 @@
 """Deadline guard and the guarded tick loop, with a fake clock and a fake model whose calls advance it.
 
-The fake model: every call costs CALL_MS (embed, indicator, heads); a full call adds the stack time. So
-c_full = CALL_MS + stack and c_skip = CALL_MS, exactly what the guard and the planner assume.
+The fake model: every call costs CALL_MS (embed, indicator, heads); a step's full calls add the stack time,
+STACK_MS for one alone, PAIR_STACK_MS for both branches as one batch. So c_full = CALL_MS + STACK_MS,
+c_pair = 2 * CALL_MS + PAIR_STACK_MS and c_skip = CALL_MS, exactly what the guard and the planner assume.
 """
 
 import pytest
 import torch
-from cache_calls import run_stack
 
-from policy_server.budget.cost_model import CallCosts, CostModel
+from policy_server.budget.cost_model import FULL, PAIR, SKIP, CallCosts, CostModel
 from policy_server.budget.guard import DeadlineGuard
 from policy_server.budget.history import SessionHistory
 from policy_server.budget.planner import plan_tick
 from policy_server.budget.tick import GuardedSteps, TickBudget
 from policy_server.cache.seacache import SeaCache, SeaCacheConfig
+from policy_server.pipeline.policy import FixedSteps
 
-CALL_MS, STACK_MS, ENCODE_MS, DECODE_MS = 1.0, 9.0, 5.0, 5.0
-COSTS = CallCosts(full_ms=CALL_MS + STACK_MS, skip_ms=CALL_MS, fixed_ms={"encode": ENCODE_MS, "decode": DECODE_MS})
+CALL_MS, STACK_MS, PAIR_STACK_MS, ENCODE_MS, DECODE_MS = 1.0, 9.0, 14.0, 5.0, 5.0
+COSTS = CallCosts(full_ms=CALL_MS + STACK_MS, skip_ms=CALL_MS, fixed_ms={"encode": ENCODE_MS, "decode": DECODE_MS},
+                  pair_ms=2 * CALL_MS + PAIR_STACK_MS)
 KEY = ("fake", 2, 4, 4)
 
 
@@ -37,35 +39,27 @@ def rough_latents(num_steps, distance=0.5):
     return [base * (1 + distance) ** i for i in range(num_steps)]
 
 
-def fake_stack(clock, gen_in, stack_ms):
-    """``full`` for a call at ``step``: the stack advances the clock by ``stack_ms(step)``."""
-
-    def full_for(step):
-        def full():
-            clock.advance(stack_ms(step))
-            return gen_in + 1.0
-
-        return full
-
-    return full_for
-
-
-def run_denoise(clock, steps, stack_ms=lambda step: STACK_MS, stall_ms=lambda step: 0.0):
+def run_denoise(clock, steps, stack_ms=lambda step: STACK_MS, stall_ms=lambda step: 0.0, num_steps=None):
     """The sampler loop of one tick on the fake model, driving ``steps`` (a ``GuardedSteps``) as the pipeline
-    does: the guard names each step's branches and may end the loop early. ``stall_ms(step)`` passes before the
-    step. Returns the branches run per step."""
-    latents = rough_latents(steps.plan.num_steps)
+    does: the guard names each step's branches and may end the loop early; every branch is asked, then the
+    calls that run go as one batch (which costs ``PAIR_STACK_MS / STACK_MS`` times one alone).
+    ``stall_ms(step)`` passes before the step. Returns the branches run per step."""
+    num_steps = steps.plan.num_steps if num_steps is None else num_steps
+    latents = rough_latents(num_steps)
     gen_in = torch.zeros(3, 2)
-    full_for = fake_stack(clock, gen_in, stack_ms)
     ran = []
     with torch.no_grad():
-        for step in range(steps.plan.num_steps):
+        for step in range(num_steps):
             clock.advance(stall_ms(step))
             branches, last = steps.before_step(step)
+            full = []
             for branch in branches:
                 clock.advance(CALL_MS)
                 if steps.estimate(step, branch, 0.5, [latents[step]], gen_in) is None:  # the call runs
-                    steps.ran(full_for(step)())
+                    full.append(branch)
+            if full:
+                clock.advance(stack_ms(step) * (PAIR_STACK_MS / STACK_MS if len(full) == 2 else 1.0))
+                steps.ran({branch: gen_in + 1.0 for branch in full})
             ran.append(branches)
             if last:
                 break
@@ -74,15 +68,7 @@ def run_denoise(clock, steps, stack_ms=lambda step: STACK_MS, stall_ms=lambda st
 
 def run_unguarded(clock, plan, cache, stack_ms=lambda step: STACK_MS):
     """The same loop without a guard: a plain SeaCache on the plan's steps and branches."""
-    latents = rough_latents(plan.num_steps)
-    gen_in = torch.zeros(3, 2)
-    full_for = fake_stack(clock, gen_in, stack_ms)
-    cache.begin(plan.num_steps)
-    with torch.no_grad():
-        for step in range(plan.num_steps):
-            for branch in plan.branches(step):
-                clock.advance(CALL_MS)
-                run_stack(cache, step, branch, 0.5, [latents[step]], gen_in, full_for(step))
+    run_denoise(clock, FixedSteps(plan.num_steps, plan.uncond_steps, cache), stack_ms, num_steps=plan.num_steps)
 
 
 def plan_cache(plan):
@@ -108,28 +94,44 @@ def run_tick(clock, budget, plan, guarded=True, stack_ms=lambda step: STACK_MS, 
     return cache.record(), {"encode": ENCODE_MS, "denoise": t1 - t0, "decode": DECODE_MS}, steps, ran
 
 
+def expected_samples(record, steps):
+    """The cost samples of the first ``steps`` steps of ``record`` at the fake model's costs."""
+    samples = []
+    for step in range(steps):
+        full = [d.full for d in record.decisions if d.step == step]
+        if all(full) and len(full) == 2:
+            samples.append((PAIR, pytest.approx(COSTS.pair_ms)))
+        else:
+            samples += [(FULL if f else SKIP, pytest.approx(COSTS.full_ms if f else COSTS.skip_ms)) for f in full
+                        if f or not any(full)]
+    return samples
+
+
 def warm_budget(clock, guided=range):
     model = CostModel()
     for _ in range(3):
-        model.observe_tick(KEY, [(True, COSTS.full_ms), (False, COSTS.skip_ms)],
+        model.observe_tick(KEY, [(FULL, COSTS.full_ms), (SKIP, COSTS.skip_ms), (PAIR, COSTS.pair_ms)],
                            {"encode": ENCODE_MS, "decode": DECODE_MS})
     assert model.is_warm(KEY)
     return TickBudget(model, clock=clock, post_stages=("decode",), guided=guided)
 
 
+COST_OF = {FULL: COSTS.full_ms, PAIR: COSTS.pair_ms, SKIP: COSTS.skip_ms}
+
+
 def test_guard_holds_the_deadline_when_the_gate_refreshes_every_step():
     clock = FakeClock()
     budget = warm_budget(clock)
-    plan = budget.plan(KEY, 120.0, 10, 2, None, prefill=False)
+    plan = budget.plan(KEY, 100.0, 10, 2, None, prefill=False)
     assert plan.setting == "t0.25-c2" and plan.fits  # the prior expects 8 of 20 calls full
 
     unguarded, stages, _, _ = run_tick(clock, budget, plan, guarded=False)
     assert unguarded.full_calls == 20  # the gate wants a refresh every step
-    assert sum(stages.values()) == pytest.approx(210.0)
+    assert sum(stages.values()) == pytest.approx(ENCODE_MS + 10 * COSTS.pair_ms + DECODE_MS)
 
     rec, stages, steps, ran = run_tick(clock, budget, plan)
     total = sum(stages.values())
-    assert total <= 120.0
+    assert total <= 100.0
     assert ran == [plan.branches(s) for s in range(10)] and steps.fallbacks == ()
     assert rec.full_calls + rec.skipped_calls == plan.calls
     # The gate skipped nothing on these latents: every skip is one the guard forced.
@@ -137,12 +139,13 @@ def test_guard_holds_the_deadline_when_the_gate_refreshes_every_step():
     assert not any(d.fail_open for d in rec.decisions)
     assert steps.record() is rec
     assert rec.sequence("cond")[-1] == "F" and rec.sequence("uncond")[-1] == "F"  # final step kept full
-    # Every forced skip was needed: a guard that forced one fewer would have missed.
-    assert total + (COSTS.full_ms - COSTS.skip_ms) > 120.0
-    # The guard timed every call but the first (which holds the setup before the loop).
+    # Every forced skip was needed: a guard that forced one fewer (the cheapest: one joining a full call of its
+    # step) would have missed.
+    assert total + (COSTS.pair_ms - COSTS.full_ms - COSTS.skip_ms) > 100.0
+    # The guard timed every step but the last, each call at its cost: a step with both branches full as one pair.
     timings = steps.guard.call_timings()
-    assert [full for full, _ in timings] == [d.full for d in rec.decisions[1:]]
-    assert all(ms == pytest.approx(COSTS.full_ms if full else COSTS.skip_ms) for full, ms in timings)
+    assert timings == expected_samples(rec, plan.num_steps - 1)
+    assert any(kind == PAIR for kind, _ in timings)
 
 
 def test_guard_adapts_to_a_slowdown_within_the_tick():
@@ -152,10 +155,12 @@ def test_guard_adapts_to_a_slowdown_within_the_tick():
     slow = lambda step: STACK_MS if step < 3 else 2 * STACK_MS  # noqa: E731
     rec, stages, steps, _ = run_tick(clock, budget, plan, stack_ms=slow)
     assert sum(stages.values()) <= 150.0
-    timed = list(zip(rec.decisions[1:], steps.guard.call_timings(), strict=True))
-    assert all(d.full == full for d, (full, _) in timed)
-    slow_fulls = [ms for d, (full, ms) in timed if full and d.step >= 3]
-    assert slow_fulls and all(ms == pytest.approx(CALL_MS + 2 * STACK_MS) for ms in slow_fulls)
+    # Timed steps 0-2 at the usual costs, the later ones with their stacks twice as slow.
+    timings = steps.guard.call_timings()
+    assert timings[:3] == [(PAIR, pytest.approx(COSTS.pair_ms))] * 3
+    slow = {FULL: CALL_MS + 2 * STACK_MS, PAIR: 2 * CALL_MS + 2 * PAIR_STACK_MS, SKIP: CALL_MS}
+    assert all(ms == pytest.approx(slow[kind]) for kind, ms in timings[3:])
+    assert any(kind != SKIP for kind, _ in timings[3:])
 
 
 @pytest.mark.parametrize(
@@ -167,14 +172,14 @@ def test_guard_adapts_to_a_slowdown_within_the_tick():
     ],
 )
 def test_guard_paces_a_stalled_tick_into_its_deadline(stall, late, cond_calls, uncond_calls):
-    """The guard balances this plan exactly on its 120 ms deadline; a stall before step 4 costs the rest of
+    """The guard balances this plan exactly on its 100 ms deadline; a stall before step 4 costs the rest of
     the tick its uncond pass or its remaining steps, in that order, and the deadline still holds."""
     clock = FakeClock()
     budget = warm_budget(clock)
-    plan = budget.plan(KEY, 120.0, 10, 2, None, prefill=False)
+    plan = budget.plan(KEY, 100.0, 10, 2, None, prefill=False)
     assert plan.fallbacks == ()
     record, stages, steps, ran = run_tick(clock, budget, plan, stall_ms=lambda step: stall if step == 4 else 0.0)
-    assert sum(stages.values()) <= 120.0
+    assert sum(stages.values()) <= 100.0
     assert steps.fallbacks == steps.guard.late_fallbacks == late
     assert len(record.sequence("cond")) == cond_calls and len(record.sequence("uncond")) == uncond_calls
     assert len(ran) == cond_calls and sum(len(b) for b in ran) == cond_calls + uncond_calls
@@ -184,13 +189,14 @@ def test_guard_paces_a_stalled_tick_into_its_deadline(stall, late, cond_calls, u
 def test_a_stall_no_fallback_can_absorb_is_reported_as_a_miss():
     clock = FakeClock()
     budget = warm_budget(clock)
-    plan = budget.plan(KEY, 120.0, 10, 2, None, prefill=False)
+    plan = budget.plan(KEY, 100.0, 10, 2, None, prefill=False)
     start = clock()
     record, stages, steps, _ = run_tick(clock, budget, plan, stall_ms=lambda step: 40.0 if step == 4 else 0.0)
     actual_ms = clock() - start
     assert steps.fallbacks == ("late_finish_at_step=4/10",)
     assert actual_ms > plan.deadline_ms
-    assert actual_ms == pytest.approx(131.0)  # 85 ms on time + 40 ms stall + 1 skipped call + decode
+    # Encode and 4 steps of pairs on time, the 40 ms stall, 1 skipped call, decode.
+    assert actual_ms == pytest.approx(ENCODE_MS + 4 * COSTS.pair_ms + 40.0 + COSTS.skip_ms + DECODE_MS)
     assert actual_ms == pytest.approx(sum(stages.values()))
     assert len(record.sequence("cond")) == 5 and len(record.sequence("uncond")) == 4
 
@@ -206,16 +212,19 @@ def test_guard_never_forces_the_final_step():
 
 @pytest.mark.parametrize("reserve_ms", [0.0, 5.0])
 def test_guard_forces_a_skip_exactly_when_a_full_call_would_overshoot(reserve_ms):
-    # At step 0 cond: this call full (10) + 5 skips (uncond at 0, steps 1-2) + 2 full final calls (20), then
-    # the reserve for the stages after the loop: 35 ms + reserve from now (0).
+    # At step 0 cond: the step with this call full and uncond skipped (10 + 1), 4 skips (steps 1-2), the final
+    # step's pair (16), then the reserve for the stages after the loop: 31 ms + reserve from now (0).
     plan = plan_tick(60.0, 4, 2, COSTS)
-    needed = 10.0 + 5 * 1.0 + 2 * 10.0 + reserve_ms
+    needed = 10.0 + 1.0 + 4 * 1.0 + 16.0 + reserve_ms
     on_time = DeadlineGuard(plan, COSTS, deadline_at_ms=needed, reserve_after_ms=reserve_ms, clock=FakeClock())
     late = DeadlineGuard(plan, COSTS, deadline_at_ms=needed - 0.1, reserve_after_ms=reserve_ms, clock=FakeClock())
     assert on_time.force_skip(0, "cond") is False
     assert late.force_skip(0, "cond") is True
-    # The uncond call of step 0 has one call fewer after it.
-    assert DeadlineGuard(plan, COSTS, needed - 1.0, reserve_ms, FakeClock()).force_skip(0, "uncond") is False
+    # Uncond after a skipped cond costs the same step; joining cond's full call makes the step a pair (16).
+    assert on_time.force_skip(0, "uncond") is False
+    assert on_time.force_skip(0, "uncond", joins_full=True) is True
+    paired = DeadlineGuard(plan, COSTS, needed + 5.0, reserve_ms, FakeClock())
+    assert paired.force_skip(0, "uncond", joins_full=True) is False
 
 
 def test_guard_does_not_force_when_time_is_ample():
@@ -262,8 +271,9 @@ def test_tick_loop_learns_costs_and_counts_and_keeps_every_deadline():
     assert chosen[-1] > chosen[0]  # learned that the gate refreshes often on this trajectory
     assert ticks[-1][1].forced_skips < ticks[0][1].forced_skips
     costs = budget.cost_model.costs(KEY)
-    assert costs.full_ms == pytest.approx(COSTS.full_ms) and costs.skip_ms == pytest.approx(COSTS.skip_ms)
-    assert budget.cost_model.samples(KEY)["full"] == 3 + 8  # warmup, then one sample per tick
+    assert (costs.full_ms, costs.pair_ms, costs.skip_ms) == pytest.approx((COSTS.full_ms, COSTS.pair_ms,
+                                                                           COSTS.skip_ms))
+    assert budget.cost_model.samples(KEY)["pair"] == 3 + 8  # warmup, then one sample per tick
 
 
 def test_learn_without_costs_still_feeds_the_history():
@@ -277,22 +287,19 @@ def test_learn_without_costs_still_feeds_the_history():
     assert budget.cost_model.samples(KEY) == before
     assert history.quantile(plan.setting, plan.structure, 1.0) == rec.full_calls + rec.forced_skips
     budget.learn(KEY, steps, None, stages)  # no session history: costs only
-    assert budget.cost_model.samples(KEY)["full"] == before["full"] + 1
+    assert budget.cost_model.samples(KEY)["pair"] == before["pair"] + 1
 
 
-def test_first_call_of_a_tick_is_not_a_cost_sample():
+def test_setup_before_the_loop_is_in_no_cost_sample():
     clock = FakeClock()
     budget = warm_budget(clock)
     plan = budget.plan(KEY, 500.0, 4, 2, None, prefill=False)
     steps = budget.guarded_steps(plan, KEY, clock(), plan_cache(plan))
-    clock.advance(50.0)  # setup between arming and the loop (encode) lands in the first call's time
+    clock.advance(50.0)  # setup between arming and the loop (encode), before the first step is paced
     run_denoise(clock, steps)
     rec = steps.record()
     assert len(rec.decisions) == plan.calls == 8
-    timings = steps.guard.call_timings()
-    assert len(timings) == len(rec.decisions) - 1
-    assert [full for full, _ in timings] == [d.full for d in rec.decisions[1:]]
-    assert all(ms == pytest.approx(COSTS.full_ms if full else COSTS.skip_ms) for full, ms in timings)
+    assert steps.guard.call_timings() == [(PAIR, pytest.approx(COSTS.pair_ms))] * 3  # every step but the last
 
 
 def test_guidance_interval_limits_the_guarded_ticks_uncond_pass():
@@ -303,5 +310,5 @@ def test_guidance_interval_limits_the_guarded_ticks_uncond_pass():
     rec, stages, steps, ran = run_tick(clock, budget, plan)
     assert ran == [("cond", "uncond")] * 3 + [("cond",)] * 7
     assert rec.sequence("cond") == "F" * 10 and rec.sequence("uncond") == "FFF"
-    assert sum(stages.values()) == pytest.approx(ENCODE_MS + 13 * COSTS.full_ms + DECODE_MS)
+    assert sum(stages.values()) == pytest.approx(ENCODE_MS + 3 * COSTS.pair_ms + 7 * COSTS.full_ms + DECODE_MS)
     assert steps.fallbacks == ()

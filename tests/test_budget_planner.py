@@ -212,3 +212,19 @@ def test_guidance_interval_that_starts_late():
     assert plan.min_full_calls == 2 + 2  # uncond: full at 4 (no residual) and 9 (cache end)
     # The interval follows the step count: at 20 steps it is range(4, 20).
     assert plan_tick(500.0, 20, 2, COSTS, guided=lambda n: range(4, n)).uncond_steps == range(4, 20)
+
+
+# The same calls, but a step's two full calls cost 12 ms as one batch (a pair saves 8 ms): 130 ms uncached.
+PAIRED = CallCosts(full_ms=10.0, skip_ms=1.0, fixed_ms={"encode": 5.0, "decode": 5.0}, pair_ms=12.0)
+
+
+def test_batched_cfg_pairs_count_in_what_fits():
+    uncached = plan_tick(130.0, 10, 2, PAIRED, config=PlannerConfig(cost_margin_devs=0.0))
+    assert uncached.setting == "none" and uncached.predicted_ms == pytest.approx(130.0)
+    assert plan_tick(130.0, 10, 2, COSTS).setting != "none"  # two calls alone would need 210 ms
+    # T(F) = 10 + 10 F + (20 - F) - floor(F / 2) * 8: F = 14 takes exactly 100 ms, F = 15 109 ms.
+    plan = plan_tick(100.0, 10, 2, PAIRED)
+    assert plan.full_calls_max == 14 and plan.setting == "t0.10-c1" and plan.expected_full_calls == 12
+    assert plan.predicted_ms == pytest.approx(10 + 12 * 10 + 8 * 1 - 6 * 8)
+    # Without CFG there is nothing to pair: the pair cost changes nothing.
+    assert plan_tick(100.0, 10, 1, PAIRED) == plan_tick(100.0, 10, 1, COSTS)

@@ -3,7 +3,7 @@ learned only for the ticks that run it, so sessions without preview are planned 
 
 import pytest
 
-from policy_server.budget.cost_model import CostModel
+from policy_server.budget.cost_model import FULL, SKIP, CostModel
 from policy_server.budget.tick import PREVIEW_STAGE, TickBudget
 from policy_server.cache.seacache import SeaCache
 
@@ -14,7 +14,7 @@ STAGES_MS = {"encode": 2.0, "prefill": 3.0, "decode": 0.5, PREVIEW_STAGE: 7.0}
 @pytest.fixture
 def budget():
     model = CostModel()
-    model.observe_tick(KEY, [(True, 4.0)] * 4 + [(False, 1.0)] * 4, STAGES_MS)
+    model.observe_tick(KEY, [(FULL, 4.0)] * 4 + [(SKIP, 1.0)] * 4, STAGES_MS)
     return TickBudget(model, post_stages=("decode", PREVIEW_STAGE))
 
 

@@ -342,12 +342,13 @@ def test_a_smaller_latent_grid_is_planned_at_its_own_costs_once_seen(engine, cli
     """48x64 frames sit on the 64x64 canvas unscaled: 6x8 latent cells, cheaper than the full 8x8."""
     key = engine.sessions.get(session.session_id).cost_key
     grid_key = (*key, (6, 8))
-    full_before = engine.served.cost_model.samples(key)["full"]
-    seen = engine.served.cost_model.samples(grid_key)["full"]
+    # A served tick runs both CFG branches' full calls as one batch: pairs are what it teaches.
+    full_before = engine.served.cost_model.samples(key)["pair"]
+    seen = engine.served.cost_model.samples(grid_key)["pair"]
     for step in range(max(GRID_SAMPLES - seen, 0)):
         client.act(session, {"image": _frame(step, 48, 64)}, STATE, encoding="png", step_index=step)
-    assert engine.served.cost_model.samples(grid_key)["full"] >= GRID_SAMPLES
-    assert engine.served.cost_model.samples(key)["full"] == full_before  # the full grid's costs are untouched
+    assert engine.served.cost_model.samples(grid_key)["pair"] >= GRID_SAMPLES
+    assert engine.served.cost_model.samples(key)["pair"] == full_before  # the full grid's costs are untouched
     steps, passes = engine.served.pipeline.config.num_steps, 2
 
     def predicted_encode(cost_key):

@@ -353,7 +353,7 @@ def test_a_long_instruction_or_a_slow_tick_does_not_change_what_other_sessions_g
     with slowdown.on():  # one stalled tick: every full call 20 ms slower
         stalled = engine.act(session.session_id, 1, _observation(1))
     slowdown.remove()
-    assert stalled.tick.actual_ms["denoise"] > 20.0 * stalled.tick.full_calls
+    assert stalled.tick.actual_ms["denoise"] > 20.0 * stalled.tick.full_calls / 2  # at most 2 calls per stack
     engine.close_session(session.session_id)
     assert engine.capacity(budget, 0.0) == before_capacity
 

@@ -1,8 +1,8 @@
 """Batched CFG at the model boundary: inputs whose layouts differ only in text length run as one GEN stack.
 
 The cond and uncond branches of a step share their generated rows (N_gen) but not their prompts, so the
-batch pads the text K/V (`UndKV.stack_padded`), hides the padding with a key mask and rotates each
-item's rows at its own positions (`GenInput.stack_varied`).
+batch pads the text K/V (`UndKV.stack_padded`), has each item attend to its own text rows and rotates
+each item's rows at its own positions (`GenInput.stack_varied`).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def test_equal_lengths_match_the_shared_layout_batch(model):
         shared = GenInput(second.hidden, first.layout)  # same request shape, so one layout serves both
         stacked = model.gen_stack(GenInput.stack([first, shared]), UndKV.stack([kv1, kv2]))
         varied = model.gen_stack(GenInput.stack_varied([first, second]), UndKV.stack_padded([kv1, kv2]))
-    assert GenInput.stack_varied([first, second]).key_mask is None
+    assert GenInput.stack_varied([first, second]).ragged_und_lens is None
     assert max_error(stacked, varied) <= TOLERANCE
 
 
@@ -68,8 +68,7 @@ def test_padded_layouts_reused_across_steps(model):
         (cond, cond_kv), (uncond, uncond_kv) = branch(model, 11, seed=60), branch(model, 7, seed=61)
         layouts = PaddedGenLayouts.build([cond.layout, uncond.layout])
         n_gen = cond.hidden.shape[0]
-        assert layouts.key_mask.shape == (2, 1, 1, cond.und_len + n_gen)
-        assert layouts.key_mask.sum(-1).flatten().tolist() == [cond.und_len + n_gen, uncond.und_len + n_gen]
+        assert layouts.ragged_und_lens == (cond.und_len, uncond.und_len) == (11, 7)
         assert layouts.rotary.cos.shape == (2, n_gen, model.config.head_dim)
         kv = UndKV.stack_padded([cond_kv, uncond_kv])
         first = model.gen_stack(GenInput.stack_varied([cond, uncond], layouts), kv)
@@ -87,7 +86,7 @@ def test_mismatched_padding_is_rejected(model):
             model.gen_stack(varied, UndKV.stack_padded([uncond_kv, cond_kv]))
         with pytest.raises(ValueError, match="each item's text rows"):  # unpadded K/V of the longer prompt
             model.gen_stack(varied, UndKV.stack([cond_kv, cond_kv]))
-        with pytest.raises(ValueError, match="each item's text rows"):  # padded K/V, no key mask
+        with pytest.raises(ValueError, match="each item's text rows"):  # padded K/V, one shared layout
             model.gen_stack(GenInput.stack([cond, cond]), UndKV.stack_padded([cond_kv, uncond_kv]))
         other = branch(model, 7, seed=72)[0]
         other_shape = policy_step_kwargs(model.config, n_text=7, vision_shape=(8, 3, 8, 6), chunk=4, state_rows=1,

@@ -8,7 +8,7 @@ import torch
 from policy_server.cache.controller import NoCache
 from policy_server.cache.seacache import SeaCache, SeaCacheConfig
 from policy_server.pipeline.errors import PolicyInputError
-from policy_server.pipeline.policy import FixedSteps, PolicyPipeline, PolicyRequest
+from policy_server.pipeline.policy import FixedSteps, PolicyPipeline, PolicyRequest, run_steps
 from robots.embedded import build_random_pipeline
 
 STEPS = 4
@@ -103,6 +103,47 @@ def test_step_control_drops_uncond_then_ends_the_loop_on_a_clean_estimate(pipe):
     full = pipe(_request())
     assert np.all(np.isfinite(out.actions)) and not np.array_equal(out.actions, full.actions)
     assert torch.equal(out.latents[:, 0], full.latents[:, 0])  # the conditioning frame is kept exactly
+
+
+class RecordedStacks:
+    """The transformer's `gen_stack`, recording each call's `[B, N_gen]`."""
+
+    def __init__(self, pipe):
+        self.pipe, self.shapes = pipe, []
+
+    def __call__(self, gen, und_kv):
+        self.shapes.append(tuple(gen.hidden.shape[:-1]))
+        return self.pipe.transformer.gen_stack(gen, und_kv)
+
+
+@pytest.mark.parametrize("threshold", [0.0, 0.3])
+def test_batched_cfg_equals_the_branches_one_by_one(pipe, threshold):
+    """A step's cond and uncond calls (prompts of different lengths) run as one stack, each against its own
+    text K/V, each branch keeping its own SeaCache state: the same decisions and, within 1e-5, the same
+    tick as running them one by one."""
+    request = _request(guidance=2.0, num_steps=8)
+    outs, stacks = [], []
+    for batch in (True, False):
+        stack = RecordedStacks(pipe)
+        steps = pipe.fixed_steps(8, 2.0, SeaCache(SeaCacheConfig(threshold=threshold)), batch_branches=batch)
+        outs.append(run_steps(pipe.steps(request, None, steps), stack))
+        stacks.append(stack.shapes)
+    batched, one_by_one = outs
+    prompt = pipe.encode_prompt(request.instruction, pipe.embodiments.get("pusht"), 8, cfg=True, canvas_hw=(64, 64))
+    assert len(prompt.input_ids["cond"]) != len(prompt.input_ids["uncond"])
+    def decided(out):
+        return [(d.step, d.branch, d.full, d.reason) for d in out.cache.decisions]
+
+    assert decided(batched) == decided(one_by_one)
+    if threshold:
+        assert 0 < batched.cache.skipped_calls < batched.cache.full_calls
+    pairs = [s for s in batched.steps if len(s.full) == 2]
+    assert pairs and all(s.batched for s in pairs) and not any(s.batched for s in one_by_one.steps)
+    n_gen = stacks[1][0][0]
+    assert stacks[0] == [(2, n_gen) if len(s.full) == 2 else (n_gen,) for s in batched.steps if s.full]
+    assert stacks[1] == [(n_gen,)] * one_by_one.cache.full_calls
+    assert np.abs(batched.actions - one_by_one.actions).max() <= 1e-5
+    assert (batched.latents - one_by_one.latents).abs().max().item() <= 1e-5
 
 
 def test_prompt_state_reuse_is_exact(pipe):

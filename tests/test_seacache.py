@@ -46,7 +46,7 @@ def apply(cache, gate, gen_in, full, force_skip=False):
     out = cache.skip(gate, gen_in, force_skip)
     if out is None:
         out = full()
-        cache.ran(out)
+        cache.ran(gate.branch, out)
     return out, cache.record().decisions[-1]
 
 

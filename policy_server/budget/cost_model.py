@@ -1,17 +1,17 @@
 """Online cost model: robust per-shape estimates of what one tick's calls and stages cost (ms).
 
-Three costs matter for a tick of N steps and P CFG passes with F full calls (spec §4):
-``T = c_fixed + F * c_full + (N * P - F) * c_skip`` (ms), where ``c_full`` is one call whose GEN stack runs,
-``c_skip`` one call whose stack is skipped (embed, SEA indicator, extrapolation, heads), and ``c_fixed`` the
-sum of the fixed stages (encode, prefill, decode, ...).
+Four costs matter for a tick (spec §4): ``c_full``, one call whose GEN stack runs alone; ``c_pair``, a
+step's cond and uncond calls whose stacks run together as one batch; ``c_skip``, one call whose stack is
+skipped (embed, SEA indicator, extrapolation, heads); and ``c_fixed``, the sum of the fixed stages (encode,
+prefill, decode, ...). A tick of N steps and U uncond passes with F full calls, P of the steps running both
+branches full, takes ``T = c_fixed + (F - 2P) * c_full + P * c_pair + (N + U - F) * c_skip``.
 
 Costs are keyed by what they depend on (the caller's key: embodiment, clip length, text length), and
-each finished tick adds *one* sample per cost: the median of its full calls, the median of its skipped
-calls, each stage it ran. An estimate is the median of the last ``window`` samples, with their median
-absolute deviation as the spread, so callers can plan on ``median + k * deviation``. One slow tick
-(a long instruction, a stall) is one sample among ``window`` and cannot move what other ticks are
-planned on; a lasting slowdown takes over once it fills half the window. Warmup fills the model
-before the server reports SERVING.
+each finished tick adds *one* sample per cost: the median of its calls of each kind, each stage it ran.
+An estimate is the median of the last ``window`` samples, with their median absolute deviation as the
+spread, so callers can plan on ``median + k * deviation``. One slow tick (a long instruction, a stall) is
+one sample among ``window`` and cannot move what other ticks are planned on; a lasting slowdown takes over
+once it fills half the window. Warmup fills the model before the server reports SERVING.
 """
 
 from __future__ import annotations
@@ -21,7 +21,26 @@ import statistics
 import threading
 from collections import deque
 from collections.abc import Hashable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+# What one timed call was (``CostModel.observe_tick``): a stack run alone, a cond + uncond pair run as one
+# batch (one sample for both calls), or a skipped stack.
+FULL, PAIR, SKIP = "full", "pair", "skip"
+CALL_KINDS = (FULL, PAIR, SKIP)
+
+
+def step_samples(runs: int, skips: int, batched: bool, ms: float,
+                 skip_ms: float | None = None) -> list[tuple[str, float]]:
+    """One sampler step's calls as cost samples ``(kind, ms)`` from the step's wall time ``ms``: ``runs`` calls
+    whose stack ran (as one batch when ``batched``) and ``skips`` skipped ones. A step with calls of both kinds
+    gives its full call the step less ``skip_ms`` per skip; without that estimate it gives nothing."""
+    if runs == 0:
+        return [(SKIP, ms / skips)] * skips
+    if batched:
+        return [(PAIR, ms)]
+    if skips == 0:
+        return [(FULL, ms / runs)] * runs
+    return [] if skip_ms is None else [(FULL, max(ms - skips * skip_ms, 0.0))]
 
 
 def _check_ms(name: str, value: float) -> float:
@@ -55,7 +74,8 @@ class WindowStat:
 
 @dataclass(frozen=True)
 class CallCosts:
-    """A snapshot of the costs of one request shape (ms); ``*_dev_ms`` are their spreads."""
+    """A snapshot of the costs of one request shape (ms); ``*_dev_ms`` are their spreads. ``pair_ms``: both CFG
+    branches of a step run full as one batch (None: as two calls alone, ``2 * full_ms``)."""
 
     full_ms: float
     skip_ms: float
@@ -63,41 +83,47 @@ class CallCosts:
     full_dev_ms: float = 0.0
     skip_dev_ms: float = 0.0
     fixed_dev_ms: Mapping[str, float] = field(default_factory=dict)
+    pair_ms: float | None = None
+    pair_dev_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.pair_ms is None:
+            object.__setattr__(self, "pair_ms", 2 * self.full_ms)
+            object.__setattr__(self, "pair_dev_ms", 2 * self.full_dev_ms)
 
     @property
     def fixed_total_ms(self) -> float:
         return sum(self.fixed_ms.values())
 
+    @property
+    def pair_saving_ms(self) -> float:
+        """What a step saves by running its two full calls as one batch: ``2 * c_full - c_pair``."""
+        return 2 * self.full_ms - self.pair_ms
+
     def cautious(self, devs: float) -> CallCosts:
         """The same costs raised by ``devs`` deviations each (for planning with a safety margin)."""
-        return CallCosts(
+        return replace(
+            self,
             full_ms=self.full_ms + devs * self.full_dev_ms,
             skip_ms=self.skip_ms + devs * self.skip_dev_ms,
+            pair_ms=self.pair_ms + devs * self.pair_dev_ms,
             fixed_ms={k: v + devs * self.fixed_dev_ms.get(k, 0.0) for k, v in self.fixed_ms.items()},
-            full_dev_ms=self.full_dev_ms,
-            skip_dev_ms=self.skip_dev_ms,
-            fixed_dev_ms=dict(self.fixed_dev_ms),
         )
 
     def without(self, stage: str) -> CallCosts:
         """The costs of a tick that skips the fixed ``stage`` (e.g. ``prefill`` when the text K/V are reused)."""
-        return CallCosts(
-            full_ms=self.full_ms, skip_ms=self.skip_ms,
-            fixed_ms={k: v for k, v in self.fixed_ms.items() if k != stage},
-            full_dev_ms=self.full_dev_ms, skip_dev_ms=self.skip_dev_ms,
-            fixed_dev_ms={k: v for k, v in self.fixed_dev_ms.items() if k != stage},
-        )
+        return replace(self, fixed_ms={k: v for k, v in self.fixed_ms.items() if k != stage},
+                       fixed_dev_ms={k: v for k, v in self.fixed_dev_ms.items() if k != stage})
 
 
 @dataclass
 class _ShapeCosts:
-    full: WindowStat
-    skip: WindowStat
+    calls: dict[str, WindowStat]  # by call kind
     stages: dict[str, WindowStat]
 
 
 class CostModel:
-    """Per request-shape estimates of c_full, c_skip and each fixed stage (ms), one sample per tick.
+    """Per request-shape estimates of c_full, c_pair, c_skip and each fixed stage (ms), one sample per tick.
 
     key: any hashable description of what the costs depend on.
     window: ticks each estimate looks back over.
@@ -110,52 +136,54 @@ class CostModel:
         self._shapes: dict[Hashable, _ShapeCosts] = {}
         self._lock = threading.Lock()  # the model worker writes while request threads plan and admit
 
-    def observe_tick(self, key: Hashable, calls: Iterable[tuple[bool, float]],
+    def observe_tick(self, key: Hashable, calls: Iterable[tuple[str, float]],
                      stages: Mapping[str, float] | None = None) -> None:
-        """One finished tick: its calls ``(ran_full, ms)`` and the fixed ``stages`` it ran (name -> ms)."""
+        """One finished tick: its calls ``(kind, ms)`` (``FULL``, ``PAIR``, ``SKIP``) and the fixed ``stages`` it
+        ran (name -> ms)."""
         with self._lock:
             self._observe(key, calls, stages or {})
 
-    def _observe(self, key: Hashable, calls: Iterable[tuple[bool, float]], stages: Mapping[str, float]) -> None:
+    def _observe(self, key: Hashable, calls: Iterable[tuple[str, float]], stages: Mapping[str, float]) -> None:
         entry = self._shapes.get(key)
         if entry is None:
-            entry = self._shapes[key] = _ShapeCosts(WindowStat(self.window), WindowStat(self.window), {})
-        full, skip = [], []
-        for ran_full, ms in calls:
-            (full if ran_full else skip).append(_check_ms("call duration", ms))
-        if full:
-            entry.full.update(statistics.median(full))
-        if skip:
-            entry.skip.update(statistics.median(skip))
+            entry = self._shapes[key] = _ShapeCosts({kind: WindowStat(self.window) for kind in CALL_KINDS}, {})
+        by_kind: dict[str, list[float]] = {}
+        for kind, ms in calls:
+            if kind not in entry.calls:
+                raise ValueError(f"call kind must be one of {CALL_KINDS}, got {kind!r}")
+            by_kind.setdefault(kind, []).append(_check_ms("call duration", ms))
+        for kind, samples in by_kind.items():
+            entry.calls[kind].update(statistics.median(samples))
         for stage, ms in stages.items():
             if not isinstance(stage, str) or not stage:
                 raise ValueError(f"stage must be a non-empty name, got {stage!r}")
             entry.stages.setdefault(stage, WindowStat(self.window)).update(_check_ms(f"stage {stage!r}", ms))
 
     def is_warm(self, key: Hashable) -> bool:
-        """Whether full calls have been observed for this shape."""
+        """Whether full calls (alone or in pairs) have been observed for this shape."""
         with self._lock:
             return self._warm(key)
 
     def _warm(self, key: Hashable) -> bool:
         entry = self._shapes.get(key)
-        return entry is not None and entry.full.samples > 0
+        return entry is not None and (entry.calls[FULL].samples > 0 or entry.calls[PAIR].samples > 0)
 
     def samples(self, key: Hashable) -> dict[str, int]:
-        """Ticks observed per cost for this shape (``full``, ``skip`` and each stage)."""
+        """Ticks observed per cost for this shape (each call kind and each stage)."""
         with self._lock:
             return self._samples(key)
 
     def _samples(self, key: Hashable) -> dict[str, int]:
         entry = self._shapes.get(key)
         if entry is None:
-            return {"full": 0, "skip": 0}
-        return {"full": entry.full.samples, "skip": entry.skip.samples,
-                **{k: e.samples for k, e in entry.stages.items()}}
+            return dict.fromkeys(CALL_KINDS, 0)
+        return {**{k: e.samples for k, e in entry.calls.items()}, **{k: e.samples for k, e in entry.stages.items()}}
 
     def costs(self, key: Hashable) -> CallCosts:
-        """Current estimates for this shape; raises if no full call has been observed. Until a skipped call
-        has been, a skip is taken to cost what a full call does (caching is not counted on to save time)."""
+        """Current estimates for this shape; raises if no full call has been observed. What has not been observed
+        is bounded by what has: until a skipped call has been, a skip costs what a full call does; until a pair
+        has been, a pair two full calls; until a call alone has been, it costs what a pair does (caching is not
+        counted on to save time, nor batching to cost nothing)."""
         with self._lock:
             return self._costs(key)
 
@@ -163,12 +191,16 @@ class CostModel:
         if not self._warm(key):
             raise LookupError(f"no cost samples for request shape {key!r}; run warmup for this shape first")
         entry = self._shapes[key]
-        skip = entry.skip if entry.skip.samples else entry.full
+        pair = entry.calls[PAIR]
+        full = entry.calls[FULL] if entry.calls[FULL].samples else pair
+        skip = entry.calls[SKIP] if entry.calls[SKIP].samples else full
         return CallCosts(
-            full_ms=entry.full.median,
+            full_ms=full.median,
             skip_ms=skip.median,
             fixed_ms={k: e.median for k, e in entry.stages.items()},
-            full_dev_ms=entry.full.deviation,
+            full_dev_ms=full.deviation,
             skip_dev_ms=skip.deviation,
             fixed_dev_ms={k: e.deviation for k, e in entry.stages.items()},
+            pair_ms=pair.median if pair.samples else None,
+            pair_dev_ms=pair.deviation if pair.samples else 0.0,
         )

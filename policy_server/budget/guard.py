@@ -1,10 +1,11 @@
 """In-tick deadline guard: forces SKIP whenever running FULL now would make the deadline unreachable.
 
 Before a call at step ``s`` that the cache gate wants to run FULL, the guard checks whether
-``now + rest of this call as FULL + (remaining non-final calls) * c_skip + (final-step calls) * c_full
+``now + rest of this call as FULL + (remaining non-final calls) * c_skip + (final step, all FULL)
 + reserve_after`` exceeds the deadline; if so it answers True and SeaCache skips instead (when it has a
-residual). The planned final step is reserved as FULL and never forced. This bounds the tick even when
-the gate would refresh every step.
+residual). A step's full calls run as one batch, so a call that joins another full call of its step costs
+only ``c_pair - c_full`` more, and a final step with both branches costs ``c_pair``. The planned final step
+is reserved as FULL and never forced. This bounds the tick even when the gate would refresh every step.
 
 Before each sampler step the guard ``pace``s it: the plan's CFG branches of the step, and whether it is the
 last. When even skipping every call left cannot meet the deadline (a stall, a machine slower than the cost
@@ -12,22 +13,22 @@ model knows), the tick gives up quality in the planner's fallback order: first t
 remaining steps, then the remaining steps themselves (the sampler jumps to its clean estimate). Both are
 listed in ``late_fallbacks``.
 
-The guard also times every call (``on_call``, after each call completes), so
-the cost model learns c_full and c_skip from real ticks, and so a slowdown seen earlier in the same tick
-raises the per-call estimates for the rest of it (c_full: the slowest full call so far; c_skip: the
-median skipped call). A call's time runs from the end of the previous call (or the start of the denoising
-loop) to its own end, so it includes the embedding, heads, CFG combine and sampler update around the stack.
+The guard also times every step (from one ``pace`` to the next, so the embedding, heads, CFG combine and
+sampler update around the stacks count), and ``on_call`` tells it what the step's calls were. So the cost
+model learns c_full, c_pair and c_skip from real ticks (``step_samples``), and a slowdown seen earlier in the
+same tick raises the estimates for the rest of it (c_full and c_pair: the slowest so far; c_skip: the median
+skipped call). The last step is not timed: nothing follows it inside the loop.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from .cost_model import CallCosts
+from .cost_model import FULL, PAIR, CallCosts, step_samples
 from .planner import TickPlan
 
 
@@ -39,22 +40,15 @@ class _Decision(Protocol):
     """What the guard reads from a cache decision (``policy_server.cache.controller.StepDecision``)."""
 
     step: int
-    branch: str
     full: bool
-    reason: str
 
 
 @dataclass(frozen=True)
-class CallTiming:
-    """One sampler call as timed by the guard (ms). The tick's first call also holds whatever ran between
-    arming and the loop (``includes_setup``), so it does not count as a cost sample."""
+class StepTiming:
+    """One sampler step as timed by the guard: its calls as cost samples ``(kind, ms)`` (``step_samples``)."""
 
     step: int
-    branch: str
-    full: bool
-    forced: bool
-    ms: float
-    includes_setup: bool = False
+    samples: tuple[tuple[str, float], ...]
 
 
 class DeadlineGuard:
@@ -73,10 +67,13 @@ class DeadlineGuard:
         self._deadline_at = float(deadline_at_ms)
         self._reserve_after = float(reserve_after_ms)
         self._full_ms = cautious.full_ms
+        self._pair_ms = cautious.pair_ms
         self._skip_ms = self._prior_skip_ms = cautious.skip_ms
         self._skip_samples: list[float] = []
-        self._last_mark = clock()
-        self._calls: list[CallTiming] = []
+        self._step_mark = clock()  # when the current step began
+        self._step_calls: list[_Decision] = []  # its decided calls, in order
+        self._batched = False  # its full calls ran as one batch
+        self._steps: list[StepTiming] = []
         self._uncond_stop: int | None = None  # first step without the uncond pass, set by ``pace``
         self._final_step: int | None = None  # an earlier last step, set by ``pace``
         self._late: list[str] = []
@@ -86,6 +83,7 @@ class DeadlineGuard:
     def pace(self, step: int) -> tuple[tuple[str, ...], bool]:
         """Before sampler step ``step``: the CFG branches to run (the plan's, less what a stall gave up) and
         whether to make this the last step."""
+        self._time_step()
         plan = self._plan
         branches = self._branches(step)
         if step >= plan.num_steps - 1:
@@ -115,56 +113,71 @@ class DeadlineGuard:
         step's were skipped, with the uncond pass gone from ``uncond_stop`` on."""
         last = self._plan.num_steps - 1
         middle = sum(len(self._branches(s, uncond_stop)) for s in range(step, last))
-        return middle * self._skip_ms + len(self._branches(last, uncond_stop)) * self._full_ms + self._reserve_after
+        return middle * self._skip_ms + self._full_step_ms(len(self._branches(last, uncond_stop))) + self._reserve_after
+
+    def _full_step_ms(self, calls: int) -> float:
+        """A step whose ``calls`` (0, 1 or 2) all run full, as one batch."""
+        return self._pair_ms if calls == 2 else calls * self._full_ms
 
     # ---------------------------------------------------------------- each call
 
-    def force_skip(self, step: int, branch: str) -> bool:
-        """True when a FULL call now would leave too little time for the rest of the tick."""
+    def force_skip(self, step: int, branch: str, joins_full: bool = False) -> bool:
+        """True when a FULL call now would leave too little time for the rest of the tick. ``joins_full``: an
+        earlier call of this step runs full, and this one would run in its batch."""
         plan = self._plan
         if step >= plan.num_steps - 1:
             return False  # the planned final step: reserved as FULL
         branches = self._branches(step)
-        later_in_step = len(branches) - 1 - branches.index(branch)
+        position = branches.index(branch)
+        # This step if this call runs full and the later ones skip; its full calls run after all are decided.
+        step_ms = (self._pair_ms if joins_full else self._full_ms) + (len(branches) - 1 - joins_full) * self._skip_ms
         final = plan.num_steps - 1 if self._final_step is None else self._final_step
         if step >= final:  # ``pace`` made this the last step: nothing follows it
-            middle_calls, final_calls = later_in_step, 0
+            middle_calls, final_calls = 0, 0
         else:
             final_calls = len(self._branches(final))
-            middle_calls = later_in_step + sum(len(self._branches(s)) for s in range(step + 1, final))
+            middle_calls = sum(len(self._branches(s)) for s in range(step + 1, final))
         now = self.clock()
-        # Part of this call (its embedding, the previous call's heads and sampler update) is already spent;
-        # at most what a skipped call costs, since anything longer was a stall, not progress on this call.
-        rest_of_this_call = self._full_ms - min(now - self._last_mark, self._skip_ms)
-        needed = (
-            rest_of_this_call + middle_calls * self._skip_ms + final_calls * self._full_ms + self._reserve_after
-        )
+        # What the step spent so far (the embedding, the earlier calls' gates) is part of `step_ms`; at most what
+        # that many skipped calls cost, since anything longer was a stall, not progress on this step.
+        rest_of_step = step_ms - min(now - self._step_mark, (position + 1) * self._skip_ms)
+        needed = rest_of_step + middle_calls * self._skip_ms + self._full_step_ms(final_calls) + self._reserve_after
         return now + needed > self._deadline_at
 
-    def on_call(self, decision: _Decision) -> None:
-        """Time the call that just completed; a slow call raises the estimates for the rest of the tick."""
+    def on_call(self, decisions: Sequence[_Decision]) -> None:
+        """The call just decided and done: one skipped call, one full call, or the full calls of the step that
+        ran as one batch (timed with the step, at the next ``pace``)."""
+        self._step_calls.extend(decisions)
+        self._batched = self._batched or (len(decisions) == 2 and decisions[0].full)
+
+    def _time_step(self) -> None:
+        """Close the step that just ended: its cost samples; a slow one raises the estimates for the rest."""
         now = self.clock()
-        ms = now - self._last_mark
-        self._last_mark = now
-        forced = not decision.full and decision.reason == "forced"
-        first = not self._calls
-        self._calls.append(CallTiming(decision.step, decision.branch, decision.full, forced, ms, first))
-        if first:
+        calls, ms = self._step_calls, now - self._step_mark
+        self._step_mark, self._step_calls, batched, self._batched = now, [], self._batched, False
+        if not calls:
             return
-        if decision.full:
-            self._full_ms = max(self._full_ms, ms)
-        else:
-            # Skipped calls are many and short: one stall must not make every later one look slow (that
-            # would end the tick early for nothing), so the estimate follows their median once there are a few.
-            self._skip_samples.append(ms)
-            if len(self._skip_samples) >= 3:
-                self._skip_ms = max(self._prior_skip_ms, statistics.median(self._skip_samples))
+        runs = sum(d.full for d in calls)
+        samples = step_samples(runs, len(calls) - runs, batched, ms, self._skip_ms)
+        self._steps.append(StepTiming(calls[0].step, tuple(samples)))
+        for kind, sample in samples:
+            if kind == FULL:
+                self._full_ms = max(self._full_ms, sample)
+            elif kind == PAIR:
+                self._pair_ms = max(self._pair_ms, sample)
+            else:
+                # Skipped calls are many and short: one stall must not make every later one look slow (that
+                # would end the tick early for nothing), so the estimate follows their median once there are
+                # a few.
+                self._skip_samples.append(sample)
+                if len(self._skip_samples) >= 3:
+                    self._skip_ms = max(self._prior_skip_ms, statistics.median(self._skip_samples))
 
     # ---------------------------------------------------------------- what happened
 
-    def call_timings(self) -> list[tuple[bool, float]]:
-        """``(ran_full, ms)`` per call after the first, for ``CostModel.observe_tick``."""
-        return [(c.full, c.ms) for c in self._calls if not c.includes_setup]
+    def call_timings(self) -> list[tuple[str, float]]:
+        """``(kind, ms)`` of the timed steps' calls, for ``CostModel.observe_tick``."""
+        return [sample for step in self._steps for sample in step.samples]
 
     @property
     def late_fallbacks(self) -> tuple[str, ...]:

@@ -2,9 +2,11 @@
 
 For N steps with uncond on U of them there are ``N + U`` calls. The uncond pass runs on the steps the
 pipeline's guidance interval allows (``guided(N)``: all N without an interval, none without CFG), cut at
-step K by fallback 1. With F of the calls full, ``T = c_fixed + F * c_full + (N + U - F) * c_skip`` (ms),
-so at most ``F_max = floor((D - c_fixed - (N + U) * c_skip) / (c_full - c_skip))`` full calls fit the
-deadline D. The plan's ``branches(step)`` is the one place that says which CFG branches a step runs.
+step K by fallback 1. A step's full calls run as one batch, and the two branches see one SEA indicator, so
+their gates agree: of F full calls, ``P(F) = floor(F * U / (N + U))`` are expected to pair up, each pair
+saving ``2 * c_full - c_pair``. So ``T(F) = c_fixed + F * c_full + (N + U - F) * c_skip - P(F) * (2 * c_full
+- c_pair)`` (ms), and ``F_max`` is the most full calls with ``T(F_max) <= D``. The plan's ``branches(step)``
+is the one place that says which CFG branches a step runs.
 
 * ``F_max >= N + K``: no caching (threshold 0: bit-identical output).
 * else the least aggressive ladder setting whose expected full-call count fits. The expectation is a high
@@ -204,24 +206,26 @@ class TickPlan:
 class _Costs:
     """Latency arithmetic for one tick (ms)."""
 
-    def __init__(self, costs: CallCosts, deadline_ms: float, calls: Callable[[Structure], int]) -> None:
+    def __init__(self, costs: CallCosts, deadline_ms: float, uncond: Callable[[Structure], range]) -> None:
         self.full, self.skip, self.fixed = costs.full_ms, costs.skip_ms, costs.fixed_total_ms
+        self.pair_saving = costs.pair_saving_ms
         self.fixed_stages = dict(costs.fixed_ms)
         self.deadline = deadline_ms
-        self.calls = calls
+        self.uncond = uncond
+
+    def calls(self, structure: Structure) -> int:
+        return structure[0] + len(self.uncond(structure))
 
     def latency(self, structure: Structure, full_calls: int) -> float:
         calls = self.calls(structure)
-        return self.fixed + full_calls * self.full + (calls - full_calls) * self.skip
+        pairs = full_calls * len(self.uncond(structure)) // calls
+        return self.fixed + full_calls * self.full + (calls - full_calls) * self.skip - pairs * self.pair_saving
 
     def full_calls_max(self, structure: Structure) -> int:
-        calls = self.calls(structure)
-        spare = self.deadline - self.fixed - calls * self.skip
-        if spare < 0:
-            return -1
-        if self.full <= self.skip:  # a full call is no dearer than a skip: caching cannot save time
-            return calls
-        return min(calls, math.floor(spare / (self.full - self.skip)))
+        """The most full calls that fit the deadline (-1: not even skipping every call does)."""
+        # T(F) need not grow with every single F (one more full call may complete a pair), so count down.
+        return next((f for f in range(self.calls(structure), -1, -1) if self.latency(structure, f) <= self.deadline),
+                    -1)
 
 
 def plan_tick(
@@ -249,8 +253,7 @@ def plan_tick(
     def min_full(structure: Structure, cap: int) -> int:
         return min_full_calls(structure[0], uncond(structure), config.retention_steps, config.cache_end_steps, cap)
 
-    cost = _Costs(costs.cautious(config.cost_margin_devs), deadline_ms,
-                  lambda structure: structure[0] + len(uncond(structure)))
+    cost = _Costs(costs.cautious(config.cost_margin_devs), deadline_ms, uncond)
 
     def fits_max_caching(structure: Structure) -> bool:
         return min_full(structure, 0) <= cost.full_calls_max(structure)

@@ -5,7 +5,7 @@ Usage by the engine (one instance per model worker, one ``SessionHistory`` per s
     plan = budget.plan(cost_key, time_left_ms, num_steps, passes, session_history, prefill=False)
     steps = budget.guarded_steps(plan, cost_key, tick_started_at_ms, SeaCache(...))  # arms the deadline guard
     ... the sampler asks steps.before_step(i) for each step's branches, and steps.estimate(...) for each call
-    (None: it runs, and steps.ran(out) gets its output) ...
+    (None: it runs; the step's calls that run go as one batch, and steps.ran({branch: out}) gets their outputs) ...
     budget.learn(cost_key, steps, session_history, stage_ms)
 
 Each tick gets its own guard, so ticks that run together (a micro-batch) each keep their own deadline.
@@ -35,10 +35,14 @@ PREVIEW_STAGE = "preview"  # decoding the predicted frames, for the sessions tha
 
 class GuardedSteps:
     """The step loop of one planned tick: the plan names each step's CFG branches, the deadline guard paces
-    the steps and turns a call the cache would run FULL into a skip when the deadline needs it."""
+    the steps and turns a call the cache would run FULL into a skip when the deadline needs it. A step's full
+    calls run as one batch (``batch_branches``), which is what the guard's and the planner's costs assume."""
+
+    batch_branches = True
 
     def __init__(self, plan: TickPlan, guard: DeadlineGuard, cache: SeaCache) -> None:
         self.plan, self.guard, self.cache = plan, guard, cache
+        self._full_in_step: tuple[int, int] = (-1, 0)  # (step, calls of it that run full)
         cache.begin(plan.num_steps)
 
     def before_step(self, step: int) -> tuple[tuple[str, ...], bool]:
@@ -49,15 +53,19 @@ class GuardedSteps:
                  gen_in: torch.Tensor) -> torch.Tensor | None:
         """The cache's estimate of one call when its gate or the guard skips it; None when it runs."""
         gate = self.cache.gate(step, branch, sigma, noisy_vision)
-        out = self.cache.skip(gate, gen_in, gate.full and self.guard.force_skip(step, branch))
-        if out is not None:
-            self.guard.on_call(self.cache.record().decisions[-1])
+        full_so_far = self._full_in_step[1] if self._full_in_step[0] == step else 0
+        out = self.cache.skip(gate, gen_in, gate.full and self.guard.force_skip(step, branch, full_so_far > 0))
+        if out is None:
+            self._full_in_step = (step, full_so_far + 1)
+        else:
+            self.guard.on_call(self.cache.record().decisions[-1:])
         return out
 
-    def ran(self, out: torch.Tensor) -> None:
-        """The output of the call that ran: the cache keeps its residual, the guard times it."""
-        self.cache.ran(out)
-        self.guard.on_call(self.cache.record().decisions[-1])
+    def ran(self, outs: Mapping[str, torch.Tensor]) -> None:
+        """The outputs of the calls that ran together: the cache keeps their residuals, the guard times them."""
+        for branch, out in outs.items():
+            self.cache.ran(branch, out)
+        self.guard.on_call(self.cache.record().decisions[-len(outs):])
 
     def record(self) -> CacheRecord:
         return self.cache.record()

@@ -6,7 +6,10 @@ For each step ``i`` and CFG branch ``b`` ("cond", "uncond") the sampler asks::
                                   gen_in=gen.hidden)
     if gen_out is None:                                   # the call runs (alone, or batched with others)
         gen_out = model.gen_stack(gen, und_kv[b])
-        controller.ran(gen_out)
+        controller.ran(b, gen_out)
+
+A step's branches may all be estimated before any of them runs (their full calls then run as one batch), so
+a controller keeps what it needs for ``ran`` per branch.
 
 ``begin(num_steps)`` is called once per request before the first step; ``record()`` after the last.
 ``noisy_vision`` holds every vision item with at least one noisy frame, whole (its clean conditioning frames
@@ -125,7 +128,7 @@ class StepController(ABC):
 
     A call is two halves, so that the stack itself can run elsewhere (batched with other ticks'):
     ``estimate`` returns the skipped call's output, or None when the call must run; its output then goes to
-    ``ran``.
+    ``ran`` under the same branch.
     """
 
     @abstractmethod
@@ -138,8 +141,8 @@ class StepController(ABC):
         """``gen_in`` plus the estimated residual ``[N_gen, D]`` when this call is skipped; None when it runs."""
 
     @abstractmethod
-    def ran(self, out: torch.Tensor) -> None:
-        """The GEN stack output ``[N_gen, D]`` of the call ``estimate`` said must run."""
+    def ran(self, branch: str, out: torch.Tensor) -> None:
+        """The GEN stack output ``[N_gen, D]`` of ``branch``'s call that ``estimate`` said must run."""
 
     @abstractmethod
     def record(self) -> CacheRecord:
@@ -151,17 +154,17 @@ class NoCache(StepController):
 
     def __init__(self) -> None:
         self._record = CacheRecord(num_steps=0)
-        self._pending: StepDecision | None = None
+        self._pending: dict[str, StepDecision] = {}
 
     def begin(self, num_steps: int) -> None:
         self._record = CacheRecord(num_steps=num_steps, thresholds=(0.0,) * num_steps)
 
     def estimate(self, step, branch, sigma, noisy_vision, gen_in) -> None:
-        self._pending = StepDecision(step=step, branch=branch, full=True, reason="no_cache")
+        self._pending[branch] = StepDecision(step=step, branch=branch, full=True, reason="no_cache")
         return None
 
-    def ran(self, out: torch.Tensor) -> None:
-        self._record.add(self._pending)
+    def ran(self, branch: str, out: torch.Tensor) -> None:
+        self._record.add(self._pending.pop(branch))
 
     def record(self) -> CacheRecord:
         return self._record

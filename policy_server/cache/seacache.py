@@ -99,7 +99,7 @@ class SeaCache(StepController):
         self._indicator_step: int | None = None
         self._indicator: list[torch.Tensor] | None = None
         self._distances: dict[tuple[int, int], float] = {}
-        self._pending: tuple[Gate, str, torch.Tensor] | None = None  # the call that runs: gate, reason, gen_in
+        self._pending: dict[str, tuple[Gate, str, torch.Tensor]] = {}  # by branch: gate, reason, gen_in of a run
 
     # ------------------------------------------------------------------ per request
 
@@ -115,6 +115,7 @@ class SeaCache(StepController):
         self._indicator_step = None
         self._indicator = None
         self._distances = {}
+        self._pending = {}
         self._record = CacheRecord(
             num_steps=num_steps, thresholds=self._thresholds,
             max_consecutive_cached=self.config.max_consecutive_cached,
@@ -155,7 +156,7 @@ class SeaCache(StepController):
             else:
                 reason = "no_history"
         if reason is not None:
-            self._pending = (gate, reason, gen_in)
+            self._pending[gate.branch] = (gate, reason, gen_in)
             return None
         state.accumulated = gate.accumulated
         state.consecutive_cached += 1
@@ -163,9 +164,9 @@ class SeaCache(StepController):
                                       gate.threshold))
         return gen_in + newton_extrapolate(state.history, gate.step, self.config.residual_order)
 
-    def ran(self, out: torch.Tensor) -> None:
-        gate, reason, gen_in = self._pending
-        state = self._states[gate.branch]
+    def ran(self, branch: str, out: torch.Tensor) -> None:
+        gate, reason, gen_in = self._pending.pop(branch)
+        state = self._states[branch]
         state.accumulated = 0.0
         state.consecutive_cached = 0
         state.history.append((gate.step, (out - gen_in).detach()))

@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from policy_server.budget.cost_model import CostModel
+from policy_server.budget.cost_model import CALL_KINDS, FULL, PAIR, CostModel
 from policy_server.budget.planner import MAX_CACHING, CacheSetting, PlannerConfig
 from policy_server.budget.tick import PREVIEW_STAGE, TickBudget
 from policy_server.cache.controller import StepController
@@ -110,8 +110,8 @@ class ServedModel:
             return key, key
         grid_key = (*key, grid)
         seen = self.cost_model.samples(grid_key)
-        stages = set(self.cost_model.samples(key)) - {"full", "skip"} - unused
-        known = seen["full"] >= GRID_SAMPLES and stages <= set(seen)
+        stages = set(self.cost_model.samples(key)) - set(CALL_KINDS) - unused
+        known = max(seen[FULL], seen[PAIR]) >= GRID_SAMPLES and stages <= set(seen)
         return grid_key, grid_key if known else key
 
     def instruction_tokens(self, text: str, field: str) -> int:
@@ -138,9 +138,10 @@ class ServedModel:
         prompt = self.pipeline.encode_prompt(instruction, embodiment, chunk, self.passes == 2, canvas_hw)
         return prompt, self.clock() - started
 
-    def fixed_steps(self, num_steps: int, cache: StepController | None = None) -> FixedSteps:
+    def fixed_steps(self, num_steps: int, cache: StepController | None = None,
+                    batch_branches: bool = True) -> FixedSteps:
         """The step control of a call without a deadline at the served guidance (`PolicyPipeline.fixed_steps`)."""
-        return self.pipeline.fixed_steps(num_steps, self.pipeline.config.guidance, cache)
+        return self.pipeline.fixed_steps(num_steps, self.pipeline.config.guidance, cache, batch_branches)
 
     @staticmethod
     def check_epoch(session: SessionState, epoch: int) -> None:

@@ -11,12 +11,13 @@ model and the session's history, and its `api.TickRecord`, built once here, says
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from policy_server.budget.cost_model import step_samples
 from policy_server.budget.planner import TickPlan
 from policy_server.budget.tick import PREFILL_STAGE, PREVIEW_STAGE, GuardedSteps
 from policy_server.cache.controller import CacheRecord
@@ -24,7 +25,7 @@ from policy_server.cache.seacache import SeaCache, SeaCacheConfig
 from policy_server.engine import api
 from policy_server.engine.served import ServedModel
 from policy_server.engine.sessions import SessionState
-from policy_server.pipeline.policy import Aborted, FixedSteps, PolicyOutput, PolicyRequest, StackCall
+from policy_server.pipeline.policy import Aborted, FixedSteps, PolicyOutput, PolicyRequest, StackCall, StepRecord
 
 STAGES = ("encode", "prefill", "denoise", "decode")
 
@@ -82,8 +83,12 @@ class Tick:
                  gen_in: torch.Tensor) -> torch.Tensor | None:
         return self._steps.estimate(step, branch, sigma, noisy_vision, gen_in)
 
-    def ran(self, out: torch.Tensor) -> None:
-        self._steps.ran(out)
+    def ran(self, outs: Mapping[str, torch.Tensor]) -> None:
+        self._steps.ran(outs)
+
+    @property
+    def batch_branches(self) -> bool:
+        return self._steps.batch_branches
 
     def record(self) -> CacheRecord:
         return self._steps.record()
@@ -200,9 +205,17 @@ class Tick:
         )
 
 
+def step_calls(steps: list[StepRecord]) -> list[tuple[str, float]]:
+    """The calls of a tick run without the guard, `(kind, ms)` as `CostModel.observe_tick` takes them, from its
+    steps' wall times (`step_samples`; a step with one branch full and one skipped cannot be split, and is
+    left out)."""
+    return [sample for step in steps
+            for sample in step_samples(len(step.full), len(step.branches) - len(step.full), step.batched, step.ms)]
+
+
 def observe_output(served: ServedModel, key: tuple, out: PolicyOutput, stage_ms: dict[str, float],
                    prefilled: bool) -> None:
     """Feed a tick run without the guard (warmup, cache disabled) to the cost model."""
-    calls = [(d.full, out.steps[d.step].ms[d.branch]) for d in out.cache.decisions]
+    calls = step_calls(out.steps)
     stages = ("encode", "prefill", "decode", PREVIEW_STAGE) if prefilled else ("encode", "decode", PREVIEW_STAGE)
     served.cost_model.observe_tick(key, calls, {stage: stage_ms[stage] for stage in stages if stage in stage_ms})

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from policy_server.budget.cost_model import CallCosts
+from policy_server.budget.cost_model import FULL, PAIR, SKIP, CallCosts
 from policy_server.budget.planner import MAX_CACHING
 from policy_server.budget.tick import PREVIEW_STAGE
 from policy_server.cache.controller import NoCache
@@ -115,14 +115,15 @@ class Warmup:
             family = [k for k in keys if k[1:] == key[1:] and self.served.cost_model.is_warm(k)]
             low = max((k for k in family if k[0] < key[0]), key=lambda k: k[0])
             high = min((k for k in family if k[0] > key[0]), key=lambda k: k[0])
-            full, skip, stages = _interpolated(self.served.cost_model.costs(low), self.served.cost_model.costs(high),
-                                               (key[0] - low[0]) / (high[0] - low[0]))
-            self.served.cost_model.observe_tick(key, [(True, full), (False, skip)], stages)
+            calls, stages = _interpolated(self.served.cost_model.costs(low), self.served.cost_model.costs(high),
+                                          (key[0] - low[0]) / (high[0] - low[0]))
+            self.served.cost_model.observe_tick(key, calls, stages)
 
     def _warm_shape(self, embodiment: Embodiment, chunk: int, tokens: int, ticks: int, steps: int | None):
-        """Uncached ticks time full calls and the fixed stages, maximally cached ticks time skipped calls
-        (`steps`: sampler steps per tick, None for the configured number). Yields after each tick; returns the
-        two latency profile points."""
+        """Uncached ticks time the fixed stages and the calls of a step as the server runs them (both branches'
+        as one batch); maximally cached ticks time skipped calls, and run the calls of their few full steps one
+        by one, which is what a step with one branch skipped costs (`steps`: sampler steps per tick, None for
+        the configured number). Yields after each tick; returns the two latency profile points."""
         key = self.served.cost_key(embodiment.name, chunk, tokens)
         instruction = self.text_of(tokens)
         profile = []
@@ -165,8 +166,9 @@ class Warmup:
         cache = NoCache() if mode == "uncached" else SeaCache(
             SeaCacheConfig(threshold=MAX_CACHING.threshold, max_consecutive_cached=MAX_CACHING.cap),
             sea_filter=self.served.sea_filter)
-        steps = self.served.pipeline.steps(request, None, self.served.fixed_steps(request.num_steps or
-                                                                                   self.served.num_steps, cache))
+        control = self.served.fixed_steps(request.num_steps or self.served.num_steps, cache,
+                                          batch_branches=mode == "uncached")
+        steps = self.served.pipeline.steps(request, None, control)
         # Abandoned between two sampler steps when the engine shuts down.
         return run_steps(steps, self.served.pipeline.transformer.gen_stack, stop=self.served.closing.is_set)
 
@@ -223,10 +225,13 @@ class Warmup:
         return longest
 
 
-def _interpolated(low: CallCosts, high: CallCosts, weight: float) -> tuple[float, float, dict[str, float]]:
-    """`(full ms, skip ms, stage ms)` a `weight` of the way from `low`'s costs to `high`'s."""
+def _interpolated(low: CallCosts, high: CallCosts,
+                  weight: float) -> tuple[list[tuple[str, float]], dict[str, float]]:
+    """The calls `(kind, ms)` and stages (ms) a `weight` of the way from `low`'s costs to `high`'s."""
     def lerp(a: float, b: float) -> float:
         return a + weight * (b - a)
 
     stages = {stage: lerp(ms, high.fixed_ms[stage]) for stage, ms in low.fixed_ms.items() if stage in high.fixed_ms}
-    return lerp(low.full_ms, high.full_ms), lerp(low.skip_ms, high.skip_ms), stages
+    calls = [(FULL, lerp(low.full_ms, high.full_ms)), (SKIP, lerp(low.skip_ms, high.skip_ms)),
+             (PAIR, lerp(low.pair_ms, high.pair_ms))]
+    return calls, stages

@@ -5,9 +5,9 @@ step (`embed_gen`, which may reuse a request's `GenLayout`); `gen_stack` maps `(
 the GEN hidden states that `heads` decode.
 
 Batches: `GenInput.stack` + `UndKV.stack` for requests sharing one layout object; `GenInput.stack_varied`
-+ `UndKV.stack_padded` for requests whose layouts differ only in text length (the cond and uncond
-branches of one CFG step: same generated rows, different prompts, so different K/V lengths and GEN
-rotary positions).
++ `UndKV.stack_padded` for requests with one N_gen and any text lengths (the cond and uncond branches
+of one CFG step: same generated rows, different prompts, so different K/V lengths and GEN rotary
+positions; each item attends to its own text rows).
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ class UndKV:
     def stack_padded(cls, items: list[UndKV]) -> UndKV:
         """The K/V of B requests of any text lengths, zero-padded to the longest: `[B, KV, N_und_max, hd]`.
 
-        Pair it with `GenInput.stack_varied` of the same requests in the same order, whose key mask
-        hides the padding. Built once per request pair, like the K/V themselves.
+        Pair it with `GenInput.stack_varied` of the same requests in the same order: each item attends to
+        its own rows only. Built once per request pair, like the K/V themselves.
         """
         lengths = tuple(item.length for item in items)
         longest = max(lengths)
@@ -114,9 +114,9 @@ class GenInput:
         return self.layout.und_lens if isinstance(self.layout, PaddedGenLayouts) else None
 
     @property
-    def key_mask(self) -> torch.Tensor | None:
-        """`[B, 1, 1, N_und_max + N_gen]` bool (True = attend) for padded text K/V; None when nothing is padded."""
-        return self.layout.key_mask if isinstance(self.layout, PaddedGenLayouts) else None
+    def ragged_und_lens(self) -> tuple[int, ...] | None:
+        """Each item's text rows for `stack_varied` when they differ (the K/V are padded); else None."""
+        return self.layout.ragged_und_lens if isinstance(self.layout, PaddedGenLayouts) else None
 
 
 @dataclass(frozen=True)
@@ -129,23 +129,19 @@ class PaddedGenLayouts:
     layouts: tuple[GenLayout, ...]
     rotary: RotaryTables             # per item, [B, N_gen, hd]: GEN positions start after each item's text
     und_lens: tuple[int, ...]        # text rows per item
-    key_mask: torch.Tensor | None    # [B, 1, 1, N_und_max + N_gen] bool, True = attend; None if lengths agree
 
     @classmethod
     def build(cls, layouts: list[GenLayout]) -> PaddedGenLayouts:
         num_gen = layouts[0].num_gen
         require(all(layout.num_gen == num_gen for layout in layouts),
                 f"stack_varied needs one N_gen, got {[layout.num_gen for layout in layouts]}")
-        und_lens = tuple(layout.und_len for layout in layouts)
-        longest = max(und_lens)
-        key_mask = None
-        if min(und_lens) != longest:  # equal lengths pad nothing: skip the mask and SDPA's masked kernel
-            device = layouts[0].rotary.cos.device
-            column = torch.arange(longest + num_gen, device=device)
-            lengths = torch.tensor(und_lens, device=device)[:, None]
-            # Key columns: an item's own text rows, then every GEN row (they start at N_und_max).
-            key_mask = ((column < lengths) | (column >= longest)).view(len(layouts), 1, 1, -1)
-        return cls(tuple(layouts), RotaryTables.stack([layout.rotary for layout in layouts]), und_lens, key_mask)
+        return cls(tuple(layouts), RotaryTables.stack([layout.rotary for layout in layouts]),
+                   tuple(layout.und_len for layout in layouts))
+
+    @property
+    def ragged_und_lens(self) -> tuple[int, ...] | None:
+        """`und_lens` when they differ (attention then runs item by item over each one's rows), else None."""
+        return self.und_lens if len(set(self.und_lens)) > 1 else None
 
     @property
     def und_len(self) -> int:

@@ -8,7 +8,7 @@ step, and the GEN pathway can run alone against K/V cached once per request (`fo
 Tensor layout: rows are packed without a batch dim, `[N, D]`; per-head tensors are `[N, heads, hd]`;
 cached keys/values are head-major `[KV, N, hd]`, the layout attention consumes. The GEN pathway also
 takes a leading batch dim: requests that share one layout (micro-batching and training), or requests
-whose text lengths differ (CFG branches), their text K/V padded and the padding hidden by a key mask.
+whose text lengths differ (CFG branches), their text K/V padded; each of those attends to its own rows.
 """
 
 from __future__ import annotations
@@ -142,15 +142,20 @@ class Cosmos3MoTDecoderLayer(nn.Module):
         return x, k_for_gen, v
 
     def forward_gen(self, x: torch.Tensor, rotary: RotaryTables, und_k: torch.Tensor,
-                    und_v: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+                    und_v: torch.Tensor, und_lens: tuple[int, ...] | None = None) -> torch.Tensor:
         """GEN pathway for generated rows `x [N_gen, D]` against this layer's text K/V `[KV, N_und, hd]`.
 
         A batch of requests with one layout runs as `x [B, N_gen, D]` against K/V `[B, KV, N_und, hd]`.
         A batch with different text lengths adds per-item rotary tables `[B, N_gen, hd]`, K/V padded to
-        `N_und_max` and `key_mask [B, 1, 1, N_und_max + N_gen]` (True = attend) hiding the padding.
+        `N_und_max` and `und_lens`, each item's text rows: the projections and the MLP run as one batch,
+        attention item by item over its own rows (cheaper than attending over the padding behind a mask).
         """
         attn = self.self_attn
         q, k, v = attn.gen_qkv(rms_norm(self.input_layernorm_moe_gen, x), rotary)
-        out = attend(q, torch.cat((und_k, k), dim=-2), torch.cat((und_v, v), dim=-2), mask=key_mask)
+        if und_lens is None:
+            out = attend(q, torch.cat((und_k, k), dim=-2), torch.cat((und_v, v), dim=-2))
+        else:
+            out = torch.stack([attend(q[b], torch.cat((und_k[b, :, :n], k[b]), dim=-2),
+                                      torch.cat((und_v[b, :, :n], v[b]), dim=-2)) for b, n in enumerate(und_lens)])
         x = x + linear(attn.to_add_out, out)
         return x + gated_mlp(self.mlp_moe_gen, rms_norm(self.post_attention_layernorm_moe_gen, x))

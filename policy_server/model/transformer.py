@@ -216,14 +216,15 @@ class Cosmos3OmniTransformer(nn.Module):
         require(und_kv.length == gen.und_len,
                 f"und_kv holds {und_kv.length} text rows but this step's und_len is {gen.und_len} "
                 "(K/V from another prompt or CFG branch?)")
-        # Where anything is padded, the key mask must hide exactly the K/V's padding: one length per item.
+        # Where anything is padded, each item must attend to exactly its own text rows.
         padded_kv = und_kv.lengths is not None and len(set(und_kv.lengths)) > 1
-        require(not (padded_kv or gen.key_mask is not None) or und_kv.lengths == gen.und_lens,
+        ragged = gen.ragged_und_lens
+        require(not (padded_kv or ragged is not None) or und_kv.lengths == gen.und_lens,
                 f"padded text K/V and GEN batch must agree on each item's text rows: und_kv "
                 f"(UndKV.stack_padded) has {und_kv.lengths}, the GEN batch (GenInput.stack_varied) {gen.und_lens}")
-        x, rotary, key_mask = gen.hidden, gen.layout.rotary, gen.key_mask
+        x, rotary = gen.hidden, gen.layout.rotary
         for layer, k, v in zip(self.layers, und_kv.keys, und_kv.values, strict=True):
-            x = layer.forward_gen(x, rotary, k, v, key_mask)
+            x = layer.forward_gen(x, rotary, k, v, ragged)
         return self.norm_moe_gen(x)
 
     # ------------------------------------------------------------------ heads (every step)

@@ -4,9 +4,11 @@ One call is one control tick: encode the conditioning frame with the VAE, reuse 
 text K/V of each CFG branch, then run the flow-matching sampler. The caller's one say in the step loop
 is a `StepControl` (the engine's tick; `FixedSteps` without a deadline): before each step it names the
 CFG branches and whether the step is the last, and for each call it runs the GEN stack or has the step
-cache estimate it. Each step and branch embeds the generated rows, gets the stack output from the step
-control, decodes velocities with the heads, masks clean rows, combines CFG and advances the fp32 sampler
-state. Actions leave in the embodiment's physical units.
+cache estimate it. Each step embeds the generated rows once (they are the same in every branch; only their
+rotary positions differ), asks the step control about each branch's call, runs the calls that must run as
+one batched GEN stack (cond and uncond each against their own text K/V), decodes velocities with the heads,
+masks clean rows, combines CFG and advances the fp32 sampler state. Actions leave in the embodiment's
+physical units.
 
 Modes (Cosmos3 `build_sequence_plan_from_mode`):
     policy            first latent frame clean; future frames and the action chunk generated;
@@ -19,7 +21,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Generator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -28,6 +30,7 @@ import torch
 
 from policy_server.cache.controller import CacheRecord, NoCache, StepController
 from policy_server.model import Cosmos3OmniTransformer, GenInput, UndKV, load_transformer
+from policy_server.model.boundary import PaddedGenLayouts
 from policy_server.model.checkpoint import CheckpointError, weights_digest
 from policy_server.model.config import ConfigError as ModelConfigError
 from policy_server.model.gen_layout import GenLayout
@@ -57,7 +60,10 @@ BRANCHES = ("cond", "uncond")
 
 class StepControl(Protocol):
     """The caller's one say in the step loop: the engine's `Tick` (plan, deadline guard, SeaCache) or
-    `FixedSteps` (a step cache alone)."""
+    `FixedSteps` (a step cache alone). `batch_branches`: the calls of a step that run go as one batch
+    (else one by one, in branch order)."""
+
+    batch_branches: bool
 
     def before_step(self, step: int) -> tuple[tuple[str, ...], bool]:
         """Before sampler step `step`: the CFG branches to run, in call order, and whether it is the last step.
@@ -66,10 +72,10 @@ class StepControl(Protocol):
     def estimate(self, step: int, branch: str, sigma: float, noisy_vision: list[torch.Tensor],
                  gen_in: torch.Tensor) -> torch.Tensor | None:
         """The GEN stack output `[N_gen, D]` of one call estimated by the step cache, or None when the call
-        runs; its output then goes to `ran`."""
+        runs; its output then goes to `ran`. Every branch of a step is asked before any of its calls runs."""
 
-    def ran(self, out: torch.Tensor) -> None:
-        """The GEN stack output of the call that ran."""
+    def ran(self, outs: Mapping[str, torch.Tensor]) -> None:
+        """The GEN stack outputs `[N_gen, D]` by branch of the calls of one step that ran together."""
 
     def record(self) -> CacheRecord:
         """What the step cache decided in this tick."""
@@ -77,11 +83,13 @@ class StepControl(Protocol):
 
 class FixedSteps:
     """Step control without a deadline: the uncond pass on every step of `guided`, `cache` (default `NoCache`)
-    deciding each GEN-stack call."""
+    deciding each GEN-stack call, a step's calls batched unless `batch_branches` is False."""
 
-    def __init__(self, num_steps: int, guided: range, cache: StepController | None = None):
+    def __init__(self, num_steps: int, guided: range, cache: StepController | None = None,
+                 batch_branches: bool = True):
         self.guided = guided
         self.cache = cache or NoCache()
+        self.batch_branches = batch_branches
         self.cache.begin(num_steps)
 
     def before_step(self, step: int) -> tuple[tuple[str, ...], bool]:
@@ -90,8 +98,9 @@ class FixedSteps:
     def estimate(self, step, branch, sigma, noisy_vision, gen_in) -> torch.Tensor | None:
         return self.cache.estimate(step, branch, sigma, noisy_vision, gen_in)
 
-    def ran(self, out: torch.Tensor) -> None:
-        self.cache.ran(out)
+    def ran(self, outs: Mapping[str, torch.Tensor]) -> None:
+        for branch, out in outs.items():
+            self.cache.ran(branch, out)
 
     def record(self) -> CacheRecord:
         return self.cache.record()
@@ -99,14 +108,18 @@ class FixedSteps:
 
 @dataclass(frozen=True)
 class StackCall:
-    """A full GEN-stack call the step loop waits on: send it back `gen_stack(gen, und_kv)`, `[N_gen, D]`."""
+    """The full GEN-stack calls of one step the step loop waits on, as one input: send back
+    `gen_stack(gen, und_kv)`, `[N_gen, D]` for one call, `[B, N_gen, D]` for B. `calls` holds them apart
+    (`(GenInput [N_gen, D], UndKV)` each), for a driver that batches them with other ticks' calls; it then
+    sends back their rows of its output, `[B, N_gen, D]` (`[N_gen, D]` for one)."""
 
     gen: GenInput
     und_kv: UndKV
+    calls: tuple[tuple[GenInput, UndKV], ...]
 
 
-# `PolicyPipeline.steps`: yields None before each sampler step (send back None) and a `StackCall` for each
-# full GEN-stack call (send back its output); returns the tick's `PolicyOutput`.
+# `PolicyPipeline.steps`: yields None before each sampler step (send back None) and a `StackCall` for the
+# full GEN-stack calls of a step (send back their output); returns the tick's `PolicyOutput`.
 TickSteps = Generator["StackCall | None", "torch.Tensor | None", "PolicyOutput"]
 
 
@@ -192,15 +205,18 @@ class InitialNoise:
     actions: torch.Tensor
 
 
-@dataclass
+@dataclass(frozen=True)
 class StepRecord:
-    """What one denoising step did. `ms[branch]` is the wall time of that branch's embed + stack + heads."""
+    """What one denoising step did: the CFG `branches` it ran, of which `full` ran their GEN stack (one batch
+    when `batched`), and its wall time `ms` (embedding, stacks or estimates, heads, CFG, sampler update)."""
 
     index: int
     sigma: float
     timestep: float
     branches: tuple[str, ...]
-    ms: dict[str, float] = field(default_factory=dict)
+    full: tuple[str, ...]
+    batched: bool
+    ms: float
 
 
 @dataclass
@@ -214,11 +230,13 @@ class PolicyOutput:
 
 @dataclass
 class PromptState:
-    """Text K/V of each CFG branch for one (instruction, embodiment, clip geometry); reusable across ticks."""
+    """Text K/V of each CFG branch for one (instruction, embodiment, clip geometry); reusable across ticks.
+    `batch_kv`: with both branches, their K/V as one batch (`UndKV.stack_padded`, cond first)."""
 
     key: tuple
     input_ids: dict[str, list[int]]
     und_kv: dict[str, UndKV]
+    batch_kv: UndKV | None = None
 
 
 @dataclass
@@ -271,6 +289,14 @@ class Branch:
     und_kv: UndKV
 
 
+@dataclass(frozen=True)
+class BranchBatch:
+    """A tick's cond and uncond branch as one GEN-stack batch: their layouts and text K/V, padded and stacked."""
+
+    layouts: PaddedGenLayouts
+    und_kv: UndKV
+
+
 class PolicyPipeline:
     """The Cosmos3 policy: transformer + video VAE + text tokenizer + embodiments + sampler defaults.
 
@@ -295,8 +321,10 @@ class PolicyPipeline:
         self.served_embodiments = served_embodiments  # what this checkpoint was trained for
         self.digest = digest
         # GEN layouts by request shape: ticks of the same shape share one object, which is what lets
-        # the engine run their GEN stacks as one batch (`GenInput.stack`).
+        # the engine run their GEN stacks as one batch (`GenInput.stack`); and by the shapes of a cond and
+        # uncond branch, their layouts as one batch.
         self._gen_layouts: dict[RequestShape, GenLayout] = {}
+        self._branch_layouts: dict[tuple[RequestShape, RequestShape], PaddedGenLayouts] = {}
         self._normalizers: dict[str, FeatureNormalizers] = {}
 
     @classmethod
@@ -382,7 +410,9 @@ class PolicyPipeline:
             positions = torch.arange(len(ids), dtype=torch.float32, device=self.device).expand(3, -1)
             with torch.no_grad():
                 und_kv[branch] = self.transformer.prefill_und(ids_t, positions)
-        return PromptState(self.prompt_key(instruction, embodiment, chunk_size, cfg, canvas_hw), input_ids, und_kv)
+        batch_kv = UndKV.stack_padded([und_kv[branch] for branch in BRANCHES]) if cfg else None
+        return PromptState(self.prompt_key(instruction, embodiment, chunk_size, cfg, canvas_hw), input_ids, und_kv,
+                           batch_kv)
 
     @staticmethod
     def prompt_key(instruction: str, embodiment: Embodiment, chunk_size: int, cfg: bool,
@@ -431,7 +461,8 @@ class PolicyPipeline:
         clock = time.perf_counter()
         state = self._initial_state(request, embodiment, chunk, clean_latent)
         branches = self._branches(prompt, state, embodiment.fps)
-        steps_done = yield from self._sample(state, branches, steps, guidance, control)
+        batch = self._branch_batch(branches, prompt) if len(branches) == 2 else None
+        steps_done = yield from self._sample(state, branches, batch, steps, guidance, control)
         timings["denoise"] = _ms_since(clock)
 
         clock = time.perf_counter()
@@ -441,10 +472,13 @@ class PolicyPipeline:
         timings["total"] = _ms_since(t_start)
         return PolicyOutput(physical, state.vision, steps_done, timings, control.record())
 
-    def fixed_steps(self, num_steps: int, guidance: float, cache: StepController | None = None) -> FixedSteps:
+    def fixed_steps(self, num_steps: int, guidance: float, cache: StepController | None = None,
+                    batch_branches: bool = True) -> FixedSteps:
         """The step control of a tick without a deadline: the uncond pass on the guided steps when `guidance`
-        is on, `cache` (default `NoCache`) deciding each call."""
-        return FixedSteps(num_steps, self.guided_steps(num_steps) if guidance != 1.0 else range(0), cache)
+        is on, `cache` (default `NoCache`) deciding each call, a step's calls batched unless `batch_branches`
+        is False."""
+        return FixedSteps(num_steps, self.guided_steps(num_steps) if guidance != 1.0 else range(0), cache,
+                          batch_branches)
 
     def guided_steps(self, num_steps: int) -> range:
         """The sampler steps of a `num_steps` tick on which the uncond pass runs when guidance is on: those
@@ -636,27 +670,53 @@ class PolicyPipeline:
                 key=key, **packed.model_kwargs(state.vision.to(dtype), state.actions.to(dtype), timestep=0.0))
         return self._gen_layouts[key]
 
+    def _branch_batch(self, branches: dict[str, Branch], prompt: PromptState) -> BranchBatch:
+        """The cond and uncond branch as one batch; their layouts are built once per pair of shapes. The shapes
+        differ only in text length, so both branches have the same generated rows (one embedding serves both)."""
+        cond, uncond = branches["cond"].packed.shape, branches["uncond"].packed.shape
+        assert replace(cond, und_len=0) == replace(uncond, und_len=0), "branches differ only in their text"
+        key = (cond, uncond)
+        if key not in self._branch_layouts:
+            self._branch_layouts[key] = PaddedGenLayouts.build([branches[name].layout for name in BRANCHES])
+        return BranchBatch(self._branch_layouts[key], prompt.batch_kv)
+
     def _sampler(self, num_steps: int):
         return make_sampler(self.config.sampler, num_steps, self.config.shift, solver_order=self.config.solver_order,
                             karras=self.config.karras)
 
-    def _sample(self, state: DenoiseState, branches: dict[str, Branch], steps: int, guidance: float,
-                control: StepControl) -> Generator[StackCall | None, torch.Tensor | None, list[StepRecord]]:
+    def _sample(self, state: DenoiseState, branches: dict[str, Branch], batch: BranchBatch | None, steps: int,
+                guidance: float, control: StepControl
+                ) -> Generator[StackCall | None, torch.Tensor | None, list[StepRecord]]:
         """The flow-matching step loop: advances `state` in place and returns what each step did. `control`
         names each step's CFG branches; a step it makes the last jumps straight to the clean estimate."""
         sampler = self._sampler(steps)
+        dtype = self.transformer.dtype
         records: list[StepRecord] = []
         for i in range(steps):
             yield None  # a step boundary: the driver may run other work, or stop the tick, here
             run_branches, last = control.before_step(i)
+            clock = time.perf_counter()
             sigma = sampler.sigmas[i]
             timestep = float(sampler.timesteps[i])
-            record = StepRecord(i, sigma, timestep, run_branches)
-            velocities = {}
+            kwargs = branches[run_branches[0]].packed.model_kwargs(state.vision.to(dtype), state.actions.to(dtype),
+                                                                   timestep)
+            hidden = self.transformer.embed_gen(layout=branches[run_branches[0]].layout, **kwargs).hidden
+            gens = {name: GenInput(hidden, branches[name].layout) for name in run_branches}
+            noisy_vision = [state.vision] if state.noisy_vision else []
+            stack_out, full = {}, []
             for name in run_branches:
-                clock = time.perf_counter()
-                velocities[name] = yield from self._velocity(state, branches[name], i, sigma, timestep, control)
-                record.ms[name] = _ms_since(clock)
+                estimate = control.estimate(i, name, sigma, noisy_vision, hidden)
+                if estimate is None:
+                    full.append(name)
+                else:
+                    stack_out[name] = estimate
+            batched = control.batch_branches and len(full) == 2
+            for group in [full] if batched else [[name] for name in full]:
+                out = yield self._stack_call(group, gens, branches, batch)
+                outs = dict(zip(group, out, strict=True)) if len(group) > 1 else {group[0]: out}
+                control.ran(outs)
+                stack_out.update(outs)
+            velocities = {name: self._velocity(state, gens[name], stack_out[name]) for name in run_branches}
             v_vision, v_action = _guided(velocities, guidance)
             if not state.noisy_actions:
                 v_action = torch.zeros_like(v_action)
@@ -667,23 +727,24 @@ class PolicyPipeline:
                 stepped = sampler.step({"vision": v_vision, "action": v_action},
                                        {"vision": state.vision, "action": state.actions})
                 state.advance(stepped["vision"], stepped["action"])
-            records.append(record)
+            records.append(StepRecord(i, sigma, timestep, run_branches, tuple(full), batched, _ms_since(clock)))
             if last:
                 break
         return records
 
-    def _velocity(self, state: DenoiseState, branch: Branch, step: int, sigma: float, timestep: float,
-                  control: StepControl) -> Generator[StackCall, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """One branch's velocities at one step, fp32, zero on clean rows: vision [C, T_lat, h, w], actions
-        [H + S + K, action_dim]. The step control estimates the GEN stack output, or the call runs."""
-        dtype = self.transformer.dtype
-        kwargs = branch.packed.model_kwargs(state.vision.to(dtype), state.actions.to(dtype), timestep)
-        gen = self.transformer.embed_gen(layout=branch.layout, **kwargs)
-        noisy_vision = [state.vision] if state.noisy_vision else []
-        stack_out = control.estimate(step, branch.name, sigma, noisy_vision, gen.hidden)
-        if stack_out is None:
-            stack_out = yield StackCall(gen, branch.und_kv)
-            control.ran(stack_out)
+    @staticmethod
+    def _stack_call(group: list[str], gens: dict[str, GenInput], branches: dict[str, Branch],
+                    batch: BranchBatch | None) -> StackCall:
+        """The GEN-stack input of one branch's call, or of both branches' as one batch (`batch`, cond first)."""
+        calls = tuple((gens[name], branches[name].und_kv) for name in group)
+        if len(calls) == 1:
+            return StackCall(*calls[0], calls)
+        return StackCall(GenInput.stack_varied([gen for gen, _ in calls], batch.layouts), batch.und_kv, calls)
+
+    def _velocity(self, state: DenoiseState, gen: GenInput,
+                  stack_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One branch's velocities at one step from its GEN stack output (run or estimated), fp32, zero on clean
+        rows: vision [C, T_lat, h, w], actions [H + S + K, action_dim]."""
         pred_vision, _, pred_action = self.transformer.heads(stack_out, gen)
         v_vision, v_action = pred_vision[0][0].float(), pred_action[0].float()
         state.mask(v_vision, v_action)
