@@ -2,6 +2,7 @@
 
     policy-server [serve] --latency-budget-ms 120 --port 50051 [--config server.yaml] ...
     policy-server bench [bench options]          # robots.bench
+    policy-server calibrate [--checkpoint DIR]   # policy_server.engine.calibration: the quality profile
 
 Every flag is a ``ServerConfig`` field (``--max-sessions`` <-> ``max_sessions``) and may also be set
 in the ``--config`` file; flags given on the command line win.
@@ -48,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--checkpoint", type=Path, help="checkpoint to serve (default: the embedded model)")
     g.add_argument("--device", help="auto, cpu, cuda or cuda:N (auto)")
     g.add_argument("--dtype", help="weight dtype: auto, bf16, fp16 or fp32 (auto: bf16 on CUDA, fp32 on CPU)")
+    g.add_argument("--quality-profile",
+                   help="plan ticks on a quality profile (`policy-server calibrate`): off, auto (beside the "
+                        "checkpoint, else the cache directory, else a bounded calibration at warmup) or a file (off)")
 
     g = p.add_argument_group("diffusion step cache (SeaCache)")
     g.add_argument(
@@ -98,13 +102,14 @@ def config_from_args(argv: list[str]) -> ServerConfig:
 
 def serve(config: ServerConfig) -> int:
     """Build the engine, serve until SIGINT/SIGTERM, shut down gracefully."""
+    from policy_server.budget.profile import ProfileError
     from policy_server.engine import build_engine  # lazy: imports torch and the model
     from policy_server.pipeline.policy import CheckpointLoadError
     from policy_server.server.app import build_server
 
     try:
         engine = build_engine(config)
-    except CheckpointLoadError as exc:
+    except (CheckpointLoadError, ProfileError) as exc:
         print(f"policy-server: {exc}", file=sys.stderr)
         return 2
     try:

@@ -37,6 +37,9 @@ class ServerConfig(BaseModel):
     )
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
     dtype: str = Field("auto", description="weight dtype: auto (bf16 on CUDA, fp32 on CPU), bf16, fp16 or fp32")
+    quality_profile: str = Field(
+        "off", min_length=1,
+        description="off, auto (beside the checkpoint, else the cache directory, else calibrate at warmup) or a file")
 
     # Diffusion step cache (SeaCache)
     diffusion_cache: bool = Field(True, description="enable SeaCache (off = bit-exact uncached sampling)")
@@ -95,6 +98,13 @@ class ServerConfig(BaseModel):
     @classmethod
     def _known_dtype(cls, value: str) -> str:
         check_dtype(value)
+        return value
+
+    @field_validator("quality_profile")
+    @classmethod
+    def _profile_setting(cls, value: str) -> str:
+        if value not in ("off", "auto") and not Path(value).is_file():
+            raise ValueError(f"{value!r} is neither off, auto nor an existing profile file")
         return value
 
     @field_validator("checkpoint", "auth_token_file", "tls_cert", "tls_key")

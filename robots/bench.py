@@ -10,6 +10,7 @@ machine drift cancels and errors compare like with like:
 - `seacache_default`       SeaCache 0.25 / order 1 / cap 2 on every tick, no budget control;
 - `fewer_steps_<n>`        the naive alternative: n < N sampler steps, chosen to fit each budget;
 - `budget_<ms>`            the engine's budget controller (planner + guard + SeaCache) at that budget;
+- `budget_<ms>_frontier`   with `--quality-profile`: the same budget planned on the profile's frontier;
 - `budget_<ms>_slowdown`   the same, with an extra delay per full GEN-stack call from the halfway tick.
 
 With `--closed-loop N` every configuration also drives N held-out Reach episodes (the same seeds for
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import platform
@@ -47,6 +49,7 @@ from tqdm import tqdm
 import robots.envs  # noqa: F401  (registers the environments)
 from policy_server.budget.cost_model import FULL, PAIR, SKIP
 from policy_server.budget.planner import MAX_CACHING
+from policy_server.budget.profile import ProfileError, QualityProfile
 from policy_server.cache.controller import NoCache
 from policy_server.cache.seacache import SeaCache, SeaCacheConfig
 from policy_server.config import DTYPES, check_dtype
@@ -270,9 +273,16 @@ def run(args: argparse.Namespace) -> dict:
     # shared weights, which keeps the engine's latest output (its latents) for the comparison.
     settings = EngineSettings(warmup_ticks=args.warmup, max_sessions=8)
 
-    def started_engine() -> tuple[ModelEngine, BenchPipeline]:
+    profile = None
+    if args.quality_profile is not None:
+        try:
+            profile = QualityProfile.load(args.quality_profile, pipeline.digest)
+        except ProfileError as error:
+            raise BenchError(str(error)) from error
+
+    def started_engine(quality_profile: QualityProfile | None = None) -> tuple[ModelEngine, BenchPipeline]:
         own = BenchPipeline.over(pipeline)
-        engine = ModelEngine(own, settings)
+        engine = ModelEngine(own, dataclasses.replace(settings, quality_profile=quality_profile))
         engine.start()
         engine.wait_ready()
         return engine, own
@@ -304,6 +314,13 @@ def run(args: argparse.Namespace) -> dict:
             engines.append(owner)
         sessions[name] = (owner, own, owner.open_session(embodiment.name, "warm up", budget_ms=b, seed=0,
                                                          rate_hz=0.0))
+        if profile is not None:  # the same budget planned on the quality profile's frontier
+            name = f"budget_{b:g}_frontier"
+            runs[name] = ConfigRun(name, budget_ms=b)
+            owner, own = started_engine(profile)
+            engines.append(owner)
+            sessions[name] = (owner, own, owner.open_session(embodiment.name, "warm up", budget_ms=b, seed=0,
+                                                             rate_hz=0.0))
     slow_name = f"budget_{slow_budget:g}_slowdown"
     runs[slow_name] = ConfigRun(slow_name, budget_ms=slow_budget)
     slow_engine, slow_pipeline = started_engine()
@@ -353,6 +370,9 @@ def run(args: argparse.Namespace) -> dict:
             policies[f"fewer_steps_{n}"] = _FixedSettingPolicy(pipeline, embodiment.name, NoCache, num_steps=n)
         for b in budgets:
             policies[f"budget_{b:g}"] = _EnginePolicy(sessions[f"budget_{b:g}"][0], embodiment.name, b)
+            if profile is not None:
+                name = f"budget_{b:g}_frontier"
+                policies[name] = _EnginePolicy(sessions[name][0], embodiment.name, b)
         policies[slow_name] = _EnginePolicy(slow_engine, embodiment.name, slow_budget, slowdown)
         rates = closed_loop(policies, args.closed_loop, args.execute)
         for summary in summaries:
@@ -593,6 +613,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--closed-loop", type=int, default=0, metavar="N",
                         help="also run N held-out Reach episodes per config and report success_rate")
     parser.add_argument("--execute", type=int, default=4, help="closed loop: actions executed per chunk")
+    parser.add_argument("--quality-profile", type=Path, default=None,
+                        help="also run every budget planned on this profile's frontier (`policy-server calibrate`)")
     args = parser.parse_args(argv)
     try:
         check_dtype(args.dtype)

@@ -11,8 +11,10 @@ from policy_server.budget.planner import (
     CacheSetting,
     PlannerConfig,
     min_full_calls,
+    plan_on_frontier,
     plan_tick,
 )
+from policy_server.budget.profile import ProfilePoint, TickConfig
 
 # c_full 10 ms, c_skip 1 ms, 10 ms fixed. N = 10 with CFG: 20 calls, 210 ms uncached.
 COSTS = CallCosts(full_ms=10.0, skip_ms=1.0, fixed_ms={"encode": 5.0, "decode": 5.0})
@@ -228,3 +230,44 @@ def test_batched_cfg_pairs_count_in_what_fits():
     assert plan.predicted_ms == pytest.approx(10 + 12 * 10 + 8 * 1 - 6 * 8)
     # Without CFG there is nothing to pair: the pair cost changes nothing.
     assert plan_tick(100.0, 10, 1, PAIRED) == plan_tick(100.0, 10, 1, COSTS)
+
+
+# A synthetic frontier at PAIRED costs (10 ms fixed; full 10, pair 12, skip 1 ms).
+def _point(steps, cfg, threshold, error, full, pairs, skipped):
+    config = TickConfig(num_steps=steps, cfg_steps=cfg, threshold=threshold, cap=2 if threshold else 0,
+                        residual_order=1)
+    return ProfilePoint(config=config, error=error, error_p90=error, full_calls=full, pairs=pairs,
+                        skipped_calls=skipped)
+
+
+FRONTIER = (
+    _point(10, 10, 0.0, 0.00, 0, 10, 0),   # uncached: 10 + 10 * 12 = 130 ms
+    _point(10, 10, 0.25, 0.03, 0, 4, 12),  # 10 + 48 + 12 = 70 ms
+    _point(6, 6, 0.0, 0.05, 0, 6, 0),      # 10 + 72 = 82 ms
+    _point(6, 3, 0.25, 0.09, 1, 2, 7),     # 10 + 10 + 24 + 7 = 51 ms
+    _point(4, 1, 1e6, 0.20, 2, 1, 2),      # 10 + 20 + 12 + 2 = 44 ms
+)
+
+
+@pytest.mark.parametrize(("deadline", "chosen"), [(200.0, 0), (130.0, 0), (129.0, 1), (70.0, 1), (69.0, 3),
+                                                   (51.0, 3), (50.0, 4), (44.0, 4)])
+def test_the_frontier_planner_picks_the_least_error_that_fits(deadline, chosen):
+    plan = plan_on_frontier(deadline, FRONTIER, PAIRED)
+    point = FRONTIER[chosen]
+    assert plan.setting == point.config.name and plan.expected_error == point.error
+    assert plan.fits and plan.fallbacks == () and plan.predicted_ms <= deadline
+    assert plan.predicted_ms == pytest.approx(point.predicted_ms(PAIRED))
+    assert plan.num_steps == point.config.num_steps and plan.cfg_steps == point.config.cfg_steps
+    assert plan.uncond_steps == range(point.config.cfg_steps) and plan.best_achievable_ms == pytest.approx(44.0)
+    assert plan.thresholds == (point.config.threshold,) * plan.num_steps and plan.residual_order == 1
+
+
+def test_the_frontier_planner_falls_back_to_the_cheapest_point():
+    plan = plan_on_frontier(30.0, FRONTIER, PAIRED)
+    assert plan.setting == FRONTIER[4].config.name and not plan.fits and not plan.feasible
+    assert plan.fallbacks == ("no_point_fits",) and plan.predicted_ms == pytest.approx(44.0)
+
+
+def test_the_frontier_planner_keeps_the_guidance_interval():
+    plan = plan_on_frontier(200.0, FRONTIER, PAIRED, guided=lambda n: range(2, n - 2))
+    assert plan.uncond_steps == range(2, 8) and plan.calls == 16

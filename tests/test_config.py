@@ -50,13 +50,13 @@ def test_flags_parse_into_the_config(tmp_path):
         "--diffusion-cache-residual-order", "0", "--diffusion-cache-max-consecutive", "0", "--port", "6000",
         "--host", "0.0.0.0", "--unix-socket", str(tmp_path / "s.sock"), "--device", "cuda:1", "--dtype", "fp16",
         "--max-sessions", "2", "--max-batch", "3", "--max-message-mb", "8", "--auth-token-file", str(token),
-        "--reflection",
+        "--reflection", "--quality-profile", "auto",
         "--metrics-port", "9100", "--websocket-port", "8000", "--websocket-embodiment", "libero",
     ])
     assert config.latency_budget_ms == 80 and config.diffusion_cache is False
     assert (config.diffusion_cache_thresh, config.diffusion_cache_residual_order) == (0.4, 0)
     assert (config.port, config.host, config.device, config.max_sessions) == (6000, "0.0.0.0", "cuda:1", 2)
-    assert config.max_batch == 3 and config.dtype == "fp16"
+    assert config.max_batch == 3 and config.dtype == "fp16" and config.quality_profile == "auto"
     assert config.auth_token_file == token and config.reflection
     assert (config.metrics_port, config.websocket_port, config.websocket_embodiment) == (9100, 8000, "libero")
 
@@ -71,7 +71,7 @@ def full_file_values(tmp_path) -> dict:
         "diffusion_cache_max_consecutive": 3, "host": "127.0.0.1", "port": 7000,
         "unix_socket": str(tmp_path / "p.sock"), "websocket_port": 8001, "websocket_embodiment": "pusht",
         "metrics_port": 9091, "metrics_host": "::1", "reflection": True, "max_sessions": 3, "max_batch": 2,
-        "max_dynamics_calls": 1, "max_message_mb": 4,
+        "max_dynamics_calls": 1, "max_message_mb": 4, "quality_profile": "auto",
         "auth_token_file": str(tmp_path / "token"), "tls_cert": str(tmp_path / "cert.pem"),
         "tls_key": str(tmp_path / "key.pem"),
     }
@@ -115,6 +115,7 @@ def test_json_file_with_flag_spelling(tmp_path):
         ({"max_sessions": 0}, "max_sessions"),
         ({"max_message_mb": 0}, "max_message_mb"),
         ({"auth_token_file": "/nonexistent/token"}, "auth_token_file"),
+        ({"quality_profile": "sometimes"}, "quality_profile"),
         ({"latency_budgt_ms": 100}, "latency_budgt_ms"),
     ],
 )

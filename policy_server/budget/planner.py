@@ -17,16 +17,21 @@ is the one place that says which CFG branches a step runs.
   infeasible with the best achievable latency, and the configured fallbacks apply in this fixed order:
   1. drop the unconditional CFG pass from some step onward (as late as possible);
   2. fewer sampler steps (as many as possible).
+
+With a quality profile (``policy_server.budget.profile``) the planner chooses on its frontier instead
+(``plan_on_frontier``): the configuration of steps, CFG schedule and cache setting with the least expected
+error whose expected latency fits.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from .cost_model import CallCosts
 from .history import SessionHistory, Structure
+from .profile import ProfilePoint
 
 ThresholdRule = float | Callable[[int, int], float]
 
@@ -151,6 +156,8 @@ class TickPlan:
     feasible: maximal caching fits at the requested steps and passes; best_achievable_ms is its latency.
     fits: the final plan (after fallbacks) is predicted to meet the deadline.
     fallbacks: applied fallbacks in order, e.g. ``("drop_uncond_from_step=3", "num_steps=10->6")``.
+    residual_order / expected_error: a point of a quality profile's frontier sets the first and predicts the
+    second (``plan_on_frontier``); None for a ladder plan.
     """
 
     deadline_ms: float
@@ -171,6 +178,8 @@ class TickPlan:
     best_achievable_ms: float
     fits: bool
     fallbacks: tuple[str, ...] = field(default_factory=tuple)
+    residual_order: int | None = None
+    expected_error: float | None = None
 
     @property
     def calls(self) -> int:
@@ -357,3 +366,47 @@ def _choose_setting(
         if count <= f_max:
             return setting, count
     return config.ladder[-1], expected[-1]
+
+
+def plan_on_frontier(
+    deadline_ms: float,
+    points: Sequence[ProfilePoint],
+    costs: CallCosts,
+    guided: Callable[[int], range] = range,
+) -> TickPlan:
+    """The point of a quality profile's frontier with the least expected error whose expected latency fits
+    ``deadline_ms``: steps, CFG schedule and cache setting chosen together. It plans on the expected (median)
+    costs and leaves the tail to the in-tick guard, so the budget is used rather than left idle. When no point
+    fits, the cheapest one, marked ``fits=False`` (fallback ``no_point_fits``): the guard then gives up what it
+    must. ``guided``: as for ``plan_tick``."""
+    predicted = [point.predicted_ms(costs) for point in points]
+    cheapest = min(range(len(points)), key=predicted.__getitem__)
+    fitting = [i for i in range(len(points)) if predicted[i] <= deadline_ms]
+    chosen = min(fitting, key=lambda i: (points[i].error, predicted[i])) if fitting else cheapest
+    point, config = points[chosen], points[chosen].config
+    window = guided(config.num_steps)
+    uncond = range(window.start, max(window.start, min(window.stop, config.cfg_steps)))
+    calls = config.num_steps + len(uncond)
+    full = round(point.full_calls + 2 * point.pairs)
+    return TickPlan(
+        deadline_ms=float(deadline_ms),
+        requested_steps=config.num_steps,
+        requested_passes=2 if config.cfg_steps else 1,
+        num_steps=config.num_steps,
+        cfg_steps=config.cfg_steps,
+        uncond_steps=uncond,
+        setting=config.name,
+        thresholds=(config.threshold,) * config.num_steps,
+        cap=config.cap,
+        full_calls_max=calls,
+        expected_full_calls=full,
+        min_full_calls=full,
+        predicted_ms=predicted[chosen],
+        predicted_stage_ms={**costs.fixed_ms, "denoise": predicted[chosen] - costs.fixed_total_ms},
+        feasible=bool(fitting),
+        best_achievable_ms=predicted[cheapest],
+        fits=bool(fitting),
+        fallbacks=() if fitting else ("no_point_fits",),
+        residual_order=config.residual_order,
+        expected_error=point.error,
+    )

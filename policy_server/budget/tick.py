@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING
 from .cost_model import CostModel
 from .guard import DeadlineGuard, monotonic_ms
 from .history import SessionHistory
-from .planner import PlannerConfig, TickPlan, plan_tick
+from .planner import PlannerConfig, TickPlan, plan_on_frontier, plan_tick
+from .profile import ProfilePoint
 
 if TYPE_CHECKING:
     import torch
@@ -100,16 +101,18 @@ class TickBudget:
 
     def plan(
         self, key: Hashable, time_left_ms: float, num_steps: int, passes: int, history: SessionHistory | None,
-        prefill: bool, preview: bool = False,
+        prefill: bool, preview: bool = False, frontier: Sequence[ProfilePoint] | None = None,
     ) -> TickPlan:
-        """Plan a tick with ``time_left_ms`` > 0 left in it (see ``plan_tick``); ``prefill``: whether it must
-        prefill its text K/V (a new instruction) or reuses them; ``preview``: whether it decodes its predicted
-        frames."""
+        """Plan a tick with ``time_left_ms`` > 0 left in it: on a quality profile's ``frontier`` when there is
+        one (``plan_on_frontier``), else on the ladder (``plan_tick``). ``prefill``: whether it must prefill its
+        text K/V (a new instruction) or reuses them; ``preview``: whether it decodes its predicted frames."""
         costs = self.cost_model.costs(key)
         if not prefill:
             costs = costs.without(PREFILL_STAGE)
         if not preview:
             costs = costs.without(PREVIEW_STAGE)
+        if frontier:
+            return plan_on_frontier(time_left_ms, frontier, costs, self.guided)
         return plan_tick(time_left_ms, num_steps, passes, costs, history, self.config, self.guided)
 
     def guarded_steps(self, plan: TickPlan, key: Hashable, tick_started_at_ms: float, cache: SeaCache) -> GuardedSteps:

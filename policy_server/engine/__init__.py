@@ -11,6 +11,7 @@ def build_engine(config):
     """A started `ModelEngine` for the CLI's `ServerConfig`; it warms up in the background."""
     import torch
 
+    from policy_server.engine.calibration import resolve_profile
     from policy_server.engine.engine import ModelEngine, resolve_device, resolve_dtype, settings_from_config
     from policy_server.pipeline.policy import PolicyPipeline
 
@@ -21,6 +22,7 @@ def build_engine(config):
         torch.set_num_threads(1)
     pipeline = PolicyPipeline.from_pretrained(config.checkpoint, device=device,
                                               dtype=resolve_dtype(config.dtype, device))
-    engine = ModelEngine(pipeline, settings_from_config(config))
+    profile, calibrate = resolve_profile(config.quality_profile, config.checkpoint, pipeline.digest)
+    engine = ModelEngine(pipeline, settings_from_config(config, profile, calibrate))
     engine.start()
     return engine

@@ -152,7 +152,7 @@ class Admission:
 
         def predicted(time_left_ms: float) -> float:
             return served.budget.plan(key, time_left_ms, served.num_steps, served.passes, None, prefill=True,
-                                      preview=preview).predicted_ms
+                                      preview=preview, frontier=served.frontier(embodiment)).predicted_ms
 
         ceiling = predicted(MAX_BUDGET_MS)
         floor = predicted(1e-3) if served.budget_controlled else ceiling

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from policy_server.budget.guard import monotonic_ms
+from policy_server.budget.profile import QualityProfile
 from policy_server.engine import api
 from policy_server.engine.admission import Admission, RateLimiter, default_rate_hz
 from policy_server.engine.dynamics import Dynamics
@@ -207,9 +208,12 @@ class ModelEngine:
             raise api.WarmingUp(progress=self._warmup.progress)
 
 
-def settings_from_config(config) -> EngineSettings:
-    """EngineSettings from the CLI's `ServerConfig`."""
+def settings_from_config(config, quality_profile: QualityProfile | None = None,
+                         calibrate_at_warmup: bool = False) -> EngineSettings:
+    """EngineSettings from the CLI's `ServerConfig` (and the profile its `quality_profile` setting found)."""
     return EngineSettings(
+        quality_profile=quality_profile,
+        calibrate_at_warmup=calibrate_at_warmup,
         default_budget_ms=config.latency_budget_ms,
         max_sessions=config.max_sessions,
         max_batch=config.max_batch,

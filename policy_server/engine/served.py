@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from policy_server.budget.cost_model import CALL_KINDS, FULL, PAIR, CostModel
 from policy_server.budget.planner import MAX_CACHING, CacheSetting, PlannerConfig
+from policy_server.budget.profile import ProfilePoint, QualityProfile, frontier
 from policy_server.budget.tick import PREVIEW_STAGE, TickBudget
 from policy_server.cache.controller import StepController
 from policy_server.cache.sea_filter import SeaFilter
@@ -34,7 +35,9 @@ class EngineSettings:
     (the published Cosmos3 default 0.25 / 2). `max_batch`: the most queued ticks of one shape that run
     together as a micro-batch (1 = one tick at a time). `max_reason_calls`: reasoner calls at once;
     `max_dynamics_calls`: forward / inverse dynamics calls at once (0: none, and admission reserves nothing for
-    them)."""
+    them). `quality_profile`: plan ticks on its frontier (`policy_server.budget.profile`); without one,
+    `calibrate_at_warmup` measures a bounded one before the engine is ready, else ticks are planned on the
+    ladder."""
 
     default_budget_ms: float = 120.0
     max_sessions: int = 4
@@ -47,6 +50,8 @@ class EngineSettings:
     max_reason_calls: int = 2
     max_dynamics_calls: int = 0
     max_batch: int = 4
+    quality_profile: QualityProfile | None = None
+    calibrate_at_warmup: bool = False
 
 
 def cache_ladder(threshold: float, cap: int) -> tuple[CacheSetting, ...]:
@@ -79,6 +84,25 @@ class ServedModel:
         m = pipeline.vae.spatial_compression
         self.full_grid = (canvas_h // m, canvas_w // m)  # the largest latent grid: what admission plans for
         self.closing = threading.Event()
+        self._frontiers: dict[str, tuple[ProfilePoint, ...]] = {}
+        self.profile = settings.quality_profile  # warmup may measure one
+
+    @property
+    def profile(self) -> QualityProfile | None:
+        return self._profile
+
+    @profile.setter
+    def profile(self, profile: QualityProfile | None) -> None:
+        if profile is not None and profile.digest != self.pipeline.digest:
+            raise ValueError(f"the quality profile was measured on weights {profile.digest[:19]}, these are "
+                             f"{self.pipeline.digest[:19]}")
+        self._profile = profile
+        self._frontiers = {} if profile is None else {name: frontier(points)
+                                                      for name, points in profile.embodiments.items()}
+
+    def frontier(self, embodiment: str) -> tuple[ProfilePoint, ...] | None:
+        """The quality profile's frontier that ticks of `embodiment` are planned on; None: the ladder."""
+        return self._frontiers.get(embodiment) if self.budget_controlled else None
 
     @property
     def num_steps(self) -> int:

@@ -161,9 +161,11 @@ class Tick:
         # A slot that holds the uncached tick is no cap: rounding must not turn caching on.
         slot_ms = session.slot_ms if session.slot_ms < session.demand.ceiling_ms else left_ms
         plan = served.budget.plan(key, max(min(left_ms, slot_ms), 1e-3), served.num_steps, served.passes,
-                                  session.history, prefill=prefill, preview=session.preview)
-        cache = SeaCache(SeaCacheConfig(threshold=plan.thresholds, residual_order=served.settings.residual_order,
-                                        max_consecutive_cached=plan.cap), sea_filter=served.sea_filter)
+                                  session.history, prefill=prefill, preview=session.preview,
+                                  frontier=served.frontier(session.embodiment))
+        order = served.settings.residual_order if plan.residual_order is None else plan.residual_order
+        config = SeaCacheConfig(threshold=plan.thresholds, residual_order=order, max_consecutive_cached=plan.cap)
+        cache = SeaCache(config, sea_filter=served.sea_filter)
         self._steps = served.budget.guarded_steps(plan, key, started_ms, cache)
         return plan
 
@@ -190,6 +192,8 @@ class Tick:
                 branches=branches, setting="uncacheable" if self.served.settings.diffusion_cache else "disabled")
         knobs.update(cap=float(plan.cap), cfg_steps=float(plan.cfg_steps),
                      threshold=max(plan.thresholds, default=0.0), expected_full_calls=float(plan.expected_full_calls))
+        if plan.expected_error is not None:  # planned on a quality profile's frontier: `setting` names the point
+            knobs["expected_error"] = plan.expected_error
         return api.TickRecord(
             budget_ms=session.budget_ms,
             deadline_ms=self.request.deadline_ms,

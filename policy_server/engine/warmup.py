@@ -9,6 +9,7 @@ are timed: what a tick may find running when it arrives.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator
 
@@ -21,6 +22,7 @@ from policy_server.budget.tick import PREVIEW_STAGE
 from policy_server.cache.controller import NoCache
 from policy_server.cache.seacache import SeaCache, SeaCacheConfig
 from policy_server.engine import api
+from policy_server.engine.calibration import calibration_steps, configurations, warmup_observations
 from policy_server.engine.dynamics import DynamicsCall
 from policy_server.engine.served import INSTRUCTION_TOKEN_GROUPS, ServedModel
 from policy_server.engine.tick import STAGES, observe_output
@@ -31,6 +33,8 @@ from policy_server.pipeline.reasoner import ReasonerStream
 
 # Sampler steps of the warmup ticks that only fill costs: the first and last step are full, the rest can skip.
 _SHORT_WARMUP_STEPS = 6
+WARMUP_CALIBRATION_OBSERVATIONS = 2  # per embodiment, when there is no quality profile
+logger = logging.getLogger(__name__)
 
 
 class Warmup:
@@ -63,12 +67,25 @@ class Warmup:
             self.progress = (index + 1) / (len(shapes) + 1)
         self.profile = tuple(profile)
         self._interpolate_costs()
+        if self.served.settings.calibrate_at_warmup and self.served.profile is None:
+            self.served.profile = yield from self._calibrate()
         reasoner_ms = yield from self._time_reasoner_steps()
         # A server without dynamics calls need not reserve for their longest piece (the frames' decode).
         dynamics_ms = (yield from self._time_dynamics_pieces()) if self.served.settings.max_dynamics_calls else 0.0
         self.blocking_ms = max(reasoner_ms, dynamics_ms)
         self.progress = 1.0
         self.ready.set()
+
+    def _calibrate(self):
+        """A bounded quality profile, from `WARMUP_CALIBRATION_OBSERVATIONS` observations per embodiment."""
+        pipeline = self.served.pipeline
+        observations = warmup_observations(pipeline, WARMUP_CALIBRATION_OBSERVATIONS)
+        logger.warning("no quality profile for weights %s: calibrating on %d observations at warmup (bounded; run "
+                       "`policy-server calibrate` for a full one)", pipeline.digest[:19], len(observations))
+        profile = yield from calibration_steps(pipeline, observations, configurations(pipeline, self.served.settings),
+                                               source="warmup (bounded)")
+        logger.info("warmup calibration took %.1f s", profile.calibration.seconds)
+        return profile
 
     def failed(self, error: BaseException) -> None:
         self.error = error  # surfaced by wait_ready() and every request

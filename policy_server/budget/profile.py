@@ -1,0 +1,136 @@
+"""Quality profile of one checkpoint: what each tick configuration costs and how far its actions stray.
+
+A configuration (`TickConfig`) sets every lever a tick has: sampler steps, the CFG schedule (the uncond
+pass on the guided steps before `cfg_steps`) and the SeaCache setting (threshold, cap, residual order).
+Calibration (`policy-server calibrate`, `engine/calibration.py`) runs a set of observations through many
+of them and keeps, per served embodiment, each configuration's mean action error against the uncached
+default (rel-L2) and its mean calls: full calls alone, steps whose two branches ran full as one batch
+(pairs), skipped calls. A tick's latency is linear in those counts with positive per-call costs, so a
+configuration no better in error and no cheaper in any count than another can never be the better pick on
+any machine: the planner chooses among the others only (`frontier`). The profile keeps every point measured
+(the bench compares fixed configurations with the planner's choice).
+
+The profile is JSON, keyed by the weights digest: a profile of other weights is rejected, not used.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .cost_model import CallCosts
+
+PROFILE_VERSION = 1
+PROFILE_FILE = "quality_profile.json"  # beside a checkpoint
+
+
+class ProfileError(ValueError):
+    """A profile file that cannot be used; the message names the file and what is wrong."""
+
+
+class TickConfig(BaseModel):
+    """Every lever of one tick. `cfg_steps`: the uncond pass runs on the guided steps before it (`num_steps`:
+    all; 0 with guidance off). `threshold` 0: no caching (bit-identical to uncached at these steps)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    num_steps: int = Field(ge=1, le=1000)
+    cfg_steps: int = Field(ge=0, le=1000)
+    threshold: float = Field(ge=0.0, le=1e6)
+    cap: int = Field(ge=0, le=1000)
+    residual_order: int = Field(ge=0, le=2)
+
+    @property
+    def name(self) -> str:
+        cache = "nocache" if self.threshold == 0 else f"t{self.threshold:g}-c{self.cap}-o{self.residual_order}"
+        return f"n{self.num_steps}-cfg{self.cfg_steps}-{cache}"
+
+
+class ProfilePoint(BaseModel):
+    """One configuration as calibration measured it (means over the calibration set)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    config: TickConfig
+    error: float = Field(ge=0.0)  # action rel-L2 against the uncached default
+    error_p90: float = Field(ge=0.0)
+    full_calls: float = Field(ge=0.0)  # full calls that ran alone
+    pairs: float = Field(ge=0.0)  # steps whose cond and uncond ran full as one batch
+    skipped_calls: float = Field(ge=0.0)
+
+    def predicted_ms(self, costs: CallCosts) -> float:
+        """The tick's expected latency at `costs` (fixed stages included)."""
+        return (costs.fixed_total_ms + self.full_calls * costs.full_ms + self.pairs * costs.pair_ms
+                + self.skipped_calls * costs.skip_ms)
+
+    def dominates(self, other: ProfilePoint) -> bool:
+        """No worse in error and in every call count, and better in one of them."""
+        mine = (self.error, self.full_calls, self.pairs, self.skipped_calls)
+        theirs = (other.error, other.full_calls, other.pairs, other.skipped_calls)
+        return all(a <= b for a, b in zip(mine, theirs, strict=True)) and mine != theirs
+
+
+class Calibration(BaseModel):
+    """Where a profile's figures come from."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    observations: int = Field(ge=1)
+    source: str  # the observations file, "embedded simulator" or "synthetic (warmup)"
+    seconds: float = Field(ge=0.0)
+
+
+class QualityProfile(BaseModel):
+    """Per served embodiment, every tick configuration of one checkpoint as calibration measured it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    version: int = PROFILE_VERSION
+    digest: str  # `PolicyPipeline.digest` of the weights it was measured on
+    default: TickConfig  # the uncached reference every error is measured against
+    embodiments: dict[str, tuple[ProfilePoint, ...]]
+    calibration: Calibration
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.model_dump_json(indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: Path, digest: str) -> QualityProfile:
+        """The profile at `path`, which must be of the weights `digest`; `ProfileError` names what is wrong."""
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as error:
+            raise ProfileError(f"{path}: cannot read a quality profile: {error}") from error
+        if not isinstance(data, dict) or data.get("version") != PROFILE_VERSION:
+            got = data.get("version") if isinstance(data, dict) else type(data).__name__
+            raise ProfileError(f"{path}: version {got!r}; expected {PROFILE_VERSION} (run `policy-server calibrate`)")
+        try:
+            profile = cls.model_validate(data)
+        except ValidationError as error:
+            first = error.errors()[0]
+            where = ".".join(str(part) for part in first["loc"])
+            raise ProfileError(f"{path}: {where}: {first['msg']}") from error
+        if profile.digest != digest:
+            raise ProfileError(f"{path}: measured on weights {profile.digest[:12]}, not these ({digest[:12]}); "
+                               "recalibrate with `policy-server calibrate`")
+        for name, points in profile.embodiments.items():
+            if not points:
+                raise ProfileError(f"{path}: embodiments.{name}: no configurations")
+        return profile
+
+
+def frontier(points: Sequence[ProfilePoint]) -> tuple[ProfilePoint, ...]:
+    """The points no other point dominates, best error first. Of points that measured alike (a threshold the
+    gate never reached runs as uncached), the first one given stays."""
+    alike: dict[tuple[float, ...], ProfilePoint] = {}
+    for point in points:
+        alike.setdefault((point.error, point.full_calls, point.pairs, point.skipped_calls), point)
+    kept = [p for p in alike.values() if not any(q.dominates(p) for q in alike.values())]
+    return tuple(sorted(kept, key=lambda p: (p.error, p.predicted_ms(_UNIT_COSTS))))
+
+
+_UNIT_COSTS = CallCosts(full_ms=1.0, skip_ms=0.25, pair_ms=1.75)  # a tie-break only: cheap-looking first

@@ -1,0 +1,301 @@
+"""Calibration: measure a checkpoint's quality profile by running observations through tick configurations.
+
+    profile = calibrate(pipeline, load_observations(path), configurations(pipeline, settings))
+
+Every configuration (`budget.profile.TickConfig`: sampler steps x CFG schedule x SeaCache setting) runs every
+observation with the same seed as the uncached default does, so the initial noise is the same and the action
+error (rel-L2, physical units) measures only what the levers change. Each point keeps the mean error, its
+90th percentile and the mean calls a tick made: full alone, pairs (both branches full, one batch) and skipped.
+The planner chooses on their frontier (`budget.profile.frontier`).
+
+Observation files are safetensors (no pickle): tensors `images.<camera>` uint8 `[M, H, W, 3]` (one per
+camera of the embodiment) and optionally `state` float32 `[M, state_dim]`; metadata `embodiment` (a served
+name) and `instructions` (a JSON list of M strings). `save_observations` writes one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import cv2
+import numpy as np
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
+
+from policy_server.budget.profile import (
+    PROFILE_FILE,
+    Calibration,
+    ProfilePoint,
+    QualityProfile,
+    TickConfig,
+    frontier,
+)
+from policy_server.cache.controller import NoCache
+from policy_server.cache.seacache import SeaCache, SeaCacheConfig
+from policy_server.engine.served import EngineSettings, cache_ladder
+from policy_server.pipeline.policy import FixedSteps, PolicyOutput, PolicyPipeline, PolicyRequest, run_steps
+
+# Sampler steps tried, as fractions of the default (then floored at `min_steps`).
+STEP_FRACTIONS = (1.0, 0.75, 0.6, 0.5, 0.4, 0.3, 0.2)
+# The embedded model's calibration set: expert observations of the built-in Reach task (robots/calibration_set.py).
+DEFAULT_OBSERVATIONS = Path(__file__).resolve().parent.parent / "assets" / "calibration" / "reach.safetensors"
+MAX_OBSERVATIONS = 1024
+
+
+class CalibrationError(ValueError):
+    """Observations that cannot calibrate this checkpoint; the message names the file and what is wrong."""
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One calibration observation: the embodiment's cameras (uint8 RGB `[H, W, 3]`), state, instruction."""
+
+    embodiment: str
+    images: dict[str, np.ndarray]
+    state: np.ndarray | None
+    instruction: str
+
+
+def save_observations(path: Path, observations: Sequence[Observation]) -> None:
+    """Write `observations` (one embodiment, the same cameras and sizes) in the calibration file format."""
+    first = observations[0]
+    tensors = {f"images.{camera}": np.stack([o.images[camera] for o in observations]) for camera in first.images}
+    if first.state is not None:
+        tensors["state"] = np.stack([o.state for o in observations]).astype(np.float32)
+    metadata = {"embodiment": first.embodiment, "instructions": json.dumps([o.instruction for o in observations])}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path), metadata=metadata)
+
+
+def load_observations(path: Path, pipeline: PolicyPipeline, served: bool = True) -> list[Observation]:
+    """The observations of a calibration file, checked against what `pipeline` serves (`served`; else against
+    its embodiment registry)."""
+    try:
+        with safe_open(str(path), framework="np") as file:
+            metadata = file.metadata() or {}
+            tensors = {name: file.get_tensor(name) for name in file.keys()}  # noqa: SIM118 (not a dict)
+    except (OSError, SafetensorError) as error:
+        raise CalibrationError(f"{path}: not a calibration observations file (safetensors): {error}") from error
+    embodiment = metadata.get("embodiment")
+    known = pipeline.served_embodiments if served else pipeline.embodiments.names()
+    if embodiment not in known:
+        raise CalibrationError(f"{path}: embodiment {embodiment!r}; expected one of {sorted(known)}")
+    try:
+        instructions = json.loads(metadata.get("instructions", "null"))
+    except json.JSONDecodeError as error:
+        raise CalibrationError(f"{path}: metadata instructions: {error}") from error
+    spec = pipeline.embodiments.get(embodiment)
+    cameras = {name: tensors.get(f"images.{name}") for name in spec.cameras}
+    count = len(instructions) if isinstance(instructions, list) else -1
+    if not 1 <= count <= MAX_OBSERVATIONS or not all(isinstance(text, str) and text.strip() for text in instructions):
+        raise CalibrationError(f"{path}: metadata instructions must be a JSON list of 1 to {MAX_OBSERVATIONS} "
+                               "non-empty strings")
+    for name, images in cameras.items():
+        if images is None or images.dtype != np.uint8 or images.ndim != 4 or images.shape[0] != count \
+                or images.shape[-1] != 3:
+            got = "missing" if images is None else f"{images.dtype} {list(images.shape)}"
+            raise CalibrationError(f"{path}: images.{name} is {got}; expected uint8 [{count}, H, W, 3]")
+    state = tensors.get("state")
+    if spec.state_dim and (state is None or state.shape != (count, spec.state_dim)):
+        got = "missing" if state is None else list(state.shape)
+        raise CalibrationError(f"{path}: state is {got}; {embodiment} expects float32 [{count}, {spec.state_dim}]")
+    return [Observation(embodiment, {name: images[i] for name, images in cameras.items()},
+                        state[i].astype(np.float32) if spec.state_dim else None, instructions[i])
+            for i in range(count)]
+
+
+def warmup_observations(pipeline: PolicyPipeline, count: int) -> list[Observation]:
+    """`count` observations per served embodiment for a bounded calibration at warmup: the embedded set's for
+    its embodiment; for the others its frames resized to the embodiment's cameras on the canvas, a zero state
+    and its instructions (synthetic, which the profile's source says)."""
+    height, width = pipeline.config.canvas_hw
+    template = load_observations(DEFAULT_OBSERVATIONS, pipeline, served=False)[:count]
+    observations = []
+    for name in pipeline.served_embodiments:
+        spec = pipeline.embodiments.get(name)
+        if name == template[0].embodiment:
+            observations += template
+            continue
+        size = (width // len(spec.cameras), height)
+        observations += [Observation(name, {c: cv2.resize(next(iter(o.images.values())), size) for c in spec.cameras},
+                                     np.zeros(spec.state_dim, np.float32) if spec.state_dim else None, o.instruction)
+                         for o in template]
+    return observations
+
+
+def configurations(pipeline: PolicyPipeline, settings: EngineSettings, min_steps: int = 2,
+                   residual_orders: Sequence[int] | None = None) -> list[TickConfig]:
+    """The joint space calibrated: sampler steps from the default down to `min_steps`; with guidance, the
+    uncond pass on all guided steps, the first half, or the first only; no cache, or each rung of the
+    planner's ladder (when a tick has steps to skip), at each residual order (default: the configured one)."""
+    default_steps, cfg = pipeline.config.num_steps, pipeline.config.guidance != 1.0
+    orders = tuple(residual_orders or (settings.residual_order,))
+    ladder = cache_ladder(settings.cache_threshold, settings.max_consecutive_cached)
+    configs = []
+    for steps in sorted({max(min_steps, round(default_steps * f)) for f in STEP_FRACTIONS}, reverse=True):
+        for cfg_steps in sorted({steps, math.ceil(steps / 2), 1} if cfg else {0}, reverse=True):
+            configs.append(TickConfig(num_steps=steps, cfg_steps=cfg_steps, threshold=0.0, cap=0,
+                                      residual_order=orders[0]))
+            if settings.diffusion_cache and steps > 2:
+                configs += [TickConfig(num_steps=steps, cfg_steps=cfg_steps, threshold=float(rung.threshold),
+                                       cap=rung.cap, residual_order=order) for rung in ladder for order in orders]
+    return configs
+
+
+def action_rel_l2(actions: np.ndarray, reference: np.ndarray) -> float:
+    """||a - a_ref|| / ||a_ref|| over the whole chunk."""
+    return float(np.linalg.norm(actions - reference) / max(np.linalg.norm(reference), 1e-12))
+
+
+def run_config(pipeline: PolicyPipeline, request: PolicyRequest, config: TickConfig) -> PolicyOutput:
+    """One tick of `request` at `config`, without a deadline."""
+    window = pipeline.guided_steps(config.num_steps) if config.cfg_steps else range(0)
+    guided = range(window.start, max(window.start, min(window.stop, config.cfg_steps)))
+    cache = NoCache() if config.threshold == 0 else SeaCache(SeaCacheConfig(
+        threshold=config.threshold, max_consecutive_cached=config.cap, residual_order=config.residual_order))
+    request = PolicyRequest(**{**request.__dict__, "num_steps": config.num_steps})
+    return run_steps(pipeline.steps(request, None, FixedSteps(config.num_steps, guided, cache)),
+                     pipeline.transformer.gen_stack)
+
+
+def call_counts(out: PolicyOutput) -> tuple[int, int, int]:
+    """`(full calls alone, pairs, skipped calls)` of one tick."""
+    alone = pairs = skipped = 0
+    for step in out.steps:
+        if step.batched:
+            pairs += 1
+        else:
+            alone += len(step.full)
+        skipped += len(step.branches) - len(step.full)
+    return alone, pairs, skipped
+
+
+def calibrate(pipeline: PolicyPipeline, observations: Sequence[Observation], configs: Sequence[TickConfig],
+              source: str, progress: Callable[[float], None] | None = None) -> QualityProfile:
+    """The quality profile of `pipeline` on `observations` over `configs` (see the module docstring)."""
+    steps = calibration_steps(pipeline, observations, configs, source, progress)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def calibration_steps(pipeline: PolicyPipeline, observations: Sequence[Observation], configs: Sequence[TickConfig],
+                      source: str, progress: Callable[[float], None] | None = None):
+    """`calibrate` as a generator that yields after each tick it runs (the engine's warmup runs it one tick
+    per worker step) and returns the profile."""
+    started = time.perf_counter()
+    default = TickConfig(num_steps=pipeline.config.num_steps,
+                         cfg_steps=pipeline.config.num_steps if pipeline.config.guidance != 1.0 else 0,
+                         threshold=0.0, cap=0, residual_order=configs[0].residual_order)
+    measured: dict[str, dict[TickConfig, list[tuple[float, int, int, int]]]] = {}
+    for index, observation in enumerate(observations):
+        request = PolicyRequest(images=observation.images, instruction=observation.instruction,
+                                embodiment=observation.embodiment, state=observation.state, seed=index)
+        pipeline.validate(request)
+        reference = run_config(pipeline, request, default).actions
+        yield
+        for config in configs:
+            out = run_config(pipeline, request, config)
+            runs = measured.setdefault(observation.embodiment, {}).setdefault(config, [])
+            runs.append((action_rel_l2(out.actions, reference), *call_counts(out)))
+            yield
+        if progress is not None:
+            progress((index + 1) / len(observations))
+    embodiments = {}
+    for embodiment, by_config in measured.items():
+        points = []
+        for config, runs in by_config.items():
+            errors, alone, pairs, skipped = (np.array(column, dtype=float) for column in zip(*runs, strict=True))
+            points.append(ProfilePoint(config=config, error=float(errors.mean()),
+                                       error_p90=float(np.percentile(errors, 90)), full_calls=float(alone.mean()),
+                                       pairs=float(pairs.mean()), skipped_calls=float(skipped.mean())))
+        embodiments[embodiment] = tuple(points)
+    return QualityProfile(digest=pipeline.digest, default=default, embodiments=embodiments,
+                          calibration=Calibration(observations=len(observations), source=source,
+                                                  seconds=time.perf_counter() - started))
+
+
+def cache_dir() -> Path:
+    """Where profiles of checkpoints that cannot hold their own go: `$POLICY_SERVER_CACHE`, else
+    `$XDG_CACHE_HOME/policy-server` (default `~/.cache/policy-server`)."""
+    if "POLICY_SERVER_CACHE" in os.environ:
+        return Path(os.environ["POLICY_SERVER_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "policy-server"
+
+
+def profile_locations(checkpoint: Path | None, digest: str) -> list[Path]:
+    """Where the profile of these weights is looked for, in order: beside the checkpoint, then the cache."""
+    cached = cache_dir() / "profiles" / f"{digest.removeprefix('sha256:')}.json"
+    return ([checkpoint / PROFILE_FILE] if checkpoint is not None else []) + [cached]
+
+
+def resolve_profile(setting: str, checkpoint: Path | None, digest: str) -> tuple[QualityProfile | None, bool]:
+    """`(profile, calibrate at warmup)` for the server's `quality_profile` setting: "off", "auto" (the first
+    of `profile_locations` that exists; none: calibrate at warmup) or a profile file. `ProfileError` when the
+    profile found cannot be used."""
+    if setting == "off":
+        return None, False
+    if setting != "auto":
+        return QualityProfile.load(Path(setting), digest), False
+    found = next((path for path in profile_locations(checkpoint, digest) if path.is_file()), None)
+    return (QualityProfile.load(found, digest), False) if found is not None else (None, True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`policy-server calibrate`: measure a checkpoint's quality profile and write it where the server finds it."""
+    import argparse
+
+    import torch
+
+    from policy_server.config import DTYPES
+    from policy_server.engine.engine import resolve_device, resolve_dtype
+    from policy_server.pipeline.policy import CheckpointLoadError
+
+    parser = argparse.ArgumentParser(prog="policy-server calibrate", description=main.__doc__)
+    parser.add_argument("--checkpoint", type=Path, help="checkpoint folder (default: the embedded model)")
+    parser.add_argument("--observations", type=Path, default=DEFAULT_OBSERVATIONS,
+                        help="calibration observations, safetensors (default: the embedded simulator's set; see "
+                             "docs/ARCHITECTURE.md for the format)")
+    parser.add_argument("--out", type=Path,
+                        help="profile file (default: quality_profile.json beside --checkpoint, else the cache "
+                             "directory, where `--quality-profile auto` looks)")
+    parser.add_argument("--max-observations", type=int, default=MAX_OBSERVATIONS, help="use at most this many")
+    parser.add_argument("--min-steps", type=int, default=2, help="fewest sampler steps tried (2)")
+    parser.add_argument("--residual-orders", default=None,
+                        help="SeaCache residual orders tried, comma-separated (default: the server's, 1)")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (auto)")
+    parser.add_argument("--dtype", default="auto", choices=DTYPES, help="weight dtype (auto)")
+    args = parser.parse_args(argv)
+    device = resolve_device(args.device)
+    if device == "cpu":
+        torch.set_num_threads(1)  # as the server runs it: the profile's costs and errors are the server's
+    try:
+        pipeline = PolicyPipeline.from_pretrained(args.checkpoint, device=device,
+                                                  dtype=resolve_dtype(args.dtype, device))
+        observations = load_observations(args.observations, pipeline)[: max(args.max_observations, 1)]
+        orders = [int(o) for o in args.residual_orders.split(",")] if args.residual_orders else None
+    except (CheckpointLoadError, CalibrationError, ValueError) as error:
+        print(f"policy-server calibrate: {error}", file=sys.stderr)
+        return 2
+    configs = configurations(pipeline, EngineSettings(), args.min_steps, orders)
+    print(f"calibrating {len(configs)} configurations on {len(observations)} observations", flush=True)
+    profile = calibrate(pipeline, observations, configs, source=str(args.observations),
+                        progress=lambda done: print(f"  {done:.0%}", flush=True))
+    out = args.out
+    if out is None:
+        beside = args.checkpoint is not None and os.access(args.checkpoint, os.W_OK)
+        out = profile_locations(args.checkpoint if beside else None, pipeline.digest)[0]
+    profile.save(out)
+    for embodiment, points in profile.embodiments.items():
+        print(f"{embodiment}: {len(frontier(points))} configurations on the frontier of {len(points)}")
+    print(f"wrote {out} ({profile.calibration.seconds:.0f} s)")
+    return 0

@@ -1,0 +1,55 @@
+"""The embedded model's calibration set: expert observations of the Reach task, in the calibration format.
+
+    python -m robots.calibration_set [--count 16] [--out policy_server/assets/calibration/reach.safetensors]
+
+Observations come every `--stride` control steps along expert episodes on seeds of their own (neither the
+demonstrations' nor the bench's held-out ones), so the set spans the start, the approach and the arrival.
+`policy-server calibrate` uses the file by default (`policy_server.engine.calibration.DEFAULT_OBSERVATIONS`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import gymnasium
+
+import robots.envs  # noqa: F401  (registers the environments)
+from policy_server.engine.calibration import DEFAULT_OBSERVATIONS, Observation, save_observations
+from robots.envs.reach import EMBODIMENT, HELDOUT_SEED_OFFSET
+from robots.expert import ReachExpert
+
+CALIBRATION_SEED_OFFSET = HELDOUT_SEED_OFFSET + 500_000
+
+
+def collect(count: int, stride: int) -> list[Observation]:
+    env = gymnasium.make("PolicyServer/Reach-v0")
+    expert = ReachExpert()
+    observations: list[Observation] = []
+    episode = 0
+    while len(observations) < count:
+        obs, _ = env.reset(seed=CALIBRATION_SEED_OFFSET + episode)
+        step, done = 0, False
+        while not done and len(observations) < count:
+            if step % stride == 0:
+                observations.append(Observation(EMBODIMENT, {"image": obs["image"]}, obs["state"], obs["instruction"]))
+            obs, _, terminated, truncated, _ = env.step(expert(env))
+            step, done = step + 1, terminated or truncated
+        episode += 1
+    env.close()
+    return observations
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--count", type=int, default=16, help="observations (16)")
+    parser.add_argument("--stride", type=int, default=4, help="control steps between two observations (4)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OBSERVATIONS)
+    args = parser.parse_args(argv)
+    save_observations(args.out, collect(args.count, args.stride))
+    print(f"wrote {args.count} observations to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,82 @@
+"""Quality profile: the frontier kept, the JSON round trip, and profiles that must not be used."""
+
+import json
+
+import pytest
+
+from policy_server.budget.profile import (
+    Calibration,
+    ProfileError,
+    ProfilePoint,
+    QualityProfile,
+    TickConfig,
+    frontier,
+)
+
+DIGEST = "ab" * 32
+
+
+def _point(steps, error, full, pairs, skipped, threshold=0.0):
+    config = TickConfig(num_steps=steps, cfg_steps=steps, threshold=threshold, cap=2, residual_order=1)
+    return ProfilePoint(config=config, error=error, error_p90=2 * error, full_calls=full, pairs=pairs,
+                        skipped_calls=skipped)
+
+
+def _profile(points, digest=DIGEST):
+    default = TickConfig(num_steps=20, cfg_steps=20, threshold=0.0, cap=0, residual_order=1)
+    return QualityProfile(digest=digest, default=default, embodiments={"pusht": tuple(points)},
+                          calibration=Calibration(observations=4, source="test", seconds=1.5))
+
+
+def test_the_frontier_drops_only_what_another_point_beats_on_every_count():
+    uncached = _point(20, 0.0, 0, 20, 0)
+    cached = _point(20, 0.05, 0, 6, 28, threshold=0.25)
+    fewer = _point(10, 0.08, 0, 10, 0)
+    worse = _point(10, 0.09, 0, 10, 0, threshold=0.1)  # no cheaper than `fewer` in any count, and worse
+    fewer_skips = _point(8, 0.30, 0, 8, 0)
+    assert frontier([worse, fewer_skips, cached, uncached, fewer]) == (uncached, cached, fewer, fewer_skips)
+    assert not fewer.dominates(fewer) and fewer.dominates(worse)
+
+
+def test_a_profile_round_trips_through_its_file(tmp_path):
+    profile = _profile([_point(20, 0.0, 0, 20, 0), _point(10, 0.1, 1, 4, 10, threshold=0.5)])
+    path = tmp_path / "profiles" / "quality_profile.json"
+    profile.save(path)
+    assert QualityProfile.load(path, DIGEST) == profile
+    assert profile.embodiments["pusht"][1].config.name == "n10-cfg10-t0.5-c2-o1"
+
+
+def test_a_profile_of_other_weights_is_rejected(tmp_path):
+    path = tmp_path / "quality_profile.json"
+    _profile([_point(20, 0.0, 0, 20, 0)], digest="cd" * 32).save(path)
+    with pytest.raises(ProfileError, match="measured on weights cdcdcdcdcdcd, not these .abababababab.; recalibrate"):
+        QualityProfile.load(path, DIGEST)
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda d: d.update(version=7), "version 7; expected 1"),
+    (lambda d: d["embodiments"]["pusht"][0].update(error=-1.0), r"embodiments\.pusht\.0\.error: Input should be"),
+    (lambda d: d["embodiments"]["pusht"][0]["config"].update(num_steps=0), r"config\.num_steps"),
+    (lambda d: d.update(extra=1), "extra: Extra inputs are not permitted"),
+    (lambda d: d["embodiments"].update(pusht=[]), "embodiments.pusht: no configurations"),
+])
+def test_a_bad_profile_names_what_is_wrong(tmp_path, edit, message):
+    path = tmp_path / "quality_profile.json"
+    data = json.loads(_profile([_point(20, 0.0, 0, 20, 0)]).model_dump_json())
+    edit(data)
+    path.write_text(json.dumps(data))
+    with pytest.raises(ProfileError, match=message):
+        QualityProfile.load(path, DIGEST)
+
+
+def test_an_unreadable_profile_names_its_file(tmp_path):
+    path = tmp_path / "quality_profile.json"
+    path.write_text("{not json")
+    with pytest.raises(ProfileError, match="quality_profile.json: cannot read"):
+        QualityProfile.load(path, DIGEST)
+
+
+def test_points_that_measured_alike_count_once():
+    uncached = _point(10, 0.05, 0, 10, 0)
+    unreached = _point(10, 0.05, 0, 10, 0, threshold=0.1)  # the gate never skipped: the same tick
+    assert frontier([uncached, unreached]) == (uncached,)

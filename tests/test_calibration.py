@@ -1,0 +1,180 @@
+"""Calibration: a quality profile measured on a tiny model, its observations file, the command that writes it,
+and an engine that plans its ticks on it (loaded, or measured at warmup)."""
+
+import json
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from policy_server.budget.profile import PROFILE_FILE, QualityProfile, frontier
+from policy_server.engine import api
+from policy_server.engine.calibration import (
+    DEFAULT_OBSERVATIONS,
+    CalibrationError,
+    Observation,
+    calibrate,
+    configurations,
+    load_observations,
+    main,
+    resolve_profile,
+    save_observations,
+)
+from policy_server.engine.engine import ModelEngine
+from policy_server.engine.served import EngineSettings
+from policy_server.pipeline.policy import PolicyPipeline
+from robots.embedded import build_random_pipeline
+
+STEPS = 6
+
+
+def _short(pipe):
+    """`pipe` at STEPS sampler steps: the configuration space of a quick calibration."""
+    config = pipe.config.model_validate({**pipe.config.model_dump(), "num_steps": STEPS})
+    return PolicyPipeline(pipe.transformer, pipe.vae, pipe.tokenizer, pipe.embodiments, config,
+                          pipe.served_embodiments, pipe.digest)
+
+
+@pytest.fixture(scope="module")
+def pipe(tmp_path_factory):
+    return _short(build_random_pipeline(tmp_path_factory.mktemp("calibration"), seed=4))
+
+
+@pytest.fixture(scope="module")
+def observations(pipe):
+    return load_observations(DEFAULT_OBSERVATIONS, pipe)[:2]
+
+
+@pytest.fixture(scope="module")
+def profile(pipe, observations):
+    return calibrate(pipe, observations, configurations(pipe, EngineSettings()), source="test")
+
+
+def test_the_space_spans_steps_cfg_schedules_and_cache_settings(pipe):
+    configs = configurations(pipe, EngineSettings())
+    assert sorted({c.num_steps for c in configs}) == [2, 3, 4, 6]
+    assert {c.cfg_steps for c in configs if c.num_steps == 6} == {6, 3, 1}
+    assert {(c.threshold, c.cap) for c in configs if c.num_steps == 2} == {(0.0, 0)}  # nothing to skip
+    assert len({(c.threshold, c.cap) for c in configs if c.num_steps == 6}) == 7  # uncached + the ladder
+    assert len(set(configs)) == len(configs)
+    assert {c.residual_order for c in configurations(pipe, EngineSettings(), residual_orders=(1, 2))} == {1, 2}
+    assert not any(c.threshold for c in configurations(pipe, EngineSettings(diffusion_cache=False)))
+
+
+def test_calibration_measures_every_configuration_against_the_uncached_default(pipe, profile):
+    assert profile.digest == pipe.digest and profile.calibration.observations == 2
+    assert [p.config for p in profile.embodiments["pusht"]] == configurations(pipe, EngineSettings())
+    points = frontier(profile.embodiments["pusht"])
+    best = points[0]
+    assert best.config == profile.default and best.error == 0.0 and best.pairs == STEPS  # the reference itself
+    assert not any(p.dominates(q) for p in points for q in points)
+    assert any(p.config.num_steps < STEPS for p in points) and any(p.config.threshold > 0 for p in points)
+    assert all(p.error_p90 >= 0 and p.full_calls + 2 * p.pairs + p.skipped_calls > 0 for p in points)
+
+
+def test_observations_round_trip_and_bad_files_name_what_is_wrong(pipe, observations, tmp_path):
+    path = tmp_path / "obs.safetensors"
+    save_observations(path, observations)
+    again = load_observations(path, pipe)
+    assert [o.instruction for o in again] == [o.instruction for o in observations]
+    assert all(np.array_equal(a.images["image"], b.images["image"]) for a, b in zip(again, observations, strict=True))
+    image = observations[0].images["image"]
+    bad = {"images.image": np.stack([image, image]), "state": np.zeros((2, 2), np.float32)}
+    for tensors, metadata, message in [
+        (bad, {"embodiment": "bridge_orig_lerobot", "instructions": '["a", "b"]'}, "embodiment 'bridge_orig"),
+        (bad, {"embodiment": "pusht", "instructions": '["a"]'}, r"images.image is uint8 \[2, 64, 64, 3\]; expected"),
+        (bad, {"embodiment": "pusht", "instructions": '["a", ""]'}, "non-empty strings"),
+        ({**bad, "state": np.zeros((2, 3), np.float32)}, {"embodiment": "pusht", "instructions": '["a", "b"]'},
+         r"state is \[2, 3\]; pusht expects"),
+    ]:
+        save_file(tensors, str(path), metadata=metadata)
+        with pytest.raises(CalibrationError, match=message):
+            load_observations(path, pipe)
+    path.write_bytes(b"not safetensors")
+    with pytest.raises(CalibrationError, match="not a calibration observations file"):
+        load_observations(path, pipe)
+
+
+def test_the_server_finds_a_profile_beside_the_checkpoint_else_calibrates(pipe, profile, tmp_path, monkeypatch):
+    monkeypatch.setenv("POLICY_SERVER_CACHE", str(tmp_path / "cache"))
+    assert resolve_profile("off", tmp_path, pipe.digest) == (None, False)
+    assert resolve_profile("auto", tmp_path, pipe.digest) == (None, True)
+    profile.save(tmp_path / PROFILE_FILE)
+    assert resolve_profile("auto", tmp_path, pipe.digest) == (profile, False)
+    assert resolve_profile(str(tmp_path / PROFILE_FILE), None, pipe.digest) == (profile, False)
+
+
+def test_the_command_writes_the_profile_beside_the_checkpoint(tmp_path, capsys):
+    folder = tmp_path / "model"
+    pipeline = build_random_pipeline(folder, seed=5)
+    policy = json.loads((folder / "policy.json").read_text())
+    (folder / "policy.json").write_text(json.dumps({**policy, "num_steps": 3}))  # a quick space
+    observations = tmp_path / "obs.safetensors"
+    save_observations(observations, [Observation("pusht", {"image": np.full((64, 64, 3), 90, np.uint8)},
+                                                 np.array([0.3, 0.4], np.float32), "reach the blue circle")])
+    assert main(["--checkpoint", str(folder), "--observations", str(observations), "--device", "cpu"]) == 0
+    written = QualityProfile.load(folder / PROFILE_FILE, pipeline.digest)
+    assert written.calibration.source == str(observations) and written.embodiments["pusht"]
+    assert "wrote" in capsys.readouterr().out
+    assert main(["--checkpoint", str(folder), "--observations", str(tmp_path / "missing")]) == 2
+    assert "not a calibration observations file" in capsys.readouterr().err
+
+
+def _observation(step=0):
+    rng = np.random.default_rng(step)
+    return api.Observation(images={"image": rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)},
+                           state=np.array([0.2, 0.3], np.float32), step_index=step)
+
+
+def test_an_engine_plans_its_ticks_on_the_profile(pipe, profile):
+    engine = ModelEngine(pipe, EngineSettings(warmup_ticks=1, quality_profile=profile, default_budget_ms=10_000.0))
+    engine.start()
+    try:
+        assert engine.wait_ready(timeout_s=300)
+        points = engine.served.frontier("pusht")
+        assert points == frontier(profile.embodiments["pusht"])
+        session = engine.open_session("pusht", "reach the red circle", rate_hz=0)
+        tick = engine.act(session.session_id, 1, _observation()).tick
+        assert tick.setting == points[0].config.name and tick.knobs["expected_error"] == 0.0  # uncached fits
+        engine.close_session(session.session_id)
+
+        session = engine.open_session("pusht", "reach the red circle", rate_hz=0)
+        # What this session's first tick is planned with: its prefill, no preview decode.
+        costs = engine.served.cost_model.costs(engine.sessions.get(session.session_id).cost_key).without("preview")
+        demand = engine.sessions.get(session.session_id).demand  # halfway between the cheapest point and uncached
+        budget = (demand.floor_ms + demand.ceiling_ms) / 2
+        engine.set_budget(session.session_id, budget)
+        tick = engine.act(session.session_id, 1, _observation(1)).tick
+        chosen = next(p for p in points if p.config.name == tick.setting)
+        # The least error whose expected latency fits the time it had (the budget, or the slot admission
+        # reserved when smaller): every better point would not have.
+        planned_in = min(budget, tick.knobs["slot_ms"])
+        assert tick.predicted_ms["total"] == pytest.approx(chosen.predicted_ms(costs))
+        assert chosen.predicted_ms(costs) <= planned_in
+        assert tick.knobs["expected_error"] == chosen.error > 0
+        assert all(p.predicted_ms(costs) > planned_in - 1.0 for p in points if p.error < chosen.error)
+        assert tick.knobs["num_steps"] == chosen.config.num_steps and tick.knobs["cfg_steps"] == chosen.config.cfg_steps
+    finally:
+        engine.close()
+
+
+def test_without_a_profile_the_engine_calibrates_at_warmup(pipe):
+    engine = ModelEngine(pipe, EngineSettings(warmup_ticks=1, calibrate_at_warmup=True))
+    engine.start()
+    try:
+        assert engine.wait_ready(timeout_s=600)
+        measured = engine.served.profile
+        assert measured is not None and measured.calibration.source == "warmup (bounded)"
+        assert measured.digest == pipe.digest and measured.embodiments["pusht"]
+    finally:
+        engine.close()
+
+
+def test_the_server_refuses_a_profile_of_other_weights(profile, tmp_path, capsys):
+    from policy_server import cli
+
+    path = tmp_path / "other.json"
+    profile.save(path)  # measured on the tiny random model, not the embedded one the server loads
+    assert cli.main(["--quality-profile", str(path), "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "not these" in err and "recalibrate with `policy-server calibrate`" in err
