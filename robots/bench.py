@@ -6,18 +6,26 @@ Every configuration sees the same observations (expert trajectories of the built
 held-out seeds) with the same seed, hence the same initial noise, tick by tick and interleaved, so
 machine drift cancels and errors compare like with like:
 
-- `uncached`               the pipeline without caching (the quality reference);
-- `seacache_default`       SeaCache 0.25 / order 1 / cap 2 on every tick, no budget control;
-- `fewer_steps_<n>`        the naive alternative: n < N sampler steps, chosen to fit each budget;
-- `budget_<ms>`            the engine's budget controller (planner + guard + SeaCache) at that budget;
-- `budget_<ms>_frontier`   with `--quality-profile`: the same budget planned on the profile's frontier;
-- `budget_<ms>_slowdown`   the same, with an extra delay per full GEN-stack call from the halfway tick.
+- `uncached`                  the pipeline without caching (the quality reference);
+- `seacache_default`          SeaCache 0.25 / order 1 / cap 2 on every step, no deadline;
+- `budget_<ms>`               the controller: the engine planning each tick on the quality profile's frontier
+                              (`--quality-profile`, else calibrated here on the shipped observations first);
+- `ladder_<ms>`               the engine's ladder planner at that budget (no profile), for comparison;
+- `guarded_<family>_<ms>`     each family's best configuration by the profile's prediction at that budget,
+                              under the same in-tick guard: `fewer_steps` (uncached), `seacache` (the published
+                              default), `fewer_steps_seacache`;
+- `<family>_<ms>`             the same configurations without the guard;
+- `budget_<ms>_slowdown`      the controller at the tightest budget, with an extra delay per full GEN-stack call
+                              from the halfway tick.
 
-With `--closed-loop N` every configuration also drives N held-out Reach episodes (the same seeds for
-all) and the report adds `success_rate`.
+Budgets default to 30% .. 100% of the uncached warmup p50 (six points). The report's `sweep` compares, per
+budget, the controller with the guarded families that hold 1% misses and with the best unguarded
+configuration whose p50 fits, and says whether issue 14's targets hold there. With `--closed-loop N` the
+uncached, SeaCache-default and engine configurations also drive N held-out Reach episodes (the same seeds
+for all) and report `success_rate` (None for the fixed families, which run open loop only).
 
-Latency is the pipeline's end-to-end time for the fixed settings and the engine's (queue included)
-for the budget settings. The JSON layout is `../shared/design/BENCH.md`'s.
+Latency is the pipeline's end-to-end time for the fixed configurations (their text K/V reused, as a
+session's) and the engine's (queue included) for the engines' ones. The JSON layout is `../shared/design/BENCH.md`'s.
 
 The bench lives on the robot side because it drives the built-in task and its expert; `policy-server
 bench` finds it through the `policy_server.commands` entry point. What it measures with, it owns: each
@@ -49,11 +57,20 @@ from tqdm import tqdm
 import robots.envs  # noqa: F401  (registers the environments)
 from policy_server.budget.cost_model import FULL, PAIR, SKIP
 from policy_server.budget.planner import MAX_CACHING
-from policy_server.budget.profile import ProfileError, QualityProfile
+from policy_server.budget.profile import ProfileError, ProfilePoint, QualityProfile
+from policy_server.budget.tick import PREFILL_STAGE, PREVIEW_STAGE
 from policy_server.cache.controller import NoCache
 from policy_server.cache.seacache import SeaCache, SeaCacheConfig
 from policy_server.config import DTYPES, check_dtype
 from policy_server.engine import api
+from policy_server.engine.calibration import (
+    DEFAULT_OBSERVATIONS,
+    action_rel_l2,
+    calibrate,
+    configurations,
+    fixed_control,
+    warmup_observations,
+)
 from policy_server.engine.engine import EngineSettings, ModelEngine, resolve_dtype
 from policy_server.engine.tick import step_calls
 from policy_server.limits import MAX_BUDGET_MS
@@ -72,7 +89,11 @@ class ConfigRun:
 
     name: str
     budget_ms: float | None = None
+    family: str | None = None  # controller, ladder, fewer_steps, seacache, fewer_steps_seacache
+    guarded: bool | None = None
+    point: ProfilePoint | None = None  # a fixed configuration's profile point
     latency_ms: list[float] = field(default_factory=list)
+    expected_error: list[float] = field(default_factory=list)
     full: list[int] = field(default_factory=list)
     skipped: list[int] = field(default_factory=list)
     forced: list[int] = field(default_factory=list)
@@ -83,6 +104,8 @@ class ConfigRun:
 
     def add_tick_record(self, tick: api.TickRecord) -> None:
         self.settings[tick.setting] = self.settings.get(tick.setting, 0) + 1
+        if "expected_error" in tick.knobs:
+            self.expected_error.append(tick.knobs["expected_error"])
         for kind in set(tick.fallback_kinds):
             self.fallbacks[kind] = self.fallbacks.get(kind, 0) + 1
 
@@ -111,16 +134,18 @@ class ConfigRun:
             "latent_psnr_db": _finite_mean(self.psnr_db) if self.psnr_db else None,
             "budget_ms": self.budget_ms,
             "miss_rate": float(np.mean(latency > self.budget_ms)) if self.budget_ms is not None else None,
+            "utilisation": float(np.percentile(latency, 50) / self.budget_ms) if self.budget_ms else None,
+            "family": self.family,
+            "guarded": self.guarded,
         }
+        if self.point is not None:
+            summary.update(point=self.point.config.name, expected_error=self.point.error)
+        elif self.expected_error:
+            summary["expected_error"] = float(np.mean(self.expected_error))
         if self.settings:
             summary["cache_settings"] = dict(sorted(self.settings.items(), key=lambda kv: -kv[1]))
             summary["fallback_ticks"] = dict(sorted(self.fallbacks.items()))
         return summary
-
-
-def action_rel_l2(actions: np.ndarray, reference: np.ndarray) -> float:
-    """||a - a_ref|| / ||a_ref|| over the whole chunk."""
-    return float(np.linalg.norm(actions - reference) / max(np.linalg.norm(reference), 1e-12))
 
 
 def latent_psnr_db(latents: torch.Tensor, reference: torch.Tensor) -> float:
@@ -152,6 +177,94 @@ def collect_observations(count: int, seed: int) -> list[dict]:
         episode += 1
     env.close()
     return observations
+
+
+FAMILIES = ("fewer_steps", "seacache", "fewer_steps_seacache")
+
+
+def _is_published(config) -> bool:
+    return (config.threshold, config.cap, config.residual_order) == (0.25, 2, 1)
+
+
+def family_members(points: tuple[ProfilePoint, ...], steps: int, cfg: bool) -> dict[str, list[ProfilePoint]]:
+    """The profile's points of each fixed family (the uncond pass on every step when `cfg`): fewer steps
+    uncached; the published SeaCache default (0.25, order 1, cap 2) at the default steps; fewer steps with it."""
+    full_cfg = [p for p in points if p.config.cfg_steps == (p.config.num_steps if cfg else 0)]
+    return {
+        "fewer_steps": [p for p in full_cfg if p.config.threshold == 0],
+        "seacache": [p for p in full_cfg if _is_published(p.config) and p.config.num_steps == steps],
+        "fewer_steps_seacache": [p for p in full_cfg if _is_published(p.config) and p.config.num_steps < steps],
+    }
+
+
+def best_fitting(points: list[ProfilePoint], costs, budget_ms: float) -> ProfilePoint:
+    """The least calibrated error whose predicted latency fits `budget_ms`; else the cheapest."""
+    fitting = [p for p in points if p.predicted_ms(costs) <= budget_ms]
+    if fitting:
+        return min(fitting, key=lambda p: p.error)
+    return min(points, key=lambda p: p.predicted_ms(costs))
+
+
+class FixedConfig:
+    """One fixed tick configuration over the served pipeline, its text K/V reused as a session reuses them:
+    under the in-tick guard (`guarded`: planned as a one-point frontier, so the guard paces it and forces
+    skips exactly as it does the controller's ticks, with the controller's costs) or without a deadline."""
+
+    def __init__(self, served, point: ProfilePoint, guarded: bool = False):
+        self.served, self.point, self.guarded = served, point, guarded
+        self.prompt = None
+
+    def __call__(self, request: PolicyRequest, budget_ms: float | None) -> tuple[float, PolicyOutput]:
+        served, pipeline, config = self.served, self.served.pipeline, self.point.config
+        embodiment = served.embodiments[request.embodiment]
+        chunk = embodiment.default_chunk_size
+        started = served.clock()
+        canvas = pipeline.canvas_for(embodiment, request.images)
+        prefill = not served.prompt_fits(self.prompt, request.instruction, embodiment, chunk, canvas)
+        if self.guarded:
+            key = served.cost_key(embodiment.name, chunk, served.instruction_tokens(request.instruction, "bench"))
+            plan = served.budget.plan(key, budget_ms, config.num_steps, served.passes, None, prefill=prefill,
+                                      frontier=(self.point,))
+            cache = SeaCache(SeaCacheConfig(threshold=plan.thresholds, residual_order=config.residual_order,
+                                            max_consecutive_cached=plan.cap), sea_filter=served.sea_filter)
+            control = served.budget.guarded_steps(plan, key, started, cache)
+        else:
+            control = fixed_control(pipeline, config)
+        self.prompt, _ = served.prompt(request.instruction, embodiment, chunk, canvas, self.prompt)
+        out = pipeline.run(PolicyRequest(**{**request.__dict__, "num_steps": config.num_steps}), self.prompt, control)
+        return served.clock() - started, out
+
+
+def sweep(summaries: list[dict], budgets: list[float], uncached_ms: float) -> list[dict]:
+    """Per budget: the controller against the guarded families (those holding 1% misses) and against the
+    unguarded configurations whose p50 fits, and whether issue 14's targets hold there."""
+    rows = []
+    for b in budgets:
+        at = [s for s in summaries if s["budget_ms"] == b and not s["name"].endswith("_slowdown")]
+        controller = next(s for s in at if s["family"] == "controller")
+        guarded = [s for s in at if s["guarded"] and s["family"] in FAMILIES]
+        holding = [s for s in guarded if s["miss_rate"] <= 0.01]
+        unguarded = [s for s in summaries if s["guarded"] is False or s["name"] in ("seacache_default", "uncached")]
+        fitting = [s for s in unguarded if s["p50_ms"] <= b]
+        best_guarded = min(holding, key=lambda s: s["action_rel_l2"], default=None)
+        best_unguarded = min(fitting, key=lambda s: s["action_rel_l2"], default=None)
+        err = controller["action_rel_l2"]
+        rows.append({
+            "budget_ms": b,
+            "fraction": b / uncached_ms,
+            "controller": {k: controller[k] for k in ("name", "action_rel_l2", "miss_rate", "p50_ms", "p99_ms",
+                                                       "utilisation")},
+            "best_guarded": None if best_guarded is None else {k: best_guarded[k] for k in ("name", "action_rel_l2")},
+            "best_unguarded_fitting": None if best_unguarded is None else {
+                k: best_unguarded[k] for k in ("name", "action_rel_l2", "p50_ms")},
+            "targets": {
+                "miss_rate_at_most_1pct": controller["miss_rate"] <= 0.01,
+                "p99_within_budget": controller["p99_ms"] <= b,
+                "beats_guarded_holding_1pct": all(err <= s["action_rel_l2"] for s in holding),
+                "beats_best_unguarded_fitting": best_unguarded is None or err <= best_unguarded["action_rel_l2"],
+            },
+        })
+    return rows
 
 
 class BenchPipeline(PolicyPipeline):
@@ -287,10 +400,21 @@ def run(args: argparse.Namespace) -> dict:
         engine.wait_ready()
         return engine, own
 
-    engine, engine_pipeline = started_engine()
+    if profile is None:  # the shipped Reach set; for another embodiment its frames on that one's cameras
+        calibration_set = [o for o in warmup_observations(pipeline, args.calibration_observations)
+                           if o.embodiment == embodiment.name]
+        source = str(DEFAULT_OBSERVATIONS) + ("" if embodiment.name == "pusht" else " (resized, zero state)")
+        print(f"policy-server bench: no --quality-profile: calibrating on {len(calibration_set)} observations of "
+              f"{source}", file=sys.stderr)
+        profile = calibrate(pipeline, calibration_set, configurations(pipeline, settings), source=source)
+        profile.save(args.out.with_name(args.out.stem + "_profile.json"))
+    points = profile.embodiments.get(embodiment.name)
+    if not points:
+        raise BenchError(f"the quality profile has no configurations for {embodiment.name!r}")
+
+    engine, engine_pipeline = started_engine(profile)
     uncached_warm_ms = engine.info().warmup_profile[0].p50_ms
     budgets = args.budgets_ms or [round(f * uncached_warm_ms, 1) for f in args.budget_fractions]
-    fewer = {b: min(steps, max(1, math.floor(steps * b / uncached_warm_ms))) for b in budgets}
     slow_budget = budgets[0]
     slowdown_ms = args.slowdown_ms
     observations = [model_inputs(obs, embodiment, args.frame_size)
@@ -301,29 +425,34 @@ def run(args: argparse.Namespace) -> dict:
                                        embodiment=embodiment.name, state=first["state"]))
         slowdown_ms = round(0.5 * statistics.median(step.ms for step in probe.steps), 2)
 
-    runs = {"uncached": ConfigRun("uncached"), "seacache_default": ConfigRun("seacache_default")}
-    for b, n in fewer.items():
-        runs.setdefault(f"fewer_steps_{n}", ConfigRun(f"fewer_steps_{n}", budget_ms=b))
+    runs = {"uncached": ConfigRun("uncached"), "seacache_default": ConfigRun("seacache_default", family="seacache")}
+    cfg = pipeline.config.guidance != 1.0
+    fixed = {"seacache_default": FixedConfig(engine.served, family_members(points, steps, cfg)["seacache"][0])}
     sessions = {}  # config name -> (engine, its bench pipeline, session)
     engines = [engine]
+    tokens = engine.served.instruction_tokens(observations[0]["instruction"], "instruction")
+    key = engine.served.cost_key(embodiment.name, embodiment.default_chunk_size, tokens)
     for index, b in enumerate(budgets):
-        name = f"budget_{b:g}"
-        runs[name] = ConfigRun(name, budget_ms=b)
-        owner, own = (engine, engine_pipeline) if index == 0 else started_engine()
-        if owner is not engine:
-            engines.append(owner)
-        sessions[name] = (owner, own, owner.open_session(embodiment.name, "warm up", budget_ms=b, seed=0,
-                                                         rate_hz=0.0))
-        if profile is not None:  # the same budget planned on the quality profile's frontier
-            name = f"budget_{b:g}_frontier"
-            runs[name] = ConfigRun(name, budget_ms=b)
-            owner, own = started_engine(profile)
-            engines.append(owner)
-            sessions[name] = (owner, own, owner.open_session(embodiment.name, "warm up", budget_ms=b, seed=0,
-                                                             rate_hz=0.0))
+        controller, own = (engine, engine_pipeline) if index == 0 else started_engine(profile)
+        ladder, ladder_own = started_engine()
+        engines += [controller, ladder] if index else [ladder]
+        for name, owner, pipe, family in ((f"budget_{b:g}", controller, own, "controller"),
+                                          (f"ladder_{b:g}", ladder, ladder_own, "ladder")):
+            runs[name] = ConfigRun(name, budget_ms=b, family=family, guarded=True)
+            sessions[name] = (owner, pipe, owner.open_session(embodiment.name, "warm up", budget_ms=b, seed=0,
+                                                              rate_hz=0.0))
+        # Each family's best configuration by the profile's prediction at the controller's costs, under its
+        # guard and without it.
+        costs = controller.served.cost_model.costs(key).without(PREFILL_STAGE).without(PREVIEW_STAGE)
+        for family, members in family_members(points, steps, cfg).items():
+            point = best_fitting(members, costs, b)
+            for guarded in (True, False):
+                name = f"{'guarded_' if guarded else ''}{family}_{b:g}"
+                runs[name] = ConfigRun(name, budget_ms=b, family=family, guarded=guarded, point=point)
+                fixed[name] = FixedConfig(controller.served, point, guarded)
     slow_name = f"budget_{slow_budget:g}_slowdown"
-    runs[slow_name] = ConfigRun(slow_name, budget_ms=slow_budget)
-    slow_engine, slow_pipeline = started_engine()
+    runs[slow_name] = ConfigRun(slow_name, budget_ms=slow_budget, family="controller", guarded=True)
+    slow_engine, slow_pipeline = started_engine(profile)
     engines.append(slow_engine)
     sessions[slow_name] = (slow_engine, slow_pipeline, slow_engine.open_session(
         embodiment.name, "warm up", budget_ms=slow_budget, seed=0, rate_hz=0.0))
@@ -343,13 +472,9 @@ def run(args: argparse.Namespace) -> dict:
             run_ = runs[name]
             if name == "uncached":
                 continue
-            if name == "seacache_default":
-                out = pipeline(request, cache=SeaCache(SeaCacheConfig()))
-                run_.add(out.timings_ms["total"], out, reference)
-            elif name.startswith("fewer_steps_"):
-                n = int(name.rsplit("_", 1)[1])
-                out = pipeline(PolicyRequest(**{**request.__dict__, "num_steps": n}), cache=NoCache())
-                run_.add(out.timings_ms["total"], out, reference)
+            if name in fixed:
+                latency_ms, out = fixed[name](request, run_.budget_ms)
+                run_.add(latency_ms, out, reference)
             else:
                 owner, own, session = sessions[name]
                 with slowdown.on(slowed and owner is slow_engine):
@@ -366,18 +491,14 @@ def run(args: argparse.Namespace) -> dict:
             "uncached": _FixedSettingPolicy(pipeline, embodiment.name, NoCache),
             "seacache_default": _FixedSettingPolicy(pipeline, embodiment.name, lambda: SeaCache(SeaCacheConfig())),
         }
-        for n in fewer.values():
-            policies[f"fewer_steps_{n}"] = _FixedSettingPolicy(pipeline, embodiment.name, NoCache, num_steps=n)
-        for b in budgets:
-            policies[f"budget_{b:g}"] = _EnginePolicy(sessions[f"budget_{b:g}"][0], embodiment.name, b)
-            if profile is not None:
-                name = f"budget_{b:g}_frontier"
+        for b in budgets:  # the engines' configurations; the fixed families run open loop only
+            for name in (f"budget_{b:g}", f"ladder_{b:g}"):
                 policies[name] = _EnginePolicy(sessions[name][0], embodiment.name, b)
         policies[slow_name] = _EnginePolicy(slow_engine, embodiment.name, slow_budget, slowdown)
         rates = closed_loop(policies, args.closed_loop, args.execute)
         for summary in summaries:
-            summary["success_rate"] = rates[summary["name"]]
-            summary["episodes"] = args.closed_loop
+            summary["success_rate"] = rates.get(summary["name"])
+            summary["episodes"] = args.closed_loop if summary["name"] in rates else 0
 
     for e in engines:
         e.close()
@@ -399,6 +520,7 @@ def run(args: argparse.Namespace) -> dict:
         "uncached_warmup_p50_ms": uncached_warm_ms,
         "slowdown": {"config": slow_name, "extra_ms_per_full_call": slowdown_ms, "from_tick": args.ticks // 2},
         "configs": summaries,
+        "sweep": sweep(summaries, budgets, uncached_warm_ms),
     }
     return report
 
@@ -567,15 +689,33 @@ def plot(report: dict, out: Path) -> list[Path]:
     fig.savefig(paths[-1], dpi=120)
     plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    fig, ax = plt.subplots(figsize=(8, 5))
+    styles = {"controller": ("k", "-", 2.5), "ladder": ("#888888", "-", 1.2), "fewer_steps": ("#d62728", "-", 1.2),
+              "seacache": ("#1f77b4", "-", 1.2), "fewer_steps_seacache": ("#2ca02c", "-", 1.2)}
+    for family, (color, _, width) in styles.items():
+        for guarded in (True, False):
+            line = sorted((c for c in configs if c["family"] == family and (c["guarded"] is not False) == guarded
+                           and not c["name"].endswith("_slowdown") and c["budget_ms"] is not None),
+                          key=lambda c: c["budget_ms"])
+            if not line:
+                continue
+            label = family + ("" if guarded else " (no guard)")
+            ax.plot([c["p50_ms"] for c in line], [c["action_rel_l2"] for c in line], color=color, lw=width,
+                    ls="-" if guarded else "--", marker="o", ms=4, label=label)
+            missing = [c for c in line if c["miss_rate"] > 0.01]
+            ax.scatter([c["p50_ms"] for c in missing], [c["action_rel_l2"] for c in missing], s=90,
+                       facecolors="none", edgecolors=color)
     for c in configs:
-        ax.scatter(c["p50_ms"], c["action_rel_l2"], s=40)
-        ax.annotate(c["name"], (c["p50_ms"], c["action_rel_l2"]), textcoords="offset points", xytext=(4, 4),
-                    fontsize=8)
+        if c["budget_ms"] is None:
+            ax.scatter(c["p50_ms"], c["action_rel_l2"], marker="s", color="#444444")
+            ax.annotate(c["name"], (c["p50_ms"], c["action_rel_l2"]), textcoords="offset points", xytext=(4, 4),
+                        fontsize=8)
     ax.set_xlabel("p50 tick latency (ms)")
     ax.set_ylabel("action rel. L2 error vs uncached")
-    ax.set_title("action error against latency")
+    ax.set_title("action error against latency, one point per budget (circled: misses > 1%)")
+    ax.set_yscale("symlog", linthresh=0.01)
     ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     paths.append(out.with_name(out.stem + "_error_vs_latency.png"))
     fig.savefig(paths[-1], dpi=120)
@@ -599,8 +739,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=4, help="warmup ticks per engine and cache mode")
     parser.add_argument("--budgets-ms", type=float, nargs="+", default=None,
                         help="per-tick budgets to run, ms (default: --budget-fractions of the uncached latency)")
-    parser.add_argument("--budget-fractions", type=float, nargs="+", default=[0.5, 0.75],
-                        help="budgets as fractions of the uncached warmup p50")
+    parser.add_argument("--budget-fractions", type=float, nargs="+", default=[0.3, 0.4, 0.5, 0.6, 0.75, 1.0],
+                        help="budgets as fractions of the uncached warmup p50 (0.3 .. 1.0, six points)")
     parser.add_argument("--slowdown-ms", type=float, default=None,
                         help="extra ms per full call from the halfway tick (default: half a full call)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
@@ -614,7 +754,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="also run N held-out Reach episodes per config and report success_rate")
     parser.add_argument("--execute", type=int, default=4, help="closed loop: actions executed per chunk")
     parser.add_argument("--quality-profile", type=Path, default=None,
-                        help="also run every budget planned on this profile's frontier (`policy-server calibrate`)")
+                        help="the controller's profile (`policy-server calibrate`; default: calibrate first)")
+    parser.add_argument("--calibration-observations", type=int, default=16,
+                        help="without --quality-profile: observations of the shipped set to calibrate on (16)")
     args = parser.parse_args(argv)
     try:
         check_dtype(args.dtype)
@@ -624,8 +766,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--ticks and --warmup must be at least 2")
     if args.closed_loop < 0 or args.execute < 1:
         parser.error("--closed-loop must be >= 0 and --execute >= 1")
-    if not all(0 < f < 1 for f in args.budget_fractions):
-        parser.error("--budget-fractions must lie in (0, 1): budgets below the uncached latency")
+    if not all(0 < f <= 1 for f in args.budget_fractions):
+        parser.error("--budget-fractions must lie in (0, 1]: budgets up to the uncached latency")
     if args.budgets_ms is not None and not all(0 < b <= MAX_BUDGET_MS for b in args.budgets_ms):
         parser.error(f"--budgets-ms must lie in (0, {MAX_BUDGET_MS:g}]")
     return args

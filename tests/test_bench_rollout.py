@@ -21,6 +21,7 @@ def test_bench_writes_the_documented_report(model_dir, tmp_path):
     out = tmp_path / "bench.json"
     assert bench_main(["--checkpoint", str(model_dir), "--ticks", "4", "--warmup", "2", "--out", str(out),
                        "--forward-repeats", "2", "--closed-loop", "1", "--profile-ticks", "1",
+                       "--calibration-observations", "1",
                        "--budget-fractions", "0.8", "0.9"]) == 0  # above the floor however loaded CI is
     report = json.loads(out.read_text())
     assert report["schema"] == 1
@@ -36,6 +37,8 @@ def test_bench_writes_the_documented_report(model_dir, tmp_path):
     assert profile["matmul_ms"] > 0 and profile["attention_ms"] > 0 and profile["ops_per_tick"] > 0
     assert profile["ticks"] == 1 and profile["wall_vs_arithmetic"] > 0
     assert profile["full_call_ms"] > profile["skipped_call_ms"] > 0  # a skip runs no GEN stack
+    assert profile["batched_cfg_call_ms"] > profile["full_call_ms"]  # two calls as one batch
+    assert profile["wall_branches_one_by_one_ms"] > 0
     names = [c["name"] for c in report["configs"]]
     assert names[:2] == ["uncached", "seacache_default"]
     assert any(n.startswith("fewer_steps_") for n in names)
@@ -46,6 +49,20 @@ def test_bench_writes_the_documented_report(model_dir, tmp_path):
         assert keys <= set(config)
     uncached = report["configs"][0]
     assert uncached["action_rel_l2"] == 0.0 and uncached["skipped_calls"] == 0
+    by_name = {c["name"]: c for c in report["configs"]}
+    budgets = sorted({c["budget_ms"] for c in report["configs"] if c["family"] == "controller"})
+    for b in budgets:  # at every budget: the controller, the ladder, each family guarded and not
+        families = {(by_name[n]["family"], by_name[n]["guarded"]) for n in by_name if by_name[n]["budget_ms"] == b}
+        assert {("controller", True), ("ladder", True)} <= families
+        assert {(f, g) for f in ("fewer_steps", "seacache", "fewer_steps_seacache") for g in (True, False)} <= families
+        assert by_name[f"budget_{b:g}"]["utilisation"] == by_name[f"budget_{b:g}"]["p50_ms"] / b
+        assert by_name[f"guarded_fewer_steps_{b:g}"]["point"].startswith("n")
+    assert by_name[f"budget_{budgets[0]:g}"]["success_rate"] is not None
+    assert by_name[f"guarded_seacache_{budgets[0]:g}"]["success_rate"] is None  # open loop only
+    assert [row["budget_ms"] for row in report["sweep"]] == budgets
+    assert set(report["sweep"][0]["targets"]) == {"miss_rate_at_most_1pct", "p99_within_budget",
+                                                  "beats_guarded_holding_1pct", "beats_best_unguarded_fitting"}
+    assert (tmp_path / "bench_profile.json").is_file()  # calibrated here: no --quality-profile
     assert (tmp_path / "bench_latency.png").stat().st_size > 0
     assert (tmp_path / "bench_error_vs_latency.png").stat().st_size > 0
 
@@ -60,7 +77,7 @@ def test_bench_on_a_diffusers_folder_reports_its_shapes(tmp_path):
         {"embodiments": [{"name": "bridge_orig_lerobot", "default_chunk_size": 8, "max_chunk_size": 8}]}))
     out = tmp_path / "bench.json"
     assert bench_main(["--checkpoint", str(folder), "--frame-size", "240x320", "--ticks", "2", "--warmup", "2",
-                       "--out", str(out), "--no-reference", "--profile-ticks", "0",
+                       "--out", str(out), "--no-reference", "--profile-ticks", "0", "--calibration-observations", "1",
                        "--budgets-ms", "20000", "30000"]) == 0
     report = json.loads(out.read_text())
     assert [c["budget_ms"] for c in report["configs"] if c["name"].startswith("budget_")] == [20000, 30000, 20000]

@@ -312,3 +312,15 @@ def test_guidance_interval_limits_the_guarded_ticks_uncond_pass():
     assert rec.sequence("cond") == "F" * 10 and rec.sequence("uncond") == "FFF"
     assert sum(stages.values()) == pytest.approx(ENCODE_MS + 3 * COSTS.pair_ms + 7 * COSTS.full_ms + DECODE_MS)
     assert steps.fallbacks == ()
+
+
+def test_one_stalled_step_does_not_make_the_rest_of_the_tick_look_slow():
+    """A 20 ms stall before step 3 makes step 2's sample 36 ms; the estimate follows the median of the last three
+    steps, so the remaining steps keep their full calls and the tick still ends inside its 200 ms."""
+    clock = FakeClock()
+    budget = warm_budget(clock)
+    plan = budget.plan(KEY, 200.0, 10, 2, None, prefill=False)
+    assert plan.setting == "none"  # uncached: 10 + 10 * 16 = 170 ms
+    record, stages, steps, _ = run_tick(clock, budget, plan, stall_ms=lambda step: 20.0 if step == 3 else 0.0)
+    assert record.forced_skips == 0 and record.full_calls == 20 and steps.fallbacks == ()
+    assert sum(stages.values()) == pytest.approx(190.0)

@@ -16,8 +16,9 @@ listed in ``late_fallbacks``.
 The guard also times every step (from one ``pace`` to the next, so the embedding, heads, CFG combine and
 sampler update around the stacks count), and ``on_call`` tells it what the step's calls were. So the cost
 model learns c_full, c_pair and c_skip from real ticks (``step_samples``), and a slowdown seen earlier in the
-same tick raises the estimates for the rest of it (c_full and c_pair: the slowest so far; c_skip: the median
-skipped call). The last step is not timed: nothing follows it inside the loop.
+same tick raises the estimates for the rest of it (c_full and c_pair: the median of their last three
+samples; c_skip: the median skipped call; never below the cost model's). The last step is not timed:
+nothing follows it inside the loop.
 """
 
 from __future__ import annotations
@@ -66,9 +67,10 @@ class DeadlineGuard:
         self._plan = plan
         self._deadline_at = float(deadline_at_ms)
         self._reserve_after = float(reserve_after_ms)
-        self._full_ms = cautious.full_ms
-        self._pair_ms = cautious.pair_ms
+        self._prior = {FULL: cautious.full_ms, PAIR: cautious.pair_ms}
+        self._full_ms, self._pair_ms = cautious.full_ms, cautious.pair_ms
         self._skip_ms = self._prior_skip_ms = cautious.skip_ms
+        self._samples: dict[str, list[float]] = {FULL: [], PAIR: []}
         self._skip_samples: list[float] = []
         self._step_mark = clock()  # when the current step began
         self._step_calls: list[_Decision] = []  # its decided calls, in order
@@ -161,10 +163,16 @@ class DeadlineGuard:
         samples = step_samples(runs, len(calls) - runs, batched, ms, self._skip_ms)
         self._steps.append(StepTiming(calls[0].step, tuple(samples)))
         for kind, sample in samples:
-            if kind == FULL:
-                self._full_ms = max(self._full_ms, sample)
-            elif kind == PAIR:
-                self._pair_ms = max(self._pair_ms, sample)
+            if kind in self._samples:
+                # A lasting slowdown shows in the last few steps; one slow step (a stall) does not make every
+                # later step look as slow, which would cut the rest of the tick for nothing.
+                recent = self._samples[kind]
+                recent.append(sample)
+                estimate = max(self._prior[kind], statistics.median(recent[-3:]))
+                if kind == FULL:
+                    self._full_ms = estimate
+                else:
+                    self._pair_ms = estimate
             else:
                 # Skipped calls are many and short: one stall must not make every later one look slow (that
                 # would end the tick early for nothing), so the estimate follows their median once there are

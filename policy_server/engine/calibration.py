@@ -154,15 +154,19 @@ def action_rel_l2(actions: np.ndarray, reference: np.ndarray) -> float:
     return float(np.linalg.norm(actions - reference) / max(np.linalg.norm(reference), 1e-12))
 
 
-def run_config(pipeline: PolicyPipeline, request: PolicyRequest, config: TickConfig) -> PolicyOutput:
-    """One tick of `request` at `config`, without a deadline."""
+def fixed_control(pipeline: PolicyPipeline, config: TickConfig) -> FixedSteps:
+    """The step control of a tick at `config` without a deadline."""
     window = pipeline.guided_steps(config.num_steps) if config.cfg_steps else range(0)
     guided = range(window.start, max(window.start, min(window.stop, config.cfg_steps)))
     cache = NoCache() if config.threshold == 0 else SeaCache(SeaCacheConfig(
         threshold=config.threshold, max_consecutive_cached=config.cap, residual_order=config.residual_order))
+    return FixedSteps(config.num_steps, guided, cache)
+
+
+def run_config(pipeline: PolicyPipeline, request: PolicyRequest, config: TickConfig) -> PolicyOutput:
+    """One tick of `request` at `config`, without a deadline."""
     request = PolicyRequest(**{**request.__dict__, "num_steps": config.num_steps})
-    return run_steps(pipeline.steps(request, None, FixedSteps(config.num_steps, guided, cache)),
-                     pipeline.transformer.gen_stack)
+    return run_steps(pipeline.steps(request, None, fixed_control(pipeline, config)), pipeline.transformer.gen_stack)
 
 
 def call_counts(out: PolicyOutput) -> tuple[int, int, int]:
