@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", help="weight dtype: auto, bf16, fp16 or fp32 (auto: bf16 on CUDA, fp32 on CPU)")
     g.add_argument("--quality-profile",
                    help="plan ticks on a quality profile (`policy-server calibrate`): off, auto (beside the "
-                        "checkpoint, else the cache directory, else a bounded calibration at warmup) or a file (off)")
+                        "checkpoint, else the cache directory, else a bounded calibration at warmup) or a file (auto)")
 
     g = p.add_argument_group("diffusion step cache (SeaCache)")
     g.add_argument(

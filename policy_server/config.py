@@ -38,7 +38,7 @@ class ServerConfig(BaseModel):
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
     dtype: str = Field("auto", description="weight dtype: auto (bf16 on CUDA, fp32 on CPU), bf16, fp16 or fp32")
     quality_profile: str = Field(
-        "off", min_length=1,
+        "auto", min_length=1,
         description="off, auto (beside the checkpoint, else the cache directory, else calibrate at warmup) or a file")
 
     # Diffusion step cache (SeaCache)

@@ -198,11 +198,12 @@ def family_members(points: tuple[ProfilePoint, ...], steps: int, cfg: bool) -> d
 
 
 def best_fitting(points: list[ProfilePoint], costs, budget_ms: float) -> ProfilePoint:
-    """The least calibrated error whose predicted latency fits `budget_ms`; else the cheapest."""
-    fitting = [p for p in points if p.predicted_ms(costs) <= budget_ms]
+    """The least calibrated error whose latency fits `budget_ms` by the controller's rule (`plan_on_frontier`);
+    else the cheapest."""
+    fitting = [p for p in points if p.predicted_p90_ms(costs) <= budget_ms]
     if fitting:
         return min(fitting, key=lambda p: p.error)
-    return min(points, key=lambda p: p.predicted_ms(costs))
+    return min(points, key=lambda p: p.predicted_p90_ms(costs))
 
 
 class FixedConfig:
@@ -444,6 +445,7 @@ def run(args: argparse.Namespace) -> dict:
         # Each family's best configuration by the profile's prediction at the controller's costs, under its
         # guard and without it.
         costs = controller.served.cost_model.costs(key).without(PREFILL_STAGE).without(PREVIEW_STAGE)
+        costs = costs.cautious(controller.served.budget.config.cost_margin_devs)
         for family, members in family_members(points, steps, cfg).items():
             point = best_fitting(members, costs, b)
             for guarded in (True, False):

@@ -233,11 +233,12 @@ def test_batched_cfg_pairs_count_in_what_fits():
 
 
 # A synthetic frontier at PAIRED costs (10 ms fixed; full 10, pair 12, skip 1 ms).
-def _point(steps, cfg, threshold, error, full, pairs, skipped):
+def _point(steps, cfg, threshold, error, full, pairs, skipped, pairs_p90=None):
+    """A point whose call counts do not vary over the calibration set, unless `pairs_p90` says otherwise."""
     config = TickConfig(num_steps=steps, cfg_steps=cfg, threshold=threshold, cap=2 if threshold else 0,
                         residual_order=1)
     return ProfilePoint(config=config, error=error, error_p90=error, full_calls=full, pairs=pairs,
-                        skipped_calls=skipped)
+                        skipped_calls=skipped, full_calls_p90=full, pairs_p90=pairs if pairs_p90 is None else pairs_p90)
 
 
 FRONTIER = (
@@ -260,6 +261,16 @@ def test_the_frontier_planner_picks_the_least_error_that_fits(deadline, chosen):
     assert plan.num_steps == point.config.num_steps and plan.cfg_steps == point.config.cfg_steps
     assert plan.uncond_steps == range(point.config.cfg_steps) and plan.best_achievable_ms == pytest.approx(44.0)
     assert plan.thresholds == (point.config.threshold,) * plan.num_steps and plan.residual_order == 1
+
+
+def test_a_point_that_fits_only_on_average_is_not_chosen():
+    # 10 + 4 * 12 + 12 = 70 ms on average, but 10 + 6 * 12 + 8 = 90 ms on one observation in ten.
+    varied = _point(10, 10, 0.25, 0.03, 0, 4, 12, pairs_p90=6)
+    assert varied.predicted_ms(PAIRED) == pytest.approx(70.0) and varied.predicted_p90_ms(PAIRED) == pytest.approx(90.0)
+    frontier = (FRONTIER[0], varied, *FRONTIER[2:])
+    assert plan_on_frontier(80.0, frontier, PAIRED).setting == FRONTIER[3].config.name  # nor does 82 ms
+    assert plan_on_frontier(85.0, frontier, PAIRED).setting == FRONTIER[2].config.name
+    assert plan_on_frontier(90.0, frontier, PAIRED).setting == varied.config.name
 
 
 def test_the_frontier_planner_falls_back_to_the_cheapest_point():

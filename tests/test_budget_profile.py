@@ -19,7 +19,7 @@ DIGEST = "ab" * 32
 def _point(steps, error, full, pairs, skipped, threshold=0.0):
     config = TickConfig(num_steps=steps, cfg_steps=steps, threshold=threshold, cap=2, residual_order=1)
     return ProfilePoint(config=config, error=error, error_p90=2 * error, full_calls=full, pairs=pairs,
-                        skipped_calls=skipped)
+                        skipped_calls=skipped, full_calls_p90=full, pairs_p90=pairs)
 
 
 def _profile(points, digest=DIGEST):
@@ -54,7 +54,7 @@ def test_a_profile_of_other_weights_is_rejected(tmp_path):
 
 
 @pytest.mark.parametrize(("edit", "message"), [
-    (lambda d: d.update(version=7), "version 7; expected 1"),
+    (lambda d: d.update(version=7), "version 7; expected 2"),
     (lambda d: d["embodiments"]["pusht"][0].update(error=-1.0), r"embodiments\.pusht\.0\.error: Input should be"),
     (lambda d: d["embodiments"]["pusht"][0]["config"].update(num_steps=0), r"config\.num_steps"),
     (lambda d: d.update(extra=1), "extra: Extra inputs are not permitted"),

@@ -150,10 +150,10 @@ def test_an_engine_plans_its_ticks_on_the_profile(pipe, profile):
         # The least error whose expected latency fits the time it had (the budget, or the slot admission
         # reserved when smaller): every better point would not have.
         planned_in = min(budget, tick.knobs["slot_ms"])
-        assert tick.predicted_ms["total"] == pytest.approx(chosen.predicted_ms(costs))
-        assert chosen.predicted_ms(costs) <= planned_in
+        assert tick.predicted_ms["total"] == pytest.approx(chosen.predicted_p90_ms(costs))
+        assert chosen.predicted_p90_ms(costs) <= planned_in
         assert tick.knobs["expected_error"] == chosen.error > 0
-        assert all(p.predicted_ms(costs) > planned_in - 1.0 for p in points if p.error < chosen.error)
+        assert all(p.predicted_p90_ms(costs) > planned_in - 1.0 for p in points if p.error < chosen.error)
         assert tick.knobs["num_steps"] == chosen.config.num_steps and tick.knobs["cfg_steps"] == chosen.config.cfg_steps
     finally:
         engine.close()

@@ -374,12 +374,13 @@ def plan_on_frontier(
     costs: CallCosts,
     guided: Callable[[int], range] = range,
 ) -> TickPlan:
-    """The point of a quality profile's frontier with the least expected error whose expected latency fits
-    ``deadline_ms``: steps, CFG schedule and cache setting chosen together. It plans on the expected (median)
-    costs and leaves the tail to the in-tick guard, so the budget is used rather than left idle. When no point
-    fits, the cheapest one, marked ``fits=False`` (fallback ``no_point_fits``): the guard then gives up what it
-    must. ``guided``: as for ``plan_tick``."""
-    predicted = [point.predicted_ms(costs) for point in points]
+    """The point of a quality profile's frontier with the least expected error whose latency fits
+    ``deadline_ms`` as often as the gate refreshes on 90% of the calibration set (``predicted_p90_ms``):
+    steps, CFG schedule and cache setting chosen together. A point that fits only on average would have the
+    guard cut it on the other ticks, which costs more error than the next point would. When no point fits,
+    the cheapest one, marked ``fits=False`` (fallback ``no_point_fits``): the guard then gives up what it
+    must. ``costs``: those the guard holds the tick to; ``guided``: as for ``plan_tick``."""
+    predicted = [point.predicted_p90_ms(costs) for point in points]
     cheapest = min(range(len(points)), key=predicted.__getitem__)
     fitting = [i for i in range(len(points)) if predicted[i] <= deadline_ms]
     chosen = min(fitting, key=lambda i: (points[i].error, predicted[i])) if fitting else cheapest

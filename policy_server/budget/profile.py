@@ -4,8 +4,9 @@ A configuration (`TickConfig`) sets every lever a tick has: sampler steps, the C
 pass on the guided steps before `cfg_steps`) and the SeaCache setting (threshold, cap, residual order).
 Calibration (`policy-server calibrate`, `engine/calibration.py`) runs a set of observations through many
 of them and keeps, per served embodiment, each configuration's mean action error against the uncached
-default (rel-L2) and its mean calls: full calls alone, steps whose two branches ran full as one batch
-(pairs), skipped calls. A tick's latency is linear in those counts with positive per-call costs, so a
+default (rel-L2) and its calls: full calls alone, steps whose two branches ran full as one batch (pairs),
+skipped calls (means, and the 90th percentiles of the full ones: the gate refreshes more on some
+observations than on others). A tick's latency is linear in those counts with positive per-call costs, so a
 configuration no better in error and no cheaper in any count than another can never be the better pick on
 any machine: the planner chooses among the others only (`frontier`). The profile keeps every point measured
 (the bench compares fixed configurations with the planner's choice).
@@ -23,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .cost_model import CallCosts
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
 PROFILE_FILE = "quality_profile.json"  # beside a checkpoint
 
 
@@ -60,16 +61,31 @@ class ProfilePoint(BaseModel):
     full_calls: float = Field(ge=0.0)  # full calls that ran alone
     pairs: float = Field(ge=0.0)  # steps whose cond and uncond ran full as one batch
     skipped_calls: float = Field(ge=0.0)
+    full_calls_p90: float = Field(ge=0.0)
+    pairs_p90: float = Field(ge=0.0)
+
+    @property
+    def calls(self) -> float:
+        """Calls per tick: fixed by the configuration (each pair is two)."""
+        return self.full_calls + 2 * self.pairs + self.skipped_calls
 
     def predicted_ms(self, costs: CallCosts) -> float:
         """The tick's expected latency at `costs` (fixed stages included)."""
         return (costs.fixed_total_ms + self.full_calls * costs.full_ms + self.pairs * costs.pair_ms
                 + self.skipped_calls * costs.skip_ms)
 
+    def predicted_p90_ms(self, costs: CallCosts) -> float:
+        """The latency at `costs` of a tick whose gate refreshes as often as on 90% of the calibration set."""
+        skipped = max(self.calls - self.full_calls_p90 - 2 * self.pairs_p90, 0.0)
+        return (costs.fixed_total_ms + self.full_calls_p90 * costs.full_ms + self.pairs_p90 * costs.pair_ms
+                + skipped * costs.skip_ms)
+
+    def _ranked(self) -> tuple[float, ...]:
+        return (self.error, self.full_calls, self.pairs, self.skipped_calls, self.full_calls_p90, self.pairs_p90)
+
     def dominates(self, other: ProfilePoint) -> bool:
         """No worse in error and in every call count, and better in one of them."""
-        mine = (self.error, self.full_calls, self.pairs, self.skipped_calls)
-        theirs = (other.error, other.full_calls, other.pairs, other.skipped_calls)
+        mine, theirs = self._ranked(), other._ranked()
         return all(a <= b for a, b in zip(mine, theirs, strict=True)) and mine != theirs
 
 
@@ -128,7 +144,7 @@ def frontier(points: Sequence[ProfilePoint]) -> tuple[ProfilePoint, ...]:
     gate never reached runs as uncached), the first one given stays."""
     alike: dict[tuple[float, ...], ProfilePoint] = {}
     for point in points:
-        alike.setdefault((point.error, point.full_calls, point.pairs, point.skipped_calls), point)
+        alike.setdefault(point._ranked(), point)
     kept = [p for p in alike.values() if not any(q.dominates(p) for q in alike.values())]
     return tuple(sorted(kept, key=lambda p: (p.error, p.predicted_ms(_UNIT_COSTS))))
 

@@ -40,7 +40,14 @@ from policy_server.budget.profile import (
 from policy_server.cache.controller import NoCache
 from policy_server.cache.seacache import SeaCache, SeaCacheConfig
 from policy_server.engine.served import EngineSettings, cache_ladder
-from policy_server.pipeline.policy import FixedSteps, PolicyOutput, PolicyPipeline, PolicyRequest, run_steps
+from policy_server.pipeline.policy import (
+    FixedSteps,
+    PolicyOutput,
+    PolicyPipeline,
+    PolicyRequest,
+    default_model_path,
+    run_steps,
+)
 
 # Sampler steps tried, as fractions of the default (then floored at `min_steps`).
 STEP_FRACTIONS = (1.0, 0.75, 0.6, 0.5, 0.4, 0.3, 0.2)
@@ -221,7 +228,9 @@ def calibration_steps(pipeline: PolicyPipeline, observations: Sequence[Observati
             errors, alone, pairs, skipped = (np.array(column, dtype=float) for column in zip(*runs, strict=True))
             points.append(ProfilePoint(config=config, error=float(errors.mean()),
                                        error_p90=float(np.percentile(errors, 90)), full_calls=float(alone.mean()),
-                                       pairs=float(pairs.mean()), skipped_calls=float(skipped.mean())))
+                                       pairs=float(pairs.mean()), skipped_calls=float(skipped.mean()),
+                                       full_calls_p90=float(np.percentile(alone, 90)),
+                                       pairs_p90=float(np.percentile(pairs, 90))))
         embodiments[embodiment] = tuple(points)
     return QualityProfile(digest=pipeline.digest, default=default, embodiments=embodiments,
                           calibration=Calibration(observations=len(observations), source=source,
@@ -237,9 +246,10 @@ def cache_dir() -> Path:
 
 
 def profile_locations(checkpoint: Path | None, digest: str) -> list[Path]:
-    """Where the profile of these weights is looked for, in order: beside the checkpoint, then the cache."""
+    """Where the profile of these weights is looked for, in order: beside the checkpoint (the embedded model's
+    ships in the package), then the cache."""
     cached = cache_dir() / "profiles" / f"{digest.removeprefix('sha256:')}.json"
-    return ([checkpoint / PROFILE_FILE] if checkpoint is not None else []) + [cached]
+    return [(default_model_path() if checkpoint is None else checkpoint) / PROFILE_FILE, cached]
 
 
 def resolve_profile(setting: str, checkpoint: Path | None, digest: str) -> tuple[QualityProfile | None, bool]:
@@ -295,9 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     profile = calibrate(pipeline, observations, configs, source=str(args.observations),
                         progress=lambda done: print(f"  {done:.0%}", flush=True))
     out = args.out
-    if out is None:
+    if out is None:  # beside a checkpoint that can hold it, else in the cache
         beside = args.checkpoint is not None and os.access(args.checkpoint, os.W_OK)
-        out = profile_locations(args.checkpoint if beside else None, pipeline.digest)[0]
+        out = profile_locations(args.checkpoint, pipeline.digest)[0 if beside else 1]
     profile.save(out)
     for embodiment, points in profile.embodiments.items():
         print(f"{embodiment}: {len(frontier(points))} configurations on the frontier of {len(points)}")
