@@ -59,6 +59,11 @@ def test_the_space_spans_steps_cfg_schedules_and_cache_settings(pipe):
     assert len(set(configs)) == len(configs)
     assert {c.residual_order for c in configurations(pipe, EngineSettings(), residual_orders=(1, 2))} == {1, 2}
     assert not any(c.threshold for c in configurations(pipe, EngineSettings(diffusion_cache=False)))
+    coarse = configurations(pipe, EngineSettings(), coarse=True)  # the warmup's bounded grid
+    assert set(coarse) < set(configs) and len(coarse) < len(configs) / 2
+    assert coarse[0] == configs[0]  # the uncached default, the reference, is always measured
+    assert min(c.num_steps for c in coarse) == min(c.num_steps for c in configs)  # the same floor
+    assert (1e6, 0) in {(c.threshold, c.cap) for c in coarse}  # maximal caching
 
 
 def test_calibration_measures_every_configuration_against_the_uncached_default(pipe, profile):

@@ -49,8 +49,11 @@ from policy_server.pipeline.policy import (
     run_steps,
 )
 
-# Sampler steps tried, as fractions of the default (then floored at `min_steps`).
+# Sampler steps tried, as fractions of the default (then floored at `min_steps`); a coarse grid, for the
+# bounded calibration at warmup, tries fewer of them, two CFG schedules and three cache settings.
 STEP_FRACTIONS = (1.0, 0.75, 0.6, 0.5, 0.4, 0.3, 0.2)
+COARSE_STEP_FRACTIONS = (1.0, 0.6, 0.4, 0.2)
+COARSE_RUNGS = (2, 4, 5)  # of the ladder: the published default's, the loosest threshold, maximal caching
 # The embedded model's calibration set: expert observations of the built-in Reach task (robots/calibration_set.py).
 DEFAULT_OBSERVATIONS = Path(__file__).resolve().parent.parent / "assets" / "calibration" / "reach.safetensors"
 MAX_OBSERVATIONS = 1024
@@ -138,16 +141,21 @@ def warmup_observations(pipeline: PolicyPipeline, count: int) -> list[Observatio
 
 
 def configurations(pipeline: PolicyPipeline, settings: EngineSettings, min_steps: int = 2,
-                   residual_orders: Sequence[int] | None = None) -> list[TickConfig]:
+                   residual_orders: Sequence[int] | None = None, coarse: bool = False) -> list[TickConfig]:
     """The joint space calibrated: sampler steps from the default down to `min_steps`; with guidance, the
     uncond pass on all guided steps, the first half, or the first only; no cache, or each rung of the
-    planner's ladder (when a tick has steps to skip), at each residual order (default: the configured one)."""
+    planner's ladder (when a tick has steps to skip), at each residual order (default: the configured one).
+    `coarse`: about a fifth of it (`COARSE_STEP_FRACTIONS`, all or the first guided step, `COARSE_RUNGS`)."""
     default_steps, cfg = pipeline.config.num_steps, pipeline.config.guidance != 1.0
     orders = tuple(residual_orders or (settings.residual_order,))
     ladder = cache_ladder(settings.cache_threshold, settings.max_consecutive_cached)
+    if coarse:
+        ladder = tuple(ladder[i] for i in COARSE_RUNGS)
     configs = []
-    for steps in sorted({max(min_steps, round(default_steps * f)) for f in STEP_FRACTIONS}, reverse=True):
-        for cfg_steps in sorted({steps, math.ceil(steps / 2), 1} if cfg else {0}, reverse=True):
+    fractions = COARSE_STEP_FRACTIONS if coarse else STEP_FRACTIONS
+    for steps in sorted({max(min_steps, round(default_steps * f)) for f in fractions}, reverse=True):
+        schedules = {steps, 1} if coarse else {steps, math.ceil(steps / 2), 1}
+        for cfg_steps in sorted(schedules if cfg else {0}, reverse=True):
             configs.append(TickConfig(num_steps=steps, cfg_steps=cfg_steps, threshold=0.0, cap=0,
                                       residual_order=orders[0]))
             if settings.diffusion_cache and steps > 2:

@@ -77,13 +77,14 @@ class Warmup:
         self.ready.set()
 
     def _calibrate(self):
-        """A bounded quality profile, from `WARMUP_CALIBRATION_OBSERVATIONS` observations per embodiment."""
+        """A bounded quality profile: `WARMUP_CALIBRATION_OBSERVATIONS` observations per embodiment over the
+        coarse grid of configurations."""
         pipeline = self.served.pipeline
         observations = warmup_observations(pipeline, WARMUP_CALIBRATION_OBSERVATIONS)
         logger.warning("no quality profile for weights %s: calibrating on %d observations at warmup (bounded; run "
                        "`policy-server calibrate` for a full one)", pipeline.digest[:19], len(observations))
-        profile = yield from calibration_steps(pipeline, observations, configurations(pipeline, self.served.settings),
-                                               source="warmup (bounded)")
+        configs = configurations(pipeline, self.served.settings, coarse=True)
+        profile = yield from calibration_steps(pipeline, observations, configs, source="warmup (bounded)")
         logger.info("warmup calibration took %.1f s", profile.calibration.seconds)
         return profile
 
