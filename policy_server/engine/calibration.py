@@ -15,6 +15,7 @@ name) and `instructions` (a JSON list of M strings). `save_observations` writes 
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -26,6 +27,7 @@ from pathlib import Path
 
 import cv2
 import numpy as np
+import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
@@ -39,8 +41,10 @@ from policy_server.budget.profile import (
 )
 from policy_server.cache.controller import NoCache
 from policy_server.cache.seacache import SeaCache, SeaCacheConfig
+from policy_server.config import DTYPES
 from policy_server.engine.served import EngineSettings, cache_ladder
 from policy_server.pipeline.policy import (
+    CheckpointLoadError,
     FixedSteps,
     PolicyOutput,
     PolicyPipeline,
@@ -274,13 +278,8 @@ def resolve_profile(setting: str, checkpoint: Path | None, digest: str) -> tuple
 
 def main(argv: list[str] | None = None) -> int:
     """`policy-server calibrate`: measure a checkpoint's quality profile and write it where the server finds it."""
-    import argparse
-
-    import torch
-
-    from policy_server.config import DTYPES
+    # Imported here: engine.engine imports the warmup, which imports this module.
     from policy_server.engine.engine import resolve_device, resolve_dtype
-    from policy_server.pipeline.policy import CheckpointLoadError
 
     parser = argparse.ArgumentParser(prog="policy-server calibrate", description=main.__doc__)
     parser.add_argument("--checkpoint", type=Path, help="checkpoint folder (default: the embedded model)")
