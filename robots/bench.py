@@ -49,7 +49,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import cv2
-import gymnasium
 import numpy as np
 import torch
 from tqdm import tqdm
@@ -77,7 +76,7 @@ from policy_server.limits import MAX_BUDGET_MS
 from policy_server.pipeline.embodiments import Embodiment
 from policy_server.pipeline.policy import CheckpointLoadError, PolicyOutput, PolicyPipeline, PolicyRequest, TickSteps
 from robots.envs.reach import HELDOUT_SEED_OFFSET
-from robots.expert import ReachExpert
+from robots.expert import expert_observations
 from robots.rollout import TickStats, run_episode
 
 SCHEMA = 1
@@ -159,24 +158,6 @@ def latent_psnr_db(latents: torch.Tensor, reference: torch.Tensor) -> float:
 def _finite_mean(values: list[float]) -> float | None:
     finite = [v for v in values if math.isfinite(v)]
     return float(np.mean(finite)) if finite else None  # None: identical to the reference on every tick
-
-
-def collect_observations(count: int, seed: int) -> list[dict]:
-    """Observations along expert trajectories of the Reach task (held-out seeds), `count` in total."""
-    env = gymnasium.make("PolicyServer/Reach-v0")
-    expert = ReachExpert()
-    observations: list[dict] = []
-    episode = 0
-    while len(observations) < count:
-        obs, _ = env.reset(seed=HELDOUT_SEED_OFFSET + seed * 10_000 + episode)
-        done = False
-        while not done and len(observations) < count:
-            observations.append(obs)
-            obs, _, terminated, truncated, _ = env.step(expert(env))
-            done = terminated or truncated
-        episode += 1
-    env.close()
-    return observations
 
 
 FAMILIES = ("fewer_steps", "seacache", "fewer_steps_seacache")
@@ -419,7 +400,7 @@ def run(args: argparse.Namespace) -> dict:
     slow_budget = budgets[0]
     slowdown_ms = args.slowdown_ms
     observations = [model_inputs(obs, embodiment, args.frame_size)
-                    for obs in collect_observations(args.ticks, args.seed)]
+                    for obs in expert_observations(args.ticks, HELDOUT_SEED_OFFSET + args.seed * 10_000)]
     if slowdown_ms is None:  # half an uncached step (embed, the branches' GEN stack as one call, heads)
         first = observations[0]
         probe = pipeline(PolicyRequest(images=first["images"], instruction=first["instruction"],
@@ -766,6 +747,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.exit(2, f"{parser.prog}: --dtype: {error}\n")
     if args.ticks < 2 or args.warmup < 2:
         parser.error("--ticks and --warmup must be at least 2")
+    if args.calibration_observations < 1:
+        parser.error("--calibration-observations must be at least 1")
     if args.closed_loop < 0 or args.execute < 1:
         parser.error("--closed-loop must be >= 0 and --execute >= 1")
     if not all(0 < f <= 1 for f in args.budget_fractions):

@@ -12,32 +12,16 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import gymnasium
-
-import robots.envs  # noqa: F401  (registers the environments)
 from policy_server.engine.calibration import DEFAULT_OBSERVATIONS, Observation, save_observations
 from robots.envs.reach import EMBODIMENT, HELDOUT_SEED_OFFSET
-from robots.expert import ReachExpert
+from robots.expert import expert_observations
 
 CALIBRATION_SEED_OFFSET = HELDOUT_SEED_OFFSET + 500_000
 
 
 def collect(count: int, stride: int) -> list[Observation]:
-    env = gymnasium.make("PolicyServer/Reach-v0")
-    expert = ReachExpert()
-    observations: list[Observation] = []
-    episode = 0
-    while len(observations) < count:
-        obs, _ = env.reset(seed=CALIBRATION_SEED_OFFSET + episode)
-        step, done = 0, False
-        while not done and len(observations) < count:
-            if step % stride == 0:
-                observations.append(Observation(EMBODIMENT, {"image": obs["image"]}, obs["state"], obs["instruction"]))
-            obs, _, terminated, truncated, _ = env.step(expert(env))
-            step, done = step + 1, terminated or truncated
-        episode += 1
-    env.close()
-    return observations
+    return [Observation(EMBODIMENT, {"image": obs["image"]}, obs["state"], obs["instruction"])
+            for obs in expert_observations(count, CALIBRATION_SEED_OFFSET, stride)]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,3 +37,23 @@ class ReachExpert:
         if base.scene is None:
             raise RuntimeError("the environment has not been reset")
         return self.command(base.scene, base.config)
+
+
+def expert_observations(count: int, first_seed: int, stride: int = 1) -> list[dict]:
+    """`count` Reach observations along expert episodes on seeds `first_seed`, `first_seed + 1`, ...: every
+    `stride`-th control step of each episode, from its first."""
+    env = gym.make("PolicyServer/Reach-v0")
+    expert = ReachExpert()
+    observations: list[dict] = []
+    episode = 0
+    while len(observations) < count:
+        obs, _ = env.reset(seed=first_seed + episode)
+        step, done = 0, False
+        while not done and len(observations) < count:
+            if step % stride == 0:
+                observations.append(obs)
+            obs, _, terminated, truncated, _ = env.step(expert(env))
+            step, done = step + 1, terminated or truncated
+        episode += 1
+    env.close()
+    return observations

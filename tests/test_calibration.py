@@ -123,6 +123,12 @@ def test_the_command_writes_the_profile_beside_the_checkpoint(tmp_path, capsys):
     assert "wrote" in capsys.readouterr().out
     assert main(["--checkpoint", str(folder), "--observations", str(tmp_path / "missing")]) == 2
     assert "not a calibration observations file" in capsys.readouterr().err
+    for bad, message in ((["--residual-orders", "1,3"], "--residual-orders '1,3': expected"),
+                         (["--residual-orders", "one"], "--residual-orders 'one': expected"),
+                         (["--min-steps", "0"], "--min-steps must be at least 1")):
+        with pytest.raises(SystemExit):
+            main(["--checkpoint", str(folder), *bad])
+        assert message in capsys.readouterr().err
 
 
 def _observation(step=0):

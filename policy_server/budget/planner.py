@@ -387,7 +387,6 @@ def plan_on_frontier(
     point, config = points[chosen], points[chosen].config
     window = guided(config.num_steps)
     uncond = range(window.start, max(window.start, min(window.stop, config.cfg_steps)))
-    calls = config.num_steps + len(uncond)
     full = round(point.full_calls + 2 * point.pairs)
     return TickPlan(
         deadline_ms=float(deadline_ms),
@@ -399,7 +398,7 @@ def plan_on_frontier(
         setting=config.name,
         thresholds=(config.threshold,) * config.num_steps,
         cap=config.cap,
-        full_calls_max=calls,
+        full_calls_max=full,  # a point fixes its calls: the ladder's F_max and floor are its own counts
         expected_full_calls=full,
         min_full_calls=full,
         predicted_ms=predicted[chosen],

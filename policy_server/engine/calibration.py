@@ -296,15 +296,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (auto)")
     parser.add_argument("--dtype", default="auto", choices=DTYPES, help="weight dtype (auto)")
     args = parser.parse_args(argv)
+    if args.max_observations < 1 or args.min_steps < 1:
+        parser.error("--max-observations and --min-steps must be at least 1")
+    orders = None
+    if args.residual_orders:
+        orders = [int(o) for o in args.residual_orders.split(",") if o.strip().isdigit()]
+        if len(orders) != len(args.residual_orders.split(",")) or not set(orders) <= {0, 1, 2}:
+            parser.error(f"--residual-orders {args.residual_orders!r}: expected comma-separated orders 0, 1 or 2")
     device = resolve_device(args.device)
     if device == "cpu":
         torch.set_num_threads(1)  # as the server runs it: the profile's costs and errors are the server's
     try:
         pipeline = PolicyPipeline.from_pretrained(args.checkpoint, device=device,
                                                   dtype=resolve_dtype(args.dtype, device))
-        observations = load_observations(args.observations, pipeline)[: max(args.max_observations, 1)]
-        orders = [int(o) for o in args.residual_orders.split(",")] if args.residual_orders else None
-    except (CheckpointLoadError, CalibrationError, ValueError) as error:
+        observations = load_observations(args.observations, pipeline)[: args.max_observations]
+    except (CheckpointLoadError, CalibrationError) as error:
         print(f"policy-server calibrate: {error}", file=sys.stderr)
         return 2
     configs = configurations(pipeline, EngineSettings(), args.min_steps, orders)

@@ -135,6 +135,8 @@ class Warmup:
             high = min((k for k in family if k[0] > key[0]), key=lambda k: k[0])
             calls, stages = _interpolated(self.served.cost_model.costs(low), self.served.cost_model.costs(high),
                                           (key[0] - low[0]) / (high[0] - low[0]))
+            if not self.served.cost_model.samples(low)[PAIR]:  # no CFG: no pair was measured, none is made up
+                calls = [(kind, ms) for kind, ms in calls if kind != PAIR]
             self.served.cost_model.observe_tick(key, calls, stages)
 
     def _warm_shape(self, embodiment: Embodiment, chunk: int, tokens: int, ticks: int, steps: int | None):
