@@ -32,7 +32,7 @@ EXPOSE 50051 8000 9090
 
 # Health stays reachable without the auth token; SERVING only once the model is warm.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=300s --retries=3 \
-    CMD ["python", "-m", "policy_server.client", "health", "--target", "127.0.0.1:50051"]
+    CMD ["python", "-m", "policy_server.client", "health", "--server", "127.0.0.1:50051"]
 
 ENTRYPOINT ["policy-server"]
 CMD ["--host", "0.0.0.0", "--port", "50051", "--device", "cuda", "--metrics-port", "9090", "--metrics-host", "0.0.0.0"]

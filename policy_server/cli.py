@@ -5,7 +5,8 @@
     policy-server calibrate [--checkpoint DIR]   # policy_server.engine.calibration: the quality profile
 
 Every flag is a ``ServerConfig`` field (``--max-sessions`` <-> ``max_sessions``) and may also be set
-in the ``--config`` file; flags given on the command line win.
+in the ``--config`` file or as ``POLICY_SERVER_MAX_SESSIONS``; flags given on the command line win over the
+environment, which wins over the file.
 
 Other subcommands are found through the ``policy_server.commands`` entry-point group (``bench``:
 ``robots.bench:main``, declared in pyproject.toml), so this package imports nothing of the packages that
@@ -21,6 +22,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="policy-server",
         argument_default=argparse.SUPPRESS,
-        description="gRPC robot-policy server with a per-tick latency budget.",
+        description="gRPC robot-policy server with a per-tick latency budget. Every flag may also be set in "
+        "the environment: --max-sessions 8 as POLICY_SERVER_MAX_SESSIONS=8.",
         epilog="Subcommands: `serve` (default) and those installed in the `policy_server.commands` "
         "entry-point group, e.g. `bench` (policy-server bench --help).",
     )
+    p.add_argument("--version", action="version", version=f"%(prog)s {importlib.metadata.version('policy-server')}")
     p.add_argument("--config", type=Path, help="YAML or JSON file with any of the settings below")
 
     g = p.add_argument_group("model and budget")
@@ -92,12 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def config_from_args(argv: list[str]) -> ServerConfig:
-    """Parse flags, read ``--config`` if given, and validate the merged settings."""
+def config_from_args(argv: list[str], environ: Mapping[str, str] = os.environ) -> ServerConfig:
+    """Parse flags, read ``--config`` if given, and validate them merged with the ``POLICY_SERVER_*`` settings
+    in ``environ``."""
     args: dict[str, Any] = vars(build_parser().parse_args(argv))
     config_file = args.pop("config", None)
     file_values = read_config_file(config_file) if config_file is not None else {}
-    return build_config(file_values, args, source=str(config_file) if config_file else "command line")
+    return build_config(file_values, args, source=str(config_file) if config_file else "config", environment=environ)
 
 
 def serve(config: ServerConfig) -> int:

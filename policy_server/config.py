@@ -1,21 +1,26 @@
-"""Server configuration: one pydantic model behind every CLI flag and every config-file key.
+"""Server configuration: one pydantic model behind every CLI flag, config-file key and environment variable.
 
 A config file (YAML or JSON, ``--config FILE``) may set any field; keys use the field names
-(``latency_budget_ms``) or the flag spelling (``latency-budget-ms``). Flags given on the command
-line override the file. Unknown keys and bad values are rejected with an error naming the key.
+(``latency_budget_ms``) or the flag spelling (``latency-budget-ms``). An environment variable
+``POLICY_SERVER_<FIELD>`` (``POLICY_SERVER_LATENCY_BUDGET_MS=90``) sets one for a container. Flags given on
+the command line override the environment, which overrides the file. Unknown keys and bad values are
+rejected with an error naming the key and where it came from.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from policy_server.limits import MAX_BUDGET_MS, MAX_RESIDUAL_ORDER
+from policy_server.pipeline.hub import is_hub_id
 
+ENV_PREFIX = "POLICY_SERVER_"
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 DTYPES = ("auto", "bf16", "fp16", "fp32")  # auto: bf16 on CUDA, fp32 on CPU (engine.resolve_dtype)
 
@@ -33,7 +38,7 @@ class ServerConfig(BaseModel):
         description="default per-tick latency budget (ms) of new sessions",
     )
     checkpoint: Path | None = Field(
-        None, description="checkpoint directory or file; unset = the embedded model"
+        None, description="checkpoint folder or Hugging Face Hub id (org/name[@revision]); unset = the embedded model"
     )
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
     dtype: str = Field("auto", description="weight dtype: auto (bf16 on CUDA, fp32 on CPU), bf16, fp16 or fp32")
@@ -107,7 +112,14 @@ class ServerConfig(BaseModel):
             raise ValueError(f"{value!r} is neither off, auto nor an existing profile file")
         return value
 
-    @field_validator("checkpoint", "auth_token_file", "tls_cert", "tls_key")
+    @field_validator("checkpoint")
+    @classmethod
+    def _folder_or_hub_id(cls, value: Path | None) -> Path | None:
+        if value is not None and not value.exists() and not is_hub_id(value):
+            raise ValueError(f"{str(value)!r} is neither an existing path nor a Hugging Face Hub id (org/name)")
+        return value
+
+    @field_validator("auth_token_file", "tls_cert", "tls_key")
     @classmethod
     def _path_exists(cls, value: Path | None) -> Path | None:
         if value is not None and not value.exists():
@@ -173,14 +185,32 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     return _normalise_keys(data, str(path))
 
 
+def environment_values(environ: Mapping[str, str]) -> dict[str, str]:
+    """The settings among ``environ``'s variables: ``POLICY_SERVER_<FIELD>`` for each ``ServerConfig`` field.
+    Other variables with the prefix (``POLICY_SERVER_CACHE``, the profile cache) are not settings."""
+    values = {}
+    for name, value in environ.items():
+        field = name.removeprefix(ENV_PREFIX).lower()
+        if name.startswith(ENV_PREFIX) and field in ServerConfig.model_fields:
+            values[field] = value
+    return values
+
+
 def build_config(
-    file_values: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None, source: str = "config"
+    file_values: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None, source: str = "config",
+    environment: Mapping[str, str] | None = None,
 ) -> ServerConfig:
-    """Validate file values with command-line overrides on top."""
-    merged = {
-        **_normalise_keys(file_values or {}, source),
-        **_normalise_keys(overrides or {}, "command line"),
-    }
+    """Validate file values (from ``source``), then the settings in ``environment`` over them, then the
+    command-line ``overrides`` over both."""
+    layers = (
+        (_normalise_keys(file_values or {}, source), lambda key: source),
+        (environment_values(environment or {}), lambda key: f"${ENV_PREFIX}{key.upper()}"),
+        (_normalise_keys(overrides or {}, "command line"), lambda key: "command line"),
+    )
+    merged, origin = {}, {}
+    for values, where in layers:
+        merged.update(values)
+        origin.update({key: where(key) for key in values})
     try:
         return ServerConfig(**merged)
     except ValidationError as exc:
@@ -188,5 +218,5 @@ def build_config(
         for err in exc.errors():
             key = ".".join(str(part) for part in err["loc"]) or "config"
             got = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], dict) else ""
-            problems.append(f"{key}: {err['msg']}{got}")
-        raise ConfigError(f"invalid {source}: " + "; ".join(problems)) from None
+            problems.append(f"{key} (from {origin.get(key, 'the settings together')}): {err['msg']}{got}")
+        raise ConfigError("invalid settings: " + "; ".join(problems)) from None

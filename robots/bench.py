@@ -711,7 +711,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("bench.json"), help="JSON path; PNGs go beside it")
     parser.add_argument("--checkpoint", type=Path, default=None,
-                        help="the embedded layout or a diffusers Cosmos3OmniPipeline folder (default: embedded)")
+                        help="the embedded layout or a diffusers Cosmos3OmniPipeline folder, or a Hugging Face Hub "
+                             "id (default: embedded)")
     parser.add_argument("--embodiment", default=None, help="embodiment to drive (default: the first served)")
     parser.add_argument("--frame-size", type=_frame_size, default=None, metavar="HxW",
                         help="resize the task's 64x64 frames to a camera's native size, e.g. 480x640")

@@ -1,19 +1,29 @@
-"""Client library pieces: the robot-side ActionQueue, backoff, error decoding, the health probe,
-and the layering rules: the client loads no server, engine, torch or cv2 module, the transport no torch."""
+"""Client library pieces: the robot-side ActionQueue, backoff, error decoding (gRPC's standard rich status,
+and the reason in the message alone), gRPC's own retries and health watch, the health probe, and the layering
+rules: the client loads no server, engine, torch or cv2 module, the transport no torch."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
 from fake_engine import FakeEngine, serve_fake
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 
 from policy_server.client import ActionQueue, Backoff, PolicyClient, PolicyServerError
+from policy_server.client.types import Session
+from policy_server.config import build_config
+from policy_server.server.app import build_server
 from policy_server.server.errors import make_error
+from policy_server.v1.errors import RETRY_PUSHBACK_KEY
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -115,29 +125,143 @@ def test_backoff_grows_and_caps():
     assert all(0.8 <= d <= 2.4 for d in jittered)
 
 
-def test_error_detail_round_trips_through_trailing_metadata():
+class _FailedCall(grpc.RpcError, grpc.Call):
+    """What a stub raises for a call that ended with ``status`` (a ``grpc.Status``)."""
+
+    def __init__(self, status: grpc.Status) -> None:
+        self.status = status
+
+    def code(self):
+        return self.status.code
+
+    def details(self):
+        return self.status.details
+
+    def trailing_metadata(self):
+        return self.status.trailing_metadata
+
+    def initial_metadata(self):
+        return ()
+
+    def is_active(self):
+        return False
+
+    def time_remaining(self):
+        return None
+
+    def cancel(self):
+        return False
+
+    def add_callback(self, callback):
+        return False
+
+
+def _details(status: grpc.Status) -> dict[str, object]:
+    """The standard error details of a failed call, by message type."""
+    found = {}
+    for packed in rpc_status.from_call(_FailedCall(status)).details:
+        for kind in (error_details_pb2.ErrorInfo, error_details_pb2.BadRequest, error_details_pb2.RetryInfo):
+            if packed.Is(kind.DESCRIPTOR):
+                found[kind.__name__] = kind()
+                packed.Unpack(found[kind.__name__])
+    return found
+
+
+def test_an_error_travels_as_the_standard_rich_status_and_round_trips():
     error = make_error("BUDGET_INFEASIBLE", "too tight", best_achievable_ms=42.5)
-
-    class FakeRpcError(grpc.RpcError):
-        def code(self):
-            return error.code
-
-        def details(self):
-            return error.detail.message
-
-        def trailing_metadata(self):
-            return error.trailing_metadata()
-
-    decoded = PolicyServerError.from_rpc_error(FakeRpcError())
-    assert (decoded.code, decoded.reason, decoded.best_achievable_ms) == (
-        grpc.StatusCode.FAILED_PRECONDITION, "BUDGET_INFEASIBLE", 42.5)
+    status = error.status()
+    assert status.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert status.details == "BUDGET_INFEASIBLE: too tight"  # proxies that keep only the message keep the reason
+    details = _details(status)
+    assert set(details) == {"ErrorInfo"}
+    info = details["ErrorInfo"]
+    assert (info.reason, info.domain, dict(info.metadata)) == (
+        "BUDGET_INFEASIBLE", "policy_server.v1", {"best_achievable_ms": "42.5"})
+    decoded = PolicyServerError.from_rpc_error(_FailedCall(status))
+    assert (decoded.code, decoded.reason, decoded.message, decoded.best_achievable_ms) == (
+        grpc.StatusCode.FAILED_PRECONDITION, "BUDGET_INFEASIBLE", "too tight", 42.5)
 
 
-def test_unreachable_server_is_unavailable():
-    with PolicyClient("127.0.0.1:1", timeout_s=0.5, backoff=Backoff(max_attempts=1, initial_s=0.01)) as client:
+def test_input_errors_carry_a_field_violation_and_warmup_a_retry_delay():
+    bad = _details(make_error("SCHEMA_MISMATCH", "observation.state: expected shape [2], got shape [5]",
+                              field="observation.state", expected="shape [2]", got="shape [5]").status())
+    violation, = bad["BadRequest"].field_violations
+    assert (violation.field, violation.reason, violation.description) == (
+        "observation.state", "SCHEMA_MISMATCH", "expected shape [2], got shape [5]")
+    assert dict(bad["ErrorInfo"].metadata) == {"field": "observation.state", "expected": "shape [2]",
+                                               "got": "shape [5]"}
+    warming = make_error("WARMING_UP", "the server is warming up (40% done)", retry_after_ms=1500.0).status()
+    assert warming.code == grpc.StatusCode.UNAVAILABLE
+    assert _details(warming)["RetryInfo"].retry_delay.ToMilliseconds() == 1500
+    assert dict(warming.trailing_metadata)[RETRY_PUSHBACK_KEY] == "1500"  # what gRPC's own retries wait
+    assert "BadRequest" not in _details(warming)
+
+
+def test_a_reason_survives_a_proxy_that_keeps_only_the_code_and_the_message():
+    error = make_error("OVERLOADED", "1 session of pusht fits at 1.25 Hz")
+    stripped = grpc.StatusCode.RESOURCE_EXHAUSTED, error.status().details, ()
+    decoded = PolicyServerError.from_rpc_error(_FailedCall(rpc_status._Status(*stripped)))
+    assert (decoded.reason, decoded.message) == ("OVERLOADED", "1 session of pusht fits at 1.25 Hz")
+    plain = PolicyServerError.from_rpc_error(
+        _FailedCall(rpc_status._Status(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses", ())))
+    assert (plain.reason, plain.message) == ("UNAVAILABLE", "failed to connect to all addresses")
+
+
+def test_unreachable_server_is_unavailable_at_once_for_act():
+    with PolicyClient("127.0.0.1:1", timeout_s=0.5) as client:
         with pytest.raises(PolicyServerError) as err:
-            client.server_info()
+            client.act(Session("s", 1, "pusht", "", 100.0, 8, 0), {"image": np.zeros((4, 4, 3), np.uint8)})
     assert err.value.code == grpc.StatusCode.UNAVAILABLE and err.value.reason == "UNAVAILABLE"
+
+
+def test_open_session_is_retried_by_grpc_through_warmup():
+    engine = FakeEngine(ready=False)
+    with serve_fake(engine) as server, PolicyClient(server.target) as client:
+        threading.Timer(0.3, engine.set_ready, (True,)).start()
+        started = time.monotonic()
+        session = client.open_session("pusht", "reach the red circle")  # WARMING_UP first, then served
+        assert session.epoch == 1
+        assert time.monotonic() - started >= 0.3
+        with pytest.raises(PolicyServerError) as err:  # Act is never retried: a late chunk is stale
+            engine.set_ready(False)
+            client.act(session, {"image": np.zeros((96, 96, 3), np.uint8)}, np.zeros(2, np.float32))
+        assert err.value.reason == "WARMING_UP" and err.value.retry_after_ms > 0
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_wait_until_serving_watches_health_from_before_the_server_starts():
+    port = _free_port()
+    engine = FakeEngine(ready=False)
+    waited: list[BaseException | None] = []
+    with PolicyClient(f"127.0.0.1:{port}") as client:
+        waiter = threading.Thread(target=lambda: waited.append(_outcome(client.wait_until_serving, 30)))
+        waiter.start()
+        time.sleep(0.3)  # nothing listens yet
+        server = build_server(build_config(overrides={"port": port}), engine).start()
+        try:
+            time.sleep(0.3)
+            assert waiter.is_alive()  # up, but NOT_SERVING
+            engine.set_ready(True)
+            waiter.join(20)
+            assert waited == [None]
+            assert client.server_info().ready
+        finally:
+            server.stop(grace_s=0.1)
+        with pytest.raises(TimeoutError, match="not SERVING after 0.5 s"):
+            client.wait_until_serving(timeout_s=0.5)
+
+
+def _outcome(function, *args) -> BaseException | None:
+    try:
+        function(*args)
+    except BaseException as exc:  # noqa: BLE001 - the test reads what happened
+        return exc
+    return None
 
 
 # -- command-line probe and layering -------------------------------------------------------------
@@ -146,7 +270,7 @@ def test_unreachable_server_is_unavailable():
 def test_health_probe_command():
     engine = FakeEngine(ready=False)
     with serve_fake(engine) as server:
-        probe = [sys.executable, "-m", "policy_server.client", "health", "--target", server.target]
+        probe = [sys.executable, "-m", "policy_server.client", "health", "--server", server.target]
         not_ready = subprocess.run(probe, cwd=REPO, capture_output=True, text=True, timeout=60)
         assert (not_ready.returncode, not_ready.stdout.strip()) == (1, "NOT_SERVING")
         engine.set_ready(True)

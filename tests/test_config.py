@@ -1,5 +1,5 @@
-"""ServerConfig and the policy-server CLI: defaults, every flag also settable in a file, CLI wins,
-unknown keys and bad values rejected by name, and the serve / bench dispatch."""
+"""ServerConfig and the policy-server CLI: defaults, every flag also settable in a file and the environment, CLI
+wins, unknown keys and bad values rejected by name and origin, --version, and the serve / bench dispatch."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import policy_server.engine
 import policy_server.server.app as app
 from policy_server import cli
 from policy_server.client import PolicyClient
+from policy_server.client.__main__ import main as client_main
 from policy_server.config import ConfigError, ServerConfig, build_config, read_config_file
 from policy_server.engine.engine import resolve_dtype
 
@@ -38,7 +39,7 @@ def test_defaults():
 
 
 def test_every_flag_is_a_config_field_and_every_field_a_flag():
-    dests = {a.dest for a in cli.build_parser()._actions if a.dest not in ("help", "config")}
+    dests = {a.dest for a in cli.build_parser()._actions if a.dest not in ("help", "version", "config")}
     assert dests == set(ServerConfig.model_fields)
 
 
@@ -91,6 +92,37 @@ def test_every_field_can_be_set_in_a_yaml_file_and_flags_override_it(tmp_path):
                                        "--no-reflection"])
     assert (overridden.latency_budget_ms, overridden.diffusion_cache, overridden.reflection) == (60, True, False)
     assert overridden.port == 7000  # untouched by the command line
+
+
+def test_every_field_can_be_set_in_the_environment_between_the_file_and_the_flags(tmp_path):
+    values = full_file_values(tmp_path)
+    environ = {f"POLICY_SERVER_{key.upper()}": str(value) for key, value in values.items()}
+    environ["POLICY_SERVER_CACHE"] = str(tmp_path)  # the profile cache: a variable with the prefix, not a setting
+    config = cli.config_from_args([], environ)
+    assert config == build_config(values)
+    path = tmp_path / "server.yaml"
+    path.write_text(yaml.safe_dump({"port": 7100, "max_sessions": 5}))
+    layered = cli.config_from_args(["--config", str(path), "--max-sessions", "7"],
+                                   {"POLICY_SERVER_PORT": "7200", "POLICY_SERVER_MAX_SESSIONS": "6"})
+    assert (layered.port, layered.max_sessions) == (7200, 7)
+
+
+def test_a_bad_setting_is_named_with_where_it_came_from(tmp_path):
+    path = tmp_path / "server.yaml"
+    path.write_text(yaml.safe_dump({"max_batch": 0}))
+    with pytest.raises(ConfigError) as err:
+        cli.config_from_args(["--config", str(path), "--port", "70000"], {"POLICY_SERVER_LATENCY_BUDGET_MS": "fast"})
+    message = str(err.value)
+    assert f"max_batch (from {path})" in message and "port (from command line)" in message
+    assert "latency_budget_ms (from $POLICY_SERVER_LATENCY_BUDGET_MS)" in message and "'fast'" in message
+
+
+@pytest.mark.parametrize("main", [cli.main, client_main])
+def test_version(main, capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip().endswith(" " + importlib.metadata.version("policy-server"))
 
 
 def test_json_file_with_flag_spelling(tmp_path):

@@ -56,7 +56,7 @@ from policy_server.pipeline.policy import PolicyPipeline
 from policy_server.server.app import build_server
 from policy_server.v1 import policy_server_pb2 as pb
 from policy_server.v1 import policy_server_pb2_grpc as pb_grpc
-from policy_server.v1.errors import REASON_KEY
+from policy_server.v1.errors import error_detail
 from policy_server.v1.wire import encode_image, tensor_to_proto
 
 # The embedded model serves one embodiment; the fixture checks these against the engine's own description.
@@ -257,10 +257,8 @@ class Failures:
 
 
 def reason_of(error: grpc.RpcError) -> str:
-    try:
-        return dict(error.trailing_metadata() or ()).get(REASON_KEY, "")
-    except Exception:  # noqa: BLE001 - a call that never reached the servicer has no metadata
-        return ""
+    detail = error_detail(error)
+    return "" if detail is None else detail.reason
 
 
 def describe(value: Any, limit: int = 900) -> str:

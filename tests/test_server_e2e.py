@@ -13,7 +13,9 @@ import cv2
 import grpc
 import numpy as np
 import pytest
+from google.rpc import error_details_pb2
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+from grpc_status import rpc_status
 
 from policy_server.client import ControlStream, PolicyClient, PolicyServerError, build_observation
 from policy_server.v1 import policy_server_pb2 as pb
@@ -311,6 +313,19 @@ def test_reasoner_at_a_vanishing_temperature_answers(server, temperature):
         list(server.reason("what is on the table?", max_new_tokens=4, seed=1))
 
 
+def error_info_and_violations(error: grpc.RpcError):
+    """The standard ErrorInfo and BadRequest field violations of a failed call (grpcio-status reads them)."""
+    info, violations = error_details_pb2.ErrorInfo(), []
+    for packed in rpc_status.from_call(error).details:
+        if packed.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            packed.Unpack(info)
+        elif packed.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            bad = error_details_pb2.BadRequest()
+            packed.Unpack(bad)
+            violations += bad.field_violations
+    return info, violations
+
+
 def test_request_bytes_that_do_not_parse_are_invalid_argument_and_logged_in_one_line(server, server_log):
     metadata = (("authorization", f"Bearer {TOKEN}"),)
     with grpc.insecure_channel(server.target) as channel:
@@ -319,8 +334,10 @@ def test_request_bytes_that_do_not_parse_are_invalid_argument_and_logged_in_one_
             with pytest.raises(grpc.RpcError) as error:
                 call(b"\xff\xff\xff\xff", metadata=metadata, timeout=30)
             assert error.value.code() == INVALID, method
-            reasons = dict(error.value.trailing_metadata())
-            assert reasons["policy-server-reason"] == "BAD_REQUEST"
+            assert error.value.details().startswith("BAD_REQUEST: ")
+            info, violations = error_info_and_violations(error.value)
+            assert info.reason == "BAD_REQUEST" and info.domain == "policy_server.v1"
+            assert [v.field for v in violations] == ["request"], method
     session = server.open_session("pusht", "reach the red circle")
     assert server.act(session, {"image": _image()}, STATE).actions.shape == (8, 2)
     server.close_session(session)

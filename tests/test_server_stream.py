@@ -192,9 +192,9 @@ def test_cancelling_the_stream_abandons_work_in_flight(client, engine):
 def test_reconnects_and_replaces_the_session_after_a_server_restart():
     first = build_server(build_config(overrides={"port": 0}), FakeEngine()).start()
     port = first.grpc_port
-    client = PolicyClient(first.target, backoff=Backoff(initial_s=0.05, max_s=0.2, max_attempts=100))
+    client = PolicyClient(first.target)
     session = client.open_session("pusht", "survive a restart", budget_ms=90)
-    stream = ControlStream(client, session).open()
+    stream = ControlStream(client, session, backoff=Backoff(initial_s=0.05, max_s=0.2, max_attempts=100)).open()
     second = None
     try:
         send(stream, 0)

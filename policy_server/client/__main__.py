@@ -1,4 +1,4 @@
-"""Command-line probe: ``python -m policy_server.client health|info --target HOST:PORT``.
+"""Command-line probe: ``python -m policy_server.client health|info --server HOST:PORT``.
 
 ``health`` exits 0 only when the server reports SERVING (used by the Docker HEALTHCHECK).
 """
@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import sys
 from pathlib import Path
 
@@ -15,17 +16,24 @@ from policy_server.client.errors import PolicyServerError
 from policy_server.client.sync_client import PolicyClient
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m policy_server.client")
+    parser.add_argument("--version", action="version",
+                        version=f"%(prog)s {importlib.metadata.version('policy-server')}")
     parser.add_argument("command", choices=("health", "info"))
-    parser.add_argument("--target", default="127.0.0.1:50051")
-    parser.add_argument("--token-file", type=Path)
+    parser.add_argument("--server", default="127.0.0.1:50051", metavar="HOST:PORT",
+                        help="the policy-server (127.0.0.1:50051)")
+    parser.add_argument("--auth-token-file", type=Path, help="file with the server's bearer token")
     parser.add_argument("--tls-ca", type=Path, help="PEM root certificate; enables TLS")
     parser.add_argument("--timeout-s", type=float, default=3.0)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     client = PolicyClient(
-        args.target,
-        token_file=args.token_file,
+        args.server,
+        token_file=args.auth_token_file,
         timeout_s=args.timeout_s,
         root_certificates=args.tls_ca.read_bytes() if args.tls_ca else None,
     )

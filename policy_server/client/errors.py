@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 
 from policy_server.v1 import policy_server_pb2 as pb
-from policy_server.v1.errors import REASON_KEY, error_detail
+from policy_server.v1.errors import error_detail
 
 
 class PolicyServerError(Exception):
@@ -44,16 +44,16 @@ class PolicyServerError(Exception):
 
     @classmethod
     def from_rpc_error(cls, error: grpc.RpcError) -> PolicyServerError:
-        code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
-        message = (error.details() if hasattr(error, "details") else None) or ""
-        trailing = dict(error.trailing_metadata() or ()) if hasattr(error, "trailing_metadata") else {}
-        detail = error_detail(trailing)
+        """The error of a failed call: the server's ``ErrorDetail`` (``policy_server.v1.errors``), else the
+        status alone (a failure of the transport, or of gRPC core before the servicer saw the call)."""
+        detail = error_detail(error)
         if detail is not None:
-            return cls(code, detail.reason, detail.message, detail)
-        reason = trailing.get(REASON_KEY) or code.name
-        if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in message:
+            return cls(error.code(), detail.reason, detail.message, detail)
+        message = error.details() or ""
+        reason = error.code().name
+        if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in message:
             reason = "PAYLOAD_TOO_LARGE"  # cut by gRPC core before the servicer saw it
-        return cls(code, reason, message)
+        return cls(error.code(), reason, message)
 
     @classmethod
     def from_detail(cls, detail: pb.ErrorDetail, obs_id: int = 0) -> PolicyServerError:

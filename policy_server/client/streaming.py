@@ -63,7 +63,7 @@ class ControlStream:
         self._client = client
         self._session = session
         self._reconnect = reconnect
-        self._backoff = backoff or client.backoff
+        self._backoff = backoff or Backoff()
         self._reopen_session = reopen_session
         self._events: queue.Queue[StreamEvent] = queue.Queue()
         self._lock = threading.Lock()

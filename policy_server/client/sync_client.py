@@ -7,14 +7,17 @@
         future = client.forward_dynamics(session, {"image": frame}, actions, state=q)  # predicted frames
         chunk = client.inverse_dynamics(session, {"image": video}, state=q)           # actions of a video
 
-Every call has a deadline (``timeout_s``, else the client default). Calls that only read
-(server info, health) are retried with backoff while the server is UNAVAILABLE; ``act`` and
-session changes are never retried automatically, because a late chunk is stale and a repeated
-OpenSession would leak a session. The channel itself reconnects on its own after a drop.
+Every call has a deadline (``timeout_s``, else the client default). Retries are gRPC's own (the channel's
+service config, ``RETRY_SERVICE_CONFIG``): server info and session calls wait for the connection and are
+retried while the server answers UNAVAILABLE (warming up, restarting), after the delay it asks for. ``act``,
+dynamics and reasoner calls are never retried: a late chunk is stale, and the others would repeat long work.
+The channel itself reconnects on its own after a drop; ``wait_until_serving`` watches the standard health
+service until the server is SERVING.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -24,7 +27,6 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from policy_server.client.backoff import Backoff
 from policy_server.client.errors import PolicyServerError
 from policy_server.client.types import (
     ActionChunk,
@@ -38,6 +40,25 @@ from policy_server.v1 import policy_server_pb2 as pb
 from policy_server.v1 import policy_server_pb2_grpc as pb_grpc
 
 T = TypeVar("T")
+_REWATCH_PAUSE_S = 0.1
+
+# Calls safe to repeat when the server refused them unserved (UNAVAILABLE): reading the server, and session changes
+# (a repeated OpenSession at worst leaves a session that expires when idle). gRPC caps maxAttempts at 5; a server
+# that is warming up sends its retry delay as pushback (`policy_server.v1.errors`).
+_RETRIED_METHODS = ("GetServerInfo", "OpenSession", "ResetSession", "SetBudget", "CloseSession")
+RETRY_SERVICE_CONFIG = {
+    "methodConfig": [{
+        "name": [{"service": "policy_server.v1.PolicyService", "method": method} for method in _RETRIED_METHODS],
+        "waitForReady": True,
+        "retryPolicy": {
+            "maxAttempts": 5,
+            "initialBackoff": "0.1s",
+            "maxBackoff": "2s",
+            "backoffMultiplier": 2,
+            "retryableStatusCodes": ["UNAVAILABLE"],
+        },
+    }],
+}
 
 
 def make_channel(
@@ -48,8 +69,10 @@ def make_channel(
     server_name: str | None = None,
     max_receive_mb: float = 64.0,
 ) -> grpc.Channel:
-    """A channel with robot-friendly keepalive (dead links noticed in ~15 s) and fast reconnects."""
+    """A channel with robot-friendly keepalive (dead links noticed in ~15 s), fast reconnects and gRPC's retries
+    of the calls that are safe to repeat (``RETRY_SERVICE_CONFIG``)."""
     options: list[tuple[str, int | str]] = [
+        ("grpc.service_config", json.dumps(RETRY_SERVICE_CONFIG)),
         ("grpc.max_receive_message_length", int(max_receive_mb * 1024 * 1024)),
         ("grpc.max_send_message_length", -1),  # the server enforces its own limit, with a reason
         ("grpc.keepalive_time_ms", 10_000),
@@ -76,13 +99,11 @@ class PolicyClient:
         root_certificates: bytes | None = None,
         server_name: str | None = None,
         timeout_s: float = 10.0,
-        backoff: Backoff | None = None,
     ) -> None:
         if token_file is not None:
             token = Path(token_file).read_text().strip()
         self.target = target
         self.timeout_s = timeout_s
-        self.backoff = backoff or Backoff()
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._channel_args = dict(tls=tls, root_certificates=root_certificates, server_name=server_name)
         self.channel = make_channel(target, **self._channel_args)
@@ -101,17 +122,6 @@ class PolicyClient:
         except grpc.RpcError as exc:
             raise PolicyServerError.from_rpc_error(exc) from None
 
-    def _call_retrying(self, method: Callable[..., T], request, timeout_s: float | None) -> T:
-        delays = self.backoff.delays()
-        while True:
-            try:
-                return self._call(method, request, timeout_s)
-            except PolicyServerError as exc:
-                delay = next(delays, None)
-                if exc.code != grpc.StatusCode.UNAVAILABLE or delay is None:
-                    raise
-                time.sleep(delay)
-
     def close(self) -> None:
         self.channel.close()
 
@@ -124,25 +134,37 @@ class PolicyClient:
     # -- server --------------------------------------------------------------------------------
 
     def server_info(self, timeout_s: float | None = None) -> pb.ServerInfo:
-        return self._call_retrying(self.stub.GetServerInfo, pb.GetServerInfoRequest(), timeout_s)
+        return self._call(self.stub.GetServerInfo, pb.GetServerInfoRequest(), timeout_s)
 
     def health(self, service: str = "", timeout_s: float | None = None) -> str:
         """SERVING, NOT_SERVING or SERVICE_UNKNOWN (standard grpc.health.v1)."""
         response = self._call(self._health.Check, health_pb2.HealthCheckRequest(service=service), timeout_s)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
 
-    def wait_until_serving(self, timeout_s: float = 60.0, poll_s: float = 0.05) -> None:
-        """Block until health is SERVING (model loaded and warm); TimeoutError otherwise."""
+    def wait_until_serving(self, timeout_s: float = 60.0) -> None:
+        """Block until health is SERVING (model loaded and warm); TimeoutError otherwise. Watches the standard
+        health service (``Health.Watch``), waiting for the server to come up and watching again if it restarts."""
         end = time.monotonic() + timeout_s
         last = "no answer"
-        while time.monotonic() < end:
+        while (left_s := end - time.monotonic()) > 0:
+            updates = self._health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=left_s,
+                                         wait_for_ready=True)
             try:
-                last = self.health(timeout_s=max(0.05, min(1.0, end - time.monotonic())))
-                if last == "SERVING":
-                    return
-            except PolicyServerError as exc:
-                last = exc.reason
-            time.sleep(poll_s)
+                for update in updates:
+                    last = health_pb2.HealthCheckResponse.ServingStatus.Name(update.status)
+                    if update.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    break
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise PolicyServerError.from_rpc_error(exc) from None
+                # The server went away: watch it come back. A server in its shutdown grace period refuses new
+                # calls at once, hence the pause.
+                last = "UNAVAILABLE"
+                time.sleep(min(_REWATCH_PAUSE_S, max(0.0, end - time.monotonic())))
+            finally:
+                updates.cancel()
         raise TimeoutError(f"{self.target} not SERVING after {timeout_s:g} s (last: {last})")
 
     # -- sessions ------------------------------------------------------------------------------

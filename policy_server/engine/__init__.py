@@ -22,7 +22,7 @@ def build_engine(config):
         torch.set_num_threads(1)
     pipeline = PolicyPipeline.from_pretrained(config.checkpoint, device=device,
                                               dtype=resolve_dtype(config.dtype, device))
-    profile, calibrate = resolve_profile(config.quality_profile, config.checkpoint, pipeline.digest)
+    profile, calibrate = resolve_profile(config.quality_profile, pipeline.folder, pipeline.digest)
     engine = ModelEngine(pipeline, settings_from_config(config, profile, calibrate))
     engine.start()
     return engine

@@ -43,6 +43,7 @@ from policy_server.cache.controller import NoCache
 from policy_server.cache.seacache import SeaCache, SeaCacheConfig
 from policy_server.config import DTYPES
 from policy_server.engine.served import EngineSettings, cache_ladder
+from policy_server.pipeline.hub import is_hub_id
 from policy_server.pipeline.policy import (
     CheckpointLoadError,
     FixedSteps,
@@ -282,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     from policy_server.engine.engine import resolve_device, resolve_dtype
 
     parser = argparse.ArgumentParser(prog="policy-server calibrate", description=main.__doc__)
-    parser.add_argument("--checkpoint", type=Path, help="checkpoint folder (default: the embedded model)")
+    parser.add_argument("--checkpoint", help="checkpoint folder or Hugging Face Hub id (default: the embedded model)")
     parser.add_argument("--observations", type=Path, default=DEFAULT_OBSERVATIONS,
                         help="calibration observations, safetensors (default: the embedded simulator's set; see "
                              "docs/ARCHITECTURE.md for the format)")
@@ -318,9 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     profile = calibrate(pipeline, observations, configs, source=str(args.observations),
                         progress=lambda done: print(f"  {done:.0%}", flush=True))
     out = args.out
-    if out is None:  # beside a checkpoint that can hold it, else in the cache
-        beside = args.checkpoint is not None and os.access(args.checkpoint, os.W_OK)
-        out = profile_locations(args.checkpoint, pipeline.digest)[0 if beside else 1]
+    if out is None:  # beside a checkpoint folder of the user's that can hold it, else in the cache
+        beside = args.checkpoint is not None and not is_hub_id(args.checkpoint) and os.access(pipeline.folder, os.W_OK)
+        out = profile_locations(pipeline.folder, pipeline.digest)[0 if beside else 1]
     profile.save(out)
     for embodiment, points in profile.embodiments.items():
         print(f"{embodiment}: {len(frontier(points))} configurations on the frontier of {len(points)}")

@@ -47,6 +47,7 @@ from policy_server.pipeline.errors import (
     InvalidNoise,
     InvalidSamplerSettings,
 )
+from policy_server.pipeline.hub import CheckpointNotFound, checkpoint_folder
 from policy_server.pipeline.normalization import FeatureNormalizers, NormalizationStatsError
 from policy_server.pipeline.packing import ActionLayout, PackedSequence, RequestShape, pack_request
 from policy_server.pipeline.policy_config import PolicyConfig, PolicyConfigError
@@ -301,7 +302,8 @@ class PolicyPipeline:
     """The Cosmos3 policy: transformer + video VAE + text tokenizer + embodiments + sampler defaults.
 
     `embodiments` is the full Cosmos3 registry extended by the checkpoint's file; `served_embodiments`
-    names the entries that file declares, the ones the server offers. `digest` identifies the weights."""
+    names the entries that file declares, the ones the server offers. `digest` identifies the weights; `folder`
+    is where they were loaded from (None: built in memory)."""
 
     def __init__(
         self,
@@ -312,6 +314,7 @@ class PolicyPipeline:
         config: PolicyConfig,
         served_embodiments: list[str],
         digest: str = "",
+        folder: Path | None = None,
     ):
         self.transformer = transformer.eval()
         self.vae = vae.eval()
@@ -320,6 +323,7 @@ class PolicyPipeline:
         self.config = config
         self.served_embodiments = served_embodiments  # what this checkpoint was trained for
         self.digest = digest
+        self.folder = folder
         # GEN layouts by request shape: ticks of the same shape share one object, which is what lets
         # the engine run their GEN stacks as one batch (`GenInput.stack`); and by the shapes of a cond and
         # uncond branch, their layouts as one batch.
@@ -330,15 +334,16 @@ class PolicyPipeline:
     @classmethod
     def from_pretrained(cls, path: str | Path | None = None, device: str = "cpu",
                         dtype: torch.dtype | None = None) -> PolicyPipeline:
-        """Load a checkpoint folder; None loads the embedded model shipped in the package.
+        """Load a checkpoint folder or Hugging Face Hub id (`org/name[@revision]`, `pipeline.hub`); None loads the
+        embedded model shipped in the package.
 
         Two layouts: a diffusers `Cosmos3OmniPipeline` folder exactly as `save_pretrained` writes it
         (`policy_server.pipeline.diffusers_folder`), or the embedded model's (`transformer/`, `vae/`,
         `text_tokenizer/`, `policy.json`, `embodiments.json`). `dtype`: the weights' dtype (None keeps the
         stored one); the time embedder and the sampler state stay fp32. A folder that cannot be served raises
         `CheckpointLoadError`, whose message names the file and what was expected."""
-        root = Path(path) if path is not None else default_model_path()
         try:
+            root = checkpoint_folder(path) if path is not None else default_model_path()
             if not root.is_dir():
                 raise CheckpointError(f"{root} is not a directory")
             load = cls._from_diffusers_folder if diffusers_folder.is_diffusers_folder(root) else cls._from_policy_folder
@@ -346,7 +351,7 @@ class PolicyPipeline:
             for name in pipeline.served_embodiments:  # stats files are read now, not at the first tick
                 pipeline.normalizers(pipeline.embodiments.get(name))
         except _LOAD_ERRORS as error:
-            raise CheckpointLoadError(f"cannot serve checkpoint {root}: {error}") from error
+            raise CheckpointLoadError(f"cannot serve checkpoint {path or root}: {error}") from error
         return pipeline
 
     @classmethod
@@ -362,6 +367,7 @@ class PolicyPipeline:
             config=config,
             served_embodiments=served,
             digest=weights_digest(root),
+            folder=root,
         )
 
     @classmethod
@@ -382,6 +388,7 @@ class PolicyPipeline:
             config=config,
             served_embodiments=served,
             digest=weights_digest(root),
+            folder=root,
         )
 
     @property
@@ -795,7 +802,7 @@ class CheckpointLoadError(ValueError):
 
 # What bad files raise while a folder loads: each names the file and the field at fault.
 _LOAD_ERRORS = (CheckpointError, ModelConfigError, PolicyConfigError, EmbodimentConfigError, NormalizationStatsError,
-                TextTokenizerError, OSError)
+                TextTokenizerError, CheckpointNotFound, OSError)
 
 
 def default_model_path() -> Path:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import grpc
 
-from policy_server.server.errors import make_error
+from policy_server.server.errors import abort, make_error
 
 AUTH_HEADER = "authorization"
 _OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
@@ -43,8 +43,7 @@ def _rejecting_handler(handler: grpc.RpcMethodHandler, message: str) -> grpc.Rpc
     error = make_error("UNAUTHENTICATED", message, field=AUTH_HEADER, expected="Bearer <token>")
 
     def reject(request_or_iterator, context):
-        context.set_trailing_metadata(error.trailing_metadata())
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        abort(context, error)
 
     if handler.request_streaming and handler.response_streaming:
         return grpc.stream_stream_rpc_method_handler(reject)

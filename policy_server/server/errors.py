@@ -1,6 +1,6 @@
 """Every error a client can see: a precise gRPC status plus a machine-readable reason.
 
-How it travels (trailing metadata, or a ``ControlEvent.error`` on the Control stream) is protocol:
+How it travels (gRPC's rich status, or a ``ControlEvent.error`` on the Control stream) is protocol:
 ``policy_server.v1.errors``.
 """
 
@@ -15,35 +15,10 @@ import grpc
 
 from policy_server.engine.api import BudgetInfeasible, EngineError, InvalidArgument, RateExceeded, WarmingUp
 from policy_server.v1 import policy_server_pb2 as pb
-from policy_server.v1.errors import error_metadata
+from policy_server.v1.errors import rich_status, status_for
 from policy_server.v1.wire import WireError
 
 log = logging.getLogger(__name__)
-
-# Reason code -> gRPC status. Anything not listed is a request-content problem (INVALID_ARGUMENT).
-_STATUS_BY_REASON: dict[str, grpc.StatusCode] = {
-    "SESSION_NOT_FOUND": grpc.StatusCode.NOT_FOUND,
-    "STALE_EPOCH": grpc.StatusCode.FAILED_PRECONDITION,
-    "BUDGET_INFEASIBLE": grpc.StatusCode.FAILED_PRECONDITION,
-    "STREAM_NOT_STARTED": grpc.StatusCode.FAILED_PRECONDITION,
-    "WARMING_UP": grpc.StatusCode.UNAVAILABLE,
-    "SHUTTING_DOWN": grpc.StatusCode.UNAVAILABLE,
-    "TOO_MANY_SESSIONS": grpc.StatusCode.RESOURCE_EXHAUSTED,
-    "OVERLOADED": grpc.StatusCode.RESOURCE_EXHAUSTED,
-    "RATE_EXCEEDED": grpc.StatusCode.RESOURCE_EXHAUSTED,
-    "SESSION_BUSY": grpc.StatusCode.RESOURCE_EXHAUSTED,
-    "TOO_MANY_REASON_CALLS": grpc.StatusCode.RESOURCE_EXHAUSTED,
-    "TOO_MANY_DYNAMICS_CALLS": grpc.StatusCode.RESOURCE_EXHAUSTED,
-    "DYNAMICS_OFF": grpc.StatusCode.FAILED_PRECONDITION,
-    "PAYLOAD_TOO_LARGE": grpc.StatusCode.RESOURCE_EXHAUSTED,
-    "CANCELLED": grpc.StatusCode.CANCELLED,
-    "DEADLINE_EXCEEDED": grpc.StatusCode.DEADLINE_EXCEEDED,
-    "NON_FINITE_OUTPUT": grpc.StatusCode.INTERNAL,
-    "ENGINE_ERROR": grpc.StatusCode.INTERNAL,
-    "INTERNAL": grpc.StatusCode.INTERNAL,
-    "UNAUTHENTICATED": grpc.StatusCode.UNAUTHENTICATED,
-}
-
 
 # Every text an error carries is clipped: trailing metadata is small, and a client's own input
 # (a session id, a camera name) must not make the error about it too large to send.
@@ -52,10 +27,6 @@ _MAX_TEXT = 400
 
 def _clip(text: str) -> str:
     return text if len(text) <= _MAX_TEXT else text[: _MAX_TEXT - 3] + "..."
-
-
-def status_for(reason: str) -> grpc.StatusCode:
-    return _STATUS_BY_REASON.get(reason, grpc.StatusCode.INVALID_ARGUMENT)
 
 
 class ServiceError(Exception):
@@ -73,8 +44,9 @@ class ServiceError(Exception):
     def reason(self) -> str:
         return self.detail.reason
 
-    def trailing_metadata(self) -> tuple[tuple[str, str | bytes], ...]:
-        return error_metadata(self.detail)
+    def status(self) -> grpc.Status:
+        """The status to end the call with: code, message and the standard error details."""
+        return rich_status(self.detail)
 
 
 def make_error(
@@ -123,9 +95,8 @@ def from_exception(exc: BaseException) -> ServiceError:
 
 
 def abort(context: grpc.ServicerContext, error: ServiceError) -> None:
-    """End the call with the error's status, message and trailing metadata (raises)."""
-    context.set_trailing_metadata(error.trailing_metadata())
-    context.abort(error.code, error.detail.message)
+    """End the call with the error's status, message and details (raises)."""
+    context.abort_with_status(error.status())
 
 
 @dataclass(frozen=True)
