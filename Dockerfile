@@ -27,12 +27,13 @@ RUN pip install .
 RUN useradd --create-home --uid 10001 policy
 USER policy
 
-# 50051 gRPC, 8000 openpi WebSocket, 9090 Prometheus /metrics
-EXPOSE 50051 8000 9090
+# 50051 gRPC, 8000 openpi WebSocket, 9464 Prometheus /metrics (the OpenTelemetry Prometheus exporter's
+# default; 9090 is Prometheus' own port, where a scraper beside this container would already listen)
+EXPOSE 50051 8000 9464
 
 # Health stays reachable without the auth token; SERVING only once the model is warm.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=300s --retries=3 \
     CMD ["python", "-m", "policy_server.client", "health", "--server", "127.0.0.1:50051"]
 
 ENTRYPOINT ["policy-server"]
-CMD ["--host", "0.0.0.0", "--port", "50051", "--device", "cuda", "--metrics-port", "9090", "--metrics-host", "0.0.0.0"]
+CMD ["--host", "0.0.0.0", "--port", "50051", "--device", "cuda", "--metrics-port", "9464", "--metrics-host", "0.0.0.0"]

@@ -62,7 +62,8 @@ def test_dockerfile_copies_existing_paths_and_runs_the_server(dockerfile, script
     assert entrypoint == ["policy-server"] and module_file(scripts["policy-server"]).exists()
     config = cli.config_from_args(exec_form(instructions["CMD"]))  # the default flags validate
     assert config.device == "cuda" and config.port == 50051
-    assert set(instructions["EXPOSE"].split()) == {"50051", "8000", "9090"}
+    assert set(instructions["EXPOSE"].split()) == {"50051", "8000", "9464"}
+    assert config.metrics_port == 9464  # exposed, and not Prometheus' own 9090
     assert instructions["USER"] != "root"
 
 
@@ -86,7 +87,7 @@ def test_compose_server_reserves_a_gpu_on_an_internal_network(compose):
     for mapping in server.get("ports", []):
         assert str(mapping).startswith("127.0.0.1:"), f"port {mapping} would be exposed beyond loopback"
     config = cli.config_from_args(server["command"])
-    assert (config.port, config.metrics_port, config.websocket_port) == (50051, 9090, 8000)
+    assert (config.port, config.metrics_port, config.websocket_port) == (50051, 9464, 8000)
 
 
 def test_compose_robot_waits_for_a_healthy_server(compose, scripts):

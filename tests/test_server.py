@@ -5,19 +5,24 @@ from __future__ import annotations
 
 import threading
 import time
+import tomllib
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
 from fake_engine import BEST_ACHIEVABLE_MS, PUSHT, FakeEngine, expected_actions, self_signed_cert, serve_fake
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+from prometheus_client.parser import text_string_to_metric_families
 
 from policy_server.client import PolicyClient, PolicyServerError
 from policy_server.engine.api import Observation
+from policy_server.v1 import policy_server_pb2 as pb
 
 STATE = np.array([0.5, -0.25], np.float32)
+REPO = Path(__file__).resolve().parents[1]
 
 
 def frame(seed=0, height=48, width=64):
@@ -164,25 +169,99 @@ def test_reflection_is_off_by_default():
         assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
-def test_metrics_endpoint_exports_ticks_stages_cache_and_sessions(server, client):
+def scrape(server, token: str | None = None) -> dict[tuple[str, frozenset], float]:
+    """The server's /metrics, parsed: (sample name, its labels) -> value."""
+    request = urllib.request.Request(f"http://127.0.0.1:{server.metrics_port}/metrics",
+                                     headers={"Authorization": f"Bearer {token}"} if token else {})
+    text = urllib.request.urlopen(request, timeout=5).read().decode()
+    return {(sample.name, frozenset(sample.labels.items())): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+def sample(samples, name: str, **labels) -> float:
+    return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+def test_metrics_export_ticks_in_seconds_cache_sessions_process_and_build(server, client):
     session = client.open_session("pusht", "measure")
+    before = scrape(server)
     client.act(session, {"image": frame()}, STATE, encoding="png")
-    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).read().decode()
+    after = scrape(server)
     client.close_session(session)
-    lines = text.splitlines()
 
-    def value(prefix: str) -> float:
-        return float(next(line for line in lines if line.startswith(prefix)).rsplit(" ", 1)[1])
+    def added(name: str, **labels) -> float:
+        return sample(after, name, **labels) - sample(before, name, **labels)
 
-    assert value('policy_server_ticks_total{transport="grpc"}') >= 1
-    assert value('policy_server_cache_decisions_total{decision="full"}') >= 12
-    assert value('policy_server_cache_decisions_total{decision="forced_skip"}') >= 1
-    assert value('policy_server_stage_latency_ms_count{stage="total"}') >= 1
-    assert value('policy_server_stage_latency_ms_count{stage="served"}') >= 1
-    assert value("policy_server_sessions") >= 1
-    assert value("policy_server_ready") == 1
-    assert "policy_server_queue_depth" in text and "policy_server_deadline_misses_total" in text
-    assert value('policy_server_batch_size_bucket{le="1.0"}') >= 1  # the fake engine runs ticks alone
+    assert added("policy_server_ticks_total", transport="grpc") == 1
+    assert added("policy_server_cache_decisions_total", decision="full") == 12
+    assert added("policy_server_cache_decisions_total", decision="forced_skip") == 1
+    # The fake tick: denoise 2.5 ms of a 3 ms total; stages and total are separate metrics, in seconds.
+    assert added("policy_server_stage_duration_seconds_count", stage="denoise") == 1
+    assert added("policy_server_stage_duration_seconds_sum", stage="denoise") == pytest.approx(0.0025)
+    assert not any(name.startswith("policy_server_stage") and ("stage", "total") in labels for name, labels in after)
+    assert added("policy_server_tick_duration_seconds_sum", transport="grpc") == pytest.approx(0.003)
+    assert added("policy_server_tick_duration_seconds_bucket", transport="grpc", le="0.005") == 1
+    assert added("policy_server_tick_duration_seconds_bucket", transport="grpc", le="0.002") == 0
+    assert added("policy_server_tick_served_duration_seconds_count", transport="grpc") == 1
+    assert added("policy_server_tick_served_duration_seconds_sum", transport="grpc") > 0
+    assert [labels for name, labels in after if name == "policy_server_tick_duration_seconds_bucket"
+            and ("transport", "grpc") in labels] == [
+        frozenset({("transport", "grpc"), ("le", le)}) for le in
+        ("0.001", "0.002", "0.005", "0.01", "0.02", "0.035", "0.05", "0.075", "0.1", "0.11", "0.12", "0.13", "0.15",
+         "0.2", "0.3", "0.5", "1.0", "2.0", "5.0", "10.0", "+Inf")]
+    assert sample(after, "policy_server_sessions") == 1 and sample(after, "policy_server_ready") == 1
+    assert ("policy_server_queue_depth", frozenset()) in after and ("policy_server_deadline_misses_total",
+                                                                   frozenset()) in after
+    assert added("policy_server_batch_size_bucket", le="1.0") == 1  # the fake engine runs ticks alone
+    assert sample(after, "process_resident_memory_bytes") > 0 and sample(after, "process_cpu_seconds_total") > 0
+    info = client.server_info()
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    build = {"version": version, "model": info.model.name, "model_digest": info.model.digest}
+    assert [(labels, value) for (name, labels), value in after.items() if name == "policy_server_build_info"] == [
+        (frozenset(build.items()), 1.0)]
+
+
+def test_grpc_calls_are_counted_per_method_and_status_code(server, client):
+    def handled(method: str, code: str, grpc_type: str = "unary") -> float:
+        return sample(scrape(server), "grpc_server_handled_total", grpc_type=grpc_type,
+                      grpc_service="policy_server.v1.PolicyService", grpc_method=method, grpc_code=code)
+
+    def reason(prompt: str):  # read to the status: the client library stops reading at the last piece
+        return list(client.stub.Reason(pb.ReasonRequest(prompt=prompt, max_new_tokens=8), timeout=5))
+
+    def control(*requests: pb.ControlRequest):  # send, half-close, read to the status
+        return list(client.stub.Control(iter(requests), timeout=5))
+
+    session = client.open_session("pusht", "count calls")
+    calls = [  # (method, its type, what the client does, the code it gets)
+        ("GetServerInfo", "unary", client.server_info, "OK"),
+        ("OpenSession", "unary", lambda: client.open_session("no-such-robot", "push"), "INVALID_ARGUMENT"),
+        ("CloseSession", "unary", lambda: client.close_session("no-such-session"), "NOT_FOUND"),
+        ("Reason", "server_stream", lambda: reason("pick the cube"), "OK"),
+        ("Reason", "server_stream", lambda: reason("   "), "INVALID_ARGUMENT"),
+        ("Control", "bidi_stream", lambda: control(pb.ControlRequest(start=pb.ControlStart(
+            session_id=session.session_id))), "OK"),
+        ("Control", "bidi_stream", lambda: control(pb.ControlRequest(start=pb.ControlStart(
+            session_id="no-such-session"))), "NOT_FOUND"),
+        ("Control", "bidi_stream", lambda: control(pb.ControlRequest(ping=pb.Ping(client_time_ns=1))),
+         "FAILED_PRECONDITION"),
+        ("CloseSession", "unary", lambda: client.close_session(session), "OK"),
+    ]
+    for method, grpc_type, do, code in calls:
+        before = handled(method, code, grpc_type)
+        if code == "OK":
+            do()
+        else:
+            with pytest.raises((PolicyServerError, grpc.RpcError)) as error:
+                do()
+            got = error.value.code if isinstance(error.value, PolicyServerError) else error.value.code()
+            assert got.name == code
+        assert handled(method, code, grpc_type) == before + 1, (method, code)
+    with grpc.insecure_channel(server.target) as channel:  # an unknown method makes no label
+        with pytest.raises(grpc.RpcError) as error:
+            channel.unary_unary("/policy_server.v1.PolicyService/NoSuchMethod")(b"", timeout=5)
+    assert error.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert not any(("grpc_method", "NoSuchMethod") in labels for _, labels in scrape(server))
 
 
 def test_deadline_misses_are_counted(server, client):
@@ -282,9 +361,13 @@ def test_metrics_need_the_token_when_the_server_does_and_stay_on_loopback(tmp_pa
         wrong = urllib.request.Request(url, headers={"Authorization": "Bearer nope"})
         with pytest.raises(urllib.error.HTTPError):
             urllib.request.urlopen(wrong, timeout=5)
-        scrape = urllib.request.Request(url, headers={"Authorization": "Bearer metrics-secret"})
-        text = urllib.request.urlopen(scrape, timeout=5).read().decode()
-        assert "policy_server_sessions" in text and "policy_server_errors" in text
+        with PolicyClient(running.target) as anonymous, pytest.raises(PolicyServerError):
+            anonymous.server_info()
+        samples = scrape(running, token="metrics-secret")
+        assert ("policy_server_sessions", frozenset()) in samples
+        refused = {"grpc_type": "unary", "grpc_service": "policy_server.v1.PolicyService",
+                   "grpc_method": "GetServerInfo", "grpc_code": "UNAUTHENTICATED"}
+        assert sample(samples, "grpc_server_handled_total", **refused) == 1
 
 
 def test_a_float64_state_float32_cannot_hold_is_refused_not_turned_into_inf(client):

@@ -8,6 +8,9 @@ import os
 import socket
 import subprocess
 import sys
+import tomllib
+import urllib.request
+from pathlib import Path
 
 import cv2
 import grpc
@@ -16,6 +19,7 @@ import pytest
 from google.rpc import error_details_pb2
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from grpc_status import rpc_status
+from prometheus_client.parser import text_string_to_metric_families
 
 from policy_server.client import ControlStream, PolicyClient, PolicyServerError, build_observation
 from policy_server.v1 import policy_server_pb2 as pb
@@ -34,17 +38,17 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """The client of a running server process, and the path of its log."""
+    """The client of a running server process, the path of its log and the URL of its /metrics."""
     model_dir = tmp_path_factory.mktemp("e2e-model")
     build_random_pipeline(model_dir, seed=2)
-    port = _free_port()
+    port, metrics_port = _free_port(), _free_port()
     logs = tmp_path_factory.mktemp("e2e-log")
     (logs / "token").write_text(TOKEN)
     log = open(logs / "server.log", "w+")
     process = subprocess.Popen(
         [sys.executable, "-m", "policy_server.cli", "--checkpoint", str(model_dir), "--port", str(port),
          "--latency-budget-ms", "5000", "--device", "cpu", "--reflection", "--auth-token-file", str(logs / "token"),
-         "--max-message-mb", str(MAX_MESSAGE_MB), "--max-dynamics-calls", "2"],
+         "--max-message-mb", str(MAX_MESSAGE_MB), "--max-dynamics-calls", "2", "--metrics-port", str(metrics_port)],
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     client = PolicyClient(f"127.0.0.1:{port}", timeout_s=30, token=TOKEN)
@@ -54,7 +58,7 @@ def served(tmp_path_factory):
         log.seek(0)
         process.kill()
         raise AssertionError("server did not become SERVING:\n" + log.read()) from None
-    yield client, logs / "server.log"
+    yield client, logs / "server.log", f"http://127.0.0.1:{metrics_port}/metrics"
     client.close()
     process.terminate()
     process.wait(timeout=30)
@@ -69,6 +73,14 @@ def server(served):
 @pytest.fixture(scope="module")
 def server_log(served):
     return served[1]
+
+
+def scrape(url: str) -> dict[tuple[str, frozenset], float]:
+    """/metrics, with the server's token, parsed: (sample name, its labels) -> value."""
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {TOKEN}"})
+    text = urllib.request.urlopen(request, timeout=30).read().decode()
+    return {(sample.name, frozenset(sample.labels.items())): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
 
 
 def _image(seed=0):
@@ -87,6 +99,35 @@ def test_session_act_and_record(server):
     assert chunk.first_step_index == 5
     assert chunk.tick.deadline_met
     server.close_session(session)
+
+
+def test_metrics_describe_the_served_weights_and_count_ticks_and_calls(served):
+    server, _, metrics_url = served
+    info = server.server_info()
+    session = server.open_session("pusht", "reach the green circle")
+    before = scrape(metrics_url)
+    server.act(session, {"image": _image()}, STATE, step_index=1)
+    with pytest.raises(PolicyServerError):
+        server.act(session, {"image": _image()}, np.array([0.6, 0.2], np.float32), step_index=2)  # off the table
+    after = scrape(metrics_url)
+    server.close_session(session)
+
+    def added(name: str, **labels) -> float:
+        key = (name, frozenset(labels.items()))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    build = [(dict(labels), value) for (name, labels), value in after.items() if name == "policy_server_build_info"]
+    version = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]["version"]
+    assert build == [({"version": version, "model": info.model.name, "model_digest": info.model.digest}, 1.0)]
+    act = {"grpc_type": "unary", "grpc_service": "policy_server.v1.PolicyService", "grpc_method": "Act"}
+    assert (added("grpc_server_handled_total", **act, grpc_code="OK"),
+            added("grpc_server_handled_total", **act, grpc_code="INVALID_ARGUMENT")) == (1, 1)
+    assert added("policy_server_tick_duration_seconds_count", transport="grpc") == 1
+    tick_s = added("policy_server_tick_duration_seconds_sum", transport="grpc")
+    stages_s = sum(after[key] - before.get(key, 0.0) for key in after
+                   if key[0] == "policy_server_stage_duration_seconds_sum")
+    assert 0 < stages_s <= tick_s <= added("policy_server_tick_served_duration_seconds_sum", transport="grpc")
+    assert after[("process_resident_memory_bytes", frozenset())] > 0
 
 
 def test_control_stream_answers_each_observation(server):

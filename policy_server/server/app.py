@@ -15,13 +15,14 @@ from concurrent import futures
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from policy_server.config import ServerConfig
 from policy_server.engine.api import Engine
 from policy_server.server.auth import TokenAuthInterceptor, read_token_file
 from policy_server.server.errors import lenient_parser
-from policy_server.server.metrics import ServerMetrics
+from policy_server.server.grpc_metrics import GrpcMetricsInterceptor
+from policy_server.server.metrics import LATENCY_BUCKETS_S, ServerMetrics
 from policy_server.server.servicer import PolicyServicer
 from policy_server.server.websocket import OpenpiWebsocketServer
 from policy_server.v1 import policy_server_pb2 as pb
@@ -92,7 +93,13 @@ class PolicyServer:
 
     def start(self) -> PolicyServer:
         cfg = self.config
-        interceptors = [TokenAuthInterceptor(self._token)] if self._token else []
+        services = [pb.DESCRIPTOR.services_by_name["PolicyService"], health_pb2.DESCRIPTOR.services_by_name["Health"]]
+        if cfg.reflection:
+            services.append(reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"])
+        # Metrics first, so that the calls authentication refuses are counted too.
+        interceptors = [GrpcMetricsInterceptor(self.metrics.registry, services, LATENCY_BUCKETS_S)]
+        if self._token:
+            interceptors.append(TokenAuthInterceptor(self._token))
         # Each Control stream and Reason call holds a thread for its lifetime, so size the pool for every
         # session streaming at once plus room for unary calls. Calls beyond it are refused at once
         # (RESOURCE_EXHAUSTED) rather than queued behind calls that may last an episode.

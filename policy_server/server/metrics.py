@@ -1,25 +1,37 @@
 """Prometheus metrics, exposed on their own HTTP port (``--metrics-port``, on ``--metrics-host``).
 
-Each server owns its registry, so several servers in one process (tests) never collide.
-Latencies are in ms; the histogram buckets bracket the default 120 ms budget finely. When the server
-requires a token, so does ``/metrics`` (``Authorization: Bearer <token>``, as Prometheus'
-``authorization`` scrape setting sends it): session counts and error reasons are not for everyone.
+Each server owns its registry, so several servers in one process (tests) never collide. Names follow
+Prometheus' conventions: base units (durations in seconds), ``_total`` on counters, an ``_info`` gauge
+for the build. The latency buckets run from 1 ms to 10 s and bracket the default 120 ms budget
+finely. When the server requires a token, so does ``/metrics`` (``Authorization: Bearer <token>``, as
+Prometheus' ``authorization`` scrape setting sends it): session counts and error reasons are not for everyone.
 """
 
 from __future__ import annotations
 
 import http
+import importlib.metadata
 import socket
 import threading
 from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    PlatformCollector,
+    ProcessCollector,
+    make_wsgi_app,
+)
 
 from policy_server.engine.api import ActResult, Engine
 from policy_server.server.auth import bearer_token_matches
 
-_LATENCY_BUCKETS_MS = (1, 2, 5, 10, 20, 35, 50, 75, 100, 110, 120, 130, 150, 200, 300, 500, 1000, 2000, 5000)
+LATENCY_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.11, 0.12, 0.13, 0.15, 0.2, 0.3,
+                     0.5, 1, 2, 5, 10)
 
 
 class ServerMetrics:
@@ -28,13 +40,29 @@ class ServerMetrics:
     def __init__(self, engine: Engine) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.stage_ms = Histogram(
-            "policy_server_stage_latency_ms",
-            "Per-stage latency of one tick (ms); "
-            "stage 'served' is request-in to answer-ready inside the server",
-            ["stage"],
-            buckets=_LATENCY_BUCKETS_MS,
-            registry=r,
+        ProcessCollector(registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
+        PlatformCollector(registry=r)  # python_info
+        info = engine.info()
+        Info("policy_server_build", "The server's version and the model it serves", registry=r).info({
+            "version": importlib.metadata.version("policy-server"),
+            "model": info.model_name,
+            "model_digest": info.model_digest,
+        })
+        # A tick's time, three ways: the engine's stages (they add up to about the tick's total), the
+        # total (queue wait included), and what the transport saw (request in to answer ready).
+        self.stage_seconds = Histogram(
+            "policy_server_stage_duration_seconds",
+            "Time one tick spent in each engine stage (queue, encode, prefill, denoise, decode, preview)",
+            ["stage"], buckets=LATENCY_BUCKETS_S, registry=r,
+        )
+        self.tick_seconds = Histogram(
+            "policy_server_tick_duration_seconds", "Engine time of one tick, queue wait included",
+            ["transport"], buckets=LATENCY_BUCKETS_S, registry=r,
+        )
+        self.served_seconds = Histogram(
+            "policy_server_tick_served_duration_seconds",
+            "Request received to answer ready inside the server, per tick",
+            ["transport"], buckets=LATENCY_BUCKETS_S, registry=r,
         )
         self.ticks = Counter("policy_server_ticks", "Action chunks served", ["transport"], registry=r)
         self.deadline_misses = Counter(
@@ -81,8 +109,10 @@ class ServerMetrics:
         tick = result.tick
         self.ticks.labels(transport).inc()
         for stage, ms in tick.actual_ms.items():
-            self.stage_ms.labels(stage).observe(ms)
-        self.stage_ms.labels("served").observe(served_ms)
+            if stage != "total":
+                self.stage_seconds.labels(stage).observe(ms / 1e3)
+        self.tick_seconds.labels(transport).observe(tick.actual_ms["total"] / 1e3)
+        self.served_seconds.labels(transport).observe(served_ms / 1e3)
         if not tick.deadline_met:
             self.deadline_misses.inc()
         for decision, count in (
