@@ -53,7 +53,6 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-import robots.envs  # noqa: F401  (registers the environments)
 from policy_server.budget.cost_model import FULL, PAIR, SKIP
 from policy_server.budget.planner import MAX_CACHING
 from policy_server.budget.profile import ProfileError, ProfilePoint, QualityProfile
@@ -75,9 +74,9 @@ from policy_server.engine.tick import step_calls
 from policy_server.limits import MAX_BUDGET_MS
 from policy_server.pipeline.embodiments import Embodiment
 from policy_server.pipeline.policy import CheckpointLoadError, PolicyOutput, PolicyPipeline, PolicyRequest, TickSteps
-from robots.envs.reach import HELDOUT_SEED_OFFSET
+from robots.envs import HELDOUT_SEED_OFFSET, REACH_ID
 from robots.expert import expert_observations
-from robots.rollout import TickStats, run_episode
+from robots.rollout import TickStats, run_episodes
 
 SCHEMA = 1
 
@@ -341,7 +340,7 @@ def closed_loop(policies: dict, episodes: int, execute: int) -> dict[str, float]
     """Success rate of each config's policy over the same held-out episodes (seed indices 0..N-1)."""
     rates = {}
     for name, policy in tqdm(policies.items(), desc="closed loop", unit="config"):
-        results = [run_episode(policy, i, execute, record_video=False) for i in range(episodes)]
+        results = run_episodes(policy, REACH_ID, range(episodes), num_envs=1, execute=execute)
         rates[name] = float(np.mean([r.success for r in results]))
     return rates
 

@@ -35,7 +35,7 @@ def collect_episode(env: gym.Env, expert: ReachExpert, seed: int, target: int | 
         color = env.unwrapped.scene.object_colors[target]
         obs, info = env.reset(seed=seed, options={"target_color": color})  # same scene, this target
     frames, states, actions = [obs["image"]], [obs["state"]], []
-    instruction = obs["instruction"]
+    instruction = env.unwrapped.task_description
     done = False
     while not done:
         action = expert(env)

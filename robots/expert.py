@@ -41,7 +41,7 @@ class ReachExpert:
 
 def expert_observations(count: int, first_seed: int, stride: int = 1) -> list[dict]:
     """`count` Reach observations along expert episodes on seeds `first_seed`, `first_seed + 1`, ...: every
-    `stride`-th control step of each episode, from its first."""
+    `stride`-th control step of each episode, from its first; each with its episode's `instruction`."""
     env = gym.make("PolicyServer/Reach-v0")
     expert = ReachExpert()
     observations: list[dict] = []
@@ -51,7 +51,7 @@ def expert_observations(count: int, first_seed: int, stride: int = 1) -> list[di
         step, done = 0, False
         while not done and len(observations) < count:
             if step % stride == 0:
-                observations.append(obs)
+                observations.append({**obs, "instruction": env.unwrapped.task_description})
             obs, _, terminated, truncated, _ = env.step(expert(env))
             step, done = step + 1, terminated or truncated
         episode += 1

@@ -1,14 +1,16 @@
-"""`policy-rollout`: closed-loop episodes of the built-in Reach task driven by the policy.
+"""`policy-rollout`: closed-loop episodes of a built-in Reach task driven by the policy.
 
-    policy-rollout --server 127.0.0.1:50051 --episodes 100 --parallel 4
+    policy-rollout --server 127.0.0.1:50051 --episodes 100 --num-envs 4
     policy-rollout --in-process --episodes 100 --latency-budget-ms 60 --out runs/reach.json --videos 4
 
-Each environment gets its own session; a tick sends the camera frame and effector state, and the
+`--num-envs` episodes run at once in a gymnasium vector env (asynchronous, a process per environment, when
+more than one), each with its own session; a tick sends the camera frame and effector state, and the
 robot executes the first `--execute` actions of the returned chunk before asking again. Episodes use
-held-out seeds (never seen in the demonstrations). The JSON report holds the success rate, episode
-lengths, per-tick latency (p50/p99), deadline misses and cache decisions; a PNG summary sits beside
-it, and `--videos N` writes MP4s of the first N episodes with the predicted future frames (the
-session's preview frames, in-process only) beside the real ones.
+held-out seeds (never seen in the demonstrations): episode i has seed `HELDOUT_SEED_OFFSET + i`, whatever
+`--num-envs`. The JSON report holds the success rate, episode lengths, per-tick latency (p50/p99),
+deadline misses and cache decisions; a PNG summary sits beside it, and `--videos N` writes MP4s of the
+first N episodes with the predicted future frames (the session's preview frames, in-process only)
+beside the real ones.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections import deque
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,9 +28,8 @@ import cv2
 import gymnasium
 import numpy as np
 
-import robots.envs  # noqa: F401  (registers the environments)
 from policy_server.limits import MAX_BUDGET_MS
-from robots.envs.reach import HELDOUT_SEED_OFFSET
+from robots.envs import ENV_IDS, HELDOUT_SEED_OFFSET, REACH_ID, ReachScene
 
 
 @dataclass
@@ -88,7 +91,7 @@ class InProcessPolicy:
     as preview frames. `sampler_overrides` (`num_steps`, `guidance`) replace the checkpoint's sampler
     settings: the pipeline is built with the validated overridden config."""
 
-    def __init__(self, checkpoint: Path | None, budget_ms: float, cache: bool, parallel: int,
+    def __init__(self, checkpoint: Path | None, budget_ms: float, cache: bool, num_envs: int,
                  sampler_overrides: dict):
         import torch
 
@@ -103,7 +106,7 @@ class InProcessPolicy:
             pipeline = PolicyPipeline(pipeline.transformer, pipeline.vae, pipeline.tokenizer, pipeline.embodiments,
                                       config, pipeline.served_embodiments, pipeline.digest)
         self.engine = ModelEngine(pipeline, EngineSettings(default_budget_ms=budget_ms, diffusion_cache=cache,
-                                                           max_sessions=max(4, parallel)))
+                                                           max_sessions=max(4, num_envs)))
         self.engine.start()
         self.engine.wait_ready()
 
@@ -121,34 +124,108 @@ class InProcessPolicy:
         self.engine.close_session(session.session_id)
 
 
-def run_episode(policy, index: int, execute: int, record_video: bool) -> EpisodeResult:
-    env = gymnasium.make("PolicyServer/Reach-v0", render_mode="rgb_array", render_size=128)
-    seed = HELDOUT_SEED_OFFSET + index
-    obs, _ = env.reset(seed=seed)
-    session = policy.open(obs["instruction"], seed, preview=record_video)
-    result = EpisodeResult(seed=seed, instruction=obs["instruction"], success=False, steps=0)
-    done = False
+@dataclass
+class _Running:
+    """A sub-environment's episode in progress: its session and what is left of its last chunk."""
+
+    position: int  # in the order of the episodes asked for
+    result: EpisodeResult
+    session: object
+    record_video: bool
+    actions: deque = field(default_factory=deque)  # the last chunk's actions not executed yet, [action_dim] each
+    predicted: np.ndarray | None = None  # the last chunk's predicted frames, when recording
+    executed: int = 0  # actions executed from the last chunk
+
+
+def run_episodes(policy, env_id: str, indices: Sequence[int], num_envs: int, execute: int,
+                 videos: int = 0) -> list[EpisodeResult]:
+    """One episode per held-out seed index in `indices` (seed `HELDOUT_SEED_OFFSET + index`), up to `num_envs` at
+    once in a gymnasium vector env of `env_id`; the first `videos` episodes record side-by-side frames. The results
+    come in the order of `indices`.
+
+    As in LeRobot's evaluation, several environments run asynchronously (a process each, observations in shared
+    memory) and a single one in this process. A sub-environment whose episode ends starts the next pending one
+    before the next step (a masked reset on that episode's seed), so an episode does not depend on `num_envs`;
+    gymnasium's next-step autoreset only reaches sub-environments left without an episode at the end, and their
+    steps are discarded.
+    """
+    num_envs = min(num_envs, len(indices))
+    parallel = num_envs > 1
+    envs = gymnasium.make_vec(
+        env_id, num_envs, vectorization_mode="async" if parallel else "sync",
+        # Workers start from a clean process, not as forks of one running model threads.
+        vector_kwargs={"context": "forkserver"} if parallel else {},
+        render_mode="rgb_array", render_size=128)
+    no_action = np.zeros(envs.single_action_space.shape, envs.single_action_space.dtype)
+    pending = iter(enumerate(indices))  # (position, seed index)
+    running: list[_Running | None] = [None] * num_envs
+    results: list[EpisodeResult | None] = [None] * len(indices)
+
+    def start(slots: list[int], obs: dict | None) -> dict | None:
+        """Start the next pending episodes on sub-environments `slots`; the batch's observations after."""
+        starting = dict(zip(slots, pending, strict=False))  # fewer when the episodes run out
+        if not starting:
+            return obs
+        seeds = [HELDOUT_SEED_OFFSET + starting[i][1] if i in starting else None for i in range(num_envs)]
+        obs, _ = envs.reset(seed=seeds, options={"reset_mask": np.array([i in starting for i in range(num_envs)])})
+        instructions = envs.call("task_description")
+        for i, (position, _) in starting.items():
+            record = position < videos
+            result = EpisodeResult(seed=seeds[i], instruction=instructions[i], success=False, steps=0)
+            running[i] = _Running(position, result, policy.open(instructions[i], seeds[i], preview=record), record)
+        return obs
+
+    def ask(slot: int):
+        run = running[slot]
+        return policy.act(run.session, {"image": obs["image"][slot], "state": obs["state"][slot]}, run.result.steps,
+                          want_video=run.record_video)
+
     try:
-        while not done:
-            actions, stats, predicted = policy.act(session, obs, result.steps, want_video=record_video)
-            result.ticks.append(stats)
-            for k, action in enumerate(actions[:execute]):
-                obs, _, terminated, truncated, info = env.step(action)
-                result.steps += 1
-                if record_video:
-                    result.frames.append(_side_by_side(env.render(), predicted, k + 1))
-                done = terminated or truncated
-                if done:
-                    result.success = bool(info["is_success"])
-                    break
-        scene = env.unwrapped.scene
-        nearest = int(np.argmin(np.linalg.norm(scene.object_xy - scene.effector_xy, axis=1)))
-        result.target_color, result.nearest_color = scene.target_color, scene.object_colors[nearest]
-        result.final_distance_m = scene.distance_to_target()
+        obs = start(list(range(num_envs)), None)
+        with ThreadPoolExecutor(max_workers=num_envs) as pool:
+            while any(run is not None for run in running):
+                # Sessions whose chunk is spent ask at once, so that the engine can batch their ticks.
+                asking = [i for i, run in enumerate(running) if run is not None and not run.actions]
+                for i, (actions, stats, predicted) in zip(asking, pool.map(ask, asking), strict=True):
+                    run = running[i]
+                    run.result.ticks.append(stats)
+                    run.actions, run.predicted, run.executed = deque(actions[:execute]), predicted, 0
+                obs, _, terminated, truncated, _ = envs.step(
+                    np.stack([no_action if run is None else run.actions.popleft() for run in running]))
+                recording = any(run is not None and run.record_video for run in running)
+                frames = envs.call("render") if recording else None
+                ended = []
+                for i, run in enumerate(running):
+                    if run is None:
+                        continue
+                    run.result.steps += 1
+                    run.executed += 1
+                    if run.record_video:
+                        run.result.frames.append(_side_by_side(frames[i], run.predicted, run.executed))
+                    if terminated[i] or truncated[i]:
+                        ended.append(i)
+                if ended:
+                    scenes = envs.call("scene")  # still the final ones: an autoreset would come with the next step
+                    for i in ended:
+                        _score(running[i].result, scenes[i])
+                        results[running[i].position] = running[i].result
+                        policy.close(running[i].session)
+                        running[i] = None
+                    obs = start(ended, obs)
     finally:
-        policy.close(session)
-        env.close()
-    return result
+        for run in running:
+            if run is not None:
+                policy.close(run.session)
+        envs.close()
+    return results
+
+
+def _score(result: EpisodeResult, scene: ReachScene) -> None:
+    """Fill in how the episode ended from its final scene."""
+    nearest = int(np.argmin(np.linalg.norm(scene.object_xy - scene.effector_xy, axis=1)))
+    result.success = scene.success
+    result.target_color, result.nearest_color = scene.target_color, scene.object_colors[nearest]
+    result.final_distance_m = scene.distance_to_target()
 
 
 def _side_by_side(real: np.ndarray, predicted: np.ndarray | None, offset: int) -> np.ndarray:
@@ -246,17 +323,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-steps", type=int, default=None, help="in-process: sampler steps (policy.json)")
     parser.add_argument("--guidance", type=float, default=None, help="in-process: CFG scale (policy.json)")
     parser.add_argument("--episodes", type=int, default=100)
-    parser.add_argument("--parallel", type=int, default=1,
-                        help="environments (and sessions) at once; they share one model worker, so "
-                        "queueing counts against each tick's budget")
+    parser.add_argument("--env-id", default=REACH_ID, choices=ENV_IDS, help=f"gymnasium id (default {REACH_ID})")
+    parser.add_argument("--num-envs", type=int, default=1,
+                        help="episodes at once, each in a sub-environment of one vector env with its own session; "
+                        "they share one model worker, so queueing counts against each tick's budget")
     parser.add_argument("--execute", type=int, default=4, help="actions executed per chunk before replanning")
     parser.add_argument("--first-episode", type=int, default=0, help="held-out seed index of episode 0")
     parser.add_argument("--videos", type=int, default=0, help="MP4s of the first N episodes (in-process)")
     parser.add_argument("--auth-token-file", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=Path("rollout.json"))
     args = parser.parse_args(argv)
-    if args.episodes < 1 or args.parallel < 1 or args.execute < 1:
-        parser.error("--episodes, --parallel and --execute must be positive")
+    for flag, value in (("--episodes", args.episodes), ("--num-envs", args.num_envs), ("--execute", args.execute)):
+        if value < 1:
+            parser.error(f"{flag} must be a positive integer, got {value}")
     overrides = {k: v for k, v in (("num_steps", args.num_steps), ("guidance", args.guidance)) if v is not None}
     if args.num_steps is not None and args.num_steps < 1 or args.guidance is not None and not args.guidance >= 1:
         parser.error("--num-steps must be >= 1 and --guidance >= 1")
@@ -270,20 +349,18 @@ def main(argv: list[str] | None = None) -> int:
         # Uncached ticks are not budgeted: without --latency-budget-ms they get the largest budget there is.
         default_budget = MAX_BUDGET_MS if args.no_diffusion_cache else 120.0
         policy = InProcessPolicy(args.checkpoint, budget or default_budget, not args.no_diffusion_cache,
-                                 args.parallel, overrides)
+                                 args.num_envs, overrides)
     else:
         policy = ServerPolicy(args.server, budget, args.auth_token_file)
 
     started = time.perf_counter()
     indices = range(args.first_episode, args.first_episode + args.episodes)
-    with ThreadPoolExecutor(max_workers=args.parallel) as pool:
-        futures = [pool.submit(run_episode, policy, i, args.execute, n < args.videos) for n, i in enumerate(indices)]
-        results = [f.result() for f in futures]
+    results = run_episodes(policy, args.env_id, indices, args.num_envs, args.execute, args.videos)
     seconds = time.perf_counter() - started
 
     config = {"server": args.server, "in_process": args.in_process, "latency_budget_ms": budget,
               "diffusion_cache": not args.no_diffusion_cache if args.in_process else None,
-              "execute": args.execute, "parallel": args.parallel,
+              "env_id": args.env_id, "execute": args.execute, "num_envs": args.num_envs,
               "first_episode": args.first_episode, **overrides}
     report = summarize(results, seconds, config)
     args.out.parent.mkdir(parents=True, exist_ok=True)

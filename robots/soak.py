@@ -320,7 +320,7 @@ def run_session(driver: Unary | Stream, result: SessionResult, args: argparse.Na
             if terminated or truncated:
                 episode, step = episode + 1, 0
                 obs, _ = env.reset(seed=episode_seed(args, result.index, episode))
-                instruction = obs["instruction"]
+                instruction = env.unwrapped.task_description
                 try:
                     driver.reset()
                     result.resets += 1
@@ -522,7 +522,8 @@ def open_drivers(args: argparse.Namespace, target: str) -> tuple[list[Unary | St
     for index in range(args.sessions):
         kind = Unary if index % 2 == 0 else Stream
         env = gymnasium.make("PolicyServer/Reach-v0")
-        instruction = env.reset(seed=episode_seed(args, index, 0))[0]["instruction"]
+        env.reset(seed=episode_seed(args, index, 0))
+        instruction = env.unwrapped.task_description
         env.close()
         client = PolicyClient(target, timeout_s=args.timeout_s)
         try:

@@ -112,3 +112,18 @@ def test_rollout_in_process_writes_report_plot_and_video(model_dir, tmp_path):
     assert out.with_suffix(".png").stat().st_size > 0
     videos = list(tmp_path.glob("rollout_episode*.mp4"))
     assert len(videos) == 1 and videos[0].stat().st_size > 0
+
+
+def test_rollout_in_process_with_a_vector_env(model_dir, tmp_path):
+    """Three episodes two at a time (an async vector env) against one engine: each episode has its held-out seed,
+    and the recorded one its video."""
+    out = tmp_path / "rollout.json"
+    assert rollout_main(["--in-process", "--checkpoint", str(model_dir), "--episodes", "3", "--num-envs", "2",
+                         "--num-steps", "2", "--latency-budget-ms", "500", "--videos", "1", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["config"]["num_envs"] == 2
+    assert [e["seed"] for e in report["per_episode"]] == [1_000_000, 1_000_001, 1_000_002]
+    assert set(report["ticks_by_batch_size"]) <= {"1", "2"} and sum(report["ticks_by_batch_size"].values()) == \
+        report["ticks"]
+    videos = list(tmp_path.glob("rollout_episode*.mp4"))
+    assert [v.name for v in videos] == ["rollout_episode1000000.mp4"] and videos[0].stat().st_size > 0

@@ -27,8 +27,8 @@ def test_default_pipeline_answers_a_reach_observation():
     assert pipe.served_embodiments == ["pusht"]
     env = gymnasium.make("PolicyServer/Reach-v0")
     obs, _ = env.reset(seed=HELDOUT_SEED_OFFSET)
-    out = pipe(PolicyRequest(images={"image": obs["image"]}, instruction=obs["instruction"], embodiment="pusht",
-                             state=obs["state"], num_steps=4))
+    out = pipe(PolicyRequest(images={"image": obs["image"]}, instruction=env.unwrapped.task_description,
+                             embodiment="pusht", state=obs["state"], num_steps=4))
     assert out.actions.shape == (8, 2)
     assert np.all(np.isfinite(out.actions))
 
@@ -42,7 +42,7 @@ def test_shipped_policy_heads_for_the_disc_the_instruction_names():
         env.reset(seed=HELDOUT_SEED_OFFSET + index)
         for color in env.unwrapped.scene.object_colors:
             obs, info = env.reset(seed=HELDOUT_SEED_OFFSET + index, options={"target_color": color})
-            out = pipe(PolicyRequest(images={"image": obs["image"]}, instruction=obs["instruction"],
+            out = pipe(PolicyRequest(images={"image": obs["image"]}, instruction=env.unwrapped.task_description,
                                      embodiment="pusht", state=obs["state"], num_steps=10, seed=index))
             heading, to_target = out.actions[:4].mean(0), info["target_xy"] - obs["state"]
             cosines.append(heading @ to_target / (np.linalg.norm(heading) * np.linalg.norm(to_target)))

@@ -24,6 +24,37 @@ def test_passes_gymnasium_env_checker():
     check_env(gym.make(REACH_ID, render_mode="rgb_array").unwrapped, skip_render_check=False)
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_vector_envs_carry_each_instruction_and_the_single_env_observations(mode):
+    """`make_vec` as LeRobot's evaluation uses it: `envs.call("task_description")` gives each sub-environment's
+    instruction (an async env's shared memory would blank a text observation), and every sub-environment sees
+    what a single environment on its seed sees, after a reset of all and after a masked reset of one."""
+    seeds = [11, 12, 13]
+    actions = np.random.default_rng(1).uniform(-0.2, 0.2, size=(5, 3, 2)).astype(np.float32)
+    singles = [gym.make(REACH_ID) for _ in seeds]
+    expected = [env.reset(seed=seed)[0] for env, seed in zip(singles, seeds, strict=True)]
+    envs = gym.make_vec(REACH_ID, num_envs=3, vectorization_mode=mode)
+    try:
+        obs, _ = envs.reset(seed=seeds)
+        for step in range(len(actions) + 1):
+            for i in range(3):
+                np.testing.assert_array_equal(obs["image"][i], expected[i]["image"])
+                np.testing.assert_array_equal(obs["state"][i], expected[i]["state"])
+            instructions = [env.unwrapped.task_description for env in singles]
+            assert list(envs.call("task_description")) == list(envs.call("task")) == instructions
+            if step < len(actions):
+                obs, *_ = envs.step(actions[step])
+                expected = [env.step(a)[0] for env, a in zip(singles, actions[step], strict=True)]
+        assert len(set(instructions)) > 1  # the seeds pick different targets: no sub-env answers for another
+        obs, _ = envs.reset(seed=[None, 99, None], options={"reset_mask": np.array([False, True, False])})
+        expected[1] = singles[1].reset(seed=99)[0]
+        for i in range(3):
+            np.testing.assert_array_equal(obs["image"][i], expected[i]["image"])
+        assert envs.call("task_description")[1] == singles[1].unwrapped.task_description
+    finally:
+        envs.close()
+
+
 def test_registered_ids_make_envs_with_time_limit():
     env = gym.make(REACH_ID)
     assert isinstance(env.unwrapped, ReachEnv)
@@ -62,7 +93,8 @@ def test_observation_shapes_dtypes_and_units():
     assert obs["state"].shape == (2,) and obs["state"].dtype == np.float32
     assert env.observation_space.contains(obs)
     np.testing.assert_allclose(obs["state"], env.scene.effector_xy.astype(np.float32))
-    assert obs["instruction"] == f"reach the {info['target_color']} circle"
+    assert set(obs) == {"image", "state"}  # the instruction is an attribute: see the vector env tests
+    assert env.task_description == env.task == f"reach the {info['target_color']} circle"
     # the named colour is actually drawn: some pixel is close to it
     color = np.array(COLORS[info["target_color"]], dtype=np.int32)
     assert np.min(np.abs(obs["image"].astype(np.int32) - color).sum(-1)) < 30
@@ -80,8 +112,8 @@ def test_instruction_variants_cover_all_colours_and_match_a_present_object():
     env = ReachEnv()
     seen = set()
     for seed in range(60):
-        obs, info = env.reset(seed=seed)
-        seen.add(obs["instruction"])
+        _, info = env.reset(seed=seed)
+        seen.add(env.task_description)
         assert info["target_color"] in env.scene.object_colors
         assert len(set(env.scene.object_colors)) == env.config.num_objects  # colours are distinct
     assert seen == {f"reach the {c} circle" for c in ReachConfig().colors}
@@ -90,8 +122,8 @@ def test_instruction_variants_cover_all_colours_and_match_a_present_object():
 def test_reset_option_fixes_target_colour():
     env = ReachEnv()
     for seed in range(10):
-        obs, info = env.reset(seed=seed, options={"target_color": "yellow"})
-        assert info["target_color"] == "yellow" and obs["instruction"] == "reach the yellow circle"
+        _, info = env.reset(seed=seed, options={"target_color": "yellow"})
+        assert info["target_color"] == "yellow" and env.task_description == "reach the yellow circle"
     with pytest.raises(ValueError, match="purple"):
         env.reset(seed=0, options={"target_color": "purple"})
 

@@ -25,6 +25,8 @@ _REGISTRATIONS = {
     REACH_HARD_ID: {"num_objects": 4},
 }
 
+ENV_IDS = tuple(_REGISTRATIONS)  # every task registered here
+
 for _env_id, _kwargs in _REGISTRATIONS.items():
     if _env_id not in gymnasium.registry:
         gymnasium.register(
@@ -38,6 +40,7 @@ __all__ = [
     "COLORS",
     "DOMAIN_ID",
     "EMBODIMENT",
+    "ENV_IDS",
     "HELDOUT_SEED_OFFSET",
     "REACH_HARD_ID",
     "REACH_ID",

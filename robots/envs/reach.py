@@ -130,8 +130,11 @@ class ReachEnv(gym.Env):
 
     Observation (dict):
         ``image``: uint8 [S, S, 3] RGB top-down view (S = ``config.image_size``),
-        ``state``: float32 [2] effector xy, m,
-        ``instruction``: str, e.g. "reach the red circle".
+        ``state``: float32 [2] effector xy, m.
+    The instruction ("reach the red circle") is not in the observation: it is the attribute
+    ``task_description`` (also ``task``), the names LeRobot's evaluation reads from each sub-environment
+    of a vector env (``envs.call("task_description")``). A text space cannot travel in the shared memory
+    of gymnasium's async vector env: it would arrive blank.
     Action: float32 [2] effector velocity (vx, vy) in m/s, each within ±``config.max_speed``;
     larger values are clipped, non-finite values raise ``ValueError``.
     Reward: 1.0 on the step that reaches the target, else 0.0. The episode terminates on success and
@@ -169,7 +172,6 @@ class ReachEnv(gym.Env):
             {
                 "image": spaces.Box(0, 255, (cfg.image_size, cfg.image_size, 3), dtype=np.uint8),
                 "state": spaces.Box(0.0, cfg.table_size, (STATE_DIM,), dtype=np.float32),
-                "instruction": spaces.Text(max_length=_INSTRUCTION_MAX_LENGTH, charset=_INSTRUCTION_CHARSET),
             }
         )
         # Table backgrounds per render size, cached because the table never changes.
@@ -214,10 +216,17 @@ class ReachEnv(gym.Env):
     # ------------------------------------------------------------------ helpers
 
     @property
-    def instruction(self) -> str:
+    def task_description(self) -> str:
+        """The episode's instruction, e.g. "reach the red circle"."""
         if self.scene is None:
             raise RuntimeError("no instruction before reset()")
         return self.config.instruction_template.format(color=self.scene.target_color)
+
+    @property
+    def task(self) -> str:
+        """The instruction again: LeRobot reads ``task`` where an environment has no ``task_description``, and
+        warns when either is missing."""
+        return self.task_description
 
     def draw(self, size: int) -> np.ndarray:
         """Top-down RGB view of the current scene, uint8 [size, size, 3]."""
@@ -245,7 +254,6 @@ class ReachEnv(gym.Env):
         return {
             "image": self.draw(self.config.image_size),
             "state": self.scene.effector_xy.astype(np.float32),
-            "instruction": self.instruction,
         }
 
     def _info(self) -> dict:

@@ -1,0 +1,124 @@
+"""`policy-rollout`'s vector-env loop: episodes run `--num-envs` at a time come out as they do one by one, against
+a scripted policy in this process and through `--server` against a real gRPC server; bad flags are usage errors."""
+
+import json
+import threading
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from fake_engine import FakeEngine, serve_fake
+
+from robots.envs import COLORS, ENV_IDS, HELDOUT_SEED_OFFSET, REACH_ID
+from robots.rollout import TickStats, main, run_episodes
+
+CHUNK, EXECUTE, EPISODES = 8, 4, 5
+
+
+class SeekerPolicy:
+    """The rollout's policy protocol, scripted: on even seeds it heads for the pixels of the colour the instruction
+    names (reaching it in a varying number of steps), on odd seeds it stands still until the time limit."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.opened, self.closed = [], []
+        self.steps: dict[int, list[int]] = {}  # seed -> step indices it was asked at
+
+    def open(self, instruction: str, seed: int, preview: bool = False):
+        with self.lock:
+            self.opened.append((seed, instruction))
+            self.steps[seed] = []
+        return {"seed": seed, "color": instruction.split()[2]}
+
+    def act(self, session, obs: dict, step: int, want_video: bool = False):
+        with self.lock:
+            self.steps[session["seed"]].append(step)
+        velocity = np.zeros(2, np.float32)
+        if session["seed"] % 2 == 0:
+            image = obs["image"].astype(np.int32)
+            rows, cols = np.nonzero(np.abs(image - COLORS[session["color"]]).sum(-1) < 60)
+            size, table = image.shape[0], 0.5
+            target = np.array([(cols.mean() + 0.5) / size, 1 - (rows.mean() + 0.5) / size]) * table
+            velocity = np.clip(4.0 * (target - obs["state"]), -0.2, 0.2).astype(np.float32)
+        stats = TickStats(1.0, 100.0, True, 1, 0, 0, "scripted")
+        return np.repeat(velocity[None], CHUNK, 0), stats, None
+
+    def close(self, session) -> None:
+        with self.lock:
+            self.closed.append(session["seed"])
+
+
+def one_by_one(index: int) -> tuple:
+    """The episode on held-out seed index `index` in a plain environment: (seed, instruction, success, steps,
+    ticks)."""
+    policy, env = SeekerPolicy(), gym.make(REACH_ID)
+    seed = HELDOUT_SEED_OFFSET + index
+    obs, _ = env.reset(seed=seed)
+    instruction = env.unwrapped.task_description
+    session = policy.open(instruction, seed)
+    steps, ticks, done = 0, 0, False
+    while not done:
+        actions, _, _ = policy.act(session, obs, steps)
+        ticks += 1
+        for action in actions[:EXECUTE]:
+            obs, _, terminated, truncated, info = env.step(action)
+            steps += 1
+            done = terminated or truncated
+            if done:
+                break
+    return seed, instruction, bool(info["is_success"]), steps, ticks
+
+
+@pytest.fixture(scope="module")
+def expected():
+    episodes = [one_by_one(i) for i in range(EPISODES)]
+    assert len({steps for *_, steps, _ in episodes}) > 2  # episodes end out of step: restarts interleave
+    assert {success for _, _, success, *_ in episodes} == {True, False}
+    return episodes
+
+
+@pytest.mark.parametrize("num_envs", [1, 3, 7])  # 7: more environments than episodes
+def test_vector_episodes_match_one_by_one(expected, num_envs):
+    policy = SeekerPolicy()
+    results = run_episodes(policy, REACH_ID, range(EPISODES), num_envs, EXECUTE)
+    got = [(r.seed, r.instruction, r.success, r.steps, len(r.ticks)) for r in results]
+    assert got == expected
+    for r in results:
+        assert policy.steps[r.seed] == list(range(0, r.steps, EXECUTE))  # no reset step counted
+        assert r.target_color in r.instruction and r.nearest_color in COLORS and r.final_distance_m >= 0
+        assert r.success == (r.final_distance_m <= 0.03)
+    assert sorted(policy.closed) == sorted(seed for seed, _ in policy.opened) == [r.seed for r in results]
+
+
+def test_rollout_through_a_server_with_a_vector_env(tmp_path):
+    engine = FakeEngine()
+    out = tmp_path / "rollout.json"
+    with serve_fake(engine) as server:
+        assert main(["--server", server.target, "--env-id", "PolicyServer/ReachHard-v0",
+                     "--num-envs", "2", "--episodes", "3", "--first-episode", "7", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert (report["config"]["env_id"], report["config"]["num_envs"]) == ("PolicyServer/ReachHard-v0", 2)
+    episodes = report["per_episode"]
+    assert [e["seed"] for e in episodes] == [HELDOUT_SEED_OFFSET + i for i in (7, 8, 9)]
+    hard = gym.make("PolicyServer/ReachHard-v0")
+    for e in episodes:
+        hard.reset(seed=e["seed"])
+        assert e["instruction"] == hard.unwrapped.task_description
+    assert sorted(engine.instructions.values()) == sorted(e["instruction"] for e in episodes)
+    steps = {}
+    for session_id, _, step in engine.acts:
+        steps.setdefault(session_id, []).append(step)
+    assert sorted(len(s) for s in steps.values()) == sorted(len(range(0, e["steps"], EXECUTE)) for e in episodes)
+    assert all(s == list(range(0, len(s) * EXECUTE, EXECUTE)) for s in steps.values())
+    assert report["ticks"] == len(engine.acts)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--env-id", "CartPole-v1"], f"invalid choice: 'CartPole-v1' (choose from {', '.join(map(repr, ENV_IDS))})"),
+    (["--num-envs", "0"], "--num-envs must be a positive integer, got 0"),
+])
+def test_bad_flags_are_usage_errors(flags, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--in-process", *flags])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
