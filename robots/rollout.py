@@ -16,6 +16,7 @@ beside the real ones.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import time
 from collections import deque
@@ -313,6 +314,8 @@ def plot_summary(report: dict, latencies: list[float], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="policy-rollout", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version",
+                        version=f"%(prog)s {importlib.metadata.version('policy-server')}")
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--server", help="host:port of a running policy-server")
     where.add_argument("--in-process", action="store_true", help="run the engine in this process")

@@ -23,6 +23,8 @@ from policy_server.client import PolicyClient
 from policy_server.client.__main__ import main as client_main
 from policy_server.config import ConfigError, ServerConfig, build_config, read_config_file
 from policy_server.engine.engine import resolve_dtype
+from robots.rollout import main as rollout_main
+from robots.soak import main as soak_main
 
 
 def test_defaults():
@@ -117,7 +119,7 @@ def test_a_bad_setting_is_named_with_where_it_came_from(tmp_path):
     assert "latency_budget_ms (from $POLICY_SERVER_LATENCY_BUDGET_MS)" in message and "'fast'" in message
 
 
-@pytest.mark.parametrize("main", [cli.main, client_main])
+@pytest.mark.parametrize("main", [cli.main, client_main, rollout_main, soak_main])
 def test_version(main, capsys):
     with pytest.raises(SystemExit) as done:
         main(["--version"])
