@@ -1,6 +1,11 @@
 """Generate scripted-expert demonstrations.
 
     python -m robots.datagen --episodes 400 --out runs/data/reach-400
+    python -m robots.datagen --episodes 400 --out runs/data/reach-400-lerobot --format lerobot
+
+``--format safetensors`` (the default) writes ``dataset.json`` and a safetensors file per episode
+(``robots.dataset``); ``--format lerobot`` writes the LeRobot v3 layout (``robots.lerobot_dataset``),
+parquet rows and an H.264 video, about 18 times smaller. Training reads either.
 
 Episode i is rolled out from seed ``seed_offset + i // targets_per_scene``, so a dataset is reproducible
 from its arguments alone. Keep the seeds below ``robots.envs.HELDOUT_SEED_OFFSET``: seeds from there on
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import shutil
 from pathlib import Path
 
 import gymnasium as gym
@@ -25,6 +31,9 @@ from tqdm import tqdm
 from robots.dataset import METADATA_FILE, Episode, array_stats, save_episode, write_metadata
 from robots.envs import DOMAIN_ID, EMBODIMENT, HELDOUT_SEED_OFFSET, REACH_HARD_ID, REACH_ID
 from robots.expert import ReachExpert
+from robots.lerobot_dataset import INFO_PATH, LeRobotWriter
+
+FORMATS = ("safetensors", "lerobot")
 
 
 def collect_episode(env: gym.Env, expert: ReachExpert, seed: int, target: int | None = None) -> Episode:
@@ -63,8 +72,12 @@ def generate(
     overwrite: bool = False,
     progress: bool = True,
     targets_per_scene: int = 1,
+    format: str = "safetensors",
 ) -> dict:
-    """Write ``episodes`` demonstrations to ``out_dir``; return the metadata written to dataset.json."""
+    """Write ``episodes`` demonstrations to ``out_dir`` in ``format`` (one of ``FORMATS``); return the
+    metadata (dataset.json, or meta/datagen.json plus the episode entries for LeRobot)."""
+    if format not in FORMATS:
+        raise ValueError(f"format={format!r}; expected one of {', '.join(FORMATS)}")
     if episodes < 1:
         raise ValueError(f"episodes={episodes}; expected at least 1")
     env = gym.make(env_id)
@@ -79,12 +92,17 @@ def generate(
             f"seed_offset + episodes / targets_per_scene <= {HELDOUT_SEED_OFFSET}"
         )
     out = Path(out_dir)
-    if (out / METADATA_FILE).exists() and not overwrite:
+    if ((out / METADATA_FILE).exists() or (out / INFO_PATH).exists()) and not overwrite:
         raise FileExistsError(f"{out} already holds a dataset; pass overwrite=True (--overwrite) to replace it")
     out.mkdir(parents=True, exist_ok=True)
-    for stale in out.glob("episode_*.safetensors"):
-        stale.unlink()
+    for stale in [*out.glob("episode_*.safetensors"), out / METADATA_FILE]:
+        stale.unlink(missing_ok=True)
+    if (out / INFO_PATH).exists():  # overwriting a LeRobot dataset
+        for folder in ("meta", "data", "videos"):
+            shutil.rmtree(out / folder)
 
+    base, config = env.unwrapped, env.unwrapped.config
+    writer = LeRobotWriter(out, config.control_hz, config.image_size, EMBODIMENT) if format == "lerobot" else None
     expert = ReachExpert()
     entries, all_actions, all_states = [], [], []
     bar = tqdm(range(episodes), desc=f"demos -> {out}", unit="ep", disable=not progress)
@@ -92,15 +110,13 @@ def generate(
         seed = seed_offset + index // targets_per_scene
         target = None if targets_per_scene == 1 else index % targets_per_scene
         episode = collect_episode(env, expert, seed, target)
-        entries.append(save_episode(out, index, episode))
+        entries.append(writer.add(episode) if writer else save_episode(out, index, episode))
         all_actions.append(episode.actions)
         all_states.append(episode.states)
         successes = sum(e["success"] for e in entries)
         bar.set_postfix(success=f"{successes / len(entries):.1%}", steps=episode.num_steps, refresh=False)
     env.close()
 
-    base = env.unwrapped
-    config = base.config
     metadata = {
         "env_id": env_id,
         "env_config": dataclasses.asdict(config),
@@ -124,10 +140,12 @@ def generate(
         "num_episodes": episodes,
         "targets_per_scene": targets_per_scene,
         "success_rate": sum(e["success"] for e in entries) / episodes,
-        "episodes": entries,
     }
-    write_metadata(out, metadata)
-    return metadata
+    if writer:
+        writer.finish(metadata)
+    else:
+        write_metadata(out, {**metadata, "episodes": entries})
+    return {**metadata, "episodes": entries}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -139,6 +157,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed-offset", type=int, default=0, help="seed of episode 0 (default 0)")
     parser.add_argument("--targets-per-scene", type=int, default=1,
                         help="demonstrate each scene once per target object, up to the objects per scene (1)")
+    parser.add_argument("--format", choices=FORMATS, default="safetensors",
+                        help="safetensors: dataset.json + a file per episode (default); lerobot: LeRobot v3 layout")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing dataset in --out")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     args = parser.parse_args(argv)
@@ -151,6 +171,7 @@ def main(argv: list[str] | None = None) -> None:
             overwrite=args.overwrite,
             progress=not args.no_progress,
             targets_per_scene=args.targets_per_scene,
+            format=args.format,
         )
     except (ValueError, FileExistsError) as error:  # bad arguments: one line, not a traceback
         parser.error(str(error))

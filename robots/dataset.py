@@ -12,6 +12,8 @@ Each episode file holds (T = number of actions):
     ``states``  float32 [T+1, 2]        effector xy, m
     ``actions`` float32 [T, 2]          effector velocity, m/s; action i moves frame i to frame i+1
 Strings (instruction, colour) live in ``dataset.json``, never in the tensor files.
+
+``robots.lerobot_dataset`` holds the same episodes in the LeRobot v3 layout; ``open_dataset`` reads either.
 """
 
 from __future__ import annotations
@@ -19,12 +21,21 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
+if TYPE_CHECKING:
+    from robots.lerobot_dataset import LeRobotDemoDataset
+
 METADATA_FILE = "dataset.json"
 FORMAT_VERSION = 1
+
+
+class DatasetError(ValueError):
+    """A dataset folder whose files are not what its layout says: the message names the file and what was
+    expected."""
 
 
 @dataclass
@@ -105,7 +116,7 @@ class DemoDataset:
             raise FileNotFoundError(f"{path} not found; expected a dataset written by `python -m robots.datagen`")
         self.metadata = json.loads(path.read_text())
         if self.metadata.get("format_version") != FORMAT_VERSION:
-            raise ValueError(
+            raise DatasetError(
                 f"{path} has format_version {self.metadata.get('format_version')!r}; expected {FORMAT_VERSION}"
             )
         self.entries: list[dict] = self.metadata["episodes"]
@@ -129,3 +140,20 @@ class DemoDataset:
     def __iter__(self):
         for index in range(len(self)):
             yield self[index]
+
+
+def open_dataset(directory: str | Path) -> DemoDataset | LeRobotDemoDataset:
+    """The dataset in ``directory``, in either layout: ``dataset.json`` (this module's) or ``meta/info.json``
+    (LeRobot v3, ``robots.lerobot_dataset.LeRobotDemoDataset``, which reads the same way)."""
+    from robots.lerobot_dataset import LeRobotDemoDataset, is_lerobot_dataset  # it imports Episode from here
+
+    directory = Path(directory)
+    if is_lerobot_dataset(directory) and (directory / METADATA_FILE).is_file():
+        raise DatasetError(f"{directory} holds both a {METADATA_FILE} dataset and a LeRobot one (meta/info.json); "
+                           "expected one")
+    if is_lerobot_dataset(directory):
+        return LeRobotDemoDataset(directory)
+    if not (directory / METADATA_FILE).is_file():
+        raise FileNotFoundError(f"{directory / METADATA_FILE} not found, nor {directory / 'meta' / 'info.json'} "
+                                "(LeRobot); expected a dataset written by `python -m robots.datagen`")
+    return DemoDataset(directory)

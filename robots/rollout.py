@@ -8,9 +8,9 @@ more than one), each with its own session; a tick sends the camera frame and eff
 robot executes the first `--execute` actions of the returned chunk before asking again. Episodes use
 held-out seeds (never seen in the demonstrations): episode i has seed `HELDOUT_SEED_OFFSET + i`, whatever
 `--num-envs`. The JSON report holds the success rate, episode lengths, per-tick latency (p50/p99),
-deadline misses and cache decisions; a PNG summary sits beside it, and `--videos N` writes MP4s of the
-first N episodes with the predicted future frames (the session's preview frames, in-process only)
-beside the real ones.
+deadline misses and cache decisions; a PNG summary sits beside it, and `--videos N` writes MP4s (H.264,
+browser-playable) of the first N episodes with the predicted future frames (the session's preview frames,
+from a server or in-process) beside the real ones.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import numpy as np
 
 from policy_server.limits import MAX_BUDGET_MS
 from robots.envs import ENV_IDS, HELDOUT_SEED_OFFSET, REACH_ID, ReachScene
+from robots.video import write_browser_mp4
 
 
 @dataclass
@@ -239,14 +240,6 @@ def _side_by_side(real: np.ndarray, predicted: np.ndarray | None, offset: int) -
     return np.concatenate([real, right], axis=1)
 
 
-def write_video(path: Path, frames: list[np.ndarray], fps: float) -> None:
-    height, width = frames[0].shape[:2]
-    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), fps, (width, height))
-    for frame in frames:
-        writer.write(cv2.cvtColor(frame, cv2.COLOR_RGB2BGR))
-    writer.release()
-
-
 def summarize(results: list[EpisodeResult], seconds: float, config: dict) -> dict:
     ticks = [t for r in results for t in r.ticks]
     latency = np.array([t.latency_ms for t in ticks])
@@ -332,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
                         "they share one model worker, so queueing counts against each tick's budget")
     parser.add_argument("--execute", type=int, default=4, help="actions executed per chunk before replanning")
     parser.add_argument("--first-episode", type=int, default=0, help="held-out seed index of episode 0")
-    parser.add_argument("--videos", type=int, default=0, help="MP4s of the first N episodes (in-process)")
+    parser.add_argument("--videos", type=int, default=0, help="MP4s of the first N episodes")
     parser.add_argument("--auth-token-file", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=Path("rollout.json"))
     args = parser.parse_args(argv)
@@ -344,8 +337,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--num-steps must be >= 1 and --guidance >= 1")
     if overrides and not args.in_process:
         parser.error("--num-steps and --guidance need --in-process (a server uses its own settings)")
-    if args.videos and not args.in_process:
-        parser.error("--videos needs --in-process")
 
     budget = args.latency_budget_ms
     if args.in_process:
@@ -370,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     plot_summary(report, [t.latency_ms for r in results for t in r.ticks], args.out.with_suffix(".png"))
     for result in results[: args.videos]:
-        write_video(args.out.with_name(f"{args.out.stem}_episode{result.seed}.mp4"), result.frames, fps=10)
+        write_browser_mp4(args.out.with_name(f"{args.out.stem}_episode{result.seed}.mp4"), result.frames, fps=10)
     print(json.dumps({k: v for k, v in report.items() if k != "per_episode"}, indent=2))
     return 0
 

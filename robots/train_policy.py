@@ -37,7 +37,7 @@ from policy_server.pipeline.normalization import make_normalizer, parse_stats
 from policy_server.pipeline.packing import ActionLayout, pack_request
 from policy_server.pipeline.policy import default_model_path, policy_prompt_pair
 from robots import embedded
-from robots.dataset import DemoDataset, Episode, array_stats
+from robots.dataset import DatasetError, Episode, array_stats, open_dataset
 
 ACTION_LOSS_WEIGHT = 10.0  # Cosmos3 action_loss_weight
 PROMPT_DROPOUT = 0.1
@@ -130,7 +130,7 @@ def train(
     `out_dir` (also every `save_every` steps, with the EMA weights so far). Returns a summary."""
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
-    dataset = DemoDataset(data_dir)
+    dataset = open_dataset(data_dir)
     vae = SmallVideoVAE.from_pretrained(vae_dir).eval()
     tokenizer = TextTokenizer.from_dir(default_model_path() / "text_tokenizer")
     policy = embedded.policy_config()
@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         summary = train(args.data, args.vae, args.out, args.steps, args.batch_size, args.lr, args.seed,
                         args.stride, save_every=args.save_every, init_from=args.init)
-    except (FileNotFoundError, CheckpointError) as missing:  # --data, --vae or --init is not what it should be
+    except (FileNotFoundError, DatasetError, CheckpointError) as missing:  # --data, --vae or --init is not right
         parser.error(str(missing))
     print(json.dumps(summary, indent=2))
 

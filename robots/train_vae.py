@@ -22,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 from policy_server.model.vae import SmallVideoVAE, SmallVideoVAEConfig, count_parameters, psnr
-from robots.dataset import DemoDataset
+from robots.dataset import DatasetError, open_dataset
 
 
 @dataclass
@@ -110,7 +110,7 @@ def train(args: TrainVAEArgs) -> tuple[SmallVideoVAE, dict]:
     """Train, set the latent statistics, save to ``args.out``; return the model and a report."""
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    dataset = DemoDataset(args.data)
+    dataset = open_dataset(args.data)
     episodes = [episode.frames for episode in dataset]
     num_val = max(1, int(round(len(episodes) * args.val_fraction))) if len(episodes) > 1 else 0
     train_sampler = ClipSampler(episodes[num_val:], args.frames, args.seed)
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     try:
         _, report = train(args)
-    except FileNotFoundError as missing:  # --data or --init is not what it should be
+    except (FileNotFoundError, DatasetError) as missing:  # --data or --init is not what it should be
         parser.error(str(missing))
     print(json.dumps(report, indent=2))
 

@@ -4,6 +4,7 @@ they promise exist and hold the documented keys."""
 import json
 
 import pytest
+from video_checks import assert_browser_playable
 
 from robots.bench import main as bench_main
 from robots.embedded import build_random_pipeline
@@ -111,7 +112,8 @@ def test_rollout_in_process_writes_report_plot_and_video(model_dir, tmp_path):
     assert all(e["nearest_color"] and e["final_distance_m"] >= 0 for e in report["per_episode"])
     assert out.with_suffix(".png").stat().st_size > 0
     videos = list(tmp_path.glob("rollout_episode*.mp4"))
-    assert len(videos) == 1 and videos[0].stat().st_size > 0
+    assert [v.name for v in videos] == [f"rollout_episode{report['per_episode'][0]['seed']}.mp4"]
+    assert_browser_playable(videos[0], frames=report["per_episode"][0]["steps"])
 
 
 def test_rollout_in_process_with_a_vector_env(model_dir, tmp_path):
@@ -126,4 +128,5 @@ def test_rollout_in_process_with_a_vector_env(model_dir, tmp_path):
     assert set(report["ticks_by_batch_size"]) <= {"1", "2"} and sum(report["ticks_by_batch_size"].values()) == \
         report["ticks"]
     videos = list(tmp_path.glob("rollout_episode*.mp4"))
-    assert [v.name for v in videos] == ["rollout_episode1000000.mp4"] and videos[0].stat().st_size > 0
+    assert [v.name for v in videos] == ["rollout_episode1000000.mp4"]
+    assert_browser_playable(videos[0], frames=report["per_episode"][0]["steps"])

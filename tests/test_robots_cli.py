@@ -42,7 +42,7 @@ def split_command(words: list[str]) -> tuple[str, list[str]]:
 def test_readme_documents_the_whole_chain_with_relative_paths():
     commands = readme_commands()
     assert [split_command(words)[0] for words in commands] == [
-        "robots.datagen", "robots.train_vae", "robots.train_policy", "robots.rollout"]
+        "robots.datagen", "robots.datagen", "robots.train_vae", "robots.train_policy", "robots.rollout"]
     for words in commands:
         assert not [w for w in words if w.startswith("/")], f"absolute path in {shlex.join(words)}"
 
@@ -57,6 +57,8 @@ def test_readme_commands_run_in_order_from_an_empty_directory(tmp_path, monkeypa
             pytest.fail(f"{shlex.join(words)} exited {exit_.code}: {capsys.readouterr().err.splitlines()[-1:]}")
     runs = tmp_path / "runs"
     assert json.loads((runs / "data" / "reach-9000" / "dataset.json").read_text())["num_episodes"] == 3
+    lerobot = json.loads((runs / "data" / "reach-9000-lerobot" / "meta" / "info.json").read_text())
+    assert (lerobot["codebase_version"], lerobot["total_episodes"]) == ("v3.0", 3)
     assert json.loads((runs / "vae" / "train_report.json").read_text())["steps"] == 2
     training = json.loads((runs / "policy" / "training.json").read_text())
     assert training["steps"] == 2 and math.isfinite(training["final_loss"])

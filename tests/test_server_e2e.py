@@ -3,6 +3,7 @@ on) on a free loopback port, driven with the client library: health while warmin
 control stream, the reasoner, reflection, auth failure, and bad input of many kinds, each answered
 with its status while the server keeps serving."""
 
+import json
 import math
 import os
 import socket
@@ -20,11 +21,13 @@ from google.rpc import error_details_pb2
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from grpc_status import rpc_status
 from prometheus_client.parser import text_string_to_metric_families
+from video_checks import assert_browser_playable
 
 from policy_server.client import ControlStream, PolicyClient, PolicyServerError, build_observation
 from policy_server.v1 import policy_server_pb2 as pb
 from policy_server.v1.wire import encode_image, tensor_to_proto
 from robots.embedded import build_random_pipeline
+from robots.rollout import main as rollout_main
 
 TOKEN = "e2e-token"
 MAX_MESSAGE_MB = 1.0
@@ -158,6 +161,17 @@ def test_forward_and_inverse_dynamics_and_preview_frames(server):
     assert act.preview_frames.shape == (9, 64, 64, 3) and act.tick.actual_ms["preview"] > 0
     assert act.tick.deadline_met
     server.close_session(session)
+
+
+def test_rollout_against_the_server_records_browser_videos(server, server_log, tmp_path):
+    """`policy-rollout --server --videos 1`: the preview frames come over the wire."""
+    out = tmp_path / "rollout.json"
+    assert rollout_main(["--server", server.target, "--auth-token-file", str(server_log.parent / "token"),
+                         "--episodes", "1", "--videos", "1", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["config"]["server"] == server.target and report["episodes"] == 1
+    episode = report["per_episode"][0]
+    assert_browser_playable(tmp_path / f"rollout_episode{episode['seed']}.mp4", frames=episode["steps"])
 
 
 def test_reasoner_streams(server):

@@ -1,0 +1,300 @@
+"""Demonstration datasets in the LeRobot v3 layout (``codebase_version`` "v3.0", that of LeRobot 0.4.0 to
+0.6.2), written with pyarrow and PyAV: lerobot itself cannot be installed beside this project.
+
+    meta/info.json                               features (dtype, shape, names), counts, fps, path templates
+    meta/stats.json                              per feature: count, min, max, mean, std, q01, q10, q50, q90, q99
+    meta/tasks.parquet                           task (the instruction) -> task_index
+    meta/episodes/chunk-000/file-000.parquet     per episode: length, tasks, where its rows and frames lie;
+                                                 also its seed, target_color and success
+    meta/datagen.json                            how robots.datagen made it: env id and config, units, seeds
+    data/chunk-000/file-000.parquet              one row per frame, one row group per episode
+    videos/observation.images.image/chunk-000/file-000.mp4   all frames, H.264 yuv444p, a keyframe per episode
+
+Per-frame columns: ``observation.state`` float32 [2] (effector xy, m), ``action`` float32 [2] (effector
+velocity, m/s), ``timestamp`` float32 (s in the episode), ``frame_index``, ``episode_index``, ``index``
+(over the dataset), ``task_index``; the camera frame ``observation.images.image`` [64, 64, 3] lies in the
+video at ``from_timestamp + timestamp``. LeRobot pairs every frame with an action, so an episode of T
+actions is T+1 rows: the last row, the final observation, has a zero action (the effector holds still),
+which reading drops again. Everything goes into file-000 of chunk-000; LeRobot's writer would start a
+new file past 100 MB of rows or 200 MB of video, some 35 000 episodes of this task.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from robots.dataset import DatasetError, Episode
+from robots.video import H264Writer, read_frames
+
+CODEBASE_VERSION = "v3.0"
+INFO_PATH = "meta/info.json"
+STATS_PATH = "meta/stats.json"
+TASKS_PATH = "meta/tasks.parquet"
+DATAGEN_PATH = "meta/datagen.json"
+EPISODES_PATH = "meta/episodes/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet"
+DATA_PATH = "data/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet"
+VIDEO_PATH = "videos/{video_key}/chunk-{chunk_index:03d}/file-{file_index:03d}.mp4"
+CHUNKS_SIZE, DATA_FILES_SIZE_MB, VIDEO_FILES_SIZE_MB = 1000, 100, 200  # LeRobot's defaults
+
+IMAGE_KEY, STATE_KEY, ACTION_KEY = "observation.images.image", "observation.state", "action"
+INDEX_KEYS = ("timestamp", "frame_index", "episode_index", "index", "task_index")
+VIDEO_PIX_FMT = "yuv444p"
+VIDEO_CRF = 0  # lossless in YUV: decoded frames are off by at most 2 levels (the RGB <-> YUV rounding)
+QUANTILES = (0.01, 0.10, 0.50, 0.90, 0.99)  # LeRobot's q01 ... q99
+
+DATA_SCHEMA = pa.schema([
+    (STATE_KEY, pa.list_(pa.float32(), 2)),
+    (ACTION_KEY, pa.list_(pa.float32(), 2)),
+    ("timestamp", pa.float32()),
+    ("frame_index", pa.int64()),
+    ("episode_index", pa.int64()),
+    ("index", pa.int64()),
+    ("task_index", pa.int64()),
+])
+# Columns of meta/episodes a reader needs: LeRobot's, then ours.
+EPISODE_COLUMNS = ("episode_index", "tasks", "length", "data/chunk_index", "data/file_index", "dataset_from_index",
+                   "dataset_to_index", f"videos/{IMAGE_KEY}/chunk_index", f"videos/{IMAGE_KEY}/file_index",
+                   f"videos/{IMAGE_KEY}/from_timestamp", f"videos/{IMAGE_KEY}/to_timestamp",
+                   "seed", "target_color", "success")
+
+
+def is_lerobot_dataset(directory: str | Path) -> bool:
+    return (Path(directory) / INFO_PATH).is_file()
+
+
+def vector_stats(values: np.ndarray) -> dict[str, list]:
+    """LeRobot's statistics of ``values`` [N, D], per dimension (quantiles exact, not estimated)."""
+    values = np.asarray(values, dtype=np.float64)
+    stats = {"count": [len(values)], "min": values.min(0).tolist(), "max": values.max(0).tolist(),
+             "mean": values.mean(0).tolist(), "std": values.std(0).tolist()}
+    for q in QUANTILES:
+        stats[f"q{round(q * 100):02d}"] = np.quantile(values, q, axis=0).tolist()
+    return stats
+
+
+def image_stats(histogram: np.ndarray, frames: int) -> dict[str, list]:
+    """LeRobot's statistics of RGB frames from their per-channel pixel counts ``histogram`` [3, 256], in
+    [0, 1] and shaped [3, 1, 1] per statistic, as LeRobot keeps them. The quantiles are numpy's (linear)."""
+    levels = np.arange(256, dtype=np.float64)
+    n = histogram.sum(1, keepdims=True)
+    mean = (histogram * levels).sum(1, keepdims=True) / n
+    std = np.sqrt((histogram * (levels - mean) ** 2).sum(1, keepdims=True) / n)
+    cumulative = histogram.cumsum(1)
+
+    def level_at_rank(rank: np.ndarray) -> np.ndarray:  # the rank-th smallest pixel value of each channel
+        return np.array([np.searchsorted(cumulative[c], rank[c], side="right") for c in range(3)], np.float64)
+
+    stats = {"count": [frames],
+             "min": [float(np.flatnonzero(h)[0]) for h in histogram],
+             "max": [float(np.flatnonzero(h)[-1]) for h in histogram],
+             "mean": mean[:, 0].tolist(), "std": std[:, 0].tolist()}
+    for q in QUANTILES:
+        position = q * (n[:, 0] - 1)
+        below = np.floor(position)
+        low, high = level_at_rank(below), level_at_rank(np.minimum(below + 1, n[:, 0] - 1))
+        stats[f"q{round(q * 100):02d}"] = (low + (position - below) * (high - low)).tolist()
+    return {key: value if key == "count" else [[[v / 255.0]] for v in value] for key, value in stats.items()}
+
+
+def _feature(dtype: str, shape: list[int], names) -> dict:
+    return {"dtype": dtype, "shape": shape, "names": names}
+
+
+class LeRobotWriter:
+    """Writes episodes one at a time; ``finish`` writes the metadata. ``fps`` must be a whole number
+    (LeRobot's info.json holds an int)."""
+
+    def __init__(self, directory: str | Path, fps: float, image_size: int, robot_type: str):
+        if not float(fps).is_integer():
+            raise ValueError(f"fps={fps}; the LeRobot format needs a whole number of frames per second")
+        self.directory = Path(directory)
+        self.fps, self.image_size, self.robot_type = int(fps), image_size, robot_type
+        data_path = self.directory / DATA_PATH.format(chunk_index=0, file_index=0)
+        video_path = self.directory / VIDEO_PATH.format(video_key=IMAGE_KEY, chunk_index=0, file_index=0)
+        self.episodes_path = self.directory / EPISODES_PATH.format(chunk_index=0, file_index=0)
+        for path in (data_path, video_path, self.episodes_path):
+            path.parent.mkdir(parents=True, exist_ok=True)
+        self.data = pq.ParquetWriter(data_path, DATA_SCHEMA, compression="snappy")
+        self.video = H264Writer(video_path, self.fps, image_size, image_size, VIDEO_PIX_FMT, VIDEO_CRF)
+        self.tasks: dict[str, int] = {}
+        self.episodes: list[dict] = []  # rows of meta/episodes
+        self.columns: dict[str, list[np.ndarray]] = {key: [] for key in (STATE_KEY, ACTION_KEY, *INDEX_KEYS)}
+        self.histogram = np.zeros((3, 256), np.int64)
+        self.total_frames = 0
+
+    def add(self, episode: Episode) -> dict:
+        """Append one episode; return its entry (as in dataset.json)."""
+        index, start, length = len(self.episodes), self.total_frames, episode.num_steps + 1
+        task_index = self.tasks.setdefault(episode.instruction, len(self.tasks))
+        columns = {
+            STATE_KEY: episode.states.astype(np.float32),
+            ACTION_KEY: np.concatenate([episode.actions, np.zeros_like(episode.actions[:1])]).astype(np.float32),
+            "timestamp": (np.arange(length) / self.fps).astype(np.float32),
+            "frame_index": np.arange(length),
+            "episode_index": np.full(length, index),
+            "index": np.arange(start, start + length),
+            "task_index": np.full(length, task_index),
+        }
+        arrays = [pa.FixedSizeListArray.from_arrays(pa.array(values.ravel()), values.shape[1]) if values.ndim == 2
+                  else pa.array(values) for values in columns.values()]
+        self.data.write_table(pa.Table.from_arrays(arrays, schema=DATA_SCHEMA))
+        for key, values in columns.items():
+            self.columns[key].append(values)
+        for i, frame in enumerate(episode.frames):
+            self.video.write(frame, keyframe=i == 0)  # each episode decodes from its own first frame
+        self.histogram += np.stack([np.bincount(episode.frames[..., c].ravel(), minlength=256) for c in range(3)])
+        self.total_frames += length
+        self.episodes.append({
+            "episode_index": index, "tasks": [episode.instruction], "length": length,
+            "data/chunk_index": 0, "data/file_index": 0,
+            "dataset_from_index": start, "dataset_to_index": start + length,
+            f"videos/{IMAGE_KEY}/chunk_index": 0, f"videos/{IMAGE_KEY}/file_index": 0,
+            f"videos/{IMAGE_KEY}/from_timestamp": start / self.fps,
+            f"videos/{IMAGE_KEY}/to_timestamp": (start + length) / self.fps,
+            "meta/episodes/chunk_index": 0, "meta/episodes/file_index": 0,
+            "seed": episode.seed, "target_color": episode.target_color, "success": episode.success,
+        })
+        return {"seed": episode.seed, "instruction": episode.instruction, "target_color": episode.target_color,
+                "num_steps": episode.num_steps, "success": episode.success}
+
+    def finish(self, datagen: dict) -> None:
+        """Close the files and write meta/: ``datagen`` goes to meta/datagen.json."""
+        self.data.close()
+        self.video.close()
+        pq.write_table(pa.Table.from_pylist(self.episodes), self.episodes_path)
+        tasks = pa.table({"task_index": pa.array(list(self.tasks.values()), pa.int64()),
+                          "task": pa.array(list(self.tasks), pa.string())})
+        # LeRobot reads this file with pandas and looks tasks up by the "task" index: say it is the index.
+        pandas_index = {"index_columns": ["task"], "column_indexes": [], "columns": [
+            {"name": "task_index", "field_name": "task_index", "pandas_type": "int64", "numpy_type": "int64",
+             "metadata": None},
+            {"name": "task", "field_name": "task", "pandas_type": "unicode", "numpy_type": "object",
+             "metadata": None}]}
+        pq.write_table(tasks.replace_schema_metadata({"pandas": json.dumps(pandas_index)}), self.directory / TASKS_PATH)
+
+        size = self.image_size
+        features = {
+            IMAGE_KEY: {**_feature("video", [size, size, 3], ["height", "width", "channels"]), "info": {
+                "video.height": size, "video.width": size, "video.codec": "h264", "video.pix_fmt": VIDEO_PIX_FMT,
+                "video.fps": self.fps, "video.channels": 3, "video.crf": VIDEO_CRF, "video.video_backend": "pyav",
+                "is_depth_map": False, "has_audio": False}},
+            STATE_KEY: _feature("float32", [2], ["x", "y"]),
+            ACTION_KEY: _feature("float32", [2], ["vx", "vy"]),
+            "timestamp": _feature("float32", [1], None),
+            **{key: _feature("int64", [1], None) for key in INDEX_KEYS[1:]},
+        }
+        info = {
+            "codebase_version": CODEBASE_VERSION, "robot_type": self.robot_type,
+            "total_episodes": len(self.episodes), "total_frames": self.total_frames, "total_tasks": len(self.tasks),
+            "chunks_size": CHUNKS_SIZE, "data_files_size_in_mb": DATA_FILES_SIZE_MB,
+            "video_files_size_in_mb": VIDEO_FILES_SIZE_MB, "fps": self.fps,
+            "splits": {"train": f"0:{len(self.episodes)}"},
+            "data_path": DATA_PATH, "video_path": VIDEO_PATH, "features": features,
+        }
+        stats = {key: vector_stats(np.concatenate(values).reshape(self.total_frames, -1))
+                 for key, values in self.columns.items()}
+        stats[IMAGE_KEY] = image_stats(self.histogram, self.total_frames)
+        for path, content in ((INFO_PATH, info), (STATS_PATH, stats), (DATAGEN_PATH, datagen)):
+            (self.directory / path).write_text(json.dumps(content, indent=2) + "\n")
+
+
+class LeRobotDemoDataset:
+    """Read access to a LeRobot v3 dataset written by ``robots.datagen --format lerobot``; yields the same
+    ``Episode`` objects as ``DemoDataset``. A malformed dataset raises DatasetError or FileNotFoundError."""
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        info_path = self.directory / INFO_PATH
+        self.info = json.loads(info_path.read_text())
+        if self.info.get("codebase_version") != CODEBASE_VERSION:
+            raise DatasetError(f"{info_path} has codebase_version {self.info.get('codebase_version')!r}; "
+                               f"expected {CODEBASE_VERSION!r}")
+        missing = [key for key in ("fps", "total_episodes", "data_path", "video_path", "features")
+                   if key not in self.info]
+        if missing:
+            raise DatasetError(f"{info_path} lacks {missing}")
+        features = self.info["features"]
+        for key, dtype, rank in ((IMAGE_KEY, "video", 3), (STATE_KEY, "float32", 1), (ACTION_KEY, "float32", 1)):
+            found = features.get(key)
+            if found is None or found.get("dtype") != dtype or len(found.get("shape", ())) != rank:
+                raise DatasetError(f"{info_path}: feature {key!r} is {found}; expected dtype {dtype!r} with a "
+                                   f"{rank}-d shape (features here: {sorted(features)})")
+        self.fps = self.info["fps"]
+        self.dims = {key: features[key]["shape"][0] for key in (STATE_KEY, ACTION_KEY)}
+
+        episodes_dir = self.directory / "meta" / "episodes"
+        files = sorted(episodes_dir.glob("chunk-*/file-*.parquet"))
+        if not files:
+            raise FileNotFoundError(f"{episodes_dir}/chunk-*/file-*.parquet not found; expected the episode index")
+        table = pa.concat_tables([pq.read_table(path) for path in files])
+        missing = [column for column in EPISODE_COLUMNS if column not in table.column_names]
+        if missing:
+            raise DatasetError(f"{episodes_dir} lacks the columns {missing}; expected a dataset written by "
+                               "`python -m robots.datagen --format lerobot`")
+        self.episodes = table.select(EPISODE_COLUMNS).to_pylist()
+        numbers = [row["episode_index"] for row in self.episodes]
+        if numbers != list(range(self.info["total_episodes"])):
+            raise DatasetError(f"{episodes_dir} numbers its {len(numbers)} episodes {numbers[:5]}...; expected 0 to "
+                               f"{self.info['total_episodes'] - 1} in order (total_episodes in info.json)")
+        self.entries = [{"seed": row["seed"], "instruction": row["tasks"][0], "target_color": row["target_color"],
+                         "num_steps": row["length"] - 1, "success": row["success"]} for row in self.episodes]
+        self._tables: dict[Path, pa.Table] = {}  # data files read so far
+
+    def __len__(self) -> int:
+        return len(self.episodes)
+
+    def _file(self, template: str, index: int, what: str, **fields) -> Path:
+        path = self.directory / template.format(**fields)
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} not found; meta/episodes puts episode {index}'s {what} there")
+        return path
+
+    def _rows(self, index: int, row: dict) -> pa.Table:
+        """The data rows of episode ``index``, checked against its length."""
+        path = self._file(self.info["data_path"], index, "rows", chunk_index=row["data/chunk_index"],
+                          file_index=row["data/file_index"])
+        if path not in self._tables:
+            self._tables[path] = pq.read_table(path)
+        rows = self._tables[path].filter(pc.equal(self._tables[path]["episode_index"], index))
+        numbers = rows["frame_index"].to_pylist()
+        if numbers != list(range(row["length"])):
+            raise DatasetError(f"{path} holds {len(numbers)} rows of episode {index}, frame_index {numbers[:5]}...; "
+                               f"expected {row['length']} (its length in meta/episodes) numbered from 0")
+        return rows
+
+    def _vectors(self, rows: pa.Table, key: str) -> np.ndarray:
+        values = rows[key].combine_chunks().flatten().to_numpy()
+        if values.size != rows.num_rows * self.dims[key]:
+            raise DatasetError(f"column {key!r} holds {values.size} values in {rows.num_rows} rows; expected "
+                               f"{self.dims[key]} a row (its shape in info.json)")
+        return values.reshape(rows.num_rows, -1).astype(np.float32)
+
+    def __getitem__(self, index: int) -> Episode:
+        row = self.episodes[index]
+        rows = self._rows(index, row)
+        video = self._file(self.info["video_path"], index, "frames", video_key=IMAGE_KEY,
+                           chunk_index=row[f"videos/{IMAGE_KEY}/chunk_index"],
+                           file_index=row[f"videos/{IMAGE_KEY}/file_index"])
+        try:
+            frames = read_frames(video, row[f"videos/{IMAGE_KEY}/from_timestamp"], row["length"], self.fps)
+        except ValueError as short:
+            raise DatasetError(f"episode {index}: {short} (its length in meta/episodes)") from None
+        return Episode(
+            frames=frames,
+            states=self._vectors(rows, STATE_KEY),
+            actions=self._vectors(rows, ACTION_KEY)[:-1],  # the final observation's hold action
+            instruction=row["tasks"][0],
+            seed=row["seed"],
+            target_color=row["target_color"],
+            success=row["success"],
+        )
+
+    def __iter__(self):
+        for index in range(len(self)):
+            yield self[index]
