@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
+import sys
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -29,6 +30,8 @@ import cv2
 import gymnasium
 import numpy as np
 
+from policy_server.client.errors import PolicyServerError
+from policy_server.engine.api import EngineError
 from policy_server.limits import MAX_BUDGET_MS
 from robots.envs import ENV_IDS, HELDOUT_SEED_OFFSET, REACH_ID, ReachScene
 from robots.video import write_browser_mp4
@@ -339,17 +342,24 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--num-steps and --guidance need --in-process (a server uses its own settings)")
 
     budget = args.latency_budget_ms
-    if args.in_process:
-        # Uncached ticks are not budgeted: without --latency-budget-ms they get the largest budget there is.
-        default_budget = MAX_BUDGET_MS if args.no_diffusion_cache else 120.0
-        policy = InProcessPolicy(args.checkpoint, budget or default_budget, not args.no_diffusion_cache,
-                                 args.num_envs, overrides)
-    else:
-        policy = ServerPolicy(args.server, budget, args.auth_token_file)
-
+    refusals: tuple[type[Exception], ...] = (PolicyServerError, EngineError)  # the server's, or the engine's
     started = time.perf_counter()
-    indices = range(args.first_episode, args.first_episode + args.episodes)
-    results = run_episodes(policy, args.env_id, indices, args.num_envs, args.execute, args.videos)
+    try:
+        if args.in_process:
+            from policy_server.pipeline.policy import CheckpointLoadError
+
+            refusals += (CheckpointLoadError,)
+            # Uncached ticks are not budgeted: without --latency-budget-ms they get the largest budget there is.
+            default_budget = MAX_BUDGET_MS if args.no_diffusion_cache else 120.0
+            policy = InProcessPolicy(args.checkpoint, budget or default_budget, not args.no_diffusion_cache,
+                                     args.num_envs, overrides)
+        else:
+            policy = ServerPolicy(args.server, budget, args.auth_token_file)
+        indices = range(args.first_episode, args.first_episode + args.episodes)
+        results = run_episodes(policy, args.env_id, indices, args.num_envs, args.execute, args.videos)
+    except refusals as error:  # e.g. BUDGET_INFEASIBLE, OVERLOADED, a checkpoint that cannot be served
+        print(f"policy-rollout: {error}", file=sys.stderr)
+        return 2
     seconds = time.perf_counter() - started
 
     config = {"server": args.server, "in_process": args.in_process, "latency_budget_ms": budget,

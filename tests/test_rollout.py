@@ -122,3 +122,13 @@ def test_bad_flags_are_usage_errors(flags, message, capsys):
         main(["--in-process", *flags])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_refused_session_ends_the_rollout_with_one_line(tmp_path, capsys):
+    with serve_fake(FakeEngine()) as server:
+        code = main(["--server", server.target, "--latency-budget-ms", "1", "--episodes", "1",
+                     "--out", str(tmp_path / "rollout.json")])
+    error = capsys.readouterr().err
+    assert code == 2 and not (tmp_path / "rollout.json").exists()
+    assert error.startswith("policy-rollout: FAILED_PRECONDITION BUDGET_INFEASIBLE: budget 1 ms is below")
+    assert "Traceback" not in error and error.count("\n") == 1
