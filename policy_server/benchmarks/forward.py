@@ -116,7 +116,7 @@ def measure_forward(config: Cosmos3TransformerConfig, n_text: int = 40,
         samples: dict[str, list[float]] = {name: [] for name in calls}
         for repeat in range(warmup + repeats):
             for name, call in calls.items():
-                elapsed = _time_ms(call, device)
+                elapsed = time_ms(call, device)
                 if repeat >= warmup:
                     samples[name].append(elapsed)
 
@@ -127,7 +127,7 @@ def measure_forward(config: Cosmos3TransformerConfig, n_text: int = 40,
     return result
 
 
-def _time_ms(call, device: torch.device) -> float:
+def time_ms(call, device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start = time.perf_counter()
