@@ -40,14 +40,15 @@ def edge_config() -> Cosmos3TransformerConfig:
     )
 
 
-def gen_call_flops(config: Cosmos3TransformerConfig, gen_tokens: int, text_tokens: int) -> float:
-    """Matmul + attention FLOPs of one GEN-stack call (one branch): projections, MLP, scores and values."""
+def gen_call_flops(config: Cosmos3TransformerConfig, gen_tokens: int, text_tokens: int) -> tuple[float, float]:
+    """`(matmul, attention)` FLOPs of one GEN-stack call (one branch): the projections and the MLP, then the
+    scores and the weighted values of every GEN query over the text and GEN keys."""
     d, hd = config.hidden_size, config.head_dim
     q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
     mlp_matrices = 2 if config.hidden_act == "relu2" else 3
     per_token = 2 * d * (q + 2 * kv) + 2 * q * d + 2 * mlp_matrices * d * config.intermediate_size
     attention = 4 * gen_tokens * (gen_tokens + text_tokens) * q
-    return config.num_hidden_layers * (gen_tokens * per_token + attention)
+    return config.num_hidden_layers * gen_tokens * per_token, config.num_hidden_layers * attention
 
 
 def measure(config: Cosmos3TransformerConfig, device: torch.device, dtype: torch.dtype, text_tokens: int,
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     side = args.canvas // 16
     result = measure(config, device, dtype, args.text_tokens, (config.latent_channel, 1 + args.chunk // 4, side, side),
                      args.chunk, args.repeats)
-    flops = gen_call_flops(config, result["gen_tokens"], result["text_tokens"])
+    flops = sum(gen_call_flops(config, result["gen_tokens"], result["text_tokens"]))
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     peak = args.peak_tflops or next((tflops for key, tflops in BF16_PEAK_TFLOPS.items() if key in name), None)
     tick_ms = result["prefill_ms"] + args.steps * result["cfg_pair_call_ms"]
