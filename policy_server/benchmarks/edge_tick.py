@@ -16,13 +16,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
-from policy_server.benchmarks.forward import policy_step_kwargs, random_model, time_ms
+from policy_server.benchmarks.forward import interleaved_medians, policy_step_kwargs, random_model
 from policy_server.model.boundary import GenInput, UndKV
 from policy_server.model.config import Cosmos3TransformerConfig
 
@@ -76,13 +75,7 @@ def measure(config: Cosmos3TransformerConfig, device: torch.device, dtype: torch
 
         timed = {"prefill_ms": lambda: model.prefill_und(ids, positions), "gen_call_ms": call,
                  "cfg_pair_call_ms": pair}
-        samples: dict[str, list[float]] = {name: [] for name in timed}
-        for repeat in range(warmup + repeats):
-            for name, function in timed.items():
-                elapsed = time_ms(function, device)
-                if repeat >= warmup:
-                    samples[name].append(elapsed)
-    result = {name: statistics.median(values) for name, values in samples.items()}
+        result = interleaved_medians(timed, device, repeats, warmup)
     result["gen_tokens"] = kwargs["sequence_length"] - und_len
     result["text_tokens"] = und_len
     return result

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -113,21 +114,27 @@ def measure_forward(config: Cosmos3TransformerConfig, n_text: int = 40,
 
         calls = {"full_ms": lambda: model(**kwargs), "gen_only_ms": gen_only,
                  "reference_full_ms": lambda: reference(**kwargs)}
-        samples: dict[str, list[float]] = {name: [] for name in calls}
-        for repeat in range(warmup + repeats):
-            for name, call in calls.items():
-                elapsed = time_ms(call, device)
-                if repeat >= warmup:
-                    samples[name].append(elapsed)
-
-    result = {name: statistics.median(values) for name, values in samples.items()}
+        result = interleaved_medians(calls, device, repeats, warmup)
     result["ratio_gen_only_vs_reference"] = result["reference_full_ms"] / result["gen_only_ms"]
     result["text_tokens"] = n_text
     result["gen_tokens"] = kwargs["sequence_length"] - und_len
     return result
 
 
-def time_ms(call, device: torch.device) -> float:
+def interleaved_medians(calls: dict[str, Callable[[], object]], device: torch.device, repeats: int,
+                        warmup: int) -> dict[str, float]:
+    """Median ms of each call, timed one after the other round by round (so drift hits them alike), after
+    `warmup` untimed rounds."""
+    samples: dict[str, list[float]] = {name: [] for name in calls}
+    for repeat in range(warmup + repeats):
+        for name, call in calls.items():
+            elapsed = _time_ms(call, device)
+            if repeat >= warmup:
+                samples[name].append(elapsed)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def _time_ms(call, device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start = time.perf_counter()
