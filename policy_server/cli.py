@@ -5,8 +5,8 @@
     policy-server calibrate [--checkpoint DIR]   # policy_server.engine.calibration: the quality profile
 
 Every flag is a ``ServerConfig`` field (``--max-sessions`` <-> ``max_sessions``) and may also be set
-in the ``--config`` file or as ``POLICY_SERVER_MAX_SESSIONS``; flags given on the command line win over the
-environment, which wins over the file.
+in the ``--config`` file (or ``$POLICY_SERVER_CONFIG``) or as ``POLICY_SERVER_MAX_SESSIONS``; flags given on the
+command line win over the environment, which wins over the file.
 
 Other subcommands are found through the ``policy_server.commands`` entry-point group (``bench``:
 ``robots.bench:main``, declared in pyproject.toml), so this package imports nothing of the packages that
@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from policy_server.config import ConfigError, ServerConfig, build_config, read_config_file
+from policy_server.config import ENV_PREFIX, ConfigError, ServerConfig, build_config, read_config_file
 
 log = logging.getLogger("policy_server")
 SHUTDOWN_GRACE_S = 2.0  # running calls may finish within this after SIGTERM
@@ -46,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
         "entry-point group, e.g. `bench` (policy-server bench --help).",
     )
     p.add_argument("--version", action="version", version=f"%(prog)s {importlib.metadata.version('policy-server')}")
-    p.add_argument("--config", type=Path, help="YAML or JSON file with any of the settings below")
+    p.add_argument("--config", type=Path,
+                   help="YAML or JSON file with any of the settings below (default: $POLICY_SERVER_CONFIG)")
 
     g = p.add_argument_group("model and budget")
     g.add_argument("--latency-budget-ms", type=float, help="default per-tick latency budget in ms (120)")
@@ -97,10 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(argv: list[str], environ: Mapping[str, str] = os.environ) -> ServerConfig:
-    """Parse flags, read ``--config`` if given, and validate them merged with the ``POLICY_SERVER_*`` settings
-    in ``environ``."""
+    """Parse flags, read ``--config`` (else ``$POLICY_SERVER_CONFIG``) if given, and validate them merged with the
+    ``POLICY_SERVER_*`` settings in ``environ``."""
     args: dict[str, Any] = vars(build_parser().parse_args(argv))
-    config_file = args.pop("config", None)
+    config_file = args.pop("config", None) or environ.get(f"{ENV_PREFIX}CONFIG")
     file_values = read_config_file(config_file) if config_file is not None else {}
     return build_config(file_values, args, source=str(config_file) if config_file else "config", environment=environ)
 

@@ -107,6 +107,8 @@ def test_every_field_can_be_set_in_the_environment_between_the_file_and_the_flag
     layered = cli.config_from_args(["--config", str(path), "--max-sessions", "7"],
                                    {"POLICY_SERVER_PORT": "7200", "POLICY_SERVER_MAX_SESSIONS": "6"})
     assert (layered.port, layered.max_sessions) == (7200, 7)
+    from_env = cli.config_from_args([], {"POLICY_SERVER_CONFIG": str(path)})  # the file named in the environment
+    assert (from_env.port, from_env.max_sessions) == (7100, 5)
 
 
 def test_a_bad_setting_is_named_with_where_it_came_from(tmp_path):
