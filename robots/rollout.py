@@ -2,6 +2,8 @@
 
     policy-rollout --server 127.0.0.1:50051 --episodes 100 --num-envs 4
     policy-rollout --in-process --episodes 100 --latency-budget-ms 60 --out runs/reach.json --videos 4
+    policy-rollout --in-process --ray 8 --episodes 1000                       # 8 Ray workers, an engine each
+    policy-rollout --server 10.0.0.5:9000 --serve-application policy --ray 16 --episodes 1000
 
 `--num-envs` episodes run at once in a gymnasium vector env (asynchronous, a process per environment, when
 more than one), each with its own session; a tick sends the camera frame and effector state, and the
@@ -11,11 +13,16 @@ held-out seeds (never seen in the demonstrations): episode i has seed `HELDOUT_S
 deadline misses and cache decisions; a PNG summary sits beside it, and `--videos N` writes MP4s of the
 first N episodes with the predicted future frames (the session's preview frames, in-process only)
 beside the real ones.
+
+`--ray N` spreads the episodes over N Ray workers (`robots/ray_rollout.py`), each with its own in-process engine
+(`--ray-gpus-per-worker`) or its own client of `--server` (a policy-server, or with `--serve-application` Ray
+Serve's gRPC proxy); the report is the one a local run of the same episodes gives, all workers' ticks merged.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.metadata
 import json
 import time
@@ -67,10 +74,11 @@ class EpisodeResult:
 class ServerPolicy:
     """Talks to a running server through the client library."""
 
-    def __init__(self, target: str, budget_ms: float | None, token_file: Path | None):
+    def __init__(self, target: str, budget_ms: float | None, token_file: Path | None,
+                 serve_application: str | None = None):
         from policy_server.client import PolicyClient
 
-        self.client = PolicyClient(target, token_file=token_file, timeout_s=60)
+        self.client = PolicyClient(target, token_file=token_file, timeout_s=60, serve_application=serve_application)
         self.client.wait_until_serving(timeout_s=600)
         self.budget_ms = budget_ms
 
@@ -334,11 +342,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--first-episode", type=int, default=0, help="held-out seed index of episode 0")
     parser.add_argument("--videos", type=int, default=0, help="MP4s of the first N episodes (in-process)")
     parser.add_argument("--auth-token-file", type=Path, default=None)
+    parser.add_argument("--serve-application", default=None,
+                        help="--server is Ray Serve's gRPC proxy: route to this application (policy-server ray-serve)")
+    g = parser.add_argument_group("Ray (pip install 'policy-server[ray]')")
+    g.add_argument("--ray", type=int, default=None, metavar="N",
+                   help="spread the episodes over N Ray workers, each with its own engine or client")
+    g.add_argument("--ray-address", default=None, help="Ray cluster to use (default: RAY_ADDRESS, else start one here)")
+    g.add_argument("--ray-gpus-per-worker", type=float, default=0.0, help="GPUs of each in-process worker (0)")
+    g.add_argument("--ray-cpus-per-worker", type=float, default=1.0, help="CPUs of each worker (1)")
     parser.add_argument("--out", type=Path, default=Path("rollout.json"))
     args = parser.parse_args(argv)
-    for flag, value in (("--episodes", args.episodes), ("--num-envs", args.num_envs), ("--execute", args.execute)):
+    for flag, value in (("--episodes", args.episodes), ("--num-envs", args.num_envs), ("--execute", args.execute),
+                        ("--ray", 1 if args.ray is None else args.ray)):
         if value < 1:
             parser.error(f"{flag} must be a positive integer, got {value}")
+    if args.ray is None and (args.ray_address or args.ray_gpus_per_worker or args.ray_cpus_per_worker != 1.0):
+        parser.error("--ray-address, --ray-gpus-per-worker and --ray-cpus-per-worker need --ray N")
+    if args.ray_gpus_per_worker < 0 or args.ray_cpus_per_worker < 0:
+        parser.error("--ray-gpus-per-worker and --ray-cpus-per-worker must be >= 0")
+    if args.serve_application is not None and not args.server:
+        parser.error("--serve-application needs --server (the address of Serve's gRPC proxy)")
     overrides = {k: v for k, v in (("num_steps", args.num_steps), ("guidance", args.guidance)) if v is not None}
     if args.num_steps is not None and args.num_steps < 1 or args.guidance is not None and not args.guidance >= 1:
         parser.error("--num-steps must be >= 1 and --guidance >= 1")
@@ -351,20 +374,30 @@ def main(argv: list[str] | None = None) -> int:
     if args.in_process:
         # Uncached ticks are not budgeted: without --latency-budget-ms they get the largest budget there is.
         default_budget = MAX_BUDGET_MS if args.no_diffusion_cache else 120.0
-        policy = InProcessPolicy(args.checkpoint, budget or default_budget, not args.no_diffusion_cache,
-                                 args.num_envs, overrides)
+        make_policy = functools.partial(InProcessPolicy, args.checkpoint, budget or default_budget,
+                                        not args.no_diffusion_cache, args.num_envs, overrides)
     else:
-        policy = ServerPolicy(args.server, budget, args.auth_token_file)
+        make_policy = functools.partial(ServerPolicy, args.server, budget, args.auth_token_file,
+                                        args.serve_application)
 
     started = time.perf_counter()
     indices = range(args.first_episode, args.first_episode + args.episodes)
-    results = run_episodes(policy, args.env_id, indices, args.num_envs, args.execute, args.videos)
+    if args.ray is None:
+        results = run_episodes(make_policy(), args.env_id, indices, args.num_envs, args.execute, args.videos)
+    else:
+        try:
+            from robots.ray_rollout import run_on_ray
+        except ImportError as exc:
+            parser.error(f"--ray needs Ray ({exc}); pip install 'policy-server[ray]'")
+        results = run_on_ray(make_policy, args.env_id, indices, args.ray, args.num_envs, args.execute, args.videos,
+                             args.ray_address, args.ray_gpus_per_worker, args.ray_cpus_per_worker)
     seconds = time.perf_counter() - started
 
     config = {"server": args.server, "in_process": args.in_process, "latency_budget_ms": budget,
               "diffusion_cache": not args.no_diffusion_cache if args.in_process else None,
               "env_id": args.env_id, "execute": args.execute, "num_envs": args.num_envs,
-              "first_episode": args.first_episode, **overrides}
+              "first_episode": args.first_episode, "serve_application": args.serve_application,
+              "ray_workers": args.ray, **overrides}
     report = summarize(results, seconds, config)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
