@@ -213,8 +213,10 @@ class PolicyClient:
                 last = "not ready"
             except PolicyServerError as exc:
                 # UNAVAILABLE: Serve, the proxy or a replica is starting; NOT_FOUND without a reason of ours: the
-                # proxy does not route the application yet ("Application ... not found").
-                if exc.code != grpc.StatusCode.UNAVAILABLE and exc.reason != grpc.StatusCode.NOT_FOUND.name:
+                # proxy does not route the application yet ("Application ... not found"); DEADLINE_EXCEEDED: the
+                # call waited for a replica that is still warming up.
+                waiting = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DEADLINE_EXCEEDED)
+                if exc.code != grpc.StatusCode.UNAVAILABLE and not (exc.code in waiting and not exc.from_server):
                     raise
                 last = f"{exc.code.name}: {exc.message}"
             time.sleep(min(_REWATCH_PAUSE_S, max(0.0, end - time.monotonic())))

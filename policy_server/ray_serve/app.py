@@ -79,13 +79,17 @@ def application(replicas: ReplicaSettings, config: ServerConfig) -> serve.Applic
     return serve.deployment(PolicyDeployment).options(**deployment_options(replicas, config)).bind(config)
 
 
+def gpus_per_replica(replicas: ReplicaSettings, config: ServerConfig) -> float:
+    """``num_gpus``, else 0 for a replica on the CPU and 1 otherwise."""
+    return replicas.num_gpus if replicas.num_gpus is not None else (0 if config.device == "cpu" else 1)
+
+
 def deployment_options(replicas: ReplicaSettings, config: ServerConfig) -> dict[str, Any]:
     """Serve's options of the deployment: strict session affinity, as many calls at once as ``policy-server``
     serves for ``config.max_sessions``, the replicas' resources."""
-    num_gpus = replicas.num_gpus if replicas.num_gpus is not None else (0 if config.device == "cpu" else 1)
     return {
         "num_replicas": replicas.num_replicas,
-        "ray_actor_options": {"num_cpus": replicas.num_cpus, "num_gpus": num_gpus},
+        "ray_actor_options": {"num_cpus": replicas.num_cpus, "num_gpus": gpus_per_replica(replicas, config)},
         "max_ongoing_requests": max_concurrent_calls(config.max_sessions),
         "request_router_config": RequestRouterConfig(request_router_class=CONSISTENT_HASH_ROUTER,
                                                      request_router_kwargs={"num_fallback_replicas": 0}),
