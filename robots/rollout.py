@@ -15,8 +15,9 @@ first N episodes with the predicted future frames (the session's preview frames,
 beside the real ones.
 
 `--ray N` spreads the episodes over N Ray workers (`robots/ray_rollout.py`), each with its own in-process engine
-(`--ray-gpus-per-worker`) or its own client of `--server` (a policy-server, or with `--serve-application` Ray
-Serve's gRPC proxy); the report is the one a local run of the same episodes gives, all workers' ticks merged.
+(on `--device`, with `--ray-gpus-per-worker` GPUs) or its own client of `--server` (a policy-server, or with
+`--serve-application` Ray Serve's gRPC proxy); the report is the one a local run of the same episodes gives, all
+workers' ticks merged.
 """
 
 from __future__ import annotations
@@ -101,15 +102,17 @@ class InProcessPolicy:
     settings: the pipeline is built with the validated overridden config."""
 
     def __init__(self, checkpoint: Path | None, budget_ms: float, cache: bool, num_envs: int,
-                 sampler_overrides: dict):
+                 sampler_overrides: dict, device: str = "cpu"):
         import torch
 
-        from policy_server.engine.engine import EngineSettings, ModelEngine
+        from policy_server.engine.engine import EngineSettings, ModelEngine, resolve_device, resolve_dtype
         from policy_server.pipeline.policy import PolicyPipeline
         from policy_server.pipeline.policy_config import PolicyConfig
 
-        torch.set_num_threads(1)
-        pipeline = PolicyPipeline.from_pretrained(checkpoint)
+        device = resolve_device(device)
+        if device == "cpu":
+            torch.set_num_threads(1)
+        pipeline = PolicyPipeline.from_pretrained(checkpoint, device=device, dtype=resolve_dtype("auto", device))
         if sampler_overrides:
             config = PolicyConfig.model_validate({**pipeline.config.model_dump(), **sampler_overrides})
             pipeline = PolicyPipeline(pipeline.transformer, pipeline.vae, pipeline.tokenizer, pipeline.embodiments,
@@ -328,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     where.add_argument("--server", help="host:port of a running policy-server")
     where.add_argument("--in-process", action="store_true", help="run the engine in this process")
     parser.add_argument("--checkpoint", type=Path, default=None, help="in-process: pipeline folder")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"),
+                        help="in-process: where the engine runs (cpu; auto: cuda when there is one)")
     parser.add_argument("--latency-budget-ms", type=float, default=None,
                         help="per-tick budget (server: per session; in-process default 120, or none uncached)")
     parser.add_argument("--no-diffusion-cache", action="store_true", help="in-process: run uncached")
@@ -362,6 +367,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--ray-gpus-per-worker and --ray-cpus-per-worker must be >= 0")
     if args.serve_application is not None and not args.server:
         parser.error("--serve-application needs --server (the address of Serve's gRPC proxy)")
+    if args.device != "cpu" and not args.in_process:
+        parser.error("--device needs --in-process (a server runs on its own device)")
+    if args.ray_gpus_per_worker and args.device == "cpu":
+        parser.error("--ray-gpus-per-worker needs --in-process --device cuda (or auto): a worker on the CPU uses none")
     overrides = {k: v for k, v in (("num_steps", args.num_steps), ("guidance", args.guidance)) if v is not None}
     if args.num_steps is not None and args.num_steps < 1 or args.guidance is not None and not args.guidance >= 1:
         parser.error("--num-steps must be >= 1 and --guidance >= 1")
@@ -375,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         # Uncached ticks are not budgeted: without --latency-budget-ms they get the largest budget there is.
         default_budget = MAX_BUDGET_MS if args.no_diffusion_cache else 120.0
         make_policy = functools.partial(InProcessPolicy, args.checkpoint, budget or default_budget,
-                                        not args.no_diffusion_cache, args.num_envs, overrides)
+                                        not args.no_diffusion_cache, args.num_envs, overrides, args.device)
     else:
         make_policy = functools.partial(ServerPolicy, args.server, budget, args.auth_token_file,
                                         args.serve_application)
@@ -395,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
 
     config = {"server": args.server, "in_process": args.in_process, "latency_budget_ms": budget,
               "diffusion_cache": not args.no_diffusion_cache if args.in_process else None,
-              "env_id": args.env_id, "execute": args.execute, "num_envs": args.num_envs,
+              "env_id": args.env_id, "execute": args.execute, "num_envs": args.num_envs, "device": args.device,
               "first_episode": args.first_episode, "serve_application": args.serve_application,
               "ray_workers": args.ray, **overrides}
     report = summarize(results, seconds, config)
