@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     from ray import serve
     from ray.serve.config import HTTPOptions
 
-    from policy_server.ray_serve import build_app, grpc_options
+    from policy_server.ray_serve.app import build_app, grpc_options
 
     settings = {"latency_budget_ms": args.latency_budget_ms, "device": "cpu", "max_sessions": 2}
     if args.checkpoint:

@@ -79,7 +79,7 @@ def main(workdir: Path) -> None:
     from ray import serve
     from ray.serve.config import HTTPOptions
 
-    from policy_server.ray_serve import build_app, grpc_options
+    from policy_server.ray_serve.app import build_app, grpc_options
 
     model = workdir / "model"
     build_model(model)

@@ -48,19 +48,30 @@ class Cluster:
 
     def __init__(self, workdir: Path, prefix: list[str]) -> None:
         self.workdir = workdir
+        self.target = f"unix:{workdir / 'serve.sock'}"
         self.log = open(workdir / "cluster.log", "w")
         self.process = subprocess.Popen([*prefix, sys.executable, str(HELPER), str(workdir)], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, stderr=self.log, text=True)
         self._lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=lambda: [self._lines.put(line) for line in self.process.stdout], daemon=True).start()
-        self.info = json.loads(self._line(READY_TIMEOUT_S).removeprefix("READY "))
-        self.target = f"unix:{workdir / 'serve.sock'}"
+        threading.Thread(target=self._read, daemon=True).start()
+        self.info: dict = {}
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            self._lines.put(line)
+        self._lines.put("")  # it exited
 
     def _line(self, timeout_s: float) -> str:
         try:
-            return self._lines.get(timeout=timeout_s)
+            line = self._lines.get(timeout=timeout_s)
         except queue.Empty:
-            raise AssertionError(f"no answer from the cluster; its log: {self.workdir / 'cluster.log'}") from None
+            line = ""
+        if not line:
+            raise AssertionError(f"no answer from the cluster; its log: {self.workdir / 'cluster.log'}")
+        return line
+
+    def wait_ready(self) -> None:
+        self.info = json.loads(self._line(READY_TIMEOUT_S).removeprefix("READY "))
 
     def command(self, timeout_s: float = 300, **command) -> dict:
         self.process.stdin.write(json.dumps(command) + "\n")
@@ -71,11 +82,12 @@ class Cluster:
         return PolicyClient(self.target, token=token, serve_application="policy", timeout_s=60)
 
     def close(self) -> None:
-        self.process.stdin.close()
+        self.process.stdin.close()  # it shuts Serve and Ray down and exits
         try:
             self.process.wait(60)
         except subprocess.TimeoutExpired:
             self.process.kill()
+            self.process.wait()
         self.log.close()
 
 
@@ -86,8 +98,11 @@ def cluster(tmp_path_factory):
         pytest.skip("cannot make a network namespace here (unshare -n / -rn); Serve's gRPC proxy listens on every "
                     "interface, so its cluster runs only inside one")
     cluster = Cluster(tmp_path_factory.mktemp("ray"), prefix)
-    yield cluster
-    cluster.close()
+    try:
+        cluster.wait_ready()
+        yield cluster
+    finally:
+        cluster.close()
 
 
 @pytest.fixture(scope="module")

@@ -77,7 +77,7 @@ def test_the_shipped_serve_config_and_rayservice_run_this_application():
         assert schema.grpc_options.grpc_servicer_functions == GRPC_SERVICER_FUNCTIONS
         (app,) = schema.applications
         assert (app.name, app.route_prefix, app.import_path) == (APPLICATION, "/policy",
-                                                                 "policy_server.ray_serve:build_app")
+                                                                 "policy_server.ray_serve.app:build_app")
         split_args(app.args)
     workers = service["spec"]["rayClusterConfig"]["workerGroupSpecs"]
     assert kuberay["applications"][0]["args"]["num_replicas"] == sum(group["replicas"] for group in workers)

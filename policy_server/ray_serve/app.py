@@ -70,7 +70,7 @@ def split_args(args: dict[str, Any], overrides: dict[str, Any] | None = None,
 
 
 def build_app(args: dict[str, Any]) -> serve.Application:
-    """The application for ``serve run`` / ``serve deploy`` (``import_path: policy_server.ray_serve:build_app``)."""
+    """The application for ``serve run`` / ``serve deploy``: ``import_path: policy_server.ray_serve.app:build_app``."""
     return application(*split_args(args))
 
 
