@@ -2,6 +2,8 @@
 
     policy-rollout --server 127.0.0.1:50051 --episodes 100 --num-envs 4
     policy-rollout --in-process --episodes 100 --latency-budget-ms 60 --out runs/reach.json --videos 4
+    policy-rollout --in-process --ray 8 --episodes 1000                       # 8 Ray workers, an engine each
+    policy-rollout --server 10.0.0.5:9000 --serve-application policy --ray 16 --episodes 1000
 
 `--num-envs` episodes run at once in a gymnasium vector env (asynchronous, a process per environment, when
 more than one), each with its own session; a tick sends the camera frame and effector state, and the
@@ -11,11 +13,17 @@ held-out seeds (never seen in the demonstrations): episode i has seed `HELDOUT_S
 deadline misses and cache decisions; a PNG summary sits beside it, and `--videos N` writes MP4s (H.264,
 browser-playable) of the first N episodes with the predicted future frames (the session's preview frames,
 from a server or in-process) beside the real ones.
+
+`--ray N` spreads the episodes over N Ray workers (`robots/ray_rollout.py`), each with its own in-process engine
+(on `--device`, with `--ray-gpus-per-worker` GPUs) or its own client of `--server` (a policy-server, or with
+`--serve-application` Ray Serve's gRPC proxy); the report is the one a local run of the same episodes gives, all
+workers' ticks merged.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.metadata
 import json
 import sys
@@ -71,10 +79,11 @@ class EpisodeResult:
 class ServerPolicy:
     """Talks to a running server through the client library."""
 
-    def __init__(self, target: str, budget_ms: float | None, token_file: Path | None):
+    def __init__(self, target: str, budget_ms: float | None, token_file: Path | None,
+                 serve_application: str | None = None):
         from policy_server.client import PolicyClient
 
-        self.client = PolicyClient(target, token_file=token_file, timeout_s=60)
+        self.client = PolicyClient(target, token_file=token_file, timeout_s=60, serve_application=serve_application)
         self.client.wait_until_serving(timeout_s=600)
         self.budget_ms = budget_ms
 
@@ -97,15 +106,17 @@ class InProcessPolicy:
     settings: the pipeline is built with the validated overridden config."""
 
     def __init__(self, checkpoint: Path | None, budget_ms: float, cache: bool, num_envs: int,
-                 sampler_overrides: dict):
+                 sampler_overrides: dict, device: str = "cpu"):
         import torch
 
-        from policy_server.engine.engine import EngineSettings, ModelEngine
+        from policy_server.engine.engine import EngineSettings, ModelEngine, resolve_device, resolve_dtype
         from policy_server.pipeline.policy import PolicyPipeline
         from policy_server.pipeline.policy_config import PolicyConfig
 
-        torch.set_num_threads(1)
-        pipeline = PolicyPipeline.from_pretrained(checkpoint)
+        device = resolve_device(device)
+        if device == "cpu":
+            torch.set_num_threads(1)
+        pipeline = PolicyPipeline.from_pretrained(checkpoint, device=device, dtype=resolve_dtype("auto", device))
         if sampler_overrides:
             config = PolicyConfig.model_validate({**pipeline.config.model_dump(), **sampler_overrides})
             pipeline = PolicyPipeline(pipeline.transformer, pipeline.vae, pipeline.tokenizer, pipeline.embodiments,
@@ -316,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     where.add_argument("--server", help="host:port of a running policy-server")
     where.add_argument("--in-process", action="store_true", help="run the engine in this process")
     parser.add_argument("--checkpoint", type=Path, default=None, help="in-process: pipeline folder")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"),
+                        help="in-process: where the engine runs (cpu; auto: cuda when there is one)")
     parser.add_argument("--latency-budget-ms", type=float, default=None,
                         help="per-tick budget (server: per session; in-process default 120, or none uncached)")
     parser.add_argument("--no-diffusion-cache", action="store_true", help="in-process: run uncached")
@@ -330,11 +343,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--first-episode", type=int, default=0, help="held-out seed index of episode 0")
     parser.add_argument("--videos", type=int, default=0, help="MP4s of the first N episodes")
     parser.add_argument("--auth-token-file", type=Path, default=None)
+    parser.add_argument("--serve-application", default=None,
+                        help="--server is Ray Serve's gRPC proxy: route to this application (policy-server ray-serve)")
+    g = parser.add_argument_group("Ray (pip install 'policy-server[ray]')")
+    g.add_argument("--ray", type=int, default=None, metavar="N",
+                   help="spread the episodes over N Ray workers, each with its own engine or client")
+    g.add_argument("--ray-address", default=None, help="Ray cluster to use (default: RAY_ADDRESS, else start one here)")
+    g.add_argument("--ray-gpus-per-worker", type=float, default=0.0, help="GPUs of each in-process worker (0)")
+    g.add_argument("--ray-cpus-per-worker", type=float, default=1.0, help="CPUs of each worker (1)")
     parser.add_argument("--out", type=Path, default=Path("rollout.json"))
     args = parser.parse_args(argv)
-    for flag, value in (("--episodes", args.episodes), ("--num-envs", args.num_envs), ("--execute", args.execute)):
+    for flag, value in (("--episodes", args.episodes), ("--num-envs", args.num_envs), ("--execute", args.execute),
+                        ("--ray", 1 if args.ray is None else args.ray)):
         if value < 1:
             parser.error(f"{flag} must be a positive integer, got {value}")
+    if args.ray is None and (args.ray_address or args.ray_gpus_per_worker or args.ray_cpus_per_worker != 1.0):
+        parser.error("--ray-address, --ray-gpus-per-worker and --ray-cpus-per-worker need --ray N")
+    if args.ray_gpus_per_worker < 0 or args.ray_cpus_per_worker < 0:
+        parser.error("--ray-gpus-per-worker and --ray-cpus-per-worker must be >= 0")
+    if args.serve_application is not None and not args.server:
+        parser.error("--serve-application needs --server (the address of Serve's gRPC proxy)")
+    if args.device != "cpu" and not args.in_process:
+        parser.error("--device needs --in-process (a server runs on its own device)")
+    if args.ray_gpus_per_worker and args.device == "cpu":
+        parser.error("--ray-gpus-per-worker needs --in-process --device cuda (or auto): a worker on the CPU uses none")
     overrides = {k: v for k, v in (("num_steps", args.num_steps), ("guidance", args.guidance)) if v is not None}
     if args.num_steps is not None and args.num_steps < 1 or args.guidance is not None and not args.guidance >= 1:
         parser.error("--num-steps must be >= 1 and --guidance >= 1")
@@ -343,20 +375,30 @@ def main(argv: list[str] | None = None) -> int:
 
     budget = args.latency_budget_ms
     refusals: tuple[type[Exception], ...] = (PolicyServerError, EngineError)  # the server's, or the engine's
-    started = time.perf_counter()
-    try:
-        if args.in_process:
-            from policy_server.pipeline.policy import CheckpointLoadError
+    if args.in_process:
+        from policy_server.pipeline.policy import CheckpointLoadError
 
-            refusals += (CheckpointLoadError,)
-            # Uncached ticks are not budgeted: without --latency-budget-ms they get the largest budget there is.
-            default_budget = MAX_BUDGET_MS if args.no_diffusion_cache else 120.0
-            policy = InProcessPolicy(args.checkpoint, budget or default_budget, not args.no_diffusion_cache,
-                                     args.num_envs, overrides)
+        refusals += (CheckpointLoadError,)
+        # Uncached ticks are not budgeted: without --latency-budget-ms they get the largest budget there is.
+        default_budget = MAX_BUDGET_MS if args.no_diffusion_cache else 120.0
+        make_policy = functools.partial(InProcessPolicy, args.checkpoint, budget or default_budget,
+                                        not args.no_diffusion_cache, args.num_envs, overrides, args.device)
+    else:
+        make_policy = functools.partial(ServerPolicy, args.server, budget, args.auth_token_file,
+                                        args.serve_application)
+
+    started = time.perf_counter()
+    indices = range(args.first_episode, args.first_episode + args.episodes)
+    try:
+        if args.ray is None:
+            results = run_episodes(make_policy(), args.env_id, indices, args.num_envs, args.execute, args.videos)
         else:
-            policy = ServerPolicy(args.server, budget, args.auth_token_file)
-        indices = range(args.first_episode, args.first_episode + args.episodes)
-        results = run_episodes(policy, args.env_id, indices, args.num_envs, args.execute, args.videos)
+            try:
+                from robots.ray_rollout import run_on_ray
+            except ImportError as exc:
+                parser.error(f"--ray needs Ray ({exc}); pip install 'policy-server[ray]'")
+            results = run_on_ray(make_policy, args.env_id, indices, args.ray, args.num_envs, args.execute,
+                                 args.videos, args.ray_address, args.ray_gpus_per_worker, args.ray_cpus_per_worker)
     except refusals as error:  # e.g. BUDGET_INFEASIBLE, OVERLOADED, a checkpoint that cannot be served
         print(f"policy-rollout: {error}", file=sys.stderr)
         return 2
@@ -364,8 +406,9 @@ def main(argv: list[str] | None = None) -> int:
 
     config = {"server": args.server, "in_process": args.in_process, "latency_budget_ms": budget,
               "diffusion_cache": not args.no_diffusion_cache if args.in_process else None,
-              "env_id": args.env_id, "execute": args.execute, "num_envs": args.num_envs,
-              "first_episode": args.first_episode, **overrides}
+              "env_id": args.env_id, "execute": args.execute, "num_envs": args.num_envs, "device": args.device,
+              "first_episode": args.first_episode, "serve_application": args.serve_application,
+              "ray_workers": args.ray, **overrides}
     report = summarize(results, seconds, config)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")

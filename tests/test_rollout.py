@@ -116,6 +116,10 @@ def test_rollout_through_a_server_with_a_vector_env(tmp_path):
 @pytest.mark.parametrize("flags, message", [
     (["--env-id", "CartPole-v1"], f"invalid choice: 'CartPole-v1' (choose from {', '.join(map(repr, ENV_IDS))})"),
     (["--num-envs", "0"], "--num-envs must be a positive integer, got 0"),
+    (["--ray", "0"], "--ray must be a positive integer, got 0"),
+    (["--ray-address", "auto"], "--ray-address, --ray-gpus-per-worker and --ray-cpus-per-worker need --ray N"),
+    (["--ray", "2", "--ray-gpus-per-worker", "1"], "--ray-gpus-per-worker needs --in-process --device cuda"),
+    (["--serve-application", "policy"], "--serve-application needs --server"),
 ])
 def test_bad_flags_are_usage_errors(flags, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -12,7 +12,8 @@ class PolicyServerError(Exception):
     """A failed call or a Control-stream error event.
 
     ``reason`` is the stable code (SCHEMA_MISMATCH, STALE_EPOCH, BUDGET_INFEASIBLE, ...); transport
-    failures without a server-side reason use the status name (UNAVAILABLE, DEADLINE_EXCEEDED).
+    failures without a server-side reason use the status name (UNAVAILABLE, DEADLINE_EXCEEDED), and
+    ``from_server`` is False for them.
     """
 
     def __init__(
@@ -25,6 +26,7 @@ class PolicyServerError(Exception):
     ) -> None:
         super().__init__(f"{code.name} {reason}: {message}")
         self.code, self.reason, self.message = code, reason, message
+        self.from_server = detail is not None
         self.detail = (
             detail if detail is not None else pb.ErrorDetail(code=code.name, reason=reason, message=message)
         )

@@ -7,8 +7,10 @@
 The server answers the newest observation and reports each dropped one as ``superseded``; a bad
 frame comes back as an ``error`` event and the stream continues. If the connection drops, the
 stream reconnects with exponential backoff and re-attaches to the session; if the server lost the
-session (it restarted), it opens a new one with the same settings and reports
-``reconnected`` with ``session_replaced=True``, because the episode state (epoch) is new.
+session (it restarted, or behind Ray Serve its replica went away), it opens a new one with the same
+settings and reports ``reconnected`` with ``session_replaced=True``, because the episode state (epoch) is
+new. A dropped connection is UNAVAILABLE, or INTERNAL without a server reason: Ray Serve's proxy ends a
+stream so when its replica dies.
 Observations sent while disconnected are dropped: they would be stale by the time a chunk came.
 """
 
@@ -91,7 +93,8 @@ class ControlStream:
                     return
                 yield item
 
-        call = self._client.stub.Control(request_iterator(), metadata=self._client.metadata)
+        metadata = self._client.call_metadata(self._session.session_id)
+        call = self._client.stub.Control(request_iterator(), metadata=metadata)
         try:
             first = next(call)
         except grpc.RpcError as exc:
@@ -116,7 +119,7 @@ class ControlStream:
                 return
             except grpc.RpcError as exc:
                 error = PolicyServerError.from_rpc_error(exc)
-                if self._closing.is_set() or not self._reconnect or error.code != grpc.StatusCode.UNAVAILABLE:
+                if self._closing.is_set() or not self._reconnect or not _connection_lost(error):
                     self._events.put(StreamEvent("closed", error=None if self._closing.is_set() else error))
                     return
                 log.warning("control stream lost (%s); reconnecting", error.message)
@@ -136,7 +139,7 @@ class ControlStream:
                 if exc.reason == "SESSION_NOT_FOUND" and self._reopen_session:
                     if self._reopen():
                         return True
-                elif exc.code != grpc.StatusCode.UNAVAILABLE:
+                elif not _connection_lost(exc):
                     return False
         return False
 
@@ -265,3 +268,9 @@ class ControlStream:
                 raise event.error or PolicyServerError(
                     grpc.StatusCode.CANCELLED, "STREAM_CLOSED", "the control stream ended"
                 )
+
+
+def _connection_lost(error: PolicyServerError) -> bool:
+    """Whether a failed stream lost its server rather than being ended by it: reconnecting may work."""
+    lost_replica = error.code == grpc.StatusCode.INTERNAL and not error.from_server
+    return error.code == grpc.StatusCode.UNAVAILABLE or lost_replica

@@ -13,12 +13,19 @@ retried while the server answers UNAVAILABLE (warming up, restarting), after the
 dynamics and reasoner calls are never retried: a late chunk is stale, and the others would repeat long work.
 The channel itself reconnects on its own after a drop; ``wait_until_serving`` watches the standard health
 service until the server is SERVING.
+
+Behind Ray Serve's gRPC proxy (``serve_application=``, see ``policy_server.ray_serve``) each call also names the
+application, each session's calls carry the routing key the client picked when it opened the session (so they
+all reach the replica that holds it), and each call carries its deadline as ``policy-timeout-ms`` metadata
+(``policy_server.v1.serve_metadata``). A session whose replica went away answers SESSION_NOT_FOUND;
+``ControlStream`` re-opens it.
 """
 
 from __future__ import annotations
 
 import json
 import time
+import uuid
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TypeVar
@@ -38,6 +45,7 @@ from policy_server.client.types import (
 )
 from policy_server.v1 import policy_server_pb2 as pb
 from policy_server.v1 import policy_server_pb2_grpc as pb_grpc
+from policy_server.v1 import serve_metadata
 
 T = TypeVar("T")
 _REWATCH_PAUSE_S = 0.1
@@ -99,12 +107,18 @@ class PolicyClient:
         root_certificates: bytes | None = None,
         server_name: str | None = None,
         timeout_s: float = 10.0,
+        serve_application: str | None = None,
     ) -> None:
+        """``serve_application``: the target is Ray Serve's gRPC proxy and this the application to route to."""
         if token_file is not None:
             token = Path(token_file).read_text().strip()
         self.target = target
         self.timeout_s = timeout_s
+        self.serve_application = serve_application
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        if serve_application is not None:
+            self._metadata += ((serve_metadata.APPLICATION_KEY, serve_application),)
+        self._routing_keys: dict[str, str] = {}  # session id -> its routing key, behind Serve
         self._channel_args = dict(tls=tls, root_certificates=root_certificates, server_name=server_name)
         self.channel = make_channel(target, **self._channel_args)
         self.stub = pb_grpc.PolicyServiceStub(self.channel)
@@ -116,9 +130,26 @@ class PolicyClient:
     def metadata(self) -> tuple[tuple[str, str], ...]:
         return self._metadata
 
-    def _call(self, method: Callable[..., T], request, timeout_s: float | None, **kwargs) -> T:
+    def call_metadata(self, session_id: str | None = None, timeout_s: float | None = None,
+                      routing_key: str | None = None) -> tuple[tuple[str, str], ...]:
+        """The metadata of one call: the token, and behind Serve the routing key of the session it is about
+        (``routing_key``, else the one of ``session_id``) and the call's timeout."""
+        if self.serve_application is None:
+            return self._metadata
+        extra: tuple[tuple[str, str], ...] = ()
+        routing_key = routing_key or self._routing_keys.get(session_id or "")
+        if routing_key:
+            extra += ((serve_metadata.ROUTING_KEY, routing_key),)
+        if timeout_s is not None:
+            extra += ((serve_metadata.TIMEOUT_KEY, f"{timeout_s * 1e3:.0f}"),)
+        return self._metadata + extra
+
+    def _call(self, method: Callable[..., T], request, timeout_s: float | None, session_id: str | None = None,
+              routing_key: str | None = None, **kwargs) -> T:
+        timeout_s = timeout_s or self.timeout_s
+        metadata = self.call_metadata(session_id, timeout_s, routing_key)
         try:
-            return method(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata, **kwargs)
+            return method(request, timeout=timeout_s, metadata=metadata, **kwargs)
         except grpc.RpcError as exc:
             raise PolicyServerError.from_rpc_error(exc) from None
 
@@ -143,7 +174,12 @@ class PolicyClient:
 
     def wait_until_serving(self, timeout_s: float = 60.0) -> None:
         """Block until health is SERVING (model loaded and warm); TimeoutError otherwise. Watches the standard
-        health service (``Health.Watch``), waiting for the server to come up and watching again if it restarts."""
+        health service (``Health.Watch``), waiting for the server to come up and watching again if it restarts.
+        Behind Serve, whose proxy does not pass the health service on, it asks ``GetServerInfo`` until a replica
+        answers ready."""
+        if self.serve_application is not None:
+            self._wait_until_replica_serves(timeout_s)
+            return
         end = time.monotonic() + timeout_s
         last = "no answer"
         while (left_s := end - time.monotonic()) > 0:
@@ -166,6 +202,26 @@ class PolicyClient:
             finally:
                 updates.cancel()
         raise TimeoutError(f"{self.target} not SERVING after {timeout_s:g} s (last: {last})")
+
+    def _wait_until_replica_serves(self, timeout_s: float) -> None:
+        end = time.monotonic() + timeout_s
+        last = "no answer"
+        while (left_s := end - time.monotonic()) > 0:
+            try:
+                if self.server_info(timeout_s=min(left_s, self.timeout_s)).ready:
+                    return
+                last = "not ready"
+            except PolicyServerError as exc:
+                # UNAVAILABLE: Serve, the proxy or a replica is starting; NOT_FOUND without a reason of ours: the
+                # proxy does not route the application yet ("Application ... not found"); DEADLINE_EXCEEDED: the
+                # call waited for a replica that is still warming up.
+                waiting = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DEADLINE_EXCEEDED)
+                if exc.code != grpc.StatusCode.UNAVAILABLE and not (exc.code in waiting and not exc.from_server):
+                    raise
+                last = f"{exc.code.name}: {exc.message}"
+            time.sleep(min(_REWATCH_PAUSE_S, max(0.0, end - time.monotonic())))
+        raise TimeoutError(f"{self.target} (Serve application {self.serve_application!r}) not serving after "
+                           f"{timeout_s:g} s (last: {last})")
 
     # -- sessions ------------------------------------------------------------------------------
 
@@ -202,18 +258,28 @@ class PolicyClient:
             request.rate_hz = rate_hz
         if actions_per_chunk is not None:
             request.actions_per_chunk = actions_per_chunk
-        return Session.from_proto(self._call(self.stub.OpenSession, request, timeout_s))
+        routing_key = uuid.uuid4().hex if self.serve_application is not None else None
+        session = Session.from_proto(self._call(self.stub.OpenSession, request, timeout_s, routing_key=routing_key))
+        if routing_key is not None:
+            self._routing_keys[session.session_id] = routing_key
+        return session
 
     def reset_session(self, session: Session | str, timeout_s: float | None = None) -> Session:
-        request = pb.ResetSessionRequest(session_id=_session_id(session))
-        return Session.from_proto(self._call(self.stub.ResetSession, request, timeout_s))
+        session_id = _session_id(session)
+        request = pb.ResetSessionRequest(session_id=session_id)
+        return Session.from_proto(self._call(self.stub.ResetSession, request, timeout_s, session_id))
 
     def close_session(self, session: Session | str, timeout_s: float | None = None) -> None:
-        self._call(self.stub.CloseSession, pb.CloseSessionRequest(session_id=_session_id(session)), timeout_s)
+        session_id = _session_id(session)
+        try:
+            self._call(self.stub.CloseSession, pb.CloseSessionRequest(session_id=session_id), timeout_s, session_id)
+        finally:
+            self._routing_keys.pop(session_id, None)
 
     def set_budget(self, session: Session | str, budget_ms: float, timeout_s: float | None = None) -> Session:
-        request = pb.SetBudgetRequest(session_id=_session_id(session), budget_ms=budget_ms)
-        return Session.from_proto(self._call(self.stub.SetBudget, request, timeout_s))
+        session_id = _session_id(session)
+        request = pb.SetBudgetRequest(session_id=session_id, budget_ms=budget_ms)
+        return Session.from_proto(self._call(self.stub.SetBudget, request, timeout_s, session_id))
 
     # -- acting --------------------------------------------------------------------------------
 
@@ -239,7 +305,7 @@ class PolicyClient:
 
     def act_request(self, request: pb.ActRequest, timeout_s: float | None = None) -> ActionChunk:
         """Send a hand-built ActRequest (for callers that encode observations themselves)."""
-        return ActionChunk.from_proto(self._call(self.stub.Act, request, timeout_s))
+        return ActionChunk.from_proto(self._call(self.stub.Act, request, timeout_s, request.session_id))
 
     def forward_dynamics(
         self,
@@ -265,7 +331,8 @@ class PolicyClient:
         )
         if seed is not None:
             request.seed = seed
-        return PredictedFrames.from_proto(self._call(self.stub.ForwardDynamics, request, timeout_s))
+        return PredictedFrames.from_proto(self._call(self.stub.ForwardDynamics, request, timeout_s,
+                                                     session.session_id))
 
     def inverse_dynamics(
         self,
@@ -285,7 +352,7 @@ class PolicyClient:
         ``step_index + i``. Runs as ``forward_dynamics``."""
         request = build_inverse_dynamics(session, videos, state, instruction, step_index, seed, encoding,
                                          jpeg_quality)
-        return ActionChunk.from_proto(self._call(self.stub.InverseDynamics, request, timeout_s))
+        return ActionChunk.from_proto(self._call(self.stub.InverseDynamics, request, timeout_s, session.session_id))
 
     def reason(
         self,
@@ -300,7 +367,8 @@ class PolicyClient:
         request = pb.ReasonRequest(prompt=prompt, max_new_tokens=max_new_tokens, temperature=temperature)
         if seed is not None:
             request.seed = seed
-        responses = self.stub.Reason(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
+        timeout_s = timeout_s or self.timeout_s
+        responses = self.stub.Reason(request, timeout=timeout_s, metadata=self.call_metadata(timeout_s=timeout_s))
         try:
             for piece in responses:
                 if piece.done:

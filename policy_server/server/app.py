@@ -63,6 +63,12 @@ def _policy_service_handler(servicer: PolicyServicer) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(service.full_name, handlers)
 
 
+def max_concurrent_calls(max_sessions: int) -> int:
+    """Calls served at once: each Control stream and Reason call holds a thread for its lifetime, so every
+    session streaming at once, plus room for unary calls."""
+    return 2 * max_sessions + 8
+
+
 def _bind_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
@@ -100,10 +106,9 @@ class PolicyServer:
         interceptors = [GrpcMetricsInterceptor(self.metrics.registry, services, LATENCY_BUCKETS_S)]
         if self._token:
             interceptors.append(TokenAuthInterceptor(self._token))
-        # Each Control stream and Reason call holds a thread for its lifetime, so size the pool for every
-        # session streaming at once plus room for unary calls. Calls beyond it are refused at once
-        # (RESOURCE_EXHAUSTED) rather than queued behind calls that may last an episode.
-        workers = 2 * cfg.max_sessions + 8
+        # Calls beyond the pool are refused at once (RESOURCE_EXHAUSTED) rather than queued behind calls that
+        # may last an episode.
+        workers = max_concurrent_calls(cfg.max_sessions)
         self._grpc = grpc.server(
             futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpc"),
             interceptors=interceptors,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import grpc
 
-from policy_server.server.errors import abort, make_error
+from policy_server.server.errors import ServiceError, abort, make_error
 
 AUTH_HEADER = "authorization"
 _OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
@@ -38,9 +38,17 @@ def bearer_token_matches(header_value: str | None, token: str) -> bool:
     return hmac.compare_digest(presented.strip().encode(), token.encode())
 
 
-def _rejecting_handler(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as ``handler`` that fails with UNAUTHENTICATED."""
-    error = make_error("UNAUTHENTICATED", message, field=AUTH_HEADER, expected="Bearer <token>")
+def authentication_error(header_value: str | None, token: str) -> ServiceError | None:
+    """The UNAUTHENTICATED error for a call whose ``authorization`` value does not carry ``token``; None if it
+    does."""
+    if bearer_token_matches(header_value, token):
+        return None
+    message = "missing authorization metadata" if not header_value else "invalid authorization token"
+    return make_error("UNAUTHENTICATED", message, field=AUTH_HEADER, expected="Bearer <token>")
+
+
+def _rejecting_handler(handler: grpc.RpcMethodHandler, error: ServiceError) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as ``handler`` that fails with ``error``."""
 
     def reject(request_or_iterator, context):
         abort(context, error)
@@ -63,7 +71,5 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         if handler is None or handler_call_details.method.startswith(_OPEN_PREFIXES):
             return handler
         header = dict(handler_call_details.invocation_metadata or ()).get(AUTH_HEADER)
-        if bearer_token_matches(header, self._token):
-            return handler
-        message = "missing authorization metadata" if not header else "invalid authorization token"
-        return _rejecting_handler(handler, message)
+        error = authentication_error(header, self._token)
+        return handler if error is None else _rejecting_handler(handler, error)

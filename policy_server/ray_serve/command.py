@@ -1,0 +1,82 @@
+"""``policy-server ray-serve``: the Serve application on a Ray cluster, until SIGINT / SIGTERM.
+
+    policy-server ray-serve --num-replicas 2 --checkpoint /models/pusht            # a local Ray, CPU or GPU
+    policy-server ray-serve --address auto --num-replicas 8 --grpc-port 9000       # a running cluster
+
+It starts Serve with the ``policy_server.v1`` service on the gRPC proxy (``--grpc-port``; the proxy listens on
+every interface) and its HTTP proxy on ``--http-host``, runs the application under ``--name``, and deletes it
+on exit. Clients connect to the proxy with ``PolicyClient(target, serve_application=NAME)``. The server flags
+are ``policy-server``'s (also from ``--config`` or ``POLICY_SERVER_*``), less the network ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+
+from policy_server.cli import build_parser
+from policy_server.config import ConfigError, read_config_file
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = build_parser()
+    parser.prog = "policy-server ray-serve"
+    parser.description = __doc__.split("\n\n")[0]
+    g = parser.add_argument_group("Ray Serve")
+    g.add_argument("--address", help="Ray cluster to join (auto: the local node's; unset: RAY_ADDRESS, or start "
+                   "a Ray instance here)")
+    g.add_argument("--name", help="application name, the clients' serve_application (policy)")
+    g.add_argument("--grpc-port", type=int, help="the gRPC proxy's port, on every interface (9000)")
+    g.add_argument("--http-host", help="the HTTP proxy's address (127.0.0.1)")
+    g.add_argument("--http-port", type=int, help="the HTTP proxy's port (8000)")
+    g.add_argument("--num-replicas", type=int, help="replicas, each with its own engine and sessions (1)")
+    g.add_argument("--num-gpus", type=float, help="GPUs per replica (0 with --device cpu, else 1)")
+    g.add_argument("--num-cpus", type=float, help="CPUs per replica (1)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = vars(_parser().parse_args(sys.argv[1:] if argv is None else argv))
+    serve_keys = {key: args.pop(key) for key in ("address", "name", "grpc_port", "http_host", "http_port")
+                  if key in args}
+    try:
+        import ray
+        from ray import serve
+        from ray.serve.config import HTTPOptions
+
+        from policy_server.ray_serve.app import APPLICATION, application, gpus_per_replica, grpc_options, split_args
+    except ImportError as exc:
+        print(f"policy-server ray-serve: needs Ray Serve ({exc}); pip install 'policy-server[ray]'", file=sys.stderr)
+        return 2
+    config_file = args.pop("config", None)
+    try:
+        file_values = read_config_file(config_file) if config_file is not None else {}
+        replicas, config = split_args(file_values, args, source=str(config_file or "config"))
+    except ConfigError as exc:
+        print(f"policy-server ray-serve: {exc}", file=sys.stderr)
+        return 2
+
+    name = serve_keys.get("name", APPLICATION)
+    ray.init(address=serve_keys.get("address"))
+    # After ray.init, whose own handler would end the process at once; a signal during startup stops the
+    # application as soon as it runs.
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    gpus = gpus_per_replica(replicas, config)
+    if gpus and ray.cluster_resources().get("GPU", 0) < gpus:
+        print(f"policy-server ray-serve: each replica asks for {gpus:g} GPU and the Ray cluster has "
+              f"{ray.cluster_resources().get('GPU', 0):g}; pass --device cpu (or --num-gpus 0) to serve on the CPU",
+              file=sys.stderr)
+        return 2
+    serve.start(http_options=HTTPOptions(host=serve_keys.get("http_host", "127.0.0.1"),
+                                         port=serve_keys.get("http_port", 8000)),
+                grpc_options=grpc_options(serve_keys.get("grpc_port", 9000)))
+    serve.run(application(replicas, config), name=name, route_prefix=f"/{name}")
+    print(f"policy-server ray-serve: application {name!r} on the gRPC proxy, port "
+          f"{serve_keys.get('grpc_port', 9000)}", flush=True)
+    stop.wait()
+    serve.delete(name)
+    return 0

@@ -1,0 +1,39 @@
+"""`policy-rollout --ray N`: the episodes of a rollout spread over N Ray workers.
+
+Each worker runs `run_episodes` on a contiguous part of the episodes with a policy of its own, built on the worker
+from `make_policy` (an in-process engine, or a client of a server or of a Ray Serve application). An episode's seed
+depends only on its index, so the merged results equal a local run's, episode for episode; the report merges every
+worker's ticks into one latency distribution.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import ray
+
+from robots.rollout import EpisodeResult, run_episodes
+
+
+# One task per worker process: the engine it built goes with the process.
+@ray.remote(max_calls=1)
+def _run_part(make_policy: Callable, env_id: str, indices: list[int], num_envs: int, execute: int,
+              videos: int) -> list[EpisodeResult]:
+    return run_episodes(make_policy(), env_id, indices, num_envs, execute, videos)
+
+
+def run_on_ray(make_policy: Callable, env_id: str, indices: Sequence[int], workers: int, num_envs: int,
+               execute: int, videos: int = 0, address: str | None = None, gpus_per_worker: float = 0.0,
+               cpus_per_worker: float = 1.0) -> list[EpisodeResult]:
+    """`run_episodes` over `workers` Ray workers (each with `num_envs` environments and `gpus_per_worker` GPUs) of
+    the cluster at `address` (unset: `RAY_ADDRESS`, else a Ray started here); the results in the order of
+    `indices`, the first `videos` of them recorded."""
+    if not ray.is_initialized():
+        ray.init(address=address)
+    parts = [part.tolist() for part in np.array_split(np.asarray(indices), min(workers, len(indices)))]
+    starts = np.cumsum([0] + [len(part) for part in parts[:-1]])
+    task = _run_part.options(num_cpus=cpus_per_worker, num_gpus=gpus_per_worker)
+    refs = [task.remote(make_policy, env_id, part, num_envs, execute, int(np.clip(videos - start, 0, len(part))))
+            for part, start in zip(parts, starts, strict=True)]
+    return [result for part in ray.get(refs) for result in part]

@@ -1,0 +1,270 @@
+"""The Ray Serve application (`policy_server/ray_serve`) on a local Ray cluster that this module starts in a network
+namespace of its own (`tests/ray_cluster.py`: Serve's gRPC proxy listens on every interface), called through the
+proxy: strict session affinity over 2 replicas, errors with their reason and details, the caller's deadline and the
+token checked in the replica, the Control stream, `policy-rollout --ray` equal to a local run, and last a replica
+killed mid-run (its streams re-open their sessions; no answer reaches another session). One cluster for the module;
+skipped, saying why, where Ray Serve is missing or no network namespace can be made."""
+
+from __future__ import annotations
+
+import json
+import queue
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from ray_cluster import GRPC_PORT, TOKEN
+
+from policy_server.client import Backoff, ControlStream, PolicyClient, PolicyServerError, Session, build_observation
+from policy_server.v1 import policy_server_pb2 as pb
+from policy_server.v1.serve_metadata import REPLICA_KEY
+
+pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install 'policy-server[ray]')")
+
+HELPER = Path(__file__).with_name("ray_cluster.py")
+IMAGE = np.zeros((64, 64, 3), np.uint8)
+STATE = np.zeros(2, np.float32)
+READY_TIMEOUT_S = 240
+
+
+def namespace_prefix() -> list[str] | None:
+    """The command that runs a program in a new network namespace here: as root, or as a user who may make user
+    namespaces; None where neither works."""
+    for prefix in (["unshare", "-n"], ["unshare", "-rn"]):
+        try:
+            if subprocess.run([*prefix, "true"], capture_output=True, timeout=10).returncode == 0:
+                return prefix
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    return None
+
+
+class Cluster:
+    """The helper process: its reply lines, read on a thread; `command` sends one command and waits for its reply."""
+
+    def __init__(self, workdir: Path, prefix: list[str]) -> None:
+        self.workdir = workdir
+        self.target = f"unix:{workdir / 'serve.sock'}"
+        self.log = open(workdir / "cluster.log", "w")
+        self.process = subprocess.Popen([*prefix, sys.executable, str(HELPER), str(workdir)], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=self.log, text=True)
+        self._lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        self.info: dict = {}
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            self._lines.put(line)
+        self._lines.put("")  # it exited
+
+    def _line(self, timeout_s: float) -> str:
+        try:
+            line = self._lines.get(timeout=timeout_s)
+        except queue.Empty:
+            line = ""
+        if not line:
+            raise AssertionError(f"no answer from the cluster; its log: {self.workdir / 'cluster.log'}")
+        return line
+
+    def wait_ready(self) -> None:
+        self.info = json.loads(self._line(READY_TIMEOUT_S).removeprefix("READY "))
+
+    def command(self, timeout_s: float = 300, **command) -> dict:
+        self.process.stdin.write(json.dumps(command) + "\n")
+        self.process.stdin.flush()
+        return json.loads(self._line(timeout_s))
+
+    def client(self, token: str | None = TOKEN) -> PolicyClient:
+        return PolicyClient(self.target, token=token, serve_application="policy", timeout_s=60)
+
+    def close(self) -> None:
+        self.process.stdin.close()  # it shuts Serve and Ray down and exits
+        try:
+            self.process.wait(60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    prefix = namespace_prefix()
+    if prefix is None:
+        pytest.skip("cannot make a network namespace here (unshare -n / -rn); Serve's gRPC proxy listens on every "
+                    "interface, so its cluster runs only inside one")
+    cluster = Cluster(tmp_path_factory.mktemp("ray"), prefix)
+    try:
+        cluster.wait_ready()
+        yield cluster
+    finally:
+        cluster.close()
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    with cluster.client() as client:
+        client.wait_until_serving(timeout_s=120)
+        yield client
+
+
+def replica_of(client: PolicyClient, session: Session, routed_as: str | None = None) -> str:
+    """The replica that answers an Act of `session` (routed as session `routed_as`'s calls, default its own)."""
+    request = pb.ActRequest(session_id=session.session_id, epoch=session.epoch, observation=_observation())
+    metadata = client.call_metadata(routed_as or session.session_id, timeout_s=60)
+    response, call = client.stub.Act.with_call(request, metadata=metadata, timeout=60)
+    assert response.session_id == session.session_id
+    return dict(call.trailing_metadata())[REPLICA_KEY]
+
+
+def _observation() -> pb.Observation:
+    return build_observation({"image": IMAGE}, STATE, encoding="png")
+
+
+def spread_sessions(client: PolicyClient, at_least: int) -> dict[str, tuple[Session, str]]:
+    """Open sessions (at least `at_least`) until both replicas hold some: session id -> (session, its replica)."""
+    opened: dict[str, tuple[Session, str]] = {}
+    while len(opened) < at_least or len({replica for _, replica in opened.values()}) < 2:
+        assert len(opened) < 16, f"16 sessions, all on one replica: {opened}"
+        session = client.open_session("pusht", "reach the red circle", seed=len(opened), rate_hz=0.0)
+        opened[session.session_id] = session, replica_of(client, session)
+    return opened
+
+
+def test_every_call_of_a_session_reaches_the_replica_that_opened_it(client):
+    opened = spread_sessions(client, at_least=6)
+    where = {session_id: replica for session_id, (_, replica) in opened.items()}
+    for _ in range(2):
+        assert {session_id: replica_of(client, session) for session_id, (session, _) in opened.items()} == where
+    # Routed by another session's key, to the other replica, a session is unknown: affinity is what makes it work.
+    session, replica = next(iter(opened.values()))
+    elsewhere = next(session_id for session_id, other in where.items() if other != replica)
+    with pytest.raises(grpc.RpcError) as refused:
+        replica_of(client, session, routed_as=elsewhere)
+    assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+    assert refused.value.details().startswith("SESSION_NOT_FOUND: ")
+    for session_id in where:
+        client.close_session(session_id)
+
+
+def test_errors_keep_their_reason_and_unary_ones_their_rich_details(client):
+    session = client.open_session("pusht", "reach the red circle", rate_hz=0.0)
+    with pytest.raises(PolicyServerError) as unary:
+        client.act(session, {"image": np.zeros((3, 3, 3), np.uint8)}, STATE)
+    assert (unary.value.code, unary.value.reason) == (grpc.StatusCode.INVALID_ARGUMENT, "SCHEMA_MISMATCH")
+    assert unary.value.field == "observation.images[image]" and "8..2048" in unary.value.detail.expected
+    # A stream that fails keeps its code and "REASON: message"; Serve drops the trailers of a streaming call.
+    lost = Session("0" * 32, 0, "pusht", "reach the red circle", 5000.0, 8, 0)
+    with pytest.raises(PolicyServerError) as stream:
+        ControlStream(client, lost, reconnect=False).open()
+    assert (stream.value.code, stream.value.reason) == (grpc.StatusCode.NOT_FOUND, "SESSION_NOT_FOUND")
+    assert stream.value.from_server and stream.value.field == ""
+    client.close_session(session)
+
+
+def test_the_callers_deadline_reaches_the_replica(client):
+    session = client.open_session("pusht", "reach the red circle", budget_ms=5000, rate_hz=0.0)
+    assert client.act(session, {"image": IMAGE}, STATE, timeout_s=60).tick.deadline_ms == 5000
+    tight = client.act(session, {"image": IMAGE}, STATE, timeout_s=2).tick.deadline_ms
+    assert 0 < tight <= 2000
+    client.close_session(session)
+
+
+def test_the_replica_checks_the_token_and_serves_health_without_one(cluster):
+    for token, message in ((None, "missing authorization metadata"), ("wrong", "invalid authorization token")):
+        with cluster.client(token) as stranger, pytest.raises(PolicyServerError) as refused:
+            stranger.server_info()
+        assert (refused.value.code, refused.value.reason) == (grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED")
+        assert refused.value.message == message
+    from ray.serve.generated import serve_pb2, serve_pb2_grpc
+
+    with grpc.insecure_channel(cluster.target) as channel:
+        assert serve_pb2_grpc.RayServeAPIServiceStub(channel).Healthz(serve_pb2.HealthzRequest(), timeout=30).message
+        applications = serve_pb2_grpc.RayServeAPIServiceStub(channel).ListApplications(
+            serve_pb2.ListApplicationsRequest(), timeout=30)
+    assert list(applications.application_names) == ["policy"]
+
+
+def test_the_control_stream_runs_through_the_proxy(client):
+    session = client.open_session("pusht", "reach the red circle", rate_hz=0.0)
+    with ControlStream(client, session) as stream:
+        sent = [stream.send({"image": IMAGE}, STATE, step_index=i, must_answer=True, encoding="png") for i in range(3)]
+        chunks = [stream.next_chunk(timeout_s=60) for _ in sent]
+        assert [(c.obs_id, c.session_id, c.obs_step_index) for c in chunks] == [
+            (obs_id, session.session_id, i) for i, obs_id in enumerate(sent)]
+        bad = stream.send({"image": np.zeros((3, 3, 3), np.uint8)}, STATE, step_index=3)
+        event = stream.next_event(timeout_s=60)
+        assert (event.kind, event.obs_id, event.error.reason) == ("error", bad, "SCHEMA_MISMATCH")
+        after = stream.send({"image": IMAGE}, STATE, step_index=4, encoding="png")
+        assert stream.next_chunk(timeout_s=60).obs_id == after  # the stream lives on
+    client.close_session(session)
+
+
+def _rollout(command, out: Path, *flags: str) -> dict:
+    argv = ["--episodes", "4", "--execute", "8", "--out", str(out), *flags]
+    if command is None:
+        from robots.rollout import main
+
+        assert main(argv) == 0
+    else:
+        done = command(run=[sys.executable, "-m", "robots.rollout", *argv])
+        assert done["rc"] == 0, done["output"]
+    return json.loads(out.read_text())
+
+
+SAME = ("episodes", "success_rate", "episode_length_mean", "ticks", "deadline_misses", "full_calls_per_tick",
+        "skipped_calls_per_tick", "cache_settings", "per_episode")
+
+
+def test_ray_rollouts_equal_a_local_run_in_process_and_through_serve(cluster, tmp_path):
+    model, gcs = cluster.info["model"], cluster.info["gcs"]
+    in_process = ["--in-process", "--checkpoint", model, "--no-diffusion-cache"]
+    local = _rollout(None, tmp_path / "local.json", *in_process)
+    spread = _rollout(cluster.command, tmp_path / "ray.json", *in_process, "--ray", "2", "--ray-address", gcs)
+    served = _rollout(cluster.command, tmp_path / "served.json", "--server", f"127.0.0.1:{GRPC_PORT}",
+                      "--serve-application", "policy", "--auth-token-file", str(cluster.workdir / "token"),
+                      "--ray", "2", "--ray-address", gcs)
+    for report in (spread, served):
+        assert {key: report[key] for key in SAME} == {key: local[key] for key in SAME}
+        assert report["config"]["ray_workers"] == 2
+
+
+def test_a_killed_replicas_streams_reopen_their_sessions_and_no_answer_goes_astray(cluster, client):
+    opened = spread_sessions(client, at_least=4)
+    victim = next(iter(opened.values()))[1]
+    streams = {session_id: ControlStream(client, session, backoff=Backoff(max_attempts=80)).open()
+               for session_id, (session, _) in opened.items()}
+    for stream in streams.values():
+        stream.send({"image": IMAGE}, STATE, step_index=0, encoding="png")
+        assert stream.next_chunk(timeout_s=60).session_id == stream.session.session_id
+    cluster.command(kill=victim)
+    astray, replaced = [], set()
+
+    def drive(opened_id: str, stream: ControlStream) -> None:
+        for step in range(1, 8):
+            obs_id = stream.send({"image": IMAGE}, STATE, step_index=step, encoding="png")
+            while (event := stream.next_event(timeout_s=120)).kind != "chunk":
+                assert event.kind == "reconnected", event
+                if event.session_replaced:
+                    replaced.add(opened_id)
+                obs_id = stream.send({"image": IMAGE}, STATE, step_index=step, encoding="png")  # the lost one again
+            if (event.chunk.session_id, event.chunk.obs_id) != (stream.session.session_id, obs_id):
+                astray.append((opened_id, event.chunk.session_id, event.chunk.obs_id))
+
+    threads = [threading.Thread(target=drive, args=item) for item in streams.items()]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+    assert astray == []
+    assert replaced == {session_id for session_id, (_, replica) in opened.items() if replica == victim}
+    # A lost session is unknown wherever its calls go now; its stream goes on with the session that replaced it.
+    with pytest.raises(PolicyServerError) as unknown:
+        client.act(opened[next(iter(replaced))][0], {"image": IMAGE}, STATE)
+    assert unknown.value.reason == "SESSION_NOT_FOUND"
+    for stream in streams.values():
+        stream.close()
