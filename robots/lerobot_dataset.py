@@ -4,8 +4,9 @@
     meta/info.json                               features (dtype, shape, names), counts, fps, path templates
     meta/stats.json                              per feature: count, min, max, mean, std, q01, q10, q50, q90, q99
     meta/tasks.parquet                           task (the instruction) -> task_index
-    meta/episodes/chunk-000/file-000.parquet     per episode: length, tasks, where its rows and frames lie;
-                                                 also its seed, target_color and success
+    meta/episodes/chunk-000/file-000.parquet     per episode: length, tasks, where its rows and frames lie, its
+                                                 statistics (stats/<feature>/<statistic>); also its seed,
+                                                 target_color and success
     meta/datagen.json                            how robots.datagen made it: env id and config, units, seeds
     data/chunk-000/file-000.parquet              one row per frame, one row group per episode
     videos/observation.images.image/chunk-000/file-000.mp4   all frames, H.264 yuv444p, a keyframe per episode
@@ -148,8 +149,13 @@ class LeRobotWriter:
             self.columns[key].append(values)
         for i, frame in enumerate(episode.frames):
             self.video.write(frame, keyframe=i == 0)  # each episode decodes from its own first frame
-        self.histogram += np.stack([np.bincount(episode.frames[..., c].ravel(), minlength=256) for c in range(3)])
+        histogram = np.stack([np.bincount(episode.frames[..., c].ravel(), minlength=256) for c in range(3)])
+        self.histogram += histogram
         self.total_frames += length
+        # LeRobot keeps every feature's statistics per episode too, as columns "stats/<feature>/<statistic>"
+        # of meta/episodes (what it aggregates when datasets are merged).
+        episode_stats = {key: vector_stats(values.reshape(length, -1)) for key, values in columns.items()}
+        episode_stats[IMAGE_KEY] = image_stats(histogram, length)
         self.episodes.append({
             "episode_index": index, "tasks": [episode.instruction], "length": length,
             "data/chunk_index": 0, "data/file_index": 0,
@@ -159,6 +165,7 @@ class LeRobotWriter:
             f"videos/{IMAGE_KEY}/to_timestamp": (start + length) / self.fps,
             "meta/episodes/chunk_index": 0, "meta/episodes/file_index": 0,
             "seed": episode.seed, "target_color": episode.target_color, "success": episode.success,
+            **{f"stats/{key}/{name}": value for key, stats in episode_stats.items() for name, value in stats.items()},
         })
         return {"seed": episode.seed, "instruction": episode.instruction, "target_color": episode.target_color,
                 "num_steps": episode.num_steps, "success": episode.success}

@@ -111,6 +111,25 @@ def test_stats_are_those_of_the_data(datasets):
                                    rtol=1e-9)
 
 
+def test_each_episode_keeps_its_own_statistics(datasets):
+    root = datasets / "lerobot"
+    episodes = pq.read_table(root / "meta/episodes/chunk-000/file-000.parquet").to_pylist()
+    data = pq.read_table(root / "data/chunk-000/file-000.parquet")
+    originals = list(open_dataset(datasets / "safetensors"))
+    for episode, original in zip(episodes, originals, strict=True):
+        rows = data.slice(episode["dataset_from_index"], episode["length"])
+        for key in data.column_names:
+            values = np.stack(rows[key].to_numpy(zero_copy_only=False)).reshape(rows.num_rows, -1).astype(np.float64)
+            assert episode[f"stats/{key}/count"] == [rows.num_rows]
+            np.testing.assert_allclose(episode[f"stats/{key}/mean"], values.mean(0), rtol=1e-12)
+            np.testing.assert_allclose(episode[f"stats/{key}/q90"], np.quantile(values, 0.9, axis=0), rtol=1e-12)
+        pixels = original.frames.reshape(-1, 3) / 255.0
+        assert np.asarray(episode[f"stats/{IMAGE_KEY}/std"]).shape == (3, 1, 1)
+        np.testing.assert_allclose(np.asarray(episode[f"stats/{IMAGE_KEY}/max"])[:, 0, 0], pixels.max(0), rtol=1e-9)
+        np.testing.assert_allclose(np.asarray(episode[f"stats/{IMAGE_KEY}/mean"])[:, 0, 0], pixels.mean(0), rtol=1e-9)
+    assert {name.split("/")[-1] for name in episodes[0] if name.startswith("stats/")} == STATS
+
+
 def test_video_is_h264_444_and_close_to_the_frames(datasets):
     originals = np.concatenate([e.frames for e in open_dataset(datasets / "safetensors")])
     with av.open(str(datasets / "lerobot" / VIDEO)) as container:
