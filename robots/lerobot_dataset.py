@@ -9,15 +9,16 @@
                                                  target_color and success
     meta/datagen.json                            how robots.datagen made it: env id and config, units, seeds
     data/chunk-000/file-000.parquet              one row per frame, one row group per episode
-    videos/observation.images.image/chunk-000/file-000.mp4   all frames, H.264 yuv444p, a keyframe per episode
+    videos/observation.images.image/chunk-000/file-000.mp4   the frames, H.264 yuv444p, a keyframe per episode
 
 Per-frame columns: ``observation.state`` float32 [2] (effector xy, m), ``action`` float32 [2] (effector
 velocity, m/s), ``timestamp`` float32 (s in the episode), ``frame_index``, ``episode_index``, ``index``
 (over the dataset), ``task_index``; the camera frame ``observation.images.image`` [64, 64, 3] lies in the
 video at ``from_timestamp + timestamp``. LeRobot pairs every frame with an action, so an episode of T
 actions is T+1 rows: the last row, the final observation, has a zero action (the effector holds still),
-which reading drops again. Everything goes into file-000 of chunk-000; LeRobot's writer would start a
-new file past 100 MB of rows or 200 MB of video, some 35 000 episodes of this task.
+which reading drops again. As LeRobot's writer does, an episode starts the next data file once the current
+one holds 100 MB of rows, and the next video once it holds 200 MB (some 35 000 episodes of this task); 1000
+files make a chunk.
 """
 
 from __future__ import annotations
@@ -111,27 +112,56 @@ class LeRobotWriter:
     """Writes episodes one at a time; ``finish`` writes the metadata. ``fps`` must be a whole number
     (LeRobot's info.json holds an int)."""
 
-    def __init__(self, directory: str | Path, fps: float, image_size: int, robot_type: str):
+    def __init__(self, directory: str | Path, fps: float, image_size: int, robot_type: str,
+                 data_file_mb: float = DATA_FILES_SIZE_MB, video_file_mb: float = VIDEO_FILES_SIZE_MB):
         if not float(fps).is_integer():
             raise ValueError(f"fps={fps}; the LeRobot format needs a whole number of frames per second")
         self.directory = Path(directory)
         self.fps, self.image_size, self.robot_type = int(fps), image_size, robot_type
-        data_path = self.directory / DATA_PATH.format(chunk_index=0, file_index=0)
-        video_path = self.directory / VIDEO_PATH.format(video_key=IMAGE_KEY, chunk_index=0, file_index=0)
+        self.data_file_mb, self.video_file_mb = data_file_mb, video_file_mb
         self.episodes_path = self.directory / EPISODES_PATH.format(chunk_index=0, file_index=0)
-        for path in (data_path, video_path, self.episodes_path):
-            path.parent.mkdir(parents=True, exist_ok=True)
-        self.data = pq.ParquetWriter(data_path, DATA_SCHEMA, compression="snappy")
-        self.video = H264Writer(video_path, self.fps, image_size, image_size, VIDEO_PIX_FMT, VIDEO_CRF)
+        self.episodes_path.parent.mkdir(parents=True, exist_ok=True)
+        self.data, self.data_file = None, -1  # the open data file and its number over all chunks
+        self.video, self.video_file = None, -1
+        self._next_data_file()
+        self._next_video_file()
         self.tasks: dict[str, int] = {}
         self.episodes: list[dict] = []  # rows of meta/episodes
         self.columns: dict[str, list[np.ndarray]] = {key: [] for key in (STATE_KEY, ACTION_KEY, *INDEX_KEYS)}
         self.histogram = np.zeros((3, 256), np.int64)
         self.total_frames = 0
 
+    @staticmethod
+    def _place(file_number: int) -> dict[str, int]:
+        """Where file ``file_number`` (counted over all chunks) lies: ``chunks_size`` files to a chunk."""
+        return {"chunk_index": file_number // CHUNKS_SIZE, "file_index": file_number % CHUNKS_SIZE}
+
+    def _next_data_file(self) -> None:
+        if self.data is not None:
+            self.data.close()
+        self.data_file += 1
+        self.data_path = self.directory / DATA_PATH.format(**self._place(self.data_file))
+        self.data_path.parent.mkdir(parents=True, exist_ok=True)
+        self.data = pq.ParquetWriter(self.data_path, DATA_SCHEMA, compression="snappy")
+        self.data_rows = 0  # in this file
+
+    def _next_video_file(self) -> None:
+        if self.video is not None:
+            self.video.close()
+        self.video_file += 1
+        self.video_path = self.directory / VIDEO_PATH.format(video_key=IMAGE_KEY, **self._place(self.video_file))
+        self.video_path.parent.mkdir(parents=True, exist_ok=True)
+        self.video = H264Writer(self.video_path, self.fps, self.image_size, self.image_size, VIDEO_PIX_FMT, VIDEO_CRF)
+
     def add(self, episode: Episode) -> dict:
         """Append one episode; return its entry (as in dataset.json)."""
         index, start, length = len(self.episodes), self.total_frames, episode.num_steps + 1
+        # As LeRobot's writer: an episode that finds its file past the size limit starts the next one.
+        if self.data_rows and self.data_path.stat().st_size >= self.data_file_mb * 2**20:
+            self._next_data_file()
+        if self.video.bytes_written >= self.video_file_mb * 2**20:
+            self._next_video_file()
+        video_start = self.video.frames_written  # frames of this video before the episode's
         task_index = self.tasks.setdefault(episode.instruction, len(self.tasks))
         columns = {
             STATE_KEY: episode.states.astype(np.float32),
@@ -145,6 +175,7 @@ class LeRobotWriter:
         arrays = [pa.FixedSizeListArray.from_arrays(pa.array(values.ravel()), values.shape[1]) if values.ndim == 2
                   else pa.array(values) for values in columns.values()]
         self.data.write_table(pa.Table.from_arrays(arrays, schema=DATA_SCHEMA))
+        self.data_rows += length
         for key, values in columns.items():
             self.columns[key].append(values)
         for i, frame in enumerate(episode.frames):
@@ -158,11 +189,11 @@ class LeRobotWriter:
         episode_stats[IMAGE_KEY] = image_stats(histogram, length)
         self.episodes.append({
             "episode_index": index, "tasks": [episode.instruction], "length": length,
-            "data/chunk_index": 0, "data/file_index": 0,
+            **{f"data/{key}": value for key, value in self._place(self.data_file).items()},
             "dataset_from_index": start, "dataset_to_index": start + length,
-            f"videos/{IMAGE_KEY}/chunk_index": 0, f"videos/{IMAGE_KEY}/file_index": 0,
-            f"videos/{IMAGE_KEY}/from_timestamp": start / self.fps,
-            f"videos/{IMAGE_KEY}/to_timestamp": (start + length) / self.fps,
+            **{f"videos/{IMAGE_KEY}/{key}": value for key, value in self._place(self.video_file).items()},
+            f"videos/{IMAGE_KEY}/from_timestamp": video_start / self.fps,
+            f"videos/{IMAGE_KEY}/to_timestamp": (video_start + length) / self.fps,
             "meta/episodes/chunk_index": 0, "meta/episodes/file_index": 0,
             "seed": episode.seed, "target_color": episode.target_color, "success": episode.success,
             **{f"stats/{key}/{name}": value for key, stats in episode_stats.items() for name, value in stats.items()},

@@ -31,6 +31,7 @@ class H264Writer:
         self.stream.height, self.stream.width, self.stream.pix_fmt = height, width, pix_fmt
         self.stream.options = {"crf": str(crf)}
         self.frames_written = 0
+        self.bytes_written = 0  # of encoded frames muxed so far (the encoder holds back its last few)
 
     def write(self, frame: np.ndarray, keyframe: bool = False) -> None:
         """``keyframe``: start a new group of pictures here, so that decoding can begin at this frame."""
@@ -38,7 +39,9 @@ class H264Writer:
         picture.pts = self.frames_written
         if keyframe:
             picture.pict_type = av.video.frame.PictureType.I
-        self.container.mux(self.stream.encode(picture))
+        packets = self.stream.encode(picture)
+        self.bytes_written += sum(packet.size for packet in packets)
+        self.container.mux(packets)
         self.frames_written += 1
 
     def close(self) -> None:

@@ -15,7 +15,7 @@ from policy_server.pipeline.policy import default_model_path
 from robots import embedded
 from robots.datagen import generate, main
 from robots.dataset import DatasetError, array_stats, open_dataset
-from robots.lerobot_dataset import ACTION_KEY, IMAGE_KEY, STATE_KEY, LeRobotDemoDataset
+from robots.lerobot_dataset import ACTION_KEY, IMAGE_KEY, STATE_KEY, LeRobotDemoDataset, LeRobotWriter
 from robots.train_policy import collect_windows
 from robots.train_vae import main as train_vae_main
 
@@ -242,3 +242,24 @@ def test_training_cli_names_a_malformed_dataset_in_one_line(datasets, tmp_path, 
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "Traceback" not in err
     assert "feature 'action' is None" in err.splitlines()[-1]
+
+
+def test_an_episode_past_a_files_size_limit_starts_the_next_file(datasets, tmp_path):
+    originals = list(open_dataset(datasets / "safetensors"))
+    writer = LeRobotWriter(tmp_path, fps=10, image_size=originals[0].frames.shape[1], robot_type="pusht",
+                           data_file_mb=1e-9, video_file_mb=1e-9)  # every file is full after one episode
+    for episode in originals:
+        writer.add(episode)
+    writer.finish({})
+    names = [f"file-{i:03d}" for i in range(len(originals))]
+    assert sorted(p.stem for p in (tmp_path / "data/chunk-000").glob("*.parquet")) == names
+    assert sorted(p.stem for p in (tmp_path / f"videos/{IMAGE_KEY}/chunk-000").glob("*.mp4")) == names
+    rows = pq.read_table(tmp_path / "meta/episodes/chunk-000/file-000.parquet").to_pylist()
+    assert [(r["data/file_index"], r[f"videos/{IMAGE_KEY}/file_index"]) for r in rows] == [(i, i) for i in range(4)]
+    assert all(r[f"videos/{IMAGE_KEY}/from_timestamp"] == 0 for r in rows)  # each video starts with its episode
+    for original, read in zip(originals, LeRobotDemoDataset(tmp_path), strict=True):
+        np.testing.assert_array_equal(read.actions, original.actions)
+        np.testing.assert_array_equal(read.states, original.states)
+        assert np.abs(read.frames.astype(int) - original.frames).max() <= 2
+    assert LeRobotWriter._place(999) == {"chunk_index": 0, "file_index": 999}
+    assert LeRobotWriter._place(1000) == {"chunk_index": 1, "file_index": 0}  # 1000 files make a chunk
