@@ -81,10 +81,9 @@ def measure(config: Cosmos3TransformerConfig, device: torch.device, dtype: torch
     return result
 
 
-def fitting_steps(prefill_ms: float, pair_ms: float, call_ms: float, budget_ms: float, cfg: bool) -> int:
-    """The most uncached sampler steps whose GEN calls (a CFG pair each, or one call) fit after the prefill."""
-    per_step = pair_ms if cfg else call_ms
-    return max(0, int((budget_ms - prefill_ms) // per_step))
+def fitting_steps(prefill_ms: float, step_ms: float, budget_ms: float) -> int:
+    """The most uncached sampler steps of `step_ms` each that fit in `budget_ms` after the prefill."""
+    return max(0, int((budget_ms - prefill_ms) // step_ms))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.chunk < 4 or args.chunk % 4 or args.canvas < 32 or args.canvas % 32:
         parser.error("--chunk must be a multiple of 4 and --canvas a multiple of 32 (the VAE and the patch)")
+    if min(args.text_tokens, args.steps, args.repeats, 1 if args.layers is None else args.layers) < 1 \
+            or not args.budget_ms > 0:
+        parser.error("--text-tokens, --steps, --repeats and --layers must be at least 1 and --budget-ms above 0")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("edge_tick: --device cuda, but torch sees no CUDA device", file=sys.stderr)
@@ -129,10 +131,10 @@ def main(argv: list[str] | None = None) -> int:
         "uncached_tick_ms": tick_ms,
         "budget_ms": args.budget_ms,
         "uncached_fits_budget": tick_ms <= args.budget_ms,
-        "uncached_cfg_steps_in_budget": fitting_steps(result["prefill_ms"], result["cfg_pair_call_ms"],
-                                                      result["gen_call_ms"], args.budget_ms, cfg=True),
-        "uncached_steps_in_budget_without_cfg": fitting_steps(result["prefill_ms"], result["cfg_pair_call_ms"],
-                                                              result["gen_call_ms"], args.budget_ms, cfg=False),
+        # A CFG step runs both branches as one batch; without CFG, one call.
+        "uncached_cfg_steps_in_budget": fitting_steps(result["prefill_ms"], result["cfg_pair_call_ms"], args.budget_ms),
+        "uncached_steps_in_budget_without_cfg": fitting_steps(result["prefill_ms"], result["gen_call_ms"],
+                                                              args.budget_ms),
     }
     text = json.dumps(report, indent=2)
     print(text)

@@ -48,7 +48,7 @@ from policy_server.v1 import policy_server_pb2_grpc as pb_grpc
 from policy_server.v1 import serve_metadata
 
 T = TypeVar("T")
-_REWATCH_PAUSE_S = 0.1
+_RETRY_PAUSE_S = 0.1  # between watching or asking again while a server comes up
 
 # Calls safe to repeat when the server refused them unserved (UNAVAILABLE): reading the server, and session changes
 # (a repeated OpenSession at worst leaves a session that expires when idle). gRPC caps maxAttempts at 5; a server
@@ -126,10 +126,6 @@ class PolicyClient:
 
     # -- plumbing ------------------------------------------------------------------------------
 
-    @property
-    def metadata(self) -> tuple[tuple[str, str], ...]:
-        return self._metadata
-
     def call_metadata(self, session_id: str | None = None, timeout_s: float | None = None,
                       routing_key: str | None = None) -> tuple[tuple[str, str], ...]:
         """The metadata of one call: the token, and behind Serve the routing key of the session it is about
@@ -198,7 +194,7 @@ class PolicyClient:
                 # The server went away: watch it come back. A server in its shutdown grace period refuses new
                 # calls at once, hence the pause.
                 last = "UNAVAILABLE"
-                time.sleep(min(_REWATCH_PAUSE_S, max(0.0, end - time.monotonic())))
+                time.sleep(min(_RETRY_PAUSE_S, max(0.0, end - time.monotonic())))
             finally:
                 updates.cancel()
         raise TimeoutError(f"{self.target} not SERVING after {timeout_s:g} s (last: {last})")
@@ -219,7 +215,7 @@ class PolicyClient:
                 if exc.code != grpc.StatusCode.UNAVAILABLE and not (exc.code in waiting and not exc.from_server):
                     raise
                 last = f"{exc.code.name}: {exc.message}"
-            time.sleep(min(_REWATCH_PAUSE_S, max(0.0, end - time.monotonic())))
+            time.sleep(min(_RETRY_PAUSE_S, max(0.0, end - time.monotonic())))
         raise TimeoutError(f"{self.target} (Serve application {self.serve_application!r}) not serving after "
                            f"{timeout_s:g} s (last: {last})")
 

@@ -22,6 +22,7 @@ from policy_server.ray_serve.deployment import PolicyDeployment
 from policy_server.server.app import max_concurrent_calls
 
 APPLICATION = "policy"  # the default application name (the client's serve_application)
+GRPC_PORT = 9000  # Serve's default gRPC proxy port
 GRPC_SERVICER_FUNCTIONS = ["policy_server.v1.policy_server_pb2_grpc.add_PolicyServiceServicer_to_server"]
 CONSISTENT_HASH_ROUTER = "ray.serve.experimental.consistent_hash_router.ConsistentHashRouter"
 # ServerConfig keys of the direct server's own network, which the proxy replaces.
@@ -37,8 +38,8 @@ class ReplicaSettings(BaseModel):
     num_cpus: float = Field(1.0, ge=0, description="CPUs per replica")
 
 
-def grpc_options(port: int = 9000) -> gRPCOptions:
-    """The proxy's gRPC options: the ``policy_server.v1`` service on ``port`` (Serve's default 9000)."""
+def grpc_options(port: int = GRPC_PORT) -> gRPCOptions:
+    """The proxy's gRPC options: the ``policy_server.v1`` service on ``port``."""
     return gRPCOptions(port=port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS)
 
 

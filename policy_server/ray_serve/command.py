@@ -46,7 +46,14 @@ def main(argv: list[str] | None = None) -> int:
         from ray import serve
         from ray.serve.config import HTTPOptions
 
-        from policy_server.ray_serve.app import APPLICATION, application, gpus_per_replica, grpc_options, split_args
+        from policy_server.ray_serve.app import (
+            APPLICATION,
+            GRPC_PORT,
+            application,
+            gpus_per_replica,
+            grpc_options,
+            split_args,
+        )
     except ImportError as exc:
         print(f"policy-server ray-serve: needs Ray Serve ({exc}); pip install 'policy-server[ray]'", file=sys.stderr)
         return 2
@@ -65,18 +72,17 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    gpus = gpus_per_replica(replicas, config)
-    if gpus and ray.cluster_resources().get("GPU", 0) < gpus:
+    gpus, cluster_gpus = gpus_per_replica(replicas, config), ray.cluster_resources().get("GPU", 0)
+    if gpus and cluster_gpus < gpus:
         print(f"policy-server ray-serve: each replica asks for {gpus:g} GPU and the Ray cluster has "
-              f"{ray.cluster_resources().get('GPU', 0):g}; pass --device cpu (or --num-gpus 0) to serve on the CPU",
-              file=sys.stderr)
+              f"{cluster_gpus:g}; pass --device cpu (or --num-gpus 0) to serve on the CPU", file=sys.stderr)
         return 2
+    options = grpc_options(serve_keys.get("grpc_port", GRPC_PORT))
     serve.start(http_options=HTTPOptions(host=serve_keys.get("http_host", "127.0.0.1"),
                                          port=serve_keys.get("http_port", 8000)),
-                grpc_options=grpc_options(serve_keys.get("grpc_port", 9000)))
+                grpc_options=options)
     serve.run(application(replicas, config), name=name, route_prefix=f"/{name}")
-    print(f"policy-server ray-serve: application {name!r} on the gRPC proxy, port "
-          f"{serve_keys.get('grpc_port', 9000)}", flush=True)
+    print(f"policy-server ray-serve: application {name!r} on the gRPC proxy, port {options.port}", flush=True)
     stop.wait()
     serve.delete(name)
     return 0

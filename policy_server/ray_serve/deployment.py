@@ -6,8 +6,9 @@
   see ``policy_server.v1.serve_metadata``): every call of a session reaches the replica that holds it, and none
   falls back to another replica (``num_fallback_replicas=0``), which would answer SESSION_NOT_FOUND anyway.
 - ``max_ongoing_requests`` is what the direct server serves at once for the same ``max_sessions``.
-- Each RPC is a method named after it. The servicer runs as in ``policy-server``, on a thread pool of that size,
-  with a ``ServeCall`` for its context (deadline, liveness, auth, errors through the proxy).
+- Each RPC is a method named after it (the unary ones made from the service descriptor). The servicer runs as
+  in ``policy-server``, on a thread pool of that size, with a ``ServeCall`` for its context (deadline,
+  liveness, auth, errors through the proxy).
 """
 
 from __future__ import annotations
@@ -84,31 +85,7 @@ class PolicyDeployment:
     def __del__(self) -> None:
         self._engine.close()
 
-    # -- unary RPCs ----------------------------------------------------------------------------------
-
-    async def GetServerInfo(self, request, grpc_context):
-        return await self._unary("GetServerInfo", request, grpc_context)
-
-    async def OpenSession(self, request, grpc_context):
-        return await self._unary("OpenSession", request, grpc_context)
-
-    async def ResetSession(self, request, grpc_context):
-        return await self._unary("ResetSession", request, grpc_context)
-
-    async def CloseSession(self, request, grpc_context):
-        return await self._unary("CloseSession", request, grpc_context)
-
-    async def SetBudget(self, request, grpc_context):
-        return await self._unary("SetBudget", request, grpc_context)
-
-    async def Act(self, request, grpc_context):
-        return await self._unary("Act", request, grpc_context)
-
-    async def ForwardDynamics(self, request, grpc_context):
-        return await self._unary("ForwardDynamics", request, grpc_context)
-
-    async def InverseDynamics(self, request, grpc_context):
-        return await self._unary("InverseDynamics", request, grpc_context)
+    # -- unary RPCs: one method each, made below from the service (so a new RPC cannot be missed here) -------
 
     # -- streaming RPCs ------------------------------------------------------------------------------
 
@@ -157,3 +134,18 @@ class PolicyDeployment:
                 yield response
         finally:
             call.end()
+
+
+def _unary_rpc(name: str):
+    """The deployment method Serve calls for the unary RPC ``name``."""
+
+    async def rpc(self: PolicyDeployment, request, grpc_context):
+        return await self._unary(name, request, grpc_context)
+
+    rpc.__name__ = rpc.__qualname__ = name
+    return rpc
+
+
+for _method in _SERVICE.methods:
+    if not (_method.client_streaming or _method.server_streaming):
+        setattr(PolicyDeployment, _method.name, _unary_rpc(_method.name))

@@ -10,7 +10,6 @@ Prometheus' ``authorization`` scrape setting sends it): session counts and error
 from __future__ import annotations
 
 import http
-import importlib.metadata
 import socket
 import threading
 from socketserver import ThreadingMixIn
@@ -29,6 +28,7 @@ from prometheus_client import (
 
 from policy_server.engine.api import ActResult, Engine
 from policy_server.server.auth import bearer_token_matches
+from policy_server.server.convert import SERVER_VERSION
 
 LATENCY_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.11, 0.12, 0.13, 0.15, 0.2, 0.3,
                      0.5, 1, 2, 5, 10)
@@ -44,7 +44,7 @@ class ServerMetrics:
         PlatformCollector(registry=r)  # python_info
         info = engine.info()
         Info("policy_server_build", "The server's version and the model it serves", registry=r).info({
-            "version": importlib.metadata.version("policy-server"),
+            "version": SERVER_VERSION,
             "model": info.model_name,
             "model_digest": info.model_digest,
         })
