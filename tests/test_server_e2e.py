@@ -340,7 +340,7 @@ def test_unknown_session_and_infeasible_budget(server):
 
 
 def test_server_info_describes_units_state_limits_capacity_and_the_weights(server):
-    info = server.stub.GetServerInfo(pb.GetServerInfoRequest(), metadata=server.metadata, timeout=30)
+    info = server.stub.GetServerInfo(pb.GetServerInfoRequest(), metadata=server.call_metadata(), timeout=30)
     spec = info.embodiments[0]
     assert list(spec.action.units) == ["m/s", "m/s"] and list(spec.action.names) == ["vx", "vy"]
     assert (list(spec.state_names), list(spec.state_units)) == (["x", "y"], ["m", "m"])
@@ -419,7 +419,7 @@ def test_sessions_beyond_capacity_are_refused_with_the_capacity_figure(server):
 
     def capacity(budget):
         request = pb.GetServerInfoRequest(budget_ms=budget, rate_hz=0.0)
-        return server.stub.GetServerInfo(request, metadata=server.metadata, timeout=30).capacity[0]
+        return server.stub.GetServerInfo(request, metadata=server.call_metadata(), timeout=30).capacity[0]
 
     # The smallest budget, in quarters of the cheapest tick, with room for two of them.
     budget = next(b for b in (floor * k / 4 for k in range(8, 40)) if capacity(b).sessions_alone >= 2)
