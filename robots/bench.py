@@ -8,6 +8,7 @@ machine drift cancels and errors compare like with like:
 
 - `uncached`                  the pipeline without caching (the quality reference);
 - `seacache_default`          SeaCache 0.25 / order 1 / cap 2 on every step, no deadline;
+- `max_caching`               SeaCache at its most aggressive (full calls only where forced), no deadline;
 - `budget_<ms>`               the controller: the engine planning each tick on the quality profile's frontier
                               (`--quality-profile`, else calibrated here on the shipped observations first);
 - `ladder_<ms>`               the engine's ladder planner at that budget (no profile), for comparison;
@@ -20,9 +21,12 @@ machine drift cancels and errors compare like with like:
 
 Budgets default to 30% .. 100% of the uncached warmup p50 (six points). The report's `sweep` compares, per
 budget, the controller with the guarded families that hold 1% misses and with the best unguarded
-configuration whose p50 fits, and says whether issue 14's targets hold there. With `--closed-loop N` the
-uncached, SeaCache-default and engine configurations also drive N held-out Reach episodes (the same seeds
-for all) and report `success_rate` (None for the fixed families, which run open loop only).
+configuration whose p50 fits, and says whether issue 14's targets hold there. With `--closed-loop N` every
+configuration a robot could run (all but the unguarded families) also drives N held-out episodes of
+`--closed-loop-env` (the same seeds for all) and reports `success_rate`. On Reach (the default) every configuration
+of the shipped model succeeds; ReachEither, for a checkpoint fine-tuned on it, fails a sampler that averages its
+two modes. `closed_loop` then checks issue 14's closed-loop targets against uncached, maximal caching and the
+controller at half the uncached latency.
 
 Latency is the pipeline's end-to-end time for the fixed configurations (their text K/V reused, as a
 session's) and the engine's (queue included) for the engines' ones. The JSON layout is `../shared/design/BENCH.md`'s.
@@ -74,7 +78,7 @@ from policy_server.engine.tick import step_calls
 from policy_server.limits import MAX_BUDGET_MS
 from policy_server.pipeline.embodiments import Embodiment
 from policy_server.pipeline.policy import CheckpointLoadError, PolicyOutput, PolicyPipeline, PolicyRequest, TickSteps
-from robots.envs import HELDOUT_SEED_OFFSET, REACH_ID
+from robots.envs import ENV_IDS, HELDOUT_SEED_OFFSET, REACH_EITHER_ID, REACH_ID
 from robots.expert import expert_observations
 from robots.rollout import TickStats, run_episodes
 
@@ -160,6 +164,7 @@ def _finite_mean(values: list[float]) -> float | None:
 
 
 FAMILIES = ("fewer_steps", "seacache", "fewer_steps_seacache")
+REFERENCE_CONFIGS = ("uncached", "seacache_default", "max_caching")  # fixed, without a deadline
 
 
 def _is_published(config) -> bool:
@@ -225,7 +230,7 @@ def sweep(summaries: list[dict], budgets: list[float], uncached_ms: float) -> li
         controller = next(s for s in at if s["family"] == "controller")
         guarded = [s for s in at if s["guarded"] and s["family"] in FAMILIES]
         holding = [s for s in guarded if s["miss_rate"] <= 0.01]
-        unguarded = [s for s in summaries if s["guarded"] is False or s["name"] in ("seacache_default", "uncached")]
+        unguarded = [s for s in summaries if s["guarded"] is False or s["name"] in REFERENCE_CONFIGS]
         fitting = [s for s in unguarded if s["p50_ms"] <= b]
         best_guarded = min(holding, key=lambda s: s["action_rel_l2"], default=None)
         best_unguarded = min(fitting, key=lambda s: s["action_rel_l2"], default=None)
@@ -291,24 +296,23 @@ class Slowdown:
         self._handle.remove()
 
 
-class _FixedSettingPolicy:
-    """`robots.rollout` policy protocol over the pipeline with one fixed step cache per tick."""
+class _FixedPolicy:
+    """`robots.rollout` policy protocol over one fixed configuration, at `budget_ms` (None: no deadline)."""
 
-    def __init__(self, pipeline: PolicyPipeline, embodiment: str, make_cache, num_steps: int | None = None):
-        self.pipeline, self.embodiment = pipeline, embodiment
-        self.make_cache, self.num_steps = make_cache, num_steps
+    def __init__(self, fixed: FixedConfig, embodiment: str, budget_ms: float | None):
+        self.fixed, self.embodiment, self.budget_ms = fixed, embodiment, budget_ms
 
     def open(self, instruction: str, seed: int, preview: bool = False):
         return {"instruction": instruction, "seed": seed, "ticks": 0}
 
     def act(self, session: dict, obs: dict, step: int, want_video: bool = False):
         request = PolicyRequest(images={"image": obs["image"]}, instruction=session["instruction"],
-                                embodiment=self.embodiment, state=obs["state"], num_steps=self.num_steps,
-                                seed=session["seed"] + session["ticks"])
+                                embodiment=self.embodiment, state=obs["state"], seed=session["seed"] + session["ticks"])
         session["ticks"] += 1
-        out = self.pipeline(request, cache=self.make_cache())
-        stats = TickStats(out.timings_ms["total"], math.inf, True, out.cache.full_calls, out.cache.skipped_calls,
-                          out.cache.forced_skips, "fixed")
+        latency_ms, out = self.fixed(request, self.budget_ms)
+        budget_ms = math.inf if self.budget_ms is None else self.budget_ms
+        stats = TickStats(latency_ms, budget_ms, latency_ms <= budget_ms, out.cache.full_calls,
+                          out.cache.skipped_calls, out.cache.forced_skips, self.fixed.point.config.name)
         return out.actions, stats, None
 
     def close(self, session) -> None:
@@ -336,13 +340,39 @@ class _EnginePolicy:
         self.engine.close_session(session.session_id)
 
 
-def closed_loop(policies: dict, episodes: int, execute: int) -> dict[str, float]:
-    """Success rate of each config's policy over the same held-out episodes (seed indices 0..N-1)."""
+def closed_loop(policies: dict, episodes: int, execute: int, env_id: str) -> dict[str, float]:
+    """Success rate of each config's policy over the same held-out episodes of `env_id` (seed indices 0..N-1)."""
     rates = {}
     for name, policy in tqdm(policies.items(), desc="closed loop", unit="config"):
-        results = run_episodes(policy, REACH_ID, range(episodes), num_envs=1, execute=execute)
+        results = run_episodes(policy, env_id, range(episodes), num_envs=1, execute=execute)
         rates[name] = float(np.mean([r.success for r in results]))
     return rates
+
+
+def closed_loop_summary(summaries: list[dict], budgets: list[float], uncached_ms: float,
+                        args: argparse.Namespace) -> dict:
+    """Issue 14's closed-loop targets: uncached succeeds at least 90%, maximal caching (about 30% of the uncached
+    latency) loses at least 10 points, the controller at the budget nearest half the uncached latency stays
+    within 3 points of uncached."""
+    by_name = {s["name"]: s for s in summaries}
+    half = min(budgets, key=lambda b: abs(b / uncached_ms - 0.5))
+    uncached, maximal = by_name["uncached"]["success_rate"], by_name["max_caching"]["success_rate"]
+    controller = by_name[f"budget_{half:g}"]
+    return {
+        "env_id": args.closed_loop_env,
+        "episodes": args.closed_loop,
+        "execute": args.execute,
+        "uncached": uncached,
+        "max_caching": maximal,
+        "max_caching_latency_fraction": by_name["max_caching"]["p50_ms"] / uncached_ms,
+        "controller": {"name": controller["name"], "fraction": half / uncached_ms,
+                       "success_rate": controller["success_rate"]},
+        "targets": {
+            "uncached_at_least_90pct": uncached >= 0.9,
+            "max_caching_loses_10_points": maximal <= uncached - 0.10,
+            "controller_within_3_points": controller["success_rate"] >= uncached - 0.03,
+        },
+    }
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -406,9 +436,17 @@ def run(args: argparse.Namespace) -> dict:
                                        embodiment=embodiment.name, state=first["state"]))
         slowdown_ms = round(0.5 * statistics.median(step.ms for step in probe.steps), 2)
 
-    runs = {"uncached": ConfigRun("uncached"), "seacache_default": ConfigRun("seacache_default", family="seacache")}
     cfg = pipeline.config.guidance != 1.0
-    fixed = {"seacache_default": FixedConfig(engine.served, family_members(points, steps, cfg)["seacache"][0])}
+    default = next(p for p in points if p.config == profile.default)
+    maximal = [p for p in points if p.config.threshold == MAX_CACHING.threshold and p.config.cap == MAX_CACHING.cap
+               and p.config.num_steps == steps and p.config.cfg_steps == default.config.cfg_steps]
+    if not maximal:
+        raise BenchError(f"the quality profile has no maximal-caching point ({MAX_CACHING.threshold:g} / cap "
+                         f"{MAX_CACHING.cap} at {steps} steps); recalibrate it with `policy-server calibrate`")
+    runs = {"uncached": ConfigRun("uncached"), "seacache_default": ConfigRun("seacache_default", family="seacache"),
+            "max_caching": ConfigRun("max_caching", family="seacache")}
+    fixed = {"seacache_default": FixedConfig(engine.served, family_members(points, steps, cfg)["seacache"][0]),
+             "max_caching": FixedConfig(engine.served, maximal[0])}
     sessions = {}  # config name -> (engine, its bench pipeline, session)
     engines = [engine]
     tokens = engine.served.instruction_tokens(observations[0]["instruction"], "instruction")
@@ -468,19 +506,21 @@ def run(args: argparse.Namespace) -> dict:
     summaries = [runs[name].summary() for name in order]
     for owner, _, session in sessions.values():
         owner.close_session(session.session_id)
-    if args.closed_loop:
-        policies = {
-            "uncached": _FixedSettingPolicy(pipeline, embodiment.name, NoCache),
-            "seacache_default": _FixedSettingPolicy(pipeline, embodiment.name, lambda: SeaCache(SeaCacheConfig())),
-        }
-        for b in budgets:  # the engines' configurations; the fixed families run open loop only
-            for name in (f"budget_{b:g}", f"ladder_{b:g}"):
-                policies[name] = _EnginePolicy(sessions[name][0], embodiment.name, b)
-        policies[slow_name] = _EnginePolicy(slow_engine, embodiment.name, slow_budget, slowdown)
-        rates = closed_loop(policies, args.closed_loop, args.execute)
+    closed = None
+    if args.closed_loop:  # every configuration a robot could run: the fixed ones without a deadline or guarded
+        policies = {"uncached": _FixedPolicy(FixedConfig(engine.served, default), embodiment.name, None)}
+        for name in runs:
+            if name in fixed and runs[name].guarded is not False:
+                policies[name] = _FixedPolicy(fixed[name], embodiment.name, runs[name].budget_ms)
+            elif name in sessions:
+                owner = sessions[name][0]
+                policies[name] = _EnginePolicy(owner, embodiment.name, runs[name].budget_ms,
+                                               slowdown if owner is slow_engine else None)
+        rates = closed_loop(policies, args.closed_loop, args.execute, args.closed_loop_env)
         for summary in summaries:
             summary["success_rate"] = rates.get(summary["name"])
             summary["episodes"] = args.closed_loop if summary["name"] in rates else 0
+        closed = closed_loop_summary(summaries, budgets, uncached_warm_ms, args)
 
     for e in engines:
         e.close()
@@ -503,6 +543,7 @@ def run(args: argparse.Namespace) -> dict:
         "slowdown": {"config": slow_name, "extra_ms_per_full_call": slowdown_ms, "from_tick": args.ticks // 2},
         "configs": summaries,
         "sweep": sweep(summaries, budgets, uncached_warm_ms),
+        "closed_loop": closed,
     }
     return report
 
@@ -735,6 +776,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--forward-repeats", type=int, default=50)
     parser.add_argument("--closed-loop", type=int, default=0, metavar="N",
                         help="also run N held-out Reach episodes per config and report success_rate")
+    parser.add_argument("--closed-loop-env", default=REACH_ID, choices=ENV_IDS,
+                        help=f"closed loop: the task (default {REACH_ID}; {REACH_EITHER_ID} for a checkpoint "
+                             "fine-tuned on it, where a sampler that averages modes fails)")
     parser.add_argument("--execute", type=int, default=4, help="closed loop: actions executed per chunk")
     parser.add_argument("--quality-profile", type=Path, default=None,
                         help="the controller's profile (`policy-server calibrate`; default: calibrate first)")

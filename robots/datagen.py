@@ -29,7 +29,7 @@ import numpy as np
 from tqdm import tqdm
 
 from robots.dataset import METADATA_FILE, Episode, array_stats, save_episode, write_metadata
-from robots.envs import DOMAIN_ID, EMBODIMENT, HELDOUT_SEED_OFFSET, REACH_HARD_ID, REACH_ID
+from robots.envs import DOMAIN_ID, EMBODIMENT, ENV_IDS, HELDOUT_SEED_OFFSET, REACH_ID
 from robots.expert import ReachExpert
 from robots.lerobot_dataset import INFO_PATH, LeRobotWriter
 
@@ -38,9 +38,12 @@ FORMATS = ("safetensors", "lerobot")
 
 def collect_episode(env: gym.Env, expert: ReachExpert, seed: int, target: int | None = None) -> Episode:
     """Roll out ``expert`` in ``env`` from ``seed`` until success or the time limit. ``target``: index of
-    the object to reach in the scene (default: the one the seed picks)."""
+    the object to reach in the scene, or with several discs of the named colour, which of them (default: the
+    one the seed picks)."""
     obs, info = env.reset(seed=seed)
-    if target is not None:
+    if target is not None and env.unwrapped.config.target_copies > 1:
+        obs, info = env.reset(seed=seed, options={"target_copy": target})  # same scene, this disc
+    elif target is not None:
         color = env.unwrapped.scene.object_colors[target]
         obs, info = env.reset(seed=seed, options={"target_color": color})  # same scene, this target
     frames, states, actions = [obs["image"]], [obs["state"]], []
@@ -81,9 +84,11 @@ def generate(
     if episodes < 1:
         raise ValueError(f"episodes={episodes}; expected at least 1")
     env = gym.make(env_id)
-    num_objects = env.unwrapped.config.num_objects
-    if not 1 <= targets_per_scene <= num_objects:
-        raise ValueError(f"targets_per_scene={targets_per_scene}; expected 1 to {num_objects} (objects per scene)")
+    config = env.unwrapped.config
+    targets = config.target_copies if config.target_copies > 1 else config.num_objects
+    if not 1 <= targets_per_scene <= targets:
+        raise ValueError(f"targets_per_scene={targets_per_scene}; expected 1 to {targets} "
+                         f"({'discs of the named colour' if config.target_copies > 1 else 'objects'} per scene)")
     scenes = -(-episodes // targets_per_scene)
     if seed_offset < 0 or seed_offset + scenes > HELDOUT_SEED_OFFSET:
         raise ValueError(
@@ -101,7 +106,7 @@ def generate(
         for folder in ("meta", "data", "videos"):
             shutil.rmtree(out / folder)
 
-    base, config = env.unwrapped, env.unwrapped.config
+    base = env.unwrapped
     writer = LeRobotWriter(out, config.control_hz, config.image_size, EMBODIMENT) if format == "lerobot" else None
     expert = ReachExpert()
     entries, all_actions, all_states = [], [], []
@@ -152,11 +157,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--episodes", type=int, required=True, help="number of demonstrations")
     parser.add_argument("--out", required=True, help="output directory, created with its parents (e.g. runs/data/NAME)")
-    parser.add_argument("--env-id", default=REACH_ID, choices=[REACH_ID, REACH_HARD_ID],
+    parser.add_argument("--env-id", default=REACH_ID, choices=ENV_IDS,
                         help=f"gymnasium id (default {REACH_ID})")
     parser.add_argument("--seed-offset", type=int, default=0, help="seed of episode 0 (default 0)")
     parser.add_argument("--targets-per-scene", type=int, default=1,
-                        help="demonstrate each scene once per target object, up to the objects per scene (1)")
+                        help="demonstrate each scene once per target object, up to the objects per scene; "
+                             "with several discs of the named colour, once per disc (1)")
     parser.add_argument("--format", choices=FORMATS, default="safetensors",
                         help="safetensors: dataset.json + a file per episode (default); lerobot: LeRobot v3 layout")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing dataset in --out")

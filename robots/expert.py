@@ -39,10 +39,11 @@ class ReachExpert:
         return self.command(base.scene, base.config)
 
 
-def expert_observations(count: int, first_seed: int, stride: int = 1) -> list[dict]:
-    """`count` Reach observations along expert episodes on seeds `first_seed`, `first_seed + 1`, ...: every
+def expert_observations(count: int, first_seed: int, stride: int = 1,
+                        env_id: str = "PolicyServer/Reach-v0") -> list[dict]:
+    """`count` observations of `env_id` along expert episodes on seeds `first_seed`, `first_seed + 1`, ...: every
     `stride`-th control step of each episode, from its first; each with its episode's `instruction`."""
-    env = gym.make("PolicyServer/Reach-v0")
+    env = gym.make(env_id)
     expert = ReachExpert()
     observations: list[dict] = []
     episode = 0

@@ -72,6 +72,7 @@ class EpisodeResult:
     target_color: str = ""
     final_distance_m: float = 0.0  # effector to target at the end
     nearest_color: str = ""  # the object the effector ended closest to: tells a wrong choice from imprecision
+    collided: bool = False  # ended on the blocker (ReachEither)
     ticks: list[TickStats] = field(default_factory=list)
     frames: list[np.ndarray] = field(default_factory=list)  # side-by-side video frames, when recorded
 
@@ -242,6 +243,7 @@ def _score(result: EpisodeResult, scene: ReachScene) -> None:
     result.success = scene.success
     result.target_color, result.nearest_color = scene.target_color, scene.object_colors[nearest]
     result.final_distance_m = scene.distance_to_target()
+    result.collided = scene.collided
 
 
 def _side_by_side(real: np.ndarray, predicted: np.ndarray | None, offset: int) -> np.ndarray:
@@ -273,6 +275,7 @@ def summarize(results: list[EpisodeResult], seconds: float, config: dict) -> dic
         else None,
         # Of the failed episodes: how many ended nearest a wrong object, and how far from the target.
         "failures_nearest_wrong_object": sum(r.nearest_color != r.target_color for r in failures),
+        "failures_on_the_blocker": sum(r.collided for r in failures),
         "failures_final_distance_m_median": float(np.median([r.final_distance_m for r in failures]))
         if failures else None,
         "ticks": len(ticks),
@@ -287,8 +290,8 @@ def summarize(results: list[EpisodeResult], seconds: float, config: dict) -> dic
         "ticks_by_batch_size": dict(sorted(batch_sizes.items())),
         "wall_s": seconds,
         "per_episode": [{"seed": r.seed, "instruction": r.instruction, "success": r.success, "steps": r.steps,
-                         "final_distance_m": round(r.final_distance_m, 4), "nearest_color": r.nearest_color}
-                        for r in results],
+                         "final_distance_m": round(r.final_distance_m, 4), "nearest_color": r.nearest_color,
+                         "collided": r.collided} for r in results],
     }
 
 

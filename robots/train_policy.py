@@ -1,6 +1,7 @@
 """Train the embedded Cosmos3 policy by flow matching on expert demonstrations.
 
     python -m robots.train_policy --data runs/data/reach-400 --vae runs/vae --out runs/policy --steps 6000
+    python -m robots.train_policy --data runs/data/reach-1500 runs/data/twin-3000 --init DIR --out runs/policy ...
 
 Each training sample is one control tick of a demonstration: the frame at step t (clean latent
 frame 0), the next K frames (noisy future latents), the K expert actions from t (noisy action rows)
@@ -113,7 +114,7 @@ def sample_sigmas(n: int, shift: float, generator: torch.Generator) -> torch.Ten
 
 
 def train(
-    data_dir: Path,
+    data_dirs: list[Path],
     vae_dir: Path,
     out_dir: Path,
     steps: int,
@@ -130,13 +131,12 @@ def train(
     `out_dir` (also every `save_every` steps, with the EMA weights so far). Returns a summary."""
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
-    dataset = open_dataset(data_dir)
     vae = SmallVideoVAE.from_pretrained(vae_dir).eval()
     tokenizer = TextTokenizer.from_dir(default_model_path() / "text_tokenizer")
     policy = embedded.policy_config()
     config = embedded.transformer_config()
     chunk = embedded.CHUNK_SIZE
-    episodes = list(dataset)
+    episodes = [episode for data_dir in data_dirs for episode in open_dataset(data_dir)]
     stats = {
         "action": array_stats(np.concatenate([e.actions for e in episodes])),
         "state": array_stats(np.concatenate([e.states for e in episodes])),
@@ -264,7 +264,8 @@ def train(
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", type=Path, required=True, help="dataset folder from robots.datagen")
+    parser.add_argument("--data", type=Path, nargs="+", required=True,
+                        help="dataset folders from robots.datagen (their episodes are pooled)")
     parser.add_argument("--vae", type=Path, default=default_model_path() / "vae")
     parser.add_argument("--out", type=Path, required=True, help="pipeline folder to write")
     parser.add_argument("--steps", type=int, default=6000)

@@ -21,7 +21,8 @@ def model_dir(tmp_path_factory):
 def test_bench_writes_the_documented_report(model_dir, tmp_path):
     out = tmp_path / "bench.json"
     assert bench_main(["--checkpoint", str(model_dir), "--ticks", "4", "--warmup", "2", "--out", str(out),
-                       "--forward-repeats", "2", "--closed-loop", "1", "--profile-ticks", "1",
+                       "--forward-repeats", "2", "--closed-loop", "1",
+                       "--closed-loop-env", "PolicyServer/ReachEither-v0", "--profile-ticks", "1",
                        "--calibration-observations", "1",
                        "--budget-fractions", "0.8", "0.9"]) == 0  # above the floor however loaded CI is
     report = json.loads(out.read_text())
@@ -41,7 +42,7 @@ def test_bench_writes_the_documented_report(model_dir, tmp_path):
     assert profile["batched_cfg_call_ms"] > profile["full_call_ms"]  # two calls as one batch
     assert profile["wall_branches_one_by_one_ms"] > 0
     names = [c["name"] for c in report["configs"]]
-    assert names[:2] == ["uncached", "seacache_default"]
+    assert names[:3] == ["uncached", "seacache_default", "max_caching"]
     assert any(n.startswith("fewer_steps_") for n in names)
     assert any(n.startswith("budget_") and n.endswith("_slowdown") for n in names)
     keys = {"p50_ms", "p99_ms", "full_calls", "skipped_calls", "forced_skips", "action_rel_l2", "latent_psnr_db",
@@ -58,8 +59,14 @@ def test_bench_writes_the_documented_report(model_dir, tmp_path):
         assert {(f, g) for f in ("fewer_steps", "seacache", "fewer_steps_seacache") for g in (True, False)} <= families
         assert by_name[f"budget_{b:g}"]["utilisation"] == by_name[f"budget_{b:g}"]["p50_ms"] / b
         assert by_name[f"guarded_fewer_steps_{b:g}"]["point"].startswith("n")
-    assert by_name[f"budget_{budgets[0]:g}"]["success_rate"] is not None
-    assert by_name[f"guarded_seacache_{budgets[0]:g}"]["success_rate"] is None  # open loop only
+    for name in ("uncached", "max_caching", f"budget_{budgets[0]:g}", f"guarded_seacache_{budgets[0]:g}"):
+        assert by_name[name]["success_rate"] is not None and by_name[name]["episodes"] == 1
+    assert by_name[f"seacache_{budgets[0]:g}"]["success_rate"] is None  # no guard: a robot could not run it
+    closed = report["closed_loop"]
+    assert closed["env_id"] == "PolicyServer/ReachEither-v0" and closed["episodes"] == 1
+    assert closed["controller"]["name"] == f"budget_{budgets[0]:g}"  # the budget nearest half the uncached p50
+    assert set(closed["targets"]) == {"uncached_at_least_90pct", "max_caching_loses_10_points",
+                                      "controller_within_3_points"}
     assert [row["budget_ms"] for row in report["sweep"]] == budgets
     assert set(report["sweep"][0]["targets"]) == {"miss_rate_at_most_1pct", "p99_within_budget",
                                                   "beats_guarded_holding_1pct", "beats_best_unguarded_fitting"}

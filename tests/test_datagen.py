@@ -7,7 +7,7 @@ import pytest
 
 from robots.datagen import generate, main
 from robots.dataset import METADATA_FILE, DemoDataset
-from robots.envs import HELDOUT_SEED_OFFSET
+from robots.envs import HELDOUT_SEED_OFFSET, REACH_EITHER_ID
 
 
 def test_tiny_run_writes_consistent_episodes(tmp_path):
@@ -100,3 +100,16 @@ def test_cli_creates_nested_out_folders(tmp_path, capsys):
     main(["--episodes", "1", "--out", str(tmp_path / "runs" / "data" / "reach-1"), "--no-progress"])
     assert len(DemoDataset(tmp_path / "runs" / "data" / "reach-1")) == 1
     assert "wrote 1 episodes" in capsys.readouterr().out
+
+
+def test_targets_per_scene_with_two_discs_of_the_named_colour_demonstrates_both(tmp_path):
+    """ReachEither: the same first frame and instruction, once to each disc: the two modes the policy must learn."""
+    generate(tmp_path, episodes=4, env_id=REACH_EITHER_ID, targets_per_scene=2, progress=False)
+    episodes = list(DemoDataset(tmp_path))
+    for first, second in (episodes[:2], episodes[2:]):
+        assert first.seed == second.seed and first.instruction == second.instruction
+        np.testing.assert_array_equal(first.frames[0], second.frames[0])
+        assert first.success and second.success
+        assert np.linalg.norm(first.states[-1] - second.states[-1]) > 0.1  # they end at different discs
+    with pytest.raises(ValueError, match="discs of the named colour"):
+        generate(tmp_path / "bad", episodes=3, env_id=REACH_EITHER_ID, targets_per_scene=3, progress=False)

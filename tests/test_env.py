@@ -1,11 +1,13 @@
 """The built-in reaching task: determinism, instructions, success test, action limits, rendering."""
 
+from dataclasses import replace
+
 import gymnasium as gym
 import numpy as np
 import pytest
 from gymnasium.utils.env_checker import check_env
 
-from robots.envs import COLORS, REACH_HARD_ID, REACH_ID, ReachConfig, ReachEnv
+from robots.envs import COLORS, REACH_EITHER_ID, REACH_HARD_ID, REACH_ID, ReachConfig, ReachEnv
 from robots.envs.reach import TABLE_RGB, table_background
 
 
@@ -214,3 +216,74 @@ def test_language_blind_policy_fails_most_episodes():
         nearest = np.argmin(np.linalg.norm(env.scene.object_xy - env.scene.effector_xy, axis=-1))
         successes += int(nearest == env.scene.target_index)
     assert successes < 50
+
+
+def either_episode(seed: int, command) -> dict:
+    """One ReachEither episode driven by `command(scene, config)` (m/s); its last info."""
+    env = gym.make(REACH_EITHER_ID)
+    env.reset(seed=seed)
+    done = False
+    while not done:
+        _, _, terminated, truncated, info = env.step(command(env.unwrapped.scene, env.unwrapped.config))
+        done = terminated or truncated
+    return info
+
+
+def test_either_scene_starts_as_far_from_both_discs_with_the_blocker_clear_of_both_paths():
+    env = gym.make(REACH_EITHER_ID)
+    cfg = env.unwrapped.config
+    picked = set()
+    for seed in range(40):
+        env.reset(seed=seed)
+        scene = env.unwrapped.scene
+        a, b, blocker = scene.object_xy
+        start = scene.effector_xy
+        assert scene.object_colors[0] == scene.object_colors[1] == scene.target_color != scene.object_colors[2]
+        assert env.unwrapped.task_description == f"reach a {scene.target_color} circle"
+        assert np.linalg.norm(start - a) == pytest.approx(np.linalg.norm(start - b))
+        for disc in (a, b):  # the straight path to either disc keeps the blocker at the clearance
+            t = np.clip(np.dot(blocker - start, disc - start) / np.dot(disc - start, disc - start), 0, 1)
+            assert np.linalg.norm(blocker - (start + t * (disc - start))) >= cfg.blocker_clearance
+        picked.add(scene.target_index)
+    assert picked == {0, 1}  # the expert's disc is drawn per seed
+
+
+def test_either_succeeds_on_either_disc_and_fails_on_the_blocker():
+    """The expert (heading for its own disc) and a policy heading for the other disc both succeed; the average of
+    the two commands, what a sampler averaging the modes would drive, runs into the blocker every time."""
+    from robots.expert import ReachExpert
+
+    expert = ReachExpert()
+
+    def towards(index):
+        def command(scene, config):
+            return expert.command(replace(scene, target_index=index), config)
+        return command
+
+    def average(scene, config):
+        return (towards(0)(scene, config) + towards(1)(scene, config)) / 2
+
+    for seed in range(20):
+        for index in (0, 1):
+            info = either_episode(seed, towards(index))
+            assert info["is_success"] and not info["collided"]
+        info = either_episode(seed, average)
+        assert info["collided"] and not info["is_success"]
+
+
+def test_either_reset_options_and_config_are_checked():
+    env = gym.make(REACH_EITHER_ID)
+    env.reset(seed=5)
+    layout = env.unwrapped.scene.object_xy.copy()
+    for copy in (0, 1):
+        env.reset(seed=5, options={"target_copy": copy})
+        assert env.unwrapped.scene.target_index == copy
+        np.testing.assert_array_equal(env.unwrapped.scene.object_xy, layout)  # same scene, the other disc
+    with pytest.raises(ValueError, match="target_copy=2"):
+        env.reset(seed=5, options={"target_copy": 2})
+    with pytest.raises(ValueError, match="unknown reset options"):
+        env.reset(seed=5, options={"target": 1})
+    with pytest.raises(ValueError, match="blocker=True needs target_copies=2"):
+        ReachConfig(blocker=True)
+    with pytest.raises(ValueError, match="target_copies=3"):
+        ReachConfig(target_copies=3)

@@ -11,14 +11,20 @@ from policy_server.model import load_transformer
 from policy_server.pipeline.policy import PolicyPipeline, PolicyRequest, default_model_path
 from robots.datagen import generate
 from robots.embedded import build_random_pipeline
+from robots.envs import REACH_EITHER_ID
 from robots.train_policy import main, train
 
 
 def test_train_a_few_steps_and_serve_the_result(tmp_path):
+    """Two datasets pooled (Reach and ReachEither, whose instructions differ) into one run."""
     generate(tmp_path / "demos", episodes=3, progress=False)
+    generate(tmp_path / "either", episodes=2, env_id=REACH_EITHER_ID, targets_per_scene=2, progress=False)
     out = tmp_path / "policy"
-    summary = train(tmp_path / "demos", default_model_path() / "vae", out, steps=2, batch_size=4, log_every=1)
-    assert summary["steps"] == 2 and summary["episodes"] == 3
+    summary = train([tmp_path / "demos", tmp_path / "either"], default_model_path() / "vae", out, steps=2,
+                    batch_size=4, log_every=1)
+    assert summary["steps"] == 2 and summary["episodes"] == 5
+    assert any(i.startswith("reach a ") for i in summary["instructions"])
+    assert any(i.startswith("reach the ") for i in summary["instructions"])
     assert np.isfinite(summary["final_loss"])
     assert json.loads((out / "training.json").read_text())["windows"] == summary["windows"]
 

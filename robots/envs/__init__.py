@@ -17,12 +17,17 @@ from robots.envs.reach import (
 
 REACH_ID = "PolicyServer/Reach-v0"
 REACH_HARD_ID = "PolicyServer/ReachHard-v0"
+REACH_EITHER_ID = "PolicyServer/ReachEither-v0"
 
 _REGISTRATIONS = {
     # Three discs drawn from four colours: a language-blind policy succeeds about one time in three.
     REACH_ID: {},
     # All four colours on the table: a language-blind policy succeeds about one time in four.
     REACH_HARD_ID: {"num_objects": 4},
+    # Two discs of the named colour, either of which succeeds, and a third disc between them whose touch fails.
+    # The demonstrations head for either, so a sampler that averages the two modes runs into the third disc:
+    # this task tells samplers apart.
+    REACH_EITHER_ID: {"target_copies": 2, "blocker": True, "instruction_template": "reach a {color} circle"},
 }
 
 ENV_IDS = tuple(_REGISTRATIONS)  # every task registered here
@@ -44,6 +49,7 @@ __all__ = [
     "HELDOUT_SEED_OFFSET",
     "REACH_HARD_ID",
     "REACH_ID",
+    "REACH_EITHER_ID",
     "ReachConfig",
     "ReachEnv",
     "ReachScene",

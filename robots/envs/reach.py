@@ -51,6 +51,16 @@ class ReachConfig:
 
     table_size: float = 0.5  # side of the square workspace, m
     num_objects: int = 3
+    # Discs of the named colour (the rest are distractors); reaching any of them succeeds. With two, the
+    # demonstrations head for either one, so the action distribution has two modes: a sampler that averages
+    # them (too few denoising steps, too much step caching) drives at the point between the two and stalls.
+    target_copies: int = 1
+    # With two discs of the named colour: the third disc, a distractor, sits between them, on the bisector of the
+    # directions from the effector's start to each; touching it ends the episode as a failure. The straight paths
+    # to either disc clear it, but the average of the two (what a sampler that averages the modes drives) runs
+    # into it.
+    blocker: bool = False
+    blocker_clearance: float = 0.09  # least distance from the blocker centre to either straight path, m
     colors: tuple[str, ...] = ("red", "green", "blue", "yellow")
     object_radius: float = 0.035  # m
     effector_half_size: float = 0.018  # half side of the drawn square, m
@@ -72,9 +82,20 @@ class ReachConfig:
         unknown = [c for c in self.colors if c not in COLORS]
         if unknown:
             raise ValueError(f"unknown colours {unknown}; expected names from {sorted(COLORS)}")
-        if not 2 <= self.num_objects <= len(self.colors):
+        if not 1 <= self.target_copies < self.num_objects:
             raise ValueError(
-                f"num_objects={self.num_objects} must be between 2 and the number of colours ({len(self.colors)})"
+                f"target_copies={self.target_copies} must be at least 1 and leave a distractor "
+                f"(below num_objects={self.num_objects})"
+            )
+        if not 2 <= self.num_objects - self.target_copies + 1 <= len(self.colors):
+            raise ValueError(
+                f"num_objects={self.num_objects} with target_copies={self.target_copies} needs between 2 and "
+                f"{len(self.colors)} distinct colours (the number of colours)"
+            )
+        if self.blocker and (self.target_copies, self.num_objects) != (2, 3):
+            raise ValueError(
+                f"blocker=True needs target_copies=2 and num_objects=3 (two discs of the named colour and the "
+                f"blocker); got target_copies={self.target_copies}, num_objects={self.num_objects}"
             )
         if not 0 <= self.table_tint <= 60:
             raise ValueError(f"table_tint={self.table_tint} must be between 0 and 60 RGB levels")
@@ -98,9 +119,11 @@ class ReachScene:
     effector_xy: np.ndarray  # [2] float64, m
     object_xy: np.ndarray  # [N, 2] float64, m
     object_colors: tuple[str, ...]  # [N]
-    target_index: int
+    target_index: int  # the disc the expert heads for; any disc of its colour counts as reached
+    blocker_index: int | None = None  # the disc whose touch fails the episode (``ReachConfig.blocker``)
     steps: int = 0
     success: bool = False
+    collided: bool = False  # the effector touched the blocker
 
     @property
     def target_xy(self) -> np.ndarray:
@@ -111,7 +134,9 @@ class ReachScene:
         return self.object_colors[self.target_index]
 
     def distance_to_target(self) -> float:
-        return float(np.linalg.norm(self.effector_xy - self.target_xy))
+        """Distance from the effector to the nearest disc of the target colour, m."""
+        copies = self.object_xy[[c == self.target_color for c in self.object_colors]]
+        return float(np.min(np.linalg.norm(copies - self.effector_xy, axis=1)))
 
 
 def table_background(size: int, tint: int) -> np.ndarray:
@@ -181,12 +206,22 @@ class ReachEnv(gym.Env):
     # ------------------------------------------------------------------ gymnasium API
 
     def reset(self, *, seed: int | None = None, options: dict | None = None):
-        """Sample a new scene. ``options={"target_color": "red"}`` fixes the named colour."""
+        """Sample a new scene. ``options={"target_color": "red"}`` fixes the named colour; with several discs of
+        it, ``"target_copy": k`` (0 .. ``target_copies`` - 1) picks the one the expert heads for."""
         super().reset(seed=seed)
-        target_color = (options or {}).get("target_color")
+        options = options or {}
+        unknown = sorted(set(options) - {"target_color", "target_copy"})
+        if unknown:
+            raise ValueError(f"unknown reset options {unknown}; expected 'target_color' and/or 'target_copy'")
+        target_color = options.get("target_color")
         if target_color is not None and target_color not in self.config.colors:
             raise ValueError(f"target_color={target_color!r} is not one of {list(self.config.colors)}")
-        self.scene = self._sample_scene(target_color)
+        target_copy = options.get("target_copy")
+        if target_copy is not None and target_copy not in range(self.config.target_copies):
+            raise ValueError(
+                f"target_copy={target_copy!r}: expected an integer from 0 to {self.config.target_copies - 1}"
+            )
+        self.scene = self._sample_scene(target_color, target_copy)
         return self._observation(), self._info()
 
     def step(self, action):
@@ -203,7 +238,10 @@ class ReachEnv(gym.Env):
         scene.effector_xy = np.clip(scene.effector_xy + velocity * cfg.dt, 0.0, cfg.table_size)
         scene.steps += 1
         scene.success = scene.distance_to_target() <= cfg.success_radius
-        terminated = scene.success
+        if scene.blocker_index is not None and not scene.success:
+            gap = np.linalg.norm(scene.effector_xy - scene.object_xy[scene.blocker_index])
+            scene.collided = bool(gap <= cfg.object_radius + cfg.effector_half_size)
+        terminated = scene.success or scene.collided
         truncated = not terminated and scene.steps >= cfg.max_episode_steps
         reward = 1.0 if scene.success else 0.0
         return self._observation(), reward, terminated, truncated, self._info()
@@ -263,14 +301,18 @@ class ReachEnv(gym.Env):
             "distance": scene.distance_to_target(),
             "target_color": scene.target_color,
             "target_xy": scene.target_xy.copy(),
+            "collided": scene.collided,
         }
 
-    def _sample_scene(self, target_color: str | None) -> ReachScene:
+    def _sample_scene(self, target_color: str | None, target_copy: int | None) -> ReachScene:
         cfg = self.config
         rng = self.np_random
-        colors = tuple(str(c) for c in rng.permutation(list(cfg.colors))[: cfg.num_objects])
+        distinct = cfg.num_objects - cfg.target_copies + 1
+        colors = tuple(str(c) for c in rng.permutation(list(cfg.colors))[:distinct])
         if target_color is not None and target_color not in colors:
             colors = (target_color,) + colors[1:]  # replace one distractor by the requested colour
+        if cfg.blocker:
+            return self._sample_blocked_scene(colors, target_color, target_copy)
         lo, hi = cfg.object_margin, cfg.table_size - cfg.object_margin
         # Rejection sampling: with the default geometry a valid layout is found in a few draws.
         for _ in range(10_000):
@@ -281,9 +323,56 @@ class ReachEnv(gym.Env):
         else:
             raise RuntimeError(f"could not place {cfg.num_objects} objects with separation {cfg.min_separation} m")
         if target_color is None:
-            target_index = int(rng.integers(cfg.num_objects))
-        else:
-            target_index = colors.index(target_color)
+            target_color = colors[int(rng.integers(distinct))]
+        colors += (target_color,) * (cfg.target_copies - 1)
+        copies = [i for i, c in enumerate(colors) if c == target_color]
+        if target_copy is None:
+            target_copy = int(rng.integers(len(copies))) if len(copies) > 1 else 0
+        target_index = copies[target_copy]
         return ReachScene(
             effector_xy=points[-1], object_xy=points[:-1], object_colors=colors, target_index=target_index
         )
+
+    def _sample_blocked_scene(self, colors: tuple[str, ...], target_color: str | None,
+                              target_copy: int | None) -> ReachScene:
+        """Two discs of the target colour (objects 0 and 1), the effector's start as far from one as from the
+        other, and the blocker (object 2) half way from the start towards the point between them.
+
+        The expert heads for either disc at random, and from its first step on it is nearer to the one it heads
+        for: only the start is ambiguous. A sampler that averages the two modes there keeps the effector as far
+        from one as from the other, straight towards the blocker.
+        """
+        cfg = self.config
+        rng = self.np_random
+        if target_color is None:
+            target_color = colors[int(rng.integers(len(colors)))]
+        distractor = next(c for c in colors if c != target_color)
+        lo, hi = cfg.object_margin, cfg.table_size - cfg.object_margin
+        # Rejection sampling: about one draw in 100 fits the table and leaves both paths clear of the blocker.
+        for _ in range(100_000):
+            copies = rng.uniform(lo, hi, size=(2, 2))
+            middle, half = copies.mean(axis=0), (copies[1] - copies[0]) / 2
+            normal = np.array([-half[1], half[0]]) / np.linalg.norm(half)
+            start = middle + normal * rng.uniform(-cfg.table_size, cfg.table_size)
+            approach = middle - start
+            if np.linalg.norm(approach) < cfg.min_separation:
+                continue
+            blocker = start + approach / np.linalg.norm(approach) * 0.5 * np.linalg.norm(copies[0] - start)
+            points = np.stack([*copies, blocker, start])
+            gaps = np.linalg.norm(points[:, None] - points[None], axis=-1)
+            if (np.all((lo <= points) & (points <= hi)) and np.all(gaps[np.triu_indices(4, 1)] >= cfg.min_separation)
+                    and all(_distance_to_segment(blocker, start, c) >= cfg.blocker_clearance for c in copies)):
+                break
+        else:
+            raise RuntimeError("could not place the blocker clear of both paths")
+        if target_copy is None:
+            target_copy = int(rng.integers(2))
+        return ReachScene(effector_xy=start, object_xy=points[:3],
+                          object_colors=(target_color, target_color, distractor), target_index=target_copy,
+                          blocker_index=2)
+
+
+def _distance_to_segment(point: np.ndarray, a: np.ndarray, b: np.ndarray) -> float:
+    """Distance from `point` to the segment from `a` to `b`, m."""
+    t = np.clip(np.dot(point - a, b - a) / np.dot(b - a, b - a), 0.0, 1.0)
+    return float(np.linalg.norm(point - (a + t * (b - a))))
