@@ -51,9 +51,8 @@ class ReachConfig:
 
     table_size: float = 0.5  # side of the square workspace, m
     num_objects: int = 3
-    # Discs of the named colour (the rest are distractors); reaching any of them succeeds. With two, the
-    # demonstrations head for either one, so the action distribution has two modes: a sampler that averages
-    # them (too few denoising steps, too much step caching) drives at the point between the two and stalls.
+    # Discs of the named colour (the rest are distractors); reaching any of them succeeds, and the expert heads
+    # for one of them at random: the demonstrations of a scene have that many modes.
     target_copies: int = 1
     # With two discs of the named colour: the third disc, a distractor, sits between them, on the bisector of the
     # directions from the effector's start to each; touching it ends the episode as a failure. The straight paths
