@@ -42,7 +42,8 @@ def split_command(words: list[str]) -> tuple[str, list[str]]:
 def test_readme_documents_the_whole_chain_with_relative_paths():
     commands = readme_commands()
     assert [split_command(words)[0] for words in commands] == [
-        "robots.datagen", "robots.datagen", "robots.train_vae", "robots.train_policy", "robots.rollout"]
+        "robots.datagen", "robots.datagen", "robots.train_vae", "robots.train_policy",
+        "robots.datagen", "robots.datagen", "robots.train_policy", "robots.rollout"]  # the ReachEither fine-tune
     for words in commands:
         assert not [w for w in words if w.startswith("/")], f"absolute path in {shlex.join(words)}"
 
@@ -62,6 +63,10 @@ def test_readme_commands_run_in_order_from_an_empty_directory(tmp_path, monkeypa
     assert json.loads((runs / "vae" / "train_report.json").read_text())["steps"] == 2
     training = json.loads((runs / "policy" / "training.json").read_text())
     assert training["steps"] == 2 and math.isfinite(training["final_loss"])
+    either = json.loads((runs / "data" / "either-4000" / "dataset.json").read_text())
+    assert either["env_id"] == "PolicyServer/ReachEither-v0" and either["targets_per_scene"] == 2
+    tuned = json.loads((runs / "policy-either" / "training.json").read_text())
+    assert tuned["init"] == "runs/policy" and tuned["episodes"] == 6  # both datasets pooled
     rollout = json.loads((runs / "rollout.json").read_text())
     assert rollout["episodes"] == 1 and rollout["config"]["diffusion_cache"] is False
     assert (runs / "rollout.png").is_file()
