@@ -5,6 +5,7 @@ from __future__ import annotations
 import gymnasium as gym
 import numpy as np
 
+from robots.envs import REACH_ID
 from robots.envs.reach import ReachConfig, ReachEnv, ReachScene
 
 
@@ -39,8 +40,7 @@ class ReachExpert:
         return self.command(base.scene, base.config)
 
 
-def expert_observations(count: int, first_seed: int, stride: int = 1,
-                        env_id: str = "PolicyServer/Reach-v0") -> list[dict]:
+def expert_observations(count: int, first_seed: int, stride: int = 1, env_id: str = REACH_ID) -> list[dict]:
     """`count` observations of `env_id` along expert episodes on seeds `first_seed`, `first_seed + 1`, ...: every
     `stride`-th control step of each episode, from its first; each with its episode's `instruction`."""
     env = gym.make(env_id)

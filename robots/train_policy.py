@@ -1,7 +1,7 @@
 """Train the embedded Cosmos3 policy by flow matching on expert demonstrations.
 
     python -m robots.train_policy --data runs/data/reach-400 --vae runs/vae --out runs/policy --steps 6000
-    python -m robots.train_policy --data runs/data/reach-1500 runs/data/twin-3000 --init DIR --out runs/policy ...
+    python -m robots.train_policy --data runs/data/reach-1500 runs/data/either-4000 --init runs/policy --out ...
 
 Each training sample is one control tick of a demonstration: the frame at step t (clean latent
 frame 0), the next K frames (noisy future latents), the K expert actions from t (noisy action rows)

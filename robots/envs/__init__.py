@@ -26,7 +26,7 @@ _REGISTRATIONS = {
     REACH_HARD_ID: {"num_objects": 4},
     # Two discs of the named colour, either of which succeeds, and a third disc between them whose touch fails.
     # The demonstrations head for either, so a sampler that averages the two modes runs into the third disc:
-    # this task tells samplers apart.
+    # meant to tell samplers apart (robots/README.md says how far a first fine-tune got).
     REACH_EITHER_ID: {"target_copies": 2, "blocker": True, "instruction_template": "reach a {color} circle"},
 }
 
@@ -47,9 +47,9 @@ __all__ = [
     "EMBODIMENT",
     "ENV_IDS",
     "HELDOUT_SEED_OFFSET",
+    "REACH_EITHER_ID",
     "REACH_HARD_ID",
     "REACH_ID",
-    "REACH_EITHER_ID",
     "ReachConfig",
     "ReachEnv",
     "ReachScene",
