@@ -10,7 +10,9 @@ machine drift cancels and errors compare like with like:
 - `seacache_default`          SeaCache 0.25 / order 1 / cap 2 on every step, no deadline;
 - `max_caching`               SeaCache at its most aggressive (full calls only where forced), no deadline;
 - `budget_<ms>`               the controller: the engine planning each tick on the quality profile's frontier
-                              (`--quality-profile`, else calibrated here on the shipped observations first);
+                              (`--quality-profile`: by default the one the server would use, beside the
+                              checkpoint or in the cache; without one, calibrated here on the shipped
+                              observations first);
 - `ladder_<ms>`               the engine's ladder planner at that budget (no profile), for comparison;
 - `guarded_<family>_<ms>`     each family's best configuration by the profile's prediction at that budget,
                               under the same in-tick guard: `fewer_steps` (uncached), `seacache` (the published
@@ -23,10 +25,10 @@ Budgets default to 30% .. 100% of the uncached warmup p50 (six points). The repo
 budget, the controller with the guarded families that hold 1% misses and with the best unguarded
 configuration whose p50 fits, and says whether issue 14's targets hold there. With `--closed-loop N` every
 configuration a robot could run (all but the unguarded families) also drives N held-out episodes of
-`--closed-loop-env` (the same seeds for all) and reports `success_rate`. On Reach (the default) every configuration
-of the shipped model succeeds; ReachEither, for a checkpoint fine-tuned on it, fails a sampler that averages its
-two modes. `closed_loop` then checks issue 14's closed-loop targets against uncached, maximal caching and the
-controller at half the uncached latency.
+`--closed-loop-env` (the same seeds for all) and reports `success_rate` and `episode_steps` (mean control steps
+per episode). On Reach (the default) every configuration of the shipped model succeeds; ReachEither, for a
+checkpoint fine-tuned on it, fails a sampler that averages its two modes. `closed_loop` then checks issue 14's
+closed-loop targets against uncached, maximal caching and the controller at half the uncached latency.
 
 Latency is the pipeline's end-to-end time for the fixed configurations (their text K/V reused, as a
 session's) and the engine's (queue included) for the engines' ones. The JSON layout is `../shared/design/BENCH.md`'s.
@@ -71,6 +73,7 @@ from policy_server.engine.calibration import (
     calibrate,
     configurations,
     fixed_control,
+    resolve_profile,
     warmup_observations,
 )
 from policy_server.engine.engine import EngineSettings, ModelEngine, resolve_dtype
@@ -340,13 +343,15 @@ class _EnginePolicy:
         self.engine.close_session(session.session_id)
 
 
-def closed_loop(policies: dict, episodes: int, execute: int, env_id: str) -> dict[str, float]:
-    """Success rate of each config's policy over the same held-out episodes of `env_id` (seed indices 0..N-1)."""
-    rates = {}
+def closed_loop(policies: dict, episodes: int, execute: int, env_id: str) -> dict[str, dict[str, float]]:
+    """Per config, over the same held-out episodes of `env_id` (seed indices 0..N-1): its policy's success rate and
+    mean control steps per episode (a slower policy takes more)."""
+    outcomes = {}
     for name, policy in tqdm(policies.items(), desc="closed loop", unit="config"):
         results = run_episodes(policy, env_id, range(episodes), num_envs=1, execute=execute)
-        rates[name] = float(np.mean([r.success for r in results]))
-    return rates
+        outcomes[name] = {"success_rate": float(np.mean([r.success for r in results])),
+                          "episode_steps": float(np.mean([r.steps for r in results]))}
+    return outcomes
 
 
 def closed_loop_summary(summaries: list[dict], budgets: list[float], uncached_ms: float,
@@ -367,6 +372,9 @@ def closed_loop_summary(summaries: list[dict], budgets: list[float], uncached_ms
         "max_caching_latency_fraction": by_name["max_caching"]["p50_ms"] / uncached_ms,
         "controller": {"name": controller["name"], "fraction": half / uncached_ms,
                        "success_rate": controller["success_rate"]},
+        "episode_steps": {"uncached": by_name["uncached"]["episode_steps"],
+                          "max_caching": by_name["max_caching"]["episode_steps"],
+                          "controller": controller["episode_steps"]},
         "targets": {
             "uncached_at_least_90pct": uncached >= 0.9,
             "max_caching_loses_10_points": maximal <= uncached - 0.10,
@@ -397,12 +405,10 @@ def run(args: argparse.Namespace) -> dict:
     # shared weights, which keeps the engine's latest output (its latents) for the comparison.
     settings = EngineSettings(warmup_ticks=args.warmup, max_sessions=8)
 
-    profile = None
-    if args.quality_profile is not None:
-        try:
-            profile = QualityProfile.load(args.quality_profile, pipeline.digest)
-        except ProfileError as error:
-            raise BenchError(str(error)) from error
+    try:  # where the server would find it (`--quality-profile auto`), or the file named
+        profile, _ = resolve_profile(args.quality_profile, pipeline.folder, pipeline.digest)
+    except ProfileError as error:
+        raise BenchError(str(error)) from error
 
     def started_engine(quality_profile: QualityProfile | None = None) -> tuple[ModelEngine, BenchPipeline]:
         own = BenchPipeline.over(pipeline)
@@ -415,8 +421,8 @@ def run(args: argparse.Namespace) -> dict:
         calibration_set = [o for o in warmup_observations(pipeline, args.calibration_observations)
                            if o.embodiment == embodiment.name]
         source = str(DEFAULT_OBSERVATIONS) + ("" if embodiment.name == "pusht" else " (resized, zero state)")
-        print(f"policy-server bench: no --quality-profile: calibrating on {len(calibration_set)} observations of "
-              f"{source}", file=sys.stderr)
+        print(f"policy-server bench: no quality profile of these weights (beside the checkpoint or in the cache): "
+              f"calibrating on {len(calibration_set)} observations of {source}", file=sys.stderr)
         profile = calibrate(pipeline, calibration_set, configurations(pipeline, settings), source=source)
         profile.save(args.out.with_name(args.out.stem + "_profile.json"))
     points = profile.embodiments.get(embodiment.name)
@@ -516,10 +522,10 @@ def run(args: argparse.Namespace) -> dict:
                 owner = sessions[name][0]
                 policies[name] = _EnginePolicy(owner, embodiment.name, runs[name].budget_ms,
                                                slowdown if owner is slow_engine else None)
-        rates = closed_loop(policies, args.closed_loop, args.execute, args.closed_loop_env)
+        outcomes = closed_loop(policies, args.closed_loop, args.execute, args.closed_loop_env)
         for summary in summaries:
-            summary["success_rate"] = rates.get(summary["name"])
-            summary["episodes"] = args.closed_loop if summary["name"] in rates else 0
+            outcome = outcomes.get(summary["name"], {"success_rate": None, "episode_steps": None})
+            summary.update(outcome, episodes=args.closed_loop if summary["name"] in outcomes else 0)
         closed = closed_loop_summary(summaries, budgets, uncached_warm_ms, args)
 
     for e in engines:
@@ -775,15 +781,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="time diffusers' reference forward (needs the [dev] extra)")
     parser.add_argument("--forward-repeats", type=int, default=50)
     parser.add_argument("--closed-loop", type=int, default=0, metavar="N",
-                        help="also run N held-out Reach episodes per config and report success_rate")
+                        help="also run N held-out episodes per config; report success_rate and episode_steps")
     parser.add_argument("--closed-loop-env", default=REACH_ID, choices=ENV_IDS,
                         help=f"closed loop: the task (default {REACH_ID}; {REACH_EITHER_ID} for a checkpoint "
                              "fine-tuned on it, where a sampler that averages modes fails)")
     parser.add_argument("--execute", type=int, default=4, help="closed loop: actions executed per chunk")
-    parser.add_argument("--quality-profile", type=Path, default=None,
-                        help="the controller's profile (`policy-server calibrate`; default: calibrate first)")
+    parser.add_argument("--quality-profile", default="auto",
+                        help="the controller's profile (`policy-server calibrate`): a file, or auto (default): "
+                             "where the server finds it, beside the checkpoint or in the cache, else calibrate "
+                             "first; off: calibrate whatever is stored")
     parser.add_argument("--calibration-observations", type=int, default=16,
-                        help="without --quality-profile: observations of the shipped set to calibrate on (16)")
+                        help="without a quality profile: observations of the shipped set to calibrate on (16)")
     args = parser.parse_args(argv)
     try:
         check_dtype(args.dtype)

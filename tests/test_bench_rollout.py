@@ -2,10 +2,15 @@
 they promise exist and hold the documented keys."""
 
 import json
+import shutil
 
 import pytest
 from video_checks import assert_browser_playable
 
+from policy_server.budget.profile import PROFILE_FILE
+from policy_server.engine.calibration import calibrate, configurations, warmup_observations
+from policy_server.engine.engine import EngineSettings
+from policy_server.pipeline.policy import PolicyPipeline
 from robots.bench import main as bench_main
 from robots.embedded import build_random_pipeline
 from robots.rollout import main as rollout_main
@@ -18,7 +23,8 @@ def model_dir(tmp_path_factory):
     return directory
 
 
-def test_bench_writes_the_documented_report(model_dir, tmp_path):
+def test_bench_writes_the_documented_report(model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("POLICY_SERVER_CACHE", str(tmp_path / "cache"))  # no stored profile of these weights
     out = tmp_path / "bench.json"
     assert bench_main(["--checkpoint", str(model_dir), "--ticks", "4", "--warmup", "2", "--out", str(out),
                        "--forward-repeats", "2", "--closed-loop", "1",
@@ -46,7 +52,7 @@ def test_bench_writes_the_documented_report(model_dir, tmp_path):
     assert any(n.startswith("fewer_steps_") for n in names)
     assert any(n.startswith("budget_") and n.endswith("_slowdown") for n in names)
     keys = {"p50_ms", "p99_ms", "full_calls", "skipped_calls", "forced_skips", "action_rel_l2", "latent_psnr_db",
-            "budget_ms", "miss_rate", "success_rate"}
+            "budget_ms", "miss_rate", "success_rate", "episode_steps"}
     for config in report["configs"]:
         assert keys <= set(config)
     uncached = report["configs"][0]
@@ -61,18 +67,39 @@ def test_bench_writes_the_documented_report(model_dir, tmp_path):
         assert by_name[f"guarded_fewer_steps_{b:g}"]["point"].startswith("n")
     for name in ("uncached", "max_caching", f"budget_{budgets[0]:g}", f"guarded_seacache_{budgets[0]:g}"):
         assert by_name[name]["success_rate"] is not None and by_name[name]["episodes"] == 1
+        assert 1 <= by_name[name]["episode_steps"] <= 80  # an episode ends on success, collision or at 80 steps
     assert by_name[f"seacache_{budgets[0]:g}"]["success_rate"] is None  # no guard: a robot could not run it
     closed = report["closed_loop"]
     assert closed["env_id"] == "PolicyServer/ReachEither-v0" and closed["episodes"] == 1
     assert closed["controller"]["name"] == f"budget_{budgets[0]:g}"  # the budget nearest half the uncached p50
+    assert closed["episode_steps"]["max_caching"] == by_name["max_caching"]["episode_steps"]
     assert set(closed["targets"]) == {"uncached_at_least_90pct", "max_caching_loses_10_points",
                                       "controller_within_3_points"}
     assert [row["budget_ms"] for row in report["sweep"]] == budgets
     assert set(report["sweep"][0]["targets"]) == {"miss_rate_at_most_1pct", "p99_within_budget",
                                                   "beats_guarded_holding_1pct", "beats_best_unguarded_fitting"}
-    assert (tmp_path / "bench_profile.json").is_file()  # calibrated here: no --quality-profile
+    assert (tmp_path / "bench_profile.json").is_file()  # calibrated here: no profile stored
     assert (tmp_path / "bench_latency.png").stat().st_size > 0
     assert (tmp_path / "bench_error_vs_latency.png").stat().st_size > 0
+
+
+def test_bench_plans_on_the_profile_the_server_would_use(model_dir, tmp_path, monkeypatch, capsys):
+    """`--quality-profile auto` (the default), as the server: the profile beside the checkpoint, not a new one."""
+    monkeypatch.setenv("POLICY_SERVER_CACHE", str(tmp_path / "cache"))
+    checkpoint = tmp_path / "model"
+    shutil.copytree(model_dir, checkpoint)
+    pipeline = PolicyPipeline.from_pretrained(checkpoint)
+    calibrate(pipeline, warmup_observations(pipeline, 1), configurations(pipeline, EngineSettings()),
+              source="test").save(checkpoint / PROFILE_FILE)
+    out = tmp_path / "bench.json"
+    assert bench_main(["--checkpoint", str(checkpoint), "--ticks", "2", "--warmup", "2", "--out", str(out),
+                       "--forward-repeats", "1", "--profile-ticks", "0", "--no-reference",
+                       "--budget-fractions", "0.9"]) == 0
+    assert "calibrating" not in capsys.readouterr().err
+    assert not (tmp_path / "bench_profile.json").exists()
+    (checkpoint / PROFILE_FILE).write_text("{}")  # a broken one is an error, not a silent recalibration
+    assert bench_main(["--checkpoint", str(checkpoint), "--out", str(out)]) == 2
+    assert f"{checkpoint / PROFILE_FILE}: version None" in capsys.readouterr().err
 
 
 def test_bench_on_a_diffusers_folder_reports_its_shapes(tmp_path):
