@@ -89,14 +89,18 @@ def test_bench_plans_on_the_profile_the_server_would_use(model_dir, tmp_path, mo
     checkpoint = tmp_path / "model"
     shutil.copytree(model_dir, checkpoint)
     pipeline = PolicyPipeline.from_pretrained(checkpoint)
-    calibrate(pipeline, warmup_observations(pipeline, 1), configurations(pipeline, EngineSettings()),
-              source="test").save(checkpoint / PROFILE_FILE)
+    profile = calibrate(pipeline, warmup_observations(pipeline, 1), configurations(pipeline, EngineSettings()),
+                        source="test")
+    profile.save(checkpoint / PROFILE_FILE)
     out = tmp_path / "bench.json"
     assert bench_main(["--checkpoint", str(checkpoint), "--ticks", "2", "--warmup", "2", "--out", str(out),
                        "--forward-repeats", "1", "--profile-ticks", "0", "--no-reference",
                        "--budget-fractions", "0.9"]) == 0
     assert "calibrating" not in capsys.readouterr().err
     assert not (tmp_path / "bench_profile.json").exists()
+    errors = {point.config.name: point.error for point in profile.embodiments["pusht"]}
+    fixed = [c for c in json.loads(out.read_text())["configs"] if "point" in c]
+    assert fixed and all(c["expected_error"] == errors[c["point"]] for c in fixed)  # that profile's figures
     (checkpoint / PROFILE_FILE).write_text("{}")  # a broken one is an error, not a silent recalibration
     assert bench_main(["--checkpoint", str(checkpoint), "--out", str(out)]) == 2
     assert f"{checkpoint / PROFILE_FILE}: version None" in capsys.readouterr().err
