@@ -25,9 +25,10 @@ Budgets default to 30% .. 100% of the uncached warmup p50 (six points). The repo
 budget, the controller with the guarded families that hold 1% misses and with the best unguarded
 configuration whose p50 fits, and says whether issue 14's targets hold there. With `--closed-loop N` every
 configuration a robot could run (all but the unguarded families) also drives N held-out episodes of
-`--closed-loop-env` (the same seeds for all) and reports `success_rate` and `episode_steps` (mean control steps
-per episode). On Reach (the default) every configuration of the shipped model succeeds; ReachEither, for a
-checkpoint fine-tuned on it, fails a sampler that averages its two modes. `closed_loop` then checks issue 14's
+`--closed-loop-env` (the same seeds for all) and reports `success_rate`, `collision_rate` (episodes ended on
+ReachEither's blocker) and `episode_steps` (mean control steps per episode). On Reach (the default) every
+configuration of the shipped model succeeds; ReachEither, for a checkpoint fine-tuned on it, fails a sampler that
+averages its two modes, and ReachEitherTimed also one that drives slowly. `closed_loop` then checks issue 14's
 closed-loop targets against uncached, maximal caching and the controller at half the uncached latency.
 
 Latency is the pipeline's end-to-end time for the fixed configurations (their text K/V reused, as a
@@ -81,7 +82,7 @@ from policy_server.engine.tick import step_calls
 from policy_server.limits import MAX_BUDGET_MS
 from policy_server.pipeline.embodiments import Embodiment
 from policy_server.pipeline.policy import CheckpointLoadError, PolicyOutput, PolicyPipeline, PolicyRequest, TickSteps
-from robots.envs import ENV_IDS, HELDOUT_SEED_OFFSET, REACH_EITHER_ID, REACH_ID
+from robots.envs import ENV_IDS, HELDOUT_SEED_OFFSET, REACH_EITHER_TIMED_ID, REACH_ID
 from robots.expert import expert_observations
 from robots.rollout import TickStats, run_episodes
 
@@ -344,12 +345,14 @@ class _EnginePolicy:
 
 
 def closed_loop(policies: dict, episodes: int, execute: int, env_id: str) -> dict[str, dict[str, float]]:
-    """Per config, over the same held-out episodes of `env_id` (seed indices 0..N-1): its policy's success rate and
+    """Per config, over the same held-out episodes of `env_id` (seed indices 0..N-1): its policy's success rate, the
+    share of episodes that ended on the blocker (ReachEither; the rest of the failures ran out of time) and the
     mean control steps per episode (a slower policy takes more)."""
     outcomes = {}
     for name, policy in tqdm(policies.items(), desc="closed loop", unit="config"):
         results = run_episodes(policy, env_id, range(episodes), num_envs=1, execute=execute)
         outcomes[name] = {"success_rate": float(np.mean([r.success for r in results])),
+                          "collision_rate": float(np.mean([r.collided for r in results])),
                           "episode_steps": float(np.mean([r.steps for r in results]))}
     return outcomes
 
@@ -372,6 +375,9 @@ def closed_loop_summary(summaries: list[dict], budgets: list[float], uncached_ms
         "max_caching_latency_fraction": by_name["max_caching"]["p50_ms"] / uncached_ms,
         "controller": {"name": controller["name"], "fraction": half / uncached_ms,
                        "success_rate": controller["success_rate"]},
+        "collision_rate": {"uncached": by_name["uncached"]["collision_rate"],
+                           "max_caching": by_name["max_caching"]["collision_rate"],
+                           "controller": controller["collision_rate"]},
         "episode_steps": {"uncached": by_name["uncached"]["episode_steps"],
                           "max_caching": by_name["max_caching"]["episode_steps"],
                           "controller": controller["episode_steps"]},
@@ -524,7 +530,8 @@ def run(args: argparse.Namespace) -> dict:
                                                slowdown if owner is slow_engine else None)
         outcomes = closed_loop(policies, args.closed_loop, args.execute, args.closed_loop_env)
         for summary in summaries:
-            outcome = outcomes.get(summary["name"], {"success_rate": None, "episode_steps": None})
+            outcome = outcomes.get(summary["name"], {"success_rate": None, "collision_rate": None,
+                                                     "episode_steps": None})
             summary.update(outcome, episodes=args.closed_loop if summary["name"] in outcomes else 0)
         closed = closed_loop_summary(summaries, budgets, uncached_warm_ms, args)
 
@@ -781,10 +788,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="time diffusers' reference forward (needs the [dev] extra)")
     parser.add_argument("--forward-repeats", type=int, default=50)
     parser.add_argument("--closed-loop", type=int, default=0, metavar="N",
-                        help="also run N held-out episodes per config; report success_rate and episode_steps")
+                        help="also run N held-out episodes per config; report success_rate, collision_rate and "
+                             "episode_steps")
     parser.add_argument("--closed-loop-env", default=REACH_ID, choices=ENV_IDS,
-                        help=f"closed loop: the task (default {REACH_ID}; {REACH_EITHER_ID} for a checkpoint "
-                             "fine-tuned on it, where a sampler that averages modes fails)")
+                        help=f"closed loop: the task (default {REACH_ID}; {REACH_EITHER_TIMED_ID} for a "
+                             "checkpoint fine-tuned on ReachEither, where a sampler that averages modes or drives "
+                             "slowly fails)")
     parser.add_argument("--execute", type=int, default=4, help="closed loop: actions executed per chunk")
     parser.add_argument("--quality-profile", default="auto",
                         help="the controller's profile (`policy-server calibrate`): a file, or auto (default): "

@@ -28,7 +28,7 @@ def test_bench_writes_the_documented_report(model_dir, tmp_path, monkeypatch):
     out = tmp_path / "bench.json"
     assert bench_main(["--checkpoint", str(model_dir), "--ticks", "4", "--warmup", "2", "--out", str(out),
                        "--forward-repeats", "2", "--closed-loop", "1",
-                       "--closed-loop-env", "PolicyServer/ReachEither-v0", "--profile-ticks", "1",
+                       "--closed-loop-env", "PolicyServer/ReachEitherTimed-v0", "--profile-ticks", "1",
                        "--calibration-observations", "1",
                        "--budget-fractions", "0.8", "0.9"]) == 0  # above the floor however loaded CI is
     report = json.loads(out.read_text())
@@ -52,7 +52,7 @@ def test_bench_writes_the_documented_report(model_dir, tmp_path, monkeypatch):
     assert any(n.startswith("fewer_steps_") for n in names)
     assert any(n.startswith("budget_") and n.endswith("_slowdown") for n in names)
     keys = {"p50_ms", "p99_ms", "full_calls", "skipped_calls", "forced_skips", "action_rel_l2", "latent_psnr_db",
-            "budget_ms", "miss_rate", "success_rate", "episode_steps"}
+            "budget_ms", "miss_rate", "success_rate", "collision_rate", "episode_steps"}
     for config in report["configs"]:
         assert keys <= set(config)
     uncached = report["configs"][0]
@@ -67,12 +67,14 @@ def test_bench_writes_the_documented_report(model_dir, tmp_path, monkeypatch):
         assert by_name[f"guarded_fewer_steps_{b:g}"]["point"].startswith("n")
     for name in ("uncached", "max_caching", f"budget_{budgets[0]:g}", f"guarded_seacache_{budgets[0]:g}"):
         assert by_name[name]["success_rate"] is not None and by_name[name]["episodes"] == 1
-        assert 1 <= by_name[name]["episode_steps"] <= 80  # an episode ends on success, collision or at 80 steps
+        assert 1 <= by_name[name]["episode_steps"] <= 80  # an episode ends on success, collision or its cycle time
+        assert 0 <= by_name[name]["collision_rate"] <= 1 - by_name[name]["success_rate"]
     assert by_name[f"seacache_{budgets[0]:g}"]["success_rate"] is None  # no guard: a robot could not run it
     closed = report["closed_loop"]
-    assert closed["env_id"] == "PolicyServer/ReachEither-v0" and closed["episodes"] == 1
+    assert closed["env_id"] == "PolicyServer/ReachEitherTimed-v0" and closed["episodes"] == 1
     assert closed["controller"]["name"] == f"budget_{budgets[0]:g}"  # the budget nearest half the uncached p50
     assert closed["episode_steps"]["max_caching"] == by_name["max_caching"]["episode_steps"]
+    assert closed["collision_rate"]["uncached"] == by_name["uncached"]["collision_rate"]
     assert set(closed["targets"]) == {"uncached_at_least_90pct", "max_caching_loses_10_points",
                                       "controller_within_3_points"}
     assert [row["budget_ms"] for row in report["sweep"]] == budgets
@@ -168,3 +170,34 @@ def test_rollout_in_process_with_a_vector_env(model_dir, tmp_path):
     videos = list(tmp_path.glob("rollout_episode*.mp4"))
     assert [v.name for v in videos] == ["rollout_episode1000000.mp4"]
     assert_browser_playable(videos[0], frames=report["per_episode"][0]["steps"])
+
+
+def test_rollout_in_process_plans_on_the_profile_the_server_would_use(model_dir, tmp_path, monkeypatch, capsys):
+    """Without sampler overrides an in-process rollout plans each tick on the profile beside the checkpoint (its
+    points name the ticks' settings), as the server would; `off` plans on the ladder; a broken profile is refused."""
+    monkeypatch.setenv("POLICY_SERVER_CACHE", str(tmp_path / "cache"))
+    checkpoint = tmp_path / "model"
+    shutil.copytree(model_dir, checkpoint)
+    pipeline = PolicyPipeline.from_pretrained(checkpoint)
+    profile = calibrate(pipeline, warmup_observations(pipeline, 1), configurations(pipeline, EngineSettings()),
+                        source="test")
+    profile.save(checkpoint / PROFILE_FILE)
+    points = {point.config.name for point in profile.embodiments["pusht"]}
+    settings = {}
+    for choice in ("auto", "off"):
+        out = tmp_path / f"{choice}.json"
+        assert rollout_main(["--in-process", "--checkpoint", str(checkpoint), "--episodes", "1", "--execute", "8",
+                             "--env-id", "PolicyServer/ReachEitherTimed-v0", "--latency-budget-ms", "300",
+                             "--quality-profile", choice, "--out", str(out)]) == 0
+        report = json.loads(out.read_text())
+        assert report["config"]["quality_profile"] == choice
+        settings[choice] = set(report["cache_settings"])
+    assert settings["auto"] <= points
+    assert not settings["off"] & points  # ladder rungs ("t0.25-c2", "max", ...) or "none"
+    (checkpoint / PROFILE_FILE).write_text("{}")
+    assert rollout_main(["--in-process", "--checkpoint", str(checkpoint), "--episodes", "1",
+                         "--out", str(tmp_path / "broken.json")]) == 2
+    assert f"{checkpoint / PROFILE_FILE}: version None" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        rollout_main(["--in-process", "--num-steps", "4", "--quality-profile", str(checkpoint / PROFILE_FILE)])
+    assert "a profile is measured at the checkpoint's own sampler settings" in capsys.readouterr().err

@@ -7,7 +7,15 @@ import numpy as np
 import pytest
 from gymnasium.utils.env_checker import check_env
 
-from robots.envs import COLORS, REACH_EITHER_ID, REACH_HARD_ID, REACH_ID, ReachConfig, ReachEnv
+from robots.envs import (
+    COLORS,
+    REACH_EITHER_ID,
+    REACH_EITHER_TIMED_ID,
+    REACH_HARD_ID,
+    REACH_ID,
+    ReachConfig,
+    ReachEnv,
+)
 from robots.envs.reach import TABLE_RGB, table_background
 
 
@@ -218,9 +226,9 @@ def test_language_blind_policy_fails_most_episodes():
     assert successes < 50
 
 
-def either_episode(seed: int, command) -> dict:
-    """One ReachEither episode driven by `command(scene, config)` (m/s); its last info."""
-    env = gym.make(REACH_EITHER_ID)
+def either_episode(seed: int, command, env_id: str = REACH_EITHER_ID) -> dict:
+    """One episode of `env_id` driven by `command(scene, config)` (m/s); its last info."""
+    env = gym.make(env_id)
     env.reset(seed=seed)
     done = False
     while not done:
@@ -287,3 +295,37 @@ def test_either_reset_options_and_config_are_checked():
         ReachConfig(blocker=True)
     with pytest.raises(ValueError, match="target_copies=3"):
         ReachConfig(target_copies=3)
+
+
+def test_timed_either_has_the_same_scenes_and_truncates_a_slow_reach_at_its_cycle_time():
+    """The expert makes the cycle time on every scene; its path at 60% of its speed makes it on none."""
+    from robots.expert import ReachExpert
+
+    expert = ReachExpert()
+
+    def slow(scene, config):
+        return 0.6 * expert.command(scene, config)
+
+    timed, plain = gym.make(REACH_EITHER_TIMED_ID), gym.make(REACH_EITHER_ID)
+    for seed in range(30):
+        obs, info = timed.reset(seed=seed)
+        plain_obs, plain_info = plain.reset(seed=seed)
+        np.testing.assert_array_equal(obs["image"], plain_obs["image"])
+        assert plain_info["step_limit"] == plain.unwrapped.config.max_episode_steps
+        assert 10 <= info["step_limit"] < plain_info["step_limit"]
+        assert either_episode(seed, expert.command, REACH_EITHER_TIMED_ID)["is_success"]
+        assert either_episode(seed, slow)["is_success"]
+        info = either_episode(seed, slow, REACH_EITHER_TIMED_ID)
+        assert not info["is_success"] and info["distance"] > timed.unwrapped.config.success_radius
+
+
+def test_step_limit_is_the_factor_times_the_fastest_straight_path():
+    env = ReachEnv(time_limit_factor=1.5)
+    env.reset(seed=0)
+    cfg, scene = env.config, env.unwrapped.scene
+    scene.effector_xy = scene.target_xy + np.array([0.3, 0.1])  # x moves at the limit: 0.02 m a step
+    fastest = np.ceil((np.hypot(0.3, 0.1) - cfg.success_radius) / (0.02 * np.hypot(0.3, 0.1) / 0.3))
+    assert env._step_limit(scene) == np.ceil(1.5 * fastest)
+    for bad in (0.5, 11.0):
+        with pytest.raises(ValueError, match=f"time_limit_factor={bad}"):
+            ReachConfig(time_limit_factor=bad)

@@ -18,6 +18,7 @@ from robots.envs.reach import (
 REACH_ID = "PolicyServer/Reach-v0"
 REACH_HARD_ID = "PolicyServer/ReachHard-v0"
 REACH_EITHER_ID = "PolicyServer/ReachEither-v0"
+REACH_EITHER_TIMED_ID = "PolicyServer/ReachEitherTimed-v0"
 
 _REGISTRATIONS = {
     # Three discs drawn from four colours: a language-blind policy succeeds about one time in three.
@@ -28,6 +29,10 @@ _REGISTRATIONS = {
     # The demonstrations head for either, so a sampler that averages the two modes runs into the third disc:
     # meant to tell samplers apart (robots/README.md says how far a first fine-tune got).
     REACH_EITHER_ID: {"target_copies": 2, "blocker": True, "instruction_template": "reach a {color} circle"},
+    # The same scenes with a cycle time of 1.25 times the fastest straight path (the scripted expert needs at most
+    # one step more than that path): a sampler that reaches the right disc slowly fails too.
+    REACH_EITHER_TIMED_ID: {"target_copies": 2, "blocker": True, "instruction_template": "reach a {color} circle",
+                            "time_limit_factor": 1.25},
 }
 
 ENV_IDS = tuple(_REGISTRATIONS)  # every task registered here
@@ -48,6 +53,7 @@ __all__ = [
     "ENV_IDS",
     "HELDOUT_SEED_OFFSET",
     "REACH_EITHER_ID",
+    "REACH_EITHER_TIMED_ID",
     "REACH_HARD_ID",
     "REACH_ID",
     "ReachConfig",

@@ -69,6 +69,10 @@ class ReachConfig:
     max_speed: float = 0.2  # per-axis velocity limit, m/s
     control_hz: float = 10.0
     max_episode_steps: int = 80
+    # A cycle time: when set, an episode is also truncated once it has run this many times the steps that a straight
+    # path at the velocity limit needs to reach the farther disc of the named colour (``ReachScene.step_limit``).
+    # A reach that is right but slow then fails like a wrong one, as on a line that moves on without the robot.
+    time_limit_factor: float | None = None
     image_size: int = 64  # observation image side, pixels
     instruction_template: str = "reach the {color} circle"
     # The table mat is tinted: red grows to the right and green to the top, by up to this many RGB
@@ -96,6 +100,11 @@ class ReachConfig:
                 f"blocker=True needs target_copies=2 and num_objects=3 (two discs of the named colour and the "
                 f"blocker); got target_copies={self.target_copies}, num_objects={self.num_objects}"
             )
+        if self.time_limit_factor is not None and not 1.0 <= self.time_limit_factor <= 10.0:
+            raise ValueError(
+                f"time_limit_factor={self.time_limit_factor} must be between 1 (the fastest straight path) and 10, "
+                f"or None for no cycle time"
+            )
         if not 0 <= self.table_tint <= 60:
             raise ValueError(f"table_tint={self.table_tint} must be between 0 and 60 RGB levels")
         for color in self.colors:
@@ -120,6 +129,7 @@ class ReachScene:
     object_colors: tuple[str, ...]  # [N]
     target_index: int  # the disc the expert heads for; any disc of its colour counts as reached
     blocker_index: int | None = None  # the disc whose touch fails the episode (``ReachConfig.blocker``)
+    step_limit: int = ReachConfig.max_episode_steps  # the episode is truncated after this many steps
     steps: int = 0
     success: bool = False
     collided: bool = False  # the effector touched the blocker
@@ -134,8 +144,11 @@ class ReachScene:
 
     def distance_to_target(self) -> float:
         """Distance from the effector to the nearest disc of the target colour, m."""
-        copies = self.object_xy[[c == self.target_color for c in self.object_colors]]
-        return float(np.min(np.linalg.norm(copies - self.effector_xy, axis=1)))
+        return float(np.min(np.linalg.norm(self.target_copies_xy() - self.effector_xy, axis=1)))
+
+    def target_copies_xy(self) -> np.ndarray:
+        """Centres of every disc of the target colour, [K, 2] m."""
+        return self.object_xy[[c == self.target_color for c in self.object_colors]]
 
 
 def table_background(size: int, tint: int) -> np.ndarray:
@@ -162,8 +175,9 @@ class ReachEnv(gym.Env):
     Action: float32 [2] effector velocity (vx, vy) in m/s, each within ±``config.max_speed``;
     larger values are clipped, non-finite values raise ``ValueError``.
     Reward: 1.0 on the step that reaches the target, else 0.0. The episode terminates on success and
-    is truncated after ``config.max_episode_steps`` steps.
-    ``info``: ``is_success``, ``distance`` (m), ``target_color``, ``target_xy`` (m).
+    is truncated after ``config.max_episode_steps`` steps, or earlier at the scene's cycle time
+    (``config.time_limit_factor``).
+    ``info``: ``is_success``, ``distance`` (m), ``target_color``, ``target_xy`` (m), ``collided``, ``step_limit``.
     """
 
     metadata = {"render_modes": ["rgb_array"], "render_fps": 10}
@@ -221,6 +235,7 @@ class ReachEnv(gym.Env):
                 f"target_copy={target_copy!r}: expected an integer from 0 to {self.config.target_copies - 1}"
             )
         self.scene = self._sample_scene(target_color, target_copy)
+        self.scene.step_limit = self._step_limit(self.scene)
         return self._observation(), self._info()
 
     def step(self, action):
@@ -241,7 +256,7 @@ class ReachEnv(gym.Env):
             gap = np.linalg.norm(scene.effector_xy - scene.object_xy[scene.blocker_index])
             scene.collided = bool(gap <= cfg.object_radius + cfg.effector_half_size)
         terminated = scene.success or scene.collided
-        truncated = not terminated and scene.steps >= cfg.max_episode_steps
+        truncated = not terminated and scene.steps >= scene.step_limit
         reward = 1.0 if scene.success else 0.0
         return self._observation(), reward, terminated, truncated, self._info()
 
@@ -301,7 +316,20 @@ class ReachEnv(gym.Env):
             "target_color": scene.target_color,
             "target_xy": scene.target_xy.copy(),
             "collided": scene.collided,
+            "step_limit": scene.step_limit,
         }
+
+    def _step_limit(self, scene: ReachScene) -> int:
+        """`max_episode_steps`, or the scene's cycle time when that is shorter."""
+        cfg = self.config
+        if cfg.time_limit_factor is None:
+            return cfg.max_episode_steps
+        offsets = scene.target_copies_xy() - scene.effector_xy  # [K, 2] m
+        distance = np.linalg.norm(offsets, axis=1)
+        # Along a straight line the axis with the larger offset moves at the limit.
+        step_length = cfg.max_speed * cfg.dt * distance / np.max(np.abs(offsets), axis=1)
+        fastest = np.ceil((distance - cfg.success_radius) / step_length).max()
+        return int(min(cfg.max_episode_steps, max(1, np.ceil(cfg.time_limit_factor * fastest))))
 
     def _sample_scene(self, target_color: str | None, target_copy: int | None) -> ReachScene:
         cfg = self.config
