@@ -47,3 +47,24 @@ def test_shipped_policy_heads_for_the_disc_the_instruction_names():
             heading, to_target = out.actions[:4].mean(0), info["target_xy"] - obs["state"]
             cosines.append(heading @ to_target / (np.linalg.norm(heading) * np.linalg.norm(to_target)))
     assert np.median(cosines) > 0.95 and min(cosines) > 0.5, np.round(cosines, 2)
+
+
+def test_shipped_policy_heads_for_one_of_two_discs_not_between_them():
+    """Held-out ReachEither start frames (two discs of the named colour, the blocker between them): the first
+    actions point at one disc or the other, and over seeds at both."""
+    pipe = PolicyPipeline.from_pretrained(None)
+    env = gymnasium.make("PolicyServer/ReachEither-v0")
+    cosines, picked = [], set()
+    for index in range(6):
+        obs, _ = env.reset(seed=HELDOUT_SEED_OFFSET + index)
+        discs = env.unwrapped.scene.target_copies_xy() - obs["state"]
+        discs /= np.linalg.norm(discs, axis=1, keepdims=True)
+        for seed in range(2):
+            out = pipe(PolicyRequest(images={"image": obs["image"]}, instruction=env.unwrapped.task_description,
+                                     embodiment="pusht", state=obs["state"], num_steps=10, seed=seed))
+            heading = out.actions[:4].mean(0)
+            aims = discs @ heading / np.linalg.norm(heading)
+            cosines.append(aims.max())
+            picked.add((index, int(aims.argmax())))
+    assert np.median(cosines) > 0.9, np.round(cosines, 2)
+    assert {disc for _, disc in picked} == {0, 1}

@@ -59,8 +59,9 @@ from policy_server.pipeline.policy import (
 STEP_FRACTIONS = (1.0, 0.75, 0.6, 0.5, 0.4, 0.3, 0.2)
 COARSE_STEP_FRACTIONS = (1.0, 0.6, 0.4, 0.2)
 COARSE_RUNGS = (2, 4, 5)  # of the ladder: the published default's, the loosest threshold, maximal caching
-# The embedded model's calibration set: expert observations of the built-in Reach task (robots/calibration_set.py).
-DEFAULT_OBSERVATIONS = Path(__file__).resolve().parent.parent / "assets" / "calibration" / "reach.safetensors"
+# The embedded model's calibration set: expert observations of the built-in ReachEither task, whose start frames
+# have two modes (robots/calibration_set.py).
+DEFAULT_OBSERVATIONS = Path(__file__).resolve().parent.parent / "assets" / "calibration" / "reach_either.safetensors"
 MAX_OBSERVATIONS = 1024
 
 

@@ -27,7 +27,7 @@ _REGISTRATIONS = {
     REACH_HARD_ID: {"num_objects": 4},
     # Two discs of the named colour, either of which succeeds, and a third disc between them whose touch fails.
     # The demonstrations head for either, so a sampler that averages the two modes runs into the third disc:
-    # meant to tell samplers apart (robots/README.md says how far a first fine-tune got).
+    # meant to tell samplers apart (the shipped weights are fine-tuned on it; robots/README.md).
     REACH_EITHER_ID: {"target_copies": 2, "blocker": True, "instruction_template": "reach a {color} circle"},
     # The same scenes with a cycle time of 1.25 times the fastest straight path (the scripted expert needs at most
     # one step more than that path): a sampler that reaches the right disc slowly fails too.
