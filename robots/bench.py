@@ -366,6 +366,7 @@ def closed_loop_summary(summaries: list[dict], budgets: list[float], uncached_ms
     half = min(budgets, key=lambda b: abs(b / uncached_ms - 0.5))
     uncached, maximal = by_name["uncached"]["success_rate"], by_name["max_caching"]["success_rate"]
     controller = by_name[f"budget_{half:g}"]
+    compared = {"uncached": by_name["uncached"], "max_caching": by_name["max_caching"], "controller": controller}
     return {
         "env_id": args.closed_loop_env,
         "episodes": args.closed_loop,
@@ -375,12 +376,8 @@ def closed_loop_summary(summaries: list[dict], budgets: list[float], uncached_ms
         "max_caching_latency_fraction": by_name["max_caching"]["p50_ms"] / uncached_ms,
         "controller": {"name": controller["name"], "fraction": half / uncached_ms,
                        "success_rate": controller["success_rate"]},
-        "collision_rate": {"uncached": by_name["uncached"]["collision_rate"],
-                           "max_caching": by_name["max_caching"]["collision_rate"],
-                           "controller": controller["collision_rate"]},
-        "episode_steps": {"uncached": by_name["uncached"]["episode_steps"],
-                          "max_caching": by_name["max_caching"]["episode_steps"],
-                          "controller": controller["episode_steps"]},
+        **{metric: {name: summary[metric] for name, summary in compared.items()}
+           for metric in ("collision_rate", "episode_steps")},
         "targets": {
             "uncached_at_least_90pct": uncached >= 0.9,
             "max_caching_loses_10_points": maximal <= uncached - 0.10,
@@ -798,7 +795,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quality-profile", default="auto",
                         help="the controller's profile (`policy-server calibrate`): a file, or auto (default): "
                              "where the server finds it, beside the checkpoint or in the cache, else calibrate "
-                             "first; off: calibrate whatever is stored")
+                             "first; off: calibrate first even when a profile is stored")
     parser.add_argument("--calibration-observations", type=int, default=16,
                         help="without a quality profile: observations of the shipped set to calibrate on (16)")
     args = parser.parse_args(argv)

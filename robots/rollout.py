@@ -103,13 +103,12 @@ class ServerPolicy:
 
 class InProcessPolicy:
     """Runs the engine in this process (no network); sessions of recorded episodes get the predicted video
-    as preview frames. `quality_profile` is the server's setting ("auto", "off" or a file): ticks plan on the
-    profile the server would use. `sampler_overrides` (`num_steps`, `guidance`) replace the checkpoint's sampler
-    settings: the pipeline is built with the validated overridden config, and ticks plan on the SeaCache ladder
-    (a profile holds the checkpoint's own sampler settings). Uncached (`cache` False) ticks need no profile."""
+    as preview frames. `sampler_overrides` (`num_steps`, `guidance`) replace the checkpoint's sampler
+    settings: the pipeline is built with the validated overridden config. `quality_profile` is the server's
+    setting ("auto", "off" or a file); a profile holds cached ticks at the checkpoint's own sampler settings."""
 
     def __init__(self, checkpoint: Path | None, budget_ms: float, cache: bool, num_envs: int,
-                 sampler_overrides: dict, device: str = "cpu", quality_profile: str = "auto"):
+                 sampler_overrides: dict, quality_profile: str, device: str = "cpu"):
         import torch
 
         from policy_server.engine.calibration import resolve_profile
@@ -125,8 +124,7 @@ class InProcessPolicy:
             config = PolicyConfig.model_validate({**pipeline.config.model_dump(), **sampler_overrides})
             pipeline = PolicyPipeline(pipeline.transformer, pipeline.vae, pipeline.tokenizer, pipeline.embodiments,
                                       config, pipeline.served_embodiments, pipeline.digest)
-        planned = cache and not sampler_overrides  # uncached ticks plan nothing
-        profile, calibrate = resolve_profile(quality_profile if planned else "off", pipeline.folder, pipeline.digest)
+        profile, calibrate = resolve_profile(quality_profile, pipeline.folder, pipeline.digest)
         self.engine = ModelEngine(pipeline, EngineSettings(default_budget_ms=budget_ms, diffusion_cache=cache,
                                                            max_sessions=max(4, num_envs), quality_profile=profile,
                                                            calibrate_at_warmup=calibrate))
@@ -345,8 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--guidance", type=float, default=None, help="in-process: CFG scale (policy.json)")
     parser.add_argument("--quality-profile", default=None,
                         help="in-process: auto (default: beside the checkpoint, else the cache, else calibrate at "
-                        "warmup, as the server), off (plan on the SeaCache ladder) or a profile file; off with "
-                        "--num-steps or --guidance")
+                        "warmup, as the server), off (plan on the SeaCache ladder) or a profile file; always off "
+                        "with --no-diffusion-cache, --num-steps or --guidance")
     parser.add_argument("--episodes", type=int, default=100)
     parser.add_argument("--env-id", default=REACH_ID, choices=ENV_IDS, help=f"gymnasium id (default {REACH_ID})")
     parser.add_argument("--num-envs", type=int, default=1,
@@ -387,9 +385,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--num-steps and --guidance need --in-process (a server uses its own settings)")
     if args.quality_profile is not None and not args.in_process:
         parser.error("--quality-profile needs --in-process (a server uses its own profile)")
-    if args.quality_profile not in (None, "off") and overrides:
-        parser.error("--quality-profile with --num-steps or --guidance: a profile is measured at the checkpoint's own "
-                     "sampler settings; those ticks plan on the SeaCache ladder")
+    # A profile describes cached ticks at the checkpoint's own sampler settings: overridden ones plan on the ladder,
+    # uncached ones plan nothing.
+    profile_applies = args.in_process and not overrides and not args.no_diffusion_cache
+    if args.quality_profile not in (None, "off") and not profile_applies:
+        parser.error("--quality-profile plans cached ticks at the checkpoint's own sampler settings: not with "
+                     "--no-diffusion-cache, --num-steps or --guidance")
+    quality_profile = (args.quality_profile or "auto") if profile_applies else None
 
     budget = args.latency_budget_ms
     refusals: tuple[type[Exception], ...] = (PolicyServerError, EngineError)  # the server's, or the engine's
@@ -401,8 +403,8 @@ def main(argv: list[str] | None = None) -> int:
         # Uncached ticks are not budgeted: without --latency-budget-ms they get the largest budget there is.
         default_budget = MAX_BUDGET_MS if args.no_diffusion_cache else 120.0
         make_policy = functools.partial(InProcessPolicy, args.checkpoint, budget or default_budget,
-                                        not args.no_diffusion_cache, args.num_envs, overrides, args.device,
-                                        args.quality_profile or "auto")
+                                        not args.no_diffusion_cache, args.num_envs, overrides,
+                                        quality_profile or "off", args.device)
     else:
         make_policy = functools.partial(ServerPolicy, args.server, budget, args.auth_token_file,
                                         args.serve_application)
@@ -426,8 +428,7 @@ def main(argv: list[str] | None = None) -> int:
 
     config = {"server": args.server, "in_process": args.in_process, "latency_budget_ms": budget,
               "diffusion_cache": not args.no_diffusion_cache if args.in_process else None,
-              "quality_profile": (args.quality_profile or "auto")
-              if args.in_process and not overrides and not args.no_diffusion_cache else None,
+              "quality_profile": quality_profile,
               "env_id": args.env_id, "execute": args.execute, "num_envs": args.num_envs, "device": args.device,
               "first_episode": args.first_episode, "serve_application": args.serve_application,
               "ray_workers": args.ray, **overrides}

@@ -85,8 +85,9 @@ def test_bench_writes_the_documented_report(model_dir, tmp_path, monkeypatch):
     assert (tmp_path / "bench_error_vs_latency.png").stat().st_size > 0
 
 
-def test_bench_plans_on_the_profile_the_server_would_use(model_dir, tmp_path, monkeypatch, capsys):
-    """`--quality-profile auto` (the default), as the server: the profile beside the checkpoint, not a new one."""
+@pytest.fixture
+def profiled_checkpoint(model_dir, tmp_path, monkeypatch):
+    """A copy of the toy model with a quality profile beside it (and an empty cache): `(folder, profile)`."""
     monkeypatch.setenv("POLICY_SERVER_CACHE", str(tmp_path / "cache"))
     checkpoint = tmp_path / "model"
     shutil.copytree(model_dir, checkpoint)
@@ -94,6 +95,12 @@ def test_bench_plans_on_the_profile_the_server_would_use(model_dir, tmp_path, mo
     profile = calibrate(pipeline, warmup_observations(pipeline, 1), configurations(pipeline, EngineSettings()),
                         source="test")
     profile.save(checkpoint / PROFILE_FILE)
+    return checkpoint, profile
+
+
+def test_bench_plans_on_the_profile_the_server_would_use(profiled_checkpoint, tmp_path, capsys):
+    """`--quality-profile auto` (the default), as the server: the profile beside the checkpoint, not a new one."""
+    checkpoint, profile = profiled_checkpoint
     out = tmp_path / "bench.json"
     assert bench_main(["--checkpoint", str(checkpoint), "--ticks", "2", "--warmup", "2", "--out", str(out),
                        "--forward-repeats", "1", "--profile-ticks", "0", "--no-reference",
@@ -172,16 +179,10 @@ def test_rollout_in_process_with_a_vector_env(model_dir, tmp_path):
     assert_browser_playable(videos[0], frames=report["per_episode"][0]["steps"])
 
 
-def test_rollout_in_process_plans_on_the_profile_the_server_would_use(model_dir, tmp_path, monkeypatch, capsys):
+def test_rollout_in_process_plans_on_the_profile_the_server_would_use(profiled_checkpoint, tmp_path, capsys):
     """Without sampler overrides an in-process rollout plans each tick on the profile beside the checkpoint (its
     points name the ticks' settings), as the server would; `off` plans on the ladder; a broken profile is refused."""
-    monkeypatch.setenv("POLICY_SERVER_CACHE", str(tmp_path / "cache"))
-    checkpoint = tmp_path / "model"
-    shutil.copytree(model_dir, checkpoint)
-    pipeline = PolicyPipeline.from_pretrained(checkpoint)
-    profile = calibrate(pipeline, warmup_observations(pipeline, 1), configurations(pipeline, EngineSettings()),
-                        source="test")
-    profile.save(checkpoint / PROFILE_FILE)
+    checkpoint, profile = profiled_checkpoint
     points = {point.config.name for point in profile.embodiments["pusht"]}
     settings = {}
     for choice in ("auto", "off"):
@@ -198,6 +199,7 @@ def test_rollout_in_process_plans_on_the_profile_the_server_would_use(model_dir,
     assert rollout_main(["--in-process", "--checkpoint", str(checkpoint), "--episodes", "1",
                          "--out", str(tmp_path / "broken.json")]) == 2
     assert f"{checkpoint / PROFILE_FILE}: version None" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        rollout_main(["--in-process", "--num-steps", "4", "--quality-profile", str(checkpoint / PROFILE_FILE)])
-    assert "a profile is measured at the checkpoint's own sampler settings" in capsys.readouterr().err
+    for pinned in (["--num-steps", "4"], ["--no-diffusion-cache"]):  # a profile would not describe these ticks
+        with pytest.raises(SystemExit):
+            rollout_main(["--in-process", *pinned, "--quality-profile", str(checkpoint / PROFILE_FILE)])
+        assert "--quality-profile plans cached ticks at the checkpoint's own" in capsys.readouterr().err

@@ -16,7 +16,7 @@ from robots.envs import (
     ReachConfig,
     ReachEnv,
 )
-from robots.envs.reach import TABLE_RGB, table_background
+from robots.envs.reach import TABLE_RGB, step_limit, table_background
 
 
 def rollout_images(seed: int, actions: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -320,12 +320,13 @@ def test_timed_either_has_the_same_scenes_and_truncates_a_slow_reach_at_its_cycl
 
 
 def test_step_limit_is_the_factor_times_the_fastest_straight_path():
-    env = ReachEnv(time_limit_factor=1.5)
-    env.reset(seed=0)
-    cfg, scene = env.config, env.unwrapped.scene
-    scene.effector_xy = scene.target_xy + np.array([0.3, 0.1])  # x moves at the limit: 0.02 m a step
-    fastest = np.ceil((np.hypot(0.3, 0.1) - cfg.success_radius) / (0.02 * np.hypot(0.3, 0.1) / 0.3))
-    assert env._step_limit(scene) == np.ceil(1.5 * fastest)
+    config = ReachConfig(time_limit_factor=1.5)
+    # The farther disc is 0.3 m right and 0.1 m up: x moves at 0.02 m a step, so the path covers 0.0211 m a step
+    # and needs 14 steps to come within 3 cm (0.316 - 0.03 = 0.286 m); 1.5 x 14 = 21.
+    start = np.array([0.1, 0.1])
+    targets = np.array([[0.2, 0.15], [0.4, 0.2]])
+    assert step_limit(config, start, targets) == 21
+    assert step_limit(ReachConfig(), start, targets) == ReachConfig().max_episode_steps
     for bad in (0.5, 11.0):
         with pytest.raises(ValueError, match=f"time_limit_factor={bad}"):
             ReachConfig(time_limit_factor=bad)

@@ -235,7 +235,7 @@ class ReachEnv(gym.Env):
                 f"target_copy={target_copy!r}: expected an integer from 0 to {self.config.target_copies - 1}"
             )
         self.scene = self._sample_scene(target_color, target_copy)
-        self.scene.step_limit = self._step_limit(self.scene)
+        self.scene.step_limit = step_limit(self.config, self.scene.effector_xy, self.scene.target_copies_xy())
         return self._observation(), self._info()
 
     def step(self, action):
@@ -319,18 +319,6 @@ class ReachEnv(gym.Env):
             "step_limit": scene.step_limit,
         }
 
-    def _step_limit(self, scene: ReachScene) -> int:
-        """`max_episode_steps`, or the scene's cycle time when that is shorter."""
-        cfg = self.config
-        if cfg.time_limit_factor is None:
-            return cfg.max_episode_steps
-        offsets = scene.target_copies_xy() - scene.effector_xy  # [K, 2] m
-        distance = np.linalg.norm(offsets, axis=1)
-        # Along a straight line the axis with the larger offset moves at the limit.
-        step_length = cfg.max_speed * cfg.dt * distance / np.max(np.abs(offsets), axis=1)
-        fastest = np.ceil((distance - cfg.success_radius) / step_length).max()
-        return int(min(cfg.max_episode_steps, max(1, np.ceil(cfg.time_limit_factor * fastest))))
-
     def _sample_scene(self, target_color: str | None, target_copy: int | None) -> ReachScene:
         cfg = self.config
         rng = self.np_random
@@ -403,3 +391,17 @@ def _distance_to_segment(point: np.ndarray, a: np.ndarray, b: np.ndarray) -> flo
     """Distance from `point` to the segment from `a` to `b`, m."""
     t = np.clip(np.dot(point - a, b - a) / np.dot(b - a, b - a), 0.0, 1.0)
     return float(np.linalg.norm(point - (a + t * (b - a))))
+
+
+def step_limit(config: ReachConfig, start_xy: np.ndarray, targets_xy: np.ndarray) -> int:
+    """Steps an episode may run from `start_xy` [2] m with target discs at `targets_xy` [K, 2] m:
+    `config.max_episode_steps`, or the cycle time when that is shorter (`config.time_limit_factor` times the steps
+    a straight path at the velocity limit needs to the farther disc)."""
+    if config.time_limit_factor is None:
+        return config.max_episode_steps
+    offsets = targets_xy - start_xy
+    distance = np.linalg.norm(offsets, axis=1)
+    # Along a straight line the axis with the larger offset moves at the limit.
+    step_length = config.max_speed * config.dt * distance / np.max(np.abs(offsets), axis=1)
+    fastest = np.ceil((distance - config.success_radius) / step_length).max()
+    return int(min(config.max_episode_steps, max(1, np.ceil(config.time_limit_factor * fastest))))
