@@ -2,7 +2,7 @@
 
     policy-server bench --out bench.json --ticks 500
 
-Every configuration sees the same observations (expert trajectories of the built-in Reach task on
+Every configuration sees the same observations (expert trajectories of the built-in task `--env` on
 held-out seeds) with the same seed, hence the same initial noise, tick by tick and interleaved, so
 machine drift cancels and errors compare like with like:
 
@@ -25,11 +25,13 @@ Budgets default to 30% .. 100% of the uncached warmup p50 (six points). The repo
 budget, the controller with the guarded families that hold 1% misses and with the best unguarded
 configuration whose p50 fits, and says whether issue 14's targets hold there. With `--closed-loop N` every
 configuration a robot could run (all but the unguarded families) also drives N held-out episodes of
-`--closed-loop-env` (the same seeds for all) and reports `success_rate`, `collision_rate` (episodes ended on
-ReachEither's blocker) and `episode_steps` (mean control steps per episode). On Reach (the default) every
-configuration of the shipped model succeeds; ReachEither, for a checkpoint fine-tuned on it, fails a sampler that
-averages its two modes, and ReachEitherTimed also one that drives slowly. `closed_loop` then checks issue 14's
-closed-loop targets against uncached, maximal caching and the controller at half the uncached latency.
+`--env` (the same seeds for all) and reports `success_rate`, `collision_rate` (episodes ended on
+ReachEither's blocker) and `episode_steps` (mean control steps per episode). The default task is the one the
+shipped model is fine-tuned for, ReachEitherTimed: it fails a sampler that averages its two modes or drives
+slowly (on Reach every configuration of the shipped model succeeds). Its observations are ReachEither's, the
+calibration set's task, so the controller is measured on the traffic its profile was calibrated for.
+`closed_loop` then checks issue 14's closed-loop targets against uncached, maximal caching and the controller
+at half the uncached latency.
 
 Latency is the pipeline's end-to-end time for the fixed configurations (their text K/V reused, as a
 session's) and the engine's (queue included) for the engines' ones. The JSON layout is `../shared/design/BENCH.md`'s.
@@ -168,7 +170,9 @@ def _finite_mean(values: list[float]) -> float | None:
 
 
 FAMILIES = ("fewer_steps", "seacache", "fewer_steps_seacache")
-REFERENCE_CONFIGS = ("uncached", "seacache_default", "max_caching")  # fixed, without a deadline
+# Fixed, without a deadline; compared with the controller as unguarded configurations are. The uncached reference
+# is not: every error is measured against it, and at the 100% budget its own p50 meets the budget by construction.
+REFERENCE_CONFIGS = ("seacache_default", "max_caching")
 
 
 def _is_published(config) -> bool:
@@ -176,11 +180,12 @@ def _is_published(config) -> bool:
 
 
 def family_members(points: tuple[ProfilePoint, ...], steps: int, cfg: bool) -> dict[str, list[ProfilePoint]]:
-    """The profile's points of each fixed family (the uncond pass on every step when `cfg`): fewer steps
-    uncached; the published SeaCache default (0.25, order 1, cap 2) at the default steps; fewer steps with it."""
+    """The profile's points of each fixed family (the uncond pass on every step when `cfg`): fewer steps than the
+    default, uncached; the published SeaCache default (0.25, order 1, cap 2) at the default steps; fewer steps with
+    it."""
     full_cfg = [p for p in points if p.config.cfg_steps == (p.config.num_steps if cfg else 0)]
     return {
-        "fewer_steps": [p for p in full_cfg if p.config.threshold == 0],
+        "fewer_steps": [p for p in full_cfg if p.config.threshold == 0 and p.config.num_steps < steps],
         "seacache": [p for p in full_cfg if _is_published(p.config) and p.config.num_steps == steps],
         "fewer_steps_seacache": [p for p in full_cfg if _is_published(p.config) and p.config.num_steps < steps],
     }
@@ -368,7 +373,7 @@ def closed_loop_summary(summaries: list[dict], budgets: list[float], uncached_ms
     controller = by_name[f"budget_{half:g}"]
     compared = {"uncached": by_name["uncached"], "max_caching": by_name["max_caching"], "controller": controller}
     return {
-        "env_id": args.closed_loop_env,
+        "env_id": args.env,
         "episodes": args.closed_loop,
         "execute": args.execute,
         "uncached": uncached,
@@ -438,7 +443,8 @@ def run(args: argparse.Namespace) -> dict:
     slow_budget = budgets[0]
     slowdown_ms = args.slowdown_ms
     observations = [model_inputs(obs, embodiment, args.frame_size)
-                    for obs in expert_observations(args.ticks, HELDOUT_SEED_OFFSET + args.seed * 10_000)]
+                    for obs in expert_observations(args.ticks, HELDOUT_SEED_OFFSET + args.seed * 10_000,
+                                                         env_id=args.env)]
     if slowdown_ms is None:  # half an uncached step (embed, the branches' GEN stack as one call, heads)
         first = observations[0]
         probe = pipeline(PolicyRequest(images=first["images"], instruction=first["instruction"],
@@ -525,7 +531,7 @@ def run(args: argparse.Namespace) -> dict:
                 owner = sessions[name][0]
                 policies[name] = _EnginePolicy(owner, embodiment.name, runs[name].budget_ms,
                                                slowdown if owner is slow_engine else None)
-        outcomes = closed_loop(policies, args.closed_loop, args.execute, args.closed_loop_env)
+        outcomes = closed_loop(policies, args.closed_loop, args.execute, args.env)
         for summary in summaries:
             outcome = outcomes.get(summary["name"], {"success_rate": None, "collision_rate": None,
                                                      "episode_steps": None})
@@ -787,10 +793,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--closed-loop", type=int, default=0, metavar="N",
                         help="also run N held-out episodes per config; report success_rate, collision_rate and "
                              "episode_steps")
-    parser.add_argument("--closed-loop-env", default=REACH_ID, choices=ENV_IDS,
-                        help=f"closed loop: the task (default {REACH_ID}; {REACH_EITHER_TIMED_ID} for a "
-                             "checkpoint fine-tuned on ReachEither, where a sampler that averages modes or drives "
-                             "slowly fails)")
+    parser.add_argument("--env", default=REACH_EITHER_TIMED_ID, choices=ENV_IDS,
+                        help="the task whose held-out expert observations feed every configuration, and whose "
+                             f"episodes the closed loop runs (default {REACH_EITHER_TIMED_ID}, the shipped "
+                             f"model's; {REACH_ID} for a Reach-only checkpoint)")
     parser.add_argument("--execute", type=int, default=4, help="closed loop: actions executed per chunk")
     parser.add_argument("--quality-profile", default="auto",
                         help="the controller's profile (`policy-server calibrate`): a file, or auto (default): "

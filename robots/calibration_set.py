@@ -1,6 +1,6 @@
 """The embedded model's calibration set: expert observations of a built-in task, in the calibration format.
 
-    python -m robots.calibration_set [--count 24] [--env-id PolicyServer/ReachEither-v0]
+    python -m robots.calibration_set [--count 96] [--env-id PolicyServer/ReachEither-v0]
         [--out policy_server/assets/calibration/reach_either.safetensors]
 
 Observations come every `--stride` control steps along expert episodes on seeds of their own (neither the
@@ -29,7 +29,7 @@ def collect(count: int, stride: int, env_id: str = REACH_EITHER_ID) -> list[Obse
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--count", type=int, default=24, help="observations (24)")
+    parser.add_argument("--count", type=int, default=96, help="observations (96)")
     parser.add_argument("--stride", type=int, default=4, help="control steps between two observations (4)")
     parser.add_argument("--env-id", default=REACH_EITHER_ID, choices=ENV_IDS,
                         help=f"the task (default {REACH_EITHER_ID})")

@@ -28,7 +28,7 @@ def test_bench_writes_the_documented_report(model_dir, tmp_path, monkeypatch):
     out = tmp_path / "bench.json"
     assert bench_main(["--checkpoint", str(model_dir), "--ticks", "4", "--warmup", "2", "--out", str(out),
                        "--forward-repeats", "2", "--closed-loop", "1",
-                       "--closed-loop-env", "PolicyServer/ReachEitherTimed-v0", "--profile-ticks", "1",
+                       "--env", "PolicyServer/ReachEitherTimed-v0", "--profile-ticks", "1",
                        "--calibration-observations", "1",
                        "--budget-fractions", "0.8", "0.9"]) == 0  # above the floor however loaded CI is
     report = json.loads(out.read_text())

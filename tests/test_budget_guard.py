@@ -13,6 +13,7 @@ from policy_server.budget.guard import DeadlineGuard
 from policy_server.budget.history import SessionHistory
 from policy_server.budget.planner import plan_tick
 from policy_server.budget.tick import GuardedSteps, TickBudget
+from policy_server.cache.controller import CacheRecord, StepDecision
 from policy_server.cache.seacache import SeaCache, SeaCacheConfig
 from policy_server.pipeline.policy import FixedSteps
 
@@ -263,7 +264,7 @@ def test_tick_loop_learns_costs_and_counts_and_keeps_every_deadline():
         budget.learn(KEY, steps, history, stages)
         if not ticks:  # the history holds what the gate wanted: full calls plus the refreshes forced to skip
             assert rec.forced_skips > 0
-            assert history.quantile(plan.setting, plan.structure, 1.0) == rec.full_calls + rec.forced_skips
+            assert history.quantile(plan.setting, plan.structure, 1.0) == rec.wanted_full_calls > rec.full_calls
         ticks.append((plan, rec, sum(stages.values())))
     assert all(total <= plan.deadline_ms for plan, _, total in ticks)
     ladder = [s.name for s in budget.config.ladder]
@@ -285,7 +286,7 @@ def test_learn_without_costs_still_feeds_the_history():
     before = budget.cost_model.samples(KEY)
     budget.learn(KEY, steps, history, stages, learn_costs=False)  # a tick that shared its calls in a batch
     assert budget.cost_model.samples(KEY) == before
-    assert history.quantile(plan.setting, plan.structure, 1.0) == rec.full_calls + rec.forced_skips
+    assert history.quantile(plan.setting, plan.structure, 1.0) == rec.wanted_full_calls
     budget.learn(KEY, steps, None, stages)  # no session history: costs only
     assert budget.cost_model.samples(KEY)["pair"] == before["pair"] + 1
 
@@ -324,3 +325,15 @@ def test_one_stalled_step_does_not_make_the_rest_of_the_tick_look_slow():
     record, stages, steps, _ = run_tick(clock, budget, plan, stall_ms=lambda step: 20.0 if step == 3 else 0.0)
     assert record.forced_skips == 0 and record.full_calls == 20 and steps.fallbacks == ()
     assert sum(stages.values()) == pytest.approx(190.0)
+
+
+def test_a_run_of_forced_skips_is_one_refresh_the_gate_wanted():
+    """After a denied refresh the gate asks again on every step (its distance and cap count keep growing): the
+    history counts the run once, per branch, so one cut tick does not make the setting look twice as costly."""
+    record = CacheRecord(num_steps=6)
+    for step, (cond, uncond) in enumerate(["FF", "SS", "XX", "XF", "XS", "FX"]):
+        for branch, mark in (("cond", cond), ("uncond", uncond)):
+            record.add(StepDecision(step, branch, full=mark == "F", reason={"F": "threshold", "S": "gate",
+                                                                              "X": "forced"}[mark]))
+    # cond: F S X X X F -> 2 full + 1 run; uncond: F S X F S X -> 2 full + 2 runs
+    assert (record.full_calls, record.forced_skips, record.wanted_full_calls) == (4, 5, 7)

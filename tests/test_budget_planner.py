@@ -282,3 +282,25 @@ def test_the_frontier_planner_falls_back_to_the_cheapest_point():
 def test_the_frontier_planner_keeps_the_guidance_interval():
     plan = plan_on_frontier(200.0, FRONTIER, PAIRED, guided=lambda n: range(2, n - 2))
     assert plan.uncond_steps == range(2, 8) and plan.calls == 16
+
+
+def test_the_session_own_counts_replace_the_calibration_sets_once_it_has_run_a_point():
+    varied = _point(10, 10, 0.25, 0.03, 0, 4, 12, pairs_p90=6)  # 90 ms at the calibration set's p90
+    frontier = (FRONTIER[0], varied, *FRONTIER[2:])
+    history = SessionHistory()
+    assert plan_on_frontier(80.0, frontier, PAIRED, history=history).setting == FRONTIER[3].config.name  # not run
+    structure = (varied.config.num_steps, varied.config.cfg_steps)
+    history.observe(varied.config.name, structure, 8)  # this robot's scene: the gate wanted 8 calls, 4 pairs
+    plan = plan_on_frontier(80.0, frontier, PAIRED, history=history)
+    assert plan.setting == varied.config.name and plan.predicted_ms == pytest.approx(70.0)  # 10 + 4 * 12 + 12
+    assert plan.expected_full_calls == 8 and plan.expected_error == varied.error  # errors stay the profile's
+    history.observe(varied.config.name, structure, 16)  # a scene where it wants 16: 10 + 8 * 12 + 4 = 110 ms
+    assert plan_on_frontier(100.0, frontier, PAIRED, history=history).setting == FRONTIER[2].config.name
+    assert plan_on_frontier(100.0, frontier, PAIRED, history=history, count_quantile=0.5).setting == varied.config.name
+
+
+def test_a_point_runs_its_wanted_calls_alone_and_in_pairs_as_on_the_calibration_set():
+    point = _point(6, 3, 0.25, 0.09, 1, 2, 7)  # 5 full calls of 12: 1 alone, 2 pairs
+    assert point.predicted_at_ms(PAIRED, 5) == pytest.approx(point.predicted_ms(PAIRED))
+    assert point.predicted_at_ms(PAIRED, 10) == pytest.approx(10 + 2 * 10 + 4 * 12 + 2 * 1)
+    assert point.predicted_at_ms(PAIRED, 40) == point.predicted_at_ms(PAIRED, point.calls)  # no more than its calls

@@ -2,8 +2,8 @@
 
 Consecutive ticks of one robot episode see similar observations, so the gate refreshes about as often on
 the next tick as on the last ones. The planner reads a high quantile of the recent counts per (setting,
-step structure). The count stored is the gate's *natural* full-call count: calls that ran full plus the
-ones the deadline guard forced to skip, because a forced skip hides a refresh the gate wanted.
+step structure): a ladder rung's, or a quality-profile point's. The count stored is what the gate wanted
+(`CacheRecord.wanted_full_calls`): the calls that ran full and the refreshes the deadline guard denied.
 """
 
 from __future__ import annotations

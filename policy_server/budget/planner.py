@@ -373,21 +373,34 @@ def plan_on_frontier(
     points: Sequence[ProfilePoint],
     costs: CallCosts,
     guided: Callable[[int], range] = range,
+    history: SessionHistory | None = None,
+    count_quantile: float = 0.9,
 ) -> TickPlan:
     """The point of a quality profile's frontier with the least expected error whose latency fits
-    ``deadline_ms`` as often as the gate refreshes on 90% of the calibration set (``predicted_p90_ms``):
-    steps, CFG schedule and cache setting chosen together. A point that fits only on average would have the
-    guard cut it on the other ticks, which costs more error than the next point would. When no point fits,
-    the cheapest one, marked ``fits=False`` (fallback ``no_point_fits``): the guard then gives up what it
-    must. ``costs``: those the guard holds the tick to; ``guided``: as for ``plan_tick``."""
-    predicted = [point.predicted_p90_ms(costs) for point in points]
+    ``deadline_ms`` at a high quantile of the gate's full-call count: steps, CFG schedule and cache setting
+    chosen together. A point that fits only on average would have the guard cut it on the other ticks, which
+    costs more error than the next point would. The count is the calibration set's 90th percentile until the
+    session has run the point; then the ``count_quantile`` of the session's own recent counts (``history``),
+    since the gate refreshes on this robot's scene as often as on its last ticks, not as on the calibration
+    set. The expected errors stay the profile's. When no point fits, the cheapest one, marked ``fits=False``
+    (fallback ``no_point_fits``): the guard then gives up what it must. ``costs``: those the guard holds the
+    tick to; ``guided``: as for ``plan_tick``."""
+
+    def full_calls(point: ProfilePoint) -> float | None:
+        config = point.config
+        return None if history is None else history.quantile(config.name, (config.num_steps, config.cfg_steps),
+                                                              count_quantile)
+
+    seen = [full_calls(point) for point in points]
+    predicted = [point.predicted_p90_ms(costs) if count is None else point.predicted_at_ms(costs, count)
+                 for point, count in zip(points, seen, strict=True)]
     cheapest = min(range(len(points)), key=predicted.__getitem__)
     fitting = [i for i in range(len(points)) if predicted[i] <= deadline_ms]
     chosen = min(fitting, key=lambda i: (points[i].error, predicted[i])) if fitting else cheapest
     point, config = points[chosen], points[chosen].config
     window = guided(config.num_steps)
     uncond = range(window.start, max(window.start, min(window.stop, config.cfg_steps)))
-    full = round(point.full_calls + 2 * point.pairs)
+    full = round(point.full_calls_p90 + 2 * point.pairs_p90 if seen[chosen] is None else seen[chosen])
     return TickPlan(
         deadline_ms=float(deadline_ms),
         requested_steps=config.num_steps,

@@ -76,9 +76,18 @@ class ProfilePoint(BaseModel):
 
     def predicted_p90_ms(self, costs: CallCosts) -> float:
         """The latency at `costs` of a tick whose gate refreshes as often as on 90% of the calibration set."""
-        skipped = max(self.calls - self.full_calls_p90 - 2 * self.pairs_p90, 0.0)
-        return (costs.fixed_total_ms + self.full_calls_p90 * costs.full_ms + self.pairs_p90 * costs.pair_ms
-                + skipped * costs.skip_ms)
+        return self._latency_ms(costs, self.full_calls_p90, self.pairs_p90)
+
+    def predicted_at_ms(self, costs: CallCosts, full_calls: float) -> float:
+        """The latency at `costs` of a tick whose gate wants `full_calls` full calls in all (a pair is two), shared
+        between calls alone and pairs as on the calibration set."""
+        full = min(full_calls, self.calls)
+        paired = 2 * self.pairs / max(self.full_calls + 2 * self.pairs, 1e-9)  # the share of full calls in pairs
+        return self._latency_ms(costs, full * (1 - paired), full * paired / 2)
+
+    def _latency_ms(self, costs: CallCosts, alone: float, pairs: float) -> float:
+        skipped = max(self.calls - alone - 2 * pairs, 0.0)
+        return costs.fixed_total_ms + alone * costs.full_ms + pairs * costs.pair_ms + skipped * costs.skip_ms
 
     def _ranked(self) -> tuple[float, ...]:
         return (self.error, self.full_calls, self.pairs, self.skipped_calls, self.full_calls_p90, self.pairs_p90)

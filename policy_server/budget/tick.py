@@ -112,7 +112,8 @@ class TickBudget:
         if not preview:
             costs = costs.without(PREVIEW_STAGE)
         if frontier:  # on the costs the guard will hold the tick to, so that it need not cut what was planned
-            return plan_on_frontier(time_left_ms, frontier, costs.cautious(self.config.cost_margin_devs), self.guided)
+            return plan_on_frontier(time_left_ms, frontier, costs.cautious(self.config.cost_margin_devs), self.guided,
+                                    history, self.config.count_quantile)
         return plan_tick(time_left_ms, num_steps, passes, costs, history, self.config, self.guided)
 
     def guarded_steps(self, plan: TickPlan, key: Hashable, tick_started_at_ms: float, cache: SeaCache) -> GuardedSteps:
@@ -143,6 +144,4 @@ class TickBudget:
             self.cost_model.observe_tick(key, steps.guard.call_timings(), stages)
         plan = steps.plan
         if history is not None and plan.caching:
-            # A forced skip hides a refresh the gate wanted: the natural count is full + forced.
-            record = steps.record()
-            history.observe(plan.setting, plan.structure, record.full_calls + record.forced_skips)
+            history.observe(plan.setting, plan.structure, steps.record().wanted_full_calls)

@@ -121,6 +121,20 @@ class CacheRecord:
     def forced_skips(self) -> int:
         return sum(c.forced_skip for c in self.branches.values())
 
+    @property
+    def wanted_full_calls(self) -> int:
+        """Full calls the gate would have run without the deadline guard: those that ran, and one per run of
+        consecutive forced skips of a branch. A denied refresh leaves the gate asking again on the next steps
+        (its distance and its cap count keep growing), so the rest of a run is the denial's echo, not a want."""
+        wanted, forced_before = 0, set()
+        for decision in self.decisions:
+            if decision.full or (decision.forced and decision.branch not in forced_before):
+                wanted += 1
+            if decision.forced:
+                forced_before.add(decision.branch)
+            else:
+                forced_before.discard(decision.branch)
+        return wanted
 
 
 class StepController(ABC):

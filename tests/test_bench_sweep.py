@@ -1,0 +1,47 @@
+"""The bench's comparison rules on hand-made figures: which configurations the controller is held against."""
+
+from policy_server.budget.profile import ProfilePoint, TickConfig
+from robots.bench import family_members, sweep
+
+
+def summary(name, error, p50, p99=None, budget=None, family=None, guarded=None, miss=0.0):
+    return {"name": name, "action_rel_l2": error, "p50_ms": p50, "p99_ms": p99 or p50, "budget_ms": budget,
+            "family": family, "guarded": guarded, "miss_rate": None if budget is None else miss,
+            "utilisation": None if budget is None else p50 / budget}
+
+
+def test_sweep_holds_the_controller_to_guarded_families_that_hold_and_unguarded_ones_that_fit():
+    summaries = [
+        summary("uncached", 0.0, 99.0),  # the reference: never a candidate, though its p50 fits at 100
+        summary("seacache_default", 0.02, 80.0, family="seacache"),
+        summary("max_caching", 0.3, 40.0, family="seacache"),
+        summary("budget_100", 0.01, 90.0, 99.0, 100, "controller", True),
+        summary("guarded_fewer_steps_100", 0.015, 90.0, 99.0, 100, "fewer_steps", True),
+        summary("guarded_seacache_100", 0.005, 95.0, 120.0, 100, "seacache", True, miss=0.02),  # misses: not held
+        summary("fewer_steps_100", 0.008, 101.0, 130.0, 100, "fewer_steps", False, miss=0.6),  # p50 does not fit
+        summary("budget_50", 0.2, 45.0, 49.0, 50, "controller", True),
+        summary("guarded_fewer_steps_50", 0.25, 45.0, 49.0, 50, "fewer_steps", True),
+        summary("fewer_steps_50", 0.22, 48.0, 60.0, 50, "fewer_steps", False, miss=0.3),
+    ]
+    rows = {row["budget_ms"]: row for row in sweep(summaries, [50, 100], 100.0)}
+    assert rows[100]["best_guarded"]["name"] == "guarded_fewer_steps_100"
+    assert rows[100]["best_unguarded_fitting"]["name"] == "seacache_default"
+    assert all(rows[100]["targets"].values())
+    assert rows[50]["best_unguarded_fitting"]["name"] == "fewer_steps_50"  # its p50 fits though it misses 30%
+    assert rows[50]["targets"]["beats_guarded_holding_1pct"] and rows[50]["targets"]["beats_best_unguarded_fitting"]
+    summaries[-3]["action_rel_l2"] = 0.3  # budget_50 now loses to the guarded family and to max caching
+    targets = sweep(summaries, [50], 100.0)[0]["targets"]
+    assert not targets["beats_guarded_holding_1pct"] and not targets["beats_best_unguarded_fitting"]
+
+
+def point(steps, threshold, cap):
+    config = TickConfig(num_steps=steps, cfg_steps=steps, threshold=threshold, cap=cap, residual_order=1)
+    return ProfilePoint(config=config, error=0.0, error_p90=0.0, full_calls=0.0, pairs=steps, skipped_calls=0.0,
+                        full_calls_p90=0.0, pairs_p90=steps)
+
+
+def test_fixed_families_are_fewer_steps_the_published_seacache_default_and_both():
+    points = (point(20, 0.0, 0), point(15, 0.0, 0), point(20, 0.25, 2), point(15, 0.25, 2), point(20, 0.1, 1))
+    families = {name: [p.config.name for p in members] for name, members in family_members(points, 20, True).items()}
+    assert families == {"fewer_steps": ["n15-cfg15-nocache"],  # the default's own steps are the reference
+                        "seacache": ["n20-cfg20-t0.25-c2-o1"], "fewer_steps_seacache": ["n15-cfg15-t0.25-c2-o1"]}
