@@ -20,7 +20,7 @@ is the one place that says which CFG branches a step runs.
 
 With a quality profile (``policy_server.budget.profile``) the planner chooses on its frontier instead
 (``plan_on_frontier``): the configuration of steps, CFG schedule and cache setting with the least expected
-error whose expected latency fits.
+error whose latency fits at a high quantile of its full-call count (the calibration set's, then the session's).
 """
 
 from __future__ import annotations
