@@ -192,8 +192,8 @@ def family_members(points: tuple[ProfilePoint, ...], steps: int, cfg: bool) -> d
 
 
 def best_fitting(points: list[ProfilePoint], costs, budget_ms: float) -> ProfilePoint:
-    """The least calibrated error whose latency fits `budget_ms` by the controller's rule (`plan_on_frontier`);
-    else the cheapest."""
+    """The least calibrated error whose latency fits `budget_ms` by the controller's rule (`plan_on_frontier`)
+    before a session has run anything: at the calibration set's 90th-percentile counts; else the cheapest."""
     fitting = [p for p in points if p.predicted_p90_ms(costs) <= budget_ms]
     if fitting:
         return min(fitting, key=lambda p: p.error)
@@ -425,7 +425,7 @@ def run(args: argparse.Namespace) -> dict:
         engine.wait_ready()
         return engine, own
 
-    if profile is None:  # the shipped Reach set; for another embodiment its frames on that one's cameras
+    if profile is None:  # the shipped ReachEither set; for another embodiment its frames on that one's cameras
         calibration_set = [o for o in warmup_observations(pipeline, args.calibration_observations)
                            if o.embodiment == embodiment.name]
         source = str(DEFAULT_OBSERVATIONS) + ("" if embodiment.name == "pusht" else " (resized, zero state)")

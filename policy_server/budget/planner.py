@@ -385,13 +385,8 @@ def plan_on_frontier(
     set. The expected errors stay the profile's. When no point fits, the cheapest one, marked ``fits=False``
     (fallback ``no_point_fits``): the guard then gives up what it must. ``costs``: those the guard holds the
     tick to; ``guided``: as for ``plan_tick``."""
-
-    def full_calls(point: ProfilePoint) -> float | None:
-        config = point.config
-        return None if history is None else history.quantile(config.name, (config.num_steps, config.cfg_steps),
-                                                              count_quantile)
-
-    seen = [full_calls(point) for point in points]
+    seen = [None if history is None else history.quantile(p.config.name, (p.config.num_steps, p.config.cfg_steps),
+                                                          count_quantile) for p in points]
     predicted = [point.predicted_p90_ms(costs) if count is None else point.predicted_at_ms(costs, count)
                  for point, count in zip(points, seen, strict=True)]
     cheapest = min(range(len(points)), key=predicted.__getitem__)
