@@ -105,6 +105,7 @@ class ConfigRun:
     full: list[int] = field(default_factory=list)
     skipped: list[int] = field(default_factory=list)
     forced: list[int] = field(default_factory=list)
+    cut: list[bool] = field(default_factory=list)  # the guard forced a skip or gave up part of the tick
     rel_l2: list[float] = field(default_factory=list)
     psnr_db: list[float] = field(default_factory=list)
     settings: dict[str, int] = field(default_factory=dict)
@@ -117,11 +118,14 @@ class ConfigRun:
         for kind in set(tick.fallback_kinds):
             self.fallbacks[kind] = self.fallbacks.get(kind, 0) + 1
 
-    def add(self, latency_ms: float, out: PolicyOutput, reference: PolicyOutput | None) -> None:
+    def add(self, latency_ms: float, out: PolicyOutput, reference: PolicyOutput | None,
+            late_fallbacks: tuple[str, ...] = ()) -> None:
+        """One tick; `late_fallbacks`: what the guard gave up during it (`GuardedSteps.fallbacks`' late ones)."""
         self.latency_ms.append(latency_ms)
         self.full.append(out.cache.full_calls)
         self.skipped.append(out.cache.skipped_calls)
         self.forced.append(out.cache.forced_skips)
+        self.cut.append(out.cache.forced_skips > 0 or bool(late_fallbacks))
         if reference is not None:
             self.rel_l2.append(action_rel_l2(out.actions, reference.actions))
             self.psnr_db.append(latent_psnr_db(out.latents, reference.latents))
@@ -137,7 +141,11 @@ class ConfigRun:
             "full_calls": float(np.mean(self.full)),
             "skipped_calls": float(np.mean(self.skipped)),
             "forced_skips": float(np.mean(self.forced)),
+            "cut_rate": float(np.mean(self.cut)),
             "action_rel_l2": float(np.mean(self.rel_l2)) if self.rel_l2 else 0.0,
+            # Where a guarded configuration loses quality: the ticks its guard cut against those it did not.
+            "action_rel_l2_cut": _mean_where(self.rel_l2, self.cut, True),
+            "action_rel_l2_uncut": _mean_where(self.rel_l2, self.cut, False),
             "action_rel_l2_p90": float(np.percentile(self.rel_l2, 90)) if self.rel_l2 else 0.0,
             "latent_psnr_db": _finite_mean(self.psnr_db) if self.psnr_db else None,
             "budget_ms": self.budget_ms,
@@ -162,6 +170,11 @@ def latent_psnr_db(latents: torch.Tensor, reference: torch.Tensor) -> float:
     mse = float((generated - target).pow(2).mean())
     peak = float(target.max() - target.min())
     return math.inf if mse == 0 else 10 * math.log10(peak**2 / mse)
+
+
+def _mean_where(values: list[float], flags: list[bool], flag: bool) -> float | None:
+    chosen = [v for v, f in zip(values, flags, strict=True) if f == flag] if values else []
+    return float(np.mean(chosen)) if chosen else None
 
 
 def _finite_mean(values: list[float]) -> float | None:
@@ -209,7 +222,9 @@ class FixedConfig:
         self.served, self.point, self.guarded = served, point, guarded
         self.prompt = None
 
-    def __call__(self, request: PolicyRequest, budget_ms: float | None) -> tuple[float, PolicyOutput]:
+    def __call__(self, request: PolicyRequest, budget_ms: float | None
+                 ) -> tuple[float, PolicyOutput, tuple[str, ...]]:
+        """One tick: its latency (ms), output and what the guard gave up during it (late fallbacks)."""
         served, pipeline, config = self.served, self.served.pipeline, self.point.config
         embodiment = served.embodiments[request.embodiment]
         chunk = embodiment.default_chunk_size
@@ -227,7 +242,7 @@ class FixedConfig:
             control = fixed_control(pipeline, config)
         self.prompt, _ = served.prompt(request.instruction, embodiment, chunk, canvas, self.prompt)
         out = pipeline.run(PolicyRequest(**{**request.__dict__, "num_steps": config.num_steps}), self.prompt, control)
-        return served.clock() - started, out
+        return served.clock() - started, out, control.guard.late_fallbacks if self.guarded else ()
 
 
 def sweep(summaries: list[dict], budgets: list[float], uncached_ms: float) -> list[dict]:
@@ -318,7 +333,7 @@ class _FixedPolicy:
         request = PolicyRequest(images={"image": obs["image"]}, instruction=session["instruction"],
                                 embodiment=self.embodiment, state=obs["state"], seed=session["seed"] + session["ticks"])
         session["ticks"] += 1
-        latency_ms, out = self.fixed(request, self.budget_ms)
+        latency_ms, out, _ = self.fixed(request, self.budget_ms)
         budget_ms = math.inf if self.budget_ms is None else self.budget_ms
         stats = TickStats(latency_ms, budget_ms, latency_ms <= budget_ms, out.cache.full_calls,
                           out.cache.skipped_calls, out.cache.forced_skips, self.fixed.point.config.name)
@@ -508,14 +523,15 @@ def run(args: argparse.Namespace) -> dict:
             if name == "uncached":
                 continue
             if name in fixed:
-                latency_ms, out = fixed[name](request, run_.budget_ms)
-                run_.add(latency_ms, out, reference)
+                latency_ms, out, late = fixed[name](request, run_.budget_ms)
+                run_.add(latency_ms, out, reference, late)
             else:
                 owner, own, session = sessions[name]
                 with slowdown.on(slowed and owner is slow_engine):
                     result = owner.act(session.session_id, session.epoch, api.Observation(
                         images=obs["images"], state=obs["state"], instruction=obs["instruction"], step_index=tick))
-                run_.add(result.tick.actual_ms["total"], own.last, reference)
+                late = tuple(kind for kind in result.tick.fallback_kinds if kind.startswith("late_"))
+                run_.add(result.tick.actual_ms["total"], own.last, reference, late)
                 run_.add_tick_record(result.tick)
 
     summaries = [runs[name].summary() for name in order]
@@ -555,6 +571,7 @@ def run(args: argparse.Namespace) -> dict:
         "model": model_summary(pipeline, embodiment, observations[0], latent_shape),
         "forward": forward_summary(pipeline, embodiment, latent_shape, args),
         "tick_profile": tick_profile(pipeline, embodiment, observations[0], args.profile_ticks),
+        "env_id": args.env,  # the task whose observations every configuration ran (and the closed loop's)
         "uncached_warmup_p50_ms": uncached_warm_ms,
         "slowdown": {"config": slow_name, "extra_ms_per_full_call": slowdown_ms, "from_tick": args.ticks // 2},
         "configs": summaries,

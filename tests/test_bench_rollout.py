@@ -52,9 +52,15 @@ def test_bench_writes_the_documented_report(model_dir, tmp_path, monkeypatch):
     assert any(n.startswith("fewer_steps_") for n in names)
     assert any(n.startswith("budget_") and n.endswith("_slowdown") for n in names)
     keys = {"p50_ms", "p99_ms", "full_calls", "skipped_calls", "forced_skips", "action_rel_l2", "latent_psnr_db",
-            "budget_ms", "miss_rate", "success_rate", "collision_rate", "episode_steps"}
+            "budget_ms", "miss_rate", "success_rate", "collision_rate", "episode_steps", "cut_rate",
+            "action_rel_l2_cut", "action_rel_l2_uncut"}
     for config in report["configs"]:
         assert keys <= set(config)
+        cut, uncut = config["action_rel_l2_cut"], config["action_rel_l2_uncut"]
+        assert (cut is None) == (config["cut_rate"] == 0) and (uncut is None) == (config["cut_rate"] == 1)
+        split = config["cut_rate"] * (cut or 0.0) + (1 - config["cut_rate"]) * (uncut or 0.0)
+        assert split == pytest.approx(config["action_rel_l2"])  # the split covers every tick once
+    assert report["env_id"] == "PolicyServer/ReachEitherTimed-v0"
     uncached = report["configs"][0]
     assert uncached["action_rel_l2"] == 0.0 and uncached["skipped_calls"] == 0
     by_name = {c["name"]: c for c in report["configs"]}
