@@ -1,7 +1,9 @@
 """The bench's comparison rules on hand-made figures: which configurations the controller is held against."""
 
+import pytest
+
 from policy_server.budget.profile import ProfilePoint, TickConfig
-from robots.bench import family_members, sweep
+from robots.bench import family_members, paired_difference, sweep
 
 
 def summary(name, error, p50, p99=None, budget=None, family=None, guarded=None, miss=0.0):
@@ -23,14 +25,19 @@ def test_sweep_holds_the_controller_to_guarded_families_that_hold_and_unguarded_
         summary("guarded_fewer_steps_50", 0.25, 45.0, 49.0, 50, "fewer_steps", True),
         summary("fewer_steps_50", 0.22, 48.0, 60.0, 50, "fewer_steps", False, miss=0.3),
     ]
-    rows = {row["budget_ms"]: row for row in sweep(summaries, [50, 100], 100.0)}
+    errors = {s["name"]: [s["action_rel_l2"]] * 3 for s in summaries}  # the same error on each of 3 ticks
+    rows = {row["budget_ms"]: row for row in sweep(summaries, [50, 100], 100.0, errors)}
     assert rows[100]["best_guarded"]["name"] == "guarded_fewer_steps_100"
     assert rows[100]["best_unguarded_fitting"]["name"] == "seacache_default"
     assert all(rows[100]["targets"].values())
+    lead = rows[100]["paired_difference"]  # controller minus the best of each side, tick by tick
+    assert set(lead) == {"guarded_fewer_steps_100", "seacache_default"}
+    assert lead["seacache_default"]["mean"] == pytest.approx(0.01 - 0.02)
+    assert lead["seacache_default"]["ci95"] == pytest.approx([0.01 - 0.02] * 2)  # no spread: no doubt
     assert rows[50]["best_unguarded_fitting"]["name"] == "fewer_steps_50"  # its p50 fits though it misses 30%
     assert rows[50]["targets"]["beats_guarded_holding_1pct"] and rows[50]["targets"]["beats_best_unguarded_fitting"]
     summaries[-3]["action_rel_l2"] = 0.3  # budget_50 now loses to the guarded family and to max caching
-    targets = sweep(summaries, [50], 100.0)[0]["targets"]
+    targets = sweep(summaries, [50], 100.0, errors)[0]["targets"]
     assert not targets["beats_guarded_holding_1pct"] and not targets["beats_best_unguarded_fitting"]
 
 
@@ -45,3 +52,14 @@ def test_fixed_families_are_fewer_steps_the_published_seacache_default_and_both(
     families = {name: [p.config.name for p in members] for name, members in family_members(points, 20, True).items()}
     assert families == {"fewer_steps": ["n15-cfg15-nocache"],  # the default's own steps are the reference
                         "seacache": ["n20-cfg20-t0.25-c2-o1"], "fewer_steps_seacache": ["n15-cfg15-t0.25-c2-o1"]}
+
+
+def test_paired_difference_is_the_mean_gap_with_an_interval_that_widens_with_a_few_flipped_ticks():
+    steady = paired_difference([0.12] * 100, [0.10] * 100)
+    assert steady["mean"] == pytest.approx(0.02) and steady["ci95"] == pytest.approx([0.02, 0.02])
+    # The same mean gap made of two ticks where the controller flipped the mode (+1.0 each): the interval
+    # reaches below zero, so this run could not say which side is better.
+    flips = paired_difference([1.0, 1.0] + [0.0] * 98, [0.0] * 100)
+    assert flips["mean"] == pytest.approx(0.02)
+    low, high = flips["ci95"]
+    assert low <= 0.0 < 0.02 < high
