@@ -240,7 +240,7 @@ class FixedConfig:
                                             max_consecutive_cached=plan.cap), sea_filter=served.sea_filter)
             control = served.budget.guarded_steps(plan, key, started, cache)
         else:
-            control = fixed_control(pipeline, config)
+            control = fixed_control(pipeline, config, served.sea_filter)
         self.prompt, _ = served.prompt(request.instruction, embodiment, chunk, canvas, self.prompt)
         out = pipeline.run(PolicyRequest(**{**request.__dict__, "num_steps": config.num_steps}), self.prompt, control)
         return served.clock() - started, out, control.guard.late_fallbacks if self.guarded else ()

@@ -40,6 +40,7 @@ from policy_server.budget.profile import (
     frontier,
 )
 from policy_server.cache.controller import NoCache
+from policy_server.cache.sea_filter import SeaFilter
 from policy_server.cache.seacache import SeaCache, SeaCacheConfig
 from policy_server.config import DTYPES
 from policy_server.engine.served import EngineSettings, cache_ladder
@@ -175,19 +176,23 @@ def action_rel_l2(actions: np.ndarray, reference: np.ndarray) -> float:
     return float(np.linalg.norm(actions - reference) / max(np.linalg.norm(reference), 1e-12))
 
 
-def fixed_control(pipeline: PolicyPipeline, config: TickConfig) -> FixedSteps:
-    """The step control of a tick at `config` without a deadline."""
+def fixed_control(pipeline: PolicyPipeline, config: TickConfig, sea_filter: SeaFilter) -> FixedSteps:
+    """The step control of a tick at `config` without a deadline; `sea_filter` is shared across ticks, as the
+    server shares its own, so that its gains are computed once per schedule and not on every tick."""
     window = pipeline.guided_steps(config.num_steps) if config.cfg_steps else range(0)
     guided = range(window.start, max(window.start, min(window.stop, config.cfg_steps)))
     cache = NoCache() if config.threshold == 0 else SeaCache(SeaCacheConfig(
-        threshold=config.threshold, max_consecutive_cached=config.cap, residual_order=config.residual_order))
+        threshold=config.threshold, max_consecutive_cached=config.cap, residual_order=config.residual_order),
+        sea_filter=sea_filter)
     return FixedSteps(config.num_steps, guided, cache)
 
 
-def run_config(pipeline: PolicyPipeline, request: PolicyRequest, config: TickConfig) -> PolicyOutput:
+def run_config(pipeline: PolicyPipeline, request: PolicyRequest, config: TickConfig,
+               sea_filter: SeaFilter) -> PolicyOutput:
     """One tick of `request` at `config`, without a deadline."""
     request = PolicyRequest(**{**request.__dict__, "num_steps": config.num_steps})
-    return run_steps(pipeline.steps(request, None, fixed_control(pipeline, config)), pipeline.transformer.gen_stack)
+    return run_steps(pipeline.steps(request, None, fixed_control(pipeline, config, sea_filter)),
+                     pipeline.transformer.gen_stack)
 
 
 def call_counts(out: PolicyOutput) -> tuple[int, int, int]:
@@ -222,14 +227,15 @@ def calibration_steps(pipeline: PolicyPipeline, observations: Sequence[Observati
                          cfg_steps=pipeline.config.num_steps if pipeline.config.guidance != 1.0 else 0,
                          threshold=0.0, cap=0, residual_order=configs[0].residual_order)
     measured: dict[str, dict[TickConfig, list[tuple[float, int, int, int]]]] = {}
+    sea_filter = SeaFilter()
     for index, observation in enumerate(observations):
         request = PolicyRequest(images=observation.images, instruction=observation.instruction,
                                 embodiment=observation.embodiment, state=observation.state, seed=index)
         pipeline.validate(request)
-        reference = run_config(pipeline, request, default).actions
+        reference = run_config(pipeline, request, default, sea_filter).actions
         yield
         for config in configs:
-            out = run_config(pipeline, request, config)
+            out = run_config(pipeline, request, config, sea_filter)
             runs = measured.setdefault(observation.embodiment, {}).setdefault(config, [])
             runs.append((action_rel_l2(out.actions, reference), *call_counts(out)))
             yield
