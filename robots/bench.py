@@ -64,6 +64,7 @@ import torch
 from tqdm import tqdm
 
 from policy_server.budget.cost_model import FULL, PAIR, SKIP
+from policy_server.budget.guard import LATE_FALLBACKS
 from policy_server.budget.planner import MAX_CACHING
 from policy_server.budget.profile import ProfileError, ProfilePoint, QualityProfile
 from policy_server.budget.tick import PREFILL_STAGE, PREVIEW_STAGE
@@ -121,7 +122,7 @@ class ConfigRun:
 
     def add(self, latency_ms: float, out: PolicyOutput, reference: PolicyOutput | None,
             late_fallbacks: tuple[str, ...] = ()) -> None:
-        """One tick; `late_fallbacks`: what the guard gave up during it (`GuardedSteps.fallbacks`' late ones)."""
+        """One tick; `late_fallbacks`: what its guard gave up during it (`DeadlineGuard.late_fallbacks`)."""
         self.latency_ms.append(latency_ms)
         self.full.append(out.cache.full_calls)
         self.skipped.append(out.cache.skipped_calls)
@@ -174,7 +175,7 @@ def latent_psnr_db(latents: torch.Tensor, reference: torch.Tensor) -> float:
 
 
 def _mean_where(values: list[float], flags: list[bool], flag: bool) -> float | None:
-    chosen = [v for v, f in zip(values, flags, strict=True) if f == flag] if values else []
+    chosen = [v for v, f in zip(values, flags, strict=True) if f == flag]
     return float(np.mean(chosen)) if chosen else None
 
 
@@ -547,7 +548,7 @@ def run(args: argparse.Namespace) -> dict:
                 with slowdown.on(slowed and owner is slow_engine):
                     result = owner.act(session.session_id, session.epoch, api.Observation(
                         images=obs["images"], state=obs["state"], instruction=obs["instruction"], step_index=tick))
-                late = tuple(kind for kind in result.tick.fallback_kinds if kind.startswith("late_"))
+                late = tuple(kind for kind in result.tick.fallback_kinds if kind in LATE_FALLBACKS)
                 run_.add(result.tick.actual_ms["total"], own.last, reference, late)
                 run_.add_tick_record(result.tick)
 

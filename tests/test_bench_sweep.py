@@ -1,9 +1,14 @@
 """The bench's comparison rules on hand-made figures: which configurations the controller is held against."""
 
-import pytest
+from types import SimpleNamespace
 
+import numpy as np
+import pytest
+import torch
+
+from policy_server.budget.guard import LATE_DROP_UNCOND
 from policy_server.budget.profile import ProfilePoint, TickConfig
-from robots.bench import family_members, paired_difference, sweep
+from robots.bench import ConfigRun, family_members, paired_difference, sweep
 
 
 def summary(name, error, p50, p99=None, budget=None, family=None, guarded=None, miss=0.0):
@@ -63,3 +68,21 @@ def test_paired_difference_is_the_mean_gap_with_an_interval_that_widens_with_a_f
     assert flips["mean"] == pytest.approx(0.02)
     low, high = flips["ci95"]
     assert low <= 0.0 < 0.02 < high
+
+
+def tick_output(scale: float, forced_skips: int = 0) -> SimpleNamespace:
+    """What `ConfigRun.add` reads of a tick's output: actions `scale` times the reference's, its call counts."""
+    cache = SimpleNamespace(full_calls=8, skipped_calls=forced_skips, forced_skips=forced_skips)
+    return SimpleNamespace(actions=scale * np.ones((4, 2)), latents=torch.ones(2, 3, 2, 2), cache=cache)
+
+
+def test_a_tick_is_cut_when_its_guard_forced_a_skip_or_gave_up_part_of_it_late():
+    reference = tick_output(1.0)
+    run = ConfigRun("guarded", budget_ms=50.0, guarded=True)
+    run.add(10.0, tick_output(1.1), reference)  # rel. L2 0.1, as planned
+    run.add(10.0, tick_output(1.5, forced_skips=2), reference)  # 0.5, two calls forced to skip
+    run.add(10.0, tick_output(1.3), reference, (LATE_DROP_UNCOND,))  # 0.3, uncond given up late
+    summary = run.summary()
+    assert summary["cut_rate"] == pytest.approx(2 / 3)
+    assert summary["action_rel_l2_cut"] == pytest.approx(0.4) and summary["action_rel_l2_uncut"] == pytest.approx(0.1)
+    assert summary["action_rel_l2"] == pytest.approx(0.3)

@@ -32,6 +32,11 @@ from typing import Protocol
 from .cost_model import FULL, PAIR, CallCosts, step_samples
 from .planner import TickPlan
 
+# What ``pace`` gives up when even skipping every call left cannot meet the deadline (``late_fallbacks``).
+LATE_DROP_UNCOND = "late_drop_uncond_from_step"
+LATE_FINISH = "late_finish_at_step"
+LATE_FALLBACKS = frozenset({LATE_DROP_UNCOND, LATE_FINISH})
+
 
 def monotonic_ms() -> float:
     return time.perf_counter() * 1000.0
@@ -96,12 +101,12 @@ class DeadlineGuard:
         uncond_left = any(len(self._branches(s)) == 2 for s in range(step, plan.num_steps))
         if uncond_left and now + self._cheapest_rest(step, step) <= self._deadline_at:
             self._uncond_stop = step
-            self._late.append(f"late_drop_uncond_from_step={step}")
+            self._late.append(f"{LATE_DROP_UNCOND}={step}")
             return branches[:1], False
         if self._uncond_stop is None:
             self._uncond_stop = step
         self._final_step = step
-        self._late.append(f"late_finish_at_step={step}/{plan.num_steps}")
+        self._late.append(f"{LATE_FINISH}={step}/{plan.num_steps}")
         return branches[:1], True
 
     def _branches(self, step: int, uncond_stop: int | None = None) -> tuple[str, ...]:
