@@ -5,6 +5,8 @@ STACK_MS for one alone, PAIR_STACK_MS for both branches as one batch. So c_full 
 c_pair = 2 * CALL_MS + PAIR_STACK_MS and c_skip = CALL_MS, exactly what the guard and the planner assume.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -192,12 +194,13 @@ def test_a_stall_no_fallback_can_absorb_is_reported_as_a_miss():
     budget = warm_budget(clock)
     plan = budget.plan(KEY, 100.0, 10, 2, None, prefill=False)
     start = clock()
-    record, stages, steps, _ = run_tick(clock, budget, plan, stall_ms=lambda step: 40.0 if step == 4 else 0.0)
+    record, stages, steps, _ = run_tick(clock, budget, plan, stall_ms=lambda step: 60.0 if step == 4 else 0.0)
     actual_ms = clock() - start
     assert steps.fallbacks == ("late_finish_at_step=4/10",)
     assert actual_ms > plan.deadline_ms
-    # Encode and 4 steps of pairs on time, the 40 ms stall, 1 skipped call, decode.
-    assert actual_ms == pytest.approx(ENCODE_MS + 4 * COSTS.pair_ms + 40.0 + COSTS.skip_ms + DECODE_MS)
+    # Encode and 4 steps on time, the 60 ms stall, 1 skipped call, decode.
+    first_steps_ms = sum(COST_OF[kind] for kind, _ in expected_samples(record, 4))
+    assert actual_ms == pytest.approx(ENCODE_MS + first_steps_ms + 60.0 + COSTS.skip_ms + DECODE_MS)
     assert actual_ms == pytest.approx(sum(stages.values()))
     assert len(record.sequence("cond")) == 5 and len(record.sequence("uncond")) == 4
 
@@ -211,11 +214,17 @@ def test_guard_never_forces_the_final_step():
     assert guard.force_skip(3, "cond") is False and guard.force_skip(3, "uncond") is False
 
 
+def at_pace(plan, call_ms):
+    """``plan`` with its step loop predicted at ``call_ms`` per call."""
+    return dataclasses.replace(plan, predicted_stage_ms={**plan.predicted_stage_ms, "denoise": call_ms * plan.calls})
+
+
 @pytest.mark.parametrize("reserve_ms", [0.0, 5.0])
 def test_guard_forces_a_skip_exactly_when_a_full_call_would_overshoot(reserve_ms):
     # At step 0 cond: the step with this call full and uncond skipped (10 + 1), 4 skips (steps 1-2), the final
-    # step's pair (16), then the reserve for the stages after the loop: 31 ms + reserve from now (0).
-    plan = plan_tick(60.0, 4, 2, COSTS)
+    # step's pair (16), then the reserve for the stages after the loop: 31 ms + reserve from now (0). The plan's
+    # pace (every call a skip) is not what binds here.
+    plan = at_pace(plan_tick(60.0, 4, 2, COSTS), COSTS.skip_ms)
     needed = 10.0 + 1.0 + 4 * 1.0 + 16.0 + reserve_ms
     on_time = DeadlineGuard(plan, COSTS, deadline_at_ms=needed, reserve_after_ms=reserve_ms, clock=FakeClock())
     late = DeadlineGuard(plan, COSTS, deadline_at_ms=needed - 0.1, reserve_after_ms=reserve_ms, clock=FakeClock())
@@ -226,6 +235,24 @@ def test_guard_forces_a_skip_exactly_when_a_full_call_would_overshoot(reserve_ms
     assert on_time.force_skip(0, "uncond", joins_full=True) is True
     paired = DeadlineGuard(plan, COSTS, needed + 5.0, reserve_ms, FakeClock())
     assert paired.force_skip(0, "uncond", joins_full=True) is False
+
+
+@pytest.mark.parametrize("reserve_ms", [0.0, 5.0])
+def test_guard_forces_a_skip_exactly_when_a_full_call_would_put_the_tick_behind_its_plan(reserve_ms):
+    """A tick whose gate wants more refreshes than planned, or whose calls run slower, gives up refreshes as it
+    falls behind the plan's pace rather than all at its end: a full call is skipped when it and the later steps
+    at the plan's average cost per call would not fit, though skipping every later call still would."""
+    plan = at_pace(plan_tick(60.0, 4, 2, COSTS), 5.0)
+    # At step 0 cond: this call full (10), steps 1-3 at the plan's 5 ms a call (6 calls), then the reserve.
+    needed = 10.0 + 6 * 5.0 + reserve_ms
+    assert needed > 10.0 + 1.0 + 4 * 1.0 + 16.0 + reserve_ms  # the deadline alone would let the call run
+    on_pace = DeadlineGuard(plan, COSTS, deadline_at_ms=needed, reserve_after_ms=reserve_ms, clock=FakeClock())
+    behind = DeadlineGuard(plan, COSTS, deadline_at_ms=needed - 0.1, reserve_after_ms=reserve_ms, clock=FakeClock())
+    assert on_pace.force_skip(0, "cond") is False
+    assert behind.force_skip(0, "cond") is True
+    # Joining cond's full call adds only what a pair costs over a call alone (6).
+    assert DeadlineGuard(plan, COSTS, needed - 4.0, reserve_ms, FakeClock()).force_skip(0, "uncond", True) is False
+    assert DeadlineGuard(plan, COSTS, needed - 4.1, reserve_ms, FakeClock()).force_skip(0, "uncond", True) is True
 
 
 def test_guard_does_not_force_when_time_is_ample():

@@ -1,11 +1,20 @@
-"""In-tick deadline guard: forces SKIP whenever running FULL now would make the deadline unreachable.
+"""In-tick deadline guard: forces SKIP when running FULL now would put the tick behind its plan's pace.
 
-Before a call at step ``s`` that the cache gate wants to run FULL, the guard checks whether
-``now + rest of this call as FULL + (remaining non-final calls) * c_skip + (final step, all FULL)
-+ reserve_after`` exceeds the deadline; if so it answers True and SeaCache skips instead (when it has a
-residual). A step's full calls run as one batch, so a call that joins another full call of its step costs
-only ``c_pair - c_full`` more, and a final step with both branches costs ``c_pair``. The planned final step
-is reserved as FULL and never forced. This bounds the tick even when the gate would refresh every step.
+Before a call at step ``s`` that the cache gate wants to run FULL, the guard answers True (SeaCache then
+skips, when it has a residual) in two cases:
+
+* the deadline would become unreachable: ``now + rest of this call as FULL + (remaining non-final calls) *
+  c_skip + (final step, all FULL) + reserve_after`` exceeds it. This bounds the tick even when the gate would
+  refresh every step.
+* the tick would fall behind its plan: ``now + this call as FULL + (calls of the later steps) * the plan's
+  average cost per call + reserve_after`` exceeds it, the average raised by the slowdown seen in this tick.
+  A tick that runs slow (a slower machine, a gate that wants more refreshes than planned) so gives up a few
+  refreshes spread over the tick instead of a run of skips at its end, which costs far less action error
+  (one refresh skipped in a cap-bounded pattern versus extrapolating a residual over many steps).
+
+A step's full calls run as one batch, so a call that joins another full call of its step costs only
+``c_pair - c_full`` more, and a final step with both branches costs ``c_pair``. The planned final step is
+reserved as FULL and never forced.
 
 Before each sampler step the guard ``pace``s it: the plan's CFG branches of the step, and whether it is the
 last. When even skipping every call left cannot meet the deadline (a stall, a machine slower than the cost
@@ -17,8 +26,8 @@ The guard also times every step (from one ``pace`` to the next, so the embedding
 sampler update around the stacks count), and ``on_call`` tells it what the step's calls were. So the cost
 model learns c_full, c_pair and c_skip from real ticks (``step_samples``), and a slowdown seen earlier in the
 same tick raises the estimates for the rest of it (c_full and c_pair: the median of their last three
-samples; c_skip: the median skipped call; never below the cost model's). The last step is not timed:
-nothing follows it inside the loop.
+samples, or the other's slowdown while a kind has not run in the tick; c_skip: the median skipped call;
+never below the cost model's). The last step is not timed: nothing follows it inside the loop.
 """
 
 from __future__ import annotations
@@ -30,7 +39,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from .cost_model import FULL, PAIR, CallCosts, step_samples
-from .planner import TickPlan
+from .planner import DENOISE_STAGE, TickPlan
 
 # What ``pace`` gives up when even skipping every call left cannot meet the deadline (``late_fallbacks``).
 LATE_DROP_UNCOND = "late_drop_uncond_from_step"
@@ -73,6 +82,7 @@ class DeadlineGuard:
         self._deadline_at = float(deadline_at_ms)
         self._reserve_after = float(reserve_after_ms)
         self._prior = {FULL: cautious.full_ms, PAIR: cautious.pair_ms}
+        self._planned_call_ms = plan.predicted_stage_ms[DENOISE_STAGE] / plan.calls
         self._full_ms, self._pair_ms = cautious.full_ms, cautious.pair_ms
         self._skip_ms = self._prior_skip_ms = cautious.skip_ms
         self._samples: dict[str, list[float]] = {FULL: [], PAIR: []}
@@ -149,7 +159,15 @@ class DeadlineGuard:
         # that many skipped calls cost, since anything longer was a stall, not progress on this step.
         rest_of_step = step_ms - min(now - self._step_mark, (position + 1) * self._skip_ms)
         needed = rest_of_step + middle_calls * self._skip_ms + self._full_step_ms(final_calls) + self._reserve_after
-        return now + needed > self._deadline_at
+        this_call = self._pair_ms - self._full_ms if joins_full else self._full_ms
+        on_pace = this_call + (middle_calls + final_calls) * self._planned_call_ms * self._slowdown() \
+            + self._reserve_after
+        return now + max(needed, on_pace) > self._deadline_at
+
+    def _slowdown(self) -> float:
+        """How much slower this tick's calls run than planned (>= 1: the estimates never fall below the prior)."""
+        return max(self._full_ms / self._prior[FULL], self._pair_ms / self._prior[PAIR],
+                   self._skip_ms / self._prior_skip_ms)
 
     def on_call(self, decisions: Sequence[_Decision]) -> None:
         """The call just decided and done: one skipped call, one full call, or the full calls of the step that
@@ -169,15 +187,8 @@ class DeadlineGuard:
         self._steps.append(StepTiming(calls[0].step, tuple(samples)))
         for kind, sample in samples:
             if kind in self._samples:
-                # A lasting slowdown shows in the last few steps; one slow step (a stall) does not make every
-                # later step look as slow, which would cut the rest of the tick for nothing.
-                recent = self._samples[kind]
-                recent.append(sample)
-                estimate = max(self._prior[kind], statistics.median(recent[-3:]))
-                if kind == FULL:
-                    self._full_ms = estimate
-                else:
-                    self._pair_ms = estimate
+                self._samples[kind].append(sample)
+                self._update_stack_estimates()
             else:
                 # Skipped calls are many and short: one stall must not make every later one look slow (that
                 # would end the tick early for nothing), so the estimate follows their median once there are
@@ -185,6 +196,17 @@ class DeadlineGuard:
                 self._skip_samples.append(sample)
                 if len(self._skip_samples) >= 3:
                     self._skip_ms = max(self._prior_skip_ms, statistics.median(self._skip_samples))
+
+    def _update_stack_estimates(self) -> None:
+        """c_full and c_pair from this tick's steps. A lasting slowdown shows in the last few steps; one slow step
+        (a stall) does not make every later step look as slow, which would cut the rest of the tick for nothing.
+        A kind not yet run in this tick is as much slower than planned as the other: a machine that runs pairs
+        twice as slow runs single calls slower too."""
+        observed = {kind: max(self._prior[kind], statistics.median(recent[-3:]))
+                    for kind, recent in self._samples.items() if recent}
+        ratio = max(observed[kind] / self._prior[kind] for kind in observed)
+        self._full_ms = observed.get(FULL, self._prior[FULL] * ratio)
+        self._pair_ms = observed.get(PAIR, self._prior[PAIR] * ratio)
 
     # ---------------------------------------------------------------- what happened
 

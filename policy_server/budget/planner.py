@@ -34,6 +34,7 @@ from .history import SessionHistory, Structure
 from .profile import ProfilePoint
 
 ThresholdRule = float | Callable[[int, int], float]
+DENOISE_STAGE = "denoise"  # the step loop, in ``TickPlan.predicted_stage_ms`` beside the fixed stages
 
 
 @dataclass(frozen=True)
@@ -296,7 +297,7 @@ def plan_tick(
         expected_full_calls=expected,
         min_full_calls=min_full(structure, 0),
         predicted_ms=predicted,
-        predicted_stage_ms={**cost.fixed_stages, "denoise": predicted - cost.fixed},
+        predicted_stage_ms={**cost.fixed_stages, DENOISE_STAGE: predicted - cost.fixed},
         feasible=feasible,
         best_achievable_ms=best_achievable,
         fits=predicted <= deadline_ms,
@@ -410,7 +411,7 @@ def plan_on_frontier(
         expected_full_calls=full,
         min_full_calls=full,
         predicted_ms=predicted[chosen],
-        predicted_stage_ms={**costs.fixed_ms, "denoise": predicted[chosen] - costs.fixed_total_ms},
+        predicted_stage_ms={**costs.fixed_ms, DENOISE_STAGE: predicted[chosen] - costs.fixed_total_ms},
         feasible=bool(fitting),
         best_achievable_ms=predicted[cheapest],
         fits=bool(fitting),

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from .cost_model import CostModel
 from .guard import DeadlineGuard, monotonic_ms
 from .history import SessionHistory
-from .planner import PlannerConfig, TickPlan, plan_on_frontier, plan_tick
+from .planner import DENOISE_STAGE, PlannerConfig, TickPlan, plan_on_frontier, plan_tick
 from .profile import ProfilePoint
 
 if TYPE_CHECKING:
@@ -29,7 +29,6 @@ if TYPE_CHECKING:
     from policy_server.cache.controller import CacheRecord
     from policy_server.cache.seacache import SeaCache
 
-DENOISE_STAGE = "denoise"
 PREFILL_STAGE = "prefill"
 PREVIEW_STAGE = "preview"  # decoding the predicted frames, for the sessions that asked for them
 
