@@ -1,4 +1,4 @@
-"""In-tick deadline guard: forces SKIP when running FULL now would put the tick behind its plan's pace.
+"""In-tick deadline guard: forces SKIP when running FULL now would miss the deadline or fall behind the plan.
 
 Before a call at step ``s`` that the cache gate wants to run FULL, the guard answers True (SeaCache then
 skips, when it has a residual) in two cases:
