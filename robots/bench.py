@@ -508,8 +508,8 @@ def run(args: argparse.Namespace) -> dict:
             runs[name] = ConfigRun(name, budget_ms=b, family=family, guarded=True)
             sessions[name] = (owner, pipe, owner.open_session(embodiment.name, "warm up", budget_ms=b, seed=0,
                                                               rate_hz=0.0))
-        # Each family's best configuration by the profile's prediction at the controller's costs, under its
-        # guard and without it.
+        # Each family's best configuration by the profile's prediction at the costs the guard holds a tick to,
+        # under its guard and without it.
         costs = controller.served.cost_model.costs(key).without(PREFILL_STAGE).without(PREVIEW_STAGE)
         costs = costs.cautious(controller.served.budget.config.cost_margin_devs)
         for family, members in family_members(points, steps, cfg).items():

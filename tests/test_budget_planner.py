@@ -172,6 +172,8 @@ def test_callable_threshold_schedule_in_a_custom_ladder():
         ({"ladder": (CacheSetting("a", 0.5, 3), CacheSetting("b", 0.5, 2))}, "least to most"),
         ({"ladder": (CacheSetting("a", 0.5, 2), CacheSetting("a", 0.6, 2))}, "unique"),
         ({"count_quantile": 0.0}, "count_quantile"),
+        ({"frontier_count_quantile": 1.5}, "frontier_count_quantile"),
+        ({"frontier_cost_margin_devs": -1.0}, "frontier_cost_margin_devs"),
         ({"min_steps": 0}, "min_steps"),
     ],
 )
@@ -295,8 +297,9 @@ def test_the_session_own_counts_replace_the_calibration_sets_once_it_has_run_a_p
     assert plan.setting == varied.config.name and plan.predicted_ms == pytest.approx(70.0)  # 10 + 4 * 12 + 12
     assert plan.expected_full_calls == 8 and plan.expected_error == varied.error  # errors stay the profile's
     history.observe(varied.config.name, structure, 16)  # a scene where it wants 16: 10 + 8 * 12 + 4 = 110 ms
-    assert plan_on_frontier(100.0, frontier, PAIRED, history=history).setting == FRONTIER[2].config.name
-    assert plan_on_frontier(100.0, frontier, PAIRED, history=history, count_quantile=0.5).setting == varied.config.name
+    assert plan_on_frontier(100.0, frontier, PAIRED, history=history,
+                            count_quantile=0.9).setting == FRONTIER[2].config.name
+    assert plan_on_frontier(100.0, frontier, PAIRED, history=history).setting == varied.config.name  # the median: 12
 
 
 def test_a_point_runs_its_wanted_calls_alone_and_in_pairs_as_on_the_calibration_set():

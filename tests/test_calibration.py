@@ -150,9 +150,9 @@ def test_an_engine_plans_its_ticks_on_the_profile(pipe, profile):
         engine.close_session(session.session_id)
 
         session = engine.open_session("pusht", "reach the red circle", rate_hz=0)
-        # What this session's first tick is planned with: its prefill, no preview decode, the guard's margin.
+        # What this session's first tick is planned with: its prefill, no preview decode, the frontier's margin.
         costs = engine.served.cost_model.costs(engine.sessions.get(session.session_id).cost_key).without("preview")
-        costs = costs.cautious(engine.served.budget.config.cost_margin_devs)
+        costs = costs.cautious(engine.served.budget.config.frontier_cost_margin_devs)
         demand = engine.sessions.get(session.session_id).demand  # halfway between the cheapest point and uncached
         budget = (demand.floor_ms + demand.ceiling_ms) / 2
         engine.set_budget(session.session_id, budget)

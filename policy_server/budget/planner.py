@@ -101,8 +101,11 @@ class PlannerConfig:
     """Planner knobs.
 
     ladder: settings from least to most aggressive; ``MAX_CACHING`` is appended when absent.
-    count_quantile: quantile of the session's recent full-call counts that must fit.
-    cost_margin_devs: plan on costs raised by this many mean absolute deviations.
+    count_quantile: quantile of the session's recent full-call counts that must fit (the ladder's).
+    cost_margin_devs: the ladder plans, and the guard holds every tick to, costs raised by this many mean
+        absolute deviations.
+    frontier_count_quantile / frontier_cost_margin_devs: the same for planning on a quality profile's frontier:
+        its expected cost, since the guard's pace rule spreads a slower tick's cuts thinly over it.
     drop_uncond / min_cfg_steps: fallback 1, and the first steps that always keep the uncond pass.
     fewer_steps / min_steps: fallback 2, and the fewest sampler steps it may go down to.
     """
@@ -112,6 +115,8 @@ class PlannerConfig:
     cache_end_steps: int = 1
     count_quantile: float = 0.9
     cost_margin_devs: float = 1.0
+    frontier_count_quantile: float = 0.5
+    frontier_cost_margin_devs: float = 0.0
     drop_uncond: bool = True
     min_cfg_steps: int = 1
     fewer_steps: bool = True
@@ -140,10 +145,12 @@ class PlannerConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.min_steps < 1:
             raise ValueError(f"min_steps must be >= 1, got {self.min_steps}")
-        if not 0.0 < self.count_quantile <= 1.0:
-            raise ValueError(f"count_quantile must be in (0, 1], got {self.count_quantile}")
-        if self.cost_margin_devs < 0:
-            raise ValueError(f"cost_margin_devs must be >= 0, got {self.cost_margin_devs}")
+        for name in ("count_quantile", "frontier_count_quantile"):
+            if not 0.0 < getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
+        for name in ("cost_margin_devs", "frontier_cost_margin_devs"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
@@ -375,17 +382,15 @@ def plan_on_frontier(
     costs: CallCosts,
     guided: Callable[[int], range] = range,
     history: SessionHistory | None = None,
-    count_quantile: float = 0.9,
+    count_quantile: float = 0.5,
 ) -> TickPlan:
     """The point of a quality profile's frontier with the least expected error whose latency fits
-    ``deadline_ms`` at a high quantile of the gate's full-call count: steps, CFG schedule and cache setting
-    chosen together. A point that fits only on average would have the guard cut it on the other ticks, which
-    costs more error than the next point would. The count is the calibration set's 90th percentile until the
-    session has run the point; then the ``count_quantile`` of the session's own recent counts (``history``),
-    since the gate refreshes on this robot's scene as often as on its last ticks, not as on the calibration
-    set. The expected errors stay the profile's. When no point fits, the cheapest one, marked ``fits=False``
-    (fallback ``no_point_fits``): the guard then gives up what it must. ``costs``: those the guard holds the
-    tick to; ``guided``: as for ``plan_tick``."""
+    ``deadline_ms``: steps, CFG schedule and cache setting chosen together. The gate's full-call count is the
+    calibration set's 90th percentile until the session has run the point; then the ``count_quantile`` of the
+    session's own recent counts (``history``), since the gate refreshes on this robot's scene as often as on
+    its last ticks, not as on the calibration set. The expected errors stay the profile's. When no point fits,
+    the cheapest one, marked ``fits=False`` (fallback ``no_point_fits``): the guard then gives up what it must.
+    ``costs``: the expected ones, the guard absorbing the tail; ``guided``: as for ``plan_tick``."""
     seen = [None if history is None else history.quantile(p.config.name, (p.config.num_steps, p.config.cfg_steps),
                                                           count_quantile) for p in points]
     predicted = [point.predicted_p90_ms(costs) if count is None else point.predicted_at_ms(costs, count)

@@ -110,9 +110,9 @@ class TickBudget:
             costs = costs.without(PREFILL_STAGE)
         if not preview:
             costs = costs.without(PREVIEW_STAGE)
-        if frontier:  # on the costs the guard will hold the tick to, so that it need not cut what was planned
-            return plan_on_frontier(time_left_ms, frontier, costs.cautious(self.config.cost_margin_devs), self.guided,
-                                    history, self.config.count_quantile)
+        if frontier:
+            return plan_on_frontier(time_left_ms, frontier, costs.cautious(self.config.frontier_cost_margin_devs),
+                                    self.guided, history, self.config.frontier_count_quantile)
         return plan_tick(time_left_ms, num_steps, passes, costs, history, self.config, self.guided)
 
     def guarded_steps(self, plan: TickPlan, key: Hashable, tick_started_at_ms: float, cache: SeaCache) -> GuardedSteps:
