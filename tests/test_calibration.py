@@ -153,8 +153,11 @@ def test_an_engine_plans_its_ticks_on_the_profile(pipe, profile):
         # What this session's first tick is planned with: its prefill, no preview decode, the frontier's margin.
         costs = engine.served.cost_model.costs(engine.sessions.get(session.session_id).cost_key).without("preview")
         costs = costs.cautious(engine.served.budget.config.frontier_cost_margin_devs)
-        demand = engine.sessions.get(session.session_id).demand  # halfway between the cheapest point and uncached
-        budget = (demand.floor_ms + demand.ceiling_ms) / 2
+        # Halfway between the cheapest point and uncached at this instruction's costs (admission sizes the session
+        # at the longest instruction, whose uncached tick is dearer).
+        demand = engine.sessions.get(session.session_id).demand
+        predicted = [p.predicted_p90_ms(costs) for p in points]
+        budget = max(demand.floor_ms, (min(predicted) + predicted[0]) / 2)
         engine.set_budget(session.session_id, budget)
         tick = engine.act(session.session_id, 1, _observation(1)).tick
         chosen = next(p for p in points if p.config.name == tick.setting)
