@@ -14,9 +14,10 @@ from robots.soak import main as soak_main
 
 def test_soak_against_a_real_server(tmp_path):
     out = tmp_path / "soak.json"
-    # 16-step episodes: every session resets (a new epoch) every two ticks.
+    # 16-step episodes: every session resets (a new epoch) every two ticks. Two sessions' cheapest
+    # ticks must fit one budget side by side; 400 ms leaves room for a slow CI machine's floor.
     rc = soak_main(["--sessions", "2", "--ticks", "6", "--episode-steps", "16", "--warmup-ticks", "2",
-                    "--rss-every-s", "0.5", "--out", str(out)])
+                    "--rss-every-s", "0.5", "--latency-budget-ms", "400", "--out", str(out)])
     report = json.loads(out.read_text())
     assert rc == (0 if report["passed"] else 1)
     assert {"config", "wall_s", "errors", "wrong_answers", "misses", "miss_rate", "latency_ms", "latency_by_tenth",
