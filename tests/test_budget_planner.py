@@ -298,7 +298,7 @@ def test_the_session_own_counts_replace_the_calibration_sets_once_it_has_run_a_p
     assert plan.expected_full_calls == 8 and plan.expected_error == varied.error  # errors stay the profile's
     history.observe(varied.config.name, structure, 16)  # a scene where it wants 16: 10 + 8 * 12 + 4 = 110 ms
     assert plan_on_frontier(100.0, frontier, PAIRED, history=history,
-                            count_quantile=0.9).setting == FRONTIER[2].config.name
+                            config=PlannerConfig(frontier_count_quantile=0.9)).setting == FRONTIER[2].config.name
     assert plan_on_frontier(100.0, frontier, PAIRED, history=history).setting == varied.config.name  # the median: 12
 
 

@@ -380,19 +380,22 @@ def plan_on_frontier(
     deadline_ms: float,
     points: Sequence[ProfilePoint],
     costs: CallCosts,
-    guided: Callable[[int], range] = range,
     history: SessionHistory | None = None,
-    count_quantile: float = 0.5,
+    config: PlannerConfig | None = None,
+    guided: Callable[[int], range] = range,
 ) -> TickPlan:
     """The point of a quality profile's frontier with the least expected error whose latency fits
     ``deadline_ms``: steps, CFG schedule and cache setting chosen together. The gate's full-call count is the
-    calibration set's 90th percentile until the session has run the point; then the ``count_quantile`` of the
-    session's own recent counts (``history``), since the gate refreshes on this robot's scene as often as on
+    calibration set's 90th percentile until the session has run the point; then the ``frontier_count_quantile``
+    of the session's own recent counts (``history``), since the gate refreshes on this robot's scene as often as on
     its last ticks, not as on the calibration set. The expected errors stay the profile's. When no point fits,
     the cheapest one, marked ``fits=False`` (fallback ``no_point_fits``): the guard then gives up what it must.
-    ``costs``: the expected ones, the guard absorbing the tail; ``guided``: as for ``plan_tick``."""
+    ``costs``: from ``CostModel.costs``, raised by ``frontier_cost_margin_devs`` (by default none: the guard
+    absorbs the tail); ``guided``: as for ``plan_tick``."""
+    config = config or PlannerConfig()
+    costs = costs.cautious(config.frontier_cost_margin_devs)
     seen = [None if history is None else history.quantile(p.config.name, (p.config.num_steps, p.config.cfg_steps),
-                                                          count_quantile) for p in points]
+                                                          config.frontier_count_quantile) for p in points]
     predicted = [point.predicted_p90_ms(costs) if count is None else point.predicted_at_ms(costs, count)
                  for point, count in zip(points, seen, strict=True)]
     cheapest = min(range(len(points)), key=predicted.__getitem__)

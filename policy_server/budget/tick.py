@@ -111,8 +111,7 @@ class TickBudget:
         if not preview:
             costs = costs.without(PREVIEW_STAGE)
         if frontier:
-            return plan_on_frontier(time_left_ms, frontier, costs.cautious(self.config.frontier_cost_margin_devs),
-                                    self.guided, history, self.config.frontier_count_quantile)
+            return plan_on_frontier(time_left_ms, frontier, costs, history, self.config, self.guided)
         return plan_tick(time_left_ms, num_steps, passes, costs, history, self.config, self.guided)
 
     def guarded_steps(self, plan: TickPlan, key: Hashable, tick_started_at_ms: float, cache: SeaCache) -> GuardedSteps:
