@@ -341,13 +341,16 @@ def test_instructions_over_the_token_limit_are_refused(engine):
 def test_a_long_instruction_or_a_slow_tick_does_not_change_what_other_sessions_get(engine):
     short_key = engine.served.cost_key("pusht", 8, 4)
     budget = _budget_for_two(engine) + 0.25 * _floor_ms(engine)  # off the edge: normal noise moves nothing
-    before_costs, before_capacity = engine.served.cost_model.costs(short_key), engine.capacity(budget, 0.0)
+    before_costs = engine.served.cost_model.costs(short_key)
     from policy_server.limits import MAX_INSTRUCTION_TOKENS
 
     long_session = engine.open_session("pusht", engine._warmup.text_of(MAX_INSTRUCTION_TOKENS), rate_hz=0)
     engine.act(long_session.session_id, 1, _observation())
     assert engine.served.cost_model.costs(short_key) == before_costs  # learned under its own key
     engine.close_session(long_session.session_id)
+    # Admission sizes sessions at the longest instruction, so that tick has just taught it (warmup ran that key
+    # only twice); from here on nothing may move it.
+    before_capacity = engine.capacity(budget, 0.0)
     session = engine.open_session("pusht", "reach the red circle", rate_hz=0)
     slowdown = Slowdown(engine.served.pipeline.transformer, 20.0)
     with slowdown.on():  # one stalled tick: every full call 20 ms slower

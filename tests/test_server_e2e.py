@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from video_checks import assert_browser_playable
 
 from policy_server.client import ControlStream, PolicyClient, PolicyServerError, build_observation
+from policy_server.client.__main__ import main as client_main
 from policy_server.v1 import policy_server_pb2 as pb
 from policy_server.v1.wire import encode_image, tensor_to_proto
 from robots.embedded import build_random_pipeline
@@ -412,18 +413,23 @@ def test_ticks_asked_for_faster_than_declared_are_refused_with_a_retry_delay(ser
     server.close_session(session)
 
 
-def test_sessions_beyond_capacity_are_refused_with_the_capacity_figure(server):
+def test_sessions_beyond_capacity_are_refused_with_the_capacity_figure(served, capsys):
+    server, server_log, _ = served
     with pytest.raises(PolicyServerError) as infeasible:
         server.open_session("pusht", "reach the red circle", budget_ms=0.01)
     floor = infeasible.value.detail.best_achievable_ms
 
     def capacity(budget):
-        request = pb.GetServerInfoRequest(budget_ms=budget, rate_hz=0.0)
-        return server.stub.GetServerInfo(request, metadata=server.call_metadata(), timeout=30).capacity[0]
+        return server.server_info(budget_ms=budget, rate_hz=0.0).capacity[0]
 
     # The smallest budget, in quarters of the cheapest tick, with room for two of them.
     budget = next(b for b in (floor * k / 4 for k in range(8, 40)) if capacity(b).sessions_alone >= 2)
     assert (capacity(budget).sessions_alone, capacity(budget).sessions_more) == (2, 2)
+    capsys.readouterr()
+    assert client_main(["info", "--server", server.target, "--auth-token-file", str(server_log.parent / "token"),
+                        "--budget-ms", str(budget), "--rate-hz", "0"]) == 0
+    (printed,) = json.loads(capsys.readouterr().out)["capacity"]
+    assert (printed["budgetMs"], printed["sessionsAlone"], printed["sessionsMore"]) == (budget, 2, 2)
     opened = [server.open_session("pusht", "reach the red circle", budget_ms=budget, rate_hz=0.0) for _ in range(2)]
     with pytest.raises(PolicyServerError) as refused:
         server.open_session("pusht", "reach the red circle", budget_ms=budget, rate_hz=0.0)

@@ -1,4 +1,5 @@
-"""Command-line probe: ``python -m policy_server.client health|info --server HOST:PORT``.
+"""Command-line probe: ``python -m policy_server.client health|info --server HOST:PORT`` (``info --budget-ms MS
+--rate-hz HZ``: how many such sessions fit).
 
 ``health`` exits 0 only when the server reports SERVING (used by the Docker HEALTHCHECK).
 """
@@ -26,6 +27,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--auth-token-file", type=Path, help="file with the server's bearer token")
     parser.add_argument("--tls-ca", type=Path, help="PEM root certificate; enables TLS")
     parser.add_argument("--timeout-s", type=float, default=3.0)
+    parser.add_argument("--budget-ms", type=float,
+                        help="info: the capacity at this latency budget (default: the server's)")
+    parser.add_argument("--rate-hz", type=float,
+                        help="info: the capacity at this request rate (default: each embodiment's; 0: closed loop)")
     return parser
 
 
@@ -42,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
             status = client.health()
             print(status)
             return 0 if status == "SERVING" else 1
-        print(json_format.MessageToJson(client.server_info()))
+        print(json_format.MessageToJson(client.server_info(args.budget_ms, args.rate_hz)))
         return 0
     except PolicyServerError as exc:
         print(exc, file=sys.stderr)

@@ -160,8 +160,12 @@ class PolicyClient:
 
     # -- server --------------------------------------------------------------------------------
 
-    def server_info(self, timeout_s: float | None = None) -> pb.ServerInfo:
-        return self._call(self.stub.GetServerInfo, pb.GetServerInfoRequest(), timeout_s)
+    def server_info(self, budget_ms: float | None = None, rate_hz: float | None = None,
+                    timeout_s: float | None = None) -> pb.ServerInfo:
+        """What the server serves, its limits, and per embodiment how many sessions of ``budget_ms`` (ms) and
+        ``rate_hz`` fit (``capacity``; None: the server's default budget, the embodiment's default rate)."""
+        request = pb.GetServerInfoRequest(budget_ms=budget_ms, rate_hz=rate_hz)
+        return self._call(self.stub.GetServerInfo, request, timeout_s)
 
     def health(self, service: str = "", timeout_s: float | None = None) -> str:
         """SERVING, NOT_SERVING or SERVICE_UNKNOWN (standard grpc.health.v1)."""
