@@ -426,10 +426,12 @@ def test_sessions_beyond_capacity_are_refused_with_the_capacity_figure(served, c
     budget = next(b for b in (floor * k / 4 for k in range(8, 40)) if capacity(b).sessions_alone >= 2)
     assert (capacity(budget).sessions_alone, capacity(budget).sessions_more) == (2, 2)
     capsys.readouterr()
-    assert client_main(["info", "--server", server.target, "--auth-token-file", str(server_log.parent / "token"),
-                        "--budget-ms", str(budget), "--rate-hz", "0"]) == 0
+    cli = ["info", "--server", server.target, "--auth-token-file", str(server_log.parent / "token")]
+    assert client_main([*cli, "--budget-ms", str(budget), "--rate-hz", "0"]) == 0
     (printed,) = json.loads(capsys.readouterr().out)["capacity"]
     assert (printed["budgetMs"], printed["sessionsAlone"], printed["sessionsMore"]) == (budget, 2, 2)
+    assert client_main([*cli, "--budget-ms", "-5"]) == 2
+    assert "budget_ms: expected a latency budget in (0, 60000] ms" in capsys.readouterr().err
     opened = [server.open_session("pusht", "reach the red circle", budget_ms=budget, rate_hz=0.0) for _ in range(2)]
     with pytest.raises(PolicyServerError) as refused:
         server.open_session("pusht", "reach the red circle", budget_ms=budget, rate_hz=0.0)

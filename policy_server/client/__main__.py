@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
             status = client.health()
             print(status)
             return 0 if status == "SERVING" else 1
-        print(json_format.MessageToJson(client.server_info(args.budget_ms, args.rate_hz)))
+        print(json_format.MessageToJson(client.server_info(budget_ms=args.budget_ms, rate_hz=args.rate_hz)))
         return 0
     except PolicyServerError as exc:
         print(exc, file=sys.stderr)

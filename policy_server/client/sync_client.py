@@ -160,8 +160,8 @@ class PolicyClient:
 
     # -- server --------------------------------------------------------------------------------
 
-    def server_info(self, budget_ms: float | None = None, rate_hz: float | None = None,
-                    timeout_s: float | None = None) -> pb.ServerInfo:
+    def server_info(self, timeout_s: float | None = None, *, budget_ms: float | None = None,
+                    rate_hz: float | None = None) -> pb.ServerInfo:
         """What the server serves, its limits, and per embodiment how many sessions of ``budget_ms`` (ms) and
         ``rate_hz`` fit (``capacity``; None: the server's default budget, the embodiment's default rate)."""
         request = pb.GetServerInfoRequest(budget_ms=budget_ms, rate_hz=rate_hz)
