@@ -6,6 +6,7 @@ import pytest
 
 from policy_server.budget.profile import (
     Calibration,
+    Cut,
     ProfileError,
     ProfilePoint,
     QualityProfile,
@@ -38,8 +39,19 @@ def test_the_frontier_drops_only_what_another_point_beats_on_every_count():
     assert not fewer.dominates(fewer) and fewer.dominates(worse)
 
 
+def test_a_point_planned_short_errs_as_its_measured_cuts_say():
+    point = _point(20, 0.02, 0, 20, 0).model_copy(update={"cuts": (Cut(fraction=0.8, error=0.04),
+                                                                    Cut(fraction=0.4, error=0.2))})
+    assert point.error_at(1.0) == point.error_at(1.7) == 0.02  # whole
+    assert point.error_at(0.9) == pytest.approx(0.03) and point.error_at(0.8) == pytest.approx(0.04)
+    assert point.error_at(0.6) == pytest.approx(0.12) and point.error_at(0.4) == pytest.approx(0.2)
+    assert point.error_at(0.39) is None  # below what calibration measured
+    assert _point(20, 0.02, 0, 20, 0).error_at(0.99) is None  # no cut measured: it runs whole or not at all
+
+
 def test_a_profile_round_trips_through_its_file(tmp_path):
-    profile = _profile([_point(20, 0.0, 0, 20, 0), _point(10, 0.1, 1, 4, 10, threshold=0.5)])
+    cut = _point(20, 0.0, 0, 20, 0).model_copy(update={"cuts": (Cut(fraction=0.6, error=0.03),)})
+    profile = _profile([cut, _point(10, 0.1, 1, 4, 10, threshold=0.5)])
     path = tmp_path / "profiles" / "quality_profile.json"
     profile.save(path)
     assert QualityProfile.load(path, DIGEST) == profile
@@ -54,11 +66,16 @@ def test_a_profile_of_other_weights_is_rejected(tmp_path):
 
 
 @pytest.mark.parametrize(("edit", "message"), [
-    (lambda d: d.update(version=7), "version 7; expected 2"),
+    (lambda d: d.update(version=7), "version 7; expected 3"),
     (lambda d: d["embodiments"]["pusht"][0].update(error=-1.0), r"embodiments\.pusht\.0\.error: Input should be"),
     (lambda d: d["embodiments"]["pusht"][0]["config"].update(num_steps=0), r"config\.num_steps"),
     (lambda d: d.update(extra=1), "extra: Extra inputs are not permitted"),
     (lambda d: d["embodiments"].update(pusht=[]), "embodiments.pusht: no configurations"),
+    (lambda d: d["embodiments"]["pusht"][0].update(cuts=[{"fraction": 0.5, "error": 0.1},
+                                                         {"fraction": 0.8, "error": 0.05}]),
+     r"embodiments\.pusht\.0\.cuts: Value error, cut fractions must decrease, got \[0.5, 0.8\]"),
+    (lambda d: d["embodiments"]["pusht"][0].update(cuts=[{"fraction": 1.0, "error": 0.1}]),
+     r"cuts\.0\.fraction: Input should be less than 1"),
 ])
 def test_a_bad_profile_names_what_is_wrong(tmp_path, edit, message):
     path = tmp_path / "quality_profile.json"

@@ -7,9 +7,13 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+from policy_server.budget.cost_model import CallCosts
+from policy_server.budget.planner import expected_error
 from policy_server.budget.profile import PROFILE_FILE, QualityProfile, frontier
+from policy_server.cache.sea_filter import SeaFilter
 from policy_server.engine import api
 from policy_server.engine.calibration import (
+    CUT_SHARES,
     DEFAULT_OBSERVATIONS,
     CalibrationError,
     Observation,
@@ -18,11 +22,12 @@ from policy_server.engine.calibration import (
     load_observations,
     main,
     resolve_profile,
+    run_short,
     save_observations,
 )
 from policy_server.engine.engine import ModelEngine
 from policy_server.engine.served import EngineSettings
-from policy_server.pipeline.policy import PolicyPipeline
+from policy_server.pipeline.policy import PolicyPipeline, PolicyRequest
 from robots.embedded import build_random_pipeline
 
 STEPS = 6
@@ -75,6 +80,25 @@ def test_calibration_measures_every_configuration_against_the_uncached_default(p
     assert not any(p.dominates(q) for p in points for q in points)
     assert any(p.config.num_steps < STEPS for p in points) and any(p.config.threshold > 0 for p in points)
     assert all(p.error_p90 >= 0 and p.full_calls + 2 * p.pairs + p.skipped_calls > 0 for p in points)
+
+
+def test_frontier_points_are_also_measured_planned_short(pipe, profile, observations):
+    points = profile.embodiments["pusht"]
+    on_frontier = {p.config for p in frontier(points)}
+    for point in points:  # two steps have no call between the first and the last to cut
+        cut = point.config in on_frontier and point.config.num_steps > 2
+        assert tuple(c.fraction for c in point.cuts) == (CUT_SHARES if cut else ())
+    # A short run on the simulated clock: its calls, at the costs the clock advanced by, fit its share.
+    costs = CallCosts(full_ms=10.0, skip_ms=1.0, pair_ms=15.0)
+    uncached = next(p for p in points if p.config == profile.default)
+    first = observations[0]
+    request = PolicyRequest(images=first.images, instruction=first.instruction, embodiment=first.embodiment,
+                            state=first.state, seed=0)
+    out = run_short(pipe, request, uncached, 0.6, costs, SeaFilter())
+    simulated = sum(costs.pair_ms if step.batched else len(step.full) * costs.full_ms
+                    + (len(step.branches) - len(step.full)) * costs.skip_ms for step in out.steps)
+    assert len(out.steps) == STEPS and out.cache.forced_skips > 0
+    assert simulated <= 0.6 * uncached.predicted_ms(costs) < STEPS * costs.pair_ms
 
 
 def test_observations_round_trip_and_bad_files_name_what_is_wrong(pipe, observations, tmp_path):
@@ -150,26 +174,34 @@ def test_an_engine_plans_its_ticks_on_the_profile(pipe, profile):
         engine.close_session(session.session_id)
 
         session = engine.open_session("pusht", "reach the red circle", rate_hz=0)
-        # What this session's first tick is planned with: its prefill, no preview decode, the frontier's margin.
+        # What this session's first tick is planned with: its prefill, no preview decode, the frontier's margin,
+        # and how much slower than expected the worker's recent ticks ran.
         costs = engine.served.cost_model.costs(engine.sessions.get(session.session_id).cost_key).without("preview")
         costs = costs.cautious(engine.served.budget.config.frontier_cost_margin_devs)
+        slowdowns = engine.served.budget.slowdowns
+        assert slowdowns  # the warmup ticks taught them
         # Halfway between the cheapest point and uncached at this instruction's costs (admission sizes the session
-        # at the longest instruction, whose uncached tick is dearer).
+        # at the longest instruction, whose uncached tick is dearer), or the least budget admission takes: its
+        # floor after the longest background piece a tick may wait for.
         demand = engine.sessions.get(session.session_id).demand
         predicted = [p.predicted_p90_ms(costs) for p in points]
-        budget = max(demand.floor_ms, (min(predicted) + predicted[0]) / 2)
+        budget = max(demand.floor_ms + engine._warmup.blocking_ms, (min(predicted) + predicted[0]) / 2)
         engine.set_budget(session.session_id, budget)
         tick = engine.act(session.session_id, 1, _observation(1)).tick
-        chosen = next(p for p in points if p.config.name == tick.setting)
-        # The least error whose expected latency fits the time it had (the budget less its queue wait, or the
-        # slot admission reserved when smaller): every better point would not have.
+        # The least expected error that fits the time it had (the budget less its queue wait, or the slot
+        # admission reserved when smaller), whole or planned short, over the recent slowdowns.
         left_ms = budget - tick.actual_ms["queue"]
         slot_ms = tick.knobs["slot_ms"]
         planned_in = min(left_ms, slot_ms) if slot_ms < demand.ceiling_ms else left_ms
-        assert tick.predicted_ms["total"] == pytest.approx(chosen.predicted_p90_ms(costs))
-        assert chosen.predicted_p90_ms(costs) <= planned_in
-        assert tick.knobs["expected_error"] == chosen.error > 0
-        assert all(p.predicted_p90_ms(costs) > planned_in - 1e-6 for p in points if p.error < chosen.error)
+        loop_ms = planned_in - costs.fixed_total_ms
+        shares = [loop_ms / (ms - costs.fixed_total_ms) for ms in predicted]
+        errors = [expected_error(p, share, slowdowns) for p, share in zip(points, shares, strict=True)]
+        best = min((i for i, e in enumerate(errors) if e is not None), key=lambda i: (errors[i], predicted[i]))
+        chosen = points[best]
+        assert tick.setting == chosen.config.name and tick.knobs["expected_error"] == pytest.approx(errors[best])
+        assert errors[best] > 0 and tick.knobs["loop_share"] == pytest.approx(min(shares[best], 1.0))
+        whole = shares[best] >= 1.0
+        assert tick.predicted_ms["total"] == pytest.approx(predicted[best] if whole else planned_in)
         # A tick running late on a loaded machine is finished early by the guard; its fallback names the planned steps.
         late = [f for f in tick.fallbacks if f.startswith("late_finish_at_step=")]
         planned_steps = int(late[0].split("/")[1]) if late else tick.knobs["num_steps"]

@@ -9,7 +9,9 @@ skipped calls (means, and the 90th percentiles of the full ones: the gate refres
 observations than on others). A tick's latency is linear in those counts with positive per-call costs, so a
 configuration no better in error and no cheaper in any count than another can never be the better pick on
 any machine: the planner chooses among the others only (`frontier`). The profile keeps every point measured
-(the bench compares fixed configurations with the planner's choice).
+(the bench compares fixed configurations with the planner's choice). A point on the frontier also keeps its
+error when planned short (`Cut`): its step loop held by the in-tick guard to a share of its expected time,
+which skips refreshes the gate wants.
 
 The profile is JSON, keyed by the weights digest: a profile of other weights is rejected, not used.
 """
@@ -20,11 +22,11 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .cost_model import CallCosts
 
-PROFILE_VERSION = 2
+PROFILE_VERSION = 3
 PROFILE_FILE = "quality_profile.json"  # beside a checkpoint
 
 
@@ -50,6 +52,16 @@ class TickConfig(BaseModel):
         return f"n{self.num_steps}-cfg{self.cfg_steps}-{cache}"
 
 
+class Cut(BaseModel):
+    """A configuration planned short: its step loop given `fraction` of its expected time, the guard pacing its
+    refreshes to fit (`engine/calibration.py` runs the guard on a simulated clock), and the error that cost."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    fraction: float = Field(gt=0.0, lt=1.0)
+    error: float = Field(ge=0.0)
+
+
 class ProfilePoint(BaseModel):
     """One configuration as calibration measured it (means over the calibration set)."""
 
@@ -63,6 +75,14 @@ class ProfilePoint(BaseModel):
     skipped_calls: float = Field(ge=0.0)
     full_calls_p90: float = Field(ge=0.0)
     pairs_p90: float = Field(ge=0.0)
+    cuts: tuple[Cut, ...] = ()  # largest fraction first
+
+    @field_validator("cuts")
+    @classmethod
+    def _largest_first(cls, cuts: tuple[Cut, ...]) -> tuple[Cut, ...]:
+        if any(a.fraction <= b.fraction for a, b in zip(cuts, cuts[1:], strict=False)):
+            raise ValueError(f"cut fractions must decrease, got {[cut.fraction for cut in cuts]}")
+        return cuts
 
     @property
     def calls(self) -> float:
@@ -84,6 +104,17 @@ class ProfilePoint(BaseModel):
         full = min(full_calls, self.calls)
         paired = 2 * self.pairs / max(self.full_calls + 2 * self.pairs, 1e-9)  # the share of full calls in pairs
         return self._latency_ms(costs, full * (1 - paired), full * paired / 2)
+
+    def error_at(self, fraction: float) -> float | None:
+        """The expected error with `fraction` of the step loop's expected time (1: all of it), interpolated
+        between the measured cuts; None below the smallest one measured."""
+        if fraction >= 1.0:
+            return self.error
+        measured = [(1.0, self.error), *((cut.fraction, cut.error) for cut in self.cuts)]
+        for (high, high_error), (low, low_error) in zip(measured, measured[1:], strict=False):
+            if fraction >= low:
+                return low_error + (high_error - low_error) * (fraction - low) / (high - low)
+        return None
 
     def _latency_ms(self, costs: CallCosts, alone: float, pairs: float) -> float:
         skipped = max(self.calls - alone - 2 * pairs, 0.0)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from .cost_model import CostModel
+from .cost_model import FULL, PAIR, SKIP, CostModel
 from .guard import DeadlineGuard, monotonic_ms
 from .history import SessionHistory
 from .planner import DENOISE_STAGE, PlannerConfig, TickPlan, plan_on_frontier, plan_tick
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 PREFILL_STAGE = "prefill"
 PREVIEW_STAGE = "preview"  # decoding the predicted frames, for the sessions that asked for them
+SLOWDOWN_WINDOW = 64  # recent ticks whose slowdown the frontier planner prices cuts at
 
 
 class GuardedSteps:
@@ -97,6 +98,9 @@ class TickBudget:
         self.clock = clock
         self.post_stages = tuple(post_stages)
         self.guided = guided
+        # How much slower than the cost model's medians the calls of recent ticks ran: a tuple replaced whole,
+        # so admission may plan from another thread while the worker learns.
+        self.slowdowns: tuple[float, ...] = ()
 
     def plan(
         self, key: Hashable, time_left_ms: float, num_steps: int, passes: int, history: SessionHistory | None,
@@ -111,7 +115,8 @@ class TickBudget:
         if not preview:
             costs = costs.without(PREVIEW_STAGE)
         if frontier:
-            return plan_on_frontier(time_left_ms, frontier, costs, history, self.config, self.guided)
+            return plan_on_frontier(time_left_ms, frontier, costs, history, self.config, self.guided,
+                                    self.slowdowns or (1.0,))
         return plan_tick(time_left_ms, num_steps, passes, costs, history, self.config, self.guided)
 
     def guarded_steps(self, plan: TickPlan, key: Hashable, tick_started_at_ms: float, cache: SeaCache) -> GuardedSteps:
@@ -139,7 +144,13 @@ class TickBudget:
         if learn_costs:
             stages = {stage: ms for stage, ms in stage_ms.items()
                       if stage != DENOISE_STAGE and (prefilled or stage != PREFILL_STAGE)}
-            self.cost_model.observe_tick(key, steps.guard.call_timings(), stages)
+            timings = steps.guard.call_timings()
+            if timings and self.cost_model.is_warm(key):
+                expected = self.cost_model.costs(key)
+                cost_of = {FULL: expected.full_ms, PAIR: expected.pair_ms, SKIP: expected.skip_ms}
+                slowdown = sum(ms for _, ms in timings) / sum(cost_of[kind] for kind, _ in timings)
+                self.slowdowns = (*self.slowdowns[1 - SLOWDOWN_WINDOW:], slowdown)
+            self.cost_model.observe_tick(key, timings, stages)
         plan = steps.plan
         if history is not None and plan.caching:
             history.observe(plan.setting, plan.structure, steps.record().wanted_full_calls)

@@ -6,7 +6,10 @@ Every configuration (`budget.profile.TickConfig`: sampler steps x CFG schedule x
 observation with the same seed as the uncached default does, so the initial noise is the same and the action
 error (rel-L2, physical units) measures only what the levers change. Each point keeps the mean error, its
 90th percentile and the mean calls a tick made: full alone, pairs (both branches full, one batch) and skipped.
-The planner chooses on their frontier (`budget.profile.frontier`).
+The planner chooses on their frontier (`budget.profile.frontier`). Then each frontier point runs again planned
+short (`CUT_SHARES` of its step loop's expected time, `budget.planner.plan_short`) under the in-tick guard,
+on a clock that advances by the call costs measured in the first pass: the error of the refreshes the guard
+skips, free of this machine's timing noise (`budget.profile.Cut`).
 
 Observation files are safetensors (no pickle): tensors `images.<camera>` uint8 `[M, H, W, 3]` (one per
 camera of the embodiment) and optionally `state` float32 `[M, state_dim]`; metadata `embodiment` (a served
@@ -19,6 +22,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -31,14 +35,19 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from policy_server.budget.cost_model import FULL, PAIR, SKIP, CallCosts, step_samples
+from policy_server.budget.guard import DeadlineGuard
+from policy_server.budget.planner import plan_short
 from policy_server.budget.profile import (
     PROFILE_FILE,
     Calibration,
+    Cut,
     ProfilePoint,
     QualityProfile,
     TickConfig,
     frontier,
 )
+from policy_server.budget.tick import GuardedSteps
 from policy_server.cache.controller import NoCache
 from policy_server.cache.sea_filter import SeaFilter
 from policy_server.cache.seacache import SeaCache, SeaCacheConfig
@@ -64,6 +73,8 @@ COARSE_RUNGS = (2, 4, 5)  # of the ladder: the published default's, the loosest 
 # have two modes (robots/calibration_set.py).
 DEFAULT_OBSERVATIONS = Path(__file__).resolve().parent.parent / "assets" / "calibration" / "reach_either.safetensors"
 MAX_OBSERVATIONS = 1024
+# The shares of its step loop's expected time a frontier point is measured at when planned short.
+CUT_SHARES = (0.8, 0.6, 0.4)
 
 
 class CalibrationError(ValueError):
@@ -195,6 +206,68 @@ def run_config(pipeline: PolicyPipeline, request: PolicyRequest, config: TickCon
                      pipeline.transformer.gen_stack)
 
 
+class _SimulatedClock:
+    """Monotonic ms that advance only when told."""
+
+    def __init__(self) -> None:
+        self.now_ms = 0.0
+
+    def __call__(self) -> float:
+        return self.now_ms
+
+
+class SimulatedGuardedSteps(GuardedSteps):
+    """A guarded step loop whose guard reads a clock that each call advances by `costs` (c_skip for a skipped
+    call, c_full alone, c_pair for a step's two full calls as one batch): the guard cuts the tick as it would on
+    a machine that runs exactly at those costs."""
+
+    def __init__(self, plan, costs: CallCosts, cache: SeaCache) -> None:
+        self.clock, self.costs = _SimulatedClock(), costs
+        super().__init__(plan, DeadlineGuard(plan, costs, plan.deadline_ms, clock=self.clock, cost_margin_devs=0.0),
+                         cache)
+
+    def estimate(self, step, branch, sigma, noisy_vision, gen_in) -> torch.Tensor | None:
+        out = super().estimate(step, branch, sigma, noisy_vision, gen_in)
+        if out is not None:
+            self.clock.now_ms += self.costs.skip_ms
+        return out
+
+    def ran(self, outs) -> None:
+        self.clock.now_ms += self.costs.pair_ms if len(outs) == 2 else len(outs) * self.costs.full_ms
+        super().ran(outs)
+
+
+def run_short(pipeline: PolicyPipeline, request: PolicyRequest, point: ProfilePoint, share: float,
+              costs: CallCosts, sea_filter: SeaFilter) -> PolicyOutput:
+    """One tick of `request` at `point` planned with `share` of its step loop's expected time at `costs`."""
+    config = point.config
+    plan = plan_short(point, share, costs, pipeline.guided_steps)
+    cache = SeaCache(SeaCacheConfig(threshold=plan.thresholds, residual_order=config.residual_order,
+                                    max_consecutive_cached=plan.cap), sea_filter=sea_filter)
+    request = PolicyRequest(**{**request.__dict__, "num_steps": config.num_steps})
+    return run_steps(pipeline.steps(request, None, SimulatedGuardedSteps(plan, costs, cache)),
+                     pipeline.transformer.gen_stack)
+
+
+def add_call_samples(samples: dict[str, list[float]], out: PolicyOutput) -> None:
+    """The step loop's call costs (ms) in `out`, by kind (`step_samples`)."""
+    for step in out.steps:
+        runs = len(step.full)
+        for kind, ms in step_samples(runs, len(step.branches) - runs, step.batched, step.ms):
+            samples.setdefault(kind, []).append(ms)
+
+
+def measured_costs(samples: dict[str, list[float]]) -> CallCosts | None:
+    """The medians of the call costs in `samples` (`add_call_samples`), without fixed stages; None without a
+    skipped call (nothing was cached, so a tick cannot be cut)."""
+    samples = {kind: samples.get(kind, []) for kind in (FULL, PAIR, SKIP)}
+    if not samples[SKIP] or not (samples[FULL] or samples[PAIR]):
+        return None
+    pair = statistics.median(samples[PAIR]) if samples[PAIR] else None
+    full = statistics.median(samples[FULL]) if samples[FULL] else pair / 2
+    return CallCosts(full_ms=full, skip_ms=statistics.median(samples[SKIP]), pair_ms=pair)
+
+
 def call_counts(out: PolicyOutput) -> tuple[int, int, int]:
     """`(full calls alone, pairs, skipped calls)` of one tick."""
     alone = pairs = skipped = 0
@@ -227,34 +300,59 @@ def calibration_steps(pipeline: PolicyPipeline, observations: Sequence[Observati
                          cfg_steps=pipeline.config.num_steps if pipeline.config.guidance != 1.0 else 0,
                          threshold=0.0, cap=0, residual_order=configs[0].residual_order)
     measured: dict[str, dict[TickConfig, list[tuple[float, int, int, int]]]] = {}
+    call_samples: dict[str, dict[str, list[float]]] = {}
+    requests, references = [], []
     sea_filter = SeaFilter()
     for index, observation in enumerate(observations):
         request = PolicyRequest(images=observation.images, instruction=observation.instruction,
                                 embodiment=observation.embodiment, state=observation.state, seed=index)
         pipeline.validate(request)
-        reference = run_config(pipeline, request, default, sea_filter).actions
+        requests.append(request)
+        references.append(run_config(pipeline, request, default, sea_filter).actions)
         yield
         for config in configs:
             out = run_config(pipeline, request, config, sea_filter)
             runs = measured.setdefault(observation.embodiment, {}).setdefault(config, [])
-            runs.append((action_rel_l2(out.actions, reference), *call_counts(out)))
+            runs.append((action_rel_l2(out.actions, references[-1]), *call_counts(out)))
+            add_call_samples(call_samples.setdefault(observation.embodiment, {}), out)
             yield
         if progress is not None:
-            progress((index + 1) / len(observations))
-    embodiments = {}
-    for embodiment, by_config in measured.items():
-        points = []
-        for config, runs in by_config.items():
-            errors, alone, pairs, skipped = (np.array(column, dtype=float) for column in zip(*runs, strict=True))
-            points.append(ProfilePoint(config=config, error=float(errors.mean()),
-                                       error_p90=float(np.percentile(errors, 90)), full_calls=float(alone.mean()),
-                                       pairs=float(pairs.mean()), skipped_calls=float(skipped.mean()),
-                                       full_calls_p90=float(np.percentile(alone, 90)),
-                                       pairs_p90=float(np.percentile(pairs, 90))))
-        embodiments[embodiment] = tuple(points)
-    return QualityProfile(digest=pipeline.digest, default=default, embodiments=embodiments,
+            progress((index + 1) / len(observations) / 2)
+    embodiments = {embodiment: [point_of(config, runs) for config, runs in by_config.items()]
+                   for embodiment, by_config in measured.items()}
+    # Planned short: each frontier point that has calls to cut, at the costs this machine ran them at.
+    costs = {embodiment: measured_costs(call_samples[embodiment]) for embodiment in embodiments}
+    cut_errors: dict[tuple[str, TickConfig], dict[float, list[float]]] = {}
+    for index, (observation, request) in enumerate(zip(observations, requests, strict=True)):
+        embodiment = observation.embodiment
+        if costs[embodiment] is None:
+            continue
+        for point in frontier(embodiments[embodiment]):
+            if point.config.num_steps <= 2:
+                continue  # the first and last steps always run full: nothing to cut
+            for share in CUT_SHARES:
+                out = run_short(pipeline, request, point, share, costs[embodiment], sea_filter)
+                errors = cut_errors.setdefault((embodiment, point.config), {}).setdefault(share, [])
+                errors.append(action_rel_l2(out.actions, references[index]))
+                yield
+        if progress is not None:
+            progress(0.5 + (index + 1) / len(observations) / 2)
+    profile_points = {
+        embodiment: tuple(point.model_copy(update={"cuts": tuple(
+            Cut(fraction=share, error=float(np.mean(errors)))
+            for share, errors in cut_errors.get((embodiment, point.config), {}).items())}) for point in points)
+        for embodiment, points in embodiments.items()}
+    return QualityProfile(digest=pipeline.digest, default=default, embodiments=profile_points,
                           calibration=Calibration(observations=len(observations), source=source,
                                                   seconds=time.perf_counter() - started))
+
+
+def point_of(config: TickConfig, runs: Sequence[tuple[float, int, int, int]]) -> ProfilePoint:
+    """`config`'s profile point from its `(error, full calls alone, pairs, skipped calls)` per observation."""
+    errors, alone, pairs, skipped = (np.array(column, dtype=float) for column in zip(*runs, strict=True))
+    return ProfilePoint(config=config, error=float(errors.mean()), error_p90=float(np.percentile(errors, 90)),
+                        full_calls=float(alone.mean()), pairs=float(pairs.mean()), skipped_calls=float(skipped.mean()),
+                        full_calls_p90=float(np.percentile(alone, 90)), pairs_p90=float(np.percentile(pairs, 90)))
 
 
 def cache_dir() -> Path:
