@@ -104,7 +104,6 @@ class ConfigRun:
     point: ProfilePoint | None = None  # a fixed configuration's profile point
     latency_ms: list[float] = field(default_factory=list)
     expected_error: list[float] = field(default_factory=list)
-    loop_share: list[float] = field(default_factory=list)  # of its point's expected step loop the plan gave it
     full: list[int] = field(default_factory=list)
     skipped: list[int] = field(default_factory=list)
     forced: list[int] = field(default_factory=list)
@@ -118,7 +117,6 @@ class ConfigRun:
         self.settings[tick.setting] = self.settings.get(tick.setting, 0) + 1
         if "expected_error" in tick.knobs:
             self.expected_error.append(tick.knobs["expected_error"])
-            self.loop_share.append(tick.knobs["loop_share"])
         for kind in set(tick.fallback_kinds):
             self.fallbacks[kind] = self.fallbacks.get(kind, 0) + 1
 
@@ -162,8 +160,6 @@ class ConfigRun:
             summary.update(point=self.point.config.name, expected_error=self.point.error)
         elif self.expected_error:
             summary["expected_error"] = float(np.mean(self.expected_error))
-        if self.loop_share:  # planned on the frontier: how often it was planned short
-            summary["planned_short_rate"] = float(np.mean(np.asarray(self.loop_share) < 1.0))
         if self.settings:
             summary["cache_settings"] = dict(sorted(self.settings.items(), key=lambda kv: -kv[1]))
             summary["fallback_ticks"] = dict(sorted(self.fallbacks.items()))

@@ -14,7 +14,6 @@ from policy_server.budget.cost_model import FULL, PAIR, SKIP, CallCosts, CostMod
 from policy_server.budget.guard import DeadlineGuard
 from policy_server.budget.history import SessionHistory
 from policy_server.budget.planner import plan_tick
-from policy_server.budget.profile import Cut, ProfilePoint, TickConfig
 from policy_server.budget.tick import SLOWDOWN_WINDOW, GuardedSteps, TickBudget
 from policy_server.cache.controller import CacheRecord, StepDecision
 from policy_server.cache.seacache import SeaCache, SeaCacheConfig
@@ -367,24 +366,6 @@ def test_a_run_of_forced_skips_is_one_refresh_the_gate_wanted():
     assert (record.full_calls, record.forced_skips, record.wanted_full_calls) == (4, 5, 7)
 
 
-def test_a_point_planned_short_spreads_its_refreshes_over_the_tick():
-    clock = FakeClock()
-    budget = warm_budget(clock)
-    config = TickConfig(num_steps=10, cfg_steps=10, threshold=0.0, cap=0, residual_order=1)
-    point = ProfilePoint(config=config, error=0.0, error_p90=0.0, full_calls=0, pairs=10, skipped_calls=0,
-                         full_calls_p90=0, pairs_p90=10, cuts=(Cut(fraction=0.5, error=0.1),))
-    loop_ms = 10 * COSTS.pair_ms  # 160 ms whole
-    deadline = ENCODE_MS + 0.7 * loop_ms + DECODE_MS
-    plan = budget.plan(KEY, deadline, 10, 2, None, prefill=False, frontier=(point,))
-    assert plan.loop_share == pytest.approx(0.7) and plan.fits and plan.expected_error == pytest.approx(0.06)
-    rec, stages, steps, _ = run_tick(clock, budget, plan)
-    assert sum(stages.values()) <= deadline and steps.fallbacks == ()  # paced into it: nothing given up late
-    cond = rec.sequence("cond")
-    assert rec.forced_skips > 0 and cond[0] == cond[-1] == "F"
-    # Paced to the plan, the refreshes it keeps are spread over the tick, not spent at its start.
-    assert "F" in cond[1:5] and "F" in cond[5:9] and "S" in cond[1:5] and "S" in cond[5:9]
-
-
 def test_learn_keeps_how_much_slower_than_expected_recent_ticks_ran():
     clock = FakeClock()
     budget = warm_budget(clock)
@@ -397,5 +378,5 @@ def test_learn_keeps_how_much_slower_than_expected_recent_ticks_ran():
     for _ in range(SLOWDOWN_WINDOW):
         plan = budget.plan(KEY, 500.0, 10, 2, None, prefill=False)
         _, stages, steps, _ = run_tick(clock, budget, plan)
-        budget.learn(KEY, steps, None, stages, learn_costs=True)
+        budget.learn(KEY, steps, None, stages)
     assert len(budget.slowdowns) == SLOWDOWN_WINDOW  # the recent ticks only

@@ -10,9 +10,9 @@ from policy_server.budget.planner import (
     MAX_CACHING,
     CacheSetting,
     PlannerConfig,
+    expected_error,
     min_full_calls,
     plan_on_frontier,
-    plan_short,
     plan_tick,
 )
 from policy_server.budget.profile import Cut, ProfilePoint, TickConfig
@@ -310,40 +310,26 @@ def test_a_point_runs_its_wanted_calls_alone_and_in_pairs_as_on_the_calibration_
     assert point.predicted_at_ms(PAIRED, 40) == point.predicted_at_ms(PAIRED, point.calls)  # no more than its calls
 
 
-# Uncached, measured planned short: 0.01 with 80% of its 120 ms step loop, 0.06 with half of it.
-SHORT = FRONTIER[0].model_copy(update={"cuts": (Cut(fraction=0.8, error=0.01), Cut(fraction=0.5, error=0.06))})
-
-
-def test_a_point_planned_short_is_chosen_when_its_cut_errs_less_than_what_fits_whole():
-    frontier = (SHORT, *FRONTIER[1:])
-    plan = plan_on_frontier(110.0, frontier, PAIRED)  # 100 of its 120 ms: between the whole and the 80% cut
-    assert plan.setting == SHORT.config.name and plan.loop_share == pytest.approx(100 / 120)
-    assert plan.expected_error == pytest.approx(0.01 * (1 - 100 / 120) / 0.2)
-    assert plan.fits and plan.fallbacks == () and plan.predicted_ms == pytest.approx(110.0)  # it takes its deadline
-    assert plan.predicted_stage_ms["denoise"] == pytest.approx(100.0)  # what the guard paces its calls to
-    assert plan.uncond_steps == range(10) and plan.num_steps == 10
-    whole = plan_on_frontier(75.0, frontier, PAIRED)  # 65 ms: cut to 54% it would err 0.053, more than 0.03 whole
-    assert whole.setting == FRONTIER[1].config.name and whole.loop_share == 1.0 and whole.predicted_ms == 70.0
-    assert plan_on_frontier(130.0, frontier, PAIRED).loop_share == 1.0  # uncached fits whole
+# Uncached, measured on slow ticks: 0.01 with 80% of the time its calls take, 0.06 with half.
+SLOW = FRONTIER[0].model_copy(update={"cuts": (Cut(fraction=0.8, error=0.01), Cut(fraction=0.5, error=0.06))})
 
 
 def test_slow_ticks_price_the_cuts_a_point_would_take_on_them():
-    frontier = (SHORT, *FRONTIER[1:])
-    # Every tick 1.6x slower than expected: uncached gets 52% of its loop there (0.057), 0.032 on average.
-    plan = plan_on_frontier(110.0, frontier, PAIRED, slowdowns=(1.0, 1.6))
+    frontier = (SLOW, *FRONTIER[1:])
+    assert plan_on_frontier(130.0, frontier, PAIRED, slowdowns=(1.0,)).setting == SLOW.config.name  # fits exactly
+    plan = plan_on_frontier(130.0, frontier, PAIRED, slowdowns=(1.0, 1.25))  # the slower tick: cut to 80%
+    assert plan.setting == SLOW.config.name and plan.expected_error == pytest.approx(0.005)
+    # Every tick 1.6x slower: cut to 62.5% the uncached tick would err 0.039, more than 0.03 for a point that
+    # still fits whole at that pace (one without measured cuts is priced at its error).
+    plan = plan_on_frontier(130.0, frontier, PAIRED, slowdowns=(1.6, 1.6))
     assert plan.setting == FRONTIER[1].config.name and plan.expected_error == pytest.approx(0.03)
-    # A tick twice as slow would cut the uncached loop to 42%, deeper than calibration measured: it is priced at
-    # the deepest cut measured (0.06), and a point without measured cuts at its whole error.
-    plan = plan_on_frontier(110.0, frontier, PAIRED, slowdowns=(1.0, 2.0))
-    assert plan.setting == FRONTIER[1].config.name and plan.expected_error == pytest.approx(0.03)
-    assert plan_on_frontier(110.0, frontier, PAIRED, slowdowns=(1.0, 1.2)).setting == SHORT.config.name
-    assert plan_on_frontier(55.0, frontier, PAIRED).setting == FRONTIER[3].config.name  # uncached cut to 38%: no
-    faster = plan_on_frontier(110.0, frontier, PAIRED, slowdowns=(0.8, 1.0))  # faster ticks get more of the loop
-    assert faster.setting == SHORT.config.name and faster.expected_error < plan_on_frontier(
-        110.0, frontier, PAIRED).expected_error
+    assert plan.predicted_ms == pytest.approx(70.0) and plan.fits
+    # With twice the time it needs, the uncached tick absorbs that slowdown whole.
+    roomy = plan_on_frontier(250.0, frontier, PAIRED, slowdowns=(1.6, 1.6))
+    assert roomy.setting == SLOW.config.name and roomy.expected_error == 0.0
 
 
-def test_calibration_plans_a_cut_with_its_share_of_the_expected_loop():
-    plan = plan_short(SHORT, 0.5, PAIRED)
-    assert plan.deadline_ms == pytest.approx(10 + 0.5 * 120) and plan.predicted_ms == pytest.approx(70.0)
-    assert plan.loop_share == 0.5 and plan.fits and plan.setting == SHORT.config.name
+def test_a_tick_slower_than_any_measured_is_priced_as_the_slowest():
+    assert expected_error(SLOW, 1.0, (3.0,)) == pytest.approx(0.06)  # a third of its time, priced at half
+    assert expected_error(SLOW, 2.0, (2.5,)) == pytest.approx(0.01)  # slack 2: 80% of what 2.5x needs
+    assert expected_error(FRONTIER[1], 1.0, (2.0,)) == FRONTIER[1].error  # no cuts measured

@@ -39,10 +39,10 @@ def test_the_frontier_drops_only_what_another_point_beats_on_every_count():
     assert not fewer.dominates(fewer) and fewer.dominates(worse)
 
 
-def test_a_point_planned_short_errs_as_its_measured_cuts_say():
+def test_a_point_on_slow_ticks_errs_as_its_measured_cuts_say():
     point = _point(20, 0.02, 0, 20, 0).model_copy(update={"cuts": (Cut(fraction=0.8, error=0.04),
                                                                     Cut(fraction=0.4, error=0.2))})
-    assert point.error_at(1.0) == point.error_at(1.7) == 0.02  # whole
+    assert point.error_at(1.0) == point.error_at(1.7) == 0.02  # all the time its calls take
     assert point.error_at(0.9) == pytest.approx(0.03) and point.error_at(0.8) == pytest.approx(0.04)
     assert point.error_at(0.6) == pytest.approx(0.12) and point.error_at(0.4) == pytest.approx(0.2)
     assert point.error_at(0.39) is None  # below what calibration measured

@@ -13,7 +13,7 @@ from policy_server.budget.profile import PROFILE_FILE, QualityProfile, frontier
 from policy_server.cache.sea_filter import SeaFilter
 from policy_server.engine import api
 from policy_server.engine.calibration import (
-    CUT_SHARES,
+    CUT_FRACTIONS,
     DEFAULT_OBSERVATIONS,
     CalibrationError,
     Observation,
@@ -22,7 +22,7 @@ from policy_server.engine.calibration import (
     load_observations,
     main,
     resolve_profile,
-    run_short,
+    run_cut,
     save_observations,
 )
 from policy_server.engine.engine import ModelEngine
@@ -82,23 +82,23 @@ def test_calibration_measures_every_configuration_against_the_uncached_default(p
     assert all(p.error_p90 >= 0 and p.full_calls + 2 * p.pairs + p.skipped_calls > 0 for p in points)
 
 
-def test_frontier_points_are_also_measured_planned_short(pipe, profile, observations):
+def test_frontier_points_are_also_measured_on_slow_ticks(pipe, profile, observations):
     points = profile.embodiments["pusht"]
     on_frontier = {p.config for p in frontier(points)}
     for point in points:  # two steps have no call between the first and the last to cut
         cut = point.config in on_frontier and point.config.num_steps > 2
-        assert tuple(c.fraction for c in point.cuts) == (CUT_SHARES if cut else ())
-    # A short run on the simulated clock: its calls, at the costs the clock advanced by, fit its share.
+        assert tuple(c.fraction for c in point.cuts) == (CUT_FRACTIONS if cut else ())
+    # A slow tick on the simulated clock: planned to fit, its calls 1 / 0.6 times slower, the guard holds it.
     costs = CallCosts(full_ms=10.0, skip_ms=1.0, pair_ms=15.0)
     uncached = next(p for p in points if p.config == profile.default)
     first = observations[0]
     request = PolicyRequest(images=first.images, instruction=first.instruction, embodiment=first.embodiment,
                             state=first.state, seed=0)
-    out = run_short(pipe, request, uncached, 0.6, costs, SeaFilter())
-    simulated = sum(costs.pair_ms if step.batched else len(step.full) * costs.full_ms
-                    + (len(step.branches) - len(step.full)) * costs.skip_ms for step in out.steps)
+    out = run_cut(pipe, request, uncached, 0.6, costs, SeaFilter())
+    slowed = sum(costs.pair_ms if step.batched else len(step.full) * costs.full_ms
+                 + (len(step.branches) - len(step.full)) * costs.skip_ms for step in out.steps) / 0.6
     assert len(out.steps) == STEPS and out.cache.forced_skips > 0
-    assert simulated <= 0.6 * uncached.predicted_ms(costs) < STEPS * costs.pair_ms
+    assert slowed <= uncached.predicted_p90_ms(costs) == STEPS * costs.pair_ms
 
 
 def test_observations_round_trip_and_bad_files_name_what_is_wrong(pipe, observations, tmp_path):
@@ -189,19 +189,17 @@ def test_an_engine_plans_its_ticks_on_the_profile(pipe, profile):
         engine.set_budget(session.session_id, budget)
         tick = engine.act(session.session_id, 1, _observation(1)).tick
         # The least expected error that fits the time it had (the budget less its queue wait, or the slot
-        # admission reserved when smaller), whole or planned short, over the recent slowdowns.
+        # admission reserved when smaller), priced over the recent slowdowns.
         left_ms = budget - tick.actual_ms["queue"]
         slot_ms = tick.knobs["slot_ms"]
         planned_in = min(left_ms, slot_ms) if slot_ms < demand.ceiling_ms else left_ms
-        loop_ms = planned_in - costs.fixed_total_ms
-        shares = [loop_ms / (ms - costs.fixed_total_ms) for ms in predicted]
-        errors = [expected_error(p, share, slowdowns) for p, share in zip(points, shares, strict=True)]
-        best = min((i for i, e in enumerate(errors) if e is not None), key=lambda i: (errors[i], predicted[i]))
+        errors = {i: expected_error(p, (planned_in - costs.fixed_total_ms) / (predicted[i] - costs.fixed_total_ms),
+                                    slowdowns) for i, p in enumerate(points) if predicted[i] <= planned_in}
+        best = min(errors, key=lambda i: (errors[i], predicted[i]))
         chosen = points[best]
         assert tick.setting == chosen.config.name and tick.knobs["expected_error"] == pytest.approx(errors[best])
-        assert errors[best] > 0 and tick.knobs["loop_share"] == pytest.approx(min(shares[best], 1.0))
-        whole = shares[best] >= 1.0
-        assert tick.predicted_ms["total"] == pytest.approx(predicted[best] if whole else planned_in)
+        assert errors[best] > 0 and predicted[best] <= planned_in
+        assert tick.predicted_ms["total"] == pytest.approx(predicted[best])
         # A tick running late on a loaded machine is finished early by the guard; its fallback names the planned steps.
         late = [f for f in tick.fallbacks if f.startswith("late_finish_at_step=")]
         planned_steps = int(late[0].split("/")[1]) if late else tick.knobs["num_steps"]

@@ -20,8 +20,9 @@ is the one place that says which CFG branches a step runs.
 
 With a quality profile (``policy_server.budget.profile``) the planner chooses on its frontier instead
 (``plan_on_frontier``): the configuration of steps, CFG schedule and cache setting with the least expected
-error that fits: whole, its latency at its full-call count (the calibration set's, then the session's), or
-planned short, its step loop given the time left at the error calibration measured for that cut.
+error whose latency fits at its full-call count (the calibration set's, then the session's), the error
+averaged over how much slower than expected recent ticks ran: the guard cuts a slow tick, and calibration
+measured what that costs each point.
 """
 
 from __future__ import annotations
@@ -166,8 +167,7 @@ class TickPlan:
     fits: the final plan (after fallbacks) is predicted to meet the deadline.
     fallbacks: applied fallbacks in order, e.g. ``("drop_uncond_from_step=3", "num_steps=10->6")``.
     residual_order / expected_error: a point of a quality profile's frontier sets the first and predicts the
-    second (``plan_on_frontier``); None for a ladder plan. loop_share: below 1, the point is planned short, its
-    step loop given that share of its expected time (the guard paces its refreshes to the plan's).
+    second (``plan_on_frontier``); None for a ladder plan.
     """
 
     deadline_ms: float
@@ -190,7 +190,6 @@ class TickPlan:
     fallbacks: tuple[str, ...] = field(default_factory=tuple)
     residual_order: int | None = None
     expected_error: float | None = None
-    loop_share: float = 1.0
 
     @property
     def calls(self) -> int:
@@ -388,68 +387,32 @@ def plan_on_frontier(
     guided: Callable[[int], range] = range,
     slowdowns: Sequence[float] = (1.0,),
 ) -> TickPlan:
-    """The point of a quality profile's frontier with the least expected error that fits ``deadline_ms``: steps,
-    CFG schedule and cache setting chosen together. A point fits whole when its latency does, or planned short:
-    its step loop given the time left (``TickPlan.loop_share``), the guard pacing its refreshes to it, at the
-    error the profile measured for that cut (``ProfilePoint.error_at``). Its expected error is the mean over
-    ``slowdowns``, how much slower than their expected costs the calls of recent ticks ran (``expected_error``):
-    on a machine whose ticks vary, a point planned to the last millisecond is cut on its slower ticks, and
-    points differ in what a cut costs them. The gate's full-call count is the
+    """The point of a quality profile's frontier with the least expected error whose latency fits
+    ``deadline_ms``: steps, CFG schedule and cache setting chosen together. A point's expected error is its mean
+    over ``slowdowns``, how much slower than their expected costs the calls of recent ticks ran
+    (``expected_error``): on a machine whose ticks vary, a point that fits with little to spare is cut on the
+    slower ticks, and points differ in what a cut costs them. The gate's full-call count is the
     calibration set's 90th percentile until the session has run the point; then the ``frontier_count_quantile``
     of the session's own recent counts (``history``), since the gate refreshes on this robot's scene as often as
-    on its last ticks, not as on the calibration set. The expected errors stay the profile's. When no point fits,
-    the cheapest one whole, marked ``fits=False`` (fallback ``no_point_fits``): the guard then gives up what it
-    must. ``costs``: from ``CostModel.costs``, raised by ``frontier_cost_margin_devs`` (by default none: the
-    guard absorbs the tail); ``guided``: as for ``plan_tick``."""
+    on its last ticks, not as on the calibration set. When no point fits, the cheapest one, marked
+    ``fits=False`` (fallback ``no_point_fits``): the guard then gives up what it must. ``costs``: from
+    ``CostModel.costs``, raised by ``frontier_cost_margin_devs`` (by default none: the guard absorbs the tail);
+    ``guided``: as for ``plan_tick``."""
     config = config or PlannerConfig()
     costs = costs.cautious(config.frontier_cost_margin_devs)
     seen = [None if history is None else history.quantile(p.config.name, (p.config.num_steps, p.config.cfg_steps),
                                                           config.frontier_count_quantile) for p in points]
     predicted = [point.predicted_p90_ms(costs) if count is None else point.predicted_at_ms(costs, count)
                  for point, count in zip(points, seen, strict=True)]
-    loop_ms = deadline_ms - costs.fixed_total_ms  # what the step loop has
-    shares = [loop_ms / max(ms - costs.fixed_total_ms, 1e-9) for ms in predicted]
-    errors = [expected_error(point, share, slowdowns) for point, share in zip(points, shares, strict=True)]
     cheapest = min(range(len(points)), key=predicted.__getitem__)
-    fitting = [i for i in range(len(points)) if errors[i] is not None]
-    chosen = min(fitting, key=lambda i: (errors[i], predicted[i])) if fitting else cheapest
-    point = points[chosen]
-    full = point.full_calls_p90 + 2 * point.pairs_p90 if seen[chosen] is None else seen[chosen]
-    share = min(shares[chosen], 1.0) if fitting else 1.0
-    return _point_plan(point, deadline_ms, costs, predicted[chosen], round(full), share, guided,
-                       errors[chosen] if fitting else point.error, best_achievable_ms=predicted[cheapest])
-
-
-def expected_error(point: ProfilePoint, loop_share: float, slowdowns: Sequence[float]) -> float | None:
-    """The mean error of ``point`` given ``loop_share`` of its step loop's expected time, over ticks whose calls
-    run ``slowdowns`` times their expected costs; None when even at the expected costs it would be cut deeper
-    than calibration measured. A slower tick cut deeper than that is priced at the deepest cut measured."""
-    deepest = point.cuts[-1].fraction if point.cuts else 1.0
-    if loop_share < deepest:
-        return None
-    return sum(point.error_at(max(loop_share / slowdown, deepest)) for slowdown in slowdowns) / len(slowdowns)
-
-
-def plan_short(point: ProfilePoint, loop_share: float, costs: CallCosts, guided: Callable[[int], range] = range
-               ) -> TickPlan:
-    """``point`` planned with ``loop_share`` of its step loop's expected time at ``costs`` (its mean counts): the
-    plan whose error calibration measures as the point's cut (``ProfilePoint.cuts``)."""
-    predicted = point.predicted_ms(costs)
-    deadline = costs.fixed_total_ms + loop_share * (predicted - costs.fixed_total_ms)
-    full = round(point.full_calls + 2 * point.pairs)
-    return _point_plan(point, deadline, costs, predicted, full, loop_share, guided, None, predicted)
-
-
-def _point_plan(point: ProfilePoint, deadline_ms: float, costs: CallCosts, predicted_ms: float, full_calls: int,
-                loop_share: float, guided: Callable[[int], range], expected_error: float | None,
-                best_achievable_ms: float) -> TickPlan:
-    """The plan that runs ``point`` (whole when ``loop_share`` is 1, else short: predicted to take its deadline)."""
-    config = point.config
+    loop_ms = deadline_ms - costs.fixed_total_ms  # what the step loop has
+    errors = {i: expected_error(points[i], loop_ms / max(predicted[i] - costs.fixed_total_ms, 1e-9), slowdowns)
+              for i in range(len(points)) if predicted[i] <= deadline_ms}
+    chosen = min(errors, key=lambda i: (errors[i], predicted[i])) if errors else cheapest
+    point, config = points[chosen], points[chosen].config
     window = guided(config.num_steps)
     uncond = range(window.start, max(window.start, min(window.stop, config.cfg_steps)))
-    fits = predicted_ms <= deadline_ms or loop_share < 1.0
-    if loop_share < 1.0:
-        predicted_ms = deadline_ms
+    full = round(point.full_calls_p90 + 2 * point.pairs_p90 if seen[chosen] is None else seen[chosen])
     return TickPlan(
         deadline_ms=float(deadline_ms),
         requested_steps=config.num_steps,
@@ -460,16 +423,24 @@ def _point_plan(point: ProfilePoint, deadline_ms: float, costs: CallCosts, predi
         setting=config.name,
         thresholds=(config.threshold,) * config.num_steps,
         cap=config.cap,
-        full_calls_max=full_calls,  # a point fixes its calls: the ladder's F_max and floor are its own counts
-        expected_full_calls=full_calls,
-        min_full_calls=full_calls,
-        predicted_ms=predicted_ms,
-        predicted_stage_ms={**costs.fixed_ms, DENOISE_STAGE: predicted_ms - costs.fixed_total_ms},
-        feasible=fits,
-        best_achievable_ms=best_achievable_ms,
-        fits=fits,
-        fallbacks=() if fits else ("no_point_fits",),
+        full_calls_max=full,  # a point fixes its calls: the ladder's F_max and floor are its own counts
+        expected_full_calls=full,
+        min_full_calls=full,
+        predicted_ms=predicted[chosen],
+        predicted_stage_ms={**costs.fixed_ms, DENOISE_STAGE: predicted[chosen] - costs.fixed_total_ms},
+        feasible=bool(errors),
+        best_achievable_ms=predicted[cheapest],
+        fits=bool(errors),
+        fallbacks=() if errors else ("no_point_fits",),
         residual_order=config.residual_order,
-        expected_error=expected_error,
-        loop_share=loop_share,
+        expected_error=errors.get(chosen, point.error),
     )
+
+
+def expected_error(point: ProfilePoint, slack: float, slowdowns: Sequence[float]) -> float:
+    """The mean error of ``point``, whose step loop has ``slack`` times its expected time (>= 1: it fits), over
+    ticks whose calls run ``slowdowns`` times their expected costs: a tick slower than its slack allows is cut by
+    the guard, at the error calibration measured for that slowdown (``ProfilePoint.error_at``; one slower than
+    any measured is priced as the slowest)."""
+    slowest = point.cuts[-1].fraction if point.cuts else 1.0
+    return sum(point.error_at(max(min(slack / slowdown, 1.0), slowest)) for slowdown in slowdowns) / len(slowdowns)

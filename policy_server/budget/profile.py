@@ -10,8 +10,8 @@ observations than on others). A tick's latency is linear in those counts with po
 configuration no better in error and no cheaper in any count than another can never be the better pick on
 any machine: the planner chooses among the others only (`frontier`). The profile keeps every point measured
 (the bench compares fixed configurations with the planner's choice). A point on the frontier also keeps its
-error when planned short (`Cut`): its step loop held by the in-tick guard to a share of its expected time,
-which skips refreshes the gate wants.
+error on slow ticks (`Cut`): calls slower than expected, the in-tick guard skips refreshes the gate wants to
+hold the deadline, and cached points lose more to that than uncached ones.
 
 The profile is JSON, keyed by the weights digest: a profile of other weights is rejected, not used.
 """
@@ -53,8 +53,9 @@ class TickConfig(BaseModel):
 
 
 class Cut(BaseModel):
-    """A configuration planned short: its step loop given `fraction` of its expected time, the guard pacing its
-    refreshes to fit (`engine/calibration.py` runs the guard on a simulated clock), and the error that cost."""
+    """A configuration planned to fit, on a tick whose calls run `1 / fraction` times slower than expected: its
+    step loop gets `fraction` of the time they take, the guard cutting refreshes to hold the deadline
+    (`engine/calibration.py` runs the guard on a simulated clock), and the error that cost."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -106,8 +107,8 @@ class ProfilePoint(BaseModel):
         return self._latency_ms(costs, full * (1 - paired), full * paired / 2)
 
     def error_at(self, fraction: float) -> float | None:
-        """The expected error with `fraction` of the step loop's expected time (1: all of it), interpolated
-        between the measured cuts; None below the smallest one measured."""
+        """The expected error when the step loop gets `fraction` of the time its calls take (1: all of it),
+        interpolated between the measured cuts; None below the smallest one measured."""
         if fraction >= 1.0:
             return self.error
         measured = [(1.0, self.error), *((cut.fraction, cut.error) for cut in self.cuts)]

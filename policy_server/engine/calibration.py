@@ -6,10 +6,10 @@ Every configuration (`budget.profile.TickConfig`: sampler steps x CFG schedule x
 observation with the same seed as the uncached default does, so the initial noise is the same and the action
 error (rel-L2, physical units) measures only what the levers change. Each point keeps the mean error, its
 90th percentile and the mean calls a tick made: full alone, pairs (both branches full, one batch) and skipped.
-The planner chooses on their frontier (`budget.profile.frontier`). Then each frontier point runs again planned
-short (`CUT_SHARES` of its step loop's expected time, `budget.planner.plan_short`) under the in-tick guard,
-on a clock that advances by the call costs measured in the first pass: the error of the refreshes the guard
-skips, free of this machine's timing noise (`budget.profile.Cut`).
+The planner chooses on their frontier (`budget.profile.frontier`). Then each frontier point runs again as the
+planner would plan it to fit, under the in-tick guard, on a clock that advances by the call costs measured in
+the first pass slowed by 1 / `CUT_FRACTIONS`: the error of the refreshes the guard skips on a slow tick, free
+of this machine's own timing noise (`budget.profile.Cut`).
 
 Observation files are safetensors (no pickle): tensors `images.<camera>` uint8 `[M, H, W, 3]` (one per
 camera of the embodiment) and optionally `state` float32 `[M, state_dim]`; metadata `embodiment` (a served
@@ -37,7 +37,7 @@ from safetensors.numpy import save_file
 
 from policy_server.budget.cost_model import FULL, PAIR, SKIP, CallCosts, step_samples
 from policy_server.budget.guard import DeadlineGuard
-from policy_server.budget.planner import plan_short
+from policy_server.budget.planner import plan_on_frontier
 from policy_server.budget.profile import (
     PROFILE_FILE,
     Calibration,
@@ -73,8 +73,9 @@ COARSE_RUNGS = (2, 4, 5)  # of the ladder: the published default's, the loosest 
 # have two modes (robots/calibration_set.py).
 DEFAULT_OBSERVATIONS = Path(__file__).resolve().parent.parent / "assets" / "calibration" / "reach_either.safetensors"
 MAX_OBSERVATIONS = 1024
-# The shares of its step loop's expected time a frontier point is measured at when planned short.
-CUT_SHARES = (0.8, 0.6, 0.4)
+# A frontier point's step loop is also measured with these fractions of the time its calls take (calls 1.25,
+# 1.67 and 2.5 times slower than expected).
+CUT_FRACTIONS = (0.8, 0.6, 0.4)
 
 
 class CalibrationError(ValueError):
@@ -217,35 +218,37 @@ class _SimulatedClock:
 
 
 class SimulatedGuardedSteps(GuardedSteps):
-    """A guarded step loop whose guard reads a clock that each call advances by `costs` (c_skip for a skipped
-    call, c_full alone, c_pair for a step's two full calls as one batch): the guard cuts the tick as it would on
-    a machine that runs exactly at those costs."""
+    """A guarded step loop whose guard reads a clock that each call advances by `costs` times `slowdown` (c_skip
+    for a skipped call, c_full alone, c_pair for a step's two full calls as one batch): the guard, expecting
+    `costs`, cuts the tick as it would on a machine that runs that much slower."""
 
-    def __init__(self, plan, costs: CallCosts, cache: SeaCache) -> None:
-        self.clock, self.costs = _SimulatedClock(), costs
+    def __init__(self, plan, costs: CallCosts, cache: SeaCache, slowdown: float) -> None:
+        self.clock, self.costs, self.slowdown = _SimulatedClock(), costs, slowdown
         super().__init__(plan, DeadlineGuard(plan, costs, plan.deadline_ms, clock=self.clock, cost_margin_devs=0.0),
                          cache)
 
     def estimate(self, step, branch, sigma, noisy_vision, gen_in) -> torch.Tensor | None:
         out = super().estimate(step, branch, sigma, noisy_vision, gen_in)
         if out is not None:
-            self.clock.now_ms += self.costs.skip_ms
+            self.clock.now_ms += self.slowdown * self.costs.skip_ms
         return out
 
     def ran(self, outs) -> None:
-        self.clock.now_ms += self.costs.pair_ms if len(outs) == 2 else len(outs) * self.costs.full_ms
+        ms = self.costs.pair_ms if len(outs) == 2 else len(outs) * self.costs.full_ms
+        self.clock.now_ms += self.slowdown * ms
         super().ran(outs)
 
 
-def run_short(pipeline: PolicyPipeline, request: PolicyRequest, point: ProfilePoint, share: float,
-              costs: CallCosts, sea_filter: SeaFilter) -> PolicyOutput:
-    """One tick of `request` at `point` planned with `share` of its step loop's expected time at `costs`."""
+def run_cut(pipeline: PolicyPipeline, request: PolicyRequest, point: ProfilePoint, fraction: float,
+            costs: CallCosts, sea_filter: SeaFilter) -> PolicyOutput:
+    """One tick of `request` at `point` planned to fit at `costs` (as the planner plans it before a session has
+    run it), whose calls run `1 / fraction` times slower."""
     config = point.config
-    plan = plan_short(point, share, costs, pipeline.guided_steps)
+    plan = plan_on_frontier(point.predicted_p90_ms(costs), (point,), costs, guided=pipeline.guided_steps)
     cache = SeaCache(SeaCacheConfig(threshold=plan.thresholds, residual_order=config.residual_order,
                                     max_consecutive_cached=plan.cap), sea_filter=sea_filter)
     request = PolicyRequest(**{**request.__dict__, "num_steps": config.num_steps})
-    return run_steps(pipeline.steps(request, None, SimulatedGuardedSteps(plan, costs, cache)),
+    return run_steps(pipeline.steps(request, None, SimulatedGuardedSteps(plan, costs, cache, 1.0 / fraction)),
                      pipeline.transformer.gen_stack)
 
 
@@ -320,7 +323,7 @@ def calibration_steps(pipeline: PolicyPipeline, observations: Sequence[Observati
             progress((index + 1) / len(observations) / 2)
     embodiments = {embodiment: [point_of(config, runs) for config, runs in by_config.items()]
                    for embodiment, by_config in measured.items()}
-    # Planned short: each frontier point that has calls to cut, at the costs this machine ran them at.
+    # Slow ticks: each frontier point that has calls to cut, at the costs this machine ran them at, slowed.
     costs = {embodiment: measured_costs(call_samples[embodiment]) for embodiment in embodiments}
     cut_errors: dict[tuple[str, TickConfig], dict[float, list[float]]] = {}
     for index, (observation, request) in enumerate(zip(observations, requests, strict=True)):
@@ -330,17 +333,17 @@ def calibration_steps(pipeline: PolicyPipeline, observations: Sequence[Observati
         for point in frontier(embodiments[embodiment]):
             if point.config.num_steps <= 2:
                 continue  # the first and last steps always run full: nothing to cut
-            for share in CUT_SHARES:
-                out = run_short(pipeline, request, point, share, costs[embodiment], sea_filter)
-                errors = cut_errors.setdefault((embodiment, point.config), {}).setdefault(share, [])
+            for fraction in CUT_FRACTIONS:
+                out = run_cut(pipeline, request, point, fraction, costs[embodiment], sea_filter)
+                errors = cut_errors.setdefault((embodiment, point.config), {}).setdefault(fraction, [])
                 errors.append(action_rel_l2(out.actions, references[index]))
                 yield
         if progress is not None:
             progress(0.5 + (index + 1) / len(observations) / 2)
     profile_points = {
         embodiment: tuple(point.model_copy(update={"cuts": tuple(
-            Cut(fraction=share, error=float(np.mean(errors)))
-            for share, errors in cut_errors.get((embodiment, point.config), {}).items())}) for point in points)
+            Cut(fraction=fraction, error=float(np.mean(errors)))
+            for fraction, errors in cut_errors.get((embodiment, point.config), {}).items())}) for point in points)
         for embodiment, points in embodiments.items()}
     return QualityProfile(digest=pipeline.digest, default=default, embodiments=profile_points,
                           calibration=Calibration(observations=len(observations), source=source,

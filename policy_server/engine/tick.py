@@ -193,7 +193,7 @@ class Tick:
         knobs.update(cap=float(plan.cap), cfg_steps=float(plan.cfg_steps),
                      threshold=max(plan.thresholds, default=0.0), expected_full_calls=float(plan.expected_full_calls))
         if plan.expected_error is not None:  # planned on a quality profile's frontier: `setting` names the point
-            knobs.update(expected_error=plan.expected_error, loop_share=plan.loop_share)
+            knobs["expected_error"] = plan.expected_error
         return api.TickRecord(
             budget_ms=session.budget_ms,
             deadline_ms=self.request.deadline_ms,
