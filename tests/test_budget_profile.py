@@ -46,7 +46,7 @@ def test_a_point_on_slow_ticks_errs_as_its_measured_cuts_say():
     assert point.error_at(0.9) == pytest.approx(0.03) and point.error_at(0.8) == pytest.approx(0.04)
     assert point.error_at(0.6) == pytest.approx(0.12) and point.error_at(0.4) == pytest.approx(0.2)
     assert point.error_at(0.39) is None  # below what calibration measured
-    assert _point(20, 0.02, 0, 20, 0).error_at(0.99) is None  # no cut measured: it runs whole or not at all
+    assert _point(20, 0.02, 0, 20, 0).error_at(0.99) is None  # no slow tick measured
 
 
 def test_a_profile_round_trips_through_its_file(tmp_path):
