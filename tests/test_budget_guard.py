@@ -14,7 +14,7 @@ from policy_server.budget.cost_model import FULL, PAIR, SKIP, CallCosts, CostMod
 from policy_server.budget.guard import DeadlineGuard
 from policy_server.budget.history import SessionHistory
 from policy_server.budget.planner import plan_tick
-from policy_server.budget.tick import SLOWDOWN_WINDOW, GuardedSteps, TickBudget
+from policy_server.budget.tick import SLOWDOWN_LEVELS, SLOWDOWN_WINDOW, GuardedSteps, TickBudget
 from policy_server.cache.controller import CacheRecord, StepDecision
 from policy_server.cache.seacache import SeaCache, SeaCacheConfig
 from policy_server.pipeline.policy import FixedSteps
@@ -370,13 +370,21 @@ def test_learn_keeps_how_much_slower_than_expected_recent_ticks_ran():
     clock = FakeClock()
     budget = warm_budget(clock)
     assert budget.slowdowns == ()
-    for stack_ms, slower in ((STACK_MS, False), (1.5 * STACK_MS, True)):
+    for stack_ms in (STACK_MS, 1.5 * STACK_MS):
         plan = budget.plan(KEY, 500.0, 10, 2, None, prefill=False)
         _, stages, steps, _ = run_tick(clock, budget, plan, stack_ms=lambda step, ms=stack_ms: ms)
         budget.learn(KEY, steps, None, stages)
-        assert (budget.slowdowns[-1] > 1.3) is slower and budget.slowdowns[-1] >= 1.0 - 1e-9
-    for _ in range(SLOWDOWN_WINDOW):
+    on_time, slow = budget.slowdowns  # ascending
+    assert on_time == pytest.approx(1.0) and slow > 1.3
+    for _ in range(SLOWDOWN_WINDOW - 2):  # 64 ticks: the slow one is in the slowest level's slice of 8
         plan = budget.plan(KEY, 500.0, 10, 2, None, prefill=False)
         _, stages, steps, _ = run_tick(clock, budget, plan)
         budget.learn(KEY, steps, None, stages)
-    assert len(budget.slowdowns) == SLOWDOWN_WINDOW  # the recent ticks only
+    assert len(budget.slowdowns) == SLOWDOWN_LEVELS
+    assert budget.slowdowns[:-1] == pytest.approx((1.0,) * (SLOWDOWN_LEVELS - 1))
+    assert budget.slowdowns[-1] == pytest.approx((7 * 1.0 + slow) / 8)
+    for _ in range(2):  # the 66th: the slow one, the second tick, is out of the window
+        plan = budget.plan(KEY, 500.0, 10, 2, None, prefill=False)
+        _, stages, steps, _ = run_tick(clock, budget, plan)
+        budget.learn(KEY, steps, None, stages)
+    assert max(budget.slowdowns) == pytest.approx(1.0)

@@ -45,8 +45,8 @@ def test_a_point_on_slow_ticks_errs_as_its_measured_cuts_say():
     assert point.error_at(1.0) == point.error_at(1.7) == 0.02  # all the time its calls take
     assert point.error_at(0.9) == pytest.approx(0.03) and point.error_at(0.8) == pytest.approx(0.04)
     assert point.error_at(0.6) == pytest.approx(0.12) and point.error_at(0.4) == pytest.approx(0.2)
-    assert point.error_at(0.39) is None  # below what calibration measured
-    assert _point(20, 0.02, 0, 20, 0).error_at(0.99) is None  # no slow tick measured
+    assert point.error_at(0.3) == pytest.approx(0.2)  # slower than any measured: priced as the slowest
+    assert _point(20, 0.02, 0, 20, 0).error_at(0.5) == 0.02  # no slow tick measured: its error
 
 
 def test_a_profile_round_trips_through_its_file(tmp_path):

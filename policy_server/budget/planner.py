@@ -406,7 +406,7 @@ def plan_on_frontier(
                  for point, count in zip(points, seen, strict=True)]
     cheapest = min(range(len(points)), key=predicted.__getitem__)
     loop_ms = deadline_ms - costs.fixed_total_ms  # what the step loop has
-    errors = {i: expected_error(points[i], loop_ms / max(predicted[i] - costs.fixed_total_ms, 1e-9), slowdowns)
+    errors = {i: expected_error(points[i], loop_ms / (predicted[i] - costs.fixed_total_ms), slowdowns)
               for i in range(len(points)) if predicted[i] <= deadline_ms}
     chosen = min(errors, key=lambda i: (errors[i], predicted[i])) if errors else cheapest
     point, config = points[chosen], points[chosen].config
@@ -442,5 +442,4 @@ def expected_error(point: ProfilePoint, slack: float, slowdowns: Sequence[float]
     ticks whose calls run ``slowdowns`` times their expected costs: a tick slower than its slack allows is cut by
     the guard, at the error calibration measured for that slowdown (``ProfilePoint.error_at``; one slower than
     any measured is priced as the slowest)."""
-    slowest = point.cuts[-1].fraction if point.cuts else 1.0
-    return sum(point.error_at(max(min(slack / slowdown, 1.0), slowest)) for slowdown in slowdowns) / len(slowdowns)
+    return sum(point.error_at(slack / slowdown) for slowdown in slowdowns) / len(slowdowns)

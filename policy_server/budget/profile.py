@@ -106,16 +106,16 @@ class ProfilePoint(BaseModel):
         paired = 2 * self.pairs / max(self.full_calls + 2 * self.pairs, 1e-9)  # the share of full calls in pairs
         return self._latency_ms(costs, full * (1 - paired), full * paired / 2)
 
-    def error_at(self, fraction: float) -> float | None:
+    def error_at(self, fraction: float) -> float:
         """The expected error when the step loop gets `fraction` of the time its calls take (1: all of it),
-        interpolated between the measured cuts; None below the smallest one measured."""
-        if fraction >= 1.0:
+        interpolated between the measured cuts; below the smallest one measured, that one's error."""
+        if fraction >= 1.0 or not self.cuts:
             return self.error
         measured = [(1.0, self.error), *((cut.fraction, cut.error) for cut in self.cuts)]
         for (high, high_error), (low, low_error) in zip(measured, measured[1:], strict=False):
             if fraction >= low:
                 return low_error + (high_error - low_error) * (fraction - low) / (high - low)
-        return None
+        return measured[-1][1]
 
     def _latency_ms(self, costs: CallCosts, alone: float, pairs: float) -> float:
         skipped = max(self.calls - alone - 2 * pairs, 0.0)

@@ -14,6 +14,8 @@ Each tick gets its own guard, so ticks that run together (a micro-batch) each ke
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -31,7 +33,8 @@ if TYPE_CHECKING:
 
 PREFILL_STAGE = "prefill"
 PREVIEW_STAGE = "preview"  # decoding the predicted frames, for the sessions that asked for them
-SLOWDOWN_WINDOW = 64  # recent ticks whose slowdown the frontier planner prices cuts at
+SLOWDOWN_WINDOW = 64  # recent ticks whose slowdowns the frontier planner prices cuts at
+SLOWDOWN_LEVELS = 8  # ... as this many equally likely values, so that planning a tick stays cheap
 
 
 class GuardedSteps:
@@ -98,8 +101,10 @@ class TickBudget:
         self.clock = clock
         self.post_stages = tuple(post_stages)
         self.guided = guided
-        # How much slower than the cost model's medians the calls of recent ticks ran: a tuple replaced whole,
-        # so admission may plan from another thread while the worker learns.
+        # How much slower than the cost model's medians the calls of recent ticks ran, and those as at most
+        # SLOWDOWN_LEVELS equally likely values (ascending; each the mean of one slice of them, so the tail
+        # counts): a tuple replaced whole, so admission may plan from another thread while the worker learns.
+        self._recent_slowdowns: deque[float] = deque(maxlen=SLOWDOWN_WINDOW)
         self.slowdowns: tuple[float, ...] = ()
 
     def plan(
@@ -148,8 +153,11 @@ class TickBudget:
             if timings and self.cost_model.is_warm(key):
                 expected = self.cost_model.costs(key)
                 cost_of = {FULL: expected.full_ms, PAIR: expected.pair_ms, SKIP: expected.skip_ms}
-                slowdown = sum(ms for _, ms in timings) / sum(cost_of[kind] for kind, _ in timings)
-                self.slowdowns = (*self.slowdowns[1 - SLOWDOWN_WINDOW:], slowdown)
+                self._recent_slowdowns.append(sum(ms for _, ms in timings) / sum(cost_of[kind] for kind, _ in timings))
+                ranked = sorted(self._recent_slowdowns)
+                n, levels = len(ranked), min(SLOWDOWN_LEVELS, len(ranked))
+                self.slowdowns = tuple(statistics.fmean(ranked[i * n // levels:(i + 1) * n // levels])
+                                       for i in range(levels))
             self.cost_model.observe_tick(key, timings, stages)
         plan = steps.plan
         if history is not None and plan.caching:

@@ -22,7 +22,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -35,7 +34,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from policy_server.budget.cost_model import FULL, PAIR, SKIP, CallCosts, step_samples
+from policy_server.budget.cost_model import SKIP, CallCosts, CostModel
 from policy_server.budget.guard import DeadlineGuard
 from policy_server.budget.planner import plan_on_frontier
 from policy_server.budget.profile import (
@@ -53,6 +52,7 @@ from policy_server.cache.sea_filter import SeaFilter
 from policy_server.cache.seacache import SeaCache, SeaCacheConfig
 from policy_server.config import DTYPES
 from policy_server.engine.served import EngineSettings, cache_ladder
+from policy_server.engine.tick import step_calls
 from policy_server.pipeline.hub import is_hub_id
 from policy_server.pipeline.policy import (
     CheckpointLoadError,
@@ -220,7 +220,7 @@ class _SimulatedClock:
 class SimulatedGuardedSteps(GuardedSteps):
     """A guarded step loop whose guard reads a clock that each call advances by `costs` times `slowdown` (c_skip
     for a skipped call, c_full alone, c_pair for a step's two full calls as one batch): the guard, expecting
-    `costs`, cuts the tick as it would on a machine that runs that much slower."""
+    `costs` (their medians, no margin), cuts the tick as it would on a machine that runs that much slower."""
 
     def __init__(self, plan, costs: CallCosts, cache: SeaCache, slowdown: float) -> None:
         self.clock, self.costs, self.slowdown = _SimulatedClock(), costs, slowdown
@@ -250,25 +250,6 @@ def run_cut(pipeline: PolicyPipeline, request: PolicyRequest, point: ProfilePoin
     request = PolicyRequest(**{**request.__dict__, "num_steps": config.num_steps})
     return run_steps(pipeline.steps(request, None, SimulatedGuardedSteps(plan, costs, cache, 1.0 / fraction)),
                      pipeline.transformer.gen_stack)
-
-
-def add_call_samples(samples: dict[str, list[float]], out: PolicyOutput) -> None:
-    """The step loop's call costs (ms) in `out`, by kind (`step_samples`)."""
-    for step in out.steps:
-        runs = len(step.full)
-        for kind, ms in step_samples(runs, len(step.branches) - runs, step.batched, step.ms):
-            samples.setdefault(kind, []).append(ms)
-
-
-def measured_costs(samples: dict[str, list[float]]) -> CallCosts | None:
-    """The medians of the call costs in `samples` (`add_call_samples`), without fixed stages; None without a
-    skipped call (nothing was cached, so a tick cannot be cut)."""
-    samples = {kind: samples.get(kind, []) for kind in (FULL, PAIR, SKIP)}
-    if not samples[SKIP] or not (samples[FULL] or samples[PAIR]):
-        return None
-    pair = statistics.median(samples[PAIR]) if samples[PAIR] else None
-    full = statistics.median(samples[FULL]) if samples[FULL] else pair / 2
-    return CallCosts(full_ms=full, skip_ms=statistics.median(samples[SKIP]), pair_ms=pair)
 
 
 def call_counts(out: PolicyOutput) -> tuple[int, int, int]:
@@ -303,7 +284,7 @@ def calibration_steps(pipeline: PolicyPipeline, observations: Sequence[Observati
                          cfg_steps=pipeline.config.num_steps if pipeline.config.guidance != 1.0 else 0,
                          threshold=0.0, cap=0, residual_order=configs[0].residual_order)
     measured: dict[str, dict[TickConfig, list[tuple[float, int, int, int]]]] = {}
-    call_samples: dict[str, dict[str, list[float]]] = {}
+    cost_model = CostModel(window=len(observations) * len(configs))  # keyed by embodiment; every tick counts
     requests, references = [], []
     sea_filter = SeaFilter()
     for index, observation in enumerate(observations):
@@ -317,14 +298,16 @@ def calibration_steps(pipeline: PolicyPipeline, observations: Sequence[Observati
             out = run_config(pipeline, request, config, sea_filter)
             runs = measured.setdefault(observation.embodiment, {}).setdefault(config, [])
             runs.append((action_rel_l2(out.actions, references[-1]), *call_counts(out)))
-            add_call_samples(call_samples.setdefault(observation.embodiment, {}), out)
+            cost_model.observe_tick(observation.embodiment, step_calls(out.steps))
             yield
         if progress is not None:
             progress((index + 1) / len(observations) / 2)
     embodiments = {embodiment: [point_of(config, runs) for config, runs in by_config.items()]
                    for embodiment, by_config in measured.items()}
     # Slow ticks: each frontier point that has calls to cut, at the costs this machine ran them at, slowed.
-    costs = {embodiment: measured_costs(call_samples[embodiment]) for embodiment in embodiments}
+    # Their medians (the guard holds the simulated tick to them); none without a skipped call: nothing was cached.
+    costs = {embodiment: cost_model.costs(embodiment) if cost_model.samples(embodiment)[SKIP] else None
+             for embodiment in embodiments}
     cut_errors: dict[tuple[str, TickConfig], dict[float, list[float]]] = {}
     for index, (observation, request) in enumerate(zip(observations, requests, strict=True)):
         embodiment = observation.embodiment
