@@ -81,11 +81,19 @@ from policy_server.engine.calibration import (
     resolve_profile,
     warmup_observations,
 )
+from policy_server.engine.cuda_graphs import GraphedGenStack
 from policy_server.engine.engine import EngineSettings, ModelEngine, resolve_dtype
 from policy_server.engine.tick import step_calls
 from policy_server.limits import MAX_BUDGET_MS
 from policy_server.pipeline.embodiments import Embodiment
-from policy_server.pipeline.policy import CheckpointLoadError, PolicyOutput, PolicyPipeline, PolicyRequest, TickSteps
+from policy_server.pipeline.policy import (
+    CheckpointLoadError,
+    PolicyOutput,
+    PolicyPipeline,
+    PolicyRequest,
+    TickSteps,
+    run_steps,
+)
 from robots.envs import ENV_IDS, HELDOUT_SEED_OFFSET, REACH_EITHER_TIMED_ID, REACH_ID
 from robots.expert import expert_observations
 from robots.rollout import TickStats, run_episodes
@@ -686,7 +694,9 @@ def tick_profile(pipeline: PolicyPipeline, embodiment: Embodiment, inputs: dict,
     ratio (1.0: nothing but arithmetic) and the ops per tick; the same tick with each step's CFG branches run
     one by one (the path before batched CFG, interleaved tick by tick); and what one call costs (median over
     the steps: embed, stack or extrapolation, heads, sampler update): full alone, both branches' as one batch,
-    skipped (a maximally cached tick's)."""
+    skipped (a maximally cached tick's). On CUDA, `graphed` has the same wall time and calls with the GEN stack
+    replayed from CUDA graphs, as the server runs it, interleaved with the eager ticks; the differences are
+    the launch overhead the graphs remove."""
     if ticks == 0:
         return None
     from torch.profiler import ProfilerActivity, profile
@@ -695,33 +705,42 @@ def tick_profile(pipeline: PolicyPipeline, embodiment: Embodiment, inputs: dict,
                             state=inputs["state"])
     steps, guidance = pipeline.config.num_steps, pipeline.config.guidance
 
-    def tick(cache=None, batch_branches: bool = True) -> PolicyOutput:
-        return pipeline.run(request, None, pipeline.fixed_steps(steps, guidance, cache, batch_branches))
+    cuda = pipeline.device.type == "cuda"
+    graphs = GraphedGenStack(pipeline.transformer) if cuda else None
+
+    def tick(cache=None, batch_branches: bool = True, stack=pipeline.transformer.gen_stack) -> PolicyOutput:
+        return run_steps(pipeline.steps(request, None, pipeline.fixed_steps(steps, guidance, cache, batch_branches)),
+                         stack)
 
     def max_caching() -> SeaCache:
         return SeaCache(SeaCacheConfig(threshold=MAX_CACHING.threshold, max_consecutive_cached=MAX_CACHING.cap))
 
     tick(), tick(batch_branches=False)  # allocations and layouts of this shape are made outside the figures
-    walls, walls_one_by_one, calls = [], [], []
+    if graphs is not None:  # and the graphs' captures
+        tick(stack=graphs.capture), tick(max_caching(), batch_branches=False, stack=graphs.capture)
+    walls, walls_one_by_one, calls, graphed_walls, graphed_calls = [], [], [], [], []
     for _ in range(ticks):
         for out, one_by_one in ((tick(), False), (tick(batch_branches=False), True),
                                 (tick(max_caching(), batch_branches=False), None)):
             calls += step_calls(out.steps)
             if one_by_one is not None:
                 (walls_one_by_one if one_by_one else walls).append(out.timings_ms["total"])
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if pipeline.device.type == "cuda" else [])
+        if graphs is not None:
+            out = tick(stack=graphs)
+            graphed_walls.append(out.timings_ms["total"])
+            graphed_calls += step_calls(out.steps) + step_calls(tick(max_caching(), False, graphs).steps)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as profiler:
         for _ in range(ticks):
             tick()
     events = profiler.key_averages()
-    cuda = pipeline.device.type == "cuda"
 
     def op_ms(names: frozenset[str]) -> float:
         total_us = sum((e.self_device_time_total if cuda else e.self_cpu_time_total) for e in events if e.key in names)
         return total_us / 1e3 / ticks
 
-    def call_ms(kind: str) -> float | None:
-        samples = [ms for k, ms in calls if k == kind]
+    def call_ms(kind: str, timed: list[tuple[str, float]] = calls) -> float | None:
+        samples = [ms for k, ms in timed if k == kind]
         return statistics.median(samples) if samples else None
 
     wall_ms, matmul_ms, attention_ms = statistics.median(walls), op_ms(MATMUL_OPS), op_ms(ATTENTION_OPS)
@@ -735,6 +754,16 @@ def tick_profile(pipeline: PolicyPipeline, embodiment: Embodiment, inputs: dict,
         "full_call_ms": call_ms(FULL),
         "batched_cfg_call_ms": call_ms(PAIR),
         "skipped_call_ms": call_ms(SKIP),
+        "graphed": None if graphs is None else {
+            "wall_ms": statistics.median(graphed_walls),
+            "full_call_ms": call_ms(FULL, graphed_calls),
+            "batched_cfg_call_ms": call_ms(PAIR, graphed_calls),
+            "skipped_call_ms": call_ms(SKIP, graphed_calls),
+            "launch_overhead_full_call_ms": call_ms(FULL) - call_ms(FULL, graphed_calls),
+            "launch_overhead_batched_cfg_call_ms": call_ms(PAIR) - call_ms(PAIR, graphed_calls),
+            "graphs": graphs.num_graphs,
+            "capture_ms": graphs.capture_ms,
+        },
         "ticks": ticks,
     }
 

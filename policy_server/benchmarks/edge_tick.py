@@ -6,9 +6,11 @@ The Edge backbone's shapes (../shared/reference/cosmos3.md: 28 layers, D 2048, 1
 relu² MLP of 9216) at one 256x256 canvas, a 32-action chunk (9 latent frames of 16x16 after the Wan2.2 VAE's
 16x spatial and 4x temporal compression) and a 200-token prompt. Timed, interleaved: one GEN call (embed, the
 GEN stack, heads) of one branch, and of both CFG branches as one batch (what an uncached step runs), plus the
-UND prefill. MFU counts the matmul and attention FLOPs of a call against the device's dense bf16 peak. The
-uncached tick and the fewest full steps that fit `--budget-ms` follow from these costs (the VAE's encode and
-decode are not in them: the random-weight check has no VAE).
+UND prefill; on CUDA the two calls again with the GEN stack replayed from a CUDA graph (`engine/cuda_graphs.py`,
+as the server runs it), whose difference from the eager call is the launch overhead it removes. MFU counts the
+matmul and attention FLOPs of a call against the device's dense bf16 peak. The uncached tick and the fewest full
+steps that fit `--budget-ms` follow from these costs, graphed where measured (the VAE's encode and decode are not
+in them: the random-weight check has no VAE).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 import torch
 
 from policy_server.benchmarks.forward import interleaved_medians, policy_step_kwargs, random_model
+from policy_server.engine.cuda_graphs import GraphedGenStack
 from policy_server.model.boundary import GenInput, UndKV
 from policy_server.model.config import Cosmos3TransformerConfig
 
@@ -52,9 +55,9 @@ def gen_call_flops(config: Cosmos3TransformerConfig, gen_tokens: int, text_token
 
 def measure(config: Cosmos3TransformerConfig, device: torch.device, dtype: torch.dtype, text_tokens: int,
             vision_shape: tuple[int, int, int, int], chunk: int, repeats: int, warmup: int = 3) -> dict:
-    """Median ms of the prefill, one branch's GEN call and both branches' as one batch (interleaved)."""
-    model = random_model(config).to(device)
-    model = model.to(dtype)
+    """Median ms of the prefill, one branch's GEN call and both branches' as one batch, eager and (on CUDA) with
+    the GEN stack from a CUDA graph, interleaved."""
+    model = random_model(config, device=device).to(dtype)
     model.time_embedder.float()  # as Cosmos3 keeps it, whatever the load dtype
     kwargs = policy_step_kwargs(config, text_tokens, vision_shape, chunk, device=device)
     und_len = kwargs["und_len"]
@@ -64,17 +67,21 @@ def measure(config: Cosmos3TransformerConfig, device: torch.device, dtype: torch
         layout = model.gen_layout(**kwargs)
         pair_kv = UndKV.stack([und_kv, und_kv])
 
-        def call():
+        def call(stack):
             gen = model.embed_gen(**kwargs, layout=layout)
-            return model.heads(model.gen_stack(gen, und_kv), gen)
+            return model.heads(stack(gen, und_kv), gen)
 
-        def pair():
+        def pair(stack):
             gen = model.embed_gen(**kwargs, layout=layout)
-            out = model.gen_stack(GenInput.stack([gen, gen]), pair_kv)
+            out = stack(GenInput.stack([gen, gen]), pair_kv)
             return [model.heads(out[b], gen) for b in range(2)]
 
-        timed = {"prefill_ms": lambda: model.prefill_und(ids, positions), "gen_call_ms": call,
-                 "cfg_pair_call_ms": pair}
+        timed = {"prefill_ms": lambda: model.prefill_und(ids, positions), "gen_call_ms": lambda: call(model.gen_stack),
+                 "cfg_pair_call_ms": lambda: pair(model.gen_stack)}
+        if device.type == "cuda":
+            graphs = GraphedGenStack(model)
+            timed.update(gen_call_graphed_ms=lambda: call(graphs.capture),
+                         cfg_pair_call_graphed_ms=lambda: pair(graphs.capture))
         result = interleaved_medians(timed, device, repeats, warmup)
     result["gen_tokens"] = kwargs["sequence_length"] - und_len
     result["text_tokens"] = und_len
@@ -121,21 +128,35 @@ def main(argv: list[str] | None = None) -> int:
     flops = sum(gen_call_flops(config, result["gen_tokens"], result["text_tokens"]))
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     peak = args.peak_tflops or next((tflops for key, tflops in BF16_PEAK_TFLOPS.items() if key in name), None)
-    tick_ms = result["prefill_ms"] + args.steps * result["cfg_pair_call_ms"]
+    graphed = "gen_call_graphed_ms" in result
+    # What the server runs: the GEN stack from CUDA graphs where it has them.
+    call_ms = result["gen_call_graphed_ms" if graphed else "gen_call_ms"]
+    pair_ms = result["cfg_pair_call_graphed_ms" if graphed else "cfg_pair_call_ms"]
+
+    def mfu(call_flops: float, ms: float) -> float | None:
+        return None if peak is None else call_flops / (ms / 1e3) / (peak * 1e12)
+
+    tick_ms = result["prefill_ms"] + args.steps * pair_ms
     report = {
         "device": name, "dtype": args.dtype, "layers": config.num_hidden_layers, **result,
         "gen_call_tflop": flops / 1e12,
-        "mfu_gen_call": None if peak is None else flops / (result["gen_call_ms"] / 1e3) / (peak * 1e12),
-        "mfu_cfg_pair_call": None if peak is None else 2 * flops / (result["cfg_pair_call_ms"] / 1e3) / (peak * 1e12),
+        "mfu_gen_call": mfu(flops, result["gen_call_ms"]),
+        "mfu_cfg_pair_call": mfu(2 * flops, result["cfg_pair_call_ms"]),
         "peak_tflops": peak,
         "uncached_tick_ms": tick_ms,
         "budget_ms": args.budget_ms,
         "uncached_fits_budget": tick_ms <= args.budget_ms,
         # A CFG step runs both branches as one batch; without CFG, one call.
-        "uncached_cfg_steps_in_budget": fitting_steps(result["prefill_ms"], result["cfg_pair_call_ms"], args.budget_ms),
-        "uncached_steps_in_budget_without_cfg": fitting_steps(result["prefill_ms"], result["gen_call_ms"],
-                                                              args.budget_ms),
+        "uncached_cfg_steps_in_budget": fitting_steps(result["prefill_ms"], pair_ms, args.budget_ms),
+        "uncached_steps_in_budget_without_cfg": fitting_steps(result["prefill_ms"], call_ms, args.budget_ms),
     }
+    if graphed:
+        report.update(
+            mfu_gen_call_graphed=mfu(flops, result["gen_call_graphed_ms"]),
+            mfu_cfg_pair_call_graphed=mfu(2 * flops, result["cfg_pair_call_graphed_ms"]),
+            launch_overhead_gen_call_ms=result["gen_call_ms"] - result["gen_call_graphed_ms"],
+            launch_overhead_cfg_pair_call_ms=result["cfg_pair_call_ms"] - result["cfg_pair_call_graphed_ms"],
+        )
     text = json.dumps(report, indent=2)
     print(text)
     if args.out is not None:

@@ -50,19 +50,22 @@ def policy_step_kwargs(config: Cosmos3TransformerConfig, n_text: int, vision_sha
     return {**kwargs, "return_dict": False}
 
 
-def random_model(config: Cosmos3TransformerConfig, seed: int = 0) -> Cosmos3OmniTransformer:
+def random_model(config: Cosmos3TransformerConfig, seed: int = 0,
+                 device: torch.device | str = "cpu") -> Cosmos3OmniTransformer:
     """A model with every weight drawn at random, norm scales and modality embeddings included.
 
     Matrices get std `1/sqrt(hidden_size)` (embedding tables std 1), norm scales `1 + 0.1 N(0, 1)`,
     biases and modality embeddings `0.1 N(0, 1)`, so activations stay O(1) through the stack and
-    any mis-wired weight shows in the outputs.
+    any mis-wired weight shows in the outputs. Built and drawn on `device` (a seed draws other weights on a
+    GPU than on the CPU; an Edge-size model takes minutes to draw on a CPU).
     """
-    generator = torch.Generator().manual_seed(seed)
-    model = Cosmos3OmniTransformer(config).eval()
+    generator = torch.Generator(device).manual_seed(seed)
+    with torch.device(device):
+        model = Cosmos3OmniTransformer(config).eval()
     matrix_std = config.hidden_size**-0.5
     with torch.no_grad():
         for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=generator)
+            noise = torch.randn(param.shape, generator=generator, device=device)
             if name == "embed_tokens.weight":
                 param.copy_(noise)
             elif param.ndim > 1 or name.endswith("fc.weight"):

@@ -72,7 +72,7 @@ class DynamicsCall:
             yield
         steps = pipeline.steps(request, text, served.fixed_steps(request.num_steps or served.num_steps))
         waited_before_steps = self._waited_ms  # the waits between sampler steps fall inside the denoise time
-        out = yield from stepwise(steps, pipeline.transformer.gen_stack)
+        out = yield from stepwise(steps, served.gen_stack)
         denoise_ms = out.timings_ms["denoise"] - (self._waited_ms - waited_before_steps)
         stage_ms.update(encode=out.timings_ms["encode"], denoise=denoise_ms, decode=out.timings_ms["decode"])
         stage_ms["prefill"] += out.timings_ms["prefill"]

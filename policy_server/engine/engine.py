@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait as wait_for
 
@@ -31,6 +32,7 @@ from policy_server.engine.tick import Tick, TickRequest
 from policy_server.engine.warmup import Warmup
 from policy_server.engine.worker import GeneratorJob, ModelWorker, TickJob
 from policy_server.limits import MAX_INSTRUCTION_TOKENS, MAX_PROMPT_TOKENS
+from policy_server.pipeline.embodiments import Embodiment
 from policy_server.pipeline.policy import PolicyPipeline
 
 _POLL_S = 0.02  # how often a waiting caller checks whether it went away
@@ -47,7 +49,7 @@ class ModelEngine:
         self.served = ServedModel(pipeline, self.settings, clock)
         self.sessions = SessionTable(self.settings.max_sessions)
         self._worker = ModelWorker(lambda job, size: Tick(self.served, job.session, job.payload, size).steps(),
-                                   pipeline.transformer.gen_stack, self.settings.max_batch)
+                                   self.served.gen_stack, self.settings.max_batch)
         self._warmup = Warmup(self.served)
         self._admission = Admission(self.served, self.sessions, lambda: self._warmup.blocking_ms)
         self._reasoning = Reasoning(self.served, self._worker)
@@ -127,7 +129,25 @@ class ModelEngine:
             embodiment=embodiment, instruction=instruction, budget_ms=budget, chunk_size=chunk,
             seed=0 if seed is None else seed, cost_key=key, demand=demand,
             limiter=RateLimiter(rate, time.monotonic()), preview=preview))
+        if served.graphs is not None:
+            try:
+                self._capture_graphs(spec, chunk, instruction)
+            except BaseException:
+                self._admission.close(session.session_id)
+                raise
         return session.handle()
+
+    def _capture_graphs(self, embodiment: Embodiment, chunk: int, instruction: str) -> None:
+        """Capture the CUDA graphs of a new session's ticks on the worker, between other sessions' ticks, and wait:
+        its first tick then replays them rather than paying for a capture inside its budget."""
+        done: Future = Future()
+
+        def pieces():
+            yield from self._warmup.session_graphs(embodiment, chunk, instruction)
+            done.set_result(None)
+
+        self._worker.submit(GeneratorJob(pieces(), done.set_exception))
+        done.result()
 
     def session(self, session_id: str) -> api.SessionHandle:
         return self.sessions.get(session_id).handle()
@@ -217,6 +237,7 @@ def settings_from_config(config, quality_profile: QualityProfile | None = None,
         default_budget_ms=config.latency_budget_ms,
         max_sessions=config.max_sessions,
         max_batch=config.max_batch,
+        cuda_graphs=config.cuda_graphs,
         max_dynamics_calls=config.max_dynamics_calls,
         diffusion_cache=config.diffusion_cache,
         cache_threshold=config.diffusion_cache_thresh,

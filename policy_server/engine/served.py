@@ -18,6 +18,7 @@ from policy_server.budget.tick import PREVIEW_STAGE, TickBudget
 from policy_server.cache.controller import StepController
 from policy_server.cache.sea_filter import SeaFilter
 from policy_server.engine import api
+from policy_server.engine.cuda_graphs import GraphedGenStack
 from policy_server.engine.sessions import SessionState
 from policy_server.limits import MAX_INSTRUCTION_TOKENS
 from policy_server.pipeline.embodiments import Embodiment
@@ -37,7 +38,8 @@ class EngineSettings:
     `max_dynamics_calls`: forward / inverse dynamics calls at once (0: none, and admission reserves nothing for
     them). `quality_profile`: plan ticks on its frontier (`policy_server.budget.profile`); without one,
     `calibrate_at_warmup` measures a bounded one before the engine is ready, else ticks are planned on the
-    ladder."""
+    ladder. `cuda_graphs`: on a CUDA device, replay the GEN stack from CUDA graphs captured at warmup and at
+    each session's opening (`engine/cuda_graphs.py`)."""
 
     default_budget_ms: float = 120.0
     max_sessions: int = 4
@@ -52,6 +54,7 @@ class EngineSettings:
     max_batch: int = 4
     quality_profile: QualityProfile | None = None
     calibrate_at_warmup: bool = False
+    cuda_graphs: bool = True
 
 
 def cache_ladder(threshold: float, cap: int) -> tuple[CacheSetting, ...]:
@@ -68,7 +71,8 @@ def cache_ladder(threshold: float, cap: int) -> tuple[CacheSetting, ...]:
 
 class ServedModel:
     """One pipeline on one device, with its cost model and budget. `closing` is set when the engine shuts
-    down: running work stops at its next step."""
+    down: running work stops at its next step. `gen_stack` runs the GEN-stack calls of live work;
+    `capturing_gen_stack` those of warm-up work, which may also capture CUDA graphs (`graphs`, None without)."""
 
     def __init__(self, pipeline: PolicyPipeline, settings: EngineSettings, clock: Callable[[], float]):
         self.pipeline = pipeline
@@ -79,6 +83,11 @@ class ServedModel:
         self.budget = TickBudget(self.cost_model, planner, clock=clock, post_stages=("decode", PREVIEW_STAGE),
                                  guided=pipeline.guided_steps)
         self.sea_filter = SeaFilter()  # its gain cache serves every tick
+        transformer = pipeline.transformer
+        self.graphs = GraphedGenStack(transformer) if settings.cuda_graphs and pipeline.device.type == "cuda" \
+            else None
+        self.gen_stack = transformer.gen_stack if self.graphs is None else self.graphs
+        self.capturing_gen_stack = transformer.gen_stack if self.graphs is None else self.graphs.capture
         self.embodiments = {name: pipeline.embodiments.get(name) for name in pipeline.served_embodiments}
         canvas_h, canvas_w = pipeline.config.canvas_hw
         m = pipeline.vae.spatial_compression

@@ -4,7 +4,9 @@ One tick per worker step, so a shutdown interrupts it within one tick. The first
 default shape runs `warmup_ticks` full ticks per mode (uncached, maximal caching) for the latency profile
 in `info()`; every other key one short tick per mode (costs are learned per call and stage, so a few
 sampler steps teach them as well as all of them). Then the reasoner's steps and the pieces of dynamics calls
-are timed: what a tick may find running when it arrives.
+are timed: what a tick may find running when it arrives. With CUDA graphs, each shape first runs one untimed
+tick per mode that captures its GEN-stack calls, and each session's opening captures those of its own prompt
+(`session_graphs`), so no live tick waits on a capture.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from policy_server.engine.served import INSTRUCTION_TOKEN_GROUPS, ServedModel
 from policy_server.engine.tick import STAGES, observe_output
 from policy_server.limits import MAX_INSTRUCTION_TOKENS, MAX_PROMPT_TOKENS
 from policy_server.pipeline.embodiments import Embodiment
-from policy_server.pipeline.policy import PolicyOutput, PolicyRequest, run_steps
+from policy_server.pipeline.policy import PolicyOutput, PolicyRequest, TickSteps, run_steps, stepwise
 from policy_server.pipeline.reasoner import ReasonerStream
 
 # Sampler steps of the warmup ticks that only fill costs: the first and last step are full, the rest can skip.
@@ -73,6 +75,9 @@ class Warmup:
         # A server without dynamics calls need not reserve for their longest piece (the frames' decode).
         dynamics_ms = (yield from self._time_dynamics_pieces()) if self.served.settings.max_dynamics_calls else 0.0
         self.blocking_ms = max(reasoner_ms, dynamics_ms)
+        if self.served.graphs is not None:
+            logger.info("captured %d CUDA graphs of the GEN stack in %.0f ms", self.served.graphs.num_graphs,
+                        self.served.graphs.capture_ms)
         self.progress = 1.0
         self.ready.set()
 
@@ -148,6 +153,9 @@ class Warmup:
         instruction = self.text_of(tokens)
         profile = []
         for mode in ("uncached", "max_caching"):
+            if self.served.graphs is not None:  # the captures stay out of the costs
+                self._warmup_tick(embodiment, chunk, instruction, mode, 0, steps)
+                yield
             totals, full, skipped = [], 0, 0
             for tick in range(ticks):
                 out = self._warmup_tick(embodiment, chunk, instruction, mode, tick, steps)
@@ -173,8 +181,22 @@ class Warmup:
             self._preview_ms_by_shape[shape] = self.served.clock() - clock
         return self._preview_ms_by_shape[shape]
 
+    def session_graphs(self, embodiment: Embodiment, chunk: int, instruction: str) -> Iterator[None]:
+        """Capture the CUDA graphs of a session's GEN-stack calls (each branch alone and both as one batch),
+        one sampler step per worker step."""
+        for mode in ("uncached", "max_caching"):
+            yield from stepwise(self._warmup_steps(embodiment, chunk, instruction, mode, 0, _SHORT_WARMUP_STEPS),
+                                self.served.capturing_gen_stack)
+
     def _warmup_tick(self, embodiment: Embodiment, chunk: int, instruction: str, mode: str, tick: int,
                      steps: int | None) -> PolicyOutput:
+        # Abandoned between two sampler steps when the engine shuts down.
+        return run_steps(self._warmup_steps(embodiment, chunk, instruction, mode, tick, steps),
+                         self.served.capturing_gen_stack, stop=self.served.closing.is_set)
+
+    def _warmup_steps(self, embodiment: Embodiment, chunk: int, instruction: str, mode: str, tick: int,
+                      steps: int | None) -> TickSteps:
+        """An uncached or a maximally cached tick on random frames, the latter's calls one by one."""
         height, width = self.served.pipeline.config.canvas_hw
         rng = np.random.default_rng(tick)
         images = {name: rng.integers(0, 256, (height, width // len(embodiment.cameras), 3), dtype=np.uint8)
@@ -188,9 +210,7 @@ class Warmup:
             sea_filter=self.served.sea_filter)
         control = self.served.fixed_steps(request.num_steps or self.served.num_steps, cache,
                                           batch_branches=mode == "uncached")
-        steps = self.served.pipeline.steps(request, None, control)
-        # Abandoned between two sampler steps when the engine shuts down.
-        return run_steps(steps, self.served.pipeline.transformer.gen_stack, stop=self.served.closing.is_set)
+        return self.served.pipeline.steps(request, None, control)
 
     def text_of(self, tokens: int) -> str:
         """An instruction of about `tokens` tokens (at most that many)."""

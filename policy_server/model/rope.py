@@ -38,6 +38,10 @@ class RotaryTables:
         """B tables of N rows each -> one table `[B, N, head_dim]`, item b rotating batch row b."""
         return cls(torch.stack([t.cos for t in tables]), torch.stack([t.sin for t in tables]))
 
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The memory `apply` and `apply_unfused` read: `cos` (its row view shares it) and the signed sine."""
+        return self.cos, self._signed_sin_rows
+
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         """Rotate-half RoPE of `x [(B,) N, heads, head_dim]`: `x * cos + rotate_half(x) * sin`.
 

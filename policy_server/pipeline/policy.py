@@ -734,6 +734,8 @@ class PolicyPipeline:
                 stepped = sampler.step({"vision": v_vision, "action": v_action},
                                        {"vision": state.vision, "action": state.actions})
                 state.advance(stepped["vision"], stepped["action"])
+            if state.vision.is_cuda:  # a step's time is its device time: the deadline guard paces on it
+                torch.cuda.synchronize(state.vision.device)
             records.append(StepRecord(i, sigma, timestep, run_branches, tuple(full), batched, _ms_since(clock)))
             if last:
                 break
