@@ -706,7 +706,7 @@ def tick_profile(pipeline: PolicyPipeline, embodiment: Embodiment, inputs: dict,
     steps, guidance = pipeline.config.num_steps, pipeline.config.guidance
 
     cuda = pipeline.device.type == "cuda"
-    graphs = GraphedGenStack(pipeline.transformer) if cuda else None
+    graphs = GraphedGenStack(pipeline.transformer.gen_stack) if cuda else None
 
     def tick(cache=None, batch_branches: bool = True, stack=pipeline.transformer.gen_stack) -> PolicyOutput:
         return run_steps(pipeline.steps(request, None, pipeline.fixed_steps(steps, guidance, cache, batch_branches)),

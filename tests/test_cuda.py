@@ -69,7 +69,7 @@ def _max_caching() -> SeaCache:
 def test_the_graphed_gen_stack_gives_the_eager_stacks_outputs(no_tf32):
     pipeline = PolicyPipeline.from_pretrained(None, device="cuda", dtype=torch.float32)
     config = pipeline.config
-    graphs = GraphedGenStack(pipeline.transformer)
+    graphs = GraphedGenStack(pipeline.transformer.gen_stack)
 
     def tick(request, stack, cache=None, batch_branches=True):
         control = pipeline.fixed_steps(config.num_steps, config.guidance, cache, batch_branches)

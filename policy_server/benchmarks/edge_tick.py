@@ -19,14 +19,18 @@ import argparse
 import dataclasses
 import json
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from policy_server.benchmarks.forward import interleaved_medians, policy_step_kwargs, random_model
 from policy_server.engine.cuda_graphs import GraphedGenStack
+from policy_server.model import Cosmos3OmniTransformer
 from policy_server.model.boundary import GenInput, UndKV
 from policy_server.model.config import Cosmos3TransformerConfig
+from policy_server.model.decoder import Cosmos3MoTDecoderLayer
 
 # Dense bf16 peaks (TFLOP/s) by device name, from the vendors' data sheets (SXM parts; without sparsity).
 BF16_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "RTX 4090": 165.0}
@@ -53,10 +57,26 @@ def gen_call_flops(config: Cosmos3TransformerConfig, gen_tokens: int, text_token
     return config.num_hidden_layers * gen_tokens * per_token, config.num_hidden_layers * attention
 
 
+def compiled_gen_stack(model: Cosmos3OmniTransformer) -> Callable[[GenInput, UndKV], torch.Tensor]:
+    """`model.gen_stack` with the GEN pathway of a layer compiled by `torch.compile` (inductor): one compiled
+    function serves every layer, whose weights it takes as inputs. For measuring; the server runs it eagerly."""
+    layer_gen = torch.compile(Cosmos3MoTDecoderLayer.forward_gen, dynamic=False)
+
+    def gen_stack(gen: GenInput, und_kv: UndKV) -> torch.Tensor:
+        x = gen.hidden
+        for layer, k, v in zip(model.layers, und_kv.keys, und_kv.values, strict=True):
+            x = layer_gen(layer, x, gen.layout.rotary, k, v, gen.ragged_und_lens)
+        return model.norm_moe_gen(x)
+
+    return gen_stack
+
+
 def measure(config: Cosmos3TransformerConfig, device: torch.device, dtype: torch.dtype, text_tokens: int,
-            vision_shape: tuple[int, int, int, int], chunk: int, repeats: int, warmup: int = 3) -> dict:
+            vision_shape: tuple[int, int, int, int], chunk: int, repeats: int, warmup: int = 3,
+            compiled: bool = False) -> dict:
     """Median ms of the prefill, one branch's GEN call and both branches' as one batch, eager and (on CUDA) with
-    the GEN stack from a CUDA graph, interleaved."""
+    the GEN stack from a CUDA graph, interleaved; with `compiled`, also with the layers compiled (and graphed on
+    CUDA), and the compile's seconds."""
     model = random_model(config, device=device).to(dtype)
     model.time_embedder.float()  # as Cosmos3 keeps it, whatever the load dtype
     kwargs = policy_step_kwargs(config, text_tokens, vision_shape, chunk, device=device)
@@ -79,10 +99,23 @@ def measure(config: Cosmos3TransformerConfig, device: torch.device, dtype: torch
         timed = {"prefill_ms": lambda: model.prefill_und(ids, positions), "gen_call_ms": lambda: call(model.gen_stack),
                  "cfg_pair_call_ms": lambda: pair(model.gen_stack)}
         if device.type == "cuda":
-            graphs = GraphedGenStack(model)
+            graphs = GraphedGenStack(model.gen_stack)
             timed.update(gen_call_graphed_ms=lambda: call(graphs.capture),
                          cfg_pair_call_graphed_ms=lambda: pair(graphs.capture))
+        if compiled:
+            started = time.perf_counter()
+            compiled_stack = compiled_gen_stack(model)
+            call(compiled_stack), pair(compiled_stack)
+            compile_s = time.perf_counter() - started
+            timed.update(gen_call_compiled_ms=lambda: call(compiled_stack),
+                         cfg_pair_call_compiled_ms=lambda: pair(compiled_stack))
+            if device.type == "cuda":
+                compiled_graphs = GraphedGenStack(compiled_stack)
+                timed.update(gen_call_compiled_graphed_ms=lambda: call(compiled_graphs.capture),
+                             cfg_pair_call_compiled_graphed_ms=lambda: pair(compiled_graphs.capture))
         result = interleaved_medians(timed, device, repeats, warmup)
+        if compiled:
+            result["compile_s"] = compile_s
     result["gen_tokens"] = kwargs["sequence_length"] - und_len
     result["text_tokens"] = und_len
     return result
@@ -107,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help=f"dense peak of --dtype (default: by device name, {BF16_PEAK_TFLOPS})")
     parser.add_argument("--layers", type=int, default=None, help="fewer layers than Edge's 28 (a quick try)")
+    parser.add_argument("--compile", action="store_true",
+                        help="also time the GEN stack with its layers compiled by torch.compile (graphed on CUDA)")
     parser.add_argument("--out", type=Path, default=None, help="JSON report (default: stdout only)")
     args = parser.parse_args(argv)
     if args.chunk < 4 or args.chunk % 4 or args.canvas < 32 or args.canvas % 32:
@@ -124,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     side = args.canvas // 16
     result = measure(config, device, dtype, args.text_tokens, (config.latent_channel, 1 + args.chunk // 4, side, side),
-                     args.chunk, args.repeats)
+                     args.chunk, args.repeats, compiled=args.compile)
     flops = sum(gen_call_flops(config, result["gen_tokens"], result["text_tokens"]))
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     peak = args.peak_tflops or next((tflops for key, tflops in BF16_PEAK_TFLOPS.items() if key in name), None)

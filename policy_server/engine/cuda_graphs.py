@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from policy_server.model import Cosmos3OmniTransformer, GenInput, UndKV
+from policy_server.model import GenInput, UndKV
 from policy_server.model.rope import RotaryTables
 
 
@@ -38,12 +39,12 @@ class _Graph:
 
 
 class GraphedGenStack:
-    """`transformer.gen_stack` with CUDA graphs: call it as the stack (replays a captured shape, runs any other
-    eagerly), or `capture` to replay a shape, capturing it first when it is new. `capture_ms`: time spent
-    capturing so far."""
+    """A GEN stack (`transformer.gen_stack`) with CUDA graphs: call it as the stack (replays a captured shape,
+    runs any other eagerly), or `capture` to replay a shape, capturing it first when it is new. `capture_ms`: time
+    spent capturing so far."""
 
-    def __init__(self, transformer: Cosmos3OmniTransformer):
-        self.transformer = transformer
+    def __init__(self, gen_stack: Callable[[GenInput, UndKV], torch.Tensor]):
+        self.gen_stack = gen_stack
         self.capture_ms = 0.0
         self._graphs: dict[tuple, _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle()
@@ -51,7 +52,7 @@ class GraphedGenStack:
     def __call__(self, gen: GenInput, und_kv: UndKV) -> torch.Tensor:
         graph = self._graphs.get(_shape_key(gen, und_kv))
         if graph is None:
-            return self.transformer.gen_stack(gen, und_kv)
+            return self.gen_stack(gen, und_kv)
         return graph.run(gen, und_kv)
 
     def capture(self, gen: GenInput, und_kv: UndKV) -> torch.Tensor:
@@ -75,11 +76,11 @@ class GraphedGenStack:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self.transformer.gen_stack(static_gen, static_kv)
+            self.gen_stack(static_gen, static_kv)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            out = self.transformer.gen_stack(static_gen, static_kv)
+            out = self.gen_stack(static_gen, static_kv)
         return _Graph(graph, _tensors(static_gen, static_kv), out)
 
 

@@ -84,8 +84,8 @@ class ServedModel:
                                  guided=pipeline.guided_steps)
         self.sea_filter = SeaFilter()  # its gain cache serves every tick
         transformer = pipeline.transformer
-        self.graphs = GraphedGenStack(transformer) if settings.cuda_graphs and pipeline.device.type == "cuda" \
-            else None
+        graphed = settings.cuda_graphs and pipeline.device.type == "cuda"
+        self.graphs = GraphedGenStack(transformer.gen_stack) if graphed else None
         self.gen_stack = transformer.gen_stack if self.graphs is None else self.graphs
         self.capturing_gen_stack = transformer.gen_stack if self.graphs is None else self.graphs.capture
         self.embodiments = {name: pipeline.embodiments.get(name) for name in pipeline.served_embodiments}
