@@ -56,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", help="weight dtype: auto, bf16, fp16 or fp32 (auto: bf16 on CUDA, fp32 on CPU)")
     g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction,
                    help="on CUDA, replay the GEN stack from CUDA graphs captured at warmup and OpenSession (on)")
+    g.add_argument("--compile-gen-stack", action=argparse.BooleanOptionalAction,
+                   help="run the GEN stack compiled by torch.compile, compiled at warmup (on with CUDA, off on CPU)")
     g.add_argument("--quality-profile",
                    help="plan ticks on a quality profile (`policy-server calibrate`): off, auto (beside the "
                         "checkpoint, else the cache directory, else a bounded calibration at warmup) or a file (auto)")

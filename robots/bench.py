@@ -695,8 +695,9 @@ def tick_profile(pipeline: PolicyPipeline, embodiment: Embodiment, inputs: dict,
     one by one (the path before batched CFG, interleaved tick by tick); and what one call costs (median over
     the steps: embed, stack or extrapolation, heads, sampler update): full alone, both branches' as one batch,
     skipped (a maximally cached tick's). On CUDA, `graphed` has the same wall time and calls with the GEN stack
-    replayed from CUDA graphs, as the server runs it, interleaved with the eager ticks; the differences are
-    the launch overhead the graphs remove."""
+    replayed from CUDA graphs, interleaved with the eager ticks (what a call saves, `*_saved_ms`, is the launch
+    overhead the graphs remove), and `compiled_graphed` with the stack compiled and graphed, as the server runs it
+    there."""
     if ticks == 0:
         return None
     from torch.profiler import ProfilerActivity, profile
@@ -706,7 +707,8 @@ def tick_profile(pipeline: PolicyPipeline, embodiment: Embodiment, inputs: dict,
     steps, guidance = pipeline.config.num_steps, pipeline.config.guidance
 
     cuda = pipeline.device.type == "cuda"
-    graphs = GraphedGenStack(pipeline.transformer.gen_stack) if cuda else None
+    variants = {} if not cuda else {"graphed": GraphedGenStack(pipeline.transformer.gen_stack),
+                                    "compiled_graphed": GraphedGenStack(pipeline.transformer.compiled_gen_stack())}
 
     def tick(cache=None, batch_branches: bool = True, stack=pipeline.transformer.gen_stack) -> PolicyOutput:
         return run_steps(pipeline.steps(request, None, pipeline.fixed_steps(steps, guidance, cache, batch_branches)),
@@ -716,19 +718,20 @@ def tick_profile(pipeline: PolicyPipeline, embodiment: Embodiment, inputs: dict,
         return SeaCache(SeaCacheConfig(threshold=MAX_CACHING.threshold, max_consecutive_cached=MAX_CACHING.cap))
 
     tick(), tick(batch_branches=False)  # allocations and layouts of this shape are made outside the figures
-    if graphs is not None:  # and the graphs' captures
+    for graphs in variants.values():  # and the graphs' captures and compiles
         tick(stack=graphs.capture), tick(max_caching(), batch_branches=False, stack=graphs.capture)
-    walls, walls_one_by_one, calls, graphed_walls, graphed_calls = [], [], [], [], []
+    walls, walls_one_by_one, calls = [], [], []
+    variant_walls, variant_calls = {name: [] for name in variants}, {name: [] for name in variants}
     for _ in range(ticks):
         for out, one_by_one in ((tick(), False), (tick(batch_branches=False), True),
                                 (tick(max_caching(), batch_branches=False), None)):
             calls += step_calls(out.steps)
             if one_by_one is not None:
                 (walls_one_by_one if one_by_one else walls).append(out.timings_ms["total"])
-        if graphs is not None:
+        for name, graphs in variants.items():
             out = tick(stack=graphs)
-            graphed_walls.append(out.timings_ms["total"])
-            graphed_calls += step_calls(out.steps) + step_calls(tick(max_caching(), False, graphs).steps)
+            variant_walls[name].append(out.timings_ms["total"])
+            variant_calls[name] += step_calls(out.steps) + step_calls(tick(max_caching(), False, graphs).steps)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as profiler:
         for _ in range(ticks):
@@ -754,16 +757,16 @@ def tick_profile(pipeline: PolicyPipeline, embodiment: Embodiment, inputs: dict,
         "full_call_ms": call_ms(FULL),
         "batched_cfg_call_ms": call_ms(PAIR),
         "skipped_call_ms": call_ms(SKIP),
-        "graphed": None if graphs is None else {
-            "wall_ms": statistics.median(graphed_walls),
-            "full_call_ms": call_ms(FULL, graphed_calls),
-            "batched_cfg_call_ms": call_ms(PAIR, graphed_calls),
-            "skipped_call_ms": call_ms(SKIP, graphed_calls),
-            "launch_overhead_full_call_ms": call_ms(FULL) - call_ms(FULL, graphed_calls),
-            "launch_overhead_batched_cfg_call_ms": call_ms(PAIR) - call_ms(PAIR, graphed_calls),
-            "graphs": graphs.num_graphs,
-            "capture_ms": graphs.capture_ms,
-        },
+        **{name: None if name not in variants else {
+            "wall_ms": statistics.median(variant_walls[name]),
+            "full_call_ms": call_ms(FULL, variant_calls[name]),
+            "batched_cfg_call_ms": call_ms(PAIR, variant_calls[name]),
+            "skipped_call_ms": call_ms(SKIP, variant_calls[name]),
+            "full_call_saved_ms": call_ms(FULL) - call_ms(FULL, variant_calls[name]),
+            "batched_cfg_call_saved_ms": call_ms(PAIR) - call_ms(PAIR, variant_calls[name]),
+            "graphs": variants[name].num_graphs,
+            "capture_ms": variants[name].capture_ms,  # the compile's included
+        } for name in ("graphed", "compiled_graphed")},
         "ticks": ticks,
     }
 

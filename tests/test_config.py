@@ -53,7 +53,7 @@ def test_flags_parse_into_the_config(tmp_path):
         "--diffusion-cache-residual-order", "0", "--diffusion-cache-max-consecutive", "0", "--port", "6000",
         "--host", "0.0.0.0", "--unix-socket", str(tmp_path / "s.sock"), "--device", "cuda:1", "--dtype", "fp16",
         "--max-sessions", "2", "--max-batch", "3", "--max-message-mb", "8", "--auth-token-file", str(token),
-        "--reflection", "--quality-profile", "auto", "--no-cuda-graphs",
+        "--reflection", "--quality-profile", "auto", "--no-cuda-graphs", "--compile-gen-stack",
         "--metrics-port", "9100", "--websocket-port", "8000", "--websocket-embodiment", "libero",
     ])
     assert config.latency_budget_ms == 80 and config.diffusion_cache is False
@@ -61,6 +61,7 @@ def test_flags_parse_into_the_config(tmp_path):
     assert (config.port, config.host, config.device, config.max_sessions) == (6000, "0.0.0.0", "cuda:1", 2)
     assert config.max_batch == 3 and config.dtype == "fp16" and config.quality_profile == "auto"
     assert config.auth_token_file == token and config.reflection and config.cuda_graphs is False
+    assert config.compile_gen_stack is True
     assert (config.metrics_port, config.websocket_port, config.websocket_embodiment) == (9100, 8000, "libero")
 
 
@@ -70,7 +71,7 @@ def full_file_values(tmp_path) -> dict:
     (tmp_path / "ckpt").mkdir()
     return {
         "latency_budget_ms": 95, "checkpoint": str(tmp_path / "ckpt"), "device": "cpu", "dtype": "bf16",
-        "cuda_graphs": False,
+        "cuda_graphs": False, "compile_gen_stack": False,
         "diffusion_cache": False, "diffusion_cache_thresh": 0.3, "diffusion_cache_residual_order": 2,
         "diffusion_cache_max_consecutive": 3, "host": "127.0.0.1", "port": 7000,
         "unix_socket": str(tmp_path / "p.sock"), "websocket_port": 8001, "websocket_embodiment": "pusht",

@@ -48,7 +48,8 @@ def test_the_engine_serves_bf16_ticks_on_the_gpu():
     embodiment = pipeline.embodiments.get(request.embodiment)
     config = pipeline.config
     expected = pipeline.run(request, None, pipeline.fixed_steps(config.num_steps, config.guidance, None, True)).actions
-    engine = ModelEngine(pipeline, EngineSettings(warmup_ticks=2, default_budget_ms=10_000.0, cuda_graphs=False))
+    engine = ModelEngine(pipeline, EngineSettings(warmup_ticks=2, default_budget_ms=10_000.0, cuda_graphs=False,
+                                                  compile_gen_stack=False))
     engine.start()
     try:
         assert engine.wait_ready(timeout_s=600)
@@ -97,6 +98,7 @@ def test_the_graphed_gen_stack_gives_the_eager_stacks_outputs(no_tf32):
 
 
 def test_the_engine_captures_graphs_at_warmup_and_session_opening_and_ticks_replay_them(no_tf32):
+    """The CUDA default: the GEN stack compiled at warmup and replayed from CUDA graphs."""
     pipeline = PolicyPipeline.from_pretrained(None, device="cuda", dtype=torch.float32)
     request = _request(pipeline)
     embodiment = pipeline.embodiments.get(request.embodiment)
@@ -105,6 +107,7 @@ def test_the_engine_captures_graphs_at_warmup_and_session_opening_and_ticks_repl
     engine.start()
     try:
         assert engine.wait_ready(timeout_s=600)
+        assert engine.served.compiled
         graphs = engine.served.graphs
         after_warmup = graphs.num_graphs
         assert after_warmup > 0

@@ -20,17 +20,14 @@ import dataclasses
 import json
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from policy_server.benchmarks.forward import interleaved_medians, policy_step_kwargs, random_model
 from policy_server.engine.cuda_graphs import GraphedGenStack
-from policy_server.model import Cosmos3OmniTransformer
 from policy_server.model.boundary import GenInput, UndKV
 from policy_server.model.config import Cosmos3TransformerConfig
-from policy_server.model.decoder import Cosmos3MoTDecoderLayer
 
 # Dense bf16 peaks (TFLOP/s) by device name, from the vendors' data sheets (SXM parts; without sparsity).
 BF16_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "RTX 4090": 165.0}
@@ -55,20 +52,6 @@ def gen_call_flops(config: Cosmos3TransformerConfig, gen_tokens: int, text_token
     per_token = 2 * d * (q + 2 * kv) + 2 * q * d + 2 * mlp_matrices * d * config.intermediate_size
     attention = 4 * gen_tokens * (gen_tokens + text_tokens) * q
     return config.num_hidden_layers * gen_tokens * per_token, config.num_hidden_layers * attention
-
-
-def compiled_gen_stack(model: Cosmos3OmniTransformer) -> Callable[[GenInput, UndKV], torch.Tensor]:
-    """`model.gen_stack` with the GEN pathway of a layer compiled by `torch.compile` (inductor): one compiled
-    function serves every layer, whose weights it takes as inputs. For measuring; the server runs it eagerly."""
-    layer_gen = torch.compile(Cosmos3MoTDecoderLayer.forward_gen, dynamic=False)
-
-    def gen_stack(gen: GenInput, und_kv: UndKV) -> torch.Tensor:
-        x = gen.hidden
-        for layer, k, v in zip(model.layers, und_kv.keys, und_kv.values, strict=True):
-            x = layer_gen(layer, x, gen.layout.rotary, k, v, gen.ragged_und_lens)
-        return model.norm_moe_gen(x)
-
-    return gen_stack
 
 
 def measure(config: Cosmos3TransformerConfig, device: torch.device, dtype: torch.dtype, text_tokens: int,
@@ -104,7 +87,7 @@ def measure(config: Cosmos3TransformerConfig, device: torch.device, dtype: torch
                          cfg_pair_call_graphed_ms=lambda: pair(graphs.capture))
         if compiled:
             started = time.perf_counter()
-            compiled_stack = compiled_gen_stack(model)
+            compiled_stack = model.compiled_gen_stack()
             call(compiled_stack), pair(compiled_stack)
             compile_s = time.perf_counter() - started
             timed.update(gen_call_compiled_ms=lambda: call(compiled_stack),

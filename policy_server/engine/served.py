@@ -39,7 +39,9 @@ class EngineSettings:
     them). `quality_profile`: plan ticks on its frontier (`policy_server.budget.profile`); without one,
     `calibrate_at_warmup` measures a bounded one before the engine is ready, else ticks are planned on the
     ladder. `cuda_graphs`: on a CUDA device, replay the GEN stack from CUDA graphs captured at warmup and at
-    each session's opening (`engine/cuda_graphs.py`)."""
+    each session's opening (`engine/cuda_graphs.py`). `compile_gen_stack`: run the GEN stack compiled by
+    torch.compile (`Cosmos3OmniTransformer.compiled_gen_stack`), compiled at warmup; None: on CUDA only (on a CPU
+    it measured no faster)."""
 
     default_budget_ms: float = 120.0
     max_sessions: int = 4
@@ -55,6 +57,7 @@ class EngineSettings:
     quality_profile: QualityProfile | None = None
     calibrate_at_warmup: bool = False
     cuda_graphs: bool = True
+    compile_gen_stack: bool | None = None
 
 
 def cache_ladder(threshold: float, cap: int) -> tuple[CacheSetting, ...]:
@@ -71,7 +74,7 @@ def cache_ladder(threshold: float, cap: int) -> tuple[CacheSetting, ...]:
 
 class ServedModel:
     """One pipeline on one device, with its cost model and budget. `closing` is set when the engine shuts
-    down: running work stops at its next step. `gen_stack` runs the GEN-stack calls of live work;
+    down: running work stops at its next step. `gen_stack` runs the GEN-stack calls of live work (`compiled` or not);
     `capturing_gen_stack` those of warm-up work, which may also capture CUDA graphs (`graphs`, None without)."""
 
     def __init__(self, pipeline: PolicyPipeline, settings: EngineSettings, clock: Callable[[], float]):
@@ -83,11 +86,12 @@ class ServedModel:
         self.budget = TickBudget(self.cost_model, planner, clock=clock, post_stages=("decode", PREVIEW_STAGE),
                                  guided=pipeline.guided_steps)
         self.sea_filter = SeaFilter()  # its gain cache serves every tick
-        transformer = pipeline.transformer
-        graphed = settings.cuda_graphs and pipeline.device.type == "cuda"
-        self.graphs = GraphedGenStack(transformer.gen_stack) if graphed else None
-        self.gen_stack = transformer.gen_stack if self.graphs is None else self.graphs
-        self.capturing_gen_stack = transformer.gen_stack if self.graphs is None else self.graphs.capture
+        cuda = pipeline.device.type == "cuda"
+        self.compiled = cuda if settings.compile_gen_stack is None else settings.compile_gen_stack
+        stack = pipeline.transformer.compiled_gen_stack() if self.compiled else pipeline.transformer.gen_stack
+        self.graphs = GraphedGenStack(stack) if settings.cuda_graphs and cuda else None
+        self.gen_stack = stack if self.graphs is None else self.graphs
+        self.capturing_gen_stack = stack if self.graphs is None else self.graphs.capture
         self.embodiments = {name: pipeline.embodiments.get(name) for name in pipeline.served_embodiments}
         canvas_h, canvas_w = pipeline.config.canvas_hw
         m = pipeline.vae.spatial_compression

@@ -4,9 +4,10 @@ One tick per worker step, so a shutdown interrupts it within one tick. The first
 default shape runs `warmup_ticks` full ticks per mode (uncached, maximal caching) for the latency profile
 in `info()`; every other key one short tick per mode (costs are learned per call and stage, so a few
 sampler steps teach them as well as all of them). Then the reasoner's steps and the pieces of dynamics calls
-are timed: what a tick may find running when it arrives. With CUDA graphs, each shape first runs one untimed
-tick per mode that captures its GEN-stack calls, and each session's opening captures those of its own prompt
-(`session_graphs`), so no live tick waits on a capture.
+are timed: what a tick may find running when it arrives. With CUDA graphs or a compiled GEN stack, each shape
+first runs one untimed tick per mode that captures its GEN-stack calls (and compiles the stack; the default shape
+also runs two ticks as a micro-batch, whose calls batch another way), and each session's opening captures those
+of its own prompt (`session_graphs`), so no live tick waits on a capture or a compile.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterator
+from concurrent.futures import Future
 
 import numpy as np
 import torch
@@ -24,6 +26,7 @@ from policy_server.budget.tick import PREVIEW_STAGE
 from policy_server.cache.controller import NoCache
 from policy_server.cache.seacache import SeaCache, SeaCacheConfig
 from policy_server.engine import api
+from policy_server.engine.batching import run_together
 from policy_server.engine.calibration import calibration_steps, configurations, warmup_observations
 from policy_server.engine.dynamics import DynamicsCall
 from policy_server.engine.served import INSTRUCTION_TOKEN_GROUPS, ServedModel
@@ -63,7 +66,7 @@ class Warmup:
         profile = []
         for index, (embodiment, chunk, tokens, default) in enumerate(shapes):
             ticks, steps = (self.served.settings.warmup_ticks, None) if default else (1, _SHORT_WARMUP_STEPS)
-            points = yield from self._warm_shape(embodiment, chunk, tokens, ticks, steps)
+            points = yield from self._warm_shape(embodiment, chunk, tokens, ticks, steps, batch=default)
             if default:
                 profile.extend(points)
             self.progress = (index + 1) / (len(shapes) + 1)
@@ -75,7 +78,7 @@ class Warmup:
         # A server without dynamics calls need not reserve for their longest piece (the frames' decode).
         dynamics_ms = (yield from self._time_dynamics_pieces()) if self.served.settings.max_dynamics_calls else 0.0
         self.blocking_ms = max(reasoner_ms, dynamics_ms)
-        if self.served.graphs is not None:
+        if self.served.graphs is not None:  # with a compiled stack, its compiles are inside the first capture
             logger.info("captured %d CUDA graphs of the GEN stack in %.0f ms", self.served.graphs.num_graphs,
                         self.served.graphs.capture_ms)
         self.progress = 1.0
@@ -144,18 +147,23 @@ class Warmup:
                 calls = [(kind, ms) for kind, ms in calls if kind != PAIR]
             self.served.cost_model.observe_tick(key, calls, stages)
 
-    def _warm_shape(self, embodiment: Embodiment, chunk: int, tokens: int, ticks: int, steps: int | None):
+    def _warm_shape(self, embodiment: Embodiment, chunk: int, tokens: int, ticks: int, steps: int | None,
+                    batch: bool):
         """Uncached ticks time the fixed stages and the calls of a step as the server runs them (both branches'
         as one batch); maximally cached ticks time skipped calls, and run the calls of their few full steps one
         by one, which is what a step with one branch skipped costs (`steps`: sampler steps per tick, None for
-        the configured number). Yields after each tick; returns the two latency profile points."""
+        the configured number). Captures and compiles come first, untimed (`batch`: also for a micro-batch).
+        Yields after each tick; returns the two latency profile points."""
         key = self.served.cost_key(embodiment.name, chunk, tokens)
         instruction = self.text_of(tokens)
         profile = []
         for mode in ("uncached", "max_caching"):
-            if self.served.graphs is not None:  # the captures stay out of the costs
+            if self.served.graphs is not None or self.served.compiled:  # they stay out of the costs
                 self._warmup_tick(embodiment, chunk, instruction, mode, 0, steps)
                 yield
+                if batch and self.served.settings.max_batch > 1:
+                    self._warmup_micro_batch(embodiment, chunk, instruction, mode, steps)
+                    yield
             totals, full, skipped = [], 0, 0
             for tick in range(ticks):
                 out = self._warmup_tick(embodiment, chunk, instruction, mode, tick, steps)
@@ -193,6 +201,14 @@ class Warmup:
         # Abandoned between two sampler steps when the engine shuts down.
         return run_steps(self._warmup_steps(embodiment, chunk, instruction, mode, tick, steps),
                          self.served.capturing_gen_stack, stop=self.served.closing.is_set)
+
+    def _warmup_micro_batch(self, embodiment: Embodiment, chunk: int, instruction: str, mode: str,
+                            steps: int | None) -> None:
+        """Two warmup ticks run together as the worker runs a micro-batch: their calls go as one stack."""
+        ticks = [(self._warmup_steps(embodiment, chunk, instruction, mode, tick, steps), Future()) for tick in (0, 1)]
+        run_together(ticks, self.served.capturing_gen_stack)
+        for _, result in ticks:
+            result.result()  # a failure fails the warmup
 
     def _warmup_steps(self, embodiment: Embodiment, chunk: int, instruction: str, mode: str, tick: int,
                       steps: int | None) -> TickSteps:

@@ -150,12 +150,24 @@ class Cosmos3MoTDecoderLayer(nn.Module):
         `N_und_max` and `und_lens`, each item's text rows: the projections and the MLP run as one batch,
         attention item by item over its own rows (cheaper than attending over the padding behind a mask).
         """
-        attn = self.self_attn
-        q, k, v = attn.gen_qkv(rms_norm(self.input_layernorm_moe_gen, x), rotary)
-        if und_lens is None:
-            out = attend(q, torch.cat((und_k, k), dim=-2), torch.cat((und_v, v), dim=-2))
-        else:
-            out = torch.stack([attend(q[b], torch.cat((und_k[b, :, :n], k[b]), dim=-2),
-                                      torch.cat((und_v[b, :, :n], v[b]), dim=-2)) for b, n in enumerate(und_lens)])
-        x = x + linear(attn.to_add_out, out)
+        q, k, v = self.gen_attention_inputs(x, rotary)
+        return self.gen_attention_output(x, gen_attention(q, k, v, und_k, und_v, und_lens))
+
+    def gen_attention_inputs(self, x: torch.Tensor, rotary: RotaryTables):
+        """The GEN pathway before attention: q `[(B,) N_gen, H, hd]`, k/v `[(B,) KV, N_gen, hd]`. Its shapes
+        follow the generated rows alone, not the text (what `Cosmos3OmniTransformer.compiled_gen_stack` needs)."""
+        return self.self_attn.gen_qkv(rms_norm(self.input_layernorm_moe_gen, x), rotary)
+
+    def gen_attention_output(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """The GEN pathway after attention `[(B,) N_gen, H*hd]`: output projection, residual, MLP block."""
+        x = x + linear(self.self_attn.to_add_out, attended)
         return x + gated_mlp(self.mlp_moe_gen, rms_norm(self.post_attention_layernorm_moe_gen, x))
+
+
+def gen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, und_k: torch.Tensor, und_v: torch.Tensor,
+                  und_lens: tuple[int, ...] | None) -> torch.Tensor:
+    """Generated rows' queries over the text K/V and their own: `[(B,) N_gen, H*hd]` (`forward_gen`'s shapes)."""
+    if und_lens is None:
+        return attend(q, torch.cat((und_k, k), dim=-2), torch.cat((und_v, v), dim=-2))
+    return torch.stack([attend(q[b], torch.cat((und_k[b, :, :n], k[b]), dim=-2),
+                               torch.cat((und_v[b, :, :n], v[b]), dim=-2)) for b, n in enumerate(und_lens)])

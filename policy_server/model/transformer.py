@@ -19,7 +19,7 @@ rows before `und_len` are UND, the rest GEN.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +27,7 @@ from torch import nn
 
 from policy_server.model.boundary import GenInput, UndKV
 from policy_server.model.config import Cosmos3TransformerConfig
-from policy_server.model.decoder import Cosmos3MoTDecoderLayer
+from policy_server.model.decoder import Cosmos3MoTDecoderLayer, gen_attention
 from policy_server.model.gen_layout import GenLayout, ModalityLayout, build_gen_layout, require
 from policy_server.model.layers import DomainAwareLinear, RMSNorm, TimestepEmbedding, sinusoidal_timestep_features
 from policy_server.model.reasoner_cache import ReasonerKVCache
@@ -207,6 +207,32 @@ class Cosmos3OmniTransformer(nn.Module):
         `UndKV.stack_padded`, e.g. a CFG step's cond and uncond branch): `[B, N_gen, D]`; decode item b
         with `heads(out[b], items[b])`.
         """
+        ragged = self._check_gen_stack(gen, und_kv)
+        x, rotary = gen.hidden, gen.layout.rotary
+        for layer, k, v in zip(self.layers, und_kv.keys, und_kv.values, strict=True):
+            x = layer.forward_gen(x, rotary, k, v, ragged)
+        return self.norm_moe_gen(x)
+
+    def compiled_gen_stack(self) -> Callable[[GenInput, UndKV], torch.Tensor]:
+        """`gen_stack` with each layer's GEN pathway compiled by `torch.compile`, all but attention: the parts before
+        and after attention depend on the generated rows alone, so one compile per batching pattern (one call; a
+        batch of one layout; a batch of several text lengths) serves every layer, text length and row count
+        (dynamic shapes), while attention, whose shapes follow the text, stays eager. A pattern compiles on its
+        first call, for seconds: make those calls before any deadline runs."""
+        before = torch.compile(Cosmos3MoTDecoderLayer.gen_attention_inputs, dynamic=True)
+        after = torch.compile(Cosmos3MoTDecoderLayer.gen_attention_output, dynamic=True)
+
+        def gen_stack(gen: GenInput, und_kv: UndKV) -> torch.Tensor:
+            ragged = self._check_gen_stack(gen, und_kv)
+            x, rotary = gen.hidden, gen.layout.rotary
+            for layer, k, v in zip(self.layers, und_kv.keys, und_kv.values, strict=True):
+                x = after(layer, x, gen_attention(*before(layer, x, rotary), k, v, ragged))
+            return self.norm_moe_gen(x)
+
+        return gen_stack
+
+    def _check_gen_stack(self, gen: GenInput, und_kv: UndKV) -> tuple[int, ...] | None:
+        """Check that `gen` and `und_kv` belong together; returns each item's text rows when they differ."""
         require(und_kv.num_layers == len(self.layers),
                 f"und_kv has {und_kv.num_layers} layers, the model {len(self.layers)}")
         require(gen.hidden.ndim == und_kv.keys[0].ndim - 1
@@ -222,10 +248,7 @@ class Cosmos3OmniTransformer(nn.Module):
         require(not (padded_kv or ragged is not None) or und_kv.lengths == gen.und_lens,
                 f"padded text K/V and GEN batch must agree on each item's text rows: und_kv "
                 f"(UndKV.stack_padded) has {und_kv.lengths}, the GEN batch (GenInput.stack_varied) {gen.und_lens}")
-        x, rotary = gen.hidden, gen.layout.rotary
-        for layer, k, v in zip(self.layers, und_kv.keys, und_kv.values, strict=True):
-            x = layer.forward_gen(x, rotary, k, v, ragged)
-        return self.norm_moe_gen(x)
+        return ragged
 
     # ------------------------------------------------------------------ heads (every step)
 
