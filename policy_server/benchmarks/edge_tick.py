@@ -146,10 +146,10 @@ def main(argv: list[str] | None = None) -> int:
     flops = sum(gen_call_flops(config, result["gen_tokens"], result["text_tokens"]))
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     peak = args.peak_tflops or next((tflops for key, tflops in BF16_PEAK_TFLOPS.items() if key in name), None)
-    graphed = "gen_call_graphed_ms" in result
-    # What the server runs: the GEN stack from CUDA graphs where it has them.
-    call_ms = result["gen_call_graphed_ms" if graphed else "gen_call_ms"]
-    pair_ms = result["cfg_pair_call_graphed_ms" if graphed else "cfg_pair_call_ms"]
+    # The calls as the server runs them: compiled and from CUDA graphs where measured (its CUDA default).
+    served = next(variant for variant in ("_compiled_graphed", "_graphed", "")
+                  if f"gen_call{variant}_ms" in result)
+    call_ms, pair_ms = result[f"gen_call{served}_ms"], result[f"cfg_pair_call{served}_ms"]
 
     def mfu(call_flops: float, ms: float) -> float | None:
         return None if peak is None else call_flops / (ms / 1e3) / (peak * 1e12)
@@ -158,23 +158,24 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "device": name, "dtype": args.dtype, "layers": config.num_hidden_layers, **result,
         "gen_call_tflop": flops / 1e12,
-        "mfu_gen_call": mfu(flops, result["gen_call_ms"]),
-        "mfu_cfg_pair_call": mfu(2 * flops, result["cfg_pair_call_ms"]),
         "peak_tflops": peak,
-        "uncached_tick_ms": tick_ms,
+        **{f"mfu_gen_call{variant}": mfu(flops, result[f"gen_call{variant}_ms"])
+           for variant in ("", "_graphed", "_compiled", "_compiled_graphed") if f"gen_call{variant}_ms" in result},
+        **{f"mfu_cfg_pair_call{variant}": mfu(2 * flops, result[f"cfg_pair_call{variant}_ms"])
+           for variant in ("", "_graphed", "_compiled", "_compiled_graphed") if f"gen_call{variant}_ms" in result},
+        "served_calls": served.lstrip("_") or "eager",
+        "uncached_tick_ms": tick_ms,  # with the prefill: the first tick of an instruction
+        "uncached_tick_reused_prompt_ms": args.steps * pair_ms,  # a session's later ticks reuse the text K/V
         "budget_ms": args.budget_ms,
         "uncached_fits_budget": tick_ms <= args.budget_ms,
         # A CFG step runs both branches as one batch; without CFG, one call.
         "uncached_cfg_steps_in_budget": fitting_steps(result["prefill_ms"], pair_ms, args.budget_ms),
+        "uncached_cfg_steps_in_budget_reused_prompt": fitting_steps(0.0, pair_ms, args.budget_ms),
         "uncached_steps_in_budget_without_cfg": fitting_steps(result["prefill_ms"], call_ms, args.budget_ms),
     }
-    if graphed:
-        report.update(
-            mfu_gen_call_graphed=mfu(flops, result["gen_call_graphed_ms"]),
-            mfu_cfg_pair_call_graphed=mfu(2 * flops, result["cfg_pair_call_graphed_ms"]),
-            launch_overhead_gen_call_ms=result["gen_call_ms"] - result["gen_call_graphed_ms"],
-            launch_overhead_cfg_pair_call_ms=result["cfg_pair_call_ms"] - result["cfg_pair_call_graphed_ms"],
-        )
+    if "gen_call_graphed_ms" in result:  # what launching each kernel from Python costs a call
+        report.update(launch_overhead_gen_call_ms=result["gen_call_ms"] - result["gen_call_graphed_ms"],
+                      launch_overhead_cfg_pair_call_ms=result["cfg_pair_call_ms"] - result["cfg_pair_call_graphed_ms"])
     text = json.dumps(report, indent=2)
     print(text)
     if args.out is not None:
