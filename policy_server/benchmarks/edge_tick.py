@@ -6,11 +6,12 @@ The Edge backbone's shapes (../shared/reference/cosmos3.md: 28 layers, D 2048, 1
 relu² MLP of 9216) at one 256x256 canvas, a 32-action chunk (9 latent frames of 16x16 after the Wan2.2 VAE's
 16x spatial and 4x temporal compression) and a 200-token prompt. Timed, interleaved: one GEN call (embed, the
 GEN stack, heads) of one branch, and of both CFG branches as one batch (what an uncached step runs), plus the
-UND prefill; on CUDA the two calls again with the GEN stack replayed from a CUDA graph (`engine/cuda_graphs.py`,
-as the server runs it), whose difference from the eager call is the launch overhead it removes. MFU counts the
-matmul and attention FLOPs of a call against the device's dense bf16 peak. The uncached tick and the fewest full
-steps that fit `--budget-ms` follow from these costs, graphed where measured (the VAE's encode and decode are not
-in them: the random-weight check has no VAE).
+UND prefill; on CUDA the two calls again with the GEN stack replayed from a CUDA graph (`engine/cuda_graphs.py`),
+whose difference from the eager call is the launch overhead it removes; with `--compile`, with the stack compiled
+(`Cosmos3OmniTransformer.compiled_gen_stack`), eager and graphed. MFU counts the matmul and attention FLOPs of a
+call against the device's dense bf16 peak. The uncached tick and the most uncached steps that fit `--budget-ms`
+follow from the calls as the server runs them (compiled and graphed on CUDA, where measured); the VAE's encode
+and decode are not in them: the random-weight check has no VAE.
 """
 
 from __future__ import annotations
