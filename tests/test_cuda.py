@@ -2,6 +2,9 @@
 machine): fp32 on the GPU gives the CPU's actions, the engine serves bf16 ticks, its default there, and the GEN
 stack replayed from CUDA graphs gives the eager stack's outputs."""
 
+import dataclasses
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -124,5 +127,17 @@ def test_the_engine_captures_graphs_at_warmup_and_session_opening_and_ticks_repl
                                               embodiment=request.embodiment, state=request.state, seed=request.seed),
                                 None, pipeline.fixed_steps(config.num_steps, config.guidance, None, True)).actions
         np.testing.assert_allclose(result.actions, embodiment.clip_to_limits(expected), rtol=0, atol=1e-5)
+
+        # A new instruction mid-session: its tick runs eagerly, then its graphs are captured in the background.
+        changed = api.Observation(images=request.images, state=request.state, step_index=1,
+                                  instruction=instruction + " slowly, please, and carefully")
+        engine.act(session.session_id, session.epoch, changed)
+        deadline = time.monotonic() + 60
+        while engine.stats().queue_depth and time.monotonic() < deadline:
+            time.sleep(0.05)
+        after_change = graphs.num_graphs
+        assert after_change > after_opening
+        engine.act(session.session_id, session.epoch, dataclasses.replace(changed, step_index=2))
+        assert graphs.num_graphs == after_change
     finally:
         engine.close()

@@ -11,6 +11,8 @@ admitted only when every open session's ticks still meet their budgets (`engine/
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -35,6 +37,7 @@ from policy_server.limits import MAX_INSTRUCTION_TOKENS, MAX_PROMPT_TOKENS
 from policy_server.pipeline.embodiments import Embodiment
 from policy_server.pipeline.policy import PolicyPipeline
 
+logger = logging.getLogger(__name__)
 _POLL_S = 0.02  # how often a waiting caller checks whether it went away
 _ABANDONED_WAIT_S = 1.0  # how long a new tick waits for its session's abandoned one to stop
 _CLOSE_TIMEOUT_S = 5.0
@@ -135,6 +138,7 @@ class ModelEngine:
             except BaseException:
                 self._admission.close(session.session_id)
                 raise
+            session.graphed_instruction = instruction
         return session.handle()
 
     def _capture_graphs(self, embodiment: Embodiment, chunk: int, instruction: str) -> None:
@@ -190,12 +194,22 @@ class ModelEngine:
         self._worker.submit(job)
         while True:
             try:
-                return job.result.result(timeout=_POLL_S)
+                result = job.result.result(timeout=_POLL_S)
+                break
             except FutureTimeout:
                 if request.gone() and self._worker.withdraw(job):
                     error = request.gone_error()
                     job.result.set_exception(error)
                     raise error from None
+        if self.served.graphs is not None and session.instruction != session.graphed_instruction:
+            # The tick ran a new instruction's calls eagerly; its next ones replay graphs captured in the background.
+            session.graphed_instruction = session.instruction
+            pieces = self._warmup.session_graphs(self.served.embodiments[session.embodiment], session.chunk_size,
+                                                 session.instruction)
+            with contextlib.suppress(api.ShuttingDown):  # the tick's answer stands
+                self._worker.submit(GeneratorJob(pieces, lambda error: logger.warning(
+                    "capturing the CUDA graphs of session %s's new instruction failed: %s", session_id, error)))
+        return result
 
     def forward_dynamics(self, session_id: str, epoch: int, observation: api.Observation, actions: np.ndarray,
                          seed: int | None = None, deadline_s: float | None = None,

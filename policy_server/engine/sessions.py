@@ -26,6 +26,7 @@ class SessionState:
     preview: its ticks decode and return the predicted frames (planned and admitted with that stage).
     in_flight: its tick queued or running, if any (a session has at most one).
     prompt: the text K/V of the current instruction, reused while it does not change.
+    graphed_instruction: the instruction whose CUDA graphs were captured for its ticks (`engine/cuda_graphs.py`).
     history: full-call counts of the previous ticks per cache setting, for the budget planner.
     """
 
@@ -44,6 +45,7 @@ class SessionState:
     ticks: int = 0
     in_flight: Any = None
     prompt: PromptState | None = None
+    graphed_instruction: str | None = None
     history: SessionHistory = field(default_factory=SessionHistory)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
