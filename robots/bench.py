@@ -904,8 +904,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         report = run(args)
-    except api.BudgetInfeasible as infeasible:  # the machine is slower than the fractions assume
-        print(f"policy-server bench: {infeasible.message}; choose larger --budget-fractions or --budgets-ms",
+    except (api.BudgetInfeasible, api.Overloaded) as refused:  # the machine is slower than the fractions assume
+        print(f"policy-server bench: {refused.message}; choose larger --budget-fractions or --budgets-ms",
               file=sys.stderr)
         return 2
     except (BenchError, CheckpointLoadError) as error:
