@@ -255,6 +255,33 @@ def test_guard_forces_a_skip_exactly_when_a_full_call_would_put_the_tick_behind_
     assert DeadlineGuard(plan, COSTS, needed - 4.1, reserve_ms, FakeClock()).force_skip(0, "uncond", True) is True
 
 
+@pytest.mark.parametrize(("pair_slowdown", "forced"), [(1.0, False), (2.0, True)])
+def test_the_pace_weighs_each_kind_of_call_by_its_cost(pair_slowdown, forced):
+    """Skipped calls twice as slow as planned slow the tick's pace by their share of its time only: with its pair
+    on time, the tick keeps a refresh that would fit at that pace (not at twice the plan's average); with the
+    pair twice as slow too, the whole tick is, and the refresh is skipped."""
+    plan = at_pace(plan_tick(60.0, 10, 2, COSTS), 5.0)
+    assert (plan.num_steps, len(plan.uncond_steps)) == (10, 10)
+    on_time_pace = (COSTS.pair_ms + 6 * 2 * COSTS.skip_ms) / (COSTS.pair_ms + 6 * COSTS.skip_ms)  # 28 / 22
+    step_4_at = COSTS.pair_ms * pair_slowdown + 6 * 2 * COSTS.skip_ms
+    # Step 4 cond full, then steps 5-9 (10 calls) at the plan's 5 ms a call, at a pace between 28/22 and 2.
+    deadline = step_4_at + COSTS.full_ms + 10 * 5.0 * (on_time_pace + 2.0) / 2
+    clock = FakeClock()
+    guard = DeadlineGuard(plan, COSTS, deadline_at_ms=deadline, clock=clock)
+    guard.pace(0)
+    guard.on_call([StepDecision(0, "cond", full=True, reason="threshold"),
+                   StepDecision(0, "uncond", full=True, reason="threshold")])
+    clock.advance(COSTS.pair_ms * pair_slowdown)
+    for step in (1, 2, 3):
+        guard.pace(step)
+        for branch in ("cond", "uncond"):
+            guard.on_call([StepDecision(step, branch, full=False, reason="gate")])
+            clock.advance(2 * COSTS.skip_ms)
+    guard.pace(4)
+    assert clock() == pytest.approx(step_4_at)
+    assert guard.force_skip(4, "cond") is forced
+
+
 def test_guard_does_not_force_when_time_is_ample():
     clock = FakeClock()
     plan = plan_tick(500.0, 10, 2, COSTS)

@@ -7,7 +7,8 @@ skips, when it has a residual) in two cases:
   c_skip + (final step, all FULL) + reserve_after`` exceeds it. This bounds the tick even when the gate would
   refresh every step.
 * the tick would fall behind its plan: ``now + this call as FULL + (calls of the later steps) * the plan's
-  average cost per call + reserve_after`` exceeds it, the average raised by the slowdown seen in this tick.
+  average cost per call + reserve_after`` exceeds it, the average raised by the slowdown seen in this tick (the
+  tick's calls so far against their planned costs, weighted by those costs).
   A tick that runs slow (a slower machine, a gate that wants more refreshes than planned) so gives up a few
   refreshes spread over the tick instead of a run of skips at its end, which costs far less action error
   (one refresh skipped in a cap-bounded pattern versus extrapolating a residual over many steps).
@@ -165,9 +166,14 @@ class DeadlineGuard:
         return now + max(needed, on_pace) > self._deadline_at
 
     def _slowdown(self) -> float:
-        """How much slower this tick's calls run than planned (>= 1: the estimates never fall below the prior)."""
-        return max(self._full_ms / self._prior[FULL], self._pair_ms / self._prior[PAIR],
-                   self._skip_ms / self._prior_skip_ms)
+        """How much slower this tick's calls run than planned, each kind weighted by what its calls so far were
+        planned to cost (>= 1: the estimates never fall below the prior). Not the slowest kind's ratio: skipped
+        calls are short and their estimate the noisiest, so a jitter on them alone would scale all the rest."""
+        full, pair, skip = len(self._samples[FULL]), len(self._samples[PAIR]), len(self._skip_samples)
+        planned = full * self._prior[FULL] + pair * self._prior[PAIR] + skip * self._prior_skip_ms
+        if planned == 0.0:
+            return 1.0
+        return (full * self._full_ms + pair * self._pair_ms + skip * self._skip_ms) / planned
 
     def on_call(self, decisions: Sequence[_Decision]) -> None:
         """The call just decided and done: one skipped call, one full call, or the full calls of the step that
