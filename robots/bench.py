@@ -904,7 +904,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         report = run(args)
-    except (api.BudgetInfeasible, api.Overloaded) as refused:  # the machine is slower than the fractions assume
+    except (api.BudgetInfeasible, api.Overloaded) as refused:  # a budget below what this machine can serve
         print(f"policy-server bench: {refused.message}; choose larger --budget-fractions or --budgets-ms",
               file=sys.stderr)
         return 2

@@ -8,9 +8,11 @@ import pytest
 from video_checks import assert_browser_playable
 
 from policy_server.budget.profile import PROFILE_FILE
+from policy_server.engine import api
 from policy_server.engine.calibration import calibrate, configurations, warmup_observations
 from policy_server.engine.engine import EngineSettings
 from policy_server.pipeline.policy import PolicyPipeline
+from robots import bench
 from robots.bench import main as bench_main
 from robots.embedded import build_random_pipeline
 from robots.rollout import main as rollout_main
@@ -152,6 +154,23 @@ def test_bench_refuses_what_it_cannot_drive(tmp_path, capsys):
     assert bench_main(["--checkpoint", str(folder), "--embodiment", "pusht", "--closed-loop", "2",
                        "--out", str(tmp_path / "b.json")]) == 2
     assert "--closed-loop drives the built-in Reach task" in capsys.readouterr().err
+
+
+def test_bench_ends_with_the_message_of_a_budget_the_engine_refuses(model_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("POLICY_SERVER_CACHE", str(tmp_path / "cache"))
+    args = ["--checkpoint", str(model_dir), "--ticks", "2", "--warmup", "2", "--closed-loop", "0",
+            "--profile-ticks", "0", "--no-reference", "--budgets-ms", "1", "--out", str(tmp_path / "b.json")]
+    assert bench_main(args) == 2
+    err = capsys.readouterr().err
+    assert "budget 1 ms is below the best achievable latency" in err and "choose larger --budget-fractions" in err
+    assert not (tmp_path / "b.json").exists()
+
+    def overloaded(_args):  # admission's refusal, which depends on the machine's blocking pieces
+        raise api.Overloaded("a tick could wait 42 ms against the tightest budget of 41.8 ms", sessions_fit=0)
+
+    monkeypatch.setattr(bench, "run", overloaded)
+    assert bench_main(args) == 2
+    assert "a tick could wait 42 ms against the tightest budget of 41.8 ms; choose larger" in capsys.readouterr().err
 
 
 def test_rollout_in_process_writes_report_plot_and_video(model_dir, tmp_path):
