@@ -170,8 +170,10 @@ def test_guard_adapts_to_a_slowdown_within_the_tick():
     ("stall", "late", "cond_calls", "uncond_calls"),
     [
         (0.0, (), 10, 10),  # on time: the tick runs as planned
-        (10.0, ("late_drop_uncond_from_step=4",), 10, 4),  # dropping the rest's uncond pass is enough
-        (25.0, ("late_finish_at_step=4/10",), 5, 4),  # only stopping now is
+        # The stall lands in step 3's time, whose calls were skipped: the skips look slow from step 5 on.
+        (10.0, ("late_drop_uncond_from_step=5",), 10, 5),  # dropping the rest's uncond pass is enough
+        # Dropping it is not enough: stopping a step later is.
+        (25.0, ("late_drop_uncond_from_step=4", "late_finish_at_step=5/10"), 6, 4),
     ],
 )
 def test_guard_paces_a_stalled_tick_into_its_deadline(stall, late, cond_calls, uncond_calls):
@@ -240,19 +242,32 @@ def test_guard_forces_a_skip_exactly_when_a_full_call_would_overshoot(reserve_ms
 @pytest.mark.parametrize("reserve_ms", [0.0, 5.0])
 def test_guard_forces_a_skip_exactly_when_a_full_call_would_put_the_tick_behind_its_plan(reserve_ms):
     """A tick whose gate wants more refreshes than planned, or whose calls run slower, gives up refreshes as it
-    falls behind the plan's pace rather than all at its end: a full call is skipped when it and the later steps
-    at the plan's average cost per call would not fit, though skipping every later call still would."""
-    plan = at_pace(plan_tick(60.0, 4, 2, COSTS), 5.0)
-    # At step 0 cond: this call full (10), steps 1-3 at the plan's 5 ms a call (6 calls), then the reserve.
-    needed = 10.0 + 6 * 5.0 + reserve_ms
-    assert needed > 10.0 + 1.0 + 4 * 1.0 + 16.0 + reserve_ms  # the deadline alone would let the call run
+    falls behind the plan's pace rather than all at its end: a full call is skipped when its step and the later
+    middle steps at the plan's average cost of a middle call, then the final step full, would not fit, though
+    skipping every later call still would."""
+    plan = at_pace(plan_tick(60.0, 4, 2, COSTS), 10.0)
+    # 80 ms planned for 8 calls; the first and last steps are pairs (16 each): 12 ms for each middle call.
+    # At step 1 cond: steps 1 and 2 (4 calls) at 12 ms, the final pair, then the reserve.
+    needed = 4 * 12.0 + COSTS.pair_ms + reserve_ms
+    assert needed > 10.0 + 1.0 + 2 * 1.0 + 16.0 + reserve_ms  # the deadline alone would let the call run
     on_pace = DeadlineGuard(plan, COSTS, deadline_at_ms=needed, reserve_after_ms=reserve_ms, clock=FakeClock())
     behind = DeadlineGuard(plan, COSTS, deadline_at_ms=needed - 0.1, reserve_after_ms=reserve_ms, clock=FakeClock())
-    assert on_pace.force_skip(0, "cond") is False
-    assert behind.force_skip(0, "cond") is True
-    # Joining cond's full call adds only what a pair costs over a call alone (6).
-    assert DeadlineGuard(plan, COSTS, needed - 4.0, reserve_ms, FakeClock()).force_skip(0, "uncond", True) is False
-    assert DeadlineGuard(plan, COSTS, needed - 4.1, reserve_ms, FakeClock()).force_skip(0, "uncond", True) is True
+    assert on_pace.force_skip(1, "cond") is False and on_pace.force_skip(1, "uncond", joins_full=True) is False
+    assert behind.force_skip(1, "cond") is True and behind.force_skip(1, "uncond", joins_full=True) is True
+
+
+def test_a_tick_on_its_plan_keeps_every_refresh():
+    """The plan's refreshes come as lumps between runs of skips (here a pair every fourth step, as cap 3 forces),
+    so right after one the tick is behind an even pace; the guard must not take that for a slow tick. A tick
+    whose calls cost what was planned and whose gate refreshes as planned runs to its deadline uncut."""
+    plan = plan_tick(100.0, 9, 2, COSTS)
+    denoise = 3 * COSTS.pair_ms + 12 * COSTS.skip_ms  # pairs at steps 0, 4 and 8
+    plan = dataclasses.replace(plan, thresholds=(1e6,) * 9, cap=3, deadline_ms=ENCODE_MS + denoise + DECODE_MS,
+                               predicted_stage_ms={"encode": ENCODE_MS, "denoise": denoise, "decode": DECODE_MS})
+    clock = FakeClock()
+    record, stages, steps, _ = run_tick(clock, warm_budget(clock), plan)
+    assert record.sequence("cond") == record.sequence("uncond") == "FSSSFSSSF"
+    assert record.forced_skips == 0 and sum(stages.values()) == pytest.approx(plan.deadline_ms)
 
 
 @pytest.mark.parametrize(("pair_slowdown", "forced"), [(1.0, False), (2.0, True)])
@@ -264,8 +279,10 @@ def test_the_pace_weighs_each_kind_of_call_by_its_cost(pair_slowdown, forced):
     assert (plan.num_steps, len(plan.uncond_steps)) == (10, 10)
     on_time_pace = (COSTS.pair_ms + 6 * 2 * COSTS.skip_ms) / (COSTS.pair_ms + 6 * COSTS.skip_ms)  # 28 / 22
     step_4_at = COSTS.pair_ms * pair_slowdown + 6 * 2 * COSTS.skip_ms
-    # Step 4 cond full, then steps 5-9 (10 calls) at the plan's 5 ms a call, at a pace between 28/22 and 2.
-    deadline = step_4_at + COSTS.full_ms + 10 * 5.0 * (on_time_pace + 2.0) / 2
+    # Steps 4-8 (10 calls) at the plan's middle call (100 ms less the first and last pairs, over 16 calls), at a
+    # pace between 28/22 and 2, then the final pair at the pairs' slowdown.
+    middle_call_ms = (10 * 2 * 5.0 - 2 * COSTS.pair_ms) / 16
+    deadline = step_4_at + 10 * middle_call_ms * (on_time_pace + 2.0) / 2 + COSTS.pair_ms * pair_slowdown
     clock = FakeClock()
     guard = DeadlineGuard(plan, COSTS, deadline_at_ms=deadline, clock=clock)
     guard.pace(0)

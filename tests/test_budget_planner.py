@@ -303,6 +303,26 @@ def test_the_session_own_counts_replace_the_calibration_sets_once_it_has_run_a_p
     assert plan_on_frontier(100.0, frontier, PAIRED, history=history).setting == varied.config.name  # the median: 12
 
 
+def test_ticks_whose_gate_wants_more_than_planned_price_the_cuts_they_take():
+    """The plan fits the session's median count; the ticks that want more are cut as slower ones are."""
+    harsh = Cut(fraction=0.8, error=0.2), Cut(fraction=0.5, error=0.3)
+    varied = _point(10, 10, 0.25, 0.03, 0, 4, 12, pairs_p90=6).model_copy(update={"cuts": harsh})
+    frontier = (FRONTIER[0], varied, *FRONTIER[2:])
+    structure = (varied.config.num_steps, varied.config.cfg_steps)
+    steady = SessionHistory()
+    for _ in range(5):
+        steady.observe(varied.config.name, structure, 8)  # 70 ms, 60 of them in the step loop
+    plan = plan_on_frontier(80.0, frontier, PAIRED, history=steady)
+    assert plan.setting == varied.config.name and plan.expected_error == pytest.approx(0.03)
+    spread = SessionHistory()
+    for count in (8, 16, 8, 16, 8):  # the median still 8, but two ticks in five want 16: a 100 ms step loop
+        spread.observe(varied.config.name, structure, count)
+    # Those two get 70% of the time they need: 0.2 + 0.1 / 3 each, so 0.111 on average, more than FRONTIER[3].
+    plan = plan_on_frontier(80.0, frontier, PAIRED, history=spread)
+    assert plan.setting == FRONTIER[3].config.name and plan.expected_error == pytest.approx(0.09)
+    assert plan_on_frontier(200.0, frontier, PAIRED, history=spread).setting == FRONTIER[0].config.name
+
+
 def test_a_point_runs_its_wanted_calls_alone_and_in_pairs_as_on_the_calibration_set():
     point = _point(6, 3, 0.25, 0.09, 1, 2, 7)  # 5 full calls of 12: 1 alone, 2 pairs
     assert point.predicted_at_ms(PAIRED, 5) == pytest.approx(point.predicted_ms(PAIRED))

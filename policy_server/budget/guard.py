@@ -6,9 +6,10 @@ skips, when it has a residual) in two cases:
 * the deadline would become unreachable: ``now + rest of this call as FULL + (remaining non-final calls) *
   c_skip + (final step, all FULL) + reserve_after`` exceeds it. This bounds the tick even when the gate would
   refresh every step.
-* the tick would fall behind its plan: ``now + this call as FULL + (calls of the later steps) * the plan's
-  average cost per call + reserve_after`` exceeds it, the average raised by the slowdown seen in this tick (the
-  tick's calls so far against their planned costs, weighted by those costs).
+* the tick would fall behind its plan: ``now + (this step's calls and the later middle steps') * the plan's
+  average cost of a middle call + (final step, all FULL) + reserve_after`` exceeds it, the average raised by
+  the slowdown seen in this tick (the tick's calls so far against their planned costs, weighted by those
+  costs). The first and last steps always run full, so the average is over the calls between them.
   A tick that runs slow (a slower machine, a gate that wants more refreshes than planned) so gives up a few
   refreshes spread over the tick instead of a run of skips at its end, which costs far less action error
   (one refresh skipped in a cap-bounded pattern versus extrapolating a residual over many steps).
@@ -26,9 +27,9 @@ listed in ``late_fallbacks``.
 The guard also times every step (from one ``pace`` to the next, so the embedding, heads, CFG combine and
 sampler update around the stacks count), and ``on_call`` tells it what the step's calls were. So the cost
 model learns c_full, c_pair and c_skip from real ticks (``step_samples``), and a slowdown seen earlier in the
-same tick raises the estimates for the rest of it (c_full and c_pair: the median of their last three
-samples, or the other's slowdown while a kind has not run in the tick; c_skip: the median skipped call;
-never below the cost model's). The last step is not timed: nothing follows it inside the loop.
+same tick raises the estimates for the rest of it (c_full and c_pair: their priors times the median ratio of
+the last three timed stack calls, whichever kind, to their priors; c_skip: the median skipped call; never
+below the cost model's). The last step is not timed: nothing follows it inside the loop.
 """
 
 from __future__ import annotations
@@ -67,6 +68,16 @@ class StepTiming:
     samples: tuple[tuple[str, float], ...]
 
 
+def _middle_call_ms(plan: TickPlan, costs: CallCosts) -> float:
+    """The plan's average cost of a call between its first step and its last, whose calls always run full (ms)."""
+    ends = {0, plan.num_steps - 1}
+    ends_ms = sum(costs.pair_ms if len(plan.branches(s)) == 2 else costs.full_ms for s in ends)
+    middle = plan.calls - sum(len(plan.branches(s)) for s in ends)
+    if middle == 0:
+        return 0.0
+    return max(plan.predicted_stage_ms[DENOISE_STAGE] - ends_ms, middle * costs.skip_ms) / middle
+
+
 class DeadlineGuard:
     """The deadline of one tick's denoising loop, armed at (or shortly before) the loop's start.
 
@@ -83,10 +94,12 @@ class DeadlineGuard:
         self._deadline_at = float(deadline_at_ms)
         self._reserve_after = float(reserve_after_ms)
         self._prior = {FULL: cautious.full_ms, PAIR: cautious.pair_ms}
-        self._planned_call_ms = plan.predicted_stage_ms[DENOISE_STAGE] / plan.calls
+        self._middle_call_ms = _middle_call_ms(plan, costs)
         self._full_ms, self._pair_ms = cautious.full_ms, cautious.pair_ms
         self._skip_ms = self._prior_skip_ms = cautious.skip_ms
-        self._samples: dict[str, list[float]] = {FULL: [], PAIR: []}
+        self._stack_ratios: list[float] = []  # each timed full call or pair against its prior, in order
+        self._stack_ratio = 1.0  # what the estimates of both are raised by
+        self._stack_planned_ms = 0.0  # what they were planned to cost
         self._skip_samples: list[float] = []
         self._step_mark = clock()  # when the current step began
         self._step_calls: list[_Decision] = []  # its decided calls, in order
@@ -160,20 +173,21 @@ class DeadlineGuard:
         # that many skipped calls cost, since anything longer was a stall, not progress on this step.
         rest_of_step = step_ms - min(now - self._step_mark, (position + 1) * self._skip_ms)
         needed = rest_of_step + middle_calls * self._skip_ms + self._full_step_ms(final_calls) + self._reserve_after
-        this_call = self._pair_ms - self._full_ms if joins_full else self._full_ms
-        on_pace = this_call + (middle_calls + final_calls) * self._planned_call_ms * self._slowdown() \
-            + self._reserve_after
+        # This step's calls and the later middle steps' at the plan's pace, not this call at its full cost: the
+        # plan's refreshes are lumps between runs of skips, and a tick on plan must not look behind at each one.
+        on_pace = (len(branches) + middle_calls) * self._middle_call_ms * self._slowdown() \
+            + self._full_step_ms(final_calls) + self._reserve_after
         return now + max(needed, on_pace) > self._deadline_at
 
     def _slowdown(self) -> float:
         """How much slower this tick's calls run than planned, each kind weighted by what its calls so far were
         planned to cost (>= 1: the estimates never fall below the prior). Not the slowest kind's ratio: skipped
         calls are short and their estimate the noisiest, so a jitter on them alone would scale all the rest."""
-        full, pair, skip = len(self._samples[FULL]), len(self._samples[PAIR]), len(self._skip_samples)
-        planned = full * self._prior[FULL] + pair * self._prior[PAIR] + skip * self._prior_skip_ms
+        skips = len(self._skip_samples)
+        planned = self._stack_planned_ms + skips * self._prior_skip_ms
         if planned == 0.0:
             return 1.0
-        return (full * self._full_ms + pair * self._pair_ms + skip * self._skip_ms) / planned
+        return (self._stack_planned_ms * self._stack_ratio + skips * self._skip_ms) / planned
 
     def on_call(self, decisions: Sequence[_Decision]) -> None:
         """The call just decided and done: one skipped call, one full call, or the full calls of the step that
@@ -192,8 +206,9 @@ class DeadlineGuard:
         samples = step_samples(runs, len(calls) - runs, batched, ms, self._skip_ms)
         self._steps.append(StepTiming(calls[0].step, tuple(samples)))
         for kind, sample in samples:
-            if kind in self._samples:
-                self._samples[kind].append(sample)
+            if kind in self._prior:
+                self._stack_ratios.append(sample / self._prior[kind])
+                self._stack_planned_ms += self._prior[kind]
                 self._update_stack_estimates()
             else:
                 # Skipped calls are many and short: one stall must not make every later one look slow (that
@@ -204,15 +219,13 @@ class DeadlineGuard:
                     self._skip_ms = max(self._prior_skip_ms, statistics.median(self._skip_samples))
 
     def _update_stack_estimates(self) -> None:
-        """c_full and c_pair from this tick's steps. A lasting slowdown shows in the last few steps; one slow step
-        (a stall) does not make every later step look as slow, which would cut the rest of the tick for nothing.
-        A kind not yet run in this tick is as much slower than planned as the other: a machine that runs pairs
-        twice as slow runs single calls slower too."""
-        observed = {kind: max(self._prior[kind], statistics.median(recent[-3:]))
-                    for kind, recent in self._samples.items() if recent}
-        ratio = max(observed[kind] / self._prior[kind] for kind in observed)
-        self._full_ms = observed.get(FULL, self._prior[FULL] * ratio)
-        self._pair_ms = observed.get(PAIR, self._prior[PAIR] * ratio)
+        """c_full and c_pair from this tick's steps: both their priors times the median of the last three timed
+        stack calls' ratios to their priors, never below 1. A lasting slowdown shows in the last few steps,
+        whichever kind they ran (a machine that runs pairs twice as slow runs single calls slower too, and the
+        final step's pair must be priced at the slowdown its last full calls showed); one slow step (a stall)
+        does not make every later step look as slow, which would cut the rest of the tick for nothing."""
+        self._stack_ratio = max(1.0, statistics.median(self._stack_ratios[-3:]))
+        self._full_ms, self._pair_ms = self._prior[FULL] * self._stack_ratio, self._prior[PAIR] * self._stack_ratio
 
     # ---------------------------------------------------------------- what happened
 

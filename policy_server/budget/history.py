@@ -33,6 +33,10 @@ class SessionHistory:
         rank = max(1, math.ceil(q * len(values)))
         return values[rank - 1]
 
+    def counts(self, setting: str, structure: Structure) -> tuple[int, ...]:
+        """The recent counts, oldest first (empty if never observed)."""
+        return tuple(self._counts.get((setting, structure), ()))
+
     def clear(self) -> None:
         """Forget everything (new episode, new instruction)."""
         self._counts.clear()

@@ -389,25 +389,34 @@ def plan_on_frontier(
 ) -> TickPlan:
     """The point of a quality profile's frontier with the least expected error whose latency fits
     ``deadline_ms``: steps, CFG schedule and cache setting chosen together. A point's expected error is its mean
-    over ``slowdowns``, how much slower than their expected costs the calls of recent ticks ran
-    (``expected_error``): on a machine whose ticks vary, a point that fits with little to spare is cut on the
-    slower ticks, and points differ in what a cut costs them. The gate's full-call count is the
-    calibration set's 90th percentile until the session has run the point; then the ``frontier_count_quantile``
-    of the session's own recent counts (``history``), since the gate refreshes on this robot's scene as often as
-    on its last ticks, not as on the calibration set. When no point fits, the cheapest one, marked
-    ``fits=False`` (fallback ``no_point_fits``): the guard then gives up what it must. ``costs``: from
-    ``CostModel.costs``, raised by ``frontier_cost_margin_devs`` (by default none: the guard absorbs the tail);
-    ``guided``: as for ``plan_tick``."""
+    over ``slowdowns``, how much slower than their expected costs the calls of recent ticks ran, and over the
+    full-call counts the gate wanted on the session's recent ticks at that point (``expected_error``): on a
+    machine whose ticks vary, a point that fits with little to spare is cut on the slower ticks, a tick whose
+    gate wants more refreshes than planned is cut as a slower one is, and points differ in what a cut costs
+    them. The gate's full-call count planned on is the calibration set's 90th percentile until the session has
+    run the point; then the ``frontier_count_quantile`` of the session's own recent counts (``history``), since
+    the gate refreshes on this robot's scene as often as on its last ticks, not as on the calibration set.
+    When no point fits, the cheapest one, marked ``fits=False`` (fallback ``no_point_fits``): the guard then
+    gives up what it must. ``costs``: from ``CostModel.costs``, raised by ``frontier_cost_margin_devs`` (by
+    default none: the guard absorbs the tail); ``guided``: as for ``plan_tick``."""
     config = config or PlannerConfig()
     costs = costs.cautious(config.frontier_cost_margin_devs)
-    seen = [None if history is None else history.quantile(p.config.name, (p.config.num_steps, p.config.cfg_steps),
-                                                          config.frontier_count_quantile) for p in points]
+    structures = [(p.config.num_steps, p.config.cfg_steps) for p in points]
+    names = [(p.config.name, s) for p, s in zip(points, structures, strict=True)]
+    recent = [() if history is None else history.counts(*name) for name in names]
+    seen = [None if history is None else history.quantile(*name, config.frontier_count_quantile) for name in names]
     predicted = [point.predicted_p90_ms(costs) if count is None else point.predicted_at_ms(costs, count)
                  for point, count in zip(points, seen, strict=True)]
     cheapest = min(range(len(points)), key=predicted.__getitem__)
     loop_ms = deadline_ms - costs.fixed_total_ms  # what the step loop has
-    errors = {i: expected_error(points[i], loop_ms / (predicted[i] - costs.fixed_total_ms), slowdowns)
-              for i in range(len(points)) if predicted[i] <= deadline_ms}
+
+    def mean_error(i: int) -> float:
+        """``points[i]``'s expected error over the session's recent counts at it (the planned one if none)."""
+        loops = [points[i].predicted_at_ms(costs, count) - costs.fixed_total_ms for count in recent[i]] \
+            or [predicted[i] - costs.fixed_total_ms]
+        return sum(expected_error(points[i], loop_ms / loop, slowdowns) for loop in loops) / len(loops)
+
+    errors = {i: mean_error(i) for i in range(len(points)) if predicted[i] <= deadline_ms}
     chosen = min(errors, key=lambda i: (errors[i], predicted[i])) if errors else cheapest
     point, config = points[chosen], points[chosen].config
     window = guided(config.num_steps)
