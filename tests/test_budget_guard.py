@@ -256,17 +256,20 @@ def test_guard_forces_a_skip_exactly_when_a_full_call_would_put_the_tick_behind_
     assert behind.force_skip(1, "cond") is True and behind.force_skip(1, "uncond", joins_full=True) is True
 
 
-def test_a_tick_on_its_plan_keeps_every_refresh():
-    """The plan's refreshes come as lumps between runs of skips (here a pair every fourth step, as cap 3 forces),
-    so right after one the tick is behind an even pace; the guard must not take that for a slow tick. A tick
-    whose calls cost what was planned and whose gate refreshes as planned runs to its deadline uncut."""
-    plan = plan_tick(100.0, 9, 2, COSTS)
-    denoise = 3 * COSTS.pair_ms + 12 * COSTS.skip_ms  # pairs at steps 0, 4 and 8
+@pytest.mark.parametrize("passes", [1, 2])
+def test_a_tick_on_its_plan_keeps_every_refresh(passes):
+    """The plan's refreshes come as lumps between runs of skips (here every fourth step, as cap 3 forces), so
+    right after one the tick is behind an even pace; the guard must not take that for a slow tick. A tick whose
+    calls cost what was planned and whose gate refreshes as planned runs to its deadline uncut. (Without CFG a
+    rule that counted the refresh at its full cost and the rest at the plan's average cut step 4.)"""
+    plan = plan_tick(100.0, 9, passes, COSTS)
+    step_ms = COSTS.pair_ms if passes == 2 else COSTS.full_ms
+    denoise = 3 * step_ms + 6 * passes * COSTS.skip_ms  # full at steps 0, 4 and 8
     plan = dataclasses.replace(plan, thresholds=(1e6,) * 9, cap=3, deadline_ms=ENCODE_MS + denoise + DECODE_MS,
                                predicted_stage_ms={"encode": ENCODE_MS, "denoise": denoise, "decode": DECODE_MS})
     clock = FakeClock()
     record, stages, steps, _ = run_tick(clock, warm_budget(clock), plan)
-    assert record.sequence("cond") == record.sequence("uncond") == "FSSSFSSSF"
+    assert all(record.sequence(branch) == "FSSSFSSSF" for branch in plan.branches(0))
     assert record.forced_skips == 0 and sum(stages.values()) == pytest.approx(plan.deadline_ms)
 
 

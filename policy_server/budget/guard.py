@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -75,6 +76,8 @@ def _middle_call_ms(plan: TickPlan, costs: CallCosts) -> float:
     middle = plan.calls - sum(len(plan.branches(s)) for s in ends)
     if middle == 0:
         return 0.0
+    # A plan's full-call count may be a fractional estimate (a profile point's), so its loop may be predicted
+    # below its ends plus skips; a middle call never costs less than a skip.
     return max(plan.predicted_stage_ms[DENOISE_STAGE] - ends_ms, middle * costs.skip_ms) / middle
 
 
@@ -97,7 +100,7 @@ class DeadlineGuard:
         self._middle_call_ms = _middle_call_ms(plan, costs)
         self._full_ms, self._pair_ms = cautious.full_ms, cautious.pair_ms
         self._skip_ms = self._prior_skip_ms = cautious.skip_ms
-        self._stack_ratios: list[float] = []  # each timed full call or pair against its prior, in order
+        self._stack_ratios: deque[float] = deque(maxlen=3)  # the last timed stack calls against their priors
         self._stack_ratio = 1.0  # what the estimates of both are raised by
         self._stack_planned_ms = 0.0  # what they were planned to cost
         self._skip_samples: list[float] = []
@@ -224,7 +227,7 @@ class DeadlineGuard:
         whichever kind they ran (a machine that runs pairs twice as slow runs single calls slower too, and the
         final step's pair must be priced at the slowdown its last full calls showed); one slow step (a stall)
         does not make every later step look as slow, which would cut the rest of the tick for nothing."""
-        self._stack_ratio = max(1.0, statistics.median(self._stack_ratios[-3:]))
+        self._stack_ratio = max(1.0, statistics.median(self._stack_ratios))
         self._full_ms, self._pair_ms = self._prior[FULL] * self._stack_ratio, self._prior[PAIR] * self._stack_ratio
 
     # ---------------------------------------------------------------- what happened

@@ -9,7 +9,7 @@ step structure): a ladder rung's, or a quality-profile point's. The count stored
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import Counter, deque
 
 # (num_steps, cfg_steps): the full-call count depends on both.
 Structure = tuple[int, int]
@@ -33,9 +33,9 @@ class SessionHistory:
         rank = max(1, math.ceil(q * len(values)))
         return values[rank - 1]
 
-    def counts(self, setting: str, structure: Structure) -> tuple[int, ...]:
-        """The recent counts, oldest first (empty if never observed)."""
-        return tuple(self._counts.get((setting, structure), ()))
+    def tally(self, setting: str, structure: Structure) -> Counter[int]:
+        """How many of the recent ticks wanted each count (empty if never observed)."""
+        return Counter(self._counts.get((setting, structure), ()))
 
     def clear(self) -> None:
         """Forget everything (new episode, new instruction)."""

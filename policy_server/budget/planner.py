@@ -28,6 +28,7 @@ measured what that costs each point.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -403,7 +404,7 @@ def plan_on_frontier(
     costs = costs.cautious(config.frontier_cost_margin_devs)
     structures = [(p.config.num_steps, p.config.cfg_steps) for p in points]
     names = [(p.config.name, s) for p, s in zip(points, structures, strict=True)]
-    recent = [() if history is None else history.counts(*name) for name in names]
+    recent = [Counter() if history is None else history.tally(*name) for name in names]
     seen = [None if history is None else history.quantile(*name, config.frontier_count_quantile) for name in names]
     predicted = [point.predicted_p90_ms(costs) if count is None else point.predicted_at_ms(costs, count)
                  for point, count in zip(points, seen, strict=True)]
@@ -412,9 +413,11 @@ def plan_on_frontier(
 
     def mean_error(i: int) -> float:
         """``points[i]``'s expected error over the session's recent counts at it (the planned one if none)."""
-        loops = [points[i].predicted_at_ms(costs, count) - costs.fixed_total_ms for count in recent[i]] \
-            or [predicted[i] - costs.fixed_total_ms]
-        return sum(expected_error(points[i], loop_ms / loop, slowdowns) for loop in loops) / len(loops)
+        if not recent[i]:
+            return expected_error(points[i], loop_ms / (predicted[i] - costs.fixed_total_ms), slowdowns)
+        return sum(ticks * expected_error(points[i], loop_ms / (points[i].predicted_at_ms(costs, count)
+                                                                - costs.fixed_total_ms), slowdowns)
+                   for count, ticks in recent[i].items()) / recent[i].total()
 
     errors = {i: mean_error(i) for i in range(len(points)) if predicted[i] <= deadline_ms}
     chosen = min(errors, key=lambda i: (errors[i], predicted[i])) if errors else cheapest
