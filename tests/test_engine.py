@@ -151,6 +151,7 @@ def test_session_errors(engine):
     with pytest.raises(api.BudgetInfeasible) as infeasible:
         engine.set_budget(session.session_id, 0.01)
     assert infeasible.value.best_achievable_ms > 0.01
+    assert all(f"{stage} " in str(infeasible.value) for stage in ("encode", "denoise"))  # what the floor is made of
     others = [engine.open_session("pusht", "x", rate_hz=0) for _ in range(2)]
     with pytest.raises(api.TooManySessions):
         engine.open_session("pusht", "one too many", rate_hz=0)

@@ -21,14 +21,15 @@ each end within their own slot from the batch's start.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from policy_server.engine import api
 from policy_server.limits import MAX_BUDGET_MS, MAX_INSTRUCTION_TOKENS
 
 if TYPE_CHECKING:  # sessions hold a Demand: these two import this module
+    from policy_server.budget.planner import TickPlan
     from policy_server.engine.served import ServedModel
     from policy_server.engine.sessions import SessionState, SessionTable
 
@@ -40,13 +41,15 @@ MAX_UTILIZATION = 0.9
 class Demand:
     """What one session asks of the worker (ms, Hz).
 
-    floor_ms: its cheapest tick; ceiling_ms: its uncached tick (no slot needs more).
+    floor_ms: its cheapest tick; ceiling_ms: its uncached tick (no slot needs more); floor_stages_ms: the
+    cheapest tick's predicted stages (what a refusal names).
     """
 
     budget_ms: float
     rate_hz: float
     floor_ms: float
     ceiling_ms: float
+    floor_stages_ms: Mapping[str, float] = field(default_factory=dict)
 
 
 def assign_slots(demands: list[Demand], blocking_ms: float,
@@ -150,13 +153,13 @@ class Admission:
         served = self.served
         key = served.cost_key(embodiment, chunk, MAX_INSTRUCTION_TOKENS)
 
-        def predicted(time_left_ms: float) -> float:
+        def predicted(time_left_ms: float) -> TickPlan:
             return served.budget.plan(key, time_left_ms, served.num_steps, served.passes, None, prefill=True,
-                                      preview=preview, frontier=served.frontier(embodiment)).predicted_ms
+                                      preview=preview, frontier=served.frontier(embodiment))
 
         ceiling = predicted(MAX_BUDGET_MS)
         floor = predicted(1e-3) if served.budget_controlled else ceiling
-        return Demand(budget_ms, rate_hz, floor, ceiling)
+        return Demand(budget_ms, rate_hz, floor.predicted_ms, ceiling.predicted_ms, floor.predicted_stage_ms)
 
     def open(self, demand: Demand, open_session: Callable[[], SessionState]) -> SessionState:
         """Admit `demand` beside the open sessions and open its session with `open_session()`."""
@@ -169,7 +172,7 @@ class Admission:
 
     def change_budget(self, session: SessionState, budget_ms: float) -> None:
         old = session.demand
-        demand = Demand(budget_ms, old.rate_hz, old.floor_ms, old.ceiling_ms)
+        demand = replace(old, budget_ms=budget_ms)
         self._check_floor(demand)
         with self._lock:
             others = [s.demand for s in self.sessions.all() if s is not session]
@@ -185,7 +188,7 @@ class Admission:
     @staticmethod
     def _check_floor(demand: Demand) -> None:
         if demand.floor_ms > demand.budget_ms:
-            raise api.BudgetInfeasible(demand.budget_ms, demand.floor_ms)
+            raise api.BudgetInfeasible(demand.budget_ms, demand.floor_ms, demand.floor_stages_ms)
 
     def _admit(self, demands: list[Demand], new: Demand) -> None:
         """Raise Overloaded unless every demand (``new`` among them) can be met (under ``_lock``)."""

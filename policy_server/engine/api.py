@@ -317,13 +317,17 @@ class StaleEpoch(EngineError):
 
 
 class BudgetInfeasible(EngineError):
-    """Even the most aggressive caching and every fallback cannot meet the budget."""
+    """Even the most aggressive caching and every fallback cannot meet the budget. ``stages_ms``: what the best
+    achievable tick spends per stage (e.g. encode, prefill, denoise), named in the message."""
 
     reason = "BUDGET_INFEASIBLE"
 
-    def __init__(self, budget_ms: float, best_achievable_ms: float) -> None:
+    def __init__(self, budget_ms: float, best_achievable_ms: float,
+                 stages_ms: Mapping[str, float] | None = None) -> None:
+        breakdown = ", ".join(f"{stage} {ms:.1f}" for stage, ms in (stages_ms or {}).items())
         super().__init__(
             f"budget {budget_ms:g} ms is below the best achievable latency {best_achievable_ms:.1f} ms"
+            + (f" ({breakdown})" if breakdown else "")
         )
         self.budget_ms, self.best_achievable_ms = budget_ms, best_achievable_ms
 
