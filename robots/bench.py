@@ -485,18 +485,14 @@ def run(args: argparse.Namespace) -> dict:
                                                          env_id=args.env)]
     # Budgets scale on the uncached tick's median over more ticks than one engine's warmup, which a slow moment
     # can carry (session 20: a warmup p50 of 152.8 ms against 126.2 ms over the run's own 300 uncached ticks).
-    uncached_scale_ms = statistics.median(
-        pipeline(PolicyRequest(images=obs["images"], instruction=obs["instruction"], embodiment=embodiment.name,
-                               state=obs["state"], seed=tick), cache=NoCache()).timings_ms["total"]
-        for tick, obs in enumerate((observations * SCALE_TICKS)[:SCALE_TICKS]))
+    scale_ticks = [pipeline(request_of(obs, embodiment, tick), cache=NoCache())
+                   for tick, obs in enumerate((observations * SCALE_TICKS)[:SCALE_TICKS])]
+    uncached_scale_ms = statistics.median(out.timings_ms["total"] for out in scale_ticks)
     budgets = args.budgets_ms or [round(f * uncached_scale_ms, 1) for f in args.budget_fractions]
     slow_budget = budgets[0]
     slowdown_ms = args.slowdown_ms
     if slowdown_ms is None:  # half an uncached step (embed, the branches' GEN stack as one call, heads)
-        first = observations[0]
-        probe = pipeline(PolicyRequest(images=first["images"], instruction=first["instruction"],
-                                       embodiment=embodiment.name, state=first["state"]))
-        slowdown_ms = round(0.5 * statistics.median(step.ms for step in probe.steps), 2)
+        slowdown_ms = round(0.5 * statistics.median(step.ms for step in scale_ticks[0].steps), 2)
 
     cfg = pipeline.config.guidance != 1.0
     default = next(p for p in points if p.config == profile.default)
@@ -544,8 +540,7 @@ def run(args: argparse.Namespace) -> dict:
     order = list(runs)
     for tick, obs in enumerate(tqdm(observations, desc="bench", unit="tick")):
         slowed = tick >= args.ticks // 2
-        request = PolicyRequest(images=obs["images"], instruction=obs["instruction"],
-                                embodiment=embodiment.name, state=obs["state"], seed=tick)
+        request = request_of(obs, embodiment, tick)
         reference = pipeline(request, cache=NoCache())
         latent_shape = tuple(reference.latents.shape)
         runs["uncached"].add(reference.timings_ms["total"], reference, reference)
@@ -638,6 +633,12 @@ def model_inputs(obs: dict, embodiment: Embodiment, frame_hw: tuple[int, int] | 
             "state": obs["state"] if embodiment.state_dim else None}
 
 
+def request_of(inputs: dict, embodiment: Embodiment, seed: int = 0) -> PolicyRequest:
+    """A tick of `model_inputs`' `inputs`, its noise drawn from `seed`."""
+    return PolicyRequest(images=inputs["images"], instruction=inputs["instruction"], embodiment=embodiment.name,
+                         state=inputs["state"], seed=seed)
+
+
 def model_summary(pipeline: PolicyPipeline, embodiment: Embodiment, inputs: dict,
                   latent_shape: tuple[int, ...]) -> dict:
     """The served model and the shapes of one tick: the frames, the canvas they go on, the video latents
@@ -708,8 +709,7 @@ def tick_profile(pipeline: PolicyPipeline, embodiment: Embodiment, inputs: dict,
         return None
     from torch.profiler import ProfilerActivity, profile
 
-    request = PolicyRequest(images=inputs["images"], instruction=inputs["instruction"], embodiment=embodiment.name,
-                            state=inputs["state"])
+    request = request_of(inputs, embodiment)
     steps, guidance = pipeline.config.num_steps, pipeline.config.guidance
 
     cuda = pipeline.device.type == "cuda"

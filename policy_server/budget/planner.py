@@ -411,12 +411,14 @@ def plan_on_frontier(
     cheapest = min(range(len(points)), key=predicted.__getitem__)
     loop_ms = deadline_ms - costs.fixed_total_ms  # what the step loop has
 
+    def error_at(i: int, latency_ms: float) -> float:
+        return expected_error(points[i], loop_ms / (latency_ms - costs.fixed_total_ms), slowdowns)
+
     def mean_error(i: int) -> float:
         """``points[i]``'s expected error over the session's recent counts at it (the planned one if none)."""
         if not recent[i]:
-            return expected_error(points[i], loop_ms / (predicted[i] - costs.fixed_total_ms), slowdowns)
-        return sum(ticks * expected_error(points[i], loop_ms / (points[i].predicted_at_ms(costs, count)
-                                                                - costs.fixed_total_ms), slowdowns)
+            return error_at(i, predicted[i])
+        return sum(ticks * error_at(i, points[i].predicted_at_ms(costs, count))
                    for count, ticks in recent[i].items()) / recent[i].total()
 
     errors = {i: mean_error(i) for i in range(len(points)) if predicted[i] <= deadline_ms}

@@ -153,12 +153,12 @@ class Admission:
         served = self.served
         key = served.cost_key(embodiment, chunk, MAX_INSTRUCTION_TOKENS)
 
-        def predicted(time_left_ms: float) -> TickPlan:
+        def plan(time_left_ms: float) -> TickPlan:
             return served.budget.plan(key, time_left_ms, served.num_steps, served.passes, None, prefill=True,
                                       preview=preview, frontier=served.frontier(embodiment))
 
-        ceiling = predicted(MAX_BUDGET_MS)
-        floor = predicted(1e-3) if served.budget_controlled else ceiling
+        ceiling = plan(MAX_BUDGET_MS)
+        floor = plan(1e-3) if served.budget_controlled else ceiling
         return Demand(budget_ms, rate_hz, floor.predicted_ms, ceiling.predicted_ms, floor.predicted_stage_ms)
 
     def open(self, demand: Demand, open_session: Callable[[], SessionState]) -> SessionState:
