@@ -81,6 +81,7 @@ from policy_server.engine.calibration import (
     resolve_profile,
     warmup_observations,
 )
+from policy_server.engine.compiled_stack import PrecompiledGenStack
 from policy_server.engine.cuda_graphs import GraphedGenStack
 from policy_server.engine.engine import EngineSettings, ModelEngine, resolve_dtype
 from policy_server.engine.tick import step_calls
@@ -704,7 +705,9 @@ def tick_profile(pipeline: PolicyPipeline, embodiment: Embodiment, inputs: dict,
     skipped (a maximally cached tick's). On CUDA, `graphed` has the same wall time and calls with the GEN stack
     replayed from CUDA graphs, interleaved with the eager ticks (what a call saves, `*_saved_ms`, is the launch
     overhead the graphs remove), and `compiled_graphed` with the stack compiled and graphed, as the server runs it
-    there."""
+    there; on a CPU, `compiled` with the stack compiled whole, as a server with `--compile-gen-stack` runs it there.
+    Each variant's `wall_vs_arithmetic` divides its wall time by the eager tick's matmul and attention time: it
+    runs the same matmuls and attention."""
     if ticks == 0:
         return None
     from torch.profiler import ProfilerActivity, profile
@@ -713,8 +716,14 @@ def tick_profile(pipeline: PolicyPipeline, embodiment: Embodiment, inputs: dict,
     steps, guidance = pipeline.config.num_steps, pipeline.config.guidance
 
     cuda = pipeline.device.type == "cuda"
-    variants = {} if not cuda else {"graphed": GraphedGenStack(pipeline.transformer.gen_stack),
-                                    "compiled_graphed": GraphedGenStack(pipeline.transformer.compiled_gen_stack())}
+    transformer = pipeline.transformer
+    if cuda:
+        variants = {"graphed": GraphedGenStack(transformer.gen_stack),
+                    "compiled_graphed": GraphedGenStack(transformer.compiled_gen_stack())}
+        warming = {name: stack.capture for name, stack in variants.items()}
+    else:
+        variants = {"compiled": PrecompiledGenStack(transformer.compiled_whole_gen_stack(), transformer.gen_stack)}
+        warming = {"compiled": variants["compiled"].compile}
 
     def tick(cache=None, batch_branches: bool = True, stack=pipeline.transformer.gen_stack) -> PolicyOutput:
         return run_steps(pipeline.steps(request, None, pipeline.fixed_steps(steps, guidance, cache, batch_branches)),
@@ -724,8 +733,8 @@ def tick_profile(pipeline: PolicyPipeline, embodiment: Embodiment, inputs: dict,
         return SeaCache(SeaCacheConfig(threshold=MAX_CACHING.threshold, max_consecutive_cached=MAX_CACHING.cap))
 
     tick(), tick(batch_branches=False)  # allocations and layouts of this shape are made outside the figures
-    for graphs in variants.values():  # and the graphs' captures and compiles
-        tick(stack=graphs.capture), tick(max_caching(), batch_branches=False, stack=graphs.capture)
+    for warm in warming.values():  # and the graphs' captures and compiles
+        tick(stack=warm), tick(max_caching(), batch_branches=False, stack=warm)
     walls, walls_one_by_one, calls = [], [], []
     variant_walls, variant_calls = {name: [] for name in variants}, {name: [] for name in variants}
     for _ in range(ticks):
@@ -734,10 +743,10 @@ def tick_profile(pipeline: PolicyPipeline, embodiment: Embodiment, inputs: dict,
             calls += step_calls(out.steps)
             if one_by_one is not None:
                 (walls_one_by_one if one_by_one else walls).append(out.timings_ms["total"])
-        for name, graphs in variants.items():
-            out = tick(stack=graphs)
+        for name, stack in variants.items():
+            out = tick(stack=stack)
             variant_walls[name].append(out.timings_ms["total"])
-            variant_calls[name] += step_calls(out.steps) + step_calls(tick(max_caching(), False, graphs).steps)
+            variant_calls[name] += step_calls(out.steps) + step_calls(tick(max_caching(), False, stack).steps)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as profiler:
         for _ in range(ticks):
@@ -765,14 +774,15 @@ def tick_profile(pipeline: PolicyPipeline, embodiment: Embodiment, inputs: dict,
         "skipped_call_ms": call_ms(SKIP),
         **{name: None if name not in variants else {
             "wall_ms": statistics.median(variant_walls[name]),
+            "wall_vs_arithmetic": statistics.median(variant_walls[name]) / (matmul_ms + attention_ms),
             "full_call_ms": call_ms(FULL, variant_calls[name]),
             "batched_cfg_call_ms": call_ms(PAIR, variant_calls[name]),
             "skipped_call_ms": call_ms(SKIP, variant_calls[name]),
             "full_call_saved_ms": call_ms(FULL) - call_ms(FULL, variant_calls[name]),
             "batched_cfg_call_saved_ms": call_ms(PAIR) - call_ms(PAIR, variant_calls[name]),
-            "graphs": variants[name].num_graphs,
-            "capture_ms": variants[name].capture_ms,  # the compile's included
-        } for name in ("graphed", "compiled_graphed")},
+            **({} if not cuda else {"graphs": variants[name].num_graphs,
+                                    "capture_ms": variants[name].capture_ms}),  # the compile's included
+        } for name in ("graphed", "compiled_graphed", "compiled")},
         "ticks": ticks,
     }
 

@@ -18,6 +18,7 @@ from policy_server.budget.tick import PREVIEW_STAGE, TickBudget
 from policy_server.cache.controller import StepController
 from policy_server.cache.sea_filter import SeaFilter
 from policy_server.engine import api
+from policy_server.engine.compiled_stack import PrecompiledGenStack
 from policy_server.engine.cuda_graphs import GraphedGenStack
 from policy_server.engine.sessions import SessionState
 from policy_server.limits import MAX_INSTRUCTION_TOKENS
@@ -40,8 +41,8 @@ class EngineSettings:
     `calibrate_at_warmup` measures a bounded one before the engine is ready, else ticks are planned on the
     ladder. `cuda_graphs`: on a CUDA device, replay the GEN stack from CUDA graphs captured at warmup and at
     each session's opening (`engine/cuda_graphs.py`). `compile_gen_stack`: run the GEN stack compiled by
-    torch.compile (`Cosmos3OmniTransformer.compiled_gen_stack`), compiled at warmup; None: on CUDA only (on a CPU
-    it measured no faster)."""
+    torch.compile, compiled at warmup (on CUDA `Cosmos3OmniTransformer.compiled_gen_stack`, on a CPU
+    `compiled_whole_gen_stack`); None: on CUDA only (on a CPU it needs a C++ compiler and seconds per shape)."""
 
     default_budget_ms: float = 120.0
     max_sessions: int = 4
@@ -75,7 +76,8 @@ def cache_ladder(threshold: float, cap: int) -> tuple[CacheSetting, ...]:
 class ServedModel:
     """One pipeline on one device, with its cost model and budget. `closing` is set when the engine shuts
     down: running work stops at its next step. `gen_stack` runs the GEN-stack calls of live work (`compiled` or not);
-    `capturing_gen_stack` those of warm-up work, which may also capture CUDA graphs (`graphs`, None without)."""
+    `capturing_gen_stack` those of warm-up work, which may also capture CUDA graphs (`graphs`, None without) or
+    compile a call pattern."""
 
     def __init__(self, pipeline: PolicyPipeline, settings: EngineSettings, clock: Callable[[], float]):
         self.pipeline = pipeline
@@ -88,9 +90,16 @@ class ServedModel:
         self.sea_filter = SeaFilter()  # its gain cache serves every tick
         cuda = pipeline.device.type == "cuda"
         self.compiled = cuda if settings.compile_gen_stack is None else settings.compile_gen_stack
-        stack = pipeline.transformer.compiled_gen_stack() if self.compiled else pipeline.transformer.gen_stack
+        transformer = pipeline.transformer
+        if not self.compiled:
+            stack = live_stack = transformer.gen_stack
+        elif cuda:  # shape-generic around attention; the graphs below remove the launches
+            stack = live_stack = transformer.compiled_gen_stack()
+        else:  # one graph per call; a pattern warmup never ran runs eagerly rather than compiling live
+            live_stack = PrecompiledGenStack(transformer.compiled_whole_gen_stack(), transformer.gen_stack)
+            stack = live_stack.compile
         self.graphs = GraphedGenStack(stack) if settings.cuda_graphs and cuda else None
-        self.gen_stack = stack if self.graphs is None else self.graphs
+        self.gen_stack = live_stack if self.graphs is None else self.graphs
         self.capturing_gen_stack = stack if self.graphs is None else self.graphs.capture
         self.embodiments = {name: pipeline.embodiments.get(name) for name in pipeline.served_embodiments}
         canvas_h, canvas_w = pipeline.config.canvas_hw

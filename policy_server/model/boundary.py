@@ -13,6 +13,7 @@ positions; each item attends to its own text rows).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +59,18 @@ class UndKV:
         values = [padded(item.values, n) for item, n in zip(items, lengths, strict=True)]
         return cls([torch.stack(layer) for layer in zip(*keys, strict=True)],
                    [torch.stack(layer) for layer in zip(*values, strict=True)], lengths)
+
+    @cached_property
+    def per_item(self) -> tuple[torch.Tensor, ...]:
+        """Each item's keys and values of every layer as one tensor, without padding: `[L, 2, KV, n_b, hd]`
+        (2: keys, values), for `Cosmos3OmniTransformer.compiled_whole_gen_stack`. Made on first use, then kept
+        (a prompt's K/V serve every step of its ticks)."""
+        if self.keys[0].ndim == 3:
+            return (torch.stack([torch.stack(kv) for kv in zip(self.keys, self.values, strict=True)]),)
+        lengths = self.lengths or (self.length,) * self.keys[0].shape[0]
+        return tuple(torch.stack([torch.stack((k[b, :, :n], v[b, :, :n]))
+                                  for k, v in zip(self.keys, self.values, strict=True)])
+                     for b, n in enumerate(lengths))
 
     @property
     def length(self) -> int:

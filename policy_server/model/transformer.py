@@ -27,11 +27,11 @@ from torch import nn
 
 from policy_server.model.boundary import GenInput, UndKV
 from policy_server.model.config import Cosmos3TransformerConfig
-from policy_server.model.decoder import Cosmos3MoTDecoderLayer, gen_attention
+from policy_server.model.decoder import Cosmos3MoTDecoderLayer, attend, gen_attention
 from policy_server.model.gen_layout import GenLayout, ModalityLayout, build_gen_layout, require
 from policy_server.model.layers import DomainAwareLinear, RMSNorm, TimestepEmbedding, sinusoidal_timestep_features
 from policy_server.model.reasoner_cache import ReasonerKVCache
-from policy_server.model.rope import MultimodalRotaryEmbedding
+from policy_server.model.rope import MultimodalRotaryEmbedding, RotaryTables
 
 TIMESTEP_FEATURES = 256  # sinusoid width fed to `time_embedder`
 
@@ -230,6 +230,40 @@ class Cosmos3OmniTransformer(nn.Module):
             return self.norm_moe_gen(x)
 
         return gen_stack
+
+    def compiled_whole_gen_stack(self) -> Callable[[GenInput, UndKV], torch.Tensor]:
+        """`gen_stack` compiled whole by `torch.compile`, attention included: one graph of fused kernels per call,
+        which is what a CPU needs (there an eager call spends about as long dispatching its few hundred small ops
+        as in its matmuls). Each item's text K/V goes in unpadded (`UndKV.per_item`), its length marked dynamic, so
+        one graph serves every instruction; each number of items (one branch, a CFG pair, a micro-batch) and of
+        generated rows compiles a static graph of its own, for seconds: make those calls before any deadline
+        runs (`engine/compiled_stack.py`)."""
+        compiled = torch.compile(self._gen_stack_per_item, dynamic=False)
+
+        def gen_stack(gen: GenInput, und_kv: UndKV) -> torch.Tensor:
+            self._check_gen_stack(gen, und_kv)
+            text_kv = und_kv.per_item
+            for item in text_kv:
+                torch._dynamo.mark_dynamic(item, 3)
+            return compiled(gen.hidden, gen.layout.rotary, text_kv)
+
+        return gen_stack
+
+    def _gen_stack_per_item(self, x: torch.Tensor, rotary: RotaryTables, text_kv: tuple[torch.Tensor, ...]
+                            ) -> torch.Tensor:
+        """`gen_stack` of rows `x` `[N_gen, D]` (one item) or `[B, N_gen, D]`, item b against `text_kv[b]`
+        `[L, 2, KV, n_b, hd]`."""
+        for index, layer in enumerate(self.layers):
+            q, k, v = layer.gen_attention_inputs(x, rotary)
+            if x.ndim == 2:
+                attended = attend(q, torch.cat((text_kv[0][index, 0], k), dim=-2),
+                                  torch.cat((text_kv[0][index, 1], v), dim=-2))
+            else:
+                attended = torch.stack([attend(q[b], torch.cat((item[index, 0], k[b]), dim=-2),
+                                               torch.cat((item[index, 1], v[b]), dim=-2))
+                                        for b, item in enumerate(text_kv)])
+            x = layer.gen_attention_output(x, attended)
+        return self.norm_moe_gen(x)
 
     def _check_gen_stack(self, gen: GenInput, und_kv: UndKV) -> tuple[int, ...] | None:
         """Check that `gen` and `und_kv` belong together; returns each item's text rows when they differ."""

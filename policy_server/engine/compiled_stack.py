@@ -1,0 +1,51 @@
+"""The GEN stack compiled whole (`Cosmos3OmniTransformer.compiled_whole_gen_stack`), compiled before live ticks need it.
+
+A compiled graph is fixed to its call pattern: the number of items and of generated rows; text lengths are
+dynamic. Compiling a pattern takes seconds, so it is done where no deadline runs: `compile` is what warmup
+uses; a live tick calls the object itself, which runs a compiled pattern compiled and any other eagerly. Only
+calls of one tick compile (one CFG branch, or both as one batch): a micro-batch of several ticks' calls is
+already batched, and each of its sizes would be a graph more to compile at every shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from policy_server.model import GenInput, UndKV
+
+GenStack = Callable[[GenInput, UndKV], torch.Tensor]
+MAX_COMPILED_ITEMS = 2  # a tick's calls: its CFG branches
+MAX_PATTERNS = 256
+
+
+class PrecompiledGenStack:
+    """`compiled` for the call patterns `compile` has run, `eager` (the same arithmetic) for the others."""
+
+    def __init__(self, compiled: GenStack, eager: GenStack):
+        self.compiled = compiled
+        self.eager = eager
+        self._patterns: set[tuple] = set()
+
+    def __call__(self, gen: GenInput, und_kv: UndKV) -> torch.Tensor:
+        stack = self.compiled if _pattern(gen) in self._patterns else self.eager
+        return stack(gen, und_kv)
+
+    def compile(self, gen: GenInput, und_kv: UndKV) -> torch.Tensor:
+        if gen.hidden.ndim == 3 and gen.hidden.shape[0] > MAX_COMPILED_ITEMS:
+            return self.eager(gen, und_kv)
+        self._patterns.add(_pattern(gen))
+        # Every pattern is a graph of one function: torch's default limit (8) would stop compiling new shapes.
+        with torch._dynamo.config.patch(recompile_limit=MAX_PATTERNS):
+            return self.compiled(gen, und_kv)
+
+    @property
+    def num_patterns(self) -> int:
+        return len(self._patterns)
+
+
+def _pattern(gen: GenInput) -> tuple:
+    """What a compiled graph is fixed to: the rows' shape and dtype (items, generated rows) and whether each item
+    has rotary tables of its own (a batch of text lengths) or all share one."""
+    return tuple(gen.hidden.shape), gen.hidden.dtype, gen.layout.rotary.cos.ndim

@@ -1,0 +1,99 @@
+"""The GEN stack compiled whole, as a CPU server with `--compile-gen-stack` runs it: it gives the eager stack's
+outputs (one branch, both CFG branches as one batch, a batch of one layout), one graph serves every instruction,
+and an engine compiles only at warmup, then serves ticks, a new instruction's included, without compiling."""
+
+import numpy as np
+import pytest
+import torch
+
+from policy_server.engine import api
+from policy_server.engine.compiled_stack import PrecompiledGenStack
+from policy_server.engine.engine import EngineSettings, ModelEngine
+from policy_server.model import GenInput, UndKV
+from policy_server.pipeline.policy import PolicyRequest, run_steps
+from robots.embedded import build_random_pipeline
+
+RED, BLUE = "reach the red circle", "reach the blue square at the far end of the table and stay there"
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    torch.set_num_threads(1)
+    return build_random_pipeline(tmp_path_factory.mktemp("compiled-stack-model"), seed=3)
+
+
+def _images(seed=0):
+    return {"image": np.random.default_rng(seed).integers(0, 256, (64, 64, 3), dtype=np.uint8)}
+
+
+def _request(instruction: str) -> PolicyRequest:
+    return PolicyRequest(images=_images(), instruction=instruction, embodiment="pusht",
+                         state=np.array([0.2, 0.3], np.float32), seed=5)
+
+
+def _tick(pipeline, request, stack, batch_branches=True):
+    config = pipeline.config
+    control = pipeline.fixed_steps(config.num_steps, config.guidance, None, batch_branches)
+    return run_steps(pipeline.steps(request, None, control), stack)
+
+
+def _first_call(pipeline, request) -> tuple[GenInput, UndKV]:
+    """The first GEN-stack call of a tick that runs its branches one by one."""
+    config = pipeline.config
+    steps = pipeline.steps(request, None, pipeline.fixed_steps(config.num_steps, config.guidance, None, False))
+    call = None
+    while call is None:
+        call = steps.send(None)
+    steps.close()
+    return call.gen, call.und_kv
+
+
+def test_the_whole_compiled_stack_gives_the_eager_stacks_outputs(pipeline):
+    compiled, eager = pipeline.transformer.compiled_whole_gen_stack(), pipeline.transformer.gen_stack
+    for batch_branches in (True, False):  # both branches as one batch (text K/V padded), each alone
+        expected = _tick(pipeline, _request(RED), eager, batch_branches)
+        got = _tick(pipeline, _request(RED), compiled, batch_branches)
+        np.testing.assert_allclose(got.actions, expected.actions, rtol=0, atol=1e-5)
+        torch.testing.assert_close(got.latents, expected.latents, rtol=0, atol=1e-5)
+    # Another text length runs the graphs compiled above: text lengths are dynamic.
+    with torch.compiler.set_stance("fail_on_recompile"), torch.no_grad():
+        got = _tick(pipeline, _request(BLUE), compiled)
+    np.testing.assert_allclose(got.actions, _tick(pipeline, _request(BLUE), eager).actions, rtol=0, atol=1e-5)
+    # Two calls of one layout as one batch (a micro-batch of two ticks), each item against its own K/V.
+    gen, und_kv = _first_call(pipeline, _request(RED))
+    batch, batch_kv = GenInput.stack([gen, gen]), UndKV.stack([und_kv, und_kv])
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(batch, batch_kv), eager(batch, batch_kv), rtol=0, atol=1e-5)
+
+
+def test_a_precompiled_stack_runs_eagerly_what_warmup_did_not_compile(pipeline):
+    ran = []
+    stack = PrecompiledGenStack(lambda gen, kv: ran.append("compiled"), lambda gen, kv: ran.append("eager"))
+    gen, und_kv = _first_call(pipeline, _request(RED))
+    stack(gen, und_kv)
+    stack.compile(gen, und_kv)
+    stack(gen, und_kv)
+    four = GenInput.stack([gen] * 4)  # a micro-batch: never compiled
+    stack.compile(four, UndKV.stack([und_kv] * 4))
+    stack(four, UndKV.stack([und_kv] * 4))
+    assert ran == ["eager", "compiled", "compiled", "eager", "eager"] and stack.num_patterns == 1
+
+
+def test_an_engine_compiles_at_warmup_and_serves_without_compiling(pipeline):
+    expected = _tick(pipeline, _request(RED), pipeline.transformer.gen_stack).actions
+    engine = ModelEngine(pipeline, EngineSettings(warmup_ticks=1, default_budget_ms=10_000.0, compile_gen_stack=True))
+    engine.start()
+    try:
+        assert engine.wait_ready(timeout_s=600)
+        assert engine.served.gen_stack.num_patterns > 0
+        session = engine.open_session("pusht", RED, seed=5, rate_hz=0)
+        with torch.compiler.set_stance("fail_on_recompile"):
+            results = [engine.act(session.session_id, session.epoch,
+                                  api.Observation(images=_images(), state=np.array([0.2, 0.3], np.float32),
+                                                  instruction=instruction, step_index=step))
+                       for step, instruction in enumerate((RED, BLUE))]
+        assert all(result.tick.skipped_calls == 0 for result in results)  # a generous budget runs uncached
+        embodiment = pipeline.embodiments.get("pusht")
+        np.testing.assert_allclose(results[0].actions, embodiment.clip_to_limits(expected), rtol=0, atol=1e-5)
+    finally:
+        engine.close()
