@@ -199,7 +199,7 @@ def test_bf16_checkpoint_keeps_time_embedder_fp32_at_every_load_dtype(tmp_path, 
         assert torch.equal(param, reference.get_parameter(name)), name
     timesteps = torch.tensor([998.0, 723.0, 12.0])
     features = reference.time_proj(timesteps * ours.config.timestep_scale)
-    torch.testing.assert_close(ours._timestep_embedding(timesteps),
+    torch.testing.assert_close(ours.timestep_embedding(timesteps),
                                reference.time_embedder(features.float()).to(stack))
     kwargs = policy_inputs(ours.config)
     for name in ("vision_tokens", "sound_tokens", "action_tokens"):  # diffusers takes latents in its dtype

