@@ -9,15 +9,13 @@ already batched, and each of its sizes would be a graph more to compile at every
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
+from policy_server.engine.batching import GenStack
 from policy_server.model import GenInput, UndKV
 
-GenStack = Callable[[GenInput, UndKV], torch.Tensor]
 MAX_COMPILED_ITEMS = 2  # a tick's calls: its CFG branches
-MAX_PATTERNS = 256
+MAX_PATTERNS = 256  # graphs of the one compiled function: far more than shapes times patterns
 
 
 class PrecompiledGenStack:

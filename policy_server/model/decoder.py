@@ -168,6 +168,13 @@ def gen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, und_k: torc
                   und_lens: tuple[int, ...] | None) -> torch.Tensor:
     """Generated rows' queries over the text K/V and their own: `[(B,) N_gen, H*hd]` (`forward_gen`'s shapes)."""
     if und_lens is None:
-        return attend(q, torch.cat((und_k, k), dim=-2), torch.cat((und_v, v), dim=-2))
-    return torch.stack([attend(q[b], torch.cat((und_k[b, :, :n], k[b]), dim=-2),
-                               torch.cat((und_v[b, :, :n], v[b]), dim=-2)) for b, n in enumerate(und_lens)])
+        return attend_text_and_own(q, k, v, und_k, und_v)
+    return torch.stack([attend_text_and_own(q[b], k[b], v[b], und_k[b, :, :n], und_v[b, :, :n])
+                        for b, n in enumerate(und_lens)])
+
+
+def attend_text_and_own(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, und_k: torch.Tensor,
+                        und_v: torch.Tensor) -> torch.Tensor:
+    """Queries `[(B,) N_gen, H, hd]` over the text K/V `[(B,) KV, N_und, hd]`, then their own K/V
+    `[(B,) KV, N_gen, hd]`: `[(B,) N_gen, H*hd]`."""
+    return attend(q, torch.cat((und_k, k), dim=-2), torch.cat((und_v, v), dim=-2))

@@ -27,7 +27,7 @@ from torch import nn
 
 from policy_server.model.boundary import GenInput, UndKV
 from policy_server.model.config import Cosmos3TransformerConfig
-from policy_server.model.decoder import Cosmos3MoTDecoderLayer, attend, gen_attention
+from policy_server.model.decoder import Cosmos3MoTDecoderLayer, attend_text_and_own, gen_attention
 from policy_server.model.gen_layout import GenLayout, ModalityLayout, build_gen_layout, require
 from policy_server.model.layers import DomainAwareLinear, RMSNorm, TimestepEmbedding, sinusoidal_timestep_features
 from policy_server.model.reasoner_cache import ReasonerKVCache
@@ -123,18 +123,18 @@ class Cosmos3OmniTransformer(nn.Module):
         embedding of `timesteps * timestep_scale`. Text arguments are accepted and ignored, so one
         kwargs dict serves `forward` and this call. `layout`: `gen_layout(**forward_kwargs)` of this
         request, to skip rebuilding it every step. `time_embedding`: `timestep_embedding` `[1, D]` of the one
-        timestep every noisy row has, when the caller has it (a sampler's schedule is the same every tick).
+        timestep every noisy row has, when the caller has it (a sampler's schedule is the same every tick); the
+        `*_timesteps` arguments are then not read.
         """
         _check_forward_kwargs(forward_kwargs)
         if layout is None:
             layout = self.gen_layout(**forward_kwargs)
         c, dtype = self.config, self.dtype
         hidden = torch.zeros((layout.num_gen, c.hidden_size), dtype=dtype, device=self.device)
-        timesteps = []
+        timed = [("vision", layout.vision)]  # the modalities whose noisy rows get the time embedding
 
         vision_tokens = forward_kwargs["vision_tokens"]
         hidden.index_copy_(0, layout.vision.rows, self.proj_in(self._patchify(vision_tokens, layout).to(dtype)))
-        timesteps.append(self._step_timesteps(forward_kwargs.get("vision_timesteps"), layout.vision, "vision"))
 
         if layout.sound is not None:
             packed = torch.cat([s[:, : shape[0]].T for s, shape in zip(
@@ -144,7 +144,7 @@ class Cosmos3OmniTransformer(nn.Module):
                     f"got {tuple(packed.shape)}")
             embedded = self.audio_proj_in(packed.to(dtype)) + self.audio_modality_embed
             hidden.index_copy_(0, layout.sound.rows, embedded)
-            timesteps.append(self._step_timesteps(forward_kwargs.get("sound_timesteps"), layout.sound, "sound"))
+            timed.append(("sound", layout.sound))
 
         if layout.action is not None:
             packed = torch.cat([a[: shape[0]] for a, shape in zip(
@@ -155,11 +155,12 @@ class Cosmos3OmniTransformer(nn.Module):
             embedded = self.action_proj_in(packed.to(dtype), layout.action_row_domains) + self.action_modality_embed
             hidden.index_copy_(0, layout.action.rows, embedded)
             if layout.action.readout_rows.numel() > 0:  # mirrors the row set in `layout.time_rows`
-                timesteps.append(
-                    self._step_timesteps(forward_kwargs.get("action_timesteps"), layout.action, "action"))
+                timed.append(("action", layout.action))
 
         if time_embedding is None:
-            time_embedding = self.timestep_embedding(torch.cat(timesteps))
+            time_embedding = self.timestep_embedding(torch.cat([
+                self._step_timesteps(forward_kwargs.get(f"{name}_timesteps"), modality, name)
+                for name, modality in timed]))
         else:
             time_embedding = time_embedding.expand(layout.time_rows.numel(), -1)
         hidden.index_add_(0, layout.time_rows, time_embedding)
@@ -263,11 +264,9 @@ class Cosmos3OmniTransformer(nn.Module):
         for index, layer in enumerate(self.layers):
             q, k, v = layer.gen_attention_inputs(x, rotary)
             if x.ndim == 2:
-                attended = attend(q, torch.cat((text_kv[0][index, 0], k), dim=-2),
-                                  torch.cat((text_kv[0][index, 1], v), dim=-2))
+                attended = attend_text_and_own(q, k, v, *text_kv[0][index])
             else:
-                attended = torch.stack([attend(q[b], torch.cat((item[index, 0], k[b]), dim=-2),
-                                               torch.cat((item[index, 1], v[b]), dim=-2))
+                attended = torch.stack([attend_text_and_own(q[b], k[b], v[b], *item[index])
                                         for b, item in enumerate(text_kv)])
             x = layer.gen_attention_output(x, attended)
         return self.norm_moe_gen(x)
