@@ -14,6 +14,10 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /opt/policy-server
 
+# The server compiles its GEN stack at warmup (torch.compile), which builds what it writes: Triton's kernel
+# launchers with a C compiler on CUDA, inductor's C++ on a CPU. Without them the stack runs eagerly, slower.
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
+
 # torch first and pinned: the Linux wheel on PyPI is the CUDA build the GPU needs, and installing
 # it before the project keeps pip from resolving a different version for `torch<2.14`.
 RUN pip install torch==2.13.0

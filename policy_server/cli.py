@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction,
                    help="on CUDA, replay the GEN stack from CUDA graphs captured at warmup and OpenSession (on)")
     g.add_argument("--compile-gen-stack", action=argparse.BooleanOptionalAction,
-                   help="run the GEN stack compiled by torch.compile, compiled at warmup (on with CUDA, off on CPU)")
+                   help="run the GEN stack compiled by torch.compile, compiled at warmup (default: on CUDA where a C "
+                        "compiler is installed, off on CPU; on CPU it needs a C++ compiler)")
     g.add_argument("--quality-profile",
                    help="plan ticks on a quality profile (`policy-server calibrate`): off, auto (beside the "
                         "checkpoint, else the cache directory, else a bounded calibration at warmup) or a file (auto)")
@@ -114,12 +115,13 @@ def serve(config: ServerConfig) -> int:
     """Build the engine, serve until SIGINT/SIGTERM, shut down gracefully."""
     from policy_server.budget.profile import ProfileError
     from policy_server.engine import build_engine  # lazy: imports torch and the model
+    from policy_server.engine.compiled_stack import CompileUnavailableError
     from policy_server.pipeline.policy import CheckpointLoadError
     from policy_server.server.app import build_server
 
     try:
         engine = build_engine(config)
-    except (CheckpointLoadError, ProfileError) as exc:
+    except (CheckpointLoadError, ProfileError, CompileUnavailableError) as exc:
         print(f"policy-server: {exc}", file=sys.stderr)
         return 2
     try:

@@ -38,14 +38,14 @@ session's) and the engine's (queue included) for the engines' ones. The JSON lay
 
 The bench lives on the robot side because it drives the built-in task and its expert; `policy-server
 bench` finds it through the `policy_server.commands` entry point. What it measures with, it owns: each
-budget engine runs a bench pipeline over the loaded weights that keeps the latest tick's output, and the
-slowdown is a forward pre-hook on the transformer that the bench switches on around one engine's calls.
+budget engine runs a bench pipeline over the loaded weights that keeps the latest tick's output and, in the
+slowdown run's engine, adds the delay before each full GEN-stack call. Every configuration runs the GEN stack as
+the engines serve it (`--compile-gen-stack`: compiled), the uncached reference included.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import math
@@ -68,7 +68,6 @@ from policy_server.budget.guard import LATE_FALLBACKS
 from policy_server.budget.planner import MAX_CACHING
 from policy_server.budget.profile import ProfileError, ProfilePoint, QualityProfile
 from policy_server.budget.tick import PREFILL_STAGE, PREVIEW_STAGE
-from policy_server.cache.controller import NoCache
 from policy_server.cache.seacache import SeaCache, SeaCacheConfig
 from policy_server.config import DTYPES, check_dtype
 from policy_server.engine import api
@@ -81,7 +80,7 @@ from policy_server.engine.calibration import (
     resolve_profile,
     warmup_observations,
 )
-from policy_server.engine.compiled_stack import PrecompiledGenStack
+from policy_server.engine.compiled_stack import PrecompiledGenStack, compile_unavailable
 from policy_server.engine.cuda_graphs import GraphedGenStack
 from policy_server.engine.engine import EngineSettings, ModelEngine, resolve_dtype
 from policy_server.engine.tick import step_calls
@@ -253,7 +252,8 @@ class FixedConfig:
         else:
             control = fixed_control(pipeline, config, served.sea_filter)
         self.prompt, _ = served.prompt(request.instruction, embodiment, chunk, canvas, self.prompt)
-        out = pipeline.run(PolicyRequest(**{**request.__dict__, "num_steps": config.num_steps}), self.prompt, control)
+        out = run_steps(pipeline.steps(PolicyRequest(**{**request.__dict__, "num_steps": config.num_steps}),
+                                       self.prompt, control), served.gen_stack)
         return served.clock() - started, out, control.guard.late_fallbacks if self.guarded else ()
 
 
@@ -308,9 +308,11 @@ def sweep(summaries: list[dict], budgets: list[float], uncached_ms: float,
 class BenchPipeline(PolicyPipeline):
     """A budget engine's own pipeline: the loaded pipeline's parts (the same weights, not a copy) that keeps
     the output of the latest tick the engine runs through it, which the bench compares with the uncached
-    reference. The bench drives each engine one call at a time, so `last` is that call's tick."""
+    reference. The bench drives each engine one call at a time, so `last` is that call's tick. `slowdown_ms`:
+    a delay its ticks add before each full GEN-stack call (one call, batched or not), as if the call were slower."""
 
     last: PolicyOutput | None = None
+    slowdown_ms = 0.0
 
     @classmethod
     def over(cls, pipeline: PolicyPipeline) -> BenchPipeline:
@@ -318,34 +320,23 @@ class BenchPipeline(PolicyPipeline):
                    pipeline.served_embodiments, pipeline.digest)
 
     def steps(self, *args, **kwargs) -> TickSteps:
-        self.last = yield from super().steps(*args, **kwargs)
-        return self.last
-
-
-class Slowdown:
-    """`delay_ms` more per full GEN-stack call while switched on: a forward pre-hook on the transformer's
-    `norm_moe_gen`, which `gen_stack` calls exactly once per call, batched or not, and nothing else calls.
-    The engines share the transformer, so the bench switches it on only around the slowed engine's calls."""
-
-    def __init__(self, transformer: torch.nn.Module, delay_ms: float):
-        self.delay_ms = delay_ms
-        self.active = False
-        self._handle = transformer.norm_moe_gen.register_forward_pre_hook(self._delay)
-
-    def _delay(self, module, args) -> None:
-        if self.active:
-            time.sleep(self.delay_ms / 1e3)
-
-    @contextlib.contextmanager
-    def on(self, active: bool = True):
-        self.active = active
-        try:
-            yield
+        steps = super().steps(*args, **kwargs)
+        try:  # `yield from steps`, sleeping before each full call handed out
+            call = next(steps)
+            while True:
+                if call is not None and self.slowdown_ms:
+                    time.sleep(self.slowdown_ms / 1e3)
+                try:
+                    sent = yield call
+                except BaseException as error:  # passed on, as `yield from` does
+                    call = steps.throw(error)
+                else:
+                    call = steps.send(sent)
+        except StopIteration as done:
+            self.last = done.value
+            return self.last
         finally:
-            self.active = False
-
-    def remove(self) -> None:
-        self._handle.remove()
+            steps.close()
 
 
 class _FixedPolicy:
@@ -372,20 +363,18 @@ class _FixedPolicy:
 
 
 class _EnginePolicy:
-    """`robots.rollout` policy protocol over an engine session at a fixed budget; `slowdown`, when given, is
-    on during its ticks."""
+    """`robots.rollout` policy protocol over an engine session at a fixed budget."""
 
-    def __init__(self, engine: ModelEngine, embodiment: str, budget_ms: float, slowdown: Slowdown | None = None):
-        self.engine, self.embodiment, self.budget_ms, self.slowdown = engine, embodiment, budget_ms, slowdown
+    def __init__(self, engine: ModelEngine, embodiment: str, budget_ms: float):
+        self.engine, self.embodiment, self.budget_ms = engine, embodiment, budget_ms
 
     def open(self, instruction: str, seed: int, preview: bool = False):
         return self.engine.open_session(self.embodiment, instruction, budget_ms=self.budget_ms, seed=seed,
                                         rate_hz=0.0)
 
     def act(self, session, obs: dict, step: int, want_video: bool = False):
-        with self.slowdown.on() if self.slowdown is not None else contextlib.nullcontext():
-            result = self.engine.act(session.session_id, session.epoch, api.Observation(
-                images={"image": obs["image"]}, state=obs["state"], step_index=step))
+        result = self.engine.act(session.session_id, session.epoch, api.Observation(
+            images={"image": obs["image"]}, state=obs["state"], step_index=step))
         return result.actions, TickStats.of(result.tick), None
 
     def close(self, session) -> None:
@@ -450,11 +439,13 @@ def run(args: argparse.Namespace) -> dict:
         raise BenchError(f"the bench feeds the Reach task's 2-D state; embodiment {embodiment.name!r} takes "
                          f"{embodiment.state_dim}-D state (choose another with --embodiment)")
     steps = pipeline.config.num_steps
+    if args.compile_gen_stack and (unavailable := compile_unavailable(pipeline.device)):
+        raise BenchError(f"--compile-gen-stack: {unavailable}")
 
     # One engine per budgeted config: each session has the worker to itself, as one robot would, and the
     # slowdown run's engine must learn the slowdown on its own. Each runs its own bench pipeline over the
     # shared weights, which keeps the engine's latest output (its latents) for the comparison.
-    settings = EngineSettings(warmup_ticks=args.warmup, max_sessions=8)
+    settings = EngineSettings(warmup_ticks=args.warmup, max_sessions=8, compile_gen_stack=args.compile_gen_stack)
 
     try:  # where the server would find it (`--quality-profile auto`), or the file named
         profile, _ = resolve_profile(args.quality_profile, pipeline.folder, pipeline.digest)
@@ -484,9 +475,13 @@ def run(args: argparse.Namespace) -> dict:
     observations = [model_inputs(obs, embodiment, args.frame_size)
                     for obs in expert_observations(args.ticks, HELDOUT_SEED_OFFSET + args.seed * 10_000,
                                                          env_id=args.env)]
+    def uncached(request: PolicyRequest) -> PolicyOutput:  # as the server runs it: through the served GEN stack
+        return run_steps(pipeline.steps(request, None, pipeline.fixed_steps(steps, pipeline.config.guidance)),
+                         engine.served.gen_stack)
+
     # Budgets scale on the uncached tick's median over more ticks than one engine's warmup, which a slow moment
     # can carry (session 20: a warmup p50 of 152.8 ms against 126.2 ms over the run's own 300 uncached ticks).
-    scale_ticks = [pipeline(request_of(obs, embodiment, tick), cache=NoCache())
+    scale_ticks = [uncached(request_of(obs, embodiment, tick))
                    for tick, obs in enumerate((observations * SCALE_TICKS)[:SCALE_TICKS])]
     uncached_scale_ms = statistics.median(out.timings_ms["total"] for out in scale_ticks)
     budgets = args.budgets_ms or [round(f * uncached_scale_ms, 1) for f in args.budget_fractions]
@@ -535,14 +530,13 @@ def run(args: argparse.Namespace) -> dict:
     engines.append(slow_engine)
     sessions[slow_name] = (slow_engine, slow_pipeline, slow_engine.open_session(
         embodiment.name, "warm up", budget_ms=slow_budget, seed=0, rate_hz=0.0))
-    slowdown = Slowdown(pipeline.transformer, slowdown_ms)  # off until the halfway tick, and then only for slow_engine
 
     latent_shape = None
     order = list(runs)
     for tick, obs in enumerate(tqdm(observations, desc="bench", unit="tick")):
-        slowed = tick >= args.ticks // 2
         request = request_of(obs, embodiment, tick)
-        reference = pipeline(request, cache=NoCache())
+        slow_pipeline.slowdown_ms = slowdown_ms if tick >= args.ticks // 2 else 0.0
+        reference = uncached(request)
         latent_shape = tuple(reference.latents.shape)
         runs["uncached"].add(reference.timings_ms["total"], reference, reference)
         rotation = order[tick % len(order):] + order[: tick % len(order)]  # interleave: no config always first
@@ -555,9 +549,8 @@ def run(args: argparse.Namespace) -> dict:
                 run_.add(latency_ms, out, reference, late)
             else:
                 owner, own, session = sessions[name]
-                with slowdown.on(slowed and owner is slow_engine):
-                    result = owner.act(session.session_id, session.epoch, api.Observation(
-                        images=obs["images"], state=obs["state"], instruction=obs["instruction"], step_index=tick))
+                result = owner.act(session.session_id, session.epoch, api.Observation(
+                    images=obs["images"], state=obs["state"], instruction=obs["instruction"], step_index=tick))
                 late = tuple(kind for kind in result.tick.fallback_kinds if kind in LATE_FALLBACKS)
                 run_.add(result.tick.actual_ms["total"], own.last, reference, late)
                 run_.add_tick_record(result.tick)
@@ -567,14 +560,14 @@ def run(args: argparse.Namespace) -> dict:
         owner.close_session(session.session_id)
     closed = None
     if args.closed_loop:  # every configuration a robot could run: the fixed ones without a deadline or guarded
+        slow_pipeline.slowdown_ms = slowdown_ms  # the slowdown run's episodes run slowed throughout
         policies = {"uncached": _FixedPolicy(FixedConfig(engine.served, default), embodiment.name, None)}
         for name in runs:
             if name in fixed and runs[name].guarded is not False:
                 policies[name] = _FixedPolicy(fixed[name], embodiment.name, runs[name].budget_ms)
             elif name in sessions:
                 owner = sessions[name][0]
-                policies[name] = _EnginePolicy(owner, embodiment.name, runs[name].budget_ms,
-                                               slowdown if owner is slow_engine else None)
+                policies[name] = _EnginePolicy(owner, embodiment.name, runs[name].budget_ms)
         outcomes = closed_loop(policies, args.closed_loop, args.execute, args.env)
         for summary in summaries:
             outcome = outcomes.get(summary["name"], {"success_rate": None, "collision_rate": None,
@@ -584,7 +577,6 @@ def run(args: argparse.Namespace) -> dict:
 
     for e in engines:
         e.close()
-    slowdown.remove()
     memory = peak_memory(pipeline.device)  # before `forward_summary` builds diffusers' reference model beside ours
     report = {
         "schema": SCHEMA,
@@ -705,7 +697,8 @@ def tick_profile(pipeline: PolicyPipeline, embodiment: Embodiment, inputs: dict,
     skipped (a maximally cached tick's). On CUDA, `graphed` has the same wall time and calls with the GEN stack
     replayed from CUDA graphs, interleaved with the eager ticks (what a call saves, `*_saved_ms`, is the launch
     overhead the graphs remove), and `compiled_graphed` with the stack compiled and graphed, as the server runs it
-    there; on a CPU, `compiled` with the stack compiled whole, as a server with `--compile-gen-stack` runs it there.
+    there; on a CPU, `compiled` with the stack compiled whole, as `--compile-gen-stack` runs it, with its call patterns
+    and compile time (variants that compile are left out where torch.compile cannot: `compile_unavailable`).
     Each variant's `wall_vs_arithmetic` divides its wall time by the eager tick's matmul and attention time: it
     runs the same matmuls and attention."""
     if ticks == 0:
@@ -717,13 +710,15 @@ def tick_profile(pipeline: PolicyPipeline, embodiment: Embodiment, inputs: dict,
 
     cuda = pipeline.device.type == "cuda"
     transformer = pipeline.transformer
-    if cuda:
-        variants = {"graphed": GraphedGenStack(transformer.gen_stack),
-                    "compiled_graphed": GraphedGenStack(transformer.compiled_gen_stack())}
-        warming = {name: stack.capture for name, stack in variants.items()}
+    variants = {"graphed": GraphedGenStack(transformer.gen_stack)} if cuda else {}
+    unavailable = compile_unavailable(pipeline.device)
+    if unavailable:
+        print(f"policy-server bench: the tick profile has no compiled variant: {unavailable}", file=sys.stderr)
+    elif cuda:
+        variants["compiled_graphed"] = GraphedGenStack(transformer.compiled_gen_stack())
     else:
-        variants = {"compiled": PrecompiledGenStack(transformer.compiled_whole_gen_stack(), transformer.gen_stack)}
-        warming = {"compiled": variants["compiled"].compile}
+        variants["compiled"] = PrecompiledGenStack(transformer.compiled_whole_gen_stack(), transformer.gen_stack)
+    warming = {name: stack.capture if cuda else stack.compile for name, stack in variants.items()}
 
     def tick(cache=None, batch_branches: bool = True, stack=pipeline.transformer.gen_stack) -> PolicyOutput:
         return run_steps(pipeline.steps(request, None, pipeline.fixed_steps(steps, guidance, cache, batch_branches)),
@@ -780,8 +775,8 @@ def tick_profile(pipeline: PolicyPipeline, embodiment: Embodiment, inputs: dict,
             "skipped_call_ms": call_ms(SKIP, variant_calls[name]),
             "full_call_saved_ms": call_ms(FULL) - call_ms(FULL, variant_calls[name]),
             "batched_cfg_call_saved_ms": call_ms(PAIR) - call_ms(PAIR, variant_calls[name]),
-            **({} if not cuda else {"graphs": variants[name].num_graphs,
-                                    "capture_ms": variants[name].capture_ms}),  # the compile's included
+            **({"graphs": variants[name].num_graphs, "capture_ms": variants[name].capture_ms}  # compiles included
+               if cuda else {"patterns": variants[name].num_patterns, "compile_ms": variants[name].compile_ms}),
         } for name in ("graphed", "compiled_graphed", "compiled")},
         "ticks": ticks,
     }
@@ -858,6 +853,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto",
                         help=f"weight dtype: {', '.join(DTYPES)} (auto: bf16 on CUDA, fp32 on CPU)")
+    parser.add_argument("--compile-gen-stack", action=argparse.BooleanOptionalAction, default=None,
+                        help="the engines' GEN stack compiled, as the server's flag (default: as the server: on CUDA)")
     parser.add_argument("--ticks", type=int, default=500)
     parser.add_argument("--warmup", type=int, default=4, help="warmup ticks per engine and cache mode")
     parser.add_argument("--budgets-ms", type=float, nargs="+", default=None,

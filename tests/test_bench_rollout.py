@@ -4,14 +4,17 @@ they promise exist and hold the documented keys."""
 import json
 import shutil
 
+import numpy as np
 import pytest
+import torch
 from video_checks import assert_browser_playable
 
 from policy_server.budget.profile import PROFILE_FILE
+from policy_server.cache.seacache import SeaCache, SeaCacheConfig
 from policy_server.engine import api
 from policy_server.engine.calibration import calibrate, configurations, warmup_observations
 from policy_server.engine.engine import EngineSettings
-from policy_server.pipeline.policy import PolicyPipeline
+from policy_server.pipeline.policy import PolicyPipeline, PolicyRequest, run_steps
 from robots import bench
 from robots.bench import main as bench_main
 from robots.embedded import build_random_pipeline
@@ -49,6 +52,7 @@ def test_bench_writes_the_documented_report(model_dir, tmp_path, monkeypatch):
     assert profile["full_call_ms"] > profile["skipped_call_ms"] > 0  # a skip runs no GEN stack
     assert profile["batched_cfg_call_ms"] > profile["full_call_ms"]  # two calls as one batch
     assert profile["wall_branches_one_by_one_ms"] > 0
+    assert profile["compiled"]["patterns"] == 2 and profile["compiled"]["compile_ms"] > 0  # one branch, both
     names = [c["name"] for c in report["configs"]]
     assert names[:3] == ["uncached", "seacache_default", "max_caching"]
     assert any(n.startswith("fewer_steps_") for n in names)
@@ -123,6 +127,31 @@ def test_bench_plans_on_the_profile_the_server_would_use(profiled_checkpoint, tm
     assert f"{checkpoint / PROFILE_FILE}: version None" in capsys.readouterr().err
 
 
+def test_the_slowdown_delays_each_full_call_of_a_bench_pipelines_ticks_and_changes_nothing_else(model_dir,
+                                                                                                  monkeypatch):
+    pipeline = bench.BenchPipeline.over(PolicyPipeline.from_pretrained(model_dir))
+    calls, sleeps = [], []
+
+    def stack(gen, und_kv):
+        calls.append(gen.hidden.shape)
+        return pipeline.transformer.gen_stack(gen, und_kv)
+
+    def tick():
+        request = PolicyRequest(images={"image": np.zeros((64, 64, 3), np.uint8)}, instruction="reach the red circle",
+                                embodiment="pusht", state=np.array([0.2, 0.3], np.float32), seed=1)
+        control = pipeline.fixed_steps(pipeline.config.num_steps, pipeline.config.guidance, SeaCache(SeaCacheConfig()))
+        return run_steps(pipeline.steps(request, None, control), stack)
+
+    expected = tick()
+    monkeypatch.setattr(bench.time, "sleep", sleeps.append)
+    pipeline.slowdown_ms = 2.5
+    calls.clear()
+    out = tick()
+    assert sleeps == [0.0025] * len(calls) and 0 < len(calls) < pipeline.config.num_steps  # some steps skipped
+    assert pipeline.last is out
+    np.testing.assert_array_equal(out.actions, expected.actions)
+
+
 def test_bench_on_a_diffusers_folder_reports_its_shapes(tmp_path):
     """A `Cosmos3OmniPipeline` folder (overrides: 10 steps, one embodiment) driven with camera-sized frames."""
     from cosmos3_folder import build_tiny_cosmos3_folder
@@ -154,12 +183,16 @@ def test_bench_refuses_what_it_cannot_drive(tmp_path, capsys):
     assert bench_main(["--checkpoint", str(folder), "--embodiment", "pusht", "--closed-loop", "2",
                        "--out", str(tmp_path / "b.json")]) == 2
     assert "--closed-loop drives the built-in Reach task" in capsys.readouterr().err
+    with torch._dynamo.config.patch(disable=True):  # TORCH_COMPILE_DISABLE=1
+        assert bench_main(["--checkpoint", str(folder), "--compile-gen-stack", "--out", str(tmp_path / "b.json")]) == 2
+    assert "--compile-gen-stack: torch.compile is disabled" in capsys.readouterr().err
 
 
 def test_bench_ends_with_the_message_of_a_budget_the_engine_refuses(model_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("POLICY_SERVER_CACHE", str(tmp_path / "cache"))
     args = ["--checkpoint", str(model_dir), "--ticks", "2", "--warmup", "2", "--closed-loop", "0",
-            "--profile-ticks", "0", "--no-reference", "--budgets-ms", "1", "--out", str(tmp_path / "b.json")]
+            "--profile-ticks", "0", "--no-reference", "--budgets-ms", "1", "--calibration-observations", "1",
+            "--out", str(tmp_path / "b.json")]
     assert bench_main(args) == 2
     err = capsys.readouterr().err
     assert "budget 1 ms is below the best achievable latency" in err and "choose larger --budget-fractions" in err

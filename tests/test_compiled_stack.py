@@ -1,19 +1,28 @@
 """The GEN stack compiled whole, as a CPU server with `--compile-gen-stack` runs it: it gives the eager stack's
 outputs (one branch, both CFG branches as one batch, a batch of one layout), one graph serves every instruction,
-and an engine compiles only at warmup, then serves ticks, a new instruction's included, without compiling."""
+and an engine compiles only at warmup, then serves ticks, a new instruction's included, without compiling. A CPU
+engine runs the eager stack by default; where torch.compile cannot compile, asking for the compiled one is an
+error that names what is missing. A server process started with the flag compiles and serves."""
+
+import socket
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
 
+from policy_server import cli
+from policy_server.client import PolicyClient
 from policy_server.engine import api
-from policy_server.engine.compiled_stack import PrecompiledGenStack
+from policy_server.engine.compiled_stack import CompileUnavailableError, PrecompiledGenStack, compile_unavailable
 from policy_server.engine.engine import EngineSettings, ModelEngine
 from policy_server.model import GenInput, UndKV
 from policy_server.pipeline.policy import PolicyRequest, run_steps
 from robots.embedded import build_random_pipeline
 
 RED, BLUE = "reach the red circle", "reach the blue square at the far end of the table and stay there"
+STATE = np.array([0.2, 0.3], np.float32)
 
 
 @pytest.fixture(scope="module")
@@ -27,8 +36,7 @@ def _images(seed=0):
 
 
 def _request(instruction: str) -> PolicyRequest:
-    return PolicyRequest(images=_images(), instruction=instruction, embodiment="pusht",
-                         state=np.array([0.2, 0.3], np.float32), seed=5)
+    return PolicyRequest(images=_images(), instruction=instruction, embodiment="pusht", state=STATE, seed=5)
 
 
 def _tick(pipeline, request, stack, batch_branches=True):
@@ -89,11 +97,55 @@ def test_an_engine_compiles_at_warmup_and_serves_without_compiling(pipeline):
         session = engine.open_session("pusht", RED, seed=5, rate_hz=0)
         with torch.compiler.set_stance("fail_on_recompile"):
             results = [engine.act(session.session_id, session.epoch,
-                                  api.Observation(images=_images(), state=np.array([0.2, 0.3], np.float32),
-                                                  instruction=instruction, step_index=step))
+                                  api.Observation(images=_images(), state=STATE, instruction=instruction,
+                                                  step_index=step))
                        for step, instruction in enumerate((RED, BLUE))]
         assert all(result.tick.skipped_calls == 0 for result in results)  # a generous budget runs uncached
         embodiment = pipeline.embodiments.get("pusht")
         np.testing.assert_allclose(results[0].actions, embodiment.clip_to_limits(expected), rtol=0, atol=1e-5)
     finally:
         engine.close()
+
+
+def test_a_cpu_engine_runs_eagerly_by_default_and_asking_for_a_compile_torch_cannot_do_fails(pipeline, monkeypatch,
+                                                                                             capsys):
+    engine = ModelEngine(pipeline, EngineSettings(warmup_ticks=1))
+    assert not engine.served.compiled and engine.served.gen_stack == pipeline.transformer.gen_stack
+    with torch._dynamo.config.patch(disable=True):  # TORCH_COMPILE_DISABLE=1
+        assert compile_unavailable(torch.device("cpu")) == "torch.compile is disabled (TORCH_COMPILE_DISABLE=1)"
+        with pytest.raises(CompileUnavailableError, match="cannot run compiled: torch.compile is disabled"):
+            ModelEngine(pipeline, EngineSettings(compile_gen_stack=True))
+        assert cli.main(["--compile-gen-stack", "--device", "cpu", "--port", "0"]) == 2
+        assert "TORCH_COMPILE_DISABLE" in capsys.readouterr().err
+    with torch._inductor.config.patch({"cpp.cxx": (None, "no-such-c++")}):
+        assert compile_unavailable(torch.device("cpu")) == "no working C++ compiler (tried no-such-c++; install g++ " \
+                                                           "or set CXX)"
+        monkeypatch.setenv("CC", "no-such-cc")
+        monkeypatch.setenv("PATH", "")
+        assert compile_unavailable(torch.device("cuda")).startswith("no C compiler for Triton: neither no-such-cc")
+
+
+def test_a_server_process_compiles_the_stack_and_serves_the_eager_stacks_actions(pipeline, tmp_path):
+    folder = tmp_path / "model"
+    build_random_pipeline(folder, seed=3)  # the module's weights: its compiles above are in torch's disk cache
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    log = tmp_path / "server.log"
+    with open(log, "w") as out:
+        process = subprocess.Popen([sys.executable, "-m", "policy_server.cli", "--checkpoint", str(folder),
+                                    "--port", str(port), "--device", "cpu", "--latency-budget-ms", "10000",
+                                    "--compile-gen-stack"], stdout=out, stderr=subprocess.STDOUT)
+    client = PolicyClient(f"127.0.0.1:{port}", timeout_s=30)
+    try:
+        client.wait_until_serving(timeout_s=600)
+        assert "compiled the GEN stack for" in log.read_text()
+        session = client.open_session("pusht", RED, seed=5)
+        chunk = client.act(session, _images(), STATE, instruction=RED, encoding="png")
+        expected = _tick(pipeline, _request(RED), pipeline.transformer.gen_stack).actions
+        np.testing.assert_allclose(chunk.actions, pipeline.embodiments.get("pusht").clip_to_limits(expected),
+                                   rtol=0, atol=1e-5)
+    finally:
+        client.close()
+        process.terminate()
+        process.wait(timeout=60)

@@ -58,6 +58,7 @@ def test_dockerfile_copies_existing_paths_and_runs_the_server(dockerfile, script
             for source in sources:
                 assert (REPO / source).exists(), f"COPY source {source} missing"
     assert "torch==2.13.0" in " ".join(a for k, a in dockerfile if k == "RUN")
+    assert "install -y --no-install-recommends g++" in " ".join(a for k, a in dockerfile if k == "RUN")  # compiles
     entrypoint = exec_form(instructions["ENTRYPOINT"])
     assert entrypoint == ["policy-server"] and module_file(scripts["policy-server"]).exists()
     config = cli.config_from_args(exec_form(instructions["CMD"]))  # the default flags validate

@@ -12,7 +12,6 @@ from worker_hold import hold_worker
 
 from policy_server.engine import api
 from policy_server.engine.engine import EngineSettings, ModelEngine
-from robots.bench import Slowdown
 from robots.embedded import build_random_pipeline
 
 
@@ -353,10 +352,12 @@ def test_a_long_instruction_or_a_slow_tick_does_not_change_what_other_sessions_g
     # only twice); from here on nothing may move it.
     before_capacity = engine.capacity(budget, 0.0)
     session = engine.open_session("pusht", "reach the red circle", rate_hz=0)
-    slowdown = Slowdown(engine.served.pipeline.transformer, 20.0)
-    with slowdown.on():  # one stalled tick: every full call 20 ms slower
+    # One stalled tick: every full call 20 ms slower (the eager stack's final norm runs once per call).
+    stall = engine.served.pipeline.transformer.norm_moe_gen.register_forward_pre_hook(lambda *_: time.sleep(0.02))
+    try:
         stalled = engine.act(session.session_id, 1, _observation(1))
-    slowdown.remove()
+    finally:
+        stall.remove()
     assert stalled.tick.actual_ms["denoise"] > 20.0 * stalled.tick.full_calls / 2  # at most 2 calls per stack
     engine.close_session(session.session_id)
     assert engine.capacity(budget, 0.0) == before_capacity

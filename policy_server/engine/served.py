@@ -7,6 +7,7 @@ budget and the cost keys from here, so each rule about them is written once.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from policy_server.budget.tick import PREVIEW_STAGE, TickBudget
 from policy_server.cache.controller import StepController
 from policy_server.cache.sea_filter import SeaFilter
 from policy_server.engine import api
-from policy_server.engine.compiled_stack import PrecompiledGenStack
+from policy_server.engine.compiled_stack import CompileUnavailableError, PrecompiledGenStack, compile_unavailable
 from policy_server.engine.cuda_graphs import GraphedGenStack
 from policy_server.engine.sessions import SessionState
 from policy_server.limits import MAX_INSTRUCTION_TOKENS
@@ -29,6 +30,7 @@ from policy_server.pipeline.policy import FixedSteps, PolicyPipeline, PromptStat
 # Costs are learned per instruction-length group, and warmup fills each group at its longest.
 INSTRUCTION_TOKEN_GROUPS = (32, MAX_INSTRUCTION_TOKENS)
 GRID_SAMPLES = 8  # ticks at a smaller latent grid before they are planned at its own costs
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,9 @@ class EngineSettings:
     ladder. `cuda_graphs`: on a CUDA device, replay the GEN stack from CUDA graphs captured at warmup and at
     each session's opening (`engine/cuda_graphs.py`). `compile_gen_stack`: run the GEN stack compiled by
     torch.compile, compiled at warmup (on CUDA `Cosmos3OmniTransformer.compiled_gen_stack`, on a CPU
-    `compiled_whole_gen_stack`); None: on CUDA only (on a CPU it needs a C++ compiler and seconds per shape)."""
+    `compiled_whole_gen_stack`); None: on CUDA wherever torch.compile can compile (`compile_unavailable`). On a CPU
+    it stays opt in: there the budget controller lost its edge over fixed configurations on the compiled stack
+    (README, Measured results)."""
 
     default_budget_ms: float = 120.0
     max_sessions: int = 4
@@ -89,7 +93,13 @@ class ServedModel:
                                  guided=pipeline.guided_steps)
         self.sea_filter = SeaFilter()  # its gain cache serves every tick
         cuda = pipeline.device.type == "cuda"
-        self.compiled = cuda if settings.compile_gen_stack is None else settings.compile_gen_stack
+        unavailable = compile_unavailable(pipeline.device)
+        if settings.compile_gen_stack and unavailable:
+            raise CompileUnavailableError(f"the GEN stack cannot run compiled: {unavailable}")
+        if settings.compile_gen_stack is None and cuda and unavailable:
+            logger.warning("the GEN stack runs eagerly, slower: %s", unavailable)
+        self.compiled = settings.compile_gen_stack if settings.compile_gen_stack is not None \
+            else cuda and unavailable is None
         transformer = pipeline.transformer
         if not self.compiled:
             stack = live_stack = transformer.gen_stack

@@ -28,6 +28,7 @@ from policy_server.cache.seacache import SeaCache, SeaCacheConfig
 from policy_server.engine import api
 from policy_server.engine.batching import run_together
 from policy_server.engine.calibration import calibration_steps, configurations, warmup_observations
+from policy_server.engine.compiled_stack import PrecompiledGenStack
 from policy_server.engine.dynamics import DynamicsCall
 from policy_server.engine.served import INSTRUCTION_TOKEN_GROUPS, ServedModel
 from policy_server.engine.tick import STAGES, observe_output
@@ -81,6 +82,9 @@ class Warmup:
         if self.served.graphs is not None:  # with a compiled stack, its compiles are inside the first capture
             logger.info("captured %d CUDA graphs of the GEN stack in %.0f ms", self.served.graphs.num_graphs,
                         self.served.graphs.capture_ms)
+        elif isinstance(self.served.gen_stack, PrecompiledGenStack):
+            logger.info("compiled the GEN stack for %d call patterns in %.0f ms", self.served.gen_stack.num_patterns,
+                        self.served.gen_stack.compile_ms)
         self.progress = 1.0
         self.ready.set()
 
