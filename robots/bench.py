@@ -475,7 +475,8 @@ def run(args: argparse.Namespace) -> dict:
     observations = [model_inputs(obs, embodiment, args.frame_size)
                     for obs in expert_observations(args.ticks, HELDOUT_SEED_OFFSET + args.seed * 10_000,
                                                          env_id=args.env)]
-    def uncached(request: PolicyRequest) -> PolicyOutput:  # as the server runs it: through the served GEN stack
+
+    def uncached(request: PolicyRequest) -> PolicyOutput:  # through the GEN stack the engines serve
         return run_steps(pipeline.steps(request, None, pipeline.fixed_steps(steps, pipeline.config.guidance)),
                          engine.served.gen_stack)
 
