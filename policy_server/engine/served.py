@@ -93,13 +93,13 @@ class ServedModel:
                                  guided=pipeline.guided_steps)
         self.sea_filter = SeaFilter()  # its gain cache serves every tick
         cuda = pipeline.device.type == "cuda"
-        unavailable = compile_unavailable(pipeline.device)
-        if settings.compile_gen_stack and unavailable:
+        wanted = cuda if settings.compile_gen_stack is None else settings.compile_gen_stack
+        unavailable = compile_unavailable(pipeline.device) if wanted else None
+        if unavailable and settings.compile_gen_stack:
             raise CompileUnavailableError(f"the GEN stack cannot run compiled: {unavailable}")
-        if settings.compile_gen_stack is None and cuda and unavailable:
+        if unavailable:
             logger.warning("the GEN stack runs eagerly, slower: %s", unavailable)
-        self.compiled = settings.compile_gen_stack if settings.compile_gen_stack is not None \
-            else cuda and unavailable is None
+        self.compiled = wanted and unavailable is None
         transformer = pipeline.transformer
         if not self.compiled:
             stack = live_stack = transformer.gen_stack
