@@ -8,8 +8,8 @@ skips, when it has a residual) in two cases:
   refresh every step.
 * the tick would fall behind its plan: ``now + (this step's calls and the later middle steps') * the plan's
   average cost of a middle call + (final step, all FULL) + reserve_after`` exceeds it, the average raised by
-  the slowdown seen in this tick (the tick's calls so far against their planned costs, weighted by those
-  costs). The first and last steps always run full, so the average is over the calls between them.
+  the slowdown seen in this tick. The first and last steps always run full, so the average is over the calls
+  between them.
   A tick that runs slow (a slower machine, a gate that wants more refreshes than planned) so gives up a few
   refreshes spread over the tick instead of a run of skips at its end, which costs far less action error
   (one refresh skipped in a cap-bounded pattern versus extrapolating a residual over many steps).
@@ -27,21 +27,20 @@ listed in ``late_fallbacks``.
 The guard also times every step (from one ``pace`` to the next, so the embedding, heads, CFG combine and
 sampler update around the stacks count), and ``on_call`` tells it what the step's calls were. So the cost
 model learns c_full, c_pair and c_skip from real ticks (``step_samples``), and a slowdown seen earlier in the
-same tick raises the estimates for the rest of it (c_full and c_pair: their priors times the median ratio of
-the last three timed stack calls, whichever kind, to their priors; c_skip: the median skipped call; never
-below the cost model's). The last step is not timed: nothing follows it inside the loop.
+same tick raises every estimate for the rest of it: the median of the timed steps' wall times against their
+calls' estimates, weighted by those estimates (never below the cost model's). The last step is not timed:
+nothing follows it inside the loop.
 """
 
 from __future__ import annotations
 
-import statistics
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Protocol
 
-from .cost_model import FULL, PAIR, CallCosts, step_samples
+from .cost_model import CallCosts, step_samples
 from .planner import DENOISE_STAGE, TickPlan
 
 # What ``pace`` gives up when even skipping every call left cannot meet the deadline (``late_fallbacks``).
@@ -81,6 +80,14 @@ def _middle_call_ms(plan: TickPlan, costs: CallCosts) -> float:
     return max(plan.predicted_stage_ms[DENOISE_STAGE] - ends_ms, middle * costs.skip_ms) / middle
 
 
+def _weighted_median(samples: Sequence[tuple[float, float]]) -> float:
+    """The value at half the total weight of ``(value, weight)`` samples, weights > 0."""
+    ranked = sorted(samples)
+    half = sum(weight for _, weight in ranked) / 2
+    return next(value for (value, _), seen in zip(ranked, accumulate(w for _, w in ranked), strict=True)
+                if seen >= half)
+
+
 class DeadlineGuard:
     """The deadline of one tick's denoising loop, armed at (or shortly before) the loop's start.
 
@@ -96,14 +103,13 @@ class DeadlineGuard:
         self._plan = plan
         self._deadline_at = float(deadline_at_ms)
         self._reserve_after = float(reserve_after_ms)
-        self._prior = {FULL: cautious.full_ms, PAIR: cautious.pair_ms}
+        self._prior = cautious
         self._middle_call_ms = _middle_call_ms(plan, costs)
-        self._full_ms, self._pair_ms = cautious.full_ms, cautious.pair_ms
-        self._skip_ms = self._prior_skip_ms = cautious.skip_ms
-        self._stack_ratios: deque[float] = deque(maxlen=3)  # the last timed stack calls against their priors
-        self._stack_ratio = 1.0  # what the estimates of both are raised by
-        self._stack_planned_ms = 0.0  # what they were planned to cost
-        self._skip_samples: list[float] = []
+        self._full_ms, self._pair_ms, self._skip_ms = cautious.full_ms, cautious.pair_ms, cautious.skip_ms
+        # Each timed step's wall time against its calls' priors, weighted by those priors (ms), after a pair's
+        # worth of steps on plan: their weighted median is how much slower than planned this tick runs.
+        self._step_ratios: list[tuple[float, float]] = [(1.0, cautious.pair_ms)]
+        self._slowdown = 1.0
         self._step_mark = clock()  # when the current step began
         self._step_calls: list[_Decision] = []  # its decided calls, in order
         self._batched = False  # its full calls ran as one batch
@@ -178,19 +184,9 @@ class DeadlineGuard:
         needed = rest_of_step + middle_calls * self._skip_ms + self._full_step_ms(final_calls) + self._reserve_after
         # This step's calls and the later middle steps' at the plan's pace, not this call at its full cost: the
         # plan's refreshes are lumps between runs of skips, and a tick on plan must not look behind at each one.
-        on_pace = (len(branches) + middle_calls) * self._middle_call_ms * self._slowdown() \
+        on_pace = (len(branches) + middle_calls) * self._middle_call_ms * self._slowdown \
             + self._full_step_ms(final_calls) + self._reserve_after
         return now + max(needed, on_pace) > self._deadline_at
-
-    def _slowdown(self) -> float:
-        """How much slower this tick's calls run than planned, each kind weighted by what its calls so far were
-        planned to cost (>= 1: the estimates never fall below the prior). Not the slowest kind's ratio: skipped
-        calls are short and their estimate the noisiest, so a jitter on them alone would scale all the rest."""
-        skips = len(self._skip_samples)
-        planned = self._stack_planned_ms + skips * self._prior_skip_ms
-        if planned == 0.0:
-            return 1.0
-        return (self._stack_planned_ms * self._stack_ratio + skips * self._skip_ms) / planned
 
     def on_call(self, decisions: Sequence[_Decision]) -> None:
         """The call just decided and done: one skipped call, one full call, or the full calls of the step that
@@ -206,29 +202,17 @@ class DeadlineGuard:
         if not calls:
             return
         runs = sum(d.full for d in calls)
-        samples = step_samples(runs, len(calls) - runs, batched, ms, self._skip_ms)
-        self._steps.append(StepTiming(calls[0].step, tuple(samples)))
-        for kind, sample in samples:
-            if kind in self._prior:
-                self._stack_ratios.append(sample / self._prior[kind])
-                self._stack_planned_ms += self._prior[kind]
-                self._update_stack_estimates()
-            else:
-                # Skipped calls are many and short: one stall must not make every later one look slow (that
-                # would end the tick early for nothing), so the estimate follows their median once there are
-                # a few.
-                self._skip_samples.append(sample)
-                if len(self._skip_samples) >= 3:
-                    self._skip_ms = max(self._prior_skip_ms, statistics.median(self._skip_samples))
-
-    def _update_stack_estimates(self) -> None:
-        """c_full and c_pair from this tick's steps: both their priors times the median of the last three timed
-        stack calls' ratios to their priors, never below 1. A lasting slowdown shows in the last few steps,
-        whichever kind they ran (a machine that runs pairs twice as slow runs single calls slower too, and the
-        final step's pair must be priced at the slowdown its last full calls showed); one slow step (a stall)
-        does not make every later step look as slow, which would cut the rest of the tick for nothing."""
-        self._stack_ratio = max(1.0, statistics.median(self._stack_ratios))
-        self._full_ms, self._pair_ms = self._prior[FULL] * self._stack_ratio, self._prior[PAIR] * self._stack_ratio
+        skips = len(calls) - runs
+        self._steps.append(StepTiming(calls[0].step, tuple(step_samples(runs, skips, batched, ms, self._skip_ms))))
+        planned = (self._prior.pair_ms if batched else runs * self._prior.full_ms) + skips * self._prior.skip_ms
+        self._step_ratios.append((ms / planned, planned))
+        # A median: one slow step (a stall, a noisy timer) is time lost once, not a rate for the rest of the tick;
+        # a lasting slowdown shows in most of its time, skipped steps included, so cutting refreshes cannot hide
+        # it. Weighted: a skipped call is short and its timing the noisiest, so it counts for what it costs.
+        self._slowdown = max(1.0, _weighted_median(self._step_ratios))
+        self._full_ms, self._pair_ms, self._skip_ms = (
+            self._prior.full_ms * self._slowdown, self._prior.pair_ms * self._slowdown,
+            self._prior.skip_ms * self._slowdown)
 
     # ---------------------------------------------------------------- what happened
 
