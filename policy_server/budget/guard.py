@@ -105,7 +105,6 @@ class DeadlineGuard:
         self._reserve_after = float(reserve_after_ms)
         self._prior = cautious
         self._middle_call_ms = _middle_call_ms(plan, costs)
-        self._full_ms, self._pair_ms, self._skip_ms = cautious.full_ms, cautious.pair_ms, cautious.skip_ms
         # Each timed step's wall time against its calls' priors, weighted by those priors (ms), after a pair's
         # worth of steps on plan: their weighted median is how much slower than planned this tick runs.
         self._step_ratios: list[tuple[float, float]] = [(1.0, cautious.pair_ms)]
@@ -210,9 +209,19 @@ class DeadlineGuard:
         # a lasting slowdown shows in most of its time, skipped steps included, so cutting refreshes cannot hide
         # it. Weighted: a skipped call is short and its timing the noisiest, so it counts for what it costs.
         self._slowdown = max(1.0, _weighted_median(self._step_ratios))
-        self._full_ms, self._pair_ms, self._skip_ms = (
-            self._prior.full_ms * self._slowdown, self._prior.pair_ms * self._slowdown,
-            self._prior.skip_ms * self._slowdown)
+
+    # The rest of the tick's calls: their estimates at this tick's slowdown (ms).
+    @property
+    def _full_ms(self) -> float:
+        return self._prior.full_ms * self._slowdown
+
+    @property
+    def _pair_ms(self) -> float:
+        return self._prior.pair_ms * self._slowdown
+
+    @property
+    def _skip_ms(self) -> float:
+        return self._prior.skip_ms * self._slowdown
 
     # ---------------------------------------------------------------- what happened
 
