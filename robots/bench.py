@@ -19,14 +19,17 @@ machine drift cancels and errors compare like with like:
                               default), `fewer_steps_seacache`;
 - `<family>_<ms>`             the same configurations without the guard;
 - `budget_<ms>_slowdown`      the controller at the tightest budget, with an extra delay per full GEN-stack call
-                              from the halfway tick.
+                              from the halfway tick;
+- `budget_<ms>_eager`         when the engines run the GEN stack compiled (the server's default), the controller
+                              on the eager stack (`--no-compile-gen-stack`): what the compile buys at each budget.
 
 Budgets default to 30% .. 100% of the uncached tick's median over 16 ticks before the run (six points). The
 report's `sweep` compares, per budget, the controller with the guarded families that hold 1% misses and with
-the best unguarded configuration whose p50 fits, and says whether issue 14's targets hold there. With
-`--closed-loop N` every configuration a robot could run (all but the unguarded families) also drives N
-held-out episodes of `--env` (the same seeds for all) and reports `success_rate`, `collision_rate` (episodes
-ended on ReachEither's blocker) and `episode_steps` (mean control steps per episode). The default task is the
+the best unguarded configuration whose p50 fits (and with the eager controller), and says whether issue 14's
+targets hold there. With `--closed-loop N` every configuration a robot could run (all but the unguarded families
+and the eager controller) also drives N held-out episodes of `--env` (the same seeds for all) and reports
+`success_rate`, `collision_rate` (episodes ended on ReachEither's blocker) and `episode_steps` (mean control
+steps per episode). The default task is the
 one the shipped model is fine-tuned for, ReachEitherTimed: it fails a sampler that averages its two modes or
 drives slowly (on Reach every configuration of the shipped model succeeds). Its observations are
 ReachEither's, the calibration set's task, so the controller is measured on the traffic its profile was
@@ -40,7 +43,8 @@ The bench lives on the robot side because it drives the built-in task and its ex
 bench` finds it through the `policy_server.commands` entry point. What it measures with, it owns: each
 budget engine runs a bench pipeline over the loaded weights that keeps the latest tick's output and, in the
 slowdown run's engine, adds the delay before each full GEN-stack call. Every configuration runs the GEN stack as
-the engines serve it (`--compile-gen-stack`: compiled), the uncached reference included.
+the engines serve it (compiled, as the server's default; `--no-compile-gen-stack`: eagerly), the uncached reference
+included.
 """
 
 from __future__ import annotations
@@ -108,7 +112,7 @@ class ConfigRun:
 
     name: str
     budget_ms: float | None = None
-    family: str | None = None  # controller, ladder, fewer_steps, seacache, fewer_steps_seacache
+    family: str | None = None  # controller, controller_eager, ladder, fewer_steps, seacache, fewer_steps_seacache
     guarded: bool | None = None
     point: ProfilePoint | None = None  # a fixed configuration's profile point
     latency_ms: list[float] = field(default_factory=list)
@@ -276,6 +280,7 @@ def sweep(summaries: list[dict], budgets: list[float], uncached_ms: float,
     for b in budgets:
         at = [s for s in summaries if s["budget_ms"] == b and not s["name"].endswith("_slowdown")]
         controller = next(s for s in at if s["family"] == "controller")
+        eager = next((s for s in at if s["family"] == "controller_eager"), None)
         guarded = [s for s in at if s["guarded"] and s["family"] in FAMILIES]
         holding = [s for s in guarded if s["miss_rate"] <= 0.01]
         unguarded = [s for s in summaries if s["guarded"] is False or s["name"] in REFERENCE_CONFIGS]
@@ -291,10 +296,12 @@ def sweep(summaries: list[dict], budgets: list[float], uncached_ms: float,
             "best_guarded": None if best_guarded is None else {k: best_guarded[k] for k in ("name", "action_rel_l2")},
             "best_unguarded_fitting": None if best_unguarded is None else {
                 k: best_unguarded[k] for k in ("name", "action_rel_l2", "p50_ms")},
+            "eager_controller": None if eager is None else {
+                k: eager[k] for k in ("name", "action_rel_l2", "miss_rate", "p50_ms", "p99_ms")},
             # controller minus each: a negative mean is the controller's lead
-            "paired_difference": {best["name"]: paired_difference(tick_errors[controller["name"]],
-                                                                  tick_errors[best["name"]])
-                                  for best in (best_guarded, best_unguarded) if best is not None},
+            "paired_difference": {other["name"]: paired_difference(tick_errors[controller["name"]],
+                                                                   tick_errors[other["name"]])
+                                  for other in (best_guarded, best_unguarded, eager) if other is not None},
             "targets": {
                 "miss_rate_at_most_1pct": controller["miss_rate"] <= 0.01,
                 "p99_within_budget": controller["p99_ms"] <= b,
@@ -452,9 +459,9 @@ def run(args: argparse.Namespace) -> dict:
     except ProfileError as error:
         raise BenchError(str(error)) from error
 
-    def started_engine(quality_profile: QualityProfile | None = None) -> tuple[ModelEngine, BenchPipeline]:
+    def started_engine(quality_profile: QualityProfile | None = None, **changes) -> tuple[ModelEngine, BenchPipeline]:
         own = BenchPipeline.over(pipeline)
-        engine = ModelEngine(own, dataclasses.replace(settings, quality_profile=quality_profile))
+        engine = ModelEngine(own, dataclasses.replace(settings, quality_profile=quality_profile, **changes))
         engine.start()
         engine.wait_ready()
         return engine, own
@@ -510,8 +517,12 @@ def run(args: argparse.Namespace) -> dict:
         controller, own = (engine, engine_pipeline) if index == 0 else started_engine(profile)
         ladder, ladder_own = started_engine()
         engines += [controller, ladder] if index else [ladder]
-        for name, owner, pipe, family in ((f"budget_{b:g}", controller, own, "controller"),
-                                          (f"ladder_{b:g}", ladder, ladder_own, "ladder")):
+        arms = [(f"budget_{b:g}", controller, own, "controller"), (f"ladder_{b:g}", ladder, ladder_own, "ladder")]
+        if engine.served.compiled:
+            eager, eager_own = started_engine(profile, compile_gen_stack=False)
+            engines.append(eager)
+            arms.append((f"budget_{b:g}_eager", eager, eager_own, "controller_eager"))
+        for name, owner, pipe, family in arms:
             runs[name] = ConfigRun(name, budget_ms=b, family=family, guarded=True)
             sessions[name] = (owner, pipe, owner.open_session(embodiment.name, "warm up", budget_ms=b, seed=0,
                                                               rate_hz=0.0))
@@ -566,7 +577,7 @@ def run(args: argparse.Namespace) -> dict:
         for name in runs:
             if name in fixed and runs[name].guarded is not False:
                 policies[name] = _FixedPolicy(fixed[name], embodiment.name, runs[name].budget_ms)
-            elif name in sessions:
+            elif name in sessions and runs[name].family != "controller_eager":  # compared open loop only
                 owner = sessions[name][0]
                 policies[name] = _EnginePolicy(owner, embodiment.name, runs[name].budget_ms)
         outcomes = closed_loop(policies, args.closed_loop, args.execute, args.env)
@@ -808,7 +819,8 @@ def plot(report: dict, out: Path) -> list[Path]:
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(8, 5))
-    styles = {"controller": ("k", "-", 2.5), "ladder": ("#888888", "-", 1.2), "fewer_steps": ("#d62728", "-", 1.2),
+    styles = {"controller": ("k", "-", 2.5), "controller_eager": ("#9467bd", "-", 1.2),
+              "ladder": ("#888888", "-", 1.2), "fewer_steps": ("#d62728", "-", 1.2),
               "seacache": ("#1f77b4", "-", 1.2), "fewer_steps_seacache": ("#2ca02c", "-", 1.2)}
     for family, (color, _, width) in styles.items():
         for guarded in (True, False):
@@ -855,7 +867,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="auto",
                         help=f"weight dtype: {', '.join(DTYPES)} (auto: bf16 on CUDA, fp32 on CPU)")
     parser.add_argument("--compile-gen-stack", action=argparse.BooleanOptionalAction, default=None,
-                        help="the engines' GEN stack compiled, as the server's flag (default: as the server: on CUDA)")
+                        help="the engines' GEN stack compiled, as the server's flag (default: as the server: "
+                             "wherever torch can compile)")
     parser.add_argument("--ticks", type=int, default=500)
     parser.add_argument("--warmup", type=int, default=4, help="warmup ticks per engine and cache mode")
     parser.add_argument("--budgets-ms", type=float, nargs="+", default=None,

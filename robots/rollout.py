@@ -108,7 +108,8 @@ class InProcessPolicy:
     setting ("auto", "off" or a file); a profile holds cached ticks at the checkpoint's own sampler settings."""
 
     def __init__(self, checkpoint: Path | None, budget_ms: float, cache: bool, num_envs: int,
-                 sampler_overrides: dict, quality_profile: str, device: str = "cpu"):
+                 sampler_overrides: dict, quality_profile: str, device: str = "cpu",
+                 compile_gen_stack: bool | None = None):
         import torch
 
         from policy_server.engine.calibration import resolve_profile
@@ -127,7 +128,8 @@ class InProcessPolicy:
         profile, calibrate = resolve_profile(quality_profile, pipeline.folder, pipeline.digest)
         self.engine = ModelEngine(pipeline, EngineSettings(default_budget_ms=budget_ms, diffusion_cache=cache,
                                                            max_sessions=max(4, num_envs), quality_profile=profile,
-                                                           calibrate_at_warmup=calibrate))
+                                                           calibrate_at_warmup=calibrate,
+                                                           compile_gen_stack=compile_gen_stack))
         self.engine.start()
         self.engine.wait_ready()
 
@@ -339,6 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--latency-budget-ms", type=float, default=None,
                         help="per-tick budget (server: per session; in-process default 120, or none uncached)")
     parser.add_argument("--no-diffusion-cache", action="store_true", help="in-process: run uncached")
+    parser.add_argument("--compile-gen-stack", action=argparse.BooleanOptionalAction, default=None,
+                        help="in-process: the GEN stack compiled at warmup, as the server's flag (default: as the "
+                             "server: wherever torch can compile)")
     parser.add_argument("--num-steps", type=int, default=None, help="in-process: sampler steps (policy.json)")
     parser.add_argument("--guidance", type=float, default=None, help="in-process: CFG scale (policy.json)")
     parser.add_argument("--quality-profile", default=None,
@@ -397,14 +402,15 @@ def main(argv: list[str] | None = None) -> int:
     refusals: tuple[type[Exception], ...] = (PolicyServerError, EngineError)  # the server's, or the engine's
     if args.in_process:
         from policy_server.budget.profile import ProfileError
+        from policy_server.engine.compiled_stack import CompileUnavailableError
         from policy_server.pipeline.policy import CheckpointLoadError
 
-        refusals += (CheckpointLoadError, ProfileError)
+        refusals += (CheckpointLoadError, ProfileError, CompileUnavailableError)
         # Uncached ticks are not budgeted: without --latency-budget-ms they get the largest budget there is.
         default_budget = MAX_BUDGET_MS if args.no_diffusion_cache else 120.0
         make_policy = functools.partial(InProcessPolicy, args.checkpoint, budget or default_budget,
                                         not args.no_diffusion_cache, args.num_envs, overrides,
-                                        quality_profile or "off", args.device)
+                                        quality_profile or "off", args.device, args.compile_gen_stack)
     else:
         make_policy = functools.partial(ServerPolicy, args.server, budget, args.auth_token_file,
                                         args.serve_application)

@@ -28,10 +28,12 @@ def model_dir(tmp_path_factory):
     return directory
 
 
-def test_bench_writes_the_documented_report(model_dir, tmp_path, monkeypatch):
+def test_bench_writes_the_documented_report(model_dir, tmp_path, monkeypatch, compiles):
     monkeypatch.setenv("POLICY_SERVER_CACHE", str(tmp_path / "cache"))  # no stored profile of these weights
     out = tmp_path / "bench.json"
+    # The tick profile's compiled variant compiles; the engines run eagerly, as compiling each would take minutes.
     assert bench_main(["--checkpoint", str(model_dir), "--ticks", "4", "--warmup", "2", "--out", str(out),
+                       "--no-compile-gen-stack",
                        "--forward-repeats", "2", "--closed-loop", "1",
                        "--env", "PolicyServer/ReachEitherTimed-v0", "--profile-ticks", "1",
                        "--calibration-observations", "1",

@@ -17,12 +17,13 @@ def summary(name, error, p50, p99=None, budget=None, family=None, guarded=None, 
             "utilisation": None if budget is None else p50 / budget}
 
 
-def test_sweep_holds_the_controller_to_guarded_families_that_hold_and_unguarded_ones_that_fit():
+def test_sweep_holds_the_controller_to_guarded_families_that_hold_and_unguarded_ones_that_fit_and_to_eager():
     summaries = [
         summary("uncached", 0.0, 99.0),  # the reference: never a candidate, though its p50 fits at 100
         summary("seacache_default", 0.02, 80.0, family="seacache"),
         summary("max_caching", 0.3, 40.0, family="seacache"),
         summary("budget_100", 0.01, 90.0, 99.0, 100, "controller", True),
+        summary("budget_100_eager", 0.012, 92.0, 99.0, 100, "controller_eager", True),  # compared, never a pick
         summary("guarded_fewer_steps_100", 0.015, 90.0, 99.0, 100, "fewer_steps", True),
         summary("guarded_seacache_100", 0.005, 95.0, 120.0, 100, "seacache", True, miss=0.02),  # misses: not held
         summary("fewer_steps_100", 0.008, 101.0, 130.0, 100, "fewer_steps", False, miss=0.6),  # p50 does not fit
@@ -36,7 +37,9 @@ def test_sweep_holds_the_controller_to_guarded_families_that_hold_and_unguarded_
     assert rows[100]["best_unguarded_fitting"]["name"] == "seacache_default"
     assert all(rows[100]["targets"].values())
     lead = rows[100]["paired_difference"]  # controller minus the best of each side, tick by tick
-    assert set(lead) == {"guarded_fewer_steps_100", "seacache_default"}
+    assert set(lead) == {"guarded_fewer_steps_100", "seacache_default", "budget_100_eager"}
+    assert lead["budget_100_eager"]["mean"] == pytest.approx(0.01 - 0.012)  # what the compiled stack buys
+    assert rows[100]["eager_controller"]["name"] == "budget_100_eager" and rows[50]["eager_controller"] is None
     assert lead["seacache_default"]["mean"] == pytest.approx(0.01 - 0.02)
     assert lead["seacache_default"]["ci95"] == pytest.approx([0.01 - 0.02] * 2)  # no spread: no doubt
     assert rows[50]["best_unguarded_fitting"]["name"] == "fewer_steps_50"  # its p50 fits though it misses 30%

@@ -1,8 +1,8 @@
-"""The GEN stack compiled whole, as a CPU server with `--compile-gen-stack` runs it: it gives the eager stack's
-outputs (one branch, both CFG branches as one batch, a batch of one layout), one graph serves every instruction,
-and an engine compiles only at warmup, then serves ticks, a new instruction's included, without compiling. A CPU
-engine runs the eager stack by default; where torch.compile cannot compile, asking for the compiled one is an
-error that names what is missing. A server process started with the flag compiles and serves."""
+"""The GEN stack compiled whole, as a CPU server runs it by default: it gives the eager stack's outputs (one
+branch, both CFG branches as one batch, a batch of one layout), one graph serves every instruction, and an engine
+compiles only at warmup, then serves ticks, a new instruction's included, without compiling. Where torch.compile
+cannot compile, an engine runs the eager stack, and asking for the compiled one is an error that names what is
+missing. A server process compiles and serves. (The rest of the suite runs eagerly: `conftest.py`.)"""
 
 import socket
 import subprocess
@@ -56,7 +56,7 @@ def _first_call(pipeline, request) -> tuple[GenInput, UndKV]:
     return call.gen, call.und_kv
 
 
-def test_the_whole_compiled_stack_gives_the_eager_stacks_outputs(pipeline):
+def test_the_whole_compiled_stack_gives_the_eager_stacks_outputs(pipeline, compiles):
     compiled, eager = pipeline.transformer.compiled_whole_gen_stack(), pipeline.transformer.gen_stack
     for batch_branches in (True, False):  # both branches as one batch (text K/V padded), each alone
         expected = _tick(pipeline, _request(RED), eager, batch_branches)
@@ -87,9 +87,9 @@ def test_a_precompiled_stack_runs_eagerly_what_warmup_did_not_compile(pipeline):
     assert ran == ["eager", "compiled", "compiled", "eager", "eager"] and stack.num_patterns == 1
 
 
-def test_an_engine_compiles_at_warmup_and_serves_without_compiling(pipeline):
+def test_an_engine_compiles_at_warmup_and_serves_without_compiling(pipeline, compiles):
     expected = _tick(pipeline, _request(RED), pipeline.transformer.gen_stack).actions
-    engine = ModelEngine(pipeline, EngineSettings(warmup_ticks=1, default_budget_ms=10_000.0, compile_gen_stack=True))
+    engine = ModelEngine(pipeline, EngineSettings(warmup_ticks=1, default_budget_ms=10_000.0))  # the default
     engine.start()
     try:
         assert engine.wait_ready(timeout_s=600)
@@ -107,12 +107,15 @@ def test_an_engine_compiles_at_warmup_and_serves_without_compiling(pipeline):
         engine.close()
 
 
-def test_a_cpu_engine_runs_eagerly_by_default_and_asking_for_a_compile_torch_cannot_do_fails(pipeline, monkeypatch,
-                                                                                             capsys):
-    engine = ModelEngine(pipeline, EngineSettings(warmup_ticks=1))
-    assert not engine.served.compiled and engine.served.gen_stack == pipeline.transformer.gen_stack
+def test_where_torch_cannot_compile_an_engine_runs_eagerly_and_asking_for_a_compile_fails(pipeline, compiles,
+                                                                                           monkeypatch, capsys, caplog):
+    assert ModelEngine(pipeline, EngineSettings()).served.compiled  # the default, where torch can compile
+    assert not ModelEngine(pipeline, EngineSettings(compile_gen_stack=False)).served.compiled
     with torch._dynamo.config.patch(disable=True):  # TORCH_COMPILE_DISABLE=1
         assert compile_unavailable(torch.device("cpu")) == "torch.compile is disabled (TORCH_COMPILE_DISABLE=1)"
+        engine = ModelEngine(pipeline, EngineSettings())
+        assert not engine.served.compiled and engine.served.gen_stack == pipeline.transformer.gen_stack
+        assert "the GEN stack runs eagerly, slower: torch.compile is disabled" in caplog.text
         with pytest.raises(CompileUnavailableError, match="cannot run compiled: torch.compile is disabled"):
             ModelEngine(pipeline, EngineSettings(compile_gen_stack=True))
         assert cli.main(["--compile-gen-stack", "--device", "cpu", "--port", "0"]) == 2
@@ -125,7 +128,7 @@ def test_a_cpu_engine_runs_eagerly_by_default_and_asking_for_a_compile_torch_can
         assert compile_unavailable(torch.device("cuda")).startswith("no C compiler for Triton: neither no-such-cc")
 
 
-def test_a_server_process_compiles_the_stack_and_serves_the_eager_stacks_actions(pipeline, tmp_path):
+def test_a_server_process_compiles_the_stack_and_serves_the_eager_stacks_actions(pipeline, tmp_path, compiles):
     folder = tmp_path / "model"
     build_random_pipeline(folder, seed=3)  # the module's weights: its compiles above are in torch's disk cache
     with socket.socket() as probe:
@@ -134,8 +137,8 @@ def test_a_server_process_compiles_the_stack_and_serves_the_eager_stacks_actions
     log = tmp_path / "server.log"
     with open(log, "w") as out:
         process = subprocess.Popen([sys.executable, "-m", "policy_server.cli", "--checkpoint", str(folder),
-                                    "--port", str(port), "--device", "cpu", "--latency-budget-ms", "10000",
-                                    "--compile-gen-stack"], stdout=out, stderr=subprocess.STDOUT)
+                                    "--port", str(port), "--device", "cpu", "--latency-budget-ms", "10000"],
+                                   stdout=out, stderr=subprocess.STDOUT)
     client = PolicyClient(f"127.0.0.1:{port}", timeout_s=30)
     try:
         client.wait_until_serving(timeout_s=600)

@@ -100,7 +100,7 @@ def test_the_graphed_gen_stack_gives_the_eager_stacks_outputs(no_tf32):
     np.testing.assert_allclose(replayed.actions, expected, rtol=0, atol=1e-5)
 
 
-def test_the_engine_captures_graphs_at_warmup_and_session_opening_and_ticks_replay_them(no_tf32):
+def test_the_engine_captures_graphs_at_warmup_and_session_opening_and_ticks_replay_them(no_tf32, compiles):
     """The CUDA default: the GEN stack compiled at warmup and replayed from CUDA graphs."""
     pipeline = PolicyPipeline.from_pretrained(None, device="cuda", dtype=torch.float32)
     request = _request(pipeline)

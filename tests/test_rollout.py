@@ -136,3 +136,12 @@ def test_a_refused_session_ends_the_rollout_with_one_line(tmp_path, capsys):
     assert code == 2 and not (tmp_path / "rollout.json").exists()
     assert error.startswith("policy-rollout: FAILED_PRECONDITION BUDGET_INFEASIBLE: budget 1 ms is below")
     assert "Traceback" not in error and error.count("\n") == 1
+
+
+def test_an_in_process_compile_torch_cannot_do_ends_the_rollout_with_one_line(tmp_path, capsys):
+    # torch.compile is off in the suite (conftest.py): asking for the compiled stack names why it cannot run.
+    code = main(["--in-process", "--compile-gen-stack", "--episodes", "1", "--out", str(tmp_path / "rollout.json")])
+    error = capsys.readouterr().err
+    assert code == 2 and not (tmp_path / "rollout.json").exists()
+    assert error == "policy-rollout: the GEN stack cannot run compiled: torch.compile is disabled " \
+                    "(TORCH_COMPILE_DISABLE=1)\n"

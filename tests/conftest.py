@@ -1,0 +1,21 @@
+"""The suite runs the GEN stack eagerly, though servers compile it by default: on CI's two cores compiling a call
+pattern takes about a minute, far longer than most tests. Server processes the tests start inherit
+TORCH_COMPILE_DISABLE. The tests of the compiled stack take the `compiles` fixture, which switches torch.compile
+back on."""
+
+import os
+
+os.environ["TORCH_COMPILE_DISABLE"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch._dynamo.config.disable = True  # the variable above is read when torch is imported: it may have been already
+
+
+@pytest.fixture
+def compiles(monkeypatch):
+    """torch.compile on, in this process and in the server processes the test starts."""
+    monkeypatch.delenv("TORCH_COMPILE_DISABLE")
+    with torch._dynamo.config.patch(disable=False):
+        yield
