@@ -1,7 +1,7 @@
-"""The suite runs the GEN stack eagerly, though servers compile it by default: on CI's two cores compiling a call
-pattern takes about a minute, far longer than most tests. Server processes the tests start inherit
-TORCH_COMPILE_DISABLE. The tests of the compiled stack take the `compiles` fixture, which switches torch.compile
-back on."""
+"""The suite runs the GEN stack eagerly, though servers compile it by default: on CI's two cores compiling an
+engine's call patterns takes over a minute (about 10 s each), far longer than most tests. Server processes the
+tests start inherit TORCH_COMPILE_DISABLE. The tests of the compiled stack take the `compiles` fixture, which
+switches torch.compile back on."""
 
 import os
 
