@@ -45,8 +45,8 @@ class EngineSettings:
     each session's opening (`engine/cuda_graphs.py`). `compile_gen_stack`: run the GEN stack compiled by
     torch.compile, compiled at warmup (on CUDA `Cosmos3OmniTransformer.compiled_gen_stack`, on a CPU
     `compiled_whole_gen_stack`); None: wherever torch.compile can compile (`compile_unavailable`), eagerly with a
-    warning elsewhere. On a CPU too, since the controller errs less at every budget on the compiled stack (README,
-    Measured results)."""
+    warning elsewhere: on a CPU too, where the controller erred less on it at every budget of session 25's bench
+    runs (README, Measured results)."""
 
     default_budget_ms: float = 120.0
     max_sessions: int = 4
