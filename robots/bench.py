@@ -58,6 +58,7 @@ import resource
 import statistics
 import sys
 import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -702,17 +703,17 @@ ATTENTION_OPS = frozenset({"aten::_scaled_dot_product_flash_attention_for_cpu", 
 
 def tick_profile(pipeline: PolicyPipeline, embodiment: Embodiment, inputs: dict, ticks: int) -> dict | None:
     """Where an uncached tick's time goes (ms per tick): its wall time (median, without the profiler), the
-    matmul and attention time the torch profiler attributes to it (self time, mean over `ticks`), their
-    ratio (1.0: nothing but arithmetic) and the ops per tick; the same tick with each step's CFG branches run
-    one by one (the path before batched CFG, interleaved tick by tick); and what one call costs (median over
-    the steps: embed, stack or extrapolation, heads, sampler update): full alone, both branches' as one batch,
-    skipped (a maximally cached tick's). On CUDA, `graphed` has the same wall time and calls with the GEN stack
-    replayed from CUDA graphs, interleaved with the eager ticks (what a call saves, `*_saved_ms`, is the launch
-    overhead the graphs remove), and `compiled_graphed` with the stack compiled and graphed, as the server runs it
-    there; on a CPU, `compiled` with the stack compiled whole, as `--compile-gen-stack` runs it, with its call patterns
-    and compile time (variants that compile are left out where torch.compile cannot: `compile_unavailable`).
-    Each variant's `wall_vs_arithmetic` divides its wall time by the eager tick's matmul and attention time: it
-    runs the same matmuls and attention."""
+    matmul and attention time the torch profiler attributes to it (self time, mean over `ticks` profiled ticks, one
+    after each round of timed ticks), their ratio (1.0: nothing but arithmetic) and the ops per tick; the same tick
+    with each step's CFG branches run one by one (the path before batched CFG, interleaved tick by tick); and what
+    one call costs (median over the steps: embed, stack or extrapolation, heads, sampler update): full alone, both
+    branches' as one batch, skipped (a maximally cached tick's). On CUDA, `graphed` has the same wall time and
+    calls with the GEN stack replayed from CUDA graphs, interleaved with the eager ticks (what a call saves,
+    `*_saved_ms`, is the launch overhead the graphs remove), and `compiled_graphed` with the stack compiled and
+    graphed, as the server runs it there; on a CPU, `compiled` with the stack compiled whole, as the server runs it
+    there by default, with its call patterns and compile time (variants that compile are left out where
+    torch.compile cannot: `compile_unavailable`). Each variant's `wall_vs_arithmetic` divides its wall time by the
+    eager tick's matmul and attention time: it runs the same matmuls and attention."""
     if ticks == 0:
         return None
     from torch.profiler import ProfilerActivity, profile
@@ -742,9 +743,11 @@ def tick_profile(pipeline: PolicyPipeline, embodiment: Embodiment, inputs: dict,
     tick(), tick(batch_branches=False)  # allocations and layouts of this shape are made outside the figures
     for warm in warming.values():  # and the graphs' captures and compiles
         tick(stack=warm), tick(max_caching(), batch_branches=False, stack=warm)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    op_us, op_counts = Counter(), Counter()  # self time and calls by op, summed over the profiled ticks
     walls, walls_one_by_one, calls = [], [], []
     variant_walls, variant_calls = {name: [] for name in variants}, {name: [] for name in variants}
-    for _ in range(ticks):
+    for _ in range(ticks):  # every figure's ticks interleaved, so that a machine that drifts moves them all alike
         for out, one_by_one in ((tick(), False), (tick(batch_branches=False), True),
                                 (tick(max_caching(), batch_branches=False), None)):
             calls += step_calls(out.steps)
@@ -754,15 +757,14 @@ def tick_profile(pipeline: PolicyPipeline, embodiment: Embodiment, inputs: dict,
             out = tick(stack=stack)
             variant_walls[name].append(out.timings_ms["total"])
             variant_calls[name] += step_calls(out.steps) + step_calls(tick(max_caching(), False, stack).steps)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as profiler:
-        for _ in range(ticks):
+        with profile(activities=activities) as profiler:
             tick()
-    events = profiler.key_averages()
+        for e in profiler.key_averages():
+            op_us[e.key] += e.self_device_time_total if cuda else e.self_cpu_time_total
+            op_counts[e.key] += e.count
 
     def op_ms(names: frozenset[str]) -> float:
-        total_us = sum((e.self_device_time_total if cuda else e.self_cpu_time_total) for e in events if e.key in names)
-        return total_us / 1e3 / ticks
+        return sum(us for key, us in op_us.items() if key in names) / 1e3 / ticks
 
     def call_ms(kind: str, timed: list[tuple[str, float]] = calls) -> float | None:
         samples = [ms for k, ms in timed if k == kind]
@@ -774,7 +776,7 @@ def tick_profile(pipeline: PolicyPipeline, embodiment: Embodiment, inputs: dict,
         "matmul_ms": matmul_ms,
         "attention_ms": attention_ms,
         "wall_vs_arithmetic": wall_ms / (matmul_ms + attention_ms),
-        "ops_per_tick": sum(e.count for e in events if e.key.startswith("aten::")) / ticks,
+        "ops_per_tick": sum(count for key, count in op_counts.items() if key.startswith("aten::")) / ticks,
         "wall_branches_one_by_one_ms": statistics.median(walls_one_by_one),
         "full_call_ms": call_ms(FULL),
         "batched_cfg_call_ms": call_ms(PAIR),

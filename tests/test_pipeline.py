@@ -8,7 +8,8 @@ import torch
 from policy_server.cache.controller import NoCache
 from policy_server.cache.seacache import SeaCache, SeaCacheConfig
 from policy_server.pipeline.errors import PolicyInputError
-from policy_server.pipeline.policy import FixedSteps, PolicyPipeline, PolicyRequest, run_steps
+from policy_server.pipeline.packing import ActionLayout
+from policy_server.pipeline.policy import DenoiseState, FixedSteps, PolicyPipeline, PolicyRequest, run_steps
 from robots.embedded import build_random_pipeline
 
 STEPS = 4
@@ -49,6 +50,23 @@ def test_conditioning_frame_stays_clean(pipe):
     out = pipe(request)
     clean, _ = pipe._encode_condition(request, chunk=8)
     assert torch.equal(out.latents[:, 0], clean[:, 0])
+
+
+def test_every_step_puts_the_conditioning_back_exactly():
+    # Two history/state rows and latent frame 0 are given; channels from 2 on are padding.
+    vision = torch.randn(4, 3, 2, 2)
+    clean_actions = torch.zeros(5, 6)
+    clean_actions[:2, :2] = torch.randn(2, 2)
+    actions = torch.cat((clean_actions[:2], torch.randn(3, 6)))
+    actions[:, 2:] = 0
+    state = DenoiseState.start(vision, actions, [0], clean_actions, 2, ActionLayout(3, 2, (0, 1), domain_id=0))
+    assert torch.equal(state.vision, vision) and torch.equal(state.actions, actions)
+    stepped = torch.randn_like(state.sample)
+    state.advance(stepped)
+    stepped_vision, stepped_actions = stepped[: vision.numel()].view(4, 3, 2, 2), stepped[vision.numel():].view(5, 6)
+    assert torch.equal(state.vision[:, 0], vision[:, 0]) and torch.equal(state.vision[:, 1:], stepped_vision[:, 1:])
+    assert torch.equal(state.actions[:2], clean_actions[:2]) and not state.actions[:, 2:].any()
+    assert torch.equal(state.actions[2:, :2], stepped_actions[2:, :2])
 
 
 class ScriptedSteps(FixedSteps):

@@ -244,40 +244,45 @@ class PromptState:
 class DenoiseState:
     """One tick's sampler state (fp32; the transformer runs in its own dtype) and the conditioning it keeps.
 
-    vision: [C, T_lat, h, w] video latents; actions: [H + S + K, action_dim] action-stream rows (history,
-    state, chunk). Latent frames `clean_frames` and action rows `clean_rows` are conditioning: their
-    velocity is zero and every step restores them; action channels from `raw_action_dim` on stay zero.
+    sample: the video latents and the action-stream rows as one flat tensor, which the sampler steps whole (its
+    arithmetic is elementwise, and one set of its kernels costs about half of two); vision [C, T_lat, h, w] and
+    actions [H + S + K, action_dim] (history, state, chunk) are views of it. Latent frames `clean_frames` and
+    action rows `action_layout.clean_rows` are conditioning: the heads give them zero velocity and every step
+    restores them, as it keeps the padding action channels (from the embodiment's raw action dim on) at zero.
     """
 
+    sample: torch.Tensor
     vision: torch.Tensor
     actions: torch.Tensor
     clean_frames: list[int]
-    clean_vision: torch.Tensor  # [C, len(clean_frames), h, w]
-    clean_rows: list[int]
-    clean_actions: torch.Tensor  # [H + S + K, action_dim], the given values on `clean_rows`
-    raw_action_dim: int
-    action_layout: ActionLayout
+    action_layout: ActionLayout  # its `clean_rows`: the clean action rows
+    given: torch.Tensor  # like `sample`, bool: the clean frames and rows, and the padding action channels
+    clean: torch.Tensor  # like `sample`: the given values there (zero on the padding channels)
+
+    @classmethod
+    def start(cls, vision: torch.Tensor, actions: torch.Tensor, clean_frames: list[int], clean_actions: torch.Tensor,
+              raw_action_dim: int, action_layout: ActionLayout) -> DenoiseState:
+        """The state at the first step: `vision` and `actions` already hold the given values where they are clean."""
+        given_vision = torch.zeros(vision.shape, dtype=torch.bool, device=vision.device)
+        given_vision[:, clean_frames] = True
+        given_actions = torch.zeros(actions.shape, dtype=torch.bool, device=actions.device)
+        given_actions[list(action_layout.clean_rows)] = True
+        given_actions[:, raw_action_dim:] = True
+        sample = torch.cat((vision.flatten(), actions.flatten()))
+        return cls(sample, sample[: vision.numel()].view(vision.shape), sample[vision.numel():].view(actions.shape),
+                   clean_frames, action_layout,
+                   torch.cat((given_vision.flatten(), given_actions.flatten())),
+                   torch.cat((vision.flatten(), clean_actions.flatten())))
 
     @property
     def noisy_vision(self) -> bool:
         return len(self.clean_frames) < self.vision.shape[1]
 
-    @property
-    def noisy_actions(self) -> bool:
-        return len(self.clean_rows) < self.actions.shape[0]
-
-    def mask(self, v_vision: torch.Tensor, v_action: torch.Tensor) -> None:
-        """Zero, in place, the velocity of conditioning rows and of the padding action channels."""
-        v_vision[:, self.clean_frames] = 0
-        v_action[self.clean_rows] = 0
-        v_action[:, self.raw_action_dim:] = 0
-
-    def advance(self, vision: torch.Tensor, actions: torch.Tensor) -> None:
-        """Take the sampler's next state, its conditioning rows set back to exactly what was given."""
-        vision[:, self.clean_frames] = self.clean_vision
-        actions[self.clean_rows] = self.clean_actions[self.clean_rows]
-        actions[:, self.raw_action_dim:] = 0
-        self.vision, self.actions = vision, actions
+    def advance(self, sample: torch.Tensor) -> None:
+        """Take the sampler's next state, its conditioning set back to exactly what was given."""
+        self.sample = torch.where(self.given, self.clean, sample)
+        vision, actions = self.sample.split((self.vision.numel(), self.actions.numel()))
+        self.vision, self.actions = vision.view(self.vision.shape), actions.view(self.actions.shape)
 
 
 @dataclass(frozen=True)
@@ -636,8 +641,7 @@ class PolicyPipeline:
         vision = noise_v.to(self.device, copy=True)  # the clean frames are written in; the caller's noise stays
         vision[:, : clean_latent.shape[1]] = clean_latent[:, :num_latent_frames]
         actions, clean_actions, layout = self._action_rows(request, embodiment, chunk, noise_a)
-        return DenoiseState(vision, actions, clean_frames, vision[:, clean_frames].clone(), list(layout.clean_rows),
-                            clean_actions, embodiment.raw_action_dim, layout)
+        return DenoiseState.start(vision, actions, clean_frames, clean_actions, embodiment.raw_action_dim, layout)
 
     def _action_rows(self, request: PolicyRequest, embodiment: Embodiment, chunk: int,
                      noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, ActionLayout]:
@@ -717,10 +721,11 @@ class PolicyPipeline:
             clock = time.perf_counter()
             sigma = sampler.sigmas[i]
             timestep = float(sampler.timesteps[i])
-            kwargs = branches[run_branches[0]].packed.model_kwargs(state.vision.to(dtype), state.actions.to(dtype),
-                                                                   timestep)
+            # The layout holds the request's indexes and the time embedding its timestep: only the latents are new.
             hidden = self.transformer.embed_gen(layout=branches[run_branches[0]].layout,
-                                                time_embedding=time_embeddings[i], **kwargs).hidden
+                                                time_embedding=time_embeddings[i],
+                                                vision_tokens=[state.vision.to(dtype).unsqueeze(0)],
+                                                action_tokens=[state.actions.to(dtype)]).hidden
             gens = {name: GenInput(hidden, branches[name].layout) for name in run_branches}
             noisy_vision = [state.vision] if state.noisy_vision else []
             stack_out, full = {}, []
@@ -736,19 +741,12 @@ class PolicyPipeline:
                 outs = dict(zip(group, out, strict=True)) if len(group) > 1 else {group[0]: out}
                 control.ran(outs)
                 stack_out.update(outs)
-            v_vision, v_action = self._velocity(state, gens[run_branches[0]], _guided(stack_out, guidance))
-            if not state.noisy_actions:
-                v_action = torch.zeros_like(v_action)
-            if last:
-                # Out of time: jump to the clean estimate, x0 = x_t - sigma * v for flow matching.
-                state.advance(state.vision - sigma * v_vision, state.actions - sigma * v_action)
+            v_vision, v_action = self._velocity(gens[run_branches[0]], _guided(stack_out, guidance))
+            velocity = torch.cat((v_vision.flatten(), v_action.flatten()))
+            if last:  # out of time: jump to the clean estimate, x0 = x_t - sigma * v for flow matching
+                state.advance(state.sample - sigma * velocity)
             else:
-                # Vision and actions step as one flat tensor: the sampler's arithmetic is elementwise, and one set of
-                # its kernels costs about half of two.
-                stepped = sampler.step(torch.cat((v_vision.flatten(), v_action.flatten())),
-                                       torch.cat((state.vision.flatten(), state.actions.flatten())))
-                vision, actions = stepped.split((state.vision.numel(), state.actions.numel()))
-                state.advance(vision.view_as(state.vision), actions.view_as(state.actions))
+                state.advance(sampler.step(velocity, state.sample))
             if state.vision.is_cuda:  # a step's time is its device time: the deadline guard paces on it
                 torch.cuda.synchronize(state.vision.device)
             records.append(StepRecord(i, sigma, timestep, run_branches, tuple(full), batched, _ms_since(clock)))
@@ -774,15 +772,12 @@ class PolicyPipeline:
             return StackCall(*calls[0], calls)
         return StackCall(GenInput.stack_varied([gen for gen, _ in calls], batch.layouts), batch.und_kv, calls)
 
-    def _velocity(self, state: DenoiseState, gen: GenInput,
-                  stack_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _velocity(self, gen: GenInput, stack_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A step's velocities decoded from a GEN stack output (a branch's, run or estimated, or their guided
-        combination; `gen`: either branch's input, whose generated rows they share), fp32, zero on clean rows:
-        vision [C, T_lat, h, w], actions [H + S + K, action_dim]."""
+        combination; `gen`: either branch's input, whose generated rows they share), fp32, zero on clean frames
+        and rows: vision [C, T_lat, h, w], actions [H + S + K, action_dim]."""
         pred_vision, _, pred_action = self.transformer.heads(stack_out, gen)
-        v_vision, v_action = pred_vision[0][0].float(), pred_action[0].float()
-        state.mask(v_vision, v_action)
-        return v_vision, v_action
+        return pred_vision[0][0].float(), pred_action[0].float()
 
     @staticmethod
     def _initial_noise(request: PolicyRequest, vision_shape: tuple[int, ...],
