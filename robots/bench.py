@@ -882,7 +882,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="extra ms per full call from the halfway tick (default: half a full call)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--profile-ticks", type=int, default=5,
+    parser.add_argument("--profile-ticks", type=int, default=20,
                         help="uncached ticks profiled for `tick_profile` (wall vs matmul + attention); 0: skip")
     parser.add_argument("--reference", action=argparse.BooleanOptionalAction, default=True,
                         help="time diffusers' reference forward (needs the [dev] extra)")
@@ -912,6 +912,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--calibration-observations must be at least 1")
     if args.closed_loop < 0 or args.execute < 1:
         parser.error("--closed-loop must be >= 0 and --execute >= 1")
+    if args.profile_ticks < 0 or args.forward_repeats < 1 or args.threads < 1:
+        parser.error("--profile-ticks must be >= 0, --forward-repeats and --threads >= 1")
     if not all(0 < f <= 1 for f in args.budget_fractions):
         parser.error("--budget-fractions must lie in (0, 1]: budgets up to the uncached latency")
     if args.budgets_ms is not None and not all(0 < b <= MAX_BUDGET_MS for b in args.budgets_ms):

@@ -188,6 +188,11 @@ def test_bench_refuses_what_it_cannot_drive(tmp_path, capsys):
     with torch._dynamo.config.patch(disable=True):  # TORCH_COMPILE_DISABLE=1
         assert bench_main(["--checkpoint", str(folder), "--compile-gen-stack", "--out", str(tmp_path / "b.json")]) == 2
     assert "--compile-gen-stack: torch.compile is disabled" in capsys.readouterr().err
+    for option, value in (("--profile-ticks", "-1"), ("--forward-repeats", "0"), ("--threads", "0")):
+        with pytest.raises(SystemExit) as exit_:
+            bench_main([option, value, "--out", str(tmp_path / "b.json")])
+        assert exit_.value.code == 2
+        assert "--profile-ticks must be >= 0, --forward-repeats and --threads >= 1" in capsys.readouterr().err
 
 
 def test_bench_ends_with_the_message_of_a_budget_the_engine_refuses(model_dir, tmp_path, monkeypatch, capsys):
