@@ -252,8 +252,8 @@ class DenoiseState:
     """
 
     sample: torch.Tensor
-    vision: torch.Tensor
-    actions: torch.Tensor
+    vision_shape: torch.Size
+    action_shape: torch.Size
     clean_frames: list[int]
     action_layout: ActionLayout  # its `clean_rows`: the clean action rows
     given: torch.Tensor  # like `sample`, bool: the clean frames and rows, and the padding action channels
@@ -268,21 +268,25 @@ class DenoiseState:
         given_actions = torch.zeros(actions.shape, dtype=torch.bool, device=actions.device)
         given_actions[list(action_layout.clean_rows)] = True
         given_actions[:, raw_action_dim:] = True
-        sample = torch.cat((vision.flatten(), actions.flatten()))
-        return cls(sample, sample[: vision.numel()].view(vision.shape), sample[vision.numel():].view(actions.shape),
-                   clean_frames, action_layout,
-                   torch.cat((given_vision.flatten(), given_actions.flatten())),
+        return cls(torch.cat((vision.flatten(), actions.flatten())), vision.shape, actions.shape, clean_frames,
+                   action_layout, torch.cat((given_vision.flatten(), given_actions.flatten())),
                    torch.cat((vision.flatten(), clean_actions.flatten())))
 
     @property
+    def vision(self) -> torch.Tensor:
+        return self.sample[: self.vision_shape.numel()].view(self.vision_shape)
+
+    @property
+    def actions(self) -> torch.Tensor:
+        return self.sample[self.vision_shape.numel():].view(self.action_shape)
+
+    @property
     def noisy_vision(self) -> bool:
-        return len(self.clean_frames) < self.vision.shape[1]
+        return len(self.clean_frames) < self.vision_shape[1]
 
     def advance(self, sample: torch.Tensor) -> None:
         """Take the sampler's next state, its conditioning set back to exactly what was given."""
         self.sample = torch.where(self.given, self.clean, sample)
-        vision, actions = self.sample.split((self.vision.numel(), self.actions.numel()))
-        self.vision, self.actions = vision.view(self.vision.shape), actions.view(self.actions.shape)
 
 
 @dataclass(frozen=True)
@@ -747,8 +751,8 @@ class PolicyPipeline:
                 state.advance(state.sample - sigma * velocity)
             else:
                 state.advance(sampler.step(velocity, state.sample))
-            if state.vision.is_cuda:  # a step's time is its device time: the deadline guard paces on it
-                torch.cuda.synchronize(state.vision.device)
+            if state.sample.is_cuda:  # a step's time is its device time: the deadline guard paces on it
+                torch.cuda.synchronize(state.sample.device)
             records.append(StepRecord(i, sigma, timestep, run_branches, tuple(full), batched, _ms_since(clock)))
             if last:
                 break
