@@ -730,7 +730,7 @@ def tick_profile(pipeline: PolicyPipeline, embodiment: Embodiment, inputs: dict,
     elif cuda:
         variants["compiled_graphed"] = GraphedGenStack(transformer.compiled_gen_stack())
     else:
-        variants["compiled"] = PrecompiledGenStack(transformer.compiled_whole_gen_stack(), transformer.gen_stack)
+        variants["compiled"] = PrecompiledGenStack(transformer)
     warming = {name: stack.capture if cuda else stack.compile for name, stack in variants.items()}
 
     def tick(cache=None, batch_branches: bool = True, stack=pipeline.transformer.gen_stack) -> PolicyOutput:

@@ -7,6 +7,7 @@ missing. A server process compiles and serves. (The rest of the suite runs eager
 import socket
 import subprocess
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -57,34 +58,43 @@ def _first_call(pipeline, request) -> tuple[GenInput, UndKV]:
 
 
 def test_the_whole_compiled_stack_gives_the_eager_stacks_outputs(pipeline, compiles):
-    compiled, eager = pipeline.transformer.compiled_whole_gen_stack(), pipeline.transformer.gen_stack
+    compiled, eager = PrecompiledGenStack(pipeline.transformer), pipeline.transformer.gen_stack
     for batch_branches in (True, False):  # both branches as one batch (text K/V padded), each alone
         expected = _tick(pipeline, _request(RED), eager, batch_branches)
+        _tick(pipeline, _request(RED), compiled.compile, batch_branches)
         got = _tick(pipeline, _request(RED), compiled, batch_branches)
         np.testing.assert_allclose(got.actions, expected.actions, rtol=0, atol=1e-5)
         torch.testing.assert_close(got.latents, expected.latents, rtol=0, atol=1e-5)
+    assert compiled.num_patterns == 2 and compiled.eager_calls == 0
     # Another text length runs the graphs compiled above: text lengths are dynamic.
-    with torch.compiler.set_stance("fail_on_recompile"), torch.no_grad():
-        got = _tick(pipeline, _request(BLUE), compiled)
+    got = _tick(pipeline, _request(BLUE), compiled)
     np.testing.assert_allclose(got.actions, _tick(pipeline, _request(BLUE), eager).actions, rtol=0, atol=1e-5)
+    assert compiled.num_patterns == 2 and compiled.eager_calls == 0
     # Two calls of one layout as one batch (a micro-batch of two ticks), each item against its own K/V.
     gen, und_kv = _first_call(pipeline, _request(RED))
     batch, batch_kv = GenInput.stack([gen, gen]), UndKV.stack([und_kv, und_kv])
     with torch.no_grad():
+        torch.testing.assert_close(compiled.compile(batch, batch_kv), eager(batch, batch_kv), rtol=0, atol=1e-5)
         torch.testing.assert_close(compiled(batch, batch_kv), eager(batch, batch_kv), rtol=0, atol=1e-5)
+    assert compiled.num_patterns == 3 and compiled.eager_calls == 0
 
 
-def test_a_precompiled_stack_runs_eagerly_what_warmup_did_not_compile(pipeline):
-    ran = []
-    stack = PrecompiledGenStack(lambda gen, kv: ran.append("compiled"), lambda gen, kv: ran.append("eager"))
+def test_a_precompiled_stack_runs_eagerly_what_warmup_did_not_compile(pipeline, compiles):
+    stack, eager = PrecompiledGenStack(pipeline.transformer), pipeline.transformer.gen_stack
     gen, und_kv = _first_call(pipeline, _request(RED))
-    stack(gen, und_kv)
-    stack.compile(gen, und_kv)
-    stack(gen, und_kv)
-    four = GenInput.stack([gen] * 4)  # a micro-batch: never compiled
-    stack.compile(four, UndKV.stack([und_kv] * 4))
-    stack(four, UndKV.stack([und_kv] * 4))
-    assert ran == ["eager", "compiled", "compiled", "eager", "eager"] and stack.num_patterns == 1
+    four, four_kv = GenInput.stack([gen] * 4), UndKV.stack([und_kv] * 4)  # a micro-batch: never compiled
+    short = pipeline.transformer.prefill_und(torch.tensor([7]), torch.zeros((3, 1)))  # one text row: not either
+    short_gen = GenInput(gen.hidden, replace(gen.layout, und_len=1))
+    with torch.no_grad():
+        torch.testing.assert_close(stack(gen, und_kv), eager(gen, und_kv), rtol=0, atol=0)
+        assert stack.eager_calls == 1 and stack.num_patterns == 0
+        stack.compile(gen, und_kv)
+        stack(gen, und_kv)
+        assert stack.eager_calls == 1 and stack.num_patterns == 1
+        for call in ((four, four_kv), (short_gen, short)):
+            torch.testing.assert_close(stack.compile(*call), eager(*call), rtol=0, atol=0)
+            torch.testing.assert_close(stack(*call), eager(*call), rtol=0, atol=0)
+    assert stack.eager_calls == 3 and stack.num_patterns == 1
 
 
 def test_an_engine_compiles_at_warmup_and_serves_without_compiling(pipeline, compiles):
@@ -93,13 +103,15 @@ def test_an_engine_compiles_at_warmup_and_serves_without_compiling(pipeline, com
     engine.start()
     try:
         assert engine.wait_ready(timeout_s=600)
-        assert engine.served.gen_stack.num_patterns > 0
+        stack = engine.served.gen_stack
+        patterns, compile_ms, eager_calls = stack.num_patterns, stack.compile_ms, stack.eager_calls
+        assert patterns > 0
         session = engine.open_session("pusht", RED, seed=5, rate_hz=0)
-        with torch.compiler.set_stance("fail_on_recompile"):
-            results = [engine.act(session.session_id, session.epoch,
-                                  api.Observation(images=_images(), state=STATE, instruction=instruction,
-                                                  step_index=step))
-                       for step, instruction in enumerate((RED, BLUE))]
+        results = [engine.act(session.session_id, session.epoch,
+                              api.Observation(images=_images(), state=STATE, instruction=instruction,
+                                              step_index=step))
+                   for step, instruction in enumerate((RED, BLUE))]
+        assert (stack.num_patterns, stack.compile_ms, stack.eager_calls) == (patterns, compile_ms, eager_calls)
         assert all(result.tick.skipped_calls == 0 for result in results)  # a generous budget runs uncached
         embodiment = pipeline.embodiments.get("pusht")
         np.testing.assert_allclose(results[0].actions, embodiment.clip_to_limits(expected), rtol=0, atol=1e-5)

@@ -42,10 +42,10 @@ class EngineSettings:
     them). `quality_profile`: plan ticks on its frontier (`policy_server.budget.profile`); without one,
     `calibrate_at_warmup` measures a bounded one before the engine is ready, else ticks are planned on the
     ladder. `cuda_graphs`: on a CUDA device, replay the GEN stack from CUDA graphs captured at warmup and at
-    each session's opening (`engine/cuda_graphs.py`). `compile_gen_stack`: run the GEN stack compiled by
-    torch.compile, compiled at warmup (on CUDA `Cosmos3OmniTransformer.compiled_gen_stack`, on a CPU
-    `compiled_whole_gen_stack`); None: wherever torch.compile can compile (`compile_unavailable`), eagerly with a
-    warning elsewhere: on a CPU too, where the controller erred less on it at every budget of session 25's bench
+    each session's opening (`engine/cuda_graphs.py`). `compile_gen_stack`: run the GEN stack compiled, compiled
+    at warmup (on CUDA `Cosmos3OmniTransformer.compiled_gen_stack`, on a CPU the whole stack by inductor:
+    `engine/compiled_stack.py`); None: wherever torch can compile (`compile_unavailable`), eagerly with a warning
+    elsewhere: on a CPU too, where the controller erred less on it at every budget of session 25's and 26's bench
     runs (README, Measured results)."""
 
     default_budget_ms: float = 120.0
@@ -106,7 +106,7 @@ class ServedModel:
         elif cuda:  # shape-generic around attention; the graphs below remove the launches
             stack = live_stack = transformer.compiled_gen_stack()
         else:  # one graph per call; a pattern warmup never ran runs eagerly rather than compiling live
-            live_stack = PrecompiledGenStack(transformer.compiled_whole_gen_stack(), transformer.gen_stack)
+            live_stack = PrecompiledGenStack(transformer)
             stack = live_stack.compile
         self.graphs = GraphedGenStack(stack) if settings.cuda_graphs and cuda else None
         self.gen_stack = live_stack if self.graphs is None else self.graphs

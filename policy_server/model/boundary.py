@@ -63,7 +63,7 @@ class UndKV:
     @cached_property
     def per_item(self) -> tuple[torch.Tensor, ...]:
         """Each item's keys and values of every layer as one tensor, without padding: `[L, 2, KV, n_b, hd]`
-        (2: keys, values), for `Cosmos3OmniTransformer.compiled_whole_gen_stack`. Made on first use, then kept
+        (2: keys, values), for `Cosmos3OmniTransformer.gen_stack_per_item`. Made on first use, then kept
         (a prompt's K/V serve every step of its ticks)."""
         if self.keys[0].ndim == 3:
             return (torch.stack([torch.stack(kv) for kv in zip(self.keys, self.values, strict=True)]),)

@@ -238,27 +238,16 @@ class Cosmos3OmniTransformer(nn.Module):
 
         return gen_stack
 
-    def compiled_whole_gen_stack(self) -> Callable[[GenInput, UndKV], torch.Tensor]:
-        """`gen_stack` compiled whole by `torch.compile`, attention included: one graph of fused kernels per call,
-        which is what a CPU needs (there an eager call spends about as long dispatching its few hundred small ops
-        as in its matmuls). Each item's text K/V goes in unpadded (`UndKV.per_item`), its length marked dynamic, so
-        one graph serves every instruction; each number of items (one branch, a CFG pair, a micro-batch) and of
-        generated rows compiles a static graph of its own, for seconds: make those calls before any deadline
-        runs (`engine/compiled_stack.py`)."""
-        # The C++ wrapper calls the kernels without Python in between (measured 4% faster per uncached tick).
-        compiled = torch.compile(self._gen_stack_per_item, dynamic=False, options={"cpp_wrapper": True})
+    def gen_stack_per_item_inputs(self, gen: GenInput, und_kv: UndKV
+                                  ) -> tuple[torch.Tensor, RotaryTables, tuple[torch.Tensor, ...]]:
+        """Check that `gen` and `und_kv` belong together and give them as `gen_stack_per_item` takes them: each
+        item's text K/V unpadded (`UndKV.per_item`), so a graph traced with text lengths dynamic serves every
+        instruction (`engine/compiled_stack.py`)."""
+        self._check_gen_stack(gen, und_kv)
+        return gen.hidden, gen.layout.rotary, und_kv.per_item
 
-        def gen_stack(gen: GenInput, und_kv: UndKV) -> torch.Tensor:
-            self._check_gen_stack(gen, und_kv)
-            text_kv = und_kv.per_item
-            for item in text_kv:
-                torch._dynamo.mark_dynamic(item, 3)
-            return compiled(gen.hidden, gen.layout.rotary, text_kv)
-
-        return gen_stack
-
-    def _gen_stack_per_item(self, x: torch.Tensor, rotary: RotaryTables, text_kv: tuple[torch.Tensor, ...]
-                            ) -> torch.Tensor:
+    def gen_stack_per_item(self, x: torch.Tensor, rotary: RotaryTables, text_kv: tuple[torch.Tensor, ...]
+                           ) -> torch.Tensor:
         """`gen_stack` of rows `x` `[N_gen, D]` (one item) or `[B, N_gen, D]`, item b against `text_kv[b]`
         `[L, 2, KV, n_b, hd]`."""
         for index, layer in enumerate(self.layers):
