@@ -99,6 +99,7 @@ from policy_server.pipeline.policy import (
     TickSteps,
     run_steps,
 )
+from policy_server.pipeline.step_work import CompiledStepWork, StepWork
 from robots.envs import ENV_IDS, HELDOUT_SEED_OFFSET, REACH_EITHER_TIMED_ID, REACH_ID
 from robots.expert import expert_observations
 from robots.rollout import TickStats, run_episodes
@@ -732,17 +733,22 @@ def tick_profile(pipeline: PolicyPipeline, embodiment: Embodiment, inputs: dict,
     else:
         variants["compiled"] = PrecompiledGenStack(transformer)
     warming = {name: stack.capture if cuda else stack.compile for name, stack in variants.items()}
+    # The compiled CPU variant runs the step's work around the stack compiled too, as the server does there.
+    step_work = {name: CompiledStepWork(transformer) if name == "compiled" else None for name in variants}
+    warming_work = {name: work and work.compiling() for name, work in step_work.items()}
 
-    def tick(cache=None, batch_branches: bool = True, stack=pipeline.transformer.gen_stack) -> PolicyOutput:
-        return run_steps(pipeline.steps(request, None, pipeline.fixed_steps(steps, guidance, cache, batch_branches)),
-                         stack)
+    def tick(cache=None, batch_branches: bool = True, stack=pipeline.transformer.gen_stack,
+             work: StepWork | None = None) -> PolicyOutput:
+        control = pipeline.fixed_steps(steps, guidance, cache, batch_branches)
+        return run_steps(pipeline.steps(request, None, control, work), stack)
 
     def max_caching() -> SeaCache:
         return SeaCache(SeaCacheConfig(threshold=MAX_CACHING.threshold, max_consecutive_cached=MAX_CACHING.cap))
 
     tick(), tick(batch_branches=False)  # allocations and layouts of this shape are made outside the figures
-    for warm in warming.values():  # and the graphs' captures and compiles
-        tick(stack=warm), tick(max_caching(), batch_branches=False, stack=warm)
+    for name, warm in warming.items():  # and the graphs' captures and compiles
+        tick(stack=warm, work=warming_work[name])
+        tick(max_caching(), batch_branches=False, stack=warm, work=warming_work[name])
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     op_us, op_counts = Counter(), Counter()  # self time and calls by op, summed over the profiled ticks
     walls, walls_one_by_one, calls = [], [], []
@@ -754,9 +760,10 @@ def tick_profile(pipeline: PolicyPipeline, embodiment: Embodiment, inputs: dict,
             if one_by_one is not None:
                 (walls_one_by_one if one_by_one else walls).append(out.timings_ms["total"])
         for name, stack in variants.items():
-            out = tick(stack=stack)
+            out = tick(stack=stack, work=step_work[name])
             variant_walls[name].append(out.timings_ms["total"])
-            variant_calls[name] += step_calls(out.steps) + step_calls(tick(max_caching(), False, stack).steps)
+            variant_calls[name] += step_calls(out.steps) + step_calls(tick(max_caching(), False, stack,
+                                                                           step_work[name]).steps)
         with profile(activities=activities) as profiler:
             tick()
         for e in profiler.key_averages():
@@ -790,7 +797,9 @@ def tick_profile(pipeline: PolicyPipeline, embodiment: Embodiment, inputs: dict,
             "full_call_saved_ms": call_ms(FULL) - call_ms(FULL, variant_calls[name]),
             "batched_cfg_call_saved_ms": call_ms(PAIR) - call_ms(PAIR, variant_calls[name]),
             **({"graphs": variants[name].num_graphs, "capture_ms": variants[name].capture_ms}  # compiles included
-               if cuda else {"patterns": variants[name].num_patterns, "compile_ms": variants[name].compile_ms}),
+               if cuda else {"patterns": variants[name].num_patterns, "compile_ms": variants[name].compile_ms,
+                             "step_work_shapes": step_work[name].num_shapes,
+                             "step_work_compile_ms": step_work[name].compile_ms}),
         } for name in ("graphed", "compiled_graphed", "compiled")},
         "ticks": ticks,
     }

@@ -1,6 +1,7 @@
 """The GEN stack compiled whole, as a CPU server runs it by default: it gives the eager stack's outputs (one
 branch, both CFG branches as one batch, a batch of one layout), one graph serves every instruction, and an engine
-compiles only at warmup, then serves ticks, a new instruction's included, without compiling. Where torch.compile
+compiles only at warmup, then serves ticks, a new instruction's included, without compiling. The step's work
+around the stack, compiled with it, gives the eager outputs bit for bit. Where torch.compile
 cannot compile, an engine runs the eager stack, and asking for the compiled one is an error that names what is
 missing. A server process compiles and serves. (The rest of the suite runs eagerly: `conftest.py`.)"""
 
@@ -20,6 +21,7 @@ from policy_server.engine.compiled_stack import CompileUnavailableError, Precomp
 from policy_server.engine.engine import EngineSettings, ModelEngine
 from policy_server.model import GenInput, UndKV
 from policy_server.pipeline.policy import PolicyRequest, run_steps
+from policy_server.pipeline.step_work import CompiledStepWork
 from robots.embedded import build_random_pipeline
 
 RED, BLUE = "reach the red circle", "reach the blue square at the far end of the table and stay there"
@@ -40,10 +42,10 @@ def _request(instruction: str) -> PolicyRequest:
     return PolicyRequest(images=_images(), instruction=instruction, embodiment="pusht", state=STATE, seed=5)
 
 
-def _tick(pipeline, request, stack, batch_branches=True):
+def _tick(pipeline, request, stack, batch_branches=True, step_work=None):
     config = pipeline.config
     control = pipeline.fixed_steps(config.num_steps, config.guidance, None, batch_branches)
-    return run_steps(pipeline.steps(request, None, control), stack)
+    return run_steps(pipeline.steps(request, None, control, step_work), stack)
 
 
 def _first_call(pipeline, request) -> tuple[GenInput, UndKV]:
@@ -97,21 +99,40 @@ def test_a_precompiled_stack_runs_eagerly_what_warmup_did_not_compile(pipeline, 
     assert stack.eager_calls == 3 and stack.num_patterns == 1
 
 
+def test_compiled_step_work_gives_the_eager_outputs_bit_for_bit(pipeline, compiles):
+    work, stack = CompiledStepWork(pipeline.transformer), pipeline.transformer.gen_stack
+    expected = {instruction: {batch_branches: _tick(pipeline, _request(instruction), stack, batch_branches)
+                              for batch_branches in (True, False)} for instruction in (RED, BLUE)}
+    got = _tick(pipeline, _request(RED), stack, step_work=work)  # no graphs yet: eagerly
+    assert work.num_shapes == 0 and work.eager_steps == pipeline.config.num_steps
+    np.testing.assert_array_equal(got.actions, expected[RED][True].actions)
+    _tick(pipeline, _request(RED), stack, step_work=work.compiling())
+    assert work.num_shapes == 1
+    for instruction in (RED, BLUE):  # one shape's graphs serve every instruction
+        for batch_branches in (True, False):
+            got = _tick(pipeline, _request(instruction), stack, batch_branches, work)
+            np.testing.assert_array_equal(got.actions, expected[instruction][batch_branches].actions)
+            torch.testing.assert_close(got.latents, expected[instruction][batch_branches].latents, rtol=0, atol=0)
+    assert work.num_shapes == 1 and work.eager_steps == pipeline.config.num_steps
+
+
 def test_an_engine_compiles_at_warmup_and_serves_without_compiling(pipeline, compiles):
     expected = _tick(pipeline, _request(RED), pipeline.transformer.gen_stack).actions
     engine = ModelEngine(pipeline, EngineSettings(warmup_ticks=1, default_budget_ms=10_000.0))  # the default
     engine.start()
     try:
         assert engine.wait_ready(timeout_s=600)
-        stack = engine.served.gen_stack
+        stack, work = engine.served.gen_stack, engine.served.step_work
         patterns, compile_ms, eager_calls = stack.num_patterns, stack.compile_ms, stack.eager_calls
-        assert patterns > 0
+        shapes, eager_steps = work.num_shapes, work.eager_steps
+        assert patterns > 0 and shapes > 0
         session = engine.open_session("pusht", RED, seed=5, rate_hz=0)
         results = [engine.act(session.session_id, session.epoch,
                               api.Observation(images=_images(), state=STATE, instruction=instruction,
                                               step_index=step))
                    for step, instruction in enumerate((RED, BLUE))]
         assert (stack.num_patterns, stack.compile_ms, stack.eager_calls) == (patterns, compile_ms, eager_calls)
+        assert (work.num_shapes, work.eager_steps) == (shapes, eager_steps)
         assert all(result.tick.skipped_calls == 0 for result in results)  # a generous budget runs uncached
         embodiment = pipeline.embodiments.get("pusht")
         np.testing.assert_allclose(results[0].actions, embodiment.clip_to_limits(expected), rtol=0, atol=1e-5)

@@ -1,15 +1,13 @@
 """The GEN stack compiled whole on a CPU, one graph per call pattern, compiled before live ticks need it.
 
 There an eager call spends about as long dispatching its few hundred small ops as in its matmuls, so the whole
-stack, attention included, is traced by `torch.export` and compiled by inductor with its C++ wrapper
-(`torch._inductor.standalone_compile`). A call then goes straight to the compiled kernels: no guards to check and
-no frame to evaluate, which `torch.compile` of the same function spends 0.25 ms per call on (5 ms of a 20-step
-CFG tick, same outputs). A graph is fixed to its call pattern, the number of items and of generated rows; each
-item's text length stays dynamic, so one graph serves every instruction. Compiling a pattern takes seconds
-(inductor's disk cache makes a restart's compiles fast), so it is done where no deadline runs: warmup uses
-`compile`; a live tick calls the object itself, which runs a compiled pattern's graph and any other pattern
-eagerly. Only calls of one tick compile (one CFG branch, or both as one batch): a micro-batch of several ticks'
-calls is already batched, and each of its sizes would be a graph more to compile at every shape.
+stack, attention included, runs as one `CompiledGraph` (no guards or frame per call: 5 ms of a 20-step CFG tick
+faster than `torch.compile` of the same function). A graph is fixed to its call pattern, the number of items and
+of generated rows; each item's text length stays dynamic, so one graph serves every instruction. Compiling a
+pattern takes seconds, so it is done where no deadline runs: warmup uses `compile`; a live tick calls the object
+itself, which runs a compiled pattern's graph and any other pattern eagerly. Only calls of one tick compile (one
+CFG branch, or both as one batch): a micro-batch of several ticks' calls is already batched, and each of its
+sizes would be a graph more to compile at every shape.
 
 `compile_unavailable` says whether torch.compile can run at all: it needs a compiler for the code it writes.
 """
@@ -28,6 +26,7 @@ from torch.export import Dim
 
 from policy_server.model import Cosmos3OmniTransformer, GenInput, UndKV
 from policy_server.model.rope import RotaryTables
+from policy_server.pipeline.compiled_graph import CompiledGraph
 
 MAX_COMPILED_ITEMS = 2  # a tick's calls: its CFG branches
 MIN_TEXT_ROWS = 2  # export treats sizes 0 and 1 apart: a graph serves text lengths from 2 up
@@ -46,14 +45,19 @@ class PrecompiledGenStack:
         self.transformer = transformer
         self.compile_ms = 0.0
         self.eager_calls = 0
-        self._graphs: dict[tuple, _StackGraph] = {}
+        self._graphs: dict[tuple, CompiledGraph] = {}
 
     def __call__(self, gen: GenInput, und_kv: UndKV) -> torch.Tensor:
         graph = self._graphs.get(_pattern(gen, und_kv))
         if graph is None:
             self.eager_calls += 1
             return self.transformer.gen_stack(gen, und_kv)
-        return graph(*self.transformer.gen_stack_per_item_inputs(gen, und_kv))
+        return self._run(graph, *self.transformer.gen_stack_per_item_inputs(gen, und_kv))
+
+    @staticmethod
+    def _run(graph: CompiledGraph, hidden: torch.Tensor, rotary: RotaryTables,
+             text_kv: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return graph(hidden, rotary.cos, rotary.sin, *text_kv)[0]
 
     def compile(self, gen: GenInput, und_kv: UndKV) -> torch.Tensor:
         pattern = _pattern(gen, und_kv)
@@ -62,38 +66,18 @@ class PrecompiledGenStack:
         start = time.perf_counter()
         inputs = self.transformer.gen_stack_per_item_inputs(gen, und_kv)
         if pattern not in self._graphs:
-            self._graphs[pattern] = _StackGraph(self.transformer, *inputs)
-        hidden = self._graphs[pattern](*inputs)
+            hidden, rotary, text_kv = inputs
+            text_rows = tuple({3: Dim(f"text_rows_{b}", min=MIN_TEXT_ROWS)} for b in range(len(text_kv)))
+            self._graphs[pattern] = CompiledGraph(_PerItemStack(self.transformer),
+                                                  (hidden, rotary.cos, rotary.sin, text_kv),
+                                                  dynamic_shapes=(None, None, None, text_rows))
+        hidden = self._run(self._graphs[pattern], *inputs)
         self.compile_ms += (time.perf_counter() - start) * 1e3
         return hidden
 
     @property
     def num_patterns(self) -> int:
         return len(self._graphs)
-
-
-class _StackGraph:
-    """One call pattern's compiled stack: `gen_stack_per_item` traced with each item's text length dynamic. The
-    weights go in as inputs, the model's own parameters, so a graph holds no copy of them."""
-
-    def __init__(self, transformer: Cosmos3OmniTransformer, hidden: torch.Tensor, rotary: RotaryTables,
-                 text_kv: tuple[torch.Tensor, ...]):
-        module = _PerItemStack(transformer)
-        text_rows = tuple({3: Dim(f"text_rows_{b}", min=MIN_TEXT_ROWS)} for b in range(len(text_kv)))
-        with torch.no_grad():  # an inference graph: with grad on, inductor would compile a backward too
-            program = torch.export.export(module, (hidden, rotary.cos, rotary.sin, text_kv),
-                                          dynamic_shapes=(None, None, None, text_rows), strict=False)
-            tensors = dict(module.named_parameters()) | dict(module.named_buffers())
-            # The program's inputs are its lifted weights, then the user's inputs (`ExportGraphSignature`).
-            self.weights = [tensors[spec.target] for spec in program.graph_signature.input_specs
-                            if spec.kind != torch.export.graph_signature.InputKind.USER_INPUT]
-            # The C++ wrapper calls the kernels without Python in between (measured 4% faster per uncached tick).
-            self.compiled = torch._inductor.standalone_compile(
-                program.graph_module, [*self.weights, hidden, rotary.cos, rotary.sin, *text_kv],
-                options={"config_patches": {"cpp_wrapper": True}}, donate_graph_module=True)
-
-    def __call__(self, hidden: torch.Tensor, rotary: RotaryTables, text_kv: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        return self.compiled(*self.weights, hidden, rotary.cos, rotary.sin, *text_kv)[0]
 
 
 class _PerItemStack(nn.Module):

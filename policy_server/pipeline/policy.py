@@ -53,6 +53,7 @@ from policy_server.pipeline.packing import ActionLayout, PackedSequence, Request
 from policy_server.pipeline.policy_config import PolicyConfig, PolicyConfigError
 from policy_server.pipeline.prompts import PromptPair, action_prompt_pair
 from policy_server.pipeline.schedulers import make_sampler
+from policy_server.pipeline.step_work import StepWork
 from policy_server.pipeline.wan_vae import WanVideoVAE
 
 MODES = ("policy", "forward_dynamics", "inverse_dynamics")
@@ -326,6 +327,7 @@ class PolicyPipeline:
         folder: Path | None = None,
     ):
         self.transformer = transformer.eval()
+        self.step_work = StepWork(self.transformer)
         self.vae = vae.eval()
         self.tokenizer = tokenizer
         self.embodiments = embodiments
@@ -460,14 +462,15 @@ class PolicyPipeline:
         """`steps(...)` run to the end on this thread, each full GEN-stack call through the transformer."""
         return run_steps(self.steps(request, prompt, control), self.transformer.gen_stack)
 
-    def steps(self, request: PolicyRequest, prompt: PromptState | None, control: StepControl) -> TickSteps:
+    def steps(self, request: PolicyRequest, prompt: PromptState | None, control: StepControl,
+              step_work: StepWork | None = None) -> TickSteps:
         """One tick of a valid `request` under `control`, the one say the caller has in the step loop (the
         engine builds its requests from what the transport validated), as a generator (`TickSteps`): whoever
         drives it runs the full GEN-stack calls, alone or batched with other ticks', and may stop between
         sampler steps. The driver disables grad (`run_steps`, the engine's worker thread): a grad-mode context
         held across the yields would be restored out of order by interleaved ticks, or on another thread when
         an abandoned tick is collected. `prompt`: the session's text K/V (prefilled here when missing or
-        stale)."""
+        stale). `step_work`: how each step embeds and decodes around the GEN stack (default: eagerly)."""
         t_start = time.perf_counter()
         embodiment = self.embodiments.get(request.embodiment)
         chunk = embodiment.default_chunk_size if request.chunk_size is None else request.chunk_size
@@ -489,7 +492,8 @@ class PolicyPipeline:
         state = self._initial_state(request, embodiment, chunk, clean_latent)
         branches = self._branches(prompt, state, embodiment.fps)
         batch = self._branch_batch(branches, prompt) if len(branches) == 2 else None
-        steps_done = yield from self._sample(state, branches, batch, steps, guidance, control)
+        steps_done = yield from self._sample(state, branches, batch, steps, guidance, control,
+                                             step_work or self.step_work)
         timings["denoise"] = _ms_since(clock)
 
         clock = time.perf_counter()
@@ -711,13 +715,12 @@ class PolicyPipeline:
                             karras=self.config.karras)
 
     def _sample(self, state: DenoiseState, branches: dict[str, Branch], batch: BranchBatch | None, steps: int,
-                guidance: float, control: StepControl
+                guidance: float, control: StepControl, step_work: StepWork
                 ) -> Generator[StackCall | None, torch.Tensor | None, list[StepRecord]]:
         """The flow-matching step loop: advances `state` in place and returns what each step did. `control`
         names each step's CFG branches; a step it makes the last jumps straight to the clean estimate."""
         sampler = self._sampler(steps)
         time_embeddings = self._step_time_embeddings(sampler.timesteps)
-        dtype = self.transformer.dtype
         records: list[StepRecord] = []
         for i in range(steps):
             yield None  # a step boundary: the driver may run other work, or stop the tick, here
@@ -726,10 +729,8 @@ class PolicyPipeline:
             sigma = sampler.sigmas[i]
             timestep = float(sampler.timesteps[i])
             # The layout holds the request's indexes and the time embedding its timestep: only the latents are new.
-            hidden = self.transformer.embed_gen(layout=branches[run_branches[0]].layout,
-                                                time_embedding=time_embeddings[i],
-                                                vision_tokens=[state.vision.to(dtype).unsqueeze(0)],
-                                                action_tokens=[state.actions.to(dtype)]).hidden
+            layout = branches[run_branches[0]].layout
+            hidden = step_work.embed(layout, state.sample, time_embeddings[i])
             gens = {name: GenInput(hidden, branches[name].layout) for name in run_branches}
             noisy_vision = [state.vision] if state.noisy_vision else []
             stack_out, full = {}, []
@@ -745,8 +746,7 @@ class PolicyPipeline:
                 outs = dict(zip(group, out, strict=True)) if len(group) > 1 else {group[0]: out}
                 control.ran(outs)
                 stack_out.update(outs)
-            v_vision, v_action = self._velocity(gens[run_branches[0]], _guided(stack_out, guidance))
-            velocity = torch.cat((v_vision.flatten(), v_action.flatten()))
+            velocity = step_work.velocity(layout, _guided(stack_out, guidance))
             if last:  # out of time: jump to the clean estimate, x0 = x_t - sigma * v for flow matching
                 state.advance(state.sample - sigma * velocity)
             else:
@@ -775,13 +775,6 @@ class PolicyPipeline:
         if len(calls) == 1:
             return StackCall(*calls[0], calls)
         return StackCall(GenInput.stack_varied([gen for gen, _ in calls], batch.layouts), batch.und_kv, calls)
-
-    def _velocity(self, gen: GenInput, stack_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A step's velocities decoded from a GEN stack output (a branch's, run or estimated, or their guided
-        combination; `gen`: either branch's input, whose generated rows they share), fp32, zero on clean frames
-        and rows: vision [C, T_lat, h, w], actions [H + S + K, action_dim]."""
-        pred_vision, _, pred_action = self.transformer.heads(stack_out, gen)
-        return pred_vision[0][0].float(), pred_action[0].float()
 
     @staticmethod
     def _initial_noise(request: PolicyRequest, vision_shape: tuple[int, ...],
