@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction,
                    help="on CUDA, replay the GEN stack from CUDA graphs captured at warmup and OpenSession (on)")
     g.add_argument("--compile-gen-stack", action=argparse.BooleanOptionalAction,
-                   help="run the GEN stack (and on a CPU the step's work around it) compiled at warmup (default: "
+                   help="run the GEN stack (and on a CPU the prefill and step work) compiled at warmup (default: "
                         "where a compiler for it is installed: a C one on CUDA, a C++ one on CPU; else eagerly, with "
                         "a warning)")
     g.add_argument("--quality-profile",

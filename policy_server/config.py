@@ -44,7 +44,7 @@ class ServerConfig(BaseModel):
     dtype: str = Field("auto", description="weight dtype: auto (bf16 on CUDA, fp32 on CPU), bf16, fp16 or fp32")
     cuda_graphs: bool = Field(True, description="on CUDA, replay the GEN stack from CUDA graphs captured at warmup")
     compile_gen_stack: bool | None = Field(
-        None, description="run the GEN stack (on a CPU, the step's work around it too) compiled at warmup (unset: "
+        None, description="run the GEN stack (on a CPU, the prefill and step work too) compiled at warmup (unset: "
                           "wherever torch can compile)")
     quality_profile: str = Field(
         "auto", min_length=1,

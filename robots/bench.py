@@ -99,7 +99,7 @@ from policy_server.pipeline.policy import (
     TickSteps,
     run_steps,
 )
-from policy_server.pipeline.step_work import CompiledStepWork, StepWork
+from policy_server.pipeline.tick_work import CompiledTickWork, TickWork
 from robots.envs import ENV_IDS, HELDOUT_SEED_OFFSET, REACH_EITHER_TIMED_ID, REACH_ID
 from robots.expert import expert_observations
 from robots.rollout import TickStats, run_episodes
@@ -733,12 +733,12 @@ def tick_profile(pipeline: PolicyPipeline, embodiment: Embodiment, inputs: dict,
     else:
         variants["compiled"] = PrecompiledGenStack(transformer)
     warming = {name: stack.capture if cuda else stack.compile for name, stack in variants.items()}
-    # The compiled CPU variant runs the step's work around the stack compiled too, as the server does there.
-    step_work = {name: CompiledStepWork(transformer) if name == "compiled" else None for name in variants}
-    warming_work = {name: work and work.compiling() for name, work in step_work.items()}
+    # The compiled CPU variant runs the prefill and the step's work around the stack compiled too, as the server.
+    tick_work = {name: CompiledTickWork(transformer) if name == "compiled" else None for name in variants}
+    warming_work = {name: work and work.compiling() for name, work in tick_work.items()}
 
     def tick(cache=None, batch_branches: bool = True, stack=pipeline.transformer.gen_stack,
-             work: StepWork | None = None) -> PolicyOutput:
+             work: TickWork | None = None) -> PolicyOutput:
         control = pipeline.fixed_steps(steps, guidance, cache, batch_branches)
         return run_steps(pipeline.steps(request, None, control, work), stack)
 
@@ -760,10 +760,10 @@ def tick_profile(pipeline: PolicyPipeline, embodiment: Embodiment, inputs: dict,
             if one_by_one is not None:
                 (walls_one_by_one if one_by_one else walls).append(out.timings_ms["total"])
         for name, stack in variants.items():
-            out = tick(stack=stack, work=step_work[name])
+            out = tick(stack=stack, work=tick_work[name])
             variant_walls[name].append(out.timings_ms["total"])
             variant_calls[name] += step_calls(out.steps) + step_calls(tick(max_caching(), False, stack,
-                                                                           step_work[name]).steps)
+                                                                           tick_work[name]).steps)
         with profile(activities=activities) as profiler:
             tick()
         for e in profiler.key_averages():
@@ -798,8 +798,8 @@ def tick_profile(pipeline: PolicyPipeline, embodiment: Embodiment, inputs: dict,
             "batched_cfg_call_saved_ms": call_ms(PAIR) - call_ms(PAIR, variant_calls[name]),
             **({"graphs": variants[name].num_graphs, "capture_ms": variants[name].capture_ms}  # compiles included
                if cuda else {"patterns": variants[name].num_patterns, "compile_ms": variants[name].compile_ms,
-                             "step_work_shapes": step_work[name].num_shapes,
-                             "step_work_compile_ms": step_work[name].compile_ms}),
+                             "tick_work_shapes": tick_work[name].num_shapes,
+                             "tick_work_compile_ms": tick_work[name].compile_ms}),
         } for name in ("graphed", "compiled_graphed", "compiled")},
         "ticks": ticks,
     }

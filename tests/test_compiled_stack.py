@@ -20,8 +20,8 @@ from policy_server.engine import api
 from policy_server.engine.compiled_stack import CompileUnavailableError, PrecompiledGenStack, compile_unavailable
 from policy_server.engine.engine import EngineSettings, ModelEngine
 from policy_server.model import GenInput, UndKV
-from policy_server.pipeline.policy import PolicyRequest, run_steps
-from policy_server.pipeline.step_work import CompiledStepWork
+from policy_server.pipeline.policy import BRANCHES, PolicyRequest, run_steps
+from policy_server.pipeline.tick_work import CompiledTickWork
 from robots.embedded import build_random_pipeline
 
 RED, BLUE = "reach the red circle", "reach the blue square at the far end of the table and stay there"
@@ -42,10 +42,10 @@ def _request(instruction: str) -> PolicyRequest:
     return PolicyRequest(images=_images(), instruction=instruction, embodiment="pusht", state=STATE, seed=5)
 
 
-def _tick(pipeline, request, stack, batch_branches=True, step_work=None):
+def _tick(pipeline, request, stack, batch_branches=True, tick_work=None):
     config = pipeline.config
     control = pipeline.fixed_steps(config.num_steps, config.guidance, None, batch_branches)
-    return run_steps(pipeline.steps(request, None, control, step_work), stack)
+    return run_steps(pipeline.steps(request, None, control, tick_work), stack)
 
 
 def _first_call(pipeline, request) -> tuple[GenInput, UndKV]:
@@ -99,21 +99,33 @@ def test_a_precompiled_stack_runs_eagerly_what_warmup_did_not_compile(pipeline, 
     assert stack.eager_calls == 3 and stack.num_patterns == 1
 
 
-def test_compiled_step_work_gives_the_eager_outputs_bit_for_bit(pipeline, compiles):
-    work, stack = CompiledStepWork(pipeline.transformer), pipeline.transformer.gen_stack
-    expected = {instruction: {batch_branches: _tick(pipeline, _request(instruction), stack, batch_branches)
-                              for batch_branches in (True, False)} for instruction in (RED, BLUE)}
-    got = _tick(pipeline, _request(RED), stack, step_work=work)  # no graphs yet: eagerly
-    assert work.num_shapes == 0 and work.eager_steps == pipeline.config.num_steps
-    np.testing.assert_array_equal(got.actions, expected[RED][True].actions)
-    _tick(pipeline, _request(RED), stack, step_work=work.compiling())
+def test_compiled_tick_work_gives_the_eager_outputs(pipeline, compiles):
+    work, eager, stack = CompiledTickWork(pipeline.transformer), pipeline.tick_work, pipeline.transformer.gen_stack
+    config, embodiment = pipeline.config, pipeline.embodiments.get("pusht")
+
+    def tick(instruction, batch_branches, tick_work, prompt=None):
+        control = pipeline.fixed_steps(config.num_steps, config.guidance, None, batch_branches)
+        return run_steps(pipeline.steps(_request(instruction), prompt, control, tick_work), stack)
+
+    expected = tick(RED, True, eager)
+    np.testing.assert_array_equal(tick(RED, True, work).actions, expected.actions)  # no graphs yet: eagerly
+    assert work.num_shapes == 0 and work.eager_steps == config.num_steps
+    compiled_prefill = tick(RED, True, work.compiling())
     assert work.num_shapes == 1
-    for instruction in (RED, BLUE):  # one shape's graphs serve every instruction
-        for batch_branches in (True, False):
-            got = _tick(pipeline, _request(instruction), stack, batch_branches, work)
-            np.testing.assert_array_equal(got.actions, expected[instruction][batch_branches].actions)
-            torch.testing.assert_close(got.latents, expected[instruction][batch_branches].latents, rtol=0, atol=0)
-    assert work.num_shapes == 1 and work.eager_steps == pipeline.config.num_steps
+    np.testing.assert_allclose(compiled_prefill.actions, expected.actions, rtol=0, atol=1e-5)
+    for instruction in (RED, BLUE):  # one graph serves every text length, one shape's every instruction
+        prompts = [pipeline.encode_prompt(instruction, embodiment, embodiment.default_chunk_size, True,
+                                          pipeline.canvas_for(embodiment, _images()), tick_work)
+                   for tick_work in (eager, work)]
+        for branch in BRANCHES:
+            for got, want in ((prompts[1].und_kv[branch].keys, prompts[0].und_kv[branch].keys),
+                              (prompts[1].und_kv[branch].values, prompts[0].und_kv[branch].values)):
+                torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+        for batch_branches in (True, False):  # the step's work: bit for bit, given the same text K/V
+            got, want = (tick(instruction, batch_branches, tick_work, prompts[0]) for tick_work in (work, eager))
+            np.testing.assert_array_equal(got.actions, want.actions)
+            torch.testing.assert_close(got.latents, want.latents, rtol=0, atol=0)
+    assert work.num_shapes == 1 and work.eager_steps == config.num_steps
 
 
 def test_an_engine_compiles_at_warmup_and_serves_without_compiling(pipeline, compiles):
@@ -122,7 +134,7 @@ def test_an_engine_compiles_at_warmup_and_serves_without_compiling(pipeline, com
     engine.start()
     try:
         assert engine.wait_ready(timeout_s=600)
-        stack, work = engine.served.gen_stack, engine.served.step_work
+        stack, work = engine.served.gen_stack, engine.served.tick_work
         patterns, compile_ms, eager_calls = stack.num_patterns, stack.compile_ms, stack.eager_calls
         shapes, eager_steps = work.num_shapes, work.eager_steps
         assert patterns > 0 and shapes > 0

@@ -71,7 +71,7 @@ class DynamicsCall:
         if text is not prompt:  # the prefill was a piece of its own
             yield
         steps = pipeline.steps(request, text, served.fixed_steps(request.num_steps or served.num_steps),
-                               served.step_work)
+                               served.tick_work)
         waited_before_steps = self._waited_ms  # the waits between sampler steps fall inside the denoise time
         out = yield from stepwise(steps, served.gen_stack)
         denoise_ms = out.timings_ms["denoise"] - (self._waited_ms - waited_before_steps)

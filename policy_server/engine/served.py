@@ -25,7 +25,7 @@ from policy_server.engine.sessions import SessionState
 from policy_server.limits import MAX_INSTRUCTION_TOKENS
 from policy_server.pipeline.embodiments import Embodiment
 from policy_server.pipeline.policy import FixedSteps, PolicyPipeline, PromptState
-from policy_server.pipeline.step_work import CompiledStepWork
+from policy_server.pipeline.tick_work import CompiledTickWork
 
 # Ticks attend to their instruction's text K/V, so each call costs more with a longer instruction.
 # Costs are learned per instruction-length group, and warmup fills each group at its longest.
@@ -82,8 +82,8 @@ class ServedModel:
     """One pipeline on one device, with its cost model and budget. `closing` is set when the engine shuts
     down: running work stops at its next step. `gen_stack` runs the GEN-stack calls of live work (`compiled` or not);
     `capturing_gen_stack` those of warm-up work, which may also capture CUDA graphs (`graphs`, None without) or
-    compile a call pattern. `step_work` and `capturing_step_work`: the same for a step's work around the stack
-    (`pipeline/step_work.py`; compiled on a CPU with the compiled stack)."""
+    compile a call pattern. `tick_work` and `capturing_tick_work`: the same for a tick's model work besides the stack
+    (`pipeline/tick_work.py`: the prefill, each step's embedding and velocity; compiled on a CPU with the stack)."""
 
     def __init__(self, pipeline: PolicyPipeline, settings: EngineSettings, clock: Callable[[], float]):
         self.pipeline = pipeline
@@ -103,7 +103,7 @@ class ServedModel:
             logger.warning("the GEN stack runs eagerly, slower: %s", unavailable)
         self.compiled = wanted and unavailable is None
         transformer = pipeline.transformer
-        self.step_work = self.capturing_step_work = pipeline.step_work
+        self.tick_work = self.capturing_tick_work = pipeline.tick_work
         if not self.compiled:
             stack = live_stack = transformer.gen_stack
         elif cuda:  # shape-generic around attention; the graphs below remove the launches
@@ -111,8 +111,8 @@ class ServedModel:
         else:  # one graph per call; a pattern warmup never ran runs eagerly rather than compiling live
             live_stack = PrecompiledGenStack(transformer)
             stack = live_stack.compile
-            self.step_work = CompiledStepWork(transformer)  # the same: graphs made at warmup, eager elsewhere
-            self.capturing_step_work = self.step_work.compiling()
+            self.tick_work = CompiledTickWork(transformer)  # likewise: graphs made at warmup, eager elsewhere
+            self.capturing_tick_work = self.tick_work.compiling()
         self.graphs = GraphedGenStack(stack) if settings.cuda_graphs and cuda else None
         self.gen_stack = live_stack if self.graphs is None else self.graphs
         self.capturing_gen_stack = stack if self.graphs is None else self.graphs.capture
@@ -196,7 +196,8 @@ class ServedModel:
         if self.prompt_fits(reuse, instruction, embodiment, chunk, canvas_hw):
             return reuse, 0.0
         started = self.clock()
-        prompt = self.pipeline.encode_prompt(instruction, embodiment, chunk, self.passes == 2, canvas_hw)
+        prompt = self.pipeline.encode_prompt(instruction, embodiment, chunk, self.passes == 2, canvas_hw,
+                                             self.tick_work)
         return prompt, self.clock() - started
 
     def fixed_steps(self, num_steps: int, cache: StepController | None = None,

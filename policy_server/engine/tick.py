@@ -124,7 +124,7 @@ class Tick:
             num_steps=served.num_steps if plan is None else plan.num_steps, seed=session.seed + session.ticks,
         )
         try:
-            out = yield from pipeline.steps(pipeline_request, session.prompt, self, served.step_work)
+            out = yield from pipeline.steps(pipeline_request, session.prompt, self, served.tick_work)
         except Aborted:
             if served.closing.is_set():
                 raise api.ShuttingDown() from None

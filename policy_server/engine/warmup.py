@@ -83,10 +83,10 @@ class Warmup:
             logger.info("captured %d CUDA graphs of the GEN stack in %.0f ms", self.served.graphs.num_graphs,
                         self.served.graphs.capture_ms)
         elif isinstance(self.served.gen_stack, PrecompiledGenStack):
-            stack, step_work = self.served.gen_stack, self.served.step_work
-            logger.info("compiled the GEN stack for %d call patterns in %.0f ms and the step work around it for %d "
-                        "request shapes in %.0f ms", stack.num_patterns, stack.compile_ms, step_work.num_shapes,
-                        step_work.compile_ms)
+            stack, tick_work = self.served.gen_stack, self.served.tick_work
+            logger.info("compiled the GEN stack for %d call patterns in %.0f ms, the prefill and each step's work "
+                        "around the stack for %d request shapes in %.0f ms", stack.num_patterns, stack.compile_ms,
+                        tick_work.num_shapes, tick_work.compile_ms)
         self.progress = 1.0
         self.ready.set()
 
@@ -234,7 +234,7 @@ class Warmup:
             sea_filter=self.served.sea_filter)
         control = self.served.fixed_steps(request.num_steps or self.served.num_steps, cache,
                                           batch_branches=mode == "uncached")
-        return self.served.pipeline.steps(request, None, control, self.served.capturing_step_work)
+        return self.served.pipeline.steps(request, None, control, self.served.capturing_tick_work)
 
     def text_of(self, tokens: int) -> str:
         """An instruction of about `tokens` tokens (at most that many)."""

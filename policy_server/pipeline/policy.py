@@ -53,7 +53,7 @@ from policy_server.pipeline.packing import ActionLayout, PackedSequence, Request
 from policy_server.pipeline.policy_config import PolicyConfig, PolicyConfigError
 from policy_server.pipeline.prompts import PromptPair, action_prompt_pair
 from policy_server.pipeline.schedulers import make_sampler
-from policy_server.pipeline.step_work import StepWork
+from policy_server.pipeline.tick_work import TickWork
 from policy_server.pipeline.wan_vae import WanVideoVAE
 
 MODES = ("policy", "forward_dynamics", "inverse_dynamics")
@@ -327,7 +327,7 @@ class PolicyPipeline:
         folder: Path | None = None,
     ):
         self.transformer = transformer.eval()
-        self.step_work = StepWork(self.transformer)
+        self.tick_work = TickWork(self.transformer)
         self.vae = vae.eval()
         self.tokenizer = tokenizer
         self.embodiments = embodiments
@@ -420,9 +420,10 @@ class PolicyPipeline:
     # ------------------------------------------------------------------------------------ prompt
 
     def encode_prompt(self, instruction: str, embodiment: Embodiment, chunk_size: int, cfg: bool,
-                      canvas_hw: tuple[int, int]) -> PromptState:
+                      canvas_hw: tuple[int, int], work: TickWork | None = None) -> PromptState:
         """Tokenize the action caption (and negative prompt) and prefill the text K/V of each branch (the negative
-        prompt's once per clip length)."""
+        prompt's once per clip length) through `work` (default: eagerly)."""
+        work = work or self.tick_work
         pair = policy_prompt_pair(self.config, instruction, embodiment.viewpoint, embodiment.fps, chunk_size,
                                   canvas_hw)
         texts = {"cond": pair.cond, "uncond": pair.uncond}
@@ -434,9 +435,9 @@ class PolicyPipeline:
                 und_kv[branch] = self._negative_kv[tuple(ids)]
                 continue
             ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
-            positions = torch.arange(len(ids), dtype=torch.float32, device=self.device).expand(3, -1)
+            positions = torch.arange(len(ids), dtype=torch.float32, device=self.device).repeat(3, 1)
             with torch.no_grad():
-                und_kv[branch] = self.transformer.prefill_und(ids_t, positions)
+                und_kv[branch] = work.prefill(ids_t, positions)
             if branch == "uncond":
                 self._negative_kv[tuple(ids)] = und_kv[branch]
         batch_kv = UndKV.stack_padded([und_kv[branch] for branch in BRANCHES]) if cfg else None
@@ -463,14 +464,16 @@ class PolicyPipeline:
         return run_steps(self.steps(request, prompt, control), self.transformer.gen_stack)
 
     def steps(self, request: PolicyRequest, prompt: PromptState | None, control: StepControl,
-              step_work: StepWork | None = None) -> TickSteps:
+              work: TickWork | None = None) -> TickSteps:
         """One tick of a valid `request` under `control`, the one say the caller has in the step loop (the
         engine builds its requests from what the transport validated), as a generator (`TickSteps`): whoever
         drives it runs the full GEN-stack calls, alone or batched with other ticks', and may stop between
         sampler steps. The driver disables grad (`run_steps`, the engine's worker thread): a grad-mode context
         held across the yields would be restored out of order by interleaved ticks, or on another thread when
         an abandoned tick is collected. `prompt`: the session's text K/V (prefilled here when missing or
-        stale). `step_work`: how each step embeds and decodes around the GEN stack (default: eagerly)."""
+        stale). `work`: how the tick prefills, and each step embeds and decodes around the GEN stack (default:
+        eagerly)."""
+        work = work or self.tick_work
         t_start = time.perf_counter()
         embodiment = self.embodiments.get(request.embodiment)
         chunk = embodiment.default_chunk_size if request.chunk_size is None else request.chunk_size
@@ -485,15 +488,14 @@ class PolicyPipeline:
         clock = time.perf_counter()
         key = self.prompt_key(request.instruction, embodiment, chunk, cfg, canvas_hw)
         if prompt is None or prompt.key != key:
-            prompt = self.encode_prompt(request.instruction, embodiment, chunk, cfg, canvas_hw)
+            prompt = self.encode_prompt(request.instruction, embodiment, chunk, cfg, canvas_hw, work)
         timings["prefill"] = _ms_since(clock)
 
         clock = time.perf_counter()
         state = self._initial_state(request, embodiment, chunk, clean_latent)
         branches = self._branches(prompt, state, embodiment.fps)
         batch = self._branch_batch(branches, prompt) if len(branches) == 2 else None
-        steps_done = yield from self._sample(state, branches, batch, steps, guidance, control,
-                                             step_work or self.step_work)
+        steps_done = yield from self._sample(state, branches, batch, steps, guidance, control, work)
         timings["denoise"] = _ms_since(clock)
 
         clock = time.perf_counter()
@@ -715,7 +717,7 @@ class PolicyPipeline:
                             karras=self.config.karras)
 
     def _sample(self, state: DenoiseState, branches: dict[str, Branch], batch: BranchBatch | None, steps: int,
-                guidance: float, control: StepControl, step_work: StepWork
+                guidance: float, control: StepControl, work: TickWork
                 ) -> Generator[StackCall | None, torch.Tensor | None, list[StepRecord]]:
         """The flow-matching step loop: advances `state` in place and returns what each step did. `control`
         names each step's CFG branches; a step it makes the last jumps straight to the clean estimate."""
@@ -730,7 +732,7 @@ class PolicyPipeline:
             timestep = float(sampler.timesteps[i])
             # The layout holds the request's indexes and the time embedding its timestep: only the latents are new.
             layout = branches[run_branches[0]].layout
-            hidden = step_work.embed(layout, state.sample, time_embeddings[i])
+            hidden = work.embed(layout, state.sample, time_embeddings[i])
             gens = {name: GenInput(hidden, branches[name].layout) for name in run_branches}
             noisy_vision = [state.vision] if state.noisy_vision else []
             stack_out, full = {}, []
@@ -746,7 +748,7 @@ class PolicyPipeline:
                 outs = dict(zip(group, out, strict=True)) if len(group) > 1 else {group[0]: out}
                 control.ran(outs)
                 stack_out.update(outs)
-            velocity = step_work.velocity(layout, _guided(stack_out, guidance))
+            velocity = work.velocity(layout, _guided(stack_out, guidance))
             if last:  # out of time: jump to the clean estimate, x0 = x_t - sigma * v for flow matching
                 state.advance(state.sample - sigma * velocity)
             else:

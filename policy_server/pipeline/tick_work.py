@@ -1,0 +1,184 @@
+"""A tick's model work besides the GEN stack: `TickWork` runs it eagerly, `CompiledTickWork` from graphs.
+
+The work: the text prefill of a new prompt (`prefill`), and each sampler step's embedding of its generated rows
+(`embed`) and decode of the velocity from the GEN stack's output (`velocity`: the heads, vision and actions in
+fp32, flattened as the sampler state is). On a CPU these ops cost more to dispatch than to compute;
+`CompiledTickWork` runs each as one `CompiledGraph`: the prefill with the text length dynamic, and per request
+shape the embedding and the decode, which read the layout's GEN-local rows alone (they do not depend on the text),
+so a shape's graphs serve every instruction. Compiling takes seconds, so it is done where no deadline runs, by
+the object `compiling()` returns (warmup's); the object itself runs eagerly what it has no graph for.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import torch
+from torch import nn
+from torch.export import Dim
+
+from policy_server.model import Cosmos3OmniTransformer, GenInput, UndKV
+from policy_server.model.gen_layout import GenLayout
+from policy_server.pipeline.compiled_graph import CompiledGraph
+
+MIN_TEXT_ROWS = 2  # export treats sizes 0 and 1 apart: the prefill graph serves text lengths from 2 up
+
+
+class TickWork:
+    """A tick's work besides the GEN stack, run eagerly through `transformer`."""
+
+    def __init__(self, transformer: Cosmos3OmniTransformer):
+        self.transformer = transformer
+
+    def prefill(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> UndKV:
+        """The text K/V of token ids `[N]` at mRoPE positions `[3, N]` (`Cosmos3OmniTransformer.prefill_und`)."""
+        return self.transformer.prefill_und(input_ids, position_ids)
+
+    def embed(self, layout: GenLayout, sample: torch.Tensor, time_embedding: torch.Tensor) -> torch.Tensor:
+        """The generated rows `[N_gen, D]` of sampler state `sample` (fp32, flat: vision latents then action rows)
+        laid out by `layout`, the noisy rows given `time_embedding` `[1, D]`."""
+        vision, actions = _split(self.transformer, layout, sample)
+        dtype = self.transformer.dtype
+        return self.transformer.embed_gen(layout=layout, time_embedding=time_embedding,
+                                          vision_tokens=[vision.to(dtype).unsqueeze(0)],
+                                          action_tokens=[actions.to(dtype)]).hidden
+
+    def velocity(self, layout: GenLayout, stack_out: torch.Tensor) -> torch.Tensor:
+        """The velocity decoded from a GEN stack output `[N_gen, D]` by the heads, fp32 and flat like the sampler
+        state, zero on clean frames and rows."""
+        vision, _, actions = self.transformer.heads(stack_out, GenInput(stack_out, layout))
+        return torch.cat((vision[0][0].float().flatten(), actions[0].float().flatten()))
+
+
+class CompiledTickWork(TickWork):
+    """A tick's work from the graphs compiled for it, eagerly where there is none. `compile_ms`: the time spent
+    compiling; `eager_steps`: the sampler steps that ran eagerly (request shapes without graphs)."""
+
+    def __init__(self, transformer: Cosmos3OmniTransformer):
+        super().__init__(transformer)
+        self.compile_ms = 0.0
+        self.eager_steps = 0
+        self._prefill: CompiledGraph | None = None
+        self._graphs: dict[object, tuple[CompiledGraph, CompiledGraph]] = {}  # by request shape: embed, velocity
+
+    def prefill(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> UndKV:
+        if self._prefill is None or input_ids.shape[0] < MIN_TEXT_ROWS:
+            return super().prefill(input_ids, position_ids)
+        layers = self.transformer.config.num_hidden_layers
+        tensors = self._prefill(input_ids, position_ids)
+        return UndKV(tensors[:layers], tensors[layers:])
+
+    def embed(self, layout: GenLayout, sample: torch.Tensor, time_embedding: torch.Tensor) -> torch.Tensor:
+        graphs = self._graphs.get(_shape(layout))
+        if graphs is None:
+            self.eager_steps += 1
+            return super().embed(layout, sample, time_embedding)
+        return graphs[0](sample, time_embedding)[0]
+
+    def velocity(self, layout: GenLayout, stack_out: torch.Tensor) -> torch.Tensor:
+        graphs = self._graphs.get(_shape(layout))
+        if graphs is None:
+            return super().velocity(layout, stack_out)
+        return graphs[1](stack_out)[0]
+
+    def compiling(self) -> TickWork:
+        """This tick work, compiling first the graphs it lacks for what it is asked."""
+        return _Compiling(self)
+
+    @property
+    def num_shapes(self) -> int:
+        return len(self._graphs)
+
+    def compile_prefill(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> None:
+        if self._prefill is not None or input_ids.shape[0] < MIN_TEXT_ROWS:
+            return
+        start = time.perf_counter()
+        text_rows = Dim("text_rows", min=MIN_TEXT_ROWS)
+        self._prefill = CompiledGraph(_Prefill(self.transformer), (input_ids, position_ids),
+                                      dynamic_shapes=({0: text_rows}, {1: text_rows}))
+        self.compile_ms += (time.perf_counter() - start) * 1e3
+
+    def compile_shape(self, layout: GenLayout) -> None:
+        if _shape(layout) in self._graphs:
+            return
+        start = time.perf_counter()
+        transformer = self.transformer
+        config, device, dtype = transformer.config, transformer.device, transformer.dtype
+        (frames, height, width), = layout.vision_latent_shapes
+        (rows, _, _), = layout.action.token_shapes
+        sample = torch.zeros(config.latent_channel * frames * height * width + rows * config.action_dim, device=device)
+        time_embedding = torch.zeros((1, config.hidden_size), dtype=dtype, device=device)
+        stack_out = torch.zeros((layout.num_gen, config.hidden_size), dtype=dtype, device=device)
+        eager = TickWork(transformer)
+        self._graphs[_shape(layout)] = (CompiledGraph(_Embed(eager, layout), (sample, time_embedding)),
+                                        CompiledGraph(_Velocity(eager, layout), (stack_out,)))
+        self.compile_ms += (time.perf_counter() - start) * 1e3
+
+
+class _Compiling(TickWork):
+    """`CompiledTickWork` that compiles the graphs it lacks before it runs them."""
+
+    def __init__(self, compiled: CompiledTickWork):
+        super().__init__(compiled.transformer)
+        self.compiled = compiled
+
+    def prefill(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> UndKV:
+        self.compiled.compile_prefill(input_ids, position_ids)
+        return self.compiled.prefill(input_ids, position_ids)
+
+    def embed(self, layout: GenLayout, sample: torch.Tensor, time_embedding: torch.Tensor) -> torch.Tensor:
+        self.compiled.compile_shape(layout)
+        return self.compiled.embed(layout, sample, time_embedding)
+
+    def velocity(self, layout: GenLayout, stack_out: torch.Tensor) -> torch.Tensor:
+        self.compiled.compile_shape(layout)
+        return self.compiled.velocity(layout, stack_out)
+
+
+class _Prefill(nn.Module):
+    """What export traces for `TickWork.prefill`: the layers' keys, then their values."""
+
+    def __init__(self, transformer: Cosmos3OmniTransformer):
+        super().__init__()
+        self.transformer = transformer
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        und_kv = self.transformer.prefill_und(input_ids, position_ids)
+        return (*und_kv.keys, *und_kv.values)
+
+
+class _Embed(nn.Module):
+    """What export traces for `TickWork.embed` of one layout."""
+
+    def __init__(self, work: TickWork, layout: GenLayout):
+        super().__init__()
+        self.work, self.layout = work, layout
+
+    def forward(self, sample: torch.Tensor, time_embedding: torch.Tensor) -> torch.Tensor:
+        return self.work.embed(self.layout, sample, time_embedding)
+
+
+class _Velocity(nn.Module):
+    """What export traces for `TickWork.velocity` of one layout."""
+
+    def __init__(self, work: TickWork, layout: GenLayout):
+        super().__init__()
+        self.work, self.layout = work, layout
+
+    def forward(self, stack_out: torch.Tensor) -> torch.Tensor:
+        return self.work.velocity(self.layout, stack_out)
+
+
+def _split(transformer: Cosmos3OmniTransformer, layout: GenLayout, sample: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of a flat sampler state: vision latents `[C, T_lat, h, w]` and action rows `[R, action_dim]`."""
+    (frames, height, width), = layout.vision_latent_shapes
+    vision = sample[: transformer.config.latent_channel * frames * height * width]
+    return (vision.view(-1, frames, height, width),
+            sample[vision.numel():].view(-1, transformer.config.action_dim))
+
+
+def _shape(layout: GenLayout):
+    """What a layout's graphs are fixed to: its request shape but for the text length (`RequestShape`)."""
+    return replace(layout.key, und_len=0)
