@@ -17,9 +17,10 @@ Inputs = tuple["torch.Tensor | tuple[torch.Tensor, ...]", ...]  # tensors, or tu
 
 
 class CompiledGraph:
-    """`module(*inputs)` compiled for inputs like `inputs`. Call it with the inputs flattened in order (a tuple
-    argument's tensors in its place); it returns the outputs as a list. The module's weights go in as inputs, its
-    own tensors, so a graph holds no copy of them."""
+    """`module(*inputs)` compiled for inputs like `inputs`, which must be distinct tensors (export would tie
+    aliases into one input). Call it with the inputs flattened in order (a tuple argument's tensors in its place);
+    it returns the outputs as a list. The module's weights go in as inputs, its own tensors, so a graph holds no
+    copy of them."""
 
     def __init__(self, module: nn.Module, inputs: Inputs, dynamic_shapes: tuple | None = None):
         with torch.no_grad():  # an inference graph: with grad on, inductor would compile a backward too

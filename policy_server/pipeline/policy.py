@@ -748,7 +748,7 @@ class PolicyPipeline:
                 outs = dict(zip(group, out, strict=True)) if len(group) > 1 else {group[0]: out}
                 control.ran(outs)
                 stack_out.update(outs)
-            velocity = work.velocity(layout, _guided(stack_out, guidance))
+            velocity = work.velocity(layout, stack_out["cond"], stack_out.get("uncond"), guidance)
             if last:  # out of time: jump to the clean estimate, x0 = x_t - sigma * v for flow matching
                 state.advance(state.sample - sigma * velocity)
             else:
@@ -795,15 +795,6 @@ class PolicyPipeline:
                 raise InvalidNoise(f"is {got}; expected finite float32 {list(shape)}", field=f"noise.{name}")
             noise.append(tensor.cpu())
         return noise[0], noise[1]
-
-
-def _guided(stack_out: dict[str, torch.Tensor], guidance: float) -> torch.Tensor:
-    """The step's GEN-stack output `[N_gen, D]` to decode: cond's, pushed away from uncond's by `guidance` when it
-    ran. The heads are affine, so guiding what they decode guides the velocities, with one decode instead of two."""
-    out = stack_out["cond"]
-    if "uncond" in stack_out:
-        out = stack_out["uncond"] + guidance * (out - stack_out["uncond"])
-    return out
 
 
 def policy_prompt_pair(config: PolicyConfig, instruction: str, view_point: str | None, fps: float,

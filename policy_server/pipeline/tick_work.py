@@ -1,12 +1,13 @@
 """A tick's model work besides the GEN stack: `TickWork` runs it eagerly, `CompiledTickWork` from graphs.
 
 The work: the text prefill of a new prompt (`prefill`), and each sampler step's embedding of its generated rows
-(`embed`) and decode of the velocity from the GEN stack's output (`velocity`: the heads, vision and actions in
-fp32, flattened as the sampler state is). On a CPU these ops cost more to dispatch than to compute;
-`CompiledTickWork` runs each as one `CompiledGraph`: the prefill with the text length dynamic, and per request
-shape the embedding and the decode, which read the layout's GEN-local rows alone (they do not depend on the text),
-so a shape's graphs serve every instruction. Compiling takes seconds, so it is done where no deadline runs, by
-the object `compiling()` returns (warmup's); the object itself runs eagerly what it has no graph for.
+(`embed`) and decode of the velocity from the GEN stack's outputs (`velocity`: the CFG combination, the heads,
+vision and actions in fp32, flattened as the sampler state is). On a CPU these ops cost more to dispatch than
+to compute; `CompiledTickWork` runs each as one `CompiledGraph`: the prefill with the text length dynamic, and per
+request shape the embedding and the decode (of one branch, and of two guided), which read the layout's GEN-local
+rows alone (they do not depend on the text), so a shape's graphs serve every instruction. Compiling takes
+seconds, so it is done where no deadline runs, by the object `compiling()` returns (warmup's); the object itself
+runs eagerly what it has no graph for.
 """
 
 from __future__ import annotations
@@ -44,10 +45,14 @@ class TickWork:
                                           vision_tokens=[vision.to(dtype).unsqueeze(0)],
                                           action_tokens=[actions.to(dtype)]).hidden
 
-    def velocity(self, layout: GenLayout, stack_out: torch.Tensor) -> torch.Tensor:
-        """The velocity decoded from a GEN stack output `[N_gen, D]` by the heads, fp32 and flat like the sampler
-        state, zero on clean frames and rows."""
-        vision, _, actions = self.transformer.heads(stack_out, GenInput(stack_out, layout))
+    def velocity(self, layout: GenLayout, cond: torch.Tensor, uncond: torch.Tensor | None = None,
+                 guidance: float = 1.0) -> torch.Tensor:
+        """The velocity decoded from the cond branch's GEN stack output `[N_gen, D]`, pushed away from the uncond
+        branch's by `guidance` when that is given: fp32 and flat like the sampler state, zero on clean frames and
+        rows. The heads are affine, so guiding what they decode guides the
+        velocities, with one decode instead of two."""
+        out = cond if uncond is None else uncond + guidance * (cond - uncond)
+        vision, _, actions = self.transformer.heads(out, GenInput(out, layout))
         return torch.cat((vision[0][0].float().flatten(), actions[0].float().flatten()))
 
 
@@ -60,7 +65,8 @@ class CompiledTickWork(TickWork):
         self.compile_ms = 0.0
         self.eager_steps = 0
         self._prefill: CompiledGraph | None = None
-        self._graphs: dict[object, tuple[CompiledGraph, CompiledGraph]] = {}  # by request shape: embed, velocity
+        # By request shape: the embedding, the velocity of the cond branch alone and guided by the uncond one.
+        self._graphs: dict[object, tuple[CompiledGraph, CompiledGraph, CompiledGraph]] = {}
 
     def prefill(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> UndKV:
         if self._prefill is None or input_ids.shape[0] < MIN_TEXT_ROWS:
@@ -76,11 +82,15 @@ class CompiledTickWork(TickWork):
             return super().embed(layout, sample, time_embedding)
         return graphs[0](sample, time_embedding)[0]
 
-    def velocity(self, layout: GenLayout, stack_out: torch.Tensor) -> torch.Tensor:
+    def velocity(self, layout: GenLayout, cond: torch.Tensor, uncond: torch.Tensor | None = None,
+                 guidance: float = 1.0) -> torch.Tensor:
         graphs = self._graphs.get(_shape(layout))
         if graphs is None:
-            return super().velocity(layout, stack_out)
-        return graphs[1](stack_out)[0]
+            return super().velocity(layout, cond, uncond, guidance)
+        if uncond is None:
+            return graphs[1](cond)[0]
+        # The scale as the eager product takes a Python float: in fp32.
+        return graphs[2](cond, uncond, torch.tensor(guidance, dtype=torch.float32, device=cond.device))[0]
 
     def compiling(self) -> TickWork:
         """This tick work, compiling first the graphs it lacks for what it is asked."""
@@ -110,9 +120,12 @@ class CompiledTickWork(TickWork):
         sample = torch.zeros(config.latent_channel * frames * height * width + rows * config.action_dim, device=device)
         time_embedding = torch.zeros((1, config.hidden_size), dtype=dtype, device=device)
         stack_out = torch.zeros((layout.num_gen, config.hidden_size), dtype=dtype, device=device)
+        guidance = torch.zeros((), device=device)
         eager = TickWork(transformer)
         self._graphs[_shape(layout)] = (CompiledGraph(_Embed(eager, layout), (sample, time_embedding)),
-                                        CompiledGraph(_Velocity(eager, layout), (stack_out,)))
+                                        CompiledGraph(_Velocity(eager, layout), (stack_out,)),
+                                        CompiledGraph(_Velocity(eager, layout),
+                                                      (stack_out, torch.zeros_like(stack_out), guidance)))
         self.compile_ms += (time.perf_counter() - start) * 1e3
 
 
@@ -131,9 +144,10 @@ class _Compiling(TickWork):
         self.compiled.compile_shape(layout)
         return self.compiled.embed(layout, sample, time_embedding)
 
-    def velocity(self, layout: GenLayout, stack_out: torch.Tensor) -> torch.Tensor:
+    def velocity(self, layout: GenLayout, cond: torch.Tensor, uncond: torch.Tensor | None = None,
+                 guidance: float = 1.0) -> torch.Tensor:
         self.compiled.compile_shape(layout)
-        return self.compiled.velocity(layout, stack_out)
+        return self.compiled.velocity(layout, cond, uncond, guidance)
 
 
 class _Prefill(nn.Module):
@@ -166,8 +180,9 @@ class _Velocity(nn.Module):
         super().__init__()
         self.work, self.layout = work, layout
 
-    def forward(self, stack_out: torch.Tensor) -> torch.Tensor:
-        return self.work.velocity(self.layout, stack_out)
+    def forward(self, cond: torch.Tensor, uncond: torch.Tensor | None = None,
+                guidance: torch.Tensor | float = 1.0) -> torch.Tensor:
+        return self.work.velocity(self.layout, cond, uncond, guidance)
 
 
 def _split(transformer: Cosmos3OmniTransformer, layout: GenLayout, sample: torch.Tensor
