@@ -712,16 +712,16 @@ class PolicyPipeline:
             self._branch_layouts[key] = PaddedGenLayouts.build([branches[name].layout for name in BRANCHES])
         return BranchBatch(self._branch_layouts[key], prompt.batch_kv)
 
-    def _sampler(self, num_steps: int):
+    def _sampler(self, num_steps: int, work: TickWork | None = None):
         return make_sampler(self.config.sampler, num_steps, self.config.shift, solver_order=self.config.solver_order,
-                            karras=self.config.karras)
+                            karras=self.config.karras, unipc_update=work and work.unipc_update)
 
     def _sample(self, state: DenoiseState, branches: dict[str, Branch], batch: BranchBatch | None, steps: int,
                 guidance: float, control: StepControl, work: TickWork
                 ) -> Generator[StackCall | None, torch.Tensor | None, list[StepRecord]]:
         """The flow-matching step loop: advances `state` in place and returns what each step did. `control`
         names each step's CFG branches; a step it makes the last jumps straight to the clean estimate."""
-        sampler = self._sampler(steps)
+        sampler = self._sampler(steps, work)
         time_embeddings = self._step_time_embeddings(sampler.timesteps)
         records: list[StepRecord] = []
         for i in range(steps):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -198,7 +198,7 @@ class EulerSampler(FlowSampler):
 
 
 @dataclass(frozen=True)
-class _UniCoefficients:
+class UniCoefficients:
     """Scalars of one UniPC (bh) update from ``σ_s0`` to ``σ_t`` (fp32 values held as floats).
 
     ``x_t = x_scale·x − m0_scale·m0 − res_scale·(Σ_j rhos[j]·D1_j [+ rhos[-1]·(m_t − m0)])`` where
@@ -219,7 +219,7 @@ def _log_snr(sigma: torch.Tensor) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=4096)
 def _cached_uni_coefficients(sigmas: tuple[float, ...], t: int, s0: int, history: tuple[int, ...],
-                             corrector: bool) -> _UniCoefficients:
+                             corrector: bool) -> UniCoefficients:
     """`_uni_coefficients` of a schedule given as its fp32 values: they depend on nothing else, and every tick
     of a step count uses the same ones."""
     return _uni_coefficients(torch.tensor(sigmas, dtype=torch.float32), t, s0, list(history), corrector)
@@ -227,7 +227,7 @@ def _cached_uni_coefficients(sigmas: tuple[float, ...], t: int, s0: int, history
 
 def _uni_coefficients(
     sigmas: torch.Tensor, t: int, s0: int, history: list[int], corrector: bool
-) -> _UniCoefficients:
+) -> UniCoefficients:
     """UniPC bh2 coefficients, computed in fp32 in the same order as diffusers so results match.
 
     Args:
@@ -266,7 +266,7 @@ def _uni_coefficients(
         rhos = torch.tensor([0.5])
     else:
         rhos = torch.linalg.solve(r_matrix[:-1, :-1], b_vec[:-1])
-    return _UniCoefficients(
+    return UniCoefficients(
         x_scale=float(sigma_t / sigma_s0),
         m0_scale=float(alpha_t * h_phi_1),
         res_scale=float(alpha_t * b_h),
@@ -286,73 +286,83 @@ class UniPCSampler(FlowSampler):
 
     name = "unipc"
 
-    def __init__(self, schedule: FlowSchedule, solver_order: int = 2) -> None:
+    def __init__(self, schedule: FlowSchedule, solver_order: int = 2, update: UniPCUpdate | None = None) -> None:
         super().__init__(schedule)
         if solver_order not in range(1, MAX_SOLVER_ORDER + 1):
             raise InvalidSamplerSettings(
                 "solver_order", f"got {solver_order!r}; expected an integer in [1, {MAX_SOLVER_ORDER}]"
             )
         self.solver_order = solver_order
+        self.update = update or unipc_update
         self._x0_history: dict[str, list[torch.Tensor]] = {}  # most recent last, at most solver_order
         self._last_sample: dict[str, torch.Tensor] = {}  # sample the previous predictor started from
         self._last_order = 0  # order of the previous predictor; the next corrector uses the same
         self._warm_steps = 0
 
     def _step(self, velocities, samples, i):
-        sigma_i = float(self._sigmas_fp32[i])
-        x0 = {k: samples[k] - sigma_i * velocities[k] for k in samples}
-
+        corrector = None
         if i > 0:
-            coef = _cached_uni_coefficients(
+            corrector = _cached_uni_coefficients(
                 self._sigma_values, t=i, s0=i - 1,
                 history=tuple(i - 1 - j for j in range(1, self._last_order)), corrector=True,
             )
-            samples = {
-                k: self._corrected(coef, self._x0_history[k], self._last_sample[k], x0[k]) for k in samples
-            }
-
-        for k in samples:
-            history = self._x0_history.setdefault(k, [])
-            history.append(x0[k])
-            del history[: -self.solver_order]
-
         order = min(self.solver_order, self.num_steps - i, self._warm_steps + 1)
-        coef = _cached_uni_coefficients(
+        predictor = _cached_uni_coefficients(
             self._sigma_values, t=i + 1, s0=i, history=tuple(i - j for j in range(1, order)), corrector=False
         )
-        out = {k: self._predicted(coef, self._x0_history[k], samples[k]) for k in samples}
-
-        self._last_sample = samples
+        out = {}
+        for k in samples:
+            history = self._x0_history.setdefault(k, [])
+            x0, self._last_sample[k], out[k] = self.update(velocities[k], samples[k], self._sigma_values[i],
+                                                           tuple(history), self._last_sample.get(k), corrector,
+                                                           predictor)
+            history.append(x0)
+            del history[: -self.solver_order]
         self._last_order = order
         self._warm_steps = min(self._warm_steps + 1, self.solver_order)
         return out
 
-    @staticmethod
-    def _differences(coef: _UniCoefficients, history: list[torch.Tensor]) -> list[torch.Tensor]:
-        """``D1_j = (m_j − m0) / r_j`` for the earlier predictions, most recent first."""
-        m0 = history[-1]
-        return [(history[-(j + 2)] - m0) / rk for j, rk in enumerate(coef.rks)]
 
-    def _predicted(
-        self, coef: _UniCoefficients, history: list[torch.Tensor], x: torch.Tensor
-    ) -> torch.Tensor:
-        m0 = history[-1]
-        x_t = coef.x_scale * x - coef.m0_scale * m0
-        diffs = self._differences(coef, history)
-        if diffs:
-            x_t = x_t - coef.res_scale * _weighted_sum(coef.rhos, diffs)
-        return x_t
+def unipc_update(velocity: torch.Tensor, sample: torch.Tensor, sigma: float, history: tuple[torch.Tensor, ...],
+                 last_sample: torch.Tensor | None, corrector: UniCoefficients | None, predictor: UniCoefficients
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One UniPC step of one tensor at noise level `sigma`: the x0 prediction, the sample corrected with it
+    (UniC from `last_sample`, the sample the previous predictor started from; the sample itself without a
+    `corrector`) and the next sample predicted from it (UniP). `history`: the earlier x0 predictions, most recent
+    last. The scalars may be floats or 0-dim fp32 tensors (a compiled update's): the arithmetic is the same."""
+    x0 = sample - sigma * velocity
+    if corrector is not None:
+        sample = _corrected(corrector, history, last_sample, x0)
+    return x0, sample, _predicted(predictor, (*history, x0), sample)
 
-    def _corrected(
-        self, coef: _UniCoefficients, history: list[torch.Tensor], x: torch.Tensor, x0_t: torch.Tensor
-    ) -> torch.Tensor:
-        m0 = history[-1]
-        x_t = coef.x_scale * x - coef.m0_scale * m0
-        correction = coef.rhos[-1] * (x0_t - m0)
-        diffs = self._differences(coef, history)
-        if diffs:
-            correction = _weighted_sum(coef.rhos[:-1], diffs) + correction
-        return x_t - coef.res_scale * correction
+
+UniPCUpdate = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # `unipc_update`'s signature
+
+
+def _differences(coef: UniCoefficients, history: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    """``D1_j = (m_j − m0) / r_j`` for the earlier predictions, most recent first."""
+    m0 = history[-1]
+    return [(history[-(j + 2)] - m0) / rk for j, rk in enumerate(coef.rks)]
+
+
+def _predicted(coef: UniCoefficients, history: tuple[torch.Tensor, ...], x: torch.Tensor) -> torch.Tensor:
+    m0 = history[-1]
+    x_t = coef.x_scale * x - coef.m0_scale * m0
+    diffs = _differences(coef, history)
+    if diffs:
+        x_t = x_t - coef.res_scale * _weighted_sum(coef.rhos, diffs)
+    return x_t
+
+
+def _corrected(coef: UniCoefficients, history: tuple[torch.Tensor, ...], x: torch.Tensor, x0_t: torch.Tensor
+               ) -> torch.Tensor:
+    m0 = history[-1]
+    x_t = coef.x_scale * x - coef.m0_scale * m0
+    correction = coef.rhos[-1] * (x0_t - m0)
+    diffs = _differences(coef, history)
+    if diffs:
+        correction = _weighted_sum(coef.rhos[:-1], diffs) + correction
+    return x_t - coef.res_scale * correction
 
 
 def _weighted_sum(weights: tuple[float, ...], tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -370,6 +380,7 @@ def make_sampler(
     solver_order: int = 2,
     base_sigmas: list[float] | None = None,
     karras: tuple[float, float, str] | None = None,
+    unipc_update: UniPCUpdate | None = None,
 ) -> FlowSampler:
     """A fresh per-request sampler.
 
@@ -381,10 +392,11 @@ def make_sampler(
         base_sigmas: optional unshifted schedule of N values in (0, 1] instead of the linspace.
         karras: ``(sigma_min, sigma_max, final_sigma)`` for the Karras flow schedule instead of the shifted
             one (``shift`` and ``base_sigmas`` are then unused, as in diffusers).
+        unipc_update: what computes a UniPC step's tensors (default :func:`unipc_update`, eagerly).
     """
     schedule = karras_flow_schedule(num_steps, *karras) if karras else flow_schedule(num_steps, shift, base_sigmas)
     if name == "unipc":
-        return UniPCSampler(schedule, solver_order=solver_order)
+        return UniPCSampler(schedule, solver_order=solver_order, update=unipc_update)
     if name == "euler":
         return EulerSampler(schedule)
     raise InvalidSamplerSettings(

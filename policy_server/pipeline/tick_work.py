@@ -1,11 +1,13 @@
 """A tick's model work besides the GEN stack: `TickWork` runs it eagerly, `CompiledTickWork` from graphs.
 
 The work: the text prefill of a new prompt (`prefill`), and each sampler step's embedding of its generated rows
-(`embed`) and decode of the velocity from the GEN stack's outputs (`velocity`: the CFG combination, the heads,
-vision and actions in fp32, flattened as the sampler state is). On a CPU these ops cost more to dispatch than
-to compute; `CompiledTickWork` runs each as one `CompiledGraph`: the prefill with the text length dynamic, and per
-request shape the embedding and the decode (of one branch, and of two guided), which read the layout's GEN-local
-rows alone (they do not depend on the text), so a shape's graphs serve every instruction. Compiling takes
+(`embed`), decode of the velocity from the GEN stack's outputs (`velocity`: the CFG combination, the heads,
+vision and actions in fp32, flattened as the sampler state is) and UniPC update (`unipc_update`). On a CPU these
+ops cost more to dispatch than to compute; `CompiledTickWork` runs each as one `CompiledGraph`: the prefill with
+the text length dynamic, the UniPC update per step structure (orders of its corrector and predictor) with the
+state's size dynamic, and per request shape the embedding and the decode (of one branch, and of two guided),
+which read the layout's GEN-local rows alone (they do not depend on the text), so a shape's graphs serve every
+instruction. Compiling takes
 seconds, so it is done where no deadline runs, by the object `compiling()` returns (warmup's); the object itself
 runs eagerly what it has no graph for.
 """
@@ -22,8 +24,9 @@ from torch.export import Dim
 from policy_server.model import Cosmos3OmniTransformer, GenInput, UndKV
 from policy_server.model.gen_layout import GenLayout
 from policy_server.pipeline.compiled_graph import CompiledGraph
+from policy_server.pipeline.schedulers import UniCoefficients, unipc_update
 
-MIN_TEXT_ROWS = 2  # export treats sizes 0 and 1 apart: the prefill graph serves text lengths from 2 up
+MIN_DYNAMIC_SIZE = 2  # export treats sizes 0 and 1 apart: a graph's dynamic size serves sizes from 2 up
 
 
 class TickWork:
@@ -55,6 +58,13 @@ class TickWork:
         vision, _, actions = self.transformer.heads(out, GenInput(out, layout))
         return torch.cat((vision[0][0].float().flatten(), actions[0].float().flatten()))
 
+    def unipc_update(self, velocity: torch.Tensor, sample: torch.Tensor, sigma: float,
+                     history: tuple[torch.Tensor, ...], last_sample: torch.Tensor | None,
+                     corrector: UniCoefficients | None, predictor: UniCoefficients
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One UniPC step's tensors (`schedulers.unipc_update`)."""
+        return unipc_update(velocity, sample, sigma, history, last_sample, corrector, predictor)
+
 
 class CompiledTickWork(TickWork):
     """A tick's work from the graphs compiled for it, eagerly where there is none. `compile_ms`: the time spent
@@ -65,11 +75,13 @@ class CompiledTickWork(TickWork):
         self.compile_ms = 0.0
         self.eager_steps = 0
         self._prefill: CompiledGraph | None = None
+        self._updates: dict[tuple, CompiledGraph] = {}  # by step structure (`_update_structure`)
+        self._update_scalars: dict[tuple, torch.Tensor] = {}  # a step's scalars, as its graph takes them
         # By request shape: the embedding, the velocity of the cond branch alone and guided by the uncond one.
         self._graphs: dict[object, tuple[CompiledGraph, CompiledGraph, CompiledGraph]] = {}
 
     def prefill(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> UndKV:
-        if self._prefill is None or input_ids.shape[0] < MIN_TEXT_ROWS:
+        if self._prefill is None or input_ids.shape[0] < MIN_DYNAMIC_SIZE:
             return super().prefill(input_ids, position_ids)
         layers = self.transformer.config.num_hidden_layers
         tensors = self._prefill(input_ids, position_ids)
@@ -92,6 +104,20 @@ class CompiledTickWork(TickWork):
         # The scale as the eager product takes a Python float: in fp32.
         return graphs[2](cond, uncond, torch.tensor(guidance, dtype=torch.float32, device=cond.device))[0]
 
+    def unipc_update(self, velocity: torch.Tensor, sample: torch.Tensor, sigma: float,
+                     history: tuple[torch.Tensor, ...], last_sample: torch.Tensor | None,
+                     corrector: UniCoefficients | None, predictor: UniCoefficients
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        graph = self._updates.get(_update_structure(sample, history, corrector, predictor))
+        if graph is None:
+            return super().unipc_update(velocity, sample, sigma, history, last_sample, corrector, predictor)
+        key = (sigma, corrector, predictor)
+        if key not in self._update_scalars:
+            self._update_scalars[key] = _update_scalars(sigma, corrector, predictor, sample.device)
+        x0, corrected, predicted = graph(velocity, sample, self._update_scalars[key], *history,
+                                         *(() if last_sample is None else (last_sample,)))
+        return x0, corrected, predicted
+
     def compiling(self) -> TickWork:
         """This tick work, compiling first the graphs it lacks for what it is asked."""
         return _Compiling(self)
@@ -101,12 +127,26 @@ class CompiledTickWork(TickWork):
         return len(self._graphs)
 
     def compile_prefill(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> None:
-        if self._prefill is not None or input_ids.shape[0] < MIN_TEXT_ROWS:
+        if self._prefill is not None or input_ids.shape[0] < MIN_DYNAMIC_SIZE:
             return
         start = time.perf_counter()
-        text_rows = Dim("text_rows", min=MIN_TEXT_ROWS)
+        text_rows = Dim("text_rows", min=MIN_DYNAMIC_SIZE)
         self._prefill = CompiledGraph(_Prefill(self.transformer), (input_ids, position_ids),
                                       dynamic_shapes=({0: text_rows}, {1: text_rows}))
+        self.compile_ms += (time.perf_counter() - start) * 1e3
+
+    def compile_update(self, sample: torch.Tensor, history: tuple[torch.Tensor, ...],
+                       corrector: UniCoefficients | None, predictor: UniCoefficients) -> None:
+        structure = _update_structure(sample, history, corrector, predictor)
+        if structure is None or structure in self._updates:
+            return
+        start = time.perf_counter()
+        size = Dim("size", min=MIN_DYNAMIC_SIZE)
+        scalars = _update_scalars(1.0, corrector, predictor, sample.device)
+        states = [torch.zeros_like(sample) for _ in range(2 + len(history) + (corrector is not None))]
+        self._updates[structure] = CompiledGraph(
+            _UniPCUpdate(corrector, predictor), (states[0], states[1], scalars, tuple(states[2:])),
+            dynamic_shapes=({0: size}, {0: size}, None, tuple({0: size} for _ in states[2:])))
         self.compile_ms += (time.perf_counter() - start) * 1e3
 
     def compile_shape(self, layout: GenLayout) -> None:
@@ -149,6 +189,13 @@ class _Compiling(TickWork):
         self.compiled.compile_shape(layout)
         return self.compiled.velocity(layout, cond, uncond, guidance)
 
+    def unipc_update(self, velocity: torch.Tensor, sample: torch.Tensor, sigma: float,
+                     history: tuple[torch.Tensor, ...], last_sample: torch.Tensor | None,
+                     corrector: UniCoefficients | None, predictor: UniCoefficients
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self.compiled.compile_update(sample, history, corrector, predictor)
+        return self.compiled.unipc_update(velocity, sample, sigma, history, last_sample, corrector, predictor)
+
 
 class _Prefill(nn.Module):
     """What export traces for `TickWork.prefill`: the layers' keys, then their values."""
@@ -183,6 +230,50 @@ class _Velocity(nn.Module):
     def forward(self, cond: torch.Tensor, uncond: torch.Tensor | None = None,
                 guidance: torch.Tensor | float = 1.0) -> torch.Tensor:
         return self.work.velocity(self.layout, cond, uncond, guidance)
+
+
+class _UniPCUpdate(nn.Module):
+    """What export traces for `unipc_update` of one step structure: its scalars go in as one fp32 tensor
+    (`_update_scalars`), each a 0-dim tensor in the arithmetic, as the eager update's Python floats are in fp32."""
+
+    def __init__(self, corrector: UniCoefficients | None, predictor: UniCoefficients):
+        super().__init__()
+        self.corrector, self.predictor = corrector, predictor
+
+    def forward(self, velocity: torch.Tensor, sample: torch.Tensor, scalars: torch.Tensor,
+                states: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        values = iter(scalars)
+        corrector = None if self.corrector is None else _scalar_coefficients(self.corrector, values)
+        predictor = _scalar_coefficients(self.predictor, values)
+        sigma = next(values)
+        history, last_sample = (states[:-1], states[-1]) if corrector is not None else (states, None)
+        return unipc_update(velocity, sample, sigma, history, last_sample, corrector, predictor)
+
+
+def _update_structure(sample: torch.Tensor, history: tuple[torch.Tensor, ...], corrector: UniCoefficients | None,
+                      predictor: UniCoefficients) -> tuple | None:
+    """What an update's graph is fixed to: the number of earlier predictions and the corrector's and predictor's
+    orders; None for an update no graph serves (a state not flat, or smaller than `MIN_DYNAMIC_SIZE`)."""
+    if sample.ndim != 1 or sample.shape[0] < MIN_DYNAMIC_SIZE:
+        return None
+    return len(history), None if corrector is None else len(corrector.rks), len(predictor.rks), sample.dtype
+
+
+def _update_scalars(sigma: float, corrector: UniCoefficients | None, predictor: UniCoefficients,
+                    device: torch.device) -> torch.Tensor:
+    """An update's scalars in the order `_UniPCUpdate` reads them: the corrector's, the predictor's, sigma."""
+    values = [] if corrector is None else _coefficient_values(corrector)
+    return torch.tensor([*values, *_coefficient_values(predictor), sigma], dtype=torch.float32, device=device)
+
+
+def _coefficient_values(coef: UniCoefficients) -> list[float]:
+    return [coef.x_scale, coef.m0_scale, coef.res_scale, *coef.rks, *coef.rhos]
+
+
+def _scalar_coefficients(coef: UniCoefficients, values) -> UniCoefficients:
+    """`coef` with its values taken in turn from `values` (0-dim tensors)."""
+    return UniCoefficients(next(values), next(values), next(values), tuple(next(values) for _ in coef.rks),
+                           tuple(next(values) for _ in coef.rhos))
 
 
 def _split(transformer: Cosmos3OmniTransformer, layout: GenLayout, sample: torch.Tensor
