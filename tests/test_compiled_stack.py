@@ -5,6 +5,7 @@ around the stack, compiled with it, gives the eager outputs bit for bit. Where t
 cannot compile, an engine runs the eager stack, and asking for the compiled one is an error that names what is
 missing. A server process compiles and serves. (The rest of the suite runs eagerly: `conftest.py`.)"""
 
+import json
 import socket
 import subprocess
 import sys
@@ -20,7 +21,7 @@ from policy_server.engine import api
 from policy_server.engine.compiled_stack import CompileUnavailableError, PrecompiledGenStack, compile_unavailable
 from policy_server.engine.engine import EngineSettings, ModelEngine
 from policy_server.model import GenInput, UndKV
-from policy_server.pipeline.policy import BRANCHES, PolicyRequest, run_steps
+from policy_server.pipeline.policy import BRANCHES, PolicyPipeline, PolicyRequest, run_steps
 from policy_server.pipeline.tick_work import CompiledTickWork
 from robots.embedded import build_random_pipeline
 
@@ -29,9 +30,23 @@ STATE = np.array([0.2, 0.3], np.float32)
 
 
 @pytest.fixture(scope="module")
-def pipeline(tmp_path_factory):
+def folder(tmp_path_factory):
+    """The random model, its embodiment serving its default chunk size alone: an engine warms two shapes rather
+    than four, and compiling their graphs is what this module spends its time on."""
+    folder = tmp_path_factory.mktemp("compiled-stack-model")
+    build_random_pipeline(folder, seed=3)
+    path = folder / "embodiments.json"
+    entries = json.loads(path.read_text())
+    for entry in entries["embodiments"]:
+        entry["max_chunk_size"] = entry["default_chunk_size"]
+    path.write_text(json.dumps(entries))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def pipeline(folder):
     torch.set_num_threads(1)
-    return build_random_pipeline(tmp_path_factory.mktemp("compiled-stack-model"), seed=3)
+    return PolicyPipeline.from_pretrained(folder)
 
 
 def _images(seed=0):
@@ -173,9 +188,9 @@ def test_where_torch_cannot_compile_an_engine_runs_eagerly_and_asking_for_a_comp
         assert compile_unavailable(torch.device("cuda")).startswith("no C compiler for Triton: neither no-such-cc")
 
 
-def test_a_server_process_compiles_the_stack_and_serves_the_eager_stacks_actions(pipeline, tmp_path, compiles):
-    folder = tmp_path / "model"
-    build_random_pipeline(folder, seed=3)  # the module's weights: its compiles above are in torch's disk cache
+def test_a_server_process_compiles_the_stack_and_serves_the_eager_stacks_actions(pipeline, folder, tmp_path,
+                                                                                  compiles):
+    # The module's model: its compiles above are in torch's disk cache.
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
