@@ -44,10 +44,10 @@ class EngineSettings:
     `calibrate_at_warmup` measures a bounded one before the engine is ready, else ticks are planned on the
     ladder. `cuda_graphs`: on a CUDA device, replay the GEN stack from CUDA graphs captured at warmup and at
     each session's opening (`engine/cuda_graphs.py`). `compile_gen_stack`: run the GEN stack compiled, compiled
-    at warmup (on CUDA `Cosmos3OmniTransformer.compiled_gen_stack`, on a CPU the whole stack by inductor:
-    `engine/compiled_stack.py`); None: wherever torch can compile (`compile_unavailable`), eagerly with a warning
-    elsewhere: on a CPU too, where the controller erred less on it at every budget of session 25's and 26's bench
-    runs (README, Measured results)."""
+    at warmup (on CUDA `Cosmos3OmniTransformer.compiled_gen_stack`; on a CPU the whole stack by inductor,
+    `engine/compiled_stack.py`, and the rest of a tick's model work, `pipeline/tick_work.py`); None: wherever
+    torch can compile (`compile_unavailable`), eagerly with a warning elsewhere: on a CPU too, where the
+    controller erred less on it at every budget of session 25's and 26's bench runs (README, Measured results)."""
 
     default_budget_ms: float = 120.0
     max_sessions: int = 4
@@ -83,7 +83,8 @@ class ServedModel:
     down: running work stops at its next step. `gen_stack` runs the GEN-stack calls of live work (`compiled` or not);
     `capturing_gen_stack` those of warm-up work, which may also capture CUDA graphs (`graphs`, None without) or
     compile a call pattern. `tick_work` and `capturing_tick_work`: the same for a tick's model work besides the stack
-    (`pipeline/tick_work.py`: the prefill, each step's embedding and velocity; compiled on a CPU with the stack)."""
+    (`pipeline/tick_work.py`: the prefill, each step's embedding, velocity and UniPC update; compiled on a CPU with
+    the stack)."""
 
     def __init__(self, pipeline: PolicyPipeline, settings: EngineSettings, clock: Callable[[], float]):
         self.pipeline = pipeline

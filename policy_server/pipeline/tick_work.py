@@ -14,6 +14,7 @@ runs eagerly what it has no graph for.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import replace
 
@@ -52,8 +53,7 @@ class TickWork:
                  guidance: float = 1.0) -> torch.Tensor:
         """The velocity decoded from the cond branch's GEN stack output `[N_gen, D]`, pushed away from the uncond
         branch's by `guidance` when that is given: fp32 and flat like the sampler state, zero on clean frames and
-        rows. The heads are affine, so guiding what they decode guides the
-        velocities, with one decode instead of two."""
+        rows. The heads are affine, so guiding what they decode guides the velocities, with one decode, not two."""
         out = cond if uncond is None else uncond + guidance * (cond - uncond)
         vision, _, actions = self.transformer.heads(out, GenInput(out, layout))
         return torch.cat((vision[0][0].float().flatten(), actions[0].float().flatten()))
@@ -76,7 +76,6 @@ class CompiledTickWork(TickWork):
         self.eager_steps = 0
         self._prefill: CompiledGraph | None = None
         self._updates: dict[tuple, CompiledGraph] = {}  # by step structure (`_update_structure`)
-        self._update_scalars: dict[tuple, torch.Tensor] = {}  # a step's scalars, as its graph takes them
         # By request shape: the embedding, the velocity of the cond branch alone and guided by the uncond one.
         self._graphs: dict[object, tuple[CompiledGraph, CompiledGraph, CompiledGraph]] = {}
 
@@ -111,11 +110,8 @@ class CompiledTickWork(TickWork):
         graph = self._updates.get(_update_structure(sample, history, corrector, predictor))
         if graph is None:
             return super().unipc_update(velocity, sample, sigma, history, last_sample, corrector, predictor)
-        key = (sigma, corrector, predictor)
-        if key not in self._update_scalars:
-            self._update_scalars[key] = _update_scalars(sigma, corrector, predictor, sample.device)
-        x0, corrected, predicted = graph(velocity, sample, self._update_scalars[key], *history,
-                                         *(() if last_sample is None else (last_sample,)))
+        x0, corrected, predicted = graph(velocity, sample, _update_scalars(sigma, corrector, predictor, sample.device),
+                                         *history, *(() if last_sample is None else (last_sample,)))
         return x0, corrected, predicted
 
     def compiling(self) -> TickWork:
@@ -259,6 +255,7 @@ def _update_structure(sample: torch.Tensor, history: tuple[torch.Tensor, ...], c
     return len(history), None if corrector is None else len(corrector.rks), len(predictor.rks), sample.dtype
 
 
+@functools.lru_cache(maxsize=4096)  # a schedule's steps repeat every tick
 def _update_scalars(sigma: float, corrector: UniCoefficients | None, predictor: UniCoefficients,
                     device: torch.device) -> torch.Tensor:
     """An update's scalars in the order `_UniPCUpdate` reads them: the corrector's, the predictor's, sigma."""
