@@ -47,7 +47,7 @@ class EngineSettings:
     at warmup (on CUDA `Cosmos3OmniTransformer.compiled_gen_stack`; on a CPU the whole stack by inductor,
     `engine/compiled_stack.py`, and the rest of a tick's model work, `pipeline/tick_work.py`); None: wherever
     torch can compile (`compile_unavailable`), eagerly with a warning elsewhere: on a CPU too, where the
-    controller erred less on it at every budget of session 25's and 26's bench runs (README, Measured results)."""
+    controller erred less on it at every budget of sessions 25-27's bench runs (README, Measured results)."""
 
     default_budget_ms: float = 120.0
     max_sessions: int = 4
