@@ -26,10 +26,9 @@ from torch.export import Dim
 
 from policy_server.model import Cosmos3OmniTransformer, GenInput, UndKV
 from policy_server.model.rope import RotaryTables
-from policy_server.pipeline.compiled_graph import CompiledGraph
+from policy_server.pipeline.compiled_graph import MIN_DYNAMIC_SIZE, CompiledGraph
 
 MAX_COMPILED_ITEMS = 2  # a tick's calls: its CFG branches
-MIN_TEXT_ROWS = 2  # export treats sizes 0 and 1 apart: a graph serves text lengths from 2 up
 
 
 class CompileUnavailableError(RuntimeError):
@@ -67,7 +66,7 @@ class PrecompiledGenStack:
         inputs = self.transformer.gen_stack_per_item_inputs(gen, und_kv)
         if pattern not in self._graphs:
             hidden, rotary, text_kv = inputs
-            text_rows = tuple({3: Dim(f"text_rows_{b}", min=MIN_TEXT_ROWS)} for b in range(len(text_kv)))
+            text_rows = tuple({3: Dim(f"text_rows_{b}", min=MIN_DYNAMIC_SIZE)} for b in range(len(text_kv)))
             self._graphs[pattern] = CompiledGraph(_PerItemStack(self.transformer),
                                                   (hidden, rotary.cos, rotary.sin, text_kv),
                                                   dynamic_shapes=(None, None, None, text_rows))
@@ -114,9 +113,9 @@ def compile_unavailable(device: torch.device) -> str | None:
 def _pattern(gen: GenInput, und_kv: UndKV) -> tuple | None:
     """What a graph is fixed to: the rows' shape and dtype (items, generated rows) and the rotary tables' shape
     (all items share one table, or each has its own); None for a call no graph serves: more items than a tick's
-    calls, or a text shorter than `MIN_TEXT_ROWS`."""
+    calls, or a text shorter than `MIN_DYNAMIC_SIZE`."""
     hidden = gen.hidden
     too_many = hidden.ndim == 3 and hidden.shape[0] > MAX_COMPILED_ITEMS
-    if too_many or min(und_kv.lengths or (und_kv.length,)) < MIN_TEXT_ROWS:
+    if too_many or min(und_kv.lengths or (und_kv.length,)) < MIN_DYNAMIC_SIZE:
         return None
     return tuple(hidden.shape), hidden.dtype, tuple(gen.layout.rotary.cos.shape)

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.export.graph_signature import InputKind
 
+MIN_DYNAMIC_SIZE = 2  # export treats sizes 0 and 1 apart: a dynamic size serves sizes from 2 up
 Inputs = tuple["torch.Tensor | tuple[torch.Tensor, ...]", ...]  # tensors, or tuples of them
 
 

@@ -24,10 +24,8 @@ from torch.export import Dim
 
 from policy_server.model import Cosmos3OmniTransformer, GenInput, UndKV
 from policy_server.model.gen_layout import GenLayout
-from policy_server.pipeline.compiled_graph import CompiledGraph
+from policy_server.pipeline.compiled_graph import MIN_DYNAMIC_SIZE, CompiledGraph
 from policy_server.pipeline.schedulers import UniCoefficients, unipc_update
-
-MIN_DYNAMIC_SIZE = 2  # export treats sizes 0 and 1 apart: a graph's dynamic size serves sizes from 2 up
 
 
 class TickWork:
