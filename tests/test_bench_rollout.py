@@ -55,6 +55,7 @@ def test_bench_writes_the_documented_report(model_dir, tmp_path, monkeypatch, co
     assert profile["batched_cfg_call_ms"] > profile["full_call_ms"]  # two calls as one batch
     assert profile["wall_branches_one_by_one_ms"] > 0
     assert profile["compiled"]["patterns"] == 2 and profile["compiled"]["compile_ms"] > 0  # one branch, both
+    assert profile["compiled"]["tick_work_shapes"] == 1 and profile["compiled"]["tick_work_compile_ms"] > 0
     names = [c["name"] for c in report["configs"]]
     assert names[:3] == ["uncached", "seacache_default", "max_caching"]
     assert any(n.startswith("fewer_steps_") for n in names)

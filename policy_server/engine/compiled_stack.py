@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 
 import torch
 from torch import nn
@@ -26,7 +25,7 @@ from torch.export import Dim
 
 from policy_server.model import Cosmos3OmniTransformer, GenInput, UndKV
 from policy_server.model.rope import RotaryTables
-from policy_server.pipeline.compiled_graph import MIN_DYNAMIC_SIZE, CompiledGraph
+from policy_server.pipeline.compiled_graph import MIN_DYNAMIC_SIZE, CompiledGraph, CompiledGraphs
 
 MAX_COMPILED_ITEMS = 2  # a tick's calls: its CFG branches
 
@@ -37,14 +36,12 @@ class CompileUnavailableError(RuntimeError):
 
 class PrecompiledGenStack:
     """`transformer.gen_stack` run from the graph `compile` made for a call's pattern, eagerly for other patterns.
-    `compile_ms`: the time spent in `compile`, compiles and their first runs; `eager_calls`: the calls that ran
-    eagerly since (patterns `compile` did not make a graph for)."""
+    `eager_calls`: the calls that ran eagerly since (patterns `compile` did not make a graph for)."""
 
     def __init__(self, transformer: Cosmos3OmniTransformer):
         self.transformer = transformer
-        self.compile_ms = 0.0
         self.eager_calls = 0
-        self._graphs: dict[tuple, CompiledGraph] = {}
+        self._graphs = CompiledGraphs()
 
     def __call__(self, gen: GenInput, und_kv: UndKV) -> torch.Tensor:
         graph = self._graphs.get(_pattern(gen, und_kv))
@@ -62,21 +59,20 @@ class PrecompiledGenStack:
         pattern = _pattern(gen, und_kv)
         if pattern is None:
             return self.transformer.gen_stack(gen, und_kv)
-        start = time.perf_counter()
-        inputs = self.transformer.gen_stack_per_item_inputs(gen, und_kv)
-        if pattern not in self._graphs:
-            hidden, rotary, text_kv = inputs
-            text_rows = tuple({3: Dim(f"text_rows_{b}", min=MIN_DYNAMIC_SIZE)} for b in range(len(text_kv)))
-            self._graphs[pattern] = CompiledGraph(_PerItemStack(self.transformer),
-                                                  (hidden, rotary.cos, rotary.sin, text_kv),
-                                                  dynamic_shapes=(None, None, None, text_rows))
-        hidden = self._run(self._graphs[pattern], *inputs)
-        self.compile_ms += (time.perf_counter() - start) * 1e3
-        return hidden
+        hidden, rotary, text_kv = inputs = self.transformer.gen_stack_per_item_inputs(gen, und_kv)
+        text_rows = tuple({3: Dim(f"text_rows_{b}", min=MIN_DYNAMIC_SIZE)} for b in range(len(text_kv)))
+        graph = self._graphs.compile(pattern, lambda: CompiledGraph(
+            _PerItemStack(self.transformer), (hidden, rotary.cos, rotary.sin, text_kv),
+            dynamic_shapes=(None, None, None, text_rows)))
+        return self._run(graph, *inputs)
 
     @property
     def num_patterns(self) -> int:
         return len(self._graphs)
+
+    @property
+    def compile_ms(self) -> float:
+        return self._graphs.compile_ms
 
 
 class _PerItemStack(nn.Module):

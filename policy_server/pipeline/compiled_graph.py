@@ -9,6 +9,9 @@ inductor's disk cache makes a restart's compiles fast.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Hashable
+
 import torch
 from torch import nn
 from torch.export.graph_signature import InputKind
@@ -37,6 +40,29 @@ class CompiledGraph:
 
     def __call__(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
         return self.compiled(*self.weights, *inputs)
+
+
+class CompiledGraphs:
+    """Compiled graphs (or tuples of them) by key, made where no deadline runs. `get` is what a live call uses (None:
+    run eagerly); `compile` makes a missing one. `compile_ms`: the time spent compiling."""
+
+    def __init__(self):
+        self.compile_ms = 0.0
+        self._graphs: dict[Hashable, object] = {}
+
+    def get(self, key: Hashable):
+        return self._graphs.get(key)
+
+    def compile(self, key: Hashable, build: Callable[[], object]):
+        """The graph of `key`, `build()` when there is none yet."""
+        if key not in self._graphs:
+            start = time.perf_counter()
+            self._graphs[key] = build()
+            self.compile_ms += (time.perf_counter() - start) * 1e3
+        return self._graphs[key]
+
+    def __len__(self) -> int:
+        return len(self._graphs)
 
 
 def flatten(inputs: Inputs) -> list[torch.Tensor]:

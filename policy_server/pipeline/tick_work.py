@@ -7,15 +7,13 @@ ops cost more to dispatch than to compute; `CompiledTickWork` runs each as one `
 the text length dynamic, the UniPC update per step structure (orders of its corrector and predictor) with the
 state's size dynamic, and per request shape the embedding and the decode (of one branch, and of two guided),
 which read the layout's GEN-local rows alone (they do not depend on the text), so a shape's graphs serve every
-instruction. Compiling takes
-seconds, so it is done where no deadline runs, by the object `compiling()` returns (warmup's); the object itself
-runs eagerly what it has no graph for.
+instruction. Compiling takes seconds, so it is done where no deadline runs, by the object `compiling()` returns
+(warmup's); the object itself runs eagerly what it has no graph for.
 """
 
 from __future__ import annotations
 
 import functools
-import time
 from dataclasses import replace
 
 import torch
@@ -24,7 +22,7 @@ from torch.export import Dim
 
 from policy_server.model import Cosmos3OmniTransformer, GenInput, UndKV
 from policy_server.model.gen_layout import GenLayout
-from policy_server.pipeline.compiled_graph import MIN_DYNAMIC_SIZE, CompiledGraph
+from policy_server.pipeline.compiled_graph import MIN_DYNAMIC_SIZE, CompiledGraph, CompiledGraphs
 from policy_server.pipeline.schedulers import UniCoefficients, unipc_update
 
 
@@ -65,35 +63,43 @@ class TickWork:
 
 
 class CompiledTickWork(TickWork):
-    """A tick's work from the graphs compiled for it, eagerly where there is none. `compile_ms`: the time spent
-    compiling; `eager_steps`: the sampler steps that ran eagerly (request shapes without graphs)."""
+    """A tick's work from the graphs compiled for it, eagerly where there is none. `eager_calls`: the prefills and
+    sampler steps that ran eagerly (no graph yet, or a request shape without graphs)."""
 
     def __init__(self, transformer: Cosmos3OmniTransformer):
         super().__init__(transformer)
-        self.compile_ms = 0.0
-        self.eager_steps = 0
-        self._prefill: CompiledGraph | None = None
-        self._updates: dict[tuple, CompiledGraph] = {}  # by step structure (`_update_structure`)
-        # By request shape: the embedding, the velocity of the cond branch alone and guided by the uncond one.
-        self._graphs: dict[object, tuple[CompiledGraph, CompiledGraph, CompiledGraph]] = {}
+        self.eager_calls = 0
+        self._prefill = CompiledGraphs()  # one graph: text lengths are dynamic
+        self._updates = CompiledGraphs()  # by step structure (`_update_structure`)
+        self._shapes = CompiledGraphs()  # by request shape: the embedding, the one-branch and the guided decode
+
+    @property
+    def num_shapes(self) -> int:
+        return len(self._shapes)
+
+    @property
+    def compile_ms(self) -> float:
+        return self._prefill.compile_ms + self._updates.compile_ms + self._shapes.compile_ms
 
     def prefill(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> UndKV:
-        if self._prefill is None or input_ids.shape[0] < MIN_DYNAMIC_SIZE:
+        graph = self._prefill.get(())
+        if graph is None or input_ids.shape[0] < MIN_DYNAMIC_SIZE:
+            self.eager_calls += 1
             return super().prefill(input_ids, position_ids)
+        tensors = graph(input_ids, position_ids)
         layers = self.transformer.config.num_hidden_layers
-        tensors = self._prefill(input_ids, position_ids)
         return UndKV(tensors[:layers], tensors[layers:])
 
     def embed(self, layout: GenLayout, sample: torch.Tensor, time_embedding: torch.Tensor) -> torch.Tensor:
-        graphs = self._graphs.get(_shape(layout))
+        graphs = self._shapes.get(_shape(layout))
         if graphs is None:
-            self.eager_steps += 1
+            self.eager_calls += 1
             return super().embed(layout, sample, time_embedding)
         return graphs[0](sample, time_embedding)[0]
 
     def velocity(self, layout: GenLayout, cond: torch.Tensor, uncond: torch.Tensor | None = None,
                  guidance: float = 1.0) -> torch.Tensor:
-        graphs = self._graphs.get(_shape(layout))
+        graphs = self._shapes.get(_shape(layout))
         if graphs is None:
             return super().velocity(layout, cond, uncond, guidance)
         if uncond is None:
@@ -116,79 +122,61 @@ class CompiledTickWork(TickWork):
         """This tick work, compiling first the graphs it lacks for what it is asked."""
         return _Compiling(self)
 
-    @property
-    def num_shapes(self) -> int:
-        return len(self._graphs)
-
-    def compile_prefill(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> None:
-        if self._prefill is not None or input_ids.shape[0] < MIN_DYNAMIC_SIZE:
-            return
-        start = time.perf_counter()
-        text_rows = Dim("text_rows", min=MIN_DYNAMIC_SIZE)
-        self._prefill = CompiledGraph(_Prefill(self.transformer), (input_ids, position_ids),
-                                      dynamic_shapes=({0: text_rows}, {1: text_rows}))
-        self.compile_ms += (time.perf_counter() - start) * 1e3
-
-    def compile_update(self, sample: torch.Tensor, history: tuple[torch.Tensor, ...],
-                       corrector: UniCoefficients | None, predictor: UniCoefficients) -> None:
-        structure = _update_structure(sample, history, corrector, predictor)
-        if structure is None or structure in self._updates:
-            return
-        start = time.perf_counter()
-        size = Dim("size", min=MIN_DYNAMIC_SIZE)
-        scalars = _update_scalars(1.0, corrector, predictor, sample.device)
-        states = [torch.zeros_like(sample) for _ in range(2 + len(history) + (corrector is not None))]
-        self._updates[structure] = CompiledGraph(
-            _UniPCUpdate(corrector, predictor), (states[0], states[1], scalars, tuple(states[2:])),
-            dynamic_shapes=({0: size}, {0: size}, None, tuple({0: size} for _ in states[2:])))
-        self.compile_ms += (time.perf_counter() - start) * 1e3
-
-    def compile_shape(self, layout: GenLayout) -> None:
-        if _shape(layout) in self._graphs:
-            return
-        start = time.perf_counter()
-        transformer = self.transformer
-        config, device, dtype = transformer.config, transformer.device, transformer.dtype
-        (frames, height, width), = layout.vision_latent_shapes
-        (rows, _, _), = layout.action.token_shapes
-        sample = torch.zeros(config.latent_channel * frames * height * width + rows * config.action_dim, device=device)
-        time_embedding = torch.zeros((1, config.hidden_size), dtype=dtype, device=device)
-        stack_out = torch.zeros((layout.num_gen, config.hidden_size), dtype=dtype, device=device)
-        guidance = torch.zeros((), device=device)
-        eager = TickWork(transformer)
-        self._graphs[_shape(layout)] = (CompiledGraph(_Embed(eager, layout), (sample, time_embedding)),
-                                        CompiledGraph(_Velocity(eager, layout), (stack_out,)),
-                                        CompiledGraph(_Velocity(eager, layout),
-                                                      (stack_out, torch.zeros_like(stack_out), guidance)))
-        self.compile_ms += (time.perf_counter() - start) * 1e3
-
 
 class _Compiling(TickWork):
-    """`CompiledTickWork` that compiles the graphs it lacks before it runs them."""
+    """`CompiledTickWork` that compiles the graphs it lacks before it runs them. A step embeds before it decodes, so
+    the embedding compiles the step's request shape, from the step's own tensors."""
 
     def __init__(self, compiled: CompiledTickWork):
         super().__init__(compiled.transformer)
         self.compiled = compiled
 
     def prefill(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> UndKV:
-        self.compiled.compile_prefill(input_ids, position_ids)
+        if input_ids.shape[0] >= MIN_DYNAMIC_SIZE:
+            text_rows = Dim("text_rows", min=MIN_DYNAMIC_SIZE)
+            self.compiled._prefill.compile((), lambda: CompiledGraph(
+                _Prefill(self.transformer), (input_ids, position_ids), dynamic_shapes=({0: text_rows}, {1: text_rows})))
         return self.compiled.prefill(input_ids, position_ids)
 
     def embed(self, layout: GenLayout, sample: torch.Tensor, time_embedding: torch.Tensor) -> torch.Tensor:
-        self.compiled.compile_shape(layout)
+        self.compiled._shapes.compile(_shape(layout), lambda: self._shape_graphs(layout, sample, time_embedding))
         return self.compiled.embed(layout, sample, time_embedding)
 
     def velocity(self, layout: GenLayout, cond: torch.Tensor, uncond: torch.Tensor | None = None,
                  guidance: float = 1.0) -> torch.Tensor:
-        self.compiled.compile_shape(layout)
         return self.compiled.velocity(layout, cond, uncond, guidance)
 
     def unipc_update(self, velocity: torch.Tensor, sample: torch.Tensor, sigma: float,
                      history: tuple[torch.Tensor, ...], last_sample: torch.Tensor | None,
                      corrector: UniCoefficients | None, predictor: UniCoefficients
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        self.compiled.compile_update(sample, history, corrector, predictor)
+        structure = _update_structure(sample, history, corrector, predictor)
+        if structure is not None:
+            self.compiled._updates.compile(structure, lambda: self._update_graph(sample, history, corrector,
+                                                                                 predictor))
         return self.compiled.unipc_update(velocity, sample, sigma, history, last_sample, corrector, predictor)
+
+    def _shape_graphs(self, layout: GenLayout, sample: torch.Tensor, time_embedding: torch.Tensor
+                      ) -> tuple[CompiledGraph, CompiledGraph, CompiledGraph]:
+        """A request shape's embedding, one-branch decode and guided decode, traced on distinct examples."""
+        eager = TickWork(self.transformer)
+        stack_out = torch.zeros((layout.num_gen, self.transformer.config.hidden_size), dtype=self.transformer.dtype,
+                                device=sample.device)
+        return (CompiledGraph(_Embed(eager, layout), (torch.zeros_like(sample), torch.zeros_like(time_embedding))),
+                CompiledGraph(_Velocity(eager, layout), (stack_out,)),
+                CompiledGraph(_Velocity(eager, layout), (stack_out, torch.zeros_like(stack_out),
+                                                         torch.zeros((), device=sample.device))))
+
+    @staticmethod
+    def _update_graph(sample: torch.Tensor, history: tuple[torch.Tensor, ...], corrector: UniCoefficients | None,
+                      predictor: UniCoefficients) -> CompiledGraph:
+        """The UniPC update of one step structure, the state's size dynamic."""
+        size = Dim("size", min=MIN_DYNAMIC_SIZE)
+        states = [torch.zeros_like(sample) for _ in range(2 + len(history) + (corrector is not None))]
+        return CompiledGraph(_UniPCUpdate(corrector, predictor),
+                             (states[0], states[1], _update_scalars(1.0, corrector, predictor, sample.device),
+                              tuple(states[2:])),
+                             dynamic_shapes=({0: size}, {0: size}, None, tuple({0: size} for _ in states[2:])))
 
 
 class _Prefill(nn.Module):
