@@ -21,7 +21,7 @@ from policy_server.engine import api
 from policy_server.engine.compiled_stack import CompileUnavailableError, PrecompiledGenStack, compile_unavailable
 from policy_server.engine.engine import EngineSettings, ModelEngine
 from policy_server.model import GenInput, UndKV
-from policy_server.pipeline.policy import PolicyPipeline, PolicyRequest, run_steps
+from policy_server.pipeline.policy import FixedSteps, PolicyPipeline, PolicyRequest, run_steps
 from policy_server.pipeline.tick_work import CompiledTickWork
 from robots.embedded import build_random_pipeline
 
@@ -118,15 +118,18 @@ def test_compiled_tick_work_gives_the_eager_outputs(pipeline, compiles):
     work, eager, stack = CompiledTickWork(pipeline.transformer), pipeline.tick_work, pipeline.transformer.gen_stack
     config, embodiment = pipeline.config, pipeline.embodiments.get("pusht")
 
-    def tick(instruction, batch_branches, tick_work, prompt=None):
-        control = pipeline.fixed_steps(config.num_steps, config.guidance, None, batch_branches)
+    def tick(instruction, batch_branches, tick_work, prompt=None, guided=True):
+        """guided=False: the uncond pass on the first half of the steps, the cond branch alone after."""
+        control = FixedSteps(config.num_steps, range(config.num_steps if guided else config.num_steps // 2), None,
+                             batch_branches)
         return run_steps(pipeline.steps(_request(instruction), prompt, control, tick_work), stack)
 
     expected = tick(RED, True, eager)  # its negative prompt's K/V are kept: later prompts prefill their cond text
     np.testing.assert_array_equal(tick(RED, True, work).actions, expected.actions)  # no graphs yet: eagerly
-    eager_calls = 1 + config.num_steps  # the prefill and every step
+    eager_calls = 1 + 1 + config.num_steps  # the prefill, the first step's embedding and every step
     assert work.num_shapes == 0 and work.eager_calls == eager_calls
     compiled_prefill = tick(RED, True, work.compiling())
+    tick(RED, False, work.compiling(), guided=False)  # and the one-branch step's graph
     assert work.num_shapes == 1
     np.testing.assert_allclose(compiled_prefill.actions, expected.actions, rtol=0, atol=1e-5)
     for instruction in (RED, BLUE):  # one graph serves every text length, one shape's every instruction
@@ -136,8 +139,9 @@ def test_compiled_tick_work_gives_the_eager_outputs(pipeline, compiles):
         for got, want in zip(prompts[1].und_kv["cond"].keys + prompts[1].und_kv["cond"].values,
                              prompts[0].und_kv["cond"].keys + prompts[0].und_kv["cond"].values, strict=True):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
-        for batch_branches in (True, False):  # the step's work: bit for bit, given the same text K/V
-            got, want = (tick(instruction, batch_branches, tick_work, prompts[0]) for tick_work in (work, eager))
+        for batch_branches, guided in ((True, True), (False, False)):  # bit for bit, given the same text K/V
+            got, want = (tick(instruction, batch_branches, tick_work, prompts[0], guided)
+                         for tick_work in (work, eager))
             np.testing.assert_array_equal(got.actions, want.actions)
             torch.testing.assert_close(got.latents, want.latents, rtol=0, atol=0)
     assert work.num_shapes == 1 and work.eager_calls == eager_calls

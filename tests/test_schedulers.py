@@ -14,6 +14,8 @@ from policy_server.pipeline.schedulers import (
     karras_flow_schedule,
     make_sampler,
     scheduler_settings,
+    unipc_update,
+    widest_update,
 )
 
 diffusers = pytest.importorskip("diffusers")
@@ -108,6 +110,27 @@ def test_modalities_in_lockstep_match_separate_scheduler_copies():
     diffs, out = run_trajectories(sampler, ref, (2, 3), seed=11, modalities=("action", "vision"))
     assert set(out) == {"action", "vision"}
     assert max(diffs) <= 1e-6, diffs
+
+
+@pytest.mark.parametrize("solver_order", [1, 2, 3])
+def test_an_update_in_the_widest_form_gives_every_step_bit_for_bit(solver_order):
+    # The compiled tick work traces one update of a sampler's widest step (`widest_update`) for all of its steps.
+    for num_steps in (1, 2, 3, 5, 12):
+        stepped, widest = (make_sampler("unipc", num_steps, 3.0, solver_order=solver_order) for _ in range(2))
+        x = y = torch.randn(64)
+        for _ in range(num_steps):
+            v = torch.randn(64)
+            x = stepped.step(v, x)
+
+            def update(sample, sigma, *step, velocity=v):
+                history, last_sample, corrector, predictor = widest_update(solver_order, sample, *step)
+                assert len(history) == solver_order and len(corrector.rks) == len(predictor.rks) == solver_order - 1
+                return unipc_update(velocity, sample, sigma, history, last_sample, corrector, predictor)
+
+            y, = widest.step_with(update, y)
+            assert torch.equal(x, y)
+    with pytest.raises(RuntimeError, match="steps of this sampler are done"):
+        widest.step_with(update, y)
 
 
 @pytest.mark.parametrize("name", ["unipc", "euler"])

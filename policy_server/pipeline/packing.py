@@ -158,6 +158,12 @@ class PackedSequence:
         return kwargs
 
 
+def request_shape(input_ids: list[int], latent_shape: tuple[int, int, int, int], clean_frames: list[int], fps: float,
+                  action: ActionLayout | None, sound_frames: int = 0) -> RequestShape:
+    """The shape of the request `pack_request` lays out from the same arguments, without laying it out."""
+    return RequestShape(len(input_ids), tuple(latent_shape), tuple(clean_frames), fps, action, sound_frames)
+
+
 def pack_request(
     config: Cosmos3TransformerConfig,
     input_ids: list[int],
@@ -236,7 +242,7 @@ def pack_request(
         return None if t is None else t.to(device)
 
     return PackedSequence(
-        shape=RequestShape(und_len, tuple(latent_shape), tuple(clean_frames), fps, action, sound_frames),
+        shape=request_shape(input_ids, latent_shape, clean_frames, fps, action, sound_frames),
         und_len=und_len,
         sequence_length=length,
         input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),

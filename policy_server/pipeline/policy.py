@@ -49,7 +49,7 @@ from policy_server.pipeline.errors import (
 )
 from policy_server.pipeline.hub import CheckpointNotFound, checkpoint_folder
 from policy_server.pipeline.normalization import FeatureNormalizers, NormalizationStatsError
-from policy_server.pipeline.packing import ActionLayout, PackedSequence, RequestShape, pack_request
+from policy_server.pipeline.packing import ActionLayout, RequestShape, pack_request, request_shape
 from policy_server.pipeline.policy_config import PolicyConfig, PolicyConfigError
 from policy_server.pipeline.prompts import PromptPair, action_prompt_pair
 from policy_server.pipeline.schedulers import make_sampler
@@ -286,16 +286,16 @@ class DenoiseState:
         return len(self.clean_frames) < self.vision_shape[1]
 
     def advance(self, sample: torch.Tensor) -> None:
-        """Take the sampler's next state, its conditioning set back to exactly what was given."""
+        """Take the sampler's next state, its conditioning set back to exactly what was given (which a compiled
+        step does in its graph before it sets `sample`, `tick_work.CompiledTickWork.advance`)."""
         self.sample = torch.where(self.given, self.clean, sample)
 
 
 @dataclass(frozen=True)
 class Branch:
-    """One CFG branch of a tick: its packed sequence, the GEN layout of its shape and its text K/V."""
+    """One CFG branch of a tick: the GEN layout of its shape and its text K/V."""
 
     name: str
-    packed: PackedSequence
     layout: GenLayout
     und_kv: UndKV
 
@@ -684,19 +684,17 @@ class PolicyPipeline:
         return actions, clean_actions, ActionLayout(chunk, num_prefix, tuple(clean_rows), embodiment.domain_id)
 
     def _branches(self, prompt: PromptState, state: DenoiseState, fps: float) -> dict[str, Branch]:
-        """Pack each CFG branch the prompt holds and give it the GEN layout of its shape."""
-        branches = {}
-        for name, ids in prompt.input_ids.items():
-            packed = pack_request(self.transformer.config, ids, tuple(state.vision.shape), state.clean_frames, fps,
-                                  state.action_layout, self.device)
-            branches[name] = Branch(name, packed, self._gen_layout(packed, state), prompt.und_kv[name])
-        return branches
+        """Each CFG branch the prompt holds, with the GEN layout of its shape."""
+        return {name: Branch(name, self._gen_layout(ids, state, fps), prompt.und_kv[name])
+                for name, ids in prompt.input_ids.items()}
 
-    def _gen_layout(self, packed: PackedSequence, state: DenoiseState) -> GenLayout:
-        """The one layout of `packed.shape`, built at the first tick of that shape: ticks that share it can run
-        their GEN stacks as one batch (`GenLayout.key`, `GenInput.stack`)."""
-        key = packed.shape
+    def _gen_layout(self, input_ids: list[int], state: DenoiseState, fps: float) -> GenLayout:
+        """The one layout of the request's shape, built (from the packed request) at the first tick of that shape:
+        ticks that share it can run their GEN stacks as one batch (`GenLayout.key`, `GenInput.stack`)."""
+        args = (input_ids, tuple(state.vision.shape), state.clean_frames, fps, state.action_layout)
+        key = request_shape(*args)
         if key not in self._gen_layouts:
+            packed = pack_request(self.transformer.config, *args, device=self.device)
             dtype = self.transformer.dtype
             self._gen_layouts[key] = self.transformer.gen_layout(
                 key=key, **packed.model_kwargs(state.vision.to(dtype), state.actions.to(dtype), timestep=0.0))
@@ -705,24 +703,27 @@ class PolicyPipeline:
     def _branch_batch(self, branches: dict[str, Branch], prompt: PromptState) -> BranchBatch:
         """The cond and uncond branch as one batch; their layouts are built once per pair of shapes. The shapes
         differ only in text length, so both branches have the same generated rows (one embedding serves both)."""
-        cond, uncond = branches["cond"].packed.shape, branches["uncond"].packed.shape
+        cond, uncond = branches["cond"].layout.key, branches["uncond"].layout.key
         assert replace(cond, und_len=0) == replace(uncond, und_len=0), "branches differ only in their text"
         key = (cond, uncond)
         if key not in self._branch_layouts:
             self._branch_layouts[key] = PaddedGenLayouts.build([branches[name].layout for name in BRANCHES])
         return BranchBatch(self._branch_layouts[key], prompt.batch_kv)
 
-    def _sampler(self, num_steps: int, work: TickWork | None = None):
+    def _sampler(self, num_steps: int):
         return make_sampler(self.config.sampler, num_steps, self.config.shift, solver_order=self.config.solver_order,
-                            karras=self.config.karras, unipc_update=work and work.unipc_update)
+                            karras=self.config.karras)
 
     def _sample(self, state: DenoiseState, branches: dict[str, Branch], batch: BranchBatch | None, steps: int,
                 guidance: float, control: StepControl, work: TickWork
                 ) -> Generator[StackCall | None, torch.Tensor | None, list[StepRecord]]:
         """The flow-matching step loop: advances `state` in place and returns what each step did. `control`
         names each step's CFG branches; a step it makes the last jumps straight to the clean estimate."""
-        sampler = self._sampler(steps, work)
+        sampler = self._sampler(steps)
         time_embeddings = self._step_time_embeddings(sampler.timesteps)
+        # Both branches' layouts have the same generated rows: the cond one lays out what the tick work reads. It
+        # holds the request's indexes and the time embedding its timestep: only the latents are new each step.
+        layout = branches["cond"].layout
         records: list[StepRecord] = []
         for i in range(steps):
             yield None  # a step boundary: the driver may run other work, or stop the tick, here
@@ -730,9 +731,8 @@ class PolicyPipeline:
             clock = time.perf_counter()
             sigma = sampler.sigmas[i]
             timestep = float(sampler.timesteps[i])
-            # The layout holds the request's indexes and the time embedding its timestep: only the latents are new.
-            layout = branches[run_branches[0]].layout
-            hidden = work.embed(layout, state.sample, time_embeddings[i])
+            if i == 0:  # later steps' rows come embedded from the step before (`TickWork.advance`)
+                hidden = work.embed(layout, state.sample, time_embeddings[0])
             gens = {name: GenInput(hidden, branches[name].layout) for name in run_branches}
             noisy_vision = [state.vision] if state.noisy_vision else []
             stack_out, full = {}, []
@@ -748,11 +748,12 @@ class PolicyPipeline:
                 outs = dict(zip(group, out, strict=True)) if len(group) > 1 else {group[0]: out}
                 control.ran(outs)
                 stack_out.update(outs)
-            velocity = work.velocity(layout, stack_out["cond"], stack_out.get("uncond"), guidance)
             if last:  # out of time: jump to the clean estimate, x0 = x_t - sigma * v for flow matching
+                velocity = work.velocity(layout, stack_out["cond"], stack_out.get("uncond"), guidance)
                 state.advance(state.sample - sigma * velocity)
-            else:
-                state.advance(sampler.step(velocity, state.sample))
+            else:  # after the final step, the next time embedding is the final one's, for rows no step reads
+                hidden = work.advance(layout, stack_out["cond"], stack_out.get("uncond"), guidance, sampler, state,
+                                      time_embeddings[min(i + 1, steps - 1)])
             if state.sample.is_cuda:  # a step's time is its device time: the deadline guard paces on it
                 torch.cuda.synchronize(state.sample.device)
             records.append(StepRecord(i, sigma, timestep, run_branches, tuple(full), batched, _ms_since(clock)))

@@ -153,21 +153,13 @@ class FlowSampler(ABC):
     def step(self, velocity: Tensors, sample: Tensors, *, step_index: int | None = None) -> Tensors:
         """Advance one step. ``step_index``, when given, must equal :attr:`step_index` (a guard
         against a loop that skipped or repeated a call)."""
-        i = self._step_index
-        if i >= self.num_steps:
-            raise RuntimeError(f"all {self.num_steps} steps of this sampler are done; create a new one")
-        if step_index is not None and step_index != i:
-            raise RuntimeError(f"step_index={step_index} given, but this sampler is at step {i}")
         single = isinstance(velocity, torch.Tensor)
         velocities = {"": velocity} if single else dict(velocity)
         samples = {"": sample} if isinstance(sample, torch.Tensor) else dict(sample)
         keys = tuple(sorted(velocities))
         if tuple(sorted(samples)) != keys:
             raise ValueError(f"velocity keys {keys} and sample keys {tuple(sorted(samples))} differ")
-        if self._keys is None:
-            self._keys = keys
-        elif keys != self._keys:
-            raise ValueError(f"modalities changed from {self._keys} to {keys}; keep the same keys every step")
+        i = self._next_step(keys, step_index)
         for key in keys:
             if velocities[key].shape != samples[key].shape:
                 raise ValueError(
@@ -179,6 +171,19 @@ class FlowSampler(ABC):
         )
         self._step_index += 1
         return out[""] if single else out
+
+    def _next_step(self, keys: tuple[str, ...], step_index: int | None = None) -> int:
+        """The index of the step about to be taken with modalities `keys`, checked."""
+        i = self._step_index
+        if i >= self.num_steps:
+            raise RuntimeError(f"all {self.num_steps} steps of this sampler are done; create a new one")
+        if step_index is not None and step_index != i:
+            raise RuntimeError(f"step_index={step_index} given, but this sampler is at step {i}")
+        if self._keys is None:
+            self._keys = keys
+        elif keys != self._keys:
+            raise ValueError(f"modalities changed from {self._keys} to {keys}; keep the same keys every step")
+        return i
 
     @abstractmethod
     def _step(
@@ -286,20 +291,39 @@ class UniPCSampler(FlowSampler):
 
     name = "unipc"
 
-    def __init__(self, schedule: FlowSchedule, solver_order: int = 2, update: UniPCUpdate | None = None) -> None:
+    def __init__(self, schedule: FlowSchedule, solver_order: int = 2) -> None:
         super().__init__(schedule)
         if solver_order not in range(1, MAX_SOLVER_ORDER + 1):
             raise InvalidSamplerSettings(
                 "solver_order", f"got {solver_order!r}; expected an integer in [1, {MAX_SOLVER_ORDER}]"
             )
         self.solver_order = solver_order
-        self.update = update or unipc_update
         self._x0_history: dict[str, list[torch.Tensor]] = {}  # most recent last, at most solver_order
         self._last_sample: dict[str, torch.Tensor] = {}  # sample the previous predictor started from
         self._last_order = 0  # order of the previous predictor; the next corrector uses the same
         self._warm_steps = 0
 
+    def step_with(self, update: Callable[..., tuple], sample: torch.Tensor) -> tuple:
+        """Advance the one tensor `sample` a step, as `step` would given its velocity, by `update`, which decodes
+        the velocity itself: `update(sample, sigma, history, last_sample, corrector, predictor)` (the arguments of
+        `unipc_update` after the velocity) returns the x0 prediction and the corrected sample, as `unipc_update`
+        does, then what this returns (what it makes of the predicted sample, and more)."""
+        i = self._next_step(("",))
+        corrector, predictor = self._coefficients(i)
+        results = self._update("", sample, i, corrector, predictor, update)
+        self._end_step(predictor)
+        self._step_index += 1
+        return results
+
     def _step(self, velocities, samples, i):
+        corrector, predictor = self._coefficients(i)
+        out = {k: self._update(k, samples[k], i, corrector, predictor,
+                               functools.partial(unipc_update, velocities[k]))[0] for k in samples}
+        self._end_step(predictor)
+        return out
+
+    def _coefficients(self, i: int) -> tuple[UniCoefficients | None, UniCoefficients]:
+        """Step i's corrector (None on the first step) and predictor."""
         corrector = None
         if i > 0:
             corrector = _cached_uni_coefficients(
@@ -310,17 +334,21 @@ class UniPCSampler(FlowSampler):
         predictor = _cached_uni_coefficients(
             self._sigma_values, t=i + 1, s0=i, history=tuple(i - j for j in range(1, order)), corrector=False
         )
-        out = {}
-        for k in samples:
-            history = self._x0_history.setdefault(k, [])
-            x0, self._last_sample[k], out[k] = self.update(velocities[k], samples[k], self._sigma_values[i],
-                                                           tuple(history), self._last_sample.get(k), corrector,
-                                                           predictor)
-            history.append(x0)
-            del history[: -self.solver_order]
-        self._last_order = order
+        return corrector, predictor
+
+    def _update(self, key: str, sample: torch.Tensor, i: int, corrector: UniCoefficients | None,
+                predictor: UniCoefficients, update: Callable[..., tuple]) -> list:
+        """Run `update` (`step_with`'s) on modality `key` at step i and keep its x0 and corrected sample."""
+        history = self._x0_history.setdefault(key, [])
+        x0, self._last_sample[key], *results = update(sample, self._sigma_values[i], tuple(history),
+                                                      self._last_sample.get(key), corrector, predictor)
+        history.append(x0)
+        del history[: -self.solver_order]
+        return results
+
+    def _end_step(self, predictor: UniCoefficients) -> None:
+        self._last_order = len(predictor.rks) + 1
         self._warm_steps = min(self._warm_steps + 1, self.solver_order)
-        return out
 
 
 def unipc_update(velocity: torch.Tensor, sample: torch.Tensor, sigma: float, history: tuple[torch.Tensor, ...],
@@ -336,7 +364,29 @@ def unipc_update(velocity: torch.Tensor, sample: torch.Tensor, sigma: float, his
     return x0, sample, _predicted(predictor, (*history, x0), sample)
 
 
-UniPCUpdate = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # `unipc_update`'s signature
+def widest_update(order: int, sample: torch.Tensor, history: tuple[torch.Tensor, ...],
+                  last_sample: torch.Tensor | None, corrector: UniCoefficients | None, predictor: UniCoefficients
+                  ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, UniCoefficients, UniCoefficients]:
+    """`unipc_update`'s `history`, `last_sample`, `corrector` and `predictor` of a step of a sampler of `order`
+    in the widest form its steps take: `order` earlier predictions, a corrector and a predictor of that order.
+    `unipc_update` gives the same tensors bit for bit from either form: a term the step lacks gets weight zero
+    on a finite difference (0 * d adds an exact zero), and the first step, which corrects nothing, gets the
+    corrector that returns the sample it is given (1 * x - 0 * m0 - 0 * c). One traced update (`tick_work.py`)
+    then serves every step."""
+    padding = (sample,) * (order - len(history))  # any finite tensor: its differences weigh zero
+    if corrector is None:
+        corrector, last_sample = UniCoefficients(1.0, 0.0, 0.0, (), (0.0,)), sample
+    return (*padding, *history), last_sample, _widened(corrector, order), _widened(predictor, order)
+
+
+def _widened(coef: UniCoefficients, order: int) -> UniCoefficients:
+    """`coef` with `order - 1` rks (the added ones 1, any nonzero would do) and zero weights on the added differences:
+    a corrector's last rho, which weighs the fresh prediction, stays last."""
+    missing = order - 1 - len(coef.rks)
+    is_corrector = len(coef.rhos) == len(coef.rks) + 1
+    differences = coef.rhos[:-1] if is_corrector else coef.rhos
+    return UniCoefficients(coef.x_scale, coef.m0_scale, coef.res_scale, (*coef.rks, *(1.0,) * missing),
+                           (*differences, *(0.0,) * missing, *coef.rhos[len(differences):]))
 
 
 def _differences(coef: UniCoefficients, history: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
@@ -380,7 +430,6 @@ def make_sampler(
     solver_order: int = 2,
     base_sigmas: list[float] | None = None,
     karras: tuple[float, float, str] | None = None,
-    unipc_update: UniPCUpdate | None = None,
 ) -> FlowSampler:
     """A fresh per-request sampler.
 
@@ -392,11 +441,10 @@ def make_sampler(
         base_sigmas: optional unshifted schedule of N values in (0, 1] instead of the linspace.
         karras: ``(sigma_min, sigma_max, final_sigma)`` for the Karras flow schedule instead of the shifted
             one (``shift`` and ``base_sigmas`` are then unused, as in diffusers).
-        unipc_update: what computes a UniPC step's tensors (default :func:`unipc_update`, eagerly).
     """
     schedule = karras_flow_schedule(num_steps, *karras) if karras else flow_schedule(num_steps, shift, base_sigmas)
     if name == "unipc":
-        return UniPCSampler(schedule, solver_order=solver_order, update=unipc_update)
+        return UniPCSampler(schedule, solver_order=solver_order)
     if name == "euler":
         return EulerSampler(schedule)
     raise InvalidSamplerSettings(

@@ -1,20 +1,26 @@
 """A tick's model work besides the GEN stack: `TickWork` runs it eagerly, `CompiledTickWork` from graphs.
 
-The work: the text prefill of a new prompt (`prefill`), and each sampler step's embedding of its generated rows
-(`embed`), decode of the velocity from the GEN stack's outputs (`velocity`: the CFG combination, the heads,
-vision and actions in fp32, flattened as the sampler state is) and UniPC update (`unipc_update`). On a CPU these
-ops cost more to dispatch than to compute; `CompiledTickWork` runs each as one `CompiledGraph`: the prefill with
-the text length dynamic, the UniPC update per step structure (orders of its corrector and predictor) with the
-state's size dynamic, and per request shape the embedding and the decode (of one branch, and of two guided),
-which read the layout's GEN-local rows alone (they do not depend on the text), so a shape's graphs serve every
-instruction. Compiling takes seconds, so it is done where no deadline runs, by the object `compiling()` returns
-(warmup's); the object itself runs eagerly what it has no graph for.
+The work: the text prefill of a new prompt (`prefill`), the embedding of the first step's generated rows (`embed`)
+and, after each sampler step's GEN-stack calls, the rest of the step (`advance`): decode the velocity (the CFG
+combination and the heads, vision and actions in fp32, flat as the sampler state is), take the sampler step, set the
+conditioning back and embed the next step's rows. A step the deadline guard makes the last only decodes its velocity
+(`velocity`) and jumps to the clean estimate.
+
+On a CPU these ops cost more to dispatch than to compute, the more so right after a GEN-stack call has filled the
+caches with its own work. `CompiledTickWork` runs each piece as one `CompiledGraph`: the prefill with the text length
+dynamic, and per request shape (the pieces read the layout's GEN-local rows alone, which the text length does not
+move, so a shape's graphs serve every instruction) the embedding, the decode and the step, each of one branch and of
+two guided. A step graph holds the UniPC update of the sampler's order in its widest form
+(`schedulers.widest_update`), which gives every step's update bit for bit, so one graph serves every step. Compiling
+takes seconds, so it is done where no deadline runs, by the object `compiling()` returns (warmup's); the object
+itself runs eagerly what it has no graph for (an Euler sampler's steps among them).
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import replace
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import nn
@@ -23,7 +29,10 @@ from torch.export import Dim
 from policy_server.model import Cosmos3OmniTransformer, GenInput, UndKV
 from policy_server.model.gen_layout import GenLayout
 from policy_server.pipeline.compiled_graph import MIN_DYNAMIC_SIZE, CompiledGraph, CompiledGraphs
-from policy_server.pipeline.schedulers import UniCoefficients, unipc_update
+from policy_server.pipeline.schedulers import FlowSampler, UniCoefficients, UniPCSampler, unipc_update, widest_update
+
+if TYPE_CHECKING:
+    from policy_server.pipeline.policy import DenoiseState
 
 
 class TickWork:
@@ -46,7 +55,7 @@ class TickWork:
                                           action_tokens=[actions.to(dtype)]).hidden
 
     def velocity(self, layout: GenLayout, cond: torch.Tensor, uncond: torch.Tensor | None = None,
-                 guidance: float = 1.0) -> torch.Tensor:
+                 guidance: float | torch.Tensor = 1.0) -> torch.Tensor:
         """The velocity decoded from the cond branch's GEN stack output `[N_gen, D]`, pushed away from the uncond
         branch's by `guidance` when that is given: fp32 and flat like the sampler state, zero on clean frames and
         rows. The heads are affine, so guiding what they decode guides the velocities, with one decode, not two."""
@@ -54,24 +63,26 @@ class TickWork:
         vision, _, actions = self.transformer.heads(out, GenInput(out, layout))
         return torch.cat((vision[0][0].float().flatten(), actions[0].float().flatten()))
 
-    def unipc_update(self, velocity: torch.Tensor, sample: torch.Tensor, sigma: float,
-                     history: tuple[torch.Tensor, ...], last_sample: torch.Tensor | None,
-                     corrector: UniCoefficients | None, predictor: UniCoefficients
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One UniPC step's tensors (`schedulers.unipc_update`)."""
-        return unipc_update(velocity, sample, sigma, history, last_sample, corrector, predictor)
+    def advance(self, layout: GenLayout, cond: torch.Tensor, uncond: torch.Tensor | None, guidance: float,
+                sampler: FlowSampler, state: DenoiseState, time_embedding: torch.Tensor) -> torch.Tensor:
+        """The rest of a sampler step after its GEN-stack calls, whose outputs `velocity` decodes: step `sampler`,
+        advance `state` and return the next step's generated rows, embedded with `time_embedding` (after the
+        final step, rows no step reads). All of it eagerly, in a subclass too."""
+        state.advance(sampler.step(TickWork.velocity(self, layout, cond, uncond, guidance), state.sample))
+        return TickWork.embed(self, layout, state.sample, time_embedding)
 
 
 class CompiledTickWork(TickWork):
-    """A tick's work from the graphs compiled for it, eagerly where there is none. `eager_calls`: the prefills and
-    sampler steps that ran eagerly (no graph yet, or a request shape without graphs)."""
+    """A tick's work from the graphs compiled for it, eagerly where there is none. `eager_calls`: the prefills,
+    first-step embeddings and sampler steps that ran eagerly (no graph yet, or none for their request shape or
+    sampler)."""
 
     def __init__(self, transformer: Cosmos3OmniTransformer):
         super().__init__(transformer)
         self.eager_calls = 0
         self._prefill = CompiledGraphs()  # one graph: text lengths are dynamic
-        self._updates = CompiledGraphs()  # by step structure (`_update_structure`)
-        self._shapes = CompiledGraphs()  # by request shape: the embedding, the one-branch and the guided decode
+        self._shapes = CompiledGraphs()  # `_ShapeGraphs` by request shape
+        self._steps = CompiledGraphs()  # `_Step` graphs by `_step_key`
 
     @property
     def num_shapes(self) -> int:
@@ -79,7 +90,7 @@ class CompiledTickWork(TickWork):
 
     @property
     def compile_ms(self) -> float:
-        return self._prefill.compile_ms + self._updates.compile_ms + self._shapes.compile_ms
+        return self._prefill.compile_ms + self._shapes.compile_ms + self._steps.compile_ms
 
     def prefill(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> UndKV:
         graph = self._prefill.get(())
@@ -95,37 +106,48 @@ class CompiledTickWork(TickWork):
         if graphs is None:
             self.eager_calls += 1
             return super().embed(layout, sample, time_embedding)
-        return graphs[0](sample, time_embedding)[0]
+        return graphs.embed(sample, time_embedding)[0]
 
     def velocity(self, layout: GenLayout, cond: torch.Tensor, uncond: torch.Tensor | None = None,
-                 guidance: float = 1.0) -> torch.Tensor:
+                 guidance: float | torch.Tensor = 1.0) -> torch.Tensor:
         graphs = self._shapes.get(_shape(layout))
         if graphs is None:
             return super().velocity(layout, cond, uncond, guidance)
         if uncond is None:
-            return graphs[1](cond)[0]
-        # The scale as the eager product takes a Python float: in fp32.
-        return graphs[2](cond, uncond, torch.tensor(guidance, dtype=torch.float32, device=cond.device))[0]
+            return graphs.velocity(cond)[0]
+        return graphs.guided_velocity(cond, uncond, _scalar(guidance, cond.device))[0]
 
-    def unipc_update(self, velocity: torch.Tensor, sample: torch.Tensor, sigma: float,
-                     history: tuple[torch.Tensor, ...], last_sample: torch.Tensor | None,
-                     corrector: UniCoefficients | None, predictor: UniCoefficients
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        graph = self._updates.get(_update_structure(sample, history, corrector, predictor))
+    def advance(self, layout: GenLayout, cond: torch.Tensor, uncond: torch.Tensor | None, guidance: float,
+                sampler: FlowSampler, state: DenoiseState, time_embedding: torch.Tensor) -> torch.Tensor:
+        graph = self._steps.get(_step_key(layout, uncond, sampler))
         if graph is None:
-            return super().unipc_update(velocity, sample, sigma, history, last_sample, corrector, predictor)
-        x0, corrected, predicted = graph(velocity, sample, _update_scalars(sigma, corrector, predictor, sample.device),
-                                         *history, *(() if last_sample is None else (last_sample,)))
-        return x0, corrected, predicted
+            self.eager_calls += 1
+            return super().advance(layout, cond, uncond, guidance, sampler, state, time_embedding)
+        branches = (cond,) if uncond is None else (cond, uncond, _scalar(guidance, cond.device))
+
+        def update(sample, sigma, history, last_sample, corrector, predictor):
+            scalars, states = _widest(sampler.solver_order, sample, sigma, history, last_sample, corrector, predictor)
+            return graph(sample, scalars, *states, state.given, state.clean, time_embedding, *branches)
+
+        state.sample, hidden = sampler.step_with(update, state.sample)  # the graph set the conditioning back
+        return hidden
 
     def compiling(self) -> TickWork:
         """This tick work, compiling first the graphs it lacks for what it is asked."""
         return _Compiling(self)
 
 
+class _ShapeGraphs(NamedTuple):
+    """A request shape's graphs besides its steps'."""
+
+    embed: CompiledGraph
+    velocity: CompiledGraph
+    guided_velocity: CompiledGraph
+
+
 class _Compiling(TickWork):
-    """`CompiledTickWork` that compiles the graphs it lacks before it runs them. A step embeds before it decodes, so
-    the embedding compiles the step's request shape, from the step's own tensors."""
+    """`CompiledTickWork` that compiles the graphs it lacks, traced on the tensors it is given, before it runs
+    them."""
 
     def __init__(self, compiled: CompiledTickWork):
         super().__init__(compiled.transformer)
@@ -143,40 +165,42 @@ class _Compiling(TickWork):
         return self.compiled.embed(layout, sample, time_embedding)
 
     def velocity(self, layout: GenLayout, cond: torch.Tensor, uncond: torch.Tensor | None = None,
-                 guidance: float = 1.0) -> torch.Tensor:
+                 guidance: float | torch.Tensor = 1.0) -> torch.Tensor:
         return self.compiled.velocity(layout, cond, uncond, guidance)
 
-    def unipc_update(self, velocity: torch.Tensor, sample: torch.Tensor, sigma: float,
-                     history: tuple[torch.Tensor, ...], last_sample: torch.Tensor | None,
-                     corrector: UniCoefficients | None, predictor: UniCoefficients
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        structure = _update_structure(sample, history, corrector, predictor)
-        if structure is not None:
-            self.compiled._updates.compile(structure, lambda: self._update_graph(sample, history, corrector,
-                                                                                 predictor))
-        return self.compiled.unipc_update(velocity, sample, sigma, history, last_sample, corrector, predictor)
+    def advance(self, layout: GenLayout, cond: torch.Tensor, uncond: torch.Tensor | None, guidance: float,
+                sampler: FlowSampler, state: DenoiseState, time_embedding: torch.Tensor) -> torch.Tensor:
+        key = _step_key(layout, uncond, sampler)
+        if key is not None:
+            self.compiled._steps.compile(key, lambda: self._step_graph(layout, cond, uncond, sampler.solver_order,
+                                                                        state, time_embedding))
+        return self.compiled.advance(layout, cond, uncond, guidance, sampler, state, time_embedding)
 
-    def _shape_graphs(self, layout: GenLayout, sample: torch.Tensor, time_embedding: torch.Tensor
-                      ) -> tuple[CompiledGraph, CompiledGraph, CompiledGraph]:
-        """A request shape's embedding, one-branch decode and guided decode, traced on distinct examples."""
+    def _shape_graphs(self, layout: GenLayout, sample: torch.Tensor, time_embedding: torch.Tensor) -> _ShapeGraphs:
+        """A request shape's embedding, one-branch decode and guided decode, traced on distinct examples (export
+        would tie aliases into one input)."""
         eager = TickWork(self.transformer)
         stack_out = torch.zeros((layout.num_gen, self.transformer.config.hidden_size), dtype=self.transformer.dtype,
                                 device=sample.device)
-        return (CompiledGraph(_Embed(eager, layout), (torch.zeros_like(sample), torch.zeros_like(time_embedding))),
-                CompiledGraph(_Velocity(eager, layout), (stack_out,)),
-                CompiledGraph(_Velocity(eager, layout), (stack_out, torch.zeros_like(stack_out),
-                                                         torch.zeros((), device=sample.device))))
+        return _ShapeGraphs(
+            CompiledGraph(_Embed(eager, layout), (torch.zeros_like(sample), torch.zeros_like(time_embedding))),
+            CompiledGraph(_Velocity(eager, layout), (stack_out,)),
+            CompiledGraph(_Velocity(eager, layout), (stack_out, torch.zeros_like(stack_out),
+                                                     torch.zeros((), device=sample.device))))
 
-    @staticmethod
-    def _update_graph(sample: torch.Tensor, history: tuple[torch.Tensor, ...], corrector: UniCoefficients | None,
-                      predictor: UniCoefficients) -> CompiledGraph:
-        """The UniPC update of one step structure, the state's size dynamic."""
-        size = Dim("size", min=MIN_DYNAMIC_SIZE)
-        states = [torch.zeros_like(sample) for _ in range(2 + len(history) + (corrector is not None))]
-        return CompiledGraph(_UniPCUpdate(corrector, predictor),
-                             (states[0], states[1], _update_scalars(1.0, corrector, predictor, sample.device),
-                              tuple(states[2:])),
-                             dynamic_shapes=({0: size}, {0: size}, None, tuple({0: size} for _ in states[2:])))
+    def _step_graph(self, layout: GenLayout, cond: torch.Tensor, uncond: torch.Tensor | None, order: int,
+                    state: DenoiseState, time_embedding: torch.Tensor) -> CompiledGraph:
+        """A request shape's step of one branch or two guided, for a UniPC sampler of `order`, traced on distinct
+        examples of the step's tensors."""
+        def like(tensor: torch.Tensor) -> torch.Tensor:
+            return torch.zeros_like(tensor)
+
+        sample = state.sample
+        scalars, states = _widest(order, sample, 1.0, (), None, None, UniCoefficients(1.0, 0.0, 0.0, (), ()))
+        branches = (like(cond),) if uncond is None else (like(cond), like(uncond), torch.zeros((), device=cond.device))
+        return CompiledGraph(_Step(TickWork(self.transformer), layout, order),
+                             (like(sample), like(scalars), tuple(like(tensor) for tensor in states), like(state.given),
+                              like(state.clean), like(time_embedding), *branches))
 
 
 class _Prefill(nn.Module):
@@ -214,49 +238,60 @@ class _Velocity(nn.Module):
         return self.work.velocity(self.layout, cond, uncond, guidance)
 
 
-class _UniPCUpdate(nn.Module):
-    """What export traces for `unipc_update` of one step structure: its scalars go in as one fp32 tensor
-    (`_update_scalars`), each a 0-dim tensor in the arithmetic, as the eager update's Python floats are in fp32."""
+class _Step(nn.Module):
+    """What export traces for `CompiledTickWork.advance` of one layout and UniPC order: the decode, the update in its
+    widest form (`_widest`; its scalars, each a 0-dim fp32 tensor in the arithmetic as the eager update's Python
+    floats are in fp32), `DenoiseState.advance`'s restore and the next embedding. Returns the x0 prediction, the
+    corrected sample, the next sample and its embedded rows."""
 
-    def __init__(self, corrector: UniCoefficients | None, predictor: UniCoefficients):
+    def __init__(self, work: TickWork, layout: GenLayout, order: int):
         super().__init__()
-        self.corrector, self.predictor = corrector, predictor
+        self.work, self.layout, self.order = work, layout, order
 
-    def forward(self, velocity: torch.Tensor, sample: torch.Tensor, scalars: torch.Tensor,
-                states: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(self, sample: torch.Tensor, scalars: torch.Tensor, states: tuple[torch.Tensor, ...],
+                given: torch.Tensor, clean: torch.Tensor, time_embedding: torch.Tensor, cond: torch.Tensor,
+                uncond: torch.Tensor | None = None, guidance: torch.Tensor | float = 1.0
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        velocity = self.work.velocity(self.layout, cond, uncond, guidance)
         values = iter(scalars)
-        corrector = None if self.corrector is None else _scalar_coefficients(self.corrector, values)
-        predictor = _scalar_coefficients(self.predictor, values)
-        sigma = next(values)
-        history, last_sample = (states[:-1], states[-1]) if corrector is not None else (states, None)
-        return unipc_update(velocity, sample, sigma, history, last_sample, corrector, predictor)
+        corrector = _coefficients(self.order, self.order, values)
+        predictor = _coefficients(self.order, self.order - 1, values)
+        x0, corrected, predicted = unipc_update(velocity, sample, next(values), states[:-1], states[-1], corrector,
+                                                predictor)
+        sample = torch.where(given, clean, predicted)
+        return x0, corrected, sample, self.work.embed(self.layout, sample, time_embedding)
 
 
-def _update_structure(sample: torch.Tensor, history: tuple[torch.Tensor, ...], corrector: UniCoefficients | None,
-                      predictor: UniCoefficients) -> tuple | None:
-    """What an update's graph is fixed to: the number of earlier predictions and the corrector's and predictor's
-    orders; None for an update no graph serves (a state not flat, or smaller than `MIN_DYNAMIC_SIZE`)."""
-    if sample.ndim != 1 or sample.shape[0] < MIN_DYNAMIC_SIZE:
-        return None
-    return len(history), None if corrector is None else len(corrector.rks), len(predictor.rks), sample.dtype
+def _widest(order: int, sample: torch.Tensor, sigma: float, history: tuple[torch.Tensor, ...],
+            last_sample: torch.Tensor | None, corrector: UniCoefficients | None, predictor: UniCoefficients
+            ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """A UniPC update in the widest form of `order` as `_Step` takes it: its scalars as one fp32 tensor (the
+    corrector's, the predictor's, sigma), and its tensors (the earlier predictions, then the sample the corrector
+    starts from)."""
+    history, last_sample, corrector, predictor = widest_update(order, sample, history, last_sample, corrector,
+                                                               predictor)
+    return _scalars(sigma, corrector, predictor, sample.device), (*history, last_sample)
 
 
 @functools.lru_cache(maxsize=4096)  # a schedule's steps repeat every tick
-def _update_scalars(sigma: float, corrector: UniCoefficients | None, predictor: UniCoefficients,
-                    device: torch.device) -> torch.Tensor:
-    """An update's scalars in the order `_UniPCUpdate` reads them: the corrector's, the predictor's, sigma."""
-    values = [] if corrector is None else _coefficient_values(corrector)
-    return torch.tensor([*values, *_coefficient_values(predictor), sigma], dtype=torch.float32, device=device)
+def _scalars(sigma: float, corrector: UniCoefficients, predictor: UniCoefficients,
+             device: torch.device) -> torch.Tensor:
+    values = [value for coef in (corrector, predictor)
+              for value in (coef.x_scale, coef.m0_scale, coef.res_scale, *coef.rks, *coef.rhos)]
+    return torch.tensor([*values, sigma], dtype=torch.float32, device=device)
 
 
-def _coefficient_values(coef: UniCoefficients) -> list[float]:
-    return [coef.x_scale, coef.m0_scale, coef.res_scale, *coef.rks, *coef.rhos]
+@functools.lru_cache(maxsize=64)  # a handful of guidance scales
+def _scalar(value: float, device: torch.device) -> torch.Tensor:
+    """`value` as a 0-dim fp32 tensor: in fp32, as the eager product takes a Python float."""
+    return torch.tensor(value, dtype=torch.float32, device=device)
 
 
-def _scalar_coefficients(coef: UniCoefficients, values) -> UniCoefficients:
-    """`coef` with its values taken in turn from `values` (0-dim tensors)."""
-    return UniCoefficients(next(values), next(values), next(values), tuple(next(values) for _ in coef.rks),
-                           tuple(next(values) for _ in coef.rhos))
+def _coefficients(order: int, num_rhos: int, values) -> UniCoefficients:
+    """UniPC coefficients of `order` (`order - 1` rks, `num_rhos` rhos) taken in turn from `values` (0-dim
+    tensors)."""
+    return UniCoefficients(next(values), next(values), next(values), tuple(next(values) for _ in range(order - 1)),
+                           tuple(next(values) for _ in range(num_rhos)))
 
 
 def _split(transformer: Cosmos3OmniTransformer, layout: GenLayout, sample: torch.Tensor
@@ -271,3 +306,11 @@ def _split(transformer: Cosmos3OmniTransformer, layout: GenLayout, sample: torch
 def _shape(layout: GenLayout):
     """What a layout's graphs are fixed to: its request shape but for the text length (`RequestShape`)."""
     return replace(layout.key, und_len=0)
+
+
+def _step_key(layout: GenLayout, uncond: torch.Tensor | None, sampler: FlowSampler) -> tuple | None:
+    """What a step graph is fixed to: the request shape, whether the step is guided and the UniPC order; None for a
+    sampler no graph serves (Euler)."""
+    if not isinstance(sampler, UniPCSampler):
+        return None
+    return _shape(layout), uncond is not None, sampler.solver_order
