@@ -376,17 +376,17 @@ def widest_update(order: int, sample: torch.Tensor, history: tuple[torch.Tensor,
     padding = (sample,) * (order - len(history))  # any finite tensor: its differences weigh zero
     if corrector is None:
         corrector, last_sample = UniCoefficients(1.0, 0.0, 0.0, (), (0.0,)), sample
-    return (*padding, *history), last_sample, _widened(corrector, order), _widened(predictor, order)
+    return ((*padding, *history), last_sample, _widened(corrector, order, corrector=True),
+            _widened(predictor, order, corrector=False))
 
 
-def _widened(coef: UniCoefficients, order: int) -> UniCoefficients:
-    """`coef` with `order - 1` rks (the added ones 1, any nonzero would do) and zero weights on the added differences:
-    a corrector's last rho, which weighs the fresh prediction, stays last."""
+def _widened(coef: UniCoefficients, order: int, corrector: bool) -> UniCoefficients:
+    """`coef` with `order - 1` rks (the added ones 1, any nonzero would do) and zero weights on the added
+    differences; a corrector's last rho, which weighs the fresh prediction, stays last."""
     missing = order - 1 - len(coef.rks)
-    is_corrector = len(coef.rhos) == len(coef.rks) + 1
-    differences = coef.rhos[:-1] if is_corrector else coef.rhos
+    differences, fresh = (coef.rhos[:-1], coef.rhos[-1:]) if corrector else (coef.rhos, ())
     return UniCoefficients(coef.x_scale, coef.m0_scale, coef.res_scale, (*coef.rks, *(1.0,) * missing),
-                           (*differences, *(0.0,) * missing, *coef.rhos[len(differences):]))
+                           (*differences, *(0.0,) * missing, *fresh))
 
 
 def _differences(coef: UniCoefficients, history: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:

@@ -9,7 +9,7 @@ conditioning back and embed the next step's rows. A step the deadline guard make
 On a CPU these ops cost more to dispatch than to compute, the more so right after a GEN-stack call has filled the
 caches with its own work. `CompiledTickWork` runs each piece as one `CompiledGraph`: the prefill with the text length
 dynamic, and per request shape (the pieces read the layout's GEN-local rows alone, which the text length does not
-move, so a shape's graphs serve every instruction) the embedding, the decode and the step, each of one branch and of
+move, so a shape's graphs serve every instruction) the embedding, and the decode and the step of one branch and of
 two guided. A step graph holds the UniPC update of the sampler's order in its widest form
 (`schedulers.widest_update`), which gives every step's update bit for bit, so one graph serves every step. Compiling
 takes seconds, so it is done where no deadline runs, by the object `compiling()` returns (warmup's); the object
