@@ -286,8 +286,8 @@ class DenoiseState:
         return len(self.clean_frames) < self.vision_shape[1]
 
     def advance(self, sample: torch.Tensor) -> None:
-        """Take the sampler's next state, its conditioning set back to exactly what was given (which a compiled
-        step does in its graph before it sets `sample`, `tick_work.CompiledTickWork.advance`)."""
+        """Take the sampler's next state, its conditioning set back to exactly what was given. (A compiled step
+        restores it in its graph and sets `sample` itself: `tick_work.CompiledTickWork.advance`.)"""
         self.sample = torch.where(self.given, self.clean, sample)
 
 

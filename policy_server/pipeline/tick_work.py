@@ -192,15 +192,14 @@ class _Compiling(TickWork):
                     state: DenoiseState, time_embedding: torch.Tensor) -> CompiledGraph:
         """A request shape's step of one branch or two guided, for a UniPC sampler of `order`, traced on distinct
         examples of the step's tensors."""
-        def like(tensor: torch.Tensor) -> torch.Tensor:
-            return torch.zeros_like(tensor)
-
-        sample = state.sample
-        scalars, states = _widest(order, sample, 1.0, (), None, None, UniCoefficients(1.0, 0.0, 0.0, (), ()))
-        branches = (like(cond),) if uncond is None else (like(cond), like(uncond), torch.zeros((), device=cond.device))
+        zeros = torch.zeros_like
+        # Any step's update in the widest form has the shapes of all of them: an uncorrected first step's will do.
+        scalars, states = _widest(order, state.sample, 1.0, (), None, None, UniCoefficients(1.0, 0.0, 0.0, (), ()))
+        guidance = torch.zeros((), device=cond.device)
+        branches = (zeros(cond),) if uncond is None else (zeros(cond), zeros(uncond), guidance)
         return CompiledGraph(_Step(TickWork(self.transformer), layout, order),
-                             (like(sample), like(scalars), tuple(like(tensor) for tensor in states), like(state.given),
-                              like(state.clean), like(time_embedding), *branches))
+                             (zeros(state.sample), zeros(scalars), tuple(zeros(tensor) for tensor in states),
+                              zeros(state.given), zeros(state.clean), zeros(time_embedding), *branches))
 
 
 class _Prefill(nn.Module):
