@@ -114,7 +114,7 @@ def test_a_precompiled_stack_runs_eagerly_what_warmup_did_not_compile(pipeline, 
     assert stack.eager_calls == 3 and stack.num_patterns == 1
 
 
-def test_compiled_tick_work_gives_the_eager_outputs(pipeline, compiles):
+def test_compiled_tick_work_gives_the_eager_outputs(pipeline, compiles, monkeypatch):
     work, eager, stack = CompiledTickWork(pipeline.transformer), pipeline.tick_work, pipeline.transformer.gen_stack
     config, embodiment = pipeline.config, pipeline.embodiments.get("pusht")
 
@@ -145,6 +145,27 @@ def test_compiled_tick_work_gives_the_eager_outputs(pipeline, compiles):
             np.testing.assert_array_equal(got.actions, want.actions)
             torch.testing.assert_close(got.latents, want.latents, rtol=0, atol=0)
     assert work.num_shapes == 1 and work.eager_calls == eager_calls
+    # A step the guard makes the last decodes its velocity alone, from the decode graph (the prompts are BLUE's).
+    got, want = (run_steps(pipeline.steps(_request(BLUE), prompts[0], _EndsAt(config.num_steps, 3), tick_work), stack)
+                 for tick_work in (work, eager))
+    assert len(got.steps) == 4 and work.eager_calls == eager_calls
+    np.testing.assert_array_equal(got.actions, want.actions)
+    # No graph serves an Euler sampler's steps: they run eagerly.
+    monkeypatch.setattr(pipeline, "config", config.model_copy(update={"sampler": "euler"}))
+    got, want = (tick(BLUE, True, tick_work, prompts[0]) for tick_work in (work, eager))
+    assert work.eager_calls == eager_calls + config.num_steps
+    np.testing.assert_array_equal(got.actions, want.actions)
+
+
+class _EndsAt(FixedSteps):
+    """Every step guided, and step `last` the tick's last, as the deadline guard ends a late tick."""
+
+    def __init__(self, num_steps: int, last: int):
+        super().__init__(num_steps, range(num_steps))
+        self.last = last
+
+    def before_step(self, step: int) -> tuple[tuple[str, ...], bool]:
+        return super().before_step(step)[0], step == self.last
 
 
 def test_an_engine_compiles_at_warmup_and_serves_without_compiling(pipeline, compiles):

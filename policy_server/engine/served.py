@@ -83,8 +83,8 @@ class ServedModel:
     down: running work stops at its next step. `gen_stack` runs the GEN-stack calls of live work (`compiled` or not);
     `capturing_gen_stack` those of warm-up work, which may also capture CUDA graphs (`graphs`, None without) or
     compile a call pattern. `tick_work` and `capturing_tick_work`: the same for a tick's model work besides the stack
-    (`pipeline/tick_work.py`: the prefill, each step's embedding, velocity and UniPC update; compiled on a CPU with
-    the stack)."""
+    (`pipeline/tick_work.py`: the prefill, and each sampler step's work around the stack; compiled on a CPU with the
+    stack)."""
 
     def __init__(self, pipeline: PolicyPipeline, settings: EngineSettings, clock: Callable[[], float]):
         self.pipeline = pipeline

@@ -751,9 +751,9 @@ class PolicyPipeline:
             if last:  # out of time: jump to the clean estimate, x0 = x_t - sigma * v for flow matching
                 velocity = work.velocity(layout, stack_out["cond"], stack_out.get("uncond"), guidance)
                 state.advance(state.sample - sigma * velocity)
-            else:  # after the final step, the next time embedding is the final one's, for rows no step reads
+            else:
                 hidden = work.advance(layout, stack_out["cond"], stack_out.get("uncond"), guidance, sampler, state,
-                                      time_embeddings[min(i + 1, steps - 1)])
+                                      time_embeddings[i + 1] if i + 1 < steps else None)
             if state.sample.is_cuda:  # a step's time is its device time: the deadline guard paces on it
                 torch.cuda.synchronize(state.sample.device)
             records.append(StepRecord(i, sigma, timestep, run_branches, tuple(full), batched, _ms_since(clock)))

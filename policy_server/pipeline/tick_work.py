@@ -3,8 +3,8 @@
 The work: the text prefill of a new prompt (`prefill`), the embedding of the first step's generated rows (`embed`)
 and, after each sampler step's GEN-stack calls, the rest of the step (`advance`): decode the velocity (the CFG
 combination and the heads, vision and actions in fp32, flat as the sampler state is), take the sampler step, set the
-conditioning back and embed the next step's rows. A step the deadline guard makes the last only decodes its velocity
-(`velocity`) and jumps to the clean estimate.
+conditioning back and embed the next step's rows (none after the final step). A step the deadline guard makes the last
+only decodes its velocity (`velocity`) and jumps to the clean estimate.
 
 On a CPU these ops cost more to dispatch than to compute, the more so right after a GEN-stack call has filled the
 caches with its own work. `CompiledTickWork` runs each piece as one `CompiledGraph`: the prefill with the text length
@@ -64,12 +64,12 @@ class TickWork:
         return torch.cat((vision[0][0].float().flatten(), actions[0].float().flatten()))
 
     def advance(self, layout: GenLayout, cond: torch.Tensor, uncond: torch.Tensor | None, guidance: float,
-                sampler: FlowSampler, state: DenoiseState, time_embedding: torch.Tensor) -> torch.Tensor:
+                sampler: FlowSampler, state: DenoiseState, time_embedding: torch.Tensor | None) -> torch.Tensor | None:
         """The rest of a sampler step after its GEN-stack calls, whose outputs `velocity` decodes: step `sampler`,
-        advance `state` and return the next step's generated rows, embedded with `time_embedding` (after the
-        final step, rows no step reads). All of it eagerly, in a subclass too."""
+        advance `state` and return the next step's generated rows, embedded with its `time_embedding` (None after
+        the final step, which has no next step). All of it eagerly, in a subclass too."""
         state.advance(sampler.step(TickWork.velocity(self, layout, cond, uncond, guidance), state.sample))
-        return TickWork.embed(self, layout, state.sample, time_embedding)
+        return None if time_embedding is None else TickWork.embed(self, layout, state.sample, time_embedding)
 
 
 class CompiledTickWork(TickWork):
@@ -112,25 +112,29 @@ class CompiledTickWork(TickWork):
                  guidance: float | torch.Tensor = 1.0) -> torch.Tensor:
         graphs = self._shapes.get(_shape(layout))
         if graphs is None:
+            self.eager_calls += 1
             return super().velocity(layout, cond, uncond, guidance)
         if uncond is None:
             return graphs.velocity(cond)[0]
         return graphs.guided_velocity(cond, uncond, _scalar(guidance, cond.device))[0]
 
     def advance(self, layout: GenLayout, cond: torch.Tensor, uncond: torch.Tensor | None, guidance: float,
-                sampler: FlowSampler, state: DenoiseState, time_embedding: torch.Tensor) -> torch.Tensor:
+                sampler: FlowSampler, state: DenoiseState, time_embedding: torch.Tensor | None) -> torch.Tensor | None:
         graph = self._steps.get(_step_key(layout, uncond, sampler))
         if graph is None:
             self.eager_calls += 1
             return super().advance(layout, cond, uncond, guidance, sampler, state, time_embedding)
         branches = (cond,) if uncond is None else (cond, uncond, _scalar(guidance, cond.device))
+        # The final step's graph embeds rows too, which no step reads: from any time embedding (one graph serves
+        # every step; a call's embedding costs less than a second graph's compile).
+        next_time = _time_embedding_like(self.transformer, cond.device) if time_embedding is None else time_embedding
 
         def update(sample, sigma, history, last_sample, corrector, predictor):
             scalars, states = _widest(sampler.solver_order, sample, sigma, history, last_sample, corrector, predictor)
-            return graph(sample, scalars, *states, state.given, state.clean, time_embedding, *branches)
+            return graph(sample, scalars, *states, state.given, state.clean, next_time, *branches)
 
         state.sample, hidden = sampler.step_with(update, state.sample)  # the graph set the conditioning back
-        return hidden
+        return None if time_embedding is None else hidden
 
     def compiling(self) -> TickWork:
         """This tick work, compiling first the graphs it lacks for what it is asked."""
@@ -169,11 +173,11 @@ class _Compiling(TickWork):
         return self.compiled.velocity(layout, cond, uncond, guidance)
 
     def advance(self, layout: GenLayout, cond: torch.Tensor, uncond: torch.Tensor | None, guidance: float,
-                sampler: FlowSampler, state: DenoiseState, time_embedding: torch.Tensor) -> torch.Tensor:
+                sampler: FlowSampler, state: DenoiseState, time_embedding: torch.Tensor | None) -> torch.Tensor | None:
         key = _step_key(layout, uncond, sampler)
         if key is not None:
             self.compiled._steps.compile(key, lambda: self._step_graph(layout, cond, uncond, sampler.solver_order,
-                                                                        state, time_embedding))
+                                                                        state))
         return self.compiled.advance(layout, cond, uncond, guidance, sampler, state, time_embedding)
 
     def _shape_graphs(self, layout: GenLayout, sample: torch.Tensor, time_embedding: torch.Tensor) -> _ShapeGraphs:
@@ -189,7 +193,7 @@ class _Compiling(TickWork):
                                                      torch.zeros((), device=sample.device))))
 
     def _step_graph(self, layout: GenLayout, cond: torch.Tensor, uncond: torch.Tensor | None, order: int,
-                    state: DenoiseState, time_embedding: torch.Tensor) -> CompiledGraph:
+                    state: DenoiseState) -> CompiledGraph:
         """A request shape's step of one branch or two guided, for a UniPC sampler of `order`, traced on distinct
         examples of the step's tensors."""
         zeros = torch.zeros_like
@@ -197,9 +201,10 @@ class _Compiling(TickWork):
         scalars, states = _widest(order, state.sample, 1.0, (), None, None, UniCoefficients(1.0, 0.0, 0.0, (), ()))
         guidance = torch.zeros((), device=cond.device)
         branches = (zeros(cond),) if uncond is None else (zeros(cond), zeros(uncond), guidance)
+        time_embedding = _time_embedding_like(self.transformer, cond.device)
         return CompiledGraph(_Step(TickWork(self.transformer), layout, order),
                              (zeros(state.sample), zeros(scalars), tuple(zeros(tensor) for tensor in states),
-                              zeros(state.given), zeros(state.clean), zeros(time_embedding), *branches))
+                              zeros(state.given), zeros(state.clean), time_embedding, *branches))
 
 
 class _Prefill(nn.Module):
@@ -278,6 +283,12 @@ def _scalars(sigma: float, corrector: UniCoefficients, predictor: UniCoefficient
     values = [value for coef in (corrector, predictor)
               for value in (coef.x_scale, coef.m0_scale, coef.res_scale, *coef.rks, *coef.rhos)]
     return torch.tensor([*values, sigma], dtype=torch.float32, device=device)
+
+
+def _time_embedding_like(transformer: Cosmos3OmniTransformer, device: torch.device) -> torch.Tensor:
+    """A time embedding `[1, D]` of zeros: a step graph's example, and what the final step's graph embeds rows
+    with that no step reads."""
+    return torch.zeros((1, transformer.config.hidden_size), dtype=transformer.dtype, device=device)
 
 
 @functools.lru_cache(maxsize=64)  # a handful of guidance scales
