@@ -3,7 +3,8 @@ both CFG branches as one batch, a batch of one layout), one graph serves every i
 only at warmup, then serves ticks, a new instruction's included, without compiling. The rest of a tick's model work,
 compiled with it, gives the eager outputs: the prefill within 1e-5, each step bit for bit given the same text K/V.
 Where torch cannot compile, an engine runs the eager stack, and asking for the compiled one is an error that names
-what is missing. A server process compiles and serves. (The rest of the suite runs eagerly: `conftest.py`.)"""
+what is missing. A server process compiles and serves. The per-layer compiled stack a GPU runs gives the eager
+stack's outputs too. (The rest of the suite runs eagerly: `conftest.py`.)"""
 
 import json
 import socket
@@ -94,6 +95,17 @@ def test_the_whole_compiled_stack_gives_the_eager_stacks_outputs(pipeline, compi
         torch.testing.assert_close(compiled.compile(batch, batch_kv), eager(batch, batch_kv), rtol=0, atol=1e-5)
         torch.testing.assert_close(compiled(batch, batch_kv), eager(batch, batch_kv), rtol=0, atol=1e-5)
     assert compiled.num_patterns == 3 and compiled.eager_calls == 0
+
+
+def test_the_per_layer_compiled_stack_a_gpu_runs_gives_the_eager_stacks_outputs(pipeline, compiles):
+    """The GEN stack CUDA runs by default (`compiled_gen_stack`: each layer compiled around its eager attention,
+    shapes dynamic), checked on the CPU so that it is tested where no GPU is."""
+    compiled, eager = pipeline.transformer.compiled_gen_stack(), pipeline.transformer.gen_stack
+    for instruction, batch_branches in ((RED, True), (RED, False), (BLUE, True)):  # another text length last
+        expected = _tick(pipeline, _request(instruction), eager, batch_branches)
+        got = _tick(pipeline, _request(instruction), compiled, batch_branches)
+        np.testing.assert_allclose(got.actions, expected.actions, rtol=0, atol=1e-5)
+        torch.testing.assert_close(got.latents, expected.latents, rtol=0, atol=1e-5)
 
 
 def test_a_precompiled_stack_runs_eagerly_what_warmup_did_not_compile(pipeline, compiles):
