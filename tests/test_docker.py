@@ -1,5 +1,6 @@
 """Dockerfile and docker-compose.yml are correct by construction (no Docker engine here): every
-referenced file, console script and flag exists, the GPU is reserved, the network is internal."""
+referenced file, console script and flag exists, the image can serve a Cosmos3 checkpoint, the GPU is reserved,
+the network is internal, the server's caches live in a volume."""
 
 from __future__ import annotations
 
@@ -59,6 +60,7 @@ def test_dockerfile_copies_existing_paths_and_runs_the_server(dockerfile, script
                 assert (REPO / source).exists(), f"COPY source {source} missing"
     assert "torch==2.13.0" in " ".join(a for k, a in dockerfile if k == "RUN")
     assert "install -y --no-install-recommends g++" in " ".join(a for k, a in dockerfile if k == "RUN")  # compiles
+    assert 'pip install ".[cosmos3]"' in [a for k, a in dockerfile if k == "RUN"]  # a checkpoint's Wan2.2 VAE
     entrypoint = exec_form(instructions["ENTRYPOINT"])
     assert entrypoint == ["policy-server"] and module_file(scripts["policy-server"]).exists()
     config = cli.config_from_args(exec_form(instructions["CMD"]))  # the default flags validate
@@ -102,3 +104,18 @@ def test_compose_robot_waits_for_a_healthy_server(compose, scripts):
     if not rollout.exists():
         pytest.skip(f"{rollout.relative_to(REPO)} (policy-rollout) is not written yet")
     assert "--server" in rollout.read_text(), "policy-rollout must accept --server HOST:PORT"
+
+
+def test_compose_keeps_the_servers_caches_in_a_volume(dockerfile, compose):
+    """Compiled kernels, quality profiles and Hub downloads all go under the user's ~/.cache, which a named volume
+    holds; the image makes that folder as the user, so that a new volume takes the user's ownership."""
+    user = dict(dockerfile)["USER"]
+    home_cache = f"/home/{user}/.cache"
+    assert f"useradd --create-home --uid 10001 {user}" in [a for k, a in dockerfile if k == "RUN"]
+    env = dict(pair.split("=", 1) for k, a in dockerfile if k == "ENV" for pair in shlex.split(a))
+    assert env["TORCHINDUCTOR_CACHE_DIR"].startswith(home_cache + "/")
+    assert not {"XDG_CACHE_HOME", "HF_HOME", "POLICY_SERVER_CACHE"} & set(env)  # their defaults are under ~/.cache
+    after_user = dockerfile[dockerfile.index(("USER", user)):]
+    assert ("RUN", f"mkdir -p {home_cache}") in after_user
+    volume, target = compose["services"]["policy-server"]["volumes"][0].split(":")
+    assert target == home_cache and volume in compose["volumes"]
