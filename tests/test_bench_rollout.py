@@ -100,17 +100,22 @@ def test_bench_writes_the_documented_report(model_dir, tmp_path, monkeypatch, co
     assert (tmp_path / "bench_error_vs_latency.png").stat().st_size > 0
 
 
+@pytest.fixture(scope="module")
+def model_profile(model_dir):
+    """The toy model's quality profile, measured once for the module's tests."""
+    pipeline = PolicyPipeline.from_pretrained(model_dir)
+    return calibrate(pipeline, warmup_observations(pipeline, 1), configurations(pipeline, EngineSettings()),
+                     source="test")
+
+
 @pytest.fixture
-def profiled_checkpoint(model_dir, tmp_path, monkeypatch):
-    """A copy of the toy model with a quality profile beside it (and an empty cache): `(folder, profile)`."""
+def profiled_checkpoint(model_dir, model_profile, tmp_path, monkeypatch):
+    """A copy of the toy model with its quality profile beside it (and an empty cache): `(folder, profile)`."""
     monkeypatch.setenv("POLICY_SERVER_CACHE", str(tmp_path / "cache"))
     checkpoint = tmp_path / "model"
     shutil.copytree(model_dir, checkpoint)
-    pipeline = PolicyPipeline.from_pretrained(checkpoint)
-    profile = calibrate(pipeline, warmup_observations(pipeline, 1), configurations(pipeline, EngineSettings()),
-                        source="test")
-    profile.save(checkpoint / PROFILE_FILE)
-    return checkpoint, profile
+    model_profile.save(checkpoint / PROFILE_FILE)
+    return checkpoint, model_profile
 
 
 def test_bench_plans_on_the_profile_the_server_would_use(profiled_checkpoint, tmp_path, capsys):
