@@ -42,7 +42,6 @@ from policy_server.client.errors import PolicyServerError
 from policy_server.engine.api import EngineError
 from policy_server.limits import MAX_BUDGET_MS
 from robots.envs import ENV_IDS, HELDOUT_SEED_OFFSET, REACH_ID, ReachScene
-from robots.video import write_browser_mp4
 
 
 @dataclass
@@ -442,6 +441,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     plot_summary(report, [t.latency_ms for r in results for t in r.ticks], args.out.with_suffix(".png"))
+    if args.videos:  # PyAV, with its FFmpeg, loads only for a rollout that writes videos
+        from robots.video import write_browser_mp4
     for result in results[: args.videos]:
         write_browser_mp4(args.out.with_name(f"{args.out.stem}_episode{result.seed}.mp4"), result.frames, fps=10)
     print(json.dumps({k: v for k, v in report.items() if k != "per_episode"}, indent=2))

@@ -2,6 +2,8 @@
 a scripted policy in this process and through `--server` against a real gRPC server; bad flags are usage errors."""
 
 import json
+import subprocess
+import sys
 import threading
 
 import gymnasium as gym
@@ -145,3 +147,10 @@ def test_an_in_process_compile_torch_cannot_do_ends_the_rollout_with_one_line(tm
     assert code == 2 and not (tmp_path / "rollout.json").exists()
     assert error == "policy-rollout: the GEN stack cannot run compiled: torch.compile is disabled " \
                     "(TORCH_COMPILE_DISABLE=1)\n"
+
+
+def test_the_bench_and_rollouts_load_pyav_only_to_write_videos():
+    """PyAV, with its FFmpeg, is imported where a video is written: the bench and the CUDA tests run where it is not
+    installed (the GPU image `.ci/device` runs on; its 36 MB wheel would not fit what that run can carry)."""
+    code = "import sys, robots.bench, robots.rollout, robots.expert; sys.exit('av' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
