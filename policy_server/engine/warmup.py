@@ -5,8 +5,9 @@ default shape runs `warmup_ticks` full ticks per mode (uncached, maximal caching
 in `info()`; every other key one short tick per mode (costs are learned per call and stage, so a few
 sampler steps teach them as well as all of them). Then the reasoner's steps and the pieces of dynamics calls
 are timed: what a tick may find running when it arrives. With CUDA graphs or a compiled GEN stack, each shape
-first runs one untimed tick per mode that captures its GEN-stack calls (and compiles the stack; the default shape
-also runs two ticks as a micro-batch, whose calls batch another way), and each session's opening captures those
+first runs one untimed tick per mode that captures its GEN-stack calls (and compiles what is not compiled yet: on a
+CPU the stack's call patterns, which serve every shape, and the shape's tick work; the default shape also runs two
+ticks as a micro-batch, whose calls batch another way), and each session's opening captures those
 of its own prompt (`session_graphs`), so no live tick waits on a capture or a compile.
 """
 
