@@ -143,8 +143,7 @@ def test_compiled_tick_work_gives_the_eager_outputs(pipeline, compiles, monkeypa
     np.testing.assert_array_equal(tick(RED, True, work).actions, expected.actions)  # no graphs yet: eagerly
     eager_calls = 1 + 1 + config.num_steps  # the prefill, the first step's embedding and every step
     assert work.num_shapes == 0 and work.eager_calls == eager_calls
-    compiled_prefill = tick(RED, True, work.compiling())
-    tick(RED, False, work.compiling(), guided=False)  # and the one-branch step's graph
+    compiled_prefill = tick(RED, True, work.compiling())  # and the cond branch's step alone, for a dropped uncond
     assert work.num_shapes == 1
     np.testing.assert_allclose(compiled_prefill.actions, expected.actions, rtol=0, atol=1e-5)
     for instruction in (RED, BLUE):  # one graph serves every text length, one shape's every instruction
@@ -160,11 +159,13 @@ def test_compiled_tick_work_gives_the_eager_outputs(pipeline, compiles, monkeypa
             np.testing.assert_array_equal(got.actions, want.actions)
             torch.testing.assert_close(got.latents, want.latents, rtol=0, atol=0)
     assert work.num_shapes == 1 and work.eager_calls == eager_calls
-    # A step the guard makes the last decodes its velocity alone, from the decode graph (the prompts are BLUE's).
-    got, want = (run_steps(pipeline.steps(_request(BLUE), prompts[0], _EndsAt(config.num_steps, 3), tick_work), stack)
-                 for tick_work in (work, eager))
-    assert len(got.steps) == 4 and work.eager_calls == eager_calls
-    np.testing.assert_array_equal(got.actions, want.actions)
+    # A step the guard makes the last jumps to its step graph's x0 prediction, guided or not (BLUE's prompts).
+    for guided in (range(config.num_steps), range(2)):
+        got, want = (run_steps(pipeline.steps(_request(BLUE), prompts[0], _EndsAt(config.num_steps, guided, 3),
+                                              tick_work), stack) for tick_work in (work, eager))
+        assert len(got.steps) == 4 and work.eager_calls == eager_calls
+        np.testing.assert_array_equal(got.actions, want.actions)
+        torch.testing.assert_close(got.latents, want.latents, rtol=0, atol=0)
     # No graph serves an Euler sampler's steps: they run eagerly.
     monkeypatch.setattr(pipeline, "config", config.model_copy(update={"sampler": "euler"}))
     got, want = (tick(BLUE, True, tick_work, prompts[0]) for tick_work in (work, eager))
@@ -173,10 +174,11 @@ def test_compiled_tick_work_gives_the_eager_outputs(pipeline, compiles, monkeypa
 
 
 class _EndsAt(FixedSteps):
-    """Every step guided, and step `last` the tick's last, as the deadline guard ends a late tick."""
+    """The uncond pass on the `guided` steps, and step `last` the tick's last, as the deadline guard ends a late
+    tick."""
 
-    def __init__(self, num_steps: int, last: int):
-        super().__init__(num_steps, range(num_steps))
+    def __init__(self, num_steps: int, guided: range, last: int):
+        super().__init__(num_steps, guided)
         self.last = last
 
     def before_step(self, step: int) -> tuple[tuple[str, ...], bool]:

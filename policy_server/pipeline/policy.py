@@ -748,9 +748,8 @@ class PolicyPipeline:
                 outs = dict(zip(group, out, strict=True)) if len(group) > 1 else {group[0]: out}
                 control.ran(outs)
                 stack_out.update(outs)
-            if last:  # out of time: jump to the clean estimate, x0 = x_t - sigma * v for flow matching
-                velocity = work.velocity(layout, stack_out["cond"], stack_out.get("uncond"), guidance)
-                state.advance(state.sample - sigma * velocity)
+            if last:  # out of time: jump to the clean estimate
+                work.finish(layout, stack_out["cond"], stack_out.get("uncond"), guidance, sampler, state)
             else:
                 hidden = work.advance(layout, stack_out["cond"], stack_out.get("uncond"), guidance, sampler, state,
                                       time_embeddings[i + 1] if i + 1 < steps else None)

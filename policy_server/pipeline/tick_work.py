@@ -4,23 +4,24 @@ The work: the text prefill of a new prompt (`prefill`), the embedding of the fir
 and, after each sampler step's GEN-stack calls, the rest of the step (`advance`): decode the velocity (the CFG
 combination and the heads, vision and actions in fp32, flat as the sampler state is), take the sampler step, set the
 conditioning back and embed the next step's rows (none after the final step). A step the deadline guard makes the last
-only decodes its velocity (`velocity`) and jumps to the clean estimate.
+decodes its velocity and jumps to the clean estimate (`finish`).
 
 On a CPU these ops cost more to dispatch than to compute, the more so right after a GEN-stack call has filled the
 caches with its own work. `CompiledTickWork` runs each piece as one `CompiledGraph`: the prefill with the text length
 dynamic, and per request shape (the pieces read the layout's GEN-local rows alone, which the text length does not
-move, so a shape's graphs serve every instruction) the embedding, and the decode and the step of one branch and of
-two guided. A step graph holds the UniPC update of the sampler's order in its widest form
-(`schedulers.widest_update`), which gives every step's update bit for bit, so one graph serves every step. Compiling
-takes seconds, so it is done where no deadline runs, by the object `compiling()` returns (warmup's); the object
-itself runs eagerly what it has no graph for (an Euler sampler's steps among them).
+move, so a shape's graphs serve every instruction) the embedding, and the step of two branches guided and of the cond
+branch alone (a plan may drop the uncond pass). A step graph holds the UniPC update of the sampler's order in its
+widest form (`schedulers.widest_update`), which gives every step's update bit for bit, so one graph serves every step;
+its x0 prediction is also the clean estimate a finishing step jumps to. Compiling takes seconds, so it is done where no
+deadline runs, by the object `compiling()` returns (warmup's); the object itself runs eagerly what it has no graph for
+(an Euler sampler's steps among them).
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import replace
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -71,26 +72,33 @@ class TickWork:
         state.advance(sampler.step(TickWork.velocity(self, layout, cond, uncond, guidance), state.sample))
         return None if time_embedding is None else TickWork.embed(self, layout, state.sample, time_embedding)
 
+    def finish(self, layout: GenLayout, cond: torch.Tensor, uncond: torch.Tensor | None, guidance: float,
+               sampler: FlowSampler, state: DenoiseState) -> None:
+        """End the tick at this step, out of time: jump `state` to the clean estimate, x0 = x_t - sigma * v for
+        flow matching."""
+        velocity = TickWork.velocity(self, layout, cond, uncond, guidance)
+        state.advance(state.sample - sampler.sigmas[sampler.step_index] * velocity)
+
 
 class CompiledTickWork(TickWork):
     """A tick's work from the graphs compiled for it, eagerly where there is none. `eager_calls`: the prefills,
-    first-step embeddings and sampler steps that ran eagerly (no graph yet, or none for their request shape or
-    sampler)."""
+    first-step embeddings, sampler steps and finishes that ran eagerly (no graph yet, or none for their request shape
+    or sampler)."""
 
     def __init__(self, transformer: Cosmos3OmniTransformer):
         super().__init__(transformer)
         self.eager_calls = 0
         self._prefill = CompiledGraphs()  # one graph: text lengths are dynamic
-        self._shapes = CompiledGraphs()  # `_ShapeGraphs` by request shape
+        self._embeds = CompiledGraphs()  # `_Embed` graphs by request shape
         self._steps = CompiledGraphs()  # `_Step` graphs by `_step_key`
 
     @property
     def num_shapes(self) -> int:
-        return len(self._shapes)
+        return len(self._embeds)
 
     @property
     def compile_ms(self) -> float:
-        return self._prefill.compile_ms + self._shapes.compile_ms + self._steps.compile_ms
+        return self._prefill.compile_ms + self._embeds.compile_ms + self._steps.compile_ms
 
     def prefill(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> UndKV:
         graph = self._prefill.get(())
@@ -102,21 +110,11 @@ class CompiledTickWork(TickWork):
         return UndKV(tensors[:layers], tensors[layers:])
 
     def embed(self, layout: GenLayout, sample: torch.Tensor, time_embedding: torch.Tensor) -> torch.Tensor:
-        graphs = self._shapes.get(_shape(layout))
-        if graphs is None:
+        graph = self._embeds.get(_shape(layout))
+        if graph is None:
             self.eager_calls += 1
             return super().embed(layout, sample, time_embedding)
-        return graphs.embed(sample, time_embedding)[0]
-
-    def velocity(self, layout: GenLayout, cond: torch.Tensor, uncond: torch.Tensor | None = None,
-                 guidance: float | torch.Tensor = 1.0) -> torch.Tensor:
-        graphs = self._shapes.get(_shape(layout))
-        if graphs is None:
-            self.eager_calls += 1
-            return super().velocity(layout, cond, uncond, guidance)
-        if uncond is None:
-            return graphs.velocity(cond)[0]
-        return graphs.guided_velocity(cond, uncond, _scalar(guidance, cond.device))[0]
+        return graph(sample, time_embedding)[0]
 
     def advance(self, layout: GenLayout, cond: torch.Tensor, uncond: torch.Tensor | None, guidance: float,
                 sampler: FlowSampler, state: DenoiseState, time_embedding: torch.Tensor | None) -> torch.Tensor | None:
@@ -124,29 +122,39 @@ class CompiledTickWork(TickWork):
         if graph is None:
             self.eager_calls += 1
             return super().advance(layout, cond, uncond, guidance, sampler, state, time_embedding)
+        _, state.sample, hidden = self._step(graph, cond, uncond, guidance, sampler, state, time_embedding)
+        return None if time_embedding is None else hidden  # the graph set the conditioning back
+
+    def finish(self, layout: GenLayout, cond: torch.Tensor, uncond: torch.Tensor | None, guidance: float,
+               sampler: FlowSampler, state: DenoiseState) -> None:
+        graph = self._steps.get(_step_key(layout, uncond, sampler))
+        if graph is None:
+            self.eager_calls += 1
+            return super().finish(layout, cond, uncond, guidance, sampler, state)
+        # The step's x0 prediction is the clean estimate (`unipc_update`); the rest of its work goes unused.
+        x0, _, _ = self._step(graph, cond, uncond, guidance, sampler, state, None)
+        state.advance(x0)
+
+    def _step(self, graph: CompiledGraph, cond: torch.Tensor, uncond: torch.Tensor | None, guidance: float,
+              sampler: UniPCSampler, state: DenoiseState, time_embedding: torch.Tensor | None) -> list[torch.Tensor]:
+        """Step `sampler` by a `_Step` graph: the x0 prediction, the next sample (its conditioning set back) and
+        that sample's rows, embedded with `time_embedding`."""
         branches = (cond,) if uncond is None else (cond, uncond, _scalar(guidance, cond.device))
-        # The final step's graph embeds rows too, which no step reads: from any time embedding (one graph serves
-        # every step; a call's embedding costs less than a second graph's compile).
+        # Without a next step the graph embeds rows too, which nothing reads: from any time embedding (one graph
+        # serves every step; a call's embedding costs less than a second graph's compile).
         next_time = _time_embedding_like(self.transformer, cond.device) if time_embedding is None else time_embedding
 
         def update(sample, sigma, history, last_sample, corrector, predictor):
             scalars, states = _widest(sampler.solver_order, sample, sigma, history, last_sample, corrector, predictor)
-            return graph(sample, scalars, *states, state.given, state.clean, next_time, *branches)
+            x0, corrected, predicted, hidden = graph(sample, scalars, *states, state.given, state.clean, next_time,
+                                                     *branches)
+            return x0, corrected, x0, predicted, hidden
 
-        state.sample, hidden = sampler.step_with(update, state.sample)  # the graph set the conditioning back
-        return None if time_embedding is None else hidden
+        return sampler.step_with(update, state.sample)
 
     def compiling(self) -> TickWork:
         """This tick work, compiling first the graphs it lacks for what it is asked."""
         return _Compiling(self)
-
-
-class _ShapeGraphs(NamedTuple):
-    """A request shape's graphs besides its steps'."""
-
-    embed: CompiledGraph
-    velocity: CompiledGraph
-    guided_velocity: CompiledGraph
 
 
 class _Compiling(TickWork):
@@ -165,32 +173,29 @@ class _Compiling(TickWork):
         return self.compiled.prefill(input_ids, position_ids)
 
     def embed(self, layout: GenLayout, sample: torch.Tensor, time_embedding: torch.Tensor) -> torch.Tensor:
-        self.compiled._shapes.compile(_shape(layout), lambda: self._shape_graphs(layout, sample, time_embedding))
+        self.compiled._embeds.compile(_shape(layout), lambda: CompiledGraph(
+            _Embed(TickWork(self.transformer), layout), (torch.zeros_like(sample), torch.zeros_like(time_embedding))))
         return self.compiled.embed(layout, sample, time_embedding)
-
-    def velocity(self, layout: GenLayout, cond: torch.Tensor, uncond: torch.Tensor | None = None,
-                 guidance: float | torch.Tensor = 1.0) -> torch.Tensor:
-        return self.compiled.velocity(layout, cond, uncond, guidance)
 
     def advance(self, layout: GenLayout, cond: torch.Tensor, uncond: torch.Tensor | None, guidance: float,
                 sampler: FlowSampler, state: DenoiseState, time_embedding: torch.Tensor | None) -> torch.Tensor | None:
-        key = _step_key(layout, uncond, sampler)
-        if key is not None:
-            self.compiled._steps.compile(key, lambda: self._step_graph(layout, cond, uncond, sampler.solver_order,
-                                                                        state))
+        self._compile_steps(layout, cond, uncond, sampler, state)
         return self.compiled.advance(layout, cond, uncond, guidance, sampler, state, time_embedding)
 
-    def _shape_graphs(self, layout: GenLayout, sample: torch.Tensor, time_embedding: torch.Tensor) -> _ShapeGraphs:
-        """A request shape's embedding, one-branch decode and guided decode, traced on distinct examples (export
-        would tie aliases into one input)."""
-        eager = TickWork(self.transformer)
-        stack_out = torch.zeros((layout.num_gen, self.transformer.config.hidden_size), dtype=self.transformer.dtype,
-                                device=sample.device)
-        return _ShapeGraphs(
-            CompiledGraph(_Embed(eager, layout), (torch.zeros_like(sample), torch.zeros_like(time_embedding))),
-            CompiledGraph(_Velocity(eager, layout), (stack_out,)),
-            CompiledGraph(_Velocity(eager, layout), (stack_out, torch.zeros_like(stack_out),
-                                                     torch.zeros((), device=sample.device))))
+    def finish(self, layout: GenLayout, cond: torch.Tensor, uncond: torch.Tensor | None, guidance: float,
+               sampler: FlowSampler, state: DenoiseState) -> None:
+        self._compile_steps(layout, cond, uncond, sampler, state)
+        self.compiled.finish(layout, cond, uncond, guidance, sampler, state)
+
+    def _compile_steps(self, layout: GenLayout, cond: torch.Tensor, uncond: torch.Tensor | None, sampler: FlowSampler,
+                       state: DenoiseState) -> None:
+        """The step graphs a live tick of this request shape may run: this step's, and the cond branch's alone,
+        which a guided tick runs when its plan drops the uncond pass (none for an Euler sampler)."""
+        for branch in (None,) if uncond is None else (uncond, None):
+            key = _step_key(layout, branch, sampler)
+            if key is not None:
+                self.compiled._steps.compile(key, lambda branch=branch: self._step_graph(
+                    layout, cond, branch, sampler.solver_order, state))
 
     def _step_graph(self, layout: GenLayout, cond: torch.Tensor, uncond: torch.Tensor | None, order: int,
                     state: DenoiseState) -> CompiledGraph:
@@ -228,18 +233,6 @@ class _Embed(nn.Module):
 
     def forward(self, sample: torch.Tensor, time_embedding: torch.Tensor) -> torch.Tensor:
         return self.work.embed(self.layout, sample, time_embedding)
-
-
-class _Velocity(nn.Module):
-    """What export traces for `TickWork.velocity` of one layout."""
-
-    def __init__(self, work: TickWork, layout: GenLayout):
-        super().__init__()
-        self.work, self.layout = work, layout
-
-    def forward(self, cond: torch.Tensor, uncond: torch.Tensor | None = None,
-                guidance: torch.Tensor | float = 1.0) -> torch.Tensor:
-        return self.work.velocity(self.layout, cond, uncond, guidance)
 
 
 class _Step(nn.Module):
