@@ -1,9 +1,12 @@
 """SeaCache: extrapolation, the gate state machine, CFG branches, reset, fail-open, forced skips (spec §5)."""
 
+import logging
+
 import pytest
 import torch
 from cache_calls import run_stack
 
+from policy_server.cache import seacache
 from policy_server.cache.controller import NoCache, StepController
 from policy_server.cache.extrapolation import newton_extrapolate
 from policy_server.cache.sea_filter import SeaFilter
@@ -332,6 +335,24 @@ def test_no_noisy_vision_never_skips():
     rec = cache.record()
     assert rec.sequence("cond") == "FFFFFF"
     assert rec.branches["cond"].fail_open_reasons == {"no_noisy_vision": 4}
+
+
+def test_only_a_nonfinite_indicator_is_logged_as_a_warning_and_once(caplog, monkeypatch):
+    # A fail-open from a request's shape (every warmup runs one) stays in the records and at debug level.
+    monkeypatch.setattr(seacache, "_WARNED_FAIL_OPENS", set())
+    caplog.set_level(logging.DEBUG, logger="policy_server.cache.seacache")
+    bad = latents_with_distances([0.05] * 5, 6)
+    bad[3] = torch.full_like(bad[3], float("nan"))
+    for noisy_vision in ([], bad, bad):
+        cache = SeaCache(SeaCacheConfig(threshold=100.0))
+        cache.begin(6)
+        with torch.no_grad():
+            for s in range(6):
+                g = torch.zeros(N_GEN, DIM)
+                run_stack(cache, s, "cond", 0.5, [noisy_vision[s]] if noisy_vision else [], g, lambda g=g: g)
+    warnings = [record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "fail-open: nonfinite_distance" in warnings[0]
+    assert "no_noisy_vision" in caplog.text  # at debug level
 
 
 def test_branch_that_starts_late_gates_from_its_second_step():

@@ -228,9 +228,11 @@ class SeaCache(StepController):
         return self._distances[key]
 
     def _warn_fail_open(self, reason: str, step: int, branch: str) -> None:
-        # A fail-open that repeats every request (inverse dynamics, a guard asking to skip before the first
-        # residual) would flood the log: warn once per reason and process, then only at debug level.
-        if reason in _WARNED_FAIL_OPENS:
+        # Every fail-open shows in its tick's record. Only a non-finite indicator is news to an operator (the
+        # model's output went bad); the others follow from a request's shape (no noisy vision: inverse dynamics,
+        # a chunk inside one latent frame, which warmup itself runs) or from the guard. The warning comes once
+        # per process: a bad model would flood the log.
+        if reason != "nonfinite_distance" or reason in _WARNED_FAIL_OPENS:
             logger.debug("SeaCache fail-open (%s) at step %d branch %s", reason, step, branch)
             return
         _WARNED_FAIL_OPENS.add(reason)

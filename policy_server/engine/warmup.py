@@ -65,6 +65,9 @@ class Warmup:
         profile in `info()`; every other key one short tick per mode (costs are learned per call and stage,
         so a few sampler steps teach them as well as all of them)."""
         shapes = self._warm_shapes()
+        logger.info("warming up before serving: %s", "compiling the model's work and timing its ticks (a first "
+                    "start compiles for a while; torch keeps the code on disk for the next one)"
+                    if self.served.compiled else "timing the model's ticks")
         profile = []
         for index, (embodiment, chunk, tokens, default) in enumerate(shapes):
             ticks, steps = (self.served.settings.warmup_ticks, None) if default else (1, _SHORT_WARMUP_STEPS)

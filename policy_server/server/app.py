@@ -222,6 +222,8 @@ class PolicyServer:
             ready = bool(self.engine.ready())
             if ready != last:
                 self._set_health(ready)
+                if ready or last is not None:
+                    log.info("health: %s", "SERVING" if ready else "NOT_SERVING")
                 last = ready
 
 
