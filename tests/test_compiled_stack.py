@@ -133,11 +133,12 @@ def test_compiled_tick_work_gives_the_eager_outputs(pipeline, compiles, monkeypa
     work, eager, stack = CompiledTickWork(pipeline.transformer), pipeline.tick_work, pipeline.transformer.gen_stack
     config, embodiment = pipeline.config, pipeline.embodiments.get("pusht")
 
-    def tick(instruction, batch_branches, tick_work, prompt=None, guided=True):
-        """guided=False: the uncond pass on the first half of the steps, the cond branch alone after."""
+    def tick(instruction, batch_branches, tick_work, prompt=None, guided=True, **request):
+        """guided=False: the uncond pass on the first half of the steps, the cond branch alone after. `request`:
+        fields of the request other than the default's."""
         control = FixedSteps(config.num_steps, range(config.num_steps if guided else config.num_steps // 2), None,
                              batch_branches)
-        return run_steps(pipeline.steps(_request(instruction), prompt, control, tick_work), stack)
+        return run_steps(pipeline.steps(replace(_request(instruction), **request), prompt, control, tick_work), stack)
 
     expected = tick(RED, True, eager)  # its negative prompt's K/V are kept: later prompts prefill their cond text
     np.testing.assert_array_equal(tick(RED, True, work).actions, expected.actions)  # no graphs yet: eagerly
@@ -159,6 +160,18 @@ def test_compiled_tick_work_gives_the_eager_outputs(pipeline, compiles, monkeypa
             np.testing.assert_array_equal(got.actions, want.actions)
             torch.testing.assert_close(got.latents, want.latents, rtol=0, atol=0)
     assert work.num_shapes == 1 and work.eager_calls == eager_calls
+    # A latent shape's graphs serve every count of action rows: history actions add rows; of the chunks of 2 latent
+    # frames (4 to 7 actions), the one compiled serves the others.
+    history = {"history_actions": np.full((3, 2), 0.1, np.float32)}
+    tick(BLUE, True, work.compiling(), chunk_size=7)
+    for request in ({"chunk_size": 8, **history}, {"chunk_size": 5}, {"chunk_size": 4, **history}):
+        prompt = pipeline.encode_prompt(BLUE, embodiment, request["chunk_size"], True,
+                                        pipeline.canvas_for(embodiment, _images()), eager)
+        for guided in (True, False):
+            got, want = (tick(BLUE, True, tick_work, prompt, guided, **request) for tick_work in (work, eager))
+            np.testing.assert_array_equal(got.actions, want.actions)
+            torch.testing.assert_close(got.latents, want.latents, rtol=0, atol=0)
+    assert work.num_shapes == 2 and work.eager_calls == eager_calls
     # A step the guard makes the last jumps to its step graph's x0 prediction, guided or not (BLUE's prompts).
     for guided in (range(config.num_steps), range(2)):
         got, want = (run_steps(pipeline.steps(_request(BLUE), prompts[0], _EndsAt(config.num_steps, guided, 3),
@@ -194,12 +207,15 @@ def test_an_engine_compiles_at_warmup_and_serves_without_compiling(pipeline, com
         stack, work = engine.served.gen_stack, engine.served.tick_work
         patterns, compile_ms, eager_calls = stack.num_patterns, stack.compile_ms, stack.eager_calls
         shapes, work_eager_calls = work.num_shapes, work.eager_calls
-        assert patterns > 0 and shapes > 0
+        assert patterns > 0 and shapes == 3
         session = engine.open_session("pusht", RED, seed=5, rate_hz=0)
         results = [engine.act(session.session_id, session.epoch,
                               api.Observation(images=_images(), state=STATE, instruction=instruction,
                                               step_index=step))
                    for step, instruction in enumerate((RED, BLUE))]
+        # Warmup measures 1 and 3 latent frames (chunks 3 and 8); it compiled the tick work of 2 (chunks 4-7) too.
+        other = engine.open_session("pusht", RED, seed=5, rate_hz=0, chunk_size=5)
+        engine.act(other.session_id, other.epoch, api.Observation(images=_images(), state=STATE))
         assert (stack.num_patterns, stack.compile_ms, stack.eager_calls) == (patterns, compile_ms, eager_calls)
         assert (work.num_shapes, work.eager_calls) == (shapes, work_eager_calls)
         assert all(result.tick.skipped_calls == 0 for result in results)  # a generous budget runs uncached

@@ -6,9 +6,10 @@ in `info()`; every other key one short tick per mode (costs are learned per call
 sampler steps teach them as well as all of them). Then the reasoner's steps and the pieces of dynamics calls
 are timed: what a tick may find running when it arrives. With CUDA graphs or a compiled GEN stack, each shape
 first runs one untimed tick per mode that captures its GEN-stack calls (and compiles what is not compiled yet: on a
-CPU the stack's call patterns, which serve every shape, and the shape's tick work; the default shape also runs two
-ticks as a micro-batch, whose calls batch another way), and each session's opening captures those
-of its own prompt (`session_graphs`), so no live tick waits on a capture or a compile.
+CPU the stack's call patterns, which serve every shape, and the tick work of the shape's latent shape, which serves its
+every chunk size; the default shape also runs two ticks as a micro-batch, whose calls batch another way), and each
+session's opening captures those of its own prompt (`session_graphs`), so no live tick waits on a capture or a
+compile. On a CPU one more untimed tick compiles the tick work of each latent shape no measured shape has.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from policy_server.limits import MAX_INSTRUCTION_TOKENS, MAX_PROMPT_TOKENS
 from policy_server.pipeline.embodiments import Embodiment
 from policy_server.pipeline.policy import PolicyOutput, PolicyRequest, TickSteps, run_steps, stepwise
 from policy_server.pipeline.reasoner import ReasonerStream
+from policy_server.pipeline.tick_work import CompiledTickWork
 
 # Sampler steps of the warmup ticks that only fill costs: the first and last step are full, the rest can skip.
 _SHORT_WARMUP_STEPS = 6
@@ -75,6 +77,8 @@ class Warmup:
             if default:
                 profile.extend(points)
             self.progress = (index + 1) / (len(shapes) + 1)
+        if isinstance(self.served.tick_work, CompiledTickWork):
+            yield from self._compile_latent_shapes(shapes)
         self.profile = tuple(profile)
         self._interpolate_costs()
         if self.served.settings.calibrate_at_warmup and self.served.profile is None:
@@ -89,7 +93,7 @@ class Warmup:
         elif isinstance(self.served.gen_stack, PrecompiledGenStack):
             stack, tick_work = self.served.gen_stack, self.served.tick_work
             logger.info("compiled the GEN stack for %d call patterns in %.0f ms, the prefill and each step's work "
-                        "around the stack for %d request shapes in %.0f ms", stack.num_patterns, stack.compile_ms,
+                        "around the stack for %d latent shapes in %.0f ms", stack.num_patterns, stack.compile_ms,
                         tick_work.num_shapes, tick_work.compile_ms)
         self.progress = 1.0
         self.ready.set()
@@ -128,6 +132,19 @@ class Warmup:
         for key in sorted(measured - {default_key}):
             shapes[key] = every[key]
         return list(shapes.values())
+
+    def _compile_latent_shapes(self, measured: list[tuple[Embodiment, int, int, bool]]) -> Iterator[None]:
+        """One untimed tick of each embodiment's latent shapes that no measured shape has, at its largest chunk: the
+        tick work compiled for a latent shape serves its every chunk size of 2 actions or more."""
+        frames = self.served.pipeline.num_latent_frames
+        done = {(embodiment.name, frames(chunk)) for embodiment, chunk, _, _ in measured}
+        for embodiment in self.served.embodiments.values():
+            for chunk in range(embodiment.max_chunk_size, 0, -1):
+                if (embodiment.name, frames(chunk)) not in done:
+                    done.add((embodiment.name, frames(chunk)))
+                    self._warmup_tick(embodiment, chunk, self.text_of(INSTRUCTION_TOKEN_GROUPS[0]), "uncached", 0,
+                                      _SHORT_WARMUP_STEPS)
+                    yield
 
     def _all_shapes(self) -> dict[tuple, tuple[Embodiment, int, int, bool]]:
         """Every cost key served, at the largest chunk any served embodiment asks with it."""

@@ -301,8 +301,8 @@ class Cosmos3OmniTransformer(nn.Module):
         items, start = [], 0
         for shape, noisy in zip(modality.token_shapes, modality.noisy_frame_indexes, strict=True):
             out = preds.new_zeros((shape[0], preds.shape[1]))
-            out[noisy] = preds[start : start + len(noisy)]
-            start += len(noisy)
+            out[noisy] = preds[start : start + noisy.shape[0]]  # not len(): a trace keeps a shape symbolic
+            start += noisy.shape[0]
             items.append(out)
         return items
 

@@ -8,20 +8,21 @@ decodes its velocity and jumps to the clean estimate (`finish`).
 
 On a CPU these ops cost more to dispatch than to compute, the more so right after a GEN-stack call has filled the
 caches with its own work. `CompiledTickWork` runs each piece as one `CompiledGraph`: the prefill with the text length
-dynamic, and per request shape (the pieces read the layout's GEN-local rows alone, which the text length does not
-move, so a shape's graphs serve every instruction) the embedding, and the step of two branches guided and of the cond
-branch alone (a plan may drop the uncond pass). A step graph holds the UniPC update of the sampler's order in its
-widest form (`schedulers.widest_update`), which gives every step's update bit for bit, so one graph serves every step;
-its x0 prediction is also the clean estimate a finishing step jumps to. Compiling takes seconds, so it is done where no
-deadline runs, by the object `compiling()` returns (warmup's); the object itself runs eagerly what it has no graph for
-(an Euler sampler's steps among them).
+dynamic, and per latent shape the embedding, and the step of two branches guided and of the cond branch alone (a plan
+may drop the uncond pass). These read the layout's GEN-local rows alone, which the text length does not move, and take
+the rows that depend on the action rows as inputs, their counts dynamic (`_ActionRows`): so a latent shape's graphs
+serve every instruction, chunk size and count of history actions. A step graph holds the UniPC update of the
+sampler's order in its widest form (`schedulers.widest_update`), which gives every step's update bit for bit, so one
+graph serves every step; its x0 prediction is also the clean estimate a finishing step jumps to. Compiling takes
+seconds, so it is done where no deadline runs, by the object `compiling()` returns (warmup's); the object itself runs
+eagerly what it has no graph for (an Euler sampler's steps among them).
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import nn
@@ -29,6 +30,7 @@ from torch.export import Dim
 
 from policy_server.model import Cosmos3OmniTransformer, GenInput, UndKV
 from policy_server.model.gen_layout import GenLayout
+from policy_server.model.layers import DomainIds
 from policy_server.pipeline.compiled_graph import MIN_DYNAMIC_SIZE, CompiledGraph, CompiledGraphs
 from policy_server.pipeline.schedulers import FlowSampler, UniCoefficients, UniPCSampler, unipc_update, widest_update
 
@@ -89,7 +91,7 @@ class CompiledTickWork(TickWork):
         super().__init__(transformer)
         self.eager_calls = 0
         self._prefill = CompiledGraphs()  # one graph: text lengths are dynamic
-        self._embeds = CompiledGraphs()  # `_Embed` graphs by request shape
+        self._embeds = CompiledGraphs()  # `_Embed` graphs by `_shape`
         self._steps = CompiledGraphs()  # `_Step` graphs by `_step_key`
 
     @property
@@ -114,7 +116,7 @@ class CompiledTickWork(TickWork):
         if graph is None:
             self.eager_calls += 1
             return super().embed(layout, sample, time_embedding)
-        return graph(sample, time_embedding)[0]
+        return graph(sample, time_embedding, *_ActionRows.of(layout))[0]
 
     def advance(self, layout: GenLayout, cond: torch.Tensor, uncond: torch.Tensor | None, guidance: float,
                 sampler: FlowSampler, state: DenoiseState, time_embedding: torch.Tensor | None) -> torch.Tensor | None:
@@ -122,7 +124,7 @@ class CompiledTickWork(TickWork):
         if graph is None:
             self.eager_calls += 1
             return super().advance(layout, cond, uncond, guidance, sampler, state, time_embedding)
-        _, state.sample, hidden = self._step(graph, cond, uncond, guidance, sampler, state, time_embedding)
+        _, state.sample, hidden = self._step(graph, layout, cond, uncond, guidance, sampler, state, time_embedding)
         return None if time_embedding is None else hidden  # the graph set the conditioning back
 
     def finish(self, layout: GenLayout, cond: torch.Tensor, uncond: torch.Tensor | None, guidance: float,
@@ -132,11 +134,12 @@ class CompiledTickWork(TickWork):
             self.eager_calls += 1
             return super().finish(layout, cond, uncond, guidance, sampler, state)
         # The step's x0 prediction is the clean estimate (`unipc_update`); the rest of its work goes unused.
-        x0, _, _ = self._step(graph, cond, uncond, guidance, sampler, state, None)
+        x0, _, _ = self._step(graph, layout, cond, uncond, guidance, sampler, state, None)
         state.advance(x0)
 
-    def _step(self, graph: CompiledGraph, cond: torch.Tensor, uncond: torch.Tensor | None, guidance: float,
-              sampler: UniPCSampler, state: DenoiseState, time_embedding: torch.Tensor | None) -> list[torch.Tensor]:
+    def _step(self, graph: CompiledGraph, layout: GenLayout, cond: torch.Tensor, uncond: torch.Tensor | None,
+              guidance: float, sampler: UniPCSampler, state: DenoiseState, time_embedding: torch.Tensor | None
+              ) -> list[torch.Tensor]:
         """Step `sampler` by a `_Step` graph: the x0 prediction, the next sample (its conditioning set back) and
         that sample's rows, embedded with `time_embedding`."""
         branches = (cond,) if uncond is None else (cond, uncond, _scalar(guidance, cond.device))
@@ -147,7 +150,7 @@ class CompiledTickWork(TickWork):
         def update(sample, sigma, history, last_sample, corrector, predictor):
             scalars, states = _widest(sampler.solver_order, sample, sigma, history, last_sample, corrector, predictor)
             x0, corrected, predicted, hidden = graph(sample, scalars, *states, state.given, state.clean, next_time,
-                                                     *branches)
+                                                     *_ActionRows.of(layout), *branches)
             return x0, corrected, x0, predicted, hidden
 
         return sampler.step_with(update, state.sample)
@@ -174,7 +177,9 @@ class _Compiling(TickWork):
 
     def embed(self, layout: GenLayout, sample: torch.Tensor, time_embedding: torch.Tensor) -> torch.Tensor:
         self.compiled._embeds.compile(_shape(layout), lambda: CompiledGraph(
-            _Embed(TickWork(self.transformer), layout), (torch.zeros_like(sample), torch.zeros_like(time_embedding))))
+            _Embed(TickWork(self.transformer), layout),
+            (torch.zeros_like(sample), torch.zeros_like(time_embedding), _ActionRows.example(layout)),
+            _dynamic_shapes(self.transformer, layout, ("flat", None, "action_rows"))))
         return self.compiled.embed(layout, sample, time_embedding)
 
     def advance(self, layout: GenLayout, cond: torch.Tensor, uncond: torch.Tensor | None, guidance: float,
@@ -207,9 +212,12 @@ class _Compiling(TickWork):
         guidance = torch.zeros((), device=cond.device)
         branches = (zeros(cond),) if uncond is None else (zeros(cond), zeros(uncond), guidance)
         time_embedding = _time_embedding_like(self.transformer, cond.device)
-        return CompiledGraph(_Step(TickWork(self.transformer), layout, order),
-                             (zeros(state.sample), zeros(scalars), tuple(zeros(tensor) for tensor in states),
-                              zeros(state.given), zeros(state.clean), time_embedding, *branches))
+        inputs = (zeros(state.sample), zeros(scalars), tuple(zeros(tensor) for tensor in states), zeros(state.given),
+                  zeros(state.clean), time_embedding, _ActionRows.example(layout), *branches)
+        dims = ("flat", None, tuple("flat" for _ in states), "flat", "flat", None, "action_rows",
+                *(("gen",) if uncond is None else ("gen", "gen", None)))
+        return CompiledGraph(_Step(TickWork(self.transformer), layout, order), inputs,
+                             _dynamic_shapes(self.transformer, layout, dims))
 
 
 class _Prefill(nn.Module):
@@ -225,19 +233,20 @@ class _Prefill(nn.Module):
 
 
 class _Embed(nn.Module):
-    """What export traces for `TickWork.embed` of one layout."""
+    """What export traces for `TickWork.embed` of one latent shape."""
 
     def __init__(self, work: TickWork, layout: GenLayout):
         super().__init__()
         self.work, self.layout = work, layout
 
-    def forward(self, sample: torch.Tensor, time_embedding: torch.Tensor) -> torch.Tensor:
-        return self.work.embed(self.layout, sample, time_embedding)
+    def forward(self, sample: torch.Tensor, time_embedding: torch.Tensor, action_rows: tuple[torch.Tensor, ...]
+                ) -> torch.Tensor:
+        return self.work.embed(_ActionRows(*action_rows).laid_out(self.layout), sample, time_embedding)
 
 
 class _Step(nn.Module):
-    """What export traces for `CompiledTickWork.advance` of one layout and UniPC order: the decode, the update in its
-    widest form (`_widest`; its scalars, each a 0-dim fp32 tensor in the arithmetic as the eager update's Python
+    """What export traces for `CompiledTickWork.advance` of one latent shape and UniPC order: the decode, the update in
+    its widest form (`_widest`; its scalars, each a 0-dim fp32 tensor in the arithmetic as the eager update's Python
     floats are in fp32), `DenoiseState.advance`'s restore and the next embedding. Returns the x0 prediction, the
     corrected sample, the next sample and its embedded rows."""
 
@@ -246,17 +255,53 @@ class _Step(nn.Module):
         self.work, self.layout, self.order = work, layout, order
 
     def forward(self, sample: torch.Tensor, scalars: torch.Tensor, states: tuple[torch.Tensor, ...],
-                given: torch.Tensor, clean: torch.Tensor, time_embedding: torch.Tensor, cond: torch.Tensor,
-                uncond: torch.Tensor | None = None, guidance: torch.Tensor | float = 1.0
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        velocity = self.work.velocity(self.layout, cond, uncond, guidance)
+                given: torch.Tensor, clean: torch.Tensor, time_embedding: torch.Tensor,
+                action_rows: tuple[torch.Tensor, ...], cond: torch.Tensor, uncond: torch.Tensor | None = None,
+                guidance: torch.Tensor | float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        layout = _ActionRows(*action_rows).laid_out(self.layout)
+        velocity = self.work.velocity(layout, cond, uncond, guidance)
         values = iter(scalars)
         corrector = _coefficients(self.order, self.order, values)
         predictor = _coefficients(self.order, self.order - 1, values)
         x0, corrected, predicted = unipc_update(velocity, sample, next(values), states[:-1], states[-1], corrector,
                                                 predictor)
         sample = torch.where(given, clean, predicted)
-        return x0, corrected, sample, self.work.embed(self.layout, sample, time_embedding)
+        return x0, corrected, sample, self.work.embed(layout, sample, time_embedding)
+
+
+class _ActionRows(NamedTuple):
+    """The tensors of a layout whose sizes follow its action rows (one action item, as a policy packs): `R` rows
+    (history, state, chunk) and the chunk's `K` noisy ones. A graph takes them as inputs, so that one serves every
+    `R` and `K` of a latent shape (`_dynamic_shapes`)."""
+
+    rows: torch.Tensor             # [R] GEN-local rows of the action tokens
+    noisy: torch.Tensor            # [K] the noisy ones, as indexes into the action rows
+    noisy_rows: torch.Tensor       # [K] GEN-local rows of the noisy ones
+    readout_rows: torch.Tensor     # [K] rows the action head reads
+    row_domains: torch.Tensor      # [R] embodiment domain of each action row
+    readout_domains: torch.Tensor  # [K] ... of each read row
+    time_rows: torch.Tensor        # [noisy vision rows + K] rows that get the time embedding
+
+    @classmethod
+    def of(cls, layout: GenLayout) -> _ActionRows:
+        action = layout.action
+        return cls(action.rows, action.noisy_frame_indexes[0], action.noisy_rows, action.readout_rows,
+                   layout.action_row_domains.rows, layout.action_readout_domains.rows, layout.time_rows)
+
+    @classmethod
+    def example(cls, layout: GenLayout) -> tuple[torch.Tensor, ...]:
+        """Copies of `of(layout)`, as a graph's example input: distinct tensors, in a plain tuple."""
+        return tuple(tensor.clone() for tensor in cls.of(layout))
+
+    def laid_out(self, layout: GenLayout) -> GenLayout:
+        """`layout` (of the same latent shape) with these action rows, its sizes taken from these tensors (so
+        symbolic in a trace)."""
+        action = replace(layout.action, rows=self.rows, token_shapes=[(self.rows.shape[0], 1, 1)],
+                         noisy_frame_indexes=[self.noisy], noisy_rows=self.noisy_rows, readout_rows=self.readout_rows)
+        return replace(layout, num_gen=layout.num_gen - layout.action.rows.shape[0] + self.rows.shape[0],
+                       action=action, time_rows=self.time_rows,
+                       action_row_domains=DomainIds(self.row_domains, layout.action_row_domains.distinct),
+                       action_readout_domains=DomainIds(self.readout_domains, layout.action_readout_domains.distinct))
 
 
 def _widest(order: int, sample: torch.Tensor, sigma: float, history: tuple[torch.Tensor, ...],
@@ -306,9 +351,45 @@ def _split(transformer: Cosmos3OmniTransformer, layout: GenLayout, sample: torch
             sample[vision.numel():].view(-1, transformer.config.action_dim))
 
 
+def _dynamic(layout: GenLayout) -> bool:
+    """Whether a layout's graphs take its action rows' counts as dynamic: where both are 2 or more
+    (`MIN_DYNAMIC_SIZE`). A chunk of one action, or a forward dynamics call's of none read, gets graphs of its own
+    request shape."""
+    return min(layout.action.rows.shape[0], layout.action.readout_rows.shape[0]) >= MIN_DYNAMIC_SIZE
+
+
 def _shape(layout: GenLayout):
-    """What a layout's graphs are fixed to: its request shape but for the text length (`RequestShape`)."""
-    return replace(layout.key, und_len=0)
+    """What a layout's graphs are fixed to: its request shape (`RequestShape`) but for the text length and, where
+    dynamic, the action rows."""
+    shape = replace(layout.key, und_len=0)
+    if _dynamic(layout):
+        shape = replace(shape, action=replace(shape.action, chunk_size=0, num_prefix=0, clean_rows=()))
+    return shape
+
+
+def _dynamic_shapes(transformer: Cosmos3OmniTransformer, layout: GenLayout, dims: tuple) -> tuple | None:
+    """`torch.export`'s `dynamic_shapes` of a graph of `layout` whose inputs' first dimensions `dims` names: "flat"
+    (a flat sampler state), "gen" (generated rows), "action_rows" (an `_ActionRows`), None (fixed), or a tuple of
+    these for a tuple input. None where the layout's action rows are fixed."""
+    if not _dynamic(layout):
+        return None
+    rows, noisy = Dim("action_rows", min=MIN_DYNAMIC_SIZE), Dim("noisy_action_rows", min=MIN_DYNAMIC_SIZE)
+    example = _ActionRows.of(layout)
+    (frames, height, width), = layout.vision_latent_shapes
+    vision = transformer.config.latent_channel * frames * height * width
+    timed_vision = example.time_rows.shape[0] - example.readout_rows.shape[0]  # none without noisy vision
+    sizes = {
+        "flat": {0: transformer.config.action_dim * rows + vision},
+        "gen": {0: rows + (layout.num_gen - example.rows.shape[0])},
+        "action_rows": tuple({0: size} for size in (rows, noisy, noisy, noisy, rows, noisy,
+                                                    noisy + timed_vision if timed_vision else noisy)),
+        None: None,
+    }
+
+    def spec(dim):
+        return tuple(spec(each) for each in dim) if isinstance(dim, tuple) else sizes[dim]
+
+    return spec(dims)
 
 
 def _step_key(layout: GenLayout, uncond: torch.Tensor | None, sampler: FlowSampler) -> tuple | None:
