@@ -32,8 +32,8 @@ STATE = np.array([0.2, 0.3], np.float32)
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    """The random model, its embodiment serving its default chunk size alone: an engine warms two shapes rather
-    than four, and compiling their graphs is what this module spends its time on."""
+    """The random model, its embodiment serving chunks up to its default (8 actions, 1 to 3 latent frames): an engine
+    compiles the tick work of 3 latent shapes rather than 5, and compiling is what this module spends its time on."""
     folder = tmp_path_factory.mktemp("compiled-stack-model")
     build_random_pipeline(folder, seed=3)
     path = folder / "embodiments.json"
