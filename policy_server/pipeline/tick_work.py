@@ -194,7 +194,7 @@ class _Compiling(TickWork):
 
     def _compile_steps(self, layout: GenLayout, cond: torch.Tensor, uncond: torch.Tensor | None, sampler: FlowSampler,
                        state: DenoiseState) -> None:
-        """The step graphs a live tick of this request shape may run: this step's, and the cond branch's alone,
+        """The step graphs a live tick of this latent shape may run: this step's, and the cond branch's alone,
         which a guided tick runs when its plan drops the uncond pass (none for an Euler sampler)."""
         for branch in (None,) if uncond is None else (uncond, None):
             key = _step_key(layout, branch, sampler)
@@ -204,7 +204,7 @@ class _Compiling(TickWork):
 
     def _step_graph(self, layout: GenLayout, cond: torch.Tensor, uncond: torch.Tensor | None, order: int,
                     state: DenoiseState) -> CompiledGraph:
-        """A request shape's step of one branch or two guided, for a UniPC sampler of `order`, traced on distinct
+        """A latent shape's step of one branch or two guided, for a UniPC sampler of `order`, traced on distinct
         examples of the step's tensors."""
         zeros = torch.zeros_like
         # Any step's update in the widest form has the shapes of all of them: an uncorrected first step's will do.
