@@ -190,6 +190,21 @@ def test_guard_paces_a_stalled_tick_into_its_deadline(stall, late, cond_calls, u
     assert all(branches == ("cond",) for branches in ran[uncond_calls:])
 
 
+def test_the_calls_a_late_fallback_cut_count_as_refreshes_in_the_history():
+    # Else the cut tick's count makes its point look cheaper than it is, the next tick is planned on it, and cut
+    # again (a shape whose gate cannot skip at all, and whose guard dropped its uncond pass at step 0, did so for
+    # tick after tick with time left).
+    clock = FakeClock()
+    budget = warm_budget(clock)
+    history = SessionHistory()
+    plan = budget.plan(KEY, 100.0, 10, 2, None, prefill=False)
+    record, stages, steps, _ = run_tick(clock, budget, plan, stall_ms=lambda step: 30.0 if step == 4 else 0.0)
+    budget.learn(KEY, steps, history, stages)
+    assert steps.fallbacks == ("late_finish_at_step=4/10",) and plan.caching
+    assert len(record.decisions) == 9 and plan.calls == 20
+    assert history.quantile(plan.setting, plan.structure, 1.0) == record.wanted_full_calls + 11
+
+
 def test_a_stall_no_fallback_can_absorb_is_reported_as_a_miss():
     clock = FakeClock()
     budget = warm_budget(clock)

@@ -161,4 +161,8 @@ class TickBudget:
             self.cost_model.observe_tick(key, timings, stages)
         plan = steps.plan
         if history is not None and plan.caching:
-            history.observe(plan.setting, plan.structure, steps.record().wanted_full_calls)
+            # The calls a late fallback took out (the uncond pass, the last steps) were never gated: they count as
+            # refreshes, so that a point the guard had to cut is not planned on as cheaper than its whole tick.
+            record = steps.record()
+            history.observe(plan.setting, plan.structure,
+                            record.wanted_full_calls + plan.calls - len(record.decisions))
