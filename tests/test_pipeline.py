@@ -7,6 +7,7 @@ import torch
 
 from policy_server.cache.controller import NoCache
 from policy_server.cache.seacache import SeaCache, SeaCacheConfig
+from policy_server.pipeline import schedulers
 from policy_server.pipeline.errors import PolicyInputError
 from policy_server.pipeline.packing import ActionLayout
 from policy_server.pipeline.policy import DenoiseState, FixedSteps, PolicyPipeline, PolicyRequest, run_steps
@@ -43,6 +44,17 @@ def test_policy_mode_shapes_and_determinism(pipe):
     assert torch.equal(out.latents, again.latents)
     assert not np.array_equal(out.actions, other_seed.actions)
     assert set(out.timings_ms) == {"encode", "prefill", "denoise", "decode", "total"}
+
+
+def test_a_warmed_schedule_leaves_its_first_tick_nothing_to_make(pipe, monkeypatch):
+    made, real, embed = [], schedulers._uni_coefficients, pipe.transformer.timestep_embedding
+    monkeypatch.setattr(schedulers, "_uni_coefficients", lambda *args, **kw: made.append(args) or real(*args, **kw))
+    monkeypatch.setattr(pipe.transformer, "timestep_embedding", lambda t: made.append(t) or embed(t))
+    pipe.warm_schedule(7)
+    assert made  # the schedule's coefficients and time embeddings
+    made.clear()
+    out = pipe(_request(num_steps=7))
+    assert len(out.steps) == 7 and made == []
 
 
 def test_conditioning_frame_stays_clean(pipe):

@@ -9,7 +9,8 @@ first runs one untimed tick per mode that captures its GEN-stack calls (and comp
 CPU the stack's call patterns, which serve every shape, and the tick work of the shape's latent shape, which serves its
 every chunk size; the default shape also runs two ticks as a micro-batch, whose calls batch another way), and each
 session's opening captures those of its own prompt (`session_graphs`), so no live tick waits on a capture or a
-compile. On a CPU one more untimed tick compiles the tick work of each latent shape no measured shape has.
+compile. On a CPU one more untimed tick compiles the tick work of each latent shape no measured shape has. Last,
+every step count a plan may choose gets its schedule made (`PolicyPipeline.warm_schedule`).
 """
 
 from __future__ import annotations
@@ -79,6 +80,9 @@ class Warmup:
             self.progress = (index + 1) / (len(shapes) + 1)
         if isinstance(self.served.tick_work, CompiledTickWork):
             yield from self._compile_latent_shapes(shapes)
+        for num_steps in range(1, self.served.num_steps + 1):  # a plan may cut the steps to any count
+            self.served.pipeline.warm_schedule(num_steps)
+            yield
         self.profile = tuple(profile)
         self._interpolate_costs()
         if self.served.settings.calibrate_at_warmup and self.served.profile is None:

@@ -760,6 +760,17 @@ class PolicyPipeline:
                 break
         return records
 
+    def warm_schedule(self, num_steps: int) -> None:
+        """Make what every tick of `num_steps` sampler steps shares: each step's time embedding and sampler
+        coefficients. A tick that makes them spends up to a millisecond more on each step (UniPC's), which its
+        deadline guard would read as a slowdown and the cost model learn as the step's cost."""
+        sampler = self._sampler(num_steps)
+        with torch.no_grad():
+            self._step_time_embeddings(sampler.timesteps)
+        sample = torch.zeros(1)
+        for _ in range(num_steps):
+            sample = sampler.step(torch.zeros(1), sample)
+
     def _step_time_embeddings(self, timesteps: torch.Tensor) -> list[torch.Tensor]:
         """Each step's time embedding `[1, D]` for a schedule's `timesteps` `[N]`, made at its first tick (the
         weights are fixed once loaded): what `embed_gen` would compute from the step's timestep."""
