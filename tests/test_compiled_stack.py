@@ -172,6 +172,17 @@ def test_compiled_tick_work_gives_the_eager_outputs(pipeline, compiles, monkeypa
             np.testing.assert_array_equal(got.actions, want.actions)
             torch.testing.assert_close(got.latents, want.latents, rtol=0, atol=0)
     assert work.num_shapes == 2 and work.eager_calls == eager_calls
+    # A chunk of one action is not traced on (export would fix its count at 1: it runs eagerly), but the graphs
+    # traced on a longer chunk of its latent shape serve it, within 1e-5 (one noisy row takes another matmul path).
+    one = {"chunk_size": 1}
+    tick(BLUE, True, work.compiling(), **one)
+    assert work.num_shapes == 2 and work.eager_calls == eager_calls + 1 + config.num_steps  # embedding, steps
+    tick(BLUE, True, work.compiling(), chunk_size=3)
+    eager_calls = work.eager_calls
+    prompt = pipeline.encode_prompt(BLUE, embodiment, 1, True, pipeline.canvas_for(embodiment, _images()), eager)
+    got, want = (tick(BLUE, True, tick_work, prompt, **one) for tick_work in (work, eager))
+    np.testing.assert_allclose(got.actions, want.actions, rtol=0, atol=1e-5)
+    assert work.num_shapes == 3 and work.eager_calls == eager_calls
     # A step the guard makes the last jumps to its step graph's x0 prediction, guided or not (BLUE's prompts).
     for guided in (range(config.num_steps), range(2)):
         got, want = (run_steps(pipeline.steps(_request(BLUE), prompts[0], _EndsAt(config.num_steps, guided, 3),

@@ -139,7 +139,7 @@ class Warmup:
 
     def _compile_latent_shapes(self, measured: list[tuple[Embodiment, int, int, bool]]) -> Iterator[None]:
         """One untimed tick of each embodiment's latent shapes that no measured shape has, at its largest chunk: the
-        tick work compiled for a latent shape serves its every chunk size of 2 actions or more."""
+        tick work compiled for a latent shape serves its every chunk size."""
         frames = self.served.pipeline.num_latent_frames
         done = {(embodiment.name, frames(chunk)) for embodiment, chunk, _, _ in measured}
         for embodiment in self.served.embodiments.values():

@@ -176,10 +176,11 @@ class _Compiling(TickWork):
         return self.compiled.prefill(input_ids, position_ids)
 
     def embed(self, layout: GenLayout, sample: torch.Tensor, time_embedding: torch.Tensor) -> torch.Tensor:
-        self.compiled._embeds.compile(_shape(layout), lambda: CompiledGraph(
-            _Embed(TickWork(self.transformer), layout),
-            (torch.zeros_like(sample), torch.zeros_like(time_embedding), _ActionRows.example(layout)),
-            _dynamic_shapes(self.transformer, layout, ("flat", None, "action_rows"))))
+        if _traceable(layout):
+            self.compiled._embeds.compile(_shape(layout), lambda: CompiledGraph(
+                _Embed(TickWork(self.transformer), layout),
+                (torch.zeros_like(sample), torch.zeros_like(time_embedding), _ActionRows.example(layout)),
+                _dynamic_shapes(self.transformer, layout, ("flat", None, "action_rows"))))
         return self.compiled.embed(layout, sample, time_embedding)
 
     def advance(self, layout: GenLayout, cond: torch.Tensor, uncond: torch.Tensor | None, guidance: float,
@@ -196,6 +197,8 @@ class _Compiling(TickWork):
                        state: DenoiseState) -> None:
         """The step graphs a live tick of this latent shape may run: this step's, and the cond branch's alone,
         which a guided tick runs when its plan drops the uncond pass (none for an Euler sampler)."""
+        if not _traceable(layout):
+            return
         for branch in (None,) if uncond is None else (uncond, None):
             key = _step_key(layout, branch, sampler)
             if key is not None:
@@ -352,10 +355,15 @@ def _split(transformer: Cosmos3OmniTransformer, layout: GenLayout, sample: torch
 
 
 def _dynamic(layout: GenLayout) -> bool:
-    """Whether a layout's graphs take its action rows' counts as dynamic: where both are 2 or more
-    (`MIN_DYNAMIC_SIZE`). A chunk of one action, or a forward dynamics call's of none read, gets graphs of its own
-    request shape."""
-    return min(layout.action.rows.shape[0], layout.action.readout_rows.shape[0]) >= MIN_DYNAMIC_SIZE
+    """Whether a layout's graphs take its action rows' counts as dynamic: where it has 2 rows or more and reads 1 or
+    more. Else (forward dynamics reads none) its graphs are its request shape's own."""
+    return layout.action.rows.shape[0] >= MIN_DYNAMIC_SIZE and layout.action.readout_rows.shape[0] >= 1
+
+
+def _traceable(layout: GenLayout) -> bool:
+    """Whether export can trace a layout's graphs on it: it fixes a dynamic count it is shown at 1, so a latent
+    shape's graphs are traced on a chunk of 2 actions or more (and serve one of 1)."""
+    return not _dynamic(layout) or layout.action.readout_rows.shape[0] >= MIN_DYNAMIC_SIZE
 
 
 def _shape(layout: GenLayout):
@@ -373,7 +381,7 @@ def _dynamic_shapes(transformer: Cosmos3OmniTransformer, layout: GenLayout, dims
     these for a tuple input. None where the layout's action rows are fixed."""
     if not _dynamic(layout):
         return None
-    rows, noisy = Dim("action_rows", min=MIN_DYNAMIC_SIZE), Dim("noisy_action_rows", min=MIN_DYNAMIC_SIZE)
+    rows, noisy = Dim("action_rows", min=MIN_DYNAMIC_SIZE), Dim("noisy_action_rows", min=1)
     example = _ActionRows.of(layout)
     (frames, height, width), = layout.vision_latent_shapes
     vision = transformer.config.latent_channel * frames * height * width
