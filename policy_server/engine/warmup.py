@@ -26,7 +26,7 @@ import torch
 from policy_server.budget.cost_model import FULL, PAIR, SKIP, CallCosts
 from policy_server.budget.planner import MAX_CACHING
 from policy_server.budget.tick import PREVIEW_STAGE
-from policy_server.cache.controller import CacheRecord, NoCache, StepController
+from policy_server.cache.controller import NoCache
 from policy_server.cache.seacache import SeaCache, SeaCacheConfig
 from policy_server.engine import api
 from policy_server.engine.batching import run_together
@@ -142,12 +142,12 @@ class Warmup:
         tick work compiled for a latent shape serves its every chunk size."""
         frames = self.served.pipeline.num_latent_frames
         done = {(embodiment.name, frames(chunk)) for embodiment, chunk, _, _ in measured}
+        instruction = self.text_of(INSTRUCTION_TOKEN_GROUPS[0])
         for embodiment in self.served.embodiments.values():
             for chunk in range(embodiment.max_chunk_size, 0, -1):
                 if (embodiment.name, frames(chunk)) not in done:
                     done.add((embodiment.name, frames(chunk)))
-                    self._warmup_tick(embodiment, chunk, self.text_of(INSTRUCTION_TOKEN_GROUPS[0]), "uncached", 0,
-                                      _SHORT_WARMUP_STEPS)
+                    self._warmup_tick(embodiment, chunk, instruction, "uncached", 0, _SHORT_WARMUP_STEPS)
                     yield
 
     def _all_shapes(self) -> dict[tuple, tuple[Embodiment, int, int, bool]]:
@@ -254,9 +254,9 @@ class Warmup:
         request = PolicyRequest(images=images, instruction=instruction, embodiment=embodiment.name, state=state,
                                 chunk_size=chunk, seed=tick,
                                 num_steps=None if steps is None else min(steps, self.served.pipeline.config.num_steps))
-        cache = NoCache() if mode == "uncached" else _MaxCaching(SeaCache(
+        cache = NoCache() if mode == "uncached" else _MaxCaching(
             SeaCacheConfig(threshold=MAX_CACHING.threshold, max_consecutive_cached=MAX_CACHING.cap),
-            sea_filter=self.served.sea_filter))
+            sea_filter=self.served.sea_filter)
         control = self.served.fixed_steps(request.num_steps or self.served.num_steps, cache,
                                           batch_branches=mode == "uncached")
         return self.served.pipeline.steps(request, None, control, self.served.capturing_tick_work)
@@ -316,27 +316,15 @@ class Warmup:
         return longest
 
 
-class _MaxCaching(StepController):
-    """The most caching a tick may see: `cache`'s gate, and where the gate cannot measure (no noisy vision: a chunk
+class _MaxCaching(SeaCache):
+    """The most caching a tick may see: SeaCache's gate, and where the gate cannot measure (no noisy vision: a chunk
     inside the conditioning frame's latent frame) the skips the deadline guard would force. So a skipped call is
     timed for every shape; until one has been, the cost model prices a skip as a full call, and the guard of a
     tight tick of such a shape, seeing no cheaper rest, would give up its CFG and its last steps instead."""
 
-    def __init__(self, cache: SeaCache):
-        self.cache = cache
-
-    def begin(self, num_steps: int) -> None:
-        self.cache.begin(num_steps)
-
     def estimate(self, step, branch, sigma, noisy_vision, gen_in) -> torch.Tensor | None:
-        gate = self.cache.gate(step, branch, sigma, noisy_vision)
-        return self.cache.skip(gate, gen_in, force_skip=gate.full_reason == "no_noisy_vision")
-
-    def ran(self, branch: str, out: torch.Tensor) -> None:
-        self.cache.ran(branch, out)
-
-    def record(self) -> CacheRecord:
-        return self.cache.record()
+        gate = self.gate(step, branch, sigma, noisy_vision)
+        return self.skip(gate, gen_in, force_skip=gate.full_reason == "no_noisy_vision")
 
 
 def _interpolated(low: CallCosts, high: CallCosts,

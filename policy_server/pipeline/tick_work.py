@@ -32,6 +32,7 @@ from policy_server.model import Cosmos3OmniTransformer, GenInput, UndKV
 from policy_server.model.gen_layout import GenLayout
 from policy_server.model.layers import DomainIds
 from policy_server.pipeline.compiled_graph import MIN_DYNAMIC_SIZE, CompiledGraph, CompiledGraphs
+from policy_server.pipeline.packing import RequestShape
 from policy_server.pipeline.schedulers import FlowSampler, UniCoefficients, UniPCSampler, unipc_update, widest_update
 
 if TYPE_CHECKING:
@@ -112,7 +113,7 @@ class CompiledTickWork(TickWork):
         return UndKV(tensors[:layers], tensors[layers:])
 
     def embed(self, layout: GenLayout, sample: torch.Tensor, time_embedding: torch.Tensor) -> torch.Tensor:
-        graph = self._embeds.get(_shape(layout))
+        graph = self._embeds.get(_shape(layout.key))
         if graph is None:
             self.eager_calls += 1
             return super().embed(layout, sample, time_embedding)
@@ -176,8 +177,8 @@ class _Compiling(TickWork):
         return self.compiled.prefill(input_ids, position_ids)
 
     def embed(self, layout: GenLayout, sample: torch.Tensor, time_embedding: torch.Tensor) -> torch.Tensor:
-        if _traceable(layout):
-            self.compiled._embeds.compile(_shape(layout), lambda: CompiledGraph(
+        if _traceable(layout.key):
+            self.compiled._embeds.compile(_shape(layout.key), lambda: CompiledGraph(
                 _Embed(TickWork(self.transformer), layout),
                 (torch.zeros_like(sample), torch.zeros_like(time_embedding), _ActionRows.example(layout)),
                 _dynamic_shapes(self.transformer, layout, ("flat", None, "action_rows"))))
@@ -197,7 +198,7 @@ class _Compiling(TickWork):
                        state: DenoiseState) -> None:
         """The step graphs a live tick of this latent shape may run: this step's, and the cond branch's alone,
         which a guided tick runs when its plan drops the uncond pass (none for an Euler sampler)."""
-        if not _traceable(layout):
+        if not _traceable(layout.key):
             return
         for branch in (None,) if uncond is None else (uncond, None):
             key = _step_key(layout, branch, sampler)
@@ -354,23 +355,31 @@ def _split(transformer: Cosmos3OmniTransformer, layout: GenLayout, sample: torch
             sample[vision.numel():].view(-1, transformer.config.action_dim))
 
 
-def _dynamic(layout: GenLayout) -> bool:
-    """Whether a layout's graphs take its action rows' counts as dynamic: where it has 2 rows or more and reads 1 or
-    more. Else (forward dynamics reads none) its graphs are its request shape's own."""
-    return layout.action.rows.shape[0] >= MIN_DYNAMIC_SIZE and layout.action.readout_rows.shape[0] >= 1
+def _action_counts(shape: RequestShape) -> tuple[int, int]:
+    """A request shape's action rows `R` and its noisy ones `K` (`_ActionRows`)."""
+    action = shape.action
+    return action.num_rows, action.num_rows - len(action.clean_rows)
 
 
-def _traceable(layout: GenLayout) -> bool:
-    """Whether export can trace a layout's graphs on it: it fixes a dynamic count it is shown at 1, so a latent
-    shape's graphs are traced on a chunk of 2 actions or more (and serve one of 1)."""
-    return not _dynamic(layout) or layout.action.readout_rows.shape[0] >= MIN_DYNAMIC_SIZE
+def _dynamic(shape: RequestShape) -> bool:
+    """Whether a request shape's graphs take its action rows' counts as dynamic: where it has 2 rows or more and
+    reads 1 or more. Else (forward dynamics reads none) its graphs are its own."""
+    rows, noisy = _action_counts(shape)
+    return rows >= MIN_DYNAMIC_SIZE and noisy >= 1
 
 
-def _shape(layout: GenLayout):
-    """What a layout's graphs are fixed to: its request shape (`RequestShape`) but for the text length and, where
-    dynamic, the action rows."""
-    shape = replace(layout.key, und_len=0)
-    if _dynamic(layout):
+def _traceable(shape: RequestShape) -> bool:
+    """Whether export can trace a request shape's graphs on it: it fixes a dynamic count it is shown at 1, so a
+    latent shape's graphs are traced on a chunk of 2 actions or more (and serve one of 1)."""
+    return not _dynamic(shape) or _action_counts(shape)[1] >= MIN_DYNAMIC_SIZE
+
+
+@functools.lru_cache(maxsize=256)  # asked every sampler step; a server sees a handful of request shapes
+def _shape(shape: RequestShape) -> RequestShape:
+    """What a request shape's graphs are fixed to: the shape but for the text length and, where dynamic, the action
+    rows."""
+    shape = replace(shape, und_len=0)
+    if _dynamic(shape):
         shape = replace(shape, action=replace(shape.action, chunk_size=0, num_prefix=0, clean_rows=()))
     return shape
 
@@ -379,7 +388,7 @@ def _dynamic_shapes(transformer: Cosmos3OmniTransformer, layout: GenLayout, dims
     """`torch.export`'s `dynamic_shapes` of a graph of `layout` whose inputs' first dimensions `dims` names: "flat"
     (a flat sampler state), "gen" (generated rows), "action_rows" (an `_ActionRows`), None (fixed), or a tuple of
     these for a tuple input. None where the layout's action rows are fixed."""
-    if not _dynamic(layout):
+    if not _dynamic(layout.key):
         return None
     rows, noisy = Dim("action_rows", min=MIN_DYNAMIC_SIZE), Dim("noisy_action_rows", min=1)
     example = _ActionRows.of(layout)
@@ -405,4 +414,4 @@ def _step_key(layout: GenLayout, uncond: torch.Tensor | None, sampler: FlowSampl
     sampler no graph serves (Euler)."""
     if not isinstance(sampler, UniPCSampler):
         return None
-    return _shape(layout), uncond is not None, sampler.solver_order
+    return _shape(layout.key), uncond is not None, sampler.solver_order
