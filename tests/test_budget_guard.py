@@ -14,6 +14,7 @@ from policy_server.budget.cost_model import FULL, PAIR, SKIP, CallCosts, CostMod
 from policy_server.budget.guard import DeadlineGuard
 from policy_server.budget.history import SessionHistory
 from policy_server.budget.planner import plan_tick
+from policy_server.budget.profile import ProfilePoint, TickConfig
 from policy_server.budget.tick import SLOWDOWN_LEVELS, SLOWDOWN_WINDOW, GuardedSteps, TickBudget
 from policy_server.cache.controller import CacheRecord, StepDecision
 from policy_server.cache.seacache import SeaCache, SeaCacheConfig
@@ -203,6 +204,22 @@ def test_the_calls_a_late_fallback_cut_count_as_refreshes_in_the_history():
     assert steps.fallbacks == ("late_finish_at_step=4/10",) and plan.caching
     assert len(record.decisions) == 9 and plan.calls == 20
     assert history.quantile(plan.setting, plan.structure, 1.0) == record.wanted_full_calls + 11
+
+
+def test_an_uncached_point_cut_by_the_guard_teaches_the_history_nothing():
+    # Its gate wants every call (threshold 0), so its count is its calls; a cut tick's, whose runs of denied
+    # refreshes count once, would plan the next tick on fewer.
+    clock = FakeClock()
+    budget = warm_budget(clock)
+    history = SessionHistory()
+    config = TickConfig(num_steps=10, cfg_steps=10, threshold=0.0, cap=0, residual_order=1)
+    uncached = ProfilePoint(config=config, error=0.0, error_p90=0.0, full_calls=0, pairs=10, skipped_calls=0,
+                            full_calls_p90=0, pairs_p90=10)
+    plan = budget.plan(KEY, 175.0, 10, 2, history, prefill=False, frontier=(uncached,))
+    record, stages, steps, _ = run_tick(clock, budget, plan, stall_ms=lambda step: 60.0 if step == 4 else 0.0)
+    budget.learn(KEY, steps, history, stages)
+    assert plan.setting == config.name and not plan.caching and record.forced_skips > 1
+    assert not history.tally(plan.setting, plan.structure)
 
 
 def test_a_stall_no_fallback_can_absorb_is_reported_as_a_miss():

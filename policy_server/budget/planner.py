@@ -202,7 +202,8 @@ class TickPlan:
 
     @property
     def caching(self) -> bool:
-        return self.setting != NO_CACHING
+        """Whether the gate may skip a call: an uncached plan (every threshold 0) runs all its calls full."""
+        return any(self.thresholds)
 
     def branches(self, step: int) -> tuple[str, ...]:
         """CFG branches the sampler runs at ``step``, in call order."""

@@ -160,7 +160,7 @@ class TickBudget:
                                        for i in range(levels))
             self.cost_model.observe_tick(key, timings, stages)
         plan = steps.plan
-        if history is not None and plan.caching:
+        if history is not None and plan.caching:  # an uncached plan's count is its calls: nothing to learn
             # The calls a late fallback took out (the uncond pass, the last steps) were never gated: they count as
             # refreshes, so that a point the guard had to cut is not planned on as cheaper than its whole tick.
             record = steps.record()
