@@ -144,7 +144,7 @@ def test_compiled_tick_work_gives_the_eager_outputs(pipeline, compiles, monkeypa
     np.testing.assert_array_equal(tick(RED, True, work).actions, expected.actions)  # no graphs yet: eagerly
     eager_calls = 1 + 1 + config.num_steps  # the prefill, the first step's embedding and every step
     assert work.num_shapes == 0 and work.eager_calls == eager_calls
-    compiled_prefill = tick(RED, True, work.compiling())  # and the cond branch's step alone, for a dropped uncond
+    compiled_prefill = tick(RED, True, work.compiling())  # its guided step serves the cond branch alone too
     assert work.num_shapes == 1
     np.testing.assert_allclose(compiled_prefill.actions, expected.actions, rtol=0, atol=1e-5)
     for instruction in (RED, BLUE):  # one graph serves every text length, one shape's every instruction

@@ -6,16 +6,18 @@ combination and the heads, vision and actions in fp32, flat as the sampler state
 conditioning back and embed the next step's rows (none after the final step). A step the deadline guard makes the last
 decodes its velocity and jumps to the clean estimate (`finish`).
 
-On a CPU these ops cost more to dispatch than to compute, the more so right after a GEN-stack call has filled the
-caches with its own work. `CompiledTickWork` runs each piece as one `CompiledGraph`: the prefill with the text length
-dynamic, and per latent shape the embedding, and the step of two branches guided and of the cond branch alone (a plan
-may drop the uncond pass). These read the layout's GEN-local rows alone, which the text length does not move, and take
-the rows that depend on the action rows as inputs, their counts dynamic (`_ActionRows`): so a latent shape's graphs
-serve every instruction, chunk size and count of history actions. A step graph holds the UniPC update of the
-sampler's order in its widest form (`schedulers.widest_update`), which gives every step's update bit for bit, so one
-graph serves every step; its x0 prediction is also the clean estimate a finishing step jumps to. Compiling takes
-seconds, so it is done where no deadline runs, by the object `compiling()` returns (warmup's); the object itself runs
-eagerly what it has no graph for (an Euler sampler's steps among them).
+On a CPU these ops cost more to dispatch than to compute, the more so right after a GEN-stack call has filled the caches
+with its own work. `CompiledTickWork` runs each piece as one `CompiledGraph`: the prefill with the text length dynamic,
+and per latent shape the embedding and the guided step. A step of the cond branch alone (a plan may drop the uncond
+pass) runs the guided graph with the cond output as the uncond one too, which guides by exactly nothing (`uncond + g *
+(cond - uncond)` is `cond` bit for bit): one step graph less to compile per latent shape. These read the layout's
+GEN-local rows alone, which the text length does not move, and take the rows that depend on the action rows as inputs,
+their counts dynamic (`_ActionRows`): so a latent shape's graphs serve every instruction, chunk size and count of
+history actions. A step graph holds the UniPC update of the sampler's order in its widest form
+(`schedulers.widest_update`), which gives every step's update bit for bit, so one graph serves every step; its x0
+prediction is also the clean estimate a finishing step jumps to. Compiling takes seconds, so it is done where no
+deadline runs, by the object `compiling()` returns (warmup's); the object itself runs eagerly what it has no graph for
+(an Euler sampler's steps among them).
 """
 
 from __future__ import annotations
@@ -121,7 +123,7 @@ class CompiledTickWork(TickWork):
 
     def advance(self, layout: GenLayout, cond: torch.Tensor, uncond: torch.Tensor | None, guidance: float,
                 sampler: FlowSampler, state: DenoiseState, time_embedding: torch.Tensor | None) -> torch.Tensor | None:
-        graph = self._steps.get(_step_key(layout, uncond, sampler))
+        graph = self._steps.get(_step_key(layout, sampler))
         if graph is None:
             self.eager_calls += 1
             return super().advance(layout, cond, uncond, guidance, sampler, state, time_embedding)
@@ -130,7 +132,7 @@ class CompiledTickWork(TickWork):
 
     def finish(self, layout: GenLayout, cond: torch.Tensor, uncond: torch.Tensor | None, guidance: float,
                sampler: FlowSampler, state: DenoiseState) -> None:
-        graph = self._steps.get(_step_key(layout, uncond, sampler))
+        graph = self._steps.get(_step_key(layout, sampler))
         if graph is None:
             self.eager_calls += 1
             return super().finish(layout, cond, uncond, guidance, sampler, state)
@@ -142,8 +144,8 @@ class CompiledTickWork(TickWork):
               guidance: float, sampler: UniPCSampler, state: DenoiseState, time_embedding: torch.Tensor | None
               ) -> list[torch.Tensor]:
         """Step `sampler` by a `_Step` graph: the x0 prediction, the next sample (its conditioning set back) and
-        that sample's rows, embedded with `time_embedding`."""
-        branches = (cond,) if uncond is None else (cond, uncond, _scalar(guidance, cond.device))
+        that sample's rows, embedded with `time_embedding`. The cond branch alone goes in as both branches."""
+        branches = (cond, cond if uncond is None else uncond, _scalar(guidance, cond.device))
         # Without a next step the graph embeds rows too, which nothing reads: from any time embedding (one graph
         # serves every step; a call's embedding costs less than a second graph's compile).
         next_time = _time_embedding_like(self.transformer, cond.device) if time_embedding is None else time_embedding
@@ -186,40 +188,31 @@ class _Compiling(TickWork):
 
     def advance(self, layout: GenLayout, cond: torch.Tensor, uncond: torch.Tensor | None, guidance: float,
                 sampler: FlowSampler, state: DenoiseState, time_embedding: torch.Tensor | None) -> torch.Tensor | None:
-        self._compile_steps(layout, cond, uncond, sampler, state)
+        self._compile_step(layout, cond, sampler, state)
         return self.compiled.advance(layout, cond, uncond, guidance, sampler, state, time_embedding)
 
     def finish(self, layout: GenLayout, cond: torch.Tensor, uncond: torch.Tensor | None, guidance: float,
                sampler: FlowSampler, state: DenoiseState) -> None:
-        self._compile_steps(layout, cond, uncond, sampler, state)
+        self._compile_step(layout, cond, sampler, state)
         self.compiled.finish(layout, cond, uncond, guidance, sampler, state)
 
-    def _compile_steps(self, layout: GenLayout, cond: torch.Tensor, uncond: torch.Tensor | None, sampler: FlowSampler,
-                       state: DenoiseState) -> None:
-        """The step graphs a live tick of this latent shape may run: this step's, and the cond branch's alone,
-        which a guided tick runs when its plan drops the uncond pass (none for an Euler sampler)."""
-        if not _traceable(layout.key):
-            return
-        for branch in (None,) if uncond is None else (uncond, None):
-            key = _step_key(layout, branch, sampler)
-            if key is not None:
-                self.compiled._steps.compile(key, lambda branch=branch: self._step_graph(
-                    layout, cond, branch, sampler.solver_order, state))
+    def _compile_step(self, layout: GenLayout, cond: torch.Tensor, sampler: FlowSampler, state: DenoiseState) -> None:
+        """The step graph of this latent shape (none for an Euler sampler)."""
+        key = _step_key(layout, sampler)
+        if key is not None and _traceable(layout.key):
+            self.compiled._steps.compile(key, lambda: self._step_graph(layout, cond, sampler.solver_order, state))
 
-    def _step_graph(self, layout: GenLayout, cond: torch.Tensor, uncond: torch.Tensor | None, order: int,
-                    state: DenoiseState) -> CompiledGraph:
-        """A latent shape's step of one branch or two guided, for a UniPC sampler of `order`, traced on distinct
-        examples of the step's tensors."""
+    def _step_graph(self, layout: GenLayout, cond: torch.Tensor, order: int, state: DenoiseState) -> CompiledGraph:
+        """A latent shape's guided step for a UniPC sampler of `order`, traced on distinct examples of the step's
+        tensors."""
         zeros = torch.zeros_like
         # Any step's update in the widest form has the shapes of all of them: an uncorrected first step's will do.
         scalars, states = _widest(order, state.sample, 1.0, (), None, None, UniCoefficients(1.0, 0.0, 0.0, (), ()))
         guidance = torch.zeros((), device=cond.device)
-        branches = (zeros(cond),) if uncond is None else (zeros(cond), zeros(uncond), guidance)
         time_embedding = _time_embedding_like(self.transformer, cond.device)
         inputs = (zeros(state.sample), zeros(scalars), tuple(zeros(tensor) for tensor in states), zeros(state.given),
-                  zeros(state.clean), time_embedding, _ActionRows.example(layout), *branches)
-        dims = ("flat", None, tuple("flat" for _ in states), "flat", "flat", None, "action_rows",
-                *(("gen",) if uncond is None else ("gen", "gen", None)))
+                  zeros(state.clean), time_embedding, _ActionRows.example(layout), zeros(cond), zeros(cond), guidance)
+        dims = ("flat", None, tuple("flat" for _ in states), "flat", "flat", None, "action_rows", "gen", "gen", None)
         return CompiledGraph(_Step(TickWork(self.transformer), layout, order), inputs,
                              _dynamic_shapes(self.transformer, layout, dims))
 
@@ -249,10 +242,10 @@ class _Embed(nn.Module):
 
 
 class _Step(nn.Module):
-    """What export traces for `CompiledTickWork.advance` of one latent shape and UniPC order: the decode, the update in
-    its widest form (`_widest`; its scalars, each a 0-dim fp32 tensor in the arithmetic as the eager update's Python
-    floats are in fp32), `DenoiseState.advance`'s restore and the next embedding. Returns the x0 prediction, the
-    corrected sample, the next sample and its embedded rows."""
+    """What export traces for `CompiledTickWork.advance` of one latent shape and UniPC order: the guided decode, the
+    update in its widest form (`_widest`; its scalars, each a 0-dim fp32 tensor in the arithmetic as the eager update's
+    Python floats are in fp32), `DenoiseState.advance`'s restore and the next embedding. Returns the x0 prediction,
+    the corrected sample, the next sample and its embedded rows."""
 
     def __init__(self, work: TickWork, layout: GenLayout, order: int):
         super().__init__()
@@ -260,8 +253,8 @@ class _Step(nn.Module):
 
     def forward(self, sample: torch.Tensor, scalars: torch.Tensor, states: tuple[torch.Tensor, ...],
                 given: torch.Tensor, clean: torch.Tensor, time_embedding: torch.Tensor,
-                action_rows: tuple[torch.Tensor, ...], cond: torch.Tensor, uncond: torch.Tensor | None = None,
-                guidance: torch.Tensor | float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                action_rows: tuple[torch.Tensor, ...], cond: torch.Tensor, uncond: torch.Tensor,
+                guidance: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         layout = _ActionRows(*action_rows).laid_out(self.layout)
         velocity = self.work.velocity(layout, cond, uncond, guidance)
         values = iter(scalars)
@@ -409,9 +402,9 @@ def _dynamic_shapes(transformer: Cosmos3OmniTransformer, layout: GenLayout, dims
     return spec(dims)
 
 
-def _step_key(layout: GenLayout, uncond: torch.Tensor | None, sampler: FlowSampler) -> tuple | None:
-    """What a step graph is fixed to: the request shape, whether the step is guided and the UniPC order; None for a
-    sampler no graph serves (Euler)."""
+def _step_key(layout: GenLayout, sampler: FlowSampler) -> tuple | None:
+    """What a step graph is fixed to: the request shape and the UniPC order; None for a sampler no graph serves
+    (Euler)."""
     if not isinstance(sampler, UniPCSampler):
         return None
-    return _shape(layout.key), uncond is not None, sampler.solver_order
+    return _shape(layout.key), sampler.solver_order
