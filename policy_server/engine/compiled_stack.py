@@ -2,13 +2,14 @@
 
 There an eager call spends about as long dispatching its few hundred small ops as in its matmuls, so the whole
 stack, attention included, runs as one `CompiledGraph` (no guards or frame per call: 5 ms of a 20-step CFG tick
-faster than `torch.compile` of the same function). A graph is fixed to its call pattern: the number of items and
-whether they share rotary tables. The generated rows and each item's text length stay dynamic, so one graph serves
-every request shape and instruction (as fast as a graph fixed to the rows, and bit for bit the same). Compiling a
-pattern takes seconds, so it is done where no deadline runs: warmup uses `compile`; a live tick calls the object
-itself, which runs a compiled pattern's graph and any other pattern eagerly. Only calls of one tick compile (one
-CFG branch, or both as one batch): a micro-batch of several ticks' calls is already batched, and each of its
-sizes would be a graph more to compile.
+faster than `torch.compile` of the same function). A graph is fixed to its call pattern: the number of items. Each
+item of a batch has its own rotary table (the CFG branches' generated rows sit after texts of different lengths); a
+batch of one layout, whose items share one, goes in with it repeated, a graph fewer to compile. The generated rows
+and each item's text length stay dynamic, so one graph serves every request shape and instruction (as fast as a
+graph fixed to the rows, and bit for bit the same). Compiling a pattern takes seconds, so it is done where no
+deadline runs: warmup uses `compile`; a live tick calls the object itself, which runs a compiled pattern's graph and
+any other pattern eagerly. Only calls of one tick compile (one CFG branch, or both as one batch): a micro-batch of
+several ticks' calls is already batched, and each of its sizes would be a graph more to compile.
 
 `compile_unavailable` says whether torch.compile can run at all: it needs a compiler for the code it writes.
 """
@@ -49,23 +50,32 @@ class PrecompiledGenStack:
         if graph is None:
             self.eager_calls += 1
             return self.transformer.gen_stack(gen, und_kv)
-        return self._run(graph, *self.transformer.gen_stack_per_item_inputs(gen, und_kv))
+        return self._run(graph, *self._inputs(gen, und_kv))
+
+    def _inputs(self, gen: GenInput, und_kv: UndKV
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+        """A graph's inputs: the rows, the rotary cos and sin (per item in a batch) and each item's text K/V."""
+        hidden, rotary, text_kv = self.transformer.gen_stack_per_item_inputs(gen, und_kv)
+        cos, sin = rotary.cos, rotary.sin
+        if hidden.ndim == 3 and cos.ndim == 2:  # [N, hd] shared -> [B, N, hd]
+            cos, sin = torch.stack((cos,) * hidden.shape[0]), torch.stack((sin,) * hidden.shape[0])
+        return hidden, cos, sin, text_kv
 
     @staticmethod
-    def _run(graph: CompiledGraph, hidden: torch.Tensor, rotary: RotaryTables,
+    def _run(graph: CompiledGraph, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              text_kv: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        return graph(hidden, rotary.cos, rotary.sin, *text_kv)[0]
+        return graph(hidden, cos, sin, *text_kv)[0]
 
     def compile(self, gen: GenInput, und_kv: UndKV) -> torch.Tensor:
         pattern = _pattern(gen, und_kv)
         if pattern is None:
             return self.transformer.gen_stack(gen, und_kv)
-        hidden, rotary, text_kv = inputs = self.transformer.gen_stack_per_item_inputs(gen, und_kv)
+        hidden, cos, sin, text_kv = inputs = self._inputs(gen, und_kv)
         gen_rows = Dim("gen_rows", min=MIN_DYNAMIC_SIZE)
-        hidden_rows, table_rows = {hidden.ndim - 2: gen_rows}, {rotary.cos.ndim - 2: gen_rows}
+        hidden_rows, table_rows = {hidden.ndim - 2: gen_rows}, {cos.ndim - 2: gen_rows}
         text_rows = tuple({3: Dim(f"text_rows_{b}", min=MIN_DYNAMIC_SIZE)} for b in range(len(text_kv)))
         graph = self._graphs.compile(pattern, lambda: CompiledGraph(
-            _PerItemStack(self.transformer), (hidden, rotary.cos, rotary.sin, text_kv),
+            _PerItemStack(self.transformer), (hidden, cos, sin, text_kv),
             dynamic_shapes=(hidden_rows, table_rows, table_rows, text_rows)))
         return self._run(graph, *inputs)
 
@@ -110,12 +120,11 @@ def compile_unavailable(device: torch.device) -> str | None:
 
 
 def _pattern(gen: GenInput, und_kv: UndKV) -> tuple | None:
-    """What a graph is fixed to: the rows' item count (none: one call) and dtype and the rotary tables' (all items
-    share one table, or each has its own); None for a call no graph serves: more items than a tick's calls, or fewer
-    generated or text rows than `MIN_DYNAMIC_SIZE`."""
+    """What a graph is fixed to: the rows' item count (none: one call) and dtype; None for a call no graph serves:
+    more items than a tick's calls, or fewer generated or text rows than `MIN_DYNAMIC_SIZE`."""
     hidden = gen.hidden
     too_many = hidden.ndim == 3 and hidden.shape[0] > MAX_COMPILED_ITEMS
     too_few = min(hidden.shape[-2], *(und_kv.lengths or (und_kv.length,))) < MIN_DYNAMIC_SIZE
     if too_many or too_few:
         return None
-    return tuple(hidden.shape[:-2]), hidden.dtype, tuple(gen.layout.rotary.cos.shape[:-2])
+    return tuple(hidden.shape[:-2]), hidden.dtype
