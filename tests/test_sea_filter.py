@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from policy_server.cache.sea_filter import SeaFilter, axis_gain, flow_ab, rel_l1, sea_gain
+from policy_server.cache.sea_filter import SeaFilter, axis_gain, flow_ab, rel_l1
 
 
 def test_axis_gain_matches_spec_vectors_sigma_0_9():
@@ -17,24 +17,30 @@ def test_axis_gain_matches_spec_vectors_sigma_0_5():
     assert axis_gain(8, 0.5, 3.0).tolist() == pytest.approx(expected, abs=1e-4)
 
 
-def test_product_gain_statistics_on_2x4x4_grid():
+def test_the_normalised_gain_matches_the_spec_on_a_2x4x4_grid():
     raw = (
         axis_gain(2, 0.9, 3.0).reshape(2, 1, 1)
         * axis_gain(4, 0.9, 3.0).reshape(1, 4, 1)
         * axis_gain(4, 0.9, 3.0).reshape(1, 1, 4)
     )
     assert raw.mean().item() == pytest.approx(132.535, abs=1e-3)
-    gain = sea_gain((2, 4, 4), 0.9, 3.0)
-    assert gain.shape == (2, 4, 4, 1)
-    assert gain.dtype == torch.float32
-    assert gain.mean().item() == pytest.approx(1.0, abs=1e-6)
-    assert gain[0, 0, 0, 0].item() == pytest.approx(7.5452, abs=1e-4)
-    assert gain.min().item() == pytest.approx(0.0054799, rel=1e-4)
+    # The filter scales each frequency by its normalised gain: DC (a constant) by the largest, 7.5452, the
+    # Nyquist frequency of every axis (signs alternating along each) by the smallest, 0.0054799.
+    sea = SeaFilter()
+    constant = torch.ones(1, 2, 4, 4)
+    torch.testing.assert_close(sea.indicator(constant, 0.9), 7.5452 * constant.movedim(0, -1), rtol=1e-4, atol=0)
+    t, h, w = torch.meshgrid(torch.arange(2), torch.arange(4), torch.arange(4), indexing="ij")
+    alternating = ((-1.0) ** (t + h + w)).unsqueeze(0)
+    torch.testing.assert_close(sea.indicator(alternating, 0.9), 0.0054799 * alternating.movedim(0, -1),
+                               rtol=1e-4, atol=1e-7)
 
 
 @pytest.mark.parametrize("sigma", [0.999, 0.9, 0.7, 0.5, 0.1])
 def test_normalised_gain_has_unit_mean(sigma):
-    assert sea_gain((3, 6, 10), sigma, 3.0).mean().item() == pytest.approx(1.0, abs=1e-5)
+    # A unit impulse keeps at its own position the mean of the gains over every frequency.
+    impulse = torch.zeros(1, 3, 6, 10)
+    impulse[0, 0, 0, 0] = 1.0
+    assert SeaFilter().indicator(impulse, sigma)[0, 0, 0, 0].item() == pytest.approx(1.0, abs=1e-5)
 
 
 def test_sigma_is_clamped_away_from_0_and_1():
@@ -102,19 +108,20 @@ def test_output_keeps_input_dtype_and_computes_in_fp32():
     torch.testing.assert_close(y16.float(), y32, atol=0.05, rtol=0.02)
 
 
-def test_gains_are_cached_per_shape_and_sigma():
+def test_filters_are_cached_per_shape_and_sigma():
     sea = SeaFilter(max_gains=3)
-    g1 = sea.gain((2, 4, 4), 0.9, "cpu")
-    assert sea.gain((2, 4, 4), 0.9, "cpu") is g1  # a repeated request reuses the cached tensor
-    g2 = sea.gain((2, 4, 4), 0.8, "cpu")
-    g3 = sea.gain((2, 4, 8), 0.9, "cpu")
-    assert g2 is not g1 and g3 is not g1  # sigma and grid are both part of the key
-    sea.gain((1, 4, 4), 0.9, "cpu")  # a fourth gain: the least recently used one (g1) is dropped
-    assert sea.gain((2, 4, 4), 0.8, "cpu") is g2
-    assert sea.gain((2, 4, 8), 0.9, "cpu") is g3
-    again = sea.gain((2, 4, 4), 0.9, "cpu")
-    assert again is not g1  # recomputed after eviction, to the same values
-    torch.testing.assert_close(again, g1, rtol=0, atol=0)
+    f1 = sea.filters((2, 4, 4), 0.9, "cpu")
+    assert sea.filters((2, 4, 4), 0.9, "cpu") is f1  # a repeated request reuses the cached tensors
+    f2 = sea.filters((2, 4, 4), 0.8, "cpu")
+    f3 = sea.filters((2, 4, 8), 0.9, "cpu")
+    assert f2 is not f1 and f3 is not f1  # sigma and grid are both part of the key
+    sea.filters((1, 4, 4), 0.9, "cpu")  # a fourth set: the least recently used one (f1) is dropped
+    assert sea.filters((2, 4, 4), 0.8, "cpu") is f2
+    assert sea.filters((2, 4, 8), 0.9, "cpu") is f3
+    again = sea.filters((2, 4, 4), 0.9, "cpu")
+    assert again is not f1  # recomputed after eviction, to the same values
+    for got, want in zip(again, f1, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_filter_rejects_bad_shapes_and_parameters():

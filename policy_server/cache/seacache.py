@@ -109,7 +109,7 @@ class SeaCache(StepController):
         threshold = self.config.threshold
         self._thresholds = tuple(threshold) if isinstance(threshold, Sequence) else (float(threshold),) * num_steps
         assert len(self._thresholds) == num_steps, "one threshold per step"
-        # With every threshold 0 the gate can never choose SKIP, so the indicator (FFTs) is not needed.
+        # With every threshold 0 the gate can never choose SKIP, so the indicator is not needed.
         self._gate_active = any(t > 0 for t in self._thresholds)
         self._states = {}
         self._indicator_step = None
