@@ -143,7 +143,7 @@ def test_compiled_tick_work_gives_the_eager_outputs(pipeline, compiles, monkeypa
 
     expected = tick(RED, True, eager)  # its negative prompt's K/V are kept: later prompts prefill their cond text
     np.testing.assert_array_equal(tick(RED, True, work).actions, expected.actions)  # no graphs yet: eagerly
-    eager_calls = 1 + 1 + config.num_steps  # the prefill, the first step's embedding and every step
+    eager_calls = 1 + config.num_steps  # the prefill and every step (a first step's embedding is always eager)
     assert work.num_shapes == 0 and work.eager_calls == eager_calls
     compiled_prefill = tick(RED, True, work.compiling())  # its guided step serves the cond branch alone too
     assert work.num_shapes == 1
@@ -177,7 +177,7 @@ def test_compiled_tick_work_gives_the_eager_outputs(pipeline, compiles, monkeypa
     # traced on a longer chunk of its latent shape serve it, within 1e-5 (one noisy row takes another matmul path).
     one = {"chunk_size": 1}
     tick(BLUE, True, work.compiling(), **one)
-    assert work.num_shapes == 2 and work.eager_calls == eager_calls + 1 + config.num_steps  # embedding, steps
+    assert work.num_shapes == 2 and work.eager_calls == eager_calls + config.num_steps
     tick(BLUE, True, work.compiling(), chunk_size=3)
     eager_calls = work.eager_calls
     prompt = pipeline.encode_prompt(BLUE, embodiment, 1, True, pipeline.canvas_for(embodiment, _images()), eager)

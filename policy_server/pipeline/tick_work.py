@@ -8,12 +8,12 @@ decodes its velocity and jumps to the clean estimate (`finish`).
 
 On a CPU these ops cost more to dispatch than to compute, the more so right after a GEN-stack call has filled the caches
 with its own work. `CompiledTickWork` runs each piece as one `CompiledGraph`: the prefill with the text length dynamic,
-and per latent shape the embedding and the guided step. A step of the cond branch alone (a plan may drop the uncond
-pass) runs the guided graph with the cond output as the uncond one too, which guides by exactly nothing (`uncond + g *
-(cond - uncond)` is `cond` bit for bit): one step graph less to compile per latent shape. These read the layout's
-GEN-local rows alone, which the text length does not move, and take the rows that depend on the action rows as inputs,
-their counts dynamic (`_ActionRows`): so a latent shape's graphs serve every instruction, chunk size and count of
-history actions. A step graph holds the UniPC update of the sampler's order in its widest form
+and per latent shape the guided step (the first step's embedding, once a tick, runs eagerly). A step of the cond branch
+alone (a plan may drop the uncond pass) runs the guided graph with the cond output as the uncond one too, which guides
+by exactly nothing (`uncond + g * (cond - uncond)` is `cond` bit for bit): one step graph less to compile per latent
+shape. These read the layout's GEN-local rows alone, which the text length does not move, and take the rows that depend
+on the action rows as inputs, their counts dynamic (`_ActionRows`): so a latent shape's graphs serve every instruction,
+chunk size and count of history actions. A step graph holds the UniPC update of the sampler's order in its widest form
 (`schedulers.widest_update`), which gives every step's update bit for bit, so one graph serves every step; its x0
 prediction is also the clean estimate a finishing step jumps to. Compiling takes seconds, so it is done where no
 deadline runs, by the object `compiling()` returns (warmup's); the object itself runs eagerly what it has no graph for
@@ -87,23 +87,24 @@ class TickWork:
 
 class CompiledTickWork(TickWork):
     """A tick's work from the graphs compiled for it, eagerly where there is none. `eager_calls`: the prefills,
-    first-step embeddings, sampler steps and finishes that ran eagerly (no graph yet, or none for their request shape
-    or sampler)."""
+    sampler steps and finishes that ran eagerly (no graph yet, or none for their request shape or sampler). The first
+    step's embedding always runs eagerly: once a tick, 0.07 ms slower than a graph of its own, which would cost every
+    latent shape 2.5 s more of warmup."""
 
     def __init__(self, transformer: Cosmos3OmniTransformer):
         super().__init__(transformer)
         self.eager_calls = 0
         self._prefill = CompiledGraphs()  # one graph: text lengths are dynamic
-        self._embeds = CompiledGraphs()  # `_Embed` graphs by `_shape`
         self._steps = CompiledGraphs()  # `_Step` graphs by `_step_key`
 
     @property
     def num_shapes(self) -> int:
-        return len(self._embeds)
+        """Latent shapes with a step graph (one each for the sampler's UniPC order)."""
+        return len(self._steps)
 
     @property
     def compile_ms(self) -> float:
-        return self._prefill.compile_ms + self._embeds.compile_ms + self._steps.compile_ms
+        return self._prefill.compile_ms + self._steps.compile_ms
 
     def prefill(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> UndKV:
         graph = self._prefill.get(())
@@ -113,13 +114,6 @@ class CompiledTickWork(TickWork):
         tensors = graph(input_ids, position_ids)
         layers = self.transformer.config.num_hidden_layers
         return UndKV(tensors[:layers], tensors[layers:])
-
-    def embed(self, layout: GenLayout, sample: torch.Tensor, time_embedding: torch.Tensor) -> torch.Tensor:
-        graph = self._embeds.get(_shape(layout.key))
-        if graph is None:
-            self.eager_calls += 1
-            return super().embed(layout, sample, time_embedding)
-        return graph(sample, time_embedding, *_ActionRows.of(layout))[0]
 
     def advance(self, layout: GenLayout, cond: torch.Tensor, uncond: torch.Tensor | None, guidance: float,
                 sampler: FlowSampler, state: DenoiseState, time_embedding: torch.Tensor | None) -> torch.Tensor | None:
@@ -178,14 +172,6 @@ class _Compiling(TickWork):
                 _Prefill(self.transformer), (input_ids, position_ids), dynamic_shapes=({0: text_rows}, {1: text_rows})))
         return self.compiled.prefill(input_ids, position_ids)
 
-    def embed(self, layout: GenLayout, sample: torch.Tensor, time_embedding: torch.Tensor) -> torch.Tensor:
-        if _traceable(layout.key):
-            self.compiled._embeds.compile(_shape(layout.key), lambda: CompiledGraph(
-                _Embed(TickWork(self.transformer), layout),
-                (torch.zeros_like(sample), torch.zeros_like(time_embedding), _ActionRows.example(layout)),
-                _dynamic_shapes(self.transformer, layout, ("flat", None, "action_rows"))))
-        return self.compiled.embed(layout, sample, time_embedding)
-
     def advance(self, layout: GenLayout, cond: torch.Tensor, uncond: torch.Tensor | None, guidance: float,
                 sampler: FlowSampler, state: DenoiseState, time_embedding: torch.Tensor | None) -> torch.Tensor | None:
         self._compile_step(layout, cond, sampler, state)
@@ -227,18 +213,6 @@ class _Prefill(nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
         und_kv = self.transformer.prefill_und(input_ids, position_ids)
         return (*und_kv.keys, *und_kv.values)
-
-
-class _Embed(nn.Module):
-    """What export traces for `TickWork.embed` of one latent shape."""
-
-    def __init__(self, work: TickWork, layout: GenLayout):
-        super().__init__()
-        self.work, self.layout = work, layout
-
-    def forward(self, sample: torch.Tensor, time_embedding: torch.Tensor, action_rows: tuple[torch.Tensor, ...]
-                ) -> torch.Tensor:
-        return self.work.embed(_ActionRows(*action_rows).laid_out(self.layout), sample, time_embedding)
 
 
 class _Step(nn.Module):
