@@ -10,7 +10,7 @@ On a CPU these ops cost more to dispatch than to compute, the more so right afte
 with its own work. `CompiledTickWork` runs each piece as one `CompiledGraph`: the prefill with the text length dynamic,
 and per latent shape the guided step (the first step's embedding, once a tick, runs eagerly). A step of the cond branch
 alone (a plan may drop the uncond pass) runs the guided graph with the cond output as the uncond one too, which guides
-by exactly nothing (`uncond + g * (cond - uncond)` is `cond` bit for bit): one step graph less to compile per latent
+by exactly nothing (`uncond + g * (cond - uncond)` is `cond` bit for bit): a step graph fewer to compile per latent
 shape. These read the layout's GEN-local rows alone, which the text length does not move, and take the rows that depend
 on the action rows as inputs, their counts dynamic (`_ActionRows`): so a latent shape's graphs serve every instruction,
 chunk size and count of history actions. A step graph holds the UniPC update of the sampler's order in its widest form
