@@ -480,7 +480,9 @@ def run(args: argparse.Namespace) -> dict:
     if not points:
         raise BenchError(f"the quality profile has no configurations for {embodiment.name!r}")
 
+    started = time.perf_counter()
     engine, engine_pipeline = started_engine(profile)
+    warmup = warmup_summary(engine, time.perf_counter() - started)
     observations = [model_inputs(obs, embodiment, args.frame_size)
                     for obs in expert_observations(args.ticks, HELDOUT_SEED_OFFSET + args.seed * 10_000,
                                                          env_id=args.env)]
@@ -605,6 +607,7 @@ def run(args: argparse.Namespace) -> dict:
         "model": model_summary(pipeline, embodiment, observations[0], latent_shape),
         "forward": forward_summary(pipeline, embodiment, latent_shape, args),
         "tick_profile": tick_profile(pipeline, embodiment, observations[0], args.profile_ticks),
+        "warmup": warmup,
         "env_id": args.env,  # the task whose observations every configuration ran (and the closed loop's)
         "uncached_p50_before_run_ms": uncached_scale_ms,  # what the budget fractions scale on
         "slowdown": {"config": slow_name, "extra_ms_per_full_call": slowdown_ms, "from_tick": args.ticks // 2},
@@ -616,6 +619,23 @@ def run(args: argparse.Namespace) -> dict:
 
 
 SAMPLE_INSTRUCTION = "reach the red circle"  # for token counts only
+
+
+def warmup_summary(engine: ModelEngine, seconds: float) -> dict:
+    """The bench's first engine's warmup: `seconds` from its start until ready (what a server spends after loading
+    the weights before health turns SERVING), and what it compiled on the way (a first start's figures when the
+    inductor cache, `TORCHINDUCTOR_CACHE_DIR`, starts empty): on a CPU the GEN stack's call patterns and the tick
+    work's latent shapes, on CUDA the GEN stack's CUDA graphs; None when it compiled nothing."""
+    served = engine.served
+    compiled = None
+    if served.graphs is not None:
+        compiled = {"cuda_graphs": served.graphs.num_graphs, "capture_ms": served.graphs.capture_ms}
+    elif isinstance(served.gen_stack, PrecompiledGenStack):
+        compiled = {"gen_stack_patterns": served.gen_stack.num_patterns,
+                    "gen_stack_compile_ms": served.gen_stack.compile_ms,
+                    "tick_work_latent_shapes": served.tick_work.num_shapes,
+                    "tick_work_compile_ms": served.tick_work.compile_ms}
+    return {"seconds": seconds, "compiled": compiled}
 
 
 def peak_memory(device: torch.device) -> dict:

@@ -56,6 +56,7 @@ def test_bench_writes_the_documented_report(model_dir, tmp_path, monkeypatch, co
     assert profile["wall_branches_one_by_one_ms"] > 0
     assert profile["compiled"]["patterns"] == 2 and profile["compiled"]["compile_ms"] > 0  # one branch, both
     assert profile["compiled"]["tick_work_shapes"] == 1 and profile["compiled"]["tick_work_compile_ms"] > 0
+    assert report["warmup"]["seconds"] > 0 and report["warmup"]["compiled"] is None  # --no-compile-gen-stack
     names = [c["name"] for c in report["configs"]]
     assert names[:3] == ["uncached", "seacache_default", "max_caching"]
     assert any(n.startswith("fewer_steps_") for n in names)

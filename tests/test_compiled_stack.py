@@ -24,6 +24,7 @@ from policy_server.engine.engine import EngineSettings, ModelEngine
 from policy_server.model import GenInput, UndKV
 from policy_server.pipeline.policy import FixedSteps, PolicyPipeline, PolicyRequest, run_steps
 from policy_server.pipeline.tick_work import CompiledTickWork
+from robots.bench import warmup_summary
 from robots.embedded import build_random_pipeline
 
 RED, BLUE = "reach the red circle", "reach the blue square at the far end of the table and stay there"
@@ -219,7 +220,11 @@ def test_an_engine_compiles_at_warmup_and_serves_without_compiling(pipeline, com
         stack, work = engine.served.gen_stack, engine.served.tick_work
         patterns, compile_ms, eager_calls = stack.num_patterns, stack.compile_ms, stack.eager_calls
         shapes, work_eager_calls = work.num_shapes, work.eager_calls
-        assert patterns > 0 and shapes == 3
+        # One CFG branch, and both as one batch (a micro-batch of two ticks goes through that graph too).
+        assert patterns == 2 and shapes == 3
+        assert warmup_summary(engine, 1.0)["compiled"] == {  # what the bench reports of its first engine
+            "gen_stack_patterns": 2, "gen_stack_compile_ms": compile_ms, "tick_work_latent_shapes": 3,
+            "tick_work_compile_ms": work.compile_ms}
         session = engine.open_session("pusht", RED, seed=5, rate_hz=0)
         results = [engine.act(session.session_id, session.epoch,
                               api.Observation(images=_images(), state=STATE, instruction=instruction,

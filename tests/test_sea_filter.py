@@ -109,7 +109,7 @@ def test_output_keeps_input_dtype_and_computes_in_fp32():
 
 
 def test_filters_are_cached_per_shape_and_sigma():
-    sea = SeaFilter(max_gains=3)
+    sea = SeaFilter(max_filters=3)
     f1 = sea.filters((2, 4, 4), 0.9, "cpu")
     assert sea.filters((2, 4, 4), 0.9, "cpu") is f1  # a repeated request reuses the cached tensors
     f2 = sea.filters((2, 4, 4), 0.8, "cpu")

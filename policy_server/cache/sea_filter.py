@@ -42,25 +42,25 @@ class SeaFilter:
 
     The gain is real, separable and even in frequency, so filtering is a circular convolution along each axis by a
     real symmetric kernel: three small matrix products (`axis_filter`), the same linear map as the spec's
-    ``Re(iFFTn(FFTn(x) * H))`` and a third of its time on a CPU. The matrices depend only on the grid, sigma and
-    ``power_exp``, so for a fixed sampler schedule every step after the first request reuses cached ones. The cache
-    is a small LRU bounded by ``max_gains``.
+    ``Re(iFFTn(FFTn(x) * H))`` in fewer ops (it runs on every cached step). The matrices depend only on the grid,
+    sigma and ``power_exp``, so for a fixed sampler schedule every step after the first request reuses cached ones.
+    The cache is a small LRU bounded by ``max_filters``.
     """
 
-    def __init__(self, power_exp: float = 3.0, max_gains: int = 256):
+    def __init__(self, power_exp: float = 3.0, max_filters: int = 256):
         if not math.isfinite(power_exp) or power_exp <= 0:
             raise ValueError(f"power_exp must be a finite number > 0, got {power_exp}")
-        if max_gains < 1:
-            raise ValueError(f"max_gains must be >= 1, got {max_gains}")
+        if max_filters < 1:
+            raise ValueError(f"max_filters must be >= 1, got {max_filters}")
         self.power_exp = float(power_exp)
-        self.max_gains = max_gains
+        self.max_filters = max_filters
         self._filters: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = OrderedDict()
 
     def filters(self, grid: tuple[int, int, int], sigma: float, device: torch.device | str
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Cached fp32 filter matrices ``[T, T]``, ``[H, H]``, ``[W, W]`` of the normalised gain of this grid and
         sigma (`axis_filter`; the normalisation, a scalar, goes into the T one)."""
-        key = (tuple(int(n) for n in grid), float(sigma), str(device))
+        key = (tuple(grid), float(sigma), str(device))
         cached = self._filters.get(key)
         if cached is not None:
             self._filters.move_to_end(key)
@@ -70,7 +70,7 @@ class SeaFilter:
         matrices = [axis_filter(gain) for gain in gains]
         matrices[0] = matrices[0] / mean
         self._filters[key] = filters = tuple(m.to(device, torch.float32) for m in matrices)
-        if len(self._filters) > self.max_gains:
+        if len(self._filters) > self.max_filters:
             self._filters.popitem(last=False)
         return filters
 

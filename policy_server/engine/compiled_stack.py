@@ -4,7 +4,7 @@ There an eager call spends about as long dispatching its few hundred small ops a
 stack, attention included, runs as one `CompiledGraph` (no guards or frame per call: 5 ms of a 20-step CFG tick
 faster than `torch.compile` of the same function). A graph is fixed to its call pattern: the number of items. Each
 item of a batch has its own rotary table (the CFG branches' generated rows sit after texts of different lengths); a
-batch of one layout, whose items share one, goes in with it repeated, a graph fewer to compile. The generated rows
+batch of one layout, whose items share one, goes in with it repeated, so the same graph serves it. The generated rows
 and each item's text length stay dynamic, so one graph serves every request shape and instruction (as fast as a
 graph fixed to the rows, and bit for bit the same). Compiling a pattern takes seconds, so it is done where no
 deadline runs: warmup uses `compile`; a live tick calls the object itself, which runs a compiled pattern's graph and

@@ -10,8 +10,8 @@ On a CPU these ops cost more to dispatch than to compute, the more so right afte
 with its own work. `CompiledTickWork` runs each piece as one `CompiledGraph`: the prefill with the text length dynamic,
 and per latent shape the guided step (the first step's embedding, once a tick, runs eagerly). A step of the cond branch
 alone (a plan may drop the uncond pass) runs the guided graph with the cond output as the uncond one too, which guides
-by exactly nothing (`uncond + g * (cond - uncond)` is `cond` bit for bit): a step graph fewer to compile per latent
-shape. These read the layout's GEN-local rows alone, which the text length does not move, and take the rows that depend
+by exactly nothing (`uncond + g * (cond - uncond)` is `cond` bit for bit), so one step graph per latent shape serves
+both. These read the layout's GEN-local rows alone, which the text length does not move, and take the rows that depend
 on the action rows as inputs, their counts dynamic (`_ActionRows`): so a latent shape's graphs serve every instruction,
 chunk size and count of history actions. A step graph holds the UniPC update of the sampler's order in its widest form
 (`schedulers.widest_update`), which gives every step's update bit for bit, so one graph serves every step; its x0
@@ -88,8 +88,8 @@ class TickWork:
 class CompiledTickWork(TickWork):
     """A tick's work from the graphs compiled for it, eagerly where there is none. `eager_calls`: the prefills,
     sampler steps and finishes that ran eagerly (no graph yet, or none for their request shape or sampler). The first
-    step's embedding always runs eagerly: once a tick, 0.07 ms slower than a graph of its own, which would cost every
-    latent shape 2.5 s more of warmup."""
+    step's embedding always runs eagerly: it runs once a tick, and a graph of its own would save less there than its
+    compile costs each latent shape at warmup."""
 
     def __init__(self, transformer: Cosmos3OmniTransformer):
         super().__init__(transformer)
