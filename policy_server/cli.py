@@ -24,9 +24,13 @@ import sys
 import threading
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from policy_server.config import ENV_PREFIX, ConfigError, ServerConfig, build_config, read_config_file
+
+if TYPE_CHECKING:
+    from policy_server.engine.api import Engine
+    from policy_server.server.app import PolicyServer
 
 log = logging.getLogger("policy_server")
 SHUTDOWN_GRACE_S = 2.0  # running calls may finish within this after SIGTERM
@@ -34,7 +38,8 @@ SHUTDOWN_TIMEOUT_S = 8.0  # then the engine has this long to stop
 COMMANDS_GROUP = "policy_server.commands"  # entry points: name -> main(argv) -> int
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(network: bool = True) -> argparse.ArgumentParser:
+    """The server's flags; without `network`, the listeners' and TLS flags are left out of the help."""
     # SUPPRESS: only flags actually given appear in the namespace, so they override the file and
     # nothing else does.
     p = argparse.ArgumentParser(
@@ -43,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="gRPC robot-policy server with a per-tick latency budget. Every flag may also be set in "
         "the environment: --max-sessions 8 as POLICY_SERVER_MAX_SESSIONS=8.",
         epilog="Subcommands: `serve` (default) and those installed in the `policy_server.commands` "
-        "entry-point group, e.g. `bench` (policy-server bench --help).",
+        "entry-point group: `bench`, `calibrate`, `ray-serve` (policy-server bench --help).",
     )
     p.add_argument("--version", action="version", version=f"%(prog)s {importlib.metadata.version('policy-server')}")
     p.add_argument("--config", type=Path,
@@ -78,15 +83,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="max consecutive cached steps per CFG branch, 0 = no cap (2)",
     )
 
+    # A Serve application's replicas have no listeners of their own: ray-serve takes these flags only to refuse them
+    # by name, and does not list them.
+    listener = (lambda text: text) if network else (lambda text: argparse.SUPPRESS)
     g = p.add_argument_group("network")
-    g.add_argument("--host", help="bind address (127.0.0.1)")
-    g.add_argument("--port", type=int, help="gRPC port, 0 = any free port (50051)")
-    g.add_argument("--unix-socket", type=Path, help="also serve gRPC on this Unix domain socket")
-    g.add_argument("--websocket-port", type=int, help="openpi-compatible WebSocket port (off)")
-    g.add_argument("--websocket-embodiment", help="embodiment of WebSocket sessions (first declared)")
-    g.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (off)")
-    g.add_argument("--metrics-host", help="/metrics bind address (127.0.0.1); it takes the auth token too")
-    g.add_argument("--reflection", action=argparse.BooleanOptionalAction, help="gRPC server reflection (off)")
+    g.add_argument("--host", help=listener("bind address (127.0.0.1)"))
+    g.add_argument("--port", type=int, help=listener("gRPC port, 0 = any free port (50051)"))
+    g.add_argument("--unix-socket", type=Path, help=listener("also serve gRPC on this Unix domain socket"))
+    g.add_argument("--websocket-port", type=int, help=listener("openpi-compatible WebSocket port (off)"))
+    g.add_argument("--websocket-embodiment", help=listener("embodiment of WebSocket sessions (first declared)"))
+    g.add_argument("--metrics-port", type=int, help=listener("Prometheus /metrics port (off)"))
+    g.add_argument("--metrics-host", help=listener("/metrics bind address (127.0.0.1); it takes the auth token too"))
+    g.add_argument("--reflection", action=argparse.BooleanOptionalAction, help=listener("gRPC server reflection (off)"))
 
     g = p.add_argument_group("limits and security")
     g.add_argument("--max-sessions", type=int, help="concurrent sessions (4)")
@@ -95,11 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-dynamics-calls", type=int,
                    help="forward / inverse dynamics calls at once; they cost every session capacity, 0 = off (0)")
     g.add_argument("--max-message-mb", type=float, help="largest accepted request in MiB (16)")
+    g.add_argument("--session-idle-timeout-s", type=float,
+                   help="close a session (or openpi WebSocket connection) with no call for this long, in s (300)")
     g.add_argument(
         "--auth-token-file", type=Path, help="require `authorization: Bearer <token>` from this file"
     )
-    g.add_argument("--tls-cert", type=Path, help="PEM certificate chain (with --tls-key)")
-    g.add_argument("--tls-key", type=Path, help="PEM private key (with --tls-cert)")
+    g.add_argument("--tls-cert", type=Path, help=listener("PEM certificate chain (with --tls-key)"))
+    g.add_argument("--tls-key", type=Path, help=listener("PEM private key (with --tls-cert)"))
     return p
 
 
@@ -116,6 +126,7 @@ def serve(config: ServerConfig) -> int:
     """Build the engine, serve until SIGINT/SIGTERM, shut down gracefully."""
     from policy_server.budget.profile import ProfileError
     from policy_server.engine import build_engine  # lazy: imports torch and the model
+    from policy_server.engine.api import UnknownEmbodiment
     from policy_server.engine.compiled_stack import CompileUnavailableError
     from policy_server.pipeline.policy import CheckpointLoadError
     from policy_server.server.app import build_server
@@ -125,12 +136,13 @@ def serve(config: ServerConfig) -> int:
     except (CheckpointLoadError, ProfileError, CompileUnavailableError) as exc:
         print(f"policy-server: {exc}", file=sys.stderr)
         return 2
+    server = build_server(config, engine)
     try:
-        server = build_server(config, engine).start()
+        server.start()
     except OSError as exc:  # the port is taken, or the address is not this machine's
-        print(f"policy-server: {exc}", file=sys.stderr)
-        engine.close()
-        return 2
+        return _give_up(str(exc), server, engine)
+    except UnknownEmbodiment as exc:  # --websocket-embodiment: only the loaded model knows what it serves
+        return _give_up(f"websocket_embodiment: expected {exc.expected}, got {exc.got}", server, engine)
     print(
         f"policy-server: gRPC on {server.target}"
         + (f", unix:{config.unix_socket}" if config.unix_socket else "")
@@ -160,6 +172,16 @@ def serve(config: ServerConfig) -> int:
             os._exit(0)
         watchdog.cancel()
     return 0
+
+
+def _give_up(problem: str, server: PolicyServer, engine: Engine) -> int:
+    """Report a setting the server could not start with, stop what had started (warmup among it), and exit 2."""
+    print(f"policy-server: {problem}", file=sys.stderr, flush=True)
+    server.stop(grace_s=0)
+    if not engine.close():  # a warmup device call outlasted it: interpreter teardown under it would abort
+        logging.shutdown()
+        os._exit(2)
+    return 2
 
 
 def _exit_now() -> None:

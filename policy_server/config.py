@@ -22,6 +22,7 @@ from policy_server.pipeline.hub import is_hub_id
 
 ENV_PREFIX = "POLICY_SERVER_"
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+MAX_CONFIG_FILE_BYTES = 1 << 20
 DTYPES = ("auto", "bf16", "fp16", "fp32")  # auto: bf16 on CUDA, fp32 on CPU (engine.resolve_dtype)
 
 
@@ -70,7 +71,7 @@ class ServerConfig(BaseModel):
         None, ge=0, le=65535, description="openpi-compatible WebSocket port (unset = off)"
     )
     websocket_embodiment: str | None = Field(
-        None, description="embodiment of WebSocket sessions (unset = first)"
+        None, min_length=1, description="embodiment of WebSocket sessions (unset = first)"
     )
     metrics_port: int | None = Field(
         None, ge=0, le=65535, description="Prometheus /metrics port (unset = off)"
@@ -81,7 +82,9 @@ class ServerConfig(BaseModel):
     reflection: bool = Field(False, description="enable gRPC server reflection")
 
     # Limits
-    max_sessions: int = Field(4, ge=1, description="concurrent sessions")
+    # Bounded: it sizes the gRPC thread pool (two threads a session, app.max_concurrent_calls) and the WebSocket
+    # connection limit.
+    max_sessions: int = Field(4, ge=1, le=64, description="concurrent sessions")
     max_batch: int = Field(4, ge=1, le=64, description="queued ticks of one shape run together (1 = no micro-batching)")
     max_dynamics_calls: int = Field(
         0, ge=0, le=8, description="forward / inverse dynamics calls at once (0 = off; on, every session's admission "
@@ -89,6 +92,10 @@ class ServerConfig(BaseModel):
     )
     max_message_mb: float = Field(
         16.0, gt=0, le=1024, allow_inf_nan=False, description="max request size (MiB)"
+    )
+    session_idle_timeout_s: float = Field(
+        300.0, gt=0, le=86400, allow_inf_nan=False,
+        description="a session (or openpi WebSocket connection) with no call for this long is closed",
     )
 
     # Security
@@ -123,7 +130,18 @@ class ServerConfig(BaseModel):
             raise ValueError(f"{str(value)!r} is neither an existing path nor a Hugging Face Hub id (org/name)")
         return value
 
-    @field_validator("auth_token_file", "tls_cert", "tls_key")
+    @field_validator("auth_token_file")
+    @classmethod
+    def _readable_token(cls, value: Path | None) -> Path | None:
+        # Imported here: the transport (grpc) loads only once a token is configured. The server reads the file
+        # again when it starts; checking it here refuses a bad one before the model loads.
+        from policy_server.server.auth import read_token_file
+
+        if value is not None:
+            read_token_file(value)
+        return value
+
+    @field_validator("tls_cert", "tls_key")
     @classmethod
     def _path_exists(cls, value: Path | None) -> Path | None:
         if value is not None and not value.exists():
@@ -164,29 +182,72 @@ def _normalise_keys(values: dict[str, Any], source: str) -> dict[str, Any]:
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
-    """Load a YAML (.yaml/.yml) or JSON (.json) mapping of config keys."""
+    """Load a YAML (.yaml/.yml) or JSON (.json) mapping of config keys, UTF-8 text of at most 1 MiB."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
-    text = path.read_text()
+    with path.open("rb") as f:
+        raw = f.read(MAX_CONFIG_FILE_BYTES + 1)
+    if len(raw) > MAX_CONFIG_FILE_BYTES:
+        raise ConfigError(f"config file {path} is over {MAX_CONFIG_FILE_BYTES} bytes; expected a short settings file")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path}: expected UTF-8 text, got a byte that is not UTF-8 at offset "
+                          f"{exc.start}") from None
     try:
         if path.suffix.lower() in (".yaml", ".yml"):
-            import yaml  # imported here: JSON configs and flag-only runs do not need PyYAML
-
-            data = yaml.safe_load(text)
+            data = _load_yaml(text)
         elif path.suffix.lower() == ".json":
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=_unique_keys)
         else:
             raise ConfigError(f"config file {path}: expected a .yaml, .yml or .json file")
     except ConfigError:
         raise
     except Exception as exc:  # noqa: BLE001 - yaml and json raise different types
-        raise ConfigError(f"config file {path} is not valid {path.suffix[1:].upper()}: {exc}") from exc
+        raise ConfigError(f"config file {path} is not valid {path.suffix[1:].upper()}: {_one_line(exc)}") from exc
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path}: expected a mapping of keys, got {type(data).__name__}")
     return _normalise_keys(data, str(path))
+
+
+def _one_line(exc: Exception) -> str:
+    """The parser's complaint on one line: PyYAML's spans several (the offending line, a caret under it)."""
+    mark = getattr(exc, "problem_mark", None)
+    if getattr(exc, "problem", None) and mark is not None:
+        return f"{exc.problem} (line {mark.line + 1}, column {mark.column + 1})"
+    return " ".join(str(exc).split())
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's pairs as a dict; a key given twice is an error (json's own rule is: the last one wins)."""
+    data: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in data:
+            raise ValueError(f"duplicate key {key!r}")
+        data[key] = value
+    return data
+
+
+def _load_yaml(text: str) -> Any:
+    import yaml  # imported here: JSON configs and flag-only runs do not need PyYAML
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        """SafeLoader, except that a mapping key given twice is an error (PyYAML's rule is: the last one wins)."""
+
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                if isinstance(key_node, yaml.ScalarNode):  # keys that are not scalars fail in SafeLoader anyway
+                    if key_node.value in seen:
+                        raise yaml.constructor.ConstructorError(
+                            None, None, f"duplicate key {key_node.value!r}", key_node.start_mark)
+                    seen.add(key_node.value)
+            return super().construct_mapping(node, deep)
+
+    return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
 
 
 def environment_values(environ: Mapping[str, str]) -> dict[str, str]:
@@ -221,6 +282,9 @@ def build_config(
         problems = []
         for err in exc.errors():
             key = ".".join(str(part) for part in err["loc"]) or "config"
-            got = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], dict) else ""
+            value = err.get("input")
+            shown = str(value) if isinstance(value, Path) else value  # the path as given, not PosixPath('...')
+            shows_input = "input" in err and not isinstance(value, dict) and "got " not in err["msg"]
+            got = f" (got {shown!r})" if shows_input else ""
             problems.append(f"{key} (from {origin.get(key, 'the settings together')}): {err['msg']}{got}")
         raise ConfigError("invalid settings: " + "; ".join(problems)) from None

@@ -20,6 +20,11 @@ MAX_TEMPERATURE = 100.0  # Reason sampling temperature (0 = greedy)
 # message, and a JPEG/PNG header is checked against it before the frame is decoded.
 MAX_FRAME_SIDE = 2048
 MAX_FRAME_RATE_HZ = 100.0  # observation frames per second on one Control stream (decoding them costs CPU)
+# Each Control stream holds a server thread: one must send its `start` this soon, and this many may wait for
+# theirs at once, so that streams that never start cannot take the threads other calls need.
+CONTROL_START_S = 10.0
+MAX_STARTING_STREAMS = 4
+MAX_PENDING_FRAMES = 4  # `must_answer` frames waiting on one Control stream, each a decoded observation
 # A forward / inverse dynamics call runs uncached at the model's step count between ticks (ticks go first);
 # it is abandoned after this long when its caller sets no shorter deadline.
 MAX_DYNAMICS_MS = 30_000.0

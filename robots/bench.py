@@ -37,7 +37,8 @@ calibrated for. `closed_loop` then checks issue 14's closed-loop targets against
 the controller at half the uncached latency.
 
 Latency is the pipeline's end-to-end time for the fixed configurations (their text K/V reused, as a
-session's) and the engine's (queue included) for the engines' ones. The JSON layout is `../shared/design/BENCH.md`'s.
+session's) and the engine's (queue included) for the engines' ones. The README's "Simulation rollouts and
+benchmarks" says what the JSON holds.
 
 The bench lives on the robot side because it drives the built-in task and its expert; `policy-server
 bench` finds it through the `policy_server.commands` entry point. What it measures with, it owns: each
@@ -535,6 +536,8 @@ def run(args: argparse.Namespace) -> dict:
         costs = controller.served.cost_model.costs(key).without(PREFILL_STAGE).without(PREVIEW_STAGE)
         costs = costs.cautious(controller.served.budget.config.cost_margin_devs)
         for family, members in family_members(points, steps, cfg).items():
+            if not members:  # the profile has no such point (e.g. no fewer steps than a 3-step default)
+                continue
             point = best_fitting(members, costs, b)
             for guarded in (True, False):
                 name = f"{'guarded_' if guarded else ''}{family}_{b:g}"
@@ -794,8 +797,13 @@ def tick_profile(pipeline: PolicyPipeline, embodiment: Embodiment, inputs: dict,
         return sum(us for key, us in op_us.items() if key in names) / 1e3 / ticks
 
     def call_ms(kind: str, timed: list[tuple[str, float]] = calls) -> float | None:
+        """None for a kind the ticks made no call of (no batched pair without CFG)."""
         samples = [ms for k, ms in timed if k == kind]
         return statistics.median(samples) if samples else None
+
+    def saved_ms(kind: str, variant: str) -> float | None:
+        eager, faster = call_ms(kind), call_ms(kind, variant_calls[variant])
+        return None if eager is None or faster is None else eager - faster
 
     wall_ms, matmul_ms, attention_ms = statistics.median(walls), op_ms(MATMUL_OPS), op_ms(ATTENTION_OPS)
     return {
@@ -814,8 +822,8 @@ def tick_profile(pipeline: PolicyPipeline, embodiment: Embodiment, inputs: dict,
             "full_call_ms": call_ms(FULL, variant_calls[name]),
             "batched_cfg_call_ms": call_ms(PAIR, variant_calls[name]),
             "skipped_call_ms": call_ms(SKIP, variant_calls[name]),
-            "full_call_saved_ms": call_ms(FULL) - call_ms(FULL, variant_calls[name]),
-            "batched_cfg_call_saved_ms": call_ms(PAIR) - call_ms(PAIR, variant_calls[name]),
+            "full_call_saved_ms": saved_ms(FULL, name),
+            "batched_cfg_call_saved_ms": saved_ms(PAIR, name),
             **({"graphs": variants[name].num_graphs, "capture_ms": variants[name].capture_ms}  # compiles included
                if cuda else {"patterns": variants[name].num_patterns, "compile_ms": variants[name].compile_ms,
                              "tick_work_shapes": tick_work[name].num_shapes,

@@ -491,6 +491,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g = p.add_argument_group("a server already running (instead of starting one)")
     g.add_argument("--server", metavar="HOST:PORT", help="soak this server")
     g.add_argument("--server-pid", type=int, help="its process id, to sample its RSS (same machine)")
+    p.add_argument("--auth-token-file", type=Path,
+                   help="the server's bearer token (a server the soak starts is given it too)")
     g = p.add_argument_group("the server the soak starts (policy-server flags)")
     g.add_argument("--latency-budget-ms", type=float, help="default per-tick budget, ms (server default)")
     g.add_argument("--max-sessions", type=int, help="session limit (default: --sessions)")
@@ -514,6 +516,8 @@ def server_flags(args: argparse.Namespace) -> list[str]:
         flags += ["--max-batch", str(args.max_batch)]
     if args.diffusion_cache is not None:
         flags.append("--diffusion-cache" if args.diffusion_cache else "--no-diffusion-cache")
+    if args.auth_token_file is not None:
+        flags += ["--auth-token-file", str(args.auth_token_file)]
     return flags
 
 
@@ -527,7 +531,7 @@ def open_drivers(args: argparse.Namespace, target: str) -> tuple[list[Unary | St
         env.reset(seed=episode_seed(args, index, 0))
         instruction = env.unwrapped.task_description
         env.close()
-        client = PolicyClient(target, timeout_s=args.timeout_s)
+        client = PolicyClient(target, timeout_s=args.timeout_s, token_file=args.auth_token_file)
         try:
             session = client.open_session(EMBODIMENT, instruction, seed=index, client_name=f"soak-{index}",
                                           rate_hz=args.rate_hz, actions_per_chunk=args.actions_per_chunk)
@@ -554,7 +558,7 @@ def close_drivers(drivers: list[Unary | Stream]) -> list[str]:
 
 
 def soak(args: argparse.Namespace, target: str, pid: int | None) -> tuple[dict, list[SessionResult]]:
-    with PolicyClient(target, timeout_s=args.timeout_s) as client:
+    with PolicyClient(target, timeout_s=args.timeout_s, token_file=args.auth_token_file) as client:
         client.wait_until_serving(timeout_s=args.startup_timeout_s)
         info = client.server_info()
     spec = next(e for e in info.embodiments if e.name == EMBODIMENT)

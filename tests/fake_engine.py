@@ -213,6 +213,9 @@ class FakeEngine:
         self._check_budget(budget_ms)
         return self._replace(session_id, budget_ms=budget_ms)
 
+    def check_tick(self, session_id: str) -> None:
+        self.session(session_id)
+
     def act(
         self,
         session_id: str,

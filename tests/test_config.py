@@ -38,6 +38,7 @@ def test_defaults():
     assert (config.device, config.dtype) == ("auto", "auto")
     assert config.metrics_port is None and config.websocket_port is None and config.auth_token_file is None
     assert config.max_message_bytes == 16 * 1024 * 1024
+    assert config.session_idle_timeout_s == 300.0
 
 
 def test_every_flag_is_a_config_field_and_every_field_a_flag():
@@ -55,6 +56,7 @@ def test_flags_parse_into_the_config(tmp_path):
         "--max-sessions", "2", "--max-batch", "3", "--max-message-mb", "8", "--auth-token-file", str(token),
         "--reflection", "--quality-profile", "auto", "--no-cuda-graphs", "--compile-gen-stack",
         "--metrics-port", "9100", "--websocket-port", "8000", "--websocket-embodiment", "libero",
+        "--session-idle-timeout-s", "30",
     ])
     assert config.latency_budget_ms == 80 and config.diffusion_cache is False
     assert (config.diffusion_cache_thresh, config.diffusion_cache_residual_order) == (0.4, 0)
@@ -63,6 +65,7 @@ def test_flags_parse_into_the_config(tmp_path):
     assert config.auth_token_file == token and config.reflection and config.cuda_graphs is False
     assert config.compile_gen_stack is True
     assert (config.metrics_port, config.websocket_port, config.websocket_embodiment) == (9100, 8000, "libero")
+    assert config.session_idle_timeout_s == 30
 
 
 def full_file_values(tmp_path) -> dict:
@@ -76,7 +79,7 @@ def full_file_values(tmp_path) -> dict:
         "diffusion_cache_max_consecutive": 3, "host": "127.0.0.1", "port": 7000,
         "unix_socket": str(tmp_path / "p.sock"), "websocket_port": 8001, "websocket_embodiment": "pusht",
         "metrics_port": 9091, "metrics_host": "::1", "reflection": True, "max_sessions": 3, "max_batch": 2,
-        "max_dynamics_calls": 1, "max_message_mb": 4, "quality_profile": "auto",
+        "max_dynamics_calls": 1, "max_message_mb": 4, "session_idle_timeout_s": 60.0, "quality_profile": "auto",
         "auth_token_file": str(tmp_path / "token"), "tls_cert": str(tmp_path / "cert.pem"),
         "tls_key": str(tmp_path / "key.pem"),
     }
@@ -151,6 +154,10 @@ def test_json_file_with_flag_spelling(tmp_path):
         ({"diffusion_cache_residual_order": 3}, "diffusion_cache_residual_order"),  # SeaCache's limit is 2
         ({"latency_budget_ms": 1e9}, "latency_budget_ms"),
         ({"max_sessions": 0}, "max_sessions"),
+        ({"max_sessions": 1_000_000}, "max_sessions"),  # it sizes the gRPC thread pool
+        ({"session_idle_timeout_s": 0}, "session_idle_timeout_s"),
+        ({"session_idle_timeout_s": 1e6}, "session_idle_timeout_s"),
+        ({"websocket_embodiment": ""}, "websocket_embodiment"),
         ({"max_message_mb": 0}, "max_message_mb"),
         ({"auth_token_file": "/nonexistent/token"}, "auth_token_file"),
         ({"quality_profile": "sometimes"}, "quality_profile"),
@@ -286,3 +293,59 @@ def _accepts(**values) -> bool:
     except ConfigError:
         return False
     return True
+
+
+def test_main_refuses_an_unusable_token_file_in_one_line_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    def build_engine(config):
+        raise AssertionError("the model loaded before the token file was checked")
+
+    monkeypatch.setattr(policy_server.engine, "build_engine", build_engine, raising=False)
+    cases = {"empty": b"", "blank": b" \n\t\n", "two_words": b"one two\n", "not_ascii": "t\u00f6ken".encode(),
+             "huge": b"t" * 5000}
+    expected = {"empty": "is empty", "blank": "is empty", "two_words": "whitespace", "not_ascii": "printable ASCII",
+                "huge": "over 4096 bytes"}
+    for name, content in cases.items():
+        (tmp_path / name).write_bytes(content)
+    for name in [*cases, "."]:  # "." : a directory, not a file
+        assert cli.main(["--auth-token-file", str(tmp_path / name)]) == 2, name
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and err.startswith("policy-server: invalid settings: auth_token_file"), err
+        assert expected.get(name, "cannot read auth token file") in err, err
+
+
+def test_a_config_file_that_is_not_utf8_is_named_in_one_line(tmp_path, capsys):
+    path = tmp_path / "binary.yaml"
+    path.write_bytes(b"\xff\xfe: 1\n")
+    with pytest.raises(ConfigError, match=f"config file {path}: expected UTF-8 text, got a byte that is not UTF-8"):
+        read_config_file(path)
+    assert cli.main(["--config", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and str(path) in err and "UTF-8" in err, err
+
+
+def test_an_oversized_config_file_is_refused(tmp_path):
+    path = tmp_path / "big.yaml"
+    path.write_text("# " + "x" * (1 << 20) + "\nport: 1\n")
+    with pytest.raises(ConfigError, match="is over 1048576 bytes"):
+        read_config_file(path)
+
+
+@pytest.mark.parametrize(("name", "content"), [
+    ("dup.yaml", "max_sessions: 4\nport: 1\nmax_sessions: 5\n"),
+    ("dup.json", '{"max_sessions": 4, "port": 1, "max_sessions": 5}'),
+])
+def test_a_key_given_twice_in_a_file_is_refused_by_name(tmp_path, name, content):
+    path = tmp_path / name
+    path.write_text(content)
+    with pytest.raises(ConfigError, match=f"config file {path} is not valid .*duplicate key 'max_sessions'"):
+        read_config_file(path)
+
+
+def test_a_websocket_embodiment_the_model_does_not_serve_is_one_line_and_exit_2(monkeypatch, capsys):
+    engine, closed = FakeEngine(), []
+    monkeypatch.setattr(engine, "close", lambda: closed.append(True) or True)
+    monkeypatch.setattr(policy_server.engine, "build_engine", lambda config: engine, raising=False)
+    assert cli.main(["--port", "0", "--websocket-port", "0", "--websocket-embodiment", "aloha"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "policy-server: websocket_embodiment: expected one of ['pusht', 'libero'], got 'aloha'", err
+    assert closed == [True]

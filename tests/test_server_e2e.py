@@ -410,6 +410,14 @@ def test_ticks_asked_for_faster_than_declared_are_refused_with_a_retry_delay(ser
         server.act(session, {"image": _image()}, STATE)
     assert (early.value.code, early.value.reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "RATE_EXCEEDED")
     assert early.value.detail.retry_after_ms > 0
+    # Refused before its frames are decoded: a corrupt JPEG is answered RATE_EXCEEDED too, not BAD_IMAGE.
+    corrupt = build_observation({"image": _image()}, STATE)
+    corrupt.images["image"].data = corrupt.images["image"].data[:40]
+    act = pb.ActRequest(session_id=session.session_id, epoch=session.epoch, observation=corrupt)
+    with grpc.insecure_channel(server.target) as channel, pytest.raises(grpc.RpcError) as undecoded:
+        channel.unary_unary("/policy_server.v1.PolicyService/Act", request_serializer=pb.ActRequest.SerializeToString)(
+            act, metadata=(("authorization", f"Bearer {TOKEN}"),), timeout=30)
+    assert undecoded.value.details().startswith("RATE_EXCEEDED: ")
     server.close_session(session)
 
 

@@ -3,6 +3,7 @@ rejected, bad frames do not end the stream, budgets change mid-stream, the clien
 
 from __future__ import annotations
 
+import queue
 import time
 
 import grpc
@@ -10,10 +11,11 @@ import numpy as np
 import pytest
 from fake_engine import PUSHT, FakeEngine, expected_actions, serve_fake
 
-from policy_server.client import Backoff, ControlStream, PolicyClient, PolicyServerError
+from policy_server.client import Backoff, ControlStream, PolicyClient, PolicyServerError, build_observation
 from policy_server.config import build_config
 from policy_server.engine.api import Observation
-from policy_server.limits import MAX_FRAME_SIDE
+from policy_server.limits import MAX_FRAME_SIDE, MAX_PENDING_FRAMES, MAX_STARTING_STREAMS
+from policy_server.server import control_stream
 from policy_server.server.app import build_server
 from policy_server.v1 import policy_server_pb2 as pb
 
@@ -86,6 +88,32 @@ def test_must_answer_frames_are_never_superseded(stream, engine):
     assert (event.kind, event.obs_id, event.by_obs_id) == ("superseded", dropped, newest)
     engine.release()
     assert [stream.next_chunk().obs_id for _ in range(3)] == [first, kept, newest]
+
+
+def test_must_answer_frames_beyond_the_limit_are_refused(stream, engine):
+    engine.hold()
+    first = send(stream, 1)
+    engine.wait_entered()
+    kept = [send(stream, 2 + i, must_answer=True) for i in range(MAX_PENDING_FRAMES)]
+    refused = send(stream, 9, must_answer=True)
+    event = stream.next_event()
+    assert (event.kind, event.obs_id, event.error.reason) == ("error", refused, "TOO_MANY_PENDING_FRAMES")
+    assert event.error.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    engine.release()
+    assert [stream.next_chunk().obs_id for _ in range(1 + MAX_PENDING_FRAMES)] == [first, *kept]
+
+
+def test_frames_whose_obs_id_does_not_increase_are_refused(client):
+    session = client.open_session("pusht", "count up")
+    frame = build_observation({"image": IMAGE}, STATE, encoding="png")
+    requests = [pb.ControlRequest(start=pb.ControlStart(session_id=session.session_id)),
+                *(pb.ControlRequest(observation=pb.ObservationFrame(epoch=1, obs_id=obs_id, observation=frame,
+                                                                    must_answer=True)) for obs_id in (5, 5, 3, 6))]
+    events = list(client.stub.Control(iter(requests), timeout=30))
+    refused = [(e.error.obs_id, e.error.error.reason) for e in events if e.WhichOneof("kind") == "error"]
+    assert refused == [(5, "BAD_VALUE"), (3, "BAD_VALUE")]
+    assert [e.chunk.obs_id for e in events if e.WhichOneof("kind") == "chunk"] == [5, 6]
+    client.close_session(session)
 
 
 def test_frames_with_an_old_epoch_are_rejected(stream):
@@ -169,6 +197,44 @@ def test_stream_must_start_with_start(client):
     error = PolicyServerError.from_rpc_error(err.value)
     assert (error.code, error.reason, error.field) == (
         grpc.StatusCode.FAILED_PRECONDITION, "STREAM_NOT_STARTED", "start")
+
+
+def test_a_stream_that_sends_no_start_is_ended(client, monkeypatch):
+    monkeypatch.setattr(control_stream, "CONTROL_START_S", 0.3)
+    silent = queue.Queue()  # the client sends nothing until the test ends
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            list(client.stub.Control(iter(silent.get, None), timeout=30))
+    finally:
+        silent.put(None)
+    error = PolicyServerError.from_rpc_error(err.value)
+    assert (error.code, error.reason) == (grpc.StatusCode.FAILED_PRECONDITION, "STREAM_NOT_STARTED")
+    assert "no `start` within 0.3 s" in error.message
+
+
+def test_streams_waiting_for_their_start_are_bounded(client, monkeypatch):
+    # Each waiting stream holds a server thread: unbounded, silent streams would take every thread.
+    monkeypatch.setattr(control_stream, "CONTROL_START_S", 3.0)
+    silent = queue.Queue()
+    waiting = [client.stub.Control(iter(silent.get, None), timeout=30) for _ in range(MAX_STARTING_STREAMS)]
+    try:
+        time.sleep(0.5)  # they reach the server
+        with pytest.raises(grpc.RpcError) as err:
+            list(client.stub.Control(iter([]), timeout=30))
+        error = PolicyServerError.from_rpc_error(err.value)
+        assert (error.code, error.reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "TOO_MANY_STARTING_STREAMS")
+        session = client.open_session("pusht", "other calls are served meanwhile")
+        for call in waiting:  # each is ended at its start timeout, which frees its place
+            with pytest.raises(grpc.RpcError) as ended:
+                list(call)
+            assert PolicyServerError.from_rpc_error(ended.value).reason == "STREAM_NOT_STARTED"
+    finally:
+        for _ in waiting:
+            silent.put(None)
+    with ControlStream(client, session) as stream:
+        obs_id = send(stream, 0)
+        assert stream.next_chunk().obs_id == obs_id
+    client.close_session(session)
 
 
 def test_cancelling_the_stream_abandons_work_in_flight(client, engine):

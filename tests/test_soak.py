@@ -14,10 +14,14 @@ from robots.soak import main as soak_main
 
 def test_soak_against_a_real_server(tmp_path):
     out = tmp_path / "soak.json"
+    token = tmp_path / "token"
+    token.write_text("soak-token\n")
     # 16-step episodes: every session resets (a new epoch) every two ticks. Two sessions' cheapest
-    # ticks must fit one budget side by side; 400 ms leaves room for a slow CI machine's floor.
+    # ticks must fit one budget side by side; 400 ms leaves room for a slow CI machine's floor. The server
+    # wants a token, which every call of the soak carries.
     rc = soak_main(["--sessions", "2", "--ticks", "6", "--episode-steps", "16", "--warmup-ticks", "2",
-                    "--rss-every-s", "0.5", "--latency-budget-ms", "400", "--out", str(out)])
+                    "--rss-every-s", "0.5", "--latency-budget-ms", "400", "--auth-token-file", str(token),
+                    "--out", str(out)])
     report = json.loads(out.read_text())
     assert rc == (0 if report["passed"] else 1)
     assert {"config", "wall_s", "errors", "wrong_answers", "misses", "miss_rate", "latency_ms", "latency_by_tenth",
@@ -35,6 +39,7 @@ def test_soak_against_a_real_server(tmp_path):
     assert rss["pid"] == report["server_process"]["pid"] and len(rss["series"]) >= 2
     assert rss["after_warmup_mb"] > 0 and rss["growth_mb"] == rss["final_mb"] - rss["after_warmup_mb"]
     assert report["server_process"]["exited_during_soak"] is None  # the server lived through it
+    assert "--auth-token-file" in report["config"]["server_flags"]
     assert out.with_suffix(".png").stat().st_size > 0
 
 

@@ -241,3 +241,50 @@ def test_connections_beyond_the_session_limit_are_turned_away(server):
             ws.close()
     with websockets.sync.client.connect(url, compression=None) as again:  # room again once they left
         assert msgpack_numpy.unpackb(again.recv(timeout=10))["embodiment"]
+
+
+def test_the_step_counter_stays_a_valid_step_index_after_the_largest_one(policy):
+    last = 2**63 - 1
+    assert policy.infer(openpi_observation(step=last))["first_step_index"] == last
+    assert policy.infer(openpi_observation())["first_step_index"] == last  # the counter holds at the largest
+    with pytest.raises(RuntimeError, match=r"BAD_VALUE: step_index: expected an integer in \[0, 2\^63\), got "
+                                           r"9223372036854775808$"):
+        policy.infer(openpi_observation(step=2**63))
+
+
+@pytest.mark.parametrize(("frame", "error"), [
+    (b"\xc1 not msgpack", "BAD_VALUE: frame: expected a msgpack map of observation keys, got 13 bytes msgpack "
+                          "cannot decode: a byte that begins no msgpack value"),
+    (msgpack.packb([1, 2]), "BAD_VALUE: frame: expected a msgpack map of observation keys, got a msgpack list"),
+    (msgpack.packb({"observation/image": {b"__ndarray__": True, b"dtype": "|u1", b"shape": [0]}}),
+     "BAD_VALUE: frame: expected arrays as msgpack-numpy maps {__ndarray__, data, dtype, shape}, got a __ndarray__ "
+     "map without key 'data' (it needs data, dtype, shape)"),
+    (msgpack.packb({"observation/image": {b"__ndarray__": True, b"data": b"", b"dtype": "zz", b"shape": [0]}}),
+     "BAD_VALUE: frame: expected arrays as msgpack-numpy maps {__ndarray__, data, dtype, shape}, got dtype 'zz', "
+     "which is not allowed (bool, int, uint or float only)"),
+    (msgpack.packb({"observation/image": {b"__ndarray__": True, b"data": b"\0" * 5, b"dtype": "|u1",
+                                          b"shape": [2, 2]}}),
+     "BAD_VALUE: frame: expected arrays as msgpack-numpy maps {__ndarray__, data, dtype, shape}, got data of 5 bytes "
+     "for shape [2, 2] uint8, which needs 4 bytes"),
+], ids=["not msgpack", "a list", "array without data", "unknown dtype", "short data"])
+def test_an_undecodable_frame_is_named_with_what_was_expected(server, frame, error):
+    with websockets.sync.client.connect(f"ws://127.0.0.1:{server.websocket_port}", compression=None) as ws:
+        ws.recv()
+        ws.send(frame)
+        assert ws.recv(timeout=10) == error
+
+
+def test_connections_that_send_nothing_are_closed_and_free_their_place():
+    engine = FakeEngine(max_sessions=1)
+    with serve_fake(engine, max_sessions=1, websocket_port=0, session_idle_timeout_s=0.5) as server:
+        url = f"ws://127.0.0.1:{server.websocket_port}"
+        idle = [websockets.sync.client.connect(url, compression=None) for _ in range(1 + 4)]  # the whole limit
+        for ws in idle:
+            ws.recv(timeout=10)
+            with pytest.raises(ConnectionClosed) as closed:
+                ws.recv(timeout=10)
+            assert (closed.value.rcvd.code, closed.value.rcvd.reason) == (1001, "idle for 0.5 s")
+        with websockets.sync.client.connect(url, compression=None) as ws:  # their places are free again
+            ws.recv(timeout=10)
+            ws.send(msgpack_numpy.packb(openpi_observation()))
+            assert msgpack_numpy.unpackb(ws.recv(timeout=10))["actions"].shape == (8, 2)

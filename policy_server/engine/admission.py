@@ -20,7 +20,9 @@ each end within their own slot from the batch's start.
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
@@ -32,6 +34,8 @@ if TYPE_CHECKING:  # sessions hold a Demand: these two import this module
     from policy_server.budget.planner import TickPlan
     from policy_server.engine.served import ServedModel
     from policy_server.engine.sessions import SessionState, SessionTable
+
+logger = logging.getLogger(__name__)
 
 # Of the worker's time, what declared rates may claim: the rest absorbs timing noise and the transport.
 MAX_UTILIZATION = 0.9
@@ -97,6 +101,13 @@ class RateLimiter:
         self._updated_s = now_s
         self._last_arrival_s: float | None = None
         self.measured_hz = 0.0  # EWMA of 1 / inter-arrival time
+
+    def due_in(self, now_s: float) -> float:
+        """Seconds until a tick at ``now_s`` would be allowed (0: now), spending nothing."""
+        if self.rate_hz == 0:
+            return 0.0
+        tokens = min(self.burst, self._tokens + (now_s - self._updated_s) * self.rate_hz)
+        return 0.0 if tokens >= 1.0 else (1.0 - tokens) / self.rate_hz
 
     def take(self, now_s: float) -> float:
         """Spend one token for a tick at ``now_s``: 0 when allowed, else the seconds until one is due."""
@@ -165,7 +176,7 @@ class Admission:
         """Admit `demand` beside the open sessions and open its session with `open_session()`."""
         self._check_floor(demand)
         with self._lock:
-            self._admit([*[s.demand for s in self.sessions.all()], demand], demand)
+            self._admit([*[s.demand for s in self.sessions.all()], demand], demand, "this session")
             session = open_session()
             self._assign_slots()
         return session
@@ -176,7 +187,7 @@ class Admission:
         self._check_floor(demand)
         with self._lock:
             others = [s.demand for s in self.sessions.all() if s is not session]
-            self._admit([*others, demand], demand)
+            self._admit([*others, demand], demand, f"a budget of {budget_ms:g} ms for this session")
             session.demand, session.budget_ms = demand, budget_ms
             self._assign_slots()
 
@@ -185,13 +196,26 @@ class Admission:
             self.sessions.close(session_id)
             self._assign_slots()
 
+    def close_idle(self, idle_s: float) -> None:
+        """Close the sessions with no call for ``idle_s`` (their clients went away without closing them), and
+        share their room among the others."""
+        now_s = time.monotonic()
+        if not any(session.idle(now_s, idle_s) for session in self.sessions.all()):
+            return
+        with self._lock:
+            closed = self.sessions.close_idle(now_s, idle_s)
+            self._assign_slots()
+        for session in closed:
+            logger.info("closed session %s: no call for %.0f s", session.session_id, now_s - session.last_used_s)
+
     @staticmethod
     def _check_floor(demand: Demand) -> None:
         if demand.floor_ms > demand.budget_ms:
             raise api.BudgetInfeasible(demand.budget_ms, demand.floor_ms, demand.floor_stages_ms)
 
-    def _admit(self, demands: list[Demand], new: Demand) -> None:
-        """Raise Overloaded unless every demand (``new`` among them) can be met (under ``_lock``)."""
+    def _admit(self, demands: list[Demand], new: Demand, what: str) -> None:
+        """Raise Overloaded, saying it cannot take ``what``, unless every demand (``new`` among them) can be met
+        (under ``_lock``)."""
         blocking_ms = self.blocking_ms()
         if assign_slots(demands, blocking_ms) is not None:
             return
@@ -200,7 +224,7 @@ class Admission:
         queue_ms = blocking_ms + sum(d.floor_ms for d in demands)
         load = sum(d.rate_hz * d.floor_ms for d in demands) / 1e3
         raise api.Overloaded(
-            f"the server cannot take this session: with the {len(others)} open session(s), a tick could wait "
+            f"the server cannot take {what}: with the {len(others)} open session(s), a tick could wait "
             f"{queue_ms:.0f} ms against the tightest budget of {min(d.budget_ms for d in demands):g} ms, and "
             f"the declared rates would claim {load:.0%} of the model; no session like this one fits beside them, "
             f"{alone} would on an idle server (a larger budget or a lower rate_hz fits more)", sessions_fit=alone)

@@ -515,6 +515,11 @@ class Engine(Protocol):
         """Change the per-tick budget (ms). Raises UnknownSession, BudgetInfeasible, Overloaded."""
         ...
 
+    def check_tick(self, session_id: str) -> None:
+        """Raise what ``act`` would for a tick of this session asked for now, without asking for it: SessionBusy
+        or RateExceeded (and UnknownSession). The transport calls it before it decodes a costly observation."""
+        ...
+
     def act(
         self,
         session_id: str,

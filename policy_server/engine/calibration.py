@@ -377,8 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="policy-server calibrate", description=main.__doc__)
     parser.add_argument("--checkpoint", help="checkpoint folder or Hugging Face Hub id (default: the embedded model)")
     parser.add_argument("--observations", type=Path, default=DEFAULT_OBSERVATIONS,
-                        help="calibration observations, safetensors (default: the embedded simulator's set; see "
-                             "docs/ARCHITECTURE.md for the format)")
+                        help="calibration observations, safetensors (default: the embedded simulator's set; the "
+                             "README's quality-profile section gives the format)")
     parser.add_argument("--out", type=Path,
                         help="profile file (default: quality_profile.json beside --checkpoint, else the cache "
                              "directory, where `--quality-profile auto` looks)")

@@ -112,12 +112,14 @@ class ModelEngine:
     def capacity(self, budget_ms: float | None = None, rate_hz: float | None = None) -> tuple[api.Capacity, ...]:
         if not self.ready():
             return ()
+        self._admission.close_idle(self.settings.session_idle_s)
         return self._admission.capacity(self.settings.default_budget_ms if budget_ms is None else budget_ms, rate_hz)
 
     def open_session(self, embodiment: str, instruction: str, budget_ms: float | None = None,
                      chunk_size: int | None = None, seed: int | None = None, rate_hz: float | None = None,
                      actions_per_chunk: int | None = None, preview: bool = False) -> api.SessionHandle:
         self._require_ready()
+        self._admission.close_idle(self.settings.session_idle_s)
         served = self.served
         if embodiment not in served.embodiments:
             raise api.UnknownEmbodiment(embodiment, tuple(served.embodiments))
@@ -169,9 +171,19 @@ class ModelEngine:
 
     # ------------------------------------------------------------------------------ model calls
 
+    def check_tick(self, session_id: str) -> None:
+        session = self.sessions.get(session_id)
+        prior = session.in_flight
+        if prior is not None and not prior.result.done() and not prior.payload.gone():
+            raise api.SessionBusy(session_id)
+        wait_s = session.limiter.due_in(time.monotonic())
+        if wait_s > 0:
+            raise api.RateExceeded(session_id, session.limiter.rate_hz, session.limiter.measured_hz, wait_s * 1e3)
+
     def act(self, session_id: str, epoch: int, observation: api.Observation, deadline_s: float | None = None,
             should_abort: Callable[[], bool] | None = None) -> api.ActResult:
         self._require_ready()
+        self._admission.close_idle(self.settings.session_idle_s)
         session = self.sessions.get(session_id)  # its epoch is checked when the tick starts
         tokens = self.served.instruction_tokens(observation.instruction, "observation.instruction") \
             if observation.instruction else 0
@@ -250,6 +262,7 @@ def settings_from_config(config, quality_profile: QualityProfile | None = None,
         calibrate_at_warmup=calibrate_at_warmup,
         default_budget_ms=config.latency_budget_ms,
         max_sessions=config.max_sessions,
+        session_idle_s=config.session_idle_timeout_s,
         max_batch=config.max_batch,
         cuda_graphs=config.cuda_graphs,
         compile_gen_stack=config.compile_gen_stack,

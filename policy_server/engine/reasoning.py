@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from policy_server.engine import api
-from policy_server.engine.served import ServedModel
+from policy_server.engine.served import ServedModel, user_text_ids
 from policy_server.engine.worker import GeneratorJob, ModelWorker
 from policy_server.limits import MAX_PROMPT_TOKENS
 from policy_server.pipeline.reasoner import ReasonerStream
@@ -33,7 +33,7 @@ class Reasoning:
                should_abort: Callable[[], bool] | None = None, deadline_s: float | None = None) -> Iterator[str]:
         """Autoregressive text over the UND weights with a KV cache; never touches the diffusion cache."""
         tokenizer = self.served.pipeline.tokenizer
-        count = len(tokenizer.tokenize(prompt))
+        count = len(user_text_ids(tokenizer, prompt, "prompt"))
         if count > MAX_PROMPT_TOKENS:
             raise api.InvalidArgument("prompt", f"at most {MAX_PROMPT_TOKENS} tokens", f"{count} tokens",
                                       reason="TOO_LONG")

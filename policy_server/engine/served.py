@@ -23,6 +23,7 @@ from policy_server.engine.compiled_stack import CompileUnavailableError, Precomp
 from policy_server.engine.cuda_graphs import GraphedGenStack
 from policy_server.engine.sessions import SessionState
 from policy_server.limits import MAX_INSTRUCTION_TOKENS
+from policy_server.model.text_tokenizer import TextTokenizer
 from policy_server.pipeline.embodiments import Embodiment
 from policy_server.pipeline.policy import FixedSteps, PolicyPipeline, PromptState
 from policy_server.pipeline.tick_work import CompiledTickWork
@@ -36,21 +37,23 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class EngineSettings:
-    """Serving knobs. `cache_threshold` / `max_consecutive_cached` define the middle of the planner's ladder
-    (the published Cosmos3 default 0.25 / 2). `max_batch`: the most queued ticks of one shape that run
-    together as a micro-batch (1 = one tick at a time). `max_reason_calls`: reasoner calls at once;
-    `max_dynamics_calls`: forward / inverse dynamics calls at once (0: none, and admission reserves nothing for
-    them). `quality_profile`: plan ticks on its frontier (`policy_server.budget.profile`); without one,
-    `calibrate_at_warmup` measures a bounded one before the engine is ready, else ticks are planned on the
-    ladder. `cuda_graphs`: on a CUDA device, replay the GEN stack from CUDA graphs captured at warmup and at
-    each session's opening (`engine/cuda_graphs.py`). `compile_gen_stack`: run the GEN stack compiled, compiled
-    at warmup (on CUDA `Cosmos3OmniTransformer.compiled_gen_stack`; on a CPU the whole stack by inductor,
-    `engine/compiled_stack.py`, and the rest of a tick's model work, `pipeline/tick_work.py`); None: wherever
-    torch can compile (`compile_unavailable`), eagerly with a warning elsewhere: on a CPU too, where the
-    controller erred less on it at every budget of sessions 25-27's bench runs (README, Measured results)."""
+    """Serving knobs. `cache_threshold` / `max_consecutive_cached` define the middle of the planner's ladder (the
+    published Cosmos3 default 0.25 / 2). `max_batch`: the most queued ticks of one shape that run together as a
+    micro-batch (1 = one tick at a time). `max_reason_calls`: reasoner calls at once; `max_dynamics_calls`: forward
+    / inverse dynamics calls at once (0: none, and admission reserves nothing for them). `session_idle_s`: a session
+    with no call for this long (s) is closed, so that a client that went away does not hold its place and its share
+    of the worker. `quality_profile`: plan ticks on its frontier (`policy_server.budget.profile`); without one,
+    `calibrate_at_warmup` measures a bounded one before the engine is ready, else ticks are planned on the ladder.
+    `cuda_graphs`: on a CUDA device, replay the GEN stack from CUDA graphs captured at warmup and at each session's
+    opening (`engine/cuda_graphs.py`). `compile_gen_stack`: run the GEN stack compiled, compiled at warmup (on CUDA
+    `Cosmos3OmniTransformer.compiled_gen_stack`; on a CPU the whole stack by inductor, `engine/compiled_stack.py`,
+    and the rest of a tick's model work, `pipeline/tick_work.py`); None: wherever torch can compile
+    (`compile_unavailable`), eagerly with a warning elsewhere: on a CPU too, where the controller erred less on it
+    at every budget of sessions 25-27's bench runs (README, Measured results)."""
 
     default_budget_ms: float = 120.0
     max_sessions: int = 4
+    session_idle_s: float = 300.0
     diffusion_cache: bool = True
     cache_threshold: float = 0.25
     residual_order: int = 1
@@ -64,6 +67,17 @@ class EngineSettings:
     calibrate_at_warmup: bool = False
     cuda_graphs: bool = True
     compile_gen_stack: bool | None = None
+
+
+def user_text_ids(tokenizer: TextTokenizer, text: str, field: str) -> list[int]:
+    """Token ids of a client's text (an instruction, a prompt); InvalidArgument when it holds a control token."""
+    ids = tokenizer.tokenize(text)
+    control = [i for i in ids if i in tokenizer.control_ids]
+    if control:
+        raise api.InvalidArgument(field, "text without the chat template's control tokens",
+                                  f"{tokenizer.decode(control[:1], skip_special_tokens=False)!r} in the text",
+                                  reason="BAD_VALUE")
+    return ids
 
 
 def cache_ladder(threshold: float, cap: int) -> tuple[CacheSetting, ...]:
@@ -177,8 +191,8 @@ class ServedModel:
         return grid_key, grid_key if known else key
 
     def instruction_tokens(self, text: str, field: str) -> int:
-        """Token count of an instruction; InvalidArgument over the limit."""
-        count = len(self.pipeline.tokenizer.tokenize(text))
+        """Token count of an instruction; InvalidArgument over the limit or with a control token."""
+        count = len(user_text_ids(self.pipeline.tokenizer, text, field))
         if count > MAX_INSTRUCTION_TOKENS:
             raise api.InvalidArgument(field, f"at most {MAX_INSTRUCTION_TOKENS} tokens", f"{count} tokens",
                                       reason="TOO_LONG")

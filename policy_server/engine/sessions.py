@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from collections.abc import Hashable
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ class SessionState:
     prompt: the text K/V of the current instruction, reused while it does not change.
     graphed_instruction: the instruction whose CUDA graphs were captured for its ticks (`engine/cuda_graphs.py`).
     history: full-call counts of the previous ticks per cache setting, for the budget planner.
+    last_used_s: when a call last named it (``time.monotonic()`` s).
     """
 
     session_id: str
@@ -48,6 +50,12 @@ class SessionState:
     graphed_instruction: str | None = None
     history: SessionHistory = field(default_factory=SessionHistory)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    last_used_s: float = field(default_factory=time.monotonic)
+
+    def idle(self, now_s: float, idle_s: float) -> bool:
+        """No call for ``idle_s`` and no tick in flight."""
+        ticking = self.in_flight is not None and not self.in_flight.result.done()
+        return now_s - self.last_used_s > idle_s and not ticking
 
     def handle(self) -> SessionHandle:
         return SessionHandle(self.session_id, self.epoch, self.embodiment, self.instruction, self.budget_ms,
@@ -79,15 +87,25 @@ class SessionTable:
             return session
 
     def get(self, session_id: str) -> SessionState:
+        """The open session ``session_id``, used now (every call on a session gets it here)."""
         session = self._sessions.get(session_id)
         if session is None:
             raise UnknownSession(session_id)
+        session.last_used_s = time.monotonic()
         return session
 
     def close(self, session_id: str) -> None:
         with self._lock:
             if self._sessions.pop(session_id, None) is None:
                 raise UnknownSession(session_id)
+
+    def close_idle(self, now_s: float, idle_s: float) -> list[SessionState]:
+        """Close the sessions idle for ``idle_s`` (``SessionState.idle``) and return them."""
+        with self._lock:
+            idle = [session for session in self._sessions.values() if session.idle(now_s, idle_s)]
+            for session in idle:
+                del self._sessions[session.session_id]
+        return idle
 
     def reset(self, session_id: str) -> SessionState:
         """Start a new episode: epoch + 1, tick count and learned history cleared (the instruction's K/V stay)."""

@@ -73,6 +73,8 @@ class Warmup:
                     if self.served.compiled else "timing the model's ticks")
         profile = []
         for index, (embodiment, chunk, tokens, default) in enumerate(shapes):
+            logger.info("warmup %d/%d: %s ticks of %d actions, %d instruction tokens", index + 1, len(shapes),
+                        embodiment.name, chunk, tokens)
             ticks, steps = (self.served.settings.warmup_ticks, None) if default else (1, _SHORT_WARMUP_STEPS)
             points = yield from self._warm_shape(embodiment, chunk, tokens, ticks, steps, batch=default)
             if default:
@@ -147,6 +149,8 @@ class Warmup:
             for chunk in range(embodiment.max_chunk_size, 0, -1):
                 if (embodiment.name, frames(chunk)) not in done:
                     done.add((embodiment.name, frames(chunk)))
+                    logger.info("warmup: compiling the step work of %s ticks of %d latent frames", embodiment.name,
+                                frames(chunk))
                     self._warmup_tick(embodiment, chunk, instruction, "uncached", 0, _SHORT_WARMUP_STEPS)
                     yield
 

@@ -18,6 +18,7 @@ The embedded model ships a small byte-level BPE (vocabulary <= 512) at
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Sequence
 from datetime import datetime
@@ -193,6 +194,12 @@ class TextTokenizer:
         ids = {key: i for key, i in ids.items() if i is not None}
         ids["start_of_generation"] = self.start_of_generation_id
         return ids
+
+    @functools.cached_property
+    def control_ids(self) -> frozenset[int]:
+        """Ids of the tokens marked special (the chat template's markers, eos, ...), which a user's text must not
+        hold: each would restructure the prompt the model sees."""
+        return frozenset(i for i, token in self._tokenizer.get_added_tokens_decoder().items() if token.special)
 
     def apply_chat_template(
         self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True

@@ -21,7 +21,7 @@ from policy_server.config import ConfigError, read_config_file
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = build_parser()
+    parser = build_parser(network=False)
     parser.prog = "policy-server ray-serve"
     parser.description = __doc__.split("\n\n")[0]
     g = parser.add_argument_group("Ray Serve")

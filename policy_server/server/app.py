@@ -156,6 +156,7 @@ class PolicyServer:
                 cfg.host,
                 cfg.websocket_port,
                 cfg.max_message_bytes,
+                cfg.session_idle_timeout_s,
                 token=self._token,
                 embodiment=cfg.websocket_embodiment,
                 ssl_context=ssl_context,

@@ -16,15 +16,25 @@ from policy_server.server.errors import ServiceError, abort, make_error
 
 AUTH_HEADER = "authorization"
 _OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
+MAX_TOKEN_FILE_BYTES = 4096  # a token is tens of bytes; a path to a wrong, large file is not read whole
 
 
 def read_token_file(path: Path) -> str:
-    """The token is the file's content without surrounding whitespace; an empty file is an error."""
-    token = Path(path).read_text().strip()
+    """The token is the file's content without surrounding whitespace: one run of printable ASCII, as an
+    ``authorization`` header carries it. Raises `ValueError` naming what is wrong with the file."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_TOKEN_FILE_BYTES + 1)
+    except OSError as exc:
+        raise ValueError(f"cannot read auth token file {path}: {exc.strerror}") from None
+    if len(raw) > MAX_TOKEN_FILE_BYTES:
+        raise ValueError(f"auth token file {path} is over {MAX_TOKEN_FILE_BYTES} bytes; expected a single token")
+    token = raw.strip().decode("latin-1")  # any byte decodes; the check below admits ASCII only
     if not token:
-        raise ValueError(f"auth token file {path} is empty")
-    if any(ch.isspace() for ch in token):
-        raise ValueError(f"auth token in {path} contains whitespace; expected a single token")
+        raise ValueError(f"auth token file {path} is empty; expected a single token")
+    if not all("!" <= ch <= "~" for ch in token):
+        raise ValueError(f"auth token in {path} contains whitespace or a character that is not printable ASCII; "
+                         "expected a single token")
     return token
 
 

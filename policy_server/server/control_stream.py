@@ -14,7 +14,13 @@ again when the worker picks them up (a reset may happen in between). A frame tha
 the session's declared rate allows waits (throttled) until its tick is due, unless a newer frame
 replaces it meanwhile; a message that does not parse is answered with an error event. Frames beyond
 ``MAX_FRAME_RATE_HZ`` are answered RATE_EXCEEDED without being decoded, so that a flood of frames cannot
-take the CPU from the model.
+take the CPU from the model, and frames beyond ``MAX_PENDING_FRAMES`` waiting ``must_answer`` ones are
+answered TOO_MANY_PENDING_FRAMES, so that they cannot take its memory. Each frame's ``obs_id`` must exceed
+the last one's.
+
+A stream holds a server thread from the moment it opens, so one that sends no ``start`` within
+``CONTROL_START_S`` is ended (STREAM_NOT_STARTED), and at most ``MAX_STARTING_STREAMS`` wait for theirs at
+once (more are refused: TOO_MANY_STARTING_STREAMS).
 """
 
 from __future__ import annotations
@@ -29,13 +35,33 @@ import grpc
 
 from policy_server.engine.admission import RateLimiter
 from policy_server.engine.api import Engine, Observation, RateExceeded
-from policy_server.limits import MAX_FRAME_RATE_HZ
+from policy_server.limits import CONTROL_START_S, MAX_FRAME_RATE_HZ, MAX_PENDING_FRAMES, MAX_STARTING_STREAMS
 from policy_server.server import convert, validate
 from policy_server.server.errors import ServiceError, Undecodable, from_exception, make_error
 from policy_server.server.metrics import ServerMetrics
 from policy_server.v1 import policy_server_pb2 as pb
 
 _END = object()  # outbound sentinel: the stream is over
+
+
+def _first_message(requests: Iterator[pb.ControlRequest]) -> pb.ControlRequest | None:
+    """The stream's first message, None when the client ended the stream without one, or STREAM_NOT_STARTED
+    when none came within ``CONTROL_START_S``. Read on a thread of its own, which ends with the call."""
+    first: queue.Queue = queue.Queue()
+
+    def read() -> None:
+        try:
+            first.put(next(requests, None))
+        except Exception:  # noqa: BLE001 - the call ended (cancelled, timed out) before a message came
+            first.put(None)
+
+    threading.Thread(target=read, daemon=True, name="control-start").start()
+    try:
+        return first.get(timeout=CONTROL_START_S)
+    except queue.Empty:
+        raise make_error("STREAM_NOT_STARTED", f"no `start` within {CONTROL_START_S:g} s of opening the stream",
+                         field="start", expected="ControlStart{session_id} as the first message",
+                         got="nothing") from None
 
 
 @dataclass
@@ -52,8 +78,10 @@ class ControlCall:
     """The server side of one ``Control`` RPC (the client's counterpart is ``client.ControlStream``)."""
 
     def __init__(
-        self, engine: Engine, metrics: ServerMetrics, max_message_bytes: int, context: grpc.ServicerContext
+        self, engine: Engine, metrics: ServerMetrics, max_message_bytes: int, context: grpc.ServicerContext,
+        starting: threading.Semaphore,
     ) -> None:
+        """``starting``: the server's ``MAX_STARTING_STREAMS`` places for streams waiting for their start."""
         self._engine = engine
         self._metrics = metrics
         self._max_message_bytes = max_message_bytes
@@ -62,6 +90,8 @@ class ControlCall:
         self._outbound: queue.Queue = queue.Queue()
         self._cond = threading.Condition()
         self._pending: list[_PendingFrame] = []
+        self._starting = starting
+        self._last_obs_id = -1  # obs_ids are uint64: any first one is above it
         self._reader_done = False
         self._stopped = False
         self._frames = RateLimiter(MAX_FRAME_RATE_HZ, time.monotonic(), burst=MAX_FRAME_RATE_HZ / 5)
@@ -69,7 +99,17 @@ class ControlCall:
     # -- the handler thread ------------------------------------------------------------------
 
     def run(self, requests: Iterator[pb.ControlRequest]) -> Iterator[pb.ControlEvent]:
-        first = next(requests, None)
+        if not self._starting.acquire(blocking=False):
+            raise make_error(
+                "TOO_MANY_STARTING_STREAMS",
+                f"{MAX_STARTING_STREAMS} Control streams are waiting for their `start` already",
+                field="start", expected="a stream that sends `start` as soon as it opens; retry shortly",
+                got=f"a stream beyond the {MAX_STARTING_STREAMS}",
+            )
+        try:
+            first = _first_message(requests)
+        finally:
+            self._starting.release()
         if first is None:
             return
         if isinstance(first, Undecodable):
@@ -158,6 +198,20 @@ class ControlCall:
     def _accept(self, frame: pb.ObservationFrame, size: int) -> None:
         received = time.monotonic()
         try:
+            if frame.obs_id <= self._last_obs_id:
+                raise make_error("BAD_VALUE", "observation frames' obs_ids must increase",
+                                 field="observation.obs_id", expected=f"an obs_id above {self._last_obs_id}",
+                                 got=str(frame.obs_id))
+            self._last_obs_id = frame.obs_id
+            if frame.must_answer:
+                with self._cond:
+                    waiting = sum(p.must_answer for p in self._pending)
+                if waiting >= MAX_PENDING_FRAMES:
+                    raise make_error(
+                        "TOO_MANY_PENDING_FRAMES", f"{waiting} must_answer frames are waiting already; this one "
+                        "was dropped undecoded", field="observation.must_answer",
+                        expected=f"at most {MAX_PENDING_FRAMES} must_answer frames waiting for the model",
+                        got=f"frame {waiting + 1}")
             wait_s = self._frames.take(received)
             if wait_s > 0:
                 raise make_error(

@@ -131,9 +131,9 @@ class ServerMetrics:
         self.errors.labels(reason).inc()
 
     def serve(self, host: str, port: int, token: str | None = None) -> int:
-        """Start the /metrics HTTP endpoint; returns the bound port (``port`` 0 picks a free one).
-        With ``token``, a scrape without ``Authorization: Bearer <token>`` gets 401."""
-        app = make_wsgi_app(self.registry)
+        """Start the /metrics HTTP endpoint; returns the bound port (``port`` 0 picks a free one). Other paths
+        get 404; with ``token``, a request without ``Authorization: Bearer <token>`` gets 401."""
+        app = _only_metrics_path(make_wsgi_app(self.registry))
         if token is not None:
             app = _require_token(app, token)
         server_class = _Server6 if ":" in host else _Server
@@ -160,6 +160,18 @@ class _Server6(_Server):
 class _QuietHandler(WSGIRequestHandler):
     def log_message(self, format, *args):  # noqa: A002 - the base class's name; scrapes are not news
         pass
+
+
+def _only_metrics_path(app):
+    """WSGI middleware: 404 for any path but /metrics (prometheus-client's app answers on every path)."""
+    def metrics_only(environ, start_response):
+        if environ.get("PATH_INFO") == "/metrics":
+            return app(environ, start_response)
+        status = http.HTTPStatus.NOT_FOUND
+        start_response(f"{status.value} {status.phrase}", [("Content-Type", "text/plain")])
+        return [b"NOT_FOUND: the metrics are at /metrics\n"]
+
+    return metrics_only
 
 
 def _require_token(app, token: str):

@@ -6,11 +6,13 @@ with its machine-readable reason (see ``errors.py``), so the server keeps servin
 
 from __future__ import annotations
 
+import threading
 import time
 
 import grpc
 
 from policy_server.engine.api import EmbodimentSpec, Engine, SessionHandle, WarmingUp
+from policy_server.limits import MAX_STARTING_STREAMS
 from policy_server.server import convert, validate
 from policy_server.server.control_stream import ControlCall
 from policy_server.server.errors import ServiceError, rpc_errors
@@ -27,6 +29,7 @@ class PolicyServicer(pb_grpc.PolicyServiceServicer):
         self.engine = engine
         self.metrics = metrics
         self.max_message_bytes = max_message_bytes
+        self.starting_streams = threading.BoundedSemaphore(MAX_STARTING_STREAMS)
 
     def on_error(self, error: ServiceError) -> None:
         self.metrics.observe_error(error.reason)
@@ -98,6 +101,7 @@ class PolicyServicer(pb_grpc.PolicyServiceServicer):
     def Act(self, request: pb.ActRequest, context: grpc.ServicerContext):
         received = time.monotonic()
         handle, spec = self._session_request(request)
+        self.engine.check_tick(handle.session_id)  # a tick refused now is refused before its frames are decoded
         observation = validate.observation(validate.ProtoObservation.of(request, "observation"), spec)
         result = self.engine.act(
             handle.session_id,
@@ -150,9 +154,8 @@ class PolicyServicer(pb_grpc.PolicyServiceServicer):
 
     @rpc_errors
     def Control(self, request_iterator, context):
-        yield from ControlCall(self.engine, self.metrics, self.max_message_bytes, context).run(
-            request_iterator
-        )
+        call = ControlCall(self.engine, self.metrics, self.max_message_bytes, context, self.starting_streams)
+        yield from call.run(request_iterator)
 
     # -- reasoner ------------------------------------------------------------------------------
 

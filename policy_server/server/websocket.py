@@ -10,14 +10,16 @@ Each connection is one session of the server's default budget, opened on the fir
 ``observation/cam``, ``observation/images/cam`` or ``images: {cam: ...}``, uint8 [H, W, 3] or
 [3, H, W] with sides within the camera's declared bounds and one H for all cameras, passed to the
 engine as they are (the pipeline fits them to its canvas, as for gRPC); state under
-``observation/state`` or ``state``; text under ``prompt``; optional integer ``step_index``.
+``observation/state`` or ``state``; text under ``prompt``; optional integer ``step_index`` (default: one past
+the connection's last, at most 2^63 - 1).
 ``{"reset": True}`` starts a new episode (epoch + 1).
 
 Replies: ``actions`` float32 [K, action_dim] plus ``first_step_index``, ``epoch``, the tick record
 and openpi's ``policy_timing`` / ``server_timing`` blocks. An error is a *text* frame
 ``"REASON: message"`` (openpi-client raises it as RuntimeError); the connection stays usable
 after a bad observation and is closed (1011) only on an internal error. Connections beyond
-``max_sessions + 4`` are closed at once with 1013 (try again later).
+``max_sessions + 4`` are closed at once with 1013 (try again later); one that sends nothing for
+``session_idle_timeout_s`` is closed with 1001 (going away), so that it frees its place.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from policy_server.server.metrics import ServerMetrics
 log = logging.getLogger(__name__)
 
 _ALLOWED_KINDS = {"b", "i", "u", "f"}
+MAX_STEP_INDEX = 2**63 - 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -77,24 +80,45 @@ def _pack_default(obj: Any) -> Any:
     raise TypeError(f"cannot pack {type(obj).__name__}")
 
 
+class ArrayError(ValueError):
+    """A msgpack-numpy array or scalar map that does not describe an allowed array."""
+
+
+def _require_keys(obj: dict, kind: str, keys: tuple[bytes, ...]) -> None:
+    missing = [key.decode() for key in keys if key not in obj]
+    if missing:
+        raise ArrayError(f"a {kind} map without key {missing[0]!r} (it needs {', '.join(k.decode() for k in keys)})")
+
+
+def _dtype(obj: dict) -> np.dtype:
+    name = obj[b"dtype"]
+    try:
+        dtype = np.dtype(name) if isinstance(name, str) else None
+    except (TypeError, ValueError):  # numpy's ways of saying "no such dtype"
+        dtype = None
+    if dtype is None or dtype.kind not in _ALLOWED_KINDS:
+        raise ArrayError(f"dtype {name!r:.40}, which is not allowed (bool, int, uint or float only)")
+    return dtype
+
+
 def _unpack_hook(obj: dict) -> Any:
     if b"__ndarray__" in obj:
-        dtype = np.dtype(obj[b"dtype"])
-        if dtype.kind not in _ALLOWED_KINDS:
-            raise ValueError(f"array dtype {dtype} is not allowed (bool, int, uint, float only)")
-        shape = tuple(int(s) for s in obj[b"shape"])
-        if any(s < 0 for s in shape):
-            raise ValueError(f"negative array dimension in {list(shape)}")
-        data = obj[b"data"]
+        _require_keys(obj, "__ndarray__", (b"data", b"dtype", b"shape"))
+        dtype, shape, data = _dtype(obj), obj[b"shape"], obj[b"data"]
+        if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
+            raise ArrayError(f"shape {shape!r:.80}, not a list of non-negative integers")
         needed = math.prod(shape) * dtype.itemsize  # exact: a numpy product can overflow to a match
         if not isinstance(data, bytes) or len(data) != needed:
-            raise ValueError(f"array data must be {needed} bytes for shape {list(shape)} {dtype}")
+            got = f"{len(data)} bytes" if isinstance(data, bytes) else type(data).__name__
+            raise ArrayError(f"data of {got} for shape {shape} {dtype}, which needs {needed} bytes")
         return np.frombuffer(data, dtype=dtype).reshape(shape)
     if b"__npgeneric__" in obj:
-        dtype = np.dtype(obj[b"dtype"])
-        if dtype.kind not in _ALLOWED_KINDS:
-            raise ValueError(f"scalar dtype {dtype} is not allowed")
-        return dtype.type(obj[b"data"])
+        _require_keys(obj, "__npgeneric__", (b"data", b"dtype"))
+        dtype = _dtype(obj)
+        try:
+            return dtype.type(obj[b"data"])
+        except (TypeError, ValueError) as exc:
+            raise ArrayError(f"scalar data {obj[b'data']!r:.40} that is not a {dtype}") from exc
     return obj
 
 
@@ -177,7 +201,7 @@ class OpenpiObservation:
         step = self._message.get("step_index", self._default_step)
         if isinstance(step, np.generic):
             step = step.item()
-        if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < 2**63:
+        if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= MAX_STEP_INDEX:
             raise InvalidArgument("step_index", "an integer in [0, 2^63)", repr(step), reason="BAD_VALUE")
         return step
 
@@ -197,10 +221,12 @@ class OpenpiWebsocketServer:
         host: str,
         port: int,
         max_message_bytes: int,
+        idle_timeout_s: float,
         token: str | None = None,
         embodiment: str | None = None,
         ssl_context=None,
     ) -> None:
+        """``idle_timeout_s``: a connection that sends nothing for this long is closed."""
         self._engine = engine
         self._metrics = metrics
         self._host, self._port = host, port
@@ -208,6 +234,7 @@ class OpenpiWebsocketServer:
         self._token = token
         self._default_embodiment = embodiment
         self._ssl = ssl_context
+        self._idle_timeout_s = idle_timeout_s
         self._server: Server | None = None
         self._thread: threading.Thread | None = None
         # Each connection holds a thread: beyond one per session (plus a few that are closing), refuse.
@@ -309,7 +336,11 @@ class OpenpiWebsocketServer:
         try:
             connection.send(packb(self._metadata(spec)))
             while True:
-                raw = connection.recv()
+                try:
+                    raw = connection.recv(timeout=self._idle_timeout_s)
+                except TimeoutError:  # a silent client would hold one of the limited connections forever
+                    connection.close(code=1001, reason=f"idle for {self._idle_timeout_s:g} s")
+                    return
                 started = time.monotonic()
                 try:
                     if isinstance(raw, str):
@@ -338,7 +369,7 @@ class OpenpiWebsocketServer:
                         connection.close(code=1011, reason="internal error")
                         return
                     continue
-                steps = observation.step_index + 1
+                steps = min(observation.step_index + 1, MAX_STEP_INDEX)  # the default stays a valid step_index
                 served_ms = (time.monotonic() - started) * 1e3
                 self._metrics.observe_tick(result, served_ms, "websocket")
                 reply = {
@@ -364,10 +395,24 @@ class OpenpiWebsocketServer:
     def _decode(raw: bytes) -> dict:
         try:
             message = unpackb(raw)
-        except Exception as exc:  # noqa: BLE001 - msgpack raises many types for bad input
+        except ArrayError as exc:
             raise InvalidArgument(
-                "frame", "a msgpack-numpy map", f"undecodable data ({exc})", reason="BAD_VALUE"
+                "frame", "arrays as msgpack-numpy maps {__ndarray__, data, dtype, shape}", str(exc), reason="BAD_VALUE"
             ) from exc
+        except Exception as exc:  # noqa: BLE001 - msgpack raises many types for bad input
+            got = f"{len(raw)} bytes msgpack cannot decode: {_undecodable(exc)}"
+            raise InvalidArgument("frame", "a msgpack map of observation keys", got, reason="BAD_VALUE") from exc
         if not isinstance(message, dict):
-            raise InvalidArgument("frame", "a msgpack map", type(message).__name__, reason="BAD_VALUE")
+            raise InvalidArgument(
+                "frame", "a msgpack map of observation keys", f"a msgpack {type(message).__name__}", reason="BAD_VALUE"
+            )
         return message
+
+
+def _undecodable(exc: Exception) -> str:
+    """What msgpack found wrong; two of its errors carry no message."""
+    if isinstance(exc, msgpack.FormatError):
+        return "a byte that begins no msgpack value"
+    if isinstance(exc, msgpack.StackError):
+        return "nesting deeper than msgpack allows"
+    return str(exc)

@@ -131,10 +131,13 @@ class PolicyServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Control(self, request_iterator, context):
-        """The real-time loop for one session. First request: `start`. Then observations whenever the
-        robot wants a new chunk. The server keeps at most one waiting observation per session (the
-        newest wins); each one it drops is reported as `superseded`, except frames marked
-        `must_answer`, which are always answered.
+        """The real-time loop for one session. First request: `start`, within 10 s of opening the stream
+        (else FAILED_PRECONDITION / STREAM_NOT_STARTED; at most 4 streams wait for their start at once,
+        more get RESOURCE_EXHAUSTED / TOO_MANY_STARTING_STREAMS). Then observations whenever the robot
+        wants a new chunk, their obs_ids increasing. The server keeps at most one waiting observation
+        per session (the newest wins); each one it drops is reported as `superseded`, except frames
+        marked `must_answer`, which are always answered: at most 4 of them wait at once (more get an
+        error event, RESOURCE_EXHAUSTED / TOO_MANY_PENDING_FRAMES).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
