@@ -162,20 +162,24 @@ def test_the_slowdown_delays_each_full_call_of_a_bench_pipelines_ticks_and_chang
 
 
 def test_bench_on_a_diffusers_folder_reports_its_shapes(tmp_path):
-    """A `Cosmos3OmniPipeline` folder (overrides: 10 steps, one embodiment) driven with camera-sized frames."""
+    """A `Cosmos3OmniPipeline` folder (overrides: 3 steps, one embodiment; Cosmos3's guidance 1, so no CFG and no
+    profile point with fewer steps) driven with camera-sized frames."""
     from cosmos3_folder import build_tiny_cosmos3_folder
 
     folder = build_tiny_cosmos3_folder(tmp_path / "pipe")
-    (folder / "policy.json").write_text(json.dumps({"resolution_tier": 256, "num_steps": 10}))
+    (folder / "policy.json").write_text(json.dumps({"resolution_tier": 256, "num_steps": 3}))
     (folder / "embodiments.json").write_text(json.dumps(
         {"embodiments": [{"name": "bridge_orig_lerobot", "default_chunk_size": 8, "max_chunk_size": 8}]}))
     out = tmp_path / "bench.json"
     assert bench_main(["--checkpoint", str(folder), "--frame-size", "240x320", "--ticks", "2", "--warmup", "2",
-                       "--out", str(out), "--no-reference", "--profile-ticks", "0", "--calibration-observations", "1",
+                       "--out", str(out), "--no-reference", "--profile-ticks", "1", "--calibration-observations", "1",
                        "--budgets-ms", "20000", "30000"]) == 0
     report = json.loads(out.read_text())
     assert [c["budget_ms"] for c in report["configs"] if c["name"].startswith("budget_")] == [20000, 30000, 20000]
-    assert report["tick_profile"] is None  # --profile-ticks 0
+    assert not any(c["family"] == "fewer_steps_seacache" for c in report["configs"])  # the profile has none
+    profile = report["tick_profile"]
+    assert profile["batched_cfg_call_ms"] is None and profile["full_call_ms"] > 0  # one branch: no batched pair
+    assert profile["compiled"] is None  # the tests run with compiling off
     model = report["model"]
     assert (model["vae"], model["embodiment"], model["action_dim"]) == ("WanVideoVAE", "bridge_orig_lerobot", 32)
     # 240x320 (ratio 0.75) goes on the 256x320 canvas unscaled: 15x20 latent cells, 3 latent frames for chunk 8.
