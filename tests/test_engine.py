@@ -178,6 +178,22 @@ def test_sessions_with_no_call_for_the_idle_time_are_closed(engine, monkeypatch)
         engine.close_session(session.session_id)
 
 
+def test_a_server_warns_when_its_default_budget_fits_no_session(engine, monkeypatch, caplog):
+    from policy_server.config import build_config
+    from policy_server.server.app import build_server
+
+    monkeypatch.setattr(engine, "settings", replace(engine.settings, default_budget_ms=0.5))
+    with caplog.at_level("WARNING", logger="policy_server.server.app"), \
+            build_server(build_config(overrides={"port": 0, "latency_budget_ms": 0.5}), engine):
+        for _ in range(100):
+            if caplog.records:
+                break
+            time.sleep(0.02)
+    assert [r.getMessage() for r in caplog.records] == [
+        "the default budget of 0.5 ms fits no session on this device: an OpenSession without budget_ms will be "
+        "refused; raise --latency-budget-ms (GetServerInfo's warmup profile gives the tick latencies)"]
+
+
 def test_cancellation_and_expired_deadline(engine):
     session = engine.open_session("pusht", "reach the red circle", rate_hz=0)
     with pytest.raises(api.Cancelled):

@@ -163,10 +163,11 @@ class PolicyServer:
             )
             self.websocket_port = self._websocket.start()
         log.info(
-            "policy-server listening on %s (grpc%s)%s%s",
+            "policy-server listening on %s (grpc%s)%s%s%s",
             self.target,
             "+tls" if cfg.tls else "",
-            f", metrics :{self.metrics_port}" if self.metrics_port is not None else "",
+            f", unix:{cfg.unix_socket}" if cfg.unix_socket is not None else "",
+            f", metrics {_bind_address(cfg.metrics_host, self.metrics_port)}" if self.metrics_port is not None else "",
             f", openpi websocket :{self.websocket_port}" if self.websocket_port is not None else "",
         )
         return self
@@ -218,14 +219,26 @@ class PolicyServer:
     def _poll_readiness(self) -> None:
         # The engine only exposes ready(); poll it so health follows loading, warmup and any later
         # re-warm without the engine knowing about gRPC.
-        last = None
+        last, served = None, False
         while not self._stop_polling.wait(_READY_POLL_S):
             ready = bool(self.engine.ready())
             if ready != last:
                 self._set_health(ready)
                 if ready or last is not None:
                     log.info("health: %s", "SERVING" if ready else "NOT_SERVING")
+                if ready and not served:
+                    self._check_default_budget()
+                    served = True
                 last = ready
+
+    def _check_default_budget(self) -> None:
+        """Warn when a session opened without a budget fits nowhere: `--latency-budget-ms` below what the model
+        can do here (known only once warm), which every OpenSession without `budget_ms` would be refused for."""
+        capacity = self.engine.capacity()
+        if capacity and not any(c.sessions_alone for c in capacity):
+            log.warning("the default budget of %g ms fits no session on this device: an OpenSession without "
+                        "budget_ms will be refused; raise --latency-budget-ms (GetServerInfo's warmup profile "
+                        "gives the tick latencies)", self.config.latency_budget_ms)
 
 
 def build_server(config: ServerConfig, engine: Engine) -> PolicyServer:
