@@ -7,6 +7,7 @@ the compiled one is an error that names what is missing. A server process compil
 stack a GPU runs gives the eager stack's outputs too. (The rest of the suite runs eagerly: `conftest.py`.)"""
 
 import json
+import shutil
 import socket
 import subprocess
 import sys
@@ -111,6 +112,32 @@ def test_the_per_layer_compiled_stack_a_gpu_runs_gives_the_eager_stacks_outputs(
         got = _tick(pipeline, _request(instruction), compiled, batch_branches)
         np.testing.assert_allclose(got.actions, expected.actions, rtol=0, atol=1e-5)
         torch.testing.assert_close(got.latents, expected.latents, rtol=0, atol=1e-5)
+
+
+def test_a_step_graph_serves_every_embodiment_of_its_latent_shape(folder, tmp_path, compiles):
+    """Another embodiment (its own domain, so its own action projections, and its own control rate) runs the step
+    graph compiled on the first's ticks, bit for bit."""
+    two = tmp_path / "two"
+    shutil.copytree(folder, two)
+    entries = json.loads((two / "embodiments.json").read_text())
+    first = entries["embodiments"][0]
+    entries["embodiments"].append({**first, "name": "pusht_b", "domain_id": first["domain_id"] + 1,
+                                   "fps": first["fps"] / 2})
+    (two / "embodiments.json").write_text(json.dumps(entries))
+    pipeline = PolicyPipeline.from_pretrained(two)
+    work, eager, stack = CompiledTickWork(pipeline.transformer), pipeline.tick_work, pipeline.transformer.gen_stack
+    _tick(pipeline, _request(RED), stack, tick_work=work.compiling())
+    assert work.num_shapes == 1
+    eager_calls = work.eager_calls
+    other, embodiment = replace(_request(RED), embodiment="pusht_b"), pipeline.embodiments.get("pusht_b")
+    prompt = pipeline.encode_prompt(RED, embodiment, embodiment.default_chunk_size, True,
+                                    pipeline.canvas_for(embodiment, _images()), eager)  # bit for bit given these
+    control = pipeline.fixed_steps(pipeline.config.num_steps, pipeline.config.guidance, None, True)
+    got, want = (run_steps(pipeline.steps(other, prompt, control, tick_work), stack) for tick_work in (work, eager))
+    assert work.num_shapes == 1 and work.eager_calls == eager_calls
+    np.testing.assert_array_equal(got.actions, want.actions)
+    torch.testing.assert_close(got.latents, want.latents, rtol=0, atol=0)
+    assert not np.array_equal(got.actions, _tick(pipeline, _request(RED), stack, tick_work=eager).actions)
 
 
 def test_a_precompiled_stack_runs_eagerly_what_warmup_did_not_compile(pipeline, compiles):

@@ -112,7 +112,9 @@ class Warmup:
         logger.warning("no quality profile for weights %s: calibrating on %d observations at warmup (bounded; run "
                        "`policy-server calibrate` for a full one)", pipeline.digest[:19], len(observations))
         configs = configurations(pipeline, self.served.settings, coarse=True)
-        profile = yield from calibration_steps(pipeline, observations, configs, source="warmup (bounded)")
+        profile = yield from calibration_steps(pipeline, observations, configs, source="warmup (bounded)",
+                                               progress=lambda done: logger.info("warmup calibration: %.0f%%",
+                                                                                 100 * done))
         logger.info("warmup calibration took %.1f s", profile.calibration.seconds)
         return profile
 
@@ -140,17 +142,20 @@ class Warmup:
         return list(shapes.values())
 
     def _compile_latent_shapes(self, measured: list[tuple[Embodiment, int, int, bool]]) -> Iterator[None]:
-        """One untimed tick of each embodiment's latent shapes that no measured shape has, at its largest chunk: the
-        tick work compiled for a latent shape serves its every chunk size."""
-        frames = self.served.pipeline.num_latent_frames
-        done = {(embodiment.name, frames(chunk)) for embodiment, chunk, _, _ in measured}
+        """One untimed tick of each latent shape of the served embodiments that no measured shape has, at the largest
+        chunk making it: the tick work compiled for a latent shape serves its every chunk size and embodiment."""
+        def shape(embodiment: Embodiment, chunk: int) -> tuple[int, bool]:
+            # What a step graph is fixed to besides the canvas (`tick_work._shape`): embodiments alike in it share one.
+            return self.served.pipeline.num_latent_frames(chunk), embodiment.state_dim > 0
+
+        done = {shape(embodiment, chunk) for embodiment, chunk, _, _ in measured}
         instruction = self.text_of(INSTRUCTION_TOKEN_GROUPS[0])
         for embodiment in self.served.embodiments.values():
             for chunk in range(embodiment.max_chunk_size, 0, -1):
-                if (embodiment.name, frames(chunk)) not in done:
-                    done.add((embodiment.name, frames(chunk)))
-                    logger.info("warmup: compiling the step work of %s ticks of %d latent frames", embodiment.name,
-                                frames(chunk))
+                key = shape(embodiment, chunk)
+                if key not in done:
+                    done.add(key)
+                    logger.info("warmup: compiling the step work of ticks of %d latent frames", key[0])
                     self._warmup_tick(embodiment, chunk, instruction, "uncached", 0, _SHORT_WARMUP_STEPS)
                     yield
 

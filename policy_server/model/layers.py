@@ -108,9 +108,10 @@ class DomainAwareLinear(nn.Module):
         if not domains.distinct:  # no noisy action rows (forward dynamics): nothing to project
             return x.new_zeros((0, self.output_size))
         if len(domains.distinct) == 1:
-            # The usual case (one embodiment per request): one matmul instead of a per-row bmm.
-            domain = domains.distinct[0]
-            return x @ self.fc.weight[domain].view(self.input_size, self.output_size) + self.bias.weight[domain]
+            # The usual case (one embodiment per request): one matmul instead of a per-row bmm. The domain's
+            # weights are looked up by the rows' id, not the Python one, so a compiled graph serves every domain.
+            domain = domains.rows[:1]
+            return x @ self.fc(domain).view(self.input_size, self.output_size) + self.bias(domain)
         weight = self.fc(domains.rows).view(-1, self.input_size, self.output_size)
         return torch.bmm(x.unsqueeze(1), weight).squeeze(1) + self.bias(domains.rows)
 

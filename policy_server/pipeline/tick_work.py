@@ -13,11 +13,11 @@ alone (a plan may drop the uncond pass) runs the guided graph with the cond outp
 by exactly nothing (`uncond + g * (cond - uncond)` is `cond` bit for bit), so one step graph per latent shape serves
 both. These read the layout's GEN-local rows alone, which the text length does not move, and take the rows that depend
 on the action rows as inputs, their counts dynamic (`_ActionRows`): so a latent shape's graphs serve every instruction,
-chunk size and count of history actions. A step graph holds the UniPC update of the sampler's order in its widest form
-(`schedulers.widest_update`), which gives every step's update bit for bit, so one graph serves every step; its x0
-prediction is also the clean estimate a finishing step jumps to. Compiling takes seconds, so it is done where no
-deadline runs, by the object `compiling()` returns (warmup's); the object itself runs eagerly what it has no graph for
-(an Euler sampler's steps among them).
+chunk size and count of history actions, and every embodiment (`_shape`). A step graph holds the UniPC update of the
+sampler's order in its widest form (`schedulers.widest_update`), which gives every step's update bit for bit, so one
+graph serves every step; its x0 prediction is also the clean estimate a finishing step jumps to. Compiling takes
+seconds, so it is done where no deadline runs, by the object `compiling()` returns (warmup's); the object itself runs
+eagerly what it has no graph for (an Euler sampler's steps among them).
 """
 
 from __future__ import annotations
@@ -343,9 +343,12 @@ def _traceable(shape: RequestShape) -> bool:
 
 @functools.lru_cache(maxsize=256)  # asked every sampler step; a server sees a handful of request shapes
 def _shape(shape: RequestShape) -> RequestShape:
-    """What a request shape's graphs are fixed to: the shape but for the text length and, where dynamic, the action
-    rows."""
-    shape = replace(shape, und_len=0)
+    """What a request shape's graphs are fixed to: the shape but for the text length, the embodiment (its domain's
+    weights are looked up from the rows' domain ids, and its fps moves only the rotary positions, which the step
+    work does not read) and, where dynamic, the action rows."""
+    shape = replace(shape, und_len=0, fps=0.0)
+    if shape.action is not None:
+        shape = replace(shape, action=replace(shape.action, domain_id=0))
     if _dynamic(shape):
         shape = replace(shape, action=replace(shape.action, chunk_size=0, num_prefix=0, clean_rows=()))
     return shape
