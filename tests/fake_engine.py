@@ -216,6 +216,9 @@ class FakeEngine:
     def check_tick(self, session_id: str) -> None:
         self.session(session_id)
 
+    def attach(self, session_id: str) -> contextlib.AbstractContextManager[SessionHandle]:
+        return contextlib.nullcontext(self.session(session_id))
+
     def act(
         self,
         session_id: str,

@@ -163,19 +163,47 @@ def test_session_errors(engine):
 
 def test_sessions_with_no_call_for_the_idle_time_are_closed(engine, monkeypatch):
     # A client that went away without closing its sessions must not hold their places (3 here) for good.
-    gone = [engine.open_session("pusht", "left behind", rate_hz=0) for _ in range(2)]
+    gone = engine.open_session("pusht", "left behind", rate_hz=0)
     kept = engine.open_session("pusht", "still here", rate_hz=0)
-    monkeypatch.setattr(engine, "settings", replace(engine.settings, session_idle_s=0.4))
-    time.sleep(0.25)
-    engine.session(kept.session_id)  # a call on it: its idle time starts again
-    time.sleep(0.25)
-    assert engine.capacity()[0].sessions_more == 2  # the idle two were closed when asked
-    for session in gone:
+    streaming = engine.open_session("pusht", "between frames", rate_hz=0)
+    monkeypatch.setattr(engine, "settings", replace(engine.settings, session_idle_s=1.0))
+    with engine.attach(streaming.session_id):  # a Control stream holds its session however long it is quiet
+        time.sleep(0.6)
+        engine.session(kept.session_id)  # a call on it: its idle time starts again
+        time.sleep(0.6)
+        assert engine.capacity()[0].sessions_more == 1  # the idle one was closed when asked
         with pytest.raises(api.UnknownSession):
-            engine.session(session.session_id)
-    others = [engine.open_session("pusht", "in their place", rate_hz=0) for _ in range(2)]
-    for session in [kept, *others]:
+            engine.session(gone.session_id)
+        time.sleep(0.6)
+        engine.session(kept.session_id)
+        time.sleep(0.6)
+        assert engine.capacity()[0].sessions_more == 1
+        engine.session(kept.session_id)
+    time.sleep(0.5)
+    engine.session(kept.session_id)
+    time.sleep(0.7)  # the stream ended 1.2 s ago: its session's idle time ran from there
+    assert engine.capacity()[0].sessions_more == 2
+    with pytest.raises(api.UnknownSession):
+        engine.session(streaming.session_id)
+    other = engine.open_session("pusht", "in their place", rate_hz=0)
+    for session in (kept, other):
         engine.close_session(session.session_id)
+
+
+def test_a_control_stream_holds_its_session_open_between_frames(engine, monkeypatch):
+    from policy_server.client import ControlStream, PolicyClient
+    from policy_server.config import build_config
+    from policy_server.server.app import build_server
+
+    monkeypatch.setattr(engine, "settings", replace(engine.settings, session_idle_s=0.5))
+    with build_server(build_config(overrides={"port": 0}), engine) as server, PolicyClient(server.target) as client:
+        session = client.open_session("pusht", "reach the red circle", rate_hz=0)
+        with ControlStream(client, session, reconnect=False):
+            time.sleep(1.0)
+            assert engine.capacity()[0].sessions_more == 2
+            assert engine.session(session.session_id).session_id == session.session_id
+        time.sleep(1.0)
+        assert engine.capacity()[0].sessions_more == 3  # the stream ended: closed as idle
 
 
 def test_a_server_warns_when_its_default_budget_fits_no_session(engine, monkeypatch, caplog):

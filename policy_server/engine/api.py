@@ -12,6 +12,7 @@ Clocks: ``deadline_s`` values are absolute ``time.monotonic()`` seconds; duratio
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol, runtime_checkable
 
@@ -513,6 +514,11 @@ class Engine(Protocol):
 
     def set_budget(self, session_id: str, budget_ms: float) -> SessionHandle:
         """Change the per-tick budget (ms). Raises UnknownSession, BudgetInfeasible, Overloaded."""
+        ...
+
+    def attach(self, session_id: str) -> AbstractContextManager[SessionHandle]:
+        """Hold the session open while the context lasts (a Control stream: its client is there even between
+        frames), however long it goes without a call; yields its handle. Raises UnknownSession."""
         ...
 
     def check_tick(self, session_id: str) -> None:

@@ -158,6 +158,18 @@ class ModelEngine:
     def session(self, session_id: str) -> api.SessionHandle:
         return self.sessions.get(session_id).handle()
 
+    @contextlib.contextmanager
+    def attach(self, session_id: str) -> Iterator[api.SessionHandle]:
+        session = self.sessions.get(session_id)
+        with session.lock:
+            session.streams += 1
+        try:
+            yield session.handle()
+        finally:
+            with session.lock:
+                session.streams -= 1
+                session.last_used_s = time.monotonic()  # its idle time starts when the stream ends
+
     def reset_session(self, session_id: str) -> api.SessionHandle:
         return self.sessions.reset(session_id).handle()
 

@@ -29,7 +29,7 @@ class SessionState:
     prompt: the text K/V of the current instruction, reused while it does not change.
     graphed_instruction: the instruction whose CUDA graphs were captured for its ticks (`engine/cuda_graphs.py`).
     history: full-call counts of the previous ticks per cache setting, for the budget planner.
-    last_used_s: when a call last named it (``time.monotonic()`` s).
+    last_used_s: when a call last named it (``time.monotonic()`` s); streams: the Control streams attached to it.
     """
 
     session_id: str
@@ -51,11 +51,12 @@ class SessionState:
     history: SessionHistory = field(default_factory=SessionHistory)
     lock: threading.Lock = field(default_factory=threading.Lock)
     last_used_s: float = field(default_factory=time.monotonic)
+    streams: int = 0
 
     def idle(self, now_s: float, idle_s: float) -> bool:
-        """No call for ``idle_s`` and no tick in flight."""
+        """No call for ``idle_s``, no tick in flight and no stream attached."""
         ticking = self.in_flight is not None and not self.in_flight.result.done()
-        return now_s - self.last_used_s > idle_s and not ticking
+        return now_s - self.last_used_s > idle_s and not ticking and not self.streams
 
     def handle(self) -> SessionHandle:
         return SessionHandle(self.session_id, self.epoch, self.embodiment, self.instruction, self.budget_ms,

@@ -123,21 +123,22 @@ class ControlCall:
                 got=first.WhichOneof("kind") or "an empty message",
             )
         self._session_id = validate.session_id(first.start.session_id, "start.session_id")
-        handle = self._engine.session(self._session_id)  # UnknownSession ends the stream: NOT_FOUND
-        yield pb.ControlEvent(started=convert.session_to_proto(handle))
+        # The stream holds its session open between frames (UnknownSession ends it: NOT_FOUND).
+        with self._engine.attach(self._session_id) as handle:
+            yield pb.ControlEvent(started=convert.session_to_proto(handle))
 
-        self._context.add_callback(self._on_rpc_done)
-        reader = threading.Thread(
-            target=self._read, args=(requests,), daemon=True, name=f"control-read-{self._session_id[:8]}"
-        )
-        worker = threading.Thread(target=self._work, daemon=True, name=f"control-work-{self._session_id[:8]}")
-        reader.start()
-        worker.start()
-        while True:
-            event = self._outbound.get()
-            if event is _END:
-                return
-            yield event
+            self._context.add_callback(self._on_rpc_done)
+            reader = threading.Thread(
+                target=self._read, args=(requests,), daemon=True, name=f"control-read-{self._session_id[:8]}"
+            )
+            worker = threading.Thread(target=self._work, daemon=True, name=f"control-work-{self._session_id[:8]}")
+            reader.start()
+            worker.start()
+            while True:
+                event = self._outbound.get()
+                if event is _END:
+                    return
+                yield event
 
     def _on_rpc_done(self) -> None:
         """Client cancelled, deadline passed or the call finished: stop both threads."""
