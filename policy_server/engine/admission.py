@@ -197,8 +197,8 @@ class Admission:
             self._assign_slots()
 
     def close_idle(self, idle_s: float) -> None:
-        """Close the sessions with no call for ``idle_s`` (their clients went away without closing them), and
-        share their room among the others."""
+        """Close the sessions idle for ``idle_s`` (`SessionState.idle`: their clients went away without closing
+        them), and share their room among the others."""
         now_s = time.monotonic()
         if not any(session.idle(now_s, idle_s) for session in self.sessions.all()):
             return
