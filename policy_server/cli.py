@@ -163,25 +163,27 @@ def serve(config: ServerConfig) -> int:
         watchdog = threading.Timer(SHUTDOWN_GRACE_S + SHUTDOWN_TIMEOUT_S, _exit_now)
         watchdog.daemon = True
         watchdog.start()
-        server.stop(grace_s=SHUTDOWN_GRACE_S)
-        if not engine.close():
-            # Every caller has been answered; only the worker's device call (a long VAE pass) is left, and
-            # interpreter teardown under a thread inside torch would abort the process: leave without it.
-            log.info("leaving the model worker's device call unfinished")
-            logging.shutdown()
-            os._exit(0)
+        status = _stop(server, engine, SHUTDOWN_GRACE_S, 0)
         watchdog.cancel()
-    return 0
+    return status
 
 
 def _give_up(problem: str, server: PolicyServer, engine: Engine) -> int:
     """Report a setting the server could not start with, stop what had started (warmup among it), and exit 2."""
     print(f"policy-server: {problem}", file=sys.stderr, flush=True)
-    server.stop(grace_s=0)
-    if not engine.close():  # a warmup device call outlasted it: interpreter teardown under it would abort
+    return _stop(server, engine, 0.0, 2)
+
+
+def _stop(server: PolicyServer, engine: Engine, grace_s: float, status: int) -> int:
+    """Stop the server (running calls get `grace_s`), then the engine; returns exit `status`."""
+    server.stop(grace_s=grace_s)
+    if not engine.close():
+        # Every caller has been answered; only the worker's device call (a long VAE pass) is left, and
+        # interpreter teardown under a thread inside torch would abort the process: leave without it.
+        log.info("leaving the model worker's device call unfinished")
         logging.shutdown()
-        os._exit(2)
-    return 2
+        os._exit(status)
+    return status
 
 
 def _exit_now() -> None:

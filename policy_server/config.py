@@ -23,6 +23,7 @@ from policy_server.pipeline.hub import is_hub_id
 ENV_PREFIX = "POLICY_SERVER_"
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 MAX_CONFIG_FILE_BYTES = 1 << 20
+MAX_TOKEN_FILE_BYTES = 4096  # a token is tens of bytes; a path to a wrong, large file is not read whole
 DTYPES = ("auto", "bf16", "fp16", "fp32")  # auto: bf16 on CUDA, fp32 on CPU (engine.resolve_dtype)
 
 
@@ -133,12 +134,8 @@ class ServerConfig(BaseModel):
     @field_validator("auth_token_file")
     @classmethod
     def _readable_token(cls, value: Path | None) -> Path | None:
-        # Imported here: the transport (grpc) loads only once a token is configured. The server reads the file
-        # again when it starts; checking it here refuses a bad one before the model loads.
-        from policy_server.server.auth import read_token_file
-
         if value is not None:
-            read_token_file(value)
+            read_token_file(value)  # a bad file is refused with the settings, before the model loads
         return value
 
     @field_validator("tls_cert", "tls_key")
@@ -161,6 +158,10 @@ class ServerConfig(BaseModel):
     @property
     def tls(self) -> bool:
         return self.tls_cert is not None
+
+    def auth_token(self) -> str | None:
+        """The bearer token clients must send (read from `auth_token_file`), None without one."""
+        return None if self.auth_token_file is None else read_token_file(self.auth_token_file)
 
 
 def check_dtype(value: str) -> None:
@@ -211,6 +212,25 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path}: expected a mapping of keys, got {type(data).__name__}")
     return _normalise_keys(data, str(path))
+
+
+def read_token_file(path: Path) -> str:
+    """The token is the file's content without surrounding whitespace: one run of printable ASCII, as an
+    ``authorization`` header carries it. Raises `ValueError` naming what is wrong with the file."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_TOKEN_FILE_BYTES + 1)
+    except OSError as exc:
+        raise ValueError(f"cannot read auth token file {path}: {exc.strerror}") from None
+    if len(raw) > MAX_TOKEN_FILE_BYTES:
+        raise ValueError(f"auth token file {path} is over {MAX_TOKEN_FILE_BYTES} bytes; expected a single token")
+    token = raw.strip().decode("latin-1")  # any byte decodes; the check below admits ASCII only
+    if not token:
+        raise ValueError(f"auth token file {path} is empty; expected a single token")
+    if not all("!" <= ch <= "~" for ch in token):
+        raise ValueError(f"auth token in {path} contains whitespace or a character that is not printable ASCII; "
+                         "expected a single token")
+    return token
 
 
 def _one_line(exc: Exception) -> str:

@@ -29,7 +29,7 @@ from policy_server.engine.admission import Admission, RateLimiter, default_rate_
 from policy_server.engine.dynamics import Dynamics
 from policy_server.engine.reasoning import Reasoning
 from policy_server.engine.served import EngineSettings, ServedModel
-from policy_server.engine.sessions import SessionTable
+from policy_server.engine.sessions import SessionState, SessionTable
 from policy_server.engine.tick import Tick, TickRequest
 from policy_server.engine.warmup import Warmup
 from policy_server.engine.worker import GeneratorJob, ModelWorker, TickJob
@@ -185,12 +185,9 @@ class ModelEngine:
 
     def check_tick(self, session_id: str) -> None:
         session = self.sessions.get(session_id)
-        prior = session.in_flight
-        if prior is not None and not prior.result.done() and not prior.payload.gone():
+        if session.ticking() and not session.in_flight.payload.gone():  # `act` waits for an abandoned one
             raise api.SessionBusy(session_id)
-        wait_s = session.limiter.due_in(time.monotonic())
-        if wait_s > 0:
-            raise api.RateExceeded(session_id, session.limiter.rate_hz, session.limiter.measured_hz, wait_s * 1e3)
+        _refuse_early(session, session.limiter.due_in(time.monotonic()))
 
     def act(self, session_id: str, epoch: int, observation: api.Observation, deadline_s: float | None = None,
             should_abort: Callable[[], bool] | None = None) -> api.ActResult:
@@ -207,12 +204,9 @@ class ModelEngine:
         if prior is not None and prior.payload.gone():  # it stops within one step: wait instead of refusing
             wait_for([prior.result], timeout=_ABANDONED_WAIT_S)
         with session.lock:
-            if session.in_flight is not None and not session.in_flight.result.done():
+            if session.ticking():
                 raise api.SessionBusy(session_id)
-            wait_s = session.limiter.take(time.monotonic())
-            if wait_s > 0:
-                raise api.RateExceeded(session_id, session.limiter.rate_hz, session.limiter.measured_hz,
-                                       wait_s * 1e3)
+            _refuse_early(session, session.limiter.take(time.monotonic()))
             job = TickJob(session, (session.embodiment, session.chunk_size), request)
             session.in_flight = job
         self._worker.submit(job)
@@ -264,6 +258,13 @@ class ModelEngine:
             raise RuntimeError("the engine failed to warm up") from self._warmup.error
         if not self._warmup.ready.is_set():
             raise api.WarmingUp(progress=self._warmup.progress)
+
+
+def _refuse_early(session: SessionState, wait_s: float) -> None:
+    """RateExceeded when the session's next tick is due in `wait_s` > 0 s."""
+    if wait_s > 0:
+        limiter = session.limiter
+        raise api.RateExceeded(session.session_id, limiter.rate_hz, limiter.measured_hz, wait_s * 1e3)
 
 
 def settings_from_config(config, quality_profile: QualityProfile | None = None,

@@ -53,10 +53,13 @@ class SessionState:
     last_used_s: float = field(default_factory=time.monotonic)
     streams: int = 0
 
+    def ticking(self) -> bool:
+        """A tick of it is queued or running."""
+        return self.in_flight is not None and not self.in_flight.result.done()
+
     def idle(self, now_s: float, idle_s: float) -> bool:
         """No call for ``idle_s``, no tick in flight and no stream attached."""
-        ticking = self.in_flight is not None and not self.in_flight.result.done()
-        return now_s - self.last_used_s > idle_s and not ticking and not self.streams
+        return now_s - self.last_used_s > idle_s and not self.ticking() and not self.streams
 
     def handle(self) -> SessionHandle:
         return SessionHandle(self.session_id, self.epoch, self.embodiment, self.instruction, self.budget_ms,

@@ -144,9 +144,9 @@ class Warmup:
     def _compile_latent_shapes(self, measured: list[tuple[Embodiment, int, int, bool]]) -> Iterator[None]:
         """One untimed tick of each latent shape of the served embodiments that no measured shape has, at the largest
         chunk making it: the tick work compiled for a latent shape serves its every chunk size and embodiment."""
-        def shape(embodiment: Embodiment, chunk: int) -> tuple[int, bool]:
-            # What a step graph is fixed to besides the canvas (`tick_work._shape`): embodiments alike in it share one.
-            return self.served.pipeline.num_latent_frames(chunk), embodiment.state_dim > 0
+        def shape(embodiment: Embodiment, chunk: int) -> tuple:
+            # Embodiments alike in their costs (latent frames, a state row) share a step graph (`tick_work._shape`).
+            return self.served.cost_key(embodiment.name, chunk, 0)
 
         done = {shape(embodiment, chunk) for embodiment, chunk, _, _ in measured}
         instruction = self.text_of(INSTRUCTION_TOKEN_GROUPS[0])

@@ -25,7 +25,6 @@ from ray import serve
 from policy_server.config import ServerConfig
 from policy_server.ray_serve.call import CallAborted, ServeCall
 from policy_server.server.app import max_concurrent_calls
-from policy_server.server.auth import read_token_file
 from policy_server.server.metrics import ServerMetrics
 from policy_server.server.servicer import PolicyServicer
 from policy_server.v1 import policy_server_pb2 as pb
@@ -74,7 +73,7 @@ class PolicyDeployment:
         self._engine = build_engine(config)
         self._engine.wait_ready()  # raises if warmup failed: Serve retries the replica
         self._servicer = PolicyServicer(self._engine, ServerMetrics(self._engine), config.max_message_bytes)
-        self._token = read_token_file(config.auth_token_file) if config.auth_token_file else None
+        self._token = config.auth_token()
         self._pool = ThreadPoolExecutor(max_concurrent_calls(config.max_sessions), thread_name_prefix="rpc")
         self._replica_id = serve.get_replica_context().replica_id.to_full_id_str()
 

@@ -19,7 +19,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from policy_server.config import ServerConfig
 from policy_server.engine.api import Engine
-from policy_server.server.auth import TokenAuthInterceptor, read_token_file
+from policy_server.server.auth import TokenAuthInterceptor
 from policy_server.server.errors import lenient_parser
 from policy_server.server.grpc_metrics import GrpcMetricsInterceptor
 from policy_server.server.metrics import LATENCY_BUCKETS_S, ServerMetrics
@@ -80,7 +80,7 @@ class PolicyServer:
         self.config = config
         self.engine = engine
         self.metrics = ServerMetrics(engine)
-        self._token = read_token_file(config.auth_token_file) if config.auth_token_file else None
+        self._token = config.auth_token()
         self._grpc: grpc.Server | None = None
         self._health = health.HealthServicer(experimental_non_blocking=True)
         self._websocket: OpenpiWebsocketServer | None = None
