@@ -4,11 +4,13 @@ A config file (YAML or JSON, ``--config FILE``) may set any field; keys use the 
 (``latency_budget_ms``) or the flag spelling (``latency-budget-ms``). An environment variable
 ``POLICY_SERVER_<FIELD>`` (``POLICY_SERVER_LATENCY_BUDGET_MS=90``) sets one for a container. Flags given on
 the command line override the environment, which overrides the file. Unknown keys and bad values are
-rejected with an error naming the key and where it came from.
+rejected with an error naming the key and where it came from, and so is a ``POLICY_SERVER_`` variable
+that names no setting.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
 from collections.abc import Mapping
@@ -21,6 +23,7 @@ from policy_server.limits import MAX_BUDGET_MS, MAX_RESIDUAL_ORDER
 from policy_server.pipeline.hub import is_hub_id
 
 ENV_PREFIX = "POLICY_SERVER_"
+ENV_NOT_SETTINGS = ("POLICY_SERVER_CONFIG", "POLICY_SERVER_CACHE")  # the config file; the profile cache
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 MAX_CONFIG_FILE_BYTES = 1 << 20
 MAX_TOKEN_FILE_BYTES = 4096  # a token is tens of bytes; a path to a wrong, large file is not read whole
@@ -272,12 +275,20 @@ def _load_yaml(text: str) -> Any:
 
 def environment_values(environ: Mapping[str, str]) -> dict[str, str]:
     """The settings among ``environ``'s variables: ``POLICY_SERVER_<FIELD>`` for each ``ServerConfig`` field.
-    Other variables with the prefix (``POLICY_SERVER_CACHE``, the profile cache) are not settings."""
+    Any other variable with the prefix, but `ENV_NOT_SETTINGS`, is a `ConfigError`: a misspelt setting in a
+    container's environment would otherwise be ignored without a word."""
     values = {}
     for name, value in environ.items():
+        if not name.startswith(ENV_PREFIX) or name in ENV_NOT_SETTINGS:
+            continue
         field = name.removeprefix(ENV_PREFIX).lower()
-        if name.startswith(ENV_PREFIX) and field in ServerConfig.model_fields:
-            values[field] = value
+        if field not in ServerConfig.model_fields:
+            close = difflib.get_close_matches(field, ServerConfig.model_fields, n=1)
+            hint = f"did you mean ${ENV_PREFIX}{close[0].upper()}? " if close else ""
+            raise ConfigError(f"${name} is not a setting; {hint}expected ${ENV_PREFIX}<FIELD> for a field of "
+                              f"`policy-server --help` (--max-sessions: ${ENV_PREFIX}MAX_SESSIONS), or one of "
+                              f"{', '.join('$' + other for other in ENV_NOT_SETTINGS)}")
+        values[field] = value
     return values
 
 

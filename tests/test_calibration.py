@@ -2,6 +2,7 @@
 and an engine that plans its ticks on it (loaded, or measured at warmup)."""
 
 import json
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from policy_server.engine.calibration import (
     CUT_FRACTIONS,
     DEFAULT_OBSERVATIONS,
     CalibrationError,
+    CalibrationTick,
     Observation,
     calibrate,
     configurations,
@@ -27,7 +29,7 @@ from policy_server.engine.calibration import (
 )
 from policy_server.engine.engine import ModelEngine
 from policy_server.engine.served import EngineSettings
-from policy_server.pipeline.policy import PolicyPipeline, PolicyRequest
+from policy_server.pipeline.policy import PolicyPipeline
 from robots.embedded import build_random_pipeline
 
 STEPS = 6
@@ -82,6 +84,21 @@ def test_calibration_measures_every_configuration_against_the_uncached_default(p
     assert all(p.error_p90 >= 0 and p.full_calls + 2 * p.pairs + p.skipped_calls > 0 for p in points)
 
 
+def test_an_observation_is_encoded_and_prefilled_once_a_pass_not_once_a_tick(pipe, observations, monkeypatch):
+    calls = Counter()
+
+    def counted(name, method):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return method(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(pipe.vae, "encode", counted("encode", pipe.vae.encode))
+    monkeypatch.setattr(pipe, "encode_prompt", counted("prefill", pipe.encode_prompt))
+    calibrate(pipe, observations, configurations(pipe, EngineSettings(), coarse=True)[:4], source="test")
+    assert calls == {"encode": 4, "prefill": 4}  # once per observation and pass, not per tick
+
+
 def test_frontier_points_are_also_measured_on_slow_ticks(pipe, profile, observations):
     points = profile.embodiments["pusht"]
     on_frontier = {p.config for p in frontier(points)}
@@ -91,10 +108,7 @@ def test_frontier_points_are_also_measured_on_slow_ticks(pipe, profile, observat
     # A slow tick on the simulated clock: planned to fit, its calls 1 / 0.6 times slower, the guard holds it.
     costs = CallCosts(full_ms=10.0, skip_ms=1.0, pair_ms=15.0)
     uncached = next(p for p in points if p.config == profile.default)
-    first = observations[0]
-    request = PolicyRequest(images=first.images, instruction=first.instruction, embodiment=first.embodiment,
-                            state=first.state, seed=0)
-    out = run_cut(pipe, request, uncached, 0.6, costs, SeaFilter())
+    out = run_cut(pipe, CalibrationTick.of(pipe, observations[0], seed=0), uncached, 0.6, costs, SeaFilter())
     slowed = sum(costs.pair_ms if step.batched else len(step.full) * costs.full_ms
                  + (len(step.branches) - len(step.full)) * costs.skip_ms for step in out.steps) / 0.6
     assert len(out.steps) == STEPS and out.cache.forced_skips > 0

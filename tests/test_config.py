@@ -116,6 +116,14 @@ def test_every_field_can_be_set_in_the_environment_between_the_file_and_the_flag
     assert (from_env.port, from_env.max_sessions) == (7100, 5)
 
 
+def test_a_prefixed_variable_that_names_no_setting_is_refused():
+    with pytest.raises(ConfigError, match=r"\$POLICY_SERVER_MAX_SESION is not a setting; did you mean "
+                                          r"\$POLICY_SERVER_MAX_SESSIONS\?"):
+        cli.config_from_args([], {"POLICY_SERVER_MAX_SESION": "4"})
+    with pytest.raises(ConfigError, match=r"\$POLICY_SERVER_ZZZ is not a setting; expected"):
+        cli.config_from_args([], {"POLICY_SERVER_ZZZ": "1"})
+
+
 def test_a_bad_setting_is_named_with_where_it_came_from(tmp_path):
     path = tmp_path / "server.yaml"
     path.write_text(yaml.safe_dump({"max_batch": 0}))

@@ -73,8 +73,8 @@ BAD_CODES = (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
-# POLICY_SERVER_FUZZ_SCALE=10 runs ten times the examples (a longer, deeper run than CI's).
-SCALE = max(1, int(os.environ.get("POLICY_SERVER_FUZZ_SCALE", "1")))
+# FUZZ_SCALE=10 runs ten times the examples (a longer, deeper run than CI's).
+SCALE = max(1, int(os.environ.get("FUZZ_SCALE", "1")))
 
 
 def fuzz_settings(max_examples: int) -> settings:

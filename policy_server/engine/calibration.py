@@ -56,10 +56,13 @@ from policy_server.engine.tick import step_calls
 from policy_server.pipeline.hub import is_hub_id
 from policy_server.pipeline.policy import (
     CheckpointLoadError,
+    Condition,
     FixedSteps,
     PolicyOutput,
     PolicyPipeline,
     PolicyRequest,
+    PromptState,
+    StepControl,
     default_model_path,
     run_steps,
 )
@@ -200,12 +203,37 @@ def fixed_control(pipeline: PolicyPipeline, config: TickConfig, sea_filter: SeaF
     return FixedSteps(config.num_steps, guided, cache)
 
 
-def run_config(pipeline: PolicyPipeline, request: PolicyRequest, config: TickConfig,
+@dataclass(frozen=True)
+class CalibrationTick:
+    """An observation's request and what every configuration's tick of it shares, made once: its frames
+    encoded and its text K/V prefilled (the configurations differ only in the denoising)."""
+
+    request: PolicyRequest
+    condition: Condition
+    prompt: PromptState
+
+    @classmethod
+    def of(cls, pipeline: PolicyPipeline, observation: Observation, seed: int) -> CalibrationTick:
+        request = PolicyRequest(images=observation.images, instruction=observation.instruction,
+                                embodiment=observation.embodiment, state=observation.state, seed=seed)
+        pipeline.validate(request)
+        condition = pipeline.encode_condition(request)
+        embodiment = pipeline.embodiments.get(request.embodiment)
+        prompt = pipeline.encode_prompt(request.instruction, embodiment, embodiment.default_chunk_size,
+                                        pipeline.config.guidance != 1.0, condition[1])
+        return cls(request, condition, prompt)
+
+    def run(self, pipeline: PolicyPipeline, num_steps: int, control: StepControl) -> PolicyOutput:
+        """The tick at `num_steps` sampler steps under the step `control`."""
+        request = PolicyRequest(**{**self.request.__dict__, "num_steps": num_steps})
+        return run_steps(pipeline.steps(request, self.prompt, control, condition=self.condition),
+                         pipeline.transformer.gen_stack)
+
+
+def run_config(pipeline: PolicyPipeline, tick: CalibrationTick, config: TickConfig,
                sea_filter: SeaFilter) -> PolicyOutput:
-    """One tick of `request` at `config`, without a deadline."""
-    request = PolicyRequest(**{**request.__dict__, "num_steps": config.num_steps})
-    return run_steps(pipeline.steps(request, None, fixed_control(pipeline, config, sea_filter)),
-                     pipeline.transformer.gen_stack)
+    """`tick` at `config`, without a deadline."""
+    return tick.run(pipeline, config.num_steps, fixed_control(pipeline, config, sea_filter))
 
 
 class _SimulatedClock:
@@ -240,17 +268,15 @@ class SimulatedGuardedSteps(GuardedSteps):
         super().ran(outs)
 
 
-def run_cut(pipeline: PolicyPipeline, request: PolicyRequest, point: ProfilePoint, fraction: float,
+def run_cut(pipeline: PolicyPipeline, tick: CalibrationTick, point: ProfilePoint, fraction: float,
             costs: CallCosts, sea_filter: SeaFilter) -> PolicyOutput:
-    """One tick of `request` at `point` planned to fit at `costs` (as the planner plans it before a session has
-    run it), whose calls run `1 / fraction` times slower."""
+    """`tick` at `point` planned to fit at `costs` (as the planner plans it before a session has run it), whose
+    calls run `1 / fraction` times slower."""
     config = point.config
     plan = plan_on_frontier(point.predicted_p90_ms(costs), (point,), costs, guided=pipeline.guided_steps)
     cache = SeaCache(SeaCacheConfig(threshold=plan.thresholds, residual_order=config.residual_order,
                                     max_consecutive_cached=plan.cap), sea_filter=sea_filter)
-    request = PolicyRequest(**{**request.__dict__, "num_steps": config.num_steps})
-    return run_steps(pipeline.steps(request, None, SimulatedGuardedSteps(plan, costs, cache, 1.0 / fraction)),
-                     pipeline.transformer.gen_stack)
+    return tick.run(pipeline, config.num_steps, SimulatedGuardedSteps(plan, costs, cache, 1.0 / fraction))
 
 
 def call_counts(out: PolicyOutput) -> tuple[int, int, int]:
@@ -286,17 +312,15 @@ def calibration_steps(pipeline: PolicyPipeline, observations: Sequence[Observati
                          threshold=0.0, cap=0, residual_order=configs[0].residual_order)
     measured: dict[str, dict[TickConfig, list[tuple[float, int, int, int]]]] = {}
     cost_model = CostModel(window=len(observations) * len(configs))  # keyed by embodiment; every tick counts
-    requests, references = [], []
+    references = []
     sea_filter = SeaFilter()
     for index, observation in enumerate(observations):
-        request = PolicyRequest(images=observation.images, instruction=observation.instruction,
-                                embodiment=observation.embodiment, state=observation.state, seed=index)
-        pipeline.validate(request)
-        requests.append(request)
-        references.append(run_config(pipeline, request, default, sea_filter).actions)
+        # Made again for the second pass: the text K/V of every observation would be too large to keep.
+        tick = CalibrationTick.of(pipeline, observation, seed=index)
+        references.append(run_config(pipeline, tick, default, sea_filter).actions)
         yield
         for config in configs:
-            out = run_config(pipeline, request, config, sea_filter)
+            out = run_config(pipeline, tick, config, sea_filter)
             runs = measured.setdefault(observation.embodiment, {}).setdefault(config, [])
             runs.append((action_rel_l2(out.actions, references[-1]), *call_counts(out)))
             cost_model.observe_tick(observation.embodiment, step_calls(out.steps))
@@ -310,15 +334,16 @@ def calibration_steps(pipeline: PolicyPipeline, observations: Sequence[Observati
     costs = {embodiment: cost_model.costs(embodiment) if cost_model.samples(embodiment)[SKIP] else None
              for embodiment in embodiments}
     cut_errors: dict[tuple[str, TickConfig], dict[float, list[float]]] = {}
-    for index, (observation, request) in enumerate(zip(observations, requests, strict=True)):
+    for index, observation in enumerate(observations):
         embodiment = observation.embodiment
         if costs[embodiment] is None:
             continue
+        tick = CalibrationTick.of(pipeline, observation, seed=index)
         for point in frontier(embodiments[embodiment]):
             if point.config.num_steps <= 2:
                 continue  # the first and last steps always run full: nothing to cut
             for fraction in CUT_FRACTIONS:
-                out = run_cut(pipeline, request, point, fraction, costs[embodiment], sea_filter)
+                out = run_cut(pipeline, tick, point, fraction, costs[embodiment], sea_filter)
                 errors = cut_errors.setdefault((embodiment, point.config), {}).setdefault(fraction, [])
                 errors.append(action_rel_l2(out.actions, references[index]))
                 yield

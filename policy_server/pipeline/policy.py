@@ -123,6 +123,7 @@ class StackCall:
 # `PolicyPipeline.steps`: yields None before each sampler step (send back None) and a `StackCall` for the
 # full GEN-stack calls of a step (send back their output); returns the tick's `PolicyOutput`.
 TickSteps = Generator["StackCall | None", "torch.Tensor | None", "PolicyOutput"]
+Condition = tuple[torch.Tensor, tuple[int, int]]  # a request's conditioning latents [C, T_clean, h, w], canvas (h, w)
 
 
 def stepwise(steps: TickSteps, gen_stack: Callable[[GenInput, UndKV], torch.Tensor]):
@@ -464,7 +465,7 @@ class PolicyPipeline:
         return run_steps(self.steps(request, prompt, control), self.transformer.gen_stack)
 
     def steps(self, request: PolicyRequest, prompt: PromptState | None, control: StepControl,
-              work: TickWork | None = None) -> TickSteps:
+              work: TickWork | None = None, condition: Condition | None = None) -> TickSteps:
         """One tick of a valid `request` under `control`, the one say the caller has in the step loop (the
         engine builds its requests from what the transport validated), as a generator (`TickSteps`): whoever
         drives it runs the full GEN-stack calls, alone or batched with other ticks', and may stop between
@@ -472,17 +473,17 @@ class PolicyPipeline:
         held across the yields would be restored out of order by interleaved ticks, or on another thread when
         an abandoned tick is collected. `prompt`: the session's text K/V (prefilled here when missing or
         stale). `work`: how the tick prefills, and each step embeds and decodes around the GEN stack (default:
-        eagerly)."""
+        eagerly). `condition`: the request's `encode_condition`, when the caller has it (encoded here if not)."""
         work = work or self.tick_work
         t_start = time.perf_counter()
         embodiment = self.embodiments.get(request.embodiment)
-        chunk = embodiment.default_chunk_size if request.chunk_size is None else request.chunk_size
+        chunk = self._chunk(request)
         steps, guidance = self._num_steps(request), self._guidance(request)
         cfg = guidance != 1.0
         timings: dict[str, float] = {}
 
         clock = time.perf_counter()
-        clean_latent, canvas_hw = self._encode_condition(request, chunk)
+        clean_latent, canvas_hw = condition or self.encode_condition(request)
         timings["encode"] = _ms_since(clock)
 
         clock = time.perf_counter()
@@ -571,9 +572,7 @@ class PolicyPipeline:
         embodiment = self.embodiments.get(request.embodiment)
         if request.mode != "inverse_dynamics" and not request.instruction.strip():
             raise EmptyInstruction(request.mode)
-        chunk = embodiment.check_chunk_size(
-            embodiment.default_chunk_size if request.chunk_size is None else request.chunk_size
-        )
+        chunk = embodiment.check_chunk_size(self._chunk(request))
         steps = self._num_steps(request)
         if not isinstance(steps, int) or not 1 <= steps <= 1000:
             raise InvalidSamplerSettings("num_steps", f"num_steps={steps!r}; expected an integer in [1, 1000]")
@@ -588,6 +587,11 @@ class PolicyPipeline:
             actions = embodiment.check_actions(request.actions)
             if actions.shape[0] != chunk:
                 raise InvalidActions(f"got {actions.shape[0]} actions; expected chunk_size={chunk}")
+
+    def _chunk(self, request: PolicyRequest) -> int:
+        """The request's chunk size, the embodiment's default where it gives none."""
+        embodiment = self.embodiments.get(request.embodiment)
+        return embodiment.default_chunk_size if request.chunk_size is None else request.chunk_size
 
     def _num_steps(self, request: PolicyRequest) -> int:
         return request.num_steps or self.config.num_steps
@@ -621,11 +625,12 @@ class PolicyPipeline:
         if len(heights) > 1:
             raise InvalidImage(f"camera images have heights {sorted(heights)}; expected one common height")
 
-    def _encode_condition(self, request: PolicyRequest, chunk: int) -> tuple[torch.Tensor, tuple[int, int]]:
-        """VAE latents of the conditioning frames, padding cropped: [C, T_clean, h, w], and the canvas (h, w)."""
+    def encode_condition(self, request: PolicyRequest) -> Condition:
+        """VAE latents of a valid `request`'s conditioning frames, padding cropped: [C, T_clean, h, w], and the
+        canvas (h, w)."""
         if request.mode == "inverse_dynamics":
             frames = request.video  # a shorter video is extended with its last frame
-            num_frames = self.num_video_frames(chunk)
+            num_frames = self.num_video_frames(self._chunk(request))
         else:
             cams = [request.images[c] for c in self.embodiments.get(request.embodiment).cameras]
             frames = (np.concatenate(cams, axis=1) if len(cams) > 1 else cams[0])[None]
