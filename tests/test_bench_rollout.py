@@ -206,11 +206,11 @@ def test_bench_refuses_what_it_cannot_drive(tmp_path, capsys):
         assert "--profile-ticks must be >= 0, --forward-repeats and --threads >= 1" in capsys.readouterr().err
 
 
-def test_bench_ends_with_the_message_of_a_budget_the_engine_refuses(model_dir, tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("POLICY_SERVER_CACHE", str(tmp_path / "cache"))
-    args = ["--checkpoint", str(model_dir), "--ticks", "2", "--warmup", "2", "--closed-loop", "0",
-            "--profile-ticks", "0", "--no-reference", "--budgets-ms", "1", "--calibration-observations", "1",
-            "--out", str(tmp_path / "b.json")]
+def test_bench_ends_with_the_message_of_a_budget_the_engine_refuses(profiled_checkpoint, tmp_path, monkeypatch,
+                                                                   capsys):
+    checkpoint, _ = profiled_checkpoint
+    args = ["--checkpoint", str(checkpoint), "--ticks", "2", "--warmup", "2", "--closed-loop", "0",
+            "--profile-ticks", "0", "--no-reference", "--budgets-ms", "1", "--out", str(tmp_path / "b.json")]
     assert bench_main(args) == 2
     err = capsys.readouterr().err
     assert "budget 1 ms is below the best achievable latency" in err and "choose larger --budget-fractions" in err
