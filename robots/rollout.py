@@ -39,6 +39,7 @@ import gymnasium
 import numpy as np
 
 from policy_server.client.errors import PolicyServerError
+from policy_server.client.tls_flags import add_tls_flags, tls_options
 from policy_server.engine.api import EngineError
 from policy_server.limits import MAX_BUDGET_MS
 from robots.envs import ENV_IDS, HELDOUT_SEED_OFFSET, REACH_ID, ReachScene
@@ -80,10 +81,12 @@ class ServerPolicy:
     """Talks to a running server through the client library."""
 
     def __init__(self, target: str, budget_ms: float | None, token_file: Path | None,
-                 serve_application: str | None = None):
+                 serve_application: str | None = None, tls: dict | None = None):
+        """`tls`: `PolicyClient`'s TLS arguments (`tls_options`)."""
         from policy_server.client import PolicyClient
 
-        self.client = PolicyClient(target, token_file=token_file, timeout_s=60, serve_application=serve_application)
+        self.client = PolicyClient(target, token_file=token_file, timeout_s=60, serve_application=serve_application,
+                                   **(tls or {}))
         self.client.wait_until_serving(timeout_s=600)
         self.budget_ms = budget_ms
 
@@ -358,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--first-episode", type=int, default=0, help="held-out seed index of episode 0")
     parser.add_argument("--videos", type=int, default=0, help="MP4s of the first N episodes")
     parser.add_argument("--auth-token-file", type=Path, default=None)
+    add_tls_flags(parser)
     parser.add_argument("--serve-application", default=None,
                         help="--server is Ray Serve's gRPC proxy: route to this application (policy-server ray-serve)")
     g = parser.add_argument_group("Ray (pip install 'policy-server[ray]')")
@@ -376,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--ray-address, --ray-gpus-per-worker and --ray-cpus-per-worker need --ray N")
     if args.ray_gpus_per_worker < 0 or args.ray_cpus_per_worker < 0:
         parser.error("--ray-gpus-per-worker and --ray-cpus-per-worker must be >= 0")
+    if tls_options(args)["tls"] and not args.server:
+        parser.error("--tls, --tls-ca and --tls-server-name need --server")
     if args.serve_application is not None and not args.server:
         parser.error("--serve-application needs --server (the address of Serve's gRPC proxy)")
     if args.device != "cpu" and not args.in_process:
@@ -412,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
                                         quality_profile or "off", args.device, args.compile_gen_stack)
     else:
         make_policy = functools.partial(ServerPolicy, args.server, budget, args.auth_token_file,
-                                        args.serve_application)
+                                        args.serve_application, tls_options(args))
 
     started = time.perf_counter()
     indices = range(args.first_episode, args.first_episode + args.episodes)

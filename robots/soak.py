@@ -47,6 +47,7 @@ import numpy as np
 
 import robots.envs  # noqa: F401  (registers the environments)
 from policy_server.client import ActionChunk, ControlStream, PolicyClient, PolicyServerError, Session
+from policy_server.client.tls_flags import add_tls_flags, tls_options
 from robots.envs.reach import EMBODIMENT, HELDOUT_SEED_OFFSET
 
 EXAMPLES = 5  # error and wrong-answer messages kept per session, for the report
@@ -491,6 +492,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g = p.add_argument_group("a server already running (instead of starting one)")
     g.add_argument("--server", metavar="HOST:PORT", help="soak this server")
     g.add_argument("--server-pid", type=int, help="its process id, to sample its RSS (same machine)")
+    add_tls_flags(g)
     p.add_argument("--auth-token-file", type=Path,
                    help="the server's bearer token (a server the soak starts is given it too)")
     g = p.add_argument_group("the server the soak starts (policy-server flags)")
@@ -505,6 +507,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                 "the soak starts, not with --server")
     if args.server_pid is not None and not args.server:
         p.error("--server-pid needs --server")
+    if tls_options(args)["tls"] and not args.server:
+        p.error("--tls, --tls-ca and --tls-server-name need --server (the server the soak starts has no TLS)")
     return args
 
 
@@ -531,7 +535,8 @@ def open_drivers(args: argparse.Namespace, target: str) -> tuple[list[Unary | St
         env.reset(seed=episode_seed(args, index, 0))
         instruction = env.unwrapped.task_description
         env.close()
-        client = PolicyClient(target, timeout_s=args.timeout_s, token_file=args.auth_token_file)
+        client = PolicyClient(target, timeout_s=args.timeout_s, token_file=args.auth_token_file,
+                              **tls_options(args))
         try:
             session = client.open_session(EMBODIMENT, instruction, seed=index, client_name=f"soak-{index}",
                                           rate_hz=args.rate_hz, actions_per_chunk=args.actions_per_chunk)
@@ -558,7 +563,8 @@ def close_drivers(drivers: list[Unary | Stream]) -> list[str]:
 
 
 def soak(args: argparse.Namespace, target: str, pid: int | None) -> tuple[dict, list[SessionResult]]:
-    with PolicyClient(target, timeout_s=args.timeout_s, token_file=args.auth_token_file) as client:
+    with PolicyClient(target, timeout_s=args.timeout_s, token_file=args.auth_token_file,
+                      **tls_options(args)) as client:
         client.wait_until_serving(timeout_s=args.startup_timeout_s)
         info = client.server_info()
     spec = next(e for e in info.embodiments if e.name == EMBODIMENT)

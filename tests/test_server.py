@@ -18,8 +18,11 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from prometheus_client.parser import text_string_to_metric_families
 
 from policy_server.client import PolicyClient, PolicyServerError
+from policy_server.client.__main__ import main as client_main
 from policy_server.engine.api import Observation
 from policy_server.v1 import policy_server_pb2 as pb
+from robots.rollout import main as rollout_main
+from robots.soak import main as soak_main
 
 STATE = np.array([0.5, -0.25], np.float32)
 REPO = Path(__file__).resolve().parents[1]
@@ -303,7 +306,7 @@ def test_token_auth(token_file):
             np.testing.assert_array_equal(chunk.actions, expected(1))
 
 
-def test_tls(tmp_path):
+def test_tls(tmp_path, capsys):
     cert, key = self_signed_cert(tmp_path)
     (tmp_path / "other").mkdir()
     other_cert, _ = self_signed_cert(tmp_path / "other")
@@ -320,6 +323,23 @@ def test_tls(tmp_path):
             with pytest.raises(PolicyServerError) as err:
                 untrusted.health()
             assert err.value.code == grpc.StatusCode.UNAVAILABLE
+        # The command-line tools' TLS flags (the probe's; policy-rollout and policy-soak share them).
+        probe = ["health", "--server", server.target, "--timeout-s", "1", "--tls-ca", str(cert)]
+        assert client_main(probe) == 0
+        assert client_main([*probe, "--tls-server-name", "localhost"]) == 0
+        assert client_main([*probe, "--tls-server-name", "robot.example"]) == 2  # not a name the certificate holds
+        assert client_main(probe[:-2]) == 2  # plaintext
+        assert client_main([*probe[:-2], "--tls"]) == 2  # the system's roots do not hold a self-signed certificate
+        assert rollout_main(["--server", server.target, "--tls-ca", str(cert), "--episodes", "1",
+                             "--out", str(tmp_path / "rollout.json")]) == 0
+    for main, argv in ((rollout_main, ["--in-process", "--tls"]), (soak_main, ["--tls-server-name", "localhost"])):
+        with pytest.raises(SystemExit):  # a server the tool runs itself has no TLS
+            main(argv)
+        assert "need --server" in capsys.readouterr().err
+    for bad, why in ((tmp_path / "missing.pem", "cannot read"), (key, "is not a PEM certificate file")):
+        with pytest.raises(SystemExit) as exit_:
+            client_main(["health", "--tls-ca", str(bad)])
+        assert exit_.value.code == 2 and why in capsys.readouterr().err
 
 
 def test_unix_socket(tmp_path):

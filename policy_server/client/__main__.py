@@ -15,6 +15,7 @@ from google.protobuf import json_format
 
 from policy_server.client.errors import PolicyServerError
 from policy_server.client.sync_client import PolicyClient
+from policy_server.client.tls_flags import add_tls_flags, tls_options
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--server", default="127.0.0.1:50051", metavar="HOST:PORT",
                         help="the policy-server (127.0.0.1:50051)")
     parser.add_argument("--auth-token-file", type=Path, help="file with the server's bearer token")
-    parser.add_argument("--tls-ca", type=Path, help="PEM root certificate; enables TLS")
+    add_tls_flags(parser)
     parser.add_argument("--timeout-s", type=float, default=3.0)
     parser.add_argument("--budget-ms", type=float,
                         help="info: the capacity at this latency budget (default: the server's)")
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         args.server,
         token_file=args.auth_token_file,
         timeout_s=args.timeout_s,
-        root_certificates=args.tls_ca.read_bytes() if args.tls_ca else None,
+        **tls_options(args),
     )
     try:
         if args.command == "health":

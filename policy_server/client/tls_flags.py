@@ -1,0 +1,42 @@
+"""The TLS flags of the command-line tools that connect to a server (``python -m policy_server.client``,
+``policy-rollout``, ``policy-soak``): ``--tls`` (the system's root certificates), ``--tls-ca FILE`` and
+``--tls-server-name NAME``, either of which implies ``--tls``."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+MAX_CA_FILE_BYTES = 1 << 20  # a CA bundle is tens of kB
+
+
+def _pem_file(value: str) -> bytes:
+    """argparse type: the contents of a PEM file."""
+    path = Path(value)
+    try:
+        with path.open("rb") as f:
+            pem = f.read(MAX_CA_FILE_BYTES + 1)
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {exc.strerror}") from None
+    if len(pem) > MAX_CA_FILE_BYTES or b"-----BEGIN CERTIFICATE-----" not in pem:
+        raise argparse.ArgumentTypeError(f"{path} is not a PEM certificate file of at most {MAX_CA_FILE_BYTES} "
+                                         "bytes; expected one or more '-----BEGIN CERTIFICATE-----' blocks")
+    return pem
+
+
+def add_tls_flags(parser) -> None:
+    """Add the TLS flags to an `argparse` parser or argument group."""
+    parser.add_argument("--tls", action="store_true",
+                        help="connect with TLS, verifying the server against the system's root certificates")
+    parser.add_argument("--tls-ca", type=_pem_file, metavar="FILE",
+                        help="PEM root certificate(s) to verify the server with instead; implies --tls")
+    parser.add_argument("--tls-server-name", metavar="NAME",
+                        help="the name the server's certificate must hold (default: the host of the address; "
+                             "localhost for a unix: socket); implies --tls")
+
+
+def tls_options(args: argparse.Namespace) -> dict:
+    """`PolicyClient`'s keyword arguments for the parsed TLS flags."""
+    tls = args.tls or args.tls_ca is not None or args.tls_server_name is not None
+    return {"tls": tls, "root_certificates": args.tls_ca, "server_name": args.tls_server_name}
+
