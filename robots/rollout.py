@@ -38,8 +38,8 @@ import cv2
 import gymnasium
 import numpy as np
 
+from policy_server.client.cli_flags import add_tls_flags, tls_options, token_file
 from policy_server.client.errors import PolicyServerError
-from policy_server.client.tls_flags import add_tls_flags, tls_options
 from policy_server.engine.api import EngineError
 from policy_server.limits import MAX_BUDGET_MS
 from robots.envs import ENV_IDS, HELDOUT_SEED_OFFSET, REACH_ID, ReachScene
@@ -360,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--execute", type=int, default=4, help="actions executed per chunk before replanning")
     parser.add_argument("--first-episode", type=int, default=0, help="held-out seed index of episode 0")
     parser.add_argument("--videos", type=int, default=0, help="MP4s of the first N episodes")
-    parser.add_argument("--auth-token-file", type=Path, default=None)
+    parser.add_argument("--auth-token-file", type=token_file, help="file with the server's bearer token")
     add_tls_flags(parser)
     parser.add_argument("--serve-application", default=None,
                         help="--server is Ray Serve's gRPC proxy: route to this application (policy-server ray-serve)")

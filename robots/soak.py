@@ -47,7 +47,7 @@ import numpy as np
 
 import robots.envs  # noqa: F401  (registers the environments)
 from policy_server.client import ActionChunk, ControlStream, PolicyClient, PolicyServerError, Session
-from policy_server.client.tls_flags import add_tls_flags, tls_options
+from policy_server.client.cli_flags import add_tls_flags, tls_options, token_file
 from robots.envs.reach import EMBODIMENT, HELDOUT_SEED_OFFSET
 
 EXAMPLES = 5  # error and wrong-answer messages kept per session, for the report
@@ -493,7 +493,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--server", metavar="HOST:PORT", help="soak this server")
     g.add_argument("--server-pid", type=int, help="its process id, to sample its RSS (same machine)")
     add_tls_flags(g)
-    p.add_argument("--auth-token-file", type=Path,
+    p.add_argument("--auth-token-file", type=token_file,
                    help="the server's bearer token (a server the soak starts is given it too)")
     g = p.add_argument_group("the server the soak starts (policy-server flags)")
     g.add_argument("--latency-budget-ms", type=float, help="default per-tick budget, ms (server default)")

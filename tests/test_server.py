@@ -336,9 +336,13 @@ def test_tls(tmp_path, capsys):
         with pytest.raises(SystemExit):  # a server the tool runs itself has no TLS
             main(argv)
         assert "need --server" in capsys.readouterr().err
-    for bad, why in ((tmp_path / "missing.pem", "cannot read"), (key, "is not a PEM certificate file")):
+    (tmp_path / "empty").write_text(" \n")
+    for flag, bad, why in (("--tls-ca", tmp_path / "missing.pem", "cannot read"),
+                           ("--tls-ca", key, "is not a PEM certificate file"),
+                           ("--auth-token-file", tmp_path / "missing", "cannot read"),
+                           ("--auth-token-file", tmp_path / "empty", "holds no token")):
         with pytest.raises(SystemExit) as exit_:
-            client_main(["health", "--tls-ca", str(bad)])
+            client_main(["health", flag, str(bad)])
         assert exit_.value.code == 2 and why in capsys.readouterr().err
 
 

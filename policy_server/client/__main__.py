@@ -9,13 +9,12 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import sys
-from pathlib import Path
 
 from google.protobuf import json_format
 
+from policy_server.client.cli_flags import add_tls_flags, tls_options, token_file
 from policy_server.client.errors import PolicyServerError
 from policy_server.client.sync_client import PolicyClient
-from policy_server.client.tls_flags import add_tls_flags, tls_options
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("command", choices=("health", "info"))
     parser.add_argument("--server", default="127.0.0.1:50051", metavar="HOST:PORT",
                         help="the policy-server (127.0.0.1:50051)")
-    parser.add_argument("--auth-token-file", type=Path, help="file with the server's bearer token")
+    parser.add_argument("--auth-token-file", type=token_file, help="file with the server's bearer token")
     add_tls_flags(parser)
     parser.add_argument("--timeout-s", type=float, default=3.0)
     parser.add_argument("--budget-ms", type=float,

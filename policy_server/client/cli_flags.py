@@ -1,6 +1,6 @@
-"""The TLS flags of the command-line tools that connect to a server (``python -m policy_server.client``,
-``policy-rollout``, ``policy-soak``): ``--tls`` (the system's root certificates), ``--tls-ca FILE`` and
-``--tls-server-name NAME``, either of which implies ``--tls``."""
+"""What the command-line tools that connect to a server (``python -m policy_server.client``, ``policy-rollout``,
+``policy-soak``) share: the type of ``--auth-token-file``, and the TLS flags ``--tls`` (the system's root
+certificates), ``--tls-ca FILE`` and ``--tls-server-name NAME``, either of which implies ``--tls``."""
 
 from __future__ import annotations
 
@@ -8,6 +8,20 @@ import argparse
 from pathlib import Path
 
 MAX_CA_FILE_BYTES = 1 << 20  # a CA bundle is tens of kB
+MAX_TOKEN_FILE_BYTES = 4096  # as the server's
+
+
+def token_file(value: str) -> Path:
+    """argparse type: a readable file with a token in it (`PolicyClient` reads it)."""
+    path = Path(value)
+    try:
+        with path.open("rb") as f:
+            token = f.read(MAX_TOKEN_FILE_BYTES + 1)
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {exc.strerror}") from None
+    if len(token) > MAX_TOKEN_FILE_BYTES or not token.strip():
+        raise argparse.ArgumentTypeError(f"{path} holds no token; expected a file with the server's bearer token")
+    return path
 
 
 def _pem_file(value: str) -> bytes:
