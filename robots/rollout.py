@@ -81,12 +81,12 @@ class ServerPolicy:
     """Talks to a running server through the client library."""
 
     def __init__(self, target: str, budget_ms: float | None, token_file: Path | None,
-                 serve_application: str | None = None, tls: dict | None = None):
+                 serve_application: str | None, tls: dict):
         """`tls`: `PolicyClient`'s TLS arguments (`tls_options`)."""
         from policy_server.client import PolicyClient
 
         self.client = PolicyClient(target, token_file=token_file, timeout_s=60, serve_application=serve_application,
-                                   **(tls or {}))
+                                   **tls)
         self.client.wait_until_serving(timeout_s=600)
         self.budget_ms = budget_ms
 
