@@ -19,6 +19,7 @@ from policy_server.engine.calibration import (
     CalibrationError,
     CalibrationTick,
     Observation,
+    TickRunner,
     calibrate,
     configurations,
     load_observations,
@@ -108,7 +109,8 @@ def test_frontier_points_are_also_measured_on_slow_ticks(pipe, profile, observat
     # A slow tick on the simulated clock: planned to fit, its calls 1 / 0.6 times slower, the guard holds it.
     costs = CallCosts(full_ms=10.0, skip_ms=1.0, pair_ms=15.0)
     uncached = next(p for p in points if p.config == profile.default)
-    out = run_cut(pipe, CalibrationTick.of(pipe, observations[0], seed=0), uncached, 0.6, costs, SeaFilter())
+    tick = CalibrationTick.of(pipe, observations[0], 0, TickRunner.eager(pipe))
+    out = run_cut(pipe, tick, uncached, 0.6, costs, SeaFilter())
     slowed = sum(costs.pair_ms if step.batched else len(step.full) * costs.full_ms
                  + (len(step.branches) - len(step.full)) * costs.skip_ms for step in out.steps) / 0.6
     assert len(out.steps) == STEPS and out.cache.forced_skips > 0

@@ -19,7 +19,7 @@ import torch
 
 from policy_server import cli
 from policy_server.client import PolicyClient
-from policy_server.engine import api
+from policy_server.engine import api, calibration
 from policy_server.engine.compiled_stack import CompileUnavailableError, PrecompiledGenStack, compile_unavailable
 from policy_server.engine.engine import EngineSettings, ModelEngine
 from policy_server.model import GenInput, UndKV
@@ -238,13 +238,24 @@ class _EndsAt(FixedSteps):
         return super().before_step(step)[0], step == self.last
 
 
-def test_an_engine_compiles_at_warmup_and_serves_without_compiling(pipeline, compiles):
+def test_an_engine_compiles_at_warmup_and_serves_without_compiling(pipeline, compiles, monkeypatch):
     expected = _tick(pipeline, _request(RED), pipeline.transformer.gen_stack).actions
-    engine = ModelEngine(pipeline, EngineSettings(warmup_ticks=1, default_budget_ms=10_000.0))  # the default
+    calibration_stacks = []
+
+    def recording_run_steps(steps, gen_stack):
+        calibration_stacks.append(gen_stack)
+        return run_steps(steps, gen_stack)
+
+    monkeypatch.setattr(calibration, "run_steps", recording_run_steps)
+    engine = ModelEngine(pipeline, EngineSettings(warmup_ticks=1, default_budget_ms=10_000.0,  # the default
+                                                  calibrate_at_warmup=True))
     engine.start()
     try:
         assert engine.wait_ready(timeout_s=600)
         stack, work = engine.served.gen_stack, engine.served.tick_work
+        # Its warmup calibration ran its ticks as the live ones run (compiled), after compiling.
+        assert engine.served.profile is not None and calibration_stacks
+        assert all(each is stack for each in calibration_stacks)
         patterns, compile_ms, eager_calls = stack.num_patterns, stack.compile_ms, stack.eager_calls
         shapes, work_eager_calls = work.num_shapes, work.eager_calls
         # One CFG branch, and both as one batch (a micro-batch of two ticks goes through that graph too).

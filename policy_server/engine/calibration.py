@@ -51,6 +51,7 @@ from policy_server.cache.controller import NoCache
 from policy_server.cache.sea_filter import SeaFilter
 from policy_server.cache.seacache import SeaCache, SeaCacheConfig
 from policy_server.config import DTYPES
+from policy_server.engine.batching import GenStack
 from policy_server.engine.served import EngineSettings, cache_ladder
 from policy_server.engine.tick import step_calls
 from policy_server.pipeline.hub import is_hub_id
@@ -66,6 +67,7 @@ from policy_server.pipeline.policy import (
     default_model_path,
     run_steps,
 )
+from policy_server.pipeline.tick_work import TickWork
 
 # Sampler steps tried, as fractions of the default (then floored at `min_steps`); a coarse grid, for the
 # bounded calibration at warmup, tries fewer of them, two CFG schedules and three cache settings.
@@ -204,6 +206,19 @@ def fixed_control(pipeline: PolicyPipeline, config: TickConfig, sea_filter: SeaF
 
 
 @dataclass(frozen=True)
+class TickRunner:
+    """How calibration runs a tick's model work: the GEN stack's calls and the rest (`TickWork`). Eagerly by
+    default; the server's warmup calibrates with what its ticks run (compiled where it compiles)."""
+
+    gen_stack: GenStack
+    work: TickWork
+
+    @classmethod
+    def eager(cls, pipeline: PolicyPipeline) -> TickRunner:
+        return cls(pipeline.transformer.gen_stack, pipeline.tick_work)
+
+
+@dataclass(frozen=True)
 class CalibrationTick:
     """An observation's request and what every configuration's tick of it shares, made once: its frames
     encoded and its text K/V prefilled (the configurations differ only in the denoising)."""
@@ -211,23 +226,25 @@ class CalibrationTick:
     request: PolicyRequest
     condition: Condition
     prompt: PromptState
+    runner: TickRunner
 
     @classmethod
-    def of(cls, pipeline: PolicyPipeline, observation: Observation, seed: int) -> CalibrationTick:
+    def of(cls, pipeline: PolicyPipeline, observation: Observation, seed: int, runner: TickRunner
+           ) -> CalibrationTick:
         request = PolicyRequest(images=observation.images, instruction=observation.instruction,
                                 embodiment=observation.embodiment, state=observation.state, seed=seed)
         pipeline.validate(request)
         condition = pipeline.encode_condition(request)
         embodiment = pipeline.embodiments.get(request.embodiment)
         prompt = pipeline.encode_prompt(request.instruction, embodiment, embodiment.default_chunk_size,
-                                        pipeline.config.guidance != 1.0, condition[1])
-        return cls(request, condition, prompt)
+                                        pipeline.config.guidance != 1.0, condition[1], runner.work)
+        return cls(request, condition, prompt, runner)
 
     def run(self, pipeline: PolicyPipeline, num_steps: int, control: StepControl) -> PolicyOutput:
         """The tick at `num_steps` sampler steps under the step `control`."""
         request = PolicyRequest(**{**self.request.__dict__, "num_steps": num_steps})
-        return run_steps(pipeline.steps(request, self.prompt, control, condition=self.condition),
-                         pipeline.transformer.gen_stack)
+        return run_steps(pipeline.steps(request, self.prompt, control, self.runner.work, self.condition),
+                         self.runner.gen_stack)
 
 
 def run_config(pipeline: PolicyPipeline, tick: CalibrationTick, config: TickConfig,
@@ -292,9 +309,11 @@ def call_counts(out: PolicyOutput) -> tuple[int, int, int]:
 
 
 def calibrate(pipeline: PolicyPipeline, observations: Sequence[Observation], configs: Sequence[TickConfig],
-              source: str, progress: Callable[[float], None] | None = None) -> QualityProfile:
-    """The quality profile of `pipeline` on `observations` over `configs` (see the module docstring)."""
-    steps = calibration_steps(pipeline, observations, configs, source, progress)
+              source: str, progress: Callable[[float], None] | None = None,
+              runner: TickRunner | None = None) -> QualityProfile:
+    """The quality profile of `pipeline` on `observations` over `configs` (see the module docstring), its ticks
+    run by `runner` (default: eagerly)."""
+    steps = calibration_steps(pipeline, observations, configs, source, progress, runner)
     while True:
         try:
             next(steps)
@@ -303,10 +322,12 @@ def calibrate(pipeline: PolicyPipeline, observations: Sequence[Observation], con
 
 
 def calibration_steps(pipeline: PolicyPipeline, observations: Sequence[Observation], configs: Sequence[TickConfig],
-                      source: str, progress: Callable[[float], None] | None = None):
+                      source: str, progress: Callable[[float], None] | None = None,
+                      runner: TickRunner | None = None):
     """`calibrate` as a generator that yields after each tick it runs (the engine's warmup runs it one tick
     per worker step) and returns the profile."""
     started = time.perf_counter()
+    runner = runner or TickRunner.eager(pipeline)
     default = TickConfig(num_steps=pipeline.config.num_steps,
                          cfg_steps=pipeline.config.num_steps if pipeline.config.guidance != 1.0 else 0,
                          threshold=0.0, cap=0, residual_order=configs[0].residual_order)
@@ -316,7 +337,7 @@ def calibration_steps(pipeline: PolicyPipeline, observations: Sequence[Observati
     sea_filter = SeaFilter()
     for index, observation in enumerate(observations):
         # Made again for the second pass: the text K/V of every observation would be too large to keep.
-        tick = CalibrationTick.of(pipeline, observation, seed=index)
+        tick = CalibrationTick.of(pipeline, observation, index, runner)
         references.append(run_config(pipeline, tick, default, sea_filter).actions)
         yield
         for config in configs:
@@ -338,7 +359,7 @@ def calibration_steps(pipeline: PolicyPipeline, observations: Sequence[Observati
         embodiment = observation.embodiment
         if costs[embodiment] is None:
             continue
-        tick = CalibrationTick.of(pipeline, observation, seed=index)
+        tick = CalibrationTick.of(pipeline, observation, index, runner)
         for point in frontier(embodiments[embodiment]):
             if point.config.num_steps <= 2:
                 continue  # the first and last steps always run full: nothing to cut

@@ -30,7 +30,7 @@ from policy_server.cache.controller import NoCache
 from policy_server.cache.seacache import SeaCache, SeaCacheConfig
 from policy_server.engine import api
 from policy_server.engine.batching import run_together
-from policy_server.engine.calibration import calibration_steps, configurations, warmup_observations
+from policy_server.engine.calibration import TickRunner, calibration_steps, configurations, warmup_observations
 from policy_server.engine.compiled_stack import PrecompiledGenStack
 from policy_server.engine.dynamics import DynamicsCall
 from policy_server.engine.served import INSTRUCTION_TOKEN_GROUPS, ServedModel
@@ -112,9 +112,11 @@ class Warmup:
         logger.warning("no quality profile for weights %s: calibrating on %d observations at warmup (bounded; run "
                        "`policy-server calibrate` for a full one)", pipeline.digest[:19], len(observations))
         configs = configurations(pipeline, self.served.settings, coarse=True)
+        # Its ticks run as the live ones do: compiled where the server compiles (the graphs exist by now).
+        runner = TickRunner(self.served.gen_stack, self.served.tick_work)
         profile = yield from calibration_steps(pipeline, observations, configs, source="warmup (bounded)",
                                                progress=lambda done: logger.info("warmup calibration: %.0f%%",
-                                                                                 100 * done))
+                                                                                 100 * done), runner=runner)
         logger.info("warmup calibration took %.1f s", profile.calibration.seconds)
         return profile
 
