@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from policy_server.config import ENV_PREFIX, ConfigError, ServerConfig, build_config, read_config_file
+from policy_server.config import CONFIG_ENV, ConfigError, ServerConfig, build_config, read_config_file
 
 if TYPE_CHECKING:
     from policy_server.engine.api import Engine
@@ -117,7 +117,7 @@ def config_from_args(argv: list[str], environ: Mapping[str, str] = os.environ) -
     """Parse flags, read ``--config`` (else ``$POLICY_SERVER_CONFIG``) if given, and validate them merged with the
     ``POLICY_SERVER_*`` settings in ``environ``."""
     args: dict[str, Any] = vars(build_parser().parse_args(argv))
-    config_file = args.pop("config", None) or environ.get(f"{ENV_PREFIX}CONFIG")
+    config_file = args.pop("config", None) or environ.get(CONFIG_ENV)
     file_values = read_config_file(config_file) if config_file is not None else {}
     return build_config(file_values, args, source=str(config_file) if config_file else "config", environment=environ)
 

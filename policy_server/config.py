@@ -21,12 +21,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from policy_server.limits import MAX_BUDGET_MS, MAX_RESIDUAL_ORDER
 from policy_server.pipeline.hub import is_hub_id
+from policy_server.v1.auth_token import read_token_file
 
 ENV_PREFIX = "POLICY_SERVER_"
-ENV_NOT_SETTINGS = ("POLICY_SERVER_CONFIG", "POLICY_SERVER_CACHE")  # the config file; the profile cache
+CONFIG_ENV = f"{ENV_PREFIX}CONFIG"  # the config file
+PROFILE_CACHE_ENV = f"{ENV_PREFIX}CACHE"  # where quality profiles of read-only checkpoints go
+ENV_NOT_SETTINGS = (CONFIG_ENV, PROFILE_CACHE_ENV)
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 MAX_CONFIG_FILE_BYTES = 1 << 20
-MAX_TOKEN_FILE_BYTES = 4096  # a token is tens of bytes; a path to a wrong, large file is not read whole
 DTYPES = ("auto", "bf16", "fp16", "fp32")  # auto: bf16 on CUDA, fp32 on CPU (engine.resolve_dtype)
 
 
@@ -215,25 +217,6 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path}: expected a mapping of keys, got {type(data).__name__}")
     return _normalise_keys(data, str(path))
-
-
-def read_token_file(path: Path) -> str:
-    """The token is the file's content without surrounding whitespace: one run of printable ASCII, as an
-    ``authorization`` header carries it. Raises `ValueError` naming what is wrong with the file."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_TOKEN_FILE_BYTES + 1)
-    except OSError as exc:
-        raise ValueError(f"cannot read auth token file {path}: {exc.strerror}") from None
-    if len(raw) > MAX_TOKEN_FILE_BYTES:
-        raise ValueError(f"auth token file {path} is over {MAX_TOKEN_FILE_BYTES} bytes; expected a single token")
-    token = raw.strip().decode("latin-1")  # any byte decodes; the check below admits ASCII only
-    if not token:
-        raise ValueError(f"auth token file {path} is empty; expected a single token")
-    if not all("!" <= ch <= "~" for ch in token):
-        raise ValueError(f"auth token in {path} contains whitespace or a character that is not printable ASCII; "
-                         "expected a single token")
-    return token
 
 
 def _one_line(exc: Exception) -> str:

@@ -340,7 +340,7 @@ def test_tls(tmp_path, capsys):
     for flag, bad, why in (("--tls-ca", tmp_path / "missing.pem", "cannot read"),
                            ("--tls-ca", key, "is not a PEM certificate file"),
                            ("--auth-token-file", tmp_path / "missing", "cannot read"),
-                           ("--auth-token-file", tmp_path / "empty", "holds no token")):
+                           ("--auth-token-file", tmp_path / "empty", "is empty; expected a single token")):
         with pytest.raises(SystemExit) as exit_:
             client_main(["health", flag, str(bad)])
         assert exit_.value.code == 2 and why in capsys.readouterr().err

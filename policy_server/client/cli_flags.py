@@ -7,21 +7,18 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from policy_server.v1.auth_token import read_token_file
+
 MAX_CA_FILE_BYTES = 1 << 20  # a CA bundle is tens of kB
-MAX_TOKEN_FILE_BYTES = 4096  # as the server's
 
 
 def token_file(value: str) -> Path:
-    """argparse type: a readable file with a token in it (`PolicyClient` reads it)."""
-    path = Path(value)
+    """argparse type: a file holding a bearer token as the server reads one (`PolicyClient` reads it again)."""
     try:
-        with path.open("rb") as f:
-            token = f.read(MAX_TOKEN_FILE_BYTES + 1)
-    except OSError as exc:
-        raise argparse.ArgumentTypeError(f"cannot read {path}: {exc.strerror}") from None
-    if len(token) > MAX_TOKEN_FILE_BYTES or not token.strip():
-        raise argparse.ArgumentTypeError(f"{path} holds no token; expected a file with the server's bearer token")
-    return path
+        read_token_file(Path(value))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return Path(value)
 
 
 def _pem_file(value: str) -> bytes:

@@ -46,6 +46,7 @@ from policy_server.client.types import (
 from policy_server.v1 import policy_server_pb2 as pb
 from policy_server.v1 import policy_server_pb2_grpc as pb_grpc
 from policy_server.v1 import serve_metadata
+from policy_server.v1.auth_token import read_token_file
 
 T = TypeVar("T")
 _RETRY_PAUSE_S = 0.1  # between watching or asking again while a server comes up
@@ -111,7 +112,7 @@ class PolicyClient:
     ) -> None:
         """``serve_application``: the target is Ray Serve's gRPC proxy and this the application to route to."""
         if token_file is not None:
-            token = Path(token_file).read_text().strip()
+            token = read_token_file(Path(token_file))  # ValueError naming what is wrong with the file
         self.target = target
         self.timeout_s = timeout_s
         self.serve_application = serve_application

@@ -50,7 +50,7 @@ from policy_server.budget.tick import GuardedSteps
 from policy_server.cache.controller import NoCache
 from policy_server.cache.sea_filter import SeaFilter
 from policy_server.cache.seacache import SeaCache, SeaCacheConfig
-from policy_server.config import DTYPES
+from policy_server.config import DTYPES, PROFILE_CACHE_ENV
 from policy_server.engine.batching import GenStack
 from policy_server.engine.served import EngineSettings, cache_ladder
 from policy_server.engine.tick import step_calls
@@ -235,10 +235,7 @@ class CalibrationTick:
                                 embodiment=observation.embodiment, state=observation.state, seed=seed)
         pipeline.validate(request)
         condition = pipeline.encode_condition(request)
-        embodiment = pipeline.embodiments.get(request.embodiment)
-        prompt = pipeline.encode_prompt(request.instruction, embodiment, embodiment.default_chunk_size,
-                                        pipeline.config.guidance != 1.0, condition[1], runner.work)
-        return cls(request, condition, prompt, runner)
+        return cls(request, condition, pipeline.prompt_for(request, condition[1], runner.work), runner)
 
     def run(self, pipeline: PolicyPipeline, num_steps: int, control: StepControl) -> PolicyOutput:
         """The tick at `num_steps` sampler steps under the step `control`."""
@@ -391,8 +388,8 @@ def point_of(config: TickConfig, runs: Sequence[tuple[float, int, int, int]]) ->
 def cache_dir() -> Path:
     """Where profiles of checkpoints that cannot hold their own go: `$POLICY_SERVER_CACHE`, else
     `$XDG_CACHE_HOME/policy-server` (default `~/.cache/policy-server`)."""
-    if "POLICY_SERVER_CACHE" in os.environ:
-        return Path(os.environ["POLICY_SERVER_CACHE"])
+    if PROFILE_CACHE_ENV in os.environ:
+        return Path(os.environ[PROFILE_CACHE_ENV])
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "policy-server"
 
 

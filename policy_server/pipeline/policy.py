@@ -445,6 +445,13 @@ class PolicyPipeline:
         return PromptState(self.prompt_key(instruction, embodiment, chunk_size, cfg, canvas_hw), input_ids, und_kv,
                            batch_kv)
 
+    def prompt_for(self, request: PolicyRequest, canvas_hw: tuple[int, int], work: TickWork | None = None
+                   ) -> PromptState:
+        """`encode_prompt` of a valid `request`'s instruction, embodiment, chunk size and guidance, for frames on
+        `canvas_hw` (`encode_condition`'s)."""
+        return self.encode_prompt(request.instruction, self.embodiments.get(request.embodiment), self._chunk(request),
+                                  self._guidance(request) != 1.0, canvas_hw, work)
+
     @staticmethod
     def prompt_key(instruction: str, embodiment: Embodiment, chunk_size: int, cfg: bool,
                    canvas_hw: tuple[int, int]) -> tuple:
@@ -489,7 +496,7 @@ class PolicyPipeline:
         clock = time.perf_counter()
         key = self.prompt_key(request.instruction, embodiment, chunk, cfg, canvas_hw)
         if prompt is None or prompt.key != key:
-            prompt = self.encode_prompt(request.instruction, embodiment, chunk, cfg, canvas_hw, work)
+            prompt = self.prompt_for(request, canvas_hw, work)
         timings["prefill"] = _ms_since(clock)
 
         clock = time.perf_counter()

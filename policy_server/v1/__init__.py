@@ -5,4 +5,5 @@
   pickle); do not edit by hand, regenerate with ``python -m policy_server.v1.gen_proto``.
 - ``wire``: numpy <-> protobuf for tensors and images.
 - ``errors``: the trailing metadata a failed call carries.
+- ``auth_token``: the bearer token a token file holds, as both sides read it.
 """
