@@ -158,7 +158,7 @@ def test_clean_conditioning_latent_equals_diffusers(folder, pipe):
                                               device="cpu", dtype=torch.float32, action=action)
     request = PolicyRequest(images={"image": image}, instruction=INSTRUCTION, embodiment="pusht", chunk_size=4)
     with torch.no_grad():
-        clean, canvas_hw = pipe.encode_condition(request)
+        clean, canvas_hw = pipe.encode_condition(pipe.prepare_frames(request))
     assert canvas_hw == (544, 736) and prepared[9].tolist() == [544.0, 736.0, 48.0, 64.0]
     torch.testing.assert_close(clean, prepared[0][0, :, :1], rtol=0, atol=1e-5)
 

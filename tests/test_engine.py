@@ -56,7 +56,7 @@ def test_generous_budget_runs_uncached_and_reports_the_tick(engine):
     assert tick.deadline_met
     assert set(tick.branches) == {"cond", "uncond"}
     assert tick.branches["cond"].sequence == "F" * engine.served.pipeline.config.num_steps
-    assert {"encode", "prefill", "denoise", "decode", "queue", "total"} <= set(tick.actual_ms)
+    assert {"prepare", "encode", "prefill", "denoise", "decode", "queue", "total"} <= set(tick.actual_ms)
     engine.close_session(session.session_id)
 
 
@@ -493,6 +493,42 @@ def test_a_tick_is_judged_against_its_budget_from_arrival(engine):
     assert tick.deadline_met == (tick.actual_ms["total"] <= 2000.0) and tick.deadline_met
     caller = engine.act(session.session_id, 1, _observation(1), deadline_s=time.monotonic() + 1.5).tick
     assert 1400.0 < caller.deadline_ms <= 1500.0  # the caller's deadline is the tighter one
+    engine.close_session(session.session_id)
+
+
+def test_a_ticks_frames_go_on_their_canvas_on_the_callers_thread_not_the_model_workers(engine, monkeypatch):
+    """The worker every session shares spends only the canvas's VAE encode on a tick's frames, whatever their
+    size: a 2048 px frame is resized while the worker is held, and its time is its own tick's, not learned."""
+    pipeline = engine.served.pipeline
+    prepared_on = []
+
+    def prepare_frames(request):
+        frames = type(pipeline).prepare_frames(pipeline, request)
+        prepared_on.append(threading.current_thread())
+        return frames
+
+    monkeypatch.setattr(pipeline, "prepare_frames", prepare_frames)
+    session = engine.open_session("pusht", "reach the red circle", rate_hz=0)
+    large = api.Observation(images={"image": np.random.default_rng(0).integers(0, 256, (2048, 2048, 3), np.uint8)},
+                            state=np.array([0.2, 0.3], np.float32))
+    callers = []
+
+    def act():
+        callers.append(threading.current_thread())
+        return engine.act(session.session_id, 1, large)
+
+    gate = hold_worker(engine)
+    with ThreadPoolExecutor(1) as pool:
+        queued = pool.submit(act)
+        while engine.stats().queue_depth < 2:  # the gate and the tick, whose frames are then on their canvas
+            time.sleep(0.005)
+        prepared_while_held = list(prepared_on)
+        gate.set()
+        tick = queued.result(timeout=60).tick
+    assert prepared_while_held == callers
+    assert tick.actual_ms["prepare"] > 0 and tick.deadline_met
+    key = engine.served.cost_key("pusht", session.chunk_size, 4)
+    assert "prepare" not in engine.served.cost_model.samples(key)
     engine.close_session(session.session_id)
 
 

@@ -60,7 +60,7 @@ def test_a_warmed_schedule_leaves_its_first_tick_nothing_to_make(pipe, monkeypat
 def test_conditioning_frame_stays_clean(pipe):
     request = _request()
     out = pipe(request)
-    clean, _ = pipe.encode_condition(request)
+    clean, _ = pipe.encode_condition(pipe.prepare_frames(request))
     assert torch.equal(out.latents[:, 0], clean[:, 0])
 
 
@@ -223,7 +223,7 @@ def test_inverse_dynamics_generates_actions_from_clean_video(pipe):
     video = np.stack([_image(i) for i in range(9)])
     out = pipe(_request(mode="inverse_dynamics", video=video, images={}))
     assert out.actions.shape == (8, 2) and np.all(np.isfinite(out.actions))
-    clean, _ = pipe.encode_condition(_request(mode="inverse_dynamics", video=video, images={}))
+    clean, _ = pipe.encode_condition(pipe.prepare_frames(_request(mode="inverse_dynamics", video=video, images={})))
     assert torch.equal(out.latents, clean)
     # No noisy vision: SeaCache fails open and runs every step full.
     cached = pipe(_request(mode="inverse_dynamics", video=video, images={}),

@@ -234,13 +234,13 @@ class CalibrationTick:
         request = PolicyRequest(images=observation.images, instruction=observation.instruction,
                                 embodiment=observation.embodiment, state=observation.state, seed=seed)
         pipeline.validate(request)
-        condition = pipeline.encode_condition(request)
+        condition = pipeline.encode_condition(pipeline.prepare_frames(request))
         return cls(request, condition, pipeline.prompt_for(request, condition[1], runner.work), runner)
 
     def run(self, pipeline: PolicyPipeline, num_steps: int, control: StepControl) -> PolicyOutput:
         """The tick at `num_steps` sampler steps under the step `control`."""
         request = PolicyRequest(**{**self.request.__dict__, "num_steps": num_steps})
-        return run_steps(pipeline.steps(request, self.prompt, control, self.runner.work, self.condition),
+        return run_steps(pipeline.steps(request, self.prompt, control, self.runner.work, condition=self.condition),
                          self.runner.gen_stack)
 
 

@@ -20,11 +20,11 @@ import numpy as np
 from policy_server.engine import api
 from policy_server.engine.served import ServedModel
 from policy_server.engine.sessions import SessionState
-from policy_server.engine.tick import branch_records
+from policy_server.engine.tick import PREPARE_STAGE, branch_records
 from policy_server.engine.worker import ModelWorker
 from policy_server.limits import MAX_DYNAMICS_MS
 from policy_server.pipeline.embodiments import Embodiment
-from policy_server.pipeline.policy import PolicyOutput, PolicyRequest, PromptState, stepwise
+from policy_server.pipeline.policy import CanvasClip, PolicyOutput, PolicyRequest, PromptState, stepwise
 
 _POLL_S = 0.02  # how often a waiting caller checks whether it went away
 
@@ -32,16 +32,17 @@ _POLL_S = 0.02  # how often a waiting caller checks whether it went away
 class DynamicsCall:
     """One dynamics call as background work (a `worker.BackgroundJob`), one piece per `step()`: the prefill
     (unless `prompt`, the session's text K/V, fits), the encode, each sampler step, the frames' decode
-    (`decode_frames`). `result` gets the pipeline output, the frames (or None) and the ms per stage, the waits
-    since `arrived_ms` before and between its pieces as "queue"; or what ended the call."""
+    (`decode_frames`). `frames`: the request's, on their canvas (`prepare_frames`, on the caller's thread).
+    `result` gets the pipeline output, the frames (or None) and the ms per stage, the waits since `arrived_ms`
+    before and between its pieces as "queue"; or what ended the call."""
 
-    def __init__(self, served: ServedModel, embodiment: Embodiment, request: PolicyRequest,
-                 canvas_hw: tuple[int, int], decode_frames: bool, prompt: PromptState | None, arrived_ms: float):
+    def __init__(self, served: ServedModel, embodiment: Embodiment, request: PolicyRequest, frames: CanvasClip,
+                 decode_frames: bool, prompt: PromptState | None, arrived_ms: float):
         self.served = served
         self.result: Future = Future()
         self._waited_ms = 0.0  # between its pieces, while the worker ran other work
         self._paused_at: float | None = None
-        self._pieces = self._run(embodiment, request, canvas_hw, decode_frames, prompt, arrived_ms)
+        self._pieces = self._run(embodiment, request, frames, decode_frames, prompt, arrived_ms)
 
     def step(self) -> bool:
         clock = self.served.clock
@@ -60,18 +61,19 @@ class DynamicsCall:
         self._pieces.close()
         self.result.set_exception(error)
 
-    def _run(self, embodiment: Embodiment, request: PolicyRequest, canvas_hw: tuple[int, int], decode_frames: bool,
+    def _run(self, embodiment: Embodiment, request: PolicyRequest, frames: CanvasClip, decode_frames: bool,
              prompt: PromptState | None, arrived_ms: float):
         """The pieces: each `yield` hands the worker back until the next `step()`."""
         served = self.served
         pipeline, clock = served.pipeline, served.clock
         stage_ms = {"queue": clock() - arrived_ms}
+        canvas_hw = frames.placement.canvas_hw
         text, stage_ms["prefill"] = served.prompt(request.instruction, embodiment, request.chunk_size, canvas_hw,
                                                   prompt)
         if text is not prompt:  # the prefill was a piece of its own
             yield
         steps = pipeline.steps(request, text, served.fixed_steps(request.num_steps or served.num_steps),
-                               served.tick_work)
+                               served.tick_work, frames)
         waited_before_steps = self._waited_ms  # the waits between sampler steps fall inside the denoise time
         out = yield from stepwise(steps, served.gen_stack)
         denoise_ms = out.timings_ms["denoise"] - (self._waited_ms - waited_before_steps)
@@ -102,8 +104,7 @@ class Dynamics:
                                 state=observation.state, mode="forward_dynamics",
                                 chunk_size=session.chunk_size, seed=session.seed if seed is None else seed,
                                 actions=actions)
-        canvas_hw = self.served.pipeline.canvas_for(embodiment, observation.images)
-        out, frames, tick = self._run(session, embodiment, request, canvas_hw, True, deadline_s, should_abort)
+        out, frames, tick = self._run(session, embodiment, request, True, deadline_s, should_abort)
         return api.PredictedVideo(frames=frames, latents_shape=tuple(out.latents.shape), tick=tick)
 
     def inverse(self, session: SessionState, clip: api.VideoClip, seed: int | None, deadline_s: float | None,
@@ -116,9 +117,7 @@ class Dynamics:
                                 embodiment=session.embodiment, state=clip.state, mode="inverse_dynamics",
                                 chunk_size=session.chunk_size, seed=session.seed if seed is None else seed,
                                 video=video)
-        first_frames = {name: clip.frames[name][0] for name in embodiment.cameras}
-        canvas_hw = self.served.pipeline.canvas_for(embodiment, first_frames)
-        out, _, tick = self._run(session, embodiment, request, canvas_hw, False, deadline_s, should_abort)
+        out, _, tick = self._run(session, embodiment, request, False, deadline_s, should_abort)
         if not np.all(np.isfinite(out.actions)):
             raise api.NonFiniteOutput("the model produced NaN or Inf actions")
         clipped = int(np.count_nonzero(embodiment.out_of_limits(out.actions)))
@@ -132,11 +131,12 @@ class Dynamics:
             self.served.instruction_tokens(instruction, field)
         return instruction or session.instruction
 
-    def _run(self, session: SessionState, embodiment: Embodiment, request: PolicyRequest, canvas_hw: tuple[int, int],
-             decode_frames: bool, deadline_s: float | None, should_abort: Callable[[], bool] | None,
+    def _run(self, session: SessionState, embodiment: Embodiment, request: PolicyRequest, decode_frames: bool,
+             deadline_s: float | None, should_abort: Callable[[], bool] | None,
              ) -> tuple[PolicyOutput, np.ndarray | None, api.TickRecord]:
-        """Run a dynamics request within the caller's deadline and `MAX_DYNAMICS_MS`. Returns the pipeline
-        output, the decoded frames (`decode_frames`) and the record."""
+        """Run a dynamics request within the caller's deadline and `MAX_DYNAMICS_MS`, its frames put on their
+        canvas on this (the caller's) thread. Returns the pipeline output, the decoded frames (`decode_frames`)
+        and the record."""
         served = self.served
         arrived_ms = served.clock()
         bound_s = time.monotonic() + MAX_DYNAMICS_MS / 1e3
@@ -146,7 +146,13 @@ class Dynamics:
             raise api.DynamicsOff()
         if not self._calls.acquire(blocking=False):  # released when the call ends, however it ends
             raise api.TooManyDynamicsCalls(served.settings.max_dynamics_calls)
-        job = DynamicsCall(served, embodiment, request, canvas_hw, decode_frames, session.prompt, arrived_ms)
+        try:
+            frames = served.pipeline.prepare_frames(request)
+        except BaseException:
+            self._calls.release()
+            raise
+        prepared_ms = served.clock()
+        job = DynamicsCall(served, embodiment, request, frames, decode_frames, session.prompt, prepared_ms)
         job.result.add_done_callback(lambda _: self._calls.release())
         try:
             self.worker.submit(job)
@@ -174,7 +180,7 @@ class Dynamics:
                     job.fail(reason)
         tick = api.TickRecord(
             budget_ms=MAX_DYNAMICS_MS, deadline_ms=deadline_ms,
-            actual_ms={**stage_ms, "total": served.clock() - arrived_ms},
+            actual_ms={**stage_ms, PREPARE_STAGE: prepared_ms - arrived_ms, "total": served.clock() - arrived_ms},
             knobs={"num_steps": float(len(out.steps)), "batch_size": 1.0}, branches=branch_records(out.cache),
             setting="none",
         )

@@ -1,17 +1,19 @@
 """`ModelEngine`: the `Engine` the transport calls, backed by one `PolicyPipeline` on one device.
 
 A facade: each request goes to the part that owns it. One model worker (`engine/worker.py`) takes all work
-off one queue, control ticks first, and is the only thread that runs the model: a tick (`engine/tick.py`) runs
-alone or, with queued ticks of one shape from other sessions, as a micro-batch whose full GEN-stack calls run
-as one stack (`engine/batching.py`). Reasoner
-calls (`engine/reasoning.py`) and forward / inverse dynamics calls (`engine/dynamics.py`) run between ticks,
-one piece per worker step. Warmup (`engine/warmup.py`) fills the cost model before `ready()`, and a session is
-admitted only when every open session's ticks still meet their budgets (`engine/admission.py`).
+off one queue, control ticks first, and is the only thread that runs the model: a tick (`engine/tick.py`), its
+frames put on the model's canvas on the caller's thread before it queues, runs alone or, with queued ticks of
+one shape from other sessions, as a micro-batch whose full GEN-stack calls run as one stack
+(`engine/batching.py`). Reasoner calls (`engine/reasoning.py`) and forward / inverse dynamics calls
+(`engine/dynamics.py`) run between ticks, one piece per worker step. Warmup (`engine/warmup.py`) fills the
+cost model before `ready()`, and a session is admitted only when every open session's ticks still meet their
+budgets (`engine/admission.py`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -35,7 +37,7 @@ from policy_server.engine.warmup import Warmup
 from policy_server.engine.worker import GeneratorJob, ModelWorker, TickJob
 from policy_server.limits import MAX_INSTRUCTION_TOKENS, MAX_PROMPT_TOKENS
 from policy_server.pipeline.embodiments import Embodiment
-from policy_server.pipeline.policy import PolicyPipeline
+from policy_server.pipeline.policy import PolicyPipeline, PolicyRequest
 
 logger = logging.getLogger(__name__)
 _POLL_S = 0.02  # how often a waiting caller checks whether it went away
@@ -209,6 +211,11 @@ class ModelEngine:
             _refuse_early(session, session.limiter.take(time.monotonic()))
             job = TickJob(session, (session.embodiment, session.chunk_size), request)
             session.in_flight = job
+        try:
+            job.payload = self._prepare_frames(session, request)
+        except BaseException as error:  # the session must not stay busy
+            job.result.set_exception(error)
+            raise
         self._worker.submit(job)
         while True:
             try:
@@ -228,6 +235,14 @@ class ModelEngine:
                 self._worker.submit(GeneratorJob(pieces, lambda error: logger.warning(
                     "capturing the CUDA graphs of session %s's new instruction failed: %s", session_id, error)))
         return result
+
+    def _prepare_frames(self, session: SessionState, request: TickRequest) -> TickRequest:
+        """`request` with its frames put on their canvas here, on the caller's thread: the model worker, which
+        every session shares, then spends only the VAE encode of the canvas on them, whatever their size."""
+        started = self.served.clock()
+        frames = self.served.pipeline.prepare_frames(PolicyRequest(
+            images=request.observation.images, instruction=session.instruction, embodiment=session.embodiment))
+        return dataclasses.replace(request, frames=frames, prepare_ms=self.served.clock() - started)
 
     def forward_dynamics(self, session_id: str, epoch: int, observation: api.Observation, actions: np.ndarray,
                          seed: int | None = None, deadline_s: float | None = None,

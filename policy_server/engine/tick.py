@@ -25,15 +25,26 @@ from policy_server.cache.seacache import SeaCache, SeaCacheConfig
 from policy_server.engine import api
 from policy_server.engine.served import ServedModel
 from policy_server.engine.sessions import SessionState
-from policy_server.pipeline.policy import Aborted, FixedSteps, PolicyOutput, PolicyRequest, StackCall, StepRecord
+from policy_server.pipeline.policy import (
+    Aborted,
+    CanvasClip,
+    FixedSteps,
+    PolicyOutput,
+    PolicyRequest,
+    StackCall,
+    StepRecord,
+)
 
 STAGES = ("encode", "prefill", "denoise", "decode")
+PREPARE_STAGE = "prepare"  # the camera frames put on their canvas, on the caller's thread before the tick queues
 
 
 @dataclass(frozen=True)
 class TickRequest:
     """What a queued tick carries. `instruction_tokens`: of `observation.instruction`, when it sets one.
-    `deadline_ms`: from arrival, the smaller of the session budget and the caller's deadline."""
+    `deadline_ms`: from arrival, the smaller of the session budget and the caller's deadline. `frames`: the
+    observation's frames on their canvas, which the caller's thread puts there (in `prepare_ms`) before the tick
+    is queued; None until then."""
 
     epoch: int
     observation: api.Observation
@@ -42,6 +53,8 @@ class TickRequest:
     deadline_ms: float
     deadline_s: float | None
     should_abort: Callable[[], bool] | None
+    frames: CanvasClip | None = None
+    prepare_ms: float = 0.0
 
     def gone(self) -> bool:
         """The caller's deadline passed or it went away."""
@@ -124,7 +137,7 @@ class Tick:
             num_steps=served.num_steps if plan is None else plan.num_steps, seed=session.seed + session.ticks,
         )
         try:
-            out = yield from pipeline.steps(pipeline_request, session.prompt, self, served.tick_work)
+            out = yield from pipeline.steps(pipeline_request, session.prompt, self, served.tick_work, request.frames)
         except Aborted:
             if served.closing.is_set():
                 raise api.ShuttingDown() from None
@@ -139,7 +152,7 @@ class Tick:
 
         stage_ms = {stage: out.timings_ms[stage] for stage in STAGES}
         stage_ms["prefill"] += prefill_ms
-        stage_ms["queue"] = started_ms - request.arrived_ms
+        stage_ms["queue"] = started_ms - request.arrived_ms - request.prepare_ms
         frames = None
         if session.preview:  # inside the tick: the plan reserved this stage, the guard kept time for it
             clock = served.clock()
@@ -147,7 +160,8 @@ class Tick:
             stage_ms[PREVIEW_STAGE] = served.clock() - clock
         total_ms = served.clock() - request.arrived_ms
         self._learn(learn_key, out, stage_ms, prefill)
-        tick = self._record(plan, out, {**stage_ms, "total": total_ms}, clipped)
+        # The frames' preparation is not learned: it ran on the caller's thread, at whatever size this caller sent.
+        tick = self._record(plan, out, {**stage_ms, PREPARE_STAGE: request.prepare_ms, "total": total_ms}, clipped)
         return api.ActResult(actions=actions.astype(np.float32), first_step_index=observation.step_index,
                              tick=tick, preview_frames=frames)
 

@@ -313,10 +313,10 @@ class Warmup:
                            actions=np.zeros((chunk, embodiment.raw_action_dim), np.float32), **common), True),
             (PolicyRequest(images={}, mode="inverse_dynamics", video=video, **common), False),
         )
-        canvas_hw = self.served.pipeline.canvas_for(embodiment, {name: frames[0] for name in cameras})
         longest = 0.0
         for request, decode_frames in calls:
-            job = DynamicsCall(self.served, embodiment, request, canvas_hw, decode_frames, None, self.served.clock())
+            on_canvas = self.served.pipeline.prepare_frames(request)  # a caller's thread does this, not the worker
+            job = DynamicsCall(self.served, embodiment, request, on_canvas, decode_frames, None, self.served.clock())
             finished = False
             while not finished:
                 started = self.served.clock()

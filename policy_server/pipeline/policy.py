@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -37,7 +37,13 @@ from policy_server.model.gen_layout import GenLayout
 from policy_server.model.text_tokenizer import TextTokenizer, TextTokenizerError
 from policy_server.model.vae import SmallVideoVAE, VideoTokenizer
 from policy_server.pipeline import diffusers_folder
-from policy_server.pipeline.conditioning import closest_canvas, content_size, crop_latent_padding, prepare_clip
+from policy_server.pipeline.conditioning import (
+    CanvasPlacement,
+    closest_canvas,
+    content_size,
+    crop_latent_padding,
+    prepare_clip,
+)
 from policy_server.pipeline.embodiments import Embodiment, EmbodimentConfigError, EmbodimentRegistry
 from policy_server.pipeline.errors import (
     EmptyInstruction,
@@ -124,6 +130,13 @@ class StackCall:
 # full GEN-stack calls of a step (send back their output); returns the tick's `PolicyOutput`.
 TickSteps = Generator["StackCall | None", "torch.Tensor | None", "PolicyOutput"]
 Condition = tuple[torch.Tensor, tuple[int, int]]  # a request's conditioning latents [C, T_clean, h, w], canvas (h, w)
+
+
+class CanvasClip(NamedTuple):
+    """A request's conditioning frames on their canvas (`PolicyPipeline.prepare_frames`)."""
+
+    clip: torch.Tensor  # VAE-ready, [1, 3, T, canvas_h, canvas_w], float32 in [-1, 1] (bicubic overshoot kept)
+    placement: CanvasPlacement
 
 
 def stepwise(steps: TickSteps, gen_stack: Callable[[GenInput, UndKV], torch.Tensor]):
@@ -472,7 +485,8 @@ class PolicyPipeline:
         return run_steps(self.steps(request, prompt, control), self.transformer.gen_stack)
 
     def steps(self, request: PolicyRequest, prompt: PromptState | None, control: StepControl,
-              work: TickWork | None = None, condition: Condition | None = None) -> TickSteps:
+              work: TickWork | None = None, frames: CanvasClip | None = None,
+              condition: Condition | None = None) -> TickSteps:
         """One tick of a valid `request` under `control`, the one say the caller has in the step loop (the
         engine builds its requests from what the transport validated), as a generator (`TickSteps`): whoever
         drives it runs the full GEN-stack calls, alone or batched with other ticks', and may stop between
@@ -480,7 +494,8 @@ class PolicyPipeline:
         held across the yields would be restored out of order by interleaved ticks, or on another thread when
         an abandoned tick is collected. `prompt`: the session's text K/V (prefilled here when missing or
         stale). `work`: how the tick prefills, and each step embeds and decodes around the GEN stack (default:
-        eagerly). `condition`: the request's `encode_condition`, when the caller has it (encoded here if not)."""
+        eagerly). `frames`: the request's `prepare_frames`, and `condition`: their `encode_condition`, when the
+        caller has them (made here if not)."""
         work = work or self.tick_work
         t_start = time.perf_counter()
         embodiment = self.embodiments.get(request.embodiment)
@@ -490,7 +505,7 @@ class PolicyPipeline:
         timings: dict[str, float] = {}
 
         clock = time.perf_counter()
-        clean_latent, canvas_hw = condition or self.encode_condition(request)
+        clean_latent, canvas_hw = condition or self.encode_condition(frames or self.prepare_frames(request))
         timings["encode"] = _ms_since(clock)
 
         clock = time.perf_counter()
@@ -632,9 +647,10 @@ class PolicyPipeline:
         if len(heights) > 1:
             raise InvalidImage(f"camera images have heights {sorted(heights)}; expected one common height")
 
-    def encode_condition(self, request: PolicyRequest) -> Condition:
-        """VAE latents of a valid `request`'s conditioning frames, padding cropped: [C, T_clean, h, w], and the
-        canvas (h, w)."""
+    def prepare_frames(self, request: PolicyRequest) -> CanvasClip:
+        """A valid `request`'s conditioning frames put on their canvas, on the CPU. No model runs, so the engine
+        does this on the caller's thread: frames of any allowed size then cost the model worker, which every
+        session shares, only the VAE encode of the canvas."""
         if request.mode == "inverse_dynamics":
             frames = request.video  # a shorter video is extended with its last frame
             num_frames = self.num_video_frames(self._chunk(request))
@@ -644,8 +660,12 @@ class PolicyPipeline:
             # The VAE is causal in time: latent frame 0 depends on pixel frame 0 only, so the clean
             # conditioning latent needs just that frame.
             num_frames = 1
-        clip, placement = prepare_clip(frames, num_frames, self.config.canvases, self.vae.spatial_compression,
-                                       self.config.pad_mode)
+        return CanvasClip(*prepare_clip(frames, num_frames, self.config.canvases, self.vae.spatial_compression,
+                                        self.config.pad_mode))
+
+    def encode_condition(self, frames: CanvasClip) -> Condition:
+        """VAE latents of `prepare_frames`' clip, padding cropped: [C, T_clean, h, w], and the canvas (h, w)."""
+        clip, placement = frames
         latents = self.vae.encode(clip.to(self.device, self._vae_dtype))
         latents = crop_latent_padding(latents, placement, self.vae.spatial_compression)
         return latents[0].float(), placement.canvas_hw
