@@ -18,6 +18,10 @@ the errors. The server's resident memory (VmRSS) is sampled every ``--rss-every-
 from the first sample after every session has done ``--warmup-ticks`` ticks, when the allocator
 pools and caches have been filled once.
 
+With ``--hostile-neighbour`` one more session floods the server beside them: ``Act``s of the largest frame
+it takes, from several threads without pause, far over the rate it declared. The server should serve that
+session at its rate and refuse the rest as documented, while the soak's sessions keep their deadlines.
+
 The JSON report goes to ``--out``, a PNG of RSS and latency over time beside it. Exit status: 0 when
 every check passed (no errors, refusals or wrong answers, miss rate <= ``--max-miss-rate``, RSS
 growth < ``--max-rss-growth-mb``), 1 when one failed, 3 when the server refused to open a session
@@ -46,11 +50,22 @@ import gymnasium
 import numpy as np
 
 import robots.envs  # noqa: F401  (registers the environments)
-from policy_server.client import ActionChunk, ControlStream, PolicyClient, PolicyServerError, Session
+from policy_server.client import (
+    ActionChunk,
+    ControlStream,
+    PolicyClient,
+    PolicyServerError,
+    Session,
+    build_observation,
+)
 from policy_server.client.cli_flags import add_tls_flags, tls_options, token_file
+from policy_server.v1 import policy_server_pb2 as pb
 from robots.envs.reach import EMBODIMENT, HELDOUT_SEED_OFFSET
 
 EXAMPLES = 5  # error and wrong-answer messages kept per session, for the report
+FLOOD_THREADS = 6  # the hostile neighbour's senders
+# What the hostile neighbour may be answered: a chunk, or a refusal for asking too soon or too often.
+FLOOD_ANSWERS = {"OK", "RESOURCE_EXHAUSTED/RATE_EXCEEDED", "RESOURCE_EXHAUSTED/SESSION_BUSY"}
 
 
 # -- the server ----------------------------------------------------------------------------------
@@ -276,6 +291,47 @@ class Stream:
         self.stream.close()
 
 
+class HostileNeighbour:
+    """One more session whose `Act`s carry the largest frame the server takes (a JPEG `max_side` px a side, with
+    the session's first observation's state), sent from `FLOOD_THREADS` threads without pause until `stop()`;
+    `answers` counts what came back, by "OK" or "CODE/REASON"."""
+
+    def __init__(self, client: PolicyClient, session: Session, camera: str, state: np.ndarray, max_side: int):
+        self.client, self.session = client, session
+        ramp = np.linspace(0, 255, max_side, dtype=np.float32)
+        frame = np.stack([np.add.outer(ramp, ramp) / 2, np.add.outer(ramp, 255 - ramp) / 2,
+                          np.broadcast_to(ramp[:, None], (max_side, max_side))], axis=-1).astype(np.uint8)
+        self.request = pb.ActRequest(session_id=session.session_id, epoch=session.epoch,
+                                     observation=build_observation({camera: frame}, state))
+        self.answers: Counter = Counter()
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._threads = [threading.Thread(target=self._send, name=f"soak-flood-{i}") for i in range(FLOOD_THREADS)]
+
+    def start(self) -> None:
+        for thread in self._threads:
+            thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        for thread in self._threads:
+            thread.join()
+
+    def _send(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                self.client.act_request(self.request)
+                answer = "OK"
+            except PolicyServerError as exc:
+                answer = f"{exc.code.name}/{exc.reason}"
+            with self._lock:
+                self.answers[answer] += 1
+
+    def summary(self) -> dict:
+        return {"threads": FLOOD_THREADS, "session_id": self.session.session_id, "sent": sum(self.answers.values()),
+                "answers": dict(self.answers)}
+
+
 def run_session(driver: Unary | Stream, result: SessionResult, args: argparse.Namespace, pace_s: float,
                 t0: float) -> SessionResult:
     """``args.ticks`` ticks, each sent at least ``pace_s`` (s) after the previous one, the chunks driving
@@ -362,7 +418,7 @@ def rss_summary(series: list[tuple[float, float]], warm_s: float, after_close_mb
 
 
 def build_report(args: argparse.Namespace, config: dict, results: list[SessionResult], wall_s: float,
-                 rss: dict | None) -> dict:
+                 rss: dict | None, hostile: HostileNeighbour | None) -> dict:
     ticks = [t for r in results for t in r.ticks]
     after_warmup = [t for r in results for t in r.ticks[args.warmup_ticks:]]
     errors = sum((r.errors for r in results), Counter())
@@ -400,6 +456,7 @@ def build_report(args: argparse.Namespace, config: dict, results: list[SessionRe
         "latency_by_tenth": by_tenth,
         "rss": rss,
         "sessions": [r.summary() for r in results],
+        "hostile_neighbour": None if hostile is None else hostile.summary(),
     }
     checks = {
         "errors": not errors,
@@ -408,6 +465,7 @@ def build_report(args: argparse.Namespace, config: dict, results: list[SessionRe
         "all_answered": len(ticks) == args.sessions * args.ticks,
         "miss_rate": bool(ticks) and report["miss_rate"] <= args.max_miss_rate,
         "rss_growth": None if rss is None else rss["growth_mb"] < args.max_rss_growth_mb,  # None: not measured
+        "hostile_answers": None if hostile is None else set(hostile.answers) <= FLOOD_ANSWERS,
     }
     report["checks"] = checks
     report["passed"] = all(ok is not False for ok in checks.values())
@@ -454,6 +512,10 @@ def print_summary(report: dict, out: Path) -> None:
         served, total = latency["served"], latency["tick_total"]
         print(f"  deadline misses {report['misses']} ({report['miss_rate']:.2%}); served p50 {served['p50']:.1f} ms "
               f"p99 {served['p99']:.1f} ms; tick total p50 {total['p50']:.1f} ms p99 {total['p99']:.1f} ms")
+    hostile = report["hostile_neighbour"]
+    if hostile is not None:
+        answers = ", ".join(f"{answer} {count}" for answer, count in sorted(hostile["answers"].items()))
+        print(f"  hostile neighbour: {hostile['sent']} Acts from {hostile['threads']} threads, answered {answers}")
     if rss is not None:
         thirds = rss["growth_by_third_mb"]
         shape = ("too few samples to tell whether it levels off" if thirds is None else
@@ -487,6 +549,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-miss-rate", type=float, default=0.01, help="deadline misses allowed, fraction (0.01)")
     p.add_argument("--max-rss-growth-mb", type=float, default=50.0, help="RSS growth allowed after warmup (50 MB)")
     p.add_argument("--seed", type=int, default=0, help="offset of the simulator seeds (0)")
+    p.add_argument("--hostile-neighbour", action="store_true",
+                   help=f"one more session floods Acts of the largest frame the server takes from {FLOOD_THREADS} "
+                   "threads; the checks apply to the other sessions, and its answers must be chunks or "
+                   "RATE_EXCEEDED / SESSION_BUSY refusals")
     p.add_argument("--out", type=Path, default=Path("soak.json"), help="JSON report; PNG and server log beside it")
     p.add_argument("--startup-timeout-s", type=float, default=300.0, help="wait for the server to serve, s (300)")
     g = p.add_argument_group("a server already running (instead of starting one)")
@@ -497,7 +563,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="the server's bearer token (a server the soak starts is given it too)")
     g = p.add_argument_group("the server the soak starts (policy-server flags)")
     g.add_argument("--latency-budget-ms", type=float, help="default per-tick budget, ms (server default)")
-    g.add_argument("--max-sessions", type=int, help="session limit (default: --sessions)")
+    g.add_argument("--max-sessions", type=int,
+                   help="session limit (default: --sessions, one more with --hostile-neighbour)")
     g.add_argument("--max-batch", type=int, help="micro-batch size (server default)")
     g.add_argument("--diffusion-cache", action=argparse.BooleanOptionalAction, help="SeaCache (server default)")
     args = p.parse_args(argv)
@@ -513,7 +580,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def server_flags(args: argparse.Namespace) -> list[str]:
-    flags = ["--max-sessions", str(args.max_sessions or args.sessions)]
+    flags = ["--max-sessions", str(args.max_sessions or args.sessions + args.hostile_neighbour)]
     if args.latency_budget_ms is not None:
         flags += ["--latency-budget-ms", str(args.latency_budget_ms)]
     if args.max_batch is not None:
@@ -549,6 +616,24 @@ def open_drivers(args: argparse.Namespace, target: str) -> tuple[list[Unary | St
     return drivers, None
 
 
+def open_hostile_neighbour(args: argparse.Namespace, target: str, spec, max_side: int
+                           ) -> tuple[HostileNeighbour | None, dict | None]:
+    """The hostile neighbour's session (at the rate the others declare), or what refused it."""
+    env = gymnasium.make("PolicyServer/Reach-v0")
+    obs, _ = env.reset(seed=episode_seed(args, args.sessions, 0))
+    instruction = env.unwrapped.task_description
+    env.close()
+    client = PolicyClient(target, timeout_s=args.timeout_s, token_file=args.auth_token_file, **tls_options(args))
+    try:
+        session = client.open_session(EMBODIMENT, instruction, seed=args.sessions, client_name="soak-hostile",
+                                      rate_hz=args.rate_hz, actions_per_chunk=args.actions_per_chunk)
+    except PolicyServerError as exc:
+        client.close()
+        return None, {"session": args.sessions, "kind": "hostile", "code": exc.code.name, "reason": exc.reason,
+                      "message": exc.message}
+    return HostileNeighbour(client, session, spec.cameras[0].name, obs["state"], max_side), None
+
+
 def close_drivers(drivers: list[Unary | Stream]) -> list[str]:
     """Close streams, sessions and connections; returns what failed (a server that died mid-soak)."""
     failures = []
@@ -580,18 +665,28 @@ def soak(args: argparse.Namespace, target: str, pid: int | None) -> tuple[dict, 
         "model": {"name": info.model.name, "device": info.model.device, "num_steps": info.model.num_steps,
                   "diffusion_cache": info.model.diffusion_cache},
         "max_miss_rate": args.max_miss_rate, "max_rss_growth_mb": args.max_rss_growth_mb,
+        "hostile_neighbour": args.hostile_neighbour,
     }
     t0 = time.monotonic()
     sampler = RssSampler(pid, args.rss_every_s, t0) if pid is not None else None
     drivers, refused = open_drivers(args, target)
+    hostile = None
+    if refused is None and args.hostile_neighbour:
+        hostile, refused = open_hostile_neighbour(args, target, spec, info.limits.max_frame_side)
+        if refused is not None:
+            close_drivers(drivers)
     if refused is not None:
         if sampler is not None:
             sampler.finish()
         return {"config": config, "refused_open": refused, "passed": False}, []
+    if hostile is not None:
+        hostile.start()
     with ThreadPoolExecutor(max_workers=len(drivers), thread_name_prefix="soak-session") as pool:
         futures = [pool.submit(run_session, d, SessionResult(i, d.kind, d.session.session_id), args,
                                1.0 / rate_hz, t0) for i, d in enumerate(drivers)]
         results = [f.result() for f in futures]
+    if hostile is not None:
+        hostile.stop()
     wall_s = time.monotonic() - t0
     rss = None
     if sampler is not None:
@@ -599,9 +694,15 @@ def soak(args: argparse.Namespace, target: str, pid: int | None) -> tuple[dict, 
         # Warmup ends when the slowest session has done its warmup ticks.
         warm_s = max((r.ticks[min(args.warmup_ticks, len(r.ticks)) - 1].t_s if r.ticks else 0.0) for r in results)
     close_failures = close_drivers(drivers)
+    if hostile is not None:
+        with hostile.client as client:
+            try:
+                client.close_session(hostile.session)
+            except PolicyServerError as exc:
+                close_failures.append(f"CloseSession {hostile.session.session_id}: {exc}")
     if sampler is not None:
         rss = {"pid": pid, "every_s": args.rss_every_s, **rss_summary(sampler.series, warm_s, read_rss_mb(pid))}
-    report = build_report(args, config, results, wall_s, rss)
+    report = build_report(args, config, results, wall_s, rss, hostile)
     report["close_failures"] = close_failures
     return report, results
 

@@ -16,12 +16,12 @@ def test_soak_against_a_real_server(tmp_path):
     out = tmp_path / "soak.json"
     token = tmp_path / "token"
     token.write_text("soak-token\n")
-    # 16-step episodes: every session resets (a new epoch) every two ticks. Two sessions' cheapest
+    # 16-step episodes: every session resets (a new epoch) every two ticks. Three sessions' cheapest
     # ticks must fit one budget side by side; 400 ms leaves room for a slow CI machine's floor. The server
-    # wants a token, which every call of the soak carries.
+    # wants a token, which every call of the soak carries. A hostile neighbour floods it meanwhile.
     rc = soak_main(["--sessions", "2", "--ticks", "6", "--episode-steps", "16", "--warmup-ticks", "2",
                     "--rss-every-s", "0.5", "--latency-budget-ms", "400", "--auth-token-file", str(token),
-                    "--out", str(out)])
+                    "--hostile-neighbour", "--out", str(out)])
     report = json.loads(out.read_text())
     assert rc == (0 if report["passed"] else 1)
     assert {"config", "wall_s", "errors", "wrong_answers", "misses", "miss_rate", "latency_ms", "latency_by_tenth",
@@ -40,6 +40,11 @@ def test_soak_against_a_real_server(tmp_path):
     assert rss["after_warmup_mb"] > 0 and rss["growth_mb"] == rss["final_mb"] - rss["after_warmup_mb"]
     assert report["server_process"]["exited_during_soak"] is None  # the server lived through it
     assert "--auth-token-file" in report["config"]["server_flags"]
+    assert report["config"]["server_flags"][:2] == ["--max-sessions", "3"]  # room for the neighbour
+    hostile = report["hostile_neighbour"]
+    assert hostile["threads"] == 6 and hostile["answers"]["OK"] >= 1  # served at its rate ...
+    assert hostile["sent"] > hostile["answers"]["OK"]  # ... and refused beyond it, as RATE_EXCEEDED or SESSION_BUSY
+    assert report["checks"]["hostile_answers"] is True and report["close_failures"] == []
     assert out.with_suffix(".png").stat().st_size > 0
 
 
