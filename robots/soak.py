@@ -177,7 +177,7 @@ class Tick:
 
     t_s: float
     served_ms: float  # request received -> answer ready, inside the server
-    total_ms: float  # the tick record's total: queue, encode, prefill, denoise, decode
+    total_ms: float  # the tick record's total: prepare, queue, encode, prefill, denoise, decode
     client_ms: float  # send -> answer, as this client saw it
     queue_ms: float  # waited in the server's queue before it started
     deadline_ms: float  # the tick record's deadline, from arrival: min(budget, caller deadline)

@@ -163,7 +163,7 @@ class TickRecord:
     """Why one answer was as fast (or slow) as it was, built once by the tick that ran.
 
     budget_ms: the session's per-tick budget; deadline_ms: the tick's, from its arrival (the smaller of the
-    budget and the caller's deadline). predicted_ms / actual_ms: per stage (e.g. "queue", "encode",
+    budget and the caller's deadline). predicted_ms / actual_ms: per stage (e.g. "prepare", "queue", "encode",
     "prefill", "denoise", "decode", and "preview" for a session with preview frames; "video_decode" for
     forward dynamics) and always "total" (engine-side latency of the tick), in ms. knobs: the settings the
     budget planner chose (e.g. "threshold", "cap", "num_steps", "cfg_steps") and "batch_size", the ticks of
