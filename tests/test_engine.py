@@ -527,8 +527,9 @@ def test_a_ticks_frames_go_on_their_canvas_on_the_callers_thread_not_the_model_w
         tick = queued.result(timeout=60).tick
     assert prepared_while_held == callers
     assert tick.actual_ms["prepare"] > 0 and tick.deadline_met
-    key = engine.served.cost_key("pusht", session.chunk_size, 4)
-    assert "prepare" not in engine.served.cost_model.samples(key)
+    tokens = engine.served.instruction_tokens("reach the red circle", "instruction")
+    learned = engine.served.cost_model.samples(engine.served.cost_key("pusht", session.chunk_size, tokens))
+    assert "encode" in learned and "prepare" not in learned
     engine.close_session(session.session_id)
 
 
