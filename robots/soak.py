@@ -292,17 +292,18 @@ class Stream:
 
 
 class HostileNeighbour:
-    """One more session whose `Act`s carry the largest frame the server takes (a JPEG `max_side` px a side, with
-    the session's first observation's state), sent from `FLOOD_THREADS` threads without pause until `stop()`;
-    `answers` counts what came back, by "OK" or "CODE/REASON"."""
+    """One more session whose `Act`s carry the largest frame the server takes on each of its `cameras` (a JPEG
+    `max_side` px a side, with the session's first observation's state), sent from `FLOOD_THREADS` threads without
+    pause until `stop()`; `answers` counts what came back, by "OK" or "CODE/REASON"."""
 
-    def __init__(self, client: PolicyClient, session: Session, camera: str, state: np.ndarray, max_side: int):
+    def __init__(self, client: PolicyClient, session: Session, cameras: list[str], state: np.ndarray,
+                 max_side: int):
         self.client, self.session = client, session
         ramp = np.linspace(0, 255, max_side, dtype=np.float32)
         frame = np.stack([np.add.outer(ramp, ramp) / 2, np.add.outer(ramp, 255 - ramp) / 2,
                           np.broadcast_to(ramp[:, None], (max_side, max_side))], axis=-1).astype(np.uint8)
         self.request = pb.ActRequest(session_id=session.session_id, epoch=session.epoch,
-                                     observation=build_observation({camera: frame}, state))
+                                     observation=build_observation(dict.fromkeys(cameras, frame), state))
         self.answers: Counter = Counter()
         self._lock = threading.Lock()
         self._stopped = threading.Event()
@@ -631,7 +632,7 @@ def open_hostile_neighbour(args: argparse.Namespace, target: str, spec, max_side
         client.close()
         return None, {"session": args.sessions, "kind": "hostile", "code": exc.code.name, "reason": exc.reason,
                       "message": exc.message}
-    return HostileNeighbour(client, session, spec.cameras[0].name, obs["state"], max_side), None
+    return HostileNeighbour(client, session, [camera.name for camera in spec.cameras], obs["state"], max_side), None
 
 
 def close_drivers(drivers: list[Unary | Stream]) -> list[str]:

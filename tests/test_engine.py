@@ -502,12 +502,12 @@ def test_a_ticks_frames_go_on_their_canvas_on_the_callers_thread_not_the_model_w
     pipeline = engine.served.pipeline
     prepared_on = []
 
-    def prepare_frames(request):
-        frames = type(pipeline).prepare_frames(pipeline, request)
+    def prepare_images(embodiment, images):
+        frames = type(pipeline).prepare_images(pipeline, embodiment, images)
         prepared_on.append(threading.current_thread())
         return frames
 
-    monkeypatch.setattr(pipeline, "prepare_frames", prepare_frames)
+    monkeypatch.setattr(pipeline, "prepare_images", prepare_images)
     session = engine.open_session("pusht", "reach the red circle", rate_hz=0)
     large = api.Observation(images={"image": np.random.default_rng(0).integers(0, 256, (2048, 2048, 3), np.uint8)},
                             state=np.array([0.2, 0.3], np.float32))

@@ -400,7 +400,8 @@ def test_request_bytes_that_do_not_parse_are_invalid_argument_and_logged_in_one_
     log = server_log.read_text()
     assert log.count("undecodable policy_server.v1.") >= 4
     assert "Traceback" not in log and "Exception deserializing" not in log
-    # Garbage in a loop: each answered, the log's line for its message type written once in 10 s.
+    # Garbage in a loop: each answered, the log's line for its message type written once in 10 s (one more line
+    # at most, should the loop start 10 s after the line above; a line each would be 20).
     lines = log.count("undecodable policy_server.v1.ActRequest")
     with grpc.insecure_channel(server.target) as channel:
         act = channel.unary_unary("/policy_server.v1.PolicyService/Act")
@@ -408,7 +409,7 @@ def test_request_bytes_that_do_not_parse_are_invalid_argument_and_logged_in_one_
             with pytest.raises(grpc.RpcError) as error:
                 act(b"\xff\xff\xff\xff", metadata=metadata, timeout=30)
             assert error.value.code() == INVALID
-    assert server_log.read_text().count("undecodable policy_server.v1.ActRequest") == lines
+    assert server_log.read_text().count("undecodable policy_server.v1.ActRequest") <= lines + 1
 
 
 def test_ticks_asked_for_faster_than_declared_are_refused_with_a_retry_delay(server):

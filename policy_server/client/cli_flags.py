@@ -50,4 +50,3 @@ def tls_options(args: argparse.Namespace) -> dict:
     """`PolicyClient`'s keyword arguments for the parsed TLS flags."""
     tls = args.tls or args.tls_ca is not None or args.tls_server_name is not None
     return {"tls": tls, "root_certificates": args.tls_ca, "server_name": args.tls_server_name}
-

@@ -37,7 +37,7 @@ from policy_server.engine.warmup import Warmup
 from policy_server.engine.worker import GeneratorJob, ModelWorker, TickJob
 from policy_server.limits import MAX_INSTRUCTION_TOKENS, MAX_PROMPT_TOKENS
 from policy_server.pipeline.embodiments import Embodiment
-from policy_server.pipeline.policy import PolicyPipeline, PolicyRequest
+from policy_server.pipeline.policy import PolicyPipeline
 
 logger = logging.getLogger(__name__)
 _POLL_S = 0.02  # how often a waiting caller checks whether it went away
@@ -240,8 +240,7 @@ class ModelEngine:
         """`request` with its frames put on their canvas here, on the caller's thread: the model worker, which
         every session shares, then spends only the VAE encode of the canvas on them, whatever their size."""
         started = self.served.clock()
-        frames = self.served.pipeline.prepare_frames(PolicyRequest(
-            images=request.observation.images, instruction=session.instruction, embodiment=session.embodiment))
+        frames = self.served.pipeline.prepare_images(session.embodiment, request.observation.images)
         return dataclasses.replace(request, frames=frames, prepare_ms=self.served.clock() - started)
 
     def forward_dynamics(self, session_id: str, epoch: int, observation: api.Observation, actions: np.ndarray,

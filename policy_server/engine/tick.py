@@ -122,10 +122,12 @@ class Tick:
             session.instruction = observation.instruction
             session.cost_key = served.cost_key(session.embodiment, session.chunk_size, request.instruction_tokens)
         embodiment = served.embodiments[session.embodiment]
-        canvas_hw = pipeline.canvas_for(embodiment, observation.images)
+        placement = request.frames.placement
+        canvas_hw = placement.canvas_hw
         prefill = not served.prompt_fits(session.prompt, session.instruction, embodiment, session.chunk_size, canvas_hw)
         unused = {stage for stage, used in ((PREFILL_STAGE, prefill), (PREVIEW_STAGE, session.preview)) if not used}
-        learn_key, key = served.grid_keys(session.cost_key, pipeline.latent_grid(embodiment, observation.images),
+        learn_key, key = served.grid_keys(session.cost_key,
+                                          placement.latent_content_hw(pipeline.vae.spatial_compression),
                                           unused)
 
         plan = self._plan(key, left_ms, prefill, started_ms)

@@ -40,7 +40,6 @@ from policy_server.pipeline import diffusers_folder
 from policy_server.pipeline.conditioning import (
     CanvasPlacement,
     closest_canvas,
-    content_size,
     crop_latent_padding,
     prepare_clip,
 )
@@ -213,7 +212,7 @@ class InitialNoise:
     prefix actions) the conditioning replaces it; channels past the embodiment's raw width start at zero.
 
     vision: [C, T_lat, h, w], the video latents (T_lat = `PolicyPipeline.num_latent_frames(chunk)`; h, w the
-        latent grid of the frames' content, `PolicyPipeline.latent_grid`).
+        latent grid of the frames' content, `prepare_frames(...).placement.latent_content_hw(vae.spatial_compression)`).
     actions: [chunk, action_dim], the chunk's action rows.
     """
 
@@ -561,13 +560,6 @@ class PolicyPipeline:
         multiple, binned by aspect ratio (what the tick's prompt caption names)."""
         return closest_canvas(*self._floored_hw(embodiment, images), self.config.canvases)
 
-    def latent_grid(self, embodiment: Embodiment, images: Mapping[str, np.ndarray]) -> tuple[int, int]:
-        """Latent rows and columns a tick's frames make (what its cost depends on besides the chunk)."""
-        floored = self._floored_hw(embodiment, images)
-        content_h, content_w = content_size(*floored, closest_canvas(*floored, self.config.canvases))
-        m = self.vae.spatial_compression
-        return max(content_h // m, 1), max(content_w // m, 1)
-
     def _floored_hw(self, embodiment: Embodiment, images: Mapping[str, np.ndarray]) -> tuple[int, int]:
         height = images[embodiment.cameras[0]].shape[0]
         width = sum(images[camera].shape[1] for camera in embodiment.cameras)
@@ -648,18 +640,22 @@ class PolicyPipeline:
             raise InvalidImage(f"camera images have heights {sorted(heights)}; expected one common height")
 
     def prepare_frames(self, request: PolicyRequest) -> CanvasClip:
-        """A valid `request`'s conditioning frames put on their canvas, on the CPU. No model runs, so the engine
-        does this on the caller's thread: frames of any allowed size then cost the model worker, which every
-        session shares, only the VAE encode of the canvas."""
+        """A valid `request`'s conditioning frames put on their canvas: its camera images (`prepare_images`), or
+        an inverse_dynamics request's video, extended with its last frame where it is shorter than the chunk's."""
         if request.mode == "inverse_dynamics":
-            frames = request.video  # a shorter video is extended with its last frame
-            num_frames = self.num_video_frames(self._chunk(request))
-        else:
-            cams = [request.images[c] for c in self.embodiments.get(request.embodiment).cameras]
-            frames = (np.concatenate(cams, axis=1) if len(cams) > 1 else cams[0])[None]
-            # The VAE is causal in time: latent frame 0 depends on pixel frame 0 only, so the clean
-            # conditioning latent needs just that frame.
-            num_frames = 1
+            return self._on_canvas(request.video, self.num_video_frames(self._chunk(request)))
+        return self.prepare_images(request.embodiment, request.images)
+
+    def prepare_images(self, embodiment: str, images: Mapping[str, np.ndarray]) -> CanvasClip:
+        """Valid camera images of `embodiment`, side by side, put on their canvas, on the CPU. No model runs, so
+        the engine does this on the caller's thread: frames of any allowed size then cost the model worker, which
+        every session shares, only the VAE encode of the canvas."""
+        cams = [images[c] for c in self.embodiments.get(embodiment).cameras]
+        # The VAE is causal in time: latent frame 0 depends on pixel frame 0 only, so the clean conditioning
+        # latent needs just that frame.
+        return self._on_canvas((np.concatenate(cams, axis=1) if len(cams) > 1 else cams[0])[None], 1)
+
+    def _on_canvas(self, frames: np.ndarray, num_frames: int) -> CanvasClip:
         return CanvasClip(*prepare_clip(frames, num_frames, self.config.canvases, self.vae.spatial_compression,
                                         self.config.pad_mode))
 
