@@ -217,7 +217,7 @@ def test_dtype_resolves_on_the_device(name, device, expected):
     assert resolve_dtype(name, device) == expected
 
 
-def test_the_engine_loads_the_pipeline_at_the_resolved_dtype(monkeypatch):
+def test_the_engine_loads_the_pipeline_at_the_resolved_dtype_with_one_intra_op_thread(monkeypatch):
     from policy_server.pipeline.policy import PolicyPipeline
 
     calls = []
@@ -227,11 +227,13 @@ def test_the_engine_loads_the_pipeline_at_the_resolved_dtype(monkeypatch):
         raise RuntimeError("stop after the load")
 
     monkeypatch.setattr(PolicyPipeline, "from_pretrained", from_pretrained)
-    monkeypatch.setattr(torch, "set_num_threads", lambda threads: None)  # build_engine's CPU setting stays here
+    threads = []
+    monkeypatch.setattr(torch, "set_num_threads", threads.append)  # build_engine's setting stays in this test
     for name in ("auto", "fp16"):
         with pytest.raises(RuntimeError, match="stop after the load"):
             policy_server.engine.build_engine(build_config(overrides={"device": "cpu", "dtype": name}))
     assert calls == [{"device": "cpu", "dtype": torch.float32}, {"device": "cpu", "dtype": torch.float16}]
+    assert threads == [1, 1]
 
 
 def test_subcommands_dispatch_through_the_entry_point_group(monkeypatch, capsys):

@@ -16,10 +16,11 @@ def build_engine(config):
     from policy_server.pipeline.policy import PolicyPipeline
 
     device = resolve_device(config.device)
-    if device == "cpu":
-        # The embedded model's matrices are too small to split across threads; more threads only
-        # contend with the transport and make tick latency noisier.
-        torch.set_num_threads(1)
+    # One intra-op thread on every device. On a CPU the embedded model's matrices are too small to
+    # split. On CUDA torch's CPU work is each caller's frame preparation, on its own gRPC thread, and
+    # with OpenMP every calling thread gets a team the size of the pool: several callers would
+    # oversubscribe the cores that the worker needs to launch kernels on time.
+    torch.set_num_threads(1)
     pipeline = PolicyPipeline.from_pretrained(config.checkpoint, device=device,
                                               dtype=resolve_dtype(config.dtype, device))
     profile, calibrate = resolve_profile(config.quality_profile, pipeline.folder, pipeline.digest)
