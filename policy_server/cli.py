@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from policy_server import __version__
 from policy_server.config import CONFIG_ENV, ConfigError, ServerConfig, build_config, read_config_file
 
 if TYPE_CHECKING:
@@ -50,7 +51,7 @@ def build_parser(network: bool = True) -> argparse.ArgumentParser:
         epilog="Subcommands: `serve` (default) and those installed in the `policy_server.commands` "
         "entry-point group: `bench`, `calibrate`, `ray-serve` (policy-server bench --help).",
     )
-    p.add_argument("--version", action="version", version=f"%(prog)s {importlib.metadata.version('policy-server')}")
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     p.add_argument("--config", type=Path,
                    help="YAML or JSON file with any of the settings below (default: $POLICY_SERVER_CONFIG)")
 

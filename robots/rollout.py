@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib.metadata
 import json
 import sys
 import time
@@ -38,6 +37,7 @@ import cv2
 import gymnasium
 import numpy as np
 
+from policy_server import __version__
 from policy_server.client.cli_flags import add_tls_flags, tls_options, token_file
 from policy_server.client.errors import PolicyServerError
 from policy_server.engine.api import EngineError
@@ -333,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="policy-rollout", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version",
-                        version=f"%(prog)s {importlib.metadata.version('policy-server')}")
+                        version=f"%(prog)s {__version__}")
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--server", help="host:port of a running policy-server")
     where.add_argument("--in-process", action="store_true", help="run the engine in this process")

@@ -32,7 +32,6 @@ server it started did not come up.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import os
 import socket
@@ -50,6 +49,7 @@ import gymnasium
 import numpy as np
 
 import robots.envs  # noqa: F401  (registers the environments)
+from policy_server import __version__
 from policy_server.client import (
     ActionChunk,
     ControlStream,
@@ -536,7 +536,7 @@ def print_summary(report: dict, out: Path) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="policy-soak", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--version", action="version", version=f"%(prog)s {importlib.metadata.version('policy-server')}")
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     p.add_argument("--sessions", type=int, default=8, help="concurrent sessions, half unary, half stream (8)")
     p.add_argument("--ticks", type=int, default=1000, help="ticks per session (1000)")
     p.add_argument("--rate-hz", type=float,

@@ -7,6 +7,7 @@ import importlib.metadata
 import json
 import os
 import signal
+import subprocess
 import sys
 import threading
 import types
@@ -140,6 +141,19 @@ def test_version(main, capsys):
         main(["--version"])
     assert done.value.code == 0
     assert capsys.readouterr().out.strip().endswith(" " + importlib.metadata.version("policy-server"))
+
+
+@pytest.mark.parametrize("module",
+                         ["policy_server.cli", "policy_server.client.__main__", "robots.rollout", "robots.soak"])
+def test_version_of_a_checkout_that_was_never_installed(module):
+    """Run from a source tree on PYTHONPATH (as `.ci/device` runs it) there is no distribution to ask."""
+    code = ("import importlib, importlib.metadata as metadata, sys\n"
+            "def missing(name): raise metadata.PackageNotFoundError(name)\n"
+            "metadata.version = missing\n"
+            f"importlib.import_module({module!r}).main(['--version'])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[-1] == "source-tree"
 
 
 def test_json_file_with_flag_spelling(tmp_path):

@@ -7,11 +7,11 @@
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import sys
 
 from google.protobuf import json_format
 
+from policy_server import __version__
 from policy_server.client.cli_flags import add_tls_flags, tls_options, token_file
 from policy_server.client.errors import PolicyServerError
 from policy_server.client.sync_client import PolicyClient
@@ -20,7 +20,7 @@ from policy_server.client.sync_client import PolicyClient
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m policy_server.client")
     parser.add_argument("--version", action="version",
-                        version=f"%(prog)s {importlib.metadata.version('policy-server')}")
+                        version=f"%(prog)s {__version__}")
     parser.add_argument("command", choices=("health", "info"))
     parser.add_argument("--server", default="127.0.0.1:50051", metavar="HOST:PORT",
                         help="the policy-server (127.0.0.1:50051)")

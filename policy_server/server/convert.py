@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 from dataclasses import asdict
 
 import numpy as np
 
-from policy_server import limits
+from policy_server import __version__, limits
 from policy_server.engine.api import (
     ActResult,
     Capacity,
@@ -24,14 +23,6 @@ from policy_server.v1.wire import encode_image, tensor_to_proto
 PROTOCOL_VERSION = "policy_server.v1"
 
 
-def _server_version() -> str:
-    try:
-        return importlib.metadata.version("policy-server")
-    except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never pip-installed
-        return "source-tree"
-
-
-SERVER_VERSION = _server_version()
 
 FRAME_JPEG_QUALITY = 90  # predicted frames: ~1/10 the bytes of RAW, within a few levels of the decoded pixels
 
@@ -80,7 +71,7 @@ def server_info_to_proto(info: ServerInfo, ready: bool, max_message_bytes: int,
                          capacity: tuple[Capacity, ...]) -> pb.ServerInfo:
     return pb.ServerInfo(
         protocol_version=PROTOCOL_VERSION,
-        server_version=SERVER_VERSION,
+        server_version=__version__,
         model=pb.ModelInfo(
             name=info.model_name,
             digest=info.model_digest,

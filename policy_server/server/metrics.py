@@ -26,9 +26,9 @@ from prometheus_client import (
     make_wsgi_app,
 )
 
+from policy_server import __version__
 from policy_server.engine.api import ActResult, Engine
 from policy_server.server.auth import bearer_token_matches
-from policy_server.server.convert import SERVER_VERSION
 
 LATENCY_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.11, 0.12, 0.13, 0.15, 0.2, 0.3,
                      0.5, 1, 2, 5, 10)
@@ -44,7 +44,7 @@ class ServerMetrics:
         PlatformCollector(registry=r)  # python_info
         info = engine.info()
         Info("policy_server_build", "The server's version and the model it serves", registry=r).info({
-            "version": SERVER_VERSION,
+            "version": __version__,
             "model": info.model_name,
             "model_digest": info.model_digest,
         })
