@@ -987,3 +987,7 @@ def main(argv: list[str] | None = None) -> int:
                       "configs": {c["name"]: {k: c[k] for k in ("p50_ms", "p99_ms", "action_rel_l2", "miss_rate")}
                                   for c in report["configs"]}}, indent=2))
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -22,6 +22,9 @@ With ``--hostile-neighbour`` one more session floods the server beside them: ``A
 it takes, from several threads without pause, far over the rate it declared. The server should serve that
 session at its rate and refuse the rest as documented, while the soak's sessions keep their deadlines.
 
+The soak runs below the server's priority (nice 10, on Linux; the server it starts keeps its own), so that on
+one machine its load costs the server what a client on another machine would: the requests, not the cores.
+
 The JSON report goes to ``--out``, a PNG of RSS and latency over time beside it. Exit status: 0 when
 every check passed (no errors, refusals or wrong answers, miss rate <= ``--max-miss-rate``, RSS
 growth < ``--max-rss-growth-mb``), 1 when one failed, 3 when the server refused to open a session
@@ -66,6 +69,9 @@ EXAMPLES = 5  # error and wrong-answer messages kept per session, for the report
 FLOOD_THREADS = 6  # the hostile neighbour's senders
 # What the hostile neighbour may be answered: a chunk, or a refusal for asking too soon or too often.
 FLOOD_ANSWERS = {"OK", "RESOURCE_EXHAUSTED/RATE_EXCEEDED", "RESOURCE_EXHAUSTED/SESSION_BUSY"}
+# The soak's threads run at this nice value, below a server on the same machine: the load it generates should cost
+# the server what a client on another machine would, not the cores the server computes on.
+LOAD_NICE = 10
 
 
 # -- the server ----------------------------------------------------------------------------------
@@ -76,9 +82,10 @@ class ServerFailed(Exception):
 
 
 class ServerProcess:
-    """A real ``policy-server`` child process on a free 127.0.0.1 port, output in ``log_path``."""
+    """A real ``policy-server`` child process on a free 127.0.0.1 port, output in ``log_path``; ``wait_serving``
+    before using it."""
 
-    def __init__(self, server_args: list[str], log_path: Path, startup_timeout_s: float) -> None:
+    def __init__(self, server_args: list[str], log_path: Path) -> None:
         with socket.socket() as s:  # the port is free now; the server binds it a moment later
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -90,11 +97,14 @@ class ServerProcess:
             stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         self.pid = self.process.pid
+
+    def wait_serving(self, timeout_s: float) -> None:
+        """Raises ``ServerFailed`` (and stops the server) if it exits or is not SERVING within ``timeout_s``."""
         try:
-            self._wait_serving(startup_timeout_s)
+            self._wait_serving(timeout_s)
         except (ServerFailed, TimeoutError) as exc:
             self.stop()
-            raise ServerFailed(f"{exc}\n--- {log_path} (end) ---\n{self.log_tail()}") from None
+            raise ServerFailed(f"{exc}\n--- {self.log_path} (end) ---\n{self.log_tail()}") from None
 
     def _wait_serving(self, timeout_s: float) -> None:
         end = time.monotonic() + timeout_s
@@ -666,7 +676,7 @@ def soak(args: argparse.Namespace, target: str, pid: int | None) -> tuple[dict, 
         "model": {"name": info.model.name, "device": info.model.device, "num_steps": info.model.num_steps,
                   "diffusion_cache": info.model.diffusion_cache},
         "max_miss_rate": args.max_miss_rate, "max_rss_growth_mb": args.max_rss_growth_mb,
-        "hostile_neighbour": args.hostile_neighbour,
+        "hostile_neighbour": args.hostile_neighbour, "load_nice": LOAD_NICE if sys.platform == "linux" else None,
     }
     t0 = time.monotonic()
     sampler = RssSampler(pid, args.rss_every_s, t0) if pid is not None else None
@@ -713,8 +723,12 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     server = None
     if args.server is None:
+        server = ServerProcess(server_flags(args), args.out.with_suffix(".server.log"))
+    if sys.platform == "linux":  # a thread's own there, and inherited by the threads it starts: gRPC's, the soak's
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOAD_NICE)
+    if server is not None:
         try:
-            server = ServerProcess(server_flags(args), args.out.with_suffix(".server.log"), args.startup_timeout_s)
+            server.wait_serving(args.startup_timeout_s)
         except ServerFailed as exc:
             print(f"policy-soak: the server did not start: {exc}", file=sys.stderr)
             return 4
@@ -741,3 +755,7 @@ def main(argv: list[str] | None = None) -> int:
     plot(report, results, args.out.with_suffix(".png"))
     print_summary(report, args.out)
     return 0 if report["passed"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -6,11 +6,14 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import re
+import runpy
 import signal
 import subprocess
 import sys
 import threading
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -248,6 +251,21 @@ def test_the_engine_loads_the_pipeline_at_the_resolved_dtype_with_one_intra_op_t
             policy_server.engine.build_engine(build_config(overrides={"device": "cpu", "dtype": name}))
     assert calls == [{"device": "cpu", "dtype": torch.float32}, {"device": "cpu", "dtype": torch.float16}]
     assert threads == [1, 1]
+
+
+def test_every_command_also_runs_as_a_module(monkeypatch, capsys):
+    """`python -m robots.soak`, `python -m robots.bench`, ...: how a checkout that was never pip-installed (no
+    console scripts, no entry points) runs them. Each module with a `main` prints its usage for --help."""
+    root = Path(__file__).resolve().parents[1]
+    modules = [".".join(path.relative_to(root).with_suffix("").parts)
+               for package in ("policy_server", "robots") for path in sorted((root / package).rglob("*.py"))
+               if re.search(r"^def main\(", path.read_text(), flags=re.M)]
+    assert {"robots.bench", "robots.soak", "policy_server.engine.calibration"} <= set(modules)
+    for module in modules:
+        monkeypatch.setattr(sys, "argv", [module, "--help"])
+        with pytest.raises(SystemExit) as done:
+            runpy.run_module(module, run_name="__main__")
+        assert done.value.code == 0 and "usage:" in capsys.readouterr().out, module
 
 
 def test_subcommands_dispatch_through_the_entry_point_group(monkeypatch, capsys):

@@ -1,7 +1,10 @@
-"""`policy-soak` at toy size: against a real server process every answer matches its session and
-epoch and the report holds the documented keys; a session the server refuses is reported, not a crash."""
+"""`policy-soak` at toy size, as its own process (it lowers its priority): against a real server process every
+answer matches its session and epoch and the report holds the documented keys; a session the server refuses is
+reported, not a crash."""
 
 import json
+import subprocess
+import sys
 from concurrent import futures
 
 import grpc
@@ -9,7 +12,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from policy_server.v1 import policy_server_pb2 as pb
 from policy_server.v1 import policy_server_pb2_grpc as pb_grpc
-from robots.soak import main as soak_main
+
+
+def soak(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "robots.soak", *args], capture_output=True, text=True, timeout=600)
 
 
 def test_soak_against_a_real_server(tmp_path):
@@ -19,11 +25,11 @@ def test_soak_against_a_real_server(tmp_path):
     # 16-step episodes: every session resets (a new epoch) every two ticks. Three sessions' cheapest
     # ticks must fit one budget side by side; 400 ms leaves room for a slow CI machine's floor. The server
     # wants a token, which every call of the soak carries. A hostile neighbour floods it meanwhile.
-    rc = soak_main(["--sessions", "2", "--ticks", "6", "--episode-steps", "16", "--warmup-ticks", "2",
-                    "--rss-every-s", "0.5", "--latency-budget-ms", "400", "--auth-token-file", str(token),
-                    "--hostile-neighbour", "--out", str(out)])
+    done = soak("--sessions", "2", "--ticks", "6", "--episode-steps", "16", "--warmup-ticks", "2",
+                "--rss-every-s", "0.5", "--latency-budget-ms", "400", "--auth-token-file", str(token),
+                "--hostile-neighbour", "--out", str(out))
     report = json.loads(out.read_text())
-    assert rc == (0 if report["passed"] else 1)
+    assert done.returncode == (0 if report["passed"] else 1), done.stderr
     assert {"config", "wall_s", "errors", "wrong_answers", "misses", "miss_rate", "latency_ms", "latency_by_tenth",
             "rss", "sessions", "checks", "server_process"} <= set(report)
     assert (report["sent"], report["answered"]) == (12, 12)
@@ -41,6 +47,7 @@ def test_soak_against_a_real_server(tmp_path):
     assert report["server_process"]["exited_during_soak"] is None  # the server lived through it
     assert "--auth-token-file" in report["config"]["server_flags"]
     assert report["config"]["server_flags"][:2] == ["--max-sessions", "3"]  # room for the neighbour
+    assert report["config"]["load_nice"] == 10
     hostile = report["hostile_neighbour"]
     assert hostile["threads"] == 6 and hostile["answers"]["OK"] >= 1  # served at its rate ...
     assert hostile["sent"] > hostile["answers"]["OK"]  # ... and refused beyond it, as RATE_EXCEEDED or SESSION_BUSY
@@ -71,7 +78,7 @@ class _AdmitsOne(pb_grpc.PolicyServiceServicer):
         return pb.CloseSessionResponse()
 
 
-def test_soak_reports_a_refused_session(tmp_path, capsys):
+def test_soak_reports_a_refused_session(tmp_path):
     servicer = _AdmitsOne()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     pb_grpc.add_PolicyServiceServicer_to_server(servicer, server)
@@ -82,14 +89,14 @@ def test_soak_reports_a_refused_session(tmp_path, capsys):
     server.start()
     try:
         out = tmp_path / "soak.json"
-        rc = soak_main(["--server", f"127.0.0.1:{port}", "--sessions", "2", "--ticks", "3", "--rate-hz", "2",
-                        "--out", str(out)])
+        done = soak("--server", f"127.0.0.1:{port}", "--sessions", "2", "--ticks", "3", "--rate-hz", "2",
+                    "--out", str(out))
     finally:
         server.stop(grace=None)
-    assert rc == 3
+    assert done.returncode == 3
     report = json.loads(out.read_text())
     assert report["refused_open"] == {"session": 1, "kind": "stream", "code": "RESOURCE_EXHAUSTED",
                                       "reason": "OVERLOADED", "message": "1 session of pusht fits at 1.25 Hz"}
     assert servicer.opened[0].rate_hz == 2.0  # the declared rate went out on the wire
     assert servicer.closed == ["s0"]  # the session it did get was closed again
-    assert "refused session 1 (stream): RESOURCE_EXHAUSTED OVERLOADED" in capsys.readouterr().err
+    assert "refused session 1 (stream): RESOURCE_EXHAUSTED OVERLOADED" in done.stderr

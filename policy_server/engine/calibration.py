@@ -462,3 +462,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{embodiment}: {len(frontier(points))} configurations on the frontier of {len(points)}")
     print(f"wrote {out} ({profile.calibration.seconds:.0f} s)")
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -86,3 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     stop.wait()
     serve.delete(name)
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
