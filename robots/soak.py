@@ -16,7 +16,8 @@ Every answer is checked against what was sent (session id, epoch, and on the str
 ticks are counted by gRPC status and reason; RESOURCE_EXHAUSTED / RATE_EXCEEDED refusals apart from
 the errors. The server's resident memory (VmRSS) is sampled every ``--rss-every-s``; growth counts
 from the first sample after every session has done ``--warmup-ticks`` ticks, when the allocator
-pools and caches have been filled once.
+pools and caches have been filled once, as the rise of the floor (the lowest sample) from the first
+third of the samples since then to the last: a request in flight lifts single samples.
 
 With ``--hostile-neighbour`` one more session floods the server beside them: ``Act``s of the largest frame
 it takes, from several threads without pause, far over the rate it declared. The server should serve that
@@ -412,19 +413,22 @@ def percentiles(values: list[float]) -> dict | None:
 
 
 def rss_summary(series: list[tuple[float, float]], warm_s: float, after_close_mb: float | None) -> dict:
-    """RSS (MB) after warmup (the first sample at or after ``warm_s``), at the end, the growth between, and
-    the growth in each third of that time. It levels off when the last third grew less than half as
-    much as the first, or under 2 MB; with fewer than 4 samples after warmup it cannot tell."""
+    """RSS (MB) from warmup on (the samples at or after ``warm_s``) as the floor of each third of them, its
+    lowest sample: a request in flight lifts single samples (a 2048 px frame on its canvas holds 50 MB for
+    a moment), what the server keeps lifts the floor. Growth is the last third's floor over the first's;
+    it levels off when the last third's floor rose less than half as much as the second's, or under 2 MB.
+    With fewer than 3 samples after warmup, growth is the last sample over the first and whether it
+    levels off cannot be told."""
     after = [(t, mb) for t, mb in series if t >= warm_s] or series[-1:]
-    (start_s, start_mb), (end_s, final_mb) = after[0], after[-1]
-    thirds = levels_off = None
-    if len(after) >= 4:
-        times, mbs = zip(*after, strict=True)
-        at = np.interp(np.linspace(start_s, end_s, 4), times, mbs)
-        thirds = [float(g) for g in np.diff(at)]
-        levels_off = thirds[2] < max(2.0, 0.5 * thirds[0])
-    return {"series": series, "after_warmup_at_s": start_s, "after_warmup_mb": start_mb, "final_mb": final_mb,
-            "growth_mb": final_mb - start_mb, "growth_by_third_mb": thirds, "levels_off": levels_off,
+    mbs = [mb for _, mb in after]
+    floors = levels_off = None
+    growth = mbs[-1] - mbs[0]
+    if len(mbs) >= 3:
+        floors = [float(min(third)) for third in np.array_split(mbs, 3)]
+        growth = floors[2] - floors[0]
+        levels_off = floors[2] - floors[1] < max(2.0, 0.5 * (floors[1] - floors[0]))
+    return {"series": series, "after_warmup_at_s": after[0][0], "after_warmup_mb": mbs[0], "final_mb": mbs[-1],
+            "floor_by_third_mb": floors, "growth_mb": growth, "levels_off": levels_off,
             "after_close_mb": after_close_mb}
 
 
@@ -528,9 +532,9 @@ def print_summary(report: dict, out: Path) -> None:
         answers = ", ".join(f"{answer} {count}" for answer, count in sorted(hostile["answers"].items()))
         print(f"  hostile neighbour: {hostile['sent']} Acts from {hostile['threads']} threads, answered {answers}")
     if rss is not None:
-        thirds = rss["growth_by_third_mb"]
-        shape = ("too few samples to tell whether it levels off" if thirds is None else
-                 "by third " + " / ".join(f"{g:+.1f}" for g in thirds) + " MB: "
+        floors = rss["floor_by_third_mb"]
+        shape = ("too few samples to tell whether it levels off" if floors is None else
+                 "floor by third " + " / ".join(f"{mb:.1f}" for mb in floors) + " MB: "
                  + ("levels off" if rss["levels_off"] else "still growing"))
         print(f"  server RSS after warmup {rss['after_warmup_mb']:.1f} MB, final {rss['final_mb']:.1f} MB, "
               f"growth {rss['growth_mb']:+.1f} MB ({shape})")
