@@ -22,8 +22,6 @@ from policy_server.v1.wire import encode_image, tensor_to_proto
 
 PROTOCOL_VERSION = "policy_server.v1"
 
-
-
 FRAME_JPEG_QUALITY = 90  # predicted frames: ~1/10 the bytes of RAW, within a few levels of the decoded pixels
 
 _ENCODINGS = {
