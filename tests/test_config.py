@@ -253,6 +253,7 @@ def test_the_engine_loads_the_pipeline_at_the_resolved_dtype_with_one_intra_op_t
     assert threads == [1, 1]
 
 
+@pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")  # runpy: imported by earlier tests
 def test_every_command_also_runs_as_a_module(monkeypatch, capsys):
     """`python -m robots.soak`, `python -m robots.bench`, ...: how a checkout that was never pip-installed (no
     console scripts, no entry points) runs them. Each module with a `main` prints its usage for --help."""

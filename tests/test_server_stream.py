@@ -281,6 +281,47 @@ def test_reconnects_and_replaces_the_session_after_a_server_restart():
             second.stop(grace_s=0.1)
 
 
+def test_a_reconnect_refused_while_the_starting_places_are_full_tries_again(monkeypatch):
+    # After a failover every stream of the lost server reconnects at once; the places for streams waiting for
+    # their `start` may all be taken for a moment. That refusal asks to be retried, and the stream does.
+    monkeypatch.setattr(control_stream, "CONTROL_START_S", 2.0)
+    first = build_server(build_config(overrides={"port": 0}), FakeEngine()).start()
+    port = first.grpc_port
+    client = PolicyClient(first.target)
+    session = client.open_session("pusht", "reconnect into a crowd")
+    # Its first try comes about 1 s after the loss, when the silent streams below hold every place.
+    stream = ControlStream(client, session, backoff=Backoff(initial_s=1.0, max_s=1.0, max_attempts=20)).open()
+    second = crowd = None
+    silent = queue.Queue()
+    try:
+        send(stream, 0)
+        stream.next_chunk()
+        first.stop(grace_s=0.1)
+        second = build_server(build_config(overrides={"port": port}), FakeEngine()).start()
+        crowd = PolicyClient(second.target)
+        waiting = [crowd.stub.Control(iter(silent.get, None), timeout=30) for _ in range(MAX_STARTING_STREAMS)]
+        with pytest.raises(grpc.RpcError) as err:  # what the stream meets until the silent ones are ended
+            list(crowd.stub.Control(iter([]), timeout=30))
+        error = PolicyServerError.from_rpc_error(err.value)
+        assert error.reason == "TOO_MANY_STARTING_STREAMS" and error.retry_after_ms > 0
+        event = stream.next_event(timeout_s=20)
+        assert event.kind == "reconnected" and event.session_replaced, event
+        obs_id = send(stream, 1)
+        assert stream.next_chunk(timeout_s=10).obs_id == obs_id
+        for call in waiting:
+            with pytest.raises(grpc.RpcError):
+                list(call)
+    finally:
+        for _ in range(MAX_STARTING_STREAMS):
+            silent.put(None)
+        stream.close()
+        client.close()
+        if crowd is not None:
+            crowd.close()
+        if second is not None:
+            second.stop(grace_s=0.1)
+
+
 def test_a_flood_of_frames_is_refused_undecoded_and_the_stream_lives_on(stream):
     from policy_server.limits import MAX_FRAME_RATE_HZ
 

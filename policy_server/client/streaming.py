@@ -10,7 +10,8 @@ stream reconnects with exponential backoff and re-attaches to the session; if th
 session (it restarted, or behind Ray Serve its replica went away), it opens a new one with the same
 settings and reports ``reconnected`` with ``session_replaced=True``, because the episode state (epoch) is
 new. A dropped connection is UNAVAILABLE, or INTERNAL without a server reason: Ray Serve's proxy ends a
-stream so when its replica dies.
+stream so when its replica dies. A refusal that says when to retry is tried again too: after a failover,
+when every stream reconnects at once, a server may have no place left for streams still to send their start.
 Observations sent while disconnected are dropped: they would be stale by the time a chunk came.
 """
 
@@ -139,7 +140,7 @@ class ControlStream:
                 if exc.reason == "SESSION_NOT_FOUND" and self._reopen_session:
                     if self._reopen():
                         return True
-                elif not _connection_lost(exc):
+                elif not (_connection_lost(exc) or exc.retry_after_ms):  # a refusal that asks to retry
                     return False
         return False
 

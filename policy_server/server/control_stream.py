@@ -35,7 +35,13 @@ import grpc
 
 from policy_server.engine.admission import RateLimiter
 from policy_server.engine.api import Engine, Observation, RateExceeded
-from policy_server.limits import CONTROL_START_S, MAX_FRAME_RATE_HZ, MAX_PENDING_FRAMES, MAX_STARTING_STREAMS
+from policy_server.limits import (
+    CONTROL_START_S,
+    MAX_FRAME_RATE_HZ,
+    MAX_PENDING_FRAMES,
+    MAX_STARTING_STREAMS,
+    STARTING_RETRY_MS,
+)
 from policy_server.server import convert, validate
 from policy_server.server.errors import ServiceError, Undecodable, from_exception, make_error
 from policy_server.server.metrics import ServerMetrics
@@ -105,6 +111,7 @@ class ControlCall:
                 f"{MAX_STARTING_STREAMS} Control streams are waiting for their `start` already",
                 field="start", expected="a stream that sends `start` as soon as it opens; retry shortly",
                 got=f"a stream beyond the {MAX_STARTING_STREAMS}",
+                retry_after_ms=STARTING_RETRY_MS,  # streams that do send their start hold a place for milliseconds
             )
         try:
             first = _first_message(requests)
