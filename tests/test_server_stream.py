@@ -281,6 +281,26 @@ def test_reconnects_and_replaces_the_session_after_a_server_restart():
             second.stop(grace_s=0.1)
 
 
+def test_opening_a_stream_while_the_starting_places_are_full_waits_for_one(client, monkeypatch):
+    # Robots or simulation workers started together open their streams at once.
+    monkeypatch.setattr(control_stream, "CONTROL_START_S", 1.0)
+    session = client.open_session("pusht", "open into a crowd")
+    silent = queue.Queue()
+    waiting = [client.stub.Control(iter(silent.get, None), timeout=30) for _ in range(MAX_STARTING_STREAMS)]
+    try:
+        time.sleep(0.3)  # they reach the server
+        with pytest.raises(PolicyServerError) as refused:  # without retries the refusal is the caller's
+            ControlStream(client, session, backoff=Backoff(max_attempts=0)).open()
+        assert refused.value.reason == "TOO_MANY_STARTING_STREAMS"
+        with ControlStream(client, session, backoff=Backoff(initial_s=0.2, max_s=0.2)) as stream:
+            obs_id = send(stream, 0)
+            assert stream.next_chunk().obs_id == obs_id
+    finally:
+        for _ in waiting:
+            silent.put(None)
+    client.close_session(session)
+
+
 def test_a_reconnect_refused_while_the_starting_places_are_full_tries_again(monkeypatch):
     # After a failover every stream of the lost server reconnects at once; the places for streams waiting for
     # their `start` may all be taken for a moment. That refusal asks to be retried, and the stream does.

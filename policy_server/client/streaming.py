@@ -10,8 +10,9 @@ stream reconnects with exponential backoff and re-attaches to the session; if th
 session (it restarted, or behind Ray Serve its replica went away), it opens a new one with the same
 settings and reports ``reconnected`` with ``session_replaced=True``, because the episode state (epoch) is
 new. A dropped connection is UNAVAILABLE, or INTERNAL without a server reason: Ray Serve's proxy ends a
-stream so when its replica dies. A refusal that says when to retry is tried again too: after a failover,
-when every stream reconnects at once, a server may have no place left for streams still to send their start.
+stream so when its replica dies. A refusal that says when to retry is tried again too, when opening as when
+reconnecting: streams that all (re)connect at once, after a failover or at a fleet's start, may find no
+place left on the server for those still to send their start.
 Observations sent while disconnected are dropped: they would be stale by the time a chunk came.
 """
 
@@ -106,7 +107,19 @@ class ControlStream:
             self._session = Session.from_proto(first.started)
 
     def open(self) -> ControlStream:
-        self._connect()
+        """Attach to the session. A refusal that says when to retry (streams opened all at once may find no
+        place left for those still to send their start) is tried again with the backoff; any other error, or
+        the last refusal, raises ``PolicyServerError``."""
+        delays = self._backoff.delays()
+        while True:
+            try:
+                self._connect()
+                break
+            except PolicyServerError as exc:
+                delay = next(delays, None)
+                if not exc.retry_after_ms or delay is None:
+                    raise
+                time.sleep(max(delay, exc.retry_after_ms / 1e3))
         self._reader = threading.Thread(target=self._read_events, daemon=True, name="control-events")
         self._reader.start()
         return self
