@@ -213,8 +213,8 @@ class FakeEngine:
         self._check_budget(budget_ms)
         return self._replace(session_id, budget_ms=budget_ms)
 
-    def check_tick(self, session_id: str) -> None:
-        self.session(session_id)
+    def reserve_tick(self, session_id: str) -> contextlib.AbstractContextManager[object]:
+        return contextlib.nullcontext(self.session(session_id))
 
     def attach(self, session_id: str) -> contextlib.AbstractContextManager[SessionHandle]:
         return contextlib.nullcontext(self.session(session_id))
@@ -226,6 +226,7 @@ class FakeEngine:
         observation: Observation,
         deadline_s: float | None = None,
         should_abort: Callable[[], bool] | None = None,
+        reservation: object | None = None,
     ) -> ActResult:
         if not self._ready:
             raise WarmingUp(0.5)

@@ -310,6 +310,66 @@ def test_a_second_tick_while_one_is_in_flight_is_refused(engine):
     engine.close_session(session.session_id)
 
 
+def test_a_reserved_tick_holds_the_sessions_place_until_it_is_done_or_given_up(engine):
+    session = engine.open_session("pusht", "reach the red circle", rate_hz=0)
+    with engine.reserve_tick(session.session_id):  # the transport decodes the observation meanwhile
+        with pytest.raises(api.SessionBusy):
+            engine.act(session.session_id, 1, _observation())
+    # Given up (its observation did not decode): the place is free again.
+    with engine.reserve_tick(session.session_id) as reservation:
+        result = engine.act(session.session_id, 1, _observation(1), reservation=reservation)
+    assert result.actions.shape == (8, 2)
+    assert engine.act(session.session_id, 1, _observation(2)).actions.shape == (8, 2)
+    engine.close_session(session.session_id)
+    limited = engine.open_session("pusht", "reach the red circle", rate_hz=0.01)
+    with engine.reserve_tick(limited.session_id):
+        pass  # a reservation given up still spent its token of the declared rate
+    with engine.reserve_tick(limited.session_id):
+        pass  # the burst of two
+    with pytest.raises(api.RateExceeded):
+        engine.act(limited.session_id, 1, _observation())
+    engine.close_session(limited.session_id)
+
+
+def test_a_busy_sessions_calls_are_refused_before_the_server_decodes_their_frames(engine, monkeypatch):
+    from policy_server.client import PolicyClient, PolicyServerError
+    from policy_server.config import build_config
+    from policy_server.server import build_server, validate
+
+    decoding, release = threading.Event(), threading.Event()
+    decoded = []
+
+    def slow_decode(*args, **kwargs):  # the first frame decodes until the test lets it
+        decoded.append(args[1])
+        if len(decoded) == 1:
+            decoding.set()
+            release.wait(30)
+        return real_decode(*args, **kwargs)
+
+    real_decode = validate.decode_image
+    monkeypatch.setattr(validate, "decode_image", slow_decode)
+    server = build_server(build_config(overrides={"port": 0}), engine).start()
+    client = PolicyClient(server.target)
+    session = client.open_session("pusht", "reach the red circle", rate_hz=0)
+    frame = _observation().images["image"]
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            first = pool.submit(client.act, session, {"image": frame}, np.array([0.2, 0.3], np.float32))
+            assert decoding.wait(30)
+            for _ in range(3):
+                with pytest.raises(PolicyServerError) as busy:
+                    client.act(session, {"image": frame}, np.array([0.2, 0.3], np.float32))
+                assert busy.value.reason == "SESSION_BUSY"
+            release.set()
+            assert first.result(60).actions.shape == (8, 2)
+        assert len(decoded) == 1
+    finally:
+        release.set()
+        client.close_session(session)
+        client.close()
+        server.stop(0.1)
+
+
 def test_a_tick_whose_caller_left_while_queued_is_withdrawn(engine):
     session = engine.open_session("pusht", "reach the red circle", rate_hz=0)
     gate = hold_worker(engine)

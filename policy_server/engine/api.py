@@ -521,9 +521,11 @@ class Engine(Protocol):
         frames), however long it goes without a call; yields its handle. Raises UnknownSession."""
         ...
 
-    def check_tick(self, session_id: str) -> None:
-        """Raise what ``act`` would for a tick of this session asked for now, without asking for it: SessionBusy
-        or RateExceeded (and UnknownSession). The transport calls it before it decodes a costly observation."""
+    def reserve_tick(self, session_id: str) -> AbstractContextManager[object]:
+        """Take the session's one place for a tick, and a token of its declared rate, before the transport decodes
+        a costly observation: a tick refused (SessionBusy, RateExceeded, WarmingUp, UnknownSession) costs no
+        decoding, however many of the session's calls arrive at once. Yields the reservation to pass to ``act``;
+        leaving the context without a tick queued on it frees the place."""
         ...
 
     def act(
@@ -533,8 +535,10 @@ class Engine(Protocol):
         observation: Observation,
         deadline_s: float | None = None,
         should_abort: Callable[[], bool] | None = None,
+        reservation: object | None = None,
     ) -> ActResult:
-        """Compute the action chunk for ``observation``.
+        """Compute the action chunk for ``observation``, on ``reservation`` (from ``reserve_tick``) or on a
+        place it reserves itself.
 
         The tick is planned against min(session budget, ``deadline_s`` - now). ``should_abort``
         is polled while the tick waits and between denoising steps; when it returns True (or

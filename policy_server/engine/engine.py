@@ -185,32 +185,45 @@ class ModelEngine:
 
     # ------------------------------------------------------------------------------ model calls
 
-    def check_tick(self, session_id: str) -> None:
-        session = self.sessions.get(session_id)
-        if session.ticking() and not session.in_flight.payload.gone():  # `act` waits for an abandoned one
-            raise api.SessionBusy(session_id)
-        _refuse_early(session, session.limiter.due_in(time.monotonic()))
-
-    def act(self, session_id: str, epoch: int, observation: api.Observation, deadline_s: float | None = None,
-            should_abort: Callable[[], bool] | None = None) -> api.ActResult:
+    @contextlib.contextmanager
+    def reserve_tick(self, session_id: str) -> Iterator[TickJob]:
+        """The session's place for one tick and a token of its rate, taken before the transport decodes the
+        observation; a place no tick was queued on is freed on leaving."""
         self._require_ready()
         self._admission.close_idle(self.settings.session_idle_s)
         session = self.sessions.get(session_id)  # its epoch is checked when the tick starts
+        prior = session.in_flight
+        if prior is not None and prior.payload is not None and prior.payload.gone():
+            wait_for([prior.result], timeout=_ABANDONED_WAIT_S)  # it stops within one step: wait, not refuse
+        with session.lock:
+            if session.ticking():  # queued, running, or its observation being decoded
+                raise api.SessionBusy(session_id)
+            _refuse_early(session, session.limiter.take(time.monotonic()))
+            job = TickJob(session, (session.embodiment, session.chunk_size), payload=None)
+            session.in_flight = job
+        try:
+            yield job
+        finally:
+            if job.payload is None:
+                job.result.cancel()
+
+    def act(self, session_id: str, epoch: int, observation: api.Observation, deadline_s: float | None = None,
+            should_abort: Callable[[], bool] | None = None, reservation: TickJob | None = None) -> api.ActResult:
+        if reservation is not None:
+            return self._tick(reservation, epoch, observation, deadline_s, should_abort)
+        with self.reserve_tick(session_id) as reservation:
+            return self._tick(reservation, epoch, observation, deadline_s, should_abort)
+
+    def _tick(self, job: TickJob, epoch: int, observation: api.Observation, deadline_s: float | None,
+              should_abort: Callable[[], bool] | None) -> api.ActResult:
+        """Prepare the frames of the tick `job` reserved, queue it, and wait for its chunk."""
+        session = job.session
         tokens = self.served.instruction_tokens(observation.instruction, "observation.instruction") \
             if observation.instruction else 0
         deadline_ms = session.budget_ms
         if deadline_s is not None:
             deadline_ms = min(deadline_ms, (deadline_s - time.monotonic()) * 1e3)
         request = TickRequest(epoch, observation, tokens, self.served.clock(), deadline_ms, deadline_s, should_abort)
-        prior = session.in_flight
-        if prior is not None and prior.payload.gone():  # it stops within one step: wait instead of refusing
-            wait_for([prior.result], timeout=_ABANDONED_WAIT_S)
-        with session.lock:
-            if session.ticking():
-                raise api.SessionBusy(session_id)
-            _refuse_early(session, session.limiter.take(time.monotonic()))
-            job = TickJob(session, (session.embodiment, session.chunk_size), request)
-            session.in_flight = job
         try:
             job.payload = self._prepare_frames(session, request)
         except BaseException as error:  # the session must not stay busy
@@ -233,7 +246,7 @@ class ModelEngine:
                                                  session.instruction)
             with contextlib.suppress(api.ShuttingDown):  # the tick's answer stands
                 self._worker.submit(GeneratorJob(pieces, lambda error: logger.warning(
-                    "capturing the CUDA graphs of session %s's new instruction failed: %s", session_id, error)))
+                    "capturing the CUDA graphs of session %s's new instruction failed: %s", session.session_id, error)))
         return result
 
     def _prepare_frames(self, session: SessionState, request: TickRequest) -> TickRequest:

@@ -101,15 +101,16 @@ class PolicyServicer(pb_grpc.PolicyServiceServicer):
     def Act(self, request: pb.ActRequest, context: grpc.ServicerContext):
         received = time.monotonic()
         handle, spec = self._session_request(request)
-        self.engine.check_tick(handle.session_id)  # a tick refused now is refused before its frames are decoded
-        observation = validate.observation(validate.ProtoObservation.of(request, "observation"), spec)
-        result = self.engine.act(
-            handle.session_id,
-            handle.epoch,
-            observation,
-            deadline_s=self._deadline_s(context, received),
-            should_abort=lambda: not context.is_active(),
-        )
+        with self.engine.reserve_tick(handle.session_id) as reservation:  # refused now: before frames are decoded
+            observation = validate.observation(validate.ProtoObservation.of(request, "observation"), spec)
+            result = self.engine.act(
+                handle.session_id,
+                handle.epoch,
+                observation,
+                deadline_s=self._deadline_s(context, received),
+                should_abort=lambda: not context.is_active(),
+                reservation=reservation,
+            )
         served_ms = (time.monotonic() - received) * 1e3
         self.metrics.observe_tick(result, served_ms, "grpc")
         return convert.act_result_to_proto(
