@@ -38,7 +38,8 @@ class BackgroundJob(Protocol):
 @dataclass(eq=False)
 class TickJob:
     """A queued control tick and the future its caller waits on. ``shape``: which queued ticks may start
-    together; inside a batch, GEN-stack calls then group on their exact ``GenLayout.key``."""
+    together; inside a batch, GEN-stack calls then group on their exact ``GenLayout.key``. ``payload``: what
+    the tick runs, None while it is only reserved (its observation still being decoded)."""
 
     session: Any
     shape: Hashable
