@@ -256,6 +256,15 @@ def test_dynamics_calls_beyond_the_limit_are_refused_and_each_deadline_is_kept(e
             client.stub.InverseDynamics(_id(session), timeout=60)
         assert PolicyServerError.from_rpc_error(refused.value).reason == "TOO_MANY_DYNAMICS_CALLS"
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        corrupt = encode_image(_frame(), "png")
+        corrupt.data = corrupt.data[:40]
+        video = _id(session)
+        video.videos["image"].frames[0].CopyFrom(corrupt)
+        for call, request in ((client.stub.ForwardDynamics, _fd(session, image=corrupt)),
+                              (client.stub.InverseDynamics, video)):
+            with pytest.raises(grpc.RpcError) as undecoded:  # refused before its frames are decoded: not BAD_IMAGE
+                call(request, timeout=60)
+            assert PolicyServerError.from_rpc_error(undecoded.value).reason == "TOO_MANY_DYNAMICS_CALLS"
         for call in queued:  # answered at their deadline although the worker is still held
             with pytest.raises(api.DeadlineExpired):
                 call.result(timeout=30)

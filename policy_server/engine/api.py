@@ -548,6 +548,13 @@ class Engine(Protocol):
         """
         ...
 
+    def reserve_dynamics(self, session_id: str) -> AbstractContextManager[object]:
+        """Take one of the server's places for a dynamics call before the transport decodes its frames: a call
+        refused (DynamicsOff, TooManyDynamicsCalls, WarmingUp, UnknownSession) costs no decoding. Yields the
+        reservation to pass to ``forward_dynamics`` / ``inverse_dynamics``; the place is held until the context
+        ends."""
+        ...
+
     def forward_dynamics(
         self,
         session_id: str,
@@ -557,12 +564,14 @@ class Engine(Protocol):
         seed: int | None = None,
         deadline_s: float | None = None,
         should_abort: Callable[[], bool] | None = None,
+        reservation: object | None = None,
     ) -> PredictedVideo:
         """The frames ``actions`` (float32 [K, action_dim], physical units, within the declared limits; K the
         session's chunk size) lead to from ``observation``. Uncached at the model's step count, as background
         work between ticks; abandoned at ``deadline_s`` or after ``limits.MAX_DYNAMICS_MS``. ``seed`` None:
-        the session's. Raises InvalidArgument (instruction tokens), UnknownSession, StaleEpoch, WarmingUp,
-        TooManyDynamicsCalls, DynamicsOff, Cancelled, DeadlineExpired, ShuttingDown."""
+        the session's. On ``reservation`` (from ``reserve_dynamics``), or on a place it takes itself. Raises
+        InvalidArgument (instruction tokens), UnknownSession, StaleEpoch, WarmingUp, TooManyDynamicsCalls,
+        DynamicsOff, Cancelled, DeadlineExpired, ShuttingDown."""
         ...
 
     def inverse_dynamics(
@@ -573,6 +582,7 @@ class Engine(Protocol):
         seed: int | None = None,
         deadline_s: float | None = None,
         should_abort: Callable[[], bool] | None = None,
+        reservation: object | None = None,
     ) -> ActResult:
         """The action chunk that explains ``clip`` (K + 1 frames); ``actions[i]`` takes frame i to i + 1.
         Runs and raises as ``forward_dynamics`` (and NonFiniteOutput)."""

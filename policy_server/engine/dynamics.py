@@ -8,10 +8,11 @@ within the caller's deadline and `MAX_DYNAMICS_MS`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
@@ -96,6 +97,19 @@ class Dynamics:
         self.served, self.worker = served, worker
         self._calls = threading.Semaphore(served.settings.max_dynamics_calls)
 
+    @contextlib.contextmanager
+    def place(self) -> Iterator[None]:
+        """One of the `max_dynamics_calls` places, held while the context lasts: the caller takes it before its
+        frames are decoded and keeps it until its call has ended (a call ends before its caller returns)."""
+        if not self.served.settings.max_dynamics_calls:
+            raise api.DynamicsOff()
+        if not self._calls.acquire(blocking=False):
+            raise api.TooManyDynamicsCalls(self.served.settings.max_dynamics_calls)
+        try:
+            yield
+        finally:
+            self._calls.release()
+
     def forward(self, session: SessionState, observation: api.Observation, actions: np.ndarray, seed: int | None,
                 deadline_s: float | None, should_abort: Callable[[], bool] | None) -> api.PredictedVideo:
         embodiment = self.served.embodiments[session.embodiment]
@@ -142,18 +156,9 @@ class Dynamics:
         bound_s = time.monotonic() + MAX_DYNAMICS_MS / 1e3
         deadline_s = bound_s if deadline_s is None else min(deadline_s, bound_s)
         deadline_ms = (deadline_s - time.monotonic()) * 1e3
-        if not served.settings.max_dynamics_calls:
-            raise api.DynamicsOff()
-        if not self._calls.acquire(blocking=False):  # released when the call ends, however it ends
-            raise api.TooManyDynamicsCalls(served.settings.max_dynamics_calls)
-        try:
-            frames = served.pipeline.prepare_frames(request)
-        except BaseException:
-            self._calls.release()
-            raise
+        frames = served.pipeline.prepare_frames(request)
         prepared_ms = served.clock()
         job = DynamicsCall(served, embodiment, request, frames, decode_frames, session.prompt, prepared_ms)
-        job.result.add_done_callback(lambda _: self._calls.release())
         try:
             self.worker.submit(job)
         except api.ShuttingDown as error:

@@ -256,21 +256,29 @@ class ModelEngine:
         frames = self.served.pipeline.prepare_images(session.embodiment, request.observation.images)
         return dataclasses.replace(request, frames=frames, prepare_ms=self.served.clock() - started)
 
+    @contextlib.contextmanager
+    def reserve_dynamics(self, session_id: str) -> Iterator[SessionState]:
+        """A place for one dynamics call of the session, taken before the transport decodes its frames and
+        held until the context ends."""
+        self._require_ready()
+        session = self.sessions.get(session_id)
+        with self._dynamics.place():
+            yield session
+
     def forward_dynamics(self, session_id: str, epoch: int, observation: api.Observation, actions: np.ndarray,
                          seed: int | None = None, deadline_s: float | None = None,
-                         should_abort: Callable[[], bool] | None = None) -> api.PredictedVideo:
-        self._require_ready()
-        session = self.sessions.get(session_id)
-        self.served.check_epoch(session, epoch)
-        return self._dynamics.forward(session, observation, actions, seed, deadline_s, should_abort)
+                         should_abort: Callable[[], bool] | None = None,
+                         reservation: SessionState | None = None) -> api.PredictedVideo:
+        with contextlib.nullcontext(reservation) if reservation else self.reserve_dynamics(session_id) as session:
+            self.served.check_epoch(session, epoch)
+            return self._dynamics.forward(session, observation, actions, seed, deadline_s, should_abort)
 
     def inverse_dynamics(self, session_id: str, epoch: int, clip: api.VideoClip, seed: int | None = None,
-                         deadline_s: float | None = None,
-                         should_abort: Callable[[], bool] | None = None) -> api.ActResult:
-        self._require_ready()
-        session = self.sessions.get(session_id)
-        self.served.check_epoch(session, epoch)
-        return self._dynamics.inverse(session, clip, seed, deadline_s, should_abort)
+                         deadline_s: float | None = None, should_abort: Callable[[], bool] | None = None,
+                         reservation: SessionState | None = None) -> api.ActResult:
+        with contextlib.nullcontext(reservation) if reservation else self.reserve_dynamics(session_id) as session:
+            self.served.check_epoch(session, epoch)
+            return self._dynamics.inverse(session, clip, seed, deadline_s, should_abort)
 
     def reason(self, prompt: str, max_new_tokens: int, temperature: float = 0.0, seed: int | None = None,
                should_abort: Callable[[], bool] | None = None, deadline_s: float | None = None) -> Iterator[str]:

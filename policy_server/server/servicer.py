@@ -130,13 +130,15 @@ class PolicyServicer(pb_grpc.PolicyServiceServicer):
         handle, spec = self._session_request(request)
         sent = validate.ProtoObservation.of(request, "observation")
         validate.require(request.HasField("actions"), "actions", "the action chunk, a Tensor")
-        observation = validate.observation(sent, spec)
-        actions = validate.actions(request.actions, spec, handle.chunk_size)
-        result = self.engine.forward_dynamics(
-            handle.session_id, handle.epoch, observation, actions,
-            seed=request.seed if request.HasField("seed") else None,
-            deadline_s=self._deadline_s(context, received), should_abort=lambda: not context.is_active(),
-        )
+        with self.engine.reserve_dynamics(handle.session_id) as reservation:  # refused now: before decoding
+            observation = validate.observation(sent, spec)
+            actions = validate.actions(request.actions, spec, handle.chunk_size)
+            result = self.engine.forward_dynamics(
+                handle.session_id, handle.epoch, observation, actions,
+                seed=request.seed if request.HasField("seed") else None,
+                deadline_s=self._deadline_s(context, received), should_abort=lambda: not context.is_active(),
+                reservation=reservation,
+            )
         return convert.predicted_video_to_proto(result, handle.session_id, handle.epoch, observation.step_index,
                                                 (time.monotonic() - received) * 1e3,
                                                 client_time_ns=request.observation.client_time_ns)
@@ -145,11 +147,13 @@ class PolicyServicer(pb_grpc.PolicyServiceServicer):
     def InverseDynamics(self, request: pb.InverseDynamicsRequest, context: grpc.ServicerContext):
         received = time.monotonic()
         handle, spec = self._session_request(request)
-        clip = validate.video_clip(request, spec, handle.chunk_size)
-        result = self.engine.inverse_dynamics(
-            handle.session_id, handle.epoch, clip, seed=request.seed if request.HasField("seed") else None,
-            deadline_s=self._deadline_s(context, received), should_abort=lambda: not context.is_active(),
-        )
+        with self.engine.reserve_dynamics(handle.session_id) as reservation:  # refused now: before decoding
+            clip = validate.video_clip(request, spec, handle.chunk_size)
+            result = self.engine.inverse_dynamics(
+                handle.session_id, handle.epoch, clip, seed=request.seed if request.HasField("seed") else None,
+                deadline_s=self._deadline_s(context, received), should_abort=lambda: not context.is_active(),
+                reservation=reservation,
+            )
         return convert.act_result_to_proto(result, handle.session_id, handle.epoch, clip.step_index,
                                            (time.monotonic() - received) * 1e3, client_time_ns=request.client_time_ns)
 
