@@ -25,7 +25,7 @@ MAX_FRAME_RATE_HZ = 100.0  # observation frames per second on one Control stream
 CONTROL_START_S = 10.0
 MAX_STARTING_STREAMS = 4
 STARTING_RETRY_MS = 100.0  # when a stream refused for want of a place may try again
-MAX_PENDING_FRAMES = 4  # `must_answer` frames waiting on one Control stream, each a decoded observation
+MAX_PENDING_FRAMES = 4  # `must_answer` frames waiting on one Control stream, each a message still to decode
 # A forward / inverse dynamics call runs uncached at the model's step count between ticks (ticks go first);
 # it is abandoned after this long when its caller sets no shorter deadline.
 MAX_DYNAMICS_MS = 30_000.0

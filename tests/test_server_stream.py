@@ -77,6 +77,24 @@ def test_newest_observation_wins_and_superseded_frames_are_reported(stream, engi
     assert [c.first_step_index for c in answered] == [1, 3]
 
 
+def test_a_superseded_frame_is_never_decoded(stream, engine):
+    # Only the frames the model uses are decoded: a robot streaming its camera faster than it asks for chunks
+    # costs the server the frames it acts on. A corrupt frame superseded before its turn is no error.
+    engine.hold()
+    first = send(stream, 1)
+    engine.wait_entered()
+    corrupt = build_observation({"image": IMAGE}, STATE, encoding="png")
+    corrupt.images["image"].data = corrupt.images["image"].data[:40]
+    second, third = stream.send_observation(corrupt), send(stream, 3)
+    event = stream.next_event()
+    assert (event.kind, event.obs_id, event.by_obs_id) == ("superseded", second, third)
+    engine.release()
+    assert [stream.next_chunk().obs_id, stream.next_chunk().obs_id] == [first, third]
+    wrong = stream.send_observation(corrupt)  # one that is its turn is decoded, and answered
+    event = stream.next_event()
+    assert (event.kind, event.obs_id, event.error.reason) == ("error", wrong, "IMAGE_DECODE_FAILED")
+
+
 def test_must_answer_frames_are_never_superseded(stream, engine):
     engine.hold()
     first = send(stream, 1)

@@ -2,13 +2,14 @@
 
 Three threads cooperate so that events are never held back by inference:
 
-- the *reader* consumes client messages, validates and decodes each observation frame (bad ones
-  are answered with an error event and the stream lives on) and puts it in the pending list;
-- the *worker* takes the oldest pending frame and runs ``engine.act`` on it;
+- the *reader* consumes client messages, checks each observation frame's order, rate, size and epoch
+  (bad ones are answered with an error event and the stream lives on) and puts it in the pending list;
+- the *worker* takes the oldest pending frame, takes the session's place for a tick, decodes the frame
+  (a bad one is answered with an error event) and runs ``engine.act`` on it;
 - the gRPC handler thread yields events from the outbound queue as soon as they exist.
 
 Newest observation wins: while the worker is busy, a new frame replaces every waiting frame not
-marked ``must_answer``, and each replaced frame is reported as ``Superseded`` right away. Frames
+marked ``must_answer``, and each replaced frame is reported as ``Superseded`` right away, never decoded. Frames
 whose epoch is not the session's current one are rejected with STALE_EPOCH, both on arrival and
 again when the worker picks them up (a reset may happen in between). A frame that comes sooner than
 the session's declared rate allows waits (throttled) until its tick is due, unless a newer frame
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 import grpc
 
 from policy_server.engine.admission import RateLimiter
-from policy_server.engine.api import Engine, Observation, RateExceeded
+from policy_server.engine.api import EmbodimentSpec, Engine, RateExceeded
 from policy_server.limits import (
     CONTROL_START_S,
     MAX_FRAME_RATE_HZ,
@@ -72,11 +73,15 @@ def _first_message(requests: Iterator[pb.ControlRequest]) -> pb.ControlRequest |
 
 @dataclass
 class _PendingFrame:
+    """A frame waiting for the worker, not decoded yet: `spec` is its session's embodiment."""
+
     obs_id: int
     epoch: int
-    observation: Observation
+    sent: validate.ProtoObservation
+    spec: EmbodimentSpec
     must_answer: bool
     received_s: float  # time.monotonic() at arrival
+    step_index: int
     client_time_ns: int
 
 
@@ -232,18 +237,12 @@ class ControlCall:
             validate.message_size(size, self._max_message_bytes, "observation", "observation frame")
             epoch = validate.epoch(frame.epoch, "observation.epoch")
             _, spec = validate.session_at(self._engine, self._session_id, epoch)
-            observation = validate.observation(validate.ProtoObservation.of(frame, "observation.observation"), spec)
+            sent = validate.ProtoObservation.of(frame, "observation.observation")
         except Exception as exc:  # noqa: BLE001 - one bad frame is answered, the stream lives on
             self._emit_error(frame.obs_id, exc)
             return
-        incoming = _PendingFrame(
-            frame.obs_id,
-            frame.epoch,
-            observation,
-            frame.must_answer,
-            received,
-            frame.observation.client_time_ns,
-        )
+        incoming = _PendingFrame(frame.obs_id, frame.epoch, sent, spec, frame.must_answer, received,
+                                 frame.observation.step_index, frame.observation.client_time_ns)
         with self._cond:
             dropped = [p for p in self._pending if not p.must_answer]
             self._pending = [p for p in self._pending if p.must_answer] + [incoming]
@@ -278,13 +277,15 @@ class ControlCall:
                     break
                 frame = self._pending.pop(0)
             try:
-                result = self._engine.act(
-                    self._session_id,
-                    frame.epoch,
-                    frame.observation,
-                    deadline_s=None,
-                    should_abort=self._should_abort,
-                )
+                with self._engine.reserve_tick(self._session_id) as reservation:  # a frame held back stays undecoded
+                    result = self._engine.act(
+                        self._session_id,
+                        frame.epoch,
+                        validate.observation(frame.sent, frame.spec),
+                        deadline_s=None,
+                        should_abort=self._should_abort,
+                        reservation=reservation,
+                    )
             except RateExceeded as early:
                 self._hold(frame, early.retry_after_ms / 1e3)
                 continue
@@ -299,7 +300,7 @@ class ControlCall:
                         result,
                         self._session_id,
                         frame.epoch,
-                        frame.observation.step_index,
+                        frame.step_index,
                         served_ms,
                         obs_id=frame.obs_id,
                         client_time_ns=frame.client_time_ns,
