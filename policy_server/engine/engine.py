@@ -209,13 +209,11 @@ class ModelEngine:
 
     def act(self, session_id: str, epoch: int, observation: api.Observation, deadline_s: float | None = None,
             should_abort: Callable[[], bool] | None = None, reservation: TickJob | None = None) -> api.ActResult:
-        if reservation is not None:
-            return self._tick(reservation, epoch, observation, deadline_s, should_abort)
-        with self.reserve_tick(session_id) as reservation:
-            return self._tick(reservation, epoch, observation, deadline_s, should_abort)
+        with contextlib.nullcontext(reservation) if reservation else self.reserve_tick(session_id) as job:
+            return self._run_tick(job, epoch, observation, deadline_s, should_abort)
 
-    def _tick(self, job: TickJob, epoch: int, observation: api.Observation, deadline_s: float | None,
-              should_abort: Callable[[], bool] | None) -> api.ActResult:
+    def _run_tick(self, job: TickJob, epoch: int, observation: api.Observation, deadline_s: float | None,
+                  should_abort: Callable[[], bool] | None) -> api.ActResult:
         """Prepare the frames of the tick `job` reserved, queue it, and wait for its chunk."""
         session = job.session
         tokens = self.served.instruction_tokens(observation.instruction, "observation.instruction") \

@@ -81,7 +81,6 @@ class _PendingFrame:
     spec: EmbodimentSpec
     must_answer: bool
     received_s: float  # time.monotonic() at arrival
-    step_index: int
     client_time_ns: int
 
 
@@ -242,7 +241,7 @@ class ControlCall:
             self._emit_error(frame.obs_id, exc)
             return
         incoming = _PendingFrame(frame.obs_id, frame.epoch, sent, spec, frame.must_answer, received,
-                                 frame.observation.step_index, frame.observation.client_time_ns)
+                                 frame.observation.client_time_ns)
         with self._cond:
             dropped = [p for p in self._pending if not p.must_answer]
             self._pending = [p for p in self._pending if p.must_answer] + [incoming]
@@ -300,7 +299,7 @@ class ControlCall:
                         result,
                         self._session_id,
                         frame.epoch,
-                        frame.step_index,
+                        frame.sent.step_index(),
                         served_ms,
                         obs_id=frame.obs_id,
                         client_time_ns=frame.client_time_ns,
