@@ -88,8 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.checkpoint:
         settings["checkpoint"] = args.checkpoint
     flags = [f"--{key.replace('_', '-')}={value}" for key, value in settings.items()]
-    direct = ServerProcess(flags, Path(tempfile.mkdtemp()) / "server.log", startup_timeout_s=300)
+    direct = ServerProcess(flags, Path(tempfile.mkdtemp()) / "server.log")
     try:
+        direct.wait_serving(timeout_s=300)
         ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False)
         serve.start(http_options=HTTPOptions(host="127.0.0.1"), grpc_options=grpc_options(args.grpc_port))
         serve.run(build_app({**settings, "num_replicas": 1}), name="policy", route_prefix="/policy")

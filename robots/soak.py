@@ -5,7 +5,8 @@ deadline misses and the server's memory.
     policy-soak --server 127.0.0.1:50051 --server-pid 1234 --sessions 4 --ticks 200
 
 Without ``--server`` it starts ``policy-server`` as a child process on a free loopback port (its log
-beside the report) and stops it at the end. Every session runs on its own thread with its own
+beside the report) and stops it at the end; given ``--tls-cert/--tls-key`` that server serves TLS, and the soak
+trusts ``--tls-ca`` or else that certificate. Every session runs on its own thread with its own
 connection and its own Reach simulator (``robots/envs/reach.py``): a tick sends the camera frame and
 effector state, waits for the chunk, executes its first ``actions_per_chunk`` actions, and when the
 episode ends starts a new one (ResetSession: epoch + 1). Even-numbered sessions use unary ``Act``,
@@ -62,7 +63,7 @@ from policy_server.client import (
     Session,
     build_observation,
 )
-from policy_server.client.cli_flags import add_tls_flags, tls_options, token_file
+from policy_server.client.cli_flags import add_tls_flags, pem_file, tls_options, token_file
 from policy_server.v1 import policy_server_pb2 as pb
 from robots.envs.reach import EMBODIMENT, HELDOUT_SEED_OFFSET
 
@@ -84,14 +85,15 @@ class ServerFailed(Exception):
 
 class ServerProcess:
     """A real ``policy-server`` child process on a free 127.0.0.1 port, output in ``log_path``; ``wait_serving``
-    before using it."""
+    before using it. ``client_options``: `PolicyClient`'s TLS keywords for a server given ``--tls-cert``."""
 
-    def __init__(self, server_args: list[str], log_path: Path) -> None:
+    def __init__(self, server_args: list[str], log_path: Path, client_options: dict | None = None) -> None:
         with socket.socket() as s:  # the port is free now; the server binds it a moment later
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         self.target = f"127.0.0.1:{port}"
         self.log_path = log_path
+        self.client_options = client_options or {}
         self._log = open(log_path, "w")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "policy_server.cli", "--host", "127.0.0.1", "--port", str(port), *server_args],
@@ -109,7 +111,7 @@ class ServerProcess:
 
     def _wait_serving(self, timeout_s: float) -> None:
         end = time.monotonic() + timeout_s
-        with PolicyClient(self.target) as client:
+        with PolicyClient(self.target, **self.client_options) as client:
             while True:  # in 1 s steps, so that a server that crashed is noticed at once
                 if self.process.poll() is not None:
                     raise ServerFailed(f"the server exited with status {self.process.returncode} while starting")
@@ -582,15 +584,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="session limit (default: --sessions, one more with --hostile-neighbour)")
     g.add_argument("--max-batch", type=int, help="micro-batch size (server default)")
     g.add_argument("--diffusion-cache", action=argparse.BooleanOptionalAction, help="SeaCache (server default)")
+    g.add_argument("--tls-cert", type=Path, metavar="FILE",
+                   help="serve TLS with this PEM certificate (with --tls-key); the soak trusts --tls-ca, else it")
+    g.add_argument("--tls-key", type=Path, metavar="FILE", help="the certificate's PEM private key")
     args = p.parse_args(argv)
-    server_flags = (args.latency_budget_ms, args.max_sessions, args.max_batch, args.diffusion_cache)
+    server_flags = (args.latency_budget_ms, args.max_sessions, args.max_batch, args.diffusion_cache, args.tls_cert,
+                    args.tls_key)
     if args.server and any(v is not None for v in server_flags):
-        p.error("--latency-budget-ms, --max-sessions, --max-batch and --diffusion-cache apply only to a server "
-                "the soak starts, not with --server")
+        p.error("--latency-budget-ms, --max-sessions, --max-batch, --diffusion-cache, --tls-cert and --tls-key apply "
+                "only to a server the soak starts, not with --server")
     if args.server_pid is not None and not args.server:
         p.error("--server-pid needs --server")
-    if tls_options(args)["tls"] and not args.server:
-        p.error("--tls, --tls-ca and --tls-server-name need --server (the server the soak starts has no TLS)")
+    if (args.tls_cert is None) != (args.tls_key is None):
+        p.error("--tls-cert and --tls-key go together")
+    if args.tls_cert is not None and args.tls_ca is None:
+        try:
+            args.tls_ca = pem_file(str(args.tls_cert))
+        except argparse.ArgumentTypeError as exc:
+            p.error(f"argument --tls-cert: {exc}")
+    if tls_options(args)["tls"] and not (args.server or args.tls_cert):
+        p.error("--tls, --tls-ca and --tls-server-name need --server, or --tls-cert and --tls-key for the server the "
+                "soak starts")
     return args
 
 
@@ -604,6 +618,8 @@ def server_flags(args: argparse.Namespace) -> list[str]:
         flags.append("--diffusion-cache" if args.diffusion_cache else "--no-diffusion-cache")
     if args.auth_token_file is not None:
         flags += ["--auth-token-file", str(args.auth_token_file)]
+    if args.tls_cert is not None:
+        flags += ["--tls-cert", str(args.tls_cert), "--tls-key", str(args.tls_key)]
     return flags
 
 
@@ -727,7 +743,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     server = None
     if args.server is None:
-        server = ServerProcess(server_flags(args), args.out.with_suffix(".server.log"))
+        server = ServerProcess(server_flags(args), args.out.with_suffix(".server.log"), tls_options(args))
     if sys.platform == "linux":  # a thread's own there, and inherited by the threads it starts: gRPC's, the soak's
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOAD_NICE)
     if server is not None:

@@ -8,11 +8,13 @@ import sys
 from concurrent import futures
 
 import grpc
+import pytest
+from fake_engine import self_signed_cert
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from policy_server.v1 import policy_server_pb2 as pb
 from policy_server.v1 import policy_server_pb2_grpc as pb_grpc
-from robots.soak import rss_summary
+from robots.soak import parse_args, rss_summary
 
 
 def soak(*args: str) -> subprocess.CompletedProcess:
@@ -23,12 +25,13 @@ def test_soak_against_a_real_server(tmp_path):
     out = tmp_path / "soak.json"
     token = tmp_path / "token"
     token.write_text("soak-token\n")
+    cert, key = self_signed_cert(tmp_path)
     # 16-step episodes: every session resets (a new epoch) every two ticks. Three sessions' cheapest
     # ticks must fit one budget side by side; 400 ms leaves room for a slow CI machine's floor. The server
-    # wants a token, which every call of the soak carries. A hostile neighbour floods it meanwhile.
+    # serves TLS and wants a token, as a deployment's would. A hostile neighbour floods it meanwhile.
     done = soak("--sessions", "2", "--ticks", "6", "--episode-steps", "16", "--warmup-ticks", "2",
                 "--rss-every-s", "0.5", "--latency-budget-ms", "400", "--auth-token-file", str(token),
-                "--hostile-neighbour", "--out", str(out))
+                "--tls-cert", str(cert), "--tls-key", str(key), "--hostile-neighbour", "--out", str(out))
     report = json.loads(out.read_text())
     assert done.returncode == (0 if report["passed"] else 1), done.stderr
     assert {"config", "wall_s", "errors", "wrong_answers", "misses", "miss_rate", "latency_ms", "latency_by_tenth",
@@ -46,7 +49,7 @@ def test_soak_against_a_real_server(tmp_path):
     assert rss["pid"] == report["server_process"]["pid"] and len(rss["series"]) >= 2
     assert rss["after_warmup_mb"] > 0
     assert report["server_process"]["exited_during_soak"] is None  # the server lived through it
-    assert "--auth-token-file" in report["config"]["server_flags"]
+    assert {"--auth-token-file", "--tls-cert", "--tls-key"} <= set(report["config"]["server_flags"])
     assert report["config"]["server_flags"][:2] == ["--max-sessions", "3"]  # room for the neighbour
     assert report["config"]["load_nice"] == 10
     hostile = report["hostile_neighbour"]
@@ -54,6 +57,20 @@ def test_soak_against_a_real_server(tmp_path):
     assert hostile["sent"] > hostile["answers"]["OK"]  # ... and refused beyond it, as RATE_EXCEEDED or SESSION_BUSY
     assert report["checks"]["hostile_answers"] is True and report["close_failures"] == []
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_the_soaks_tls_flags(tmp_path, capsys):
+    cert, key = self_signed_cert(tmp_path)
+    args = parse_args(["--tls-cert", str(cert), "--tls-key", str(key)])
+    assert args.tls_ca == cert.read_bytes()  # a self-signed server certificate is its own root
+    for argv, why in ((["--tls-cert", str(cert)], "--tls-cert and --tls-key go together"),
+                      (["--tls-cert", str(key), "--tls-key", str(key)], "is not a PEM certificate file"),
+                      (["--server", "127.0.0.1:1", "--tls-cert", str(cert), "--tls-key", str(key)],
+                       "only to a server the soak starts"),
+                      (["--tls-ca", str(cert)], "need --server, or --tls-cert and --tls-key")):
+        with pytest.raises(SystemExit) as exit_:
+            parse_args(argv)
+        assert exit_.value.code == 2 and why in capsys.readouterr().err
 
 
 def test_rss_growth_is_the_rise_of_the_floor_not_of_a_sample_with_a_request_in_flight():

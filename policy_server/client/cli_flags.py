@@ -21,8 +21,8 @@ def token_file(value: str) -> Path:
     return Path(value)
 
 
-def _pem_file(value: str) -> bytes:
-    """argparse type: the contents of a PEM file."""
+def pem_file(value: str) -> bytes:
+    """argparse type: the contents of a PEM certificate file."""
     path = Path(value)
     try:
         with path.open("rb") as f:
@@ -39,7 +39,7 @@ def add_tls_flags(parser) -> None:
     """Add the TLS flags to an `argparse` parser or argument group."""
     parser.add_argument("--tls", action="store_true",
                         help="connect with TLS, verifying the server against the system's root certificates")
-    parser.add_argument("--tls-ca", type=_pem_file, metavar="FILE",
+    parser.add_argument("--tls-ca", type=pem_file, metavar="FILE",
                         help="PEM root certificate(s) to verify the server with instead; implies --tls")
     parser.add_argument("--tls-server-name", metavar="NAME",
                         help="the name the server's certificate must hold (default: the host of the address; "
