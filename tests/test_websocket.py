@@ -7,6 +7,7 @@ WebSocket client needs only msgpack and websockets, which the server depends on 
 from __future__ import annotations
 
 import ssl
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -20,8 +21,13 @@ from openpi_client import msgpack_numpy
 from openpi_client.websocket_client_policy import WebsocketClientPolicy
 from websockets.exceptions import ConnectionClosed, InvalidMessage, InvalidStatus
 
+from policy_server.config import build_config
 from policy_server.engine.api import Observation
-from policy_server.limits import MAX_FRAME_SIDE
+from policy_server.engine.engine import ModelEngine
+from policy_server.engine.served import EngineSettings
+from policy_server.limits import MAX_FRAME_SIDE, MAX_INSTRUCTION_TOKENS
+from policy_server.server.app import build_server
+from robots.embedded import build_random_pipeline
 
 IMAGE = np.random.default_rng(3).integers(0, 256, (48, 64, 3), dtype=np.uint8)
 STATE = np.array([0.3, -0.1], np.float32)
@@ -114,6 +120,10 @@ def test_bad_input_is_a_text_error_and_the_connection_stays_usable(policy):
         policy.infer(openpi_observation() | {"observation/state": np.array([1e300, 0.0])})
     with pytest.raises(RuntimeError, match="SCHEMA_MISMATCH"):  # a frame with no pixels
         policy.infer(openpi_observation() | {"observation/image": np.zeros((0, 64, 3), np.uint8)})
+    no_state = openpi_observation()
+    del no_state["observation/state"]
+    with pytest.raises(RuntimeError, match="SCHEMA_MISMATCH: observation/state: expected float \\[2\\], got no such"):
+        policy.infer(no_state)  # named by the key the metadata gives
     reply = policy.infer(openpi_observation(step=1))
     assert reply["actions"].shape == (8, 2)
 
@@ -125,6 +135,58 @@ def test_first_observation_needs_a_prompt(policy):
         policy.infer(obs)
     assert policy.infer(openpi_observation())["epoch"] == 1
     assert policy.infer(obs)["actions"].shape == (8, 2)  # later ones keep the session's instruction
+
+
+def test_a_connections_session_lives_as_long_as_the_connection(tmp_path):
+    """A connection whose observations are all refused runs no tick; the engine must not close its session as
+    idle while the connection is open (the connection has its own idle timeout)."""
+    engine = ModelEngine(build_random_pipeline(tmp_path, seed=2),
+                         EngineSettings(warmup_ticks=1, default_budget_ms=10_000.0, session_idle_s=1.0))
+    engine.start()
+    assert engine.wait_ready(timeout_s=300)
+    config = build_config(overrides={"port": 0, "websocket_port": 0, "session_idle_timeout_s": 1.0})
+    server = build_server(config, engine).start()
+    try:
+        policy = WebsocketClientPolicy(host="127.0.0.1", port=server.websocket_port)
+        image = np.zeros((64, 64, 3), np.uint8)
+        good = {"observation/image": image, "observation/state": np.zeros(2, np.float32), "prompt": "reach"}
+        assert policy.infer(good)["epoch"] == 1
+        for _ in range(5):  # 2.5 s of refused observations, each within the connection's idle timeout
+            time.sleep(0.5)
+            with pytest.raises(RuntimeError, match="SCHEMA_MISMATCH"):
+                policy.infer({"observation/image": image, "prompt": "reach"})
+        assert policy.infer(good)["actions"].shape[0] > 0
+        with pytest.raises(RuntimeError, match=f"TOO_LONG: prompt: expected at most {MAX_INSTRUCTION_TOKENS} tokens"):
+            policy.infer(good | {"prompt": "reach " * (2 * MAX_INSTRUCTION_TOKENS)})  # openpi's name for the field
+        policy._ws.close()
+    finally:
+        server.stop(grace_s=0.2)
+        engine.close()
+
+
+def test_shutdown_answers_the_observation_being_served_then_closes():
+    engine = FakeEngine()
+    with serve_fake(engine, websocket_port=0) as server:
+        policy = WebsocketClientPolicy(host="127.0.0.1", port=server.websocket_port)
+        idle = websockets.sync.client.connect(f"ws://127.0.0.1:{server.websocket_port}", compression=None)
+        idle.recv(timeout=10)
+        engine.hold()
+        replies = []
+        acting = threading.Thread(target=lambda: replies.append(policy.infer(openpi_observation())))
+        acting.start()
+        engine.wait_entered()
+        stopping = threading.Thread(target=server.stop, kwargs={"grace_s": 5.0})
+        stopping.start()
+        time.sleep(0.3)  # the server waits for the observation it is serving
+        assert stopping.is_alive() and not replies
+        engine.release()
+        acting.join(timeout=10)
+        stopping.join(timeout=10)
+        assert replies[0]["actions"].shape == (8, 2)  # answered, not cut off
+        for ws in (policy._ws, idle):
+            with pytest.raises(ConnectionClosed) as closed:
+                ws.recv(timeout=10)
+            assert (closed.value.rcvd.code, closed.value.rcvd.reason) == (1001, "server shutting down")
 
 
 def test_reset_starts_a_new_episode(server):
@@ -173,9 +235,30 @@ def test_embodiment_is_chosen_by_query_parameter(server):
         np.testing.assert_array_equal(reply["actions"], expected)
     finally:
         policy._ws.close()
-    with pytest.raises(InvalidStatus) as err:
-        WebsocketClientPolicy(host=f"ws://127.0.0.1:{server.websocket_port}/?embodiment=hexapod")
-    assert err.value.response.status_code == 400
+    refused = server.metrics.registry.get_sample_value("policy_server_errors_total", {"reason": "UNKNOWN_EMBODIMENT"})
+    for query, answer in (("hexapod", b"UNKNOWN_EMBODIMENT"), ("", b"MISSING_FIELD: embodiment"),
+                          ("pusht&embodiment=libero", b"BAD_VALUE: embodiment: expected one ?embodiment=")):
+        with pytest.raises(InvalidStatus) as err:
+            WebsocketClientPolicy(host=f"ws://127.0.0.1:{server.websocket_port}/?embodiment={query}")
+        assert err.value.response.status_code == 400 and err.value.response.body.startswith(answer)
+    assert server.metrics.registry.get_sample_value(
+        "policy_server_errors_total", {"reason": "UNKNOWN_EMBODIMENT"}) == (refused or 0) + 1
+
+
+def test_a_message_over_the_limit_closes_the_connection_and_is_counted():
+    with serve_fake(websocket_port=0, max_message_mb=1) as server:
+        with websockets.sync.client.connect(f"ws://127.0.0.1:{server.websocket_port}", compression=None) as ws:
+            ws.recv(timeout=10)
+            ws.send(msgpack_numpy.packb(openpi_observation() | {"observation/image": np.zeros((1024, 1024, 3),
+                                                                                             np.uint8)}))
+            with pytest.raises(ConnectionClosed) as closed:
+                ws.recv(timeout=10)
+        assert closed.value.rcvd.code == 1009
+        counted = time.monotonic() + 10  # by the connection's handler, as it ends
+        while server.metrics.registry.get_sample_value("policy_server_errors_total",
+                                                       {"reason": "PAYLOAD_TOO_LARGE"}) != 1:
+            assert time.monotonic() < counted
+            time.sleep(0.02)
 
 
 def test_healthz_follows_readiness():

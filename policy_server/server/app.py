@@ -189,12 +189,13 @@ class PolicyServer:
         """Flip health to NOT_SERVING, stop accepting calls, let running calls finish for ``grace_s``."""
         self._stop_polling.set()
         self._health.enter_graceful_shutdown()
+        grpc_stopped = self._grpc.stop(grace_s) if self._grpc is not None else None  # its grace runs meanwhile
         if self._websocket is not None:
-            self._websocket.stop()
+            self._websocket.stop(grace_s)
             self._websocket = None
         self.metrics.stop()
-        if self._grpc is not None:
-            self._grpc.stop(grace_s).wait()
+        if grpc_stopped is not None:
+            grpc_stopped.wait()
             self._grpc = None
 
     def wait_for_termination(self, timeout_s: float | None = None) -> bool:

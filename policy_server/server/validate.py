@@ -50,7 +50,8 @@ def message_size(size: int, limit: int, field: str, what: str) -> None:
     gRPC core already refuses anything above twice the limit (see app.py); this check gives the messages in
     between a precise reason."""
     if size > limit:
-        raise make_error("PAYLOAD_TOO_LARGE", f"{what} of {size} bytes exceeds the message limit", field=field,
+        raise make_error("PAYLOAD_TOO_LARGE", f"{what} of {size} bytes exceeds the message limit of {limit} bytes",
+                         field=field,
                          expected=f"<= {limit} bytes", got=f"{size} bytes")
 
 

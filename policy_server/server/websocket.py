@@ -19,16 +19,20 @@ and openpi's ``policy_timing`` / ``server_timing`` blocks. An error is a *text* 
 ``"REASON: message"`` (openpi-client raises it as RuntimeError); the connection stays usable
 after a bad observation and is closed (1011) only on an internal error. Connections beyond
 ``max_sessions + 4`` are closed at once with 1013 (try again later); one that sends nothing for
-``session_idle_timeout_s`` is closed with 1001 (going away), so that it frees its place.
+``session_idle_timeout_s`` is closed with 1001 (going away), so that it frees its place; its session lives as long
+as the connection. On shutdown a connection answers the observation it is serving, then is closed with 1001; one
+that arrives meanwhile is answered ``SHUTTING_DOWN``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import http
 import logging
 import math
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -44,7 +48,7 @@ from policy_server.engine.api import (
     InvalidArgument,
     SchemaMismatch,
     SessionHandle,
-    UnknownEmbodiment,
+    ShuttingDown,
     UnknownSession,
     WarmingUp,
 )
@@ -58,6 +62,8 @@ log = logging.getLogger(__name__)
 
 _ALLOWED_KINDS = {"b", "i", "u", "f"}
 MAX_STEP_INDEX = 2**63 - 1
+# The engine names the instruction after gRPC's fields; openpi sends it as `prompt`.
+_PROMPT_FIELDS = ("instruction", "observation.instruction")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -153,7 +159,7 @@ class OpenpiObservation:
 
     def __init__(self, message: dict, default_step: int) -> None:
         self._message, self._default_step = message, default_step
-        self.state_field = "observation/state" if "observation/state" in message else "state"
+        self.state_field = "state" if "state" in message and "observation/state" not in message else "observation/state"
 
     def frame_field(self, camera: str) -> str:
         return _camera_frame(self._message, camera)[0]
@@ -211,6 +217,16 @@ class OpenpiObservation:
 # ---------------------------------------------------------------------------------------------
 
 
+@dataclass
+class _ConnectionState:
+    """One connection's embodiment, its session (opened on the first observation) and step counter."""
+
+    spec: EmbodimentSpec
+    session: SessionHandle | None = None
+    steps: int = 0  # the step_index of an observation that gives none
+    prev_total_ms: float = 0.0  # the previous answer's time from receipt to sent, ms
+
+
 class OpenpiWebsocketServer:
     """Threaded WebSocket server; one handler thread per connection."""
 
@@ -237,6 +253,9 @@ class OpenpiWebsocketServer:
         self._idle_timeout_s = idle_timeout_s
         self._server: Server | None = None
         self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._answering = 0  # connections serving an observation now
+        self._answered = threading.Condition()
         # Each connection holds a thread: beyond one per session (plus a few that are closing), refuse.
         self._connections = threading.BoundedSemaphore(engine.info().max_sessions + 4)
 
@@ -262,16 +281,23 @@ class OpenpiWebsocketServer:
         self._thread.start()
         return self.port
 
-    def stop(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server = None
+    def stop(self, grace_s: float) -> None:
+        """Answer the observations being served (for at most ``grace_s``), then close every connection (1001)."""
+        if self._server is None:
+            return
+        self._stopping.set()
+        with self._answered:
+            self._answered.wait_for(lambda: self._answering == 0, timeout=grace_s)
+        self._server.shutdown(reason="server shutting down")
+        self._server = None
 
     # -- HTTP side: /healthz, auth, embodiment selection ---------------------------------------
 
     def _embodiment_for(self, path: str) -> EmbodimentSpec:
         info = self._engine.info()
-        names = parse_qs(urlsplit(path).query).get("embodiment")
+        names = parse_qs(urlsplit(path).query, keep_blank_values=True).get("embodiment")
+        if names is not None and len(names) > 1:
+            raise InvalidArgument("embodiment", "one ?embodiment= in the URL", f"{len(names)}", reason="BAD_VALUE")
         return validate.embodiment(info, names[0] if names else (self._default_embodiment or info.embodiments[0].name))
 
     def _process_request(self, connection: ServerConnection, request):
@@ -287,7 +313,8 @@ class OpenpiWebsocketServer:
             )
         try:
             self._embodiment_for(request.path)
-        except UnknownEmbodiment as exc:
+        except InvalidArgument as exc:
+            self._metrics.observe_error(exc.reason)
             return connection.respond(http.HTTPStatus.BAD_REQUEST, f"{exc.reason}: {exc.message}\n")
         return None
 
@@ -329,67 +356,87 @@ class OpenpiWebsocketServer:
             self._connections.release()
 
     def _serve_connection(self, connection: ServerConnection) -> None:
-        spec = self._embodiment_for(connection.request.path)
-        session: SessionHandle | None = None
-        steps = 0
-        prev_total_ms = 0.0
+        state = _ConnectionState(self._embodiment_for(connection.request.path))
         try:
-            connection.send(packb(self._metadata(spec)))
-            while True:
-                try:
-                    raw = connection.recv(timeout=self._idle_timeout_s)
-                except TimeoutError:  # a silent client would hold one of the limited connections forever
-                    connection.close(code=1001, reason=f"idle for {self._idle_timeout_s:g} s")
-                    return
-                started = time.monotonic()
-                try:
-                    if isinstance(raw, str):
-                        raise InvalidArgument(
-                            "frame", "a binary msgpack frame", "a text frame", reason="BAD_VALUE"
-                        )
-                    message = self._decode(raw)
-                    if message.get("reset") is True:
-                        if session is not None:
-                            session = self._engine.reset_session(session.session_id)
-                        connection.send(packb({"reset": True, "epoch": session.epoch if session else 0}))
-                        continue
-                    if not self._engine.ready():
-                        raise WarmingUp(self._engine.stats().warmup_progress)
-                    observation = validate.observation(OpenpiObservation(message, steps), spec)
-                    if session is None:
-                        validate.instruction(observation.instruction, "prompt")
-                        # The openpi protocol cannot declare a rate: its clients ask again when a chunk runs out.
-                        session = self._engine.open_session(spec.name, observation.instruction, rate_hz=0.0)
-                    result = self._engine.act(session.session_id, session.epoch, observation)
-                except Exception as exc:  # noqa: BLE001 - answered as a text frame
-                    error = from_exception(exc)
-                    self._metrics.observe_error(error.reason)
-                    connection.send(f"{error.reason}: {error.detail.message}")
-                    if error.reason == "INTERNAL":
-                        connection.close(code=1011, reason="internal error")
+            with contextlib.ExitStack() as attached:  # its session, held open while the connection is
+                connection.send(packb(self._metadata(state.spec)))
+                while True:
+                    try:
+                        raw = connection.recv(timeout=self._idle_timeout_s)
+                    except TimeoutError:  # a silent client would hold one of the limited connections forever
+                        connection.close(code=1001, reason=f"idle for {self._idle_timeout_s:g} s")
                         return
-                    continue
-                steps = min(observation.step_index + 1, MAX_STEP_INDEX)  # the default stays a valid step_index
-                served_ms = (time.monotonic() - started) * 1e3
-                self._metrics.observe_tick(result, served_ms, "websocket")
-                reply = {
-                    "actions": np.asarray(result.actions, dtype=np.float32),
-                    "first_step_index": result.first_step_index,
-                    "epoch": session.epoch,
-                    "tick": tick_to_dict(result.tick),
-                    "policy_timing": {"infer_ms": float(result.tick.actual_ms["total"])},
-                    "server_timing": {"infer_ms": served_ms, "prev_total_ms": prev_total_ms},
-                }
-                connection.send(packb(reply))
-                prev_total_ms = (time.monotonic() - started) * 1e3
-        except ConnectionClosed:
-            pass
+                    with self._answering_one():
+                        if not self._answer(connection, raw, state, attached):
+                            return
+        except ConnectionClosed as closed:
+            if closed.sent is not None and closed.sent.code == 1009:  # websockets refused a message over max_size
+                self._metrics.observe_error("PAYLOAD_TOO_LARGE")
         finally:
-            if session is not None:
+            if state.session is not None:
                 try:
-                    self._engine.close_session(session.session_id)
-                except UnknownSession:  # already gone (closed elsewhere or the engine shut down)
-                    log.debug("session %s was already closed", session.session_id)
+                    self._engine.close_session(state.session.session_id)
+                except UnknownSession:  # the engine shut down
+                    log.debug("session %s was already closed", state.session.session_id)
+
+    def _answer(self, connection: ServerConnection, raw: bytes | str, state: _ConnectionState,
+                attached: contextlib.ExitStack) -> bool:
+        """Answer one message: a chunk, a reset's epoch or an error text frame. False when it closed the
+        connection (an internal error, or the server stopping)."""
+        started = time.monotonic()
+        try:
+            if self._stopping.is_set():
+                raise ShuttingDown()
+            if isinstance(raw, str):
+                raise InvalidArgument("frame", "a binary msgpack frame", "a text frame", reason="BAD_VALUE")
+            message = self._decode(raw)
+            if message.get("reset") is True:
+                if state.session is not None:
+                    state.session = self._engine.reset_session(state.session.session_id)
+                connection.send(packb({"reset": True, "epoch": state.session.epoch if state.session else 0}))
+                return True
+            if not self._engine.ready():
+                raise WarmingUp(self._engine.stats().warmup_progress)
+            observation = validate.observation(OpenpiObservation(message, state.steps), state.spec)
+            if state.session is None:
+                validate.instruction(observation.instruction, "prompt")
+                # The openpi protocol cannot declare a rate: its clients ask again when a chunk runs out.
+                state.session = self._engine.open_session(state.spec.name, observation.instruction, rate_hz=0.0)
+                attached.enter_context(self._engine.attach(state.session.session_id))
+            result = self._engine.act(state.session.session_id, state.session.epoch, observation)
+        except Exception as exc:  # noqa: BLE001 - answered as a text frame
+            error = from_exception(_as_openpi_field(exc))
+            self._metrics.observe_error(error.reason)
+            connection.send(f"{error.reason}: {error.detail.message}")
+            if error.reason in ("INTERNAL", "SHUTTING_DOWN"):
+                connection.close(code=1011 if error.reason == "INTERNAL" else 1001, reason=error.detail.message)
+                return False
+            return True
+        state.steps = min(observation.step_index + 1, MAX_STEP_INDEX)  # the default stays a valid step_index
+        served_ms = (time.monotonic() - started) * 1e3
+        self._metrics.observe_tick(result, served_ms, "websocket")
+        connection.send(packb({
+            "actions": np.asarray(result.actions, dtype=np.float32),
+            "first_step_index": result.first_step_index,
+            "epoch": state.session.epoch,
+            "tick": tick_to_dict(result.tick),
+            "policy_timing": {"infer_ms": float(result.tick.actual_ms["total"])},
+            "server_timing": {"infer_ms": served_ms, "prev_total_ms": state.prev_total_ms},
+        }))
+        state.prev_total_ms = (time.monotonic() - started) * 1e3
+        return True
+
+    @contextlib.contextmanager
+    def _answering_one(self):
+        """Counts the connections serving an observation: `stop` lets them answer before it closes them."""
+        with self._answered:
+            self._answering += 1
+        try:
+            yield
+        finally:
+            with self._answered:
+                self._answering -= 1
+                self._answered.notify_all()
 
     @staticmethod
     def _decode(raw: bytes) -> dict:
@@ -407,6 +454,13 @@ class OpenpiWebsocketServer:
                 "frame", "a msgpack map of observation keys", f"a msgpack {type(message).__name__}", reason="BAD_VALUE"
             )
         return message
+
+
+def _as_openpi_field(exc: Exception) -> Exception:
+    """`exc`, naming openpi's `prompt` where the engine names the instruction."""
+    if isinstance(exc, InvalidArgument) and exc.field in _PROMPT_FIELDS:
+        return InvalidArgument("prompt", exc.expected, exc.got, reason=exc.reason)
+    return exc
 
 
 def _undecodable(exc: Exception) -> str:
