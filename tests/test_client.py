@@ -19,7 +19,7 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from policy_server.client import ActionQueue, Backoff, PolicyClient, PolicyServerError
-from policy_server.client.types import Session
+from policy_server.client.types import Session, build_observation
 from policy_server.config import build_config
 from policy_server.server.app import build_server
 from policy_server.server.errors import make_error
@@ -43,6 +43,10 @@ def test_pop_walks_the_chunk_step_by_step():
     assert len(queue) == 4
     assert [float(queue.pop()[0]) for _ in range(4)] == [0, 1, 2, 3]
     assert queue.pop() is None  # starved: hold
+    actions = chunk([5, 6])
+    queue.merge(actions, first_step_index=queue.next_step)
+    actions[:] = 9.0  # the caller's array, reused
+    assert float(queue.pop()[0]) == 5.0
 
 
 def test_stale_prefix_is_dropped_by_step_index():
@@ -103,11 +107,22 @@ def test_pop_for_a_later_step_skips_ahead():
 @pytest.mark.parametrize(
     "kwargs",
     [{"action_dim": 0}, {"action_dim": 2, "new_weight": 1.5}, {"action_dim": 2, "refill_threshold": -0.1},
-     {"action_dim": 2, "aggregation": "median"}],
+     {"action_dim": 2, "aggregation": "median"}, {"action_dim": 2, "ensemble_decay": float("nan")},
+     {"action_dim": 2, "ensemble_decay": float("inf")}, {"action_dim": 2, "new_weight": float("nan")}],
 )
 def test_bad_queue_settings_are_rejected(kwargs):
     with pytest.raises(ValueError):
         ActionQueue(**kwargs)
+
+
+def test_observation_arguments_protobuf_would_refuse_are_named():
+    image = {"image": np.zeros((8, 8, 3), np.uint8)}
+    for kwargs, error, words in (({"step_index": -1}, ValueError, "step_index must be an integer in [0, 2^64)"),
+                                 ({"instruction": 5}, TypeError, "instruction must be a str, got int"),
+                                 ({"jpeg_quality": 500}, ValueError, "jpeg_quality: expected 0..100, got 500")):
+        with pytest.raises(error) as err:
+            build_observation(image, **kwargs)
+        assert words in str(err.value)
 
 
 def test_chunk_shape_is_checked():
@@ -214,14 +229,15 @@ def test_unreachable_server_is_unavailable_at_once_for_act():
     assert err.value.code == grpc.StatusCode.UNAVAILABLE and err.value.reason == "UNAVAILABLE"
 
 
-def test_open_session_is_retried_by_grpc_through_warmup():
+def test_open_session_waits_through_warmup_within_its_timeout():
     engine = FakeEngine(ready=False)
-    with serve_fake(engine) as server, PolicyClient(server.target) as client:
-        threading.Timer(0.3, engine.set_ready, (True,)).start()
+    with serve_fake(engine) as server, PolicyClient(server.target, timeout_s=20) as client:
+        # Beyond gRPC's own retries (at most 5 tries, 1 s apart as the warming server asks).
+        threading.Timer(5.5, engine.set_ready, (True,)).start()
         started = time.monotonic()
         session = client.open_session("pusht", "reach the red circle")  # WARMING_UP first, then served
         assert session.epoch == 1
-        assert time.monotonic() - started >= 0.3
+        assert time.monotonic() - started >= 5.5
         with pytest.raises(PolicyServerError) as err:  # Act is never retried: a late chunk is stale
             engine.set_ready(False)
             client.act(session, {"image": np.zeros((96, 96, 3), np.uint8)}, np.zeros(2, np.float32))

@@ -46,8 +46,8 @@ class ActionQueue:
             raise ValueError(f"new_weight must be in [0, 1], got {new_weight}")
         if not 0.0 <= refill_threshold <= 1.0:
             raise ValueError(f"refill_threshold must be in [0, 1], got {refill_threshold}")
-        if ensemble_decay < 0:
-            raise ValueError(f"ensemble_decay must be >= 0, got {ensemble_decay}")
+        if not 0.0 <= ensemble_decay < math.inf:
+            raise ValueError(f"ensemble_decay must be finite and >= 0, got {ensemble_decay}")
         self.action_dim = action_dim
         self.aggregation = Aggregation(aggregation)
         self.new_weight = new_weight
@@ -77,7 +77,7 @@ class ActionQueue:
     def merge(self, actions: np.ndarray, first_step_index: int) -> int:
         """Add a chunk (float [K, action_dim], ``actions[i]`` for step ``first_step_index + i``).
         Returns how many leading actions were dropped as stale."""
-        actions = np.asarray(actions, dtype=np.float32)
+        actions = np.array(actions, dtype=np.float32)  # a copy: the caller may reuse its array
         if actions.ndim != 2 or actions.shape[1] != self.action_dim:
             raise ValueError(f"actions must be [K, {self.action_dim}], got {list(actions.shape)}")
         stale = max(0, min(len(actions), self._next_step - first_step_index))

@@ -167,6 +167,7 @@ class ControlStream:
                 chunk_size=old.chunk_size,
                 seed=old.seed,
                 rate_hz=old.rate_hz,
+                preview=old.preview,
             )
             self._connect()
         except PolicyServerError as exc:

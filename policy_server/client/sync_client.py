@@ -245,7 +245,7 @@ class PolicyClient:
         asking again (unset: the chunk size); ``preview``: every chunk carries the predicted frames
         (``ActionChunk.preview_frames``; their decode counts against the tick's budget). The server admits
         the session only if its ticks at that rate fit beside the others: RESOURCE_EXHAUSTED / OVERLOADED
-        otherwise."""
+        otherwise. A server still warming up is asked again, as it says when, until ``timeout_s``."""
         request = pb.OpenSessionRequest(
             embodiment=embodiment, instruction=instruction, client_name=client_name, preview=preview
         )
@@ -260,7 +260,17 @@ class PolicyClient:
         if actions_per_chunk is not None:
             request.actions_per_chunk = actions_per_chunk
         routing_key = uuid.uuid4().hex if self.serve_application is not None else None
-        session = Session.from_proto(self._call(self.stub.OpenSession, request, timeout_s, routing_key=routing_key))
+        end = time.monotonic() + (timeout_s or self.timeout_s)
+        while True:  # through a warmup, which outlasts gRPC's own retries (5 tries at most)
+            try:
+                opened = self._call(self.stub.OpenSession, request, end - time.monotonic(), routing_key=routing_key)
+                break
+            except PolicyServerError as exc:
+                wait_s = exc.retry_after_ms / 1e3
+                if exc.reason != "WARMING_UP" or time.monotonic() + wait_s >= end:
+                    raise
+                time.sleep(wait_s)
+        session = Session.from_proto(opened)
         if routing_key is not None:
             self._routing_keys[session.session_id] = routing_key
         return session

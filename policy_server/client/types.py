@@ -134,12 +134,21 @@ def build_observation(
 ) -> pb.Observation:
     """Encode camera frames (uint8 RGB [H, W, 3]) and state (float [S]: float64 stays float64, anything
     else is sent as float32)."""
+    _check_text_and_step(instruction, step_index)
     msg = pb.Observation(instruction=instruction, step_index=step_index, client_time_ns=time.monotonic_ns())
     for name, image in images.items():
         msg.images[name].CopyFrom(encode_image(image, encoding, jpeg_quality))
     if state is not None:
         msg.state.CopyFrom(floats_to_proto(state))
     return msg
+
+
+def _check_text_and_step(instruction: str, step_index: int) -> None:
+    """What protobuf would refuse without naming the argument."""
+    if not isinstance(instruction, str):
+        raise TypeError(f"instruction must be a str, got {type(instruction).__name__}")
+    if not isinstance(step_index, int | np.integer) or not 0 <= step_index < 2**64:
+        raise ValueError(f"step_index must be an integer in [0, 2^64), got {step_index!r}")
 
 
 def floats_to_proto(values: np.ndarray) -> pb.Tensor:
@@ -160,6 +169,7 @@ def build_inverse_dynamics(
     jpeg_quality: int = 90,
 ) -> pb.InverseDynamicsRequest:
     """Encode camera videos (uint8 RGB [K + 1, H, W, 3] each) and the state at frame 0 (as ``build_observation``)."""
+    _check_text_and_step(instruction, step_index)
     msg = pb.InverseDynamicsRequest(session_id=session.session_id, epoch=session.epoch, instruction=instruction,
                                     step_index=step_index, client_time_ns=time.monotonic_ns())
     for name, frames in videos.items():

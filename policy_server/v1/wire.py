@@ -114,6 +114,8 @@ def encode_image(image: np.ndarray, encoding: str = "jpeg", jpeg_quality: int = 
     # OpenCV encodes BGR; the wire is RGB.
     bgr = cv2.cvtColor(image, cv2.COLOR_RGB2BGR) if channels == 3 else image
     if kind == "jpeg":
+        if not 0 <= jpeg_quality <= 100:
+            raise WireError("jpeg_quality", "0..100", repr(jpeg_quality), "BAD_VALUE")
         ok, buf = cv2.imencode(".jpg", bgr, [cv2.IMWRITE_JPEG_QUALITY, int(jpeg_quality)])
         code = pb.IMAGE_ENCODING_JPEG
     elif kind == "png":
