@@ -129,12 +129,13 @@ def serve(config: ServerConfig) -> int:
     from policy_server.engine import build_engine  # lazy: imports torch and the model
     from policy_server.engine.api import UnknownEmbodiment
     from policy_server.engine.compiled_stack import CompileUnavailableError
+    from policy_server.engine.engine import DeviceUnavailable
     from policy_server.pipeline.policy import CheckpointLoadError
     from policy_server.server.app import build_server
 
     try:
         engine = build_engine(config)
-    except (CheckpointLoadError, ProfileError, CompileUnavailableError) as exc:
+    except (CheckpointLoadError, ProfileError, CompileUnavailableError, DeviceUnavailable) as exc:
         print(f"policy-server: {exc}", file=sys.stderr)
         return 2
     server = build_server(config, engine)

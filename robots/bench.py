@@ -88,9 +88,10 @@ from policy_server.engine.calibration import (
 )
 from policy_server.engine.compiled_stack import PrecompiledGenStack, compile_unavailable
 from policy_server.engine.cuda_graphs import GraphedGenStack
-from policy_server.engine.engine import EngineSettings, ModelEngine, resolve_dtype
+from policy_server.engine.engine import DeviceUnavailable, EngineSettings, ModelEngine, resolve_device, resolve_dtype
 from policy_server.engine.tick import step_calls
 from policy_server.limits import MAX_BUDGET_MS
+from policy_server.output_file import output_file
 from policy_server.pipeline.embodiments import Embodiment
 from policy_server.pipeline.policy import (
     CheckpointLoadError,
@@ -435,8 +436,8 @@ def closed_loop_summary(summaries: list[dict], budgets: list[float], uncached_ms
 
 def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
-    pipeline = PolicyPipeline.from_pretrained(args.checkpoint, device=args.device,
-                                              dtype=resolve_dtype(args.dtype, args.device))
+    device = resolve_device(args.device)
+    pipeline = PolicyPipeline.from_pretrained(args.checkpoint, device=device, dtype=resolve_dtype(args.dtype, device))
     name = args.embodiment or pipeline.served_embodiments[0]
     if name not in pipeline.served_embodiments:
         raise BenchError(f"--embodiment {name!r} is not served; expected one of {pipeline.served_embodiments}")
@@ -458,7 +459,7 @@ def run(args: argparse.Namespace) -> dict:
     settings = EngineSettings(warmup_ticks=args.warmup, max_sessions=8, compile_gen_stack=args.compile_gen_stack)
 
     try:  # where the server would find it (`--quality-profile auto`), or the file named
-        profile, _ = resolve_profile(args.quality_profile, pipeline.folder, pipeline.digest)
+        profile, _ = resolve_profile(args.quality_profile, pipeline.folder, pipeline.digest, [name])
     except ProfileError as error:
         raise BenchError(str(error)) from error
 
@@ -473,13 +474,13 @@ def run(args: argparse.Namespace) -> dict:
         calibration_set = [o for o in warmup_observations(pipeline, args.calibration_observations)
                            if o.embodiment == embodiment.name]
         source = str(DEFAULT_OBSERVATIONS) + ("" if embodiment.name == "pusht" else " (resized, zero state)")
-        print(f"policy-server bench: no quality profile of these weights (beside the checkpoint or in the cache): "
-              f"calibrating on {len(calibration_set)} observations of {source}", file=sys.stderr)
+        why = "--quality-profile off" if args.quality_profile == "off" else \
+            "no quality profile of these weights beside the checkpoint or in the cache"
+        print(f"policy-server bench: {why}: calibrating on {len(calibration_set)} observations of {source}",
+              file=sys.stderr)
         profile = calibrate(pipeline, calibration_set, configurations(pipeline, settings), source=source)
         profile.save(args.out.with_name(args.out.stem + "_profile.json"))
-    points = profile.embodiments.get(embodiment.name)
-    if not points:
-        raise BenchError(f"the quality profile has no configurations for {embodiment.name!r}")
+    points = profile.embodiments[embodiment.name]
 
     started = time.perf_counter()
     engine, engine_pipeline = started_engine(profile)
@@ -895,7 +896,8 @@ def plot(report: dict, out: Path) -> list[Path]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="policy-server bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("bench.json"), help="JSON path; PNGs go beside it")
+    parser.add_argument("--out", type=output_file, default=Path("bench.json"),
+                        help="JSON path; PNGs go beside it")
     parser.add_argument("--checkpoint", type=Path, default=None,
                         help="the embedded layout or a diffusers Cosmos3OmniPipeline folder, or a Hugging Face Hub "
                              "id (default: embedded)")
@@ -955,6 +957,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--budget-fractions must lie in (0, 1]: budgets up to the uncached latency")
     if args.budgets_ms is not None and not all(0 < b <= MAX_BUDGET_MS for b in args.budgets_ms):
         parser.error(f"--budgets-ms must lie in (0, {MAX_BUDGET_MS:g}]")
+    if args.slowdown_ms is not None and not 0 <= args.slowdown_ms < math.inf:
+        parser.error(f"--slowdown-ms must be >= 0, got {args.slowdown_ms}")
+    try:
+        resolve_device(args.device)
+    except DeviceUnavailable as error:
+        parser.error(str(error))
     return args
 
 

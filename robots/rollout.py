@@ -42,7 +42,11 @@ from policy_server.client.cli_flags import add_tls_flags, tls_options, token_fil
 from policy_server.client.errors import PolicyServerError
 from policy_server.engine.api import EngineError
 from policy_server.limits import MAX_BUDGET_MS
+from policy_server.output_file import output_file
 from robots.envs import ENV_IDS, HELDOUT_SEED_OFFSET, REACH_ID, ReachScene
+
+SERVER_NOTICE_S = 5.0  # a --server not serving after this is said to be waited for
+SERVER_WAIT_S = 600.0  # and then waited for this long (a first start compiles for a minute or more)
 
 
 @dataclass
@@ -87,7 +91,12 @@ class ServerPolicy:
 
         self.client = PolicyClient(target, token_file=token_file, timeout_s=60, serve_application=serve_application,
                                    **tls)
-        self.client.wait_until_serving(timeout_s=600)
+        try:
+            self.client.wait_until_serving(timeout_s=SERVER_NOTICE_S)
+        except TimeoutError:
+            print(f"policy-rollout: waiting up to {SERVER_WAIT_S:g} s for {target} to serve (starting, "
+                  "warming up, or nothing listening there)", file=sys.stderr, flush=True)
+            self.client.wait_until_serving(timeout_s=SERVER_WAIT_S)
         self.budget_ms = budget_ms
 
     def open(self, instruction: str, seed: int, preview: bool = False):
@@ -127,7 +136,8 @@ class InProcessPolicy:
             config = PolicyConfig.model_validate({**pipeline.config.model_dump(), **sampler_overrides})
             pipeline = PolicyPipeline(pipeline.transformer, pipeline.vae, pipeline.tokenizer, pipeline.embodiments,
                                       config, pipeline.served_embodiments, pipeline.digest)
-        profile, calibrate = resolve_profile(quality_profile, pipeline.folder, pipeline.digest)
+        profile, calibrate = resolve_profile(quality_profile, pipeline.folder, pipeline.digest,
+                                             pipeline.served_embodiments)
         self.engine = ModelEngine(pipeline, EngineSettings(default_budget_ms=budget_ms, diffusion_cache=cache,
                                                            max_sessions=max(4, num_envs), quality_profile=profile,
                                                            calibrate_at_warmup=calibrate,
@@ -335,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", action="version",
                         version=f"%(prog)s {__version__}")
     where = parser.add_mutually_exclusive_group(required=True)
-    where.add_argument("--server", help="host:port of a running policy-server")
+    where.add_argument("--server", help="host:port of a running policy-server (waited for up to 10 min)")
     where.add_argument("--in-process", action="store_true", help="run the engine in this process")
     parser.add_argument("--checkpoint", type=Path, default=None, help="in-process: pipeline folder")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"),
@@ -370,12 +380,18 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--ray-address", default=None, help="Ray cluster to use (default: RAY_ADDRESS, else start one here)")
     g.add_argument("--ray-gpus-per-worker", type=float, default=0.0, help="GPUs of each in-process worker (0)")
     g.add_argument("--ray-cpus-per-worker", type=float, default=1.0, help="CPUs of each worker (1)")
-    parser.add_argument("--out", type=Path, default=Path("rollout.json"))
+    parser.add_argument("--out", type=output_file, default=Path("rollout.json"))
     args = parser.parse_args(argv)
     for flag, value in (("--episodes", args.episodes), ("--num-envs", args.num_envs), ("--execute", args.execute),
                         ("--ray", 1 if args.ray is None else args.ray)):
         if value < 1:
             parser.error(f"{flag} must be a positive integer, got {value}")
+    if args.first_episode < 0 or args.videos < 0:
+        parser.error("--first-episode and --videos must be >= 0")
+    if args.latency_budget_ms is not None and not 0 < args.latency_budget_ms <= MAX_BUDGET_MS:
+        parser.error(f"--latency-budget-ms must lie in (0, {MAX_BUDGET_MS:g}], got {args.latency_budget_ms}")
+    if (args.no_diffusion_cache or args.compile_gen_stack is not None) and not args.in_process:
+        parser.error("--no-diffusion-cache and --compile-gen-stack need --in-process (a server uses its own settings)")
     if args.ray is None and (args.ray_address or args.ray_gpus_per_worker or args.ray_cpus_per_worker != 1.0):
         parser.error("--ray-address, --ray-gpus-per-worker and --ray-cpus-per-worker need --ray N")
     if args.ray_gpus_per_worker < 0 or args.ray_cpus_per_worker < 0:
@@ -388,6 +404,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--device needs --in-process (a server runs on its own device)")
     if args.ray_gpus_per_worker and args.device == "cpu":
         parser.error("--ray-gpus-per-worker needs --in-process --device cuda (or auto): a worker on the CPU uses none")
+    if args.in_process and args.ray is None:  # Ray's workers may have devices this machine lacks
+        from policy_server.engine.engine import DeviceUnavailable, resolve_device
+
+        try:
+            resolve_device(args.device)
+        except DeviceUnavailable as error:
+            parser.error(str(error))
     overrides = {k: v for k, v in (("num_steps", args.num_steps), ("guidance", args.guidance)) if v is not None}
     if args.num_steps is not None and args.num_steps < 1 or args.guidance is not None and not args.guidance >= 1:
         parser.error("--num-steps must be >= 1 and --guidance >= 1")
@@ -404,7 +427,8 @@ def main(argv: list[str] | None = None) -> int:
     quality_profile = (args.quality_profile or "auto") if profile_applies else None
 
     budget = args.latency_budget_ms
-    refusals: tuple[type[Exception], ...] = (PolicyServerError, EngineError)  # the server's, or the engine's
+    # The server's, the engine's, or a server that never turned SERVING.
+    refusals: tuple[type[Exception], ...] = (PolicyServerError, EngineError, TimeoutError)
     if args.in_process:
         from policy_server.budget.profile import ProfileError
         from policy_server.engine.compiled_stack import CompileUnavailableError
@@ -412,8 +436,8 @@ def main(argv: list[str] | None = None) -> int:
 
         refusals += (CheckpointLoadError, ProfileError, CompileUnavailableError)
         # Uncached ticks are not budgeted: without --latency-budget-ms they get the largest budget there is.
-        default_budget = MAX_BUDGET_MS if args.no_diffusion_cache else 120.0
-        make_policy = functools.partial(InProcessPolicy, args.checkpoint, budget or default_budget,
+        budget = budget or (MAX_BUDGET_MS if args.no_diffusion_cache else 120.0)
+        make_policy = functools.partial(InProcessPolicy, args.checkpoint, budget,
                                         not args.no_diffusion_cache, args.num_envs, overrides,
                                         quality_profile or "off", args.device, args.compile_gen_stack)
     else:

@@ -64,6 +64,7 @@ from policy_server.client import (
     build_observation,
 )
 from policy_server.client.cli_flags import add_tls_flags, pem_file, tls_options, token_file
+from policy_server.output_file import output_file
 from policy_server.v1 import policy_server_pb2 as pb
 from robots.envs.reach import EMBODIMENT, HELDOUT_SEED_OFFSET
 
@@ -570,7 +571,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help=f"one more session floods Acts of the largest frame the server takes from {FLOOD_THREADS} "
                    "threads; the checks apply to the other sessions, and its answers must be chunks or "
                    "RATE_EXCEEDED / SESSION_BUSY refusals")
-    p.add_argument("--out", type=Path, default=Path("soak.json"), help="JSON report; PNG and server log beside it")
+    p.add_argument("--out", type=output_file, default=Path("soak.json"),
+                   help="JSON report; PNG and server log beside it")
     p.add_argument("--startup-timeout-s", type=float, default=300.0, help="wait for the server to serve, s (300)")
     g = p.add_argument_group("a server already running (instead of starting one)")
     g.add_argument("--server", metavar="HOST:PORT", help="soak this server")

@@ -88,9 +88,10 @@ def test_a_bad_profile_names_what_is_wrong(tmp_path, edit, message):
 
 def test_an_unreadable_profile_names_its_file(tmp_path):
     path = tmp_path / "quality_profile.json"
-    path.write_text("{not json")
-    with pytest.raises(ProfileError, match="quality_profile.json: cannot read"):
-        QualityProfile.load(path, DIGEST)
+    for content in (b"{not json", b"\x90\xff binary"):  # not JSON; not even UTF-8
+        path.write_bytes(content)
+        with pytest.raises(ProfileError, match="quality_profile.json: cannot read"):
+            QualityProfile.load(path, DIGEST)
 
 
 def test_points_that_measured_alike_count_once():

@@ -10,7 +10,7 @@ from safetensors.numpy import save_file
 
 from policy_server.budget.cost_model import CallCosts
 from policy_server.budget.planner import expected_error
-from policy_server.budget.profile import PROFILE_FILE, QualityProfile, frontier
+from policy_server.budget.profile import PROFILE_FILE, ProfileError, QualityProfile, frontier
 from policy_server.cache.sea_filter import SeaFilter
 from policy_server.engine import api
 from policy_server.engine.calibration import (
@@ -130,7 +130,11 @@ def test_observations_round_trip_and_bad_files_name_what_is_wrong(pipe, observat
         (bad, {"embodiment": "pusht", "instructions": '["a"]'}, r"images.image is uint8 \[2, 64, 64, 3\]; expected"),
         (bad, {"embodiment": "pusht", "instructions": '["a", ""]'}, "non-empty strings"),
         ({**bad, "state": np.zeros((2, 3), np.float32)}, {"embodiment": "pusht", "instructions": '["a", "b"]'},
-         r"state is \[2, 3\]; pusht expects"),
+         r"state is float32 \[2, 3\]; pusht expects"),
+        ({**bad, "state": np.full((2, 2), np.nan, np.float32)}, {"embodiment": "pusht", "instructions": '["a", "b"]'},
+         "state is not finite everywhere"),
+        ({**bad, "images.image": np.zeros((2, 4, 64, 3), np.uint8)},
+         {"embodiment": "pusht", "instructions": '["a", "b"]'}, "images.image are 4x64; expected sides of 8 to 2048"),
     ]:
         save_file(tensors, str(path), metadata=metadata)
         with pytest.raises(CalibrationError, match=message):
@@ -142,11 +146,13 @@ def test_observations_round_trip_and_bad_files_name_what_is_wrong(pipe, observat
 
 def test_the_server_finds_a_profile_beside_the_checkpoint_else_calibrates(pipe, profile, tmp_path, monkeypatch):
     monkeypatch.setenv("POLICY_SERVER_CACHE", str(tmp_path / "cache"))
-    assert resolve_profile("off", tmp_path, pipe.digest) == (None, False)
-    assert resolve_profile("auto", tmp_path, pipe.digest) == (None, True)
+    assert resolve_profile("off", tmp_path, pipe.digest, pipe.served_embodiments) == (None, False)
+    assert resolve_profile("auto", tmp_path, pipe.digest, pipe.served_embodiments) == (None, True)
     profile.save(tmp_path / PROFILE_FILE)
-    assert resolve_profile("auto", tmp_path, pipe.digest) == (profile, False)
-    assert resolve_profile(str(tmp_path / PROFILE_FILE), None, pipe.digest) == (profile, False)
+    assert resolve_profile("auto", tmp_path, pipe.digest, pipe.served_embodiments) == (profile, False)
+    assert resolve_profile(str(tmp_path / PROFILE_FILE), None, pipe.digest, pipe.served_embodiments) == (profile, False)
+    with pytest.raises(ProfileError, match="no configurations for aloha .it has pusht.; calibrate the served"):
+        resolve_profile("auto", tmp_path, pipe.digest, ["pusht", "aloha"])
 
 
 def test_the_command_writes_the_profile_beside_the_checkpoint(tmp_path, capsys):
@@ -165,7 +171,10 @@ def test_the_command_writes_the_profile_beside_the_checkpoint(tmp_path, capsys):
     assert "not a calibration observations file" in capsys.readouterr().err
     for bad, message in ((["--residual-orders", "1,3"], "--residual-orders '1,3': expected"),
                          (["--residual-orders", "one"], "--residual-orders 'one': expected"),
-                         (["--min-steps", "0"], "--min-steps must be at least 1")):
+                         (["--min-steps", "0"], "--min-steps must be at least 1"),
+                         (["--min-steps", "4"], "--min-steps 4: above the checkpoint's 3 sampler steps"),
+                         (["--device", "tpu"], "--device 'tpu': expected auto, cpu, cuda or cuda:N"),
+                         (["--out", str(tmp_path)], "is a folder; expected a file path")):
         with pytest.raises(SystemExit):
             main(["--checkpoint", str(folder), *bad])
         assert message in capsys.readouterr().err

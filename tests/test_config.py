@@ -321,6 +321,16 @@ def test_serve_builds_the_engine_serves_and_stops_on_sigterm(monkeypatch):
     assert signal.getsignal(signal.SIGTERM) is previous
 
 
+def test_a_device_torch_does_not_have_here_is_one_line_and_exit_2(capsys):
+    import torch
+
+    count = torch.cuda.device_count()
+    assert cli.main(["serve", "--port", "0", "--device", f"cuda:{count}"]) == 2  # one past the last, or none
+    expected = f"torch sees {count} CUDA device(s)" if count else "sees no CUDA device here"
+    err = capsys.readouterr().err
+    assert f"policy-server: --device cuda:{count}: " in err and expected in err
+
+
 def test_every_residual_order_the_config_accepts_is_one_seacache_accepts():
     from policy_server.cache.seacache import SeaCacheConfig
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from fake_engine import FakeEngine, serve_fake
 
+from robots import rollout
 from robots.envs import COLORS, ENV_IDS, HELDOUT_SEED_OFFSET, REACH_ID
 from robots.rollout import TickStats, main, run_episodes
 
@@ -122,12 +123,35 @@ def test_rollout_through_a_server_with_a_vector_env(tmp_path):
     (["--ray-address", "auto"], "--ray-address, --ray-gpus-per-worker and --ray-cpus-per-worker need --ray N"),
     (["--ray", "2", "--ray-gpus-per-worker", "1"], "--ray-gpus-per-worker needs --in-process --device cuda"),
     (["--serve-application", "policy"], "--serve-application needs --server"),
+    (["--first-episode", "-1"], "--first-episode and --videos must be >= 0"),
+    (["--videos", "-1"], "--first-episode and --videos must be >= 0"),
+    (["--latency-budget-ms", "0"], "--latency-budget-ms must lie in (0, 60000], got 0.0"),
+    (["--latency-budget-ms", "nan"], "--latency-budget-ms must lie in (0, 60000], got nan"),
+    (["--out", "/"], "argument --out: / is a folder; expected a file path"),
 ])
 def test_bad_flags_are_usage_errors(flags, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--in-process", *flags])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--no-diffusion-cache", "--compile-gen-stack", "--no-compile-gen-stack"])
+def test_in_process_settings_are_refused_with_a_server(flag, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--server", "127.0.0.1:1", flag])
+    assert exit_info.value.code == 2
+    assert "--no-diffusion-cache and --compile-gen-stack need --in-process" in capsys.readouterr().err
+
+
+def test_a_server_that_never_serves_ends_the_rollout_with_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(rollout, "SERVER_NOTICE_S", 0.2)
+    monkeypatch.setattr(rollout, "SERVER_WAIT_S", 0.5)
+    code = main(["--server", "127.0.0.1:1", "--episodes", "1", "--out", str(tmp_path / "rollout.json")])
+    error = capsys.readouterr().err
+    assert code == 2 and not (tmp_path / "rollout.json").exists()
+    assert error.startswith("policy-rollout: waiting up to 0.5 s for 127.0.0.1:1 to serve")
+    assert error.endswith("\npolicy-rollout: 127.0.0.1:1 not SERVING after 0.5 s (last: no answer)\n")
 
 
 def test_a_refused_session_ends_the_rollout_with_one_line(tmp_path, capsys):

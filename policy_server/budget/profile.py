@@ -160,7 +160,7 @@ class QualityProfile(BaseModel):
         """The profile at `path`, which must be of the weights `digest`; `ProfileError` names what is wrong."""
         try:
             data = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as error:
+        except (OSError, ValueError) as error:  # unreadable, not UTF-8, not JSON
             raise ProfileError(f"{path}: cannot read a quality profile: {error}") from error
         if not isinstance(data, dict) or data.get("version") != PROFILE_VERSION:
             got = data.get("version") if isinstance(data, dict) else type(data).__name__

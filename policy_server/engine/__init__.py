@@ -23,7 +23,8 @@ def build_engine(config):
     torch.set_num_threads(1)
     pipeline = PolicyPipeline.from_pretrained(config.checkpoint, device=device,
                                               dtype=resolve_dtype(config.dtype, device))
-    profile, calibrate = resolve_profile(config.quality_profile, pipeline.folder, pipeline.digest)
+    profile, calibrate = resolve_profile(config.quality_profile, pipeline.folder, pipeline.digest,
+                                         pipeline.served_embodiments)
     engine = ModelEngine(pipeline, settings_from_config(config, profile, calibrate))
     engine.start()
     return engine

@@ -41,6 +41,7 @@ from policy_server.budget.profile import (
     PROFILE_FILE,
     Calibration,
     Cut,
+    ProfileError,
     ProfilePoint,
     QualityProfile,
     TickConfig,
@@ -54,6 +55,8 @@ from policy_server.config import DTYPES, PROFILE_CACHE_ENV
 from policy_server.engine.batching import GenStack
 from policy_server.engine.served import EngineSettings, cache_ladder
 from policy_server.engine.tick import step_calls
+from policy_server.limits import MAX_FRAME_SIDE
+from policy_server.output_file import output_file
 from policy_server.pipeline.hub import is_hub_id
 from policy_server.pipeline.policy import (
     CheckpointLoadError,
@@ -137,10 +140,21 @@ def load_observations(path: Path, pipeline: PolicyPipeline, served: bool = True)
                 or images.shape[-1] != 3:
             got = "missing" if images is None else f"{images.dtype} {list(images.shape)}"
             raise CalibrationError(f"{path}: images.{name} is {got}; expected uint8 [{count}, H, W, 3]")
+        smallest = pipeline.vae.spatial_compression
+        if not all(smallest <= side <= MAX_FRAME_SIDE for side in images.shape[1:3]):
+            raise CalibrationError(f"{path}: images.{name} are {images.shape[1]}x{images.shape[2]}; expected sides "
+                                   f"of {smallest} to {MAX_FRAME_SIDE} px, as the server takes")
+    if len({images.shape[1] for images in cameras.values()}) > 1:
+        raise CalibrationError(f"{path}: the cameras' images have heights {[i.shape[1] for i in cameras.values()]}; "
+                               "expected one height (the model sees them side by side)")
     state = tensors.get("state")
-    if spec.state_dim and (state is None or state.shape != (count, spec.state_dim)):
-        got = "missing" if state is None else list(state.shape)
-        raise CalibrationError(f"{path}: state is {got}; {embodiment} expects float32 [{count}, {spec.state_dim}]")
+    if spec.state_dim and (state is None or state.shape != (count, spec.state_dim) or state.dtype.kind != "f"
+                           or not np.isfinite(state).all()):
+        got = "missing" if state is None else f"{state.dtype} {list(state.shape)}"
+        if state is not None and state.dtype.kind == "f" and state.shape == (count, spec.state_dim):
+            got = "not finite everywhere"
+        raise CalibrationError(f"{path}: state is {got}; {embodiment} expects finite float32 "
+                               f"[{count}, {spec.state_dim}]")
     return [Observation(embodiment, {name: images[i] for name, images in cameras.items()},
                         state[i].astype(np.float32) if spec.state_dim else None, instructions[i])
             for i in range(count)]
@@ -400,29 +414,37 @@ def profile_locations(checkpoint: Path | None, digest: str) -> list[Path]:
     return [(default_model_path() if checkpoint is None else checkpoint) / PROFILE_FILE, cached]
 
 
-def resolve_profile(setting: str, checkpoint: Path | None, digest: str) -> tuple[QualityProfile | None, bool]:
+def resolve_profile(setting: str, checkpoint: Path | None, digest: str,
+                    served: Sequence[str]) -> tuple[QualityProfile | None, bool]:
     """`(profile, calibrate at warmup)` for the server's `quality_profile` setting: "off", "auto" (the first
     of `profile_locations` that exists; none: calibrate at warmup) or a profile file. `ProfileError` when the
-    profile found cannot be used."""
+    profile found cannot be used: not of these weights, or without one of the `served` embodiments."""
     if setting == "off":
         return None, False
-    if setting != "auto":
-        return QualityProfile.load(Path(setting), digest), False
-    found = next((path for path in profile_locations(checkpoint, digest) if path.is_file()), None)
-    return (QualityProfile.load(found, digest), False) if found is not None else (None, True)
+    path = Path(setting) if setting != "auto" else next(
+        (path for path in profile_locations(checkpoint, digest) if path.is_file()), None)
+    if path is None:
+        return None, True
+    profile = QualityProfile.load(path, digest)
+    missing = [name for name in served if name not in profile.embodiments]
+    if missing:
+        raise ProfileError(f"{path}: no configurations for {', '.join(missing)} (it has "
+                           f"{', '.join(profile.embodiments) or 'none'}); calibrate the served embodiments with "
+                           "`policy-server calibrate`, or plan on the cache ladder with --quality-profile off")
+    return profile, False
 
 
 def main(argv: list[str] | None = None) -> int:
     """`policy-server calibrate`: measure a checkpoint's quality profile and write it where the server finds it."""
     # Imported here: engine.engine imports the warmup, which imports this module.
-    from policy_server.engine.engine import resolve_device, resolve_dtype
+    from policy_server.engine.engine import DeviceUnavailable, resolve_device, resolve_dtype
 
     parser = argparse.ArgumentParser(prog="policy-server calibrate", description=main.__doc__)
     parser.add_argument("--checkpoint", help="checkpoint folder or Hugging Face Hub id (default: the embedded model)")
     parser.add_argument("--observations", type=Path, default=DEFAULT_OBSERVATIONS,
                         help="calibration observations, safetensors (default: the embedded simulator's set; the "
                              "README's quality-profile section gives the format)")
-    parser.add_argument("--out", type=Path,
+    parser.add_argument("--out", type=output_file,
                         help="profile file (default: quality_profile.json beside --checkpoint, else the cache "
                              "directory, where `--quality-profile auto` looks)")
     parser.add_argument("--max-observations", type=int, default=MAX_OBSERVATIONS, help="use at most this many")
@@ -439,7 +461,10 @@ def main(argv: list[str] | None = None) -> int:
         orders = [int(o) for o in args.residual_orders.split(",") if o.strip().isdigit()]
         if len(orders) != len(args.residual_orders.split(",")) or not set(orders) <= {0, 1, 2}:
             parser.error(f"--residual-orders {args.residual_orders!r}: expected comma-separated orders 0, 1 or 2")
-    device = resolve_device(args.device)
+    try:
+        device = resolve_device(args.device)
+    except DeviceUnavailable as error:
+        parser.error(str(error))
     if device == "cpu":
         torch.set_num_threads(1)  # as the server runs it: the profile's costs and errors are the server's
     try:
@@ -449,6 +474,8 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointLoadError, CalibrationError) as error:
         print(f"policy-server calibrate: {error}", file=sys.stderr)
         return 2
+    if args.min_steps > pipeline.config.num_steps:
+        parser.error(f"--min-steps {args.min_steps}: above the checkpoint's {pipeline.config.num_steps} sampler steps")
     configs = configurations(pipeline, EngineSettings(), args.min_steps, orders)
     print(f"calibrating {len(configs)} configurations on {len(observations)} observations", flush=True)
     profile = calibrate(pipeline, observations, configs, source=str(args.observations),
@@ -461,6 +488,9 @@ def main(argv: list[str] | None = None) -> int:
     for embodiment, points in profile.embodiments.items():
         print(f"{embodiment}: {len(frontier(points))} configurations on the frontier of {len(points)}")
     print(f"wrote {out} ({profile.calibration.seconds:.0f} s)")
+    found = next(path for path in profile_locations(pipeline.folder, pipeline.digest) if path.is_file())
+    if found.resolve() != out.resolve():
+        print(f"`--quality-profile auto` finds {found} first; serve this one with --quality-profile {out}")
     return 0
 
 
