@@ -38,7 +38,7 @@ import gymnasium
 import numpy as np
 
 from policy_server import __version__
-from policy_server.client.cli_flags import add_tls_flags, tls_options, token_file
+from policy_server.client.cli_flags import add_tls_flags, server_address, tls_options, token_file
 from policy_server.client.errors import PolicyServerError
 from policy_server.engine.api import EngineError
 from policy_server.limits import MAX_BUDGET_MS
@@ -345,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", action="version",
                         version=f"%(prog)s {__version__}")
     where = parser.add_mutually_exclusive_group(required=True)
-    where.add_argument("--server", help="host:port of a running policy-server (waited for up to 10 min)")
+    where.add_argument("--server", type=server_address,
+                       help="host:port of a running policy-server (waited for up to 10 min)")
     where.add_argument("--in-process", action="store_true", help="run the engine in this process")
     parser.add_argument("--checkpoint", type=Path, default=None, help="in-process: pipeline folder")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"),

@@ -63,7 +63,7 @@ from policy_server.client import (
     Session,
     build_observation,
 )
-from policy_server.client.cli_flags import add_tls_flags, pem_file, tls_options, token_file
+from policy_server.client.cli_flags import add_tls_flags, pem_file, seconds, server_address, tls_options, token_file
 from policy_server.output_file import output_file
 from policy_server.v1 import policy_server_pb2 as pb
 from robots.envs.reach import EMBODIMENT, HELDOUT_SEED_OFFSET
@@ -562,8 +562,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--actions-per-chunk", type=int, help="actions executed from each chunk (unset: the chunk size)")
     p.add_argument("--episode-steps", type=int, default=80, help="control steps before an episode is cut (80)")
     p.add_argument("--warmup-ticks", type=int, default=50, help="ticks per session before RSS growth counts (50)")
-    p.add_argument("--rss-every-s", type=float, default=2.0, help="RSS sampling period in s (2)")
-    p.add_argument("--timeout-s", type=float, default=30.0, help="longest wait for one answer in s (30)")
+    p.add_argument("--rss-every-s", type=seconds, default=2.0, help="RSS sampling period in s (2)")
+    p.add_argument("--timeout-s", type=seconds, default=30.0, help="longest wait for one answer in s (30)")
     p.add_argument("--max-miss-rate", type=float, default=0.01, help="deadline misses allowed, fraction (0.01)")
     p.add_argument("--max-rss-growth-mb", type=float, default=50.0, help="RSS growth allowed after warmup (50 MB)")
     p.add_argument("--seed", type=int, default=0, help="offset of the simulator seeds (0)")
@@ -573,9 +573,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "RATE_EXCEEDED / SESSION_BUSY refusals")
     p.add_argument("--out", type=output_file, default=Path("soak.json"),
                    help="JSON report; PNG and server log beside it")
-    p.add_argument("--startup-timeout-s", type=float, default=300.0, help="wait for the server to serve, s (300)")
+    p.add_argument("--startup-timeout-s", type=seconds, default=300.0, help="wait for the server to serve, s (300)")
     g = p.add_argument_group("a server already running (instead of starting one)")
-    g.add_argument("--server", metavar="HOST:PORT", help="soak this server")
+    g.add_argument("--server", type=server_address, metavar="HOST:PORT", help="soak this server")
     g.add_argument("--server-pid", type=int, help="its process id, to sample its RSS (same machine)")
     add_tls_flags(g)
     p.add_argument("--auth-token-file", type=token_file,

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import http.client
+import socket
 import urllib.error
 import urllib.request
 
-from fake_engine import serve_fake
+import pytest
+from fake_engine import FakeEngine, serve_fake
+
+from policy_server.config import build_config
+from policy_server.server import metrics
+from policy_server.server.app import build_server
 
 
 def status(url: str, token: str | None = None) -> int:
@@ -33,3 +40,31 @@ def test_with_a_token_every_path_needs_it_first(tmp_path):
         base = f"http://127.0.0.1:{server.metrics_port}"
         assert (status(base + "/metrics"), status(base + "/other")) == (401, 401)
         assert (status(base + "/metrics", "s3cret"), status(base + "/other", "s3cret")) == (200, 404)
+
+
+def test_connections_that_send_nothing_hold_no_thread_for_long_and_cannot_crowd_out_a_scrape(monkeypatch):
+    monkeypatch.setattr(metrics._QuietHandler, "timeout", 2.0)
+    with serve_fake(metrics_port=0) as server:
+        base = f"http://127.0.0.1:{server.metrics_port}"
+        silent = [socket.create_connection(("127.0.0.1", server.metrics_port)) for _ in range(metrics.MAX_SCRAPES)]
+        for connection in silent:  # each has a thread: the first byte the request never sends is waited for
+            connection.settimeout(5)
+        with pytest.raises((urllib.error.URLError, http.client.RemoteDisconnected, ConnectionResetError)):
+            status(base + "/metrics")  # every place taken: closed unanswered
+        for connection in silent:
+            assert connection.recv(1) == b""  # closed by the server after its timeout
+            connection.close()
+        assert status(base + "/metrics") == 200
+
+
+def test_a_metrics_port_in_use_is_named():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        server = build_server(build_config(overrides={"port": 0, "metrics_port": port}), FakeEngine())
+        try:
+            with pytest.raises(OSError, match=f"could not bind the metrics endpoint to 127.0.0.1:{port} .Address alr"):
+                server.start()
+        finally:
+            server.stop(grace_s=0.1)

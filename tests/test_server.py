@@ -340,7 +340,11 @@ def test_tls(tmp_path, capsys):
     for flag, bad, why in (("--tls-ca", tmp_path / "missing.pem", "cannot read"),
                            ("--tls-ca", key, "is not a PEM certificate file"),
                            ("--auth-token-file", tmp_path / "missing", "cannot read"),
-                           ("--auth-token-file", tmp_path / "empty", "is empty; expected a single token")):
+                           ("--auth-token-file", tmp_path / "empty", "is empty; expected a single token"),
+                           ("--timeout-s", "0", "expected seconds above 0, got '0'"),
+                           ("--timeout-s", "nan", "expected seconds above 0, got 'nan'"),
+                           ("--server", "127.0.0.1:99999", "expected HOST:PORT with a port from 1 to 65535"),
+                           ("--server", "", "expected HOST:PORT")):
         with pytest.raises(SystemExit) as exit_:
             client_main(["health", flag, str(bad)])
         assert exit_.value.code == 2 and why in capsys.readouterr().err

@@ -12,7 +12,7 @@ import sys
 from google.protobuf import json_format
 
 from policy_server import __version__
-from policy_server.client.cli_flags import add_tls_flags, tls_options, token_file
+from policy_server.client.cli_flags import add_tls_flags, seconds, server_address, tls_options, token_file
 from policy_server.client.errors import PolicyServerError
 from policy_server.client.sync_client import PolicyClient
 
@@ -22,11 +22,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version",
                         version=f"%(prog)s {__version__}")
     parser.add_argument("command", choices=("health", "info"))
-    parser.add_argument("--server", default="127.0.0.1:50051", metavar="HOST:PORT",
+    parser.add_argument("--server", type=server_address, default="127.0.0.1:50051", metavar="HOST:PORT",
                         help="the policy-server (127.0.0.1:50051)")
     parser.add_argument("--auth-token-file", type=token_file, help="file with the server's bearer token")
     add_tls_flags(parser)
-    parser.add_argument("--timeout-s", type=float, default=3.0)
+    parser.add_argument("--timeout-s", type=seconds, default=3.0, help="wait for the answer this long (3)")
     parser.add_argument("--budget-ms", type=float,
                         help="info: the capacity at this latency budget (default: the server's)")
     parser.add_argument("--rate-hz", type=float,

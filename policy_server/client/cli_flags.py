@@ -1,15 +1,38 @@
 """What the command-line tools that connect to a server (``python -m policy_server.client``, ``policy-rollout``,
-``policy-soak``) share: the type of ``--auth-token-file``, and the TLS flags ``--tls`` (the system's root
-certificates), ``--tls-ca FILE`` and ``--tls-server-name NAME``, either of which implies ``--tls``."""
+``policy-soak``) share: the types of ``--server``, ``--timeout-s`` and ``--auth-token-file``, and the TLS flags
+``--tls`` (the system's root certificates), ``--tls-ca FILE`` and ``--tls-server-name NAME``, either of which implies
+``--tls``."""
 
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 from policy_server.v1.auth_token import read_token_file
 
 MAX_CA_FILE_BYTES = 1 << 20  # a CA bundle is tens of kB
+
+
+def server_address(value: str) -> str:
+    """argparse type: a gRPC target, ``HOST:PORT`` (``[v6]:PORT``) with a port gRPC can dial, or a ``unix:`` path."""
+    host, _, port = value.rpartition(":")
+    if value.startswith("unix:"):
+        return value
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT with a port from 1 to 65535, or unix:PATH; got {value!r}")
+    return value
+
+
+def seconds(value: str) -> float:
+    """argparse type: a finite time above 0 s."""
+    try:
+        number = float(value)
+    except ValueError:
+        number = math.nan
+    if not 0 < number < math.inf:
+        raise argparse.ArgumentTypeError(f"expected seconds above 0, got {value!r}")
+    return number
 
 
 def token_file(value: str) -> Path:

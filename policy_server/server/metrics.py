@@ -30,6 +30,8 @@ from policy_server import __version__
 from policy_server.engine.api import ActResult, Engine
 from policy_server.server.auth import bearer_token_matches
 
+MAX_SCRAPES = 8  # scrapes served at once; a Prometheus server sends one at a time
+SCRAPE_TIMEOUT_S = 10.0  # a scrape connection silent for this long is closed
 LATENCY_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.11, 0.12, 0.13, 0.15, 0.2, 0.3,
                      0.5, 1, 2, 5, 10)
 
@@ -137,7 +139,11 @@ class ServerMetrics:
         if token is not None:
             app = _require_token(app, token)
         server_class = _Server6 if ":" in host else _Server
-        self._http = make_server(host.strip("[]"), port, app, server_class=server_class, handler_class=_QuietHandler)
+        try:
+            self._http = make_server(host.strip("[]"), port, app, server_class=server_class,
+                                     handler_class=_QuietHandler)
+        except OSError as error:  # in use, or not an address of this machine
+            raise OSError(f"could not bind the metrics endpoint to {host}:{port} ({error.strerror or error})") from None
         self._thread = threading.Thread(target=self._http.serve_forever, daemon=True, name="metrics")
         self._thread.start()
         return int(self._http.server_port)
@@ -150,7 +156,26 @@ class ServerMetrics:
 
 
 class _Server(ThreadingMixIn, WSGIServer):
+    """A thread per scrape, at most `MAX_SCRAPES` at once (more are closed unanswered), each given up after
+    `_QuietHandler.timeout` without a byte: connections that never send their request cannot pile up threads."""
+
     daemon_threads = True
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._scrapes = threading.BoundedSemaphore(MAX_SCRAPES)
+
+    def process_request(self, request, client_address) -> None:
+        if not self._scrapes.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._scrapes.release()
 
 
 class _Server6(_Server):
@@ -158,6 +183,7 @@ class _Server6(_Server):
 
 
 class _QuietHandler(WSGIRequestHandler):
+    timeout = SCRAPE_TIMEOUT_S
     def log_message(self, format, *args):  # noqa: A002 - the base class's name; scrapes are not news
         pass
 
