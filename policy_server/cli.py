@@ -154,8 +154,14 @@ def serve(config: ServerConfig) -> int:
     )
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    warmup_failure: list[BaseException] = []
+    threading.Thread(target=_watch_warmup, args=(engine, warmup_failure, stop), daemon=True,
+                     name="warmup-watch").start()
     try:
         stop.wait()
+        if warmup_failure:
+            print(f"policy-server: warmup failed ({warmup_failure[0]!r}); the log above has its traceback",
+                  file=sys.stderr, flush=True)
         log.info("shutting down")
     finally:
         for sig, handler in previous.items():
@@ -165,9 +171,18 @@ def serve(config: ServerConfig) -> int:
         watchdog = threading.Timer(SHUTDOWN_GRACE_S + SHUTDOWN_TIMEOUT_S, _exit_now)
         watchdog.daemon = True
         watchdog.start()
-        status = _stop(server, engine, SHUTDOWN_GRACE_S, 0)
+        status = _stop(server, engine, SHUTDOWN_GRACE_S, 1 if warmup_failure else 0)
         watchdog.cancel()
     return status
+
+
+def _watch_warmup(engine: Engine, failure: list[BaseException], stop: threading.Event) -> None:
+    """Stop the server when its warmup fails: it would never turn SERVING, and clients would wait on WARMING_UP."""
+    try:
+        engine.wait_ready()
+    except RuntimeError as error:  # wait_ready's, raised from the warmup's own error
+        failure.append(error.__cause__ or error)
+        stop.set()
 
 
 def _give_up(problem: str, server: PolicyServer, engine: Engine) -> int:

@@ -122,6 +122,9 @@ class FakeEngine:
     def set_ready(self, ready: bool) -> None:
         self._ready = ready
 
+    def wait_ready(self, timeout_s: float | None = None) -> bool:
+        return self._ready  # a fake never warms up by itself
+
     def hold(self) -> None:
         """Make every act() wait at a gate until release(); wait_entered() counts from now."""
         self._entered = threading.Semaphore(0)

@@ -321,6 +321,16 @@ def test_serve_builds_the_engine_serves_and_stops_on_sigterm(monkeypatch):
     assert signal.getsignal(signal.SIGTERM) is previous
 
 
+def test_a_warmup_that_fails_stops_the_server_with_one_line_and_exit_1(monkeypatch, capsys):
+    class FailsToWarmUp(FakeEngine):
+        def wait_ready(self, timeout_s=None):
+            raise RuntimeError("warmup failed") from ValueError("a canvas the VAE cannot encode")
+
+    monkeypatch.setattr(policy_server.engine, "build_engine", lambda config: FailsToWarmUp(ready=False), raising=False)
+    assert cli.main(["serve", "--port", "0"]) == 1  # rather than NOT_SERVING, and WARMING_UP to every client, forever
+    assert "policy-server: warmup failed (ValueError('a canvas the VAE cannot encode'))" in capsys.readouterr().err
+
+
 def test_a_device_torch_does_not_have_here_is_one_line_and_exit_2(capsys):
     import torch
 

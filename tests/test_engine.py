@@ -13,6 +13,7 @@ from worker_hold import hold_worker
 
 from policy_server.engine import api
 from policy_server.engine.engine import EngineSettings, ModelEngine
+from policy_server.engine.warmup import Warmup
 from robots.embedded import build_random_pipeline
 
 
@@ -265,6 +266,23 @@ def test_with_the_cache_off_every_call_runs_full(tmp_path):
         steps = engine.info().num_steps
         assert tick.setting == "disabled" and tick.skipped_calls == 0 and tick.full_calls == 2 * steps
         assert {name: b.sequence for name, b in tick.branches.items()} == {"cond": "F" * steps, "uncond": "F" * steps}
+    finally:
+        engine.close()
+
+
+def test_a_warmup_that_fails_is_logged_and_raised_by_wait_ready(tmp_path, monkeypatch, caplog):
+    def shapes_that_fail(self):
+        raise ValueError("a canvas the VAE cannot encode")
+
+    monkeypatch.setattr(Warmup, "_warm_shapes", shapes_that_fail)
+    engine = ModelEngine(build_random_pipeline(tmp_path, seed=2), EngineSettings(warmup_ticks=1))
+    engine.start()
+    try:
+        with pytest.raises(RuntimeError, match="warmup failed") as raised:
+            engine.wait_ready(timeout_s=300)
+        assert isinstance(raised.value.__cause__, ValueError) and not engine.ready()
+        failure = next(record for record in caplog.records if record.getMessage() == "warmup failed")
+        assert failure.exc_info[1] is raised.value.__cause__  # the traceback is in the server's log
     finally:
         engine.close()
 

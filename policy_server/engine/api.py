@@ -471,6 +471,11 @@ class Engine(Protocol):
         """True once weights are loaded and warmup has filled the cost model."""
         ...
 
+    def wait_ready(self, timeout_s: float | None = None) -> bool:
+        """Block until ready (True) or ``timeout_s`` has passed (False); RuntimeError, raised from the
+        warmup's error, when the warmup failed."""
+        ...
+
     def stats(self) -> EngineStats: ...
 
     def close(self) -> bool:

@@ -121,6 +121,7 @@ class Warmup:
         return profile
 
     def failed(self, error: BaseException) -> None:
+        logger.error("warmup failed", exc_info=error)
         self.error = error  # surfaced by wait_ready() and every request
         self.ready.set()
 

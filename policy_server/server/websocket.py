@@ -297,7 +297,8 @@ class OpenpiWebsocketServer:
         info = self._engine.info()
         names = parse_qs(urlsplit(path).query, keep_blank_values=True).get("embodiment")
         if names is not None and len(names) > 1:
-            raise InvalidArgument("embodiment", "one ?embodiment= in the URL", f"{len(names)}", reason="BAD_VALUE")
+            raise InvalidArgument("embodiment", "one ?embodiment= in the URL", f"{len(names)} of them",
+                                  reason="BAD_VALUE")
         return validate.embodiment(info, names[0] if names else (self._default_embodiment or info.embodiments[0].name))
 
     def _process_request(self, connection: ServerConnection, request):
