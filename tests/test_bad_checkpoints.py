@@ -11,6 +11,7 @@ import pytest
 from cosmos3_folder import build_tiny_cosmos3_folder
 
 from policy_server import cli
+from policy_server.pipeline.policy import PolicyPipeline
 from robots.embedded import build_random_pipeline
 
 
@@ -95,7 +96,45 @@ BROKEN_DIFFUSERS = {
                                                   _class_name="DDIMScheduler"),
                           "scheduler_config.json: _class_name 'DDIMScheduler'; expected 'UniPCMultistepScheduler'"),
     "wan_vae_latent_stats": (lambda root: _edit_json(root / "vae/config.json", latents_std=[1.0]),
-                             "vae/config.json: latents_std must hold z_dim=8 values"),
+                             "vae/config.json: latents_std must hold z_dim=8 finite values"),
+    "wan_vae_zero_std": (lambda root: _edit_json(root / "vae/config.json", latents_std=[0.0] * 8),
+                         "vae/config.json: latents_std must be positive"),
+    "wan_vae_scale_not_its_architecture": (
+        lambda root: _edit_json(root / "vae/config.json", scale_factor_spatial=8),
+        "vae/config.json: scale_factor_spatial 8 and scale_factor_temporal 4; the architecture"),
+    "model_index_not_json": (lambda root: (root / "model_index.json").write_text("{"),
+                             "model_index.json: cannot read the pipeline index"),
+    "flow_shift_not_a_number": (lambda root: _edit_json(root / "scheduler/scheduler_config.json", flow_shift="abc",
+                                                        use_karras_sigmas=False),
+                                "scheduler_config.json: flow_shift='abc'; expected a number above 0"),
+    "tokenizer_not_parsed": (lambda root: (root / "text_tokenizer/tokenizer.json").write_text("{}"),
+                             "tokenizer.json: not a tokenizers file"),
+    "tokenizer_config_not_json": (lambda root: (root / "text_tokenizer/tokenizer_config.json").write_text("{"),
+                                  "tokenizer_config.json: not valid JSON"),
+    "chat_template_does_not_compile": (lambda root: (root / "text_tokenizer/chat_template.jinja").write_text("{% if"),
+                                       "the chat template does not compile"),
+    "shard_index_not_json": (lambda root: (root / "transformer/diffusion_pytorch_model.safetensors.index.json")
+                             .write_text("["), "index.json: not a JSON object with a weight_map"),
+    "transformer_config_value_of_a_wrong_type": (
+        lambda root: _edit_json(root / "transformer/config.json", hidden_size="64"),
+        "transformer/config.json: config field 'hidden_size'='64': expected a positive integer"),
+    "transformer_of_another_class": (lambda root: _edit_json(root / "transformer/config.json", _class_name="Foo"),
+                                     "transformer/config.json: _class_name 'Foo'; expected 'Cosmos3OmniTransformer'"),
+    "pad_mode": (lambda root: (root / "policy.json").write_text('{"pad_mode": "mirror"}'),
+                 "policy.json: pad_mode: Input should be 'reflect' or 'replicate'"),
+    "infinite_guidance": (lambda root: (root / "policy.json").write_text('{"guidance": Infinity}'),
+                          "policy.json: guidance: Input should be a finite number"),
+    "canvas_off_the_latent_grid": (lambda root: (root / "policy.json").write_text('{"canvases": [[72, 72]]}'),
+                                   "policy.json: canvases [[72, 72]]; expected sides that are multiples of"),
+    "no_embodiments": (lambda root: (root / "embodiments.json").write_text('{"embodiments": []}'),
+                       "embodiments.json: embodiments is empty"),
+    "state_wider_than_the_action_rows": (
+        lambda root: (root / "embodiments.json").write_text('{"embodiments": [{"name": "pusht", "state_dim": 40}]}'),
+        "embodiments.json: ['pusht'] have more action or state channels than the transformer's action_dim=32"),
+    "stats_path_not_a_path": (
+        lambda root: (root / "embodiments.json").write_text(
+            '{"embodiments": [{"name": "pusht", "normalization": {"method": "minmax", "stats_path": 5}}]}'),
+        "normalization.stats_path: expected a file path, a string"),
 }
 
 
@@ -120,3 +159,11 @@ def test_a_port_in_use_is_one_line_and_exit_2(good_folder, capsys):
         assert cli.main(["--checkpoint", str(good_folder), "--port", str(port)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("policy-server: could not bind gRPC to 127.0.0.1:") and "\n" not in err, err
+
+
+def test_policy_json_names_the_embodiments_file_of_a_diffusers_folder(diffusers_folder, tmp_path):
+    root = tmp_path / "ckpt"
+    shutil.copytree(diffusers_folder, root)
+    (root / "policy.json").write_text('{"embodiments_file": "robots.json"}')
+    (root / "robots.json").write_text('{"embodiments": [{"name": "bridge_orig_lerobot"}]}')
+    assert PolicyPipeline.from_pretrained(root).served_embodiments == ["bridge_orig_lerobot"]

@@ -208,7 +208,8 @@ def test_embodiment_and_policy_overrides(folder, tmp_path):
      r"use_native_flow_schedule=true"),
     (lambda root: (root / "policy.json").write_text('{"num_stepz": 3}'), r"policy.json: .*num_stepz"),
     (lambda root: (root / "embodiments.json").write_text(json.dumps(
-        {"embodiments": [{"name": "hand_pose"}]})), r"embodiments.json: \['hand_pose'\] are wider than .*=32"),
+        {"embodiments": [{"name": "hand_pose"}]})),
+     r"embodiments.json: \['hand_pose'\] have more action or state channels than the transformer's action_dim=32"),
 ])
 def test_bad_folders_are_refused_in_one_line(folder, tmp_path, edit, message):
     copy = tmp_path / "pipe"

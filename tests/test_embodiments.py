@@ -122,6 +122,8 @@ def test_width_change_drops_inherited_labels(tmp_path):
         ({"name": "pusht", "normalization": {"method": "zscore", "stats_path": "s.json"}},
          "'zscore' is unknown"),
         ({"name": "pusht", "normalization": {"methd": "minmax"}}, r"normalization\.methd"),
+        ({"name": "pusht", "state_dim": 4, "normalization": {"passthrough_action_channels": [3]}},
+         r"passthrough_action_channels \[3\] are outside the actions' \[0, 2\)"),  # pusht has 2 actions
         ({"raw_action_dim": 2}, r"embodiments\[0\]\.name: required"),
     ],
 )
@@ -130,6 +132,12 @@ def test_config_errors_name_the_key(tmp_path, entry, match):
     with pytest.raises(EmbodimentConfigError, match=match) as info:
         load_registry(path)
     assert str(path) in str(info.value)
+
+
+def test_a_passthrough_channel_is_one_of_the_actions(tmp_path):
+    entry = {"name": "pusht", "normalization": {"passthrough_action_channels": [1]}}  # pusht: 2 actions, no state
+    assert load_registry(write(tmp_path, {"embodiments": [entry]})).get("pusht").normalization \
+        .passthrough_action_channels == (1,)
 
 
 def test_config_file_errors(tmp_path):

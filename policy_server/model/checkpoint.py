@@ -197,7 +197,10 @@ def index_tensors(directory: Path) -> dict[str, StoredTensor]:
     """Every tensor of a transformer directory (single file or index + shards), from the headers only."""
     single, index = directory / WEIGHTS_NAME, directory / WEIGHTS_INDEX_NAME
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map")
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map")
+        except (ValueError, AttributeError) as error:
+            raise CheckpointError(f"{index}: not a JSON object with a weight_map ({error})") from None
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(f"{index} has no 'weight_map' of tensor name -> shard file")
         shards = sorted(set(weight_map.values()))

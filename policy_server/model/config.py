@@ -142,7 +142,12 @@ class Cosmos3TransformerConfig:
             raise ConfigError(f"{path} is not valid JSON: {exc}") from exc
         if not isinstance(values, dict):
             raise ConfigError(f"{path} must hold a JSON object of config fields, got {type(values).__name__}")
-        return cls.from_dict(values)
+        if values.get("_class_name", DIFFUSERS_CLASS_NAME) != DIFFUSERS_CLASS_NAME:
+            raise ConfigError(f"{path}: _class_name {values['_class_name']!r}; expected {DIFFUSERS_CLASS_NAME!r}")
+        try:
+            return cls.from_dict(values)
+        except (TypeError, ValueError) as exc:  # ConfigError, or a value of the wrong type met by a check
+            raise ConfigError(f"{path}: {exc}") from None
 
     def to_dict(self) -> dict[str, Any]:
         """The `config.json` content diffusers writes: class name, version, then every field."""

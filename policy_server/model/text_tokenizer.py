@@ -124,9 +124,17 @@ class TextTokenizer:
             raise TextTokenizerError(
                 f"no tokenizer.json in {folder}; expected a HuggingFace tokenizer folder"
             )
-        tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        try:
+            tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        except Exception as error:  # noqa: BLE001 - tokenizers raises a bare Exception for a file it cannot parse
+            raise TextTokenizerError(f"{tokenizer_file}: not a tokenizers file ({error})") from None
         config_file = folder / "tokenizer_config.json"
-        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        try:
+            config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        except ValueError as error:
+            raise TextTokenizerError(f"{config_file}: not valid JSON ({error})") from None
+        if not isinstance(config, dict):
+            raise TextTokenizerError(f"{config_file}: expected a JSON object")
         special_tokens = {
             key: content for key in _SPECIAL_TOKEN_KEYS if (content := _token_content(config.get(key)))
         }
@@ -136,10 +144,11 @@ class TextTokenizer:
                 f"{config_file} has no eos_token; expected the end-of-prompt token, "
                 f"e.g. {BUILTIN_EOS_TOKEN!r}"
             )
-        return cls(
-            tokenizer, eos_token=eos_token, chat_template=cls._find_chat_template(folder, config),
-            special_tokens=special_tokens,
-        )
+        try:
+            return cls(tokenizer, eos_token=eos_token, chat_template=cls._find_chat_template(folder, config),
+                       special_tokens=special_tokens)
+        except jinja2.TemplateError as error:
+            raise TextTokenizerError(f"{folder}: the chat template does not compile ({error})") from None
 
     @staticmethod
     def _find_chat_template(folder: Path, config: dict) -> str | None:
@@ -154,7 +163,10 @@ class TextTokenizer:
             return template
         json_file = folder / "chat_template.json"
         if json_file.is_file():
-            return json.loads(json_file.read_text()).get("chat_template")
+            try:
+                return json.loads(json_file.read_text()).get("chat_template")
+            except (ValueError, AttributeError) as error:
+                raise TextTokenizerError(f"{json_file}: expected a JSON object with chat_template ({error})") from None
         return None
 
     @classmethod

@@ -45,11 +45,15 @@ NO_CANONICAL_WIDTH = ("libero",)
 
 
 def is_diffusers_folder(root: Path) -> bool:
-    """Whether `root/model_index.json` names a `Cosmos3OmniPipeline`."""
-    try:
-        return json.loads((root / "model_index.json").read_text()).get("_class_name") == PIPELINE_CLASS
-    except (OSError, ValueError, AttributeError):
+    """Whether `root/model_index.json` names a `Cosmos3OmniPipeline`; one that does not parse is a CheckpointError."""
+    path = root / "model_index.json"
+    if not path.is_file():
         return False
+    try:
+        index = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"{path}: cannot read the pipeline index ({error})") from None
+    return isinstance(index, dict) and index.get("_class_name") == PIPELINE_CLASS
 
 
 def read_model_index(root: Path) -> dict[str, bool]:
@@ -105,14 +109,12 @@ def policy_config(root: Path, flags: dict[str, bool]) -> PolicyConfig:
         raise PolicyConfigError(describe(error, path)) from None
 
 
-def served_embodiments(root: Path, registry: EmbodimentRegistry, action_dim: int) -> list[str]:
-    """What the server offers: the embodiments `embodiments.json` declares (adding or changing registry entries)
+def served_embodiments(root: Path, registry: EmbodimentRegistry, action_dim: int,
+                       embodiments_file: str) -> list[str]:
+    """What the server offers: the embodiments `embodiments_file` declares (adding or changing registry entries)
     when the folder has one, as in the embedded layout; otherwise every registry embodiment the transformer's
     action head can represent (`raw_action_dim <= action_dim`) that has a canonical width."""
-    path = root / "embodiments.json"
-    if not path.is_file():
+    path = root / embodiments_file
+    if not path.exists():
         return [e.name for e in registry if e.raw_action_dim <= action_dim and e.name not in NO_CANONICAL_WIDTH]
-    declared = registry.load_config(path)
-    if too_wide := [name for name in declared if registry.get(name).raw_action_dim > action_dim]:
-        raise CheckpointError(f"{path}: {too_wide} are wider than the transformer's action_dim={action_dim}")
-    return declared
+    return registry.load_config(path)

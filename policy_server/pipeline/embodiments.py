@@ -149,8 +149,9 @@ class Embodiment(BaseModel):
             )
         if spec.method != "none" and spec.stats_path is None:
             raise ValueError(f"normalization.method {spec.method!r} needs normalization.stats_path")
-        if bad := [c for c in spec.passthrough_action_channels if not 0 <= c < dim]:
-            raise ValueError(f"normalization.passthrough_action_channels {bad} are outside [0, {dim})")
+        if bad := [c for c in spec.passthrough_action_channels if not 0 <= c < self.raw_action_dim]:
+            raise ValueError(f"normalization.passthrough_action_channels {bad} are outside the actions' "
+                             f"[0, {self.raw_action_dim})")
         return self
 
     # ---- request checks -----------------------------------------------------------------------
@@ -382,6 +383,8 @@ class EmbodimentRegistry:
             config = _ConfigFile.model_validate(data)
         except ValidationError as exc:
             raise EmbodimentConfigError(_format_validation_error(exc, str(path))) from None
+        if not config.embodiments:
+            raise EmbodimentConfigError(f"{path}: embodiments is empty; expected at least one to serve")
 
         updated: dict[str, Embodiment] = {}
         for index, entry in enumerate(config.embodiments):
@@ -416,6 +419,8 @@ class EmbodimentRegistry:
             raise EmbodimentConfigError(f"{where}.normalization: expected an object")
         spec = dict(spec)
         if spec.get("stats_path") is not None:
+            if not isinstance(spec["stats_path"], str):
+                raise EmbodimentConfigError(f"{where}.normalization.stats_path: expected a file path, a string")
             stats_path = Path(spec["stats_path"])
             spec["stats_path"] = stats_path if stats_path.is_absolute() else folder / stats_path
         return spec

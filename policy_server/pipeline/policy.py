@@ -377,6 +377,15 @@ class PolicyPipeline:
                 raise CheckpointError(f"{root} is not a directory")
             load = cls._from_diffusers_folder if diffusers_folder.is_diffusers_folder(root) else cls._from_policy_folder
             pipeline = load(root, device, dtype)
+            width = pipeline.transformer.config.action_dim  # an action row holds an action or the state
+            served = [pipeline.embodiments.get(name) for name in pipeline.served_embodiments]
+            if too_wide := [e.name for e in served if max(e.raw_action_dim, e.state_dim) > width]:
+                raise CheckpointError(f"{root / pipeline.config.embodiments_file}: {too_wide} have more action or "
+                                      f"state channels than the transformer's action_dim={width}")
+            step = pipeline.vae.spatial_compression
+            if bad := [list(hw) for hw in pipeline.config.canvases if hw[0] % step or hw[1] % step]:
+                raise CheckpointError(f"{root / 'policy.json'}: canvases {bad}; expected sides that are multiples of "
+                                      f"the VAE's spatial compression, {step} px")
             for name in pipeline.served_embodiments:  # stats files are read now, not at the first tick
                 pipeline.normalizers(pipeline.embodiments.get(name))
         except _LOAD_ERRORS as error:
@@ -408,7 +417,8 @@ class PolicyPipeline:
             raise CheckpointError(f"{root / 'transformer' / 'config.json'}: action_gen=false; "
                                   "a policy needs the action head (action_gen=true)")
         embodiments = EmbodimentRegistry.cosmos3()
-        served = diffusers_folder.served_embodiments(root, embodiments, transformer.config.action_dim)
+        served = diffusers_folder.served_embodiments(root, embodiments, transformer.config.action_dim,
+                                                     config.embodiments_file)
         return cls(
             transformer=transformer,
             vae=WanVideoVAE.from_pretrained(root / "vae", device, dtype),

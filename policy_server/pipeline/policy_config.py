@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, ValidationError, field_validator, model_validator
 
 from policy_server.pipeline.conditioning import RESOLUTION_TIERS
 from policy_server.pipeline.schedulers import SAMPLER_NAMES
@@ -32,17 +32,17 @@ class PolicyConfig(BaseModel):
     name: str = "cosmos3-policy"
     sampler: str = "unipc"
     num_steps: int = Field(10, ge=1, le=1000)
-    guidance: float = Field(1.0, ge=1.0)
-    shift: float = Field(5.0, gt=0.0)
+    guidance: float = Field(1.0, ge=1.0, allow_inf_nan=False)
+    shift: float = Field(5.0, gt=0.0, allow_inf_nan=False)
     solver_order: int = Field(2, ge=1, le=3)
     sigma_schedule: Literal["shifted", "karras"] = "shifted"
-    sigma_min: float = Field(0.0, ge=0.0)
-    sigma_max: float = Field(0.0, ge=0.0)
+    sigma_min: float = Field(0.0, ge=0.0, allow_inf_nan=False)
+    sigma_max: float = Field(0.0, ge=0.0, allow_inf_nan=False)
     final_sigma: Literal["zero", "sigma_min"] = "zero"
-    guidance_interval: tuple[float, float] | None = None
+    guidance_interval: tuple[FiniteFloat, FiniteFloat] | None = None
     canvases: tuple[tuple[int, int], ...] = ((64, 64),)
     resolution_tier: int | None = None
-    pad_mode: str = "reflect"
+    pad_mode: Literal["reflect", "replicate"] = "reflect"
     use_system_prompt: bool = True
     embodiments_file: str = "embodiments.json"
 

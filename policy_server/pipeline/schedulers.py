@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -489,8 +490,11 @@ def scheduler_settings(path: str | Path) -> dict[str, object]:
     final = config.get("final_sigmas_type", "zero")
     if final not in ("zero", "sigma_min"):
         raise CheckpointError(f"{path}: final_sigmas_type={final!r}; expected 'zero' or 'sigma_min'")
+    shift = config.get("flow_shift", 1.0)
+    if not isinstance(shift, int | float) or isinstance(shift, bool) or not 0 < shift < math.inf:
+        raise CheckpointError(f"{path}: flow_shift={shift!r}; expected a number above 0")
     settings: dict[str, object] = {"sampler": "unipc", "solver_order": order, "final_sigma": final,
-                                   "shift": float(config.get("flow_shift", 1.0))}
+                                   "shift": float(shift)}
     if config.get("use_karras_sigmas", False):
         low, high = config.get("sigma_min"), config.get("sigma_max")
         if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in (low, high)) or not 0 < low < high:

@@ -8,6 +8,7 @@ mode is used, exactly as `Cosmos3OmniPipeline` encodes and decodes.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -49,10 +50,22 @@ class WanVideoVAE(torch.nn.Module):
             vae = AutoencoderKLWan.from_pretrained(str(folder), torch_dtype=dtype, device_map=str(device))
         except (OSError, ValueError, KeyError, RuntimeError) as error:
             raise CheckpointError(f"{folder}: cannot load the {WAN_VAE_CLASS} ({error})") from None
+        config = vae.config
         for name in ("latents_mean", "latents_std"):
-            values = getattr(vae.config, name, None)
-            if values is None or len(values) != vae.config.z_dim:
-                raise CheckpointError(f"{folder}/config.json: {name} must hold z_dim={vae.config.z_dim} values")
+            values = getattr(config, name, None)
+            if values is None or len(values) != config.z_dim or not all(math.isfinite(v) for v in values):
+                raise CheckpointError(f"{folder}/config.json: {name} must hold z_dim={config.z_dim} finite values")
+        if min(config.latents_std) <= 0:
+            raise CheckpointError(f"{folder}/config.json: latents_std must be positive, got {config.latents_std}")
+        # Each encoder stage but the last halves the frame, after the patchify; the pipeline sizes latents by the
+        # config's own factors, so they must be the architecture's.
+        spatial = (config.patch_size or 1) * 2 ** (len(config.dim_mult) - 1)
+        temporal = 2 ** sum(config.temperal_downsample)
+        if (config.scale_factor_spatial, config.scale_factor_temporal) != (spatial, temporal):
+            raise CheckpointError(
+                f"{folder}/config.json: scale_factor_spatial {config.scale_factor_spatial} and scale_factor_temporal "
+                f"{config.scale_factor_temporal}; the architecture (patch_size, dim_mult, temperal_downsample) "
+                f"compresses {spatial}x in space and {temporal}x in time")
         return cls(vae.eval())
 
     def num_latent_frames(self, num_frames: int) -> int:
