@@ -90,7 +90,7 @@ from policy_server.engine.compiled_stack import PrecompiledGenStack, compile_una
 from policy_server.engine.cuda_graphs import GraphedGenStack
 from policy_server.engine.engine import DeviceUnavailable, EngineSettings, ModelEngine, resolve_device, resolve_dtype
 from policy_server.engine.tick import step_calls
-from policy_server.limits import MAX_BUDGET_MS
+from policy_server.limits import MAX_BUDGET_MS, MAX_FRAME_SIDE
 from policy_server.output_file import output_file
 from policy_server.pipeline.embodiments import Embodiment
 from policy_server.pipeline.policy import (
@@ -441,6 +441,10 @@ def run(args: argparse.Namespace) -> dict:
     name = args.embodiment or pipeline.served_embodiments[0]
     if name not in pipeline.served_embodiments:
         raise BenchError(f"--embodiment {name!r} is not served; expected one of {pipeline.served_embodiments}")
+    smallest = pipeline.vae.spatial_compression
+    if args.frame_size is not None and not all(smallest <= side <= MAX_FRAME_SIDE for side in args.frame_size):
+        raise BenchError(f"--frame-size {args.frame_size[0]}x{args.frame_size[1]}: sides from {smallest} to "
+                         f"{MAX_FRAME_SIDE} px, as the server takes")
     embodiment = pipeline.embodiments.get(name)
     if args.closed_loop and (embodiment.raw_action_dim, embodiment.state_dim) != (2, 2):
         raise BenchError(f"--closed-loop drives the built-in Reach task (2-D velocity actions, 2-D position state); "

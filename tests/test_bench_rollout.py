@@ -196,6 +196,9 @@ def test_bench_refuses_what_it_cannot_drive(tmp_path, capsys):
     assert bench_main(["--checkpoint", str(folder), "--embodiment", "pusht", "--closed-loop", "2",
                        "--out", str(tmp_path / "b.json")]) == 2
     assert "--closed-loop drives the built-in Reach task" in capsys.readouterr().err
+    for size in ("5x5", "3000x300"):  # before any engine warms up
+        assert bench_main(["--checkpoint", str(folder), "--frame-size", size, "--out", str(tmp_path / "b.json")]) == 2
+        assert f"--frame-size {size}: sides from 16 to 2048 px, as the server takes" in capsys.readouterr().err
     with torch._dynamo.config.patch(disable=True):  # TORCH_COMPILE_DISABLE=1
         assert bench_main(["--checkpoint", str(folder), "--compile-gen-stack", "--out", str(tmp_path / "b.json")]) == 2
     assert "--compile-gen-stack: torch.compile is disabled" in capsys.readouterr().err
@@ -204,6 +207,12 @@ def test_bench_refuses_what_it_cannot_drive(tmp_path, capsys):
             bench_main([option, value, "--out", str(tmp_path / "b.json")])
         assert exit_.value.code == 2
         assert "--profile-ticks must be >= 0, --forward-repeats and --threads >= 1" in capsys.readouterr().err
+    for flags, message in ((["--slowdown-ms", "-50"], "--slowdown-ms must be >= 0, got -50.0"),
+                           (["--device", "tpu"], "--device 'tpu': expected auto, cpu, cuda or cuda:N"),
+                           (["--out", str(tmp_path)], "is a folder; expected a file path")):
+        with pytest.raises(SystemExit) as exit_:
+            bench_main([*flags, "--out", str(tmp_path / "b.json")] if flags[0] != "--out" else flags)
+        assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_bench_ends_with_the_message_of_a_budget_the_engine_refuses(profiled_checkpoint, tmp_path, monkeypatch,

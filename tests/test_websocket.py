@@ -349,7 +349,18 @@ def test_the_step_counter_stays_a_valid_step_index_after_the_largest_one(policy)
                                           b"shape": [2, 2]}}),
      "BAD_VALUE: frame: expected arrays as msgpack-numpy maps {__ndarray__, data, dtype, shape}, got data of 5 bytes "
      "for shape [2, 2] uint8, which needs 4 bytes"),
-], ids=["not msgpack", "a list", "array without data", "unknown dtype", "short data"])
+    (msgpack.packb({"observation/image": {b"__ndarray__": True, b"data": b"\0" * 3, b"dtype": "|u1",
+                                          b"shape": [True, 3]}}),
+     "BAD_VALUE: frame: expected arrays as msgpack-numpy maps {__ndarray__, data, dtype, shape}, got shape "
+     "[True, 3], not a list of non-negative integers"),
+    (msgpack.packb({"step_index": {b"__npgeneric__": True, b"data": 300, b"dtype": "|u1"}}),
+     "BAD_VALUE: frame: expected arrays as msgpack-numpy maps {__ndarray__, data, dtype, shape}, got scalar data "
+     "300 that is not a uint8"),
+    (msgpack.packb({"step_index": {b"__npgeneric__": True, b"data": 1e10, b"dtype": "<f2"}}),
+     "BAD_VALUE: frame: expected arrays as msgpack-numpy maps {__ndarray__, data, dtype, shape}, got scalar data "
+     "10000000000.0 that is not a float16"),
+], ids=["not msgpack", "a list", "array without data", "unknown dtype", "short data", "a bool side",
+        "a scalar its dtype cannot hold", "a float its dtype cannot hold"])
 def test_an_undecodable_frame_is_named_with_what_was_expected(server, frame, error):
     with websockets.sync.client.connect(f"ws://127.0.0.1:{server.websocket_port}", compression=None) as ws:
         ws.recv()

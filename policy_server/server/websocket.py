@@ -111,7 +111,7 @@ def _unpack_hook(obj: dict) -> Any:
     if b"__ndarray__" in obj:
         _require_keys(obj, "__ndarray__", (b"data", b"dtype", b"shape"))
         dtype, shape, data = _dtype(obj), obj[b"shape"], obj[b"data"]
-        if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
+        if not isinstance(shape, list) or not all(type(s) is int and s >= 0 for s in shape):
             raise ArrayError(f"shape {shape!r:.80}, not a list of non-negative integers")
         needed = math.prod(shape) * dtype.itemsize  # exact: a numpy product can overflow to a match
         if not isinstance(data, bytes) or len(data) != needed:
@@ -122,8 +122,9 @@ def _unpack_hook(obj: dict) -> Any:
         _require_keys(obj, "__npgeneric__", (b"data", b"dtype"))
         dtype = _dtype(obj)
         try:
-            return dtype.type(obj[b"data"])
-        except (TypeError, ValueError) as exc:
+            with np.errstate(over="raise", invalid="raise"):  # a value the dtype cannot hold is refused, not cast
+                return dtype.type(obj[b"data"])
+        except (TypeError, ValueError, OverflowError, FloatingPointError) as exc:
             raise ArrayError(f"scalar data {obj[b'data']!r:.40} that is not a {dtype}") from exc
     return obj
 
