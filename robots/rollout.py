@@ -45,6 +45,11 @@ from policy_server.limits import MAX_BUDGET_MS
 from policy_server.output_file import output_file
 from robots.envs import ENV_IDS, HELDOUT_SEED_OFFSET, REACH_ID, ReachScene
 
+
+class RolloutError(ValueError):
+    """Options the rollout cannot run with; the message says which."""
+
+
 SERVER_NOTICE_S = 5.0  # a --server not serving after this is said to be waited for
 SERVER_WAIT_S = 600.0  # and then waited for this long (a first start compiles for a minute or more)
 
@@ -222,6 +227,8 @@ def run_episodes(policy, env_id: str, indices: Sequence[int], num_envs: int, exe
                 # Sessions whose chunk is spent ask at once, so that the engine can batch their ticks.
                 asking = [i for i, run in enumerate(running) if run is not None and not run.actions]
                 for i, (actions, stats, predicted) in zip(asking, pool.map(ask, asking), strict=True):
+                    if execute > len(actions):
+                        raise RolloutError(f"--execute {execute}: the chunks hold {len(actions)} actions")
                     run = running[i]
                     run.result.ticks.append(stats)
                     run.actions, run.predicted, run.executed = deque(actions[:execute]), predicted, 0
@@ -429,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
 
     budget = args.latency_budget_ms
     # The server's, the engine's, or a server that never turned SERVING.
-    refusals: tuple[type[Exception], ...] = (PolicyServerError, EngineError, TimeoutError)
+    refusals: tuple[type[Exception], ...] = (PolicyServerError, EngineError, TimeoutError, RolloutError)
     if args.in_process:
         from policy_server.budget.profile import ProfileError
         from policy_server.engine.compiled_stack import CompileUnavailableError

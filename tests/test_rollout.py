@@ -144,6 +144,13 @@ def test_in_process_settings_are_refused_with_a_server(flag, capsys):
     assert "--no-diffusion-cache and --compile-gen-stack need --in-process" in capsys.readouterr().err
 
 
+def test_more_actions_executed_than_a_chunk_holds_end_the_rollout_with_one_line(tmp_path, capsys):
+    with serve_fake(FakeEngine()) as server:
+        code = main(["--server", server.target, "--execute", "9", "--episodes", "1",
+                     "--out", str(tmp_path / "rollout.json")])
+    assert code == 2 and capsys.readouterr().err == "policy-rollout: --execute 9: the chunks hold 8 actions\n"
+
+
 def test_a_server_that_never_serves_ends_the_rollout_with_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(rollout, "SERVER_NOTICE_S", 0.2)
     monkeypatch.setattr(rollout, "SERVER_WAIT_S", 0.5)
