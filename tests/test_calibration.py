@@ -132,7 +132,7 @@ def test_observations_round_trip_and_bad_files_name_what_is_wrong(pipe, observat
         ({**bad, "state": np.zeros((2, 3), np.float32)}, {"embodiment": "pusht", "instructions": '["a", "b"]'},
          r"state is float32 \[2, 3\]; pusht expects"),
         ({**bad, "state": np.full((2, 2), np.nan, np.float32)}, {"embodiment": "pusht", "instructions": '["a", "b"]'},
-         "state is not finite everywhere"),
+         "state holds NaN or infinite values"),
         ({**bad, "images.image": np.zeros((2, 4, 64, 3), np.uint8)},
          {"embodiment": "pusht", "instructions": '["a", "b"]'}, "images.image are 4x64; expected sides of 8 to 2048"),
     ]:

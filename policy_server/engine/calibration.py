@@ -148,13 +148,11 @@ def load_observations(path: Path, pipeline: PolicyPipeline, served: bool = True)
         raise CalibrationError(f"{path}: the cameras' images have heights {[i.shape[1] for i in cameras.values()]}; "
                                "expected one height (the model sees them side by side)")
     state = tensors.get("state")
-    if spec.state_dim and (state is None or state.shape != (count, spec.state_dim) or state.dtype.kind != "f"
-                           or not np.isfinite(state).all()):
+    if spec.state_dim and (state is None or state.shape != (count, spec.state_dim) or state.dtype.kind != "f"):
         got = "missing" if state is None else f"{state.dtype} {list(state.shape)}"
-        if state is not None and state.dtype.kind == "f" and state.shape == (count, spec.state_dim):
-            got = "not finite everywhere"
-        raise CalibrationError(f"{path}: state is {got}; {embodiment} expects finite float32 "
-                               f"[{count}, {spec.state_dim}]")
+        raise CalibrationError(f"{path}: state is {got}; {embodiment} expects float32 [{count}, {spec.state_dim}]")
+    if spec.state_dim and not np.isfinite(state).all():
+        raise CalibrationError(f"{path}: state holds NaN or infinite values; expected finite ones")
     return [Observation(embodiment, {name: images[i] for name, images in cameras.items()},
                         state[i].astype(np.float32) if spec.state_dim else None, instructions[i])
             for i in range(count)]

@@ -377,20 +377,24 @@ class PolicyPipeline:
                 raise CheckpointError(f"{root} is not a directory")
             load = cls._from_diffusers_folder if diffusers_folder.is_diffusers_folder(root) else cls._from_policy_folder
             pipeline = load(root, device, dtype)
-            width = pipeline.transformer.config.action_dim  # an action row holds an action or the state
-            served = [pipeline.embodiments.get(name) for name in pipeline.served_embodiments]
-            if too_wide := [e.name for e in served if max(e.raw_action_dim, e.state_dim) > width]:
-                raise CheckpointError(f"{root / pipeline.config.embodiments_file}: {too_wide} have more action or "
-                                      f"state channels than the transformer's action_dim={width}")
-            step = pipeline.vae.spatial_compression
-            if bad := [list(hw) for hw in pipeline.config.canvases if hw[0] % step or hw[1] % step]:
-                raise CheckpointError(f"{root / 'policy.json'}: canvases {bad}; expected sides that are multiples of "
-                                      f"the VAE's spatial compression, {step} px")
+            pipeline._check_parts_fit(root)
             for name in pipeline.served_embodiments:  # stats files are read now, not at the first tick
                 pipeline.normalizers(pipeline.embodiments.get(name))
         except _LOAD_ERRORS as error:
             raise CheckpointLoadError(f"cannot serve checkpoint {path or root}: {error}") from error
         return pipeline
+
+    def _check_parts_fit(self, root: Path) -> None:
+        """The served embodiments fit the transformer's action rows, and the canvases the VAE's latent grid."""
+        width = self.transformer.config.action_dim  # an action row holds an action or the state
+        served = [self.embodiments.get(name) for name in self.served_embodiments]
+        if too_wide := [e.name for e in served if max(e.raw_action_dim, e.state_dim) > width]:
+            raise CheckpointError(f"{root / self.config.embodiments_file}: {too_wide} have more action or state "
+                                  f"channels than the transformer's action_dim={width}")
+        step = self.vae.spatial_compression
+        if bad := [list(hw) for hw in self.config.canvases if hw[0] % step or hw[1] % step]:
+            raise CheckpointError(f"{root / 'policy.json'}: canvases {bad}; expected sides that are multiples of "
+                                  f"the VAE's spatial compression, {step} px")
 
     @classmethod
     def _from_policy_folder(cls, root: Path, device: str, dtype: torch.dtype | None) -> PolicyPipeline:
