@@ -6,6 +6,7 @@ WebSocket client needs only msgpack and websockets, which the server depends on 
 
 from __future__ import annotations
 
+import socket
 import ssl
 import threading
 import time
@@ -366,6 +367,25 @@ def test_an_undecodable_frame_is_named_with_what_was_expected(server, frame, err
         ws.recv()
         ws.send(frame)
         assert ws.recv(timeout=10) == error
+
+
+def test_sockets_that_never_finish_their_handshake_cannot_pile_up_threads():
+    engine = FakeEngine(max_sessions=1)
+    with serve_fake(engine, max_sessions=1, websocket_port=0) as server:
+        cap = 2 * (1 + 4) + 8
+        threads = threading.active_count()
+        silent = [socket.create_connection(("127.0.0.1", server.websocket_port)) for _ in range(3 * cap)]
+        time.sleep(0.5)
+        # Two threads (handler, reader) for each socket let in; the rest were closed on their threads' start.
+        assert threading.active_count() - threads <= 2 * cap + 2
+        for sock in silent[cap:]:
+            sock.settimeout(5)
+            assert sock.recv(1) == b""
+        for sock in silent:
+            sock.close()
+        policy = WebsocketClientPolicy(host="127.0.0.1", port=server.websocket_port)  # places free again
+        assert policy.infer(openpi_observation())["actions"].shape == (8, 2)
+        policy._ws.close()
 
 
 def test_connections_that_send_nothing_are_closed_and_free_their_place():

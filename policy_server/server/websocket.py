@@ -18,7 +18,8 @@ Replies: ``actions`` float32 [K, action_dim] plus ``first_step_index``, ``epoch`
 and openpi's ``policy_timing`` / ``server_timing`` blocks. An error is a *text* frame
 ``"REASON: message"`` (openpi-client raises it as RuntimeError); the connection stays usable
 after a bad observation and is closed (1011) only on an internal error. Connections beyond
-``max_sessions + 4`` are closed at once with 1013 (try again later); one that sends nothing for
+``max_sessions + 4`` are closed at once with 1013 (try again later), and TCP connections beyond twice that plus 8,
+those still in their handshake counted, are closed before it; one that sends nothing for
 ``session_idle_timeout_s`` is closed with 1001 (going away), so that it frees its place; its session lives as long
 as the connection. On shutdown a connection answers the observation it is serving, then is closed with 1001; one
 that arrives meanwhile is answered ``SHUTTING_DOWN``.
@@ -62,6 +63,7 @@ log = logging.getLogger(__name__)
 
 _ALLOWED_KINDS = {"b", "i", "u", "f"}
 MAX_STEP_INDEX = 2**63 - 1
+OPEN_TIMEOUT_S = 10.0  # a connection's handshake must be done within this
 # The engine names the instruction after gRPC's fields; openpi sends it as `prompt`.
 _PROMPT_FIELDS = ("instruction", "observation.instruction")
 
@@ -259,6 +261,9 @@ class OpenpiWebsocketServer:
         self._answered = threading.Condition()
         # Each connection holds a thread: beyond one per session (plus a few that are closing), refuse.
         self._connections = threading.BoundedSemaphore(engine.info().max_sessions + 4)
+        # A TCP connection holds two threads (its handler, its reader) from its accept, through its handshake (at
+        # most `OPEN_TIMEOUT_S`): beyond twice as many connections, plus a few, it is closed at once.
+        self._sockets = threading.BoundedSemaphore(2 * (engine.info().max_sessions + 4) + 8)
 
     @property
     def port(self) -> int:
@@ -276,11 +281,29 @@ class OpenpiWebsocketServer:
             compression=None,
             max_size=self._max_message_bytes,
             process_request=self._process_request,
+            open_timeout=OPEN_TIMEOUT_S,
             close_timeout=2,  # shutdown waits this long at most for a client that does not close
         )
+        self._server.handler = self._bounded(self._server.handler)
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True, name="openpi-ws")
         self._thread.start()
         return self.port
+
+    def _bounded(self, handle_socket):
+        """`handle_socket(sock, addr)`, websockets' handshake and connection, for at most `_sockets` sockets at once.
+        A socket beyond them is closed on its thread's start, before its handshake, and still handed to websockets,
+        whose handler then fails on it at once and forgets its thread as for any socket that fails."""
+        def bounded(sock, addr) -> None:
+            if not self._sockets.acquire(blocking=False):
+                sock.close()
+                handle_socket(sock, addr)
+                return
+            try:
+                handle_socket(sock, addr)
+            finally:
+                self._sockets.release()
+
+        return bounded
 
     def stop(self, grace_s: float) -> None:
         """Answer the observations being served (for at most ``grace_s``), then close every connection (1001)."""
