@@ -77,6 +77,13 @@ def diffusers_folder(tmp_path_factory):
     return build_tiny_cosmos3_folder(tmp_path_factory.mktemp("cosmos3") / "pipe", max_shard_size="200KB")
 
 
+def _pickled_only(folder):
+    """Weights as a pickle, which the server must never load."""
+    for path in folder.glob("diffusion_pytorch_model*.safetensors*"):
+        path.unlink()
+    (folder / "diffusion_pytorch_model.bin").write_bytes(b"a pickle would run code when loaded")
+
+
 def _first_shard(root):
     return sorted((root / "transformer").glob("*-of-*.safetensors"))[0]
 
@@ -97,6 +104,8 @@ BROKEN_DIFFUSERS = {
                           "scheduler_config.json: _class_name 'DDIMScheduler'; expected 'UniPCMultistepScheduler'"),
     "wan_vae_latent_stats": (lambda root: _edit_json(root / "vae/config.json", latents_std=[1.0]),
                              "vae/config.json: latents_std must hold z_dim=8 finite values"),
+    "wan_vae_weights_pickled_only": (lambda root: _pickled_only(root / "vae"),
+                                     "no file named diffusion_pytorch_model.safetensors found"),
     "wan_vae_zero_std": (lambda root: _edit_json(root / "vae/config.json", latents_std=[0.0] * 8),
                          "vae/config.json: latents_std must be positive"),
     "wan_vae_scale_not_its_architecture": (

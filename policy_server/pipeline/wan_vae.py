@@ -47,7 +47,9 @@ class WanVideoVAE(torch.nn.Module):
                                   "pip install 'policy-server[cosmos3]'") from None
         diffusers_logging.disable_progress_bar()  # the server's log is line-oriented
         try:
-            vae = AutoencoderKLWan.from_pretrained(str(folder), torch_dtype=dtype, device_map=str(device))
+            # safetensors only: without it diffusers falls back to unpickling a .bin file.
+            vae = AutoencoderKLWan.from_pretrained(str(folder), torch_dtype=dtype, device_map=str(device),
+                                                   use_safetensors=True)
         except (OSError, ValueError, KeyError, RuntimeError) as error:
             raise CheckpointError(f"{folder}: cannot load the {WAN_VAE_CLASS} ({error})") from None
         config = vae.config
