@@ -125,6 +125,12 @@ def test_observation_arguments_protobuf_would_refuse_are_named():
         assert words in str(err.value)
 
 
+def test_a_client_timeout_is_a_finite_time_above_0():
+    for bad in (0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="timeout_s must be a finite time above 0 s"):
+            PolicyClient("127.0.0.1:1", timeout_s=bad)
+
+
 def test_chunk_shape_is_checked():
     with pytest.raises(ValueError, match=r"\[K, 2\]"):
         ActionQueue(action_dim=2).merge(np.zeros((4, 3)), 0)

@@ -24,6 +24,7 @@ all reach the replica that holds it), and each call carries its deadline as ``po
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
@@ -113,6 +114,8 @@ class PolicyClient:
         """``serve_application``: the target is Ray Serve's gRPC proxy and this the application to route to."""
         if token_file is not None:
             token = read_token_file(Path(token_file))  # ValueError naming what is wrong with the file
+        if not 0 < timeout_s < math.inf:
+            raise ValueError(f"timeout_s must be a finite time above 0 s, got {timeout_s}")
         self.target = target
         self.timeout_s = timeout_s
         self.serve_application = serve_application
@@ -143,7 +146,7 @@ class PolicyClient:
 
     def _call(self, method: Callable[..., T], request, timeout_s: float | None, session_id: str | None = None,
               routing_key: str | None = None, **kwargs) -> T:
-        timeout_s = timeout_s or self.timeout_s
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         metadata = self.call_metadata(session_id, timeout_s, routing_key)
         try:
             return method(request, timeout=timeout_s, metadata=metadata, **kwargs)
@@ -260,7 +263,7 @@ class PolicyClient:
         if actions_per_chunk is not None:
             request.actions_per_chunk = actions_per_chunk
         routing_key = uuid.uuid4().hex if self.serve_application is not None else None
-        end = time.monotonic() + (timeout_s or self.timeout_s)
+        end = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         while True:  # through a warmup, which outlasts gRPC's own retries (5 tries at most)
             try:
                 opened = self._call(self.stub.OpenSession, request, end - time.monotonic(), routing_key=routing_key)
@@ -378,7 +381,7 @@ class PolicyClient:
         request = pb.ReasonRequest(prompt=prompt, max_new_tokens=max_new_tokens, temperature=temperature)
         if seed is not None:
             request.seed = seed
-        timeout_s = timeout_s or self.timeout_s
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         responses = self.stub.Reason(request, timeout=timeout_s, metadata=self.call_metadata(timeout_s=timeout_s))
         try:
             for piece in responses:
