@@ -14,6 +14,9 @@ MAX_TEXT_BYTES = 16 * 1024
 
 MAX_BUDGET_MS = 60_000.0  # a session's per-tick latency budget
 MAX_RATE_HZ = 1_000.0  # a session's declared chunk-request rate
+# The slowest declared rate, a chunk every 100 s (0 declares a closed loop): a refusal's retry delay and a throttled
+# frame's wait stay within what a RetryInfo holds and a timer takes.
+MIN_RATE_HZ = 0.01
 MAX_TEMPERATURE = 100.0  # Reason sampling temperature (0 = greedy)
 # Pixels, the longest side of a camera frame at the boundary (gRPC and WebSocket); the pipeline downscales
 # it to fit the model's canvas. A RAW frame at the limit (2048 x 2048 x 3 = 12 MiB) fits the default 16 MiB

@@ -165,6 +165,8 @@ CASES = [
     image_case("raw_length_mismatch", pb.Image(encoding=RAW, height=48, width=64, channels=3, data=bytes(100)),
                "BAD_IMAGE", "observation.images[image].data"),
     image_case("raw_without_shape", pb.Image(encoding=RAW, data=bytes(48 * 64 * 3)), "MISSING_FIELD"),
+    image_case("jpeg_declared_grey", pb.Image(encoding=JPEG, channels=1, data=GOOD_JPEG), "BAD_IMAGE",
+               "observation.images[image].channels"),
     image_case("unknown_encoding", pb.Image(encoding=17, data=b"x"), "UNKNOWN_ENCODING",
                "observation.images[image].encoding"),
     image_case("unspecified_encoding", pb.Image(data=png_bytes(frame())), "UNKNOWN_ENCODING",
@@ -180,6 +182,8 @@ CASES = [
     Case("wrong_state_dim", act(lambda s: with_state(s, tensor_to_proto(np.zeros(5, np.float32)))),
          INVALID, "SCHEMA_MISMATCH", "observation.state"),
     Case("missing_state", act(lambda s: with_state(s, None)),
+         INVALID, "SCHEMA_MISMATCH", "observation.state"),
+    Case("empty_state", act(lambda s: with_state(s, pb.Tensor())),  # what other languages send for "unset"
          INVALID, "SCHEMA_MISMATCH", "observation.state"),
     Case("unspecified_dtype", act(lambda s: with_state(s, pb.Tensor(shape=[2], data=bytes(8)))),
          INVALID, "BAD_DTYPE", "observation.state.dtype"),
@@ -247,6 +251,9 @@ def test_error_details_carry_expected_and_got(client, session):
         client.act_request(with_state(session, tensor_to_proto(np.zeros(5, np.float32))))
     assert err.value.detail.expected == "shape [2]" and err.value.detail.got == "shape [5]"
     assert err.value.detail.code == "INVALID_ARGUMENT"
+    with pytest.raises(PolicyServerError) as err:  # the dtypes a state may have, not every dtype a Tensor may
+        client.act_request(with_state(session, tensor_to_proto(np.zeros(2, np.float16))))
+    assert (err.value.detail.expected, err.value.detail.got) == ("DTYPE_FLOAT32 or DTYPE_FLOAT64", "DTYPE_FLOAT16")
 
 
 def test_budget_infeasible_reports_best_achievable_latency(client, session):

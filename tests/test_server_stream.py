@@ -184,6 +184,9 @@ def test_budget_update_and_ping(stream):
     stream.ping()
     event = stream.next_event()
     assert event.kind == "pong" and event.client_time_ns > 0
+    stream._requests.put(pb.ControlRequest(start=pb.ControlStart(session_id=stream.session.session_id)))
+    event = stream.next_event()
+    assert (event.kind, event.error.reason, event.error.field) == ("error", "BAD_VALUE", "start")
     send(stream, 0)
     assert stream.next_chunk().tick.budget_ms == 45.0
 

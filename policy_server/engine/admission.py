@@ -208,10 +208,13 @@ class Admission:
         for session in closed:
             logger.info("closed session %s: no call for %.0f s", session.session_id, now_s - session.last_used_s)
 
-    @staticmethod
-    def _check_floor(demand: Demand) -> None:
-        if demand.floor_ms > demand.budget_ms:
-            raise api.BudgetInfeasible(demand.budget_ms, demand.floor_ms, demand.floor_stages_ms)
+    def _check_floor(self, demand: Demand) -> None:
+        """BudgetInfeasible when even an idle server cannot meet the budget: the cheapest tick after the longest
+        background piece it may wait for (`assign_slots` gives any session no less)."""
+        wait_ms = self.blocking_ms()
+        if demand.floor_ms + wait_ms > demand.budget_ms:
+            stages = {**demand.floor_stages_ms, **({"background piece": wait_ms} if wait_ms else {})}
+            raise api.BudgetInfeasible(demand.budget_ms, demand.floor_ms + wait_ms, stages)
 
     def _admit(self, demands: list[Demand], new: Demand, what: str) -> None:
         """Raise Overloaded, saying it cannot take ``what``, unless every demand (``new`` among them) can be met

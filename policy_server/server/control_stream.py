@@ -179,16 +179,8 @@ class ControlCall:
                         pb.ControlEvent(pong=pb.Pong(client_time_ns=request.ping.client_time_ns))
                     )
                 elif kind == "start":
-                    self._emit_error(
-                        0,
-                        make_error(
-                            "INVALID_ARGUMENT",
-                            "the stream is already started",
-                            field="start",
-                            expected="observation, budget or ping",
-                            got="a second start",
-                        ),
-                    )
+                    self._emit_error(0, make_error("BAD_VALUE", "start: the stream is already started", field="start",
+                                                   expected="observation, budget or ping", got="a second start"))
                 else:
                     self._emit_error(
                         0,

@@ -36,7 +36,6 @@ from policy_server.server.errors import make_error
 from policy_server.v1 import policy_server_pb2 as pb
 from policy_server.v1.wire import decode_image, tensor_from_proto
 
-_FLOAT_DTYPES = (np.float32, np.float64)
 _MAX_ID_CHARS = 128  # session ids are 32 hex characters; embodiment names are short
 
 
@@ -75,9 +74,9 @@ def budget_ms(value: float, field: str = "budget_ms") -> float:
 
 
 def rate_hz(value: float, field: str = "rate_hz") -> float:
-    if not (math.isfinite(value) and 0 <= value <= limits.MAX_RATE_HZ):
-        raise InvalidArgument(field, f"a request rate in [0, {limits.MAX_RATE_HZ:g}] Hz (0: closed loop)",
-                              f"{value!r}", reason="BAD_VALUE")
+    if not (value == 0 or limits.MIN_RATE_HZ <= value <= limits.MAX_RATE_HZ):  # NaN fails both
+        raise InvalidArgument(field, f"0 (a closed loop) or a request rate in [{limits.MIN_RATE_HZ:g}, "
+                              f"{limits.MAX_RATE_HZ:g}] Hz", f"{value!r}", reason="BAD_VALUE")
     return float(value)
 
 
@@ -183,10 +182,10 @@ def state(values: np.ndarray, spec: EmbodimentSpec, field: str) -> np.ndarray:
 
 
 def _float_tensor(tensor: pb.Tensor, field: str) -> np.ndarray:
-    values = tensor_from_proto(tensor, field)
-    if values.dtype not in _FLOAT_DTYPES:
-        raise InvalidArgument(f"{field}.dtype", "DTYPE_FLOAT32 or DTYPE_FLOAT64", str(values.dtype), reason="BAD_DTYPE")
-    return values
+    if tensor.dtype not in (pb.DTYPE_FLOAT32, pb.DTYPE_FLOAT64):
+        got = pb.DType.Name(tensor.dtype) if tensor.dtype in pb.DType.values() else str(tensor.dtype)
+        raise InvalidArgument(f"{field}.dtype", "DTYPE_FLOAT32 or DTYPE_FLOAT64", got, reason="BAD_DTYPE")
+    return tensor_from_proto(tensor, field)
 
 
 def actions(tensor: pb.Tensor, spec: EmbodimentSpec, chunk: int, field: str = "actions") -> np.ndarray:
@@ -204,7 +203,7 @@ def _sent_state(message, spec: EmbodimentSpec, field: str) -> np.ndarray | None:
     """The ``state`` tensor of an Observation or InverseDynamicsRequest as sent: float32/float64 values, not yet
     checked against the embodiment; None for an embodiment without state (which must then get none)."""
     if spec.state_dim > 0:
-        if not message.HasField("state"):
+        if not message.HasField("state") or message.state.ByteSize() == 0:  # unset, or set to an empty Tensor
             raise SchemaMismatch(field, f"float32 [{spec.state_dim}]", "no state")
         return _float_tensor(message.state, field)
     if message.HasField("state") and len(message.state.shape) and math.prod(message.state.shape) > 0:

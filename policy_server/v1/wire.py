@@ -235,6 +235,9 @@ def decode_image(image: pb.Image, field: str, max_side: int = MAX_FRAME_SIDE, mi
             field, f"{kind} data", f"{len(data)} bytes OpenCV cannot decode", "IMAGE_DECODE_FAILED"
         )
     got_channels = 1 if decoded.ndim == 2 else decoded.shape[2]
+    if image.channels and image.channels != got_channels:
+        raise WireError(f"{field}.channels", f"the declared channels to match the {kind} data ({got_channels})",
+                        str(image.channels), "BAD_IMAGE")
     if decoded.dtype != np.uint8 or got_channels != channels:
         raise WireError(
             field, expected, f"{kind} {decoded.dtype} with {got_channels} channel(s)", "SCHEMA_MISMATCH"
