@@ -168,6 +168,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing dataset in --out")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     args = parser.parse_args(argv)
+    if not args.out:
+        parser.error("--out: expected a directory path")
     try:
         metadata = generate(
             args.out,
@@ -179,8 +181,10 @@ def main(argv: list[str] | None = None) -> None:
             targets_per_scene=args.targets_per_scene,
             format=args.format,
         )
-    except (ValueError, FileExistsError) as error:  # bad arguments: one line, not a traceback
+    except ValueError as error:  # bad arguments: one line, not a traceback
         parser.error(str(error))
+    except OSError as error:  # --out exists, or cannot be made
+        parser.error(f"--out {args.out}: {error.strerror or error}")
     lengths = [e["num_steps"] for e in metadata["episodes"]]
     print(
         f"wrote {metadata['num_episodes']} episodes to {args.out}: success {metadata['success_rate']:.1%}, "

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
+from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
 if TYPE_CHECKING:
@@ -114,7 +115,12 @@ class DemoDataset:
         path = self.directory / METADATA_FILE
         if not path.is_file():
             raise FileNotFoundError(f"{path} not found; expected a dataset written by `python -m robots.datagen`")
-        self.metadata = json.loads(path.read_text())
+        try:
+            self.metadata = json.loads(path.read_text())
+        except ValueError as error:
+            raise DatasetError(f"{path}: not valid JSON ({error})") from None
+        if not isinstance(self.metadata, dict):
+            raise DatasetError(f"{path}: expected a JSON object")
         if self.metadata.get("format_version") != FORMAT_VERSION:
             raise DatasetError(
                 f"{path} has format_version {self.metadata.get('format_version')!r}; expected {FORMAT_VERSION}"
@@ -126,7 +132,11 @@ class DemoDataset:
 
     def __getitem__(self, index: int) -> Episode:
         entry = self.entries[index]
-        tensors = load_file(str(self.directory / entry["file"]))
+        path = self.directory / entry["file"]
+        try:
+            tensors = load_file(str(path))
+        except SafetensorError as error:
+            raise DatasetError(f"{path}: not a readable safetensors file ({error})") from None
         return Episode(
             frames=tensors["frames"],
             states=tensors["states"],

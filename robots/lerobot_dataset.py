@@ -249,7 +249,10 @@ class LeRobotDemoDataset:
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
         info_path = self.directory / INFO_PATH
-        self.info = json.loads(info_path.read_text())
+        try:
+            self.info = json.loads(info_path.read_text())
+        except ValueError as error:
+            raise DatasetError(f"{info_path}: not valid JSON ({error})") from None
         if self.info.get("codebase_version") != CODEBASE_VERSION:
             raise DatasetError(f"{info_path} has codebase_version {self.info.get('codebase_version')!r}; "
                                f"expected {CODEBASE_VERSION!r}")
@@ -270,7 +273,7 @@ class LeRobotDemoDataset:
         files = sorted(episodes_dir.glob("chunk-*/file-*.parquet"))
         if not files:
             raise FileNotFoundError(f"{episodes_dir}/chunk-*/file-*.parquet not found; expected the episode index")
-        table = pa.concat_tables([pq.read_table(path) for path in files])
+        table = pa.concat_tables([_read_table(path) for path in files])
         missing = [column for column in EPISODE_COLUMNS if column not in table.column_names]
         if missing:
             raise DatasetError(f"{episodes_dir} lacks the columns {missing}; expected a dataset written by "
@@ -298,7 +301,7 @@ class LeRobotDemoDataset:
         path = self._file(self.info["data_path"], index, "rows", chunk_index=row["data/chunk_index"],
                           file_index=row["data/file_index"])
         if path not in self._tables:
-            self._tables[path] = pq.read_table(path)
+            self._tables[path] = _read_table(path)
         rows = self._tables[path].filter(pc.equal(self._tables[path]["episode_index"], index))
         numbers = rows["frame_index"].to_pylist()
         if numbers != list(range(row["length"])):
@@ -336,3 +339,10 @@ class LeRobotDemoDataset:
     def __iter__(self):
         for index in range(len(self)):
             yield self[index]
+
+
+def _read_table(path: Path) -> pa.Table:
+    try:
+        return pq.read_table(path)
+    except (pa.ArrowInvalid, OSError) as error:
+        raise DatasetError(f"{path}: not a readable parquet file ({error})") from None

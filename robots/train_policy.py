@@ -31,6 +31,7 @@ from tqdm import tqdm
 from policy_server.model import Cosmos3OmniTransformer, load_transformer
 from policy_server.model.boundary import GenInput, UndKV
 from policy_server.model.checkpoint import CheckpointError
+from policy_server.model.config import ConfigError
 from policy_server.model.text_tokenizer import TextTokenizer
 from policy_server.model.vae import SmallVideoVAE
 from policy_server.pipeline.conditioning import frames_to_clip
@@ -289,8 +290,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         summary = train(args.data, args.vae, args.out, args.steps, args.batch_size, args.lr, args.seed,
                         args.stride, save_every=args.save_every, init_from=args.init)
-    except (FileNotFoundError, DatasetError, CheckpointError) as missing:  # --data, --vae or --init is not right
-        parser.error(str(missing))
+    except (OSError, DatasetError, CheckpointError, ConfigError) as error:  # --data, --vae, --init or --out
+        parser.error(str(error))
     print(json.dumps(summary, indent=2))
 
 

@@ -219,8 +219,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     try:
         _, report = train(args)
-    except (FileNotFoundError, DatasetError) as missing:  # --data or --init is not what it should be
-        parser.error(str(missing))
+    except (OSError, DatasetError) as error:  # --data, --init or --out is not what it should be
+        parser.error(str(error))
     print(json.dumps(report, indent=2))
 
 

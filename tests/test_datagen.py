@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from robots.datagen import generate, main
-from robots.dataset import METADATA_FILE, DemoDataset
+from robots.dataset import METADATA_FILE, DatasetError, DemoDataset
 from robots.envs import HELDOUT_SEED_OFFSET, REACH_EITHER_ID
 
 
@@ -94,6 +94,24 @@ def test_cli_names_a_bad_argument_in_one_line(tmp_path, capsys, argv, named):
     assert [line for line in err.splitlines() if "error:" in line] == [err.splitlines()[-1]]
     assert named in err.splitlines()[-1]
     assert not (tmp_path / "out").exists()
+
+
+def test_cli_names_an_out_it_cannot_make(tmp_path, capsys):
+    (tmp_path / "a_file").write_text("not a folder")
+    for out, named in ((tmp_path / "a_file" / "data", "Not a directory"), ("", "--out: expected a directory path")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["--episodes", "1", "--out", str(out), "--no-progress"])
+        assert exit_info.value.code == 2 and named in capsys.readouterr().err
+
+
+def test_a_dataset_that_does_not_read_is_named(tmp_path):
+    main(["--episodes", "2", "--out", str(tmp_path / "d"), "--no-progress"])
+    (tmp_path / "d" / "episode_000001.safetensors").write_bytes(b"cut short")
+    with pytest.raises(DatasetError, match="episode_000001.safetensors: not a readable safetensors file"):
+        DemoDataset(tmp_path / "d")[1]
+    (tmp_path / "d" / "dataset.json").write_text("{")
+    with pytest.raises(DatasetError, match="dataset.json: not valid JSON"):
+        DemoDataset(tmp_path / "d")
 
 
 def test_cli_creates_nested_out_folders(tmp_path, capsys):

@@ -211,6 +211,9 @@ def _shorten_episodes(folder):
     (_edit_info(lambda i: i.update(total_episodes=5)), DatasetError, "expected 0 to 4 in order"),
     (_shorten_episodes, DatasetError, "rows of episode 0, frame_index [0, 1, 2, 3, 4]...; expected"),
     (lambda f: (f / "dataset.json").write_text("{}"), DatasetError, "holds both"),
+    (lambda f: (f / "meta/info.json").write_text("{"), DatasetError, "info.json: not valid JSON"),
+    (lambda f: (f / "data/chunk-000/file-000.parquet").write_bytes(b"PAR1 cut short"), DatasetError,
+     "file-000.parquet: not a readable parquet file"),
 ])
 def test_a_malformed_dataset_is_named(datasets, tmp_path, break_it, error, named):
     folder = _broken_copy(datasets, tmp_path, break_it)
