@@ -36,4 +36,12 @@ def run_on_ray(make_policy: Callable, env_id: str, indices: Sequence[int], worke
     task = _run_part.options(num_cpus=cpus_per_worker, num_gpus=gpus_per_worker)
     refs = [task.remote(make_policy, env_id, part, num_envs, execute, int(np.clip(videos - start, 0, len(part))))
             for part, start in zip(parts, starts, strict=True)]
-    return [result for part in ray.get(refs) for result in part]
+    parts_done, failures = [], []
+    for ref in refs:  # each one read, so that Ray has no error left to log as unhandled
+        try:
+            parts_done.append(ray.get(ref))
+        except ray.exceptions.RayTaskError as error:
+            failures.append(error)
+    if failures:  # a worker's own error, e.g. the server's refusal: raised as such
+        raise failures[0].cause from None
+    return [result for part in parts_done for result in part]

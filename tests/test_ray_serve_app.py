@@ -164,3 +164,17 @@ def test_the_client_routes_each_session_by_its_own_key_behind_serve():
 def test_ray_serve_refuses_bad_settings_before_starting_ray(argv, message, capsys):
     assert ray_serve_main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_ray_serve_reads_the_config_file_the_environment_names(tmp_path, monkeypatch, capsys):
+    (tmp_path / "serve.yaml").write_text("max_sesions: 4\n")
+    monkeypatch.setenv("POLICY_SERVER_CONFIG", str(tmp_path / "serve.yaml"))
+    assert ray_serve_main([]) == 2
+    assert "max_sesions" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--grpc-port", "--http-port"])
+def test_ray_serve_refuses_a_port_it_cannot_listen_on(flag, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        ray_serve_main([flag, "70000"])
+    assert exit_.value.code == 2 and "expected a port from 1 to 65535, got '70000'" in capsys.readouterr().err

@@ -32,6 +32,12 @@ class PolicyServerError(Exception):
         )
         self.obs_id = obs_id
 
+    def __reduce__(self):
+        # Rebuilt from the constructor's arguments, as Ray does with an error raised in one of its workers
+        # (`policy-rollout --ray`); Exception's default passes only the message.
+        return type(self), (self.code, self.reason, self.message, self.detail if self.from_server else None,
+                            self.obs_id)
+
     @property
     def field(self) -> str:
         return self.detail.field

@@ -12,12 +12,20 @@ are ``policy-server``'s (also from ``--config`` or ``POLICY_SERVER_*``), less th
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
 
 from policy_server.cli import build_parser
-from policy_server.config import ConfigError, read_config_file
+from policy_server.config import CONFIG_ENV, ConfigError, read_config_file
+
+
+def _port(value: str) -> int:
+    """argparse type: a TCP port to listen on."""
+    if not value.isdigit() or not 1 <= int(value) <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port from 1 to 65535, got {value!r}")
+    return int(value)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -28,9 +36,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--address", help="Ray cluster to join (auto: the local node's; unset: RAY_ADDRESS, or start "
                    "a Ray instance here)")
     g.add_argument("--name", help="application name, the clients' serve_application (policy)")
-    g.add_argument("--grpc-port", type=int, help="the gRPC proxy's port, on every interface (9000)")
+    g.add_argument("--grpc-port", type=_port, help="the gRPC proxy's port, on every interface (9000)")
     g.add_argument("--http-host", help="the HTTP proxy's address (127.0.0.1)")
-    g.add_argument("--http-port", type=int, help="the HTTP proxy's port (8000)")
+    g.add_argument("--http-port", type=_port, help="the HTTP proxy's port (8000)")
     g.add_argument("--num-replicas", type=int, help="replicas, each with its own engine and sessions (1)")
     g.add_argument("--num-gpus", type=float, help="GPUs per replica (0 with --device cpu, else 1)")
     g.add_argument("--num-cpus", type=float, help="CPUs per replica (1)")
@@ -57,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as exc:
         print(f"policy-server ray-serve: needs Ray Serve ({exc}); pip install 'policy-server[ray]'", file=sys.stderr)
         return 2
-    config_file = args.pop("config", None)
+    config_file = args.pop("config", None) or os.environ.get(CONFIG_ENV)
     try:
         file_values = read_config_file(config_file) if config_file is not None else {}
         replicas, config = split_args(file_values, args, source=str(config_file or "config"))
@@ -66,7 +74,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     name = serve_keys.get("name", APPLICATION)
-    ray.init(address=serve_keys.get("address"))
+    try:
+        ray.init(address=serve_keys.get("address"))
+    except ConnectionError as exc:  # --address (or RAY_ADDRESS) names no running Ray
+        print(f"policy-server ray-serve: {exc}", file=sys.stderr)
+        return 2
     # After ray.init, whose own handler would end the process at once; a signal during startup stops the
     # application as soon as it runs.
     stop = threading.Event()
@@ -78,9 +90,15 @@ def main(argv: list[str] | None = None) -> int:
               f"{cluster_gpus:g}; pass --device cpu (or --num-gpus 0) to serve on the CPU", file=sys.stderr)
         return 2
     options = grpc_options(serve_keys.get("grpc_port", GRPC_PORT))
-    serve.start(http_options=HTTPOptions(host=serve_keys.get("http_host", "127.0.0.1"),
-                                         port=serve_keys.get("http_port", 8000)),
-                grpc_options=options)
+    http = HTTPOptions(host=serve_keys.get("http_host", "127.0.0.1"), port=serve_keys.get("http_port", 8000))
+    try:
+        serve.start(http_options=http, grpc_options=options)
+    except RuntimeError as exc:  # Serve's own proxies could not start, e.g. a port in use
+        reason = str(exc).strip().splitlines()[-1]
+        ray.shutdown()  # first: the controller's log lines about it stream until then, and ours comes last
+        print(f"policy-server ray-serve: Serve's proxies (gRPC port {options.port}, HTTP {http.host}:{http.port}) "
+              f"did not start: {reason}", file=sys.stderr)
+        return 2
     serve.run(application(replicas, config), name=name, route_prefix=f"/{name}")
     print(f"policy-server ray-serve: application {name!r} on the gRPC proxy, port {options.port}", flush=True)
     stop.wait()
