@@ -4,6 +4,7 @@ rules: the client loads no server, engine, torch or cv2 module, the transport no
 
 from __future__ import annotations
 
+import pickle
 import socket
 import subprocess
 import sys
@@ -123,6 +124,13 @@ def test_observation_arguments_protobuf_would_refuse_are_named():
         with pytest.raises(error) as err:
             build_observation(image, **kwargs)
         assert words in str(err.value)
+
+
+def test_an_error_survives_the_pickling_ray_carries_it_across_processes_with():
+    error = PolicyServerError.from_detail(make_error("OVERLOADED", "full", field="budget_ms").detail, obs_id=3)
+    again = pickle.loads(pickle.dumps(error))
+    assert (again.code, again.reason, again.field, again.obs_id, again.from_server, str(again)) == (
+        error.code, "OVERLOADED", "budget_ms", 3, True, str(error))
 
 
 def test_a_client_timeout_is_a_finite_time_above_0():
