@@ -287,6 +287,15 @@ def test_a_warmup_that_fails_is_logged_and_raised_by_wait_ready(tmp_path, monkey
         engine.close()
 
 
+def test_closing_during_warmup_is_no_warmup_failure_to_log(tmp_path, caplog):
+    engine = ModelEngine(build_random_pipeline(tmp_path, seed=2), EngineSettings(warmup_ticks=1))
+    engine.start()
+    engine.close()
+    with pytest.raises(RuntimeError):  # not warm, and never will be
+        engine.wait_ready(timeout_s=60)
+    assert not [record for record in caplog.records if record.getMessage() == "warmup failed"]
+
+
 def test_close_answers_ticks_still_queued(tmp_path):
     pipeline = build_random_pipeline(tmp_path, seed=2)
     engine = ModelEngine(pipeline, EngineSettings(warmup_ticks=1))

@@ -121,7 +121,8 @@ class Warmup:
         return profile
 
     def failed(self, error: BaseException) -> None:
-        logger.error("warmup failed", exc_info=error)
+        if not isinstance(error, api.ShuttingDown):  # a shutdown during warmup is no failure to report
+            logger.error("warmup failed", exc_info=error)
         self.error = error  # surfaced by wait_ready() and every request
         self.ready.set()
 
