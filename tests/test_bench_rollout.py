@@ -235,8 +235,10 @@ def test_bench_ends_with_the_message_of_a_budget_the_engine_refuses(profiled_che
 
 def test_rollout_in_process_writes_report_plot_and_video(model_dir, tmp_path):
     out = tmp_path / "rollout.json"
+    # A budget far above the ticks: this test is about the report, not admission (a fresh CI machine once timed
+    # this engine's warmup at 760 ms a tick, where 39 ms is usual).
     assert rollout_main(["--in-process", "--checkpoint", str(model_dir), "--episodes", "2", "--num-steps", "2",
-                         "--latency-budget-ms", "500", "--videos", "1", "--out", str(out)]) == 0
+                         "--latency-budget-ms", "5000", "--videos", "1", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["episodes"] == 2 and len(report["per_episode"]) == 2
     assert {"success_rate", "latency_p50_ms", "latency_p99_ms", "miss_rate", "cache_settings"} <= set(report)
