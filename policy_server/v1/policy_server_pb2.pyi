@@ -146,7 +146,7 @@ class ProfilePoint(_message.Message):
     def __init__(self, label: _Optional[str] = ..., p50_ms: _Optional[float] = ..., p95_ms: _Optional[float] = ..., full_calls: _Optional[int] = ..., skipped_calls: _Optional[int] = ...) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("max_sessions", "max_message_bytes", "max_reason_tokens", "max_instruction_tokens", "max_prompt_tokens", "max_text_bytes", "max_budget_ms", "max_rate_hz", "max_temperature", "max_frame_side", "max_dynamics_ms", "max_dynamics_calls")
+    __slots__ = ("max_sessions", "max_message_bytes", "max_reason_tokens", "max_instruction_tokens", "max_prompt_tokens", "max_text_bytes", "max_budget_ms", "max_rate_hz", "max_temperature", "max_frame_side", "max_dynamics_ms", "max_dynamics_calls", "min_rate_hz")
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_REASON_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +159,7 @@ class Limits(_message.Message):
     MAX_FRAME_SIDE_FIELD_NUMBER: _ClassVar[int]
     MAX_DYNAMICS_MS_FIELD_NUMBER: _ClassVar[int]
     MAX_DYNAMICS_CALLS_FIELD_NUMBER: _ClassVar[int]
+    MIN_RATE_HZ_FIELD_NUMBER: _ClassVar[int]
     max_sessions: int
     max_message_bytes: int
     max_reason_tokens: int
@@ -171,7 +172,8 @@ class Limits(_message.Message):
     max_frame_side: int
     max_dynamics_ms: float
     max_dynamics_calls: int
-    def __init__(self, max_sessions: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_reason_tokens: _Optional[int] = ..., max_instruction_tokens: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_text_bytes: _Optional[int] = ..., max_budget_ms: _Optional[float] = ..., max_rate_hz: _Optional[float] = ..., max_temperature: _Optional[float] = ..., max_frame_side: _Optional[int] = ..., max_dynamics_ms: _Optional[float] = ..., max_dynamics_calls: _Optional[int] = ...) -> None: ...
+    min_rate_hz: float
+    def __init__(self, max_sessions: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_reason_tokens: _Optional[int] = ..., max_instruction_tokens: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_text_bytes: _Optional[int] = ..., max_budget_ms: _Optional[float] = ..., max_rate_hz: _Optional[float] = ..., max_temperature: _Optional[float] = ..., max_frame_side: _Optional[int] = ..., max_dynamics_ms: _Optional[float] = ..., max_dynamics_calls: _Optional[int] = ..., min_rate_hz: _Optional[float] = ...) -> None: ...
 
 class Capacity(_message.Message):
     __slots__ = ("embodiment", "chunk_size", "budget_ms", "rate_hz", "sessions_alone", "sessions_more")
