@@ -32,6 +32,17 @@ def _remove(path):
     path.unlink()
 
 
+def _writing(relative, content):
+    """A breakage: the folder's file at `relative` replaced by `content` (str or bytes)."""
+    def write(root):
+        if isinstance(content, bytes):
+            (root / relative).write_bytes(content)
+        else:
+            (root / relative).write_text(content)
+
+    return write
+
+
 BROKEN = {
     "empty_folder": (lambda root: [_remove(p) for p in root.rglob("*") if p.is_file()],
                      "policy.json: no policy config"),
@@ -46,10 +57,10 @@ BROKEN = {
                                    "shape mismatch"),
     "foreign_vae_class": (lambda root: _edit_json(root / "vae/config.json", _class_name="AutoencoderKLWan"),
                           "vae/config.json: config is for 'AutoencoderKLWan'; expected 'SmallVideoVAE'"),
-    "truncated_vae_weights": (lambda root: (root / "vae/diffusion_pytorch_model.safetensors").write_bytes(b"\x00" * 7),
+    "truncated_vae_weights": (_writing("vae/diffusion_pytorch_model.safetensors", b"\x00" * 7),
                               "vae/diffusion_pytorch_model.safetensors: not a readable safetensors file"),
     "truncated_transformer_weights": (
-        lambda root: (root / "transformer/diffusion_pytorch_model.safetensors").write_bytes(b"\x00" * 7),
+        _writing("transformer/diffusion_pytorch_model.safetensors", b"\x00" * 7),
         "transformer/diffusion_pytorch_model.safetensors: not a readable safetensors file"),
     "missing_tokenizer": (lambda root: shutil.rmtree(root / "text_tokenizer"), "no tokenizer.json in"),
     "bad_embodiment_entry": (
@@ -111,38 +122,38 @@ BROKEN_DIFFUSERS = {
     "wan_vae_scale_not_its_architecture": (
         lambda root: _edit_json(root / "vae/config.json", scale_factor_spatial=8),
         "vae/config.json: scale_factor_spatial 8 and scale_factor_temporal 4; the architecture"),
-    "model_index_not_json": (lambda root: (root / "model_index.json").write_text("{"),
+    "model_index_not_json": (_writing("model_index.json", "{"),
                              "model_index.json: cannot read the pipeline index"),
     "flow_shift_not_a_number": (lambda root: _edit_json(root / "scheduler/scheduler_config.json", flow_shift="abc",
                                                         use_karras_sigmas=False),
                                 "scheduler_config.json: flow_shift='abc'; expected a number above 0"),
-    "tokenizer_not_parsed": (lambda root: (root / "text_tokenizer/tokenizer.json").write_text("{}"),
+    "tokenizer_not_parsed": (_writing("text_tokenizer/tokenizer.json", "{}"),
                              "tokenizer.json: not a tokenizers file"),
-    "tokenizer_config_not_json": (lambda root: (root / "text_tokenizer/tokenizer_config.json").write_text("{"),
+    "tokenizer_config_not_json": (_writing("text_tokenizer/tokenizer_config.json", "{"),
                                   "tokenizer_config.json: not valid JSON"),
-    "chat_template_does_not_compile": (lambda root: (root / "text_tokenizer/chat_template.jinja").write_text("{% if"),
+    "chat_template_does_not_compile": (_writing("text_tokenizer/chat_template.jinja", "{% if"),
                                        "the chat template does not compile"),
-    "shard_index_not_json": (lambda root: (root / "transformer/diffusion_pytorch_model.safetensors.index.json")
-                             .write_text("["), "index.json: not a JSON object with a weight_map"),
+    "shard_index_not_json": (_writing("transformer/diffusion_pytorch_model.safetensors.index.json", "["),
+                             "index.json: not a JSON object with a weight_map"),
     "transformer_config_value_of_a_wrong_type": (
         lambda root: _edit_json(root / "transformer/config.json", hidden_size="64"),
         "transformer/config.json: config field 'hidden_size'='64': expected a positive integer"),
     "transformer_of_another_class": (lambda root: _edit_json(root / "transformer/config.json", _class_name="Foo"),
                                      "transformer/config.json: _class_name 'Foo'; expected 'Cosmos3OmniTransformer'"),
-    "pad_mode": (lambda root: (root / "policy.json").write_text('{"pad_mode": "mirror"}'),
+    "pad_mode": (_writing("policy.json", '{"pad_mode": "mirror"}'),
                  "policy.json: pad_mode: Input should be 'reflect' or 'replicate'"),
-    "infinite_guidance": (lambda root: (root / "policy.json").write_text('{"guidance": Infinity}'),
+    "infinite_guidance": (_writing("policy.json", '{"guidance": Infinity}'),
                           "policy.json: guidance: Input should be a finite number"),
-    "canvas_off_the_latent_grid": (lambda root: (root / "policy.json").write_text('{"canvases": [[72, 72]]}'),
+    "canvas_off_the_latent_grid": (_writing("policy.json", '{"canvases": [[72, 72]]}'),
                                    "policy.json: canvases [[72, 72]]; expected sides that are multiples of"),
-    "no_embodiments": (lambda root: (root / "embodiments.json").write_text('{"embodiments": []}'),
+    "no_embodiments": (_writing("embodiments.json", '{"embodiments": []}'),
                        "embodiments.json: embodiments is empty"),
     "state_wider_than_the_action_rows": (
-        lambda root: (root / "embodiments.json").write_text('{"embodiments": [{"name": "pusht", "state_dim": 40}]}'),
+        _writing("embodiments.json", '{"embodiments": [{"name": "pusht", "state_dim": 40}]}'),
         "embodiments.json: ['pusht'] have more action or state channels than the transformer's action_dim=32"),
     "stats_path_not_a_path": (
-        lambda root: (root / "embodiments.json").write_text(
-            '{"embodiments": [{"name": "pusht", "normalization": {"method": "minmax", "stats_path": 5}}]}'),
+        _writing("embodiments.json",
+                 '{"embodiments": [{"name": "pusht", "normalization": {"method": "minmax", "stats_path": 5}}]}'),
         "normalization.stats_path: expected a file path, a string"),
 }
 

@@ -155,7 +155,8 @@ def test_the_server_finds_a_profile_beside_the_checkpoint_else_calibrates(pipe, 
         resolve_profile("auto", tmp_path, pipe.digest, ["pusht", "aloha"])
 
 
-def test_the_command_writes_the_profile_beside_the_checkpoint(tmp_path, capsys):
+def test_the_command_writes_the_profile_beside_the_checkpoint(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("POLICY_SERVER_CACHE", str(tmp_path / "cache"))
     folder = tmp_path / "model"
     pipeline = build_random_pipeline(folder, seed=5)
     policy = json.loads((folder / "policy.json").read_text())
@@ -163,10 +164,16 @@ def test_the_command_writes_the_profile_beside_the_checkpoint(tmp_path, capsys):
     observations = tmp_path / "obs.safetensors"
     save_observations(observations, [Observation("pusht", {"image": np.full((64, 64, 3), 90, np.uint8)},
                                                  np.array([0.3, 0.4], np.float32), "reach the blue circle")])
+    elsewhere = ["--checkpoint", str(folder), "--observations", str(observations), "--out", str(tmp_path / "p.json")]
+    assert main(elsewhere) == 0  # where `auto` does not look, which the command says
+    assert "`--quality-profile auto` looks beside the checkpoint and in the cache, not there" in capsys.readouterr().out
     assert main(["--checkpoint", str(folder), "--observations", str(observations), "--device", "cpu"]) == 0
     written = QualityProfile.load(folder / PROFILE_FILE, pipeline.digest)
     assert written.calibration.source == str(observations) and written.embodiments["pusht"]
-    assert "wrote" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "wrote" in printed and "--quality-profile auto" not in printed  # it finds this one
+    assert main(elsewhere) == 0
+    assert f"`--quality-profile auto` finds {folder / PROFILE_FILE} first" in capsys.readouterr().out
     assert main(["--checkpoint", str(folder), "--observations", str(tmp_path / "missing")]) == 2
     assert "not a calibration observations file" in capsys.readouterr().err
     for bad, message in ((["--residual-orders", "1,3"], "--residual-orders '1,3': expected"),

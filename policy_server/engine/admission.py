@@ -102,13 +102,6 @@ class RateLimiter:
         self._last_arrival_s: float | None = None
         self.measured_hz = 0.0  # EWMA of 1 / inter-arrival time
 
-    def due_in(self, now_s: float) -> float:
-        """Seconds until a tick at ``now_s`` would be allowed (0: now), spending nothing."""
-        if self.rate_hz == 0:
-            return 0.0
-        tokens = min(self.burst, self._tokens + (now_s - self._updated_s) * self.rate_hz)
-        return 0.0 if tokens >= 1.0 else (1.0 - tokens) / self.rate_hz
-
     def take(self, now_s: float) -> float:
         """Spend one token for a tick at ``now_s``: 0 when allowed, else the seconds until one is due."""
         if self._last_arrival_s is not None and now_s > self._last_arrival_s:

@@ -486,9 +486,10 @@ def main(argv: list[str] | None = None) -> int:
     for embodiment, points in profile.embodiments.items():
         print(f"{embodiment}: {len(frontier(points))} configurations on the frontier of {len(points)}")
     print(f"wrote {out} ({profile.calibration.seconds:.0f} s)")
-    found = next(path for path in profile_locations(pipeline.folder, pipeline.digest) if path.is_file())
-    if found.resolve() != out.resolve():
-        print(f"`--quality-profile auto` finds {found} first; serve this one with --quality-profile {out}")
+    found = next((path for path in profile_locations(pipeline.folder, pipeline.digest) if path.is_file()), None)
+    if found is None or found.resolve() != out.resolve():
+        where = f"finds {found} first" if found else "looks beside the checkpoint and in the cache, not there"
+        print(f"`--quality-profile auto` {where}; serve this one with --quality-profile {out}")
     return 0
 
 

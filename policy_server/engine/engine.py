@@ -334,12 +334,13 @@ def resolve_device(name: str) -> str:
         device = None
     if device is None or device.type not in ("cpu", "cuda"):
         raise DeviceUnavailable(f"--device {name!r}: expected auto, cpu, cuda or cuda:N")
-    count = torch.cuda.device_count() if device.type == "cuda" else 0
-    if device.type == "cuda" and count == 0:
-        build = f"torch {torch.__version__}" + ("" if torch.version.cuda else ", a build without CUDA")
-        raise DeviceUnavailable(f"--device {name}: {build} sees no CUDA device here")
-    if device.type == "cuda" and (device.index or 0) >= count:
-        raise DeviceUnavailable(f"--device {name}: torch sees {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+    if device.type == "cuda":
+        count = torch.cuda.device_count()
+        if count == 0:
+            build = f"torch {torch.__version__}" + ("" if torch.version.cuda else ", a build without CUDA")
+            raise DeviceUnavailable(f"--device {name}: {build} sees no CUDA device here")
+        if (device.index or 0) >= count:
+            raise DeviceUnavailable(f"--device {name}: torch sees {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
     return name
 
 
