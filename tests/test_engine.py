@@ -1,6 +1,7 @@
 """`ModelEngine` on an untrained embedded-size pipeline: warmup, sessions, ticks and their records,
 budget planning, cancellation, and the reasoner."""
 
+import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -671,3 +672,34 @@ def _check_chords(engine) -> None:
             costs, a, b = model.costs(keys[between]), model.costs(keys[low]), model.costs(keys[high])
             assert min(a.full_ms, b.full_ms) <= costs.full_ms <= max(a.full_ms, b.full_ms)
             assert set(costs.fixed_ms) == set(a.fixed_ms) & set(b.fixed_ms)
+
+
+def test_an_idle_server_times_its_ticks_again_before_refusing_a_budget_as_infeasible(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="policy_server.engine.admission")
+    # A warmup that ran while something else held the machine: every GEN-stack call 50 ms slower.
+    pipeline = build_random_pipeline(tmp_path, seed=1)
+    engine = ModelEngine(pipeline, EngineSettings(warmup_ticks=1, max_sessions=2, default_budget_ms=60_000.0,
+                                                  compile_gen_stack=False))
+    stall = pipeline.transformer.norm_moe_gen.register_forward_pre_hook(lambda *_: time.sleep(0.05))
+    engine.start()
+    try:
+        assert engine.wait_ready(timeout_s=300)
+        stall.remove()
+        retimed = "timing these ticks again"
+        first = engine.open_session("pusht", "reach the red circle", rate_hz=0)
+        with pytest.raises(api.BudgetInfeasible) as refused:  # with a session open, on the warmup's timings
+            engine.open_session("pusht", "reach the red circle", budget_ms=0.01, rate_hz=0)
+        stalled_floor_ms = refused.value.best_achievable_ms
+        assert stalled_floor_ms > 100.0 and retimed not in caplog.text  # at least two full calls
+        engine.close_session(first.session_id)
+
+        budget_ms = stalled_floor_ms - 50.0  # half the stall's share, the rest for noise
+        session = engine.open_session("pusht", "reach the red circle", budget_ms=budget_ms, rate_hz=0)
+        assert caplog.text.count(retimed) == 1
+        assert engine.act(session.session_id, 1, _observation()).tick.deadline_met
+        engine.close_session(session.session_id)
+        with pytest.raises(api.BudgetInfeasible) as refused:  # timed again once a minute at most
+            engine.open_session("pusht", "reach the red circle", budget_ms=0.01, rate_hz=0)
+        assert refused.value.best_achievable_ms <= budget_ms and caplog.text.count(retimed) == 1
+    finally:
+        engine.close()

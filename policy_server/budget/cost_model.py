@@ -159,6 +159,11 @@ class CostModel:
                 raise ValueError(f"stage must be a non-empty name, got {stage!r}")
             entry.stages.setdefault(stage, WindowStat(self.window)).update(_check_ms(f"stage {stage!r}", ms))
 
+    def adopt(self, key: Hashable, other: CostModel) -> None:
+        """From now on the costs of ``key`` are what ``other`` learned of it: a shape timed again from scratch."""
+        with self._lock, other._lock:
+            self._shapes[key] = other._shapes[key]
+
     def is_warm(self, key: Hashable) -> bool:
         """Whether full calls (alone or in pairs) have been observed for this shape."""
         with self._lock:

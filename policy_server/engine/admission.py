@@ -39,6 +39,8 @@ logger = logging.getLogger(__name__)
 
 # Of the worker's time, what declared rates may claim: the rest absorbs timing noise and the transport.
 MAX_UTILIZATION = 0.9
+# How often an idle server times one shape's ticks again before refusing a budget as below its cheapest tick (s).
+RETIME_INTERVAL_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -126,11 +128,14 @@ def default_rate_hz(control_hz: float, actions_per_chunk: int) -> float:
 class Admission:
     """Which sessions one engine takes: every open session's demand must still be met with a new one (or a
     new budget), else Overloaded with how many would fit. `blocking_ms()`: the longest background piece a
-    tick may find running (known after warmup)."""
+    tick may find running (known after warmup); `retime(key)`: time the ticks of cost key `key` and the
+    background pieces again, on the worker, and wait."""
 
-    def __init__(self, served: ServedModel, sessions: SessionTable, blocking_ms: Callable[[], float]):
-        self.served, self.sessions, self.blocking_ms = served, sessions, blocking_ms
+    def __init__(self, served: ServedModel, sessions: SessionTable, blocking_ms: Callable[[], float],
+                 retime: Callable[[tuple], None]):
+        self.served, self.sessions, self.blocking_ms, self.retime = served, sessions, blocking_ms, retime
         self._lock = threading.Lock()  # held while slots are assigned, so two opens cannot both fit
+        self._retimed_s: dict[tuple, float] = {}  # when each cost key was last timed again (time.monotonic() s)
 
     def capacity(self, budget_ms: float, rate_hz: float | None) -> tuple[api.Capacity, ...]:
         """Per served embodiment at its default chunk: sessions that fit alone and beside the open ones."""
@@ -153,9 +158,9 @@ class Admission:
     def demand(self, embodiment: str, chunk: int, budget_ms: float, rate_hz: float, preview: bool = False) -> Demand:
         """A session's claim on the worker: its cheapest tick (the planner's floor) and its uncached tick, at
         the longest instruction it may send (an observation may change the instruction at any tick), with the
-        decode of its predicted frames when it asked for them. BudgetInfeasible below the floor."""
+        decode of its predicted frames when it asked for them."""
         served = self.served
-        key = served.cost_key(embodiment, chunk, MAX_INSTRUCTION_TOKENS)
+        key = self._demand_key(embodiment, chunk)
 
         def plan(time_left_ms: float) -> TickPlan:
             return served.budget.plan(key, time_left_ms, served.num_steps, served.passes, None, prefill=True,
@@ -165,14 +170,42 @@ class Admission:
         floor = plan(1e-3) if served.budget_controlled else ceiling
         return Demand(budget_ms, rate_hz, floor.predicted_ms, ceiling.predicted_ms, floor.predicted_stage_ms)
 
-    def open(self, demand: Demand, open_session: Callable[[], SessionState]) -> SessionState:
-        """Admit `demand` beside the open sessions and open its session with `open_session()`."""
-        self._check_floor(demand)
+    def _demand_key(self, embodiment: str, chunk: int) -> tuple:
+        return self.served.cost_key(embodiment, chunk, MAX_INSTRUCTION_TOKENS)
+
+    def open(self, embodiment: str, chunk: int, budget_ms: float, rate_hz: float, preview: bool,
+             open_session: Callable[[Demand], SessionState]) -> SessionState:
+        """Admit a session of this shape, budget and rate beside the open ones (`demand`) and open it with
+        `open_session(demand)`."""
+        demand = self.demand(embodiment, chunk, budget_ms, rate_hz, preview)
+        try:
+            self._check_floor(demand)
+        except api.BudgetInfeasible:
+            if not self._retimed(self._demand_key(embodiment, chunk), demand):
+                raise
+            demand = self.demand(embodiment, chunk, budget_ms, rate_hz, preview)
+            self._check_floor(demand)
         with self._lock:
             self._admit([*[s.demand for s in self.sessions.all()], demand], demand, "this session")
-            session = open_session()
+            session = open_session(demand)
             self._assign_slots()
         return session
+
+    def _retimed(self, key: tuple, refused: Demand) -> bool:
+        """Whether the ticks of cost key `key` were just timed again, as an idle server does once per
+        `RETIME_INTERVAL_S` before refusing a budget below their cheapest: timings taken while something else
+        held the machine (a warmup during a busy boot) must not refuse budgets until a restart. Only with no
+        session open, so no tick waits behind the timing ticks."""
+        with self._lock:  # no session opens meanwhile
+            now_s = time.monotonic()
+            if self.sessions.all() or now_s - self._retimed_s.get(key, -RETIME_INTERVAL_S) < RETIME_INTERVAL_S:
+                return False
+            logger.info("a budget of %g ms is below the cheapest tick of %.0f ms: timing these ticks again before "
+                        "refusing it (the timings may come from a busy moment)", refused.budget_ms,
+                        refused.floor_ms + self.blocking_ms())
+            self.retime(key)
+            self._retimed_s[key] = time.monotonic()
+        return True
 
     def change_budget(self, session: SessionState, budget_ms: float) -> None:
         old = session.demand

@@ -36,7 +36,6 @@ from policy_server.engine.tick import Tick, TickRequest
 from policy_server.engine.warmup import Warmup
 from policy_server.engine.worker import GeneratorJob, ModelWorker, TickJob
 from policy_server.limits import MAX_INSTRUCTION_TOKENS, MAX_PROMPT_TOKENS
-from policy_server.pipeline.embodiments import Embodiment
 from policy_server.pipeline.policy import PolicyPipeline
 
 logger = logging.getLogger(__name__)
@@ -56,7 +55,8 @@ class ModelEngine:
         self._worker = ModelWorker(lambda job, size: Tick(self.served, job.session, job.payload, size).steps(),
                                    self.served.gen_stack, self.settings.max_batch)
         self._warmup = Warmup(self.served)
-        self._admission = Admission(self.served, self.sessions, lambda: self._warmup.blocking_ms)
+        self._admission = Admission(self.served, self.sessions, lambda: self._warmup.blocking_ms,
+                                    lambda key: self._on_worker(self._warmup.retime(key)))
         self._reasoning = Reasoning(self.served, self._worker)
         self._dynamics = Dynamics(self.served, self._worker)
         # The declared schema, read on every request: the pipeline floors frames to multiples of the VAE's
@@ -131,30 +131,29 @@ class ModelEngine:
         rate = default_rate_hz(spec.fps, executed) if rate_hz is None else rate_hz
         budget = self.settings.default_budget_ms if budget_ms is None else budget_ms
         key = served.cost_key(embodiment, chunk, served.instruction_tokens(instruction, "instruction"))
-        demand = self._admission.demand(embodiment, chunk, budget, rate, preview)
-        session = self._admission.open(demand, lambda: self.sessions.open(
+        session = self._admission.open(embodiment, chunk, budget, rate, preview, lambda demand: self.sessions.open(
             embodiment=embodiment, instruction=instruction, budget_ms=budget, chunk_size=chunk,
             seed=0 if seed is None else seed, cost_key=key, demand=demand,
             limiter=RateLimiter(rate, time.monotonic()), preview=preview))
         if served.graphs is not None:
+            # Its first tick then replays the graphs rather than paying for a capture inside its budget.
             try:
-                self._capture_graphs(spec, chunk, instruction)
+                self._on_worker(self._warmup.session_graphs(spec, chunk, instruction))
             except BaseException:
                 self._admission.close(session.session_id)
                 raise
             session.graphed_instruction = instruction
         return session.handle()
 
-    def _capture_graphs(self, embodiment: Embodiment, chunk: int, instruction: str) -> None:
-        """Capture the CUDA graphs of a new session's ticks on the worker, between other sessions' ticks, and wait:
-        its first tick then replays them rather than paying for a capture inside its budget."""
+    def _on_worker(self, pieces: Iterator[None]) -> None:
+        """Run `pieces` on the model worker, one per worker step between other sessions' ticks, and wait."""
         done: Future = Future()
 
-        def pieces():
-            yield from self._warmup.session_graphs(embodiment, chunk, instruction)
+        def run():
+            yield from pieces
             done.set_result(None)
 
-        self._worker.submit(GeneratorJob(pieces(), done.set_exception))
+        self._worker.submit(GeneratorJob(run(), done.set_exception))
         done.result()
 
     def session(self, session_id: str) -> api.SessionHandle:

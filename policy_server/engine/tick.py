@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from policy_server.budget.cost_model import step_samples
+from policy_server.budget.cost_model import CostModel, step_samples
 from policy_server.budget.planner import TickPlan
 from policy_server.budget.tick import PREFILL_STAGE, PREVIEW_STAGE, GuardedSteps
 from policy_server.cache.controller import CacheRecord
@@ -194,7 +194,7 @@ class Tick:
             self.served.budget.learn(key, self._steps, self.session.history, stages, learn_costs=alone,
                                      prefilled=prefilled)
         elif alone:
-            observe_output(self.served, key, out, stage_ms, prefilled)
+            observe_output(self.served.cost_model, key, out, stage_ms, prefilled)
 
     def _record(self, plan: TickPlan | None, out: PolicyOutput, actual_ms: dict[str, float],
                 clipped: int) -> api.TickRecord:
@@ -233,9 +233,9 @@ def step_calls(steps: list[StepRecord]) -> list[tuple[str, float]]:
             for sample in step_samples(len(step.full), len(step.branches) - len(step.full), step.batched, step.ms)]
 
 
-def observe_output(served: ServedModel, key: tuple, out: PolicyOutput, stage_ms: dict[str, float],
+def observe_output(cost_model: CostModel, key: tuple, out: PolicyOutput, stage_ms: dict[str, float],
                    prefilled: bool) -> None:
-    """Feed a tick run without the guard (warmup, cache disabled) to the cost model."""
+    """Feed a tick run without the guard (warmup, cache disabled) to `cost_model`."""
     calls = step_calls(out.steps)
     stages = ("encode", "prefill", "decode", PREVIEW_STAGE) if prefilled else ("encode", "decode", PREVIEW_STAGE)
-    served.cost_model.observe_tick(key, calls, {stage: stage_ms[stage] for stage in stages if stage in stage_ms})
+    cost_model.observe_tick(key, calls, {stage: stage_ms[stage] for stage in stages if stage in stage_ms})

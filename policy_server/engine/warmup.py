@@ -23,7 +23,7 @@ from concurrent.futures import Future
 import numpy as np
 import torch
 
-from policy_server.budget.cost_model import FULL, PAIR, SKIP, CallCosts
+from policy_server.budget.cost_model import FULL, PAIR, SKIP, CallCosts, CostModel
 from policy_server.budget.planner import MAX_CACHING
 from policy_server.budget.tick import PREVIEW_STAGE
 from policy_server.cache.controller import NoCache
@@ -89,10 +89,7 @@ class Warmup:
         self._interpolate_costs()
         if self.served.settings.calibrate_at_warmup and self.served.profile is None:
             self.served.profile = yield from self._calibrate()
-        reasoner_ms = yield from self._time_reasoner_steps()
-        # A server without dynamics calls need not reserve for their longest piece (the frames' decode).
-        dynamics_ms = (yield from self._time_dynamics_pieces()) if self.served.settings.max_dynamics_calls else 0.0
-        self.blocking_ms = max(reasoner_ms, dynamics_ms)
+        self.blocking_ms = yield from self._time_background_pieces()
         if self.served.graphs is not None:  # with a compiled stack, its compiles are inside the first capture
             logger.info("captured %d CUDA graphs of the GEN stack in %.0f ms", self.served.graphs.num_graphs,
                         self.served.graphs.capture_ms)
@@ -103,6 +100,16 @@ class Warmup:
                         tick_work.num_shapes, tick_work.compile_ms)
         self.progress = 1.0
         self.ready.set()
+
+    def retime(self, key: tuple) -> Iterator[None]:
+        """Time the ticks of cost key `key` and the background pieces again, in place of what was learned of
+        them: one short tick per mode, as warmup times every key but the default one."""
+        embodiment, chunk, tokens, _ = self._all_shapes()[key]
+        fresh = CostModel(self.served.cost_model.window)
+        self._preview_ms_by_shape.clear()
+        yield from self._warm_shape(embodiment, chunk, tokens, 1, _SHORT_WARMUP_STEPS, batch=False, cost_model=fresh)
+        self.served.cost_model.adopt(key, fresh)
+        self.blocking_ms = yield from self._time_background_pieces()
 
     def _calibrate(self):
         """A bounded quality profile: `WARMUP_CALIBRATION_OBSERVATIONS` observations per embodiment over the
@@ -192,12 +199,13 @@ class Warmup:
             self.served.cost_model.observe_tick(key, calls, stages)
 
     def _warm_shape(self, embodiment: Embodiment, chunk: int, tokens: int, ticks: int, steps: int | None,
-                    batch: bool):
+                    batch: bool, cost_model: CostModel | None = None):
         """Uncached ticks time the fixed stages and the calls of a step as the server runs them (both branches'
         as one batch); maximally cached ticks time skipped calls, and run the calls of their few full steps one
         by one, which is what a step with one branch skipped costs (`steps`: sampler steps per tick, None for
         the configured number). Captures and compiles come first, untimed (`batch`: also for a micro-batch).
-        Yields after each tick; returns the two latency profile points."""
+        Yields after each tick; returns the two latency profile points. The costs go to `cost_model` (None: the
+        served one)."""
         key = self.served.cost_key(embodiment.name, chunk, tokens)
         instruction = self.text_of(tokens)
         profile = []
@@ -213,7 +221,7 @@ class Warmup:
                 out = self._warmup_tick(embodiment, chunk, instruction, mode, tick, steps)
                 stage_ms = {stage: out.timings_ms[stage] for stage in STAGES}
                 stage_ms[PREVIEW_STAGE] = self._preview_ms(out.latents)
-                observe_output(self.served, key, out, stage_ms, prefilled=True)
+                observe_output(cost_model or self.served.cost_model, key, out, stage_ms, prefilled=True)
                 if tick > 0 or ticks == 1:  # the first tick pays one-time allocation costs
                     totals.append(out.timings_ms["total"])
                 full, skipped = out.cache.full_calls, out.cache.skipped_calls
@@ -282,6 +290,14 @@ class Warmup:
         while len(tokenizer.tokenize(text)) > tokens:
             text = text[:-1]
         return text
+
+    def _time_background_pieces(self):
+        """The longest piece (ms) of background work a tick may find running: a reasoner step or a piece of a
+        dynamics call (a server without dynamics calls need not reserve for their longest piece, the frames'
+        decode)."""
+        reasoner_ms = yield from self._time_reasoner_steps()
+        dynamics_ms = (yield from self._time_dynamics_pieces()) if self.served.settings.max_dynamics_calls else 0.0
+        return max(reasoner_ms, dynamics_ms)
 
     def _time_reasoner_steps(self):
         """The longest step of a reasoner call at the prompt limit (ms): a prefill chunk or a token. Timed on a
