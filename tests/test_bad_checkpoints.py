@@ -12,6 +12,8 @@ from cosmos3_folder import build_tiny_cosmos3_folder
 
 from policy_server import cli
 from policy_server.pipeline.policy import PolicyPipeline
+from policy_server.pipeline.policy_config import PolicyConfig, PolicyConfigError
+from policy_server.pipeline.wan_vae import WanVideoVAE
 from robots.embedded import build_random_pipeline
 
 
@@ -30,6 +32,13 @@ def _edit_json(path, **changes):
 
 def _remove(path):
     path.unlink()
+
+
+def _renaming(path, field, new_name):
+    """A breakage: the JSON file's `field` misspelt as `new_name`."""
+    data = json.loads(path.read_text())
+    data[new_name] = data.pop(field)
+    path.write_text(json.dumps(data))
 
 
 def _writing(relative, content):
@@ -119,6 +128,8 @@ BROKEN_DIFFUSERS = {
                                      "no file named diffusion_pytorch_model.safetensors found"),
     "wan_vae_zero_std": (lambda root: _edit_json(root / "vae/config.json", latents_std=[0.0] * 8),
                          "vae/config.json: latents_std must be positive"),
+    "wan_vae_unknown_field": (lambda root: _renaming(root / "vae/config.json", "z_dim", "z_dimm"),
+                              "vae/config.json: unknown field(s) ['z_dimm']; expected the AutoencoderKLWan arguments"),
     "wan_vae_scale_not_its_architecture": (
         lambda root: _edit_json(root / "vae/config.json", scale_factor_spatial=8),
         "vae/config.json: scale_factor_spatial 8 and scale_factor_temporal 4; the architecture"),
@@ -142,6 +153,8 @@ BROKEN_DIFFUSERS = {
                                      "transformer/config.json: _class_name 'Foo'; expected 'Cosmos3OmniTransformer'"),
     "pad_mode": (_writing("policy.json", '{"pad_mode": "mirror"}'),
                  "policy.json: pad_mode: Input should be 'reflect' or 'replicate'"),
+    "resolution_tier_a_string": (_writing("policy.json", '{"resolution_tier": "480"}'),
+                                 "policy.json: resolution_tier: Input should be a valid integer"),
     "infinite_guidance": (_writing("policy.json", '{"guidance": Infinity}'),
                           "policy.json: guidance: Input should be a finite number"),
     "canvas_off_the_latent_grid": (_writing("policy.json", '{"canvases": [[72, 72]]}'),
@@ -151,6 +164,9 @@ BROKEN_DIFFUSERS = {
     "state_wider_than_the_action_rows": (
         _writing("embodiments.json", '{"embodiments": [{"name": "pusht", "state_dim": 40}]}'),
         "embodiments.json: ['pusht'] have more action or state channels than the transformer's action_dim=32"),
+    "raw_action_dim_a_string": (
+        _writing("embodiments.json", '{"embodiments": [{"name": "pusht", "raw_action_dim": "2"}]}'),
+        "embodiments.json: embodiments[0] ('pusht').raw_action_dim: Input should be a valid integer"),
     "stats_path_not_a_path": (
         _writing("embodiments.json",
                  '{"embodiments": [{"name": "pusht", "normalization": {"method": "minmax", "stats_path": 5}}]}'),
@@ -187,3 +203,25 @@ def test_policy_json_names_the_embodiments_file_of_a_diffusers_folder(diffusers_
     (root / "policy.json").write_text('{"embodiments_file": "robots.json"}')
     (root / "robots.json").write_text('{"embodiments": [{"name": "bridge_orig_lerobot"}]}')
     assert PolicyPipeline.from_pretrained(root).served_embodiments == ["bridge_orig_lerobot"]
+
+
+def test_the_wan_vae_config_may_carry_wan22s_clip_output(diffusers_folder, tmp_path):
+    root = tmp_path / "ckpt"
+    shutil.copytree(diffusers_folder, root)
+    _edit_json(root / "vae/config.json", clip_output=False)  # as Wan2.2's (and Cosmos3's) vae/config.json has it
+    assert WanVideoVAE.from_pretrained(root / "vae").latent_channels == 8
+
+
+@pytest.mark.parametrize(("text", "field", "expected"), [
+    ('{"num_steps": "4"}', "num_steps", "a valid integer"),
+    ('{"num_steps": 4.0}', "num_steps", "a valid integer"),
+    ('{"guidance": "2.5"}', "guidance", "a valid number"),
+    ('{"canvases": [[64, "64"]]}', "canvases.0.1", "a valid integer"),
+    ('{"guidance_interval": ["0", 900]}', "guidance_interval.0", "a valid number"),
+])
+def test_policy_json_numbers_are_not_converted(tmp_path, text, field, expected):
+    path = tmp_path / "policy.json"
+    path.write_text(text)
+    with pytest.raises(PolicyConfigError) as info:
+        PolicyConfig.load(path)
+    assert str(info.value) == f"{path}: {field}: Input should be {expected}"

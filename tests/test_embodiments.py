@@ -125,6 +125,16 @@ def test_width_change_drops_inherited_labels(tmp_path):
         ({"name": "pusht", "state_dim": 4, "normalization": {"passthrough_action_channels": [3]}},
          r"passthrough_action_channels \[3\] are outside the actions' \[0, 2\)"),  # pusht has 2 actions
         ({"raw_action_dim": 2}, r"embodiments\[0\]\.name: required"),
+        # numbers are not converted from strings (nor integers from floats)
+        ({"name": "pusht", "raw_action_dim": "2"}, r"\('pusht'\)\.raw_action_dim: Input should be a valid integer$"),
+        ({"name": "pusht", "domain_id": "4"}, r"\('pusht'\)\.domain_id: Input should be a valid integer$"),
+        ({"name": "pusht", "state_dim": 2.0}, r"\('pusht'\)\.state_dim: Input should be a valid integer$"),
+        ({"name": "pusht", "max_chunk_size": "8"}, r"\('pusht'\)\.max_chunk_size: Input should be a valid integer$"),
+        ({"name": "pusht", "fps": "10"}, r"\('pusht'\)\.fps: Input should be a valid number$"),
+        ({"name": "pusht", "action_low": ["-1", -1], "action_high": [1, 1]},
+         r"\('pusht'\)\.action_low\.0: Input should be a valid number$"),
+        ({"name": "pusht", "normalization": {"passthrough_action_channels": ["1"]}},
+         r"passthrough_action_channels\.0: Input should be a valid integer$"),
     ],
 )
 def test_config_errors_name_the_key(tmp_path, entry, match):

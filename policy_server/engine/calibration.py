@@ -412,11 +412,12 @@ def profile_locations(checkpoint: Path | None, digest: str) -> list[Path]:
     return [(default_model_path() if checkpoint is None else checkpoint) / PROFILE_FILE, cached]
 
 
-def resolve_profile(setting: str, checkpoint: Path | None, digest: str,
-                    served: Sequence[str]) -> tuple[QualityProfile | None, bool]:
+def resolve_profile(setting: str, checkpoint: Path | None, digest: str, served: Sequence[str],
+                    num_steps: int) -> tuple[QualityProfile | None, bool]:
     """`(profile, calibrate at warmup)` for the server's `quality_profile` setting: "off", "auto" (the first
     of `profile_locations` that exists; none: calibrate at warmup) or a profile file. `ProfileError` when the
-    profile found cannot be used: not of these weights, or without one of the `served` embodiments."""
+    profile found cannot be used: not of these weights, its default (the reference every error is measured
+    against) not at the checkpoint's `num_steps` sampler steps, or without one of the `served` embodiments."""
     if setting == "off":
         return None, False
     path = Path(setting) if setting != "auto" else next(
@@ -424,6 +425,10 @@ def resolve_profile(setting: str, checkpoint: Path | None, digest: str,
     if path is None:
         return None, True
     profile = QualityProfile.load(path, digest)
+    if profile.default.num_steps != num_steps:
+        raise ProfileError(f"{path}: its default configuration has {profile.default.num_steps} sampler steps, the "
+                           f"checkpoint's {num_steps}; recalibrate with `policy-server calibrate`, or plan on the "
+                           "cache ladder with --quality-profile off")
     missing = [name for name in served if name not in profile.embodiments]
     if missing:
         raise ProfileError(f"{path}: no configurations for {', '.join(missing)} (it has "

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, ValidationError, model_validator
 
 from policy_server.pipeline.errors import InvalidActions, InvalidChunkSize, InvalidState, UnregisteredEmbodiment
 from policy_server.pipeline.normalization import (
@@ -56,7 +56,8 @@ class EmbodimentConfigError(ValueError):
 
 
 class Embodiment(BaseModel):
-    """One robot's action/state layout and its defaults for prompts and chunking.
+    """One robot's action/state layout and its defaults for prompts and chunking. Numbers are strict: a
+    string is refused, not converted (nor a float where an integer is expected).
 
     Attributes:
         name: registry key (Cosmos3's ``domain_name``).
@@ -81,22 +82,22 @@ class Embodiment(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     name: str = Field(min_length=1)
-    domain_id: int = Field(ge=0, lt=NUM_EMBODIMENT_DOMAINS)
-    raw_action_dim: int = Field(ge=1, le=MAX_ACTION_DIM)
+    domain_id: int = Field(ge=0, lt=NUM_EMBODIMENT_DOMAINS, strict=True)
+    raw_action_dim: int = Field(ge=1, le=MAX_ACTION_DIM, strict=True)
     action_names: tuple[str, ...] = ()
     action_units: tuple[str, ...] = ()
-    action_low: tuple[float, ...] | None = None
-    action_high: tuple[float, ...] | None = None
-    state_dim: int = Field(default=0, ge=0, le=MAX_ACTION_DIM)
+    action_low: tuple[StrictFloat, ...] | None = None
+    action_high: tuple[StrictFloat, ...] | None = None
+    state_dim: int = Field(default=0, ge=0, le=MAX_ACTION_DIM, strict=True)
     state_names: tuple[str, ...] = ()
     state_units: tuple[str, ...] = ()
-    state_low: tuple[float, ...] | None = None
-    state_high: tuple[float, ...] | None = None
+    state_low: tuple[StrictFloat, ...] | None = None
+    state_high: tuple[StrictFloat, ...] | None = None
     cameras: tuple[str, ...] = ("image",)
     viewpoint: str = DEFAULT_VIEWPOINT
-    fps: float = Field(default=BASE_FPS, gt=0, allow_inf_nan=False)
-    default_chunk_size: int = Field(default=DEFAULT_CHUNK_SIZE, ge=1)
-    max_chunk_size: int = Field(default=DEFAULT_MAX_CHUNK_SIZE, ge=1)
+    fps: float = Field(default=BASE_FPS, gt=0, allow_inf_nan=False, strict=True)
+    default_chunk_size: int = Field(default=DEFAULT_CHUNK_SIZE, ge=1, strict=True)
+    max_chunk_size: int = Field(default=DEFAULT_MAX_CHUNK_SIZE, ge=1, strict=True)
     normalization: NormalizationSpec = NormalizationSpec()
     description: str = ""
 

@@ -27,6 +27,7 @@ from typing import TypeVar
 
 import numpy as np
 import torch
+from pydantic import StrictInt
 
 NORMALIZATION_METHODS = ("none", "minmax", "meanstd", "quantile")
 STAT_FIELDS = ("min", "max", "mean", "std", "q01", "q99")
@@ -247,7 +248,7 @@ class NormalizationSpec:
     stats_path: Path | None = None
     action_key: str = "action"
     state_key: str = "state"
-    passthrough_action_channels: tuple[int, ...] = ()
+    passthrough_action_channels: tuple[StrictInt, ...] = ()  # read from JSON: "1" is no channel
 
 
 @dataclass(frozen=True)

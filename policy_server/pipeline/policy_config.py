@@ -3,9 +3,19 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    FiniteFloat,
+    Strict,
+    StrictInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from policy_server.pipeline.conditioning import RESOLUTION_TIERS
 from policy_server.pipeline.schedulers import SAMPLER_NAMES
@@ -25,23 +35,24 @@ class PolicyConfig(BaseModel):
         [sigma_min, sigma_max] mapped to flow sigmas, unshifted); final_sigma: "zero" or "sigma_min".
     guidance_interval: CFG applies only while lo < timestep < hi (timestep = sigma * 1000); None = always.
     embodiments_file: JSON file (relative to the folder) declaring the served embodiments.
+    Numbers are strict: a string is refused, not converted (nor a float where an integer is expected).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str = "cosmos3-policy"
     sampler: str = "unipc"
-    num_steps: int = Field(10, ge=1, le=1000)
-    guidance: float = Field(1.0, ge=1.0, allow_inf_nan=False)
-    shift: float = Field(5.0, gt=0.0, allow_inf_nan=False)
-    solver_order: int = Field(2, ge=1, le=3)
+    num_steps: int = Field(10, ge=1, le=1000, strict=True)
+    guidance: float = Field(1.0, ge=1.0, allow_inf_nan=False, strict=True)
+    shift: float = Field(5.0, gt=0.0, allow_inf_nan=False, strict=True)
+    solver_order: int = Field(2, ge=1, le=3, strict=True)
     sigma_schedule: Literal["shifted", "karras"] = "shifted"
-    sigma_min: float = Field(0.0, ge=0.0, allow_inf_nan=False)
-    sigma_max: float = Field(0.0, ge=0.0, allow_inf_nan=False)
+    sigma_min: float = Field(0.0, ge=0.0, allow_inf_nan=False, strict=True)
+    sigma_max: float = Field(0.0, ge=0.0, allow_inf_nan=False, strict=True)
     final_sigma: Literal["zero", "sigma_min"] = "zero"
-    guidance_interval: tuple[FiniteFloat, FiniteFloat] | None = None
-    canvases: tuple[tuple[int, int], ...] = ((64, 64),)
-    resolution_tier: int | None = None
+    guidance_interval: tuple[Annotated[FiniteFloat, Strict()], Annotated[FiniteFloat, Strict()]] | None = None
+    canvases: tuple[tuple[StrictInt, StrictInt], ...] = ((64, 64),)
+    resolution_tier: StrictInt | None = None
     pad_mode: Literal["reflect", "replicate"] = "reflect"
     use_system_prompt: bool = True
     embodiments_file: str = "embodiments.json"
@@ -56,9 +67,9 @@ class PolicyConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _tier_canvases(cls, data: object) -> object:
-        if not isinstance(data, dict) or data.get("resolution_tier") is None:
-            return data
-        tier = data["resolution_tier"]
+        tier = data.get("resolution_tier") if isinstance(data, dict) else None
+        if not isinstance(tier, int):
+            return data  # no tier, or not an integer: the field says so
         if tier not in RESOLUTION_TIERS:
             raise ValueError(f"resolution_tier {tier!r} is unknown; expected one of {sorted(RESOLUTION_TIERS)}")
         if "canvases" in data and [tuple(c) for c in data["canvases"]] != list(RESOLUTION_TIERS[tier]):

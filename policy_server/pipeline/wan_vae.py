@@ -8,6 +8,8 @@ mode is used, exactly as `Cosmos3OmniPipeline` encodes and decodes.
 
 from __future__ import annotations
 
+import inspect
+import json
 import math
 from pathlib import Path
 
@@ -18,6 +20,9 @@ from policy_server.model.checkpoint import CheckpointError
 from policy_server.model.vae import latent_frames
 
 WAN_VAE_CLASS = "AutoencoderKLWan"
+# Config fields besides the class's arguments: Wan2.2's vae/config.json (which Cosmos3 ships) carries `clip_output`,
+# which diffusers ignores; its decoder clamps to [-1, 1] regardless, as `WanVideoVAE.decode` does.
+IGNORED_CONFIG_FIELDS = ("clip_output",)
 
 
 class WanVideoVAE(torch.nn.Module):
@@ -46,6 +51,20 @@ class WanVideoVAE(torch.nn.Module):
             raise CheckpointError(f"{folder}: the {WAN_VAE_CLASS} needs diffusers; "
                                   "pip install 'policy-server[cosmos3]'") from None
         diffusers_logging.disable_progress_bar()  # the server's log is line-oriented
+        path = Path(folder) / "config.json"
+        try:
+            stored = json.loads(path.read_text())
+        except OSError as error:
+            raise CheckpointError(f"{path}: cannot read the {WAN_VAE_CLASS} config ({error.strerror})") from None
+        except ValueError as error:  # not UTF-8, not JSON
+            raise CheckpointError(f"{path}: not valid JSON ({error})") from None
+        if not isinstance(stored, dict):
+            raise CheckpointError(f"{path}: expected a JSON object of {WAN_VAE_CLASS} config fields")
+        # diffusers only warns about a field it does not know (a misspelt one would load the default instead).
+        known = [name for name in inspect.signature(AutoencoderKLWan.__init__).parameters if name != "self"]
+        if unknown := sorted(k for k in stored if not k.startswith("_") and k not in (*known, *IGNORED_CONFIG_FIELDS)):
+            raise CheckpointError(f"{path}: unknown field(s) {unknown}; expected the {WAN_VAE_CLASS} arguments "
+                                  f"{sorted(known)} (plus '_'-prefixed bookkeeping keys)")
         try:
             # safetensors only: without it diffusers falls back to unpickling a .bin file.
             vae = AutoencoderKLWan.from_pretrained(str(folder), torch_dtype=dtype, device_map=str(device),
