@@ -11,6 +11,7 @@ MAX_PROMPT_TOKENS = 512  # a Reason prompt, in tokens
 # UTF-8 bytes of an instruction or prompt, checked before tokenizing so that tokenizing is cheap. A
 # token covers at least one byte, so no text within the token limits is refused by this one.
 MAX_TEXT_BYTES = 16 * 1024
+MAX_CLIENT_NAME_CHARS = 128  # OpenSessionRequest.client_name: printable text, for the server's log
 
 MAX_BUDGET_MS = 60_000.0  # a session's per-tick latency budget
 MAX_RATE_HZ = 1_000.0  # a session's declared chunk-request rate
@@ -29,6 +30,8 @@ CONTROL_START_S = 10.0
 MAX_STARTING_STREAMS = 4
 STARTING_RETRY_MS = 100.0  # when a stream refused for want of a place may try again
 MAX_PENDING_FRAMES = 4  # `must_answer` frames waiting on one Control stream, each a message still to decode
+MAX_REFUSED_MESSAGES = 16  # refused in a burst on one openpi WebSocket connection (each ~12 ms of CPU at 12 MiB)
+REFUSED_MESSAGES_HZ = 2.0  # refused per second beyond that burst; more close the connection (1008)
 # A forward / inverse dynamics call runs uncached at the model's step count between ticks (ticks go first);
 # it is abandoned after this long when its caller sets no shorter deadline.
 MAX_DYNAMICS_MS = 30_000.0

@@ -165,7 +165,7 @@ class FakeEngine:
         return ()
 
     def open_session(self, embodiment, instruction, budget_ms=None, chunk_size=None, seed=None, rate_hz=None,
-                     actions_per_chunk=None, preview=False) -> SessionHandle:
+                     actions_per_chunk=None, preview=False, client_name="") -> SessionHandle:
         if not self._ready:
             raise WarmingUp(0.5)
         spec = self._info.embodiment(embodiment)
@@ -183,6 +183,7 @@ class FakeEngine:
                 chunk_size or spec.default_chunk_size,
                 seed or 0,
                 preview=preview,
+                client_name=client_name,
             )
             self._sessions[handle.session_id] = handle
             self.instructions[handle.session_id] = instruction

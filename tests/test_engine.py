@@ -72,6 +72,20 @@ def test_tight_budget_caches_and_the_guard_keeps_the_deadline(engine):
     engine.close_session(session.session_id)
 
 
+def test_the_log_says_who_opened_and_closed_each_session(engine, caplog):
+    caplog.set_level(logging.INFO, logger="policy_server.engine")
+    session = engine.open_session("pusht", "reach the red circle", rate_hz=0, client_name="arm 3")
+    assert engine.session(session.session_id).client_name == "arm 3"
+    engine.close_session(session.session_id)
+    unnamed = engine.open_session("pusht", "reach the red circle", rate_hz=0)
+    engine.close_session(unnamed.session_id)
+    lines = [record.getMessage() for record in caplog.records]
+    assert lines[0].startswith(f"opened session {session.session_id} ('arm 3'): pusht, chunks of 8, budget 10000 ms")
+    assert lines[1:] == [f"closed session {session.session_id} ('arm 3') at its client's request",
+                         lines[2], f"closed session {unnamed.session_id} at its client's request"]
+    assert lines[2].startswith(f"opened session {unnamed.session_id}: pusht")
+
+
 def test_same_seed_and_inputs_give_the_same_chunk(engine):
     first = engine.open_session("pusht", "reach the red circle", seed=7, rate_hz=0)
     second = engine.open_session("pusht", "reach the red circle", seed=7, rate_hz=0)

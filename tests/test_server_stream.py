@@ -280,7 +280,8 @@ def test_reconnects_and_replaces_the_session_after_a_server_restart():
     first = build_server(build_config(overrides={"port": 0}), FakeEngine()).start()
     port = first.grpc_port
     client = PolicyClient(first.target)
-    session = client.open_session("pusht", "survive a restart", budget_ms=90, preview=True)
+    session = client.open_session("pusht", "survive a restart", budget_ms=90, preview=True, client_name="arm-3")
+    assert session.client_name == "arm-3"
     stream = ControlStream(client, session, backoff=Backoff(initial_s=0.05, max_s=0.2, max_attempts=100)).open()
     second = None
     try:
@@ -291,7 +292,7 @@ def test_reconnects_and_replaces_the_session_after_a_server_restart():
         event = stream.next_event(timeout_s=20)
         assert event.kind == "reconnected" and event.session_replaced
         assert event.session.budget_ms == 90.0 and event.session.instruction == "survive a restart"
-        assert event.session.preview  # the same settings
+        assert event.session.preview and event.session.client_name == "arm-3"  # the same settings
         obs_id = send(stream, 1)
         chunk = stream.next_chunk(timeout_s=10)
         assert chunk.obs_id == obs_id and chunk.session_id == stream.session.session_id

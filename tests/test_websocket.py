@@ -26,7 +26,7 @@ from policy_server.config import build_config
 from policy_server.engine.api import Observation
 from policy_server.engine.engine import ModelEngine
 from policy_server.engine.served import EngineSettings
-from policy_server.limits import MAX_FRAME_SIDE, MAX_INSTRUCTION_TOKENS
+from policy_server.limits import MAX_FRAME_SIDE, MAX_INSTRUCTION_TOKENS, MAX_REFUSED_MESSAGES, REFUSED_MESSAGES_HZ
 from policy_server.server.app import build_server
 from robots.embedded import build_random_pipeline
 
@@ -217,6 +217,8 @@ def test_session_is_closed_when_the_connection_closes(server, engine):
     policy = WebsocketClientPolicy(host="127.0.0.1", port=server.websocket_port)
     policy.infer(openpi_observation())
     assert engine.stats().sessions == before + 1
+    host, port = policy._ws.local_address[:2]  # the server's log names the session's client by its address
+    assert [s.client_name for s in engine._sessions.values()][-1] == f"openpi client at {host}:{port}"
     policy._ws.close()
     for _ in range(200):
         if engine.stats().sessions == before:
@@ -271,8 +273,9 @@ def test_healthz_follows_readiness():
         assert err.value.code == 503
         err.value.close()  # an open 503 response would hold the server's shutdown for its close timeout
         policy = WebsocketClientPolicy(host="127.0.0.1", port=server.websocket_port)
-        with pytest.raises(RuntimeError, match="WARMING_UP"):
-            policy.infer(openpi_observation())
+        for _ in range(2 * MAX_REFUSED_MESSAGES):  # asking again at once: no refusal its connection pays for
+            with pytest.raises(RuntimeError, match="WARMING_UP"):
+                policy.infer(openpi_observation())
         engine.set_ready(True)
         assert urllib.request.urlopen(url, timeout=5).status == 200
         assert policy.infer(openpi_observation())["actions"].shape == (8, 2)
@@ -367,6 +370,50 @@ def test_an_undecodable_frame_is_named_with_what_was_expected(server, frame, err
         ws.recv()
         ws.send(frame)
         assert ws.recv(timeout=10) == error
+
+
+def test_a_connection_that_keeps_sending_refused_messages_is_closed(server):
+    """Each refused message costs the server its receipt and unpacking: a burst is answered, a flood is closed."""
+    def closes() -> float:
+        return server.metrics.registry.get_sample_value("policy_server_errors_total", {"reason": "RATE_EXCEEDED"}) or 0
+    before = closes()
+    with websockets.sync.client.connect(f"ws://127.0.0.1:{server.websocket_port}", compression=None) as ws:
+        ws.recv(timeout=10)
+        started = time.monotonic()
+        for _ in range(MAX_REFUSED_MESSAGES):  # each answered with its error, as openpi clients read them
+            ws.send(b"\xc1 not msgpack")
+            assert ws.recv(timeout=10).startswith("BAD_VALUE: frame: expected a msgpack map")
+        ws.send(msgpack_numpy.packb(openpi_observation()))  # and the next good observation is served
+        assert msgpack_numpy.unpackb(ws.recv(timeout=10))["actions"].shape == (8, 2)
+        answered = 0
+        with pytest.raises(ConnectionClosed) as closed:
+            for _ in range(10 * MAX_REFUSED_MESSAGES):
+                ws.send(msgpack_numpy.packb(openpi_observation() | {"observation/state": np.zeros(7, np.float32)}))
+                assert ws.recv(timeout=10).startswith("SCHEMA_MISMATCH: observation/state")
+                answered += 1
+        refilled = (time.monotonic() - started) * REFUSED_MESSAGES_HZ  # what the bucket regained meanwhile
+    assert 1 <= answered <= 1 + refilled  # the one too many is answered too, then the connection closed
+    assert closed.value.rcvd.code == 1008
+    assert closed.value.rcvd.reason.startswith("too many refused messages: ")
+    assert closed.value.rcvd.reason.endswith(f"per second, beyond a burst of {MAX_REFUSED_MESSAGES} at "
+                                             f"{REFUSED_MESSAGES_HZ:g} per second")
+    assert closes() == before + 1
+    policy = WebsocketClientPolicy(host="127.0.0.1", port=server.websocket_port)  # a new connection is served
+    assert policy.infer(openpi_observation())["actions"].shape == (8, 2)
+    policy._ws.close()
+
+
+def test_refused_messages_within_their_rate_keep_the_connection(server):
+    """A client that waits after its errors is never closed."""
+    with websockets.sync.client.connect(f"ws://127.0.0.1:{server.websocket_port}", compression=None) as ws:
+        ws.recv(timeout=10)
+        for sent in range(MAX_REFUSED_MESSAGES + 3):
+            if sent >= MAX_REFUSED_MESSAGES:  # past the burst, one each time the bucket regains one
+                time.sleep(1.1 / REFUSED_MESSAGES_HZ)
+            ws.send(b"\xc1 not msgpack")
+            assert ws.recv(timeout=10).startswith("BAD_VALUE: frame")
+        ws.send(msgpack_numpy.packb(openpi_observation()))
+        assert msgpack_numpy.unpackb(ws.recv(timeout=10))["actions"].shape == (8, 2)
 
 
 def test_sockets_that_never_finish_their_handshake_cannot_pile_up_threads():

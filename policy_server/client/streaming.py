@@ -168,6 +168,7 @@ class ControlStream:
                 seed=old.seed,
                 rate_hz=old.rate_hz,
                 preview=old.preview,
+                client_name=old.client_name,
             )
             self._connect()
         except PolicyServerError as exc:

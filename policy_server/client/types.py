@@ -18,7 +18,7 @@ class Session:
 
     rate_hz: the request rate it was admitted at (0: closed loop); slot_ms: the model time the server
     reserves for each of its ticks; measured_rate_hz: the rate the server has seen from it; preview: its
-    chunks carry the predicted frames.
+    chunks carry the predicted frames; client_name: the name it was opened with (in the server's log).
     """
 
     session_id: str
@@ -32,6 +32,7 @@ class Session:
     slot_ms: float = 0.0
     measured_rate_hz: float = 0.0
     preview: bool = False
+    client_name: str = ""
 
     @classmethod
     def from_proto(cls, msg: pb.Session) -> Session:
@@ -47,6 +48,7 @@ class Session:
             msg.slot_ms,
             msg.measured_rate_hz,
             msg.preview,
+            msg.client_name,
         )
 
 

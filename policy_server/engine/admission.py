@@ -232,7 +232,7 @@ class Admission:
             closed = self.sessions.close_idle(now_s, idle_s)
             self._assign_slots()
         for session in closed:
-            logger.info("closed session %s: no call for %.0f s", session.session_id, now_s - session.last_used_s)
+            logger.info("closed session %s: no call for %.0f s", session.describe(), now_s - session.last_used_s)
 
     def _check_floor(self, demand: Demand) -> None:
         """BudgetInfeasible when even an idle server cannot meet the budget: the cheapest tick after the longest

@@ -95,7 +95,8 @@ class SessionHandle:
 
     rate_hz: the chunk-request rate it was admitted at; slot_ms: the model time reserved for each of
     its ticks (its ticks are planned in it, at most ``budget_ms``); measured_rate_hz: the rate the
-    engine has seen (0 before two ticks); preview: its chunks carry the predicted frames.
+    engine has seen (0 before two ticks); preview: its chunks carry the predicted frames; client_name: who
+    opened it, as they said (for logs).
     """
 
     session_id: str
@@ -109,6 +110,7 @@ class SessionHandle:
     slot_ms: float = 0.0
     measured_rate_hz: float = 0.0
     preview: bool = False
+    client_name: str = ""
 
 
 @dataclass(frozen=True)
@@ -498,10 +500,12 @@ class Engine(Protocol):
         rate_hz: float | None = None,
         actions_per_chunk: int | None = None,
         preview: bool = False,
+        client_name: str = "",
     ) -> SessionHandle:
         """Open a session at epoch 1. ``None`` takes the server default; the default rate is
         ``control_hz / actions_per_chunk`` (and ``actions_per_chunk`` defaults to the chunk size).
         ``preview``: every chunk carries the predicted frames, their decode planned into the tick.
+        ``client_name``: who opens it, printable (the transport checks), for logs.
         Raises InvalidArgument, TooManySessions, BudgetInfeasible, Overloaded, WarmingUp."""
         ...
 

@@ -119,7 +119,8 @@ class ModelEngine:
 
     def open_session(self, embodiment: str, instruction: str, budget_ms: float | None = None,
                      chunk_size: int | None = None, seed: int | None = None, rate_hz: float | None = None,
-                     actions_per_chunk: int | None = None, preview: bool = False) -> api.SessionHandle:
+                     actions_per_chunk: int | None = None, preview: bool = False,
+                     client_name: str = "") -> api.SessionHandle:
         self._require_ready()
         self._admission.close_idle(self.settings.session_idle_s)
         served = self.served
@@ -134,7 +135,7 @@ class ModelEngine:
         session = self._admission.open(embodiment, chunk, budget, rate, preview, lambda demand: self.sessions.open(
             embodiment=embodiment, instruction=instruction, budget_ms=budget, chunk_size=chunk,
             seed=0 if seed is None else seed, cost_key=key, demand=demand,
-            limiter=RateLimiter(rate, time.monotonic()), preview=preview))
+            limiter=RateLimiter(rate, time.monotonic()), preview=preview, client_name=client_name))
         if served.graphs is not None:
             # Its first tick then replays the graphs rather than paying for a capture inside its budget.
             try:
@@ -143,6 +144,8 @@ class ModelEngine:
                 self._admission.close(session.session_id)
                 raise
             session.graphed_instruction = instruction
+        logger.info("opened session %s: %s, chunks of %d, budget %g ms, slot %.0f ms, %g Hz", session.describe(),
+                    embodiment, chunk, budget, session.slot_ms, rate)
         return session.handle()
 
     def _on_worker(self, pieces: Iterator[None]) -> None:
@@ -175,7 +178,9 @@ class ModelEngine:
         return self.sessions.reset(session_id).handle()
 
     def close_session(self, session_id: str) -> None:
+        session = self.sessions.get(session_id)
         self._admission.close(session_id)
+        logger.info("closed session %s at its client's request", session.describe())
 
     def set_budget(self, session_id: str, budget_ms: float) -> api.SessionHandle:
         session = self.sessions.get(session_id)

@@ -30,6 +30,7 @@ class SessionState:
     graphed_instruction: the instruction whose CUDA graphs were captured for its ticks (`engine/cuda_graphs.py`).
     history: full-call counts of the previous ticks per cache setting, for the budget planner.
     last_used_s: when a call last named it (``time.monotonic()`` s); streams: the Control streams attached to it.
+    client_name: who opened it, as they said (for logs).
     """
 
     session_id: str
@@ -52,6 +53,7 @@ class SessionState:
     lock: threading.Lock = field(default_factory=threading.Lock)
     last_used_s: float = field(default_factory=time.monotonic)
     streams: int = 0
+    client_name: str = ""
 
     def ticking(self) -> bool:
         """A tick of it is queued or running."""
@@ -64,7 +66,12 @@ class SessionState:
     def handle(self) -> SessionHandle:
         return SessionHandle(self.session_id, self.epoch, self.embodiment, self.instruction, self.budget_ms,
                              self.chunk_size, self.seed, rate_hz=self.demand.rate_hz, slot_ms=self.slot_ms,
-                             measured_rate_hz=self.limiter.measured_hz, preview=self.preview)
+                             measured_rate_hz=self.limiter.measured_hz, preview=self.preview,
+                             client_name=self.client_name)
+
+    def describe(self) -> str:
+        """The session and who opened it, for a log line."""
+        return f"{self.session_id} ({self.client_name!r})" if self.client_name else self.session_id
 
 
 class SessionTable:

@@ -88,6 +88,7 @@ def server_info_to_proto(info: ServerInfo, ready: bool, max_message_bytes: int,
             max_budget_ms=limits.MAX_BUDGET_MS,
             max_rate_hz=limits.MAX_RATE_HZ,
             min_rate_hz=limits.MIN_RATE_HZ,
+            max_client_name_chars=limits.MAX_CLIENT_NAME_CHARS,
             max_temperature=limits.MAX_TEMPERATURE,
             max_frame_side=limits.MAX_FRAME_SIDE,
             max_dynamics_ms=limits.MAX_DYNAMICS_MS,
@@ -126,6 +127,7 @@ def session_to_proto(handle: SessionHandle) -> pb.Session:
         slot_ms=handle.slot_ms,
         measured_rate_hz=handle.measured_rate_hz,
         preview=handle.preview,
+        client_name=handle.client_name,
     )
 
 

@@ -76,7 +76,7 @@ class PolicyServicer(pb_grpc.PolicyServiceServicer):
             executed = validate.actions_per_chunk(request.actions_per_chunk, chunk or spec.default_chunk_size)
         handle = self.engine.open_session(
             spec.name, instruction, budget_ms=budget, chunk_size=chunk, seed=seed, rate_hz=rate,
-            actions_per_chunk=executed, preview=request.preview,
+            actions_per_chunk=executed, preview=request.preview, client_name=validate.client_name(request.client_name),
         )
         return convert.session_to_proto(handle)
 

@@ -80,6 +80,18 @@ def rate_hz(value: float, field: str = "rate_hz") -> float:
     return float(value)
 
 
+def client_name(value: str, field: str = "client_name") -> str:
+    """Who opens a session, for the log: printable, so that a name cannot forge or split log lines."""
+    if len(value) > limits.MAX_CLIENT_NAME_CHARS:
+        raise InvalidArgument(field, f"a name of at most {limits.MAX_CLIENT_NAME_CHARS} characters",
+                              f"{len(value)} characters", reason="TOO_LONG")
+    unprintable = next((c for c in value if not c.isprintable()), None)
+    if unprintable is not None:
+        raise InvalidArgument(field, "printable characters (no line breaks or control characters)",
+                              f"{unprintable!r} in the name", reason="BAD_VALUE")
+    return value
+
+
 def text(value: str, field: str, what: str) -> str:
     """A non-empty text within ``MAX_TEXT_BYTES`` (its token count is the engine's to check)."""
     require(bool(value.strip()), field, f"a non-empty {what}")

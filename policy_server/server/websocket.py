@@ -17,7 +17,10 @@ the connection's last, at most 2^63 - 1).
 Replies: ``actions`` float32 [K, action_dim] plus ``first_step_index``, ``epoch``, the tick record
 and openpi's ``policy_timing`` / ``server_timing`` blocks. An error is a *text* frame
 ``"REASON: message"`` (openpi-client raises it as RuntimeError); the connection stays usable
-after a bad observation and is closed (1011) only on an internal error. Connections beyond
+after a bad observation and is closed (1011) on an internal error. Each refused message costs the server its
+receipt and unpacking (about 12 ms of CPU at 12 MiB), so a connection whose refused messages go beyond a burst of
+``MAX_REFUSED_MESSAGES`` (16) at ``REFUSED_MESSAGES_HZ`` (2) per second is closed with 1008 (policy violation) after
+the answer to the one too many (WARMING_UP answers count none). Connections beyond
 ``max_sessions + 4`` are closed at once with 1013 (try again later), and TCP connections beyond twice that plus 8,
 those still in their handshake counted, are closed before it; one that sends nothing for
 ``session_idle_timeout_s`` is closed with 1001 (going away), so that it frees its place; its session lives as long
@@ -33,7 +36,7 @@ import logging
 import math
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -42,6 +45,7 @@ import numpy as np
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.server import Server, ServerConnection, serve
 
+from policy_server.engine.admission import RateLimiter
 from policy_server.engine.api import (
     CameraSpec,
     EmbodimentSpec,
@@ -53,6 +57,7 @@ from policy_server.engine.api import (
     UnknownSession,
     WarmingUp,
 )
+from policy_server.limits import MAX_REFUSED_MESSAGES, REFUSED_MESSAGES_HZ
 from policy_server.server import validate
 from policy_server.server.auth import bearer_token_matches
 from policy_server.server.convert import tick_to_dict
@@ -222,12 +227,15 @@ class OpenpiObservation:
 
 @dataclass
 class _ConnectionState:
-    """One connection's embodiment, its session (opened on the first observation) and step counter."""
+    """One connection's embodiment, its session (opened on the first observation), step counter and the
+    bucket its refused messages draw on."""
 
     spec: EmbodimentSpec
     session: SessionHandle | None = None
     steps: int = 0  # the step_index of an observation that gives none
     prev_total_ms: float = 0.0  # the previous answer's time from receipt to sent, ms
+    refusals: RateLimiter = field(default_factory=lambda: RateLimiter(
+        REFUSED_MESSAGES_HZ, time.monotonic(), burst=MAX_REFUSED_MESSAGES))
 
 
 class OpenpiWebsocketServer:
@@ -407,7 +415,7 @@ class OpenpiWebsocketServer:
     def _answer(self, connection: ServerConnection, raw: bytes | str, state: _ConnectionState,
                 attached: contextlib.ExitStack) -> bool:
         """Answer one message: a chunk, a reset's epoch or an error text frame. False when it closed the
-        connection (an internal error, or the server stopping)."""
+        connection (an internal error, the server stopping, or refused messages beyond their rate)."""
         started = time.monotonic()
         try:
             if self._stopping.is_set():
@@ -425,8 +433,10 @@ class OpenpiWebsocketServer:
             observation = validate.observation(OpenpiObservation(message, state.steps), state.spec)
             if state.session is None:
                 validate.instruction(observation.instruction, "prompt")
-                # The openpi protocol cannot declare a rate: its clients ask again when a chunk runs out.
-                state.session = self._engine.open_session(state.spec.name, observation.instruction, rate_hz=0.0)
+                # The openpi protocol cannot declare a rate (its clients ask again when a chunk runs out) nor a name.
+                host, port = connection.remote_address[:2]
+                state.session = self._engine.open_session(state.spec.name, observation.instruction, rate_hz=0.0,
+                                                          client_name=f"openpi client at {host}:{port}")
                 attached.enter_context(self._engine.attach(state.session.session_id))
             result = self._engine.act(state.session.session_id, state.session.epoch, observation)
         except Exception as exc:  # noqa: BLE001 - answered as a text frame
@@ -435,6 +445,13 @@ class OpenpiWebsocketServer:
             connection.send(f"{error.reason}: {error.detail.message}")
             if error.reason in ("INTERNAL", "SHUTTING_DOWN"):
                 connection.close(code=1011 if error.reason == "INTERNAL" else 1001, reason=error.detail.message)
+                return False
+            # Receiving them takes CPU from the sessions' ticks (a warming server has none, and its clients wait).
+            if error.reason != "WARMING_UP" and state.refusals.take(started) > 0:
+                self._metrics.observe_error("RATE_EXCEEDED")
+                reason = (f"too many refused messages: {state.refusals.measured_hz:.1f} per second, beyond a burst of "
+                          f"{MAX_REFUSED_MESSAGES} at {REFUSED_MESSAGES_HZ:g} per second")
+                connection.close(code=1008, reason=reason)
                 return False
             return True
         state.steps = min(observation.step_index + 1, MAX_STEP_INDEX)  # the default stays a valid step_index

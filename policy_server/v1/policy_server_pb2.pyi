@@ -146,7 +146,7 @@ class ProfilePoint(_message.Message):
     def __init__(self, label: _Optional[str] = ..., p50_ms: _Optional[float] = ..., p95_ms: _Optional[float] = ..., full_calls: _Optional[int] = ..., skipped_calls: _Optional[int] = ...) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("max_sessions", "max_message_bytes", "max_reason_tokens", "max_instruction_tokens", "max_prompt_tokens", "max_text_bytes", "max_budget_ms", "max_rate_hz", "max_temperature", "max_frame_side", "max_dynamics_ms", "max_dynamics_calls", "min_rate_hz")
+    __slots__ = ("max_sessions", "max_message_bytes", "max_reason_tokens", "max_instruction_tokens", "max_prompt_tokens", "max_text_bytes", "max_budget_ms", "max_rate_hz", "max_temperature", "max_frame_side", "max_dynamics_ms", "max_dynamics_calls", "min_rate_hz", "max_client_name_chars")
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_REASON_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -160,6 +160,7 @@ class Limits(_message.Message):
     MAX_DYNAMICS_MS_FIELD_NUMBER: _ClassVar[int]
     MAX_DYNAMICS_CALLS_FIELD_NUMBER: _ClassVar[int]
     MIN_RATE_HZ_FIELD_NUMBER: _ClassVar[int]
+    MAX_CLIENT_NAME_CHARS_FIELD_NUMBER: _ClassVar[int]
     max_sessions: int
     max_message_bytes: int
     max_reason_tokens: int
@@ -173,7 +174,8 @@ class Limits(_message.Message):
     max_dynamics_ms: float
     max_dynamics_calls: int
     min_rate_hz: float
-    def __init__(self, max_sessions: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_reason_tokens: _Optional[int] = ..., max_instruction_tokens: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_text_bytes: _Optional[int] = ..., max_budget_ms: _Optional[float] = ..., max_rate_hz: _Optional[float] = ..., max_temperature: _Optional[float] = ..., max_frame_side: _Optional[int] = ..., max_dynamics_ms: _Optional[float] = ..., max_dynamics_calls: _Optional[int] = ..., min_rate_hz: _Optional[float] = ...) -> None: ...
+    max_client_name_chars: int
+    def __init__(self, max_sessions: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_reason_tokens: _Optional[int] = ..., max_instruction_tokens: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_text_bytes: _Optional[int] = ..., max_budget_ms: _Optional[float] = ..., max_rate_hz: _Optional[float] = ..., max_temperature: _Optional[float] = ..., max_frame_side: _Optional[int] = ..., max_dynamics_ms: _Optional[float] = ..., max_dynamics_calls: _Optional[int] = ..., min_rate_hz: _Optional[float] = ..., max_client_name_chars: _Optional[int] = ...) -> None: ...
 
 class Capacity(_message.Message):
     __slots__ = ("embodiment", "chunk_size", "budget_ms", "rate_hz", "sessions_alone", "sessions_more")
@@ -250,7 +252,7 @@ class OpenSessionRequest(_message.Message):
     def __init__(self, embodiment: _Optional[str] = ..., instruction: _Optional[str] = ..., budget_ms: _Optional[float] = ..., chunk_size: _Optional[int] = ..., seed: _Optional[int] = ..., client_name: _Optional[str] = ..., rate_hz: _Optional[float] = ..., actions_per_chunk: _Optional[int] = ..., preview: _Optional[bool] = ...) -> None: ...
 
 class Session(_message.Message):
-    __slots__ = ("session_id", "epoch", "embodiment", "instruction", "budget_ms", "chunk_size", "seed", "rate_hz", "slot_ms", "measured_rate_hz", "preview")
+    __slots__ = ("session_id", "epoch", "embodiment", "instruction", "budget_ms", "chunk_size", "seed", "rate_hz", "slot_ms", "measured_rate_hz", "preview", "client_name")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     EMBODIMENT_FIELD_NUMBER: _ClassVar[int]
@@ -262,6 +264,7 @@ class Session(_message.Message):
     SLOT_MS_FIELD_NUMBER: _ClassVar[int]
     MEASURED_RATE_HZ_FIELD_NUMBER: _ClassVar[int]
     PREVIEW_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     embodiment: str
@@ -273,7 +276,8 @@ class Session(_message.Message):
     slot_ms: float
     measured_rate_hz: float
     preview: bool
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., embodiment: _Optional[str] = ..., instruction: _Optional[str] = ..., budget_ms: _Optional[float] = ..., chunk_size: _Optional[int] = ..., seed: _Optional[int] = ..., rate_hz: _Optional[float] = ..., slot_ms: _Optional[float] = ..., measured_rate_hz: _Optional[float] = ..., preview: _Optional[bool] = ...) -> None: ...
+    client_name: str
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., embodiment: _Optional[str] = ..., instruction: _Optional[str] = ..., budget_ms: _Optional[float] = ..., chunk_size: _Optional[int] = ..., seed: _Optional[int] = ..., rate_hz: _Optional[float] = ..., slot_ms: _Optional[float] = ..., measured_rate_hz: _Optional[float] = ..., preview: _Optional[bool] = ..., client_name: _Optional[str] = ...) -> None: ...
 
 class ResetSessionRequest(_message.Message):
     __slots__ = ("session_id",)
