@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import ray
 
+from policy_server.ray_serve.address import check_gcs_address
 from robots.rollout import EpisodeResult, run_episodes
 
 
@@ -28,8 +29,9 @@ def run_on_ray(make_policy: Callable, env_id: str, indices: Sequence[int], worke
                cpus_per_worker: float = 1.0) -> list[EpisodeResult]:
     """`run_episodes` over `workers` Ray workers (each with `num_envs` environments and `gpus_per_worker` GPUs) of
     the cluster at `address` (unset: `RAY_ADDRESS`, else a Ray started here); the results in the order of
-    `indices`, the first `videos` of them recorded."""
+    `indices`, the first `videos` of them recorded; ConnectionError where `address` names no running Ray."""
     if not ray.is_initialized():
+        check_gcs_address(address)
         ray.init(address=address)
     parts = [part.tolist() for part in np.array_split(np.asarray(indices), min(workers, len(indices)))]
     starts = np.cumsum([0] + [len(part) for part in parts[:-1]])

@@ -437,6 +437,8 @@ def main(argv: list[str] | None = None) -> int:
     budget = args.latency_budget_ms
     # The server's, the engine's, or a server that never turned SERVING.
     refusals: tuple[type[Exception], ...] = (PolicyServerError, EngineError, TimeoutError, RolloutError)
+    if args.ray is not None:
+        refusals += (ConnectionError,)  # --ray-address (or RAY_ADDRESS) names no running Ray
     if args.in_process:
         from policy_server.budget.profile import ProfileError
         from policy_server.engine.compiled_stack import CompileUnavailableError

@@ -19,6 +19,7 @@ import threading
 
 from policy_server.cli import build_parser
 from policy_server.config import CONFIG_ENV, ConfigError, read_config_file
+from policy_server.ray_serve.address import check_gcs_address
 
 
 def _port(value: str) -> int:
@@ -75,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
 
     name = serve_keys.get("name", APPLICATION)
     try:
+        check_gcs_address(serve_keys.get("address"))
         ray.init(address=serve_keys.get("address"))
     except ConnectionError as exc:  # --address (or RAY_ADDRESS) names no running Ray
         print(f"policy-server ray-serve: {exc}", file=sys.stderr)

@@ -1,0 +1,91 @@
+"""The Ray address `policy-server ray-serve --address` and `policy-rollout --ray-address` join, checked before
+`ray.init` (`policy_server/ray_serve/address.py`): where nothing answers, each command ends in one line within
+seconds instead of Ray's minutes of GCS retries. Every address dialled here is on the loopback."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from policy_server.ray_serve import address
+from policy_server.ray_serve.address import check_gcs_address
+
+pytest.importorskip("ray", reason="Ray is not installed (pip install 'policy-server[ray]')")
+
+EXPECTED = "expected the GCS address of a running Ray cluster (HOST:PORT, as `ray start --head` prints it)"
+
+
+@pytest.fixture
+def closed_port():
+    """A port on 127.0.0.1 that refuses connections: bound here, so that nothing else takes it, and not listening."""
+    with socket.socket() as bound:
+        bound.bind(("127.0.0.1", 0))
+        yield bound.getsockname()[1]
+
+
+@pytest.fixture
+def no_ray_address(monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+
+
+@pytest.mark.parametrize("value", [None, "auto", "local", "ray://127.0.0.1:1"])
+def test_addresses_ray_resolves_itself_pass_without_a_connection(value, no_ray_address, monkeypatch):
+    monkeypatch.setattr(address.socket, "create_connection", lambda *_, **__: pytest.fail("dialled"))
+    check_gcs_address(value)
+
+
+def test_a_listening_gcs_address_passes(no_ray_address):
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        check_gcs_address(f"127.0.0.1:{server.getsockname()[1]}")
+        check_gcs_address(f"localhost:{server.getsockname()[1]}")
+
+
+def test_an_address_where_nothing_answers_is_named_with_the_reason(closed_port, no_ray_address):
+    with pytest.raises(ConnectionError) as refused:
+        check_gcs_address(f"127.0.0.1:{closed_port}")
+    assert str(refused.value) == (f"nothing answers at Ray address 127.0.0.1:{closed_port} (Connection refused); "
+                                  f"{EXPECTED}")
+
+
+@pytest.mark.parametrize("given", [None, "auto"])
+def test_ray_address_stands_in_for_an_unset_or_auto_address_as_in_ray_init(given, closed_port, monkeypatch):
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{closed_port}")
+    with pytest.raises(ConnectionError, match=rf"^nothing answers at RAY_ADDRESS 127\.0\.0\.1:{closed_port} "):
+        check_gcs_address(given)
+
+
+@pytest.mark.parametrize("value", ["head", "head:", ":6379", "head:port", "head:70000"])
+def test_an_address_that_is_not_host_port_is_refused(value, no_ray_address):
+    with pytest.raises(ConnectionError) as refused:
+        check_gcs_address(value)
+    assert str(refused.value) == f"Ray address {value!r} is not HOST:PORT (a running cluster's GCS), auto or ray://..."
+
+
+def _run(argv: list[str]) -> tuple[subprocess.CompletedProcess, float]:
+    """`python -m ...argv` in a process of its own: one that hangs in Ray's retries fails the test, not the suite."""
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, timeout=60, env=env)
+    return done, time.monotonic() - started
+
+
+def test_ray_serve_ends_in_one_line_where_nothing_answers_at_the_address(closed_port):
+    done, seconds = _run(["policy_server.ray_serve.command", "--address", f"127.0.0.1:{closed_port}"])
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == (f"policy-server ray-serve: nothing answers at Ray address 127.0.0.1:{closed_port} "
+                           f"(Connection refused); {EXPECTED}\n")
+    assert seconds < 30
+
+
+def test_a_ray_rollout_ends_in_one_line_where_nothing_answers_at_the_address(closed_port, tmp_path):
+    done, seconds = _run(["robots.rollout", "--server", "127.0.0.1:1", "--episodes", "1", "--ray", "1",
+                          "--ray-address", f"127.0.0.1:{closed_port}", "--out", str(tmp_path / "rollout.json")])
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == (f"policy-rollout: nothing answers at Ray address 127.0.0.1:{closed_port} "
+                           f"(Connection refused); {EXPECTED}\n")
+    assert seconds < 30 and not (tmp_path / "rollout.json").exists()
