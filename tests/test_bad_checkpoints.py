@@ -54,7 +54,9 @@ def _writing(relative, content):
 
 BROKEN = {
     "empty_folder": (lambda root: [_remove(p) for p in root.rglob("*") if p.is_file()],
-                     "policy.json: no policy config"),
+                     "no model_index.json; expected a Cosmos3OmniPipeline folder as diffusers' save_pretrained writes"),
+    "embedded_folder_without_its_policy_json": (lambda root: _remove(root / "policy.json"),
+                                                "policy.json: no policy config"),
     "embedded_folder_named_a_diffusers_pipeline": (
         lambda root: _edit_json(root / "model_index.json", _class_name="Cosmos3OmniPipeline"),
         "model_index.json: vae=['policy_server', 'SmallVideoVAE']; expected ['diffusers', 'AutoencoderKLWan']"),

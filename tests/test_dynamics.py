@@ -132,6 +132,14 @@ def test_forward_dynamics_frames_are_the_pipeline_s_decoded_frames(engine, clien
     assert predicted.tick.setting == "none" and predicted.tick.skipped_calls == 0
 
 
+def test_forward_dynamics_takes_the_servers_own_chunk_at_its_limits(client, session):
+    image = _frame(3)
+    chunk = client.act(session, {"image": image}, STATE)
+    at_limits = np.clip(ACTIONS * 4, -0.2, 0.2).astype(np.float32)  # as the server clips its chunks
+    for actions in (chunk.actions, at_limits):
+        assert client.forward_dynamics(session, {"image": image}, actions, STATE).frames.shape == (9, 64, 64, 3)
+
+
 def test_forward_dynamics_accepts_float64_actions_and_checks_them_at_the_boundary(engine, client, session):
     image = _frame(2)
     wide = client.forward_dynamics(session, {"image": image}, ACTIONS.astype(np.float64), STATE, encoding="png")

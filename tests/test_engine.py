@@ -302,9 +302,16 @@ def test_a_warmup_that_fails_is_logged_and_raised_by_wait_ready(tmp_path, monkey
         engine.close()
 
 
-def test_closing_during_warmup_is_no_warmup_failure_to_log(tmp_path, caplog):
-    engine = ModelEngine(build_random_pipeline(tmp_path, seed=2), EngineSettings(warmup_ticks=1))
+@pytest.mark.parametrize("mid_tick", [False, True], ids=["before its first tick", "in a tick"])
+def test_closing_during_warmup_is_no_warmup_failure_to_log(tmp_path, caplog, mid_tick):
+    # A server that cannot bind its port closes its engine so, wherever the warmup is.
+    pipeline = build_random_pipeline(tmp_path, seed=2)
+    engine = ModelEngine(pipeline, EngineSettings(warmup_ticks=1, compile_gen_stack=False))
+    ticking = threading.Event()
+    pipeline.transformer.norm_moe_gen.register_forward_pre_hook(lambda *_: ticking.set())
     engine.start()
+    if mid_tick:
+        assert ticking.wait(timeout=60)
     engine.close()
     with pytest.raises(RuntimeError):  # not warm, and never will be
         engine.wait_ready(timeout_s=60)

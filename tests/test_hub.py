@@ -57,6 +57,10 @@ def test_a_hub_id_loads_from_the_cache_and_a_missing_one_is_a_clear_error(hub):
     loaded, pinned, missing = result.stdout.strip().splitlines()
     assert loaded == pinned == f"loaded {COMMIT} {digest}"
     assert missing.startswith("error cannot serve checkpoint org/missing: ") and "HF_HUB_OFFLINE=1" in missing
+    # Online with nothing answering (a closed loopback port as the Hub): huggingface_hub's text has line breaks.
+    unreachable = _run(["-c", script, "org/missing"], {**env, "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9"})
+    (line,) = unreachable.stdout.strip().splitlines()
+    assert line.startswith("error cannot serve checkpoint org/missing: ") and "Connection refused" in line
 
 
 def test_calibrate_resolves_a_hub_id_and_writes_the_profile_to_the_cache_not_the_hub_snapshot(hub, tmp_path):

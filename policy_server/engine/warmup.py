@@ -128,7 +128,8 @@ class Warmup:
         return profile
 
     def failed(self, error: BaseException) -> None:
-        if not isinstance(error, api.ShuttingDown):  # a shutdown during warmup is no failure to report
+        # A shutdown during warmup (the queue's ShuttingDown, or the tick it abandoned) is no failure to report.
+        if not self.served.closing.is_set():
             logger.error("warmup failed", exc_info=error)
         self.error = error  # surfaced by wait_ready() and every request
         self.ready.set()

@@ -36,8 +36,13 @@ def checkpoint_folder(reference: str | Path) -> Path:
     except LocalEntryNotFoundError as exc:
         raise CheckpointNotFound(
             f"checkpoint {str(reference)!r} is not a local path, and the Hugging Face Hub repository is not in the "
-            f"cache while the Hub cannot be reached (HF_HUB_OFFLINE=1, or no network): {exc}") from exc
+            f"cache while the Hub cannot be reached (HF_HUB_OFFLINE=1, or no network): {_one_line(exc)}") from exc
     except (HfHubHTTPError, OSError) as exc:
         raise CheckpointNotFound(
             f"checkpoint {str(reference)!r} is not a local path, and fetching it from the Hugging Face Hub "
-            f"failed: {exc}") from exc
+            f"failed: {_one_line(exc)}") from exc
+
+
+def _one_line(error: Exception) -> str:
+    """huggingface_hub's message on one line: the server's error is one line of its log and stderr."""
+    return " ".join(str(error).split())

@@ -398,6 +398,9 @@ class PolicyPipeline:
 
     @classmethod
     def _from_policy_folder(cls, root: Path, device: str, dtype: torch.dtype | None) -> PolicyPipeline:
+        if not (root / "model_index.json").is_file() and not (root / "policy.json").is_file():
+            raise CheckpointError(f"{root}: no model_index.json; expected a Cosmos3OmniPipeline folder as diffusers' "
+                                  "save_pretrained writes it (or the embedded model's layout, with a policy.json)")
         config = PolicyConfig.load(root / "policy.json")
         embodiments = EmbodimentRegistry.cosmos3()
         served = embodiments.load_config(root / config.embodiments_file)

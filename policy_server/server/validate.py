@@ -170,7 +170,9 @@ def _in_range(values: np.ndarray, low: tuple[float, ...], high: tuple[float, ...
         bad = [int(i) for i in np.flatnonzero(~np.isfinite(wide.reshape(-1)))]
         raise InvalidArgument(field, "finite values", f"NaN/Inf at index {bad}", reason="NON_FINITE")
     if low:
-        lo, hi = np.asarray(low, np.float64), np.asarray(high, np.float64)
+        # The limits as float32 holds them, as the values are used and as the server clips its own actions: its
+        # chunk's -0.2 (float32 -0.2000000030) is inside a declared -0.2.
+        lo, hi = np.asarray(low, np.float32).astype(np.float64), np.asarray(high, np.float32).astype(np.float64)
         expected = f"values within the declared {what} range [{list(low)}, {list(high)}]"
     else:
         hi = np.full(values.shape[-1:], np.finfo(np.float32).max, np.float64)
