@@ -28,6 +28,7 @@ from policy_server.engine.engine import ModelEngine
 from policy_server.engine.served import EngineSettings
 from policy_server.limits import MAX_FRAME_SIDE, MAX_INSTRUCTION_TOKENS, MAX_REFUSED_MESSAGES, REFUSED_MESSAGES_HZ
 from policy_server.server.app import build_server
+from policy_server.server.websocket import BARRED_S
 from robots.embedded import build_random_pipeline
 
 IMAGE = np.random.default_rng(3).integers(0, 256, (48, 64, 3), dtype=np.uint8)
@@ -372,11 +373,20 @@ def test_an_undecodable_frame_is_named_with_what_was_expected(server, frame, err
         assert ws.recv(timeout=10) == error
 
 
-def test_a_connection_that_keeps_sending_refused_messages_is_closed(server):
-    """Each refused message costs the server its receipt and unpacking: a burst is answered, a flood is closed."""
-    def closes() -> float:
+@pytest.fixture
+def own_server():
+    """A server of the test's own: one that bars the test's address must not bar the next test's."""
+    with serve_fake(FakeEngine(), websocket_port=0) as running:
+        yield running
+
+
+def test_a_connection_that_keeps_sending_refused_messages_is_closed_and_its_address_barred(own_server):
+    """Each refused message costs the server its receipt and unpacking: a burst is answered, a flood is closed, and
+    its address gets no new burst by reconnecting."""
+    server = own_server
+
+    def refusals() -> float:
         return server.metrics.registry.get_sample_value("policy_server_errors_total", {"reason": "RATE_EXCEEDED"}) or 0
-    before = closes()
     with websockets.sync.client.connect(f"ws://127.0.0.1:{server.websocket_port}", compression=None) as ws:
         ws.recv(timeout=10)
         started = time.monotonic()
@@ -397,10 +407,12 @@ def test_a_connection_that_keeps_sending_refused_messages_is_closed(server):
     assert closed.value.rcvd.reason.startswith("too many refused messages: ")
     assert closed.value.rcvd.reason.endswith(f"per second, beyond a burst of {MAX_REFUSED_MESSAGES} at "
                                              f"{REFUSED_MESSAGES_HZ:g} per second")
-    assert closes() == before + 1
-    policy = WebsocketClientPolicy(host="127.0.0.1", port=server.websocket_port)  # a new connection is served
-    assert policy.infer(openpi_observation())["actions"].shape == (8, 2)
-    policy._ws.close()
+    assert refusals() == 1
+    barred_at = time.monotonic()
+    with socket.create_connection(("127.0.0.1", server.websocket_port)) as sock:  # closed before its handshake
+        sock.settimeout(5)
+        assert sock.recv(1) == b""
+    assert time.monotonic() - barred_at < BARRED_S
 
 
 def test_refused_messages_within_their_rate_keep_the_connection(server):

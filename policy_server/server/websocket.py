@@ -20,7 +20,8 @@ and openpi's ``policy_timing`` / ``server_timing`` blocks. An error is a *text* 
 after a bad observation and is closed (1011) on an internal error. Each refused message costs the server its
 receipt and unpacking (about 12 ms of CPU at 12 MiB), so a connection whose refused messages go beyond a burst of
 ``MAX_REFUSED_MESSAGES`` (16) at ``REFUSED_MESSAGES_HZ`` (2) per second is closed with 1008 (policy violation) after
-the answer to the one too many (WARMING_UP answers count none). Connections beyond
+the answer to the one too many (WARMING_UP answers count none), and its address's new connections are closed before
+their handshake for the ``BARRED_S`` (8 s) a burst takes to refill. Connections beyond
 ``max_sessions + 4`` are closed at once with 1013 (try again later), and TCP connections beyond twice that plus 8,
 those still in their handshake counted, are closed before it; one that sends nothing for
 ``session_idle_timeout_s`` is closed with 1001 (going away), so that it frees its place; its session lives as long
@@ -69,6 +70,9 @@ log = logging.getLogger(__name__)
 _ALLOWED_KINDS = {"b", "i", "u", "f"}
 MAX_STEP_INDEX = 2**63 - 1
 OPEN_TIMEOUT_S = 10.0  # a connection's handshake must be done within this
+# After a connection is closed for its refused messages, its address may open none for the time its burst takes to
+# refill (s): a client that reconnects gets no new burst.
+BARRED_S = MAX_REFUSED_MESSAGES / REFUSED_MESSAGES_HZ
 # The engine names the instruction after gRPC's fields; openpi sends it as `prompt`.
 _PROMPT_FIELDS = ("instruction", "observation.instruction")
 
@@ -272,6 +276,8 @@ class OpenpiWebsocketServer:
         # A TCP connection holds two threads (its handler, its reader) from its accept, through its handshake (at
         # most `OPEN_TIMEOUT_S`): beyond twice as many connections, plus a few, it is closed at once.
         self._sockets = threading.BoundedSemaphore(2 * (engine.info().max_sessions + 4) + 8)
+        self._barred: dict[str, float] = {}  # host -> until when it may not connect (time.monotonic() s)
+        self._barred_lock = threading.Lock()
 
     @property
     def port(self) -> int:
@@ -298,11 +304,14 @@ class OpenpiWebsocketServer:
         return self.port
 
     def _bounded(self, handle_socket):
-        """`handle_socket(sock, addr)`, websockets' handshake and connection, for at most `_sockets` sockets at once.
-        A socket beyond them is closed on its thread's start, before its handshake, and still handed to websockets,
-        whose handler then fails on it at once and forgets its thread as for any socket that fails."""
+        """`handle_socket(sock, addr)`, websockets' handshake and connection, for at most `_sockets` sockets at once,
+        from addresses not barred. Any other socket is closed on its thread's start, before its handshake (the least
+        a flood of them can cost), and still handed to websockets, whose handler then fails on it at once and forgets
+        its thread as for any socket that fails."""
         def bounded(sock, addr) -> None:
-            if not self._sockets.acquire(blocking=False):
+            with self._barred_lock:
+                barred = self._barred.get(addr[0], 0.0) > time.monotonic()
+            if barred or not self._sockets.acquire(blocking=False):
                 sock.close()
                 handle_socket(sock, addr)
                 return
@@ -322,6 +331,15 @@ class OpenpiWebsocketServer:
             self._answered.wait_for(lambda: self._answering == 0, timeout=grace_s)
         self._server.shutdown(reason="server shutting down")
         self._server = None
+
+    def _bar(self, host: str) -> None:
+        """Close `host`'s new connections for `BARRED_S`; forget the addresses whose time is up."""
+        log.warning("closed a WebSocket connection from %s for its refused messages; its address may not connect "
+                    "for %g s", host, BARRED_S)
+        now_s = time.monotonic()
+        with self._barred_lock:
+            self._barred = {h: until for h, until in self._barred.items() if until > now_s}
+            self._barred[host] = now_s + BARRED_S
 
     # -- HTTP side: /healthz, auth, embodiment selection ---------------------------------------
 
@@ -451,6 +469,7 @@ class OpenpiWebsocketServer:
                 self._metrics.observe_error("RATE_EXCEEDED")
                 reason = (f"too many refused messages: {state.refusals.measured_hz:.1f} per second, beyond a burst of "
                           f"{MAX_REFUSED_MESSAGES} at {REFUSED_MESSAGES_HZ:g} per second")
+                self._bar(connection.remote_address[0])
                 connection.close(code=1008, reason=reason)
                 return False
             return True
