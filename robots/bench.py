@@ -463,7 +463,7 @@ def run(args: argparse.Namespace) -> dict:
     settings = EngineSettings(warmup_ticks=args.warmup, max_sessions=8, compile_gen_stack=args.compile_gen_stack)
 
     try:  # where the server would find it (`--quality-profile auto`), or the file named
-        profile, _ = resolve_profile(args.quality_profile, pipeline.folder, pipeline.digest, [name], steps)
+        profile, _ = resolve_profile(args.quality_profile, pipeline.folder, pipeline.digest, [name], pipeline.config)
     except ProfileError as error:
         raise BenchError(str(error)) from error
 

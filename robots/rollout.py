@@ -142,7 +142,7 @@ class InProcessPolicy:
             pipeline = PolicyPipeline(pipeline.transformer, pipeline.vae, pipeline.tokenizer, pipeline.embodiments,
                                       config, pipeline.served_embodiments, pipeline.digest)
         profile, calibrate = resolve_profile(quality_profile, pipeline.folder, pipeline.digest,
-                                             pipeline.served_embodiments, pipeline.config.num_steps)
+                                             pipeline.served_embodiments, pipeline.config)
         self.engine = ModelEngine(pipeline, EngineSettings(default_budget_ms=budget_ms, diffusion_cache=cache,
                                                            max_sessions=max(4, num_envs), quality_profile=profile,
                                                            calibrate_at_warmup=calibrate,

@@ -146,25 +146,30 @@ def test_observations_round_trip_and_bad_files_name_what_is_wrong(pipe, observat
 
 def test_the_server_finds_a_profile_beside_the_checkpoint_else_calibrates(pipe, profile, tmp_path, monkeypatch):
     monkeypatch.setenv("POLICY_SERVER_CACHE", str(tmp_path / "cache"))
-    assert resolve_profile("off", tmp_path, pipe.digest, pipe.served_embodiments, STEPS) == (None, False)
-    assert resolve_profile("auto", tmp_path, pipe.digest, pipe.served_embodiments, STEPS) == (None, True)
+    assert resolve_profile("off", tmp_path, pipe.digest, pipe.served_embodiments, pipe.config) == (None, False)
+    assert resolve_profile("auto", tmp_path, pipe.digest, pipe.served_embodiments, pipe.config) == (None, True)
     profile.save(tmp_path / PROFILE_FILE)
-    assert resolve_profile("auto", tmp_path, pipe.digest, pipe.served_embodiments, STEPS) == (profile, False)
-    assert resolve_profile(str(tmp_path / PROFILE_FILE), None, pipe.digest, pipe.served_embodiments, STEPS) == \
+    assert resolve_profile("auto", tmp_path, pipe.digest, pipe.served_embodiments, pipe.config) == (profile, False)
+    assert resolve_profile(str(tmp_path / PROFILE_FILE), None, pipe.digest, pipe.served_embodiments, pipe.config) == \
         (profile, False)
     with pytest.raises(ProfileError, match="no configurations for aloha .it has pusht.; calibrate the served"):
-        resolve_profile("auto", tmp_path, pipe.digest, ["pusht", "aloha"], STEPS)
+        resolve_profile("auto", tmp_path, pipe.digest, ["pusht", "aloha"], pipe.config)
 
 
-def test_a_profile_whose_default_has_other_steps_than_the_checkpoint_is_refused(pipe, profile, tmp_path):
-    """The digest covers the weights, not policy.json: a profile measured before its num_steps changed describes
-    other ticks, its errors measured against another reference."""
+@pytest.mark.parametrize("change,checkpoint", [({"num_steps": 2 * STEPS}, f"{2 * STEPS}, {2 * STEPS} guided"),
+                                               ({"guidance": 1.0}, f"{STEPS}, 0 guided")],
+                         ids=["steps", "guidance"])
+def test_a_profile_whose_default_is_not_the_checkpoints_tick_is_refused(pipe, profile, tmp_path, change, checkpoint):
+    """The digest covers the weights, not policy.json: a profile measured before its sampler settings changed
+    describes other ticks, its errors measured against another reference."""
     path = tmp_path / PROFILE_FILE
     profile.save(path)
+    assert pipe.config.guidance != 1.0 and profile.default.cfg_steps == STEPS
     with pytest.raises(ProfileError) as info:
-        resolve_profile(str(path), None, pipe.digest, pipe.served_embodiments, 2 * STEPS)
-    assert str(info.value).startswith(f"{path}: its default configuration has {STEPS} sampler steps, the "
-                                      f"checkpoint's {2 * STEPS}; recalibrate with `policy-server calibrate`")
+        resolve_profile(str(path), None, pipe.digest, pipe.served_embodiments, pipe.config.model_copy(update=change))
+    assert str(info.value).startswith(f"{path}: its default configuration has {STEPS} sampler steps, {STEPS} of them "
+                                      f"guided; the checkpoint's {checkpoint}; recalibrate with `policy-server "
+                                      "calibrate`")
 
 
 def test_the_command_writes_the_profile_beside_the_checkpoint(tmp_path, capsys, monkeypatch):

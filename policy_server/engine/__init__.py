@@ -24,7 +24,7 @@ def build_engine(config):
     pipeline = PolicyPipeline.from_pretrained(config.checkpoint, device=device,
                                               dtype=resolve_dtype(config.dtype, device))
     profile, calibrate = resolve_profile(config.quality_profile, pipeline.folder, pipeline.digest,
-                                         pipeline.served_embodiments, pipeline.config.num_steps)
+                                         pipeline.served_embodiments, pipeline.config)
     engine = ModelEngine(pipeline, settings_from_config(config, profile, calibrate))
     engine.start()
     return engine

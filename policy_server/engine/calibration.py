@@ -70,6 +70,7 @@ from policy_server.pipeline.policy import (
     default_model_path,
     run_steps,
 )
+from policy_server.pipeline.policy_config import PolicyConfig
 from policy_server.pipeline.tick_work import TickWork
 
 # Sampler steps tried, as fractions of the default (then floored at `min_steps`); a coarse grid, for the
@@ -337,9 +338,7 @@ def calibration_steps(pipeline: PolicyPipeline, observations: Sequence[Observati
     per worker step) and returns the profile."""
     started = time.perf_counter()
     runner = runner or TickRunner.eager(pipeline)
-    default = TickConfig(num_steps=pipeline.config.num_steps,
-                         cfg_steps=pipeline.config.num_steps if pipeline.config.guidance != 1.0 else 0,
-                         threshold=0.0, cap=0, residual_order=configs[0].residual_order)
+    default = default_config(pipeline.config, configs[0].residual_order)
     measured: dict[str, dict[TickConfig, list[tuple[float, int, int, int]]]] = {}
     cost_model = CostModel(window=len(observations) * len(configs))  # keyed by embodiment; every tick counts
     references = []
@@ -412,12 +411,19 @@ def profile_locations(checkpoint: Path | None, digest: str) -> list[Path]:
     return [(default_model_path() if checkpoint is None else checkpoint) / PROFILE_FILE, cached]
 
 
+def default_config(sampler: PolicyConfig, residual_order: int) -> TickConfig:
+    """The checkpoint's own tick: all its sampler steps, guided on each when it guides, uncached. A profile's
+    errors are measured against it."""
+    return TickConfig(num_steps=sampler.num_steps, cfg_steps=sampler.num_steps if sampler.guidance != 1.0 else 0,
+                      threshold=0.0, cap=0, residual_order=residual_order)
+
+
 def resolve_profile(setting: str, checkpoint: Path | None, digest: str, served: Sequence[str],
-                    num_steps: int) -> tuple[QualityProfile | None, bool]:
+                    sampler: PolicyConfig) -> tuple[QualityProfile | None, bool]:
     """`(profile, calibrate at warmup)` for the server's `quality_profile` setting: "off", "auto" (the first
     of `profile_locations` that exists; none: calibrate at warmup) or a profile file. `ProfileError` when the
     profile found cannot be used: not of these weights, its default (the reference every error is measured
-    against) not at the checkpoint's `num_steps` sampler steps, or without one of the `served` embodiments."""
+    against) not the checkpoint's `sampler` steps and guidance, or without one of the `served` embodiments."""
     if setting == "off":
         return None, False
     path = Path(setting) if setting != "auto" else next(
@@ -425,10 +431,11 @@ def resolve_profile(setting: str, checkpoint: Path | None, digest: str, served: 
     if path is None:
         return None, True
     profile = QualityProfile.load(path, digest)
-    if profile.default.num_steps != num_steps:
-        raise ProfileError(f"{path}: its default configuration has {profile.default.num_steps} sampler steps, the "
-                           f"checkpoint's {num_steps}; recalibrate with `policy-server calibrate`, or plan on the "
-                           "cache ladder with --quality-profile off")
+    have, want = profile.default, default_config(sampler, profile.default.residual_order)
+    if (have.num_steps, have.cfg_steps) != (want.num_steps, want.cfg_steps):
+        raise ProfileError(f"{path}: its default configuration has {have.num_steps} sampler steps, {have.cfg_steps} "
+                           f"of them guided; the checkpoint's {want.num_steps}, {want.cfg_steps} guided; recalibrate "
+                           "with `policy-server calibrate`, or plan on the cache ladder with --quality-profile off")
     missing = [name for name in served if name not in profile.embodiments]
     if missing:
         raise ProfileError(f"{path}: no configurations for {', '.join(missing)} (it has "
