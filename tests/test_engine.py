@@ -86,6 +86,28 @@ def test_the_log_says_who_opened_and_closed_each_session(engine, caplog):
     assert lines[2].startswith(f"opened session {unnamed.session_id}: pusht")
 
 
+def test_a_tick_running_when_its_session_is_reset_answers_stale_epoch(engine):
+    session = engine.open_session("pusht", "reach the red circle", seed=3, rate_hz=0)
+    fresh = engine.open_session("pusht", "reach the red circle", seed=3, rate_hz=0)
+    resets = []
+
+    def reset_once(*_):  # the reset arrives while the tick runs its first GEN-stack call
+        if not resets:
+            resets.append(engine.reset_session(session.session_id))
+
+    hook = engine.served.pipeline.transformer.norm_moe_gen.register_forward_pre_hook(reset_once)
+    try:
+        with pytest.raises(api.StaleEpoch):
+            engine.act(session.session_id, 1, _observation(2))
+    finally:
+        hook.remove()
+    # The new episode starts as a new session does: the stale tick counts in neither.
+    assert np.array_equal(engine.act(session.session_id, 2, _observation(3)).actions,
+                          engine.act(fresh.session_id, 1, _observation(3)).actions)
+    for s in (session, fresh):
+        engine.close_session(s.session_id)
+
+
 def test_same_seed_and_inputs_give_the_same_chunk(engine):
     first = engine.open_session("pusht", "reach the red circle", seed=7, rate_hz=0)
     second = engine.open_session("pusht", "reach the red circle", seed=7, rate_hz=0)

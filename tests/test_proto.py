@@ -105,6 +105,17 @@ def test_lossless_image_round_trip_is_exact_rgb(encoding):
     np.testing.assert_array_equal(decoded, frame)
 
 
+@pytest.mark.parametrize("encoding", ["jpeg", "png"])
+@pytest.mark.parametrize("shape,hint", [((3, 32, 48), True), ((32, 48, 4), False), ((32, 48, 1), False)],
+                         ids=["channels first", "rgba", "gray"])
+def test_only_rgb_frames_are_encoded(encoding, shape, hint):
+    with pytest.raises(wire.WireError) as err:
+        wire.encode_image(np.zeros(shape, np.uint8), encoding)
+    assert (err.value.field, err.value.reason) == ("image", "BAD_IMAGE")
+    assert str(err.value) == (f"image: expected uint8 RGB [H, W, 3] to encode as {encoding}, got {list(shape)}"
+                              + (" (channels first? the wire takes them last)" if hint else ""))
+
+
 def test_jpeg_round_trip_keeps_channel_order():
     frame = np.zeros((48, 64, 3), np.uint8)
     frame[..., 0] = 200  # pure red: a BGR/RGB swap would move it to channel 2

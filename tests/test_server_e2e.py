@@ -461,7 +461,7 @@ def test_sessions_beyond_capacity_are_refused_with_the_capacity_figure(served, c
         server.open_session("pusht", "reach the red circle", budget_ms=budget, rate_hz=0.0)
     assert (refused.value.code, refused.value.reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "OVERLOADED")
     assert f"no session like this one fits beside them, {fit} would on an idle server" in refused.value.detail.message
-    assert refused.value.detail.metadata["sessions_fit"] == str(fit)
+    assert refused.value.sessions_fit == fit and refused.value.detail.metadata["sessions_fit"] == str(fit)
     for session in opened:
         assert server.act(session, {"image": _image()}, STATE).tick.deadline_met
         server.close_session(session)

@@ -3,13 +3,15 @@ rejected, bad frames do not end the stream, budgets change mid-stream, the clien
 
 from __future__ import annotations
 
+import contextlib
 import queue
+import threading
 import time
 
 import grpc
 import numpy as np
 import pytest
-from fake_engine import PUSHT, FakeEngine, expected_actions, serve_fake
+from fake_engine import LIBERO, PUSHT, FakeEngine, expected_actions, serve_fake
 
 from policy_server.client import Backoff, ControlStream, PolicyClient, PolicyServerError, build_observation
 from policy_server.config import build_config
@@ -289,6 +291,8 @@ def test_reconnects_and_replaces_the_session_after_a_server_restart():
         assert stream.next_chunk().epoch == 1
         first.stop(grace_s=0.1)
         second = build_server(build_config(overrides={"port": port}), FakeEngine()).start()
+        lost = stream.next_event(timeout_s=20)
+        assert lost.kind == "disconnected" and lost.error.code == grpc.StatusCode.UNAVAILABLE
         event = stream.next_event(timeout_s=20)
         assert event.kind == "reconnected" and event.session_replaced
         assert event.session.budget_ms == 90.0 and event.session.instruction == "survive a restart"
@@ -299,6 +303,96 @@ def test_reconnects_and_replaces_the_session_after_a_server_restart():
         np.testing.assert_array_equal(chunk.actions, expected(1))
     finally:
         stream.close()
+        client.close()
+        if second is not None:
+            second.stop(grace_s=0.1)
+
+
+def test_a_reopened_session_keeps_the_budget_granted_and_the_instruction_last_sent():
+    first = build_server(build_config(overrides={"port": 0}), FakeEngine()).start()
+    client = PolicyClient(first.target)
+    stream = ControlStream(client, client.open_session("pusht", "reach the red circle", budget_ms=90),
+                           backoff=Backoff(initial_s=0.05, max_s=0.2, max_attempts=100)).open()
+    second = None
+    try:
+        stream.set_budget(150.0)
+        assert stream.next_event().kind == "budget"
+        send(stream, 0, instruction="reach the blue square")
+        stream.next_chunk()
+        first.stop(grace_s=0.1)
+        second = build_server(build_config(overrides={"port": first.grpc_port}), FakeEngine()).start()
+        assert stream.next_event(timeout_s=20).kind == "disconnected"
+        event = stream.next_event(timeout_s=20)
+        assert event.kind == "reconnected" and event.session_replaced
+        assert (event.session.budget_ms, event.session.instruction) == (150.0, "reach the blue square")
+    finally:
+        stream.close()
+        client.close()
+        if second is not None:
+            second.stop(grace_s=0.1)
+
+
+def test_a_stream_that_gives_up_says_why_and_refuses_what_is_sent_after():
+    first = build_server(build_config(overrides={"port": 0}), FakeEngine()).start()
+    client = PolicyClient(first.target)
+    stream = ControlStream(client, client.open_session("pusht", "reach the red circle"),
+                           backoff=Backoff(initial_s=0.05, max_s=0.2, max_attempts=100)).open()
+    # Where the session cannot be opened again, the reopening's refusal is the reason, not the lost connection.
+    second = None
+    try:
+        first.stop(grace_s=0.1)
+        second = build_server(build_config(overrides={"port": first.grpc_port}),
+                              FakeEngine(embodiments=(LIBERO,))).start()
+        assert stream.next_event(timeout_s=20).kind == "disconnected"
+        closed = stream.next_event(timeout_s=20)
+        assert closed.kind == "closed" and closed.error.reason == "UNKNOWN_EMBODIMENT"
+        with pytest.raises(PolicyServerError) as refused:
+            send(stream, 1)
+        assert refused.value.reason == "UNKNOWN_EMBODIMENT"
+    finally:
+        stream.close()
+        client.close()
+        if second is not None:
+            second.stop(grace_s=0.1)
+    with pytest.raises(PolicyServerError) as closed_here:
+        stream.set_budget(100.0)
+    assert closed_here.value.reason == "UNKNOWN_EMBODIMENT"
+
+
+def test_closing_a_stream_while_it_reopens_its_session_leaves_nothing_open(monkeypatch):
+    first = build_server(build_config(overrides={"port": 0}), FakeEngine()).start()
+    client = PolicyClient(first.target)
+    stream = ControlStream(client, client.open_session("pusht", "reach the red circle"),
+                           backoff=Backoff(initial_s=0.05, max_s=0.2, max_attempts=100)).open()
+    second_engine = FakeEngine()
+    second = None
+    reopening, release = threading.Event(), threading.Event()
+    open_session = client.open_session
+
+    def slow_open_session(*args, **kwargs):  # as through a warmup: the stream is closed meanwhile
+        reopening.set()
+        release.wait(20)
+        return open_session(*args, **kwargs)
+
+    monkeypatch.setattr(client, "open_session", slow_open_session)
+    try:
+        first.stop(grace_s=0.1)
+        second = build_server(build_config(overrides={"port": first.grpc_port}), second_engine).start()
+        assert reopening.wait(20)
+        stream.close(wait_s=0.1)  # returns before the reopening does
+        with pytest.raises(PolicyServerError) as refused:
+            send(stream, 1)
+        assert refused.value.reason == "STREAM_CLOSED"
+        release.set()
+        stream._reader.join(20)
+        assert not stream._reader.is_alive() and second_engine.stats().sessions == 0
+        kinds = []
+        with contextlib.suppress(TimeoutError):
+            while True:
+                kinds.append(stream.next_event(0.1).kind)
+        assert kinds == ["disconnected", "closed"]
+    finally:
+        release.set()
         client.close()
         if second is not None:
             second.stop(grace_s=0.1)
@@ -347,6 +441,7 @@ def test_a_reconnect_refused_while_the_starting_places_are_full_tries_again(monk
             list(crowd.stub.Control(iter([]), timeout=30))
         error = PolicyServerError.from_rpc_error(err.value)
         assert error.reason == "TOO_MANY_STARTING_STREAMS" and error.retry_after_ms > 0
+        assert stream.next_event(timeout_s=20).kind == "disconnected"
         event = stream.next_event(timeout_s=20)
         assert event.kind == "reconnected" and event.session_replaced, event
         obs_id = send(stream, 1)

@@ -6,7 +6,8 @@ steps the robot has already executed are dropped (the stale prefix, which grows 
 latency), and actions for steps still queued are merged with the ones already there:
 
 - ``replace``: the newer prediction wins;
-- ``average``: plain mean of old and new;
+- ``average``: the mean of the queued action and the new one (each older prediction's weight halves with every
+  newer one; ``temporal_ensemble`` with decay 0 is the plain mean of all);
 - ``weighted``: ``(1 - new_weight) * old + new_weight * new`` (LeRobot's default blend is 0.7);
 - ``temporal_ensemble``: every prediction made for a step is kept and averaged with weights
   ``exp(-decay * i)``, ``i = 0`` for the oldest (ACT's temporal ensembling).

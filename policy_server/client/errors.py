@@ -50,6 +50,12 @@ class PolicyServerError(Exception):
     def retry_after_ms(self) -> float:
         return self.detail.retry_after_ms
 
+    @property
+    def sessions_fit(self) -> int | None:
+        """OVERLOADED: how many sessions like the refused one an idle server takes (None with other reasons)."""
+        value = self.detail.metadata.get("sessions_fit")
+        return None if value is None else int(value)
+
     @classmethod
     def from_rpc_error(cls, error: grpc.RpcError) -> PolicyServerError:
         """The error of a failed call: the server's ``ErrorDetail`` (``policy_server.v1.errors``), else the

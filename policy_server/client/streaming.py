@@ -2,18 +2,22 @@
 
     with ControlStream(client, session) as stream:
         obs_id = stream.send({"image": frame}, state=q, step_index=t)
-        event = stream.next_event(timeout_s=1.0)   # chunk, superseded, error, pong, budget, reconnected
+        event = stream.next_event(timeout_s=1.0)   # chunk, superseded, error, pong, budget, disconnected,
+                                                   # reconnected, closed
 
 The server answers the newest observation and reports each dropped one as ``superseded``; a bad
-frame comes back as an ``error`` event and the stream continues. If the connection drops, the
-stream reconnects with exponential backoff and re-attaches to the session; if the server lost the
-session (it restarted, or behind Ray Serve its replica went away), it opens a new one with the same
-settings and reports ``reconnected`` with ``session_replaced=True``, because the episode state (epoch) is
-new. A dropped connection is UNAVAILABLE, or INTERNAL without a server reason: Ray Serve's proxy ends a
-stream so when its replica dies. A refusal that says when to retry is tried again too, when opening as when
+frame comes back as an ``error`` event and the stream continues. If the connection drops, the stream
+reports ``disconnected``, reconnects with exponential backoff (by default for about two minutes: a server's
+restart and warmup) and re-attaches to the session; if the server lost the session (it restarted, or behind
+Ray Serve its replica went away), it opens a new one with the same settings (the budget last granted, the
+instruction last sent) and reports ``reconnected`` with ``session_replaced=True``, because the episode state
+(epoch) is new. A dropped connection is UNAVAILABLE, or INTERNAL without a server reason: Ray Serve's proxy ends
+a stream so when its replica dies. A refusal that says when to retry is tried again too, when opening as when
 reconnecting: streams that all (re)connect at once, after a failover or at a fleet's start, may find no
 place left on the server for those still to send their start.
-Observations sent while disconnected are dropped: they would be stale by the time a chunk came.
+Observations sent while disconnected are dropped: they would be stale by the time a chunk came. Once the
+stream has ended (``closed``, whose error says why, or `close()`), sending raises ``PolicyServerError``
+STREAM_CLOSED.
 """
 
 from __future__ import annotations
@@ -38,11 +42,13 @@ from policy_server.v1 import policy_server_pb2 as pb
 log = logging.getLogger(__name__)
 
 _CLOSE = object()
+# Reconnection tries for about two minutes: through a server's restart, its warmup included.
+RECONNECT_BACKOFF = Backoff(max_attempts=60)
 
 
 @dataclass(frozen=True)
 class StreamEvent:
-    """kind: "chunk", "superseded", "error", "pong", "budget", "reconnected" or "closed"."""
+    """kind: "chunk", "superseded", "error", "pong", "budget", "disconnected", "reconnected" or "closed"."""
 
     kind: str
     chunk: ActionChunk | None = None
@@ -67,7 +73,7 @@ class ControlStream:
         self._client = client
         self._session = session
         self._reconnect = reconnect
-        self._backoff = backoff or Backoff()
+        self._backoff = backoff or RECONNECT_BACKOFF
         self._reopen_session = reopen_session
         self._events: queue.Queue[StreamEvent] = queue.Queue()
         self._lock = threading.Lock()
@@ -75,6 +81,8 @@ class ControlStream:
         self._call = None
         self._reader: threading.Thread | None = None
         self._closing = threading.Event()
+        self._ended: PolicyServerError | None = None  # why the stream ended, once it has
+        self._instruction = session.instruction  # the last one sent: a reopened session gets it
         self._obs_ids = itertools.count(1)
 
     @property
@@ -128,54 +136,90 @@ class ControlStream:
         while True:
             try:
                 for event in self._call:
-                    self._events.put(self._convert(event))
-                self._events.put(StreamEvent("closed"))
+                    converted = self._convert(event)
+                    if converted.kind == "budget":
+                        self._session = converted.session  # what a reopened session asks for
+                    self._events.put(converted)
+                self._end(None)
                 return
             except grpc.RpcError as exc:
                 error = PolicyServerError.from_rpc_error(exc)
                 if self._closing.is_set() or not self._reconnect or not _connection_lost(error):
-                    self._events.put(StreamEvent("closed", error=None if self._closing.is_set() else error))
+                    self._end(None if self._closing.is_set() else error)
                     return
                 log.warning("control stream lost (%s); reconnecting", error.message)
-                if not self._reconnect_with_backoff():
-                    self._events.put(StreamEvent("closed", error=error))
+                self._events.put(StreamEvent("disconnected", error=error))
+                failure = self._reconnect_with_backoff(error)
+                if failure is not None:
+                    self._end(None if self._closing.is_set() else failure)
                     return
 
-    def _reconnect_with_backoff(self) -> bool:
+    def _end(self, error: PolicyServerError | None) -> None:
+        """Report the stream's end (``closed``, with ``error`` unless the client closed it)."""
+        with self._lock:
+            self._ended = error or PolicyServerError(grpc.StatusCode.CANCELLED, "STREAM_CLOSED",
+                                                     "the control stream was closed")
+        self._events.put(StreamEvent("closed", error=error))
+
+    def _reconnect_with_backoff(self, error: PolicyServerError) -> PolicyServerError | None:
+        """Connect again, reopening the session where the server lost it: None once connected, else the last
+        error (or `error`, the loss, when none came after it)."""
         for delay in self._backoff.delays():
             if self._closing.wait(delay):
-                return False
+                return error
+            replaced = False
             try:
-                self._connect()
-                self._events.put(StreamEvent("reconnected", session=self._session))
-                return True
+                try:
+                    self._connect()
+                except PolicyServerError as exc:
+                    if exc.reason != "SESSION_NOT_FOUND" or not self._reopen_session:
+                        raise
+                    self._reopen()
+                    replaced = True
             except PolicyServerError as exc:
-                if exc.reason == "SESSION_NOT_FOUND" and self._reopen_session:
-                    if self._reopen():
-                        return True
-                elif not (_connection_lost(exc) or exc.retry_after_ms):  # a refusal that asks to retry
-                    return False
-        return False
+                error = exc
+                if exc.reason == "SESSION_NOT_FOUND" or _connection_lost(exc) or exc.retry_after_ms:
+                    continue  # a reopening that failed, or a refusal that asks to retry
+                return error
+            if self._closing.is_set():  # closed meanwhile: nobody will use what was just opened
+                self._abandon(replaced)
+                return error
+            self._events.put(StreamEvent("reconnected", session=self._session, session_replaced=replaced))
+            return None
+        return error
 
-    def _reopen(self) -> bool:
+    def _reopen(self) -> None:
+        """Open a session with the lost one's settings and attach to it."""
         old = self._session
+        self._session = self._client.open_session(
+            old.embodiment,
+            self._instruction,
+            budget_ms=old.budget_ms,
+            chunk_size=old.chunk_size,
+            seed=old.seed,
+            rate_hz=old.rate_hz,
+            preview=old.preview,
+            client_name=old.client_name,
+        )
         try:
-            self._session = self._client.open_session(
-                old.embodiment,
-                old.instruction,
-                budget_ms=old.budget_ms,
-                chunk_size=old.chunk_size,
-                seed=old.seed,
-                rate_hz=old.rate_hz,
-                preview=old.preview,
-                client_name=old.client_name,
-            )
             self._connect()
-        except PolicyServerError as exc:
-            log.warning("could not reopen the session after reconnecting: %s", exc)
-            return False
-        self._events.put(StreamEvent("reconnected", session=self._session, session_replaced=True))
-        return True
+        except PolicyServerError:
+            self._close_session()
+            raise
+
+    def _abandon(self, replaced: bool) -> None:
+        """End the call just connected and, if it was opened here, its session."""
+        with self._lock:
+            self._requests.put(_CLOSE)
+            self._call.cancel()
+        if replaced:
+            self._close_session()
+
+    def _close_session(self) -> None:
+        try:
+            self._client.close_session(self._session)
+        except PolicyServerError as exc:  # it closes itself once idle
+            log.warning("could not close session %s: %s", self._session.session_id, exc)
 
     @staticmethod
     def _convert(event: pb.ControlEvent) -> StreamEvent:
@@ -221,6 +265,10 @@ class ControlStream:
         with self._lock:
             if self._requests is None:
                 raise RuntimeError("the stream is not open")
+            if self._ended is not None:
+                raise self._ended
+            if self._closing.is_set():
+                raise PolicyServerError(grpc.StatusCode.CANCELLED, "STREAM_CLOSED", "the control stream was closed")
             self._requests.put(request)
 
     def send(
@@ -242,6 +290,8 @@ class ControlStream:
         self, observation: pb.Observation, *, must_answer: bool = False, epoch: int | None = None
     ) -> int:
         obs_id = next(self._obs_ids)
+        if observation.instruction:
+            self._instruction = observation.instruction
         frame = pb.ObservationFrame(
             epoch=self._session.epoch if epoch is None else epoch,
             obs_id=obs_id,

@@ -144,6 +144,8 @@ class Tick:
             if served.closing.is_set():
                 raise api.ShuttingDown() from None
             raise request.gone_error() from None
+        # A reset while it ran: its chunk is for a finished episode, which a robot must not merge into the next one.
+        served.check_epoch(session, request.epoch)
         session.ticks += 1
 
         actions = out.actions

@@ -109,10 +109,13 @@ def encode_image(image: np.ndarray, encoding: str = "jpeg", jpeg_quality: int = 
             channels=channels,
             data=np.ascontiguousarray(image).tobytes(),
         )
+    if channels != 3:  # what the codecs carry and every camera sends
+        hint = " (channels first? the wire takes them last)" if image.shape[0] in (1, 3, 4) else ""
+        raise WireError("image", f"uint8 RGB [H, W, 3] to encode as {kind}", f"{list(image.shape)}{hint}", "BAD_IMAGE")
     import cv2
 
     # OpenCV encodes BGR; the wire is RGB.
-    bgr = cv2.cvtColor(image, cv2.COLOR_RGB2BGR) if channels == 3 else image
+    bgr = cv2.cvtColor(image, cv2.COLOR_RGB2BGR)
     if kind == "jpeg":
         if not 0 <= jpeg_quality <= 100:
             raise WireError("jpeg_quality", "0..100", repr(jpeg_quality), "BAD_VALUE")
