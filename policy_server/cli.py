@@ -124,7 +124,7 @@ def config_from_args(argv: list[str], environ: Mapping[str, str] = os.environ) -
 
 
 def serve(config: ServerConfig) -> int:
-    """Build the engine, serve until SIGINT/SIGTERM, shut down gracefully."""
+    """Build the engine, bind the ports, warm up and serve until SIGINT/SIGTERM/SIGHUP, shut down gracefully."""
     from policy_server.budget.profile import ProfileError
     from policy_server.engine import build_engine  # lazy: imports torch and the model
     from policy_server.engine.api import UnknownEmbodiment
@@ -145,6 +145,7 @@ def serve(config: ServerConfig) -> int:
         return _give_up(str(exc), server, engine)
     except UnknownEmbodiment as exc:  # --websocket-embodiment: only the loaded model knows what it serves
         return _give_up(f"websocket_embodiment: expected {exc.expected}, got {exc.got}", server, engine)
+    engine.start()  # once the ports are bound: a taken one ends the process before any warmup work
     print(
         f"policy-server: gRPC on {server.target}"
         + (f", unix:{config.unix_socket}" if config.unix_socket else "")
@@ -153,7 +154,10 @@ def serve(config: ServerConfig) -> int:
         flush=True,
     )
     stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    # SIGHUP too: the terminal it ran in closed, or a supervisor stops it so. A second signal during the drain
+    # finds the previous handlers back: it ends the process at once.
+    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in stops}
     warmup_failure: list[BaseException] = []
     threading.Thread(target=_watch_warmup, args=(engine, warmup_failure, stop), daemon=True,
                      name="warmup-watch").start()
@@ -228,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return command.load()(argv[1:])  # loaded only now: the bench needs torch
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # websockets logs every connection and /healthz probe at INFO, without its address: a probe every 10 s would be
+    # most of the log (the server logs each session's opening and closing itself).
+    logging.getLogger("websockets.server").setLevel(logging.WARNING)
     try:
         config = config_from_args(argv)
     except ConfigError as exc:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import difflib
 import json
 import re
+import ssl
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -154,6 +155,12 @@ class ServerConfig(BaseModel):
     def _tls_pair(self) -> ServerConfig:
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key must be given together")
+        if self.tls_cert is not None:  # checked with the settings: gRPC would only fail to bind, after the warmup began
+            try:
+                ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(self.tls_cert, self.tls_key)
+            except (OSError, ssl.SSLError) as error:
+                raise ValueError(f"tls_cert {str(self.tls_cert)!r} and tls_key {str(self.tls_key)!r}: expected a PEM "
+                                 f"certificate chain and its private key ({error.strerror or error})") from None
         return self
 
     @property

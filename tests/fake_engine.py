@@ -122,6 +122,9 @@ class FakeEngine:
     def set_ready(self, ready: bool) -> None:
         self._ready = ready
 
+    def start(self) -> None:
+        pass  # ready as constructed, or when set_ready() says
+
     def wait_ready(self, timeout_s: float | None = None) -> bool:
         return self._ready  # a fake never warms up by itself
 

@@ -9,6 +9,7 @@ import os
 import re
 import runpy
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from fake_engine import FakeEngine
+from fake_engine import FakeEngine, self_signed_cert
 
 import policy_server.engine
 import policy_server.server.app as app
@@ -73,8 +74,8 @@ def test_flags_parse_into_the_config(tmp_path):
 
 
 def full_file_values(tmp_path) -> dict:
-    for name in ("token", "cert.pem", "key.pem"):
-        (tmp_path / name).write_text("x")
+    (tmp_path / "token").write_text("x")
+    cert, key = self_signed_cert(tmp_path)
     (tmp_path / "ckpt").mkdir()
     return {
         "latency_budget_ms": 95, "checkpoint": str(tmp_path / "ckpt"), "device": "cpu", "dtype": "bf16",
@@ -84,8 +85,7 @@ def full_file_values(tmp_path) -> dict:
         "unix_socket": str(tmp_path / "p.sock"), "websocket_port": 8001, "websocket_embodiment": "pusht",
         "metrics_port": 9091, "metrics_host": "::1", "reflection": True, "max_sessions": 3, "max_batch": 2,
         "max_dynamics_calls": 1, "max_message_mb": 4, "session_idle_timeout_s": 60.0, "quality_profile": "auto",
-        "auth_token_file": str(tmp_path / "token"), "tls_cert": str(tmp_path / "cert.pem"),
-        "tls_key": str(tmp_path / "key.pem"),
+        "auth_token_file": str(tmp_path / "token"), "tls_cert": str(cert), "tls_key": str(key),
     }
 
 
@@ -203,6 +203,16 @@ def test_tls_needs_cert_and_key_together(tmp_path):
         build_config(overrides={"tls_cert": str(tmp_path / "cert.pem")})
 
 
+def test_a_tls_pair_that_does_not_load_is_refused_with_the_settings(tmp_path):
+    cert, key = self_signed_cert(tmp_path)
+    (tmp_path / "token").write_text("a token, not a key")
+    for pair in ((cert, tmp_path / "token"), (tmp_path / "token", key), (key, cert)):
+        with pytest.raises(ConfigError) as err:
+            build_config(overrides={"tls_cert": str(pair[0]), "tls_key": str(pair[1])})
+        assert f"tls_cert {str(pair[0])!r} and tls_key {str(pair[1])!r}: expected a PEM certificate chain and its " \
+               "private key (" in str(err.value)
+
+
 @pytest.mark.parametrize("content", ["- a\n- b\n", "port: [1, 2\n"])
 def test_malformed_files_are_rejected(tmp_path, content):
     path = tmp_path / "c.yaml"
@@ -286,7 +296,8 @@ def test_bench_is_installed_as_a_policy_server_command():
     assert cli.subcommands()["bench"].value == "robots.bench:main"
 
 
-def test_serve_builds_the_engine_serves_and_stops_on_sigterm(monkeypatch):
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_serve_builds_the_engine_serves_and_stops_on_sigterm(monkeypatch, stop):
     engine = FakeEngine()
     built = {}
 
@@ -309,16 +320,31 @@ def test_serve_builds_the_engine_serves_and_stops_on_sigterm(monkeypatch):
         with PolicyClient(built["server"].target) as client:
             client.wait_until_serving(timeout_s=10)
             built["session"] = client.open_session("pusht", "cli")
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), stop)  # SIGHUP too: a terminal that closed, a supervisor's stop
 
-    previous = signal.getsignal(signal.SIGTERM)
+    previous = signal.getsignal(stop)
     driver = threading.Thread(target=drive, daemon=True)
     driver.start()
     assert cli.main(["serve", "--port", "0", "--latency-budget-ms", "90"]) == 0
     driver.join(5)
     assert built["config"].latency_budget_ms == 90 and built["session"].epoch == 1
     assert engine.stats().sessions == 0  # engine.close() ran
-    assert signal.getsignal(signal.SIGTERM) is previous
+    assert signal.getsignal(stop) is previous
+
+
+def test_a_taken_port_ends_serve_before_the_warmup_begins(monkeypatch, capsys):
+    engine = FakeEngine()
+    warmups = []
+    monkeypatch.setattr(engine, "start", lambda: warmups.append("started"))
+    monkeypatch.setattr(policy_server.engine, "build_engine", lambda config: engine, raising=False)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert cli.main(["serve", "--port", str(port)]) == 2
+    assert capsys.readouterr().err.strip() == f"policy-server: could not bind gRPC to 127.0.0.1:{port} (in use or " \
+                                               "not permitted)"
+    assert warmups == []
 
 
 def test_a_warmup_that_fails_stops_the_server_with_one_line_and_exit_1(monkeypatch, capsys):

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import http.client
 import socket
+import ssl
 import urllib.error
 import urllib.request
 
 import pytest
-from fake_engine import FakeEngine, serve_fake
+from fake_engine import FakeEngine, self_signed_cert, serve_fake
 
 from policy_server.config import build_config
 from policy_server.server import metrics
@@ -40,6 +41,20 @@ def test_with_a_token_every_path_needs_it_first(tmp_path):
         base = f"http://127.0.0.1:{server.metrics_port}"
         assert (status(base + "/metrics"), status(base + "/other")) == (401, 401)
         assert (status(base + "/metrics", "s3cret"), status(base + "/other", "s3cret")) == (200, 404)
+
+
+def test_with_tls_the_metrics_are_https_only(tmp_path):
+    cert, key = self_signed_cert(tmp_path)
+    token = tmp_path / "token"
+    token.write_text("s3cret")
+    with serve_fake(metrics_port=0, auth_token_file=token, tls_cert=cert, tls_key=key) as server:
+        trusted = ssl.create_default_context(cafile=str(cert))
+        request = urllib.request.Request(f"https://127.0.0.1:{server.metrics_port}/metrics",
+                                         headers={"Authorization": "Bearer s3cret"})
+        with urllib.request.urlopen(request, timeout=5, context=trusted) as response:
+            assert response.status == 200 and b"policy_server_ticks_total" in response.read()
+        with pytest.raises((urllib.error.URLError, http.client.RemoteDisconnected, ConnectionResetError)):
+            status(f"http://127.0.0.1:{server.metrics_port}/metrics", "s3cret")  # the token never goes in the clear
 
 
 def test_connections_that_send_nothing_hold_no_thread_for_long_and_cannot_crowd_out_a_scrape(monkeypatch):

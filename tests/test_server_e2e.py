@@ -457,6 +457,10 @@ def test_sessions_beyond_capacity_are_refused_with_the_capacity_figure(served, c
     assert client_main([*cli, "--budget-ms", "-5"]) == 2
     assert "budget_ms: expected a latency budget in (0, 60000] ms" in capsys.readouterr().err
     opened = [server.open_session("pusht", "reach the red circle", budget_ms=budget, rate_hz=0.0) for _ in range(fit)]
+    capsys.readouterr()
+    assert client_main([*cli, "--budget-ms", str(budget), "--rate-hz", "0"]) == 0
+    (printed,) = json.loads(capsys.readouterr().out)["capacity"]
+    assert printed["sessionsMore"] == 0  # a zero is printed, not left out
     with pytest.raises(PolicyServerError) as refused:
         server.open_session("pusht", "reach the red circle", budget_ms=budget, rate_hz=0.0)
     assert (refused.value.code, refused.value.reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "OVERLOADED")

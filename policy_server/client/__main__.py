@@ -47,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
             status = client.health()
             print(status)
             return 0 if status == "SERVING" else 1
-        print(json_format.MessageToJson(client.server_info(budget_ms=args.budget_ms, rate_hz=args.rate_hz)))
+        info = client.server_info(budget_ms=args.budget_ms, rate_hz=args.rate_hz)
+        print(json_format.MessageToJson(info, always_print_fields_with_no_presence=True))  # 0 sessions fit, too
         return 0
     except PolicyServerError as exc:
         print(exc, file=sys.stderr)

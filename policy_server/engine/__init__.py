@@ -8,7 +8,7 @@ from __future__ import annotations
 
 
 def build_engine(config):
-    """A started `ModelEngine` for the CLI's `ServerConfig`; it warms up in the background."""
+    """A `ModelEngine` for the CLI's `ServerConfig`, its model loaded; `start()` warms it up in the background."""
     import torch
 
     from policy_server.engine.calibration import resolve_profile
@@ -25,6 +25,4 @@ def build_engine(config):
                                               dtype=resolve_dtype(config.dtype, device))
     profile, calibrate = resolve_profile(config.quality_profile, pipeline.folder, pipeline.digest,
                                          pipeline.served_embodiments, pipeline.config)
-    engine = ModelEngine(pipeline, settings_from_config(config, profile, calibrate))
-    engine.start()
-    return engine
+    return ModelEngine(pipeline, settings_from_config(config, profile, calibrate))

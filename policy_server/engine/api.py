@@ -469,6 +469,10 @@ class Engine(Protocol):
         """The served model and schema. Available while warming up."""
         ...
 
+    def start(self) -> None:
+        """Begin the warmup, in the background (the server calls it once its ports are bound)."""
+        ...
+
     def ready(self) -> bool:
         """True once weights are loaded and warmup has filled the cost model."""
         ...

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -42,6 +43,7 @@ logger = logging.getLogger(__name__)
 _POLL_S = 0.02  # how often a waiting caller checks whether it went away
 _ABANDONED_WAIT_S = 1.0  # how long a new tick waits for its session's abandoned one to stop
 _CLOSE_TIMEOUT_S = 5.0
+_SWEEP_S = 5.0  # how often idle sessions are looked for besides at each call (at most half the idle time)
 
 
 class ModelEngine:
@@ -69,6 +71,13 @@ class ModelEngine:
     def start(self) -> None:
         """Warm up in the background; `ready()` turns True when the cost model is filled."""
         self._worker.submit(GeneratorJob(self._warmup.steps(), self._warmup.failed))
+        threading.Thread(target=self._sweep_idle, daemon=True, name="idle-sessions").start()
+
+    def _sweep_idle(self) -> None:
+        """Close idle sessions on time, not only when a call comes: their places, the log and the sessions gauge
+        say so when it happens."""
+        while not self.served.closing.wait(min(_SWEEP_S, self.settings.session_idle_s / 2)):
+            self._admission.close_idle(self.settings.session_idle_s)
 
     def wait_ready(self, timeout_s: float | None = None) -> bool:
         if not self._warmup.ready.wait(timeout_s):
@@ -160,6 +169,7 @@ class ModelEngine:
         done.result()
 
     def session(self, session_id: str) -> api.SessionHandle:
+        self._admission.close_idle(self.settings.session_idle_s)  # an idle session is gone, not revived
         return self.sessions.get(session_id).handle()
 
     @contextlib.contextmanager
@@ -180,7 +190,7 @@ class ModelEngine:
     def close_session(self, session_id: str) -> None:
         session = self.sessions.get(session_id)
         self._admission.close(session_id)
-        logger.info("closed session %s at its client's request", session.describe())
+        logger.info("closed session %s", session.describe())  # by its client, or its WebSocket connection's end
 
     def set_budget(self, session_id: str, budget_ms: float) -> api.SessionHandle:
         session = self.sessions.get(session_id)

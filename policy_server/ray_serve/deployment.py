@@ -71,6 +71,7 @@ class PolicyDeployment:
         from policy_server.engine import build_engine  # torch and the model: only in the replica
 
         self._engine = build_engine(config)
+        self._engine.start()
         self._engine.wait_ready()  # raises if warmup failed: Serve retries the replica
         self._servicer = PolicyServicer(self._engine, ServerMetrics(self._engine), config.max_message_bytes)
         self._token = config.auth_token()

@@ -143,13 +143,14 @@ class PolicyServer:
         self._poller = threading.Thread(target=self._poll_readiness, daemon=True, name="health-poll")
         self._poller.start()
 
+        ssl_context = None  # the metrics endpoint's and the WebSocket's TLS
+        if cfg.tls:
+            ssl_context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            ssl_context.load_cert_chain(cfg.tls_cert, cfg.tls_key)
         if cfg.metrics_port is not None:
-            self.metrics_port = self.metrics.serve(cfg.metrics_host, cfg.metrics_port, token=self._token)
+            self.metrics_port = self.metrics.serve(cfg.metrics_host, cfg.metrics_port, token=self._token,
+                                                   ssl_context=ssl_context)
         if cfg.websocket_port is not None:
-            ssl_context = None
-            if cfg.tls:
-                ssl_context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-                ssl_context.load_cert_chain(cfg.tls_cert, cfg.tls_key)
             self._websocket = OpenpiWebsocketServer(
                 self.engine,
                 self.metrics,

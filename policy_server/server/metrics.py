@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import http
 import socket
+import ssl
 import threading
 from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -132,9 +133,10 @@ class ServerMetrics:
     def observe_error(self, reason: str) -> None:
         self.errors.labels(reason).inc()
 
-    def serve(self, host: str, port: int, token: str | None = None) -> int:
+    def serve(self, host: str, port: int, token: str | None = None, ssl_context: ssl.SSLContext | None = None) -> int:
         """Start the /metrics HTTP endpoint; returns the bound port (``port`` 0 picks a free one). Other paths
-        get 404; with ``token``, a request without ``Authorization: Bearer <token>`` gets 401."""
+        get 404; with ``token``, a request without ``Authorization: Bearer <token>`` gets 401; with ``ssl_context``
+        it is HTTPS (the server's TLS: a token must not cross the network in the clear)."""
         app = _only_metrics_path(make_wsgi_app(self.registry))
         if token is not None:
             app = _require_token(app, token)
@@ -144,6 +146,7 @@ class ServerMetrics:
                                      handler_class=_QuietHandler)
         except OSError as error:  # in use, or not an address of this machine
             raise OSError(f"could not bind the metrics endpoint to {host}:{port} ({error.strerror or error})") from None
+        self._http.ssl_context = ssl_context
         self._thread = threading.Thread(target=self._http.serve_forever, daemon=True, name="metrics")
         self._thread.start()
         return int(self._http.server_port)
@@ -157,9 +160,17 @@ class ServerMetrics:
 
 class _Server(ThreadingMixIn, WSGIServer):
     """A thread per scrape, at most `MAX_SCRAPES` at once (more are closed unanswered), each given up after
-    `_QuietHandler.timeout` without a byte: connections that never send their request cannot pile up threads."""
+    `_QuietHandler.timeout` without a byte: connections that never send their request cannot pile up threads.
+    With `ssl_context`, each scrape's TLS handshake runs on its own thread, within that timeout too."""
 
     daemon_threads = True
+    ssl_context: ssl.SSLContext | None = None
+
+    def get_request(self):
+        connection, address = super().get_request()
+        if self.ssl_context is not None:
+            connection = self.ssl_context.wrap_socket(connection, server_side=True, do_handshake_on_connect=False)
+        return connection, address
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -173,6 +184,13 @@ class _Server(ThreadingMixIn, WSGIServer):
 
     def process_request_thread(self, request, client_address) -> None:
         try:
+            if isinstance(request, ssl.SSLSocket):
+                request.settimeout(_QuietHandler.timeout)
+                try:
+                    request.do_handshake()
+                except (OSError, ssl.SSLError):  # plain HTTP, a bad handshake, or none within the timeout
+                    self.shutdown_request(request)
+                    return
             super().process_request_thread(request, client_address)
         finally:
             self._scrapes.release()
