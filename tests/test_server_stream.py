@@ -359,6 +359,25 @@ def test_a_stream_that_gives_up_says_why_and_refuses_what_is_sent_after():
     assert closed_here.value.reason == "UNKNOWN_EMBODIMENT"
 
 
+def test_a_stream_told_not_to_reopen_ends_when_its_session_is_lost():
+    first = build_server(build_config(overrides={"port": 0}), FakeEngine()).start()
+    client = PolicyClient(first.target)
+    stream = ControlStream(client, client.open_session("pusht", "reach the red circle"), reopen_session=False,
+                           backoff=Backoff(initial_s=0.05, max_s=0.2, max_attempts=100)).open()
+    second = None
+    try:
+        first.stop(grace_s=0.1)
+        second = build_server(build_config(overrides={"port": first.grpc_port}), FakeEngine()).start()
+        assert stream.next_event(timeout_s=20).kind == "disconnected"
+        closed = stream.next_event(timeout_s=20)
+        assert closed.kind == "closed" and closed.error.reason == "SESSION_NOT_FOUND"
+    finally:
+        stream.close()
+        client.close()
+        if second is not None:
+            second.stop(grace_s=0.1)
+
+
 def test_closing_a_stream_while_it_reopens_its_session_leaves_nothing_open(monkeypatch):
     first = build_server(build_config(overrides={"port": 0}), FakeEngine()).start()
     client = PolicyClient(first.target)

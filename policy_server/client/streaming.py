@@ -167,19 +167,13 @@ class ControlStream:
         for delay in self._backoff.delays():
             if self._closing.wait(delay):
                 return error
-            replaced = False
             try:
-                try:
-                    self._connect()
-                except PolicyServerError as exc:
-                    if exc.reason != "SESSION_NOT_FOUND" or not self._reopen_session:
-                        raise
-                    self._reopen()
-                    replaced = True
+                replaced = self._attach()
             except PolicyServerError as exc:
                 error = exc
-                if exc.reason == "SESSION_NOT_FOUND" or _connection_lost(exc) or exc.retry_after_ms:
-                    continue  # a reopening that failed, or a refusal that asks to retry
+                lost_again = exc.reason == "SESSION_NOT_FOUND" and self._reopen_session  # a reopening raced
+                if lost_again or _connection_lost(exc) or exc.retry_after_ms:
+                    continue  # or a refusal that asks to retry
                 return error
             if self._closing.is_set():  # closed meanwhile: nobody will use what was just opened
                 self._abandon(replaced)
@@ -187,6 +181,17 @@ class ControlStream:
             self._events.put(StreamEvent("reconnected", session=self._session, session_replaced=replaced))
             return None
         return error
+
+    def _attach(self) -> bool:
+        """Connect to the session, or to a new one with its settings where the server lost it; whether it is new."""
+        try:
+            self._connect()
+            return False
+        except PolicyServerError as exc:
+            if exc.reason != "SESSION_NOT_FOUND" or not self._reopen_session:
+                raise
+        self._reopen()
+        return True
 
     def _reopen(self) -> None:
         """Open a session with the lost one's settings and attach to it."""
