@@ -300,6 +300,8 @@ def test_token_auth(token_file):
             with pytest.raises(PolicyServerError) as err:
                 wrong.server_info()
             assert err.value.code == grpc.StatusCode.UNAUTHENTICATED and "invalid" in err.value.message
+        refused = server.metrics.registry.get_sample_value("policy_server_errors_total", {"reason": "UNAUTHENTICATED"})
+        assert refused == 3  # counted with the other refusals, by reason
         with PolicyClient(server.target, token_file=token_file) as good:
             session = good.open_session("pusht", "with token")
             chunk = good.act(session, {"image": frame()}, STATE, step_index=1, encoding="png")

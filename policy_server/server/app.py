@@ -105,7 +105,7 @@ class PolicyServer:
         # Metrics first, so that the calls authentication refuses are counted too.
         interceptors = [GrpcMetricsInterceptor(self.metrics.registry, services, LATENCY_BUCKETS_S)]
         if self._token:
-            interceptors.append(TokenAuthInterceptor(self._token))
+            interceptors.append(TokenAuthInterceptor(self._token, self.metrics.observe_error))
         # Calls beyond the pool are refused at once (RESOURCE_EXHAUSTED) rather than queued behind calls that
         # may last an episode.
         workers = max_concurrent_calls(cfg.max_sessions)

@@ -8,6 +8,7 @@ nothing but SERVING / NOT_SERVING.
 from __future__ import annotations
 
 import hmac
+from collections.abc import Callable
 
 import grpc
 
@@ -36,10 +37,12 @@ def authentication_error(header_value: str | None, token: str) -> ServiceError |
     return make_error("UNAUTHENTICATED", message, field=AUTH_HEADER, expected="Bearer <token>")
 
 
-def _rejecting_handler(handler: grpc.RpcMethodHandler, error: ServiceError) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as ``handler`` that fails with ``error``."""
+def _rejecting_handler(handler: grpc.RpcMethodHandler, error: ServiceError,
+                       on_refused: Callable[[str], None]) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as ``handler`` that fails with ``error``, telling ``on_refused`` its reason."""
 
     def reject(request_or_iterator, context):
+        on_refused(error.reason)
         abort(context, error)
 
     if handler.request_streaming and handler.response_streaming:
@@ -52,8 +55,10 @@ def _rejecting_handler(handler: grpc.RpcMethodHandler, error: ServiceError) -> g
 
 
 class TokenAuthInterceptor(grpc.ServerInterceptor):
-    def __init__(self, token: str) -> None:
-        self._token = token
+    """Refuses calls without the token (health and reflection stay open), telling ``on_refused`` each reason."""
+
+    def __init__(self, token: str, on_refused: Callable[[str], None]) -> None:
+        self._token, self._on_refused = token, on_refused
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
@@ -61,4 +66,4 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
             return handler
         header = dict(handler_call_details.invocation_metadata or ()).get(AUTH_HEADER)
         error = authentication_error(header, self._token)
-        return handler if error is None else _rejecting_handler(handler, error)
+        return handler if error is None else _rejecting_handler(handler, error, self._on_refused)
