@@ -158,7 +158,7 @@ class ServerConfig(BaseModel):
         if self.tls_cert is not None:  # checked with the settings: gRPC would only fail to bind, after the warmup began
             try:
                 ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(self.tls_cert, self.tls_key)
-            except (OSError, ssl.SSLError) as error:
+            except OSError as error:  # unreadable, or not PEM (ssl.SSLError)
                 raise ValueError(f"tls_cert {str(self.tls_cert)!r} and tls_key {str(self.tls_key)!r}: expected a PEM "
                                  f"certificate chain and its private key ({error.strerror or error})") from None
         return self

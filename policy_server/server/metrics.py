@@ -166,15 +166,15 @@ class _Server(ThreadingMixIn, WSGIServer):
     daemon_threads = True
     ssl_context: ssl.SSLContext | None = None
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._scrapes = threading.BoundedSemaphore(MAX_SCRAPES)
+
     def get_request(self):
         connection, address = super().get_request()
         if self.ssl_context is not None:
             connection = self.ssl_context.wrap_socket(connection, server_side=True, do_handshake_on_connect=False)
         return connection, address
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._scrapes = threading.BoundedSemaphore(MAX_SCRAPES)
 
     def process_request(self, request, client_address) -> None:
         if not self._scrapes.acquire(blocking=False):
@@ -188,7 +188,7 @@ class _Server(ThreadingMixIn, WSGIServer):
                 request.settimeout(_QuietHandler.timeout)
                 try:
                     request.do_handshake()
-                except (OSError, ssl.SSLError):  # plain HTTP, a bad handshake, or none within the timeout
+                except OSError:  # plain HTTP, a bad handshake (ssl.SSLError), or none within the timeout
                     self.shutdown_request(request)
                     return
             super().process_request_thread(request, client_address)
