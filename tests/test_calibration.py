@@ -172,6 +172,23 @@ def test_a_profile_whose_default_is_not_the_checkpoints_tick_is_refused(pipe, pr
                                       "calibrate`")
 
 
+def test_the_command_calibrates_every_served_embodiment_so_the_server_takes_the_profile(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("POLICY_SERVER_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "model"
+    build_random_pipeline(folder, seed=5)
+    policy = json.loads((folder / "policy.json").read_text())
+    (folder / "policy.json").write_text(json.dumps({**policy, "num_steps": 2}))  # a quick space
+    embodiments = json.loads((folder / "embodiments.json").read_text())
+    arm = {"name": "two_camera_arm", "domain_id": 30, "raw_action_dim": 2, "state_dim": 2, "cameras": ["front", "wrist"]}
+    (folder / "embodiments.json").write_text(json.dumps({"embodiments": [*embodiments["embodiments"], arm]}))
+    assert main(["--checkpoint", str(folder), "--max-observations", "1", "--device", "cpu"]) == 0
+    assert "no observations of two_camera_arm: calibrating on the embedded simulator's frames" in capsys.readouterr().out
+    pipeline = PolicyPipeline.from_pretrained(folder)
+    profile, calibrate_at_warmup = resolve_profile("auto", folder, pipeline.digest, pipeline.served_embodiments,
+                                                   pipeline.config)
+    assert set(profile.embodiments) == {"pusht", "two_camera_arm"} and not calibrate_at_warmup
+
+
 def test_the_command_writes_the_profile_beside_the_checkpoint(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("POLICY_SERVER_CACHE", str(tmp_path / "cache"))
     folder = tmp_path / "model"

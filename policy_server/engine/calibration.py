@@ -159,6 +159,12 @@ def load_observations(path: Path, pipeline: PolicyPipeline, served: bool = True)
             for i in range(count)]
 
 
+def _template_embodiment() -> str:
+    """The embodiment of the embedded simulator's observations (`DEFAULT_OBSERVATIONS`)."""
+    with safe_open(str(DEFAULT_OBSERVATIONS), framework="np") as file:
+        return file.metadata()["embodiment"]
+
+
 def warmup_observations(pipeline: PolicyPipeline, count: int) -> list[Observation]:
     """`count` observations per served embodiment for a bounded calibration at warmup: the embedded set's for
     its embodiment; for the others its frames resized to the embodiment's cameras on the canvas, a zero state
@@ -451,13 +457,15 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="policy-server calibrate", description=main.__doc__)
     parser.add_argument("--checkpoint", help="checkpoint folder or Hugging Face Hub id (default: the embedded model)")
-    parser.add_argument("--observations", type=Path, default=DEFAULT_OBSERVATIONS,
-                        help="calibration observations, safetensors (default: the embedded simulator's set; the "
-                             "README's quality-profile section gives the format)")
+    parser.add_argument("--observations", type=Path, nargs="+", default=[],
+                        help="calibration observations, safetensors files, one embodiment each (the README's "
+                             "quality-profile section gives the format); a served embodiment without any is "
+                             "calibrated on the embedded simulator's set, its frames resized to its cameras")
     parser.add_argument("--out", type=output_file,
                         help="profile file (default: quality_profile.json beside --checkpoint, else the cache "
                              "directory, where `--quality-profile auto` looks)")
-    parser.add_argument("--max-observations", type=int, default=MAX_OBSERVATIONS, help="use at most this many")
+    parser.add_argument("--max-observations", type=int, default=MAX_OBSERVATIONS,
+                        help="use at most this many per embodiment")
     parser.add_argument("--min-steps", type=int, default=2, help="fewest sampler steps tried (2)")
     parser.add_argument("--residual-orders", default=None,
                         help="SeaCache residual orders tried, comma-separated (default: the server's, 1)")
@@ -480,15 +488,28 @@ def main(argv: list[str] | None = None) -> int:
     try:
         pipeline = PolicyPipeline.from_pretrained(args.checkpoint, device=device,
                                                   dtype=resolve_dtype(args.dtype, device))
-        observations = load_observations(args.observations, pipeline)[: args.max_observations]
+        by_embodiment: dict[str, list[Observation]] = {}
+        for path in args.observations:
+            for observation in load_observations(path, pipeline):
+                by_embodiment.setdefault(observation.embodiment, []).append(observation)
+        missing = [name for name in pipeline.served_embodiments if name not in by_embodiment]
+        # A profile must cover every served embodiment, or the server refuses it: the others as the warmup does.
+        for observation in warmup_observations(pipeline, args.max_observations) if missing else []:
+            if observation.embodiment in missing:
+                by_embodiment.setdefault(observation.embodiment, []).append(observation)
+        observations = [o for group in by_embodiment.values() for o in group[: args.max_observations]]
     except (CheckpointLoadError, CalibrationError) as error:
         print(f"policy-server calibrate: {error}", file=sys.stderr)
         return 2
+    if synthetic := [name for name in missing if name != _template_embodiment()]:
+        print(f"no observations of {', '.join(synthetic)}: calibrating on the embedded simulator's frames resized to "
+              "their cameras and a zero state (pass --observations of their own scenes for a profile of them)")
     if args.min_steps > pipeline.config.num_steps:
         parser.error(f"--min-steps {args.min_steps}: above the checkpoint's {pipeline.config.num_steps} sampler steps")
     configs = configurations(pipeline, EngineSettings(), args.min_steps, orders)
     print(f"calibrating {len(configs)} configurations on {len(observations)} observations", flush=True)
-    profile = calibrate(pipeline, observations, configs, source=str(args.observations),
+    source = ", ".join([*map(str, args.observations), *(f"{name}: the embedded set" for name in missing)])
+    profile = calibrate(pipeline, observations, configs, source=source,
                         progress=lambda done: print(f"  {done:.0%}", flush=True))
     out = args.out
     if out is None:  # beside a checkpoint folder of the user's that can hold it, else in the cache
