@@ -2,6 +2,7 @@
 and an engine that plans its ticks on it (loaded, or measured at warmup)."""
 
 import json
+import logging
 from collections import Counter
 
 import numpy as np
@@ -144,12 +145,16 @@ def test_observations_round_trip_and_bad_files_name_what_is_wrong(pipe, observat
         load_observations(path, pipe)
 
 
-def test_the_server_finds_a_profile_beside_the_checkpoint_else_calibrates(pipe, profile, tmp_path, monkeypatch):
+def test_the_server_finds_a_profile_beside_the_checkpoint_else_calibrates(pipe, profile, tmp_path, monkeypatch,
+                                                                          caplog):
+    caplog.set_level(logging.INFO, logger="policy_server.engine.calibration")
     monkeypatch.setenv("POLICY_SERVER_CACHE", str(tmp_path / "cache"))
     assert resolve_profile("off", tmp_path, pipe.digest, pipe.served_embodiments, pipe.config) == (None, False)
     assert resolve_profile("auto", tmp_path, pipe.digest, pipe.served_embodiments, pipe.config) == (None, True)
     profile.save(tmp_path / PROFILE_FILE)
     assert resolve_profile("auto", tmp_path, pipe.digest, pipe.served_embodiments, pipe.config) == (profile, False)
+    assert caplog.messages[-1] == f"planning ticks on the quality profile {tmp_path / PROFILE_FILE} (calibrated on " \
+                                  f"{profile.calibration.observations} observations of {profile.calibration.source})"
     assert resolve_profile(str(tmp_path / PROFILE_FILE), None, pipe.digest, pipe.served_embodiments, pipe.config) == \
         (profile, False)
     with pytest.raises(ProfileError, match="no configurations for aloha .it has pusht.; calibrate the served"):
@@ -179,10 +184,12 @@ def test_the_command_calibrates_every_served_embodiment_so_the_server_takes_the_
     policy = json.loads((folder / "policy.json").read_text())
     (folder / "policy.json").write_text(json.dumps({**policy, "num_steps": 2}))  # a quick space
     embodiments = json.loads((folder / "embodiments.json").read_text())
-    arm = {"name": "two_camera_arm", "domain_id": 30, "raw_action_dim": 2, "state_dim": 2, "cameras": ["front", "wrist"]}
+    arm = {"name": "two_camera_arm", "domain_id": 30, "raw_action_dim": 2, "state_dim": 2,
+           "cameras": ["front", "wrist"]}
     (folder / "embodiments.json").write_text(json.dumps({"embodiments": [*embodiments["embodiments"], arm]}))
     assert main(["--checkpoint", str(folder), "--max-observations", "1", "--device", "cpu"]) == 0
-    assert "no observations of two_camera_arm: calibrating on the embedded simulator's frames" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "no observations of two_camera_arm: calibrating on the embedded simulator's frames" in printed
     pipeline = PolicyPipeline.from_pretrained(folder)
     profile, calibrate_at_warmup = resolve_profile("auto", folder, pipeline.digest, pipeline.served_embodiments,
                                                    pipeline.config)

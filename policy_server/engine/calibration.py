@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import sys
@@ -82,6 +83,7 @@ COARSE_RUNGS = (2, 4, 5)  # of the ladder: the published default's, the loosest 
 # have two modes (robots/calibration_set.py).
 DEFAULT_OBSERVATIONS = Path(__file__).resolve().parent.parent / "assets" / "calibration" / "reach_either.safetensors"
 MAX_OBSERVATIONS = 1024
+logger = logging.getLogger(__name__)
 # A frontier point's step loop is also measured with these fractions of the time its calls take (calls 1.05,
 # 1.11, 1.25, 1.67 and 2.5 times slower than expected). The first two because a cut's error is not linear in its
 # depth: one forced skip past the cap of an aggressive cache costs it much of what a 20% cut does.
@@ -447,6 +449,8 @@ def resolve_profile(setting: str, checkpoint: Path | None, digest: str, served: 
         raise ProfileError(f"{path}: no configurations for {', '.join(missing)} (it has "
                            f"{', '.join(profile.embodiments) or 'none'}); calibrate the served embodiments with "
                            "`policy-server calibrate`, or plan on the cache ladder with --quality-profile off")
+    logger.info("planning ticks on the quality profile %s (calibrated on %d observations of %s)", path,
+                profile.calibration.observations, profile.calibration.source)
     return profile, False
 
 
