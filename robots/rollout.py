@@ -281,7 +281,9 @@ def _side_by_side(real: np.ndarray, predicted: np.ndarray | None, offset: int) -
     return np.concatenate([real, right], axis=1)
 
 
-def summarize(results: list[EpisodeResult], seconds: float, config: dict) -> dict:
+def summarize(results: list[EpisodeResult], seconds: float, config: dict, budgeted: bool = True) -> dict:
+    """The rollout's report; `budgeted` False: its ticks ran without a budget (uncached, none asked for), which
+    neither `budget_ms` nor the misses then pretend."""
     ticks = [t for r in results for t in r.ticks]
     latency = np.array([t.latency_ms for t in ticks])
     settings: dict[str, int] = {}
@@ -306,8 +308,9 @@ def summarize(results: list[EpisodeResult], seconds: float, config: dict) -> dic
         "ticks": len(ticks),
         "latency_p50_ms": float(np.percentile(latency, 50)),
         "latency_p99_ms": float(np.percentile(latency, 99)),
-        "deadline_misses": int(sum(not t.deadline_met for t in ticks)),
-        "miss_rate": float(np.mean([not t.deadline_met for t in ticks])),
+        "budget_ms": float(np.median([t.budget_ms for t in ticks])) if budgeted else None,
+        "deadline_misses": int(sum(not t.deadline_met for t in ticks)) if budgeted else None,
+        "miss_rate": float(np.mean([not t.deadline_met for t in ticks])) if budgeted else None,
         "full_calls_per_tick": float(np.mean([t.full_calls for t in ticks])),
         "skipped_calls_per_tick": float(np.mean([t.skipped_calls for t in ticks])),
         "forced_skips_per_tick": float(np.mean([t.forced_skips for t in ticks])),
@@ -328,13 +331,14 @@ def plot_summary(report: dict, latencies: list[float], path: Path) -> None:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     left.hist(latencies, bins=40, color="#3b6ea8")
-    budget = report["config"].get("latency_budget_ms")
-    if budget:
+    budget = report["budget_ms"]
+    if budget is not None:
         left.axvline(budget, color="r", label=f"budget {budget:g} ms")
         left.legend()
     left.set_xlabel("tick latency (ms)")
-    left.set_title(f"p50 {report['latency_p50_ms']:.0f} ms, p99 {report['latency_p99_ms']:.0f} ms, "
-                   f"misses {report['miss_rate']:.1%}")
+    left.set_ylabel("ticks")
+    misses = "no budget" if budget is None else f"misses {report['miss_rate']:.1%}"
+    left.set_title(f"p50 {report['latency_p50_ms']:.0f} ms, p99 {report['latency_p99_ms']:.0f} ms, {misses}")
     lengths = [e["steps"] for e in report["per_episode"]]
     colours = ["#2e8b57" if e["success"] else "#c0392b" for e in report["per_episode"]]
     right.bar(range(len(lengths)), lengths, color=colours)
@@ -446,8 +450,8 @@ def main(argv: list[str] | None = None) -> int:
 
         refusals += (CheckpointLoadError, ProfileError, CompileUnavailableError)
         # Uncached ticks are not budgeted: without --latency-budget-ms they get the largest budget there is.
-        budget = budget or (MAX_BUDGET_MS if args.no_diffusion_cache else 120.0)
-        make_policy = functools.partial(InProcessPolicy, args.checkpoint, budget,
+        make_policy = functools.partial(InProcessPolicy, args.checkpoint,
+                                        budget or (MAX_BUDGET_MS if args.no_diffusion_cache else 120.0),
                                         not args.no_diffusion_cache, args.num_envs, overrides,
                                         quality_profile or "off", args.device, args.compile_gen_stack)
     else:
@@ -477,7 +481,9 @@ def main(argv: list[str] | None = None) -> int:
               "env_id": args.env_id, "execute": args.execute, "num_envs": args.num_envs, "device": args.device,
               "first_episode": args.first_episode, "serve_application": args.serve_application,
               "ray_workers": args.ray, **overrides}
-    report = summarize(results, seconds, config)
+    # The budget the ticks ran at: the one asked for, else the server's (or the engine's) default; none uncached.
+    report = summarize(results, seconds, config, budgeted=not (args.in_process and args.no_diffusion_cache
+                                                              and budget is None))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     plot_summary(report, [t.latency_ms for r in results for t in r.ticks], args.out.with_suffix(".png"))

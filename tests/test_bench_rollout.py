@@ -242,12 +242,22 @@ def test_rollout_in_process_writes_report_plot_and_video(model_dir, tmp_path):
     report = json.loads(out.read_text())
     assert report["episodes"] == 2 and len(report["per_episode"]) == 2
     assert {"success_rate", "latency_p50_ms", "latency_p99_ms", "miss_rate", "cache_settings"} <= set(report)
+    assert report["budget_ms"] == report["config"]["latency_budget_ms"] == 5000.0
     assert report["ticks_by_batch_size"] == {"1": report["ticks"]}  # one environment: every tick ran alone
     assert all(e["nearest_color"] and e["final_distance_m"] >= 0 for e in report["per_episode"])
     assert out.with_suffix(".png").stat().st_size > 0
     videos = list(tmp_path.glob("rollout_episode*.mp4"))
     assert [v.name for v in videos] == [f"rollout_episode{report['per_episode'][0]['seed']}.mp4"]
     assert_browser_playable(videos[0], frames=report["per_episode"][0]["steps"])
+
+
+def test_an_uncached_rollout_reports_no_budget_it_did_not_have(model_dir, tmp_path):
+    out = tmp_path / "uncached.json"
+    assert rollout_main(["--in-process", "--checkpoint", str(model_dir), "--episodes", "1", "--num-steps", "2",
+                         "--no-diffusion-cache", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["config"]["latency_budget_ms"] is None
+    assert (report["budget_ms"], report["deadline_misses"], report["miss_rate"]) == (None, None, None)
 
 
 def test_rollout_in_process_with_a_vector_env(model_dir, tmp_path):
