@@ -661,9 +661,8 @@ def model_inputs(obs: dict, embodiment: Embodiment, frame_hw: tuple[int, int] | 
     """A Reach observation as the embodiment's request inputs: its frame (resized to `frame_hw`, a camera's
     native size, when given) for every camera side by side, its state when the embodiment takes one."""
     image = obs["image"]
-    if frame_hw is not None:
-        width = frame_hw[1] // len(embodiment.cameras)
-        image = cv2.resize(image, (width, frame_hw[0]), interpolation=cv2.INTER_LINEAR)
+    if frame_hw is not None:  # each camera's: a two-camera robot sends two of them
+        image = cv2.resize(image, (frame_hw[1], frame_hw[0]), interpolation=cv2.INTER_LINEAR)
     return {"images": {camera: image for camera in embodiment.cameras}, "instruction": obs["instruction"],
             "state": obs["state"] if embodiment.state_dim else None}
 
