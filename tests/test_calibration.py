@@ -214,7 +214,9 @@ def test_the_command_writes_the_profile_beside_the_checkpoint(tmp_path, capsys, 
     printed = capsys.readouterr().out
     assert "wrote" in printed and "--quality-profile auto" not in printed  # it finds this one
     assert main(elsewhere) == 0
-    assert f"`--quality-profile auto` finds {folder / PROFILE_FILE} first" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert f"`--quality-profile auto` finds {folder / PROFILE_FILE} first" in printed
+    assert f"replaced {tmp_path / 'p.json'}" in printed  # the first run wrote it
     assert main(["--checkpoint", str(folder), "--observations", str(tmp_path / "missing")]) == 2
     assert "not a calibration observations file" in capsys.readouterr().err
     for bad, message in ((["--residual-orders", "1,3"], "--residual-orders '1,3': expected"),

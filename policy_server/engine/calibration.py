@@ -519,10 +519,11 @@ def main(argv: list[str] | None = None) -> int:
     if out is None:  # beside a checkpoint folder of the user's that can hold it, else in the cache
         beside = args.checkpoint is not None and not is_hub_id(args.checkpoint) and os.access(pipeline.folder, os.W_OK)
         out = profile_locations(pipeline.folder, pipeline.digest)[0 if beside else 1]
+    replaced = out.is_file()
     profile.save(out)
     for embodiment, points in profile.embodiments.items():
         print(f"{embodiment}: {len(frontier(points))} configurations on the frontier of {len(points)}")
-    print(f"wrote {out} ({profile.calibration.seconds:.0f} s)")
+    print(f"{'replaced' if replaced else 'wrote'} {out} ({profile.calibration.seconds:.0f} s)")
     found = next((path for path in profile_locations(pipeline.folder, pipeline.digest) if path.is_file()), None)
     if found is None or found.resolve() != out.resolve():
         where = f"finds {found} first" if found else "looks beside the checkpoint and in the cache, not there"
