@@ -254,7 +254,7 @@ def test_rollout_in_process_writes_report_plot_and_video(model_dir, tmp_path):
 def test_an_uncached_rollout_reports_no_budget_it_did_not_have(model_dir, tmp_path):
     out = tmp_path / "uncached.json"
     assert rollout_main(["--in-process", "--checkpoint", str(model_dir), "--episodes", "1", "--num-steps", "2",
-                         "--no-diffusion-cache", "--out", str(out)]) == 0
+                         "--no-diffusion-cache", "--no-compile-gen-stack", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["config"]["latency_budget_ms"] is None
     assert (report["budget_ms"], report["deadline_misses"], report["miss_rate"]) == (None, None, None)
