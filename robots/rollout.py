@@ -281,7 +281,7 @@ def _side_by_side(real: np.ndarray, predicted: np.ndarray | None, offset: int) -
     return np.concatenate([real, right], axis=1)
 
 
-def summarize(results: list[EpisodeResult], seconds: float, config: dict, budgeted: bool = True) -> dict:
+def summarize(results: list[EpisodeResult], seconds: float, config: dict, budgeted: bool) -> dict:
     """The rollout's report; `budgeted` False: its ticks ran without a budget (uncached, none asked for), which
     neither `budget_ms` nor the misses then pretend."""
     ticks = [t for r in results for t in r.ticks]

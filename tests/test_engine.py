@@ -79,11 +79,11 @@ def test_the_log_says_who_opened_and_closed_each_session(engine, caplog):
     engine.close_session(session.session_id)
     unnamed = engine.open_session("pusht", "reach the red circle", rate_hz=0)
     engine.close_session(unnamed.session_id)
-    lines = [record.getMessage() for record in caplog.records]
-    assert lines[0].startswith(f"opened session {session.session_id} ('arm 3'): pusht, chunks of 8, budget 10000 ms")
-    assert lines[1:] == [f"closed session {session.session_id} ('arm 3')", lines[2],
-                         f"closed session {unnamed.session_id}"]
-    assert lines[2].startswith(f"opened session {unnamed.session_id}: pusht")
+    opened, closed, opened_unnamed, closed_unnamed = [record.getMessage() for record in caplog.records]
+    assert opened.startswith(f"opened session {session.session_id} ('arm 3'): pusht, chunks of 8, budget 10000 ms")
+    assert closed == f"closed session {session.session_id} ('arm 3')"
+    assert opened_unnamed.startswith(f"opened session {unnamed.session_id}: pusht")
+    assert closed_unnamed == f"closed session {unnamed.session_id}"
 
 
 def test_a_tick_running_when_its_session_is_reset_answers_stale_epoch(engine):

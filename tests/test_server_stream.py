@@ -278,131 +278,105 @@ def test_cancelling_the_stream_abandons_work_in_flight(client, engine):
         engine.release()
 
 
-def test_reconnects_and_replaces_the_session_after_a_server_restart():
-    first = build_server(build_config(overrides={"port": 0}), FakeEngine()).start()
-    port = first.grpc_port
-    client = PolicyClient(first.target)
-    session = client.open_session("pusht", "survive a restart", budget_ms=90, preview=True, client_name="arm-3")
-    assert session.client_name == "arm-3"
-    stream = ControlStream(client, session, backoff=Backoff(initial_s=0.05, max_s=0.2, max_attempts=100)).open()
-    second = None
+@contextlib.contextmanager
+def _stream_across_a_restart(session: dict | None = None, **options):
+    """`(client, stream, restart)`: a ControlStream on a server of its own; `restart(engine)` stops that server and
+    serves `engine` (a fresh FakeEngine) on its port, as a server that restarted lost its sessions."""
+    servers = [build_server(build_config(overrides={"port": 0}), FakeEngine()).start()]
+    port = servers[0].grpc_port
+    client = PolicyClient(servers[0].target)
+    opened = client.open_session("pusht", "reach the red circle", **(session or {}))
+    stream = ControlStream(client, opened, backoff=Backoff(initial_s=0.05, max_s=0.2, max_attempts=100),
+                           **options).open()
+
+    def restart(engine: FakeEngine | None = None) -> None:
+        servers.pop().stop(grace_s=0.1)
+        servers.append(build_server(build_config(overrides={"port": port}), engine or FakeEngine()).start())
+
     try:
+        yield client, stream, restart
+    finally:
+        stream.close()
+        client.close()
+        servers.pop().stop(grace_s=0.1)
+
+
+def test_reconnects_and_replaces_the_session_after_a_server_restart():
+    settings = {"budget_ms": 90, "preview": True, "client_name": "arm-3"}
+    with _stream_across_a_restart(settings) as (_, stream, restart):
+        assert stream.session.client_name == "arm-3"
         send(stream, 0)
         assert stream.next_chunk().epoch == 1
-        first.stop(grace_s=0.1)
-        second = build_server(build_config(overrides={"port": port}), FakeEngine()).start()
+        restart()
         lost = stream.next_event(timeout_s=20)
         assert lost.kind == "disconnected" and lost.error.code == grpc.StatusCode.UNAVAILABLE
         event = stream.next_event(timeout_s=20)
         assert event.kind == "reconnected" and event.session_replaced
-        assert event.session.budget_ms == 90.0 and event.session.instruction == "survive a restart"
+        assert event.session.budget_ms == 90.0 and event.session.instruction == "reach the red circle"
         assert event.session.preview and event.session.client_name == "arm-3"  # the same settings
         obs_id = send(stream, 1)
         chunk = stream.next_chunk(timeout_s=10)
         assert chunk.obs_id == obs_id and chunk.session_id == stream.session.session_id
         np.testing.assert_array_equal(chunk.actions, expected(1))
-    finally:
-        stream.close()
-        client.close()
-        if second is not None:
-            second.stop(grace_s=0.1)
 
 
 def test_a_reopened_session_keeps_the_budget_granted_and_the_instruction_last_sent():
-    first = build_server(build_config(overrides={"port": 0}), FakeEngine()).start()
-    client = PolicyClient(first.target)
-    stream = ControlStream(client, client.open_session("pusht", "reach the red circle", budget_ms=90),
-                           backoff=Backoff(initial_s=0.05, max_s=0.2, max_attempts=100)).open()
-    second = None
-    try:
+    with _stream_across_a_restart({"budget_ms": 90}) as (_, stream, restart):
         stream.set_budget(150.0)
         assert stream.next_event().kind == "budget"
         send(stream, 0, instruction="reach the blue square")
         stream.next_chunk()
-        first.stop(grace_s=0.1)
-        second = build_server(build_config(overrides={"port": first.grpc_port}), FakeEngine()).start()
+        restart()
         assert stream.next_event(timeout_s=20).kind == "disconnected"
         event = stream.next_event(timeout_s=20)
         assert event.kind == "reconnected" and event.session_replaced
         assert (event.session.budget_ms, event.session.instruction) == (150.0, "reach the blue square")
-    finally:
-        stream.close()
-        client.close()
-        if second is not None:
-            second.stop(grace_s=0.1)
 
 
 def test_a_stream_that_gives_up_says_why_and_refuses_what_is_sent_after():
-    first = build_server(build_config(overrides={"port": 0}), FakeEngine()).start()
-    client = PolicyClient(first.target)
-    stream = ControlStream(client, client.open_session("pusht", "reach the red circle"),
-                           backoff=Backoff(initial_s=0.05, max_s=0.2, max_attempts=100)).open()
-    # Where the session cannot be opened again, the reopening's refusal is the reason, not the lost connection.
-    second = None
-    try:
-        first.stop(grace_s=0.1)
-        second = build_server(build_config(overrides={"port": first.grpc_port}),
-                              FakeEngine(embodiments=(LIBERO,))).start()
+    with _stream_across_a_restart() as (_, stream, restart):
+        # Where the session cannot be opened again, the reopening's refusal is the reason, not the lost connection.
+        restart(FakeEngine(embodiments=(LIBERO,)))
         assert stream.next_event(timeout_s=20).kind == "disconnected"
         closed = stream.next_event(timeout_s=20)
         assert closed.kind == "closed" and closed.error.reason == "UNKNOWN_EMBODIMENT"
         with pytest.raises(PolicyServerError) as refused:
             send(stream, 1)
         assert refused.value.reason == "UNKNOWN_EMBODIMENT"
-    finally:
-        stream.close()
-        client.close()
-        if second is not None:
-            second.stop(grace_s=0.1)
-    with pytest.raises(PolicyServerError) as closed_here:
+    with pytest.raises(PolicyServerError) as closed_here:  # closing it does not hide why it ended
         stream.set_budget(100.0)
     assert closed_here.value.reason == "UNKNOWN_EMBODIMENT"
 
 
 def test_a_stream_told_not_to_reopen_ends_when_its_session_is_lost():
-    first = build_server(build_config(overrides={"port": 0}), FakeEngine()).start()
-    client = PolicyClient(first.target)
-    stream = ControlStream(client, client.open_session("pusht", "reach the red circle"), reopen_session=False,
-                           backoff=Backoff(initial_s=0.05, max_s=0.2, max_attempts=100)).open()
-    second = None
-    try:
-        first.stop(grace_s=0.1)
-        second = build_server(build_config(overrides={"port": first.grpc_port}), FakeEngine()).start()
+    with _stream_across_a_restart(reopen_session=False) as (_, stream, restart):
+        restart()
         assert stream.next_event(timeout_s=20).kind == "disconnected"
         closed = stream.next_event(timeout_s=20)
         assert closed.kind == "closed" and closed.error.reason == "SESSION_NOT_FOUND"
-    finally:
-        stream.close()
-        client.close()
-        if second is not None:
-            second.stop(grace_s=0.1)
 
 
 def test_closing_a_stream_while_it_reopens_its_session_leaves_nothing_open(monkeypatch):
-    first = build_server(build_config(overrides={"port": 0}), FakeEngine()).start()
-    client = PolicyClient(first.target)
-    stream = ControlStream(client, client.open_session("pusht", "reach the red circle"),
-                           backoff=Backoff(initial_s=0.05, max_s=0.2, max_attempts=100)).open()
     second_engine = FakeEngine()
-    second = None
     reopening, release = threading.Event(), threading.Event()
-    open_session = client.open_session
+    with _stream_across_a_restart() as (client, stream, restart):
+        open_session = client.open_session
 
-    def slow_open_session(*args, **kwargs):  # as through a warmup: the stream is closed meanwhile
-        reopening.set()
-        release.wait(20)
-        return open_session(*args, **kwargs)
+        def slow_open_session(*args, **kwargs):  # as through a warmup: the stream is closed meanwhile
+            reopening.set()
+            release.wait(20)
+            return open_session(*args, **kwargs)
 
-    monkeypatch.setattr(client, "open_session", slow_open_session)
-    try:
-        first.stop(grace_s=0.1)
-        second = build_server(build_config(overrides={"port": first.grpc_port}), second_engine).start()
-        assert reopening.wait(20)
-        stream.close(wait_s=0.1)  # returns before the reopening does
-        with pytest.raises(PolicyServerError) as refused:
-            send(stream, 1)
-        assert refused.value.reason == "STREAM_CLOSED"
-        release.set()
+        monkeypatch.setattr(client, "open_session", slow_open_session)
+        try:
+            restart(second_engine)
+            assert reopening.wait(20)
+            stream.close(wait_s=0.1)  # returns before the reopening does
+            with pytest.raises(PolicyServerError) as refused:
+                send(stream, 1)
+            assert refused.value.reason == "STREAM_CLOSED"
+        finally:
+            release.set()
         stream._reader.join(20)
         assert not stream._reader.is_alive() and second_engine.stats().sessions == 0
         kinds = []
@@ -410,11 +384,6 @@ def test_closing_a_stream_while_it_reopens_its_session_leaves_nothing_open(monke
             while True:
                 kinds.append(stream.next_event(0.1).kind)
         assert kinds == ["disconnected", "closed"]
-    finally:
-        release.set()
-        client.close()
-        if second is not None:
-            second.stop(grace_s=0.1)
 
 
 def test_opening_a_stream_while_the_starting_places_are_full_waits_for_one(client, monkeypatch):

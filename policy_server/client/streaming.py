@@ -157,8 +157,7 @@ class ControlStream:
     def _end(self, error: PolicyServerError | None) -> None:
         """Report the stream's end (``closed``, with ``error`` unless the client closed it)."""
         with self._lock:
-            self._ended = error or PolicyServerError(grpc.StatusCode.CANCELLED, "STREAM_CLOSED",
-                                                     "the control stream was closed")
+            self._ended = self._ended or error or _stream_closed()
         self._events.put(StreamEvent("closed", error=error))
 
     def _reconnect_with_backoff(self, error: PolicyServerError) -> PolicyServerError | None:
@@ -251,6 +250,7 @@ class ControlStream:
         """Half-close (the server answers what it already accepted), then wait for the end."""
         self._closing.set()
         with self._lock:
+            self._ended = self._ended or _stream_closed()
             if self._requests is not None:
                 self._requests.put(_CLOSE)
         if self._reader is not None:
@@ -272,8 +272,6 @@ class ControlStream:
                 raise RuntimeError("the stream is not open")
             if self._ended is not None:
                 raise self._ended
-            if self._closing.is_set():
-                raise PolicyServerError(grpc.StatusCode.CANCELLED, "STREAM_CLOSED", "the control stream was closed")
             self._requests.put(request)
 
     def send(
@@ -336,9 +334,11 @@ class ControlStream:
             if event.kind == "error":
                 raise event.error
             if event.kind == "closed":
-                raise event.error or PolicyServerError(
-                    grpc.StatusCode.CANCELLED, "STREAM_CLOSED", "the control stream ended"
-                )
+                raise event.error or _stream_closed()
+
+
+def _stream_closed() -> PolicyServerError:
+    return PolicyServerError(grpc.StatusCode.CANCELLED, "STREAM_CLOSED", "the control stream was closed")
 
 
 def _connection_lost(error: PolicyServerError) -> bool:

@@ -74,6 +74,8 @@ from policy_server.pipeline.policy import (
 from policy_server.pipeline.policy_config import PolicyConfig
 from policy_server.pipeline.tick_work import TickWork
 
+logger = logging.getLogger(__name__)
+
 # Sampler steps tried, as fractions of the default (then floored at `min_steps`); a coarse grid, for the
 # bounded calibration at warmup, tries fewer of them, two CFG schedules and three cache settings.
 STEP_FRACTIONS = (1.0, 0.75, 0.6, 0.5, 0.4, 0.3, 0.2)
@@ -83,7 +85,6 @@ COARSE_RUNGS = (2, 4, 5)  # of the ladder: the published default's, the loosest 
 # have two modes (robots/calibration_set.py).
 DEFAULT_OBSERVATIONS = Path(__file__).resolve().parent.parent / "assets" / "calibration" / "reach_either.safetensors"
 MAX_OBSERVATIONS = 1024
-logger = logging.getLogger(__name__)
 # A frontier point's step loop is also measured with these fractions of the time its calls take (calls 1.05,
 # 1.11, 1.25, 1.67 and 2.5 times slower than expected). The first two because a cut's error is not linear in its
 # depth: one forced skip past the cap of an aggressive cache costs it much of what a 20% cut does.
@@ -167,14 +168,15 @@ def _template_embodiment() -> str:
         return file.metadata()["embodiment"]
 
 
-def warmup_observations(pipeline: PolicyPipeline, count: int) -> list[Observation]:
-    """`count` observations per served embodiment for a bounded calibration at warmup: the embedded set's for
-    its embodiment; for the others its frames resized to the embodiment's cameras on the canvas, a zero state
-    and its instructions (synthetic, which the profile's source says)."""
+def warmup_observations(pipeline: PolicyPipeline, count: int,
+                        embodiments: Sequence[str] | None = None) -> list[Observation]:
+    """`count` observations per served embodiment (or per one of `embodiments`) for a bounded calibration at
+    warmup: the embedded set's for its embodiment; for the others its frames resized to the embodiment's cameras
+    on the canvas, a zero state and its instructions (synthetic, which the profile's source says)."""
     height, width = pipeline.config.canvas_hw
     template = load_observations(DEFAULT_OBSERVATIONS, pipeline, served=False)[:count]
     observations = []
-    for name in pipeline.served_embodiments:
+    for name in pipeline.served_embodiments if embodiments is None else embodiments:
         spec = pipeline.embodiments.get(name)
         if name == template[0].embodiment:
             observations += template
@@ -498,9 +500,8 @@ def main(argv: list[str] | None = None) -> int:
                 by_embodiment.setdefault(observation.embodiment, []).append(observation)
         missing = [name for name in pipeline.served_embodiments if name not in by_embodiment]
         # A profile must cover every served embodiment, or the server refuses it: the others as the warmup does.
-        for observation in warmup_observations(pipeline, args.max_observations) if missing else []:
-            if observation.embodiment in missing:
-                by_embodiment.setdefault(observation.embodiment, []).append(observation)
+        for observation in warmup_observations(pipeline, args.max_observations, missing) if missing else []:
+            by_embodiment.setdefault(observation.embodiment, []).append(observation)
         observations = [o for group in by_embodiment.values() for o in group[: args.max_observations]]
     except (CheckpointLoadError, CalibrationError) as error:
         print(f"policy-server calibrate: {error}", file=sys.stderr)
