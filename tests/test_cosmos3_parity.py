@@ -220,6 +220,13 @@ def test_bad_folders_are_refused_in_one_line(folder, tmp_path, edit, message):
     assert "\n" not in str(raised.value)
 
 
+def test_a_folder_is_named_after_itself_and_a_hub_snapshot_after_its_hub_id(pipe, folder, monkeypatch):
+    assert pipe.config.name == folder.name
+    # A Hub id resolves to a snapshot folder named after its commit (tests/test_hub.py fetches one for real).
+    monkeypatch.setattr("policy_server.pipeline.policy.checkpoint_folder", lambda reference: folder)
+    assert PolicyPipeline.from_pretrained("nvidia/Cosmos3-Tiny@main").config.name == "nvidia/Cosmos3-Tiny@main"
+
+
 def test_the_server_process_serves_the_folder_with_diffusers_actions(folder, tmp_path):
     """`policy-server --checkpoint DIR` on the folder (overrides only to keep the warmup short: tier 256, 3 steps,
     one embodiment with chunks up to 8); camera-native frames over gRPC give diffusers' actions."""

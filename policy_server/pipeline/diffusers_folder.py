@@ -86,10 +86,10 @@ def read_model_index(root: Path) -> dict[str, bool]:
     return flags
 
 
-def policy_config(root: Path, flags: dict[str, bool]) -> PolicyConfig:
-    """The folder's defaults (scheduler config, index flags, `ACTION_DEFAULTS`), overridden by `policy.json`."""
+def policy_config(root: Path, name: str, flags: dict[str, bool]) -> PolicyConfig:
+    """The folder's defaults (`name`, scheduler config, index flags, `ACTION_DEFAULTS`), overridden by `policy.json`."""
     defaults: dict[str, object] = {
-        "name": root.name, **ACTION_DEFAULTS, **scheduler_settings(root / "scheduler" / "scheduler_config.json"),
+        "name": name, **ACTION_DEFAULTS, **scheduler_settings(root / "scheduler" / "scheduler_config.json"),
         "use_system_prompt": flags["default_use_system_prompt"],
     }
     path = root / "policy.json"

@@ -52,7 +52,7 @@ from policy_server.pipeline.errors import (
     InvalidNoise,
     InvalidSamplerSettings,
 )
-from policy_server.pipeline.hub import CheckpointNotFound, checkpoint_folder
+from policy_server.pipeline.hub import CheckpointNotFound, checkpoint_folder, is_hub_id
 from policy_server.pipeline.normalization import FeatureNormalizers, NormalizationStatsError
 from policy_server.pipeline.packing import ActionLayout, RequestShape, pack_request, request_shape
 from policy_server.pipeline.policy_config import PolicyConfig, PolicyConfigError
@@ -375,8 +375,12 @@ class PolicyPipeline:
             root = checkpoint_folder(path) if path is not None else default_model_path()
             if not root.is_dir():
                 raise CheckpointError(f"{root} is not a directory")
-            load = cls._from_diffusers_folder if diffusers_folder.is_diffusers_folder(root) else cls._from_policy_folder
-            pipeline = load(root, device, dtype)
+            if diffusers_folder.is_diffusers_folder(root):
+                # A Hub snapshot's folder is named after its commit: such a model is named after its Hub id.
+                name = str(path) if path is not None and is_hub_id(path) else root.name
+                pipeline = cls._from_diffusers_folder(root, name, device, dtype)
+            else:
+                pipeline = cls._from_policy_folder(root, device, dtype)
             pipeline._check_parts_fit(root)
             for name in pipeline.served_embodiments:  # stats files are read now, not at the first tick
                 pipeline.normalizers(pipeline.embodiments.get(name))
@@ -416,9 +420,9 @@ class PolicyPipeline:
         )
 
     @classmethod
-    def _from_diffusers_folder(cls, root: Path, device: str, dtype: torch.dtype | None) -> PolicyPipeline:
+    def _from_diffusers_folder(cls, root: Path, name: str, device: str, dtype: torch.dtype | None) -> PolicyPipeline:
         flags = diffusers_folder.read_model_index(root)
-        config = diffusers_folder.policy_config(root, flags)
+        config = diffusers_folder.policy_config(root, name, flags)
         transformer = load_transformer(root / "transformer", device=device, dtype=dtype)
         if not transformer.config.action_gen:
             raise CheckpointError(f"{root / 'transformer' / 'config.json'}: action_gen=false; "
