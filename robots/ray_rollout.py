@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import ray
+from ray.experimental import tqdm_ray
 
 from policy_server.ray_serve.address import check_gcs_address
 from robots.rollout import EpisodeResult, run_episodes
@@ -20,8 +21,13 @@ from robots.rollout import EpisodeResult, run_episodes
 # One task per worker process: the engine it built goes with the process.
 @ray.remote(max_calls=1)
 def _run_part(make_policy: Callable, env_id: str, indices: list[int], num_envs: int, execute: int,
-              videos: int) -> list[EpisodeResult]:
-    return run_episodes(make_policy(), env_id, indices, num_envs, execute, videos)
+              videos: int, worker: int) -> list[EpisodeResult]:
+    policy = make_policy()
+    # Ray's bar for a task: the driver draws every worker's, one line each.
+    progress = tqdm_ray.tqdm(desc=f"worker {worker} episodes", total=len(indices), unit="ep", position=worker)
+    results = run_episodes(policy, env_id, indices, num_envs, execute, videos, progress)
+    progress.close()
+    return results
 
 
 def run_on_ray(make_policy: Callable, env_id: str, indices: Sequence[int], workers: int, num_envs: int,
@@ -36,8 +42,8 @@ def run_on_ray(make_policy: Callable, env_id: str, indices: Sequence[int], worke
     parts = [part.tolist() for part in np.array_split(np.asarray(indices), min(workers, len(indices)))]
     starts = np.cumsum([0] + [len(part) for part in parts[:-1]])
     task = _run_part.options(num_cpus=cpus_per_worker, num_gpus=gpus_per_worker)
-    refs = [task.remote(make_policy, env_id, part, num_envs, execute, int(np.clip(videos - start, 0, len(part))))
-            for part, start in zip(parts, starts, strict=True)]
+    refs = [task.remote(make_policy, env_id, part, num_envs, execute, int(np.clip(videos - start, 0, len(part))),
+                        worker) for worker, (part, start) in enumerate(zip(parts, starts, strict=True))]
     parts_done, failures = [], []
     for ref in refs:  # each one read, so that Ray has no error left to log as unhandled
         try:

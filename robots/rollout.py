@@ -10,7 +10,7 @@ more than one), each with its own session; a tick sends the camera frame and eff
 robot executes the first `--execute` actions of the returned chunk before asking again. Episodes use
 held-out seeds (never seen in the demonstrations): episode i has seed `HELDOUT_SEED_OFFSET + i`, whatever
 `--num-envs`. The JSON report holds the success rate, episode lengths, per-tick latency (p50/p99),
-deadline misses and cache decisions; a PNG summary sits beside it, and `--videos N` writes MP4s (H.264,
+deadline misses, cache decisions and each episode's ticks; a PNG summary sits beside it, and `--videos N` writes MP4s (H.264,
 browser-playable) of the first N episodes with the predicted future frames (the session's preview frames,
 from a server or in-process) beside the real ones.
 
@@ -36,6 +36,7 @@ from pathlib import Path
 import cv2
 import gymnasium
 import numpy as np
+from tqdm import tqdm
 
 from policy_server import __version__
 from policy_server.client.cli_flags import add_tls_flags, server_address, tls_options, token_file
@@ -178,10 +179,10 @@ class _Running:
 
 
 def run_episodes(policy, env_id: str, indices: Sequence[int], num_envs: int, execute: int,
-                 videos: int = 0) -> list[EpisodeResult]:
+                 videos: int = 0, progress=None) -> list[EpisodeResult]:
     """One episode per held-out seed index in `indices` (seed `HELDOUT_SEED_OFFSET + index`), up to `num_envs` at
     once in a gymnasium vector env of `env_id`; the first `videos` episodes record side-by-side frames. The results
-    come in the order of `indices`.
+    come in the order of `indices`. `progress`: a tqdm bar, advanced by one as each episode ends.
 
     As in LeRobot's evaluation, several environments run asynchronously (a process each, observations in shared
     memory) and a single one in this process. A sub-environment whose episode ends starts the next pending one
@@ -253,6 +254,8 @@ def run_episodes(policy, env_id: str, indices: Sequence[int], num_envs: int, exe
                         results[running[i].position] = running[i].result
                         policy.close(running[i].session)
                         running[i] = None
+                        if progress is not None:
+                            progress.update(1)
                     obs = start(ended, obs)
     finally:
         for run in running:
@@ -283,7 +286,7 @@ def _side_by_side(real: np.ndarray, predicted: np.ndarray | None, offset: int) -
 
 def summarize(results: list[EpisodeResult], seconds: float, config: dict, budgeted: bool) -> dict:
     """The rollout's report; `budgeted` False: its ticks ran without a budget (uncached, none asked for), which
-    neither `budget_ms` nor the misses then pretend."""
+    neither `budget_ms` nor the misses then pretend. Each episode lists its ticks in order, a column per field."""
     ticks = [t for r in results for t in r.ticks]
     latency = np.array([t.latency_ms for t in ticks])
     settings: dict[str, int] = {}
@@ -319,8 +322,18 @@ def summarize(results: list[EpisodeResult], seconds: float, config: dict, budget
         "wall_s": seconds,
         "per_episode": [{"seed": r.seed, "instruction": r.instruction, "success": r.success, "steps": r.steps,
                          "final_distance_m": round(r.final_distance_m, 4), "nearest_color": r.nearest_color,
-                         "collided": r.collided} for r in results],
+                         "collided": r.collided, "ticks": _tick_columns(r.ticks, budgeted)} for r in results],
     }
+
+
+def _tick_columns(ticks: list[TickStats], budgeted: bool) -> dict[str, list]:
+    """`{field: [value per tick]}`, latencies to 0.01 ms; no budget or deadline columns where none was set."""
+    columns = {"latency_ms": [round(t.latency_ms, 2) for t in ticks]}
+    if budgeted:
+        columns |= {"budget_ms": [t.budget_ms for t in ticks], "deadline_met": [t.deadline_met for t in ticks]}
+    for name in ("setting", "full_calls", "skipped_calls", "forced_skips", "batch_size"):
+        columns[name] = [getattr(t, name) for t in ticks]
+    return columns
 
 
 def plot_summary(report: dict, latencies: list[float], path: Path) -> None:
@@ -462,7 +475,11 @@ def main(argv: list[str] | None = None) -> int:
     indices = range(args.first_episode, args.first_episode + args.episodes)
     try:
         if args.ray is None:
-            results = run_episodes(make_policy(), args.env_id, indices, args.num_envs, args.execute, args.videos)
+            policy = make_policy()
+            # On a terminal only: a log or a caller reading stderr gets the report and the errors, no bar.
+            with tqdm(total=len(indices), desc="episodes", unit="ep", disable=None) as progress:
+                results = run_episodes(policy, args.env_id, indices, args.num_envs, args.execute, args.videos,
+                                       progress)
         else:
             try:
                 from robots.ray_rollout import run_on_ray

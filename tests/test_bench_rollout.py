@@ -245,6 +245,11 @@ def test_rollout_in_process_writes_report_plot_and_video(model_dir, tmp_path):
     assert report["budget_ms"] == report["config"]["latency_budget_ms"] == 5000.0
     assert report["ticks_by_batch_size"] == {"1": report["ticks"]}  # one environment: every tick ran alone
     assert all(e["nearest_color"] and e["final_distance_m"] >= 0 for e in report["per_episode"])
+    ticks = [e["ticks"] for e in report["per_episode"]]  # each episode's ticks in order, a column per field
+    assert sum(len(t["latency_ms"]) for t in ticks) == report["ticks"]
+    assert all(set(map(len, t.values())) == {len(range(0, e["steps"], 4))}
+               for t, e in zip(ticks, report["per_episode"], strict=True))
+    assert {b for t in ticks for b in t["budget_ms"]} == {5000.0} and all(all(t["deadline_met"]) for t in ticks)
     assert out.with_suffix(".png").stat().st_size > 0
     videos = list(tmp_path.glob("rollout_episode*.mp4"))
     assert [v.name for v in videos] == [f"rollout_episode{report['per_episode'][0]['seed']}.mp4"]
@@ -258,6 +263,7 @@ def test_an_uncached_rollout_reports_no_budget_it_did_not_have(model_dir, tmp_pa
     report = json.loads(out.read_text())
     assert report["config"]["latency_budget_ms"] is None
     assert (report["budget_ms"], report["deadline_misses"], report["miss_rate"]) == (None, None, None)
+    assert not {"budget_ms", "deadline_met"} & set(report["per_episode"][0]["ticks"])
 
 
 def test_rollout_in_process_with_a_vector_env(model_dir, tmp_path):

@@ -1,6 +1,7 @@
 """`policy-rollout`'s vector-env loop: episodes run `--num-envs` at a time come out as they do one by one, against
 a scripted policy in this process and through `--server` against a real gRPC server; bad flags are usage errors."""
 
+import io
 import json
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 from fake_engine import FakeEngine, serve_fake
+from tqdm import tqdm
 
 from robots import rollout
 from robots.envs import COLORS, ENV_IDS, HELDOUT_SEED_OFFSET, REACH_ID
@@ -83,7 +85,9 @@ def expected():
 @pytest.mark.parametrize("num_envs", [1, 3, 7])  # 7: more environments than episodes
 def test_vector_episodes_match_one_by_one(expected, num_envs):
     policy = SeekerPolicy()
-    results = run_episodes(policy, REACH_ID, range(EPISODES), num_envs, EXECUTE)
+    with tqdm(total=EPISODES, file=io.StringIO()) as progress:
+        results = run_episodes(policy, REACH_ID, range(EPISODES), num_envs, EXECUTE, progress=progress)
+        assert progress.n == EPISODES  # one step per ended episode
     got = [(r.seed, r.instruction, r.success, r.steps, len(r.ticks)) for r in results]
     assert got == expected
     for r in results:
