@@ -173,7 +173,6 @@ class TickPlan:
 
     deadline_ms: float
     requested_steps: int
-    requested_passes: int
     num_steps: int
     cfg_steps: int
     uncond_steps: range
@@ -297,7 +296,6 @@ def plan_tick(
     return TickPlan(
         deadline_ms=float(deadline_ms),
         requested_steps=num_steps,
-        requested_passes=passes,
         num_steps=n_steps,
         cfg_steps=structure[1],
         uncond_steps=uncond(structure),
@@ -431,7 +429,6 @@ def plan_on_frontier(
     return TickPlan(
         deadline_ms=float(deadline_ms),
         requested_steps=config.num_steps,
-        requested_passes=2 if config.cfg_steps else 1,
         num_steps=config.num_steps,
         cfg_steps=config.cfg_steps,
         uncond_steps=uncond,

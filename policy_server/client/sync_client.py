@@ -123,8 +123,7 @@ class PolicyClient:
         if serve_application is not None:
             self._metadata += ((serve_metadata.APPLICATION_KEY, serve_application),)
         self._routing_keys: dict[str, str] = {}  # session id -> its routing key, behind Serve
-        self._channel_args = dict(tls=tls, root_certificates=root_certificates, server_name=server_name)
-        self.channel = make_channel(target, **self._channel_args)
+        self.channel = make_channel(target, tls=tls, root_certificates=root_certificates, server_name=server_name)
         self.stub = pb_grpc.PolicyServiceStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
 

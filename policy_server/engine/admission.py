@@ -9,13 +9,13 @@ planned in. The set of sessions is admitted when
     blocking + sum(slot_j) <= budget_i   for every session i        (each tick meets its budget)
     sum(rate_j * slot_j) <= max_utilization                          (each declared rate is sustained)
 
-A session that declares a rate asks no faster than that (``RateLimiter``); rate 0 declares a closed
-loop (a simulation asking again as soon as it is answered), which the deadline test covers on its own.
-
 with every slot at least the session's cheapest tick (the planner's floor: maximal caching and every
 fallback). Slots then grow from that floor toward the uncached tick by one common fraction, as far as
 both conditions allow. Micro-batching only shortens this worst case: ticks that run as one batch
 each end within their own slot from the batch's start.
+
+A session that declares a rate asks no faster than that (``RateLimiter``); rate 0 declares a closed
+loop (a simulation asking again as soon as it is answered), which the deadline test covers on its own.
 """
 
 from __future__ import annotations

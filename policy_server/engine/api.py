@@ -214,8 +214,8 @@ class TickRecord:
 @dataclass(frozen=True)
 class ActResult:
     """An action chunk: float32 [K, action_dim] in physical units; ``actions[0]`` is meant for
-    control step ``first_step_index`` (>= the observation's step index when the engine accounts
-    for its own delay). preview_frames: for a session with preview, the predicted frames, uint8 RGB
+    control step ``first_step_index`` (the observation's step index; for inverse dynamics, frame 0's).
+    preview_frames: for a session with preview, the predicted frames, uint8 RGB
     [F, H, W, 3] (F = the frames the VAE decodes for the chunk: K + 1 when K is a multiple of its
     temporal compression)."""
 

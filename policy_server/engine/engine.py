@@ -49,10 +49,9 @@ _SWEEP_S = 5.0  # how often idle sessions are looked for besides at each call (a
 class ModelEngine:
     """Thread-safe `Engine` over a `PolicyPipeline`. Call `start()` to warm up."""
 
-    def __init__(self, pipeline: PolicyPipeline, settings: EngineSettings | None = None,
-                 clock: Callable[[], float] = monotonic_ms):
+    def __init__(self, pipeline: PolicyPipeline, settings: EngineSettings | None = None):
         self.settings = settings or EngineSettings()
-        self.served = ServedModel(pipeline, self.settings, clock)
+        self.served = ServedModel(pipeline, self.settings, monotonic_ms)
         self.sessions = SessionTable(self.settings.max_sessions)
         self._worker = ModelWorker(lambda job, size: Tick(self.served, job.session, job.payload, size).steps(),
                                    self.served.gen_stack, self.settings.max_batch)

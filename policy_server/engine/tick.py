@@ -1,4 +1,4 @@
-"""`Tick`: one control tick on the model worker, and the one say it has in the pipeline's step loop.
+"""`Tick`: one control tick on the model worker, and its say in the pipeline's step loop (`StepControl`).
 
     plan -> arm the guard -> step control -> run the pipeline -> clip -> record
 

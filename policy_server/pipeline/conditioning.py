@@ -37,7 +37,6 @@ RESOLUTION_TIERS: dict[int, tuple[tuple[int, int], ...]] = {
 class CanvasPlacement:
     """Where the content sits on the canvas (all sizes ``(height, width)`` in pixels)."""
 
-    source_hw: tuple[int, int]
     content_hw: tuple[int, int]
     canvas_hw: tuple[int, int]
     pad_mode: str  # the mode actually applied; "none" when the content fills the canvas
@@ -118,7 +117,7 @@ def fit_to_canvas(
         applied = "reflect" if pad_mode == "reflect" and reflect_possible else "replicate"
         images = F.pad(images, (0, pad_right, 0, pad_bottom), mode=applied)
     canvas = images.reshape(b, t, c, canvas_h, canvas_w).transpose(1, 2)
-    placement = CanvasPlacement((h, w), (content_h, content_w), (canvas_h, canvas_w), applied)
+    placement = CanvasPlacement((content_h, content_w), (canvas_h, canvas_w), applied)
     return canvas, placement
 
 

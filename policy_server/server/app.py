@@ -199,10 +199,6 @@ class PolicyServer:
             grpc_stopped.wait()
             self._grpc = None
 
-    def wait_for_termination(self, timeout_s: float | None = None) -> bool:
-        """Block until the gRPC server stops; True if it did within ``timeout_s``."""
-        return self._grpc is None or self._grpc.wait_for_termination(timeout_s)
-
     def __enter__(self) -> PolicyServer:
         return self.start()
 

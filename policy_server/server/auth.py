@@ -55,7 +55,8 @@ def _rejecting_handler(handler: grpc.RpcMethodHandler, error: ServiceError,
 
 
 class TokenAuthInterceptor(grpc.ServerInterceptor):
-    """Refuses calls without the token (health and reflection stay open), telling ``on_refused`` each reason."""
+    """Refuses calls without the token (health stays open; reflection needs the token too), telling ``on_refused``
+    each reason."""
 
     def __init__(self, token: str, on_refused: Callable[[str], None]) -> None:
         self._token, self._on_refused = token, on_refused

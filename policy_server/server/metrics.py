@@ -55,7 +55,7 @@ class ServerMetrics:
         # total (queue wait included), and what the transport saw (request in to answer ready).
         self.stage_seconds = Histogram(
             "policy_server_stage_duration_seconds",
-            "Time one tick spent in each engine stage (queue, encode, prefill, denoise, decode, preview)",
+            "Time one tick spent in each stage (prepare, queue, encode, prefill, denoise, decode, preview)",
             ["stage"], buckets=LATENCY_BUCKETS_S, registry=r,
         )
         self.tick_seconds = Histogram(

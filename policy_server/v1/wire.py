@@ -29,8 +29,6 @@ DTYPES: dict[int, np.dtype] = {
 }
 _DTYPE_BY_NUMPY = {dt: code for code, dt in DTYPES.items()}
 
-ENCODING_NAMES = {pb.IMAGE_ENCODING_JPEG: "JPEG", pb.IMAGE_ENCODING_PNG: "PNG", pb.IMAGE_ENCODING_RAW: "RAW"}
-
 MAX_TENSOR_DIMS = 32  # numpy's own limit is 64
 MAX_TENSOR_BYTES = 1 << 31  # far above any message; below what numpy refuses to shape
 
