@@ -10,9 +10,9 @@ more than one), each with its own session; a tick sends the camera frame and eff
 robot executes the first `--execute` actions of the returned chunk before asking again. Episodes use
 held-out seeds (never seen in the demonstrations): episode i has seed `HELDOUT_SEED_OFFSET + i`, whatever
 `--num-envs`. The JSON report holds the success rate, episode lengths, per-tick latency (p50/p99),
-deadline misses, cache decisions and each episode's ticks; a PNG summary sits beside it, and `--videos N` writes MP4s (H.264,
-browser-playable) of the first N episodes with the predicted future frames (the session's preview frames,
-from a server or in-process) beside the real ones.
+deadline misses, cache decisions and each episode's ticks; a PNG summary sits beside it, and `--videos N`
+writes MP4s (H.264, browser-playable) of the first N episodes with the predicted future frames (the session's
+preview frames, from a server or in-process) beside the real ones.
 
 `--ray N` spreads the episodes over N Ray workers (`robots/ray_rollout.py`), each with its own in-process engine
 (on `--device`, with `--ray-gpus-per-worker` GPUs) or its own client of `--server` (a policy-server, or with
