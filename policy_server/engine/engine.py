@@ -28,7 +28,7 @@ import torch
 from policy_server.budget.guard import monotonic_ms
 from policy_server.budget.profile import QualityProfile
 from policy_server.engine import api
-from policy_server.engine.admission import Admission, RateLimiter, default_rate_hz
+from policy_server.engine.admission import Admission, default_rate_hz
 from policy_server.engine.dynamics import Dynamics
 from policy_server.engine.reasoning import Reasoning
 from policy_server.engine.served import EngineSettings, ServedModel
@@ -38,6 +38,7 @@ from policy_server.engine.warmup import Warmup
 from policy_server.engine.worker import GeneratorJob, ModelWorker, TickJob
 from policy_server.limits import MAX_INSTRUCTION_TOKENS, MAX_PROMPT_TOKENS
 from policy_server.pipeline.policy import PolicyPipeline
+from policy_server.rate_limiter import RateLimiter
 
 logger = logging.getLogger(__name__)
 _POLL_S = 0.02  # how often a waiting caller checks whether it went away

@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from policy_server.budget.history import SessionHistory
-from policy_server.engine.admission import Demand, RateLimiter
+from policy_server.engine.admission import Demand
 from policy_server.engine.api import SessionHandle, TooManySessions, UnknownSession
 from policy_server.pipeline.policy import PromptState
+from policy_server.rate_limiter import RateLimiter
 
 
 @dataclass(eq=False)

@@ -34,7 +34,6 @@ from dataclasses import dataclass
 
 import grpc
 
-from policy_server.engine.admission import RateLimiter
 from policy_server.engine.api import EmbodimentSpec, Engine, RateExceeded
 from policy_server.limits import (
     CONTROL_START_S,
@@ -43,6 +42,7 @@ from policy_server.limits import (
     MAX_STARTING_STREAMS,
     STARTING_RETRY_MS,
 )
+from policy_server.rate_limiter import RateLimiter
 from policy_server.server import convert, validate
 from policy_server.server.errors import ServiceError, Undecodable, from_exception, make_error
 from policy_server.server.metrics import ServerMetrics

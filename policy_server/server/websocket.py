@@ -46,7 +46,6 @@ import numpy as np
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.server import Server, ServerConnection, serve
 
-from policy_server.engine.admission import RateLimiter
 from policy_server.engine.api import (
     CameraSpec,
     EmbodimentSpec,
@@ -59,6 +58,7 @@ from policy_server.engine.api import (
     WarmingUp,
 )
 from policy_server.limits import MAX_REFUSED_MESSAGES, REFUSED_MESSAGES_HZ
+from policy_server.rate_limiter import RateLimiter
 from policy_server.server import validate
 from policy_server.server.auth import bearer_token_matches
 from policy_server.server.convert import tick_to_dict
