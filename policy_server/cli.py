@@ -128,8 +128,8 @@ def serve(config: ServerConfig) -> int:
     from policy_server.budget.profile import ProfileError
     from policy_server.engine import build_engine  # lazy: imports torch and the model
     from policy_server.engine.api import UnknownEmbodiment
-    from policy_server.engine.compiled_stack import CompileUnavailableError
     from policy_server.engine.engine import DeviceUnavailable
+    from policy_server.pipeline.compiled_stack import CompileUnavailableError
     from policy_server.pipeline.policy import CheckpointLoadError
     from policy_server.server.app import build_server
 

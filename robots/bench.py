@@ -86,12 +86,12 @@ from policy_server.engine.calibration import (
     resolve_profile,
     warmup_observations,
 )
-from policy_server.engine.compiled_stack import PrecompiledGenStack, compile_unavailable
-from policy_server.engine.cuda_graphs import GraphedGenStack
 from policy_server.engine.engine import DeviceUnavailable, EngineSettings, ModelEngine, resolve_device, resolve_dtype
 from policy_server.engine.tick import step_calls
 from policy_server.limits import MAX_BUDGET_MS, MAX_FRAME_SIDE
 from policy_server.output_file import output_file
+from policy_server.pipeline.compiled_stack import PrecompiledGenStack, compile_unavailable
+from policy_server.pipeline.cuda_graphs import GraphedGenStack
 from policy_server.pipeline.embodiments import Embodiment
 from policy_server.pipeline.policy import (
     CheckpointLoadError,

@@ -458,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
         refusals += (ConnectionError,)  # --ray-address (or RAY_ADDRESS) names no running Ray
     if args.in_process:
         from policy_server.budget.profile import ProfileError
-        from policy_server.engine.compiled_stack import CompileUnavailableError
+        from policy_server.pipeline.compiled_stack import CompileUnavailableError
         from policy_server.pipeline.policy import CheckpointLoadError
 
         refusals += (CheckpointLoadError, ProfileError, CompileUnavailableError)

@@ -20,9 +20,9 @@ import torch
 from policy_server import cli
 from policy_server.client import PolicyClient
 from policy_server.engine import api, calibration
-from policy_server.engine.compiled_stack import CompileUnavailableError, PrecompiledGenStack, compile_unavailable
 from policy_server.engine.engine import EngineSettings, ModelEngine
 from policy_server.model import GenInput, UndKV
+from policy_server.pipeline.compiled_stack import CompileUnavailableError, PrecompiledGenStack, compile_unavailable
 from policy_server.pipeline.policy import FixedSteps, PolicyPipeline, PolicyRequest, run_steps
 from policy_server.pipeline.tick_work import CompiledTickWork
 from robots.bench import warmup_summary

@@ -12,8 +12,8 @@ import torch
 from policy_server.budget.planner import MAX_CACHING
 from policy_server.cache.seacache import SeaCache, SeaCacheConfig
 from policy_server.engine import api
-from policy_server.engine.cuda_graphs import GraphedGenStack
 from policy_server.engine.engine import EngineSettings, ModelEngine, resolve_dtype
+from policy_server.pipeline.cuda_graphs import GraphedGenStack
 from policy_server.pipeline.policy import PolicyPipeline, PolicyRequest, run_steps
 from robots.bench import model_inputs
 from robots.envs import HELDOUT_SEED_OFFSET

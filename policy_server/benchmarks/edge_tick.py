@@ -6,7 +6,7 @@ The Edge backbone's shapes (../shared/reference/cosmos3.md: 28 layers, D 2048, 1
 relu² MLP of 9216) at one 256x256 canvas, a 32-action chunk (9 latent frames of 16x16 after the Wan2.2 VAE's
 16x spatial and 4x temporal compression) and a 200-token prompt. Timed, interleaved: one GEN call (embed, the
 GEN stack, heads) of one branch, and of both CFG branches as one batch (what an uncached step runs), plus the
-UND prefill; on CUDA the two calls again with the GEN stack replayed from a CUDA graph (`engine/cuda_graphs.py`),
+UND prefill; on CUDA the two calls again with the GEN stack replayed from a CUDA graph (`pipeline/cuda_graphs.py`),
 whose difference from the eager call is the launch overhead it removes; with `--compile`, with the stack compiled
 (`Cosmos3OmniTransformer.compiled_gen_stack`), eager and graphed. MFU counts the matmul and attention FLOPs of a
 call against the device's dense bf16 peak. The uncached tick and the most uncached steps that fit `--budget-ms`
@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 
 from policy_server.benchmarks.forward import interleaved_medians, policy_step_kwargs, random_model
-from policy_server.engine.cuda_graphs import GraphedGenStack
 from policy_server.model.boundary import GenInput, UndKV
 from policy_server.model.config import Cosmos3TransformerConfig
+from policy_server.pipeline.cuda_graphs import GraphedGenStack
 
 # Dense bf16 peaks (TFLOP/s) by device name, from the vendors' data sheets (SXM parts; without sparsity).
 BF16_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "RTX 4090": 165.0}

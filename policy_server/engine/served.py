@@ -19,11 +19,11 @@ from policy_server.budget.tick import PREVIEW_STAGE, TickBudget
 from policy_server.cache.controller import StepController
 from policy_server.cache.sea_filter import SeaFilter
 from policy_server.engine import api
-from policy_server.engine.compiled_stack import CompileUnavailableError, PrecompiledGenStack, compile_unavailable
-from policy_server.engine.cuda_graphs import GraphedGenStack
 from policy_server.engine.sessions import SessionState
 from policy_server.limits import MAX_INSTRUCTION_TOKENS
 from policy_server.model.text_tokenizer import TextTokenizer
+from policy_server.pipeline.compiled_stack import CompileUnavailableError, PrecompiledGenStack, compile_unavailable
+from policy_server.pipeline.cuda_graphs import GraphedGenStack
 from policy_server.pipeline.embodiments import Embodiment
 from policy_server.pipeline.policy import FixedSteps, PolicyPipeline, PromptState
 from policy_server.pipeline.tick_work import CompiledTickWork
@@ -45,8 +45,8 @@ class EngineSettings:
     of the worker. `quality_profile`: plan ticks on its frontier (`policy_server.budget.profile`); without one,
     `calibrate_at_warmup` measures a bounded one before the engine is ready, else ticks are planned on the ladder.
     `cuda_graphs`: on a CUDA device, replay the GEN stack from CUDA graphs captured at warmup and at each session's
-    opening (`engine/cuda_graphs.py`). `compile_gen_stack`: run the GEN stack compiled, compiled at warmup (on CUDA
-    `Cosmos3OmniTransformer.compiled_gen_stack`; on a CPU the whole stack by inductor, `engine/compiled_stack.py`,
+    opening (`pipeline/cuda_graphs.py`). `compile_gen_stack`: run the GEN stack compiled, compiled at warmup (on CUDA
+    `Cosmos3OmniTransformer.compiled_gen_stack`; on a CPU the whole stack by inductor, `pipeline/compiled_stack.py`,
     and the rest of a tick's model work, `pipeline/tick_work.py`); None: wherever torch can compile
     (`compile_unavailable`), eagerly with a warning elsewhere: on a CPU too, where the controller erred less on it
     at every budget of sessions 25-27's bench runs (README, Measured results)."""

@@ -28,7 +28,7 @@ class SessionState:
     preview: its ticks decode and return the predicted frames (planned and admitted with that stage).
     in_flight: its tick queued or running, if any (a session has at most one).
     prompt: the text K/V of the current instruction, reused while it does not change.
-    graphed_instruction: the instruction whose CUDA graphs were captured for its ticks (`engine/cuda_graphs.py`).
+    graphed_instruction: the instruction whose CUDA graphs were captured for its ticks (`pipeline/cuda_graphs.py`).
     history: full-call counts of the previous ticks per cache setting, for the budget planner.
     last_used_s: when a call last named it (``time.monotonic()`` s); streams: the Control streams attached to it.
     client_name: who opened it, as they said (for logs).

@@ -31,11 +31,11 @@ from policy_server.cache.seacache import SeaCache, SeaCacheConfig
 from policy_server.engine import api
 from policy_server.engine.batching import run_together
 from policy_server.engine.calibration import TickRunner, calibration_steps, configurations, warmup_observations
-from policy_server.engine.compiled_stack import PrecompiledGenStack
 from policy_server.engine.dynamics import DynamicsCall
 from policy_server.engine.served import INSTRUCTION_TOKEN_GROUPS, ServedModel
 from policy_server.engine.tick import STAGES, observe_output
 from policy_server.limits import MAX_INSTRUCTION_TOKENS, MAX_PROMPT_TOKENS
+from policy_server.pipeline.compiled_stack import PrecompiledGenStack
 from policy_server.pipeline.embodiments import Embodiment
 from policy_server.pipeline.policy import PolicyOutput, PolicyRequest, TickSteps, run_steps, stepwise
 from policy_server.pipeline.reasoner import ReasonerStream

@@ -242,7 +242,7 @@ class Cosmos3OmniTransformer(nn.Module):
                                   ) -> tuple[torch.Tensor, RotaryTables, tuple[torch.Tensor, ...]]:
         """Check that `gen` and `und_kv` belong together and give them as `gen_stack_per_item` takes them: each
         item's text K/V unpadded (`UndKV.per_item`), so a graph traced with text lengths dynamic serves every
-        instruction (`engine/compiled_stack.py`)."""
+        instruction (`pipeline/compiled_stack.py`)."""
         self._check_gen_stack(gen, und_kv)
         return gen.hidden, gen.layout.rotary, und_kv.per_item
 
