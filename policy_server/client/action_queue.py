@@ -104,6 +104,7 @@ class ActionQueue:
         return (np.tensordot(weights, np.stack(predictions), axes=1) / weights.sum()).astype(np.float32)
 
     def peek(self, step: int | None = None) -> np.ndarray | None:
+        """The action `pop` would return for ``step`` (default: ``next_step``), without consuming anything."""
         predictions = self._predictions.get(self._next_step if step is None else step)
         return None if predictions is None else self._value(predictions)
 
