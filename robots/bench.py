@@ -173,8 +173,8 @@ class ConfigRun:
             "family": self.family,
             "guarded": self.guarded,
         }
-        if self.point is not None:
-            summary.update(point=self.point.config.name, expected_error=self.point.error)
+        if self.point is not None:  # its calibrated error is that of uncut ticks: the guard's cuts err more
+            summary.update(point=self.point.config.name, point_error=self.point.error)
         elif self.expected_error:
             summary["expected_error"] = float(np.mean(self.expected_error))
         if self.settings:
@@ -846,13 +846,14 @@ def plot(report: dict, out: Path) -> list[Path]:
 
     configs = report["configs"]
     paths = []
-    fig, ax = plt.subplots(figsize=(9, 4.5))
+    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.2 * len(configs)))  # a label's height per bar: none overlap
     names = [c["name"] for c in configs]
     ax.barh(names, [c["p99_ms"] for c in configs], color="#c7d6ea", label="p99")
     ax.barh(names, [c["p50_ms"] for c in configs], color="#3b6ea8", label="p50")
     for c in configs:
         if c["budget_ms"] is not None and c["name"].startswith("budget_"):
             ax.plot([c["budget_ms"]] * 2, [names.index(c["name"]) - 0.4, names.index(c["name"]) + 0.4], "r-")
+    ax.margins(y=0.01)
     ax.set_xlabel("tick latency (ms); red: budget")
     ax.set_title(f"{report['model']['name']} on {report['machine']['device']}: latency per config")
     ax.legend(loc="lower right")

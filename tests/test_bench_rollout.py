@@ -130,7 +130,7 @@ def test_bench_plans_on_the_profile_the_server_would_use(profiled_checkpoint, tm
     assert not (tmp_path / "bench_profile.json").exists()
     errors = {point.config.name: point.error for point in profile.embodiments["pusht"]}
     fixed = [c for c in json.loads(out.read_text())["configs"] if "point" in c]
-    assert fixed and all(c["expected_error"] == errors[c["point"]] for c in fixed)  # that profile's figures
+    assert fixed and all(c["point_error"] == errors[c["point"]] for c in fixed)  # that profile's figures
     (checkpoint / PROFILE_FILE).write_text("{}")  # a broken one is an error, not a silent recalibration
     assert bench_main(["--checkpoint", str(checkpoint), "--out", str(out)]) == 2
     assert f"{checkpoint / PROFILE_FILE}: version None" in capsys.readouterr().err
