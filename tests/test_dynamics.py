@@ -283,6 +283,18 @@ def test_dynamics_calls_beyond_the_limit_are_refused_and_each_deadline_is_kept(e
     assert late.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+def test_a_dynamics_call_ends_at_its_deadline_or_when_its_caller_goes_away_on_an_idle_worker(engine, session):
+    """With nothing else queued the worker steps the call back to back, so the caller never finds it between two
+    pieces: the call itself stops there, rather than running to its end for nobody while it holds its place."""
+    sid, epoch = session.session_id, session.epoch
+    with pytest.raises(api.Cancelled):
+        engine.inverse_dynamics(sid, epoch, _clip(), should_abort=lambda: True)
+    with pytest.raises(api.DeadlineExpired):
+        engine.forward_dynamics(sid, epoch, api.Observation({"image": _frame()}, STATE), ACTIONS,
+                                deadline_s=time.monotonic())
+    assert engine.inverse_dynamics(sid, epoch, _clip()).actions.shape == (8, 2)  # the places were given back
+
+
 def test_ticks_go_first_a_dynamics_call_runs_between_them(engine):
     """A tick that arrives while a forward-dynamics call runs is served after one of the call's sampler steps,
     not after the whole call: the call finishes last and its record counts the tick as its wait."""
