@@ -15,6 +15,7 @@ from worker_hold import hold_worker
 from policy_server.engine import api
 from policy_server.engine.engine import EngineSettings, ModelEngine
 from policy_server.engine.warmup import Warmup
+from policy_server.pipeline.reasoner import generate
 from robots.embedded import build_random_pipeline
 
 
@@ -582,6 +583,19 @@ def test_a_long_instruction_or_a_slow_tick_does_not_change_what_other_sessions_g
     assert stalled.tick.actual_ms["denoise"] > 20.0 * stalled.tick.full_calls / 2  # at most 2 calls per stack
     engine.close_session(session.session_id)
     assert engine.capacity(budget, 0.0) == before_capacity
+
+
+def test_reasoner_text_is_the_decode_of_every_token_it_generated(engine):
+    """A token that ends inside a character is held back while the next may complete it; the call's last one is
+    flushed at the end, as transformers' TextStreamer does, so a call cut by max_new_tokens loses no text."""
+    tokenizer = engine.served.pipeline.tokenizer
+    stops = {tokenizer.eos_token_id, *tokenizer.special_token_ids.values()}
+    prompt = "what is left of the cube?"
+    ids = torch.tensor(tokenizer.tokenize(tokenizer.apply_chat_template([{"role": "user", "content": prompt}])))
+    for max_new_tokens in (1, 2, 4, 8):
+        tokens = [t for t in generate(engine.served.pipeline.transformer, ids, max_new_tokens, stop_token_ids=stops)
+                  if t not in stops]
+        assert "".join(engine.reason(prompt, max_new_tokens)) == tokenizer.decode(tokens), max_new_tokens
 
 
 def test_reasoner_sampling_at_a_vanishing_temperature_is_greedy(engine):
