@@ -301,6 +301,15 @@ def test_instruction_change_prefills_again(engine):
     engine.close_session(session.session_id)
 
 
+def test_a_session_seed_at_the_top_of_uint64_serves_every_tick(engine):
+    """A tick draws its noise from the session's seed plus its tick count in the episode, which wraps as the
+    wire's uint64 seed does (the second tick of seed 2**64 - 1 was an INTERNAL error)."""
+    session = engine.open_session("pusht", "reach the red circle", seed=2**64 - 1, rate_hz=0)
+    for step in range(2):
+        assert engine.act(session.session_id, 1, _observation(step)).actions.shape == (8, 2)
+    engine.close_session(session.session_id)
+
+
 def test_reasoner_streams_text_and_bypasses_the_diffusion_cache(engine):
     pieces = list(engine.reason("describe the table", max_new_tokens=12, seed=0))
     again = list(engine.reason("describe the table", max_new_tokens=12, seed=0))
