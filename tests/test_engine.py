@@ -627,8 +627,9 @@ def test_reasoner_stops_at_its_deadline_or_cancellation_even_during_a_long_prefi
     assert list(engine.reason("describe the table", max_new_tokens=4, seed=0))
 
 
-def test_reasoner_calls_are_bounded(engine):
+def test_reasoner_calls_are_bounded_at_the_count_server_info_publishes(engine):
     gate = hold_worker(engine)
+    assert engine.info().max_reason_calls == 2
     running = [engine.reason("describe the table", max_new_tokens=12, seed=0) for _ in range(2)]
     with pytest.raises(api.TooManyReasonCalls):
         engine.reason("describe the table", max_new_tokens=12, seed=0)

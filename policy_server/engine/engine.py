@@ -110,6 +110,7 @@ class ModelEngine:
             model_digest=pipeline.digest,
             device=str(pipeline.device),
             max_reason_tokens=self.settings.max_reason_tokens,
+            max_reason_calls=self.settings.max_reason_calls,
             max_instruction_tokens=MAX_INSTRUCTION_TOKENS,
             max_prompt_tokens=MAX_PROMPT_TOKENS,
             warmup_profile=self._warmup.profile,
