@@ -283,6 +283,33 @@ def test_dynamics_calls_beyond_the_limit_are_refused_and_each_deadline_is_kept(e
     assert late.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+def test_a_dynamics_call_ends_at_its_deadline_or_when_its_caller_goes_away_on_an_idle_worker(engine, session):
+    """With nothing else queued the worker steps the call back to back, so the caller never finds it between two
+    pieces: the call itself stops there, rather than running to its end for nobody while it holds its place."""
+    sid, epoch = session.session_id, session.epoch
+    with pytest.raises(api.Cancelled):
+        engine.inverse_dynamics(sid, epoch, _clip(), should_abort=lambda: True)
+    with pytest.raises(api.DeadlineExpired):
+        engine.forward_dynamics(sid, epoch, api.Observation({"image": _frame()}, STATE), ACTIONS,
+                                deadline_s=time.monotonic())
+    assert engine.inverse_dynamics(sid, epoch, _clip()).actions.shape == (8, 2)  # the places were given back
+
+
+def test_a_running_dynamics_call_keeps_its_session_open(engine, session):
+    """A session whose only call is a dynamics call still waiting for the worker is not idle (it was closed under
+    the call when the idle timeout was shorter than the call)."""
+    gate = hold_worker(engine)
+    with ThreadPoolExecutor(1) as pool:
+        call = pool.submit(engine.inverse_dynamics, session.session_id, session.epoch, _clip())
+        while engine.stats().queue_depth < 2:  # the gate and the call
+            time.sleep(0.005)
+        swept = engine.sessions.close_idle(time.monotonic() + 3600, idle_s=1800)  # as if an hour had passed
+        gate.set()
+        assert session.session_id not in [s.session_id for s in swept]
+        assert call.result(timeout=60).actions.shape == (8, 2)
+    assert engine.session(session.session_id).epoch == session.epoch
+
+
 def test_ticks_go_first_a_dynamics_call_runs_between_them(engine):
     """A tick that arrives while a forward-dynamics call runs is served after one of the call's sampler steps,
     not after the whole call: the call finishes last and its record counts the tick as its wait."""

@@ -15,6 +15,7 @@ from worker_hold import hold_worker
 from policy_server.engine import api
 from policy_server.engine.engine import EngineSettings, ModelEngine
 from policy_server.engine.warmup import Warmup
+from policy_server.pipeline.reasoner import generate
 from robots.embedded import build_random_pipeline
 
 
@@ -297,6 +298,15 @@ def test_instruction_change_prefills_again(engine):
     changed = engine.sessions.get(session.session_id).prompt
     assert changed is not first and changed.key[0] == "reach the green circle"
     assert engine.session(session.session_id).instruction == "reach the green circle"
+    engine.close_session(session.session_id)
+
+
+def test_a_session_seed_at_the_top_of_uint64_serves_every_tick(engine):
+    """A tick draws its noise from the session's seed plus its tick count in the episode, which wraps as the
+    wire's uint64 seed does (the second tick of seed 2**64 - 1 was an INTERNAL error)."""
+    session = engine.open_session("pusht", "reach the red circle", seed=2**64 - 1, rate_hz=0)
+    for step in range(2):
+        assert engine.act(session.session_id, 1, _observation(step)).actions.shape == (8, 2)
     engine.close_session(session.session_id)
 
 
@@ -584,6 +594,19 @@ def test_a_long_instruction_or_a_slow_tick_does_not_change_what_other_sessions_g
     assert engine.capacity(budget, 0.0) == before_capacity
 
 
+def test_reasoner_text_is_the_decode_of_every_token_it_generated(engine):
+    """A token that ends inside a character is held back while the next may complete it; the call's last one is
+    flushed at the end, as transformers' TextStreamer does, so a call cut by max_new_tokens loses no text."""
+    tokenizer = engine.served.pipeline.tokenizer
+    stops = {tokenizer.eos_token_id, *tokenizer.special_token_ids.values()}
+    prompt = "what is left of the cube?"
+    ids = torch.tensor(tokenizer.tokenize(tokenizer.apply_chat_template([{"role": "user", "content": prompt}])))
+    for max_new_tokens in (1, 2, 4, 8):
+        tokens = [t for t in generate(engine.served.pipeline.transformer, ids, max_new_tokens, stop_token_ids=stops)
+                  if t not in stops]
+        assert "".join(engine.reason(prompt, max_new_tokens)) == tokenizer.decode(tokens), max_new_tokens
+
+
 def test_reasoner_sampling_at_a_vanishing_temperature_is_greedy(engine):
     greedy = list(engine.reason("describe the table", max_new_tokens=8, seed=0))
     for temperature in (1e-300, 5e-324):
@@ -604,8 +627,9 @@ def test_reasoner_stops_at_its_deadline_or_cancellation_even_during_a_long_prefi
     assert list(engine.reason("describe the table", max_new_tokens=4, seed=0))
 
 
-def test_reasoner_calls_are_bounded(engine):
+def test_reasoner_calls_are_bounded_at_the_count_server_info_publishes(engine):
     gate = hold_worker(engine)
+    assert engine.info().max_reason_calls == 2
     running = [engine.reason("describe the table", max_new_tokens=12, seed=0) for _ in range(2)]
     with pytest.raises(api.TooManyReasonCalls):
         engine.reason("describe the table", max_new_tokens=12, seed=0)

@@ -351,6 +351,7 @@ def test_server_info_describes_units_state_limits_capacity_and_the_weights(serve
     assert info.model.digest.startswith("sha256:") and len(info.model.digest) == len("sha256:") + 64
     limits = info.limits
     assert (limits.max_instruction_tokens, limits.max_prompt_tokens) == (128, 512)
+    assert (limits.max_reason_tokens, limits.max_reason_calls) == (256, 2)
     assert limits.max_text_bytes > 0 and limits.max_budget_ms > 0 and limits.max_rate_hz > limits.min_rate_hz > 0
     (capacity,) = info.capacity
     assert capacity.embodiment == "pusht" and capacity.budget_ms == info.default_budget_ms

@@ -259,6 +259,13 @@ def test_error_details_carry_expected_and_got(client, session):
     assert (err.value.detail.expected, err.value.detail.got) == ("DTYPE_FLOAT32 or DTYPE_FLOAT64", "DTYPE_FLOAT16")
 
 
+def test_a_blank_text_is_named_blank_not_unset(client):
+    with pytest.raises(PolicyServerError) as blank:
+        list(client.reason(" \n ", max_new_tokens=4))
+    assert (blank.value.reason, blank.value.field, blank.value.detail.got) == ("MISSING_FIELD", "prompt",
+                                                                               "only whitespace (3 characters)")
+
+
 def test_budget_infeasible_reports_best_achievable_latency(client, session):
     with pytest.raises(PolicyServerError) as err:
         client.set_budget(session, 2.0)

@@ -376,7 +376,8 @@ class PolicyClient:
         seed: int | None = None,
         timeout_s: float | None = None,
     ) -> Iterator[str]:
-        """Stream reasoner text pieces as they are generated."""
+        """Stream reasoner text pieces as they are generated: greedy at ``temperature`` 0, else sampled from
+        ``seed`` (None: the server's 0, so a repeated call gets the same text)."""
         request = pb.ReasonRequest(prompt=prompt, max_new_tokens=max_new_tokens, temperature=temperature)
         if seed is not None:
             request.seed = seed

@@ -64,6 +64,7 @@ class ServerInfo:
     model_digest: str = ""
     device: str = "cpu"
     max_reason_tokens: int = 256
+    max_reason_calls: int = 2  # Reason calls at once
     max_instruction_tokens: int = 0
     max_prompt_tokens: int = 0
     warmup_profile: tuple[ProfilePoint, ...] = ()

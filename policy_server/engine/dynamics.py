@@ -35,12 +35,15 @@ class DynamicsCall:
     (unless `prompt`, the session's text K/V, fits), the encode, each sampler step, the frames' decode
     (`decode_frames`). `frames`: the request's, on their canvas (`prepare_frames`, on the caller's thread).
     `result` gets the pipeline output, the frames (or None) and the ms per stage, the waits since `arrived_ms`
-    before and between its pieces as "queue"; or what ended the call."""
+    before and between its pieces as "queue"; or what ended the call. `stopped()`: why the call must end now (its
+    deadline, its caller gone, shutdown), if it must; checked before each piece."""
 
     def __init__(self, served: ServedModel, embodiment: Embodiment, request: PolicyRequest, frames: CanvasClip,
-                 decode_frames: bool, prompt: PromptState | None, arrived_ms: float):
+                 decode_frames: bool, prompt: PromptState | None, arrived_ms: float,
+                 stopped: Callable[[], api.EngineError | None]):
         self.served = served
         self.result: Future = Future()
+        self._stopped = stopped
         self._waited_ms = 0.0  # between its pieces, while the worker ran other work
         self._paused_at: float | None = None
         self._pieces = self._run(embodiment, request, frames, decode_frames, prompt, arrived_ms)
@@ -49,6 +52,10 @@ class DynamicsCall:
         clock = self.served.clock
         if self._paused_at is not None:
             self._waited_ms += clock() - self._paused_at
+        # With nothing else queued the worker steps the call back to back, and its caller, which can only withdraw
+        # it from the queue, would never find it there: the call ends itself (the worker fails it with this).
+        if (reason := self._stopped()) is not None:
+            raise reason
         try:
             next(self._pieces)
         except StopIteration as done:
@@ -156,14 +163,6 @@ class Dynamics:
         bound_s = time.monotonic() + MAX_DYNAMICS_MS / 1e3
         deadline_s = bound_s if deadline_s is None else min(deadline_s, bound_s)
         deadline_ms = (deadline_s - time.monotonic()) * 1e3
-        frames = served.pipeline.prepare_frames(request)
-        prepared_ms = served.clock()
-        job = DynamicsCall(served, embodiment, request, frames, decode_frames, session.prompt, prepared_ms)
-        try:
-            self.worker.submit(job)
-        except api.ShuttingDown as error:
-            job.fail(error)
-            raise
 
         def stopped() -> api.EngineError | None:
             if served.closing.is_set():
@@ -174,6 +173,15 @@ class Dynamics:
             if should_abort is not None and should_abort():
                 return api.Cancelled("the caller went away")
             return None
+
+        frames = served.pipeline.prepare_frames(request)
+        prepared_ms = served.clock()
+        job = DynamicsCall(served, embodiment, request, frames, decode_frames, session.prompt, prepared_ms, stopped)
+        try:
+            self.worker.submit(job)
+        except api.ShuttingDown as error:
+            job.fail(error)
+            raise
 
         while True:
             try:

@@ -110,6 +110,7 @@ class ModelEngine:
             model_digest=pipeline.digest,
             device=str(pipeline.device),
             max_reason_tokens=self.settings.max_reason_tokens,
+            max_reason_calls=self.settings.max_reason_calls,
             max_instruction_tokens=MAX_INSTRUCTION_TOKENS,
             max_prompt_tokens=MAX_PROMPT_TOKENS,
             warmup_profile=self._warmup.profile,
@@ -275,7 +276,14 @@ class ModelEngine:
         self._require_ready()
         session = self.sessions.get(session_id)
         with self._dynamics.place():
-            yield session
+            with session.lock:
+                session.dynamics += 1
+            try:
+                yield session
+            finally:
+                with session.lock:
+                    session.dynamics -= 1
+                    session.last_used_s = time.monotonic()  # its idle time starts when the call ends
 
     def forward_dynamics(self, session_id: str, epoch: int, observation: api.Observation, actions: np.ndarray,
                          seed: int | None = None, deadline_s: float | None = None,

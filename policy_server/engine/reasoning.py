@@ -60,7 +60,7 @@ class Reasoning:
 
         def steps() -> Iterator[None]:
             produced: list[int] = []
-            emitted = ""
+            decoded = emitted = ""
             while not stream.done:
                 if (reason := stopped()) is not None:
                     raise reason
@@ -68,10 +68,13 @@ class Reasoning:
                 if token is not None and token not in stops:
                     produced.append(token)
                     decoded = tokenizer.decode(produced)
+                    # A token that ends inside a character waits for the next, which may complete it.
                     if len(decoded) > len(emitted) and not decoded.endswith("\ufffd"):
                         pieces.put(decoded[len(emitted):])
                         emitted = decoded
                 yield
+            if len(decoded) > len(emitted):
+                pieces.put(decoded[len(emitted):])  # no next token: what is held back is the text's end
             finish(done)
 
         def finish(last: object) -> None:

@@ -136,7 +136,8 @@ class Tick:
         pipeline_request = PolicyRequest(
             images=observation.images, instruction=session.instruction, embodiment=session.embodiment,
             state=observation.state, chunk_size=session.chunk_size,
-            num_steps=served.num_steps if plan is None else plan.num_steps, seed=session.seed + session.ticks,
+            num_steps=served.num_steps if plan is None else plan.num_steps,
+            seed=(session.seed + session.ticks) % 2**64,  # each tick of an episode its own noise; a uint64, as sent
         )
         try:
             out = yield from pipeline.steps(pipeline_request, session.prompt, self, served.tick_work, request.frames)

@@ -94,7 +94,10 @@ def client_name(value: str, field: str = "client_name") -> str:
 
 def text(value: str, field: str, what: str) -> str:
     """A non-empty text within ``MAX_TEXT_BYTES`` (its token count is the engine's to check)."""
-    require(bool(value.strip()), field, f"a non-empty {what}")
+    require(bool(value), field, f"a non-empty {what}")
+    if not value.strip():
+        raise InvalidArgument(field, f"a non-empty {what}", f"only whitespace ({len(value)} characters)",
+                              reason="MISSING_FIELD")
     size = len(value.encode("utf-8", errors="surrogatepass"))
     if size > limits.MAX_TEXT_BYTES:
         raise InvalidArgument(field, f"a {what} of at most {limits.MAX_TEXT_BYTES} UTF-8 bytes", f"{size} bytes",

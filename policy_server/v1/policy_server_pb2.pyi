@@ -146,7 +146,7 @@ class ProfilePoint(_message.Message):
     def __init__(self, label: _Optional[str] = ..., p50_ms: _Optional[float] = ..., p95_ms: _Optional[float] = ..., full_calls: _Optional[int] = ..., skipped_calls: _Optional[int] = ...) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("max_sessions", "max_message_bytes", "max_reason_tokens", "max_instruction_tokens", "max_prompt_tokens", "max_text_bytes", "max_budget_ms", "max_rate_hz", "max_temperature", "max_frame_side", "max_dynamics_ms", "max_dynamics_calls", "min_rate_hz", "max_client_name_chars")
+    __slots__ = ("max_sessions", "max_message_bytes", "max_reason_tokens", "max_instruction_tokens", "max_prompt_tokens", "max_text_bytes", "max_budget_ms", "max_rate_hz", "max_temperature", "max_frame_side", "max_dynamics_ms", "max_dynamics_calls", "min_rate_hz", "max_client_name_chars", "max_reason_calls")
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_REASON_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -161,6 +161,7 @@ class Limits(_message.Message):
     MAX_DYNAMICS_CALLS_FIELD_NUMBER: _ClassVar[int]
     MIN_RATE_HZ_FIELD_NUMBER: _ClassVar[int]
     MAX_CLIENT_NAME_CHARS_FIELD_NUMBER: _ClassVar[int]
+    MAX_REASON_CALLS_FIELD_NUMBER: _ClassVar[int]
     max_sessions: int
     max_message_bytes: int
     max_reason_tokens: int
@@ -175,7 +176,8 @@ class Limits(_message.Message):
     max_dynamics_calls: int
     min_rate_hz: float
     max_client_name_chars: int
-    def __init__(self, max_sessions: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_reason_tokens: _Optional[int] = ..., max_instruction_tokens: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_text_bytes: _Optional[int] = ..., max_budget_ms: _Optional[float] = ..., max_rate_hz: _Optional[float] = ..., max_temperature: _Optional[float] = ..., max_frame_side: _Optional[int] = ..., max_dynamics_ms: _Optional[float] = ..., max_dynamics_calls: _Optional[int] = ..., min_rate_hz: _Optional[float] = ..., max_client_name_chars: _Optional[int] = ...) -> None: ...
+    max_reason_calls: int
+    def __init__(self, max_sessions: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_reason_tokens: _Optional[int] = ..., max_instruction_tokens: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_text_bytes: _Optional[int] = ..., max_budget_ms: _Optional[float] = ..., max_rate_hz: _Optional[float] = ..., max_temperature: _Optional[float] = ..., max_frame_side: _Optional[int] = ..., max_dynamics_ms: _Optional[float] = ..., max_dynamics_calls: _Optional[int] = ..., min_rate_hz: _Optional[float] = ..., max_client_name_chars: _Optional[int] = ..., max_reason_calls: _Optional[int] = ...) -> None: ...
 
 class Capacity(_message.Message):
     __slots__ = ("embodiment", "chunk_size", "budget_ms", "rate_hz", "sessions_alone", "sessions_more")
