@@ -627,12 +627,18 @@ def test_reasoner_stops_at_its_deadline_or_cancellation_even_during_a_long_prefi
     assert list(engine.reason("describe the table", max_new_tokens=4, seed=0))
 
 
-def test_reasoner_calls_are_bounded_at_the_count_server_info_publishes(engine):
+def test_reasoner_calls_are_bounded_at_the_count_server_info_publishes(engine, monkeypatch):
     gate = hold_worker(engine)
     assert engine.info().max_reason_calls == 2
     running = [engine.reason("describe the table", max_new_tokens=12, seed=0) for _ in range(2)]
+    transformer = engine.served.pipeline.transformer
+    caches = []
+    monkeypatch.setattr(transformer, "new_reasoner_cache",
+                        lambda *args: caches.append(args) or type(transformer).new_reasoner_cache(transformer, *args))
     with pytest.raises(api.TooManyReasonCalls):
         engine.reason("describe the table", max_new_tokens=12, seed=0)
+    assert not caches  # a refused call allocates no KV cache
+    monkeypatch.undo()
     gate.set()
     answers = [list(stream) for stream in running]
     assert answers[0] and answers[0] == answers[1]  # both ran to their end

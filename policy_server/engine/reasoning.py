@@ -41,10 +41,15 @@ class Reasoning:
                            dtype=torch.long)
         stops = {tokenizer.eos_token_id, *tokenizer.special_token_ids.values()}
         max_tokens = min(max_new_tokens, self.served.settings.max_reason_tokens)
-        stream = ReasonerStream(self.served.pipeline.transformer, ids, max_tokens, temperature=temperature,
-                                stop_token_ids=stops, seed=seed or 0)
-        if not self._calls.acquire(blocking=False):  # released by finish(), whatever ends the call
+        # The place first: a refused call allocates no KV cache. Released by finish(), whatever ends the call.
+        if not self._calls.acquire(blocking=False):
             raise api.TooManyReasonCalls(self.served.settings.max_reason_calls)
+        try:
+            stream = ReasonerStream(self.served.pipeline.transformer, ids, max_tokens, temperature=temperature,
+                                    stop_token_ids=stops, seed=seed or 0)
+        except torch.OutOfMemoryError:  # its KV cache does not fit beside the model: the place goes back
+            self._calls.release()
+            raise
         pieces: queue.Queue = queue.Queue()
         done = object()
 
