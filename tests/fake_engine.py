@@ -16,7 +16,7 @@ import itertools
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +34,7 @@ from policy_server.engine.api import (
     EngineStats,
     Observation,
     ProfilePoint,
+    ReasonEnd,
     ServerInfo,
     SessionHandle,
     StaleEpoch,
@@ -282,12 +283,13 @@ class FakeEngine:
         seed: int | None = None,
         should_abort: Callable[[], bool] | None = None,
         deadline_s: float | None = None,
-    ) -> Iterator[str]:
+    ) -> Generator[str, None, ReasonEnd]:
         words = f"To {prompt.strip()}: first approach the object, then grasp it, then place it.".split(" ")
         for index, word in enumerate(words[:max_new_tokens]):
             if should_abort is not None and should_abort():
-                return
+                return ReasonEnd("length", index)
             yield word if index == 0 else " " + word
+        return ReasonEnd("length" if max_new_tokens < len(words) else "stop", min(max_new_tokens, len(words)))
 
 
 @contextlib.contextmanager

@@ -607,6 +607,30 @@ def test_reasoner_text_is_the_decode_of_every_token_it_generated(engine):
         assert "".join(engine.reason(prompt, max_new_tokens)) == tokenizer.decode(tokens), max_new_tokens
 
 
+def _drain(pieces) -> tuple[str, api.ReasonEnd]:
+    """A reasoner call's text, and how it ended (what its generator returns)."""
+    text = ""
+    while True:
+        try:
+            text += next(pieces)
+        except StopIteration as ended:
+            return text, ended.value
+
+
+def test_a_reasoner_call_says_why_it_ended_and_how_many_tokens_it_generated(engine, monkeypatch):
+    tokenizer = engine.served.pipeline.tokenizer
+    prompt = "describe the table"
+    ids = torch.tensor(tokenizer.tokenize(tokenizer.apply_chat_template([{"role": "user", "content": prompt}])))
+    tokens = list(generate(engine.served.pipeline.transformer, ids, 6))
+    text, end = _drain(engine.reason(prompt, 6))
+    assert text == tokenizer.decode(tokens) and end == api.ReasonEnd("length", 6)
+    # The same call with its third token as the model's end-of-text: it stops there, the token unsaid.
+    said = tokens.index(tokens[2])
+    monkeypatch.setattr(tokenizer, "eos_token_id", tokens[2])
+    text, end = _drain(engine.reason(prompt, 6))
+    assert text == tokenizer.decode(tokens[:said]) and end == api.ReasonEnd("stop", said)
+
+
 def test_reasoner_sampling_at_a_vanishing_temperature_is_greedy(engine):
     greedy = list(engine.reason("describe the table", max_new_tokens=8, seed=0))
     for temperature in (1e-300, 5e-324):

@@ -125,8 +125,11 @@ def test_deadline_is_passed_to_the_engine_and_expired_work_is_abandoned(client, 
 def test_reasoner_streams_pieces(client):
     pieces = list(client.reason("stack the blocks", max_new_tokens=5))
     assert pieces == ["To", " stack", " the", " blocks:", " first"]
-    full = "".join(client.reason("stack the blocks", max_new_tokens=32))  # stops at its own end
-    assert full == "To stack the blocks: first approach the object, then grasp it, then place it."
+    full = client.reason("stack the blocks", max_new_tokens=32)
+    assert "".join(full) == "To stack the blocks: first approach the object, then grasp it, then place it."
+    assert (full.finish_reason, full.tokens) == ("stop", 14)  # its own end, before max_new_tokens
+    cut = client.reason("stack the blocks", max_new_tokens=5)
+    assert list(cut) == pieces and (cut.finish_reason, cut.tokens) == ("length", 5)
 
 
 def test_reasoner_stream_can_be_abandoned_early(client):

@@ -10,7 +10,7 @@ from policy_server.client.action_queue import ActionQueue, Aggregation
 from policy_server.client.backoff import Backoff
 from policy_server.client.errors import PolicyServerError
 from policy_server.client.streaming import ControlStream, StreamEvent
-from policy_server.client.sync_client import PolicyClient, make_channel
+from policy_server.client.sync_client import PolicyClient, ReasonStream, make_channel
 from policy_server.client.types import ActionChunk, PredictedFrames, Session, build_observation
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "PolicyClient",
     "PolicyServerError",
     "PredictedFrames",
+    "ReasonStream",
     "Session",
     "StreamEvent",
     "build_observation",

@@ -375,23 +375,46 @@ class PolicyClient:
         temperature: float = 0.0,
         seed: int | None = None,
         timeout_s: float | None = None,
-    ) -> Iterator[str]:
+    ) -> ReasonStream:
         """Stream reasoner text pieces as they are generated: greedy at ``temperature`` 0, else sampled from
-        ``seed`` (None: the server's 0, so a repeated call gets the same text)."""
+        ``seed`` (None: the server's 0, so a repeated call gets the same text). The call starts at the first
+        piece asked for; once the pieces end, the stream says why (`ReasonStream.finish_reason`)."""
         request = pb.ReasonRequest(prompt=prompt, max_new_tokens=max_new_tokens, temperature=temperature)
         if seed is not None:
             request.seed = seed
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        responses = self.stub.Reason(request, timeout=timeout_s, metadata=self.call_metadata(timeout_s=timeout_s))
+        return ReasonStream(lambda: self.stub.Reason(request, timeout=timeout_s,
+                                                     metadata=self.call_metadata(timeout_s=timeout_s)))
+
+
+class ReasonStream(Iterator[str]):
+    """A `Reason` call's text pieces, in order. After the last: `finish_reason` "stop" (the model's end-of-text
+    token) or "length" (max_new_tokens), and `tokens`, the tokens generated. `close()` (or breaking off and
+    dropping the stream) cancels the call."""
+
+    def __init__(self, call: Callable[[], Iterator[pb.ReasonChunk]]):
+        self.finish_reason: str | None = None
+        self.tokens = 0
+        self._pieces = self._read(call)
+
+    def __next__(self) -> str:
+        return next(self._pieces)
+
+    def close(self) -> None:
+        self._pieces.close()
+
+    def _read(self, call: Callable[[], Iterator[pb.ReasonChunk]]) -> Iterator[str]:
+        responses = call()
         try:
             for piece in responses:
                 if piece.done:
+                    self.finish_reason, self.tokens = piece.finish_reason, piece.tokens
                     return
                 yield piece.text
         except grpc.RpcError as exc:
             raise PolicyServerError.from_rpc_error(exc) from None
         finally:
-            responses.cancel()  # no-op once finished; stops generation if the caller breaks early
+            responses.cancel()  # no-op once finished; stops generation if the caller breaks off
 
 
 def _session_id(session: Session | str) -> str:

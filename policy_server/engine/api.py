@@ -11,7 +11,7 @@ Clocks: ``deadline_s`` values are absolute ``time.monotonic()`` seconds; duratio
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol, runtime_checkable
@@ -210,6 +210,15 @@ class TickRecord:
     def fallback_kinds(self) -> tuple[str, ...]:
         """Each fallback without its step or count, e.g. ``late_finish_at_step=4/20`` -> ``late_finish_at_step``."""
         return tuple(fallback.split("=")[0] for fallback in self.fallbacks)
+
+
+@dataclass(frozen=True)
+class ReasonEnd:
+    """How a reasoner call ended: `finish_reason` "stop" (an end-of-text token) or "length" (its token limit),
+    and the text tokens it generated."""
+
+    finish_reason: str
+    tokens: int
 
 
 @dataclass(frozen=True)
@@ -610,8 +619,9 @@ class Engine(Protocol):
         seed: int | None = None,
         should_abort: Callable[[], bool] | None = None,
         deadline_s: float | None = None,
-    ) -> Iterator[str]:
-        """Stream reasoner text pieces (autoregressive with a KV cache; never the diffusion cache).
+    ) -> Generator[str, None, ReasonEnd]:
+        """Stream reasoner text pieces (autoregressive with a KV cache; never the diffusion cache); the
+        generator returns how it ended (`ReasonEnd`).
         Stops after ``max_new_tokens`` tokens or an end token; abandoned within one prefill chunk or
         token when ``should_abort()`` or ``deadline_s`` passes. Control ticks run first: the reasoner
         works between them. Raises InvalidArgument (a prompt over the token limit), TooManyReasonCalls."""

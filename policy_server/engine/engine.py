@@ -17,7 +17,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait as wait_for
@@ -301,7 +301,8 @@ class ModelEngine:
             return self._dynamics.inverse(session, clip, seed, deadline_s, should_abort)
 
     def reason(self, prompt: str, max_new_tokens: int, temperature: float = 0.0, seed: int | None = None,
-               should_abort: Callable[[], bool] | None = None, deadline_s: float | None = None) -> Iterator[str]:
+               should_abort: Callable[[], bool] | None = None, deadline_s: float | None = None
+               ) -> Generator[str, None, api.ReasonEnd]:
         """Autoregressive text over the UND weights with a KV cache; never touches the diffusion cache."""
         self._require_ready()
         return self._reasoning.reason(prompt, max_new_tokens, temperature, seed, should_abort, deadline_s)

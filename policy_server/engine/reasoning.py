@@ -9,7 +9,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 
 import torch
 
@@ -30,8 +30,10 @@ class Reasoning:
         self._calls = threading.Semaphore(served.settings.max_reason_calls)
 
     def reason(self, prompt: str, max_new_tokens: int, temperature: float = 0.0, seed: int | None = None,
-               should_abort: Callable[[], bool] | None = None, deadline_s: float | None = None) -> Iterator[str]:
-        """Autoregressive text over the UND weights with a KV cache; never touches the diffusion cache."""
+               should_abort: Callable[[], bool] | None = None, deadline_s: float | None = None
+               ) -> Generator[str, None, api.ReasonEnd]:
+        """Autoregressive text over the UND weights with a KV cache; never touches the diffusion cache. The
+        generator returns how the call ended."""
         tokenizer = self.served.pipeline.tokenizer
         count = len(user_text_ids(tokenizer, prompt, "prompt"))
         if count > MAX_PROMPT_TOKENS:
@@ -50,8 +52,7 @@ class Reasoning:
         except torch.OutOfMemoryError:  # its KV cache does not fit beside the model: the place goes back
             self._calls.release()
             raise
-        pieces: queue.Queue = queue.Queue()
-        done = object()
+        pieces: queue.Queue = queue.Queue()  # text, then the ReasonEnd or the error that ended the call
 
         def stopped() -> api.EngineError | None:
             """Why the call must end now, if it must."""
@@ -66,6 +67,7 @@ class Reasoning:
         def steps() -> Iterator[None]:
             produced: list[int] = []
             decoded = emitted = ""
+            token = None
             while not stream.done:
                 if (reason := stopped()) is not None:
                     raise reason
@@ -80,7 +82,7 @@ class Reasoning:
                 yield
             if len(decoded) > len(emitted):
                 pieces.put(decoded[len(emitted):])  # no next token: what is held back is the text's end
-            finish(done)
+            finish(api.ReasonEnd("stop" if token in stops else "length", len(produced)))
 
         def finish(last: object) -> None:
             pieces.put(last)
@@ -93,7 +95,7 @@ class Reasoning:
             self._calls.release()
             raise
 
-        def stream_pieces() -> Iterator[str]:
+        def stream_pieces() -> Generator[str, None, api.ReasonEnd]:
             # Ticks go first, so a busy worker may not step this job for a long time: the caller's deadline
             # and departure are also watched here, and end the job between two of its steps.
             while True:
@@ -103,8 +105,8 @@ class Reasoning:
                     if (reason := stopped()) is not None and self.worker.withdraw(job):
                         job.fail(reason)
                     continue
-                if item is done:
-                    return
+                if isinstance(item, api.ReasonEnd):
+                    return item
                 if isinstance(item, BaseException):
                     raise item
                 yield item

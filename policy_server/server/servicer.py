@@ -179,8 +179,14 @@ class PolicyServicer(pb_grpc.PolicyServiceServicer):
             deadline_s=self._deadline_s(context, started),
         )
         count = 0
-        for text in pieces:
+        while True:
+            try:
+                text = next(pieces)
+            except StopIteration as ended:  # the engine's generator returns how the call ended
+                end = ended.value
+                break
             self.metrics.reason_pieces.inc()
             yield pb.ReasonChunk(text=text, index=count, elapsed_ms=(time.monotonic() - started) * 1e3)
             count += 1
-        yield pb.ReasonChunk(done=True, index=count, elapsed_ms=(time.monotonic() - started) * 1e3)
+        yield pb.ReasonChunk(done=True, index=count, elapsed_ms=(time.monotonic() - started) * 1e3,
+                             finish_reason=end.finish_reason, tokens=end.tokens)

@@ -638,13 +638,17 @@ class ReasonRequest(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class ReasonChunk(_message.Message):
-    __slots__ = ("text", "index", "done", "elapsed_ms")
+    __slots__ = ("text", "index", "done", "elapsed_ms", "finish_reason", "tokens")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     ELAPSED_MS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
     text: str
     index: int
     done: bool
     elapsed_ms: float
-    def __init__(self, text: _Optional[str] = ..., index: _Optional[int] = ..., done: _Optional[bool] = ..., elapsed_ms: _Optional[float] = ...) -> None: ...
+    finish_reason: str
+    tokens: int
+    def __init__(self, text: _Optional[str] = ..., index: _Optional[int] = ..., done: _Optional[bool] = ..., elapsed_ms: _Optional[float] = ..., finish_reason: _Optional[str] = ..., tokens: _Optional[int] = ...) -> None: ...
