@@ -349,6 +349,10 @@ def test_server_info_describes_units_state_limits_capacity_and_the_weights(serve
     assert (list(spec.state_names), list(spec.state_units)) == (["x", "y"], ["m", "m"])
     assert (list(spec.state_low), list(spec.state_high)) == ([0.0, 0.0], [0.5, 0.5])
     assert info.model.digest.startswith("sha256:") and len(info.model.digest) == len("sha256:") + 64
+    # A chunk of 8 predicts 1 + 4 * 2 frames (test_forward_and_inverse_dynamics_and_preview_frames).
+    assert info.model.temporal_compression == 4
+    # No profile beside the checkpoint: the one the warmup calibrated.
+    assert info.model.quality_profile == "calibrated on 2 observations of warmup (bounded)"
     limits = info.limits
     assert (limits.max_instruction_tokens, limits.max_prompt_tokens) == (128, 512)
     assert (limits.max_reason_tokens, limits.max_reason_calls) == (256, 2)

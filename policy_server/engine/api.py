@@ -70,6 +70,8 @@ class ServerInfo:
     warmup_profile: tuple[ProfilePoint, ...] = ()
     num_steps: int = 0
     diffusion_cache: bool = False
+    temporal_compression: int = 1  # video frames per latent frame: a chunk of K predicts 1 + t * (K // t) frames
+    quality_profile: str = ""  # the planner's profile, by provenance; empty: none (the SeaCache ladder)
     max_dynamics_calls: int = 0  # forward / inverse dynamics calls at once
 
     def embodiment(self, name: str) -> EmbodimentSpec | None:

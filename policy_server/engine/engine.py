@@ -99,6 +99,13 @@ class ModelEngine:
         return api.EngineStats(sessions=len(self.sessions), queue_depth=self._worker.queue_depth,
                                warmup_progress=self._warmup.progress)
 
+    def _profile_provenance(self) -> str:
+        """Where the quality profile that ticks are planned on comes from; empty: none (the ladder, or uncached)."""
+        profile = self.served.profile
+        if profile is None or not self.settings.diffusion_cache:
+            return ""
+        return f"calibrated on {profile.calibration.observations} observations of {profile.calibration.source}"
+
     def info(self) -> api.ServerInfo:
         pipeline = self.served.pipeline
         config = pipeline.config
@@ -116,6 +123,8 @@ class ModelEngine:
             warmup_profile=self._warmup.profile,
             num_steps=config.num_steps,
             diffusion_cache=self.settings.diffusion_cache,
+            temporal_compression=pipeline.vae.temporal_compression,
+            quality_profile=self._profile_provenance(),
             max_dynamics_calls=self.settings.max_dynamics_calls,
         )
 

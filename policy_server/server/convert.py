@@ -76,6 +76,8 @@ def server_info_to_proto(info: ServerInfo, ready: bool, max_message_bytes: int,
             device=info.device,
             num_steps=info.num_steps,
             diffusion_cache=info.diffusion_cache,
+            temporal_compression=info.temporal_compression,
+            quality_profile=info.quality_profile,
         ),
         embodiments=[embodiment_to_proto(e) for e in info.embodiments],
         limits=pb.Limits(

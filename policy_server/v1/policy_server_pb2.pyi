@@ -196,18 +196,22 @@ class Capacity(_message.Message):
     def __init__(self, embodiment: _Optional[str] = ..., chunk_size: _Optional[int] = ..., budget_ms: _Optional[float] = ..., rate_hz: _Optional[float] = ..., sessions_alone: _Optional[int] = ..., sessions_more: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "digest", "device", "num_steps", "diffusion_cache")
+    __slots__ = ("name", "digest", "device", "num_steps", "diffusion_cache", "temporal_compression", "quality_profile")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     DIFFUSION_CACHE_FIELD_NUMBER: _ClassVar[int]
+    TEMPORAL_COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    QUALITY_PROFILE_FIELD_NUMBER: _ClassVar[int]
     name: str
     digest: str
     device: str
     num_steps: int
     diffusion_cache: bool
-    def __init__(self, name: _Optional[str] = ..., digest: _Optional[str] = ..., device: _Optional[str] = ..., num_steps: _Optional[int] = ..., diffusion_cache: _Optional[bool] = ...) -> None: ...
+    temporal_compression: int
+    quality_profile: str
+    def __init__(self, name: _Optional[str] = ..., digest: _Optional[str] = ..., device: _Optional[str] = ..., num_steps: _Optional[int] = ..., diffusion_cache: _Optional[bool] = ..., temporal_compression: _Optional[int] = ..., quality_profile: _Optional[str] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
     __slots__ = ("protocol_version", "server_version", "model", "embodiments", "limits", "default_budget_ms", "warmup_profile", "ready", "capacity")
