@@ -73,14 +73,18 @@ def test_tight_budget_caches_and_the_guard_keeps_the_deadline(engine):
     engine.close_session(session.session_id)
 
 
-def test_the_log_says_who_opened_and_closed_each_session(engine, caplog):
+def test_the_log_says_who_opened_closed_or_was_refused_each_session(engine, caplog):
     caplog.set_level(logging.INFO, logger="policy_server.engine")
     session = engine.open_session("pusht", "reach the red circle", rate_hz=0, client_name="arm 3")
     assert engine.session(session.session_id).client_name == "arm 3"
     engine.close_session(session.session_id)
     unnamed = engine.open_session("pusht", "reach the red circle", rate_hz=0)
     engine.close_session(unnamed.session_id)
-    opened, closed, opened_unnamed, closed_unnamed = [record.getMessage() for record in caplog.records]
+    with pytest.raises(api.BudgetInfeasible) as refused:
+        engine.open_session("pusht", "reach the red circle", budget_ms=0.01, rate_hz=0, client_name="arm 4")
+    opened, closed, opened_unnamed, closed_unnamed, refusal = [record.getMessage() for record in caplog.records]
+    assert refusal == ("refused a session for 'arm 4': pusht, chunks of 8, budget 0.01 ms, 0 Hz: BUDGET_INFEASIBLE "
+                       + refused.value.message)
     assert opened.startswith(f"opened session {session.session_id} ('arm 3'): pusht, chunks of 8, budget 10000 ms")
     assert closed == f"closed session {session.session_id} ('arm 3')"
     assert opened_unnamed.startswith(f"opened session {unnamed.session_id}: pusht")

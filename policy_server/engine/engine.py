@@ -151,10 +151,17 @@ class ModelEngine:
         rate = default_rate_hz(spec.fps, executed) if rate_hz is None else rate_hz
         budget = self.settings.default_budget_ms if budget_ms is None else budget_ms
         key = served.cost_key(embodiment, chunk, served.instruction_tokens(instruction, "instruction"))
-        session = self._admission.open(embodiment, chunk, budget, rate, preview, lambda demand: self.sessions.open(
-            embodiment=embodiment, instruction=instruction, budget_ms=budget, chunk_size=chunk,
-            seed=0 if seed is None else seed, cost_key=key, demand=demand,
-            limiter=RateLimiter(rate, time.monotonic()), preview=preview, client_name=client_name))
+        try:
+            session = self._admission.open(embodiment, chunk, budget, rate, preview, lambda demand: self.sessions.open(
+                embodiment=embodiment, instruction=instruction, budget_ms=budget, chunk_size=chunk,
+                seed=0 if seed is None else seed, cost_key=key, demand=demand,
+                limiter=RateLimiter(rate, time.monotonic()), preview=preview, client_name=client_name))
+        except (api.BudgetInfeasible, api.Overloaded, api.TooManySessions) as refused:
+            # What an operator asks when a robot says it was turned away.
+            logger.info("refused a session%s: %s, chunks of %d, budget %g ms, %g Hz: %s %s",
+                        f" for {client_name!r}" if client_name else "", embodiment, chunk, budget, rate,
+                        refused.reason, refused.message)
+            raise
         if served.graphs is not None:
             # Its first tick then replays the graphs rather than paying for a capture inside its budget.
             try:
