@@ -6,6 +6,7 @@ with its status while the server keeps serving."""
 import json
 import math
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -406,6 +407,7 @@ def test_request_bytes_that_do_not_parse_are_invalid_argument_and_logged_in_one_
     server.close_session(session)
     log = server_log.read_text()
     assert log.count("undecodable policy_server.v1.") >= 4
+    assert re.search(r"undecodable policy_server\.v1\.ActRequest request of 4 bytes from ipv4:127\.0\.0\.1:\d+: ", log)
     assert "Traceback" not in log and "Exception deserializing" not in log
     # Garbage in a loop: each answered, the log's line for its message type written once in 10 s (one more line
     # at most, should the loop start 10 s after the line above; a line each would be 20).

@@ -139,7 +139,7 @@ class _UndecodableLog:
         self._quiet_until: dict[str, float] = {}  # by message type: monotonic s
         self._held: dict[str, int] = {}
 
-    def __call__(self, request: Undecodable) -> None:
+    def __call__(self, request: Undecodable, peer: str) -> None:
         now = time.monotonic()
         with self._lock:
             if now < self._quiet_until.get(request.message, 0.0):
@@ -148,16 +148,18 @@ class _UndecodableLog:
             self._quiet_until[request.message] = now + self.period_s
             held = self._held.pop(request.message, 0)
         more = f" ({held} more since the last such line)" if held else ""
-        log.warning("undecodable %s request of %d bytes: %s%s", request.message, request.size, request.problem, more)
+        log.warning("undecodable %s request of %d bytes from %s: %s%s", request.message, request.size, peer,
+                    request.problem, more)
 
 
 _log_undecodable = _UndecodableLog(period_s=10.0)
 
 
-def check_decoded(request) -> None:
-    """Raise the INVALID_ARGUMENT error for a request that did not parse (logged in one line, `_UndecodableLog`)."""
+def check_decoded(request, context: grpc.ServicerContext) -> None:
+    """Raise the INVALID_ARGUMENT error for a request that did not parse (logged in one line with the peer that
+    sent it, `_UndecodableLog`)."""
     if isinstance(request, Undecodable):
-        _log_undecodable(request)
+        _log_undecodable(request, context.peer())
         raise request.error()
 
 
@@ -178,7 +180,7 @@ def rpc_errors(method):
         @functools.wraps(method)
         def stream_wrapper(self, request, context):
             try:
-                check_decoded(request)
+                check_decoded(request, context)
                 yield from method(self, request, context)
             except Exception as exc:  # noqa: BLE001 - every failure must become a status
                 fail(self, context, exc)
@@ -188,7 +190,7 @@ def rpc_errors(method):
     @functools.wraps(method)
     def unary_wrapper(self, request, context):
         try:
-            check_decoded(request)
+            check_decoded(request, context)
             return method(self, request, context)
         except Exception as exc:  # noqa: BLE001
             fail(self, context, exc)
