@@ -539,8 +539,11 @@ def test_admission_refuses_sessions_whose_ticks_could_not_all_meet_their_budgets
 
 
 def test_declared_rates_must_fit_the_model_time(engine):
-    floor = _floor_ms(engine)
-    rate = 0.6 * 1000 / floor  # each session would claim 60% of the model at its cheapest
+    with pytest.raises(api.BudgetInfeasible) as infeasible:
+        engine.open_session("pusht", "reach the red circle", budget_ms=0.01, rate_hz=0)
+    # The cheapest tick itself, without the background piece it may wait for (which claims no model time).
+    cheapest_ms = infeasible.value.best_achievable_ms - infeasible.value.stages_ms.get("background piece", 0.0)
+    rate = 0.6 * 1000 / cheapest_ms  # each session would claim 60% of the model at its cheapest
     assert engine.capacity(10_000.0, rate)[0].sessions_alone == 1
     session = engine.open_session("pusht", "reach the red circle", rate_hz=rate)
     with pytest.raises(api.Overloaded):

@@ -345,6 +345,7 @@ class BudgetInfeasible(EngineError):
             + (f" ({breakdown})" if breakdown else "")
         )
         self.budget_ms, self.best_achievable_ms = budget_ms, best_achievable_ms
+        self.stages_ms = dict(stages_ms or {})
 
     def details(self) -> dict[str, str]:
         return {"budget_ms": f"{self.budget_ms:g}", "best_achievable_ms": f"{self.best_achievable_ms:.3f}"}
