@@ -279,12 +279,12 @@ def test_cancelling_the_stream_abandons_work_in_flight(client, engine):
 
 
 @contextlib.contextmanager
-def _stream_across_a_restart(session: dict | None = None, **options):
+def _stream_across_a_restart(session: dict | None = None, client_timeout_s: float = 10.0, **options):
     """`(client, stream, restart)`: a ControlStream on a server of its own; `restart(engine)` stops that server and
     serves `engine` (a fresh FakeEngine) on its port, as a server that restarted lost its sessions."""
     servers = [build_server(build_config(overrides={"port": 0}), FakeEngine()).start()]
     port = servers[0].grpc_port
-    client = PolicyClient(servers[0].target)
+    client = PolicyClient(servers[0].target, timeout_s=client_timeout_s)
     opened = client.open_session("pusht", "reach the red circle", **(session or {}))
     stream = ControlStream(client, opened, backoff=Backoff(initial_s=0.05, max_s=0.2, max_attempts=100),
                            **options).open()
@@ -318,6 +318,20 @@ def test_reconnects_and_replaces_the_session_after_a_server_restart():
         chunk = stream.next_chunk(timeout_s=10)
         assert chunk.obs_id == obs_id and chunk.session_id == stream.session.session_id
         np.testing.assert_array_equal(chunk.actions, expected(1))
+
+
+def test_a_stream_reconnects_through_a_warmup_longer_than_the_clients_call_timeout():
+    # A robot's client has a short call timeout; a restarted server warms up for longer (57 s compiling on 2 cores).
+    # Reopening the session times out while it warms up: the stream tries again, as its backoff allows.
+    warming = FakeEngine(ready=False)
+    with _stream_across_a_restart(client_timeout_s=0.5) as (_, stream, restart):
+        restart(warming)
+        assert stream.next_event(timeout_s=20).kind == "disconnected"
+        threading.Timer(2.0, warming.set_ready, (True,)).start()
+        event = stream.next_event(timeout_s=20)
+        assert event.kind == "reconnected" and event.session_replaced, event
+        obs_id = send(stream, 1)
+        assert stream.next_chunk(timeout_s=10).obs_id == obs_id
 
 
 def test_a_reopened_session_keeps_the_budget_granted_and_the_instruction_last_sent():

@@ -171,7 +171,9 @@ class ControlStream:
             except PolicyServerError as exc:
                 error = exc
                 lost_again = exc.reason == "SESSION_NOT_FOUND" and self._reopen_session  # a reopening raced
-                if lost_again or _connection_lost(exc) or exc.retry_after_ms:
+                # Reopening outlasted the client's call timeout: the restarted server is still warming up.
+                timed_out = exc.code == grpc.StatusCode.DEADLINE_EXCEEDED and not exc.from_server
+                if lost_again or timed_out or _connection_lost(exc) or exc.retry_after_ms:
                     continue  # or a refusal that asks to retry
                 return error
             if self._closing.is_set():  # closed meanwhile: nobody will use what was just opened
