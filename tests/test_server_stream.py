@@ -193,6 +193,31 @@ def test_budget_update_and_ping(stream):
     assert stream.next_chunk().tick.budget_ms == 45.0
 
 
+def test_a_budget_answer_read_after_a_reset_keeps_the_new_epoch(client, monkeypatch):
+    # set_budget() then reset(): the budget event, answered at the old epoch, may reach the stream's reader after
+    # reset() returned. It must not put the stream back on the old epoch (every frame after: STALE_EPOCH).
+    reset_done = threading.Event()
+    convert = ControlStream._convert
+
+    def late_budget(event: pb.ControlEvent):
+        if event.WhichOneof("kind") == "budget":
+            reset_done.wait(10)  # the reader thread is scheduled after the reset
+        return convert(event)
+
+    monkeypatch.setattr(ControlStream, "_convert", staticmethod(late_budget))
+    session = client.open_session("pusht", "push")
+    with ControlStream(client, session) as stream:
+        stream.set_budget(100.0)
+        time.sleep(0.2)  # answered at epoch 1
+        reset = stream.reset()
+        reset_done.set()
+        assert stream.next_event().kind == "budget"
+        assert (stream.session.epoch, stream.session.budget_ms) == (reset.epoch, 100.0) == (2, 100.0)
+        obs_id = send(stream, 0)
+        assert stream.next_chunk().obs_id == obs_id
+    client.close_session(session)
+
+
 def test_half_close_still_answers_accepted_frames(client):
     session = client.open_session("pusht", "finish up")
     stream = ControlStream(client, session).open()

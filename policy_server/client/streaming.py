@@ -22,6 +22,7 @@ STREAM_CLOSED.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import queue
@@ -138,7 +139,7 @@ class ControlStream:
                 for event in self._call:
                     converted = self._convert(event)
                     if converted.kind == "budget":
-                        self._session = converted.session  # what a reopened session asks for
+                        self._granted(converted.session)
                     self._events.put(converted)
                 self._end(None)
                 return
@@ -153,6 +154,12 @@ class ControlStream:
                 if failure is not None:
                     self._end(None if self._closing.is_set() else failure)
                     return
+
+    def _granted(self, session: Session) -> None:
+        """Keep the budget granted (what a reopened session asks for) at the newest epoch: the answer may be read
+        after a `reset()` that returned since it was made."""
+        with self._lock:
+            self._session = dataclasses.replace(session, epoch=max(session.epoch, self._session.epoch))
 
     def _end(self, error: PolicyServerError | None) -> None:
         """Report the stream's end (``closed``, with ``error`` unless the client closed it)."""
