@@ -218,6 +218,23 @@ def test_a_budget_answer_read_after_a_reset_keeps_the_new_epoch(client, monkeypa
     client.close_session(session)
 
 
+def test_opening_an_open_stream_again_is_the_same_stream(client):
+    # `with ControlStream(...).open() as stream` opens it twice: one call and one reader, none left after close.
+    before = set(threading.enumerate())
+    session = client.open_session("pusht", "push")
+    stream = ControlStream(client, session).open()
+    with stream.open() as again:
+        assert again is stream
+        assert [t.name for t in set(threading.enumerate()) - before].count("control-events") == 1
+        obs_id = send(stream, 0)
+        assert stream.next_chunk().obs_id == obs_id
+    started = [t for t in set(threading.enumerate()) - before if t.name == "control-events" or "(_run)" in t.name]
+    for thread in started:
+        thread.join(5)
+    assert not [t.name for t in started if t.is_alive()]  # no reader, no request consumer left behind
+    client.close_session(session)
+
+
 def test_half_close_still_answers_accepted_frames(client):
     session = client.open_session("pusht", "finish up")
     stream = ControlStream(client, session).open()

@@ -116,9 +116,12 @@ class ControlStream:
             self._session = Session.from_proto(first.started)
 
     def open(self) -> ControlStream:
-        """Attach to the session. A refusal that says when to retry (streams opened all at once may find no
-        place left for those still to send their start) is tried again with the backoff; any other error, or
-        the last refusal, raises ``PolicyServerError``."""
+        """Attach to the session (once: opening an opened stream returns it as it is, so ``with stream.open()``
+        holds one call). A refusal that says when to retry (streams opened all at once may find no place left for
+        those still to send their start) is tried again with the backoff; any other error, or the last refusal,
+        raises ``PolicyServerError``."""
+        if self._reader is not None:
+            return self
         delays = self._backoff.delays()
         while True:
             try:
