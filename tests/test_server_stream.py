@@ -4,6 +4,7 @@ rejected, bad frames do not end the stream, budgets change mid-stream, the clien
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import queue
 import threading
 import time
@@ -14,6 +15,7 @@ import pytest
 from fake_engine import LIBERO, PUSHT, FakeEngine, expected_actions, serve_fake
 
 from policy_server.client import Backoff, ControlStream, PolicyClient, PolicyServerError, build_observation
+from policy_server.client import types as client_types
 from policy_server.config import build_config
 from policy_server.engine.api import Observation
 from policy_server.limits import MAX_FRAME_SIDE, MAX_PENDING_FRAMES, MAX_STARTING_STREAMS
@@ -232,6 +234,28 @@ def test_opening_an_open_stream_again_is_the_same_stream(client):
     for thread in started:
         thread.join(5)
     assert not [t.name for t in started if t.is_alive()]  # no reader, no request consumer left behind
+    client.close_session(session)
+
+
+def test_a_reply_the_client_cannot_read_ends_the_stream_saying_why(client, engine, monkeypatch):
+    # A robot without OpenCV (it sends raw frames) opens a preview session, whose predicted frames come as JPEG.
+    act = engine.act
+    monkeypatch.setattr(engine, "act", lambda *args, **kwargs: dataclasses.replace(
+        act(*args, **kwargs), preview_frames=np.zeros((1, 8, 8, 3), np.uint8)))
+
+    def decode_without_opencv(*args, **kwargs):
+        raise ModuleNotFoundError("No module named 'cv2'")
+
+    monkeypatch.setattr(client_types, "decode_image", decode_without_opencv)
+    session = client.open_session("pusht", "push", preview=True)
+    with ControlStream(client, session) as stream:
+        send(stream, 0)
+        closed = stream.next_event()  # not silence: the reader thread reports why it stopped
+        assert closed.kind == "closed" and closed.error.reason == "UNREADABLE_REPLY"
+        assert "No module named 'cv2'" in closed.error.message
+        with pytest.raises(PolicyServerError) as refused:
+            send(stream, 1)
+        assert refused.value.reason == "UNREADABLE_REPLY"
     client.close_session(session)
 
 

@@ -15,9 +15,10 @@ instruction last sent) and reports ``reconnected`` with ``session_replaced=True`
 a stream so when its replica dies. A refusal that says when to retry is tried again too, when opening as when
 reconnecting: streams that all (re)connect at once, after a failover or at a fleet's start, may find no
 place left on the server for those still to send their start.
-Observations sent while disconnected are dropped: they would be stale by the time a chunk came. Once the
-stream has ended (``closed``, whose error says why, or `close()`), sending raises ``PolicyServerError``
-STREAM_CLOSED.
+Observations sent while disconnected are dropped: they would be stale by the time a chunk came. A reply this
+client cannot read (preview frames, JPEG, without OpenCV) ends the stream: ``closed`` with UNREADABLE_REPLY.
+Once the stream has ended (``closed``, whose error says why, or `close()`), sending raises ``PolicyServerError``
+(that error, else STREAM_CLOSED).
 """
 
 from __future__ import annotations
@@ -140,7 +141,14 @@ class ControlStream:
         while True:
             try:
                 for event in self._call:
-                    converted = self._convert(event)
+                    try:
+                        converted = self._convert(event)
+                    except Exception as exc:  # noqa: BLE001 - e.g. preview frames (JPEG) on a client without OpenCV
+                        log.exception("control stream: cannot read a reply; ending the stream")
+                        self._call.cancel()
+                        self._end(PolicyServerError(grpc.StatusCode.CANCELLED, "UNREADABLE_REPLY",
+                                                    f"a reply could not be read: {type(exc).__name__}: {exc}"))
+                        return
                     if converted.kind == "budget":
                         self._granted(converted.session)
                     self._events.put(converted)
