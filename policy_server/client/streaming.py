@@ -63,6 +63,12 @@ class StreamEvent:
 
 
 class ControlStream:
+    """One session's Control stream. A reader thread of its own (``control-events``) receives the server's events,
+    decodes them (a chunk's preview frames too) and queues them for `next_event`; nothing runs on the caller's
+    threads but the calls it makes. `send` and `next_event` may be called from different threads. ``backoff``
+    (default ``RECONNECT_BACKOFF``: 60 tries, about two minutes) paces reconnecting; ``Backoff()``'s own default
+    is 20 tries."""
+
     def __init__(
         self,
         client: PolicyClient,
@@ -305,7 +311,10 @@ class ControlStream:
         encoding: str = "jpeg",
         jpeg_quality: int = 90,
     ) -> int:
-        """Queue one observation for the current epoch; returns its obs_id."""
+        """Queue one observation (as `PolicyClient.act` takes it) for the current epoch; returns its obs_id.
+        Never blocks on the network. A non-empty ``instruction`` becomes the session's from this frame on ("" keeps
+        it); ``step_index``: the control step the frame was captured at, the step the answer's ``actions[0]`` is
+        for. A frame sent while the stream is disconnected is dropped without an event: time out its answer."""
         observation = build_observation(images, state, instruction, step_index, encoding, jpeg_quality)
         return self.send_observation(observation, must_answer=must_answer)
 
@@ -329,16 +338,21 @@ class ControlStream:
         self._put(pb.ControlRequest(budget=pb.BudgetUpdate(budget_ms=budget_ms)))
 
     def ping(self) -> None:
+        """Ask for a ``pong`` event carrying this call's ``time.monotonic_ns()`` (its round trip)."""
         self._put(pb.ControlRequest(ping=pb.Ping(client_time_ns=time.monotonic_ns())))
 
     def reset(self) -> Session:
-        """New episode: the epoch grows, frames already in flight will come back STALE_EPOCH."""
+        """New episode (the instruction is kept): the epoch grows, frames already in flight will come back
+        STALE_EPOCH. A blocking ``ResetSession`` call, within the client's timeout (`PolicyServerError` if it
+        fails). Chunks that arrived before it may still wait in `next_event`'s queue: skip those whose
+        ``epoch`` or ``session_id`` is not ``stream.session``'s."""
         self._session = self._client.reset_session(self._session)
         return self._session
 
     # -- receiving -----------------------------------------------------------------------------
 
     def next_event(self, timeout_s: float = 5.0) -> StreamEvent:
+        """The next event, waiting at most ``timeout_s`` (0 polls); TimeoutError if none came."""
         try:
             return self._events.get(timeout=timeout_s)
         except queue.Empty:
