@@ -4,6 +4,7 @@ rejected, bad frames do not end the stream, budgets change mid-stream, the clien
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import queue
 import threading
 import time
@@ -14,6 +15,7 @@ import pytest
 from fake_engine import LIBERO, PUSHT, FakeEngine, expected_actions, serve_fake
 
 from policy_server.client import Backoff, ControlStream, PolicyClient, PolicyServerError, build_observation
+from policy_server.client import types as client_types
 from policy_server.config import build_config
 from policy_server.engine.api import Observation
 from policy_server.limits import MAX_FRAME_SIDE, MAX_PENDING_FRAMES, MAX_STARTING_STREAMS
@@ -193,6 +195,70 @@ def test_budget_update_and_ping(stream):
     assert stream.next_chunk().tick.budget_ms == 45.0
 
 
+def test_a_budget_answer_read_after_a_reset_keeps_the_new_epoch(client, monkeypatch):
+    # set_budget() then reset(): the budget event, answered at the old epoch, may reach the stream's reader after
+    # reset() returned. It must not put the stream back on the old epoch (every frame after: STALE_EPOCH).
+    reset_done = threading.Event()
+    convert = ControlStream._convert
+
+    def late_budget(event: pb.ControlEvent):
+        if event.WhichOneof("kind") == "budget":
+            reset_done.wait(10)  # the reader thread is scheduled after the reset
+        return convert(event)
+
+    monkeypatch.setattr(ControlStream, "_convert", staticmethod(late_budget))
+    session = client.open_session("pusht", "push")
+    with ControlStream(client, session) as stream:
+        stream.set_budget(100.0)
+        time.sleep(0.2)  # answered at epoch 1
+        reset = stream.reset()
+        reset_done.set()
+        assert stream.next_event().kind == "budget"
+        assert (stream.session.epoch, stream.session.budget_ms) == (reset.epoch, 100.0) == (2, 100.0)
+        obs_id = send(stream, 0)
+        assert stream.next_chunk().obs_id == obs_id
+    client.close_session(session)
+
+
+def test_opening_an_open_stream_again_is_the_same_stream(client):
+    # `with ControlStream(...).open() as stream` opens it twice: one call and one reader, none left after close.
+    before = set(threading.enumerate())
+    session = client.open_session("pusht", "push")
+    stream = ControlStream(client, session).open()
+    with stream.open() as again:
+        assert again is stream
+        assert [t.name for t in set(threading.enumerate()) - before].count("control-events") == 1
+        obs_id = send(stream, 0)
+        assert stream.next_chunk().obs_id == obs_id
+    started = [t for t in set(threading.enumerate()) - before if t.name == "control-events" or "(_run)" in t.name]
+    for thread in started:
+        thread.join(5)
+    assert not [t.name for t in started if t.is_alive()]  # no reader, no request consumer left behind
+    client.close_session(session)
+
+
+def test_a_reply_the_client_cannot_read_ends_the_stream_saying_why(client, engine, monkeypatch):
+    # A robot without OpenCV (it sends raw frames) opens a preview session, whose predicted frames come as JPEG.
+    act = engine.act
+    monkeypatch.setattr(engine, "act", lambda *args, **kwargs: dataclasses.replace(
+        act(*args, **kwargs), preview_frames=np.zeros((1, 8, 8, 3), np.uint8)))
+
+    def decode_without_opencv(*args, **kwargs):
+        raise ModuleNotFoundError("No module named 'cv2'")
+
+    monkeypatch.setattr(client_types, "decode_image", decode_without_opencv)
+    session = client.open_session("pusht", "push", preview=True)
+    with ControlStream(client, session) as stream:
+        send(stream, 0)
+        closed = stream.next_event()  # not silence: the reader thread reports why it stopped
+        assert closed.kind == "closed" and closed.error.reason == "UNREADABLE_REPLY"
+        assert "No module named 'cv2'" in closed.error.message
+        with pytest.raises(PolicyServerError) as refused:
+            send(stream, 1)
+        assert refused.value.reason == "UNREADABLE_REPLY"
+    client.close_session(session)
+
+
 def test_half_close_still_answers_accepted_frames(client):
     session = client.open_session("pusht", "finish up")
     stream = ControlStream(client, session).open()
@@ -279,12 +345,12 @@ def test_cancelling_the_stream_abandons_work_in_flight(client, engine):
 
 
 @contextlib.contextmanager
-def _stream_across_a_restart(session: dict | None = None, **options):
+def _stream_across_a_restart(session: dict | None = None, client_timeout_s: float = 10.0, **options):
     """`(client, stream, restart)`: a ControlStream on a server of its own; `restart(engine)` stops that server and
     serves `engine` (a fresh FakeEngine) on its port, as a server that restarted lost its sessions."""
     servers = [build_server(build_config(overrides={"port": 0}), FakeEngine()).start()]
     port = servers[0].grpc_port
-    client = PolicyClient(servers[0].target)
+    client = PolicyClient(servers[0].target, timeout_s=client_timeout_s)
     opened = client.open_session("pusht", "reach the red circle", **(session or {}))
     stream = ControlStream(client, opened, backoff=Backoff(initial_s=0.05, max_s=0.2, max_attempts=100),
                            **options).open()
@@ -318,6 +384,20 @@ def test_reconnects_and_replaces_the_session_after_a_server_restart():
         chunk = stream.next_chunk(timeout_s=10)
         assert chunk.obs_id == obs_id and chunk.session_id == stream.session.session_id
         np.testing.assert_array_equal(chunk.actions, expected(1))
+
+
+def test_a_stream_reconnects_through_a_warmup_longer_than_the_clients_call_timeout():
+    # A robot's client has a short call timeout; a restarted server warms up for longer (57 s compiling on 2 cores).
+    # Reopening the session times out while it warms up: the stream tries again, as its backoff allows.
+    warming = FakeEngine(ready=False)
+    with _stream_across_a_restart(client_timeout_s=0.5) as (_, stream, restart):
+        restart(warming)
+        assert stream.next_event(timeout_s=20).kind == "disconnected"
+        threading.Timer(2.0, warming.set_ready, (True,)).start()
+        event = stream.next_event(timeout_s=20)
+        assert event.kind == "reconnected" and event.session_replaced, event
+        obs_id = send(stream, 1)
+        assert stream.next_chunk(timeout_s=10).obs_id == obs_id
 
 
 def test_a_reopened_session_keeps_the_budget_granted_and_the_instruction_last_sent():

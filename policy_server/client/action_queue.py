@@ -29,6 +29,9 @@ class Aggregation(StrEnum):
 
 
 class ActionQueue:
+    """Not thread-safe: merge and pop from one thread, or under a lock of the caller's. Send each observation with
+    ``step_index=queue.next_step``, the step captured at, and merge its chunk at ``chunk.first_step_index``."""
+
     def __init__(
         self,
         action_dim: int,

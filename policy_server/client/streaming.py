@@ -15,13 +15,15 @@ instruction last sent) and reports ``reconnected`` with ``session_replaced=True`
 a stream so when its replica dies. A refusal that says when to retry is tried again too, when opening as when
 reconnecting: streams that all (re)connect at once, after a failover or at a fleet's start, may find no
 place left on the server for those still to send their start.
-Observations sent while disconnected are dropped: they would be stale by the time a chunk came. Once the
-stream has ended (``closed``, whose error says why, or `close()`), sending raises ``PolicyServerError``
-STREAM_CLOSED.
+Observations sent while disconnected are dropped: they would be stale by the time a chunk came. A reply this
+client cannot read (preview frames, JPEG, without OpenCV) ends the stream: ``closed`` with UNREADABLE_REPLY.
+Once the stream has ended (``closed``, whose error says why, or `close()`), sending raises ``PolicyServerError``
+(that error, else STREAM_CLOSED).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import queue
@@ -61,6 +63,12 @@ class StreamEvent:
 
 
 class ControlStream:
+    """One session's Control stream. A reader thread of its own (``control-events``) receives the server's events,
+    decodes them (a chunk's preview frames too) and queues them for `next_event`; nothing runs on the caller's
+    threads but the calls it makes. `send` and `next_event` may be called from different threads. ``backoff``
+    (default ``RECONNECT_BACKOFF``: 60 tries, about two minutes) paces reconnecting; ``Backoff()``'s own default
+    is 20 tries."""
+
     def __init__(
         self,
         client: PolicyClient,
@@ -115,9 +123,12 @@ class ControlStream:
             self._session = Session.from_proto(first.started)
 
     def open(self) -> ControlStream:
-        """Attach to the session. A refusal that says when to retry (streams opened all at once may find no
-        place left for those still to send their start) is tried again with the backoff; any other error, or
-        the last refusal, raises ``PolicyServerError``."""
+        """Attach to the session (once: opening an opened stream returns it as it is, so ``with stream.open()``
+        holds one call). A refusal that says when to retry (streams opened all at once may find no place left for
+        those still to send their start) is tried again with the backoff; any other error, or the last refusal,
+        raises ``PolicyServerError``."""
+        if self._reader is not None:
+            return self
         delays = self._backoff.delays()
         while True:
             try:
@@ -136,9 +147,16 @@ class ControlStream:
         while True:
             try:
                 for event in self._call:
-                    converted = self._convert(event)
+                    try:
+                        converted = self._convert(event)
+                    except Exception as exc:  # noqa: BLE001 - e.g. preview frames (JPEG) on a client without OpenCV
+                        log.exception("control stream: cannot read a reply; ending the stream")
+                        self._call.cancel()
+                        self._end(PolicyServerError(grpc.StatusCode.CANCELLED, "UNREADABLE_REPLY",
+                                                    f"a reply could not be read: {type(exc).__name__}: {exc}"))
+                        return
                     if converted.kind == "budget":
-                        self._session = converted.session  # what a reopened session asks for
+                        self._granted(converted.session)
                     self._events.put(converted)
                 self._end(None)
                 return
@@ -153,6 +171,12 @@ class ControlStream:
                 if failure is not None:
                     self._end(None if self._closing.is_set() else failure)
                     return
+
+    def _granted(self, session: Session) -> None:
+        """Keep the budget granted (what a reopened session asks for) at the newest epoch: the answer may be read
+        after a `reset()` that returned since it was made."""
+        with self._lock:
+            self._session = dataclasses.replace(session, epoch=max(session.epoch, self._session.epoch))
 
     def _end(self, error: PolicyServerError | None) -> None:
         """Report the stream's end (``closed``, with ``error`` unless the client closed it)."""
@@ -171,7 +195,9 @@ class ControlStream:
             except PolicyServerError as exc:
                 error = exc
                 lost_again = exc.reason == "SESSION_NOT_FOUND" and self._reopen_session  # a reopening raced
-                if lost_again or _connection_lost(exc) or exc.retry_after_ms:
+                # Reopening outlasted the client's call timeout: the restarted server is still warming up.
+                timed_out = exc.code == grpc.StatusCode.DEADLINE_EXCEEDED and not exc.from_server
+                if lost_again or timed_out or _connection_lost(exc) or exc.retry_after_ms:
                     continue  # or a refusal that asks to retry
                 return error
             if self._closing.is_set():  # closed meanwhile: nobody will use what was just opened
@@ -285,7 +311,10 @@ class ControlStream:
         encoding: str = "jpeg",
         jpeg_quality: int = 90,
     ) -> int:
-        """Queue one observation for the current epoch; returns its obs_id."""
+        """Queue one observation (as `PolicyClient.act` takes it) for the current epoch; returns its obs_id.
+        Never blocks on the network. A non-empty ``instruction`` becomes the session's from this frame on ("" keeps
+        it); ``step_index``: the control step the frame was captured at, the step the answer's ``actions[0]`` is
+        for. A frame sent while the stream is disconnected is dropped without an event: time out its answer."""
         observation = build_observation(images, state, instruction, step_index, encoding, jpeg_quality)
         return self.send_observation(observation, must_answer=must_answer)
 
@@ -309,16 +338,21 @@ class ControlStream:
         self._put(pb.ControlRequest(budget=pb.BudgetUpdate(budget_ms=budget_ms)))
 
     def ping(self) -> None:
+        """Ask for a ``pong`` event carrying this call's ``time.monotonic_ns()`` (its round trip)."""
         self._put(pb.ControlRequest(ping=pb.Ping(client_time_ns=time.monotonic_ns())))
 
     def reset(self) -> Session:
-        """New episode: the epoch grows, frames already in flight will come back STALE_EPOCH."""
+        """New episode (the instruction is kept): the epoch grows, frames already in flight will come back
+        STALE_EPOCH. A blocking ``ResetSession`` call, within the client's timeout (`PolicyServerError` if it
+        fails). Chunks that arrived before it may still wait in `next_event`'s queue: skip those whose
+        ``epoch`` or ``session_id`` is not ``stream.session``'s."""
         self._session = self._client.reset_session(self._session)
         return self._session
 
     # -- receiving -----------------------------------------------------------------------------
 
     def next_event(self, timeout_s: float = 5.0) -> StreamEvent:
+        """The next event, waiting at most ``timeout_s`` (0 polls); TimeoutError if none came."""
         try:
             return self._events.get(timeout=timeout_s)
         except queue.Empty:

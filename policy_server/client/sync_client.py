@@ -99,6 +99,12 @@ def make_channel(
 
 
 class PolicyClient:
+    """One channel to a server; its calls may be made from any number of threads (a session takes one tick at a
+    time: a second `act` on it meanwhile is refused SESSION_BUSY). ``timeout_s`` (10 s) is every call's deadline
+    unless the call names its own, `act`'s included: a robot gives `act` one near its budget. Calls raise
+    `PolicyServerError` for a failed call; arguments that cannot be encoded raise ValueError (`WireError` for a
+    frame) or TypeError before anything is sent; after `close()` gRPC raises ValueError."""
+
     def __init__(
         self,
         target: str,
