@@ -400,6 +400,20 @@ def test_a_stream_reconnects_through_a_warmup_longer_than_the_clients_call_timeo
         assert stream.next_chunk(timeout_s=10).obs_id == obs_id
 
 
+def test_a_stream_reopens_its_session_once_a_full_server_has_room():
+    # RESOURCE_EXHAUSTED without a retry delay (TOO_MANY_SESSIONS here; behind Ray Serve every stream refusal loses
+    # its delay) may pass: the stream tries again as its backoff allows, rather than ending.
+    full = FakeEngine(max_sessions=1)
+    with _stream_across_a_restart() as (_, stream, restart):
+        full.close_session(full.open_session("pusht", "reach the red circle").session_id)  # not the lost one's id
+        other = full.open_session("pusht", "reach the red circle")
+        restart(full)
+        assert stream.next_event(timeout_s=20).kind == "disconnected"
+        threading.Timer(1.0, full.close_session, (other.session_id,)).start()
+        event = stream.next_event(timeout_s=20)
+        assert event.kind == "reconnected" and event.session_replaced, event
+
+
 def test_a_reopened_session_keeps_the_budget_granted_and_the_instruction_last_sent():
     with _stream_across_a_restart({"budget_ms": 90}) as (_, stream, restart):
         stream.set_budget(150.0)

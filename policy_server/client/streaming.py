@@ -14,7 +14,8 @@ instruction last sent) and reports ``reconnected`` with ``session_replaced=True`
 (epoch) is new. A dropped connection is UNAVAILABLE, or INTERNAL without a server reason: Ray Serve's proxy ends
 a stream so when its replica dies. A refusal that says when to retry is tried again too, when opening as when
 reconnecting: streams that all (re)connect at once, after a failover or at a fleet's start, may find no
-place left on the server for those still to send their start.
+place left on the server for those still to send their start (RESOURCE_EXHAUSTED: behind Ray Serve a stream's
+error does not say when to retry).
 Observations sent while disconnected are dropped: they would be stale by the time a chunk came. A reply this
 client cannot read (preview frames, JPEG, without OpenCV) ends the stream: ``closed`` with UNREADABLE_REPLY.
 Once the stream has ended (``closed``, whose error says why, or `close()`), sending raises ``PolicyServerError``
@@ -136,7 +137,7 @@ class ControlStream:
                 break
             except PolicyServerError as exc:
                 delay = next(delays, None)
-                if not exc.retry_after_ms or delay is None:
+                if not _passing(exc) or delay is None:
                     raise
                 time.sleep(max(delay, exc.retry_after_ms / 1e3))
         self._reader = threading.Thread(target=self._read_events, daemon=True, name="control-events")
@@ -197,8 +198,8 @@ class ControlStream:
                 lost_again = exc.reason == "SESSION_NOT_FOUND" and self._reopen_session  # a reopening raced
                 # Reopening outlasted the client's call timeout: the restarted server is still warming up.
                 timed_out = exc.code == grpc.StatusCode.DEADLINE_EXCEEDED and not exc.from_server
-                if lost_again or timed_out or _connection_lost(exc) or exc.retry_after_ms:
-                    continue  # or a refusal that asks to retry
+                if lost_again or timed_out or _connection_lost(exc) or _passing(exc):
+                    continue
                 return error
             if self._closing.is_set():  # closed meanwhile: nobody will use what was just opened
                 self._abandon(replaced)
@@ -373,6 +374,12 @@ class ControlStream:
 
 def _stream_closed() -> PolicyServerError:
     return PolicyServerError(grpc.StatusCode.CANCELLED, "STREAM_CLOSED", "the control stream was closed")
+
+
+def _passing(error: PolicyServerError) -> bool:
+    """Whether a refusal may pass if tried again: it says when, or it is RESOURCE_EXHAUSTED (through Ray Serve's
+    proxy a stream's error keeps only its reason and message, not when to retry)."""
+    return bool(error.retry_after_ms) or error.code == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 def _connection_lost(error: PolicyServerError) -> bool:
