@@ -29,7 +29,8 @@ class SessionState:
     prompt: the text K/V of the current instruction, reused while it does not change.
     graphed_instruction: the instruction whose CUDA graphs were captured for its ticks (`engine/cuda_graphs.py`).
     history: full-call counts of the previous ticks per cache setting, for the budget planner.
-    last_used_s: when a call last named it (``time.monotonic()`` s); streams: the Control streams attached to it.
+    last_used_s: when a call last named it (``time.monotonic()`` s).
+    attached: a Control stream holds it (one at a time).
     client_name: who opened it, as they said (for logs).
     """
 
@@ -52,7 +53,7 @@ class SessionState:
     history: SessionHistory = field(default_factory=SessionHistory)
     lock: threading.Lock = field(default_factory=threading.Lock)
     last_used_s: float = field(default_factory=time.monotonic)
-    streams: int = 0
+    attached: bool = False
     client_name: str = ""
 
     def ticking(self) -> bool:
@@ -61,7 +62,7 @@ class SessionState:
 
     def idle(self, now_s: float, idle_s: float) -> bool:
         """No call for ``idle_s``, no tick in flight and no stream attached."""
-        return now_s - self.last_used_s > idle_s and not self.ticking() and not self.streams
+        return now_s - self.last_used_s > idle_s and not self.ticking() and not self.attached
 
     def handle(self) -> SessionHandle:
         return SessionHandle(self.session_id, self.epoch, self.embodiment, self.instruction, self.budget_ms,
