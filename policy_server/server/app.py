@@ -63,10 +63,11 @@ def _policy_service_handler(servicer: PolicyServicer) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(service.full_name, handlers)
 
 
-def max_concurrent_calls(max_sessions: int) -> int:
-    """Calls served at once: each Control stream and Reason call holds a thread for its lifetime, so every
-    session streaming at once, plus room for unary calls."""
-    return 2 * max_sessions + 8
+def max_concurrent_calls(max_sessions: int, max_dynamics_calls: int) -> int:
+    """Calls served at once. Each call that may hold a thread for long is bounded, and has one: per session a
+    Control stream and an Act; the 4 streams waiting for their start, the 2 Reason calls and the dynamics calls
+    the engine takes at once; then 2 more for short unary calls (OpenSession, GetServerInfo, ...)."""
+    return 2 * max_sessions + 8 + max_dynamics_calls
 
 
 def _bind_address(host: str, port: int) -> str:
@@ -108,7 +109,7 @@ class PolicyServer:
             interceptors.append(TokenAuthInterceptor(self._token, self.metrics.observe_error))
         # Calls beyond the pool are refused at once (RESOURCE_EXHAUSTED) rather than queued behind calls that
         # may last an episode.
-        workers = max_concurrent_calls(cfg.max_sessions)
+        workers = max_concurrent_calls(cfg.max_sessions, cfg.max_dynamics_calls)
         self._grpc = grpc.server(
             futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpc"),
             interceptors=interceptors,
