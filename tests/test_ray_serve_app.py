@@ -44,7 +44,8 @@ def test_application_args_split_into_replica_settings_and_the_server_config():
     options = deployment_options(replicas, config)
     assert options["num_replicas"] == 3
     assert options["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 0.5}
-    assert options["max_ongoing_requests"] == 2 * 6 + 8 + 2  # what policy-server serves at once: 6 sessions, 2 dynamics
+    # What policy-server serves at once: 6 sessions, 2 dynamics calls, 2 reflection streams.
+    assert options["max_ongoing_requests"] == 2 * 6 + 8 + 2 + 2
     router = options["request_router_config"]
     assert (router.request_router_class, router.request_router_kwargs) == (CONSISTENT_HASH_ROUTER,
                                                                           {"num_fallback_replicas": 0})
