@@ -29,7 +29,13 @@ MAX_FRAME_RATE_HZ = 100.0  # observation frames per second on one Control stream
 CONTROL_START_S = 10.0
 MAX_STARTING_STREAMS = 4
 STARTING_RETRY_MS = 100.0  # when a stream refused for want of a place may try again
+# Server reflection streams open at once (--reflection): each holds a server thread for as long as its client keeps
+# it open, idle or not.
+MAX_REFLECTION_STREAMS = 2
 MAX_PENDING_FRAMES = 4  # `must_answer` frames waiting on one Control stream, each a message still to decode
+# Events (chunks, pongs, errors, ...) one Control stream holds for a client that is not reading them; beyond them
+# it reads none of the client's messages until the client reads.
+MAX_QUEUED_EVENTS = 64
 MAX_REFUSED_MESSAGES = 16  # refused in a burst on one openpi WebSocket connection (each ~12 ms of CPU at 12 MiB)
 REFUSED_MESSAGES_HZ = 2.0  # refused per second beyond that burst; more close the connection (1008)
 # A forward / inverse dynamics call runs uncached at the model's step count between ticks (ticks go first);

@@ -3,6 +3,7 @@ embedded-size pipeline) and the real gRPC server around it, driven with the clie
 
 from __future__ import annotations
 
+import queue
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -17,7 +18,7 @@ from policy_server.config import build_config
 from policy_server.engine import api
 from policy_server.engine.engine import EngineSettings, ModelEngine
 from policy_server.engine.served import GRID_SAMPLES
-from policy_server.limits import MAX_DYNAMICS_MS, MAX_FRAME_SIDE
+from policy_server.limits import MAX_DYNAMICS_MS, MAX_FRAME_SIDE, MAX_STARTING_STREAMS
 from policy_server.pipeline.policy import PolicyRequest
 from policy_server.server.app import build_server
 from policy_server.server.convert import FRAME_JPEG_QUALITY
@@ -308,6 +309,35 @@ def test_a_running_dynamics_call_keeps_its_session_open(engine, session):
         assert session.session_id not in [s.session_id for s in swept]
         assert call.result(timeout=60).actions.shape == (8, 2)
     assert engine.session(session.session_id).epoch == session.epoch
+
+
+def test_with_every_call_that_holds_a_thread_at_its_limit_a_short_call_is_still_served(engine):
+    # Each holds a server thread while it lasts: per session a Control stream and an Act, the streams waiting for
+    # their start, the Reason calls and the dynamics calls. All at once, within every limit, must leave room.
+    config = build_config(overrides={"host": "127.0.0.1", "port": 0, "device": "cpu", "max_sessions": 1,
+                                     "max_dynamics_calls": 2, "latency_budget_ms": 10_000.0})
+    server = build_server(config, engine).start()
+    gate = hold_worker(engine)  # everything below waits for the model
+    silent = queue.Queue()
+    with PolicyClient(server.target, timeout_s=60) as client, ThreadPoolExecutor(4 + MAX_STARTING_STREAMS) as pool:
+        session = client.open_session("pusht", INSTRUCTION, rate_hz=0)
+        stream = ControlStream(client, session).open()
+        held = [pool.submit(client.act, session, {"image": _frame()}, STATE),
+                *[pool.submit(client.forward_dynamics, session, {"image": _frame()}, ACTIONS, STATE) for _ in range(2)],
+                *[pool.submit(lambda: list(client.reason("describe the scene", 4))) for _ in range(2)]]
+        starting = [client.stub.Control(iter(silent.get, None)) for _ in range(MAX_STARTING_STREAMS)]
+        while engine.stats().queue_depth < 6:  # the gate, the tick, both dynamics calls and both Reason calls
+            time.sleep(0.01)
+        time.sleep(0.3)  # the silent streams reach the server
+        assert client.server_info(timeout_s=10).embodiments  # not RESOURCE_EXHAUSTED: "Concurrent RPC limit"
+        gate.set()
+        for call in held:
+            call.result(timeout=60)
+        for call in starting:
+            call.cancel()
+        stream.close()
+        client.close_session(session)
+    server.stop(grace_s=0.5)
 
 
 def test_ticks_go_first_a_dynamics_call_runs_between_them(engine):

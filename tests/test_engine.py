@@ -204,6 +204,18 @@ def test_session_errors(engine):
         engine.close_session(session.session_id)
 
 
+def test_a_session_takes_one_stream_at_a_time(engine):
+    # Each Control stream holds server threads while it lasts: a session may not hold many.
+    session = engine.open_session("pusht", "one stream", rate_hz=0)
+    with engine.attach(session.session_id):
+        with pytest.raises(api.StreamAttached) as refused, engine.attach(session.session_id):
+            pass
+        assert refused.value.retry_after_ms > 0
+    with engine.attach(session.session_id):  # the first one ended
+        engine.act(session.session_id, session.epoch, _observation())
+    engine.close_session(session.session_id)
+
+
 def test_sessions_with_no_call_for_the_idle_time_are_closed(engine, monkeypatch):
     # A client that went away without closing its sessions must not hold their places (3 here) for good.
     gone = engine.open_session("pusht", "left behind", rate_hz=0)

@@ -37,13 +37,15 @@ DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 
 
 def test_application_args_split_into_replica_settings_and_the_server_config():
-    replicas, config = split_args({"num-replicas": "3", "num_gpus": 0.5, "latency_budget_ms": "90", "max_sessions": 6})
+    replicas, config = split_args({"num-replicas": "3", "num_gpus": 0.5, "latency_budget_ms": "90", "max_sessions": 6,
+                                 "max_dynamics_calls": 2})
     assert (replicas.num_replicas, replicas.num_gpus, replicas.num_cpus) == (3, 0.5, 1.0)
     assert (config.latency_budget_ms, config.max_sessions) == (90.0, 6)
     options = deployment_options(replicas, config)
     assert options["num_replicas"] == 3
     assert options["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 0.5}
-    assert options["max_ongoing_requests"] == 2 * 6 + 8  # what policy-server serves at once for 6 sessions
+    # What policy-server serves at once: 6 sessions, 2 dynamics calls, 2 reflection streams.
+    assert options["max_ongoing_requests"] == 2 * 6 + 8 + 2 + 2
     router = options["request_router_config"]
     assert (router.request_router_class, router.request_router_kwargs) == (CONSISTENT_HASH_ROUTER,
                                                                           {"num_fallback_replicas": 0})

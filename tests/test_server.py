@@ -3,6 +3,7 @@ server info, health and reflection, auth, TLS, Unix sockets, deadlines, the reas
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 import tomllib
@@ -14,12 +15,15 @@ import grpc
 import numpy as np
 import pytest
 from fake_engine import BEST_ACHIEVABLE_MS, PUSHT, FakeEngine, expected_actions, self_signed_cert, serve_fake
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from prometheus_client.parser import text_string_to_metric_families
 
 from policy_server.client import PolicyClient, PolicyServerError
 from policy_server.client.__main__ import main as client_main
 from policy_server.engine.api import Observation
+from policy_server.limits import MAX_REFLECTION_STREAMS
+from policy_server.server.app import max_concurrent_calls
 from policy_server.v1 import policy_server_pb2 as pb
 from robots.rollout import main as rollout_main
 from robots.soak import main as soak_main
@@ -166,6 +170,32 @@ def test_reflection_lists_and_describes_the_service(server):
         file = database.FindFileContainingSymbol("policy_server.v1.PolicyService")
         assert file.name == "policy_server/v1/policy_server.proto"
         assert "ActRequest" in [m.name for m in file.message_type]
+
+
+def test_idle_reflection_streams_are_bounded_and_leave_the_server_its_threads(server, client):
+    # A reflection stream holds a server thread for as long as its client keeps it open: as many idle ones as the
+    # server has threads took them all, and every other call got RESOURCE_EXHAUSTED "Concurrent RPC limit exceeded".
+    with grpc.insecure_channel(server.target) as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        requests = [queue.Queue() for _ in range(max_concurrent_calls(4, 0))]  # as many as the server has threads
+        answers, calls = [], []  # the calls kept: a call collected is cancelled
+        for waiting in requests:
+            waiting.put(reflection_pb2.ServerReflectionRequest(list_services=""))
+            call = stub.ServerReflectionInfo(iter(waiting.get, None))
+            calls.append(call)
+            try:
+                answers.append(next(call).WhichOneof("message_response"))
+            except grpc.RpcError as exc:
+                error = PolicyServerError.from_rpc_error(exc)
+                answers.append((error.code, error.reason, error.retry_after_ms > 0))
+        assert answers[:MAX_REFLECTION_STREAMS] == ["list_services_response"] * MAX_REFLECTION_STREAMS
+        assert set(answers[MAX_REFLECTION_STREAMS:]) == {
+            (grpc.StatusCode.RESOURCE_EXHAUSTED, "TOO_MANY_REFLECTION_STREAMS", True)}
+        assert client.server_info(timeout_s=10).embodiments  # the open ones idle, other calls are served
+        for waiting in requests:
+            waiting.put(None)  # each ends its stream, which frees its place
+    with grpc.insecure_channel(server.target) as channel:
+        assert "policy_server.v1.PolicyService" in ProtoReflectionDescriptorDatabase(channel).get_services()
 
 
 def test_reflection_is_off_by_default():

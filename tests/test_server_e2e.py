@@ -24,7 +24,7 @@ from grpc_status import rpc_status
 from prometheus_client.parser import text_string_to_metric_families
 from video_checks import assert_browser_playable
 
-from policy_server.client import ControlStream, PolicyClient, PolicyServerError, build_observation
+from policy_server.client import Backoff, ControlStream, PolicyClient, PolicyServerError, build_observation
 from policy_server.client.__main__ import main as client_main
 from policy_server.v1 import policy_server_pb2 as pb
 from policy_server.v1.wire import encode_image, tensor_to_proto
@@ -142,6 +142,22 @@ def test_control_stream_answers_each_observation(server):
             stream.send({"image": _image(step)}, STATE, step_index=step, must_answer=True, encoding="png")
             chunk = stream.next_chunk(timeout_s=60)
             assert chunk.actions.shape == (8, 2)
+    server.close_session(session)
+
+
+def test_a_session_takes_one_control_stream_at_a_time(server):
+    # Each stream holds server threads while it lasts: one session's streams must not take the calls' thread pool.
+    session = server.open_session("pusht", "one stream")
+    with ControlStream(server, session) as stream:
+        with pytest.raises(PolicyServerError) as refused:
+            ControlStream(server, session, backoff=Backoff(max_attempts=0)).open()
+        assert (refused.value.code, refused.value.reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "STREAM_ATTACHED")
+        assert refused.value.retry_after_ms > 0
+        stream.send({"image": _image()}, STATE, must_answer=True, encoding="png")  # the first one lives on
+        assert stream.next_chunk(timeout_s=60).actions.shape == (8, 2)
+    with ControlStream(server, session) as again:  # once it ended, a stream may attach
+        again.send({"image": _image()}, STATE, must_answer=True, encoding="png")
+        assert again.next_chunk(timeout_s=60).actions.shape == (8, 2)
     server.close_session(session)
 
 

@@ -22,6 +22,7 @@ from policy_server.limits import MAX_FRAME_SIDE, MAX_PENDING_FRAMES, MAX_STARTIN
 from policy_server.server import control_stream
 from policy_server.server.app import build_server
 from policy_server.v1 import policy_server_pb2 as pb
+from policy_server.v1 import policy_server_pb2_grpc as pb_grpc
 
 STATE = np.array([0.1, 0.2], np.float32)
 IMAGE = np.full((48, 64, 3), 90, np.uint8)
@@ -559,3 +560,32 @@ def test_a_flood_of_frames_is_refused_undecoded_and_the_stream_lives_on(stream):
     while (event := stream.next_event()).kind != "chunk":
         pass
     assert event.chunk.obs_id == good
+
+
+def test_a_client_that_does_not_read_its_events_is_held_back_not_queued_for(server, client):
+    # Every message here is answered (an error event): a client that sends and never reads is held back by gRPC's
+    # flow control once the stream holds MAX_QUEUED_EVENTS for it, rather than growing the server's memory. The
+    # client's channel keeps HTTP/2's first 64 KiB window (no BDP probes), so that it buffers few of the events.
+    session = client.open_session("pusht", "sends and never reads")
+    channel = grpc.insecure_channel(server.target, options=[("grpc.http2.bdp_probe", 0)])
+    taken = [0]  # messages gRPC took from the client's iterator
+    refused = pb.ControlRequest(observation=pb.ObservationFrame(obs_id=0, observation=pb.Observation(
+        instruction="x" * 16_000, step_index=1)))  # obs_id 0 again: BAD_VALUE, each answered
+
+    def requests():
+        yield pb.ControlRequest(start=pb.ControlStart(session_id=session.session_id))
+        for _ in range(10_000):
+            taken[0] += 1
+            yield refused
+
+    call = pb_grpc.PolicyServiceStub(channel).Control(requests(), timeout=60)
+    held, last = 0, -1
+    while held != last:  # until the client's sends stop moving
+        last = held
+        time.sleep(0.5)
+        held = taken[0]
+    assert held < 3000  # MAX_QUEUED_EVENTS and what the transport's windows hold (about 900 here), not 10000
+    events = [event.WhichOneof("kind") for event in call]  # reading lets the rest through, each answered
+    assert events[0] == "started" and len(events) == 10_001 and set(events[1:]) == {"error"}
+    channel.close()
+    client.close_session(session)

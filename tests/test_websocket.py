@@ -364,8 +364,15 @@ def test_the_step_counter_stays_a_valid_step_index_after_the_largest_one(policy)
     (msgpack.packb({"step_index": {b"__npgeneric__": True, b"data": 1e10, b"dtype": "<f2"}}),
      "BAD_VALUE: frame: expected arrays as msgpack-numpy maps {__ndarray__, data, dtype, shape}, got scalar data "
      "10000000000.0 that is not a float16"),
+    # Each container is a Python object however few bytes it takes: 16 MiB of them cost seconds and gigabytes.
+    (msgpack.packb({"observation/image": [[]] * 300}),
+     "BAD_VALUE: frame: expected a msgpack map of at most 256 maps and arrays, nested ones included, got more than "
+     "256 maps and arrays"),
+    (msgpack.packb({"junk": [None] * 2000}),
+     "BAD_VALUE: frame: expected a msgpack map of observation keys, got 2009 bytes msgpack cannot decode: 2000 exceeds "
+     "max_array_len(1024)"),
 ], ids=["not msgpack", "a list", "array without data", "unknown dtype", "short data", "a bool side",
-        "a scalar its dtype cannot hold", "a float its dtype cannot hold"])
+        "a scalar its dtype cannot hold", "a float its dtype cannot hold", "too many containers", "a long array"])
 def test_an_undecodable_frame_is_named_with_what_was_expected(server, frame, error):
     with websockets.sync.client.connect(f"ws://127.0.0.1:{server.websocket_port}", compression=None) as ws:
         ws.recv()

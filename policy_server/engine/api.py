@@ -407,6 +407,19 @@ class SessionBusy(EngineError):
         )
 
 
+class StreamAttached(EngineError):
+    """The session has a Control stream already. Each stream holds server threads for as long as it lasts, so a
+    session takes one at a time; retry after ``retry_after_ms`` (a stream whose connection dropped without a word
+    is ended within gRPC keepalive's 15 s)."""
+
+    reason = "STREAM_ATTACHED"
+    retry_after_ms = 1000.0
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__(f"session {session_id!r} has a Control stream attached already; a session takes one at a "
+                         "time (end the other one first)")
+
+
 class TooManyReasonCalls(EngineError):
     reason = "TOO_MANY_REASON_CALLS"
 
@@ -544,7 +557,8 @@ class Engine(Protocol):
 
     def attach(self, session_id: str) -> AbstractContextManager[SessionHandle]:
         """Hold the session open while the context lasts (a Control stream: its client is there even between
-        frames), however long it goes without a call; yields its handle. Raises UnknownSession."""
+        frames), however long it goes without a call; yields its handle. Raises UnknownSession, and StreamAttached
+        while another context holds it."""
         ...
 
     def reserve_tick(self, session_id: str) -> AbstractContextManager[object]:

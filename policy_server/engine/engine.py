@@ -193,12 +193,14 @@ class ModelEngine:
     def attach(self, session_id: str) -> Iterator[api.SessionHandle]:
         session = self.sessions.get(session_id)
         with session.lock:
-            session.streams += 1
+            if session.attached:
+                raise api.StreamAttached(session_id)
+            session.attached = True
         try:
             yield session.handle()
         finally:
             with session.lock:
-                session.streams -= 1
+                session.attached = False
                 session.last_used_s = time.monotonic()  # its idle time starts when the stream ends
 
     def reset_session(self, session_id: str) -> api.SessionHandle:

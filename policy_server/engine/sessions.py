@@ -30,8 +30,8 @@ class SessionState:
     prompt: the text K/V of the current instruction, reused while it does not change.
     graphed_instruction: the instruction whose CUDA graphs were captured for its ticks (`pipeline/cuda_graphs.py`).
     history: full-call counts of the previous ticks per cache setting, for the budget planner.
-    last_used_s: when a call last named it (``time.monotonic()`` s); streams: the Control streams attached to it;
-    dynamics: its forward / inverse dynamics calls running.
+    last_used_s: when a call last named it (``time.monotonic()`` s).
+    attached: a Control stream holds it (one at a time); dynamics: its forward / inverse dynamics calls running.
     client_name: who opened it, as they said (for logs).
     """
 
@@ -54,7 +54,7 @@ class SessionState:
     history: SessionHistory = field(default_factory=SessionHistory)
     lock: threading.Lock = field(default_factory=threading.Lock)
     last_used_s: float = field(default_factory=time.monotonic)
-    streams: int = 0
+    attached: bool = False
     dynamics: int = 0
     client_name: str = ""
 
@@ -64,7 +64,7 @@ class SessionState:
 
     def idle(self, now_s: float, idle_s: float) -> bool:
         """No call for ``idle_s``, no tick or dynamics call in flight and no stream attached."""
-        return now_s - self.last_used_s > idle_s and not self.ticking() and not self.streams and not self.dynamics
+        return now_s - self.last_used_s > idle_s and not self.ticking() and not self.attached and not self.dynamics
 
     def handle(self) -> SessionHandle:
         return SessionHandle(self.session_id, self.epoch, self.embodiment, self.instruction, self.budget_ms,

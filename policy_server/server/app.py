@@ -15,12 +15,13 @@ from concurrent import futures
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection, reflection_pb2
+from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from policy_server.config import ServerConfig
 from policy_server.engine.api import Engine
+from policy_server.limits import MAX_REFLECTION_STREAMS
 from policy_server.server.auth import TokenAuthInterceptor
-from policy_server.server.errors import lenient_parser
+from policy_server.server.errors import abort, lenient_parser, make_error
 from policy_server.server.grpc_metrics import GrpcMetricsInterceptor
 from policy_server.server.metrics import LATENCY_BUCKETS_S, ServerMetrics
 from policy_server.server.servicer import PolicyServicer
@@ -63,10 +64,30 @@ def _policy_service_handler(servicer: PolicyServicer) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(service.full_name, handlers)
 
 
-def max_concurrent_calls(max_sessions: int) -> int:
-    """Calls served at once: each Control stream and Reason call holds a thread for its lifetime, so every
-    session streaming at once, plus room for unary calls."""
-    return 2 * max_sessions + 8
+def max_concurrent_calls(max_sessions: int, max_dynamics_calls: int) -> int:
+    """Calls served at once. Each call that may hold a thread for long is bounded, and has one: per session a
+    Control stream and an Act; the 4 streams waiting for their start, the 2 Reason calls, the dynamics calls the
+    engine takes at once and the reflection streams; then 2 more for short unary calls (OpenSession, ...)."""
+    return 2 * max_sessions + 8 + max_dynamics_calls + MAX_REFLECTION_STREAMS
+
+
+class _BoundedReflection(reflection.ReflectionServicer):
+    """Server reflection, at most ``MAX_REFLECTION_STREAMS`` streams at once: a stream holds a server thread for as
+    long as its client keeps it open, so unbounded, idle ones would take every thread."""
+
+    def __init__(self, service_names: tuple[str, ...]) -> None:
+        super().__init__(service_names)
+        self._places = threading.BoundedSemaphore(MAX_REFLECTION_STREAMS)
+
+    def ServerReflectionInfo(self, request_iterator, context):  # noqa: N802 - gRPC's method name
+        if not self._places.acquire(blocking=False):
+            abort(context, make_error(
+                "TOO_MANY_REFLECTION_STREAMS", f"{MAX_REFLECTION_STREAMS} reflection streams are open already",
+                expected="a reflection stream closed once its questions are answered", retry_after_ms=1000.0))
+        try:
+            yield from super().ServerReflectionInfo(request_iterator, context)
+        finally:
+            self._places.release()
 
 
 def _bind_address(host: str, port: int) -> str:
@@ -108,7 +129,7 @@ class PolicyServer:
             interceptors.append(TokenAuthInterceptor(self._token, self.metrics.observe_error))
         # Calls beyond the pool are refused at once (RESOURCE_EXHAUSTED) rather than queued behind calls that
         # may last an episode.
-        workers = max_concurrent_calls(cfg.max_sessions)
+        workers = max_concurrent_calls(cfg.max_sessions, cfg.max_dynamics_calls)
         self._grpc = grpc.server(
             futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpc"),
             interceptors=interceptors,
@@ -127,8 +148,8 @@ class PolicyServer:
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
         if cfg.reflection:
-            reflection.enable_server_reflection(
-                (POLICY_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self._grpc
+            reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
+                _BoundedReflection((POLICY_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME)), self._grpc
             )
 
         credentials = None

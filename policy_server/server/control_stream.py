@@ -17,7 +17,9 @@ replaces it meanwhile; a message that does not parse is answered with an error e
 ``MAX_FRAME_RATE_HZ`` are answered RATE_EXCEEDED without being decoded, so that a flood of frames cannot
 take the CPU from the model, and frames beyond ``MAX_PENDING_FRAMES`` waiting ``must_answer`` ones are
 answered TOO_MANY_PENDING_FRAMES, so that they cannot take its memory. Each frame's ``obs_id`` must exceed
-the last one's.
+the last one's. At most ``MAX_QUEUED_EVENTS`` events wait to be sent: while a client does not read them, the
+stream reads no more of its messages (gRPC's flow control then holds the client's sends) and computes no more
+chunks, so that a client that sends and never reads cannot grow the server's memory.
 
 A stream holds a server thread from the moment it opens, so one that sends no ``start`` within
 ``CONTROL_START_S`` is ended (STREAM_NOT_STARTED), and at most ``MAX_STARTING_STREAMS`` wait for theirs at
@@ -29,6 +31,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -39,6 +42,7 @@ from policy_server.limits import (
     CONTROL_START_S,
     MAX_FRAME_RATE_HZ,
     MAX_PENDING_FRAMES,
+    MAX_QUEUED_EVENTS,
     MAX_STARTING_STREAMS,
     STARTING_RETRY_MS,
 )
@@ -47,8 +51,6 @@ from policy_server.server import convert, validate
 from policy_server.server.errors import ServiceError, Undecodable, from_exception, make_error
 from policy_server.server.metrics import ServerMetrics
 from policy_server.v1 import policy_server_pb2 as pb
-
-_END = object()  # outbound sentinel: the stream is over
 
 
 def _first_message(requests: Iterator[pb.ControlRequest]) -> pb.ControlRequest | None:
@@ -97,12 +99,13 @@ class ControlCall:
         self._max_message_bytes = max_message_bytes
         self._context = context
         self._session_id = ""
-        self._outbound: queue.Queue = queue.Queue()
-        self._cond = threading.Condition()
+        self._cond = threading.Condition()  # guards the pending frames, the outbound events and the flags below
+        self._outbound: deque[pb.ControlEvent] = deque()  # at most MAX_QUEUED_EVENTS, sent in order
         self._pending: list[_PendingFrame] = []
         self._starting = starting
         self._last_obs_id = -1  # obs_ids are uint64: any first one is above it
         self._reader_done = False
+        self._worker_done = False
         self._stopped = False
         self._frames = RateLimiter(MAX_FRAME_RATE_HZ, time.monotonic(), burst=MAX_FRAME_RATE_HZ / 5)
 
@@ -146,17 +149,28 @@ class ControlCall:
             reader.start()
             worker.start()
             while True:
-                event = self._outbound.get()
-                if event is _END:
-                    return
+                with self._cond:
+                    self._cond.wait_for(lambda: self._outbound or self._worker_done or self._stopped)
+                    if self._stopped or not self._outbound:  # the call ended, or the worker did and all is sent
+                        return
+                    event = self._outbound.popleft()
+                    self._cond.notify_all()  # a place for a reader or worker waiting to queue an event
                 yield event
 
     def _on_rpc_done(self) -> None:
-        """Client cancelled, deadline passed or the call finished: stop both threads."""
+        """Client cancelled, deadline passed or the call finished: stop all three threads."""
         with self._cond:
             self._stopped = True
             self._cond.notify_all()
-        self._outbound.put(_END)
+
+    def _send(self, event: pb.ControlEvent) -> None:
+        """Queue ``event`` for the handler thread, waiting while ``MAX_QUEUED_EVENTS`` wait unsent (the client is
+        not reading them); dropped once the call has ended."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._stopped or len(self._outbound) < MAX_QUEUED_EVENTS)
+            if not self._stopped:
+                self._outbound.append(event)
+                self._cond.notify_all()
 
     def _should_abort(self) -> bool:
         return self._stopped
@@ -175,9 +189,7 @@ class ControlCall:
                 elif kind == "budget":
                     self._update_budget(request.budget)
                 elif kind == "ping":
-                    self._outbound.put(
-                        pb.ControlEvent(pong=pb.Pong(client_time_ns=request.ping.client_time_ns))
-                    )
+                    self._send(pb.ControlEvent(pong=pb.Pong(client_time_ns=request.ping.client_time_ns)))
                 elif kind == "start":
                     self._emit_error(0, make_error("BAD_VALUE", "start: the stream is already started", field="start",
                                                    expected="observation, budget or ping", got="a second start"))
@@ -239,7 +251,7 @@ class ControlCall:
             self._pending = [p for p in self._pending if p.must_answer] + [incoming]
             for old in dropped:
                 self._metrics.superseded.inc()
-                self._outbound.put(
+                self._send(
                     pb.ControlEvent(
                         superseded=pb.Superseded(
                             obs_id=old.obs_id, by_obs_id=incoming.obs_id, epoch=old.epoch
@@ -255,7 +267,7 @@ class ControlCall:
         except Exception as exc:  # noqa: BLE001
             self._emit_error(0, exc)
             return
-        self._outbound.put(pb.ControlEvent(budget=convert.session_to_proto(handle)))
+        self._send(pb.ControlEvent(budget=convert.session_to_proto(handle)))
 
     # -- the worker thread -------------------------------------------------------------------
 
@@ -285,7 +297,7 @@ class ControlCall:
                 continue
             served_ms = (time.monotonic() - frame.received_s) * 1e3
             self._metrics.observe_tick(result, served_ms, "grpc_stream")
-            self._outbound.put(
+            self._send(
                 pb.ControlEvent(
                     chunk=convert.act_result_to_proto(
                         result,
@@ -298,7 +310,9 @@ class ControlCall:
                     )
                 )
             )
-        self._outbound.put(_END)
+        with self._cond:
+            self._worker_done = True
+            self._cond.notify_all()
 
     def _hold(self, frame: _PendingFrame, wait_s: float) -> None:
         """Throttle: put ``frame`` back first in line and wait until its tick is due (a newer frame that
@@ -310,4 +324,4 @@ class ControlCall:
     def _emit_error(self, obs_id: int, exc: BaseException) -> None:
         error: ServiceError = from_exception(exc)
         self._metrics.observe_error(error.reason)
-        self._outbound.put(pb.ControlEvent(error=pb.ControlError(obs_id=obs_id, error=error.detail)))
+        self._send(pb.ControlEvent(error=pb.ControlError(obs_id=obs_id, error=error.detail)))

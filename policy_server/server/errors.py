@@ -15,7 +15,14 @@ from dataclasses import dataclass
 
 import grpc
 
-from policy_server.engine.api import BudgetInfeasible, EngineError, InvalidArgument, RateExceeded, WarmingUp
+from policy_server.engine.api import (
+    BudgetInfeasible,
+    EngineError,
+    InvalidArgument,
+    RateExceeded,
+    StreamAttached,
+    WarmingUp,
+)
 from policy_server.v1 import policy_server_pb2 as pb
 from policy_server.v1.errors import rich_status, status_for
 from policy_server.v1.wire import WireError
@@ -78,7 +85,7 @@ def from_exception(exc: BaseException) -> ServiceError:
         extra: dict[str, float] = {}
         if isinstance(exc, BudgetInfeasible):
             extra["best_achievable_ms"] = exc.best_achievable_ms
-        if isinstance(exc, WarmingUp | RateExceeded):
+        if isinstance(exc, WarmingUp | RateExceeded | StreamAttached):
             extra["retry_after_ms"] = exc.retry_after_ms
         err = make_error(
             exc.reason,

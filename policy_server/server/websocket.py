@@ -73,6 +73,11 @@ OPEN_TIMEOUT_S = 10.0  # a connection's handshake must be done within this
 # After a connection is closed for its refused messages, its address may open none for the time its burst takes to
 # refill (s): a client that reconnects gets no new burst.
 BARRED_S = MAX_REFUSED_MESSAGES / REFUSED_MESSAGES_HZ
+# What unpacking one message may build. Every msgpack map and array becomes a Python object however few bytes it
+# takes, so 16 MiB of empty arrays would cost about 6 s of CPU (the GIL held) and 1.2 GB; an observation is a
+# handful of maps and short lists (openpi's own, under 20 containers of at most a few dozen items).
+MAX_CONTAINERS = 256  # maps and arrays in one message, nested ones included
+MAX_CONTAINER_ITEMS = 1024  # items of one array, keys of one map
 # The engine names the instruction after gRPC's fields; openpi sends it as `prompt`.
 _PROMPT_FIELDS = ("instruction", "observation.instruction")
 
@@ -140,12 +145,27 @@ def _unpack_hook(obj: dict) -> Any:
     return obj
 
 
+class TooManyContainers(ValueError):
+    """A message of more maps and arrays than ``MAX_CONTAINERS``; unpacking stopped at the one too many."""
+
+
 def packb(obj: Any) -> bytes:
     return msgpack.packb(obj, default=_pack_default)
 
 
 def unpackb(data: bytes) -> Any:
-    return msgpack.unpackb(data, object_hook=_unpack_hook)
+    """``data`` unpacked, within ``MAX_CONTAINERS`` maps and arrays of ``MAX_CONTAINER_ITEMS`` items each."""
+    containers = 0
+
+    def counted(container):
+        nonlocal containers
+        containers += 1
+        if containers > MAX_CONTAINERS:
+            raise TooManyContainers(f"more than {MAX_CONTAINERS} maps and arrays")
+        return container
+
+    return msgpack.unpackb(data, object_hook=lambda obj: _unpack_hook(counted(obj)), list_hook=counted,
+                           max_array_len=MAX_CONTAINER_ITEMS, max_map_len=MAX_CONTAINER_ITEMS)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -507,6 +527,9 @@ class OpenpiWebsocketServer:
             raise InvalidArgument(
                 "frame", "arrays as msgpack-numpy maps {__ndarray__, data, dtype, shape}", str(exc), reason="BAD_VALUE"
             ) from exc
+        except TooManyContainers as exc:
+            raise InvalidArgument("frame", f"a msgpack map of at most {MAX_CONTAINERS} maps and arrays, nested ones "
+                                  "included", str(exc), reason="BAD_VALUE") from exc
         except Exception as exc:  # noqa: BLE001 - msgpack raises many types for bad input
             got = f"{len(raw)} bytes msgpack cannot decode: {_undecodable(exc)}"
             raise InvalidArgument("frame", "a msgpack map of observation keys", got, reason="BAD_VALUE") from exc
