@@ -39,11 +39,13 @@ from policy_server.engine.worker import GeneratorJob, ModelWorker, TickJob
 from policy_server.limits import MAX_INSTRUCTION_TOKENS, MAX_PROMPT_TOKENS
 from policy_server.pipeline.policy import PolicyPipeline
 from policy_server.rate_limiter import RateLimiter
+from policy_server.throttled_log import ThrottledLog
 
 logger = logging.getLogger(__name__)
 _POLL_S = 0.02  # how often a waiting caller checks whether it went away
 _ABANDONED_WAIT_S = 1.0  # how long a new tick waits for its session's abandoned one to stop
 _CLOSE_TIMEOUT_S = 5.0
+_log_refusal = ThrottledLog(logger, logging.INFO, period_s=10.0)  # one line per client and reason each 10 s
 _SWEEP_S = 5.0  # how often idle sessions are looked for besides at each call (at most half the idle time)
 
 
@@ -157,10 +159,10 @@ class ModelEngine:
                 seed=0 if seed is None else seed, cost_key=key, demand=demand,
                 limiter=RateLimiter(rate, time.monotonic()), preview=preview, client_name=client_name))
         except (api.BudgetInfeasible, api.Overloaded, api.TooManySessions) as refused:
-            # What an operator asks when a robot says it was turned away.
-            logger.info("refused a session%s: %s, chunks of %d, budget %g ms, %g Hz: %s %s",
-                        f" for {client_name!r}" if client_name else "", embodiment, chunk, budget, rate,
-                        refused.reason, refused.message)
+            # What an operator asks when a robot says it was turned away (a client retrying in a loop: one line).
+            _log_refusal((client_name, refused.reason), "refused a session%s: %s, chunks of %d, budget %g ms, %g Hz: "
+                         "%s %s", f" for {client_name!r}" if client_name else "", embodiment, chunk, budget, rate,
+                         refused.reason, refused.message)
             raise
         if served.graphs is not None:
             # Its first tick then replays the graphs rather than paying for a capture inside its budget.

@@ -9,8 +9,6 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import threading
-import time
 from dataclasses import dataclass
 
 import grpc
@@ -23,6 +21,7 @@ from policy_server.engine.api import (
     StreamAttached,
     WarmingUp,
 )
+from policy_server.throttled_log import ThrottledLog
 from policy_server.v1 import policy_server_pb2 as pb
 from policy_server.v1.errors import rich_status, status_for
 from policy_server.v1.wire import WireError
@@ -135,38 +134,16 @@ def lenient_parser(message_class):
     return parse
 
 
-class _UndecodableLog:
-    """The warning for requests that did not parse: at most one line per message type each `period_s`, saying how
-    many it held back (a client that sends garbage in a loop would otherwise write a line per request; the
-    errors metric counts every one)."""
-
-    def __init__(self, period_s: float):
-        self.period_s = period_s
-        self._lock = threading.Lock()
-        self._quiet_until: dict[str, float] = {}  # by message type: monotonic s
-        self._held: dict[str, int] = {}
-
-    def __call__(self, request: Undecodable, peer: str) -> None:
-        now = time.monotonic()
-        with self._lock:
-            if now < self._quiet_until.get(request.message, 0.0):
-                self._held[request.message] = self._held.get(request.message, 0) + 1
-                return
-            self._quiet_until[request.message] = now + self.period_s
-            held = self._held.pop(request.message, 0)
-        more = f" ({held} more since the last such line)" if held else ""
-        log.warning("undecodable %s request of %d bytes from %s: %s%s", request.message, request.size, peer,
-                    request.problem, more)
-
-
-_log_undecodable = _UndecodableLog(period_s=10.0)
+# One line per message type each 10 s.
+_log_undecodable = ThrottledLog(log, logging.WARNING, period_s=10.0)
 
 
 def check_decoded(request, context: grpc.ServicerContext) -> None:
     """Raise the INVALID_ARGUMENT error for a request that did not parse (logged in one line with the peer that
-    sent it, `_UndecodableLog`)."""
+    sent it, `_log_undecodable`)."""
     if isinstance(request, Undecodable):
-        _log_undecodable(request, context.peer())
+        _log_undecodable(request.message, "undecodable %s request of %d bytes from %s: %s", request.message,
+                         request.size, context.peer(), request.problem)
         raise request.error()
 
 
