@@ -25,9 +25,10 @@ def _run_part(make_policy: Callable, env_id: str, indices: list[int], num_envs: 
     policy = make_policy()
     # Ray's bar for a task: the driver draws every worker's, one line each.
     progress = tqdm_ray.tqdm(desc=f"worker {worker} episodes", total=len(indices), unit="ep", position=worker)
-    results = run_episodes(policy, env_id, indices, num_envs, execute, videos, progress)
-    progress.close()
-    return results
+    try:
+        return run_episodes(policy, env_id, indices, num_envs, execute, videos, progress)
+    finally:
+        progress.close()
 
 
 def run_on_ray(make_policy: Callable, env_id: str, indices: Sequence[int], workers: int, num_envs: int,
