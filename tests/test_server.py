@@ -355,6 +355,12 @@ def test_tls(tmp_path, capsys):
             with pytest.raises(PolicyServerError) as err:
                 plaintext.health()
             assert err.value.code == grpc.StatusCode.UNAVAILABLE
+        # A name to check the certificate against means TLS, as the CLI's --tls-server-name does: never plaintext.
+        with serve_fake() as plaintext_server, PolicyClient(plaintext_server.target, server_name="localhost",
+                                                            timeout_s=1.0) as named:
+            with pytest.raises(PolicyServerError) as err:
+                named.health()
+            assert err.value.code == grpc.StatusCode.UNAVAILABLE
         with PolicyClient(server.target, root_certificates=other_cert.read_bytes(), timeout_s=1.0) as untrusted:
             with pytest.raises(PolicyServerError) as err:
                 untrusted.health()

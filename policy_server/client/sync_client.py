@@ -93,7 +93,7 @@ def make_channel(
     ]
     if server_name:
         options.append(("grpc.ssl_target_name_override", server_name))
-    if tls or root_certificates is not None:
+    if tls or root_certificates is not None or server_name:  # each of them asks for TLS: never plaintext
         return grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates), options)
     return grpc.insecure_channel(target, options)
 
