@@ -235,6 +235,10 @@ def main(argv: list[str] | None = None) -> int:
     # websockets logs every connection and /healthz probe at INFO, without its address: a probe every 10 s would be
     # most of the log (the server logs each session's opening and closing itself).
     logging.getLogger("websockets.server").setLevel(logging.WARNING)
+    # gRPC core logs each failed TLS handshake (a plaintext client, a port scan) on stderr at INFO: a line per
+    # connection that anyone who reaches the port can provoke. Its errors stay. Read when grpc is first imported, in
+    # `serve`.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     try:
         config = config_from_args(argv)
     except ConfigError as exc:

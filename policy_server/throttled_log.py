@@ -6,13 +6,20 @@ import logging
 import threading
 import time
 
+_OTHER_KINDS = object()  # the key of the lines of kinds beyond `max_keys`
+
 
 class ThrottledLog:
     """Writes at most one line per key each `period_s`, saying how many it held back since the last one: a client
-    that repeats a refused request in a loop would otherwise write a line per request (the metrics count each)."""
+    that repeats a refused request in a loop would otherwise write a line per request (the metrics count each).
 
-    def __init__(self, logger: logging.Logger, level: int, period_s: float):
-        self.logger, self.level, self.period_s = logger, level, period_s
+    A key may be the client's to choose (a name it sends), so at most `max_keys` keys are followed at once: the lines
+    of further keys share one throttle until a followed key has been quiet for a period and is forgotten (with its
+    lines held back since its last one). A client sending a new name each time writes no more lines than one that
+    keeps its name, and the table stays small."""
+
+    def __init__(self, logger: logging.Logger, level: int, period_s: float, max_keys: int = 32):
+        self.logger, self.level, self.period_s, self.max_keys = logger, level, period_s, max_keys
         self._lock = threading.Lock()
         self._quiet_until: dict[object, float] = {}  # by key: monotonic s
         self._held: dict[object, int] = {}
@@ -20,10 +27,20 @@ class ThrottledLog:
     def __call__(self, key: object, message: str, *args: object) -> None:
         now = time.monotonic()
         with self._lock:
+            self._forget_quiet(now)
+            if key not in self._quiet_until and len(self._quiet_until) >= self.max_keys:
+                key = _OTHER_KINDS
             if now < self._quiet_until.get(key, 0.0):
                 self._held[key] = self._held.get(key, 0) + 1
                 return
             self._quiet_until[key] = now + self.period_s
             held = self._held.pop(key, 0)
-        more = f" ({held} more since the last such line)" if held else ""
+        kinds = " of other kinds" if key is _OTHER_KINDS else ""
+        more = f" ({held} more{kinds} since the last such line)" if held else ""
         self.logger.log(self.level, message + "%s", *args, more)
+
+    def _forget_quiet(self, now: float) -> None:
+        """Forget the keys without a line for a period past their quiet time (a client that stopped)."""
+        for key in [key for key, until in self._quiet_until.items() if now >= until + self.period_s]:
+            del self._quiet_until[key]
+            self._held.pop(key, None)

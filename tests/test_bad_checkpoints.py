@@ -52,6 +52,14 @@ def _writing(relative, content):
     return write
 
 
+def _edit_weight_map(root, shard):
+    """A breakage: the transformer's shard index gives its first tensor's shard as `shard`."""
+    index = root / "transformer/diffusion_pytorch_model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    data["weight_map"][next(iter(data["weight_map"]))] = shard
+    index.write_text(json.dumps(data))
+
+
 BROKEN = {
     "empty_folder": (lambda root: [_remove(p) for p in root.rglob("*") if p.is_file()],
                      "no model_index.json; expected a Cosmos3OmniPipeline folder as diffusers' save_pretrained writes"),
@@ -146,6 +154,12 @@ BROKEN_DIFFUSERS = {
                                   "tokenizer_config.json: not valid JSON"),
     "chat_template_does_not_compile": (_writing("text_tokenizer/chat_template.jinja", "{% if"),
                                        "the chat template does not compile"),
+    "shard_index_names_a_number": (
+        lambda root: _edit_weight_map(root, 5),
+        "index.json: expected a 'weight_map' of tensor name -> shard file name in its folder"),
+    "shard_index_names_a_file_outside_its_folder": (
+        lambda root: _edit_weight_map(root, "../text_tokenizer/tokenizer.json"),
+        "index.json: expected a 'weight_map' of tensor name -> shard file name in its folder"),
     "shard_index_not_json": (_writing("transformer/diffusion_pytorch_model.safetensors.index.json", "["),
                              "index.json: not a JSON object with a weight_map"),
     "transformer_config_value_of_a_wrong_type": (

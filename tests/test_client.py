@@ -139,6 +139,13 @@ def test_a_client_timeout_is_a_finite_time_above_0():
             PolicyClient("127.0.0.1:1", timeout_s=bad)
 
 
+def test_a_token_an_authorization_header_cannot_carry_is_refused_at_once_without_echoing_it():
+    for bad in ("s3cret\n", "s3cret token", "sécret", " "):
+        with pytest.raises(ValueError, match="token") as error:
+            PolicyClient("127.0.0.1:1", token=bad)
+        assert "s3cret" not in str(error.value) and "sécret" not in str(error.value)
+
+
 def test_chunk_shape_is_checked():
     with pytest.raises(ValueError, match=r"\[K, 2\]"):
         ActionQueue(action_dim=2).merge(np.zeros((4, 3)), 0)

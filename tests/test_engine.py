@@ -92,6 +92,15 @@ def test_the_log_says_who_opened_closed_or_was_refused_each_session(engine, capl
     assert closed_unnamed == f"closed session {unnamed.session_id}"
 
 
+def test_a_client_refused_in_a_loop_under_a_new_name_each_time_writes_few_lines(engine, caplog):
+    caplog.set_level(logging.INFO, logger="policy_server.engine")
+    for i in range(200):  # the name is the client's to choose: it must not pick a throttle of its own each time
+        with pytest.raises(api.BudgetInfeasible):
+            engine.open_session("pusht", "reach the red circle", budget_ms=0.01, rate_hz=0, client_name=f"arm-{i}")
+    refusals = [record.getMessage() for record in caplog.records if record.getMessage().startswith("refused")]
+    assert 1 <= len(refusals) <= 33  # 32 names followed at once, then one line for all the others
+
+
 def test_a_tick_running_when_its_session_is_reset_answers_stale_epoch(engine):
     session = engine.open_session("pusht", "reach the red circle", seed=3, rate_hz=0)
     fresh = engine.open_session("pusht", "reach the red circle", seed=3, rate_hz=0)

@@ -82,3 +82,6 @@ def test_the_server_setting_takes_a_hub_id_and_names_a_path_that_is_neither():
         "nvidia/Cosmos3-Policy@main"
     with pytest.raises(ConfigError, match="'runs/no/such/model' is neither an existing path nor a Hugging Face Hub id"):
         build_config(overrides={"checkpoint": "runs/no/such/model"})
+    for name in ("a/..", "org/..@main", "org/-name", "org/name.", "org/na--me", "org/" + "n" * 97, "org/name@../.."):
+        with pytest.raises(ConfigError, match="is neither an existing path nor a Hugging Face Hub id"):
+            build_config(overrides={"checkpoint": name})

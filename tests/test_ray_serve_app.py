@@ -125,11 +125,14 @@ def test_a_call_keeps_the_callers_deadline_and_ends_once():
 
 
 @pytest.mark.parametrize(("metadata", "code", "message"), [
-    ({serve_metadata.TIMEOUT_KEY: "soon"}, grpc.StatusCode.INVALID_ARGUMENT,
+    ({serve_metadata.TIMEOUT_KEY: "soon", "authorization": "Bearer sekrit"}, grpc.StatusCode.INVALID_ARGUMENT,
      "BAD_VALUE: policy-timeout-ms metadata: expected a positive number of ms, got 'soon'"),
-    ({serve_metadata.TIMEOUT_KEY: "-1"}, grpc.StatusCode.INVALID_ARGUMENT,
+    ({serve_metadata.TIMEOUT_KEY: "-1", "authorization": "Bearer sekrit"}, grpc.StatusCode.INVALID_ARGUMENT,
      "BAD_VALUE: policy-timeout-ms metadata: expected a positive number of ms, got '-1'"),
     ({}, grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED: missing authorization metadata"),
+    # Without the token nothing else is read, as the direct server's interceptor does.
+    ({serve_metadata.TIMEOUT_KEY: "soon"}, grpc.StatusCode.UNAUTHENTICATED,
+     "UNAUTHENTICATED: missing authorization metadata"),
     ({"authorization": "Bearer nope"}, grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED: invalid authorization token"),
 ])
 def test_a_call_the_replica_refuses_carries_the_status_and_rich_details(metadata, code, message):

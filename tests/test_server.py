@@ -21,9 +21,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from policy_server.client import PolicyClient, PolicyServerError
 from policy_server.client.__main__ import main as client_main
+from policy_server.config import build_config
 from policy_server.engine.api import Observation
 from policy_server.limits import MAX_REFLECTION_STREAMS
-from policy_server.server.app import max_concurrent_calls
+from policy_server.server.app import exposure_warnings, max_concurrent_calls
 from policy_server.v1 import policy_server_pb2 as pb
 from robots.rollout import main as rollout_main
 from robots.soak import main as soak_main
@@ -354,6 +355,12 @@ def test_tls(tmp_path, capsys):
             with pytest.raises(PolicyServerError) as err:
                 plaintext.health()
             assert err.value.code == grpc.StatusCode.UNAVAILABLE
+        # A name to check the certificate against means TLS, as the CLI's --tls-server-name does: never plaintext.
+        with serve_fake() as plaintext_server, PolicyClient(plaintext_server.target, server_name="localhost",
+                                                            timeout_s=1.0) as named:
+            with pytest.raises(PolicyServerError) as err:
+                named.health()
+            assert err.value.code == grpc.StatusCode.UNAVAILABLE
         with PolicyClient(server.target, root_certificates=other_cert.read_bytes(), timeout_s=1.0) as untrusted:
             with pytest.raises(PolicyServerError) as err:
                 untrusted.health()
@@ -383,6 +390,32 @@ def test_tls(tmp_path, capsys):
         with pytest.raises(SystemExit) as exit_:
             client_main(["health", flag, str(bad)])
         assert exit_.value.code == 2 and why in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("settings", "warning"), [
+    ({}, None),  # loopback
+    ({"host": "::1", "metrics_host": "localhost", "metrics_port": 0}, None),
+    ({"host": "0.0.0.0"}, "gRPC on 0.0.0.0 may be reached from other machines, with no token asked"),
+    ({"host": "10.1.2.3", "websocket_port": 0},
+     "gRPC and the openpi WebSocket on 10.1.2.3 may be reached from other machines, with no token asked"),
+    ({"metrics_host": "0.0.0.0", "metrics_port": 0}, "/metrics on 0.0.0.0 may be reached from other machines, "),
+    ({"metrics_host": "0.0.0.0"}, None),  # no metrics endpoint
+    ({"host": "robot-server.lan", "auth_token_file": "token"},
+     "gRPC on robot-server.lan may be reached from other machines in plaintext: the auth token crosses the network"),
+    ({"host": "[::]", "auth_token_file": "token", "tls": True}, None),
+])
+def test_listeners_other_machines_may_reach_without_a_token_or_tls_are_warned_of(token_file, tmp_path, settings,
+                                                                                    warning):
+    settings = dict(settings)
+    if settings.get("auth_token_file"):
+        settings["auth_token_file"] = token_file
+    if settings.pop("tls", False):
+        settings["tls_cert"], settings["tls_key"] = self_signed_cert(tmp_path)
+    warnings = exposure_warnings(build_config(overrides=settings))
+    if warning is None:
+        assert warnings == []
+    else:
+        assert len(warnings) == 1 and warnings[0].startswith(warning), warnings
 
 
 def test_unix_socket(tmp_path):

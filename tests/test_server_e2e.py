@@ -535,3 +535,34 @@ def test_sigterm_stops_the_server_promptly_whatever_it_is_doing(tmp_path):
             process.kill()
         client.close()
         log.close()
+
+
+def test_failed_tls_handshakes_are_not_logged_one_line_each(tmp_path):
+    """Anyone who reaches a TLS port can fail its handshake in a loop (a plaintext client, a port scan): gRPC core
+    would log a line on each, so the server keeps gRPC's own log to its errors."""
+    import time
+
+    from fake_engine import self_signed_cert
+
+    cert, key = self_signed_cert(tmp_path)
+    port = _free_port()
+    env = {name: value for name, value in os.environ.items() if name != "GRPC_VERBOSITY"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "policy_server.cli", "--port", str(port), "--device", "cpu", "--no-compile-gen-stack",
+         "--tls-cert", str(cert), "--tls-key", str(key)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**env, "PYTHONUNBUFFERED": "1"}, text=True,
+    )
+    try:
+        for line in process.stdout:  # the ports are bound before the warmup begins
+            if line.startswith("policy-server: gRPC on"):
+                break
+        for _ in range(20):
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as connection:
+                connection.sendall(b"GET / HTTP/1.1\r\n\r\n")
+                connection.recv(16)  # the server closes it at the failed handshake
+        time.sleep(0.5)
+    finally:
+        process.terminate()
+        rest = process.communicate(timeout=30)[0]
+    assert "Handshake failed" not in rest, rest
+

@@ -47,7 +47,7 @@ from policy_server.client.types import (
 from policy_server.v1 import policy_server_pb2 as pb
 from policy_server.v1 import policy_server_pb2_grpc as pb_grpc
 from policy_server.v1 import serve_metadata
-from policy_server.v1.auth_token import read_token_file
+from policy_server.v1.auth_token import check_token, read_token_file
 
 T = TypeVar("T")
 _RETRY_PAUSE_S = 0.1  # between watching or asking again while a server comes up
@@ -93,7 +93,7 @@ def make_channel(
     ]
     if server_name:
         options.append(("grpc.ssl_target_name_override", server_name))
-    if tls or root_certificates is not None:
+    if tls or root_certificates is not None or server_name:  # each of them asks for TLS: never plaintext
         return grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates), options)
     return grpc.insecure_channel(target, options)
 
@@ -120,6 +120,8 @@ class PolicyClient:
         """``serve_application``: the target is Ray Serve's gRPC proxy and this the application to route to."""
         if token_file is not None:
             token = read_token_file(Path(token_file))  # ValueError naming what is wrong with the file
+        elif token is not None:
+            check_token(token, "token")  # gRPC would refuse every call's metadata (INTERNAL) instead
         if not 0 < timeout_s < math.inf:
             raise ValueError(f"timeout_s must be a finite time above 0 s, got {timeout_s}")
         self.target = target

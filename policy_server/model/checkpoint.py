@@ -201,8 +201,10 @@ def index_tensors(directory: Path) -> dict[str, StoredTensor]:
             weight_map = json.loads(index.read_text()).get("weight_map")
         except (ValueError, AttributeError) as error:
             raise CheckpointError(f"{index}: not a JSON object with a weight_map ({error})") from None
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise CheckpointError(f"{index} has no 'weight_map' of tensor name -> shard file")
+        # A shard is a file of this folder: a path could make the loader read any file the server can.
+        if not (isinstance(weight_map, dict) and weight_map
+                and all(isinstance(shard, str) and shard == Path(shard).name for shard in weight_map.values())):
+            raise CheckpointError(f"{index}: expected a 'weight_map' of tensor name -> shard file name in its folder")
         shards = sorted(set(weight_map.values()))
         missing = [s for s in shards if not (directory / s).is_file()]
         if missing:

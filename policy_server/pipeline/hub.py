@@ -10,16 +10,30 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[\w./-]+))?$")
+HUB_ID = re.compile(r"^(?P<repo>[\w.-]+/[\w.-]+)(?:@(?P<revision>[\w./-]+))?$", re.ASCII)
 
 
 class CheckpointNotFound(ValueError):
     """A checkpoint reference that names neither a local folder nor a Hub repository that could be fetched."""
 
 
+def _hub_name(part: str) -> bool:
+    """The Hub's rule for each part of a repository id (`huggingface_hub.utils.validate_repo_id`): at most 96
+    characters, not starting or ending with '.' or '-', without '--' or '..'."""
+    return len(part) <= 96 and part[0] not in ".-" and part[-1] not in ".-" and "--" not in part and ".." not in part
+
+
+def _hub_reference(reference: str | Path) -> re.Match | None:
+    """`reference` parsed as a Hub id, None when it is not one (a revision may not climb out with '..' either)."""
+    match = HUB_ID.match(str(reference))
+    if match is None or not all(_hub_name(part) for part in match["repo"].split("/")):
+        return None
+    return None if ".." in (match["revision"] or "").split("/") else match
+
+
 def is_hub_id(reference: str | Path) -> bool:
     """True when `reference` is not a local path and has the form of a Hub id."""
-    return not Path(reference).exists() and HUB_ID.match(str(reference)) is not None
+    return not Path(reference).exists() and _hub_reference(reference) is not None
 
 
 def checkpoint_folder(reference: str | Path) -> Path:
@@ -30,7 +44,7 @@ def checkpoint_folder(reference: str | Path) -> Path:
     from huggingface_hub import snapshot_download  # imported here: local checkpoints do not need it
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
-    match = HUB_ID.match(str(reference))
+    match = _hub_reference(reference)
     try:
         return Path(snapshot_download(match["repo"], revision=match["revision"]))
     except LocalEntryNotFoundError as exc:

@@ -46,7 +46,10 @@ class ServeCall:
         serve_context.set_trailing_metadata([(serve_metadata.REPLICA_KEY, replica_id)])
 
     def admit(self, token: str | None) -> None:
-        """Read the caller's deadline and check its token; an error ends the call (``CallAborted``)."""
+        """Check the caller's token, then read its deadline; an error ends the call (``CallAborted``)."""
+        error = authentication_error(self.metadata.get(AUTH_HEADER), token) if token else None
+        if error is not None:  # first: a caller without the token learns nothing of the rest
+            self.abort(error)
         try:
             timeout_ms = serve_metadata.timeout_ms(self.metadata)
         except ValueError as exc:
@@ -54,9 +57,6 @@ class ServeCall:
                                   expected="a positive number of ms", got=self.metadata[serve_metadata.TIMEOUT_KEY]))
         if timeout_ms is not None:
             self._deadline_s = self._received_s + timeout_ms / 1e3
-        error = authentication_error(self.metadata.get(AUTH_HEADER), token) if token else None
-        if error is not None:
-            self.abort(error)
 
     def abort(self, error: ServiceError) -> None:
         self.abort_with_status(error.status())

@@ -8,6 +8,7 @@ endpoint and the optional openpi WebSocket endpoint around one engine.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import ssl
 import threading
@@ -88,6 +89,33 @@ class _BoundedReflection(reflection.ReflectionServicer):
             yield from super().ServerReflectionInfo(request_iterator, context)
         finally:
             self._places.release()
+
+
+def _beyond_this_machine(host: str) -> bool:
+    """Whether a listener on ``host`` may be reached from other machines: any address but a loopback one."""
+    try:
+        return not ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name
+        return host != "localhost"
+
+
+def exposure_warnings(config: ServerConfig) -> list[str]:
+    """What the log should say about listeners that other machines may reach (``--host`` for gRPC and the openpi
+    WebSocket, ``--metrics-host``) without a token, or with the token in the clear."""
+    exposed = [f"{what} on {host}" for what, host, on in (
+        ("gRPC" + (" and the openpi WebSocket" if config.websocket_port is not None else ""), config.host, True),
+        ("/metrics", config.metrics_host, config.metrics_port is not None)) if on and _beyond_this_machine(host)]
+    if not exposed:
+        return []
+    listeners = " and ".join(exposed)
+    if config.auth_token_file is None:
+        return [f"{listeners} may be reached from other machines, with no token asked: whoever reaches them "
+                "may open sessions and get action chunks; set --auth-token-file (with --tls-cert/--tls-key), or bind "
+                "127.0.0.1"]
+    if not config.tls:
+        return [f"{listeners} may be reached from other machines in plaintext: the auth token crosses the network in "
+                "the clear with every call; set --tls-cert/--tls-key (or terminate TLS in front and bind 127.0.0.1)"]
+    return []
 
 
 def _bind_address(host: str, port: int) -> str:
@@ -192,6 +220,8 @@ class PolicyServer:
             f", metrics {_bind_address(cfg.metrics_host, self.metrics_port)}" if self.metrics_port is not None else "",
             f", openpi websocket :{self.websocket_port}" if self.websocket_port is not None else "",
         )
+        for warning in exposure_warnings(cfg):
+            log.warning(warning)
         return self
 
     def _add_port(self, address: str, credentials: grpc.ServerCredentials | None) -> int:

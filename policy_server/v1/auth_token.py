@@ -21,7 +21,15 @@ def read_token_file(path: Path) -> str:
     token = raw.strip().decode("latin-1")  # any byte decodes; the check below admits ASCII only
     if not token:
         raise ValueError(f"auth token file {path} is empty; expected a single token")
+    return check_token(token, f"auth token in {path}")
+
+
+def check_token(token: str, what: str = "auth token") -> str:
+    """``token`` if an ``authorization`` header can carry it: one run of printable ASCII. Raises `ValueError` naming
+    ``what`` was wrong, never the token itself."""
+    if not token:
+        raise ValueError(f"{what} is empty; expected a single token")
     if not all("!" <= ch <= "~" for ch in token):
-        raise ValueError(f"auth token in {path} contains whitespace or a character that is not printable ASCII; "
-                         "expected a single token")
+        raise ValueError(f"{what} contains whitespace or a character that is not printable ASCII; expected a single "
+                         "token")
     return token
