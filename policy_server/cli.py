@@ -76,7 +76,7 @@ def build_parser(network: bool = True) -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         help="enable the diffusion step cache (on); --no-diffusion-cache is bit-exact uncached",
     )
-    g.add_argument("--diffusion-cache-thresh", type=float, help="SEA relative-L1 threshold (0.25)")
+    g.add_argument("--diffusion-cache-thresh", type=float, help="SEA relative-L1 threshold, above 0 up to 1000 (0.25)")
     g.add_argument("--diffusion-cache-residual-order", type=int, help="residual extrapolation order (1)")
     g.add_argument(
         "--diffusion-cache-max-consecutive",

@@ -20,7 +20,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from policy_server.limits import MAX_BUDGET_MS, MAX_RESIDUAL_ORDER
+from policy_server.limits import MAX_BUDGET_MS, MAX_CACHE_THRESHOLD, MAX_RESIDUAL_ORDER
 from policy_server.pipeline.hub import is_hub_id
 from policy_server.v1.auth_token import read_token_file
 
@@ -61,7 +61,8 @@ class ServerConfig(BaseModel):
     # Diffusion step cache (SeaCache)
     diffusion_cache: bool = Field(True, description="enable SeaCache (off = bit-exact uncached sampling)")
     diffusion_cache_thresh: float = Field(
-        0.25, ge=0, allow_inf_nan=False, description="SEA accumulated relative-L1 threshold"
+        0.25, gt=0, le=MAX_CACHE_THRESHOLD, allow_inf_nan=False,
+        description="SEA accumulated relative-L1 threshold (above 0: --no-diffusion-cache caches nothing)",
     )
     diffusion_cache_residual_order: int = Field(
         1, ge=0, le=MAX_RESIDUAL_ORDER, description="Newton extrapolation order (0 = reuse, 1 = linear, 2 = quadratic)"

@@ -376,6 +376,30 @@ def test_every_residual_order_the_config_accepts_is_one_seacache_accepts():
         SeaCacheConfig(residual_order=order)
 
 
+def test_every_cache_setting_the_config_takes_builds_an_engine_and_its_warmup_calibration():
+    """--diffusion-cache-max-consecutive 0 (no cap, as --help says) or 1, and a threshold under 0.0125 or over
+    250000, once ended the start in a traceback after the model loaded: the planner's ladder around them went back to
+    a tighter cap, held two rungs of one name, or passed its maximal-caching rung."""
+    from policy_server.engine.calibration import configurations
+    from policy_server.engine.engine import ModelEngine, settings_from_config
+    from policy_server.limits import MAX_CACHE_THRESHOLD
+    from policy_server.pipeline.policy import PolicyPipeline
+
+    pipeline = PolicyPipeline.from_pretrained(None, device="cpu", dtype=torch.float32)
+    for threshold in (1e-6, 0.001, 0.01, 0.25, 3.0, MAX_CACHE_THRESHOLD):
+        for cap in (0, 1, 2, 7):
+            config = build_config({"diffusion_cache_thresh": threshold, "diffusion_cache_max_consecutive": cap,
+                                   "compile_gen_stack": False})
+            settings = settings_from_config(config)
+            ladder = ModelEngine(pipeline, settings).served.budget.config.ladder
+            assert ladder[-1].name == "max" and len({rung.name for rung in ladder}) == len(ladder) >= 5
+            assert (threshold, cap) in {(rung.threshold, rung.cap) for rung in ladder}  # the configured rung
+            coarse = {(c.threshold, c.cap) for c in configurations(pipeline, settings, coarse=True) if c.threshold}
+            assert (threshold, cap) in coarse and (1e6, 0) in coarse
+    for threshold in (0, MAX_CACHE_THRESHOLD * 1.01):
+        assert not _accepts(diffusion_cache_thresh=threshold)
+
+
 def _accepts(**values) -> bool:
     try:
         build_config(values)

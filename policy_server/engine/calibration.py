@@ -80,7 +80,9 @@ logger = logging.getLogger(__name__)
 # bounded calibration at warmup, tries fewer of them, two CFG schedules and three cache settings.
 STEP_FRACTIONS = (1.0, 0.75, 0.6, 0.5, 0.4, 0.3, 0.2)
 COARSE_STEP_FRACTIONS = (1.0, 0.6, 0.4, 0.2)
-COARSE_RUNGS = (2, 4, 5)  # of the ladder: the published default's, the loosest threshold, maximal caching
+# Of the ladder, counted from its end (a cap of 1 makes it a rung shorter): the published default's, the loosest
+# threshold, maximal caching.
+COARSE_RUNGS = (-4, -2, -1)
 # The embedded model's calibration set: expert observations of the built-in ReachEither task, whose start frames
 # have two modes (robots/calibration_set.py).
 DEFAULT_OBSERVATIONS = Path(__file__).resolve().parent.parent / "assets" / "calibration" / "reach_either.safetensors"
