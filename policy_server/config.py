@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from policy_server.limits import MAX_BUDGET_MS, MAX_CACHE_THRESHOLD, MAX_RESIDUAL_ORDER
 from policy_server.pipeline.hub import is_hub_id
@@ -31,6 +31,7 @@ ENV_NOT_SETTINGS = (CONFIG_ENV, PROFILE_CACHE_ENV)
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 MAX_CONFIG_FILE_BYTES = 1 << 20
 DTYPES = ("auto", "bf16", "fp16", "fp32")  # auto: bf16 on CUDA, fp32 on CPU (engine.resolve_dtype)
+_NUMBERS = (int, float, int | None, float | None)  # the annotations of the number settings
 
 
 class ConfigError(ValueError):
@@ -110,6 +111,16 @@ class ServerConfig(BaseModel):
     auth_token_file: Path | None = Field(None, description="file holding the bearer token clients must send")
     tls_cert: Path | None = Field(None, description="PEM certificate chain (with --tls-key)")
     tls_key: Path | None = Field(None, description="PEM private key (with --tls-cert)")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_boolean_number(cls, value: Any, info: ValidationInfo) -> Any:
+        # pydantic takes True / False as 1 / 0, and YAML reads off / no as False: `websocket_port: off` would serve
+        # on a random port.
+        if isinstance(value, bool) and cls.model_fields[info.field_name].annotation in _NUMBERS:
+            raise ValueError(f"expected a number, got {value} (YAML reads on / off / yes / no as booleans; leave a "
+                             "setting out for its default)")
+        return value
 
     @field_validator("device")
     @classmethod
@@ -308,5 +319,6 @@ def build_config(
             shown = str(value) if isinstance(value, Path) else value  # the path as given, not PosixPath('...')
             shows_input = "input" in err and not isinstance(value, dict) and "got " not in err["msg"]
             got = f" (got {shown!r})" if shows_input else ""
-            problems.append(f"{key} (from {origin.get(key, 'the settings together')}): {err['msg']}{got}")
+            message = err["msg"].removeprefix("Value error, ")  # pydantic's wording for a validator's own ValueError
+            problems.append(f"{key} (from {origin.get(key, 'the settings together')}): {message}{got}")
         raise ConfigError("invalid settings: " + "; ".join(problems)) from None

@@ -400,6 +400,24 @@ def test_every_cache_setting_the_config_takes_builds_an_engine_and_its_warmup_ca
         assert not _accepts(diffusion_cache_thresh=threshold)
 
 
+def test_a_yaml_boolean_is_no_number(tmp_path):
+    """YAML 1.1 reads off / no / false as a boolean, which a number field took as 0: `websocket_port: off` served the
+    WebSocket on a random port, `port: false` gRPC, and `max_sessions: true` meant 1."""
+    path = tmp_path / "server.yaml"
+    path.write_text("websocket_port: off\n")
+    with pytest.raises(ConfigError) as err:
+        cli.config_from_args(["--config", str(path)], environ={})
+    assert str(err.value) == (f"invalid settings: websocket_port (from {path}): expected a number, got False (YAML "
+                              "reads on / off / yes / no as booleans; leave a setting out for its default)")
+    numbers = [name for name, field in ServerConfig.model_fields.items() if field.annotation in
+               (int, float, int | None, float | None)]
+    assert len(numbers) == 12
+    for name in numbers:
+        assert not _accepts(**{name: True}) and not _accepts(**{name: False}), name
+    config = build_config({"diffusion_cache": "off", "reflection": True, "compile_gen_stack": False})
+    assert (config.diffusion_cache, config.reflection, config.compile_gen_stack) == (False, True, False)
+
+
 def _accepts(**values) -> bool:
     try:
         build_config(values)
