@@ -320,5 +320,9 @@ def build_config(
             shows_input = "input" in err and not isinstance(value, dict) and "got " not in err["msg"]
             got = f" (got {shown!r})" if shows_input else ""
             message = err["msg"].removeprefix("Value error, ")  # pydantic's wording for a validator's own ValueError
+            if err["type"] == "extra_forbidden":  # a misspelt key: say which setting it is close to, as for $variables
+                close = difflib.get_close_matches(key, ServerConfig.model_fields, n=1)
+                message = "not a setting; " + (f"did you mean {close[0]}?" if close else
+                                               "expected the name of a flag of `policy-server --help`")
             problems.append(f"{key} (from {origin.get(key, 'the settings together')}): {message}{got}")
         raise ConfigError("invalid settings: " + "; ".join(problems)) from None

@@ -418,6 +418,21 @@ def test_a_yaml_boolean_is_no_number(tmp_path):
     assert (config.diffusion_cache, config.reflection, config.compile_gen_stack) == (False, True, False)
 
 
+def test_a_misspelt_key_in_a_file_is_named_with_the_setting_it_is_close_to(tmp_path):
+    """As a misspelt POLICY_SERVER_ variable is: the file said only `Extra inputs are not permitted`."""
+    path = tmp_path / "server.yaml"
+    path.write_text("max-sesions: 8\nlatency_budget_ms: 90\nwebsocket: 9000\n")
+    with pytest.raises(ConfigError) as err:
+        cli.config_from_args(["--config", str(path)], environ={})
+    assert str(err.value) == (
+        f"invalid settings: max_sesions (from {path}): not a setting; did you mean max_sessions? (got 8); "
+        f"websocket (from {path}): not a setting; did you mean websocket_port? (got 9000)")
+    path.write_text("colour: blue\n")
+    with pytest.raises(ConfigError, match=r"colour \(from .*\): not a setting; expected the name of a flag of "
+                                          r"`policy-server --help` \(got 'blue'\)"):
+        cli.config_from_args(["--config", str(path)], environ={})
+
+
 def _accepts(**values) -> bool:
     try:
         build_config(values)
