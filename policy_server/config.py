@@ -32,6 +32,7 @@ _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 MAX_CONFIG_FILE_BYTES = 1 << 20
 DTYPES = ("auto", "bf16", "fp16", "fp32")  # auto: bf16 on CUDA, fp32 on CPU (engine.resolve_dtype)
 _NUMBERS = (int, float, int | None, float | None)  # the annotations of the number settings
+_PATHS = ("checkpoint", "unix_socket", "auth_token_file", "tls_cert", "tls_key")
 
 
 class ConfigError(ValueError):
@@ -122,6 +123,13 @@ class ServerConfig(BaseModel):
                              "setting out for its default)")
         return value
 
+    @field_validator(*_PATHS, mode="before")
+    @classmethod
+    def _not_empty(cls, value: Any) -> Any:
+        if isinstance(value, str) and not value.strip():  # Path("") is Path("."), the working folder
+            raise ValueError(f"expected a path, got {value!r} (leave the setting out for none)")
+        return value
+
     @field_validator("device")
     @classmethod
     def _known_device(cls, value: str) -> str:
@@ -206,9 +214,18 @@ def _normalise_keys(values: dict[str, Any], source: str) -> dict[str, Any]:
     return out
 
 
+def chosen_config_file(args: dict[str, Any], environ: Mapping[str, str]) -> str | None:
+    """The settings file: ``--config`` (taken out of the parsed flags `args`), else ``$POLICY_SERVER_CONFIG``."""
+    return args.pop("config") if "config" in args else environ.get(CONFIG_ENV)
+
+
 def read_config_file(path: str | Path) -> dict[str, Any]:
     """Load a YAML (.yaml/.yml) or JSON (.json) mapping of config keys, UTF-8 text of at most 1 MiB."""
+    if not str(path).strip():
+        raise ConfigError(f"config file {str(path)!r}: expected the path of a .yaml, .yml or .json file")
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a folder; expected a .yaml, .yml or .json file")
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     with path.open("rb") as f:

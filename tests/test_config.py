@@ -433,6 +433,29 @@ def test_a_misspelt_key_in_a_file_is_named_with_the_setting_it_is_close_to(tmp_p
         cli.config_from_args(["--config", str(path)], environ={})
 
 
+def test_an_empty_path_is_refused_by_name_not_read_as_the_working_folder():
+    """Path("") is Path("."): `--checkpoint ''` (or an empty $POLICY_SERVER_CHECKPOINT) served the working folder,
+    `--unix-socket ''` bound it, and `--config ''` said "config file . does not exist"."""
+    expected = "expected a path, got '' (leave the setting out for none)"
+    for field in ("checkpoint", "unix_socket", "auth_token_file", "tls_cert", "tls_key"):
+        flag = "--" + field.replace("_", "-")
+        with pytest.raises(ConfigError) as err:
+            cli.config_from_args([flag, ""], environ={})
+        assert f"{field} (from command line): {expected}" in str(err.value)
+    with pytest.raises(ConfigError, match=re.escape(f"checkpoint (from $POLICY_SERVER_CHECKPOINT): {expected}")):
+        cli.config_from_args([], environ={"POLICY_SERVER_CHECKPOINT": ""})
+    for argv, environ in ((["--config", ""], {}), ([], {"POLICY_SERVER_CONFIG": ""})):
+        with pytest.raises(ConfigError) as err:
+            cli.config_from_args(argv, environ=environ)
+        assert str(err.value) == "config file '': expected the path of a .yaml, .yml or .json file"
+
+
+def test_a_config_file_that_is_a_folder_is_named_as_one(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        read_config_file(tmp_path)
+    assert str(err.value) == f"config file {tmp_path} is a folder; expected a .yaml, .yml or .json file"
+
+
 def _accepts(**values) -> bool:
     try:
         build_config(values)
