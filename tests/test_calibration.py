@@ -230,6 +230,20 @@ def test_the_command_writes_the_profile_beside_the_checkpoint(tmp_path, capsys, 
         assert message in capsys.readouterr().err
 
 
+def test_a_cache_directory_the_profile_cannot_go_to_is_refused_before_calibrating(tmp_path, capsys, monkeypatch):
+    """It was found when the profile was written, after the whole calibration (30 minutes for the embedded model's
+    set), as a NotADirectoryError traceback."""
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setenv("POLICY_SERVER_CACHE", str(tmp_path / "a_file"))
+    monkeypatch.setattr("policy_server.engine.calibration.calibrate",
+                        lambda *args, **kwargs: pytest.fail("calibrated before checking where the profile goes"))
+    assert main(["--max-observations", "1", "--min-steps", "20", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"policy-server calibrate: cannot write {tmp_path / 'a_file' / 'profiles'}/"
+                   f"{PolicyPipeline.from_pretrained(None).digest.removeprefix('sha256:')}.json: Not a directory "
+                   "(the cache directory: $POLICY_SERVER_CACHE, else $XDG_CACHE_HOME/policy-server); pass --out FILE")
+
+
 def _observation(step=0):
     rng = np.random.default_rng(step)
     return api.Observation(images={"image": rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)},

@@ -513,15 +513,21 @@ def main(argv: list[str] | None = None) -> int:
               "their cameras and a zero state (pass --observations of their own scenes for a profile of them)")
     if args.min_steps > pipeline.config.num_steps:
         parser.error(f"--min-steps {args.min_steps}: above the checkpoint's {pipeline.config.num_steps} sampler steps")
+    out = args.out  # checked now: the profile is written after the calibration, which may take an hour
+    if out is None:  # beside a checkpoint folder of the user's that can hold it, else in the cache
+        beside = args.checkpoint is not None and not is_hub_id(args.checkpoint) and os.access(pipeline.folder, os.W_OK)
+        out = profile_locations(pipeline.folder, pipeline.digest)[0 if beside else 1]
+        try:
+            output_file(str(out))
+        except argparse.ArgumentTypeError as error:
+            print(f"policy-server calibrate: {error} (the cache directory: ${PROFILE_CACHE_ENV}, else "
+                  "$XDG_CACHE_HOME/policy-server); pass --out FILE", file=sys.stderr)
+            return 2
     configs = configurations(pipeline, EngineSettings(), args.min_steps, orders)
     print(f"calibrating {len(configs)} configurations on {len(observations)} observations", flush=True)
     source = ", ".join([*map(str, args.observations), *(f"{name}: the embedded set" for name in missing)])
     profile = calibrate(pipeline, observations, configs, source=source,
                         progress=lambda done: print(f"  {done:.0%}", flush=True))
-    out = args.out
-    if out is None:  # beside a checkpoint folder of the user's that can hold it, else in the cache
-        beside = args.checkpoint is not None and not is_hub_id(args.checkpoint) and os.access(pipeline.folder, os.W_OK)
-        out = profile_locations(pipeline.folder, pipeline.digest)[0 if beside else 1]
     replaced = out.is_file()
     profile.save(out)
     for embodiment, points in profile.embodiments.items():
