@@ -344,6 +344,13 @@ def test_a_taken_port_ends_serve_before_the_warmup_begins(monkeypatch, capsys):
         assert cli.main(["serve", "--port", str(port)]) == 2
     assert capsys.readouterr().err.strip() == f"policy-server: could not bind gRPC to 127.0.0.1:{port} (in use or " \
                                                "not permitted)"
+    with socket.socket() as taken:  # the WebSocket's port: it said only "[Errno 98] Address already in use (...)"
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert cli.main(["serve", "--port", "0", "--websocket-port", str(port)]) == 2
+    assert capsys.readouterr().err.strip() == f"policy-server: could not bind the openpi WebSocket to " \
+                                               f"127.0.0.1:{port} (Address already in use)"
     assert warmups == []
 
 
