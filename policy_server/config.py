@@ -172,6 +172,14 @@ class ServerConfig(BaseModel):
         return value
 
     @model_validator(mode="after")
+    def _listener_settings_need_their_listener(self) -> ServerConfig:
+        if "websocket_embodiment" in self.model_fields_set and self.websocket_port is None:
+            raise ValueError("websocket_embodiment is set but websocket_port is not: no WebSocket serves it")
+        if "metrics_host" in self.model_fields_set and self.metrics_port is None:
+            raise ValueError("metrics_host is set but metrics_port is not: no metrics endpoint listens on it")
+        return self
+
+    @model_validator(mode="after")
     def _tls_pair(self) -> ServerConfig:
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key must be given together")

@@ -463,6 +463,20 @@ def test_a_config_file_that_is_a_folder_is_named_as_one(tmp_path):
     assert str(err.value) == f"config file {tmp_path} is a folder; expected a .yaml, .yml or .json file"
 
 
+def test_a_listener_setting_without_its_listener_is_refused():
+    """--websocket-embodiment (even one the model does not serve) and --metrics-host were taken and ignored without
+    --websocket-port / --metrics-port."""
+    for flags, message in ((["--websocket-embodiment", "nope"], "websocket_embodiment is set but websocket_port is "
+                                                                  "not: no WebSocket serves it"),
+                           (["--metrics-host", "0.0.0.0"], "metrics_host is set but metrics_port is not: no "
+                                                            "metrics endpoint listens on it")):
+        with pytest.raises(ConfigError) as err:
+            cli.config_from_args(flags, environ={})
+        assert str(err.value) == f"invalid settings: config (from the settings together): {message}"
+    config = cli.config_from_args(["--metrics-host", "0.0.0.0"], environ={"POLICY_SERVER_METRICS_PORT": "9464"})
+    assert (config.metrics_host, config.metrics_port) == ("0.0.0.0", 9464)
+
+
 def _accepts(**values) -> bool:
     try:
         build_config(values)
