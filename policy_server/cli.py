@@ -239,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"policy-server: {exc}", file=sys.stderr)
         return 2
+    log.info("settings: %s", f"{config.given()}; the rest at their defaults" if config.given() else "the defaults")
     return serve(config)
 
 

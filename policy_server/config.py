@@ -191,6 +191,11 @@ class ServerConfig(BaseModel):
                                  f"certificate chain and its private key ({error.strerror or error})") from None
         return self
 
+    def given(self) -> str:
+        """The settings given (by a file, the environment or a flag) with their values, in field order: the log's."""
+        return ", ".join(f"{name}={getattr(self, name)}" for name in type(self).model_fields
+                         if name in self.model_fields_set)
+
     @property
     def max_message_bytes(self) -> int:
         return int(self.max_message_mb * 1024 * 1024)

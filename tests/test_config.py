@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import logging
 import os
 import re
 import runpy
@@ -352,6 +353,19 @@ def test_a_taken_port_ends_serve_before_the_warmup_begins(monkeypatch, capsys):
     assert capsys.readouterr().err.strip() == f"policy-server: could not bind the openpi WebSocket to " \
                                                f"127.0.0.1:{port} (Address already in use)"
     assert warmups == []
+
+
+def test_the_log_names_the_settings_given(tmp_path, monkeypatch, caplog):
+    """Nothing said which settings a server started with: a file, the environment and flags all set them."""
+    monkeypatch.setattr(policy_server.engine, "build_engine", lambda config: FakeEngine(), raising=False)
+    monkeypatch.setattr(cli, "serve", lambda config: 0)
+    path = tmp_path / "server.yaml"
+    path.write_text("max_sessions: 2\nlatency_budget_ms: 90\n")
+    monkeypatch.setenv("POLICY_SERVER_MAX_SESSIONS", "3")
+    with caplog.at_level(logging.INFO, logger="policy_server"):
+        assert cli.main(["--config", str(path), "--port", "0"]) == 0
+    assert "settings: latency_budget_ms=90.0, port=0, max_sessions=3; the rest at their defaults" in caplog.text
+    assert ServerConfig(max_sessions=3) == build_config({"max_sessions": 3, "port": 50051})  # the same settings
 
 
 def test_a_warmup_that_fails_stops_the_server_with_one_line_and_exit_1(monkeypatch, capsys):
