@@ -21,6 +21,7 @@ from policy_server.engine.calibration import (
     CalibrationTick,
     Observation,
     TickRunner,
+    cache_dir,
     calibrate,
     configurations,
     load_observations,
@@ -242,6 +243,22 @@ def test_a_cache_directory_the_profile_cannot_go_to_is_refused_before_calibratin
     assert err == (f"policy-server calibrate: cannot write {tmp_path / 'a_file' / 'profiles'}/"
                    f"{PolicyPipeline.from_pretrained(None).digest.removeprefix('sha256:')}.json: Not a directory "
                    "(the cache directory: $POLICY_SERVER_CACHE, else $XDG_CACHE_HOME/policy-server); pass --out FILE")
+
+
+def test_the_cache_directory_ignores_an_empty_or_relative_xdg_cache_home(tmp_path, monkeypatch):
+    """An empty $XDG_CACHE_HOME (or $POLICY_SERVER_CACHE) put profiles under the working folder; the XDG spec says to
+    ignore an empty or relative value."""
+    monkeypatch.delenv("POLICY_SERVER_CACHE", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for xdg in ("", "relative/cache"):
+        monkeypatch.setenv("XDG_CACHE_HOME", xdg)
+        assert cache_dir() == tmp_path / ".cache" / "policy-server"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "xdg" / "policy-server"
+    monkeypatch.setenv("POLICY_SERVER_CACHE", "")
+    assert cache_dir() == tmp_path / "xdg" / "policy-server"
+    monkeypatch.setenv("POLICY_SERVER_CACHE", str(tmp_path / "mine"))
+    assert cache_dir() == tmp_path / "mine"
 
 
 def _observation(step=0):

@@ -411,9 +411,11 @@ def point_of(config: TickConfig, runs: Sequence[tuple[float, int, int, int]]) ->
 def cache_dir() -> Path:
     """Where profiles of checkpoints that cannot hold their own go: `$POLICY_SERVER_CACHE`, else
     `$XDG_CACHE_HOME/policy-server` (default `~/.cache/policy-server`)."""
-    if PROFILE_CACHE_ENV in os.environ:
+    if os.environ.get(PROFILE_CACHE_ENV):
         return Path(os.environ[PROFILE_CACHE_ENV])
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "policy-server"
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    # The XDG spec: an empty or relative value is ignored (relative, it would be under the working folder).
+    return (Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache") / "policy-server"
 
 
 def profile_locations(checkpoint: Path | None, digest: str) -> list[Path]:
