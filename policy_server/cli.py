@@ -23,11 +23,10 @@ import signal
 import sys
 import threading
 from collections.abc import Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from policy_server import __version__
-from policy_server.config import CONFIG_ENV, ConfigError, ServerConfig, build_config, read_config_file
+from policy_server.config import ConfigError, ServerConfig, build_config, chosen_config_file, read_config_file
 
 if TYPE_CHECKING:
     from policy_server.engine.api import Engine
@@ -52,12 +51,12 @@ def build_parser(network: bool = True) -> argparse.ArgumentParser:
         "entry-point group: `bench`, `calibrate`, `ray-serve` (policy-server bench --help).",
     )
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    p.add_argument("--config", type=Path,
+    p.add_argument("--config",
                    help="YAML or JSON file with any of the settings below (default: $POLICY_SERVER_CONFIG)")
 
     g = p.add_argument_group("model and budget")
     g.add_argument("--latency-budget-ms", type=float, help="default per-tick latency budget in ms (120)")
-    g.add_argument("--checkpoint", type=Path, help="checkpoint to serve (default: the embedded model)")
+    g.add_argument("--checkpoint", help="checkpoint to serve (default: the embedded model)")
     g.add_argument("--device", help="auto, cpu, cuda or cuda:N (auto)")
     g.add_argument("--dtype", help="weight dtype: auto, bf16, fp16 or fp32 (auto: bf16 on CUDA, fp32 on CPU)")
     g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction,
@@ -76,7 +75,7 @@ def build_parser(network: bool = True) -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         help="enable the diffusion step cache (on); --no-diffusion-cache is bit-exact uncached",
     )
-    g.add_argument("--diffusion-cache-thresh", type=float, help="SEA relative-L1 threshold (0.25)")
+    g.add_argument("--diffusion-cache-thresh", type=float, help="SEA relative-L1 threshold, above 0 up to 1000 (0.25)")
     g.add_argument("--diffusion-cache-residual-order", type=int, help="residual extrapolation order (1)")
     g.add_argument(
         "--diffusion-cache-max-consecutive",
@@ -90,7 +89,7 @@ def build_parser(network: bool = True) -> argparse.ArgumentParser:
     g = p.add_argument_group("network")
     g.add_argument("--host", help=listener("bind address (127.0.0.1)"))
     g.add_argument("--port", type=int, help=listener("gRPC port, 0 = any free port (50051)"))
-    g.add_argument("--unix-socket", type=Path, help=listener("also serve gRPC on this Unix domain socket"))
+    g.add_argument("--unix-socket", help=listener("also serve gRPC on this Unix domain socket"))
     g.add_argument("--websocket-port", type=int, help=listener("openpi-compatible WebSocket port (off)"))
     g.add_argument("--websocket-embodiment", help=listener("embodiment of WebSocket sessions (first declared)"))
     g.add_argument("--metrics-port", type=int, help=listener("Prometheus /metrics port (off)"))
@@ -107,10 +106,10 @@ def build_parser(network: bool = True) -> argparse.ArgumentParser:
     g.add_argument("--session-idle-timeout-s", type=float,
                    help="close a session (or openpi WebSocket connection) with no call for this long, in s (300)")
     g.add_argument(
-        "--auth-token-file", type=Path, help="require `authorization: Bearer <token>` from this file"
+        "--auth-token-file", help="require `authorization: Bearer <token>` from this file"
     )
-    g.add_argument("--tls-cert", type=Path, help=listener("PEM certificate chain (with --tls-key)"))
-    g.add_argument("--tls-key", type=Path, help=listener("PEM private key (with --tls-cert)"))
+    g.add_argument("--tls-cert", help=listener("PEM certificate chain (with --tls-key)"))
+    g.add_argument("--tls-key", help=listener("PEM private key (with --tls-cert)"))
     return p
 
 
@@ -118,7 +117,7 @@ def config_from_args(argv: list[str], environ: Mapping[str, str] = os.environ) -
     """Parse flags, read ``--config`` (else ``$POLICY_SERVER_CONFIG``) if given, and validate them merged with the
     ``POLICY_SERVER_*`` settings in ``environ``."""
     args: dict[str, Any] = vars(build_parser().parse_args(argv))
-    config_file = args.pop("config", None) or environ.get(CONFIG_ENV)
+    config_file = chosen_config_file(args, environ)
     file_values = read_config_file(config_file) if config_file is not None else {}
     return build_config(file_values, args, source=str(config_file) if config_file else "config", environment=environ)
 
@@ -244,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"policy-server: {exc}", file=sys.stderr)
         return 2
+    log.info("settings: %s", f"{config.given()}; the rest at their defaults" if config.given() else "the defaults")
     return serve(config)
 
 

@@ -18,9 +18,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from policy_server.limits import MAX_BUDGET_MS, MAX_RESIDUAL_ORDER
+from policy_server.limits import MAX_BUDGET_MS, MAX_CACHE_THRESHOLD, MAX_RESIDUAL_ORDER
 from policy_server.pipeline.hub import is_hub_id
 from policy_server.v1.auth_token import read_token_file
 
@@ -31,6 +31,8 @@ ENV_NOT_SETTINGS = (CONFIG_ENV, PROFILE_CACHE_ENV)
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 MAX_CONFIG_FILE_BYTES = 1 << 20
 DTYPES = ("auto", "bf16", "fp16", "fp32")  # auto: bf16 on CUDA, fp32 on CPU (engine.resolve_dtype)
+_NUMBERS = (int, float, int | None, float | None)  # the annotations of the number settings
+_PATHS = ("checkpoint", "unix_socket", "auth_token_file", "tls_cert", "tls_key")
 
 
 class ConfigError(ValueError):
@@ -61,7 +63,8 @@ class ServerConfig(BaseModel):
     # Diffusion step cache (SeaCache)
     diffusion_cache: bool = Field(True, description="enable SeaCache (off = bit-exact uncached sampling)")
     diffusion_cache_thresh: float = Field(
-        0.25, ge=0, allow_inf_nan=False, description="SEA accumulated relative-L1 threshold"
+        0.25, gt=0, le=MAX_CACHE_THRESHOLD, allow_inf_nan=False,
+        description="SEA accumulated relative-L1 threshold (above 0: --no-diffusion-cache caches nothing)",
     )
     diffusion_cache_residual_order: int = Field(
         1, ge=0, le=MAX_RESIDUAL_ORDER, description="Newton extrapolation order (0 = reuse, 1 = linear, 2 = quadratic)"
@@ -110,6 +113,23 @@ class ServerConfig(BaseModel):
     tls_cert: Path | None = Field(None, description="PEM certificate chain (with --tls-key)")
     tls_key: Path | None = Field(None, description="PEM private key (with --tls-cert)")
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_boolean_number(cls, value: Any, info: ValidationInfo) -> Any:
+        # pydantic takes True / False as 1 / 0, and YAML reads off / no as False: `websocket_port: off` would serve
+        # on a random port.
+        if isinstance(value, bool) and cls.model_fields[info.field_name].annotation in _NUMBERS:
+            raise ValueError(f"expected a number, got {value} (YAML reads on / off / yes / no as booleans; leave a "
+                             "setting out for its default)")
+        return value
+
+    @field_validator(*_PATHS, mode="before")
+    @classmethod
+    def _not_empty(cls, value: Any) -> Any:
+        if isinstance(value, str) and not value.strip():  # Path("") is Path("."), the working folder
+            raise ValueError(f"expected a path, got {value!r} (leave the setting out for none)")
+        return value
+
     @field_validator("device")
     @classmethod
     def _known_device(cls, value: str) -> str:
@@ -152,6 +172,14 @@ class ServerConfig(BaseModel):
         return value
 
     @model_validator(mode="after")
+    def _listener_settings_need_their_listener(self) -> ServerConfig:
+        if "websocket_embodiment" in self.model_fields_set and self.websocket_port is None:
+            raise ValueError("websocket_embodiment is set but websocket_port is not: no WebSocket serves it")
+        if "metrics_host" in self.model_fields_set and self.metrics_port is None:
+            raise ValueError("metrics_host is set but metrics_port is not: no metrics endpoint listens on it")
+        return self
+
+    @model_validator(mode="after")
     def _tls_pair(self) -> ServerConfig:
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key must be given together")
@@ -162,6 +190,11 @@ class ServerConfig(BaseModel):
                 raise ValueError(f"tls_cert {str(self.tls_cert)!r} and tls_key {str(self.tls_key)!r}: expected a PEM "
                                  f"certificate chain and its private key ({error.strerror or error})") from None
         return self
+
+    def given(self) -> str:
+        """The settings given (by a file, the environment or a flag) with their values, in field order: the log's."""
+        return ", ".join(f"{name}={getattr(self, name)}" for name in type(self).model_fields
+                         if name in self.model_fields_set)
 
     @property
     def max_message_bytes(self) -> int:
@@ -194,9 +227,18 @@ def _normalise_keys(values: dict[str, Any], source: str) -> dict[str, Any]:
     return out
 
 
+def chosen_config_file(args: dict[str, Any], environ: Mapping[str, str]) -> str | None:
+    """The settings file: ``--config`` (taken out of the parsed flags `args`), else ``$POLICY_SERVER_CONFIG``."""
+    return args.pop("config") if "config" in args else environ.get(CONFIG_ENV)
+
+
 def read_config_file(path: str | Path) -> dict[str, Any]:
     """Load a YAML (.yaml/.yml) or JSON (.json) mapping of config keys, UTF-8 text of at most 1 MiB."""
+    if not str(path).strip():
+        raise ConfigError(f"config file {str(path)!r}: expected the path of a .yaml, .yml or .json file")
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a folder; expected a .yaml, .yml or .json file")
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     with path.open("rb") as f:
@@ -307,5 +349,10 @@ def build_config(
             shown = str(value) if isinstance(value, Path) else value  # the path as given, not PosixPath('...')
             shows_input = "input" in err and not isinstance(value, dict) and "got " not in err["msg"]
             got = f" (got {shown!r})" if shows_input else ""
-            problems.append(f"{key} (from {origin.get(key, 'the settings together')}): {err['msg']}{got}")
+            message = err["msg"].removeprefix("Value error, ")  # pydantic's wording for a validator's own ValueError
+            if err["type"] == "extra_forbidden":  # a misspelt key: say which setting it is close to, as for $variables
+                close = difflib.get_close_matches(key, ServerConfig.model_fields, n=1)
+                message = "not a setting; " + (f"did you mean {close[0]}?" if close else
+                                               "expected the name of a flag of `policy-server --help`")
+            problems.append(f"{key} (from {origin.get(key, 'the settings together')}): {message}{got}")
         raise ConfigError("invalid settings: " + "; ".join(problems)) from None

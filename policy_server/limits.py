@@ -5,6 +5,9 @@ publishes it, so the config, the transport and the engine cannot disagree.
 """
 
 MAX_RESIDUAL_ORDER = 2  # SeaCache's Newton extrapolation: 0 reuse, 1 linear, 2 quadratic
+# SeaCache's accumulated relative-L1 threshold (--diffusion-cache-thresh): far above what a tick's steps accumulate,
+# and the planner's ladder, which runs to 4x it, stays below its most aggressive rung (planner.MAX_CACHING, 1e6).
+MAX_CACHE_THRESHOLD = 1000.0
 
 MAX_INSTRUCTION_TOKENS = 128  # a task instruction, in tokens of the model's tokenizer
 MAX_PROMPT_TOKENS = 512  # a Reason prompt, in tokens

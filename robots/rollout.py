@@ -427,6 +427,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--serve-application needs --server (the address of Serve's gRPC proxy)")
     if args.device != "cpu" and not args.in_process:
         parser.error("--device needs --in-process (a server runs on its own device)")
+    if args.checkpoint is not None and not args.in_process:
+        parser.error("--checkpoint needs --in-process (a server serves its own checkpoint)")
     if args.ray_gpus_per_worker and args.device == "cpu":
         parser.error("--ray-gpus-per-worker needs --in-process --device cuda (or auto): a worker on the CPU uses none")
     if args.in_process and args.ray is None:  # Ray's workers may have devices this machine lacks

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import socket
 import subprocess
@@ -64,6 +65,7 @@ from policy_server.client import (
     build_observation,
 )
 from policy_server.client.cli_flags import add_tls_flags, pem_file, seconds, server_address, tls_options, token_file
+from policy_server.limits import MAX_RATE_HZ, MIN_RATE_HZ
 from policy_server.output_file import output_file
 from policy_server.v1 import policy_server_pb2 as pb
 from robots.envs.reach import EMBODIMENT, HELDOUT_SEED_OFFSET
@@ -554,19 +556,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="policy-soak", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    p.add_argument("--sessions", type=int, default=8, help="concurrent sessions, half unary, half stream (8)")
-    p.add_argument("--ticks", type=int, default=1000, help="ticks per session (1000)")
-    p.add_argument("--rate-hz", type=float,
+    p.add_argument("--sessions", type=_whole(1), default=8, help="concurrent sessions, half unary, half stream (8)")
+    p.add_argument("--ticks", type=_whole(1), default=1000, help="ticks per session (1000)")
+    p.add_argument("--rate-hz", type=_rate_hz,
                    help="chunk requests per second each session declares and keeps to (unset: the server's "
                    "default, control_hz / actions per chunk)")
-    p.add_argument("--actions-per-chunk", type=int, help="actions executed from each chunk (unset: the chunk size)")
-    p.add_argument("--episode-steps", type=int, default=80, help="control steps before an episode is cut (80)")
-    p.add_argument("--warmup-ticks", type=int, default=50, help="ticks per session before RSS growth counts (50)")
+    p.add_argument("--actions-per-chunk", type=_whole(1),
+                   help="actions executed from each chunk (unset: the chunk size)")
+    p.add_argument("--episode-steps", type=_whole(1), default=80, help="control steps before an episode is cut (80)")
+    p.add_argument("--warmup-ticks", type=_whole(0), default=50, help="ticks per session before RSS growth counts (50)")
     p.add_argument("--rss-every-s", type=seconds, default=2.0, help="RSS sampling period in s (2)")
     p.add_argument("--timeout-s", type=seconds, default=30.0, help="longest wait for one answer in s (30)")
-    p.add_argument("--max-miss-rate", type=float, default=0.01, help="deadline misses allowed, fraction (0.01)")
-    p.add_argument("--max-rss-growth-mb", type=float, default=50.0, help="RSS growth allowed after warmup (50 MB)")
-    p.add_argument("--seed", type=int, default=0, help="offset of the simulator seeds (0)")
+    p.add_argument("--max-miss-rate", type=_fraction, default=0.01, help="deadline misses allowed, fraction (0.01)")
+    p.add_argument("--max-rss-growth-mb", type=_megabytes, default=50.0, help="RSS growth allowed after warmup (50 MB)")
+    p.add_argument("--seed", type=_whole(0), default=0, help="offset of the simulator seeds (0)")
     p.add_argument("--hostile-neighbour", action="store_true",
                    help=f"one more session floods Acts of the largest frame the server takes from {FLOOD_THREADS} "
                    "threads; the checks apply to the other sessions, and its answers must be chunks or "
@@ -576,13 +579,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--startup-timeout-s", type=seconds, default=300.0, help="wait for the server to serve, s (300)")
     g = p.add_argument_group("a server already running (instead of starting one)")
     g.add_argument("--server", type=server_address, metavar="HOST:PORT", help="soak this server")
-    g.add_argument("--server-pid", type=int, help="its process id, to sample its RSS (same machine)")
+    g.add_argument("--server-pid", type=_whole(1), help="its process id, to sample its RSS (same machine)")
     add_tls_flags(g)
     p.add_argument("--auth-token-file", type=token_file,
                    help="the server's bearer token (a server the soak starts is given it too)")
     g = p.add_argument_group("the server the soak starts (policy-server flags)")
     g.add_argument("--latency-budget-ms", type=float, help="default per-tick budget, ms (server default)")
-    g.add_argument("--max-sessions", type=int,
+    g.add_argument("--max-sessions", type=_whole(1),
                    help="session limit (default: --sessions, one more with --hostile-neighbour)")
     g.add_argument("--max-batch", type=int, help="micro-batch size (server default)")
     g.add_argument("--diffusion-cache", action=argparse.BooleanOptionalAction, help="SeaCache (server default)")
@@ -608,6 +611,43 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--tls, --tls-ca and --tls-server-name need --server, or --tls-cert and --tls-key for the server the "
                 "soak starts")
     return args
+
+
+def _whole(minimum: int):
+    """argparse type: a whole number of at least `minimum`."""
+    def whole(text: str) -> int:
+        if not text.strip().lstrip("-").isdigit() or int(text) < minimum:
+            raise argparse.ArgumentTypeError(f"expected a whole number of at least {minimum}, got {text}")
+        return int(text)
+    return whole
+
+
+def _number(text: str, low: float, high: float, expected: str) -> float:
+    """`text` as a finite number from `low` to `high`, else an argparse error saying `expected`."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (low <= value <= high and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text}")
+    return value
+
+
+def _rate_hz(text: str) -> float:
+    """argparse type: a rate a session may declare, as the server takes it."""
+    value = _number(text, 0.0, MAX_RATE_HZ, f"0 (a closed loop) or {MIN_RATE_HZ:g} to {MAX_RATE_HZ:g} Hz")
+    if 0 < value < MIN_RATE_HZ:
+        raise argparse.ArgumentTypeError(f"expected 0 (a closed loop) or {MIN_RATE_HZ:g} to {MAX_RATE_HZ:g} Hz, "
+                                         f"got {text}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    return _number(text, 0.0, 1.0, "a fraction from 0 to 1")
+
+
+def _megabytes(text: str) -> float:
+    return _number(text, 0.0, math.inf, "MB from 0")
 
 
 def server_flags(args: argparse.Namespace) -> list[str]:

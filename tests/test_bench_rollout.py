@@ -208,6 +208,10 @@ def test_bench_refuses_what_it_cannot_drive(tmp_path, capsys):
         assert exit_.value.code == 2
         assert "--profile-ticks must be >= 0, --forward-repeats and --threads >= 1" in capsys.readouterr().err
     for flags, message in ((["--slowdown-ms", "-50"], "--slowdown-ms must be >= 0, got -50.0"),
+                           # --budgets-ms silently won; a negative seed drew the demonstrations' scenes
+                           (["--budgets-ms", "100", "--budget-fractions", "0.5"],
+                            "argument --budget-fractions: not allowed with argument --budgets-ms"),
+                           (["--seed", "-1"], "--seed must be >= 0 (held-out scenes), got -1"),
                            (["--device", "tpu"], "--device 'tpu': expected auto, cpu, cuda or cuda:N"),
                            (["--out", str(tmp_path)], "is a folder; expected a file path")):
         with pytest.raises(SystemExit) as exit_:

@@ -21,6 +21,7 @@ from policy_server.engine.calibration import (
     CalibrationTick,
     Observation,
     TickRunner,
+    cache_dir,
     calibrate,
     configurations,
     load_observations,
@@ -228,6 +229,36 @@ def test_the_command_writes_the_profile_beside_the_checkpoint(tmp_path, capsys, 
         with pytest.raises(SystemExit):
             main(["--checkpoint", str(folder), *bad])
         assert message in capsys.readouterr().err
+
+
+def test_a_cache_directory_the_profile_cannot_go_to_is_refused_before_calibrating(tmp_path, capsys, monkeypatch):
+    """It was found when the profile was written, after the whole calibration (30 minutes for the embedded model's
+    set), as a NotADirectoryError traceback."""
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setenv("POLICY_SERVER_CACHE", str(tmp_path / "a_file"))
+    monkeypatch.setattr("policy_server.engine.calibration.calibrate",
+                        lambda *args, **kwargs: pytest.fail("calibrated before checking where the profile goes"))
+    assert main(["--max-observations", "1", "--min-steps", "20", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"policy-server calibrate: cannot write {tmp_path / 'a_file' / 'profiles'}/"
+                   f"{PolicyPipeline.from_pretrained(None).digest.removeprefix('sha256:')}.json: Not a directory "
+                   "(the cache directory: $POLICY_SERVER_CACHE, else $XDG_CACHE_HOME/policy-server); pass --out FILE")
+
+
+def test_the_cache_directory_ignores_an_empty_or_relative_xdg_cache_home(tmp_path, monkeypatch):
+    """An empty $XDG_CACHE_HOME (or $POLICY_SERVER_CACHE) put profiles under the working folder; the XDG spec says to
+    ignore an empty or relative value."""
+    monkeypatch.delenv("POLICY_SERVER_CACHE", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for xdg in ("", "relative/cache"):
+        monkeypatch.setenv("XDG_CACHE_HOME", xdg)
+        assert cache_dir() == tmp_path / ".cache" / "policy-server"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "xdg" / "policy-server"
+    monkeypatch.setenv("POLICY_SERVER_CACHE", "")
+    assert cache_dir() == tmp_path / "xdg" / "policy-server"
+    monkeypatch.setenv("POLICY_SERVER_CACHE", str(tmp_path / "mine"))
+    assert cache_dir() == tmp_path / "mine"
 
 
 def _observation(step=0):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import logging
 import os
 import re
 import runpy
@@ -344,7 +345,27 @@ def test_a_taken_port_ends_serve_before_the_warmup_begins(monkeypatch, capsys):
         assert cli.main(["serve", "--port", str(port)]) == 2
     assert capsys.readouterr().err.strip() == f"policy-server: could not bind gRPC to 127.0.0.1:{port} (in use or " \
                                                "not permitted)"
+    with socket.socket() as taken:  # the WebSocket's port: it said only "[Errno 98] Address already in use (...)"
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert cli.main(["serve", "--port", "0", "--websocket-port", str(port)]) == 2
+    assert capsys.readouterr().err.strip() == f"policy-server: could not bind the openpi WebSocket to " \
+                                               f"127.0.0.1:{port} (Address already in use)"
     assert warmups == []
+
+
+def test_the_log_names_the_settings_given(tmp_path, monkeypatch, caplog):
+    """Nothing said which settings a server started with: a file, the environment and flags all set them."""
+    monkeypatch.setattr(policy_server.engine, "build_engine", lambda config: FakeEngine(), raising=False)
+    monkeypatch.setattr(cli, "serve", lambda config: 0)
+    path = tmp_path / "server.yaml"
+    path.write_text("max_sessions: 2\nlatency_budget_ms: 90\n")
+    monkeypatch.setenv("POLICY_SERVER_MAX_SESSIONS", "3")
+    with caplog.at_level(logging.INFO, logger="policy_server"):
+        assert cli.main(["--config", str(path), "--port", "0"]) == 0
+    assert "settings: latency_budget_ms=90.0, port=0, max_sessions=3; the rest at their defaults" in caplog.text
+    assert ServerConfig(max_sessions=3) == build_config({"max_sessions": 3, "port": 50051})  # the same settings
 
 
 def test_a_warmup_that_fails_stops_the_server_with_one_line_and_exit_1(monkeypatch, capsys):
@@ -374,6 +395,100 @@ def test_every_residual_order_the_config_accepts_is_one_seacache_accepts():
     assert accepted == [0, 1, 2]
     for order in accepted:
         SeaCacheConfig(residual_order=order)
+
+
+def test_every_cache_setting_the_config_takes_builds_an_engine_and_its_warmup_calibration():
+    """--diffusion-cache-max-consecutive 0 (no cap, as --help says) or 1, and a threshold under 0.0125 or over
+    250000, once ended the start in a traceback after the model loaded: the planner's ladder around them went back to
+    a tighter cap, held two rungs of one name, or passed its maximal-caching rung."""
+    from policy_server.engine.calibration import configurations
+    from policy_server.engine.engine import ModelEngine, settings_from_config
+    from policy_server.limits import MAX_CACHE_THRESHOLD
+    from policy_server.pipeline.policy import PolicyPipeline
+
+    pipeline = PolicyPipeline.from_pretrained(None, device="cpu", dtype=torch.float32)
+    for threshold in (1e-6, 0.001, 0.01, 0.25, 3.0, MAX_CACHE_THRESHOLD):
+        for cap in (0, 1, 2, 7):
+            config = build_config({"diffusion_cache_thresh": threshold, "diffusion_cache_max_consecutive": cap,
+                                   "compile_gen_stack": False})
+            settings = settings_from_config(config)
+            ladder = ModelEngine(pipeline, settings).served.budget.config.ladder
+            assert ladder[-1].name == "max" and len({rung.name for rung in ladder}) == len(ladder) >= 5
+            assert (threshold, cap) in {(rung.threshold, rung.cap) for rung in ladder}  # the configured rung
+            coarse = {(c.threshold, c.cap) for c in configurations(pipeline, settings, coarse=True) if c.threshold}
+            assert (threshold, cap) in coarse and (1e6, 0) in coarse
+    for threshold in (0, MAX_CACHE_THRESHOLD * 1.01):
+        assert not _accepts(diffusion_cache_thresh=threshold)
+
+
+def test_a_yaml_boolean_is_no_number(tmp_path):
+    """YAML 1.1 reads off / no / false as a boolean, which a number field took as 0: `websocket_port: off` served the
+    WebSocket on a random port, `port: false` gRPC, and `max_sessions: true` meant 1."""
+    path = tmp_path / "server.yaml"
+    path.write_text("websocket_port: off\n")
+    with pytest.raises(ConfigError) as err:
+        cli.config_from_args(["--config", str(path)], environ={})
+    assert str(err.value) == (f"invalid settings: websocket_port (from {path}): expected a number, got False (YAML "
+                              "reads on / off / yes / no as booleans; leave a setting out for its default)")
+    numbers = [name for name, field in ServerConfig.model_fields.items() if field.annotation in
+               (int, float, int | None, float | None)]
+    assert len(numbers) == 12
+    for name in numbers:
+        assert not _accepts(**{name: True}) and not _accepts(**{name: False}), name
+    config = build_config({"diffusion_cache": "off", "reflection": True, "compile_gen_stack": False})
+    assert (config.diffusion_cache, config.reflection, config.compile_gen_stack) == (False, True, False)
+
+
+def test_a_misspelt_key_in_a_file_is_named_with_the_setting_it_is_close_to(tmp_path):
+    """As a misspelt POLICY_SERVER_ variable is: the file said only `Extra inputs are not permitted`."""
+    path = tmp_path / "server.yaml"
+    path.write_text("max-sesions: 8\nlatency_budget_ms: 90\nwebsocket: 9000\n")
+    with pytest.raises(ConfigError) as err:
+        cli.config_from_args(["--config", str(path)], environ={})
+    assert str(err.value) == (
+        f"invalid settings: max_sesions (from {path}): not a setting; did you mean max_sessions? (got 8); "
+        f"websocket (from {path}): not a setting; did you mean websocket_port? (got 9000)")
+    path.write_text("colour: blue\n")
+    with pytest.raises(ConfigError, match=r"colour \(from .*\): not a setting; expected the name of a flag of "
+                                          r"`policy-server --help` \(got 'blue'\)"):
+        cli.config_from_args(["--config", str(path)], environ={})
+
+
+def test_an_empty_path_is_refused_by_name_not_read_as_the_working_folder():
+    """Path("") is Path("."): `--checkpoint ''` (or an empty $POLICY_SERVER_CHECKPOINT) served the working folder,
+    `--unix-socket ''` bound it, and `--config ''` said "config file . does not exist"."""
+    expected = "expected a path, got '' (leave the setting out for none)"
+    for field in ("checkpoint", "unix_socket", "auth_token_file", "tls_cert", "tls_key"):
+        flag = "--" + field.replace("_", "-")
+        with pytest.raises(ConfigError) as err:
+            cli.config_from_args([flag, ""], environ={})
+        assert f"{field} (from command line): {expected}" in str(err.value)
+    with pytest.raises(ConfigError, match=re.escape(f"checkpoint (from $POLICY_SERVER_CHECKPOINT): {expected}")):
+        cli.config_from_args([], environ={"POLICY_SERVER_CHECKPOINT": ""})
+    for argv, environ in ((["--config", ""], {}), ([], {"POLICY_SERVER_CONFIG": ""})):
+        with pytest.raises(ConfigError) as err:
+            cli.config_from_args(argv, environ=environ)
+        assert str(err.value) == "config file '': expected the path of a .yaml, .yml or .json file"
+
+
+def test_a_config_file_that_is_a_folder_is_named_as_one(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        read_config_file(tmp_path)
+    assert str(err.value) == f"config file {tmp_path} is a folder; expected a .yaml, .yml or .json file"
+
+
+def test_a_listener_setting_without_its_listener_is_refused():
+    """--websocket-embodiment (even one the model does not serve) and --metrics-host were taken and ignored without
+    --websocket-port / --metrics-port."""
+    for flags, message in ((["--websocket-embodiment", "nope"], "websocket_embodiment is set but websocket_port is "
+                                                                  "not: no WebSocket serves it"),
+                           (["--metrics-host", "0.0.0.0"], "metrics_host is set but metrics_port is not: no "
+                                                            "metrics endpoint listens on it")):
+        with pytest.raises(ConfigError) as err:
+            cli.config_from_args(flags, environ={})
+        assert str(err.value) == f"invalid settings: config (from the settings together): {message}"
+    config = cli.config_from_args(["--metrics-host", "0.0.0.0"], environ={"POLICY_SERVER_METRICS_PORT": "9464"})
+    assert (config.metrics_host, config.metrics_port) == ("0.0.0.0", 9464)
 
 
 def _accepts(**values) -> bool:

@@ -148,6 +148,14 @@ def test_in_process_settings_are_refused_with_a_server(flag, capsys):
     assert "--no-diffusion-cache and --compile-gen-stack need --in-process" in capsys.readouterr().err
 
 
+def test_a_checkpoint_is_refused_with_a_server(capsys):
+    """It was ignored: the rollout drove whatever the server served, and its report named no checkpoint."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--server", "127.0.0.1:1", "--checkpoint", "/models/mine"])
+    assert exit_info.value.code == 2
+    assert "--checkpoint needs --in-process (a server serves its own checkpoint)" in capsys.readouterr().err
+
+
 def test_more_actions_executed_than_a_chunk_holds_end_the_rollout_with_one_line(tmp_path, capsys):
     with serve_fake(FakeEngine()) as server:
         code = main(["--server", server.target, "--execute", "9", "--episodes", "1",

@@ -383,9 +383,12 @@ def test_tls(tmp_path, capsys):
                            ("--tls-ca", key, "is not a PEM certificate file"),
                            ("--auth-token-file", tmp_path / "missing", "cannot read"),
                            ("--auth-token-file", tmp_path / "empty", "is empty; expected a single token"),
-                           ("--timeout-s", "0", "expected seconds above 0, got '0'"),
-                           ("--timeout-s", "nan", "expected seconds above 0, got 'nan'"),
+                           ("--timeout-s", "0", "expected seconds above 0, up to 86400, got '0'"),
+                           ("--timeout-s", "nan", "expected seconds above 0, up to 86400, got 'nan'"),
+                           # gRPC's deadline overflowed: DEADLINE_EXCEEDED at once
+                           ("--timeout-s", "1e300", "expected seconds above 0, up to 86400, got '1e300'"),
                            ("--server", "127.0.0.1:99999", "expected HOST:PORT with a port from 1 to 65535"),
+                           ("--server", "unix:", "or unix:PATH; got 'unix:'"),  # was UNAVAILABLE: empty address list
                            ("--server", "", "expected HOST:PORT")):
         with pytest.raises(SystemExit) as exit_:
             client_main(["health", flag, str(bad)])

@@ -73,6 +73,29 @@ def test_the_soaks_tls_flags(tmp_path, capsys):
         assert exit_.value.code == 2 and why in capsys.readouterr().err
 
 
+def test_a_number_the_soak_cannot_run_with_is_one_usage_line(capsys):
+    """--sessions 0 and --episode-steps 0 ended in a traceback (the latter after opening sessions it left open on the
+    server), --ticks 0 ran and failed its miss rate, and a bad --rate-hz was found only once a session opened."""
+    for argv, why in ((["--sessions", "0"], "--sessions: expected a whole number of at least 1, got 0"),
+                      (["--ticks", "-1"], "--ticks: expected a whole number of at least 1, got -1"),
+                      (["--episode-steps", "0"], "--episode-steps: expected a whole number of at least 1, got 0"),
+                      (["--actions-per-chunk", "0"], "--actions-per-chunk: expected a whole number of at least 1"),
+                      (["--max-sessions", "0"], "--max-sessions: expected a whole number of at least 1, got 0"),
+                      (["--server", "127.0.0.1:1", "--server-pid", "0"], "--server-pid: expected a whole number of "
+                                                                          "at least 1, got 0"),
+                      (["--seed", "-1"], "--seed: expected a whole number of at least 0, got -1"),
+                      (["--warmup-ticks", "-1"], "--warmup-ticks: expected a whole number of at least 0, got -1"),
+                      (["--rate-hz", "nan"], "--rate-hz: expected 0 (a closed loop) or 0.01 to 1000 Hz, got nan"),
+                      (["--rate-hz", "0.001"], "--rate-hz: expected 0 (a closed loop) or 0.01 to 1000 Hz"),
+                      (["--max-miss-rate", "2"], "--max-miss-rate: expected a fraction from 0 to 1, got 2"),
+                      (["--max-rss-growth-mb", "nan"], "--max-rss-growth-mb: expected MB from 0, got nan")):
+        with pytest.raises(SystemExit) as exit_:
+            parse_args(argv)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and why in err, (argv, err)
+    assert parse_args(["--rate-hz", "0", "--max-miss-rate", "0", "--warmup-ticks", "0"]).rate_hz == 0
+
+
 def test_rss_growth_is_the_rise_of_the_floor_not_of_a_sample_with_a_request_in_flight():
     flat = [(t, 500.0 + 60.0 * (t % 4 == 3)) for t in range(12)]  # a 2048 px frame in flight now and then
     summary = rss_summary(flat, warm_s=0.0, after_close_mb=None)

@@ -12,12 +12,13 @@ from pathlib import Path
 from policy_server.v1.auth_token import read_token_file
 
 MAX_CA_FILE_BYTES = 1 << 20  # a CA bundle is tens of kB
+MAX_SECONDS = 86400.0  # a day; far longer overflows gRPC's deadline, which then expires at once
 
 
 def server_address(value: str) -> str:
     """argparse type: a gRPC target, ``HOST:PORT`` (``[v6]:PORT``) with a port gRPC can dial, or a ``unix:`` path."""
     host, _, port = value.rpartition(":")
-    if value.startswith("unix:"):
+    if value.startswith("unix:") and value.removeprefix("unix:").strip():
         return value
     if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
         raise argparse.ArgumentTypeError(f"expected HOST:PORT with a port from 1 to 65535, or unix:PATH; got {value!r}")
@@ -25,13 +26,13 @@ def server_address(value: str) -> str:
 
 
 def seconds(value: str) -> float:
-    """argparse type: a finite time above 0 s."""
+    """argparse type: a time above 0 s, up to `MAX_SECONDS`."""
     try:
         number = float(value)
     except ValueError:
         number = math.nan
-    if not 0 < number < math.inf:
-        raise argparse.ArgumentTypeError(f"expected seconds above 0, got {value!r}")
+    if not 0 < number <= MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"expected seconds above 0, up to {MAX_SECONDS:g}, got {value!r}")
     return number
 
 

@@ -80,7 +80,9 @@ logger = logging.getLogger(__name__)
 # bounded calibration at warmup, tries fewer of them, two CFG schedules and three cache settings.
 STEP_FRACTIONS = (1.0, 0.75, 0.6, 0.5, 0.4, 0.3, 0.2)
 COARSE_STEP_FRACTIONS = (1.0, 0.6, 0.4, 0.2)
-COARSE_RUNGS = (2, 4, 5)  # of the ladder: the published default's, the loosest threshold, maximal caching
+# Of the ladder, counted from its end (a cap of 1 makes it a rung shorter): the published default's, the loosest
+# threshold, maximal caching.
+COARSE_RUNGS = (-4, -2, -1)
 # The embedded model's calibration set: expert observations of the built-in ReachEither task, whose start frames
 # have two modes (robots/calibration_set.py).
 DEFAULT_OBSERVATIONS = Path(__file__).resolve().parent.parent / "assets" / "calibration" / "reach_either.safetensors"
@@ -409,9 +411,11 @@ def point_of(config: TickConfig, runs: Sequence[tuple[float, int, int, int]]) ->
 def cache_dir() -> Path:
     """Where profiles of checkpoints that cannot hold their own go: `$POLICY_SERVER_CACHE`, else
     `$XDG_CACHE_HOME/policy-server` (default `~/.cache/policy-server`)."""
-    if PROFILE_CACHE_ENV in os.environ:
+    if os.environ.get(PROFILE_CACHE_ENV):
         return Path(os.environ[PROFILE_CACHE_ENV])
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "policy-server"
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    # The XDG spec: an empty or relative value is ignored (relative, it would be under the working folder).
+    return (Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache") / "policy-server"
 
 
 def profile_locations(checkpoint: Path | None, digest: str) -> list[Path]:
@@ -511,15 +515,21 @@ def main(argv: list[str] | None = None) -> int:
               "their cameras and a zero state (pass --observations of their own scenes for a profile of them)")
     if args.min_steps > pipeline.config.num_steps:
         parser.error(f"--min-steps {args.min_steps}: above the checkpoint's {pipeline.config.num_steps} sampler steps")
+    out = args.out  # checked now: the profile is written after the calibration, which may take an hour
+    if out is None:  # beside a checkpoint folder of the user's that can hold it, else in the cache
+        beside = args.checkpoint is not None and not is_hub_id(args.checkpoint) and os.access(pipeline.folder, os.W_OK)
+        out = profile_locations(pipeline.folder, pipeline.digest)[0 if beside else 1]
+        try:
+            output_file(str(out))
+        except argparse.ArgumentTypeError as error:
+            print(f"policy-server calibrate: {error} (the cache directory: ${PROFILE_CACHE_ENV}, else "
+                  "$XDG_CACHE_HOME/policy-server); pass --out FILE", file=sys.stderr)
+            return 2
     configs = configurations(pipeline, EngineSettings(), args.min_steps, orders)
     print(f"calibrating {len(configs)} configurations on {len(observations)} observations", flush=True)
     source = ", ".join([*map(str, args.observations), *(f"{name}: the embedded set" for name in missing)])
     profile = calibrate(pipeline, observations, configs, source=source,
                         progress=lambda done: print(f"  {done:.0%}", flush=True))
-    out = args.out
-    if out is None:  # beside a checkpoint folder of the user's that can hold it, else in the cache
-        beside = args.checkpoint is not None and not is_hub_id(args.checkpoint) and os.access(pipeline.folder, os.W_OK)
-        out = profile_locations(pipeline.folder, pipeline.digest)[0 if beside else 1]
     replaced = out.is_file()
     profile.save(out)
     for embodiment, points in profile.embodiments.items():

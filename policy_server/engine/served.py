@@ -81,15 +81,17 @@ def user_text_ids(tokenizer: TextTokenizer, text: str, field: str) -> list[int]:
 
 
 def cache_ladder(threshold: float, cap: int) -> tuple[CacheSetting, ...]:
-    """Least to most aggressive settings around (threshold, cap); (0.25, 2) gives the planner's default ladder."""
-    return (
-        CacheSetting(f"t{0.4 * threshold:.2f}-c1", 0.4 * threshold, 1),
-        CacheSetting(f"t{threshold:.2f}-c1", threshold, 1),
-        CacheSetting(f"t{threshold:.2f}-c{cap}", threshold, cap),
-        CacheSetting(f"t{2 * threshold:.2f}-c{cap}", 2 * threshold, cap),
-        CacheSetting(f"t{4 * threshold:.2f}-c{cap + 1}", 4 * threshold, cap + 1),
-        MAX_CACHING,
-    )
+    """Least to most aggressive settings around (threshold > 0, cap; 0 = no cap); (0.25, 2) gives the planner's
+    default ladder. With a cap of 1 its rung is the cap-1 rung of that threshold, so the ladder has one rung less."""
+    looser_cap = 0 if cap == 0 else cap + 1  # no cap is the loosest already
+    rungs = ((0.4 * threshold, 1), (threshold, 1), (threshold, cap), (2 * threshold, cap), (4 * threshold, looser_cap))
+    return (*(CacheSetting(f"t{_threshold_name(t)}-c{c}", t, c) for t, c in dict.fromkeys(rungs)), MAX_CACHING)
+
+
+def _threshold_name(threshold: float) -> str:
+    """Two decimals where they say it exactly (0.10, 0.25), else four significant digits: 0.004 is not 0.00."""
+    two_decimals = f"{threshold:.2f}"
+    return two_decimals if float(two_decimals) == threshold else f"{threshold:.4g}"
 
 
 class ServedModel:

@@ -18,7 +18,7 @@ import sys
 import threading
 
 from policy_server.cli import build_parser
-from policy_server.config import CONFIG_ENV, ConfigError, read_config_file
+from policy_server.config import ConfigError, chosen_config_file, read_config_file
 from policy_server.ray_serve.address import check_gcs_address
 
 
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as exc:
         print(f"policy-server ray-serve: needs Ray Serve ({exc}); pip install 'policy-server[ray]'", file=sys.stderr)
         return 2
-    config_file = args.pop("config", None) or os.environ.get(CONFIG_ENV)
+    config_file = chosen_config_file(args, os.environ)
     try:
         file_values = read_config_file(config_file) if config_file is not None else {}
         replicas, config = split_args(file_values, args, source=str(config_file or "config"))

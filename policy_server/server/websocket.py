@@ -35,6 +35,7 @@ import contextlib
 import http
 import logging
 import math
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -307,17 +308,21 @@ class OpenpiWebsocketServer:
     def start(self) -> int:
         if self._default_embodiment is not None:
             validate.embodiment(self._engine.info(), self._default_embodiment)
-        self._server = serve(
-            self._handle,
-            self._host,
-            self._port,
-            ssl=self._ssl,
-            compression=None,
-            max_size=self._max_message_bytes,
-            process_request=self._process_request,
-            open_timeout=OPEN_TIMEOUT_S,
-            close_timeout=2,  # shutdown waits this long at most for a client that does not close
-        )
+        try:
+            self._server = serve(
+                self._handle,
+                self._host,
+                self._port,
+                ssl=self._ssl,
+                compression=None,
+                max_size=self._max_message_bytes,
+                process_request=self._process_request,
+                open_timeout=OPEN_TIMEOUT_S,
+                close_timeout=2,  # shutdown waits this long at most for a client that does not close
+            )
+        except OSError as error:  # in use, or not an address of this machine
+            why = os.strerror(error.errno) if error.errno else str(error)  # strerror also repeats the address
+            raise OSError(f"could not bind the openpi WebSocket to {self._host}:{self._port} ({why})") from None
         self._server.handler = self._bounded(self._server.handler)
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True, name="openpi-ws")
         self._thread.start()
