@@ -402,7 +402,6 @@ def test_tls(tmp_path, capsys):
     ({"host": "10.1.2.3", "websocket_port": 0},
      "gRPC and the openpi WebSocket on 10.1.2.3 may be reached from other machines, with no token asked"),
     ({"metrics_host": "0.0.0.0", "metrics_port": 0}, "/metrics on 0.0.0.0 may be reached from other machines, "),
-    ({"metrics_host": "0.0.0.0"}, None),  # no metrics endpoint
     ({"host": "robot-server.lan", "auth_token_file": "token"},
      "gRPC on robot-server.lan may be reached from other machines in plaintext: the auth token crosses the network"),
     ({"host": "[::]", "auth_token_file": "token", "tls": True}, None),
