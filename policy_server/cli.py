@@ -161,7 +161,10 @@ def serve(config: ServerConfig) -> int:
     threading.Thread(target=_watch_warmup, args=(engine, warmup_failure, stop), daemon=True,
                      name="warmup-watch").start()
     try:
-        stop.wait()
+        # Woken each second: the kernel may deliver a signal to any thread, and Python runs its handler on the
+        # main thread only once that thread runs again; an untimed wait would sleep through it.
+        while not stop.wait(timeout=1.0):
+            pass
         if warmup_failure:
             print(f"policy-server: warmup failed ({warmup_failure[0]!r}); the log above has its traceback",
                   file=sys.stderr, flush=True)

@@ -103,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     serve.run(application(replicas, config), name=name, route_prefix=f"/{name}")
     print(f"policy-server ray-serve: application {name!r} on the gRPC proxy, port {options.port}", flush=True)
-    stop.wait()
+    while not stop.wait(timeout=1.0):  # timed, as cli.serve's: a signal another thread received still stops it
+        pass
     serve.delete(name)
     return 0
 
