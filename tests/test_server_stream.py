@@ -162,6 +162,22 @@ def test_a_reply_computed_across_a_reset_is_never_delivered(stream, engine):
     assert (event.kind, event.obs_id, event.error.reason) == ("error", in_flight, "STALE_EPOCH")
 
 
+def test_next_chunk_after_a_reset_is_the_new_episodes(stream, engine):
+    # What the last episode left in the queue, a chunk that came before the reset and the STALE_EPOCH answer to a
+    # frame in flight at it, is never what next_chunk hands a robot after it.
+    send(stream, 0)
+    while stream._events.empty():  # the old episode's chunk waits, unread
+        time.sleep(0.01)
+    engine.hold()
+    send(stream, 8)
+    engine.wait_entered()
+    session = stream.reset()
+    engine.release()
+    fresh = send(stream, 0)
+    chunk = stream.next_chunk()
+    assert (chunk.obs_id, chunk.epoch) == (fresh, session.epoch)
+
+
 def test_bad_frames_get_error_events_and_the_stream_lives_on(stream):
     nan = stream.send({"image": IMAGE}, np.array([np.nan, 0.0]), step_index=1)
     event = stream.next_event()

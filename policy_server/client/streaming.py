@@ -345,8 +345,8 @@ class ControlStream:
     def reset(self) -> Session:
         """New episode (the instruction is kept): the epoch grows, frames already in flight will come back
         STALE_EPOCH. A blocking ``ResetSession`` call, within the client's timeout (`PolicyServerError` if it
-        fails). Chunks that arrived before it may still wait in `next_event`'s queue: skip those whose
-        ``epoch`` or ``session_id`` is not ``stream.session``'s."""
+        fails). Chunks that arrived before it may still wait in `next_event`'s queue (`next_chunk` skips them):
+        skip those whose ``epoch`` or ``session_id`` is not ``stream.session``'s."""
         self._session = self._client.reset_session(self._session)
         return self._session
 
@@ -360,13 +360,17 @@ class ControlStream:
             raise TimeoutError(f"no control event within {timeout_s:g} s") from None
 
     def next_chunk(self, timeout_s: float = 5.0) -> ActionChunk:
-        """The next chunk; raises PolicyServerError on an error event, skips other events."""
+        """The next chunk of the stream's session at its current epoch; raises PolicyServerError on an error event,
+        skips other events. What a reset or a reopened session left stale is skipped too: chunks of the episode
+        before, and the STALE_EPOCH errors of frames sent in it (a robot must not act on the last episode)."""
         end = time.monotonic() + timeout_s
         while True:
             event = self.next_event(max(0.0, end - time.monotonic()))
-            if event.kind == "chunk":
+            current = self._session
+            if event.kind == "chunk" and (event.chunk.session_id, event.chunk.epoch) == (current.session_id,
+                                                                                         current.epoch):
                 return event.chunk
-            if event.kind == "error":
+            if event.kind == "error" and event.error.reason != "STALE_EPOCH":
                 raise event.error
             if event.kind == "closed":
                 raise event.error or _stream_closed()
