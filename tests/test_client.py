@@ -139,6 +139,17 @@ def test_a_client_timeout_is_a_finite_time_above_0():
             PolicyClient("127.0.0.1:1", timeout_s=bad)
 
 
+def test_a_call_nothing_answers_says_where_it_waited_and_for_how_long():
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        target = f"127.0.0.1:{probe.getsockname()[1]}"
+    with PolicyClient(target, timeout_s=0.3) as client, pytest.raises(PolicyServerError) as error:
+        client.server_info()  # waits for a server to come up, then says only "Deadline Exceeded"
+    assert error.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and not error.value.from_server
+    assert error.value.message == (f"no answer from {target} within 0.3 s: the server is down, unreachable, starting "
+                                   "or busy")
+
+
 def test_a_token_an_authorization_header_cannot_carry_is_refused_at_once_without_echoing_it():
     for bad in ("s3cret\n", "s3cret token", "sécret", " "):
         with pytest.raises(ValueError, match="token") as error:

@@ -24,7 +24,7 @@ class PolicyServerError(Exception):
         detail: pb.ErrorDetail | None = None,
         obs_id: int = 0,
     ) -> None:
-        super().__init__(f"{code.name} {reason}: {message}")
+        super().__init__(f"{code.name}{'' if reason == code.name else ' ' + reason}: {message}")
         self.code, self.reason, self.message = code, reason, message
         self.from_server = detail is not None
         self.detail = (

@@ -158,7 +158,13 @@ class PolicyClient:
         try:
             return method(request, timeout=timeout_s, metadata=metadata, **kwargs)
         except grpc.RpcError as exc:
-            raise PolicyServerError.from_rpc_error(exc) from None
+            error = PolicyServerError.from_rpc_error(exc)
+            if error.code == grpc.StatusCode.DEADLINE_EXCEEDED and not error.from_server:
+                # gRPC says only "Deadline Exceeded", and the calls that wait for a server (GetServerInfo,
+                # OpenSession, ...) say so too where nothing ever answered.
+                error = PolicyServerError(error.code, error.reason, f"no answer from {self.target} within "
+                                          f"{timeout_s:g} s: the server is down, unreachable, starting or busy")
+            raise error from None
 
     def close(self) -> None:
         self.channel.close()
