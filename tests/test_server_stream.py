@@ -318,28 +318,33 @@ def test_a_stream_that_sends_no_start_is_ended(client, monkeypatch):
     assert "no `start` within 0.3 s" in error.message
 
 
-def test_streams_waiting_for_their_start_are_bounded(client, monkeypatch):
-    # Each waiting stream holds a server thread: unbounded, silent streams would take every thread.
+def test_a_new_stream_takes_the_place_of_the_one_that_waited_longest_for_its_start(client, monkeypatch):
+    # Each waiting stream holds a server thread: they are bounded. Silent streams that hold every place (and are
+    # reopened as soon as they end) must not keep a robot out: a newcomer ends the one that waited longest, which a
+    # client that sends its start at once never is.
     monkeypatch.setattr(control_stream, "CONTROL_START_S", 3.0)
+    session = client.open_session("pusht", "open into a crowd")
     silent = queue.Queue()
-    waiting = [client.stub.Control(iter(silent.get, None), timeout=30) for _ in range(MAX_STARTING_STREAMS)]
+    waiting = []
     try:
-        time.sleep(0.5)  # they reach the server
-        with pytest.raises(grpc.RpcError) as err:
-            list(client.stub.Control(iter([]), timeout=30))
-        error = PolicyServerError.from_rpc_error(err.value)
-        assert (error.code, error.reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "TOO_MANY_STARTING_STREAMS")
-        session = client.open_session("pusht", "other calls are served meanwhile")
-        for call in waiting:  # each is ended at its start timeout, which frees its place
-            with pytest.raises(grpc.RpcError) as ended:
+        for _ in range(MAX_STARTING_STREAMS):
+            waiting.append(client.stub.Control(iter(silent.get, None), timeout=30))
+            time.sleep(0.1)  # they reach the server in this order
+        with ControlStream(client, session, backoff=Backoff(max_attempts=0)) as stream:  # no retry needed
+            obs_id = send(stream, 0)
+            assert stream.next_chunk().obs_id == obs_id
+        ended = []
+        for call in waiting:
+            with pytest.raises(grpc.RpcError) as error:
                 list(call)
-            assert PolicyServerError.from_rpc_error(ended.value).reason == "STREAM_NOT_STARTED"
+            ended.append(PolicyServerError.from_rpc_error(error.value))
+        oldest, *others = ended
+        assert (oldest.code, oldest.reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "TOO_MANY_STARTING_STREAMS")
+        assert oldest.retry_after_ms > 0 and "made room" in oldest.message
+        assert {e.reason for e in others} == {"STREAM_NOT_STARTED"}  # at their start timeout
     finally:
         for _ in waiting:
             silent.put(None)
-    with ControlStream(client, session) as stream:
-        obs_id = send(stream, 0)
-        assert stream.next_chunk().obs_id == obs_id
     client.close_session(session)
 
 
@@ -497,29 +502,9 @@ def test_closing_a_stream_while_it_reopens_its_session_leaves_nothing_open(monke
         assert kinds == ["disconnected", "closed"]
 
 
-def test_opening_a_stream_while_the_starting_places_are_full_waits_for_one(client, monkeypatch):
-    # Robots or simulation workers started together open their streams at once.
-    monkeypatch.setattr(control_stream, "CONTROL_START_S", 1.0)
-    session = client.open_session("pusht", "open into a crowd")
-    silent = queue.Queue()
-    waiting = [client.stub.Control(iter(silent.get, None), timeout=30) for _ in range(MAX_STARTING_STREAMS)]
-    try:
-        time.sleep(0.3)  # they reach the server
-        with pytest.raises(PolicyServerError) as refused:  # without retries the refusal is the caller's
-            ControlStream(client, session, backoff=Backoff(max_attempts=0)).open()
-        assert refused.value.reason == "TOO_MANY_STARTING_STREAMS"
-        with ControlStream(client, session, backoff=Backoff(initial_s=0.2, max_s=0.2)) as stream:
-            obs_id = send(stream, 0)
-            assert stream.next_chunk().obs_id == obs_id
-    finally:
-        for _ in waiting:
-            silent.put(None)
-    client.close_session(session)
-
-
-def test_a_reconnect_refused_while_the_starting_places_are_full_tries_again(monkeypatch):
-    # After a failover every stream of the lost server reconnects at once; the places for streams waiting for
-    # their `start` may all be taken for a moment. That refusal asks to be retried, and the stream does.
+def test_a_stream_reconnects_while_silent_streams_hold_every_starting_place(monkeypatch):
+    # After a failover every stream of the lost server reconnects at once, and the places for streams waiting for
+    # their `start` may all be taken: the reconnecting stream takes the place of the one that waited longest.
     monkeypatch.setattr(control_stream, "CONTROL_START_S", 2.0)
     first = build_server(build_config(overrides={"port": 0}), FakeEngine()).start()
     port = first.grpc_port
@@ -536,10 +521,6 @@ def test_a_reconnect_refused_while_the_starting_places_are_full_tries_again(monk
         second = build_server(build_config(overrides={"port": port}), FakeEngine()).start()
         crowd = PolicyClient(second.target)
         waiting = [crowd.stub.Control(iter(silent.get, None), timeout=30) for _ in range(MAX_STARTING_STREAMS)]
-        with pytest.raises(grpc.RpcError) as err:  # what the stream meets until the silent ones are ended
-            list(crowd.stub.Control(iter([]), timeout=30))
-        error = PolicyServerError.from_rpc_error(err.value)
-        assert error.reason == "TOO_MANY_STARTING_STREAMS" and error.retry_after_ms > 0
         assert stream.next_event(timeout_s=20).kind == "disconnected"
         event = stream.next_event(timeout_s=20)
         assert event.kind == "reconnected" and event.session_replaced, event

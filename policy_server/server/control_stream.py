@@ -23,7 +23,7 @@ chunks, so that a client that sends and never reads cannot grow the server's mem
 
 A stream holds a server thread from the moment it opens, so one that sends no ``start`` within
 ``CONTROL_START_S`` is ended (STREAM_NOT_STARTED), and at most ``MAX_STARTING_STREAMS`` wait for theirs at
-once (more are refused: TOO_MANY_STARTING_STREAMS).
+once (`StartingStreams`).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import grpc
@@ -52,25 +53,62 @@ from policy_server.server.errors import ServiceError, Undecodable, from_exceptio
 from policy_server.server.metrics import ServerMetrics
 from policy_server.v1 import policy_server_pb2 as pb
 
+_MADE_ROOM = object()  # put in a waiting stream's inbox: a newer stream took its place
 
-def _first_message(requests: Iterator[pb.ControlRequest]) -> pb.ControlRequest | None:
-    """The stream's first message, None when the client ended the stream without one, or STREAM_NOT_STARTED
-    when none came within ``CONTROL_START_S``. Read on a thread of its own, which ends with the call."""
-    first: queue.Queue = queue.Queue()
+
+class StartingStreams:
+    """The places of the streams waiting for their `start`, at most ``MAX_STARTING_STREAMS``: each holds a server
+    thread. A stream that finds them all taken ends the one that has waited longest (TOO_MANY_STARTING_STREAMS, with
+    a retry delay). A client that sends its start does so at once and holds a place for milliseconds, so the one
+    ended is, all but always, a silent stream: silent streams reopened in a loop cannot keep other clients out, as
+    refusing the newcomer let them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiting: deque[queue.Queue] = deque()  # each waiting stream's inbox, the longest waiting first
+
+    @contextmanager
+    def place(self, inbox: queue.Queue) -> Iterator[None]:
+        with self._lock:
+            if len(self._waiting) == MAX_STARTING_STREAMS:
+                self._waiting.popleft().put(_MADE_ROOM)
+            self._waiting.append(inbox)
+        try:
+            yield
+        finally:
+            with self._lock:
+                if inbox in self._waiting:  # not when it was ended to make room
+                    self._waiting.remove(inbox)
+
+
+def _first_message(requests: Iterator[pb.ControlRequest], starting: StartingStreams) -> pb.ControlRequest | None:
+    """The stream's first message, None when the client ended the stream without one, STREAM_NOT_STARTED when none
+    came within ``CONTROL_START_S``, TOO_MANY_STARTING_STREAMS when a newer stream took its place meanwhile. Read on
+    a thread of its own, which ends with the call."""
+    inbox: queue.Queue = queue.Queue()
 
     def read() -> None:
         try:
-            first.put(next(requests, None))
+            inbox.put(next(requests, None))
         except Exception:  # noqa: BLE001 - the call ended (cancelled, timed out) before a message came
-            first.put(None)
+            inbox.put(None)
 
     threading.Thread(target=read, daemon=True, name="control-start").start()
-    try:
-        return first.get(timeout=CONTROL_START_S)
-    except queue.Empty:
-        raise make_error("STREAM_NOT_STARTED", f"no `start` within {CONTROL_START_S:g} s of opening the stream",
-                         field="start", expected="ControlStart{session_id} as the first message",
-                         got="nothing") from None
+    with starting.place(inbox):
+        try:
+            first = inbox.get(timeout=CONTROL_START_S)
+        except queue.Empty:
+            raise make_error("STREAM_NOT_STARTED", f"no `start` within {CONTROL_START_S:g} s of opening the stream",
+                             field="start", expected="ControlStart{session_id} as the first message",
+                             got="nothing") from None
+    if first is _MADE_ROOM:
+        raise make_error(
+            "TOO_MANY_STARTING_STREAMS",
+            f"{MAX_STARTING_STREAMS} newer Control streams were waiting for their `start`: this one, waiting longest, "
+            "made room",
+            field="start", expected="a stream that sends `start` as soon as it opens; retry shortly",
+            got="no `start` yet", retry_after_ms=STARTING_RETRY_MS)
+    return first
 
 
 @dataclass
@@ -91,9 +129,9 @@ class ControlCall:
 
     def __init__(
         self, engine: Engine, metrics: ServerMetrics, max_message_bytes: int, context: grpc.ServicerContext,
-        starting: threading.Semaphore,
+        starting: StartingStreams,
     ) -> None:
-        """``starting``: the server's ``MAX_STARTING_STREAMS`` places for streams waiting for their start."""
+        """``starting``: the server's places for streams waiting for their start."""
         self._engine = engine
         self._metrics = metrics
         self._max_message_bytes = max_message_bytes
@@ -112,18 +150,7 @@ class ControlCall:
     # -- the handler thread ------------------------------------------------------------------
 
     def run(self, requests: Iterator[pb.ControlRequest]) -> Iterator[pb.ControlEvent]:
-        if not self._starting.acquire(blocking=False):
-            raise make_error(
-                "TOO_MANY_STARTING_STREAMS",
-                f"{MAX_STARTING_STREAMS} Control streams are waiting for their `start` already",
-                field="start", expected="a stream that sends `start` as soon as it opens; retry shortly",
-                got=f"a stream beyond the {MAX_STARTING_STREAMS}",
-                retry_after_ms=STARTING_RETRY_MS,  # streams that do send their start hold a place for milliseconds
-            )
-        try:
-            first = _first_message(requests)
-        finally:
-            self._starting.release()
+        first = _first_message(requests, self._starting)
         if first is None:
             return
         if isinstance(first, Undecodable):

@@ -6,15 +6,13 @@ with its machine-readable reason (see ``errors.py``), so the server keeps servin
 
 from __future__ import annotations
 
-import threading
 import time
 
 import grpc
 
 from policy_server.engine.api import EmbodimentSpec, Engine, SessionHandle, WarmingUp
-from policy_server.limits import MAX_STARTING_STREAMS
 from policy_server.server import convert, validate
-from policy_server.server.control_stream import ControlCall
+from policy_server.server.control_stream import ControlCall, StartingStreams
 from policy_server.server.errors import ServiceError, rpc_errors
 from policy_server.server.metrics import ServerMetrics
 from policy_server.v1 import policy_server_pb2 as pb
@@ -29,7 +27,7 @@ class PolicyServicer(pb_grpc.PolicyServiceServicer):
         self.engine = engine
         self.metrics = metrics
         self.max_message_bytes = max_message_bytes
-        self.starting_streams = threading.BoundedSemaphore(MAX_STARTING_STREAMS)
+        self.starting_streams = StartingStreams()
 
     def on_error(self, error: ServiceError) -> None:
         self.metrics.observe_error(error.reason)

@@ -132,8 +132,8 @@ class PolicyServiceServicer:
 
     def Control(self, request_iterator, context):
         """The real-time loop for one session. First request: `start`, within 10 s of opening the stream
-        (else FAILED_PRECONDITION / STREAM_NOT_STARTED; at most 4 streams wait for their start at once,
-        more get RESOURCE_EXHAUSTED / TOO_MANY_STARTING_STREAMS). One stream per session at a time: a
+        (else FAILED_PRECONDITION / STREAM_NOT_STARTED; at most 4 streams wait for their start at once: a fifth
+        ends the one waiting longest, RESOURCE_EXHAUSTED / TOO_MANY_STARTING_STREAMS). One stream per session at a time: a
         second gets RESOURCE_EXHAUSTED / STREAM_ATTACHED with retry_after_ms. Then observations whenever the robot
         wants a new chunk, their obs_ids increasing. The server keeps at most one waiting observation
         per session (the newest wins); each one it drops is reported as `superseded`, except frames
