@@ -178,6 +178,14 @@ def test_ray_serve_reads_the_config_file_the_environment_names(tmp_path, monkeyp
     assert "max_sesions" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("name", ["", "my app", "a/b"])
+def test_ray_serve_refuses_an_application_name_clients_could_not_route_to(name, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        ray_serve_main(["--name", name])
+    assert exit_.value.code == 2
+    assert f"expected a name of letters, digits, '.', '_' or '-', got {name!r}" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("flag", ["--grpc-port", "--http-port"])
 def test_ray_serve_refuses_a_port_it_cannot_listen_on(flag, capsys):
     with pytest.raises(SystemExit) as exit_:

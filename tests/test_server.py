@@ -316,6 +316,7 @@ def test_deadline_misses_are_counted(server, client):
 def token_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("auth") / "token"
     path.write_text("s3cret-token\n")
+    path.chmod(0o600)
     return path
 
 
@@ -393,6 +394,17 @@ def test_tls(tmp_path, capsys):
         with pytest.raises(SystemExit) as exit_:
             client_main(["health", flag, str(bad)])
         assert exit_.value.code == 2 and why in capsys.readouterr().err
+
+
+def test_a_token_file_other_users_may_read_is_warned_of(token_file):
+    config = build_config(overrides={"auth_token_file": token_file})
+    assert exposure_warnings(config) == []
+    token_file.chmod(0o644)
+    try:
+        assert exposure_warnings(config) == [f"auth token file {token_file} may be read by other users of this machine "
+                                             "(mode 644): chmod 600 it"]
+    finally:
+        token_file.chmod(0o600)
 
 
 @pytest.mark.parametrize(("settings", "warning"), [

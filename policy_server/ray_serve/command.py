@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import sys
 import threading
@@ -29,6 +30,13 @@ def _port(value: str) -> int:
     return int(value)
 
 
+def _application_name(value: str) -> str:
+    """argparse type: a Serve application's name, its route prefix and the clients' `serve_application` header."""
+    if not re.fullmatch(r"[A-Za-z0-9._-]+", value):
+        raise argparse.ArgumentTypeError(f"expected a name of letters, digits, '.', '_' or '-', got {value!r}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = build_parser(network=False)
     parser.prog = "policy-server ray-serve"
@@ -36,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     g = parser.add_argument_group("Ray Serve")
     g.add_argument("--address", help="Ray cluster to join (auto: the local node's; unset: RAY_ADDRESS, or start "
                    "a Ray instance here)")
-    g.add_argument("--name", help="application name, the clients' serve_application (policy)")
+    g.add_argument("--name", type=_application_name, help="application name, the clients' serve_application (policy)")
     g.add_argument("--grpc-port", type=_port, help="the gRPC proxy's port, on every interface (9000)")
     g.add_argument("--http-host", help="the HTTP proxy's address (127.0.0.1)")
     g.add_argument("--http-port", type=_port, help="the HTTP proxy's port (8000)")

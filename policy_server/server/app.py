@@ -100,22 +100,26 @@ def _beyond_this_machine(host: str) -> bool:
 
 
 def exposure_warnings(config: ServerConfig) -> list[str]:
-    """What the log should say about listeners that other machines may reach (``--host`` for gRPC and the openpi
-    WebSocket, ``--metrics-host``) without a token, or with the token in the clear."""
+    """What the log should say about an auth token file other users of this machine may read, and about listeners
+    that other machines may reach (``--host`` for gRPC and the openpi WebSocket, ``--metrics-host``) without a
+    token, or with the token in the clear."""
+    warnings = []
+    if config.auth_token_file is not None and (mode := config.auth_token_file.stat().st_mode & 0o777) & 0o077:
+        warnings.append(f"auth token file {config.auth_token_file} may be read by other users of this machine (mode "
+                        f"{mode:o}): chmod 600 it")
     exposed = [f"{what} on {host}" for what, host, on in (
         ("gRPC" + (" and the openpi WebSocket" if config.websocket_port is not None else ""), config.host, True),
         ("/metrics", config.metrics_host, config.metrics_port is not None)) if on and _beyond_this_machine(host)]
-    if not exposed:
-        return []
     listeners = " and ".join(exposed)
-    if config.auth_token_file is None:
-        return [f"{listeners} may be reached from other machines, with no token asked: whoever reaches them "
-                "may open sessions and get action chunks; set --auth-token-file (with --tls-cert/--tls-key), or bind "
-                "127.0.0.1"]
-    if not config.tls:
-        return [f"{listeners} may be reached from other machines in plaintext: the auth token crosses the network in "
-                "the clear with every call; set --tls-cert/--tls-key (or terminate TLS in front and bind 127.0.0.1)"]
-    return []
+    if exposed and config.auth_token_file is None:
+        warnings.append(f"{listeners} may be reached from other machines, with no token asked: whoever reaches them "
+                        "may open sessions and get action chunks; set --auth-token-file (with --tls-cert/--tls-key), "
+                        "or bind 127.0.0.1")
+    elif exposed and not config.tls:
+        warnings.append(f"{listeners} may be reached from other machines in plaintext: the auth token crosses the "
+                        "network in the clear with every call; set --tls-cert/--tls-key (or terminate TLS in front "
+                        "and bind 127.0.0.1)")
+    return warnings
 
 
 def _bind_address(host: str, port: int) -> str:
