@@ -343,8 +343,15 @@ def test_a_taken_port_ends_serve_before_the_warmup_begins(monkeypatch, capsys):
         taken.listen()
         port = taken.getsockname()[1]
         assert cli.main(["serve", "--port", str(port)]) == 2
-    assert capsys.readouterr().err.strip() == f"policy-server: could not bind gRPC to 127.0.0.1:{port} (in use or " \
-                                               "not permitted)"
+    assert capsys.readouterr().err.strip() == f"policy-server: could not bind gRPC to 127.0.0.1:{port} (Address " \
+                                               "already in use)"
+    # The OS's reason, which only gRPC core's own log line gave: "(in use or not permitted)" said neither.
+    assert cli.main(["serve", "--host", "192.0.2.1", "--port", "50051"]) == 2  # TEST-NET-1: no machine's own
+    assert capsys.readouterr().err.strip().endswith("could not bind gRPC to 192.0.2.1:50051 (Cannot assign requested "
+                                                    "address)")
+    assert cli.main(["serve", "--port", "0", "--unix-socket", "/no/such/folder/policy.sock"]) == 2
+    assert capsys.readouterr().err.strip().endswith("could not bind gRPC to unix:/no/such/folder/policy.sock (No such "
+                                                    "file or directory)")
     with socket.socket() as taken:  # the WebSocket's port: it said only "[Errno 98] Address already in use (...)"
         taken.bind(("127.0.0.1", 0))
         taken.listen()

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import os
+import socket
 import ssl
 import threading
 from concurrent import futures
@@ -120,6 +122,24 @@ def exposure_warnings(config: ServerConfig) -> list[str]:
                         "network in the clear with every call; set --tls-cert/--tls-key (or terminate TLS in front "
                         "and bind 127.0.0.1)")
     return warnings
+
+
+def _bind_problem(address: str) -> str:
+    """Why gRPC could not bind `address` (`HOST:PORT` or `unix:PATH`), as the OS says when a socket of ours tries:
+    gRPC core says it only in its own log line."""
+    try:
+        if address.startswith("unix:"):
+            path = address.removeprefix("unix:")
+            with socket.socket(socket.AF_UNIX) as probe:
+                probe.bind(path)
+            os.unlink(path)
+        else:
+            host, _, port = address.rpartition(":")
+            with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+                probe.bind((host.strip("[]"), int(port)))
+    except OSError as error:  # socket.gaierror too: a host that names no address
+        return error.strerror or str(error)
+    return "in use or not permitted"
 
 
 def _bind_address(host: str, port: int) -> str:
@@ -238,7 +258,7 @@ class PolicyServer:
         except RuntimeError:  # grpcio's way of saying the bind failed
             port = 0
         if port == 0:
-            raise OSError(f"could not bind gRPC to {address} (in use or not permitted)")
+            raise OSError(f"could not bind gRPC to {address} ({_bind_problem(address)})")
         return port
 
     def stop(self, grace_s: float = 2.0) -> None:
