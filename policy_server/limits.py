@@ -9,6 +9,7 @@ MAX_RESIDUAL_ORDER = 2  # SeaCache's Newton extrapolation: 0 reuse, 1 linear, 2 
 # and the planner's ladder, which runs to 4x it, stays below its most aggressive rung (planner.MAX_CACHING, 1e6).
 MAX_CACHE_THRESHOLD = 1000.0
 
+MAX_REASON_CALLS = 2  # Reason calls that run at once (each holds a server thread while it streams)
 MAX_INSTRUCTION_TOKENS = 128  # a task instruction, in tokens of the model's tokenizer
 MAX_PROMPT_TOKENS = 512  # a Reason prompt, in tokens
 # UTF-8 bytes of an instruction or prompt, checked before tokenizing so that tokenizing is cheap. A

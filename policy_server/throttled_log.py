@@ -6,20 +6,21 @@ import logging
 import threading
 import time
 
-_OTHER_KINDS = object()  # the key of the lines of kinds beyond `max_keys`
+MAX_KEYS = 32  # keys followed at once
+_OTHER_KINDS = object()  # the key of the lines of kinds beyond `MAX_KEYS`
 
 
 class ThrottledLog:
     """Writes at most one line per key each `period_s`, saying how many it held back since the last one: a client
     that repeats a refused request in a loop would otherwise write a line per request (the metrics count each).
 
-    A key may be the client's to choose (a name it sends), so at most `max_keys` keys are followed at once: the lines
+    A key may be the client's to choose (a name it sends), so at most `MAX_KEYS` keys are followed at once: the lines
     of further keys share one throttle until a followed key has been quiet for a period and is forgotten (with its
-    lines held back since its last one). A client sending a new name each time writes no more lines than one that
-    keeps its name, and the table stays small."""
+    lines held back since its last one). Whatever names a client sends, it writes at most `MAX_KEYS` + 1 lines a
+    period, and the table stays small."""
 
-    def __init__(self, logger: logging.Logger, level: int, period_s: float, max_keys: int = 32):
-        self.logger, self.level, self.period_s, self.max_keys = logger, level, period_s, max_keys
+    def __init__(self, logger: logging.Logger, level: int, period_s: float):
+        self.logger, self.level, self.period_s = logger, level, period_s
         self._lock = threading.Lock()
         self._quiet_until: dict[object, float] = {}  # by key: monotonic s
         self._held: dict[object, int] = {}
@@ -28,7 +29,7 @@ class ThrottledLog:
         now = time.monotonic()
         with self._lock:
             self._forget_quiet(now)
-            if key not in self._quiet_until and len(self._quiet_until) >= self.max_keys:
+            if key not in self._quiet_until and len(self._quiet_until) >= MAX_KEYS:
                 key = _OTHER_KINDS
             if now < self._quiet_until.get(key, 0.0):
                 self._held[key] = self._held.get(key, 0) + 1

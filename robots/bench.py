@@ -919,8 +919,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     budgets = parser.add_mutually_exclusive_group()
     budgets.add_argument("--budgets-ms", type=float, nargs="+", default=None,
                          help="per-tick budgets to run, ms (default: --budget-fractions of the uncached latency)")
-    # The tightest above the cheapest tick plus the longest background piece, about 32% of the uncached tick on
-    # this CPU, with room: 0.3 was refused (a 20.7 ms budget against a cheapest 22.1 ms, session 37).
+    # The tightest must lie above the cheapest tick plus the longest background piece an engine may wait for, with
+    # room: 0.3 of the uncached tick was refused on this CPU.
     budgets.add_argument("--budget-fractions", type=float, nargs="+", default=[0.35, 0.4, 0.5, 0.6, 0.75, 1.0],
                          help="budgets as fractions of the uncached p50 measured before the run (0.35 .. 1.0, "
                               "six points)")

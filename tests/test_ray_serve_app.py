@@ -32,6 +32,7 @@ from policy_server.ray_serve.app import (  # noqa: E402
 )
 from policy_server.ray_serve.call import CallAborted, ServeCall  # noqa: E402
 from policy_server.ray_serve.command import main as ray_serve_main  # noqa: E402
+from policy_server.server.app import max_concurrent_calls  # noqa: E402
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 
@@ -44,8 +45,8 @@ def test_application_args_split_into_replica_settings_and_the_server_config():
     options = deployment_options(replicas, config)
     assert options["num_replicas"] == 3
     assert options["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 0.5}
-    # What policy-server serves at once: 6 sessions, 2 dynamics calls, 2 reflection streams.
-    assert options["max_ongoing_requests"] == 2 * 6 + 8 + 2 + 2
+    # What a replica serves at once: 6 sessions, 2 dynamics calls; no reflection behind Serve.
+    assert options["max_ongoing_requests"] == max_concurrent_calls(6, 2, reflection=False)
     router = options["request_router_config"]
     assert (router.request_router_class, router.request_router_kwargs) == (CONSISTENT_HASH_ROUTER,
                                                                           {"num_fallback_replicas": 0})

@@ -178,7 +178,8 @@ def test_idle_reflection_streams_are_bounded_and_leave_the_server_its_threads(se
     # server has threads took them all, and every other call got RESOURCE_EXHAUSTED "Concurrent RPC limit exceeded".
     with grpc.insecure_channel(server.target) as channel:
         stub = reflection_pb2_grpc.ServerReflectionStub(channel)
-        requests = [queue.Queue() for _ in range(max_concurrent_calls(4, 0))]  # as many as the server has threads
+        threads = max_concurrent_calls(server.config.max_sessions, server.config.max_dynamics_calls, reflection=True)
+        requests = [queue.Queue() for _ in range(threads)]  # as many as the server has threads
         answers, calls = [], []  # the calls kept: a call collected is cancelled
         for waiting in requests:
             waiting.put(reflection_pb2.ServerReflectionRequest(list_services=""))

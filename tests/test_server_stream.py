@@ -436,12 +436,15 @@ def test_a_stream_reopens_its_session_once_a_full_server_has_room():
         assert event.kind == "reconnected" and event.session_replaced, event
 
 
-def test_a_reopened_session_keeps_the_budget_granted_and_the_instruction_last_sent():
+def test_a_reopened_session_keeps_the_budget_granted_and_the_instruction_the_server_acted_on():
     with _stream_across_a_restart({"budget_ms": 90}) as (_, stream, restart):
         stream.set_budget(150.0)
         assert stream.next_event().kind == "budget"
         send(stream, 0, instruction="reach the blue square")
         stream.next_chunk()
+        refused = send(stream, 1, instruction="x" * 20_000)  # over the text limit: never the session's
+        event = stream.next_event()
+        assert (event.kind, event.obs_id) == ("error", refused), event
         restart()
         assert stream.next_event(timeout_s=20).kind == "disconnected"
         event = stream.next_event(timeout_s=20)

@@ -139,6 +139,9 @@ class Calibration(BaseModel):
     source: str  # the observations file, "embedded simulator" or "synthetic (warmup)"
     seconds: float = Field(ge=0.0)
 
+    def describe(self) -> str:
+        return f"calibrated on {self.observations} observations of {self.source}"
+
 
 class QualityProfile(BaseModel):
     """Per served embodiment, every tick configuration of one checkpoint as calibration measured it."""

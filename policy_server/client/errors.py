@@ -39,6 +39,11 @@ class PolicyServerError(Exception):
                             self.obs_id)
 
     @property
+    def no_answer(self) -> bool:
+        """The call's deadline passed with no answer from a server (down, unreachable, starting or busy)."""
+        return self.code == grpc.StatusCode.DEADLINE_EXCEEDED and not self.from_server
+
+    @property
     def field(self) -> str:
         return self.detail.field
 

@@ -5,17 +5,16 @@
         event = stream.next_event(timeout_s=1.0)   # chunk, superseded, error, pong, budget, disconnected,
                                                    # reconnected, closed
 
-The server answers the newest observation and reports each dropped one as ``superseded``; a bad
-frame comes back as an ``error`` event and the stream continues. If the connection drops, the stream
-reports ``disconnected``, reconnects with exponential backoff (by default for about two minutes: a server's
-restart and warmup) and re-attaches to the session; if the server lost the session (it restarted, or behind
-Ray Serve its replica went away), it opens a new one with the same settings (the budget last granted, the
-instruction last sent) and reports ``reconnected`` with ``session_replaced=True``, because the episode state
-(epoch) is new. A dropped connection is UNAVAILABLE, or INTERNAL without a server reason: Ray Serve's proxy ends
-a stream so when its replica dies. A refusal that says when to retry is tried again too, when opening as when
-reconnecting: streams that all (re)connect at once, after a failover or at a fleet's start, may find no
-place left on the server for those still to send their start (RESOURCE_EXHAUSTED: behind Ray Serve a stream's
-error does not say when to retry).
+The server answers the newest observation and reports each dropped one as ``superseded``; a bad frame comes back as
+an ``error`` event and the stream continues. If the connection drops, the stream reports ``disconnected``,
+reconnects with exponential backoff (by default for about two minutes: a server's restart and warmup) and
+re-attaches to the session; if the server lost the session (it restarted, or behind Ray Serve its replica went
+away), it opens a new one with the same settings (the budget last granted, the instruction the server last acted
+on) and reports ``reconnected`` with ``session_replaced=True``, because the episode state (epoch) is new. A dropped
+connection is UNAVAILABLE, or INTERNAL without a server reason: Ray Serve's proxy ends a stream so when its replica
+dies. A refusal that says when to retry is tried again too, when opening as when reconnecting: streams that all
+(re)connect at once, after a failover or at a fleet's start, may find no place left on the server for those still
+to send their start (RESOURCE_EXHAUSTED: behind Ray Serve a stream's error does not say when to retry).
 Observations sent while disconnected are dropped: they would be stale by the time a chunk came. A reply this
 client cannot read (preview frames, JPEG, without OpenCV) ends the stream: ``closed`` with UNREADABLE_REPLY.
 Once the stream has ended (``closed``, whose error says why, or `close()`), sending raises ``PolicyServerError``
@@ -67,8 +66,7 @@ class ControlStream:
     """One session's Control stream. A reader thread of its own (``control-events``) receives the server's events,
     decodes them (a chunk's preview frames too) and queues them for `next_event`; nothing runs on the caller's
     threads but the calls it makes. `send` and `next_event` may be called from different threads. ``backoff``
-    (default ``RECONNECT_BACKOFF``: 60 tries, about two minutes) paces reconnecting; ``Backoff()``'s own default
-    is 20 tries."""
+    (default ``RECONNECT_BACKOFF``: 60 tries, about two minutes) paces reconnecting."""
 
     def __init__(
         self,
@@ -91,7 +89,8 @@ class ControlStream:
         self._reader: threading.Thread | None = None
         self._closing = threading.Event()
         self._ended: PolicyServerError | None = None  # why the stream ended, once it has
-        self._instruction = session.instruction  # the last one sent: a reopened session gets it
+        self._instruction = session.instruction  # the last one the server acted on: a reopened session gets it
+        self._sent_instructions: dict[int, str] = {}  # obs_id -> the instruction it carries, until it is answered
         self._obs_ids = itertools.count(1)
 
     @property
@@ -157,7 +156,8 @@ class ControlStream:
                                                     f"a reply could not be read: {type(exc).__name__}: {exc}"))
                         return
                     if converted.kind == "budget":
-                        self._granted(converted.session)
+                        self._keep(converted.session)
+                    self._answered(converted)
                     self._events.put(converted)
                 self._end(None)
                 return
@@ -173,11 +173,28 @@ class ControlStream:
                     self._end(None if self._closing.is_set() else failure)
                     return
 
-    def _granted(self, session: Session) -> None:
-        """Keep the budget granted (what a reopened session asks for) at the newest epoch: the answer may be read
-        after a `reset()` that returned since it was made."""
+    def _keep(self, session: Session) -> None:
+        """Make ``session`` the stream's (what a reopened session asks for: the budget granted, ...). An answer about
+        the same session never takes its epoch back: a budget answer made before a `reset()` may be read after it."""
         with self._lock:
-            self._session = dataclasses.replace(session, epoch=max(session.epoch, self._session.epoch))
+            if session.session_id == self._session.session_id:
+                session = dataclasses.replace(session, epoch=max(session.epoch, self._session.epoch))
+            self._session = session
+
+    def _answered(self, event: StreamEvent) -> None:
+        """A frame's instruction is the session's once the server acts on the frame (a chunk answers it); one refused
+        or superseded never is, so a reopened session does not ask for it."""
+        if event.kind not in ("chunk", "error", "superseded") or not event.obs_id:
+            return
+        with self._lock:
+            if event.kind != "chunk":
+                self._sent_instructions.pop(event.obs_id, None)
+                return
+            if event.obs_id in self._sent_instructions:
+                self._instruction = self._sent_instructions[event.obs_id]
+            # Frames are acted on in order: one sent before the answered frame and still here never will be.
+            for obs_id in [o for o in self._sent_instructions if o <= event.obs_id]:
+                del self._sent_instructions[obs_id]
 
     def _end(self, error: PolicyServerError | None) -> None:
         """Report the stream's end (``closed``, with ``error`` unless the client closed it)."""
@@ -197,7 +214,7 @@ class ControlStream:
                 error = exc
                 lost_again = exc.reason == "SESSION_NOT_FOUND" and self._reopen_session  # a reopening raced
                 # Reopening outlasted the client's call timeout: the restarted server is still warming up.
-                timed_out = exc.code == grpc.StatusCode.DEADLINE_EXCEEDED and not exc.from_server
+                timed_out = exc.no_answer
                 if lost_again or timed_out or _connection_lost(exc) or _passing(exc):
                     continue
                 return error
@@ -222,7 +239,7 @@ class ControlStream:
     def _reopen(self) -> None:
         """Open a session with the lost one's settings and attach to it."""
         old = self._session
-        self._session = self._client.open_session(
+        self._keep(self._client.open_session(
             old.embodiment,
             self._instruction,
             budget_ms=old.budget_ms,
@@ -231,7 +248,7 @@ class ControlStream:
             rate_hz=old.rate_hz,
             preview=old.preview,
             client_name=old.client_name,
-        )
+        ))
         try:
             self._connect()
         except PolicyServerError:
@@ -324,7 +341,8 @@ class ControlStream:
     ) -> int:
         obs_id = next(self._obs_ids)
         if observation.instruction:
-            self._instruction = observation.instruction
+            with self._lock:
+                self._sent_instructions[obs_id] = observation.instruction
         frame = pb.ObservationFrame(
             epoch=self._session.epoch if epoch is None else epoch,
             obs_id=obs_id,
@@ -347,7 +365,7 @@ class ControlStream:
         STALE_EPOCH. A blocking ``ResetSession`` call, within the client's timeout (`PolicyServerError` if it
         fails). Chunks that arrived before it may still wait in `next_event`'s queue (`next_chunk` skips them):
         skip those whose ``epoch`` or ``session_id`` is not ``stream.session``'s."""
-        self._session = self._client.reset_session(self._session)
+        self._keep(self._client.reset_session(self._session))
         return self._session
 
     # -- receiving -----------------------------------------------------------------------------

@@ -159,7 +159,7 @@ class PolicyClient:
             return method(request, timeout=timeout_s, metadata=metadata, **kwargs)
         except grpc.RpcError as exc:
             error = PolicyServerError.from_rpc_error(exc)
-            if error.code == grpc.StatusCode.DEADLINE_EXCEEDED and not error.from_server:
+            if error.no_answer:
                 # gRPC says only "Deadline Exceeded", and the calls that wait for a server (GetServerInfo,
                 # OpenSession, ...) say so too where nothing ever answered.
                 error = PolicyServerError(error.code, error.reason, f"no answer from {self.target} within "

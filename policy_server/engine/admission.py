@@ -116,10 +116,8 @@ class Admission:
         for embodiment in self.served.embodiments.values():
             chunk = embodiment.default_chunk_size
             rate = default_rate_hz(embodiment.fps, chunk) if rate_hz is None else rate_hz
-            demand = self.demand(embodiment.name, chunk, budget_ms, rate)
-            if self._infeasible(demand) and self._retimed(self._demand_key(embodiment.name, chunk), demand):
-                demand = self.demand(embodiment.name, chunk, budget_ms, rate)
-            demands.append((embodiment.name, chunk, rate, demand))
+            demands.append((embodiment.name, chunk, rate, self._feasible_demand(embodiment.name, chunk, budget_ms,
+                                                                                 rate)))
         with self._lock:
             sessions = self.sessions.all()
             out = []
@@ -154,9 +152,7 @@ class Admission:
              open_session: Callable[[Demand], SessionState]) -> SessionState:
         """Admit a session of this shape, budget and rate beside the open ones (`demand`) and open it with
         `open_session(demand)`."""
-        demand = self.demand(embodiment, chunk, budget_ms, rate_hz, preview)
-        if self._infeasible(demand) and self._retimed(self._demand_key(embodiment, chunk), demand):
-            demand = self.demand(embodiment, chunk, budget_ms, rate_hz, preview)
+        demand = self._feasible_demand(embodiment, chunk, budget_ms, rate_hz, preview)
         self._check_floor(demand)
         with self._lock:
             self._admit([*[s.demand for s in self.sessions.all()], demand], demand, "this session")
@@ -164,23 +160,26 @@ class Admission:
             self._assign_slots()
         return session
 
-    def _retimed(self, key: tuple, refused: Demand) -> bool:
-        """Whether the ticks of cost key `key` were just timed again, as an idle server does once per
-        `RETIME_INTERVAL_S` before refusing a budget below their cheapest (within `RETIME_MAX_FACTOR`): timings
-        taken while something else held the machine (a warmup during a busy boot) must not refuse budgets until
-        a restart. Only with no session open, so no tick waits behind the timing ticks."""
-        cheapest_ms = refused.floor_ms + self.blocking_ms()
-        if cheapest_ms > RETIME_MAX_FACTOR * refused.budget_ms:
-            return False
+    def _feasible_demand(self, embodiment: str, chunk: int, budget_ms: float, rate_hz: float,
+                         preview: bool = False) -> Demand:
+        """`demand`, its shape's ticks timed again first where their cheapest is above the budget (within
+        `RETIME_MAX_FACTOR`), as an idle server does once per `RETIME_INTERVAL_S`: timings taken while something
+        else held the machine (a warmup during a busy boot) must not refuse budgets until a restart. Only with no
+        session open, so no tick waits behind the timing ticks."""
+        demand = self.demand(embodiment, chunk, budget_ms, rate_hz, preview)
+        cheapest_ms = demand.floor_ms + self.blocking_ms()
+        if not budget_ms < cheapest_ms <= RETIME_MAX_FACTOR * budget_ms:
+            return demand
+        key = self._demand_key(embodiment, chunk)
         with self._lock:  # no session opens meanwhile
             now_s = time.monotonic()
             if self.sessions.all() or now_s - self._retimed_s.get(key, -RETIME_INTERVAL_S) < RETIME_INTERVAL_S:
-                return False
+                return demand
             logger.info("a budget of %g ms is below the cheapest tick of %.0f ms: timing these ticks again (the "
-                        "timings may come from a busy moment)", refused.budget_ms, cheapest_ms)
+                        "timings may come from a busy moment)", budget_ms, cheapest_ms)
             self.retime(key)
             self._retimed_s[key] = time.monotonic()
-        return True
+        return self.demand(embodiment, chunk, budget_ms, rate_hz, preview)
 
     def change_budget(self, session: SessionState, budget_ms: float) -> None:
         old = session.demand
@@ -209,15 +208,11 @@ class Admission:
         for session in closed:
             logger.info("closed session %s: no call for %.0f s", session.describe(), now_s - session.last_used_s)
 
-    def _infeasible(self, demand: Demand) -> bool:
-        """Whether even an idle server cannot meet the budget: the cheapest tick after the longest background
-        piece it may wait for (`assign_slots` gives any session no less)."""
-        return demand.floor_ms + self.blocking_ms() > demand.budget_ms
-
     def _check_floor(self, demand: Demand) -> None:
-        """BudgetInfeasible when `_infeasible`, with the cheapest tick's stages."""
-        if self._infeasible(demand):
-            wait_ms = self.blocking_ms()
+        """BudgetInfeasible when even an idle server cannot meet the budget: the cheapest tick after the longest
+        background piece it may wait for (`assign_slots` gives any session no less)."""
+        wait_ms = self.blocking_ms()
+        if demand.floor_ms + wait_ms > demand.budget_ms:
             stages = {**demand.floor_stages_ms, **({"background piece": wait_ms} if wait_ms else {})}
             raise api.BudgetInfeasible(demand.budget_ms, demand.floor_ms + wait_ms, stages)
 

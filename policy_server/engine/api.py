@@ -19,6 +19,7 @@ from typing import ClassVar, Protocol, runtime_checkable
 import numpy as np
 
 # The embodiment schema is part of this contract; it lives in a leaf module so the pipeline can build it.
+from policy_server.limits import MAX_REASON_CALLS
 from policy_server.specs import ActionSpec as ActionSpec
 from policy_server.specs import CameraSpec as CameraSpec
 from policy_server.specs import EmbodimentSpec as EmbodimentSpec
@@ -64,7 +65,7 @@ class ServerInfo:
     model_digest: str = ""
     device: str = "cpu"
     max_reason_tokens: int = 256
-    max_reason_calls: int = 2  # Reason calls at once
+    max_reason_calls: int = MAX_REASON_CALLS  # Reason calls at once
     max_instruction_tokens: int = 0
     max_prompt_tokens: int = 0
     warmup_profile: tuple[ProfilePoint, ...] = ()
@@ -345,7 +346,6 @@ class BudgetInfeasible(EngineError):
             + (f" ({breakdown})" if breakdown else "")
         )
         self.budget_ms, self.best_achievable_ms = budget_ms, best_achievable_ms
-        self.stages_ms = dict(stages_ms or {})
 
     def details(self) -> dict[str, str]:
         return {"budget_ms": f"{self.budget_ms:g}", "best_achievable_ms": f"{self.best_achievable_ms:.3f}"}

@@ -455,8 +455,7 @@ def resolve_profile(setting: str, checkpoint: Path | None, digest: str, served: 
         raise ProfileError(f"{path}: no configurations for {', '.join(missing)} (it has "
                            f"{', '.join(profile.embodiments) or 'none'}); calibrate the served embodiments with "
                            "`policy-server calibrate`, or plan on the cache ladder with --quality-profile off")
-    logger.info("planning ticks on the quality profile %s (calibrated on %d observations of %s)", path,
-                profile.calibration.observations, profile.calibration.source)
+    logger.info("planning ticks on the quality profile %s (%s)", path, profile.calibration.describe())
     return profile, False
 
 

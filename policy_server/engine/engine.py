@@ -106,7 +106,7 @@ class ModelEngine:
         profile = self.served.profile
         if profile is None or not self.settings.diffusion_cache:
             return ""
-        return f"calibrated on {profile.calibration.observations} observations of {profile.calibration.source}"
+        return profile.calibration.describe()
 
     def info(self) -> api.ServerInfo:
         pipeline = self.served.pipeline
@@ -188,7 +188,8 @@ class ModelEngine:
         done.result()
 
     def session(self, session_id: str) -> api.SessionHandle:
-        self._admission.close_idle(self.settings.session_idle_s)  # an idle session is gone, not revived
+        if self.sessions.get(session_id).idle(time.monotonic(), self.settings.session_idle_s):
+            self._admission.close_idle(self.settings.session_idle_s)  # an idle session is gone, not revived
         return self.sessions.get(session_id).handle()
 
     @contextlib.contextmanager

@@ -20,7 +20,7 @@ from policy_server.cache.controller import StepController
 from policy_server.cache.sea_filter import SeaFilter
 from policy_server.engine import api
 from policy_server.engine.sessions import SessionState
-from policy_server.limits import MAX_INSTRUCTION_TOKENS
+from policy_server.limits import MAX_INSTRUCTION_TOKENS, MAX_REASON_CALLS
 from policy_server.model.text_tokenizer import TextTokenizer
 from policy_server.pipeline.compiled_stack import CompileUnavailableError, PrecompiledGenStack, compile_unavailable
 from policy_server.pipeline.cuda_graphs import GraphedGenStack
@@ -60,7 +60,7 @@ class EngineSettings:
     max_consecutive_cached: int = 2
     warmup_ticks: int = 4
     max_reason_tokens: int = 256
-    max_reason_calls: int = 2
+    max_reason_calls: int = MAX_REASON_CALLS
     max_dynamics_calls: int = 0
     max_batch: int = 4
     quality_profile: QualityProfile | None = None

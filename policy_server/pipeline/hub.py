@@ -17,18 +17,20 @@ class CheckpointNotFound(ValueError):
     """A checkpoint reference that names neither a local folder nor a Hub repository that could be fetched."""
 
 
-def _hub_name(part: str) -> bool:
-    """The Hub's rule for each part of a repository id (`huggingface_hub.utils.validate_repo_id`): at most 96
-    characters, not starting or ending with '.' or '-', without '--' or '..'."""
-    return len(part) <= 96 and part[0] not in ".-" and part[-1] not in ".-" and "--" not in part and ".." not in part
-
-
 def _hub_reference(reference: str | Path) -> re.Match | None:
-    """`reference` parsed as a Hub id, None when it is not one (a revision may not climb out with '..' either)."""
+    """`reference` parsed as a Hub id, None when it is not one: its repository id breaks the Hub's naming rule, or
+    its revision climbs out with '..'."""
+    from huggingface_hub.errors import HFValidationError  # imported here: local checkpoints do not need it
+    from huggingface_hub.utils import validate_repo_id
+
     match = HUB_ID.match(str(reference))
-    if match is None or not all(_hub_name(part) for part in match["repo"].split("/")):
+    if match is None or ".." in (match["revision"] or "").split("/"):
         return None
-    return None if ".." in (match["revision"] or "").split("/") else match
+    try:
+        validate_repo_id(match["repo"])
+    except HFValidationError:
+        return None
+    return match
 
 
 def is_hub_id(reference: str | Path) -> bool:

@@ -91,7 +91,8 @@ def deployment_options(replicas: ReplicaSettings, config: ServerConfig) -> dict[
     return {
         "num_replicas": replicas.num_replicas,
         "ray_actor_options": {"num_cpus": replicas.num_cpus, "num_gpus": gpus_per_replica(replicas, config)},
-        "max_ongoing_requests": max_concurrent_calls(config.max_sessions, config.max_dynamics_calls),
+        "max_ongoing_requests": max_concurrent_calls(config.max_sessions, config.max_dynamics_calls,
+                                                     reflection=False),  # Serve's proxy serves none
         "request_router_config": RequestRouterConfig(request_router_class=CONSISTENT_HASH_ROUTER,
                                                      request_router_kwargs={"num_fallback_replicas": 0}),
     }

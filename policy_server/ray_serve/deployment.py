@@ -75,8 +75,8 @@ class PolicyDeployment:
         self._engine.wait_ready()  # raises if warmup failed: Serve retries the replica
         self._servicer = PolicyServicer(self._engine, ServerMetrics(self._engine), config.max_message_bytes)
         self._token = config.auth_token()
-        self._pool = ThreadPoolExecutor(max_concurrent_calls(config.max_sessions, config.max_dynamics_calls),
-                                        thread_name_prefix="rpc")
+        calls = max_concurrent_calls(config.max_sessions, config.max_dynamics_calls, reflection=False)
+        self._pool = ThreadPoolExecutor(calls, thread_name_prefix="rpc")
         self._replica_id = serve.get_replica_context().replica_id.to_full_id_str()
 
     def check_health(self) -> None:

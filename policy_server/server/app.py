@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_g
 
 from policy_server.config import ServerConfig
 from policy_server.engine.api import Engine
-from policy_server.limits import MAX_REFLECTION_STREAMS
+from policy_server.limits import MAX_REASON_CALLS, MAX_REFLECTION_STREAMS, MAX_STARTING_STREAMS
 from policy_server.server.auth import TokenAuthInterceptor
 from policy_server.server.errors import abort, lenient_parser, make_error
 from policy_server.server.grpc_metrics import GrpcMetricsInterceptor
@@ -67,11 +67,13 @@ def _policy_service_handler(servicer: PolicyServicer) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(service.full_name, handlers)
 
 
-def max_concurrent_calls(max_sessions: int, max_dynamics_calls: int) -> int:
+def max_concurrent_calls(max_sessions: int, max_dynamics_calls: int, reflection: bool) -> int:
     """Calls served at once. Each call that may hold a thread for long is bounded, and has one: per session a
-    Control stream and an Act; the 4 streams waiting for their start, the 2 Reason calls, the dynamics calls the
-    engine takes at once and the reflection streams; then 2 more for short unary calls (OpenSession, ...)."""
-    return 2 * max_sessions + 8 + max_dynamics_calls + MAX_REFLECTION_STREAMS
+    Control stream and an Act; the streams waiting for their start, the Reason calls, the dynamics calls the engine
+    takes at once and, served with ``reflection``, its streams; then 2 more for short unary calls (OpenSession,
+    ...)."""
+    return (2 * max_sessions + MAX_STARTING_STREAMS + MAX_REASON_CALLS + max_dynamics_calls
+            + (MAX_REFLECTION_STREAMS if reflection else 0) + 2)
 
 
 class _BoundedReflection(reflection.ReflectionServicer):
@@ -181,7 +183,7 @@ class PolicyServer:
             interceptors.append(TokenAuthInterceptor(self._token, self.metrics.observe_error))
         # Calls beyond the pool are refused at once (RESOURCE_EXHAUSTED) rather than queued behind calls that
         # may last an episode.
-        workers = max_concurrent_calls(cfg.max_sessions, cfg.max_dynamics_calls)
+        workers = max_concurrent_calls(cfg.max_sessions, cfg.max_dynamics_calls, cfg.reflection)
         self._grpc = grpc.server(
             futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpc"),
             interceptors=interceptors,
