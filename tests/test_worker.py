@@ -8,6 +8,7 @@ import time
 import pytest
 
 from policy_server.engine import api
+from policy_server.engine.call_end import CallEnd
 from policy_server.engine.worker import GeneratorJob, ModelWorker, TickJob
 
 
@@ -119,16 +120,39 @@ def test_close_says_whether_the_worker_stopped_within_its_timeout():
     assert idle.close(timeout_s=10) is True
 
 
-def test_withdraw_takes_a_queued_tick_off_before_it_starts():
-    log, gate = _Log(), threading.Event()
+def _end(gone: threading.Event) -> CallEnd:
+    return CallEnd(threading.Event(), None, gone.is_set, late="")
+
+
+def test_end_queued_fails_a_queued_tick_whose_caller_went_away_and_nothing_else():
+    log, gate, gone = _Log(), threading.Event(), threading.Event()
     worker = _worker(log)
     worker.submit(GeneratorJob(_steps(log, "hold", 1, gate), lambda error: None))
     while worker._jobs:
         time.sleep(0.001)
     tick = TickJob(session=object(), shape="s", payload=3)
     worker.submit(tick)
-    assert worker.withdraw(tick)
-    assert not worker.withdraw(tick)
+    worker.end_queued(tick, _end(gone))  # no reason yet: it stays queued
+    gone.set()
+    worker.end_queued(tick, _end(gone))
+    with pytest.raises(api.Cancelled):
+        tick.result.result(timeout=0)
     gate.set()
     worker.close(timeout_s=10)
     assert "tick 3" not in log.events
+
+
+def test_a_job_whose_call_ended_is_not_stepped_again():
+    """Alone on the worker, a job never waits in the queue where its caller could end it: the worker checks."""
+    log, gate, started, gone = _Log(), threading.Event(), threading.Event(), threading.Event()
+    worker = _worker(log)
+    failures: list[BaseException] = []
+    worker.submit(GeneratorJob(_steps(log, "call", 3, gate, started), failures.append, _end(gone)))
+    started.wait(timeout=10)
+    gone.set()
+    gate.set()
+    while not failures:
+        time.sleep(0.001)
+    assert isinstance(failures[0], api.Cancelled)
+    assert log.events == ["call step 0"]
+    worker.close(timeout_s=10)

@@ -8,6 +8,8 @@ import threading
 class _Gate:
     """A background job that holds the model worker until `opened` is set."""
 
+    end = None  # nothing but `opened` ends it
+
     def __init__(self):
         self.running, self.opened = threading.Event(), threading.Event()
 

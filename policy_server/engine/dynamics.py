@@ -19,6 +19,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import numpy as np
 
 from policy_server.engine import api
+from policy_server.engine.call_end import POLL_S, CallEnd
 from policy_server.engine.served import ServedModel
 from policy_server.engine.sessions import SessionState
 from policy_server.engine.tick import PREPARE_STAGE, branch_records
@@ -27,23 +28,20 @@ from policy_server.limits import MAX_DYNAMICS_MS
 from policy_server.pipeline.embodiments import Embodiment
 from policy_server.pipeline.policy import CanvasClip, PolicyOutput, PolicyRequest, PromptState, stepwise
 
-_POLL_S = 0.02  # how often a waiting caller checks whether it went away
-
 
 class DynamicsCall:
     """One dynamics call as background work (a `worker.BackgroundJob`), one piece per `step()`: the prefill
     (unless `prompt`, the session's text K/V, fits), the encode, each sampler step, the frames' decode
     (`decode_frames`). `frames`: the request's, on their canvas (`prepare_frames`, on the caller's thread).
     `result` gets the pipeline output, the frames (or None) and the ms per stage, the waits since `arrived_ms`
-    before and between its pieces as "queue"; or what ended the call. `stopped()`: why the call must end now (its
-    deadline, its caller gone, shutdown), if it must; checked before each piece."""
+    before and between its pieces as "queue"; or what ended the call (`end`, which the worker checks before each
+    piece)."""
 
     def __init__(self, served: ServedModel, embodiment: Embodiment, request: PolicyRequest, frames: CanvasClip,
-                 decode_frames: bool, prompt: PromptState | None, arrived_ms: float,
-                 stopped: Callable[[], api.EngineError | None]):
+                 decode_frames: bool, prompt: PromptState | None, arrived_ms: float, end: CallEnd | None):
         self.served = served
+        self.end = end
         self.result: Future = Future()
-        self._stopped = stopped
         self._waited_ms = 0.0  # between its pieces, while the worker ran other work
         self._paused_at: float | None = None
         self._pieces = self._run(embodiment, request, frames, decode_frames, prompt, arrived_ms)
@@ -52,10 +50,6 @@ class DynamicsCall:
         clock = self.served.clock
         if self._paused_at is not None:
             self._waited_ms += clock() - self._paused_at
-        # With nothing else queued the worker steps the call back to back, and its caller, which can only withdraw
-        # it from the queue, would never find it there: the call ends itself (the worker fails it with this).
-        if (reason := self._stopped()) is not None:
-            raise reason
         try:
             next(self._pieces)
         except StopIteration as done:
@@ -163,20 +157,12 @@ class Dynamics:
         bound_s = time.monotonic() + MAX_DYNAMICS_MS / 1e3
         deadline_s = bound_s if deadline_s is None else min(deadline_s, bound_s)
         deadline_ms = (deadline_s - time.monotonic()) * 1e3
-
-        def stopped() -> api.EngineError | None:
-            if served.closing.is_set():
-                return api.ShuttingDown()
-            if time.monotonic() >= deadline_s:
-                return api.DeadlineExpired(f"the call's deadline passed (the caller's, or the server's bound of "
-                                           f"{MAX_DYNAMICS_MS / 1e3:g} s)")
-            if should_abort is not None and should_abort():
-                return api.Cancelled("the caller went away")
-            return None
-
+        end = CallEnd(served.closing, deadline_s, should_abort,
+                      late=f"the call's deadline passed (the caller's, or the server's bound of "
+                           f"{MAX_DYNAMICS_MS / 1e3:g} s)")
         frames = served.pipeline.prepare_frames(request)
         prepared_ms = served.clock()
-        job = DynamicsCall(served, embodiment, request, frames, decode_frames, session.prompt, prepared_ms, stopped)
+        job = DynamicsCall(served, embodiment, request, frames, decode_frames, session.prompt, prepared_ms, end)
         try:
             self.worker.submit(job)
         except api.ShuttingDown as error:
@@ -185,12 +171,10 @@ class Dynamics:
 
         while True:
             try:
-                out, frames, stage_ms = job.result.result(timeout=_POLL_S)
+                out, frames, stage_ms = job.result.result(timeout=POLL_S)
                 break
             except FutureTimeout:
-                # Ticks go first, so the call may wait long between pieces: it ends between two of them.
-                if (reason := stopped()) is not None and self.worker.withdraw(job):
-                    job.fail(reason)
+                self.worker.end_queued(job, end)  # ticks go first: the call may wait long between its pieces
         tick = api.TickRecord(
             budget_ms=MAX_DYNAMICS_MS, deadline_ms=deadline_ms,
             actual_ms={**stage_ms, PREPARE_STAGE: prepared_ms - arrived_ms, "total": served.clock() - arrived_ms},

@@ -29,6 +29,7 @@ from policy_server.budget.guard import monotonic_ms
 from policy_server.budget.profile import QualityProfile
 from policy_server.engine import api
 from policy_server.engine.admission import Admission, default_rate_hz
+from policy_server.engine.call_end import POLL_S, CallEnd
 from policy_server.engine.dynamics import Dynamics
 from policy_server.engine.reasoning import Reasoning
 from policy_server.engine.served import EngineSettings, ServedModel
@@ -42,7 +43,6 @@ from policy_server.rate_limiter import RateLimiter
 from policy_server.throttled_log import ThrottledLog
 
 logger = logging.getLogger(__name__)
-_POLL_S = 0.02  # how often a waiting caller checks whether it went away
 _ABANDONED_WAIT_S = 1.0  # how long a new tick waits for its session's abandoned one to stop
 _CLOSE_TIMEOUT_S = 5.0
 _log_refusal = ThrottledLog(logger, logging.INFO, period_s=10.0)  # one line per client and reason each 10 s
@@ -229,7 +229,7 @@ class ModelEngine:
         self._admission.close_idle(self.settings.session_idle_s)
         session = self.sessions.get(session_id)  # its epoch is checked when the tick starts
         prior = session.in_flight
-        if prior is not None and prior.payload is not None and prior.payload.gone():
+        if prior is not None and prior.payload is not None and prior.payload.end.reason() is not None:
             wait_for([prior.result], timeout=_ABANDONED_WAIT_S)  # it stops within one step: wait, not refuse
         with session.lock:
             if session.ticking():  # queued, running, or its observation being decoded
@@ -257,7 +257,9 @@ class ModelEngine:
         deadline_ms = session.budget_ms
         if deadline_s is not None:
             deadline_ms = min(deadline_ms, (deadline_s - time.monotonic()) * 1e3)
-        request = TickRequest(epoch, observation, tokens, self.served.clock(), deadline_ms, deadline_s, should_abort)
+        end = CallEnd(self.served.closing, deadline_s, should_abort,
+                      late="the caller's deadline passed before the tick finished")
+        request = TickRequest(epoch, observation, tokens, self.served.clock(), deadline_ms, end)
         try:
             job.payload = self._prepare_frames(session, request)
         except BaseException as error:  # the session must not stay busy
@@ -266,13 +268,10 @@ class ModelEngine:
         self._worker.submit(job)
         while True:
             try:
-                result = job.result.result(timeout=_POLL_S)
+                result = job.result.result(timeout=POLL_S)
                 break
             except FutureTimeout:
-                if request.gone() and self._worker.withdraw(job):
-                    error = request.gone_error()
-                    job.result.set_exception(error)
-                    raise error from None
+                self._worker.end_queued(job, end)
         if self.served.graphs is not None and session.instruction != session.graphed_instruction:
             # The tick ran a new instruction's calls eagerly; its next ones replay graphs captured in the background.
             session.graphed_instruction = session.instruction

@@ -8,18 +8,16 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from collections.abc import Callable, Generator, Iterator
 
 import torch
 
 from policy_server.engine import api
+from policy_server.engine.call_end import POLL_S, CallEnd
 from policy_server.engine.served import ServedModel, user_text_ids
 from policy_server.engine.worker import GeneratorJob, ModelWorker
 from policy_server.limits import MAX_PROMPT_TOKENS
 from policy_server.pipeline.reasoner import ReasonerStream
-
-_POLL_S = 0.02  # how often a waiting caller checks whether it went away
 
 
 class Reasoning:
@@ -54,23 +52,11 @@ class Reasoning:
             raise
         pieces: queue.Queue = queue.Queue()  # text, then the ReasonEnd or the error that ended the call
 
-        def stopped() -> api.EngineError | None:
-            """Why the call must end now, if it must."""
-            if self.served.closing.is_set():
-                return api.ShuttingDown()
-            if deadline_s is not None and time.monotonic() >= deadline_s:
-                return api.DeadlineExpired("the caller's deadline passed during reasoning")
-            if should_abort is not None and should_abort():
-                return api.Cancelled("the caller went away")
-            return None
-
         def steps() -> Iterator[None]:
             produced: list[int] = []
             decoded = emitted = ""
             token = None
             while not stream.done:
-                if (reason := stopped()) is not None:
-                    raise reason
                 token = stream.step()
                 if token is not None and token not in stops:
                     produced.append(token)
@@ -88,7 +74,9 @@ class Reasoning:
             pieces.put(last)
             self._calls.release()
 
-        job = GeneratorJob(steps(), finish)
+        end = CallEnd(self.served.closing, deadline_s, should_abort,
+                      late="the caller's deadline passed during reasoning")
+        job = GeneratorJob(steps(), finish, end)
         try:
             self.worker.submit(job)
         except api.ShuttingDown:
@@ -96,14 +84,11 @@ class Reasoning:
             raise
 
         def stream_pieces() -> Generator[str, None, api.ReasonEnd]:
-            # Ticks go first, so a busy worker may not step this job for a long time: the caller's deadline
-            # and departure are also watched here, and end the job between two of its steps.
             while True:
                 try:
-                    item = pieces.get(timeout=_POLL_S)
+                    item = pieces.get(timeout=POLL_S)
                 except queue.Empty:
-                    if (reason := stopped()) is not None and self.worker.withdraw(job):
-                        job.fail(reason)
+                    self.worker.end_queued(job, end)  # ticks go first: the call may wait long between its steps
                     continue
                 if isinstance(item, api.ReasonEnd):
                     return item

@@ -10,8 +10,7 @@ model and the session's history, and its `api.TickRecord`, built once here, says
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Generator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,6 +22,7 @@ from policy_server.budget.tick import PREFILL_STAGE, PREVIEW_STAGE, GuardedSteps
 from policy_server.cache.controller import CacheRecord
 from policy_server.cache.seacache import SeaCache, SeaCacheConfig
 from policy_server.engine import api
+from policy_server.engine.call_end import CallEnd
 from policy_server.engine.served import ServedModel
 from policy_server.engine.sessions import SessionState
 from policy_server.pipeline.policy import (
@@ -42,7 +42,8 @@ PREPARE_STAGE = "prepare"  # the camera frames put on their canvas, on the calle
 @dataclass(frozen=True)
 class TickRequest:
     """What a queued tick carries. `instruction_tokens`: of `observation.instruction`, when it sets one.
-    `deadline_ms`: from arrival, the smaller of the session budget and the caller's deadline. `frames`: the
+    `deadline_ms`: from arrival, the smaller of the session budget and the caller's deadline; `end`: what ends
+    the tick early (the caller's deadline, not the budget: a late chunk still reaches the robot). `frames`: the
     observation's frames on their canvas, which the caller's thread puts there (in `prepare_ms`) before the tick
     is queued; None until then."""
 
@@ -51,20 +52,9 @@ class TickRequest:
     instruction_tokens: int
     arrived_ms: float
     deadline_ms: float
-    deadline_s: float | None
-    should_abort: Callable[[], bool] | None
+    end: CallEnd
     frames: CanvasClip | None = None
     prepare_ms: float = 0.0
-
-    def gone(self) -> bool:
-        """The caller's deadline passed or it went away."""
-        expired = self.deadline_s is not None and time.monotonic() >= self.deadline_s
-        return expired or (self.should_abort is not None and self.should_abort())
-
-    def gone_error(self) -> api.EngineError:
-        if self.deadline_s is not None and time.monotonic() >= self.deadline_s:
-            return api.DeadlineExpired("the caller's deadline passed before the tick finished")
-        return api.Cancelled("the caller went away")
 
 
 def branch_records(cache: CacheRecord) -> dict[str, api.BranchRecord]:
@@ -88,7 +78,7 @@ class Tick:
     def before_step(self, step: int) -> tuple[tuple[str, ...], bool]:
         """The CFG branches of sampler step `step` and whether it is the last; `Aborted` when the tick must stop
         (the engine shuts down, the caller's deadline passed or it went away)."""
-        if self.served.closing.is_set() or self.request.gone():
+        if self.request.end.reason() is not None:
             raise Aborted(f"abandoned before step {step}")
         return self._steps.before_step(step)
 
@@ -114,8 +104,8 @@ class Tick:
         pipeline = served.pipeline
         observation = request.observation
         served.check_epoch(session, request.epoch)  # at the start: a reset may have come while it queued
-        if request.gone():
-            raise request.gone_error()
+        if (reason := request.end.reason()) is not None:
+            raise reason
         started_ms = served.clock()
         left_ms = request.deadline_ms - (started_ms - request.arrived_ms)
         if observation.instruction and observation.instruction != session.instruction:
@@ -141,10 +131,8 @@ class Tick:
         )
         try:
             out = yield from pipeline.steps(pipeline_request, session.prompt, self, served.tick_work, request.frames)
-        except Aborted:
-            if served.closing.is_set():
-                raise api.ShuttingDown() from None
-            raise request.gone_error() from None
+        except Aborted:  # before_step found a reason, which stays
+            raise request.end.reason() from None
         # A reset while it ran: its chunk is for a finished episode, which a robot must not merge into the next one.
         served.check_epoch(session, request.epoch)
         session.ticks += 1

@@ -336,7 +336,7 @@ class Warmup:
         for request, decode_frames in calls:
             on_canvas = self.served.pipeline.prepare_frames(request)  # a caller's thread does this, not the worker
             job = DynamicsCall(self.served, embodiment, request, on_canvas, decode_frames, None, self.served.clock(),
-                               stopped=lambda: api.ShuttingDown() if self.served.closing.is_set() else None)
+                               end=None)  # the warmup's own job ends it
             finished = False
             while not finished:
                 started = self.served.clock()

@@ -7,6 +7,10 @@ Background work (warmup, reasoner and dynamics calls) is a ``BackgroundJob``: th
 oldest job, then looks at the ticks again, so a tick waits for at most one background step. Jobs
 take turns, step by step.
 
+A call whose ``CallEnd`` has a reason to end (its deadline, its caller gone) ends between two steps: the worker
+checks before each step of a job, and a caller waiting on a busy worker, which runs ticks first, takes its
+queued tick or job off with ``end_queued``.
+
 ``close()`` stops the loop after the step in progress; queued ticks and jobs are failed with
 ``ShuttingDown`` so that no caller is left waiting.
 """
@@ -24,10 +28,13 @@ import torch
 
 from policy_server.engine import api
 from policy_server.engine.batching import GenStack, run_together
+from policy_server.engine.call_end import CallEnd
 from policy_server.pipeline.policy import TickSteps
 
 
 class BackgroundJob(Protocol):
+    end: CallEnd | None  # what ends it early; None: only shutdown
+
     def step(self) -> bool:
         """Do one bounded piece of work; True when the job is finished."""
 
@@ -45,6 +52,9 @@ class TickJob:
     shape: Hashable
     payload: Any
     result: Future = field(default_factory=Future)
+
+    def fail(self, error: BaseException) -> None:
+        self.result.set_exception(error)
 
 
 class ModelWorker:
@@ -81,15 +91,17 @@ class ModelWorker:
             (self._ticks if isinstance(job, TickJob) else self._jobs).append(job)
             self._changed.notify()
 
-    def withdraw(self, job: TickJob | BackgroundJob) -> bool:
-        """Take a queued tick off before it starts, or a background job off between two of its steps;
-        False when the tick already started, or a step of the job is running (or it finished)."""
+    def end_queued(self, job: TickJob | BackgroundJob, end: CallEnd) -> None:
+        """Fail a tick that has not started, or a background job between two of its steps, if ``end`` has a
+        reason now; nothing while the tick or a step of the job runs (they check ``end`` themselves)."""
+        if (reason := end.reason()) is None:
+            return
         queued = self._ticks if isinstance(job, TickJob) else self._jobs
         with self._changed:
-            if job in queued:
-                queued.remove(job)
-                return True
-            return False
+            if job not in queued:
+                return
+            queued.remove(job)
+        job.fail(reason)
 
     def close(self, timeout_s: float) -> bool:
         """Stop after the step in progress (waiting ``timeout_s`` at most) and fail everything queued; returns
@@ -100,7 +112,7 @@ class ModelWorker:
             jobs, self._jobs = list(self._jobs), deque()
             self._changed.notify_all()
         for tick in ticks:
-            tick.result.set_exception(api.ShuttingDown())
+            tick.fail(api.ShuttingDown())
         for job in jobs:
             job.fail(api.ShuttingDown())
         self._thread.join(timeout_s)
@@ -148,10 +160,15 @@ class ModelWorker:
             try:
                 ticks.append((self._start_tick(job, len(batch)), job.result))
             except BaseException as error:  # the caller gets it, the worker keeps serving
-                job.result.set_exception(error)
+                job.fail(error)
         run_together(ticks, self._gen_stack)
 
     def _step(self, job: BackgroundJob) -> None:
+        # Alone on the worker, a job is stepped back to back and never waits in the queue where its caller
+        # could end it.
+        if job.end is not None and (reason := job.end.reason()) is not None:
+            job.fail(reason)
+            return
         try:
             finished = job.step()
         except BaseException as error:  # the job's caller gets it; the worker keeps serving
@@ -168,8 +185,9 @@ class ModelWorker:
 class GeneratorJob:
     """A background job whose steps are the yields of a generator; ``on_fail(error)`` when it cannot finish."""
 
-    def __init__(self, steps: Iterator[Any], on_fail: Callable[[BaseException], None]) -> None:
-        self._steps, self._on_fail = steps, on_fail
+    def __init__(self, steps: Iterator[Any], on_fail: Callable[[BaseException], None],
+                 end: CallEnd | None = None) -> None:
+        self._steps, self._on_fail, self.end = steps, on_fail, end
 
     def step(self) -> bool:
         try:
