@@ -177,7 +177,7 @@ class FakeEngine:
         self._check_budget(budget)
         with self._lock:
             if len(self._sessions) >= self._info.max_sessions:
-                raise TooManySessions(self._info.max_sessions)
+                raise TooManySessions(self._info.max_sessions, "the fake engine closes no session unused")
             handle = SessionHandle(
                 f"s{next(self._ids)}",
                 1,
