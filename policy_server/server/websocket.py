@@ -1,6 +1,7 @@
 """openpi-compatible WebSocket endpoint (``--websocket-port``), so ``openpi-client`` works unchanged.
 
-The openpi wire: on connect the server sends one msgpack frame of metadata; then strictly one
+The openpi wire: on connect the server sends one msgpack frame of metadata (once the model is warm: openpi's own
+server takes no connection before, so its clients wait for that frame through a warmup); then strictly one
 msgpack-numpy observation dict in, one reply dict out. ``GET /healthz`` answers 200 once the model
 is warm (503 before). Arrays travel as ``{"__ndarray__": True, "data", "dtype", "shape"}``; only
 bool, integer and float dtypes are accepted (no object arrays, nothing is ever unpickled).
@@ -20,7 +21,7 @@ and openpi's ``policy_timing`` / ``server_timing`` blocks. An error is a *text* 
 after a bad observation and is closed (1011) on an internal error. Each refused message costs the server its
 receipt and unpacking (about 12 ms of CPU at 12 MiB), so a connection whose refused messages go beyond a burst of
 ``MAX_REFUSED_MESSAGES`` (16) at ``REFUSED_MESSAGES_HZ`` (2) per second is closed with 1008 (policy violation) after
-the answer to the one too many (WARMING_UP answers count none), and its address's new connections are closed before
+the answer to the one too many, and its address's new connections are closed before
 their handshake for the ``BARRED_S`` (8 s) a burst takes to refill. Connections beyond
 ``max_sessions + 4`` are closed at once with 1013 (try again later), and TCP connections beyond twice that plus 8,
 those still in their handshake counted, are closed before it; one that sends nothing for
@@ -56,7 +57,6 @@ from policy_server.engine.api import (
     SessionHandle,
     ShuttingDown,
     UnknownSession,
-    WarmingUp,
 )
 from policy_server.limits import MAX_REFUSED_MESSAGES, REFUSED_MESSAGES_HZ
 from policy_server.rate_limiter import RateLimiter
@@ -71,6 +71,7 @@ log = logging.getLogger(__name__)
 _ALLOWED_KINDS = {"b", "i", "u", "f"}
 MAX_STEP_INDEX = 2**63 - 1
 OPEN_TIMEOUT_S = 10.0  # a connection's handshake must be done within this
+_WARM_POLL_S = 0.5  # a connection waiting for the warmup looks this often whether the server is stopping
 # After a connection is closed for its refused messages, its address may open none for the time its burst takes to
 # refill (s): a client that reconnects gets no new burst.
 BARRED_S = MAX_REFUSED_MESSAGES / REFUSED_MESSAGES_HZ
@@ -435,6 +436,8 @@ class OpenpiWebsocketServer:
         state = _ConnectionState(self._embodiment_for(connection.request.path))
         try:
             with contextlib.ExitStack() as attached:  # its session, held open while the connection is
+                if not self._wait_until_warm():
+                    return
                 connection.send(packb(self._metadata(state.spec)))
                 while True:
                     try:
@@ -455,6 +458,15 @@ class OpenpiWebsocketServer:
                 except UnknownSession:  # the engine shut down
                     log.debug("session %s was already closed", state.session.session_id)
 
+    def _wait_until_warm(self) -> bool:
+        """Wait for the model's warmup; False when the server stops first. openpi's own server takes no connection
+        before its model is ready, so its clients infer as soon as the metadata frame has come: sent only once warm,
+        it keeps them waiting through a warmup rather than failing their first observation with WARMING_UP."""
+        while not self._engine.wait_ready(timeout_s=_WARM_POLL_S):
+            if self._stopping.is_set():
+                return False
+        return True
+
     def _answer(self, connection: ServerConnection, raw: bytes | str, state: _ConnectionState,
                 attached: contextlib.ExitStack) -> bool:
         """Answer one message: a chunk, a reset's epoch or an error text frame. False when it closed the
@@ -471,8 +483,6 @@ class OpenpiWebsocketServer:
                     state.session = self._engine.reset_session(state.session.session_id)
                 connection.send(packb({"reset": True, "epoch": state.session.epoch if state.session else 0}))
                 return True
-            if not self._engine.ready():
-                raise WarmingUp(self._engine.stats().warmup_progress)
             observation = validate.observation(OpenpiObservation(message, state.steps), state.spec)
             if state.session is None:
                 validate.instruction(observation.instruction, "prompt")
@@ -489,8 +499,8 @@ class OpenpiWebsocketServer:
             if error.reason in ("INTERNAL", "SHUTTING_DOWN"):
                 connection.close(code=1011 if error.reason == "INTERNAL" else 1001, reason=error.detail.message)
                 return False
-            # Receiving them takes CPU from the sessions' ticks (a warming server has none, and its clients wait).
-            if error.reason != "WARMING_UP" and state.refusals.take(started) > 0:
+            # Receiving them takes CPU from the sessions' ticks.
+            if state.refusals.take(started) > 0:
                 self._metrics.observe_error("RATE_EXCEEDED")
                 reason = (f"too many refused messages: {state.refusals.measured_hz:.1f} per second, beyond a burst of "
                           f"{MAX_REFUSED_MESSAGES} at {REFUSED_MESSAGES_HZ:g} per second")
