@@ -114,8 +114,11 @@ def test_frames_beyond_the_side_limit_or_of_different_heights_are_refused(server
 def test_bad_input_is_a_text_error_and_the_connection_stays_usable(policy):
     with pytest.raises(RuntimeError, match="NON_FINITE"):
         policy.infer(openpi_observation() | {"observation/state": np.array([np.nan, 0.0])})
-    with pytest.raises(RuntimeError, match="SCHEMA_MISMATCH"):
-        policy.infer({"observation/state": STATE, "prompt": "no image"})
+    # openpi's LIBERO example names its wrist camera `observation/wrist_image`: the error shows the keys it got.
+    with pytest.raises(RuntimeError, match=r"SCHEMA_MISMATCH: observation/image: expected uint8 \[H, W, 3\] for camera "
+                       r"'image', got no such key \(the message has observation/state, observation/wrist_image, "
+                       r"prompt\)"):
+        policy.infer({"observation/wrist_image": IMAGE, "observation/state": STATE, "prompt": "no image"})
     with pytest.raises(RuntimeError, match="SCHEMA_MISMATCH"):
         policy.infer(openpi_observation() | {"observation/state": np.zeros(7, np.float32)})
     with pytest.raises(RuntimeError, match="OUT_OF_RANGE"):  # finite, but no float32 holds it

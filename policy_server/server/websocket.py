@@ -80,6 +80,7 @@ BARRED_S = MAX_REFUSED_MESSAGES / REFUSED_MESSAGES_HZ
 # handful of maps and short lists (openpi's own, under 20 containers of at most a few dozen items).
 MAX_CONTAINERS = 256  # maps and arrays in one message, nested ones included
 MAX_CONTAINER_ITEMS = 1024  # items of one array, keys of one map
+_KEYS_SHOWN, _KEY_CHARS = 16, 64  # a missing key's error lists the message's keys, bounded
 # The engine names the instruction after gRPC's fields; openpi sends it as `prompt`.
 _PROMPT_FIELDS = ("instruction", "observation.instruction")
 
@@ -205,7 +206,7 @@ class OpenpiObservation:
         """uint8 [H, W, C] (or [C, H, W], transposed here), passed on at the size it was sent."""
         key, frame = _camera_frame(self._message, camera.name)
         if frame is None:
-            raise SchemaMismatch(key, f"uint8 [H, W, 3] for camera {camera.name!r}", "no such key")
+            raise SchemaMismatch(key, f"uint8 [H, W, 3] for camera {camera.name!r}", self._no_such_key())
         if not isinstance(frame, np.ndarray) or frame.dtype != np.uint8 or frame.ndim != 3:
             got = f"{frame.dtype} {list(frame.shape)}" if isinstance(frame, np.ndarray) else type(frame).__name__
             raise SchemaMismatch(key, "uint8 [H, W, 3] or [3, H, W]", got)
@@ -217,13 +218,20 @@ class OpenpiObservation:
                                  f"shape {list(frame.shape)}")
         return np.ascontiguousarray(frame)
 
+    def _no_such_key(self) -> str:
+        """What a missing key's error says was sent: the message's keys (a misnamed camera shows among them), at
+        most `_KEYS_SHOWN`, each cut to `_KEY_CHARS`."""
+        keys = sorted(str(key)[:_KEY_CHARS] for key in self._message)
+        more = f" and {len(keys) - _KEYS_SHOWN} more" if len(keys) > _KEYS_SHOWN else ""
+        return f"no such key (the message has {', '.join(keys[:_KEYS_SHOWN]) or 'no keys'}{more})"
+
     def state(self, spec: EmbodimentSpec) -> np.ndarray | None:
         """A numeric array or a list of numbers; a state sent to an embodiment without one is ignored."""
         if spec.state_dim == 0:
             return None
         raw = self._message.get(self.state_field)
         if raw is None:
-            raise SchemaMismatch(self.state_field, f"float [{spec.state_dim}]", "no such key")
+            raise SchemaMismatch(self.state_field, f"float [{spec.state_dim}]", self._no_such_key())
         if isinstance(raw, list | tuple) and all(isinstance(v, int | float) and not isinstance(v, bool) for v in raw):
             raw = np.asarray(raw, np.float64)
         if not isinstance(raw, np.ndarray) or raw.dtype.kind not in ("f", "i", "u"):
