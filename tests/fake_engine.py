@@ -107,7 +107,9 @@ class FakeEngine:
             num_steps=10,
             diffusion_cache=True,
         )
-        self._ready = ready
+        self._warm = threading.Event()  # set when ready
+        if ready:
+            self._warm.set()
         self._lock = threading.Lock()
         self._sessions: dict[str, SessionHandle] = {}
         self._ids = itertools.count(1)
@@ -121,13 +123,16 @@ class FakeEngine:
     # -- test controls -------------------------------------------------------------------------
 
     def set_ready(self, ready: bool) -> None:
-        self._ready = ready
+        if ready:
+            self._warm.set()
+        else:
+            self._warm.clear()
 
     def start(self) -> None:
         pass  # ready as constructed, or when set_ready() says
 
     def wait_ready(self, timeout_s: float | None = None) -> bool:
-        return self._ready  # a fake never warms up by itself
+        return self._warm.wait(timeout_s)  # a fake never warms up by itself: set_ready(True) does
 
     def hold(self) -> None:
         """Make every act() wait at a gate until release(); wait_entered() counts from now."""
@@ -150,11 +155,12 @@ class FakeEngine:
         return self._info
 
     def ready(self) -> bool:
-        return self._ready
+        return self._warm.is_set()
 
     def stats(self) -> EngineStats:
         with self._lock:
-            return EngineStats(sessions=len(self._sessions), queue_depth=0, warmup_progress=1.0 if self._ready else 0.5)
+            return EngineStats(sessions=len(self._sessions), queue_depth=0,
+                               warmup_progress=1.0 if self._warm.is_set() else 0.5)
 
     def close(self) -> bool:
         with self._lock:
@@ -170,14 +176,14 @@ class FakeEngine:
 
     def open_session(self, embodiment, instruction, budget_ms=None, chunk_size=None, seed=None, rate_hz=None,
                      actions_per_chunk=None, preview=False, client_name="") -> SessionHandle:
-        if not self._ready:
+        if not self._warm.is_set():
             raise WarmingUp(0.5)
         spec = self._info.embodiment(embodiment)
         budget = self._info.default_budget_ms if budget_ms is None else budget_ms
         self._check_budget(budget)
         with self._lock:
             if len(self._sessions) >= self._info.max_sessions:
-                raise TooManySessions(self._info.max_sessions)
+                raise TooManySessions(self._info.max_sessions, "the fake engine closes no session unused")
             handle = SessionHandle(
                 f"s{next(self._ids)}",
                 1,
@@ -236,7 +242,7 @@ class FakeEngine:
         should_abort: Callable[[], bool] | None = None,
         reservation: object | None = None,
     ) -> ActResult:
-        if not self._ready:
+        if not self._warm.is_set():
             raise WarmingUp(0.5)
         handle = self.session(session_id)
         if epoch != handle.epoch:

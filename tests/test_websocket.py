@@ -114,8 +114,11 @@ def test_frames_beyond_the_side_limit_or_of_different_heights_are_refused(server
 def test_bad_input_is_a_text_error_and_the_connection_stays_usable(policy):
     with pytest.raises(RuntimeError, match="NON_FINITE"):
         policy.infer(openpi_observation() | {"observation/state": np.array([np.nan, 0.0])})
-    with pytest.raises(RuntimeError, match="SCHEMA_MISMATCH"):
-        policy.infer({"observation/state": STATE, "prompt": "no image"})
+    # openpi's LIBERO example names its wrist camera `observation/wrist_image`: the error shows the keys it got.
+    with pytest.raises(RuntimeError, match=r"SCHEMA_MISMATCH: observation/image: expected uint8 \[H, W, 3\] for camera "
+                       r"'image', got no such key \(the message has observation/state, observation/wrist_image, "
+                       r"prompt\)"):
+        policy.infer({"observation/wrist_image": IMAGE, "observation/state": STATE, "prompt": "no image"})
     with pytest.raises(RuntimeError, match="SCHEMA_MISMATCH"):
         policy.infer(openpi_observation() | {"observation/state": np.zeros(7, np.float32)})
     with pytest.raises(RuntimeError, match="OUT_OF_RANGE"):  # finite, but no float32 holds it
@@ -265,7 +268,9 @@ def test_a_message_over_the_limit_closes_the_connection_and_is_counted():
             time.sleep(0.02)
 
 
-def test_healthz_follows_readiness():
+def test_a_client_connecting_during_warmup_waits_for_the_metadata_frame():
+    # openpi's own server takes no connection before its model is ready, so openpi clients infer as soon as they
+    # are connected: through a warmup they must wait in their constructor, not fail their first observation.
     engine = FakeEngine(ready=False)
     with serve_fake(engine, websocket_port=0) as server:
         url = f"http://127.0.0.1:{server.websocket_port}/healthz"
@@ -273,14 +278,17 @@ def test_healthz_follows_readiness():
             urllib.request.urlopen(url, timeout=5)
         assert err.value.code == 503
         err.value.close()  # an open 503 response would hold the server's shutdown for its close timeout
-        policy = WebsocketClientPolicy(host="127.0.0.1", port=server.websocket_port)
-        for _ in range(2 * MAX_REFUSED_MESSAGES):  # asking again at once: no refusal its connection pays for
-            with pytest.raises(RuntimeError, match="WARMING_UP"):
-                policy.infer(openpi_observation())
+        connected: list[WebsocketClientPolicy] = []
+        waiting = threading.Thread(
+            target=lambda: connected.append(WebsocketClientPolicy(host="127.0.0.1", port=server.websocket_port)))
+        waiting.start()
+        waiting.join(0.5)
+        assert not connected  # no metadata frame before the model is warm
         engine.set_ready(True)
+        waiting.join(5)
         assert urllib.request.urlopen(url, timeout=5).status == 200
-        assert policy.infer(openpi_observation())["actions"].shape == (8, 2)
-        policy._ws.close()
+        assert connected[0].infer(openpi_observation())["actions"].shape == (8, 2)
+        connected[0]._ws.close()
 
 
 def test_api_key_is_checked(tmp_path):

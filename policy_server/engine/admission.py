@@ -226,11 +226,13 @@ class Admission:
         alone = sessions_that_fit([], new, blocking_ms, self.served.settings.max_sessions)
         queue_ms = blocking_ms + sum(d.floor_ms for d in demands)
         load = sum(d.rate_hz * d.floor_ms for d in demands) / 1e3
+        unused = f"; {self.sessions.longest_unused(self.served.settings.session_idle_s)}" if others else ""
         raise api.Overloaded(
             f"the server cannot take {what}: with the {len(others)} open session(s), a tick could wait "
             f"{queue_ms:.0f} ms against the tightest budget of {min(d.budget_ms for d in demands):g} ms, and "
             f"the declared rates would claim {load:.0%} of the model; no session like this one fits beside them, "
-            f"{alone} would on an idle server (a larger budget or a lower rate_hz fits more)", sessions_fit=alone)
+            f"{alone} would on an idle server (a larger budget or a lower rate_hz fits more){unused}",
+            sessions_fit=alone)
 
     def _assign_slots(self) -> None:
         sessions = self.sessions.all()

@@ -454,10 +454,13 @@ class ShuttingDown(EngineError):
 
 
 class TooManySessions(EngineError):
+    """Every place is taken. ``unused``: when a session closes unused, and which one has gone longest without a
+    call (a client that crashed cannot close its sessions: its restart learns when their places free themselves)."""
+
     reason = "TOO_MANY_SESSIONS"
 
-    def __init__(self, limit: int) -> None:
-        super().__init__(f"all {limit} sessions are in use; close one first")
+    def __init__(self, limit: int, unused: str) -> None:
+        super().__init__(f"all {limit} sessions are in use; close one first, or wait: {unused}")
         self.limit = limit
 
     def details(self) -> dict[str, str]:

@@ -155,8 +155,8 @@ class ModelEngine:
         key = served.cost_key(embodiment, chunk, served.instruction_tokens(instruction, "instruction"))
         try:
             session = self._admission.open(embodiment, chunk, budget, rate, preview, lambda demand: self.sessions.open(
-                embodiment=embodiment, instruction=instruction, budget_ms=budget, chunk_size=chunk,
-                seed=0 if seed is None else seed, cost_key=key, demand=demand,
+                self.settings.session_idle_s, embodiment=embodiment, instruction=instruction, budget_ms=budget,
+                chunk_size=chunk, seed=0 if seed is None else seed, cost_key=key, demand=demand,
                 limiter=RateLimiter(rate, time.monotonic()), preview=preview, client_name=client_name))
         except (api.BudgetInfeasible, api.Overloaded, api.TooManySessions) as refused:
             # What an operator asks when a robot says it was turned away (a client retrying in a loop: one line).

@@ -92,13 +92,21 @@ class SessionTable:
         with self._lock:
             return list(self._sessions.values())
 
-    def open(self, **fields) -> SessionState:
+    def open(self, idle_s: float, **fields) -> SessionState:
+        """A new session of ``fields``; ``idle_s``: how long one goes unused before it closes, which a refusal
+        names (the places may be held by a crashed client's sessions, which nobody can close)."""
         with self._lock:
-            if len(self._sessions) >= self.max_sessions:
-                raise TooManySessions(self.max_sessions)
-            session = SessionState(session_id=uuid.uuid4().hex, **fields)
-            self._sessions[session.session_id] = session
-            return session
+            if len(self._sessions) < self.max_sessions:
+                session = SessionState(session_id=uuid.uuid4().hex, **fields)
+                self._sessions[session.session_id] = session
+                return session
+        raise TooManySessions(self.max_sessions, self.longest_unused(idle_s))
+
+    def longest_unused(self, idle_s: float) -> str:
+        """For a refusal: when a session closes unused, and which open one has gone longest without a call."""
+        session = min(self.all(), key=lambda s: s.last_used_s)
+        return (f"a session with no call (and no Control stream) for {idle_s:g} s closes; the one longest without a "
+                f"call, {session.describe()}, has had none for {time.monotonic() - session.last_used_s:.0f} s")
 
     def get(self, session_id: str) -> SessionState:
         """The open session ``session_id``, used now (every call on a session gets it here)."""

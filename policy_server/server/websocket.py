@@ -1,6 +1,7 @@
 """openpi-compatible WebSocket endpoint (``--websocket-port``), so ``openpi-client`` works unchanged.
 
-The openpi wire: on connect the server sends one msgpack frame of metadata; then strictly one
+The openpi wire: on connect the server sends one msgpack frame of metadata (once the model is warm: openpi's own
+server takes no connection before, so its clients wait for that frame through a warmup); then strictly one
 msgpack-numpy observation dict in, one reply dict out. ``GET /healthz`` answers 200 once the model
 is warm (503 before). Arrays travel as ``{"__ndarray__": True, "data", "dtype", "shape"}``; only
 bool, integer and float dtypes are accepted (no object arrays, nothing is ever unpickled).
@@ -20,7 +21,7 @@ and openpi's ``policy_timing`` / ``server_timing`` blocks. An error is a *text* 
 after a bad observation and is closed (1011) on an internal error. Each refused message costs the server its
 receipt and unpacking (about 12 ms of CPU at 12 MiB), so a connection whose refused messages go beyond a burst of
 ``MAX_REFUSED_MESSAGES`` (16) at ``REFUSED_MESSAGES_HZ`` (2) per second is closed with 1008 (policy violation) after
-the answer to the one too many (WARMING_UP answers count none), and its address's new connections are closed before
+the answer to the one too many, and its address's new connections are closed before
 their handshake for the ``BARRED_S`` (8 s) a burst takes to refill. Connections beyond
 ``max_sessions + 4`` are closed at once with 1013 (try again later), and TCP connections beyond twice that plus 8,
 those still in their handshake counted, are closed before it; one that sends nothing for
@@ -56,7 +57,6 @@ from policy_server.engine.api import (
     SessionHandle,
     ShuttingDown,
     UnknownSession,
-    WarmingUp,
 )
 from policy_server.limits import MAX_REFUSED_MESSAGES, REFUSED_MESSAGES_HZ
 from policy_server.rate_limiter import RateLimiter
@@ -71,6 +71,7 @@ log = logging.getLogger(__name__)
 _ALLOWED_KINDS = {"b", "i", "u", "f"}
 MAX_STEP_INDEX = 2**63 - 1
 OPEN_TIMEOUT_S = 10.0  # a connection's handshake must be done within this
+_WARM_POLL_S = 0.5  # a connection waiting for the warmup looks this often whether the server is stopping
 # After a connection is closed for its refused messages, its address may open none for the time its burst takes to
 # refill (s): a client that reconnects gets no new burst.
 BARRED_S = MAX_REFUSED_MESSAGES / REFUSED_MESSAGES_HZ
@@ -79,6 +80,7 @@ BARRED_S = MAX_REFUSED_MESSAGES / REFUSED_MESSAGES_HZ
 # handful of maps and short lists (openpi's own, under 20 containers of at most a few dozen items).
 MAX_CONTAINERS = 256  # maps and arrays in one message, nested ones included
 MAX_CONTAINER_ITEMS = 1024  # items of one array, keys of one map
+_KEYS_SHOWN, _KEY_CHARS = 16, 64  # a missing key's error lists the message's keys, bounded
 # The engine names the instruction after gRPC's fields; openpi sends it as `prompt`.
 _PROMPT_FIELDS = ("instruction", "observation.instruction")
 
@@ -204,7 +206,7 @@ class OpenpiObservation:
         """uint8 [H, W, C] (or [C, H, W], transposed here), passed on at the size it was sent."""
         key, frame = _camera_frame(self._message, camera.name)
         if frame is None:
-            raise SchemaMismatch(key, f"uint8 [H, W, 3] for camera {camera.name!r}", "no such key")
+            raise SchemaMismatch(key, f"uint8 [H, W, 3] for camera {camera.name!r}", self._no_such_key())
         if not isinstance(frame, np.ndarray) or frame.dtype != np.uint8 or frame.ndim != 3:
             got = f"{frame.dtype} {list(frame.shape)}" if isinstance(frame, np.ndarray) else type(frame).__name__
             raise SchemaMismatch(key, "uint8 [H, W, 3] or [3, H, W]", got)
@@ -216,13 +218,20 @@ class OpenpiObservation:
                                  f"shape {list(frame.shape)}")
         return np.ascontiguousarray(frame)
 
+    def _no_such_key(self) -> str:
+        """What a missing key's error says was sent: the message's keys (a misnamed camera shows among them), at
+        most `_KEYS_SHOWN`, each cut to `_KEY_CHARS`."""
+        keys = sorted(str(key)[:_KEY_CHARS] for key in self._message)
+        more = f" and {len(keys) - _KEYS_SHOWN} more" if len(keys) > _KEYS_SHOWN else ""
+        return f"no such key (the message has {', '.join(keys[:_KEYS_SHOWN]) or 'no keys'}{more})"
+
     def state(self, spec: EmbodimentSpec) -> np.ndarray | None:
         """A numeric array or a list of numbers; a state sent to an embodiment without one is ignored."""
         if spec.state_dim == 0:
             return None
         raw = self._message.get(self.state_field)
         if raw is None:
-            raise SchemaMismatch(self.state_field, f"float [{spec.state_dim}]", "no such key")
+            raise SchemaMismatch(self.state_field, f"float [{spec.state_dim}]", self._no_such_key())
         if isinstance(raw, list | tuple) and all(isinstance(v, int | float) and not isinstance(v, bool) for v in raw):
             raw = np.asarray(raw, np.float64)
         if not isinstance(raw, np.ndarray) or raw.dtype.kind not in ("f", "i", "u"):
@@ -435,6 +444,8 @@ class OpenpiWebsocketServer:
         state = _ConnectionState(self._embodiment_for(connection.request.path))
         try:
             with contextlib.ExitStack() as attached:  # its session, held open while the connection is
+                if not self._wait_until_warm():
+                    return
                 connection.send(packb(self._metadata(state.spec)))
                 while True:
                     try:
@@ -455,6 +466,15 @@ class OpenpiWebsocketServer:
                 except UnknownSession:  # the engine shut down
                     log.debug("session %s was already closed", state.session.session_id)
 
+    def _wait_until_warm(self) -> bool:
+        """Wait for the model's warmup; False when the server stops first. openpi's own server takes no connection
+        before its model is ready, so its clients infer as soon as the metadata frame has come: sent only once warm,
+        it keeps them waiting through a warmup rather than failing their first observation with WARMING_UP."""
+        while not self._engine.wait_ready(timeout_s=_WARM_POLL_S):
+            if self._stopping.is_set():
+                return False
+        return True
+
     def _answer(self, connection: ServerConnection, raw: bytes | str, state: _ConnectionState,
                 attached: contextlib.ExitStack) -> bool:
         """Answer one message: a chunk, a reset's epoch or an error text frame. False when it closed the
@@ -471,8 +491,6 @@ class OpenpiWebsocketServer:
                     state.session = self._engine.reset_session(state.session.session_id)
                 connection.send(packb({"reset": True, "epoch": state.session.epoch if state.session else 0}))
                 return True
-            if not self._engine.ready():
-                raise WarmingUp(self._engine.stats().warmup_progress)
             observation = validate.observation(OpenpiObservation(message, state.steps), state.spec)
             if state.session is None:
                 validate.instruction(observation.instruction, "prompt")
@@ -489,8 +507,8 @@ class OpenpiWebsocketServer:
             if error.reason in ("INTERNAL", "SHUTTING_DOWN"):
                 connection.close(code=1011 if error.reason == "INTERNAL" else 1001, reason=error.detail.message)
                 return False
-            # Receiving them takes CPU from the sessions' ticks (a warming server has none, and its clients wait).
-            if error.reason != "WARMING_UP" and state.refusals.take(started) > 0:
+            # Receiving them takes CPU from the sessions' ticks.
+            if state.refusals.take(started) > 0:
                 self._metrics.observe_error("RATE_EXCEEDED")
                 reason = (f"too many refused messages: {state.refusals.measured_hz:.1f} per second, beyond a burst of "
                           f"{MAX_REFUSED_MESSAGES} at {REFUSED_MESSAGES_HZ:g} per second")
