@@ -360,6 +360,19 @@ def test_a_taken_port_ends_serve_before_the_warmup_begins(monkeypatch, capsys):
         assert cli.main(["serve", "--port", "0", "--websocket-port", str(port)]) == 2
     assert capsys.readouterr().err.strip() == f"policy-server: could not bind the openpi WebSocket to " \
                                                f"127.0.0.1:{port} (Address already in use)"
+    # IPv6 in brackets, each listener's reason the OS's: the WebSocket said "::1:PORT (Unknown error -9)" for any
+    # port, taken or not (it bound ::1 with an IPv4 socket), and "Unknown error -2" for a name that resolves nowhere.
+    with socket.socket(socket.AF_INET6) as taken:
+        taken.bind(("::1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for flags, listener in ((["--websocket-port", str(port)], "the openpi WebSocket"),
+                                (["--metrics-host", "::1", "--metrics-port", str(port)], "the metrics endpoint")):
+            assert cli.main(["serve", "--host", "::1", "--port", "0", *flags]) == 2
+            assert capsys.readouterr().err.strip() == f"policy-server: could not bind {listener} to [::1]:{port} " \
+                                                       "(Address already in use)"
+    assert cli.main(["serve", "--host", "no.such.host.invalid", "--port", "0", "--websocket-port", "0"]) == 2
+    assert capsys.readouterr().err.strip().endswith("(Name or service not known)")
     assert warmups == []
 
 

@@ -35,7 +35,6 @@ import contextlib
 import http
 import logging
 import math
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -60,7 +59,7 @@ from policy_server.engine.api import (
 )
 from policy_server.limits import MAX_REFUSED_MESSAGES, REFUSED_MESSAGES_HZ
 from policy_server.rate_limiter import RateLimiter
-from policy_server.server import validate
+from policy_server.server import listen, validate
 from policy_server.server.auth import bearer_token_matches
 from policy_server.server.convert import tick_to_dict
 from policy_server.server.errors import from_exception
@@ -309,20 +308,20 @@ class OpenpiWebsocketServer:
         if self._default_embodiment is not None:
             validate.embodiment(self._engine.info(), self._default_embodiment)
         try:
-            self._server = serve(
-                self._handle,
-                self._host,
-                self._port,
-                ssl=self._ssl,
-                compression=None,
-                max_size=self._max_message_bytes,
-                process_request=self._process_request,
-                open_timeout=OPEN_TIMEOUT_S,
-                close_timeout=2,  # shutdown waits this long at most for a client that does not close
-            )
+            sock = listen.tcp_socket(self._host, self._port)
         except OSError as error:  # in use, or not an address of this machine
-            why = os.strerror(error.errno) if error.errno else str(error)  # strerror also repeats the address
-            raise OSError(f"could not bind the openpi WebSocket to {self._host}:{self._port} ({why})") from None
+            raise listen.bind_failed("the openpi WebSocket", listen.address(self._host, self._port), error) from None
+        sock.listen()
+        self._server = serve(
+            self._handle,
+            sock=sock,
+            ssl=self._ssl,
+            compression=None,
+            max_size=self._max_message_bytes,
+            process_request=self._process_request,
+            open_timeout=OPEN_TIMEOUT_S,
+            close_timeout=2,  # shutdown waits this long at most for a client that does not close
+        )
         self._server.handler = self._bounded(self._server.handler)
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True, name="openpi-ws")
         self._thread.start()
