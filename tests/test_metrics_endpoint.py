@@ -11,6 +11,7 @@ import urllib.request
 import pytest
 from fake_engine import FakeEngine, self_signed_cert, serve_fake
 
+from policy_server.client import PolicyClient
 from policy_server.config import build_config
 from policy_server.server import metrics
 from policy_server.server.app import build_server
@@ -56,6 +57,23 @@ def test_with_tls_the_metrics_are_https_only(tmp_path):
         with pytest.raises((urllib.error.URLError, http.client.RemoteDisconnected, ConnectionResetError)):
             status(f"http://127.0.0.1:{server.metrics_port}/metrics", "s3cret")  # the token never goes in the clear
 
+
+def test_every_listener_serves_the_tls_pair_the_settings_check_loaded(tmp_path):
+    """The check loaded the pair and the start read the files again: a pair renewed (or half written) between the
+    two was served unchecked, and a broken one ended the start with 'could not bind gRPC ... (in use or not
+    permitted)'."""
+    cert, key = self_signed_cert(tmp_path)
+    config = build_config(overrides={"port": 0, "metrics_port": 0, "tls_cert": str(cert), "tls_key": str(key)})
+    trusted = cert.read_text()
+    cert.write_text("")
+    key.write_text("half written")
+    with build_server(config, FakeEngine()) as server:
+        with PolicyClient(server.target, root_certificates=trusted.encode(), server_name="localhost") as client:
+            assert client.health() == "SERVING"
+        context = ssl.create_default_context(cadata=trusted)
+        with urllib.request.urlopen(f"https://127.0.0.1:{server.metrics_port}/metrics", timeout=5,
+                                    context=context) as response:
+            assert response.status == 200
 
 def test_connections_that_send_nothing_hold_no_thread_for_long_and_cannot_crowd_out_a_scrape(monkeypatch):
     monkeypatch.setattr(metrics._QuietHandler, "timeout", 2.0)

@@ -12,7 +12,6 @@ import ipaddress
 import logging
 import os
 import socket
-import ssl
 import threading
 from concurrent import futures
 
@@ -204,7 +203,7 @@ class PolicyServer:
 
         credentials = None
         if cfg.tls:
-            credentials = grpc.ssl_server_credentials([(cfg.tls_key.read_bytes(), cfg.tls_cert.read_bytes())])
+            credentials = grpc.ssl_server_credentials([(cfg.tls.key_pem, cfg.tls.cert_chain_pem)])
         self.grpc_port = self._add_port(listen.address(cfg.host, cfg.port), credentials)
         if cfg.unix_socket is not None:
             self._add_port(f"unix:{cfg.unix_socket}", credentials)
@@ -214,10 +213,7 @@ class PolicyServer:
         self._poller = threading.Thread(target=self._poll_readiness, daemon=True, name="health-poll")
         self._poller.start()
 
-        ssl_context = None  # the metrics endpoint's and the WebSocket's TLS
-        if cfg.tls:
-            ssl_context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-            ssl_context.load_cert_chain(cfg.tls_cert, cfg.tls_key)
+        ssl_context = cfg.tls.context if cfg.tls else None  # the metrics endpoint's and the WebSocket's TLS
         if cfg.metrics_port is not None:
             self.metrics_port = self.metrics.serve(cfg.metrics_host, cfg.metrics_port, token=self._token,
                                                    ssl_context=ssl_context)
