@@ -369,10 +369,14 @@ def test_the_step_counter_stays_a_valid_step_index_after_the_largest_one(policy)
      "BAD_VALUE: frame: expected a msgpack map of at most 256 maps and arrays, nested ones included, got more than "
      "256 maps and arrays"),
     (msgpack.packb({"junk": [None] * 2000}),
-     "BAD_VALUE: frame: expected a msgpack map of observation keys, got 2009 bytes msgpack cannot decode: 2000 exceeds "
-     "max_array_len(1024)"),
+     "BAD_VALUE: frame: expected a msgpack map whose maps and arrays hold at most 1024 items each, got an array of "
+     "2000 items"),
+    (msgpack.packb({"observation/state": {i: 0 for i in range(1025)}}),
+     "BAD_VALUE: frame: expected a msgpack map whose maps and arrays hold at most 1024 items each, got a map of "
+     "1025 items"),
 ], ids=["not msgpack", "a list", "array without data", "unknown dtype", "short data", "a bool side",
-        "a scalar its dtype cannot hold", "a float its dtype cannot hold", "too many containers", "a long array"])
+        "a scalar its dtype cannot hold", "a float its dtype cannot hold", "too many containers", "a long array",
+        "a long map"])
 def test_an_undecodable_frame_is_named_with_what_was_expected(server, frame, error):
     with websockets.sync.client.connect(f"ws://127.0.0.1:{server.websocket_port}", compression=None) as ws:
         ws.recv()

@@ -35,6 +35,7 @@ import contextlib
 import http
 import logging
 import math
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -149,12 +150,21 @@ class TooManyContainers(ValueError):
     """A message of more maps and arrays than ``MAX_CONTAINERS``; unpacking stopped at the one too many."""
 
 
+class TooManyItems(ValueError):
+    """An array or map of more than ``MAX_CONTAINER_ITEMS`` items; msgpack refused it before building it."""
+
+
+# How msgpack (its C and its Python unpacker alike) says an array or map is over `max_array_len` / `max_map_len`.
+_OVER_ITEMS = re.compile(r"(\d+) exceeds max_(array|map)_len\(\d+\)")
+
+
 def packb(obj: Any) -> bytes:
     return msgpack.packb(obj, default=_pack_default)
 
 
 def unpackb(data: bytes) -> Any:
-    """``data`` unpacked, within ``MAX_CONTAINERS`` maps and arrays of ``MAX_CONTAINER_ITEMS`` items each."""
+    """``data`` unpacked, within ``MAX_CONTAINERS`` maps and arrays of ``MAX_CONTAINER_ITEMS`` items each (beyond:
+    ``TooManyContainers``, ``TooManyItems``)."""
     containers = 0
 
     def counted(container):
@@ -164,8 +174,14 @@ def unpackb(data: bytes) -> Any:
             raise TooManyContainers(f"more than {MAX_CONTAINERS} maps and arrays")
         return container
 
-    return msgpack.unpackb(data, object_hook=lambda obj: _unpack_hook(counted(obj)), list_hook=counted,
-                           max_array_len=MAX_CONTAINER_ITEMS, max_map_len=MAX_CONTAINER_ITEMS)
+    try:
+        return msgpack.unpackb(data, object_hook=lambda obj: _unpack_hook(counted(obj)), list_hook=counted,
+                               max_array_len=MAX_CONTAINER_ITEMS, max_map_len=MAX_CONTAINER_ITEMS)
+    except ValueError as exc:
+        over = _OVER_ITEMS.fullmatch(str(exc))
+        if over is None:
+            raise
+        raise TooManyItems(f"{'an array' if over[2] == 'array' else 'a map'} of {over[1]} items") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -534,6 +550,9 @@ class OpenpiWebsocketServer:
         except TooManyContainers as exc:
             raise InvalidArgument("frame", f"a msgpack map of at most {MAX_CONTAINERS} maps and arrays, nested ones "
                                   "included", str(exc), reason="BAD_VALUE") from exc
+        except TooManyItems as exc:
+            raise InvalidArgument("frame", f"a msgpack map whose maps and arrays hold at most {MAX_CONTAINER_ITEMS} "
+                                  "items each", str(exc), reason="BAD_VALUE") from exc
         except Exception as exc:  # noqa: BLE001 - msgpack raises many types for bad input
             got = f"{len(raw)} bytes msgpack cannot decode: {_undecodable(exc)}"
             raise InvalidArgument("frame", "a msgpack map of observation keys", got, reason="BAD_VALUE") from exc
