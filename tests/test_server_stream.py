@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import queue
+import sys
 import threading
 import time
 
@@ -260,8 +261,12 @@ def test_a_reply_the_client_cannot_read_ends_the_stream_saying_why(client, engin
     monkeypatch.setattr(engine, "act", lambda *args, **kwargs: dataclasses.replace(
         act(*args, **kwargs), preview_frames=np.zeros((1, 8, 8, 3), np.uint8)))
 
+    decode = client_types.decode_image
+
     def decode_without_opencv(*args, **kwargs):
-        raise ModuleNotFoundError("No module named 'cv2'")
+        with monkeypatch.context() as without:  # the server encoded the frames before
+            without.setitem(sys.modules, "cv2", None)
+            return decode(*args, **kwargs)
 
     monkeypatch.setattr(client_types, "decode_image", decode_without_opencv)
     session = client.open_session("pusht", "push", preview=True)
@@ -269,7 +274,7 @@ def test_a_reply_the_client_cannot_read_ends_the_stream_saying_why(client, engin
         send(stream, 0)
         closed = stream.next_event()  # not silence: the reader thread reports why it stopped
         assert closed.kind == "closed" and closed.error.reason == "UNREADABLE_REPLY"
-        assert "No module named 'cv2'" in closed.error.message
+        assert "OpenCV to decode it (pip install opencv-python-headless), got no cv2 module" in closed.error.message
         with pytest.raises(PolicyServerError) as refused:
             send(stream, 1)
         assert refused.value.reason == "UNREADABLE_REPLY"
