@@ -32,7 +32,7 @@ from pydantic import (
 
 from policy_server.limits import MAX_BUDGET_MS, MAX_CACHE_THRESHOLD, MAX_RESIDUAL_ORDER
 from policy_server.pipeline.hub import is_hub_id
-from policy_server.v1.auth_token import read_token_file
+from policy_server.v1.auth_token import MIN_TOKEN_CHARS, read_token_file
 
 ENV_PREFIX = "POLICY_SERVER_"
 CONFIG_ENV = f"{ENV_PREFIX}CONFIG"  # the config file
@@ -181,7 +181,7 @@ class ServerConfig(BaseModel):
     @classmethod
     def _readable_token(cls, value: Path | None) -> Path | None:
         if value is not None:
-            read_token_file(value)  # a bad file is refused with the settings, before the model loads
+            _server_token(value)  # a bad file is refused with the settings, before the model loads
         return value
 
     @field_validator("tls_cert", "tls_key")
@@ -229,7 +229,17 @@ class ServerConfig(BaseModel):
 
     def auth_token(self) -> str | None:
         """The bearer token clients must send (read from `auth_token_file`), None without one."""
-        return None if self.auth_token_file is None else read_token_file(self.auth_token_file)
+        return None if self.auth_token_file is None else _server_token(self.auth_token_file)
+
+
+def _server_token(path: Path) -> str:
+    """The token `path` holds, if it is one a server may want: `MIN_TOKEN_CHARS` long at least (clients read
+    whatever token they are given)."""
+    token = read_token_file(path)
+    if len(token) < MIN_TOKEN_CHARS:
+        raise ValueError(f"auth token in {path} is {len(token)} characters; expected at least {MIN_TOKEN_CHARS} (a "
+                         "shorter one may be guessed by trying; e.g. openssl rand -hex 32 > token)")
+    return token
 
 
 def check_dtype(value: str) -> None:

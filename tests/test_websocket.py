@@ -285,14 +285,14 @@ def test_healthz_follows_readiness():
 
 def test_api_key_is_checked(tmp_path):
     token = tmp_path / "token"
-    token.write_text("k3y")
+    token.write_text("openpi-api-key-16")
     with serve_fake(websocket_port=0, auth_token_file=token) as server:
         with pytest.raises(InvalidStatus) as err:
             WebsocketClientPolicy(host="127.0.0.1", port=server.websocket_port)
         assert err.value.response.status_code == 401
         with pytest.raises(InvalidStatus):
             WebsocketClientPolicy(host="127.0.0.1", port=server.websocket_port, api_key="wrong")
-        policy = WebsocketClientPolicy(host="127.0.0.1", port=server.websocket_port, api_key="k3y")
+        policy = WebsocketClientPolicy(host="127.0.0.1", port=server.websocket_port, api_key="openpi-api-key-16")
         assert policy.infer(openpi_observation())["actions"].shape == (8, 2)
         policy._ws.close()
         # /healthz stays open for probes
