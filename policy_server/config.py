@@ -15,14 +15,24 @@ import json
 import re
 import ssl
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from policy_server.limits import MAX_BUDGET_MS, MAX_CACHE_THRESHOLD, MAX_RESIDUAL_ORDER
 from policy_server.pipeline.hub import is_hub_id
-from policy_server.v1.auth_token import read_token_file
+from policy_server.v1.auth_token import MIN_TOKEN_CHARS, read_token_file
 
 ENV_PREFIX = "POLICY_SERVER_"
 CONFIG_ENV = f"{ENV_PREFIX}CONFIG"  # the config file
@@ -37,6 +47,15 @@ _PATHS = ("checkpoint", "unix_socket", "auth_token_file", "tls_cert", "tls_key")
 
 class ConfigError(ValueError):
     """A configuration that cannot be used; the message names each offending key."""
+
+
+@dataclass(frozen=True)
+class ServerTls:
+    """The server's certificate chain and key, loaded once by the settings' check: what every listener serves."""
+
+    context: ssl.SSLContext = field(compare=False)  # /metrics and the openpi WebSocket; equal if its PEM is
+    key_pem: bytes  # gRPC's credentials, as read for `context`
+    cert_chain_pem: bytes
 
 
 class ServerConfig(BaseModel):
@@ -112,6 +131,7 @@ class ServerConfig(BaseModel):
     auth_token_file: Path | None = Field(None, description="file holding the bearer token clients must send")
     tls_cert: Path | None = Field(None, description="PEM certificate chain (with --tls-key)")
     tls_key: Path | None = Field(None, description="PEM private key (with --tls-cert)")
+    _tls: ServerTls | None = PrivateAttr(None)
 
     @field_validator("*", mode="before")
     @classmethod
@@ -161,7 +181,7 @@ class ServerConfig(BaseModel):
     @classmethod
     def _readable_token(cls, value: Path | None) -> Path | None:
         if value is not None:
-            read_token_file(value)  # a bad file is refused with the settings, before the model loads
+            _server_token(value)  # a bad file is refused with the settings, before the model loads
         return value
 
     @field_validator("tls_cert", "tls_key")
@@ -185,7 +205,9 @@ class ServerConfig(BaseModel):
             raise ValueError("tls_cert and tls_key must be given together")
         if self.tls_cert is not None:  # checked with the settings: gRPC would only fail to bind, after the warmup began
             try:
-                ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(self.tls_cert, self.tls_key)
+                context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+                context.load_cert_chain(self.tls_cert, self.tls_key)
+                self._tls = ServerTls(context, self.tls_key.read_bytes(), self.tls_cert.read_bytes())
             except OSError as error:  # unreadable, or not PEM (ssl.SSLError)
                 raise ValueError(f"tls_cert {str(self.tls_cert)!r} and tls_key {str(self.tls_key)!r}: expected a PEM "
                                  f"certificate chain and its private key ({error.strerror or error})") from None
@@ -201,12 +223,23 @@ class ServerConfig(BaseModel):
         return int(self.max_message_mb * 1024 * 1024)
 
     @property
-    def tls(self) -> bool:
-        return self.tls_cert is not None
+    def tls(self) -> ServerTls | None:
+        """The TLS pair as the settings' check loaded it (None without `tls_cert`): the files are not read again."""
+        return self._tls
 
     def auth_token(self) -> str | None:
         """The bearer token clients must send (read from `auth_token_file`), None without one."""
-        return None if self.auth_token_file is None else read_token_file(self.auth_token_file)
+        return None if self.auth_token_file is None else _server_token(self.auth_token_file)
+
+
+def _server_token(path: Path) -> str:
+    """The token `path` holds, if it is one a server may want: `MIN_TOKEN_CHARS` long at least (clients read
+    whatever token they are given)."""
+    token = read_token_file(path)
+    if len(token) < MIN_TOKEN_CHARS:
+        raise ValueError(f"auth token in {path} is {len(token)} characters; expected at least {MIN_TOKEN_CHARS} (a "
+                         "shorter one may be guessed by trying; e.g. openssl rand -hex 32 > token)")
+    return token
 
 
 def check_dtype(value: str) -> None:

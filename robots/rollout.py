@@ -454,6 +454,9 @@ def main(argv: list[str] | None = None) -> int:
     quality_profile = (args.quality_profile or "auto") if profile_applies else None
 
     budget = args.latency_budget_ms
+    # The ticks run at the budget asked for, else the server's (or the engine's) default; uncached in-process ticks
+    # without --latency-budget-ms are not budgeted (they get the largest budget there is).
+    budgeted = not (args.in_process and args.no_diffusion_cache and budget is None)
     # The server's, the engine's, or a server that never turned SERVING.
     refusals: tuple[type[Exception], ...] = (PolicyServerError, EngineError, TimeoutError, RolloutError)
     if args.ray is not None:
@@ -464,9 +467,8 @@ def main(argv: list[str] | None = None) -> int:
         from policy_server.pipeline.policy import CheckpointLoadError
 
         refusals += (CheckpointLoadError, ProfileError, CompileUnavailableError)
-        # Uncached ticks are not budgeted: without --latency-budget-ms they get the largest budget there is.
         make_policy = functools.partial(InProcessPolicy, args.checkpoint,
-                                        budget or (MAX_BUDGET_MS if args.no_diffusion_cache else 120.0),
+                                        budget or (120.0 if budgeted else MAX_BUDGET_MS),
                                         not args.no_diffusion_cache, args.num_envs, overrides,
                                         quality_profile or "off", args.device, args.compile_gen_stack)
     else:
@@ -500,9 +502,7 @@ def main(argv: list[str] | None = None) -> int:
               "env_id": args.env_id, "execute": args.execute, "num_envs": args.num_envs, "device": args.device,
               "first_episode": args.first_episode, "serve_application": args.serve_application,
               "ray_workers": args.ray, **overrides}
-    # The budget the ticks ran at: the one asked for, else the server's (or the engine's) default; none uncached.
-    report = summarize(results, seconds, config, budgeted=not (args.in_process and args.no_diffusion_cache
-                                                              and budget is None))
+    report = summarize(results, seconds, config, budgeted)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     plot_summary(report, [t.latency_ms for r in results for t in r.ticks], args.out.with_suffix(".png"))

@@ -635,10 +635,10 @@ def _number(text: str, low: float, high: float, expected: str) -> float:
 
 def _rate_hz(text: str) -> float:
     """argparse type: a rate a session may declare, as the server takes it."""
-    value = _number(text, 0.0, MAX_RATE_HZ, f"0 (a closed loop) or {MIN_RATE_HZ:g} to {MAX_RATE_HZ:g} Hz")
+    expected = f"0 (a closed loop) or {MIN_RATE_HZ:g} to {MAX_RATE_HZ:g} Hz"
+    value = _number(text, 0.0, MAX_RATE_HZ, expected)
     if 0 < value < MIN_RATE_HZ:
-        raise argparse.ArgumentTypeError(f"expected 0 (a closed loop) or {MIN_RATE_HZ:g} to {MAX_RATE_HZ:g} Hz, "
-                                         f"got {text}")
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text}")
     return value
 
 

@@ -4,6 +4,7 @@ what was expected, exit status 2, no traceback, and no server left running."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 
@@ -11,6 +12,7 @@ import pytest
 from cosmos3_folder import build_tiny_cosmos3_folder
 
 from policy_server import cli
+from policy_server.json_file import MAX_JSON_FILE_BYTES
 from policy_server.pipeline.policy import PolicyPipeline
 from policy_server.pipeline.policy_config import PolicyConfig, PolicyConfigError
 from policy_server.pipeline.wan_vae import WanVideoVAE
@@ -52,6 +54,26 @@ def _writing(relative, content):
     return write
 
 
+def _bloated(relative):
+    """A breakage: the folder's JSON file at `relative` grown (sparse, NULs) one byte past the cap on them."""
+    def grow(root):
+        os.truncate(root / relative, MAX_JSON_FILE_BYTES + 1)
+
+    return grow
+
+
+def _over_the_cap(relative):
+    """What the server says of a JSON file `_bloated` (it read it whole, then said it was not JSON)."""
+    return f"{relative}: {MAX_JSON_FILE_BYTES + 1} bytes; expected a JSON file of at most 16 MiB"
+
+
+BLOATED = ("policy.json", "embodiments.json", "action_stats.json", "transformer/config.json", "vae/config.json",
+           "text_tokenizer/tokenizer_config.json")
+BLOATED_DIFFUSERS = ("model_index.json", "scheduler/scheduler_config.json", "transformer/config.json",
+                     "transformer/diffusion_pytorch_model.safetensors.index.json", "vae/config.json",
+                     "text_tokenizer/tokenizer_config.json")
+
+
 def _edit_weight_map(root, shard):
     """A breakage: the transformer's shard index gives its first tensor's shard as `shard`."""
     index = root / "transformer/diffusion_pytorch_model.safetensors.index.json"
@@ -86,6 +108,7 @@ BROKEN = {
         lambda root: _edit_json(root / "embodiments.json", embodiments=[{"name": "pusht", "domain_id": 99}]),
         "domain_id"),
     "missing_stats_file": (lambda root: _remove(root / "action_stats.json"), "action_stats.json"),
+    **{f"bloated {relative}": (_bloated(relative), _over_the_cap(relative)) for relative in BLOATED},
 }
 
 
@@ -187,6 +210,7 @@ BROKEN_DIFFUSERS = {
         _writing("embodiments.json",
                  '{"embodiments": [{"name": "pusht", "normalization": {"method": "minmax", "stats_path": 5}}]}'),
         "normalization.stats_path: expected a file path, a string"),
+    **{f"bloated {relative}": (_bloated(relative), _over_the_cap(relative)) for relative in BLOATED_DIFFUSERS},
 }
 
 

@@ -55,7 +55,7 @@ def test_every_flag_is_a_config_field_and_every_field_a_flag():
 
 def test_flags_parse_into_the_config(tmp_path):
     token = tmp_path / "token"
-    token.write_text("t")
+    token.write_text("a-token-of-24-characters")
     config = cli.config_from_args([
         "--latency-budget-ms", "80", "--no-diffusion-cache", "--diffusion-cache-thresh", "0.4",
         "--diffusion-cache-residual-order", "0", "--diffusion-cache-max-consecutive", "0", "--port", "6000",
@@ -76,7 +76,7 @@ def test_flags_parse_into_the_config(tmp_path):
 
 
 def full_file_values(tmp_path) -> dict:
-    (tmp_path / "token").write_text("x")
+    (tmp_path / "token").write_text("a-token-of-24-characters")
     cert, key = self_signed_cert(tmp_path)
     (tmp_path / "ckpt").mkdir()
     return {
@@ -360,6 +360,19 @@ def test_a_taken_port_ends_serve_before_the_warmup_begins(monkeypatch, capsys):
         assert cli.main(["serve", "--port", "0", "--websocket-port", str(port)]) == 2
     assert capsys.readouterr().err.strip() == f"policy-server: could not bind the openpi WebSocket to " \
                                                f"127.0.0.1:{port} (Address already in use)"
+    # IPv6 in brackets, each listener's reason the OS's: the WebSocket said "::1:PORT (Unknown error -9)" for any
+    # port, taken or not (it bound ::1 with an IPv4 socket), and "Unknown error -2" for a name that resolves nowhere.
+    with socket.socket(socket.AF_INET6) as taken:
+        taken.bind(("::1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for flags, listener in ((["--websocket-port", str(port)], "the openpi WebSocket"),
+                                (["--metrics-host", "::1", "--metrics-port", str(port)], "the metrics endpoint")):
+            assert cli.main(["serve", "--host", "::1", "--port", "0", *flags]) == 2
+            assert capsys.readouterr().err.strip() == f"policy-server: could not bind {listener} to [::1]:{port} " \
+                                                       "(Address already in use)"
+    assert cli.main(["serve", "--host", "no.such.host.invalid", "--port", "0", "--websocket-port", "0"]) == 2
+    assert capsys.readouterr().err.strip().endswith("(Name or service not known)")
     assert warmups == []
 
 
@@ -511,9 +524,10 @@ def test_main_refuses_an_unusable_token_file_in_one_line_before_the_model_loads(
 
     monkeypatch.setattr(policy_server.engine, "build_engine", build_engine, raising=False)
     cases = {"empty": b"", "blank": b" \n\t\n", "two_words": b"one two\n", "not_ascii": "t\u00f6ken".encode(),
-             "huge": b"t" * 5000}
+             "huge": b"t" * 5000, "short": b"s3cret-token-15\n"}
     expected = {"empty": "is empty", "blank": "is empty", "two_words": "whitespace", "not_ascii": "printable ASCII",
-                "huge": "over 4096 bytes"}
+                "huge": "over 4096 bytes", "short": "is 15 characters; expected at least 16 (a shorter one may be "
+                "guessed by trying; e.g. openssl rand -hex 32 > token)"}
     for name, content in cases.items():
         (tmp_path / name).write_bytes(content)
     for name in [*cases, "."]:  # "." : a directory, not a file
@@ -521,6 +535,13 @@ def test_main_refuses_an_unusable_token_file_in_one_line_before_the_model_loads(
         err = capsys.readouterr().err.strip()
         assert "\n" not in err and err.startswith("policy-server: invalid settings: auth_token_file"), err
         assert expected.get(name, "cannot read auth token file") in err, err
+    # A 1-character token was served. The file may be named in the environment or a config file too.
+    (tmp_path / "server.yaml").write_text(f"auth_token_file: {tmp_path / 'short'}\n")
+    assert cli.main(["--config", str(tmp_path / "server.yaml")]) == 2
+    assert expected["short"] in capsys.readouterr().err
+    monkeypatch.setenv("POLICY_SERVER_AUTH_TOKEN_FILE", str(tmp_path / "short"))
+    assert cli.main([]) == 2
+    assert expected["short"] in capsys.readouterr().err
 
 
 def test_a_config_file_that_is_not_utf8_is_named_in_one_line(tmp_path, capsys):

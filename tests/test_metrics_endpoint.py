@@ -11,9 +11,12 @@ import urllib.request
 import pytest
 from fake_engine import FakeEngine, self_signed_cert, serve_fake
 
+from policy_server.client import PolicyClient
 from policy_server.config import build_config
 from policy_server.server import metrics
 from policy_server.server.app import build_server
+
+TOKEN = "s3cret-of-16-chr"  # the server's shortest
 
 
 def status(url: str, token: str | None = None) -> int:
@@ -36,26 +39,43 @@ def test_paths_other_than_metrics_are_not_found():
 
 def test_with_a_token_every_path_needs_it_first(tmp_path):
     token = tmp_path / "token"
-    token.write_text("s3cret")
+    token.write_text(TOKEN)
     with serve_fake(metrics_port=0, auth_token_file=token) as server:
         base = f"http://127.0.0.1:{server.metrics_port}"
         assert (status(base + "/metrics"), status(base + "/other")) == (401, 401)
-        assert (status(base + "/metrics", "s3cret"), status(base + "/other", "s3cret")) == (200, 404)
+        assert (status(base + "/metrics", TOKEN), status(base + "/other", TOKEN)) == (200, 404)
 
 
 def test_with_tls_the_metrics_are_https_only(tmp_path):
     cert, key = self_signed_cert(tmp_path)
     token = tmp_path / "token"
-    token.write_text("s3cret")
+    token.write_text(TOKEN)
     with serve_fake(metrics_port=0, auth_token_file=token, tls_cert=cert, tls_key=key) as server:
         trusted = ssl.create_default_context(cafile=str(cert))
         request = urllib.request.Request(f"https://127.0.0.1:{server.metrics_port}/metrics",
-                                         headers={"Authorization": "Bearer s3cret"})
+                                         headers={"Authorization": f"Bearer {TOKEN}"})
         with urllib.request.urlopen(request, timeout=5, context=trusted) as response:
             assert response.status == 200 and b"policy_server_ticks_total" in response.read()
         with pytest.raises((urllib.error.URLError, http.client.RemoteDisconnected, ConnectionResetError)):
-            status(f"http://127.0.0.1:{server.metrics_port}/metrics", "s3cret")  # the token never goes in the clear
+            status(f"http://127.0.0.1:{server.metrics_port}/metrics", TOKEN)  # the token never goes in the clear
 
+
+def test_every_listener_serves_the_tls_pair_the_settings_check_loaded(tmp_path):
+    """The check loaded the pair and the start read the files again: a pair renewed (or half written) between the
+    two was served unchecked, and a broken one ended the start with 'could not bind gRPC ... (in use or not
+    permitted)'."""
+    cert, key = self_signed_cert(tmp_path)
+    config = build_config(overrides={"port": 0, "metrics_port": 0, "tls_cert": str(cert), "tls_key": str(key)})
+    trusted = cert.read_text()
+    cert.write_text("")
+    key.write_text("half written")
+    with build_server(config, FakeEngine()) as server:
+        with PolicyClient(server.target, root_certificates=trusted.encode(), server_name="localhost") as client:
+            assert client.health() == "SERVING"
+        context = ssl.create_default_context(cadata=trusted)
+        with urllib.request.urlopen(f"https://127.0.0.1:{server.metrics_port}/metrics", timeout=5,
+                                    context=context) as response:
+            assert response.status == 200
 
 def test_connections_that_send_nothing_hold_no_thread_for_long_and_cannot_crowd_out_a_scrape(monkeypatch):
     monkeypatch.setattr(metrics._QuietHandler, "timeout", 2.0)

@@ -135,6 +135,16 @@ def test_image_size_is_checked_from_the_header_before_decoding():
     assert err.value.expected == f"uint8 [H, W, 3] with H and W in 1..{wire.MAX_FRAME_SIDE}"
 
 
+def test_a_jpeg_without_opencv_is_a_wire_error_naming_what_to_install(monkeypatch):
+    """A client that sends RAW frames may lack OpenCV; a JPEG reply (preview frames) raised ModuleNotFoundError."""
+    jpeg = wire.encode_image(_frame(8, 8), "jpeg")
+    monkeypatch.setitem(sys.modules, "cv2", None)  # `import cv2` fails as where it is not installed
+    with pytest.raises(wire.WireError) as err:
+        wire.decode_image(jpeg, "preview")
+    assert str(err.value) == "preview: expected JPEG data and OpenCV to decode it (pip install " \
+                             "opencv-python-headless), got no cv2 module on this machine"
+    assert err.value.reason == "IMAGE_DECODE_FAILED"
+
 @pytest.mark.parametrize("encoding", ["jpeg", "png", "raw"])
 @pytest.mark.parametrize(("height", "width"), [(8, 8), (8, 2048), (2048, 8), (37, 91)])
 def test_any_frame_size_within_the_bounds_decodes(encoding, height, width):

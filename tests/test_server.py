@@ -316,7 +316,7 @@ def test_deadline_misses_are_counted(server, client):
 @pytest.fixture(scope="module")
 def token_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("auth") / "token"
-    path.write_text("s3cret-token\n")
+    path.write_text("s3cret-server-token\n")
     path.chmod(0o600)
     return path
 
@@ -462,7 +462,7 @@ def test_concurrent_sessions_are_isolated(client):
 
 def test_metrics_need_the_token_when_the_server_does_and_stay_on_loopback(tmp_path):
     token_file = tmp_path / "token"
-    token_file.write_text("metrics-secret")
+    token_file.write_text("metrics-secret-token")
     with serve_fake(FakeEngine(), metrics_port=0, auth_token_file=str(token_file)) as running:
         assert running.metrics._http.server_address[0] == "127.0.0.1"
         url = f"http://127.0.0.1:{running.metrics_port}/metrics"
@@ -474,7 +474,7 @@ def test_metrics_need_the_token_when_the_server_does_and_stay_on_loopback(tmp_pa
             urllib.request.urlopen(wrong, timeout=5)
         with PolicyClient(running.target) as anonymous, pytest.raises(PolicyServerError):
             anonymous.server_info()
-        samples = scrape(running, token="metrics-secret")
+        samples = scrape(running, token="metrics-secret-token")
         assert ("policy_server_sessions", frozenset()) in samples
         refused = {"grpc_type": "unary", "grpc_service": "policy_server.v1.PolicyService",
                    "grpc_method": "GetServerInfo", "grpc_code": "UNAUTHENTICATED"}

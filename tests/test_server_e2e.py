@@ -31,7 +31,7 @@ from policy_server.v1.wire import encode_image, tensor_to_proto
 from robots.embedded import build_random_pipeline
 from robots.rollout import main as rollout_main
 
-TOKEN = "e2e-token"
+TOKEN = "e2e-server-token"
 MAX_MESSAGE_MB = 1.0
 
 

@@ -24,7 +24,7 @@ def soak(*args: str) -> subprocess.CompletedProcess:
 def test_soak_against_a_real_server(tmp_path):
     out = tmp_path / "soak.json"
     token = tmp_path / "token"
-    token.write_text("soak-token\n")
+    token.write_text("soak-server-token\n")
     cert, key = self_signed_cert(tmp_path)
     # 16-step episodes: every session resets (a new epoch) every two ticks. Three sessions' cheapest
     # ticks must fit one budget side by side; 400 ms leaves room for a slow CI machine's floor. The server

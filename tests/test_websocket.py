@@ -293,14 +293,14 @@ def test_a_client_connecting_during_warmup_waits_for_the_metadata_frame():
 
 def test_api_key_is_checked(tmp_path):
     token = tmp_path / "token"
-    token.write_text("k3y")
+    token.write_text("openpi-api-key-16")
     with serve_fake(websocket_port=0, auth_token_file=token) as server:
         with pytest.raises(InvalidStatus) as err:
             WebsocketClientPolicy(host="127.0.0.1", port=server.websocket_port)
         assert err.value.response.status_code == 401
         with pytest.raises(InvalidStatus):
             WebsocketClientPolicy(host="127.0.0.1", port=server.websocket_port, api_key="wrong")
-        policy = WebsocketClientPolicy(host="127.0.0.1", port=server.websocket_port, api_key="k3y")
+        policy = WebsocketClientPolicy(host="127.0.0.1", port=server.websocket_port, api_key="openpi-api-key-16")
         assert policy.infer(openpi_observation())["actions"].shape == (8, 2)
         policy._ws.close()
         # /healthz stays open for probes
@@ -377,10 +377,14 @@ def test_the_step_counter_stays_a_valid_step_index_after_the_largest_one(policy)
      "BAD_VALUE: frame: expected a msgpack map of at most 256 maps and arrays, nested ones included, got more than "
      "256 maps and arrays"),
     (msgpack.packb({"junk": [None] * 2000}),
-     "BAD_VALUE: frame: expected a msgpack map of observation keys, got 2009 bytes msgpack cannot decode: 2000 exceeds "
-     "max_array_len(1024)"),
+     "BAD_VALUE: frame: expected a msgpack map whose maps and arrays hold at most 1024 items each, got an array of "
+     "2000 items"),
+    (msgpack.packb({"observation/state": {i: 0 for i in range(1025)}}),
+     "BAD_VALUE: frame: expected a msgpack map whose maps and arrays hold at most 1024 items each, got a map of "
+     "1025 items"),
 ], ids=["not msgpack", "a list", "array without data", "unknown dtype", "short data", "a bool side",
-        "a scalar its dtype cannot hold", "a float its dtype cannot hold", "too many containers", "a long array"])
+        "a scalar its dtype cannot hold", "a float its dtype cannot hold", "too many containers", "a long array",
+        "a long map"])
 def test_an_undecodable_frame_is_named_with_what_was_expected(server, frame, error):
     with websockets.sync.client.connect(f"ws://127.0.0.1:{server.websocket_port}", compression=None) as ws:
         ws.recv()

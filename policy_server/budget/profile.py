@@ -24,6 +24,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from policy_server.json_file import check_json_size
+
 from .cost_model import CallCosts
 
 PROFILE_VERSION = 3
@@ -161,6 +163,7 @@ class QualityProfile(BaseModel):
     @classmethod
     def load(cls, path: Path, digest: str) -> QualityProfile:
         """The profile at `path`, which must be of the weights `digest`; `ProfileError` names what is wrong."""
+        check_json_size(path, ProfileError)
         try:
             data = json.loads(path.read_text())
         except (OSError, ValueError) as error:  # unreadable, not UTF-8, not JSON

@@ -9,6 +9,7 @@ import argparse
 import math
 from pathlib import Path
 
+from policy_server.client.sync_client import uses_tls
 from policy_server.v1.auth_token import read_token_file
 
 MAX_CA_FILE_BYTES = 1 << 20  # a CA bundle is tens of kB
@@ -72,5 +73,5 @@ def add_tls_flags(parser) -> None:
 
 def tls_options(args: argparse.Namespace) -> dict:
     """`PolicyClient`'s keyword arguments for the parsed TLS flags."""
-    tls = args.tls or args.tls_ca is not None or args.tls_server_name is not None
-    return {"tls": tls, "root_certificates": args.tls_ca, "server_name": args.tls_server_name}
+    return {"tls": uses_tls(args.tls, args.tls_ca, args.tls_server_name), "root_certificates": args.tls_ca,
+            "server_name": args.tls_server_name}

@@ -40,6 +40,7 @@ from policy_server.client.errors import PolicyServerError
 from policy_server.client.sync_client import PolicyClient
 from policy_server.client.types import ActionChunk, Session, build_observation
 from policy_server.v1 import policy_server_pb2 as pb
+from policy_server.v1.wire import WireError
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +150,7 @@ class ControlStream:
                 for event in self._call:
                     try:
                         converted = self._convert(event)
-                    except Exception as exc:  # noqa: BLE001 - e.g. preview frames (JPEG) on a client without OpenCV
+                    except WireError as exc:  # e.g. preview frames (JPEG) on a client without OpenCV
                         log.exception("control stream: cannot read a reply; ending the stream")
                         self._call.cancel()
                         self._end(PolicyServerError(grpc.StatusCode.CANCELLED, "UNREADABLE_REPLY",

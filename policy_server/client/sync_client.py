@@ -71,6 +71,12 @@ RETRY_SERVICE_CONFIG = {
 }
 
 
+def uses_tls(tls: bool, root_certificates: bytes | None, server_name: str | None) -> bool:
+    """Whether a channel is TLS: asked for, or implied by root certificates or a name to check the server's
+    certificate against (each of them asks for TLS: never plaintext)."""
+    return tls or root_certificates is not None or server_name is not None
+
+
 def make_channel(
     target: str,
     *,
@@ -93,7 +99,7 @@ def make_channel(
     ]
     if server_name:
         options.append(("grpc.ssl_target_name_override", server_name))
-    if tls or root_certificates is not None or server_name:  # each of them asks for TLS: never plaintext
+    if uses_tls(tls, root_certificates, server_name):
         return grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates), options)
     return grpc.insecure_channel(target, options)
 

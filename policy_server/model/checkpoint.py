@@ -22,6 +22,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from policy_server.json_file import check_json_size
 from policy_server.model.config import Cosmos3TransformerConfig
 from policy_server.model.transformer import Cosmos3OmniTransformer
 
@@ -197,6 +198,7 @@ def index_tensors(directory: Path) -> dict[str, StoredTensor]:
     """Every tensor of a transformer directory (single file or index + shards), from the headers only."""
     single, index = directory / WEIGHTS_NAME, directory / WEIGHTS_INDEX_NAME
     if index.is_file():
+        check_json_size(index, CheckpointError)
         try:
             weight_map = json.loads(index.read_text()).get("weight_map")
         except (ValueError, AttributeError) as error:

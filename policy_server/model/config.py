@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from policy_server.json_file import check_json_size
+
 # The diffusers class name and version written into `config.json` by `to_dict`.
 DIFFUSERS_CLASS_NAME = "Cosmos3OmniTransformer"
 DIFFUSERS_VERSION = "0.42.1"
@@ -136,6 +138,7 @@ class Cosmos3TransformerConfig:
     @classmethod
     def from_json_file(cls, path: str | Path) -> Cosmos3TransformerConfig:
         path = Path(path)
+        check_json_size(path, ConfigError)
         try:
             values = json.loads(path.read_text())
         except json.JSONDecodeError as exc:

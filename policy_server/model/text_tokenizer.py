@@ -29,6 +29,8 @@ import jinja2.sandbox
 from jinja2.ext import loopcontrols
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from policy_server.json_file import check_json_size
+
 START_OF_GENERATION_TOKEN = "<|vision_start|>"
 TOKENIZER_SUBFOLDERS = ("text_tokenizer", "tokenizer")
 BUILTIN_TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "assets" / "embedded" / "text_tokenizer"
@@ -129,6 +131,7 @@ class TextTokenizer:
         except Exception as error:  # noqa: BLE001 - tokenizers raises a bare Exception for a file it cannot parse
             raise TextTokenizerError(f"{tokenizer_file}: not a tokenizers file ({error})") from None
         config_file = folder / "tokenizer_config.json"
+        check_json_size(config_file, TextTokenizerError)
         try:
             config = json.loads(config_file.read_text()) if config_file.is_file() else {}
         except ValueError as error:
@@ -163,6 +166,7 @@ class TextTokenizer:
             return template
         json_file = folder / "chat_template.json"
         if json_file.is_file():
+            check_json_size(json_file, TextTokenizerError)
             try:
                 return json.loads(json_file.read_text()).get("chat_template")
             except (ValueError, AttributeError) as error:

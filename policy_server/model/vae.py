@@ -28,6 +28,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from policy_server.json_file import check_json_size
 from policy_server.model.checkpoint import CheckpointError
 
 CONFIG_NAME = "config.json"
@@ -337,6 +338,7 @@ class SmallVideoVAE(nn.Module):
         for required in (config_path, weights_path):
             if not required.is_file():
                 raise FileNotFoundError(f"{required} not found; expected {CONFIG_NAME} and {WEIGHTS_NAME} there")
+        check_json_size(config_path, CheckpointError)
         try:
             config = SmallVideoVAEConfig.from_json_dict(json.loads(config_path.read_text()))
         except (ValueError, TypeError) as error:  # bad JSON, a foreign config, bad values

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from policy_server.json_file import check_json_size
 from policy_server.model.checkpoint import CheckpointError
 from policy_server.pipeline.embodiments import EmbodimentRegistry
 from policy_server.pipeline.policy_config import PolicyConfig, PolicyConfigError, describe
@@ -49,6 +50,7 @@ def is_diffusers_folder(root: Path) -> bool:
     path = root / "model_index.json"
     if not path.is_file():
         return False
+    check_json_size(path, CheckpointError)
     try:
         index = json.loads(path.read_text())
     except (OSError, ValueError) as error:
@@ -59,6 +61,7 @@ def is_diffusers_folder(root: Path) -> bool:
 def read_model_index(root: Path) -> dict[str, bool]:
     """Check `model_index.json` names the components this server serves; returns its flags."""
     path = root / "model_index.json"
+    check_json_size(path, CheckpointError)
     try:
         index = json.loads(path.read_text())
     except (OSError, ValueError) as error:
@@ -95,6 +98,7 @@ def policy_config(root: Path, name: str, flags: dict[str, bool]) -> PolicyConfig
     path = root / "policy.json"
     if not path.is_file():
         return PolicyConfig.model_validate(defaults)
+    check_json_size(path, PolicyConfigError)
     try:
         overrides = json.loads(path.read_text())
     except ValueError as error:

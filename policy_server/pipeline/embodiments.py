@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, ValidationError, model_validator
 
+from policy_server.json_file import check_json_size
 from policy_server.pipeline.errors import InvalidActions, InvalidChunkSize, InvalidState, UnregisteredEmbodiment
 from policy_server.pipeline.normalization import (
     NORMALIZATION_METHODS,
@@ -374,6 +375,7 @@ class EmbodimentRegistry:
         ``domain_id`` and ``raw_action_dim``. Errors name the file, the entry and the key.
         """
         path = Path(path)
+        check_json_size(path, EmbodimentConfigError)
         try:
             data = json.loads(path.read_text())
         except OSError as exc:

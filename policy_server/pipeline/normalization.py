@@ -29,6 +29,8 @@ import numpy as np
 import torch
 from pydantic import StrictInt
 
+from policy_server.json_file import check_json_size
+
 NORMALIZATION_METHODS = ("none", "minmax", "meanstd", "quantile")
 STAT_FIELDS = ("min", "max", "mean", "std", "q01", "q99")
 REQUIRED_FIELDS = {
@@ -106,6 +108,7 @@ def parse_stats(data: object, source: str = "<memory>") -> dict[str, FeatureStat
 def load_stats(path: str | Path) -> dict[str, FeatureStats]:
     """Read and validate a stats JSON file."""
     path = Path(path)
+    check_json_size(path, NormalizationStatsError)
     try:
         text = path.read_text()
     except OSError as exc:

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from policy_server.json_file import check_json_size
 from policy_server.model.checkpoint import CheckpointError
 from policy_server.pipeline.errors import InvalidSamplerSettings
 
@@ -474,6 +475,7 @@ def scheduler_settings(path: str | Path) -> dict[str, object]:
     ``UniPCMultistepScheduler``, as Cosmos3 pipelines save it). Raises CheckpointError naming the field
     whose value this sampler does not implement."""
     path = Path(path)
+    check_json_size(path, CheckpointError)
     try:
         config = json.loads(path.read_text())
     except (OSError, ValueError) as error:

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from policy_server.json_file import check_json_size
 from policy_server.model.checkpoint import CheckpointError
 from policy_server.model.vae import latent_frames
 
@@ -52,6 +53,7 @@ class WanVideoVAE(torch.nn.Module):
                                   "pip install 'policy-server[cosmos3]'") from None
         diffusers_logging.disable_progress_bar()  # the server's log is line-oriented
         path = Path(folder) / "config.json"
+        check_json_size(path, CheckpointError)
         try:
             stored = json.loads(path.read_text())
         except OSError as error:

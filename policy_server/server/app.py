@@ -12,7 +12,6 @@ import ipaddress
 import logging
 import os
 import socket
-import ssl
 import threading
 from concurrent import futures
 
@@ -23,6 +22,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_g
 from policy_server.config import ServerConfig
 from policy_server.engine.api import Engine
 from policy_server.limits import MAX_REASON_CALLS, MAX_REFLECTION_STREAMS, MAX_STARTING_STREAMS
+from policy_server.server import listen
 from policy_server.server.auth import TokenAuthInterceptor
 from policy_server.server.errors import abort, lenient_parser, make_error
 from policy_server.server.grpc_metrics import GrpcMetricsInterceptor
@@ -126,7 +126,7 @@ def exposure_warnings(config: ServerConfig) -> list[str]:
     return warnings
 
 
-def _bind_problem(address: str) -> str:
+def _bind_error(address: str) -> OSError:
     """Why gRPC could not bind `address` (`HOST:PORT` or `unix:PATH`), as the OS says when a socket of ours tries:
     gRPC core says it only in its own log line."""
     try:
@@ -137,15 +137,10 @@ def _bind_problem(address: str) -> str:
             os.unlink(path)
         else:
             host, _, port = address.rpartition(":")
-            with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
-                probe.bind((host.strip("[]"), int(port)))
+            listen.tcp_socket(host, int(port)).close()
     except OSError as error:  # socket.gaierror too: a host that names no address
-        return error.strerror or str(error)
-    return "in use or not permitted"
-
-
-def _bind_address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+        return error
+    return OSError("in use or not permitted")
 
 
 class PolicyServer:
@@ -168,7 +163,7 @@ class PolicyServer:
     @property
     def target(self) -> str:
         """``host:port`` a client on this machine can dial."""
-        return _bind_address(self.config.host, self.grpc_port)
+        return listen.address(self.config.host, self.grpc_port)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -208,8 +203,8 @@ class PolicyServer:
 
         credentials = None
         if cfg.tls:
-            credentials = grpc.ssl_server_credentials([(cfg.tls_key.read_bytes(), cfg.tls_cert.read_bytes())])
-        self.grpc_port = self._add_port(_bind_address(cfg.host, cfg.port), credentials)
+            credentials = grpc.ssl_server_credentials([(cfg.tls.key_pem, cfg.tls.cert_chain_pem)])
+        self.grpc_port = self._add_port(listen.address(cfg.host, cfg.port), credentials)
         if cfg.unix_socket is not None:
             self._add_port(f"unix:{cfg.unix_socket}", credentials)
 
@@ -218,10 +213,7 @@ class PolicyServer:
         self._poller = threading.Thread(target=self._poll_readiness, daemon=True, name="health-poll")
         self._poller.start()
 
-        ssl_context = None  # the metrics endpoint's and the WebSocket's TLS
-        if cfg.tls:
-            ssl_context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-            ssl_context.load_cert_chain(cfg.tls_cert, cfg.tls_key)
+        ssl_context = cfg.tls.context if cfg.tls else None  # the metrics endpoint's and the WebSocket's TLS
         if cfg.metrics_port is not None:
             self.metrics_port = self.metrics.serve(cfg.metrics_host, cfg.metrics_port, token=self._token,
                                                    ssl_context=ssl_context)
@@ -243,7 +235,7 @@ class PolicyServer:
             self.target,
             "+tls" if cfg.tls else "",
             f", unix:{cfg.unix_socket}" if cfg.unix_socket is not None else "",
-            f", metrics {_bind_address(cfg.metrics_host, self.metrics_port)}" if self.metrics_port is not None else "",
+            f", metrics {listen.address(cfg.metrics_host, self.metrics_port)}" if self.metrics_port is not None else "",
             f", openpi websocket :{self.websocket_port}" if self.websocket_port is not None else "",
         )
         for warning in exposure_warnings(cfg):
@@ -260,7 +252,7 @@ class PolicyServer:
         except RuntimeError:  # grpcio's way of saying the bind failed
             port = 0
         if port == 0:
-            raise OSError(f"could not bind gRPC to {address} ({_bind_problem(address)})")
+            raise listen.bind_failed("gRPC", address, _bind_error(address))
         return port
 
     def stop(self, grace_s: float = 2.0) -> None:

@@ -29,6 +29,7 @@ from prometheus_client import (
 
 from policy_server import __version__
 from policy_server.engine.api import ActResult, Engine
+from policy_server.server import listen
 from policy_server.server.auth import bearer_token_matches
 
 MAX_SCRAPES = 8  # scrapes served at once; a Prometheus server sends one at a time
@@ -145,7 +146,7 @@ class ServerMetrics:
             self._http = make_server(host.strip("[]"), port, app, server_class=server_class,
                                      handler_class=_QuietHandler)
         except OSError as error:  # in use, or not an address of this machine
-            raise OSError(f"could not bind the metrics endpoint to {host}:{port} ({error.strerror or error})") from None
+            raise listen.bind_failed("the metrics endpoint", listen.address(host, port), error) from None
         self._http.ssl_context = ssl_context
         self._thread = threading.Thread(target=self._http.serve_forever, daemon=True, name="metrics")
         self._thread.start()

@@ -36,7 +36,7 @@ import contextlib
 import http
 import logging
 import math
-import os
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -60,7 +60,7 @@ from policy_server.engine.api import (
 )
 from policy_server.limits import MAX_REFUSED_MESSAGES, REFUSED_MESSAGES_HZ
 from policy_server.rate_limiter import RateLimiter
-from policy_server.server import validate
+from policy_server.server import listen, validate
 from policy_server.server.auth import bearer_token_matches
 from policy_server.server.convert import tick_to_dict
 from policy_server.server.errors import from_exception
@@ -152,12 +152,21 @@ class TooManyContainers(ValueError):
     """A message of more maps and arrays than ``MAX_CONTAINERS``; unpacking stopped at the one too many."""
 
 
+class TooManyItems(ValueError):
+    """An array or map of more than ``MAX_CONTAINER_ITEMS`` items; msgpack refused it before building it."""
+
+
+# How msgpack (its C and its Python unpacker alike) says an array or map is over `max_array_len` / `max_map_len`.
+_OVER_ITEMS = re.compile(r"(\d+) exceeds max_(array|map)_len\(\d+\)")
+
+
 def packb(obj: Any) -> bytes:
     return msgpack.packb(obj, default=_pack_default)
 
 
 def unpackb(data: bytes) -> Any:
-    """``data`` unpacked, within ``MAX_CONTAINERS`` maps and arrays of ``MAX_CONTAINER_ITEMS`` items each."""
+    """``data`` unpacked, within ``MAX_CONTAINERS`` maps and arrays of ``MAX_CONTAINER_ITEMS`` items each (beyond:
+    ``TooManyContainers``, ``TooManyItems``)."""
     containers = 0
 
     def counted(container):
@@ -167,8 +176,14 @@ def unpackb(data: bytes) -> Any:
             raise TooManyContainers(f"more than {MAX_CONTAINERS} maps and arrays")
         return container
 
-    return msgpack.unpackb(data, object_hook=lambda obj: _unpack_hook(counted(obj)), list_hook=counted,
-                           max_array_len=MAX_CONTAINER_ITEMS, max_map_len=MAX_CONTAINER_ITEMS)
+    try:
+        return msgpack.unpackb(data, object_hook=lambda obj: _unpack_hook(counted(obj)), list_hook=counted,
+                               max_array_len=MAX_CONTAINER_ITEMS, max_map_len=MAX_CONTAINER_ITEMS)
+    except ValueError as exc:
+        over = _OVER_ITEMS.fullmatch(str(exc))
+        if over is None:
+            raise
+        raise TooManyItems(f"{'an array' if over[2] == 'array' else 'a map'} of {over[1]} items") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -318,20 +333,20 @@ class OpenpiWebsocketServer:
         if self._default_embodiment is not None:
             validate.embodiment(self._engine.info(), self._default_embodiment)
         try:
-            self._server = serve(
-                self._handle,
-                self._host,
-                self._port,
-                ssl=self._ssl,
-                compression=None,
-                max_size=self._max_message_bytes,
-                process_request=self._process_request,
-                open_timeout=OPEN_TIMEOUT_S,
-                close_timeout=2,  # shutdown waits this long at most for a client that does not close
-            )
+            sock = listen.tcp_socket(self._host, self._port)
         except OSError as error:  # in use, or not an address of this machine
-            why = os.strerror(error.errno) if error.errno else str(error)  # strerror also repeats the address
-            raise OSError(f"could not bind the openpi WebSocket to {self._host}:{self._port} ({why})") from None
+            raise listen.bind_failed("the openpi WebSocket", listen.address(self._host, self._port), error) from None
+        sock.listen()
+        self._server = serve(
+            self._handle,
+            sock=sock,
+            ssl=self._ssl,
+            compression=None,
+            max_size=self._max_message_bytes,
+            process_request=self._process_request,
+            open_timeout=OPEN_TIMEOUT_S,
+            close_timeout=2,  # shutdown waits this long at most for a client that does not close
+        )
         self._server.handler = self._bounded(self._server.handler)
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True, name="openpi-ws")
         self._thread.start()
@@ -553,6 +568,9 @@ class OpenpiWebsocketServer:
         except TooManyContainers as exc:
             raise InvalidArgument("frame", f"a msgpack map of at most {MAX_CONTAINERS} maps and arrays, nested ones "
                                   "included", str(exc), reason="BAD_VALUE") from exc
+        except TooManyItems as exc:
+            raise InvalidArgument("frame", f"a msgpack map whose maps and arrays hold at most {MAX_CONTAINER_ITEMS} "
+                                  "items each", str(exc), reason="BAD_VALUE") from exc
         except Exception as exc:  # noqa: BLE001 - msgpack raises many types for bad input
             got = f"{len(raw)} bytes msgpack cannot decode: {_undecodable(exc)}"
             raise InvalidArgument("frame", "a msgpack map of observation keys", got, reason="BAD_VALUE") from exc

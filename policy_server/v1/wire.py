@@ -168,8 +168,8 @@ def decode_image(image: pb.Image, field: str, max_side: int = MAX_FRAME_SIDE, mi
                  channels: int = 3) -> np.ndarray:
     """Decode one camera frame and check it is uint8 RGB [H, W, channels] with H and W in ``min_side..max_side``.
 
-    Raises WireError with reason UNKNOWN_ENCODING, IMAGE_DECODE_FAILED, BAD_IMAGE or
-    SCHEMA_MISMATCH (a side outside the bounds, or the wrong channel count).
+    Raises WireError with reason UNKNOWN_ENCODING, IMAGE_DECODE_FAILED (also for a JPEG / PNG without OpenCV),
+    BAD_IMAGE or SCHEMA_MISMATCH (a side outside the bounds, or the wrong channel count).
     """
     expected = f"uint8 [H, W, {channels}] with H and W in {min_side}..{max_side}"
 
@@ -228,7 +228,11 @@ def decode_image(image: pb.Image, field: str, max_side: int = MAX_FRAME_SIDE, mi
             f"[{image.height}, {image.width}]",
             "BAD_IMAGE",
         )
-    import cv2
+    try:
+        import cv2
+    except ImportError:  # a client that sends RAW frames may go without it, until a reply carries a JPEG
+        raise WireError(field, f"{kind} data and OpenCV to decode it (pip install opencv-python-headless)",
+                        "no cv2 module on this machine", "IMAGE_DECODE_FAILED") from None
 
     decoded = cv2.imdecode(np.frombuffer(data, dtype=np.uint8), cv2.IMREAD_UNCHANGED)
     if decoded is None:
