@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,6 +77,16 @@ class SessionState:
         return f"{self.session_id} ({self.client_name!r})" if self.client_name else self.session_id
 
 
+def _longest_unused(sessions: Iterable[SessionState], idle_s: float) -> str:
+    """For a refusal, which another client gets: when an unused session closes, and how long the one of
+    ``sessions`` (not empty) longest without a call has had none. It names its client, never its id (the id is
+    what a call on the session needs)."""
+    session = min(sessions, key=lambda s: s.last_used_s)
+    whose = f"client {session.client_name!r}'s" if session.client_name else "a client's (no client_name)"
+    return (f"a session with no call (and no Control stream) for {idle_s:g} s closes; the one longest without a call, "
+            f"{whose}, has had none for {time.monotonic() - session.last_used_s:.0f} s")
+
+
 class SessionTable:
     """Thread-safe map of open sessions with a size limit."""
 
@@ -96,17 +106,16 @@ class SessionTable:
         """A new session of ``fields``; ``idle_s``: how long one goes unused before it closes, which a refusal
         names (the places may be held by a crashed client's sessions, which nobody can close)."""
         with self._lock:
-            if len(self._sessions) < self.max_sessions:
-                session = SessionState(session_id=uuid.uuid4().hex, **fields)
-                self._sessions[session.session_id] = session
-                return session
-        raise TooManySessions(self.max_sessions, self.longest_unused(idle_s))
+            if len(self._sessions) >= self.max_sessions:
+                raise TooManySessions(self.max_sessions, _longest_unused(self._sessions.values(), idle_s))
+            session = SessionState(session_id=uuid.uuid4().hex, **fields)
+            self._sessions[session.session_id] = session
+            return session
 
     def longest_unused(self, idle_s: float) -> str:
-        """For a refusal: when a session closes unused, and which open one has gone longest without a call."""
-        session = min(self.all(), key=lambda s: s.last_used_s)
-        return (f"a session with no call (and no Control stream) for {idle_s:g} s closes; the one longest without a "
-                f"call, {session.describe()}, has had none for {time.monotonic() - session.last_used_s:.0f} s")
+        """For a refusal while sessions are open: when an unused one closes, and which has gone longest unused."""
+        with self._lock:
+            return _longest_unused(self._sessions.values(), idle_s)
 
     def get(self, session_id: str) -> SessionState:
         """The open session ``session_id``, used now (every call on a session gets it here)."""
