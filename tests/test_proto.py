@@ -144,6 +144,9 @@ def test_a_jpeg_without_opencv_is_a_wire_error_naming_what_to_install(monkeypatc
     assert str(err.value) == "preview: expected JPEG data and OpenCV to decode it (pip install " \
                              "opencv-python-headless), got no cv2 module on this machine"
     assert err.value.reason == "IMAGE_DECODE_FAILED"
+    with pytest.raises(wire.WireError, match=r"image: expected RGB frames and OpenCV to encode them as png \(pip "):
+        wire.encode_image(_frame(8, 8), "png")
+    assert wire.decode_image(wire.encode_image(_frame(8, 8), "raw"), "raw").shape == (8, 8, 3)  # RAW needs none
 
 @pytest.mark.parametrize("encoding", ["jpeg", "png", "raw"])
 @pytest.mark.parametrize(("height", "width"), [(8, 8), (8, 2048), (2048, 8), (37, 91)])

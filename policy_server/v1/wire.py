@@ -110,8 +110,7 @@ def encode_image(image: np.ndarray, encoding: str = "jpeg", jpeg_quality: int = 
     if channels != 3:  # what the codecs carry and every camera sends
         hint = " (channels first? the wire takes them last)" if image.shape[0] in (1, 3, 4) else ""
         raise WireError("image", f"uint8 RGB [H, W, 3] to encode as {kind}", f"{list(image.shape)}{hint}", "BAD_IMAGE")
-    import cv2
-
+    cv2 = _opencv("image", f"RGB frames and OpenCV to encode them as {kind}", "BAD_IMAGE")
     # OpenCV encodes BGR; the wire is RGB.
     bgr = cv2.cvtColor(image, cv2.COLOR_RGB2BGR)
     if kind == "jpeg":
@@ -162,6 +161,17 @@ def _jpeg_size(data: bytes) -> tuple[int, int] | None:
             return height, width
         pos += 2 + length
     return None
+
+
+def _opencv(field: str, expected: str, reason: str):
+    """The cv2 module; WireError without it (a client that sends RAW frames may go without OpenCV, until it encodes a
+    JPEG or a reply carries one)."""
+    try:
+        import cv2
+    except ImportError:
+        raise WireError(field, f"{expected} (pip install opencv-python-headless)", "no cv2 module on this machine",
+                        reason) from None
+    return cv2
 
 
 def decode_image(image: pb.Image, field: str, max_side: int = MAX_FRAME_SIDE, min_side: int = 1,
@@ -228,12 +238,7 @@ def decode_image(image: pb.Image, field: str, max_side: int = MAX_FRAME_SIDE, mi
             f"[{image.height}, {image.width}]",
             "BAD_IMAGE",
         )
-    try:
-        import cv2
-    except ImportError:  # a client that sends RAW frames may go without it, until a reply carries a JPEG
-        raise WireError(field, f"{kind} data and OpenCV to decode it (pip install opencv-python-headless)",
-                        "no cv2 module on this machine", "IMAGE_DECODE_FAILED") from None
-
+    cv2 = _opencv(field, f"{kind} data and OpenCV to decode it", "IMAGE_DECODE_FAILED")
     decoded = cv2.imdecode(np.frombuffer(data, dtype=np.uint8), cv2.IMREAD_UNCHANGED)
     if decoded is None:
         raise WireError(
