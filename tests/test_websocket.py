@@ -197,12 +197,15 @@ def test_shutdown_answers_the_observation_being_served_then_closes():
 def test_reset_starts_a_new_episode(server):
     with websockets.sync.client.connect(f"ws://127.0.0.1:{server.websocket_port}", compression=None) as ws:
         msgpack_numpy.unpackb(ws.recv())
-        ws.send(msgpack_numpy.packb(openpi_observation()))
-        assert msgpack_numpy.unpackb(ws.recv())["epoch"] == 1
+        for step in range(2):
+            ws.send(msgpack_numpy.packb(openpi_observation()))
+            reply = msgpack_numpy.unpackb(ws.recv())
+            assert (reply["epoch"], reply["first_step_index"]) == (1, step)  # counted for a client that sends none
         ws.send(msgpack_numpy.packb({"reset": True}))
         assert msgpack_numpy.unpackb(ws.recv()) == {"reset": True, "epoch": 2}
         ws.send(msgpack_numpy.packb(openpi_observation()))
-        assert msgpack_numpy.unpackb(ws.recv())["epoch"] == 2
+        reply = msgpack_numpy.unpackb(ws.recv())
+        assert (reply["epoch"], reply["first_step_index"]) == (2, 0)  # a new episode counts from 0
 
 
 def test_object_arrays_are_refused_without_unpickling(server):

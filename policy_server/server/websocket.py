@@ -504,6 +504,7 @@ class OpenpiWebsocketServer:
             if message.get("reset") is True:
                 if state.session is not None:
                     state.session = self._engine.reset_session(state.session.session_id)
+                state.steps = 0
                 connection.send(packb({"reset": True, "epoch": state.session.epoch if state.session else 0}))
                 return True
             observation = validate.observation(OpenpiObservation(message, state.steps), state.spec)
