@@ -168,8 +168,9 @@ class PolicyClient:
             if error.no_answer:
                 # gRPC says only "Deadline Exceeded", and the calls that wait for a server (GetServerInfo,
                 # OpenSession, ...) say so too where nothing ever answered.
-                error = PolicyServerError(error.code, error.reason, f"no answer from {self.target} within "
-                                          f"{timeout_s:.3g} s: the server is down, unreachable, starting or busy")
+                error = PolicyServerError(error.code, error.reason,
+                                          f"no answer from {self.target} within {round(timeout_s, 3):g} s: the "
+                                          "server is down, unreachable, starting or busy")
             raise error from None
 
     def close(self) -> None:
