@@ -219,6 +219,8 @@ CASES = [
     Case("client_name_too_long", open_session(client_name="a" * 129), INVALID, "TOO_LONG", "client_name"),
     Case("client_name_forging_a_log_line", open_session(client_name="arm\nERROR x"), INVALID, "BAD_VALUE",
          "client_name"),
+    Case("request_id_too_long", open_session(request_id="a" * 65), INVALID, "TOO_LONG", "request_id"),
+    Case("request_id_with_a_space", open_session(request_id="retry 1"), INVALID, "BAD_VALUE", "request_id"),
     Case("infeasible_budget_at_open", open_session(budget_ms=1.0), grpc.StatusCode.FAILED_PRECONDITION,
          "BUDGET_INFEASIBLE", ""),
     Case("infeasible_budget_update", lambda c, s: c.set_budget(s, 2.0), grpc.StatusCode.FAILED_PRECONDITION,

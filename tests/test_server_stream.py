@@ -436,6 +436,24 @@ def test_a_stream_reopens_its_session_once_a_full_server_has_room():
         assert event.kind == "reconnected" and event.session_replaced, event
 
 
+def test_a_reopening_whose_answers_were_lost_gets_the_session_it_opened():
+    # The restarted server opens the session, but the answer is lost on each of gRPC's 5 tries: the stream's next try
+    # sends the same request_id and gets that session, rather than opening a second one that holds a place.
+    restarted = FakeEngine()
+    restarted.close_session(restarted.open_session("pusht", "reach the red circle").session_id)  # not the lost one's id
+    restarted.lose_open_answers(5)
+    with _stream_across_a_restart() as (_, stream, restart):
+        restart(restarted)
+        assert stream.next_event(timeout_s=20).kind == "disconnected"
+        event = stream.next_event(timeout_s=20)
+        assert event.kind == "reconnected" and event.session_replaced, event
+        assert restarted.stats().sessions == 1
+        sent = restarted.request_ids[1:]
+        assert len(sent) == 6 and len(set(sent)) == 1, sent
+        obs_id = send(stream, 1)
+        assert stream.next_chunk(timeout_s=10).obs_id == obs_id
+
+
 def test_a_reopened_session_keeps_the_budget_granted_and_the_instruction_the_server_acted_on():
     with _stream_across_a_restart({"budget_ms": 90}) as (_, stream, restart):
         stream.set_budget(150.0)

@@ -29,6 +29,7 @@ import logging
 import queue
 import threading
 import time
+import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -204,12 +205,14 @@ class ControlStream:
 
     def _reconnect_with_backoff(self, error: PolicyServerError) -> PolicyServerError | None:
         """Connect again, reopening the session where the server lost it: None once connected, else the last
-        error (or `error`, the loss, when none came after it)."""
+        error (or `error`, the loss, when none came after it). Every reopening of this loss sends one request id: one
+        whose answer was lost (it timed out, the connection dropped) opened the session the next one gets."""
+        request_id = uuid.uuid4().hex
         for delay in self._backoff.delays():
             if self._closing.wait(delay):
                 return error
             try:
-                replaced = self._attach()
+                replaced = self._attach(request_id)
             except PolicyServerError as exc:
                 error = exc
                 lost_again = exc.reason == "SESSION_NOT_FOUND" and self._reopen_session  # a reopening raced
@@ -225,18 +228,19 @@ class ControlStream:
             return None
         return error
 
-    def _attach(self) -> bool:
-        """Connect to the session, or to a new one with its settings where the server lost it; whether it is new."""
+    def _attach(self, request_id: str) -> bool:
+        """Connect to the session, or to a new one with its settings where the server lost it (opened with
+        ``request_id``); whether it is new."""
         try:
             self._connect()
             return False
         except PolicyServerError as exc:
             if exc.reason != "SESSION_NOT_FOUND" or not self._reopen_session:
                 raise
-        self._reopen()
+        self._reopen(request_id)
         return True
 
-    def _reopen(self) -> None:
+    def _reopen(self, request_id: str) -> None:
         """Open a session with the lost one's settings and attach to it."""
         old = self._session
         self._keep(self._client.open_session(
@@ -248,6 +252,7 @@ class ControlStream:
             rate_hz=old.rate_hz,
             preview=old.preview,
             client_name=old.client_name,
+            request_id=request_id,
         ))
         try:
             self._connect()
