@@ -47,6 +47,10 @@ from policy_server.engine.api import (
 )
 from policy_server.server.app import PolicyServer, build_server
 
+# Session ids unique across engines, as a real server's uuid4 ids are: a restarted server never gives a lost
+# session's id to another.
+_SESSION_NUMBERS = itertools.count(1)
+
 PUSHT = EmbodimentSpec(
     name="pusht",
     cameras=(CameraSpec("image", height=48, width=64),),
@@ -112,7 +116,6 @@ class FakeEngine:
         self._ready = ready
         self._lock = threading.Lock()
         self._sessions: dict[str, SessionHandle] = {}
-        self._ids = itertools.count(1)
         self._gate: threading.Event | None = None
         self._entered = threading.Semaphore(0)
         self.acts: list[tuple[str, int, int]] = []  # (session_id, epoch, step_index) of completed acts
@@ -204,7 +207,7 @@ class FakeEngine:
             if len(self._sessions) >= self._info.max_sessions:
                 raise TooManySessions(self._info.max_sessions)
             handle = SessionHandle(
-                f"s{next(self._ids)}",
+                f"s{next(_SESSION_NUMBERS)}",
                 1,
                 embodiment,
                 instruction,
