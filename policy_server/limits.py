@@ -16,6 +16,10 @@ MAX_PROMPT_TOKENS = 512  # a Reason prompt, in tokens
 # token covers at least one byte, so no text within the token limits is refused by this one.
 MAX_TEXT_BYTES = 16 * 1024
 MAX_CLIENT_NAME_CHARS = 128  # OpenSessionRequest.client_name: printable text, for the server's log
+# OpenSessionRequest.request_id: the caller's id of one opening (a uuid4 hex is 32 characters), of these characters.
+# At least 16: whoever repeats an open session's id (and settings) gets that session, so it must not be guessable.
+MIN_REQUEST_ID_CHARS, MAX_REQUEST_ID_CHARS = 16, 64
+REQUEST_ID_CHARS = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_"
 
 MAX_BUDGET_MS = 60_000.0  # a session's per-tick latency budget
 MAX_RATE_HZ = 1_000.0  # a session's declared chunk-request rate

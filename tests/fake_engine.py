@@ -35,8 +35,10 @@ from policy_server.engine.api import (
     Observation,
     ProfilePoint,
     ReasonEnd,
+    RequestIdReused,
     ServerInfo,
     SessionHandle,
+    ShuttingDown,
     StaleEpoch,
     TickRecord,
     TooManySessions,
@@ -44,6 +46,10 @@ from policy_server.engine.api import (
     WarmingUp,
 )
 from policy_server.server.app import PolicyServer, build_server
+
+# Session ids unique across engines, as a real server's uuid4 ids are: a restarted server never gives a lost
+# session's id to another.
+_SESSION_NUMBERS = itertools.count(1)
 
 PUSHT = EmbodimentSpec(
     name="pusht",
@@ -112,13 +118,15 @@ class FakeEngine:
             self._warm.set()
         self._lock = threading.Lock()
         self._sessions: dict[str, SessionHandle] = {}
-        self._ids = itertools.count(1)
         self._gate: threading.Event | None = None
         self._entered = threading.Semaphore(0)
         self.acts: list[tuple[str, int, int]] = []  # (session_id, epoch, step_index) of completed acts
         self.instructions: dict[str, str] = {}
         self.deadlines: list[float | None] = []
         self.aborted = 0
+        self.request_ids: list[str] = []  # the request_id of every open_session call, in order
+        self._openings: dict[str, tuple] = {}  # session id -> (request_id, the settings it was opened with)
+        self._answers_to_lose = 0
 
     # -- test controls -------------------------------------------------------------------------
 
@@ -143,6 +151,11 @@ class FakeEngine:
         gate, self._gate = self._gate, None
         if gate is not None:
             gate.set()
+
+    def lose_open_answers(self, count: int) -> None:
+        """The next ``count`` open_session calls open (or find) their session, then answer UNAVAILABLE
+        (SHUTTING_DOWN): to the client, an answer lost with its connection after the server acted."""
+        self._answers_to_lose = count
 
     def wait_entered(self, timeout_s: float = 5.0) -> None:
         """Block until one more act() call has started (and passed validation)."""
@@ -175,17 +188,32 @@ class FakeEngine:
         return ()
 
     def open_session(self, embodiment, instruction, budget_ms=None, chunk_size=None, seed=None, rate_hz=None,
-                     actions_per_chunk=None, preview=False, client_name="") -> SessionHandle:
+                     actions_per_chunk=None, preview=False, client_name="", request_id="") -> SessionHandle:
         if not self._warm.is_set():
             raise WarmingUp(0.5)
+        self.request_ids.append(request_id)
+        handle = self._open(embodiment, instruction, budget_ms, chunk_size, seed, preview, client_name, request_id)
+        if self._answers_to_lose:
+            self._answers_to_lose -= 1
+            raise ShuttingDown()
+        return handle
+
+    def _open(self, embodiment, instruction, budget_ms, chunk_size, seed, preview, client_name,
+              request_id) -> SessionHandle:
         spec = self._info.embodiment(embodiment)
         budget = self._info.default_budget_ms if budget_ms is None else budget_ms
         self._check_budget(budget)
+        settings = (embodiment, instruction, budget, chunk_size, seed, preview, client_name)
         with self._lock:
+            for session_id, (opened_by, opened_with) in self._openings.items():
+                if request_id and opened_by == request_id and session_id in self._sessions:
+                    if opened_with != settings:
+                        raise RequestIdReused(request_id, ("settings",))
+                    return self._sessions[session_id]
             if len(self._sessions) >= self._info.max_sessions:
                 raise TooManySessions(self._info.max_sessions, "the fake engine closes no session unused")
             handle = SessionHandle(
-                f"s{next(self._ids)}",
+                f"s{next(_SESSION_NUMBERS)}",
                 1,
                 embodiment,
                 instruction,
@@ -196,6 +224,7 @@ class FakeEngine:
                 client_name=client_name,
             )
             self._sessions[handle.session_id] = handle
+            self._openings[handle.session_id] = (request_id, settings)
             self.instructions[handle.session_id] = instruction
         return handle
 
@@ -221,6 +250,7 @@ class FakeEngine:
         with self._lock:
             if self._sessions.pop(session_id, None) is None:
                 raise UnknownSession(session_id)
+            self._openings.pop(session_id)
 
     def set_budget(self, session_id: str, budget_ms: float) -> SessionHandle:
         self.session(session_id)

@@ -219,6 +219,32 @@ def test_session_errors(engine):
         engine.close_session(session.session_id)
 
 
+def test_an_open_session_repeated_with_its_request_id_answers_the_same_session(engine, caplog):
+    # A client retries OpenSession when the answer was lost: the retry, at the session limit too, gets the session the
+    # first try opened, not a second one that would hold a place (or be refused) until the idle timeout.
+    caplog.set_level(logging.INFO, logger="policy_server.engine")
+    settings = {"budget_ms": 5_000.0, "rate_hz": 0.0, "client_name": "arm 1"}
+    first = engine.open_session("pusht", "reach the red circle", request_id="r1", **settings)
+    others = [engine.open_session("pusht", "x", rate_hz=0) for _ in range(2)]  # max_sessions=3: now full
+    assert engine.open_session("pusht", "reach the red circle", request_id="r1", **settings) == first
+    assert engine.stats().sessions == 3
+    assert [r.getMessage() for r in caplog.records].count(
+        f"answered a repeated OpenSession (request id r1) with session {first.session_id} ('arm 1')") == 1
+    # The id with other settings, another client's name among them, is refused without echoing the first's.
+    for changed in ({"instruction": "reach the blue square"}, {"client_name": "arm 2"}):
+        with pytest.raises(api.RequestIdReused) as reused:
+            engine.open_session(**{"embodiment": "pusht", "instruction": "reach the red circle", "request_id": "r1",
+                                   **settings, **changed})
+        assert (reused.value.reason, reused.value.field) == ("REQUEST_ID_REUSED", "request_id")
+        assert reused.value.got == f"other settings ({next(iter(changed))})", reused.value.got
+        assert "red circle" not in str(reused.value) and "arm 1" not in str(reused.value)
+    for session in [first, *others]:
+        engine.close_session(session.session_id)
+    again = engine.open_session("pusht", "reach the red circle", request_id="r1", **settings)  # r1's session closed
+    assert again.session_id != first.session_id
+    engine.close_session(again.session_id)
+
+
 def test_a_session_takes_one_stream_at_a_time(engine):
     # Each Control stream holds server threads while it lasts: a session may not hold many.
     session = engine.open_session("pusht", "one stream", rate_hz=0)

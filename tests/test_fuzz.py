@@ -809,6 +809,7 @@ def open_session_requests() -> st.SearchStrategy[pb.OpenSessionRequest]:
         "client_name": texts,
         "rate_hz": optional(doubles),
         "actions_per_chunk": optional(weighted((3, st.integers(0, 17)), (1, uint32s))),
+        "request_id": texts,
     }
     base = {"embodiment": EMBODIMENT, "instruction": INSTRUCTION}
     targeted = mutated(base, {name: strategy for name, strategy in fuzz.items() if name in fields}, 4)

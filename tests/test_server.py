@@ -69,6 +69,7 @@ def test_server_info_publishes_schema_limits_budget_and_profile(client):
     assert list(pusht.action.low) == [-1.0, -1.0] and list(pusht.action.high) == [1.0, 1.0]
     assert (pusht.default_chunk_size, pusht.min_chunk_size, pusht.max_chunk_size) == (8, 1, 16)
     assert info.limits.max_sessions == 4 and info.limits.max_message_bytes == 16 * 1024 * 1024
+    assert info.limits.max_request_id_chars == 64  # OpenSessionRequest.request_id
     assert info.default_budget_ms == 120.0
     assert [(p.label, p.p95_ms) for p in info.warmup_profile] == [("uncached", 4.5), ("seacache", 3.0)]
 
@@ -103,6 +104,20 @@ def test_full_session(client, engine):
     with pytest.raises(PolicyServerError) as err:
         client.act(session, {"image": frame()}, STATE)
     assert err.value.reason == "SESSION_NOT_FOUND"
+
+
+def test_an_open_session_whose_answer_was_lost_is_retried_with_its_request_id(client, engine):
+    # The server opened the session but the client saw UNAVAILABLE (the answer lost with its connection): gRPC's
+    # retries send the same request_id, so the server answers that session rather than opening a second one.
+    calls, open_before = len(engine.request_ids), engine.stats().sessions
+    engine.lose_open_answers(2)
+    session = client.open_session("pusht", "answers lost twice")
+    sent = engine.request_ids[calls:]
+    assert len(sent) == 3 and len(set(sent)) == 1 and len(sent[0]) == 32, sent  # one uuid4 hex for every try
+    assert engine.stats().sessions == open_before + 1
+    client.close_session(session)
+    client.close_session(client.open_session("pusht", "answers lost twice"))
+    assert engine.request_ids[-1] != sent[0]  # a new call, a new id
 
 
 def test_deadline_is_passed_to_the_engine_and_expired_work_is_abandoned(client, engine):

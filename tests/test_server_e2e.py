@@ -347,6 +347,36 @@ def test_bad_input_then_good_input(server, name):
     server.close_session(session)
 
 
+def test_an_open_session_repeated_with_its_request_id_opens_one_session(served):
+    # As a client's retry after a lost answer sends it: the same request, request_id included.
+    client, _, metrics_url = served
+    request = pb.OpenSessionRequest(embodiment="pusht", instruction="reach the red circle", rate_hz=0,
+                                    client_name="arm-1", request_id="6f1c0e1d2b3a4c5d8e9f0a1b2c3d4e5f")
+
+    def open_session(request):
+        return client.stub.OpenSession(request, timeout=30, metadata=client.call_metadata())
+
+    def sessions():
+        return scrape(metrics_url)[("policy_server_sessions", frozenset())]
+
+    before = sessions()
+    first = open_session(request)
+    assert open_session(request) == first and sessions() == before + 1
+    other = pb.OpenSessionRequest()
+    other.CopyFrom(request)
+    other.instruction = "reach the blue square"
+    with pytest.raises(grpc.RpcError) as refused:
+        open_session(other)
+    error = PolicyServerError.from_rpc_error(refused.value)
+    assert (error.code, error.reason, error.field) == (grpc.StatusCode.INVALID_ARGUMENT, "REQUEST_ID_REUSED",
+                                                       "request_id")
+    assert "(instruction)" in error.message and "red circle" not in error.message
+    client.close_session(first.session_id)
+    assert open_session(request).session_id != first.session_id  # its session closed: the id opens a new one
+    assert sessions() == before + 1
+    client.close_session(open_session(request).session_id)
+
+
 def test_unknown_session_and_infeasible_budget(server):
     session = server.open_session("pusht", "reach the red circle")
     with pytest.raises(PolicyServerError) as error:

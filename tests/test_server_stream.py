@@ -441,6 +441,48 @@ def test_a_stream_reopens_its_session_once_a_full_server_has_room():
         assert event.kind == "reconnected" and event.session_replaced, event
 
 
+def test_a_reopening_whose_answers_were_lost_gets_the_session_it_opened():
+    # The restarted server opens the session, but the answer is lost on each of gRPC's 5 tries: the stream's next try
+    # sends the same request_id and gets that session, rather than opening a second one that holds a place.
+    restarted = FakeEngine()
+    restarted.lose_open_answers(5)
+    with _stream_across_a_restart() as (_, stream, restart):
+        restart(restarted)
+        assert stream.next_event(timeout_s=20).kind == "disconnected"
+        event = stream.next_event(timeout_s=20)
+        assert event.kind == "reconnected" and event.session_replaced, event
+        assert restarted.stats().sessions == 1
+        sent = restarted.request_ids
+        assert len(sent) == 6 and len(set(sent)) == 1, sent
+        obs_id = send(stream, 1)
+        assert stream.next_chunk(timeout_s=10).obs_id == obs_id
+
+
+def test_a_session_reopened_on_one_try_and_attached_on_the_next_is_reported_as_replaced(monkeypatch):
+    # The restarted server drops the connection again right after the reopening (a flapping link), so the stream
+    # neither attaches to the new session nor closes it: the next try attaches to it, and it is still a new episode.
+    restarted = FakeEngine()
+    with _stream_across_a_restart() as (client, stream, restart):
+        lost, connect, dropped = stream.session.session_id, stream._connect, []
+
+        def connect_dropped_once_after_the_reopening():
+            if stream.session.session_id != lost and not dropped:
+                dropped.append(stream.session.session_id)
+                raise PolicyServerError(grpc.StatusCode.UNAVAILABLE, "", "the connection dropped")
+            connect()
+
+        def close_unreachable(session, timeout_s=None):
+            raise PolicyServerError(grpc.StatusCode.UNAVAILABLE, "", "the connection dropped")
+
+        monkeypatch.setattr(stream, "_connect", connect_dropped_once_after_the_reopening)
+        monkeypatch.setattr(client, "close_session", close_unreachable)
+        restart(restarted)
+        assert stream.next_event(timeout_s=20).kind == "disconnected"
+        event = stream.next_event(timeout_s=20)
+        assert event.kind == "reconnected" and event.session.session_id == dropped[0] != lost, event
+        assert event.session_replaced, event
+
+
 def test_a_reopened_session_keeps_the_budget_granted_and_the_instruction_the_server_acted_on():
     with _stream_across_a_restart({"budget_ms": 90}) as (_, stream, restart):
         stream.set_budget(150.0)

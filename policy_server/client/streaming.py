@@ -29,6 +29,7 @@ import logging
 import queue
 import threading
 import time
+import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -205,12 +206,14 @@ class ControlStream:
 
     def _reconnect_with_backoff(self, error: PolicyServerError) -> PolicyServerError | None:
         """Connect again, reopening the session where the server lost it: None once connected, else the last
-        error (or `error`, the loss, when none came after it)."""
+        error (or `error`, the loss, when none came after it). Every reopening of this loss sends one request id: one
+        whose answer was lost (it timed out, the connection dropped) opened the session the next one gets."""
+        request_id, lost = uuid.uuid4().hex, self._session.session_id
         for delay in self._backoff.delays():
             if self._closing.wait(delay):
                 return error
             try:
-                replaced = self._attach()
+                self._attach(request_id)
             except PolicyServerError as exc:
                 error = exc
                 lost_again = exc.reason == "SESSION_NOT_FOUND" and self._reopen_session  # a reopening raced
@@ -219,6 +222,8 @@ class ControlStream:
                 if lost_again or timed_out or _connection_lost(exc) or _passing(exc):
                     continue
                 return error
+            # A new session whichever try opened it: one try may reopen it and lose the connection before attaching.
+            replaced = self._session.session_id != lost
             if self._closing.is_set():  # closed meanwhile: nobody will use what was just opened
                 self._abandon(replaced)
                 return error
@@ -226,18 +231,18 @@ class ControlStream:
             return None
         return error
 
-    def _attach(self) -> bool:
-        """Connect to the session, or to a new one with its settings where the server lost it; whether it is new."""
+    def _attach(self, request_id: str) -> None:
+        """Connect to the session, or to a new one with its settings where the server lost it (opened with
+        ``request_id``)."""
         try:
             self._connect()
-            return False
+            return
         except PolicyServerError as exc:
             if exc.reason != "SESSION_NOT_FOUND" or not self._reopen_session:
                 raise
-        self._reopen()
-        return True
+        self._reopen(request_id)
 
-    def _reopen(self) -> None:
+    def _reopen(self, request_id: str) -> None:
         """Open a session with the lost one's settings and attach to it."""
         old = self._session
         self._keep(self._client.open_session(
@@ -249,6 +254,7 @@ class ControlStream:
             rate_hz=old.rate_hz,
             preview=old.preview,
             client_name=old.client_name,
+            request_id=request_id,
         ))
         try:
             self._connect()

@@ -52,9 +52,9 @@ from policy_server.v1.auth_token import check_token, read_token_file
 T = TypeVar("T")
 _RETRY_PAUSE_S = 0.1  # between watching or asking again while a server comes up
 
-# Calls safe to repeat when the server refused them unserved (UNAVAILABLE): reading the server, and session changes
-# (a repeated OpenSession at worst leaves a session that expires when idle). gRPC caps maxAttempts at 5; a server
-# that is warming up sends its retry delay as pushback (`policy_server.v1.errors`).
+# Calls safe to repeat when they failed UNAVAILABLE (refused unserved, or the answer lost with the connection): reading
+# the server, and session changes (OpenSession carries a request_id, so a repeat answers the session the first opened).
+# gRPC caps maxAttempts at 5; a server that is warming up sends its retry delay as pushback (`policy_server.v1.errors`).
 _RETRIED_METHODS = ("GetServerInfo", "OpenSession", "ResetSession", "SetBudget", "CloseSession")
 RETRY_SERVICE_CONFIG = {
     "methodConfig": [{
@@ -262,15 +262,23 @@ class PolicyClient:
         actions_per_chunk: int | None = None,
         preview: bool = False,
         timeout_s: float | None = None,
+        request_id: str | None = None,
     ) -> Session:
         """``rate_hz``: chunk requests per second this client will send (unset: the server's default,
         control_hz / actions_per_chunk); ``actions_per_chunk``: actions executed from each chunk before
         asking again (unset: the chunk size); ``preview``: every chunk carries the predicted frames
         (``ActionChunk.preview_frames``; their decode counts against the tick's budget). The server admits
         the session only if its ticks at that rate fit beside the others: RESOURCE_EXHAUSTED / OVERLOADED
-        otherwise. A server still warming up is asked again, as it says when, until ``timeout_s``."""
+        otherwise. A server still warming up is asked again, as it says when, until ``timeout_s``.
+
+        Every try (gRPC's retries, and those through a warmup) sends one ``request_id`` (None: a fresh uuid4 hex), so
+        a try whose answer was lost leaves no second session: the server answers the session the id opened. Pass the
+        id again to retry a call that failed (at most 64 characters of A-Z a-z 0-9 '-' '_'; keep it secret, like a
+        session id). Behind Ray Serve it is also the session's routing key, so a retry reaches the same replica."""
+        request_id = uuid.uuid4().hex if request_id is None else request_id
         request = pb.OpenSessionRequest(
-            embodiment=embodiment, instruction=instruction, client_name=client_name, preview=preview
+            embodiment=embodiment, instruction=instruction, client_name=client_name, preview=preview,
+            request_id=request_id,
         )
         if budget_ms is not None:
             request.budget_ms = budget_ms
@@ -282,7 +290,7 @@ class PolicyClient:
             request.rate_hz = rate_hz
         if actions_per_chunk is not None:
             request.actions_per_chunk = actions_per_chunk
-        routing_key = uuid.uuid4().hex if self.serve_application is not None else None
+        routing_key = (request_id or uuid.uuid4().hex) if self.serve_application is not None else None
         end = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         while True:  # through a warmup, which outlasts gRPC's own retries (5 tries at most)
             try:

@@ -33,7 +33,7 @@ from policy_server.limits import MAX_BUDGET_MS, MAX_INSTRUCTION_TOKENS
 if TYPE_CHECKING:  # sessions hold a Demand: these two import this module
     from policy_server.budget.planner import TickPlan
     from policy_server.engine.served import ServedModel
-    from policy_server.engine.sessions import SessionState, SessionTable
+    from policy_server.engine.sessions import Opening, SessionState, SessionTable
 
 logger = logging.getLogger(__name__)
 
@@ -148,17 +148,23 @@ class Admission:
     def _demand_key(self, embodiment: str, chunk: int) -> tuple:
         return self.served.cost_key(embodiment, chunk, MAX_INSTRUCTION_TOKENS)
 
-    def open(self, embodiment: str, chunk: int, budget_ms: float, rate_hz: float, preview: bool,
-             open_session: Callable[[Demand], SessionState]) -> SessionState:
+    def open(self, opening: Opening, open_session: Callable[[Demand], SessionState]) -> tuple[SessionState, bool]:
         """Admit a session of this shape, budget and rate beside the open ones (`demand`) and open it with
-        `open_session(demand)`."""
-        demand = self._feasible_demand(embodiment, chunk, budget_ms, rate_hz, preview)
+        `open_session(demand)`: (the session, True). An opening that repeats an open session's request id gets that
+        session, admitted once: (it, False); `SessionTable.opened_by`."""
+        if (session := self.sessions.opened_by(opening)) is not None:  # a retry: not refused by what changed since
+            return session, False
+        demand = self._feasible_demand(opening.embodiment, opening.chunk_size, opening.budget_ms, opening.rate_hz,
+                                       opening.preview)
         self._check_floor(demand)
         with self._lock:
+            # Its first arrival may have opened it meanwhile (this one waited for the lock, or for a retiming).
+            if (session := self.sessions.opened_by(opening)) is not None:
+                return session, False
             self._admit([*[s.demand for s in self.sessions.all()], demand], demand, "this session")
             session = open_session(demand)
             self._assign_slots()
-        return session
+        return session, True
 
     def _feasible_demand(self, embodiment: str, chunk: int, budget_ms: float, rate_hz: float,
                          preview: bool = False) -> Demand:

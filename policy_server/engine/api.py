@@ -303,6 +303,17 @@ class UnknownEmbodiment(InvalidArgument):
         super().__init__("embodiment", f"one of {list(known)}", repr(name))
 
 
+class RequestIdReused(InvalidArgument):
+    """An OpenSession names the request_id of an open session it does not repeat: other settings (``fields``
+    name them; their values are the other request's, so they are not echoed)."""
+
+    reason = "REQUEST_ID_REUSED"
+
+    def __init__(self, request_id: str, fields: tuple[str, ...]) -> None:
+        super().__init__("request_id", f"a new id, or the settings of the open session {request_id!r} opened",
+                         f"other settings ({', '.join(fields)})")
+
+
 class UnknownSession(EngineError):
     reason = "SESSION_NOT_FOUND"
 
@@ -534,12 +545,17 @@ class Engine(Protocol):
         actions_per_chunk: int | None = None,
         preview: bool = False,
         client_name: str = "",
+        request_id: str = "",
     ) -> SessionHandle:
         """Open a session at epoch 1. ``None`` takes the server default; the default rate is
         ``control_hz / actions_per_chunk`` (and ``actions_per_chunk`` defaults to the chunk size).
         ``preview``: every chunk carries the predicted frames, their decode planned into the tick.
         ``client_name``: who opens it, printable (the transport checks), for logs.
-        Raises InvalidArgument, TooManySessions, BudgetInfeasible, Overloaded, WarmingUp."""
+        ``request_id``: the caller's id of this opening (the transport checks its charset; "" for none): while the
+        session it opened is open, the same id with the same settings (defaults resolved) returns that session,
+        as it is now, rather than opening another (a retry whose first reply was lost).
+        Raises InvalidArgument, RequestIdReused (the id with other settings), TooManySessions, BudgetInfeasible,
+        Overloaded, WarmingUp."""
         ...
 
     def session(self, session_id: str) -> SessionHandle:

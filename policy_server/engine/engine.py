@@ -33,7 +33,7 @@ from policy_server.engine.call_end import POLL_S, CallEnd
 from policy_server.engine.dynamics import Dynamics
 from policy_server.engine.reasoning import Reasoning
 from policy_server.engine.served import EngineSettings, ServedModel
-from policy_server.engine.sessions import SessionState, SessionTable
+from policy_server.engine.sessions import Opening, SessionState, SessionTable
 from policy_server.engine.tick import Tick, TickRequest
 from policy_server.engine.warmup import Warmup
 from policy_server.engine.worker import GeneratorJob, ModelWorker, TickJob
@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 _ABANDONED_WAIT_S = 1.0  # how long a new tick waits for its session's abandoned one to stop
 _CLOSE_TIMEOUT_S = 5.0
 _log_refusal = ThrottledLog(logger, logging.INFO, period_s=10.0)  # one line per client and reason each 10 s
+_log_repeat = ThrottledLog(logger, logging.INFO, period_s=10.0)  # one line per session each 10 s
 _SWEEP_S = 5.0  # how often idle sessions are looked for besides at each call (at most half the idle time)
 
 
@@ -141,7 +142,7 @@ class ModelEngine:
     def open_session(self, embodiment: str, instruction: str, budget_ms: float | None = None,
                      chunk_size: int | None = None, seed: int | None = None, rate_hz: float | None = None,
                      actions_per_chunk: int | None = None, preview: bool = False,
-                     client_name: str = "") -> api.SessionHandle:
+                     client_name: str = "", request_id: str = "") -> api.SessionHandle:
         self._require_ready()
         self._admission.close_idle(self.settings.session_idle_s)
         served = self.served
@@ -153,17 +154,24 @@ class ModelEngine:
         rate = default_rate_hz(spec.fps, executed) if rate_hz is None else rate_hz
         budget = self.settings.default_budget_ms if budget_ms is None else budget_ms
         key = served.cost_key(embodiment, chunk, served.instruction_tokens(instruction, "instruction"))
+        opening = Opening(request_id, embodiment, instruction, budget, chunk, 0 if seed is None else seed, rate,
+                          preview, client_name)
         try:
-            session = self._admission.open(embodiment, chunk, budget, rate, preview, lambda demand: self.sessions.open(
+            session, opened = self._admission.open(opening, lambda demand: self.sessions.open(
                 self.settings.session_idle_s, embodiment=embodiment, instruction=instruction, budget_ms=budget,
-                chunk_size=chunk, seed=0 if seed is None else seed, cost_key=key, demand=demand,
-                limiter=RateLimiter(rate, time.monotonic()), preview=preview, client_name=client_name))
+                chunk_size=chunk, seed=opening.seed, cost_key=key, demand=demand,
+                limiter=RateLimiter(rate, time.monotonic()), opening=opening, preview=preview, client_name=client_name))
         except (api.BudgetInfeasible, api.Overloaded, api.TooManySessions) as refused:
             # What an operator asks when a robot says it was turned away (a client retrying in a loop: one line).
             _log_refusal((client_name, refused.reason), "refused a session%s: %s, chunks of %d, budget %g ms, %g Hz: "
                          "%s %s", f" for {client_name!r}" if client_name else "", embodiment, chunk, budget, rate,
                          refused.reason, refused.message)
             raise
+        if not opened:
+            # A retry of an OpenSession whose answer was lost: one line per session, however often it comes.
+            _log_repeat(session.session_id, "answered a repeated OpenSession (request id %s) with session %s",
+                        request_id, session.describe())
+            return session.handle()
         if served.graphs is not None:
             # Its first tick then replays the graphs rather than paying for a capture inside its budget.
             try:

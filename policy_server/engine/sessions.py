@@ -6,14 +6,34 @@ import threading
 import time
 import uuid
 from collections.abc import Hashable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from policy_server.budget.history import SessionHistory
 from policy_server.engine.admission import Demand
-from policy_server.engine.api import SessionHandle, TooManySessions, UnknownSession
+from policy_server.engine.api import RequestIdReused, SessionHandle, TooManySessions, UnknownSession
 from policy_server.pipeline.policy import PromptState
 from policy_server.rate_limiter import RateLimiter
+
+
+@dataclass(frozen=True)
+class Opening:
+    """What a session was opened with, defaults resolved (ms, Hz), and the caller's id of that opening
+    (``request_id``, "" for none): an OpenSession that repeats it gets the session again."""
+
+    request_id: str
+    embodiment: str
+    instruction: str
+    budget_ms: float
+    chunk_size: int
+    seed: int
+    rate_hz: float
+    preview: bool
+    client_name: str
+
+    def differences(self, other: Opening) -> tuple[str, ...]:
+        """The names of the settings in which ``other`` differs."""
+        return tuple(f.name for f in fields(self) if getattr(self, f.name) != getattr(other, f.name))
 
 
 @dataclass(eq=False)
@@ -33,6 +53,7 @@ class SessionState:
     last_used_s: when a call last named it (``time.monotonic()`` s).
     attached: a Control stream holds it (one at a time); dynamics: its forward / inverse dynamics calls running.
     client_name: who opened it, as they said (for logs).
+    opening: what it was opened with (its instruction and budget may have changed since).
     """
 
     session_id: str
@@ -44,6 +65,7 @@ class SessionState:
     cost_key: Hashable
     demand: Demand
     limiter: RateLimiter
+    opening: Opening
     preview: bool = False
     slot_ms: float = 0.0
     epoch: int = 1
@@ -116,6 +138,16 @@ class SessionTable:
         """For a refusal while sessions are open: when an unused one closes, and which has gone longest unused."""
         with self._lock:
             return _longest_unused(self._sessions.values(), idle_s)
+
+    def opened_by(self, opening: Opening) -> SessionState | None:
+        """The open session an OpenSession with ``opening.request_id`` opened, if any (None for no id): a scan of at
+        most ``max_sessions``. RequestIdReused when that session was opened with other settings."""
+        if not opening.request_id:
+            return None
+        session = next((s for s in self.all() if s.opening.request_id == opening.request_id), None)
+        if session is not None and session.opening != opening:
+            raise RequestIdReused(opening.request_id, session.opening.differences(opening))
+        return session
 
     def get(self, session_id: str) -> SessionState:
         """The open session ``session_id``, used now (every call on a session gets it here)."""

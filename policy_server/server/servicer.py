@@ -75,6 +75,7 @@ class PolicyServicer(pb_grpc.PolicyServiceServicer):
         handle = self.engine.open_session(
             spec.name, instruction, budget_ms=budget, chunk_size=chunk, seed=seed, rate_hz=rate,
             actions_per_chunk=executed, preview=request.preview, client_name=validate.client_name(request.client_name),
+            request_id=validate.request_id(request.request_id),
         )
         return convert.session_to_proto(handle)
 

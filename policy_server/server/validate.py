@@ -92,6 +92,21 @@ def client_name(value: str, field: str = "client_name") -> str:
     return value
 
 
+def request_id(value: str, field: str = "request_id") -> str:
+    """The caller's id of one OpenSession (empty: none), bounded and of a plain charset: the log and errors name it,
+    and the Python client sends it as Ray Serve's routing key (call metadata)."""
+    expected = (f"{limits.MIN_REQUEST_ID_CHARS} to {limits.MAX_REQUEST_ID_CHARS} characters of A-Z a-z 0-9 '-' '_' "
+                "(a uuid4 hex), or none")
+    if len(value) > limits.MAX_REQUEST_ID_CHARS:
+        raise InvalidArgument(field, expected, f"{len(value)} characters", reason="TOO_LONG")
+    if value and len(value) < limits.MIN_REQUEST_ID_CHARS:  # guessable: another client could take the session
+        raise InvalidArgument(field, expected, f"{len(value)} characters", reason="BAD_VALUE")
+    other = next((c for c in value if c not in limits.REQUEST_ID_CHARS), None)
+    if other is not None:
+        raise InvalidArgument(field, expected, f"{other!r} in the id", reason="BAD_VALUE")
+    return value
+
+
 def text(value: str, field: str, what: str) -> str:
     """A non-empty text within ``MAX_TEXT_BYTES`` (its token count is the engine's to check)."""
     require(bool(value), field, f"a non-empty {what}")

@@ -146,7 +146,7 @@ class ProfilePoint(_message.Message):
     def __init__(self, label: _Optional[str] = ..., p50_ms: _Optional[float] = ..., p95_ms: _Optional[float] = ..., full_calls: _Optional[int] = ..., skipped_calls: _Optional[int] = ...) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("max_sessions", "max_message_bytes", "max_reason_tokens", "max_instruction_tokens", "max_prompt_tokens", "max_text_bytes", "max_budget_ms", "max_rate_hz", "max_temperature", "max_frame_side", "max_dynamics_ms", "max_dynamics_calls", "min_rate_hz", "max_client_name_chars", "max_reason_calls")
+    __slots__ = ("max_sessions", "max_message_bytes", "max_reason_tokens", "max_instruction_tokens", "max_prompt_tokens", "max_text_bytes", "max_budget_ms", "max_rate_hz", "max_temperature", "max_frame_side", "max_dynamics_ms", "max_dynamics_calls", "min_rate_hz", "max_client_name_chars", "max_reason_calls", "max_request_id_chars")
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_REASON_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -162,6 +162,7 @@ class Limits(_message.Message):
     MIN_RATE_HZ_FIELD_NUMBER: _ClassVar[int]
     MAX_CLIENT_NAME_CHARS_FIELD_NUMBER: _ClassVar[int]
     MAX_REASON_CALLS_FIELD_NUMBER: _ClassVar[int]
+    MAX_REQUEST_ID_CHARS_FIELD_NUMBER: _ClassVar[int]
     max_sessions: int
     max_message_bytes: int
     max_reason_tokens: int
@@ -177,7 +178,8 @@ class Limits(_message.Message):
     min_rate_hz: float
     max_client_name_chars: int
     max_reason_calls: int
-    def __init__(self, max_sessions: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_reason_tokens: _Optional[int] = ..., max_instruction_tokens: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_text_bytes: _Optional[int] = ..., max_budget_ms: _Optional[float] = ..., max_rate_hz: _Optional[float] = ..., max_temperature: _Optional[float] = ..., max_frame_side: _Optional[int] = ..., max_dynamics_ms: _Optional[float] = ..., max_dynamics_calls: _Optional[int] = ..., min_rate_hz: _Optional[float] = ..., max_client_name_chars: _Optional[int] = ..., max_reason_calls: _Optional[int] = ...) -> None: ...
+    max_request_id_chars: int
+    def __init__(self, max_sessions: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_reason_tokens: _Optional[int] = ..., max_instruction_tokens: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_text_bytes: _Optional[int] = ..., max_budget_ms: _Optional[float] = ..., max_rate_hz: _Optional[float] = ..., max_temperature: _Optional[float] = ..., max_frame_side: _Optional[int] = ..., max_dynamics_ms: _Optional[float] = ..., max_dynamics_calls: _Optional[int] = ..., min_rate_hz: _Optional[float] = ..., max_client_name_chars: _Optional[int] = ..., max_reason_calls: _Optional[int] = ..., max_request_id_chars: _Optional[int] = ...) -> None: ...
 
 class Capacity(_message.Message):
     __slots__ = ("embodiment", "chunk_size", "budget_ms", "rate_hz", "sessions_alone", "sessions_more")
@@ -236,7 +238,7 @@ class ServerInfo(_message.Message):
     def __init__(self, protocol_version: _Optional[str] = ..., server_version: _Optional[str] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., embodiments: _Optional[_Iterable[_Union[EmbodimentSpec, _Mapping]]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., default_budget_ms: _Optional[float] = ..., warmup_profile: _Optional[_Iterable[_Union[ProfilePoint, _Mapping]]] = ..., ready: _Optional[bool] = ..., capacity: _Optional[_Iterable[_Union[Capacity, _Mapping]]] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("embodiment", "instruction", "budget_ms", "chunk_size", "seed", "client_name", "rate_hz", "actions_per_chunk", "preview")
+    __slots__ = ("embodiment", "instruction", "budget_ms", "chunk_size", "seed", "client_name", "rate_hz", "actions_per_chunk", "preview", "request_id")
     EMBODIMENT_FIELD_NUMBER: _ClassVar[int]
     INSTRUCTION_FIELD_NUMBER: _ClassVar[int]
     BUDGET_MS_FIELD_NUMBER: _ClassVar[int]
@@ -246,6 +248,7 @@ class OpenSessionRequest(_message.Message):
     RATE_HZ_FIELD_NUMBER: _ClassVar[int]
     ACTIONS_PER_CHUNK_FIELD_NUMBER: _ClassVar[int]
     PREVIEW_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     embodiment: str
     instruction: str
     budget_ms: float
@@ -255,7 +258,8 @@ class OpenSessionRequest(_message.Message):
     rate_hz: float
     actions_per_chunk: int
     preview: bool
-    def __init__(self, embodiment: _Optional[str] = ..., instruction: _Optional[str] = ..., budget_ms: _Optional[float] = ..., chunk_size: _Optional[int] = ..., seed: _Optional[int] = ..., client_name: _Optional[str] = ..., rate_hz: _Optional[float] = ..., actions_per_chunk: _Optional[int] = ..., preview: _Optional[bool] = ...) -> None: ...
+    request_id: str
+    def __init__(self, embodiment: _Optional[str] = ..., instruction: _Optional[str] = ..., budget_ms: _Optional[float] = ..., chunk_size: _Optional[int] = ..., seed: _Optional[int] = ..., client_name: _Optional[str] = ..., rate_hz: _Optional[float] = ..., actions_per_chunk: _Optional[int] = ..., preview: _Optional[bool] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class Session(_message.Message):
     __slots__ = ("session_id", "epoch", "embodiment", "instruction", "budget_ms", "chunk_size", "seed", "rate_hz", "slot_ms", "measured_rate_hz", "preview", "client_name")

@@ -102,7 +102,8 @@ class PolicyServiceServicer:
     def OpenSession(self, request, context):
         """Opens a session at epoch 1 for one robot (or one simulated environment). RESOURCE_EXHAUSTED /
         OVERLOADED (with the capacity in the message) when the open sessions' ticks plus this one's, at
-        their rates, could not all meet their budgets.
+        their rates, could not all meet their budgets. Safe to retry with a request_id: a retry gets the session the
+        first try opened (OpenSessionRequest.request_id).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
