@@ -273,7 +273,7 @@ class PolicyClient:
 
         Every try (gRPC's retries, and those through a warmup) sends one ``request_id`` (None: a fresh uuid4 hex), so
         a try whose answer was lost leaves no second session: the server answers the session the id opened. Pass the
-        id again to retry a call that failed (at most 64 characters of A-Z a-z 0-9 '-' '_'; keep it secret, like a
+        id again to retry a call that failed (16 to 64 characters of A-Z a-z 0-9 '-' '_'; keep it secret, like a
         session id). Behind Ray Serve it is also the session's routing key, so a retry reaches the same replica."""
         request_id = uuid.uuid4().hex if request_id is None else request_id
         request = pb.OpenSessionRequest(
