@@ -104,9 +104,9 @@ def _longest_unused(sessions: Iterable[SessionState], idle_s: float) -> str:
     ``sessions`` (not empty) longest without a call has had none. It names its client, never its id (the id is
     what a call on the session needs)."""
     session = min(sessions, key=lambda s: s.last_used_s)
-    whose = f"client {session.client_name!r}'s" if session.client_name else "a client's (no client_name)"
-    return (f"a session with no call (and no Control stream) for {idle_s:g} s closes; the one longest without a call, "
-            f"{whose}, has had none for {time.monotonic() - session.last_used_s:.0f} s")
+    whose = f"client {session.client_name!r}" if session.client_name else "no client_name"
+    return (f"a session with no call (and no Control stream) for {idle_s:g} s closes; the one longest without a call "
+            f"({whose}) has had none for {time.monotonic() - session.last_used_s:.0f} s")
 
 
 class SessionTable:
