@@ -1,8 +1,9 @@
 """The embodiment schema a server declares: what every observation must carry and what an action is.
 
-Plain frozen dataclasses (no torch, no protobuf), imported by both sides of the engine: the pipeline
-builds them from its ``Embodiment`` models (``Embodiment.to_spec``), and ``engine.api`` re-exports
-them as part of the transport's contract (``ServerInfo.embodiments``). A leaf module, like
+Plain frozen dataclasses (no torch, no protobuf) and the size rule of cameras side by side (``width_beside``),
+imported by both sides of the engine: the pipeline builds them from its ``Embodiment`` models
+(``Embodiment.to_spec``) and scales its cameras by that rule, and ``engine.api`` re-exports them as part of the
+transport's contract (``ServerInfo.embodiments``), whose validation bounds the scaled widths. A leaf module, like
 ``limits``: it imports nothing of the project but ``limits``, so neither layer imports the other.
 """
 
@@ -25,7 +26,9 @@ class ImageEncoding(StrEnum):
 @dataclass(frozen=True)
 class CameraSpec:
     """One camera the embodiment expects in every observation: uint8 RGB [H, W, channels] with both sides
-    in ``min_side..max_side`` px, one H for all cameras of the embodiment (the model sees them side by side).
+    in ``min_side..max_side`` px. The model sees the embodiment's cameras side by side: a camera shorter than the
+    tallest is scaled to its height first (aspect kept, ``width_beside``), and scaled it must still be at most
+    ``max_side`` px wide.
     ``height`` x ``width``: the camera's share of the model's largest canvas, the largest frame it sees
     unscaled (larger frames are downscaled to fit, smaller ones padded)."""
 
@@ -36,6 +39,13 @@ class CameraSpec:
     encodings: tuple[ImageEncoding, ...] = (ImageEncoding.JPEG, ImageEncoding.PNG, ImageEncoding.RAW)
     max_side: int = MAX_FRAME_SIDE
     min_side: int = 1
+
+
+def width_beside(height: int, width: int, tallest: int) -> int:
+    """The width (px) a ``height`` x ``width`` camera frame takes beside the embodiment's tallest camera, ``tallest``
+    px high: scaled to that height with its aspect ratio kept, rounded to the nearest pixel; ``width`` when the frame
+    is that tall."""
+    return width if height == tallest else (2 * width * tallest + height) // (2 * height)
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from policy_server.engine.calibration import (
 )
 from policy_server.engine.engine import ModelEngine
 from policy_server.engine.served import EngineSettings
+from policy_server.pipeline.embodiments import Embodiment
 from policy_server.pipeline.policy import PolicyPipeline
 from robots.embedded import build_random_pipeline
 
@@ -144,6 +145,19 @@ def test_observations_round_trip_and_bad_files_name_what_is_wrong(pipe, observat
     path.write_bytes(b"not safetensors")
     with pytest.raises(CalibrationError, match="not a calibration observations file"):
         load_observations(path, pipe)
+    # Cameras of different heights, as the server takes them: the shorter within the bound once scaled.
+    pipe.embodiments.register(Embodiment(name="scene_and_wrist", domain_id=30, raw_action_dim=2, state_dim=2,
+                                         cameras=("scene", "wrist")), replace=True)
+    metadata = {"embodiment": "scene_and_wrist", "instructions": '["a"]'}
+    two = {"images.scene": np.zeros((1, 64, 80, 3), np.uint8), "images.wrist": np.zeros((1, 32, 32, 3), np.uint8),
+           "state": np.zeros((1, 2), np.float32)}
+    save_file(two, str(path), metadata=metadata)
+    assert load_observations(path, pipe, served=False)[0].images["wrist"].shape == (32, 32, 3)
+    save_file({**two, "images.scene": np.zeros((1, 1024, 8, 3), np.uint8),
+               "images.wrist": np.zeros((1, 8, 32, 3), np.uint8)}, str(path), metadata=metadata)
+    with pytest.raises(CalibrationError, match=r"images.wrist are 8x32, 4096 px wide once scaled to the height of "
+                                               r"images.scene \(1024 px\) to sit beside them; expected at most 2048"):
+        load_observations(path, pipe, served=False)
 
 
 def test_the_server_finds_a_profile_beside_the_checkpoint_else_calibrates(pipe, profile, tmp_path, monkeypatch,

@@ -3,6 +3,7 @@ embedded-size pipeline) and the real gRPC server around it, driven with the clie
 
 from __future__ import annotations
 
+import json
 import queue
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +20,8 @@ from policy_server.engine import api
 from policy_server.engine.engine import EngineSettings, ModelEngine
 from policy_server.engine.served import GRID_SAMPLES
 from policy_server.limits import MAX_DYNAMICS_MS, MAX_FRAME_SIDE, MAX_STARTING_STREAMS
-from policy_server.pipeline.policy import PolicyRequest
+from policy_server.pipeline.conditioning import resize
+from policy_server.pipeline.policy import PolicyPipeline, PolicyRequest
 from policy_server.server.app import build_server
 from policy_server.server.convert import FRAME_JPEG_QUALITY
 from policy_server.v1 import policy_server_pb2 as pb
@@ -31,6 +33,8 @@ INSTRUCTION = "reach the red circle"
 STATE = np.array([0.2, 0.3], np.float32)
 ACTIONS = np.linspace(-0.15, 0.15, 16, dtype=np.float32).reshape(8, 2)  # the session's chunk of 8, m/s
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
+TWO_CAMERA_ARM = {"name": "two_camera_arm", "domain_id": 30, "raw_action_dim": 2, "state_dim": 2,
+                  "cameras": ["scene", "wrist"], "default_chunk_size": 8, "max_chunk_size": 8}
 
 
 def _as_sent(frames):
@@ -48,8 +52,13 @@ def _video(seed=0, frames=9, height=64, width=64):
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
+    """Serves pusht and a two-camera arm (a scene and a wrist camera)."""
     torch.set_num_threads(1)
-    pipeline = BenchPipeline.over(build_random_pipeline(tmp_path_factory.mktemp("dynamics-model"), seed=1))
+    folder = tmp_path_factory.mktemp("dynamics-model")
+    build_random_pipeline(folder, seed=1)
+    served = json.loads((folder / "embodiments.json").read_text())["embodiments"]
+    (folder / "embodiments.json").write_text(json.dumps({"embodiments": [*served, TWO_CAMERA_ARM]}))
+    pipeline = BenchPipeline.over(PolicyPipeline.from_pretrained(folder))
     engine = ModelEngine(pipeline, EngineSettings(warmup_ticks=1, max_sessions=4, default_budget_ms=10_000.0,
                                                    max_dynamics_calls=2))
     engine.start()
@@ -399,6 +408,25 @@ def test_engine_preview_frames_are_the_decoded_latents_of_the_tick(engine):
 
 
 # ---------------------------------------------------------------------------------------------- camera-native sizes
+
+
+def test_cameras_of_different_heights_are_served_as_if_the_robot_had_scaled_them(engine, client):
+    """A 64x80 scene camera beside a 32x32 wrist camera: the server scales the wrist's frames to 64x64."""
+    session = client.open_session("two_camera_arm", INSTRUCTION, seed=5, rate_hz=0)
+    scene, wrist = _video(1, height=64, width=80), _video(20, height=32, width=32)
+    chunk = client.act(session, {"scene": scene[0], "wrist": wrist[0]}, STATE, encoding="png")
+    assert chunk.actions.shape == (8, 2) and np.all(np.isfinite(chunk.actions))
+    mixed = client.inverse_dynamics(session, {"scene": scene, "wrist": wrist}, STATE, encoding="png")
+    scaled = client.inverse_dynamics(session, {"scene": scene, "wrist": resize(wrist, (64, 64))}, STATE,
+                                     encoding="png")
+    np.testing.assert_array_equal(mixed.actions, scaled.actions)
+    # 32 px wide at 8 px high is 4096 px wide beside a 1024 px high scene camera, twice what a camera may send.
+    with pytest.raises(PolicyServerError) as err:
+        client.inverse_dynamics(session, {"scene": _video(1, height=1024, width=8), "wrist": _video(2, 9, 8, 32)},
+                                STATE, encoding="png")
+    assert (err.value.code, err.value.reason, err.value.field) == (INVALID, "SCHEMA_MISMATCH", "videos[wrist].frames")
+    assert err.value.detail.got == "8x32 px, 4096 px wide at that height"
+    client.close_session(session)
 
 
 @pytest.mark.parametrize(("height", "width"), [(8, 8), (48, 64), (120, 200), (640, 480)])

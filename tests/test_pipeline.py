@@ -7,7 +7,8 @@ import torch
 
 from policy_server.cache.controller import NoCache
 from policy_server.cache.seacache import SeaCache, SeaCacheConfig
-from policy_server.pipeline import schedulers
+from policy_server.pipeline import conditioning, schedulers
+from policy_server.pipeline.embodiments import Embodiment
 from policy_server.pipeline.errors import PolicyInputError
 from policy_server.pipeline.packing import ActionLayout
 from policy_server.pipeline.policy import DenoiseState, FixedSteps, PolicyPipeline, PolicyRequest, run_steps
@@ -217,6 +218,25 @@ def test_forward_dynamics_keeps_given_actions(pipe):
     out = pipe(_request(mode="forward_dynamics", actions=given, guidance=1.0))
     np.testing.assert_allclose(out.actions, given, atol=1e-5)
     assert out.cache.full_calls == STEPS  # future frames are still generated
+
+
+def test_cameras_of_different_heights_go_side_by_side_as_if_the_robot_had_scaled_them(pipe, monkeypatch):
+    pipe.embodiments.register(Embodiment(name="scene_and_wrist", domain_id=30, raw_action_dim=2,
+                                         cameras=("scene", "wrist")), replace=True)
+    rng = np.random.default_rng(7)
+    scene, wrist = (rng.integers(0, 256, (*hw, 3), dtype=np.uint8) for hw in ((48, 64), (24, 24)))
+    scaled = conditioning.resize(wrist[None], (48, 48))[0]  # what a robot does today, with the server's resize
+
+    mixed = pipe.prepare_images("scene_and_wrist", {"scene": scene, "wrist": wrist})
+    monkeypatch.setattr(conditioning, "resize", lambda *args: pytest.fail("frames of one height were resized"))
+    robot_scaled = pipe.prepare_images("scene_and_wrist", {"scene": scene, "wrist": scaled})
+    assert torch.equal(mixed.clip, robot_scaled.clip) and mixed.placement == robot_scaled.placement
+    # Cameras of one height go side by side untouched, as before the server took different heights.
+    before = conditioning.prepare_clip(np.concatenate([scene, scaled], axis=1)[None], 1, pipe.config.canvases,
+                                       pipe.vae.spatial_compression, pipe.config.pad_mode)
+    assert torch.equal(robot_scaled.clip, before[0]) and robot_scaled.placement == before[1]
+    embodiment = pipe.embodiments.get("scene_and_wrist")
+    assert pipe.canvas_for(embodiment, {"scene": scene, "wrist": wrist}) == mixed.placement.canvas_hw
 
 
 def test_inverse_dynamics_generates_actions_from_clean_video(pipe):

@@ -303,7 +303,7 @@ def test_too_many_sessions_is_resource_exhausted(client, engine):
 
 def test_multi_camera_embodiment_accepts_all_encodings(client):
     session = client.open_session("libero", "put the bowl on the plate")
-    images = {"image": frame(32, 32, seed=1), "wrist": frame(32, 40, seed=2)}  # one height, any widths
+    images = {"image": frame(32, 32, seed=1), "wrist": frame(32, 40, seed=2)}
     state = np.linspace(-1, 1, 8).astype(np.float32)
     for encoding in ("png", "raw"):
         chunk = client.act(session, images, state, step_index=11, encoding=encoding)
@@ -322,15 +322,22 @@ def test_frames_of_any_size_within_the_limit_are_accepted_as_sent(client, sessio
                                                                       session.chunk_size, PUSHT))
 
 
-def test_cameras_of_different_heights_are_refused_naming_the_camera(client):
+def test_cameras_of_different_heights_pass_as_sent_unless_too_wide_beside_the_tallest(client):
     session = client.open_session("libero", "put the bowl on the plate")
-    images = {"image": frame(32, 32, seed=1), "wrist": frame(24, 32, seed=2)}
+    images = {"image": frame(48, 64, seed=1), "wrist": frame(24, 24, seed=2)}  # the engine scales the wrist camera
+    chunk = client.act(session, images, np.zeros(8, np.float32), step_index=3, encoding="png")
+    np.testing.assert_array_equal(chunk.actions, expected_actions(Observation(images, np.zeros(8, np.float32), "", 3),
+                                                                  16, LIBERO))
+    # 16 px wide at 8 px high is 4096 px wide at the scene camera's 2048: twice what a camera may send.
+    images = {"image": frame(MAX_FRAME_SIDE, 8, seed=1), "wrist": frame(8, 16, seed=2)}
     with pytest.raises(PolicyServerError) as err:
         client.act(session, images, np.zeros(8, np.float32), encoding="png")
     assert (err.value.code, err.value.reason, err.value.field) == (INVALID, "SCHEMA_MISMATCH",
                                                                    "observation.images[wrist]")
-    assert err.value.detail.expected.startswith("height 32, as camera 'image'")
-    assert err.value.detail.got == "height 24"
+    assert err.value.detail.expected == (f"a frame at most {MAX_FRAME_SIDE} px wide once scaled to the height of "
+                                         f"camera 'image' ({MAX_FRAME_SIDE} px, aspect kept), which the model sees "
+                                         "it beside")
+    assert err.value.detail.got == "8x16 px, 4096 px wide at that height"
     client.close_session(session)
 
 
@@ -358,8 +365,9 @@ BAD_OBSERVATIONS = [
     BadObservation("state_float32_cannot_hold", "pusht", {"image": frame()}, np.array([1e300, 0.0]), "OUT_OF_RANGE"),
     BadObservation("frame_wider_than_the_side_limit", "pusht", {"image": frame(1, MAX_FRAME_SIDE + 1)}, STATE,
                    "SCHEMA_MISMATCH", same_detail=False),
-    BadObservation("cameras_of_different_heights", "libero", {"image": frame(32, 32), "wrist": frame(24, 32)},
-                   np.zeros(8, np.float32), "SCHEMA_MISMATCH"),
+    BadObservation("camera_too_wide_beside_the_tallest", "libero",
+                   {"image": frame(MAX_FRAME_SIDE, 8), "wrist": frame(8, 16)}, np.zeros(8, np.float32),
+                   "SCHEMA_MISMATCH"),
     BadObservation("instruction_too_long", "pusht", {"image": frame()}, STATE, "TOO_LONG",
                    instruction="x" * (MAX_TEXT_BYTES + 1)),
 ]

@@ -25,6 +25,7 @@ from policy_server.engine.sessions import SessionState
 from policy_server.engine.tick import PREPARE_STAGE, branch_records
 from policy_server.engine.worker import ModelWorker
 from policy_server.limits import MAX_DYNAMICS_MS
+from policy_server.pipeline.conditioning import side_by_side
 from policy_server.pipeline.embodiments import Embodiment
 from policy_server.pipeline.policy import CanvasClip, PolicyOutput, PolicyRequest, PromptState, stepwise
 
@@ -125,9 +126,9 @@ class Dynamics:
     def inverse(self, session: SessionState, clip: api.VideoClip, seed: int | None, deadline_s: float | None,
                 should_abort: Callable[[], bool] | None) -> api.ActResult:
         embodiment = self.served.embodiments[session.embodiment]
-        cameras = [clip.frames[name] for name in embodiment.cameras]
-        # Side by side, frame by frame, as a tick sees its cameras.
-        video = np.concatenate(cameras, axis=2) if len(cameras) > 1 else cameras[0]
+        # Side by side, frame by frame, as a tick sees its cameras (a shorter camera scaled to the tallest's height),
+        # here on the caller's thread.
+        video = side_by_side([clip.frames[name] for name in embodiment.cameras])
         request = PolicyRequest(images={}, instruction=self._instruction(session, clip.instruction, "instruction"),
                                 embodiment=session.embodiment, state=clip.state, mode="inverse_dynamics",
                                 chunk_size=session.chunk_size, seed=session.seed if seed is None else seed,

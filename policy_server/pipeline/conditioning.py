@@ -1,7 +1,8 @@
 """Conditioning frames: camera images to a VAE-ready clip on a canvas, and back off the latent.
 
-Cosmos3 action models condition on a clip placed on a canvas, prepared as diffusers'
-`Cosmos3OmniPipeline` does (`prepare_clip`):
+Cosmos3 action models condition on a clip placed on a canvas. An embodiment's cameras are first put side by
+side as one frame (``side_by_side``: a camera shorter than the tallest scaled to its height, PIL bilinear, aspect
+kept), which is then prepared as diffusers' `Cosmos3OmniPipeline` does (`prepare_clip`):
 1. each frame is resized (PIL bilinear) down to multiples of the VAE's spatial compression;
 2. the canvas is the one of the resolution tier's aspect-ratio bins closest to the frame's h/w;
 3. the frames are downscaled to fit it with their aspect ratio kept (antialiased bicubic, never
@@ -20,6 +21,8 @@ import torch
 from PIL import Image
 from torch import Tensor
 from torch.nn import functional as F
+
+from policy_server.specs import width_beside
 
 PAD_MODES = ("reflect", "replicate")
 
@@ -148,15 +151,30 @@ def closest_canvas(height: int, width: int, canvases: Sequence[tuple[int, int]])
     return min(canvases, key=lambda hw: abs(hw[0] / hw[1] - ratio))
 
 
+def resize(frames: np.ndarray, size_hw: tuple[int, int]) -> np.ndarray:
+    """uint8 RGB frames [T, H, W, 3] resized to ``size_hw`` (PIL bilinear, as diffusers' video processor does)."""
+    return np.stack([np.asarray(Image.fromarray(frame).resize(size_hw[::-1], resample=Image.BILINEAR))
+                     for frame in frames])
+
+
 def floor_to_multiple(frames: np.ndarray, multiple: int) -> np.ndarray:
-    """uint8 RGB frames [T, H, W, 3] resized (PIL bilinear, as diffusers' video processor does) down to the
-    nearest multiples of ``multiple``; unchanged when they already are. Needs H, W >= ``multiple``."""
+    """uint8 RGB frames [T, H, W, 3] resized (``resize``) down to the nearest multiples of ``multiple``; unchanged
+    when they already are. Needs H, W >= ``multiple``."""
     _, h, w, _ = frames.shape
     size_hw = (h - h % multiple, w - w % multiple)
-    if size_hw == (h, w):
-        return frames
-    resized = [np.asarray(Image.fromarray(frame).resize(size_hw[::-1], resample=Image.BILINEAR)) for frame in frames]
-    return np.stack(resized)
+    return frames if size_hw == (h, w) else resize(frames, size_hw)
+
+
+def side_by_side(cameras: Sequence[np.ndarray]) -> np.ndarray:
+    """One embodiment's cameras, each uint8 RGB frames [T, H_i, W_i, 3] (the same T), left to right: [T, H, W, 3]
+    with H the tallest camera's height. A shorter camera is first scaled to H (``resize``, aspect kept: it takes
+    ``width_beside(H_i, W_i, H)`` columns); one already H tall is placed as sent, so cameras of one height are
+    concatenated untouched."""
+    tallest = max(frames.shape[1] for frames in cameras)
+    scaled = [frames if frames.shape[1] == tallest
+              else resize(frames, (tallest, width_beside(frames.shape[1], frames.shape[2], tallest)))
+              for frames in cameras]
+    return np.concatenate(scaled, axis=2) if len(scaled) > 1 else scaled[0]
 
 
 def prepare_clip(frames: np.ndarray, num_frames: int, canvases: Sequence[tuple[int, int]], multiple: int,

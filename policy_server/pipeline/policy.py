@@ -42,6 +42,7 @@ from policy_server.pipeline.conditioning import (
     closest_canvas,
     crop_latent_padding,
     prepare_clip,
+    side_by_side,
 )
 from policy_server.pipeline.embodiments import Embodiment, EmbodimentConfigError, EmbodimentRegistry
 from policy_server.pipeline.errors import (
@@ -60,6 +61,7 @@ from policy_server.pipeline.prompts import PromptPair, action_prompt_pair
 from policy_server.pipeline.schedulers import make_sampler
 from policy_server.pipeline.tick_work import TickWork
 from policy_server.pipeline.wan_vae import WanVideoVAE
+from policy_server.specs import width_beside
 
 MODES = ("policy", "forward_dynamics", "inverse_dynamics")
 BRANCHES = ("cond", "uncond")
@@ -181,12 +183,13 @@ class Aborted(RuntimeError):
 class PolicyRequest:
     """One tick's inputs.
 
-    images: camera name -> uint8 RGB [H, W, 3]; the embodiment's cameras, concatenated left to right.
+    images: camera name -> uint8 RGB [H, W, 3]; the embodiment's cameras, concatenated left to right, each one
+        shorter than the tallest scaled to its height (`side_by_side`).
     state: float32 [state_dim] in physical units, or None when the embodiment takes no state.
     actions: forward_dynamics only: float32 [K, raw_action_dim] in physical units.
     history_actions: optional float32 [H, raw_action_dim], the actions executed just before this tick
         (most recent last), given to the model as clean rows before the chunk.
-    video: inverse_dynamics only: uint8 RGB [K + 1, H, W, 3] frames (single camera).
+    video: inverse_dynamics only: uint8 RGB [K + 1, H, W, 3] frames (one camera, or the cameras' `side_by_side`).
     noise: the initial noise, like diffusers' `latents` / `action_latents`; None draws it from `seed` in
         diffusers' order (vision, then actions).
     """
@@ -577,13 +580,14 @@ class PolicyPipeline:
         return self.vae.temporal_compression * (self.num_latent_frames(chunk) - 1) + 1
 
     def canvas_for(self, embodiment: Embodiment, images: Mapping[str, np.ndarray]) -> tuple[int, int]:
-        """The canvas (h, w) a tick's camera frames go on: their side-by-side size floored to the VAE's
-        multiple, binned by aspect ratio (what the tick's prompt caption names)."""
+        """The canvas (h, w) a tick's camera frames go on: their side-by-side size (`side_by_side`) floored to the
+        VAE's multiple, binned by aspect ratio (what the tick's prompt caption names)."""
         return closest_canvas(*self._floored_hw(embodiment, images), self.config.canvases)
 
     def _floored_hw(self, embodiment: Embodiment, images: Mapping[str, np.ndarray]) -> tuple[int, int]:
-        height = images[embodiment.cameras[0]].shape[0]
-        width = sum(images[camera].shape[1] for camera in embodiment.cameras)
+        sizes = [images[camera].shape[:2] for camera in embodiment.cameras]
+        height = max(h for h, _ in sizes)
+        width = sum(width_beside(h, w, height) for h, w in sizes)
         m = self.vae.spatial_compression
         return height - height % m, width - width % m
 
@@ -648,7 +652,6 @@ class PolicyPipeline:
         extra = [c for c in request.images if c not in embodiment.cameras]
         if missing or extra:
             raise InvalidImage(f"cameras {sorted(request.images)}; expected exactly {list(embodiment.cameras)}")
-        heights = set()
         for name in embodiment.cameras:
             image = request.images[name]
             if not isinstance(image, np.ndarray) or image.dtype != np.uint8 or image.ndim != 3 \
@@ -656,9 +659,6 @@ class PolicyPipeline:
                 got = f"{getattr(image, 'dtype', type(image).__name__)} {getattr(image, 'shape', '')}"
                 raise InvalidImage(f"image {name!r} is {got}; expected uint8 RGB [H >= {m}, W >= {m}, 3]",
                                    field=f"images[{name}]")
-            heights.add(image.shape[0])
-        if len(heights) > 1:
-            raise InvalidImage(f"camera images have heights {sorted(heights)}; expected one common height")
 
     def prepare_frames(self, request: PolicyRequest) -> CanvasClip:
         """A valid `request`'s conditioning frames put on their canvas: its camera images (`prepare_images`), or
@@ -668,13 +668,14 @@ class PolicyPipeline:
         return self.prepare_images(request.embodiment, request.images)
 
     def prepare_images(self, embodiment: str, images: Mapping[str, np.ndarray]) -> CanvasClip:
-        """Valid camera images of `embodiment`, side by side, put on their canvas, on the CPU. No model runs, so
-        the engine does this on the caller's thread: frames of any allowed size then cost the model worker, which
-        every session shares, only the VAE encode of the canvas."""
-        cams = [images[c] for c in self.embodiments.get(embodiment).cameras]
+        """Valid camera images of `embodiment`, side by side (`side_by_side`: one shorter than the tallest scaled to
+        its height), put on their canvas, on the CPU. No model runs, so the engine does this on the caller's thread:
+        frames of any allowed size then cost the model worker, which every session shares, only the VAE encode of
+        the canvas."""
+        cams = [images[c][None] for c in self.embodiments.get(embodiment).cameras]
         # The VAE is causal in time: latent frame 0 depends on pixel frame 0 only, so the clean conditioning
         # latent needs just that frame.
-        return self._on_canvas((np.concatenate(cams, axis=1) if len(cams) > 1 else cams[0])[None], 1)
+        return self._on_canvas(side_by_side(cams), 1)
 
     def _on_canvas(self, frames: np.ndarray, num_frames: int) -> CanvasClip:
         return CanvasClip(*prepare_clip(frames, num_frames, self.config.canvases, self.vae.spatial_compression,

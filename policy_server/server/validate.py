@@ -2,8 +2,8 @@
 
 Everything the wire can get wrong is caught here, before the engine is called: messages over the size
 limit, missing fields, tensors whose bytes do not match dtype x shape, images that do not decode or do
-not match the session's declared cameras (names, side bounds, one height for all), states and actions
-outside the declared range or of the wrong dimension, budgets, rates and texts outside
+not match the session's declared cameras (names, side bounds, the width beside the tallest camera), states
+and actions outside the declared range or of the wrong dimension, budgets, rates and texts outside
 ``policy_server.limits``. The engine checks only what needs its model: token counts.
 
 Every entry point that acts (unary ``Act``, the ``Control`` stream, the openpi WebSocket) turns its
@@ -33,6 +33,7 @@ from policy_server.engine.api import (
     VideoClip,
 )
 from policy_server.server.errors import make_error
+from policy_server.specs import width_beside
 from policy_server.v1 import policy_server_pb2 as pb
 from policy_server.v1.wire import decode_image, tensor_from_proto
 
@@ -263,16 +264,24 @@ def _frame(image: pb.Image, camera, field: str) -> np.ndarray:
     return decode_image(image, field, camera.max_side, camera.min_side, camera.channels)
 
 
-def _one_height(frames: Mapping[str, np.ndarray], spec: EmbodimentSpec, field_of: Callable[[str], str]) -> None:
-    """The cameras' frames (``[..., H, W, C]``) share one height: the model sees them side by side.
+def _side_by_side(frames: Mapping[str, np.ndarray], spec: EmbodimentSpec, field_of: Callable[[str], str]) -> None:
+    """The cameras' frames (``[..., H, W, C]``, each within its camera's side bounds) fit side by side: the model
+    sees a camera shorter than the tallest scaled to its height (aspect kept, ``width_beside``), and scaled it must
+    still be at most the camera's ``max_side`` wide. The cameras side by side are then never larger than frames of
+    one height at the bounds (``max_side`` high, cameras x ``max_side`` wide), as before cameras could differ in
+    height; unbounded, an 8 x 2048 px frame beside a 2048 px high one would be scaled to 2048 x 524288 px (3 GiB).
     ``field_of(camera)``: the field that carries a camera's frames."""
-    first = spec.cameras[0].name
-    for camera in spec.cameras[1:]:
-        height, expected = frames[camera.name].shape[-3], frames[first].shape[-3]
-        if height != expected:
-            raise SchemaMismatch(field_of(camera.name),
-                                 f"height {expected}, as camera {first!r} (the model sees the cameras side by side)",
-                                 f"height {height}")
+    tallest = max(spec.cameras, key=lambda camera: frames[camera.name].shape[-3])
+    tallest_height = frames[tallest.name].shape[-3]
+    for camera in spec.cameras:
+        height, width = frames[camera.name].shape[-3:-1]
+        scaled = width_beside(height, width, tallest_height)
+        if scaled > camera.max_side:
+            raise SchemaMismatch(
+                field_of(camera.name),
+                f"a frame at most {camera.max_side} px wide once scaled to the height of camera {tallest.name!r} "
+                f"({tallest_height} px, aspect kept), which the model sees it beside",
+                f"{height}x{width} px, {scaled} px wide at that height")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -308,10 +317,10 @@ class SentObservation(Protocol):
 
 
 def observation(sent: SentObservation, spec: EmbodimentSpec) -> Observation:
-    """``sent`` checked against the session's embodiment: its cameras' frames, one height for all, the instruction's
+    """``sent`` checked against the session's embodiment: its cameras' frames (``_side_by_side``), the instruction's
     size, the state's width, finiteness and range (float32 [state_dim])."""
     images = sent.frames(spec)
-    _one_height(images, spec, sent.frame_field)
+    _side_by_side(images, spec, sent.frame_field)
     instruction_text = optional_instruction(sent.instruction(), sent.instruction_field)
     values = sent.state(spec)
     return Observation(images=images, state=None if values is None else state(values, spec, sent.state_field),
@@ -353,8 +362,8 @@ class ProtoObservation:
 
 
 def video_clip(request: pb.InverseDynamicsRequest, spec: EmbodimentSpec, chunk: int) -> VideoClip:
-    """Decode and check an inverse-dynamics video: per camera ``chunk + 1`` frames of one size, the cameras
-    sharing one height, plus the state at frame 0."""
+    """Decode and check an inverse-dynamics video: per camera ``chunk + 1`` frames of one size, the cameras fitting
+    side by side (``_side_by_side``), plus the state at frame 0."""
     _cameras(request.videos, spec, "videos")
     frames: dict[str, np.ndarray] = {}
     for camera in spec.cameras:
@@ -369,7 +378,7 @@ def video_clip(request: pb.InverseDynamicsRequest, spec: EmbodimentSpec, chunk: 
                 raise SchemaMismatch(f"{video_field}[{i}]", f"the size of frame 0, {list(decoded[0].shape)}",
                                      f"{list(frame.shape)}")
         frames[camera.name] = np.stack(decoded)
-    _one_height(frames, spec, lambda name: f"videos[{name}].frames")
+    _side_by_side(frames, spec, lambda name: f"videos[{name}].frames")
     values = _sent_state(request, spec, "state")
     return VideoClip(frames=frames, state=None if values is None else state(values, spec, "state"),
                      instruction=optional_instruction(request.instruction, "instruction"),

@@ -443,7 +443,9 @@ class OpenpiWebsocketServer:
                 "state": "observation/state" if spec.state_dim else None,
                 "prompt": "prompt",
             },
-            "images_resized_with_pad": False,  # any size within frame_sides, one height for all cameras
+            # openpi's example robots resize_with_pad their frames to the model's 224x224; here none needs to: a frame
+            # is taken at any size within frame_sides, and the server scales cameras of different heights itself
+            "images_resized_with_pad": False,
         }
 
     def _handle(self, connection: ServerConnection) -> None:
