@@ -96,6 +96,23 @@ def collect_windows(episodes: list[Episode], vae: SmallVideoVAE, chunk: int, act
     )
 
 
+def check_fits_embodiment(data_dir: Path, episodes: list[Episode], canvas_hw: tuple[int, int]) -> list[Episode]:
+    """`episodes` if they have the layout of the embodiment trained here, the embedded `pusht` (2-D actions and
+    state, one camera of the canvas's size); DatasetError otherwise, before minutes of encoding. Another robot's
+    demonstrations would train only the first channels and write a folder whose stats no server loads."""
+    entry = embedded.embodiment_entry()
+    trains = f"the embodiment it trains ({entry['name']})"
+    for index, episode in enumerate(episodes):
+        where = f"{data_dir}: episode {index} has"
+        for name, field in (("actions", "raw_action_dim"), ("states", "state_dim")):
+            if (width := getattr(episode, name).shape[1]) != entry[field]:
+                raise DatasetError(f"{where} {name} of width {width}; expected {entry[field]}, the {field} of {trains}")
+        if (size := tuple(episode.frames.shape[1:3])) != tuple(canvas_hw):
+            raise DatasetError(f"{where} frames of {size[0]}x{size[1]} px; expected {canvas_hw[0]}x{canvas_hw[1]}, "
+                               f"the canvas of {trains}")
+    return episodes
+
+
 def init_for_training(model: Cosmos3OmniTransformer) -> None:
     """Scale the per-domain action projections like linear layers (std 1/sqrt(fan_in), zero bias).
 
@@ -137,7 +154,9 @@ def train(
     policy = embedded.policy_config()
     config = embedded.transformer_config()
     chunk = embedded.CHUNK_SIZE
-    episodes = [episode for data_dir in data_dirs for episode in open_dataset(data_dir)]
+    episodes = []
+    for data_dir in data_dirs:
+        episodes += check_fits_embodiment(data_dir, list(open_dataset(data_dir)), policy.canvases[0])
     stats = {
         "action": array_stats(np.concatenate([e.actions for e in episodes])),
         "state": array_stats(np.concatenate([e.states for e in episodes])),
