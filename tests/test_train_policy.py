@@ -113,3 +113,16 @@ def test_cli_refuses_a_dataset_of_another_layout_before_encoding(tmp_path, capsy
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and named in err.splitlines()[-1]
     assert "vae encode" not in err and not (tmp_path / "out").exists()
+
+
+def test_cli_refuses_demonstrations_recorded_at_another_rate(tmp_path, capsys):
+    """Demonstrations at 15 Hz were captioned and served as the embodiment's 10 Hz."""
+    generate(tmp_path / "demos", episodes=1, progress=False)
+    path = tmp_path / "demos" / "dataset.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "fps": 15}))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--data", str(tmp_path / "demos"), "--out", str(tmp_path / "out"), "--steps", "1"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "vae encode" not in err
+    assert err.splitlines()[-1].endswith(f"{tmp_path / 'demos'}: recorded at 15 fps; expected 10.0, the fps of the "
+                                         "embodiment it trains (pusht)")
