@@ -126,6 +126,7 @@ class DemoDataset:
                 f"{path} has format_version {self.metadata.get('format_version')!r}; expected {FORMAT_VERSION}"
             )
         self.entries: list[dict] = self.metadata["episodes"]
+        self.fps: float = self.metadata["fps"]  # the control rate the demonstrations were recorded at, Hz
 
     def __len__(self) -> int:
         return len(self.entries)

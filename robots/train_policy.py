@@ -39,7 +39,8 @@ from policy_server.pipeline.normalization import make_normalizer, parse_stats
 from policy_server.pipeline.packing import ActionLayout, pack_request
 from policy_server.pipeline.policy import default_model_path, policy_prompt_pair
 from robots import embedded
-from robots.dataset import DatasetError, Episode, array_stats, open_dataset
+from robots.dataset import DatasetError, DemoDataset, Episode, array_stats, open_dataset
+from robots.lerobot_dataset import LeRobotDemoDataset
 
 ACTION_LOSS_WEIGHT = 10.0  # Cosmos3 action_loss_weight
 PROMPT_DROPOUT = 0.1
@@ -96,6 +97,28 @@ def collect_windows(episodes: list[Episode], vae: SmallVideoVAE, chunk: int, act
     )
 
 
+def check_fits_embodiment(data_dir: Path, dataset: DemoDataset | LeRobotDemoDataset,
+                          canvas_hw: tuple[int, int]) -> list[Episode]:
+    """The dataset's episodes if they have the layout of the embodiment trained here, the embedded `pusht` (2-D
+    actions and state, one camera of the canvas's size, its rate); DatasetError otherwise, before minutes of
+    encoding. Another robot's demonstrations would train only the first channels and write a folder whose stats no
+    server loads; another rate would be captioned and served as the embodiment's."""
+    entry = embedded.embodiment_entry()
+    trains = f"the embodiment it trains ({entry['name']})"
+    if dataset.fps != entry["fps"]:
+        raise DatasetError(f"{data_dir}: recorded at {dataset.fps} fps; expected {entry['fps']}, the fps of {trains}")
+    episodes = list(dataset)
+    for index, episode in enumerate(episodes):
+        where = f"{data_dir}: episode {index} has"
+        for name, field in (("actions", "raw_action_dim"), ("states", "state_dim")):
+            if (width := getattr(episode, name).shape[1]) != entry[field]:
+                raise DatasetError(f"{where} {name} of width {width}; expected {entry[field]}, the {field} of {trains}")
+        if (size := tuple(episode.frames.shape[1:3])) != tuple(canvas_hw):
+            raise DatasetError(f"{where} frames of {size[0]}x{size[1]} px; expected {canvas_hw[0]}x{canvas_hw[1]}, "
+                               f"the canvas of {trains}")
+    return episodes
+
+
 def init_for_training(model: Cosmos3OmniTransformer) -> None:
     """Scale the per-domain action projections like linear layers (std 1/sqrt(fan_in), zero bias).
 
@@ -137,7 +160,9 @@ def train(
     policy = embedded.policy_config()
     config = embedded.transformer_config()
     chunk = embedded.CHUNK_SIZE
-    episodes = [episode for data_dir in data_dirs for episode in open_dataset(data_dir)]
+    episodes = []
+    for data_dir in data_dirs:
+        episodes += check_fits_embodiment(data_dir, open_dataset(data_dir), policy.canvases[0])
     stats = {
         "action": array_stats(np.concatenate([e.actions for e in episodes])),
         "state": array_stats(np.concatenate([e.states for e in episodes])),

@@ -159,3 +159,24 @@ def test_inverted_bounds_rejected():
     stats = parse_stats({"action": {"q01": [1.0], "q99": [0.0]}})
     with pytest.raises(NormalizationStatsError, match="upper < lower"):
         make_normalizer("quantile", stats["action"], 1)
+
+
+def test_a_lerobot_stats_file_serves_as_it_is(tmp_path):
+    """A LeRobot dataset's meta/stats.json (count and q10/q50/q90 besides, images as [3, 1, 1], index columns) was
+    refused: "feature 'observation.state' has unknown field 'count'". Only the features normalised are read."""
+    def lerobot(stats: dict) -> dict:
+        width = len(stats["min"])
+        return {"count": [120], **stats, **{q: [0.0] * width for q in ("q10", "q50", "q90")}}
+    path = tmp_path / "stats.json"
+    path.write_text(json.dumps({
+        "action": lerobot(STATS["action"] | {"q01": [-1.0, 0.1, 12.0], "q99": [1.0, 0.9, 28.0]}),
+        "observation.state": lerobot({"min": [0.0, -1.0], "max": [4.0, 1.0], "q01": [0.5, -0.5], "q99": [3.5, 0.5]}),
+        "observation.images.wrist": {"count": [120], "min": [[[0.0]], [[0.0]], [[0.0]]], "max": [[[1.0]]] * 3},
+        "timestamp": {"count": [120], "min": [0.0], "max": [7.9]},
+    }))
+    spec = NormalizationSpec(method="quantile", stats_path=path, state_key="observation.state")
+    got = build_normalizers(spec, action_dim=3, state_dim=2)
+    plain = parse_stats(STATS)
+    for norm, expected in ((got.action, plain["action"]), (got.state, plain["state"])):
+        reference = make_normalizer("quantile", expected, expected.dim)
+        assert np.array_equal(norm.offset, reference.offset) and np.array_equal(norm.scale, reference.scale)

@@ -85,3 +85,44 @@ def test_cli_rejects_a_missing_init_folder_before_encoding(tmp_path, capsys):
     assert exit_info.value.code == 2 and err.splitlines()[-1].endswith(f"{tmp_path / 'nope'} is not a directory")
     assert "vae encode" not in err  # it failed before minutes of encoding on a real dataset
     assert not (tmp_path / "out").exists()
+
+
+def _widen(tensors: dict, name: str) -> dict:
+    """The episode's `name` with 7 channels (or frames of 96 px), as another robot's dataset has them."""
+    value = tensors[name]
+    if name == "frames":
+        return {**tensors, name: np.zeros((len(value), 96, 96, 3), np.uint8)}
+    return {**tensors, name: np.concatenate([value, np.zeros((len(value), 5), value.dtype)], axis=1)}
+
+
+@pytest.mark.parametrize(("name", "named"), [
+    ("actions", "actions of width 7; expected 2, the raw_action_dim of the embodiment it trains (pusht)"),
+    ("states", "states of width 7; expected 2, the state_dim of the embodiment it trains (pusht)"),
+    ("frames", "frames of 96x96 px; expected 64x64, the canvas of the embodiment it trains (pusht)"),
+])
+def test_cli_refuses_a_dataset_of_another_layout_before_encoding(tmp_path, capsys, name, named):
+    """A 7-D arm's demonstrations trained 2 of their 7 action channels and wrote a pusht folder that no server
+    loads (its stats have 7 channels): the trainer trains the embedded pusht embodiment only, and says so."""
+    from safetensors.numpy import load_file, save_file
+
+    generate(tmp_path / "demos", episodes=1, progress=False)
+    path = tmp_path / "demos" / "episode_000000.safetensors"
+    save_file(_widen(load_file(str(path)), name), str(path))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--data", str(tmp_path / "demos"), "--out", str(tmp_path / "out"), "--steps", "1"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and named in err.splitlines()[-1]
+    assert "vae encode" not in err and not (tmp_path / "out").exists()
+
+
+def test_cli_refuses_demonstrations_recorded_at_another_rate(tmp_path, capsys):
+    """Demonstrations at 15 Hz were captioned and served as the embodiment's 10 Hz."""
+    generate(tmp_path / "demos", episodes=1, progress=False)
+    path = tmp_path / "demos" / "dataset.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "fps": 15}))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--data", str(tmp_path / "demos"), "--out", str(tmp_path / "out"), "--steps", "1"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "vae encode" not in err
+    assert err.splitlines()[-1].endswith(f"{tmp_path / 'demos'}: recorded at 15 fps; expected 10.0, the fps of the "
+                                         "embodiment it trains (pusht)")

@@ -5,6 +5,9 @@ per-channel arrays among ``min``, ``max``, ``mean``, ``std``, ``q01``, ``q99``::
 
     {"action": {"min": [...], "max": [...], "q01": [...], "q99": [...]}, "state": {...}}
 
+A LeRobot dataset's ``meta/stats.json`` is one too (its state is ``"observation.state"``): only the features
+normalised are read, and its other statistics (``count``, ``q10``, ``q50``, ``q90``) are skipped.
+
 Methods (the Cosmos3 framework's ``minmax`` / ``meanstd`` / ``quantile``):
 
 - ``minmax``:   ``[min, max]`` → ``[−1, 1]``
@@ -33,6 +36,7 @@ from policy_server.json_file import check_json_size
 
 NORMALIZATION_METHODS = ("none", "minmax", "meanstd", "quantile")
 STAT_FIELDS = ("min", "max", "mean", "std", "q01", "q99")
+LEROBOT_ONLY_FIELDS = ("count", "q10", "q50", "q90")  # in LeRobot's meta/stats.json; no method uses them
 REQUIRED_FIELDS = {
     "none": (),
     "minmax": ("min", "max"),
@@ -71,12 +75,17 @@ class FeatureStats:
         return self.arrays[name]
 
 
-def parse_stats(data: object, source: str = "<memory>") -> dict[str, FeatureStats]:
-    """Validate a decoded stats JSON object; arrays of one feature must share one length."""
+def parse_stats(data: object, source: str = "<memory>", features: list[str] | None = None) -> dict[str, FeatureStats]:
+    """Validate a decoded stats JSON object; arrays of one feature must share one length. ``features``: read only
+    these (a LeRobot stats file also holds its images' and index columns'), each required."""
     if not isinstance(data, dict) or not data:
         raise NormalizationStatsError(
             f"{source}: expected a non-empty JSON object of features, got {data!r:.80}"
         )
+    if features is not None:
+        if missing := [key for key in features if key not in data]:
+            raise NormalizationStatsError(f"{source}: no feature {missing[0]!r}; present: {', '.join(sorted(data))}")
+        data = {key: data[key] for key in features}
     stats = {}
     for key, fields in data.items():
         if not isinstance(fields, dict) or not fields:
@@ -85,6 +94,8 @@ def parse_stats(data: object, source: str = "<memory>") -> dict[str, FeatureStat
             )
         arrays = {}
         for name, values in fields.items():
+            if name in LEROBOT_ONLY_FIELDS:
+                continue
             if name not in STAT_FIELDS:
                 raise NormalizationStatsError(
                     f"{source}: feature {key!r} has unknown field {name!r}; expected {', '.join(STAT_FIELDS)}"
@@ -105,8 +116,8 @@ def parse_stats(data: object, source: str = "<memory>") -> dict[str, FeatureStat
     return stats
 
 
-def load_stats(path: str | Path) -> dict[str, FeatureStats]:
-    """Read and validate a stats JSON file."""
+def load_stats(path: str | Path, features: list[str] | None = None) -> dict[str, FeatureStats]:
+    """Read and validate a stats JSON file (only ``features``, when given)."""
     path = Path(path)
     check_json_size(path, NormalizationStatsError)
     try:
@@ -117,7 +128,7 @@ def load_stats(path: str | Path) -> dict[str, FeatureStats]:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise NormalizationStatsError(f"{path}: not valid JSON ({exc})") from exc
-    return parse_stats(data, source=str(path))
+    return parse_stats(data, source=str(path), features=features)
 
 
 @dataclass(frozen=True, eq=False)
@@ -269,17 +280,9 @@ def build_normalizers(spec: NormalizationSpec, action_dim: int, state_dim: int) 
         return FeatureNormalizers(action=identity_normalizer(spec.action_key, action_dim), state=state)
     if spec.stats_path is None:
         raise NormalizationStatsError(f"method {spec.method!r} needs a stats_path; none was given")
-    stats = load_stats(spec.stats_path)
-
-    def feature(key: str) -> FeatureStats:
-        if key not in stats:
-            raise NormalizationStatsError(
-                f"{spec.stats_path}: no feature {key!r}; present: {', '.join(sorted(stats))}"
-            )
-        return stats[key]
-
+    stats = load_stats(spec.stats_path, [spec.action_key, *([spec.state_key] if state_dim else [])])
     action = make_normalizer(
-        spec.method, feature(spec.action_key), action_dim, spec.passthrough_action_channels
+        spec.method, stats[spec.action_key], action_dim, spec.passthrough_action_channels
     )
-    state = make_normalizer(spec.method, feature(spec.state_key), state_dim) if state_dim else None
+    state = make_normalizer(spec.method, stats[spec.state_key], state_dim) if state_dim else None
     return FeatureNormalizers(action=action, state=state)
