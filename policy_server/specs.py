@@ -9,6 +9,7 @@ transport's contract (``ServerInfo.embodiments``), whose validation bounds the s
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -46,6 +47,18 @@ def width_beside(height: int, width: int, tallest: int) -> int:
     px high: scaled to that height with its aspect ratio kept, rounded to the nearest pixel; ``width`` when the frame
     is that tall."""
     return width if height == tallest else (2 * width * tallest + height) // (2 * height)
+
+
+def too_wide_beside(sizes: Mapping[str, tuple[int, int]], max_width: Mapping[str, int]) -> tuple[str, str, int] | None:
+    """Cameras' frame sizes ``(height, width)`` by name, side by side: the first camera whose frame, scaled to the
+    tallest camera's height (``width_beside``), is wider than its ``max_width`` px, as ``(camera, tallest camera,
+    scaled width)``; None when every one fits. Bounded so, cameras side by side are never larger than frames of one
+    height at the bounds; unbounded, an 8 x 2048 px frame beside a 2048 px high one would become 2048 x 524288 px."""
+    tallest = max(sizes, key=lambda name: sizes[name][0])
+    for name, (height, width) in sizes.items():
+        if (scaled := width_beside(height, width, sizes[tallest][0])) > max_width[name]:
+            return name, tallest, scaled
+    return None
 
 
 @dataclass(frozen=True)

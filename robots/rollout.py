@@ -463,12 +463,13 @@ def main(argv: list[str] | None = None) -> int:
         refusals += (ConnectionError,)  # --ray-address (or RAY_ADDRESS) names no running Ray
     if args.in_process:
         from policy_server.budget.profile import ProfileError
+        from policy_server.engine.served import EngineSettings
         from policy_server.pipeline.compiled_stack import CompileUnavailableError
         from policy_server.pipeline.policy import CheckpointLoadError
 
         refusals += (CheckpointLoadError, ProfileError, CompileUnavailableError)
         make_policy = functools.partial(InProcessPolicy, args.checkpoint,
-                                        budget or (120.0 if budgeted else MAX_BUDGET_MS),
+                                        budget or (EngineSettings.default_budget_ms if budgeted else MAX_BUDGET_MS),
                                         not args.no_diffusion_cache, args.num_envs, overrides,
                                         quality_profile or "off", args.device, args.compile_gen_stack)
     else:

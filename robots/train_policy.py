@@ -97,13 +97,12 @@ def collect_windows(episodes: list[Episode], vae: SmallVideoVAE, chunk: int, act
     )
 
 
-def check_fits_embodiment(data_dir: Path, dataset: DemoDataset | LeRobotDemoDataset,
+def check_fits_embodiment(data_dir: Path, dataset: DemoDataset | LeRobotDemoDataset, entry: dict,
                           canvas_hw: tuple[int, int]) -> list[Episode]:
-    """The dataset's episodes if they have the layout of the embodiment trained here, the embedded `pusht` (2-D
-    actions and state, one camera of the canvas's size, its rate); DatasetError otherwise, before minutes of
-    encoding. Another robot's demonstrations would train only the first channels and write a folder whose stats no
-    server loads; another rate would be captioned and served as the embodiment's."""
-    entry = embedded.embodiment_entry()
+    """The dataset's episodes if they have the layout of the embodiment trained here, `entry` (the embedded
+    `pusht`: 2-D actions and state, one camera of the canvas's size, its rate); DatasetError otherwise, before
+    minutes of encoding. Another robot's demonstrations would train only the first channels and write a folder whose
+    stats no server loads; another rate would be captioned and served as the embodiment's."""
     trains = f"the embodiment it trains ({entry['name']})"
     if dataset.fps != entry["fps"]:
         raise DatasetError(f"{data_dir}: recorded at {dataset.fps} fps; expected {entry['fps']}, the fps of {trains}")
@@ -160,9 +159,10 @@ def train(
     policy = embedded.policy_config()
     config = embedded.transformer_config()
     chunk = embedded.CHUNK_SIZE
+    entry = embedded.embodiment_entry()
     episodes = []
     for data_dir in data_dirs:
-        episodes += check_fits_embodiment(data_dir, open_dataset(data_dir), policy.canvases[0])
+        episodes += check_fits_embodiment(data_dir, open_dataset(data_dir), entry, policy.canvas_hw)
     stats = {
         "action": array_stats(np.concatenate([e.actions for e in episodes])),
         "state": array_stats(np.concatenate([e.states for e in episodes])),
@@ -175,11 +175,9 @@ def train(
     windows = collect_windows(episodes, vae, chunk, config.action_dim, stats, stride)
     n = windows.latents.shape[0]
 
-    env_fps = embedded.embodiment_entry()["fps"]
-    view_point = embedded.embodiment_entry()["viewpoint"]
     prompt_ids = []
     for instruction in windows.instructions:
-        pair = policy_prompt_pair(policy, instruction, view_point, env_fps, chunk, policy.canvas_hw)
+        pair = policy_prompt_pair(policy, instruction, entry["viewpoint"], entry["fps"], chunk, policy.canvas_hw)
         prompt_ids.append(tokenizer.encode(pair.cond, system_prompt=pair.system_prompt))
     negative_ids = tokenizer.encode(pair.uncond, system_prompt=pair.system_prompt)
 
@@ -192,14 +190,14 @@ def train(
             return lr * (step + 1) / warmup
         return lr * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
 
-    raw_dim = embedded.embodiment_entry()["raw_action_dim"]
+    raw_dim = entry["raw_action_dim"]
     latent_shape = tuple(windows.latents.shape[1:])
     layout = ActionLayout(chunk_size=chunk, num_prefix=1, clean_rows=(0,), domain_id=embedded.DOMAIN_ID)
     packs, layouts = {}, {}
 
     def packed(ids: tuple[int, ...]):
         if ids not in packs:
-            packs[ids] = pack_request(config, list(ids), latent_shape, [0], env_fps, layout)
+            packs[ids] = pack_request(config, list(ids), latent_shape, [0], entry["fps"], layout)
         return packs[ids]
 
     def gen_layout(seq, kwargs):

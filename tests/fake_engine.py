@@ -35,7 +35,6 @@ from policy_server.engine.api import (
     Observation,
     ProfilePoint,
     ReasonEnd,
-    RequestIdReused,
     ServerInfo,
     SessionHandle,
     ShuttingDown,
@@ -125,8 +124,7 @@ class FakeEngine:
         self.deadlines: list[float | None] = []
         self.aborted = 0
         self.request_ids: list[str] = []  # the request_id of every open_session call, in order
-        self._openings: dict[str, tuple] = {}  # session id -> (request_id, the settings it was opened with)
-        self._answers_to_lose = 0
+        self._opens_to_refuse = 0
 
     # -- test controls -------------------------------------------------------------------------
 
@@ -152,10 +150,10 @@ class FakeEngine:
         if gate is not None:
             gate.set()
 
-    def lose_open_answers(self, count: int) -> None:
-        """The next ``count`` open_session calls open (or find) their session, then answer UNAVAILABLE
-        (SHUTTING_DOWN): to the client, an answer lost with its connection after the server acted."""
-        self._answers_to_lose = count
+    def refuse_opens(self, count: int) -> None:
+        """The next ``count`` open_session calls answer UNAVAILABLE (SHUTTING_DOWN) unserved: to the client, what an
+        answer lost with its connection looks like (the real engine's request_id matching is tested on it)."""
+        self._opens_to_refuse = count
 
     def wait_entered(self, timeout_s: float = 5.0) -> None:
         """Block until one more act() call has started (and passed validation)."""
@@ -192,24 +190,13 @@ class FakeEngine:
         if not self._warm.is_set():
             raise WarmingUp(0.5)
         self.request_ids.append(request_id)
-        handle = self._open(embodiment, instruction, budget_ms, chunk_size, seed, preview, client_name, request_id)
-        if self._answers_to_lose:
-            self._answers_to_lose -= 1
+        if self._opens_to_refuse:
+            self._opens_to_refuse -= 1
             raise ShuttingDown()
-        return handle
-
-    def _open(self, embodiment, instruction, budget_ms, chunk_size, seed, preview, client_name,
-              request_id) -> SessionHandle:
         spec = self._info.embodiment(embodiment)
         budget = self._info.default_budget_ms if budget_ms is None else budget_ms
         self._check_budget(budget)
-        settings = (embodiment, instruction, budget, chunk_size, seed, preview, client_name)
         with self._lock:
-            for session_id, (opened_by, opened_with) in self._openings.items():
-                if request_id and opened_by == request_id and session_id in self._sessions:
-                    if opened_with != settings:
-                        raise RequestIdReused(request_id, ("settings",))
-                    return self._sessions[session_id]
             if len(self._sessions) >= self._info.max_sessions:
                 raise TooManySessions(self._info.max_sessions, "the fake engine closes no session unused")
             handle = SessionHandle(
@@ -224,7 +211,6 @@ class FakeEngine:
                 client_name=client_name,
             )
             self._sessions[handle.session_id] = handle
-            self._openings[handle.session_id] = (request_id, settings)
             self.instructions[handle.session_id] = instruction
         return handle
 
@@ -250,7 +236,6 @@ class FakeEngine:
         with self._lock:
             if self._sessions.pop(session_id, None) is None:
                 raise UnknownSession(session_id)
-            self._openings.pop(session_id)
 
     def set_budget(self, session_id: str, budget_ms: float) -> SessionHandle:
         self.session(session_id)

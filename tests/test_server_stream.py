@@ -441,11 +441,11 @@ def test_a_stream_reopens_its_session_once_a_full_server_has_room():
         assert event.kind == "reconnected" and event.session_replaced, event
 
 
-def test_a_reopening_whose_answers_were_lost_gets_the_session_it_opened():
-    # The restarted server opens the session, but the answer is lost on each of gRPC's 5 tries: the stream's next try
-    # sends the same request_id and gets that session, rather than opening a second one that holds a place.
+def test_every_try_of_a_reopening_sends_one_request_id():
+    # The restarted server's answer is lost on each of gRPC's 5 tries: the stream's next try sends the same
+    # request_id, so a server that opened the session on one of them answers it (test_server_e2e) rather than another.
     restarted = FakeEngine()
-    restarted.lose_open_answers(5)
+    restarted.refuse_opens(5)
     with _stream_across_a_restart() as (_, stream, restart):
         restart(restarted)
         assert stream.next_event(timeout_s=20).kind == "disconnected"

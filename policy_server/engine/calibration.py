@@ -73,7 +73,7 @@ from policy_server.pipeline.policy import (
 )
 from policy_server.pipeline.policy_config import PolicyConfig
 from policy_server.pipeline.tick_work import TickWork
-from policy_server.specs import width_beside
+from policy_server.specs import too_wide_beside
 
 logger = logging.getLogger(__name__)
 
@@ -151,14 +151,13 @@ def load_observations(path: Path, pipeline: PolicyPipeline, served: bool = True)
         if not all(smallest <= side <= MAX_FRAME_SIDE for side in images.shape[1:3]):
             raise CalibrationError(f"{path}: images.{name} are {images.shape[1]}x{images.shape[2]}; expected sides "
                                    f"of {smallest} to {MAX_FRAME_SIDE} px, as the server takes")
-    tallest = max(cameras, key=lambda name: cameras[name].shape[1])
-    for name, images in cameras.items():
-        height, width = images.shape[1:3]
-        scaled = width_beside(height, width, cameras[tallest].shape[1])
-        if scaled > MAX_FRAME_SIDE:  # the bound the server keeps (`server.validate`)
-            raise CalibrationError(f"{path}: images.{name} are {height}x{width}, {scaled} px wide once scaled to the "
-                                   f"height of images.{tallest} ({cameras[tallest].shape[1]} px) to sit beside them; "
-                                   f"expected at most {MAX_FRAME_SIDE} px, as the server takes")
+    sizes = {name: images.shape[1:3] for name, images in cameras.items()}
+    too_wide = too_wide_beside(sizes, dict.fromkeys(sizes, MAX_FRAME_SIDE))  # the bound the server keeps
+    if too_wide is not None:
+        name, tallest, scaled = too_wide
+        raise CalibrationError(f"{path}: images.{name} are {sizes[name][0]}x{sizes[name][1]}, {scaled} px wide once "
+                               f"scaled to the height of images.{tallest} ({sizes[tallest][0]} px) to sit beside them; "
+                               f"expected at most {MAX_FRAME_SIDE} px, as the server takes")
     state = tensors.get("state")
     if spec.state_dim and (state is None or state.shape != (count, spec.state_dim) or state.dtype.kind != "f"):
         got = "missing" if state is None else f"{state.dtype} {list(state.shape)}"

@@ -1,8 +1,9 @@
-"""The server's listening addresses (gRPC, /metrics, the openpi WebSocket): how one prints, and the one error for
-an address that cannot be bound, with the OS's reason.
+"""The server's listening addresses (gRPC, /metrics, the openpi WebSocket): how one prints, the socket family
+and bound socket for a host, and the one error for an address that cannot be bound, with the OS's reason.
 
     address("::1", 50051)                  # "[::1]:50051"
-    raise bind_failed("/metrics", "127.0.0.1:9090", error)
+    sock = tcp_socket("::1", 0)            # bound, not yet listening
+    raise bind_failed("the metrics endpoint", "127.0.0.1:9090", error)
 """
 
 from __future__ import annotations

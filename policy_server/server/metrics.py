@@ -141,7 +141,7 @@ class ServerMetrics:
         app = _only_metrics_path(make_wsgi_app(self.registry))
         if token is not None:
             app = _require_token(app, token)
-        server_class = _Server6 if ":" in host else _Server
+        server_class = _Server6 if listen.family(host) == socket.AF_INET6 else _Server
         try:
             self._http = make_server(host.strip("[]"), port, app, server_class=server_class,
                                      handler_class=_QuietHandler)

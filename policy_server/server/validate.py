@@ -33,7 +33,7 @@ from policy_server.engine.api import (
     VideoClip,
 )
 from policy_server.server.errors import make_error
-from policy_server.specs import width_beside
+from policy_server.specs import too_wide_beside
 from policy_server.v1 import policy_server_pb2 as pb
 from policy_server.v1.wire import decode_image, tensor_from_proto
 
@@ -265,23 +265,19 @@ def _frame(image: pb.Image, camera, field: str) -> np.ndarray:
 
 
 def _side_by_side(frames: Mapping[str, np.ndarray], spec: EmbodimentSpec, field_of: Callable[[str], str]) -> None:
-    """The cameras' frames (``[..., H, W, C]``, each within its camera's side bounds) fit side by side: the model
-    sees a camera shorter than the tallest scaled to its height (aspect kept, ``width_beside``), and scaled it must
-    still be at most the camera's ``max_side`` wide. The cameras side by side are then never larger than frames of
-    one height at the bounds (``max_side`` high, cameras x ``max_side`` wide), as before cameras could differ in
-    height; unbounded, an 8 x 2048 px frame beside a 2048 px high one would be scaled to 2048 x 524288 px (3 GiB).
-    ``field_of(camera)``: the field that carries a camera's frames."""
-    tallest = max(spec.cameras, key=lambda camera: frames[camera.name].shape[-3])
-    tallest_height = frames[tallest.name].shape[-3]
-    for camera in spec.cameras:
-        height, width = frames[camera.name].shape[-3:-1]
-        scaled = width_beside(height, width, tallest_height)
-        if scaled > camera.max_side:
-            raise SchemaMismatch(
-                field_of(camera.name),
-                f"a frame at most {camera.max_side} px wide once scaled to the height of camera {tallest.name!r} "
-                f"({tallest_height} px, aspect kept), which the model sees it beside",
-                f"{height}x{width} px, {scaled} px wide at that height")
+    """The cameras' frames (``[..., H, W, C]``, each within its camera's side bounds) fit side by side: scaled to
+    the tallest camera's height, as the model sees them, each is at most its camera's ``max_side`` wide
+    (``specs.too_wide_beside``). ``field_of(camera)``: the field that carries a camera's frames."""
+    sizes = {camera.name: frames[camera.name].shape[-3:-1] for camera in spec.cameras}
+    too_wide = too_wide_beside(sizes, {camera.name: camera.max_side for camera in spec.cameras})
+    if too_wide is not None:
+        name, tallest, scaled = too_wide
+        height, width = sizes[name]
+        raise SchemaMismatch(
+            field_of(name),
+            f"a frame at most {spec.camera(name).max_side} px wide once scaled to the height of camera {tallest!r} "
+            f"({sizes[tallest][0]} px, aspect kept), which the model sees it beside",
+            f"{height}x{width} px, {scaled} px wide at that height")
 
 
 # ---------------------------------------------------------------------------------------------
