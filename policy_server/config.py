@@ -30,9 +30,9 @@ from pydantic import (
     model_validator,
 )
 
-from policy_server.limits import MAX_BUDGET_MS, MAX_CACHE_THRESHOLD, MAX_RESIDUAL_ORDER
+from policy_server.limits import MAX_BUDGET_MS, MAX_CACHE_THRESHOLD, MAX_RESIDUAL_ORDER, MIN_TOKEN_CHARS
 from policy_server.pipeline.hub import is_hub_id
-from policy_server.v1.auth_token import MIN_TOKEN_CHARS, read_token_file
+from policy_server.v1.auth_token import read_token_file
 
 ENV_PREFIX = "POLICY_SERVER_"
 CONFIG_ENV = f"{ENV_PREFIX}CONFIG"  # the config file
@@ -54,7 +54,7 @@ class ServerTls:
     """The server's certificate chain and key, loaded once by the settings' check: what every listener serves."""
 
     context: ssl.SSLContext = field(compare=False)  # /metrics and the openpi WebSocket; equal if its PEM is
-    key_pem: bytes  # gRPC's credentials, as read for `context`
+    key_pem: bytes  # gRPC's credentials, read right after `context` loaded the files
     cert_chain_pem: bytes
 
 

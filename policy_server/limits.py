@@ -1,7 +1,7 @@
 """Bounds on what a client may ask for, shared by the config, the wire and the engine.
 
 One place for each rule: the layer that validates imports it from here, and ``ServerInfo.limits``
-publishes it, so the config, the transport and the engine cannot disagree.
+publishes the ones a client must keep to, so the config, the transport and the engine cannot disagree.
 """
 
 MAX_RESIDUAL_ORDER = 2  # SeaCache's Newton extrapolation: 0 reuse, 1 linear, 2 quadratic
@@ -49,3 +49,7 @@ REFUSED_MESSAGES_HZ = 2.0  # refused per second beyond that burst; more close th
 # A forward / inverse dynamics call runs uncached at the model's step count between ticks (ticks go first);
 # it is abandoned after this long when its caller sets no shorter deadline.
 MAX_DYNAMICS_MS = 30_000.0
+
+# The server's auth token (not published: clients send whatever token they are given): every call may try one, and
+# 16 random characters (64 bits as hex) put guessing out of reach where a few would not.
+MIN_TOKEN_CHARS = 16

@@ -9,6 +9,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+import websockets.sync.client
 from fake_engine import FakeEngine, self_signed_cert, serve_fake
 
 from policy_server.client import PolicyClient
@@ -65,7 +66,8 @@ def test_every_listener_serves_the_tls_pair_the_settings_check_loaded(tmp_path):
     two was served unchecked, and a broken one ended the start with 'could not bind gRPC ... (in use or not
     permitted)'."""
     cert, key = self_signed_cert(tmp_path)
-    config = build_config(overrides={"port": 0, "metrics_port": 0, "tls_cert": str(cert), "tls_key": str(key)})
+    config = build_config(overrides={"port": 0, "metrics_port": 0, "websocket_port": 0, "tls_cert": str(cert),
+                                     "tls_key": str(key)})
     trusted = cert.read_text()
     cert.write_text("")
     key.write_text("half written")
@@ -76,6 +78,8 @@ def test_every_listener_serves_the_tls_pair_the_settings_check_loaded(tmp_path):
         with urllib.request.urlopen(f"https://127.0.0.1:{server.metrics_port}/metrics", timeout=5,
                                     context=context) as response:
             assert response.status == 200
+        with websockets.sync.client.connect(f"wss://127.0.0.1:{server.websocket_port}", ssl=context) as ws:
+            assert ws.recv(timeout=5)  # the metadata frame
 
 def test_connections_that_send_nothing_hold_no_thread_for_long_and_cannot_crowd_out_a_scrape(monkeypatch):
     monkeypatch.setattr(metrics._QuietHandler, "timeout", 2.0)

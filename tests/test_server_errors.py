@@ -324,7 +324,7 @@ def test_frames_of_any_size_within_the_limit_are_accepted_as_sent(client, sessio
 
 def test_cameras_of_different_heights_pass_as_sent_unless_too_wide_beside_the_tallest(client):
     session = client.open_session("libero", "put the bowl on the plate")
-    images = {"image": frame(48, 64, seed=1), "wrist": frame(24, 24, seed=2)}  # the engine scales the wrist camera
+    images = {"image": frame(48, 64, seed=1), "wrist": frame(24, 24, seed=2)}  # let through to the engine as sent
     chunk = client.act(session, images, np.zeros(8, np.float32), step_index=3, encoding="png")
     np.testing.assert_array_equal(chunk.actions, expected_actions(Observation(images, np.zeros(8, np.float32), "", 3),
                                                                   16, LIBERO))

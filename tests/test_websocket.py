@@ -108,7 +108,7 @@ def test_frames_beyond_the_side_limit_are_refused_and_cameras_of_different_heigh
         state = np.zeros(8, np.float32)
         ws.send(msgpack_numpy.packb({"observation/image": IMAGE, "observation/wrist": IMAGE[:40], "prompt": "stack",
                                      "observation/state": state}))
-        reply = msgpack_numpy.unpackb(ws.recv())  # the engine scales the wrist camera; the robot resized nothing
+        reply = msgpack_numpy.unpackb(ws.recv())  # validation lets the shorter wrist through to the engine
     expected = expected_actions(Observation({"image": IMAGE, "wrist": IMAGE[:40]}, state, "", 0), 16, LIBERO)
     np.testing.assert_array_equal(reply["actions"], expected)
 

@@ -22,6 +22,14 @@ class _Log:
             self.events.append(event)
 
 
+def _until(condition, timeout_s: float = 10.0) -> None:
+    """Wait for ``condition()``; fail the test, not hang it, when it never holds."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "the worker never got there"
+        time.sleep(0.001)
+
+
 def _worker(log: _Log, max_batch: int = 1) -> ModelWorker:
     def tick_steps(job: TickJob, batch_size: int):
         log.add(f"tick {job.payload}")
@@ -57,8 +65,7 @@ def test_ticks_run_between_the_steps_of_background_work():
     gate.set()  # the reasoner's first step was running; both ticks come before its next one
     assert [t.result.result(timeout=10) for t in ticks] == [0, 1]
     worker.submit(GeneratorJob(_steps(log, "end", 1), lambda error: None))
-    while len(log.events) < 6:
-        time.sleep(0.001)
+    _until(lambda: len(log.events) >= 6)
     assert log.events[:3] == ["reason step 0", "tick 0", "tick 1"]
     assert log.events[3:5] == ["reason step 1", "reason step 2"]
     worker.close(timeout_s=10)
@@ -77,8 +84,7 @@ def test_a_failing_step_fails_its_job_and_the_worker_serves_on():
     tick = TickJob(session=object(), shape="s", payload=7)
     worker.submit(tick)
     assert tick.result.result(timeout=10) == 7
-    while not failures:
-        time.sleep(0.001)
+    _until(lambda: failures)
     assert isinstance(failures[0], ValueError)
     worker.close(timeout_s=10)
 
@@ -151,8 +157,7 @@ def test_a_job_whose_call_ended_is_not_stepped_again():
     started.wait(timeout=10)
     gone.set()
     gate.set()
-    while not failures:
-        time.sleep(0.001)
+    _until(lambda: failures)
     assert isinstance(failures[0], api.Cancelled)
     assert log.events == ["call step 0"]
     worker.close(timeout_s=10)

@@ -14,12 +14,11 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 
 import numpy as np
 
 from policy_server.engine import api
-from policy_server.engine.call_end import POLL_S, CallEnd
+from policy_server.engine.call_end import CallEnd
 from policy_server.engine.served import ServedModel
 from policy_server.engine.sessions import SessionState
 from policy_server.engine.tick import PREPARE_STAGE, branch_records
@@ -169,13 +168,7 @@ class Dynamics:
         except api.ShuttingDown as error:
             job.fail(error)
             raise
-
-        while True:
-            try:
-                out, frames, stage_ms = job.result.result(timeout=POLL_S)
-                break
-            except FutureTimeout:
-                self.worker.end_queued(job, end)  # ticks go first: the call may wait long between its pieces
+        out, frames, stage_ms = self.worker.wait(job, end)
         tick = api.TickRecord(
             budget_ms=MAX_DYNAMICS_MS, deadline_ms=deadline_ms,
             actual_ms={**stage_ms, PREPARE_STAGE: prepared_ms - arrived_ms, "total": served.clock() - arrived_ms},

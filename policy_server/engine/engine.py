@@ -19,7 +19,6 @@ import threading
 import time
 from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait as wait_for
 
 import numpy as np
@@ -29,7 +28,7 @@ from policy_server.budget.guard import monotonic_ms
 from policy_server.budget.profile import QualityProfile
 from policy_server.engine import api
 from policy_server.engine.admission import Admission, default_rate_hz
-from policy_server.engine.call_end import POLL_S, CallEnd
+from policy_server.engine.call_end import CallEnd
 from policy_server.engine.dynamics import Dynamics
 from policy_server.engine.reasoning import Reasoning
 from policy_server.engine.served import EngineSettings, ServedModel
@@ -158,9 +157,8 @@ class ModelEngine:
                           preview, client_name)
         try:
             session, opened = self._admission.open(opening, lambda demand: self.sessions.open(
-                self.settings.session_idle_s, embodiment=embodiment, instruction=instruction, budget_ms=budget,
-                chunk_size=chunk, seed=opening.seed, cost_key=key, demand=demand,
-                limiter=RateLimiter(rate, time.monotonic()), opening=opening, preview=preview, client_name=client_name))
+                self.settings.session_idle_s, opening, cost_key=key, demand=demand,
+                limiter=RateLimiter(rate, time.monotonic())))
         except (api.BudgetInfeasible, api.Overloaded, api.TooManySessions) as refused:
             # What an operator asks when a robot says it was turned away (a client retrying in a loop: one line).
             _log_refusal((client_name, refused.reason), "refused a session%s: %s, chunks of %d, budget %g ms, %g Hz: "
@@ -271,15 +269,10 @@ class ModelEngine:
         try:
             job.payload = self._prepare_frames(session, request)
         except BaseException as error:  # the session must not stay busy
-            job.result.set_exception(error)
+            job.fail(error)
             raise
         self._worker.submit(job)
-        while True:
-            try:
-                result = job.result.result(timeout=POLL_S)
-                break
-            except FutureTimeout:
-                self._worker.end_queued(job, end)
+        result = self._worker.wait(job, end)
         if self.served.graphs is not None and session.instruction != session.graphed_instruction:
             # The tick ran a new instruction's calls eagerly; its next ones replay graphs captured in the background.
             session.graphed_instruction = session.instruction

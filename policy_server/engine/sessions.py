@@ -124,13 +124,17 @@ class SessionTable:
         with self._lock:
             return list(self._sessions.values())
 
-    def open(self, idle_s: float, **fields) -> SessionState:
-        """A new session of ``fields``; ``idle_s``: how long one goes unused before it closes, which a refusal
-        names (the places may be held by a crashed client's sessions, which nobody can close)."""
+    def open(self, idle_s: float, opening: Opening, **fields) -> SessionState:
+        """A new session of ``opening``'s settings and ``fields``; ``idle_s``: how long one goes unused before it
+        closes, which a refusal names (the places may be held by a crashed client's sessions, which nobody can
+        close)."""
         with self._lock:
             if len(self._sessions) >= self.max_sessions:
                 raise TooManySessions(self.max_sessions, _longest_unused(self._sessions.values(), idle_s))
-            session = SessionState(session_id=uuid.uuid4().hex, **fields)
+            session = SessionState(
+                session_id=uuid.uuid4().hex, embodiment=opening.embodiment, instruction=opening.instruction,
+                budget_ms=opening.budget_ms, chunk_size=opening.chunk_size, seed=opening.seed, preview=opening.preview,
+                client_name=opening.client_name, opening=opening, **fields)
             self._sessions[session.session_id] = session
             return session
 

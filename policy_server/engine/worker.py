@@ -21,6 +21,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Hashable, Iterator
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -28,7 +29,7 @@ import torch
 
 from policy_server.engine import api
 from policy_server.engine.batching import GenStack, run_together
-from policy_server.engine.call_end import CallEnd
+from policy_server.engine.call_end import POLL_S, CallEnd
 from policy_server.pipeline.policy import TickSteps
 
 
@@ -39,7 +40,7 @@ class BackgroundJob(Protocol):
         """Do one bounded piece of work; True when the job is finished."""
 
     def fail(self, error: BaseException) -> None:
-        """The job will not run again (shutdown, or its ``step`` raised ``error``)."""
+        """The job will not run again (shutdown, its ``step`` raised ``error``, or its ``end`` has a reason)."""
 
 
 @dataclass(eq=False)
@@ -91,9 +92,19 @@ class ModelWorker:
             (self._ticks if isinstance(job, TickJob) else self._jobs).append(job)
             self._changed.notify()
 
+    def wait(self, job: TickJob | BackgroundJob, end: CallEnd) -> Any:
+        """The result of a submitted tick, or of a background job with a ``result`` future. Ticks go first, so
+        ``job`` may wait long in the queue: it ends there once ``end`` has a reason (``end_queued``)."""
+        while True:
+            try:
+                return job.result.result(timeout=POLL_S)
+            except FutureTimeout:
+                self.end_queued(job, end)
+
     def end_queued(self, job: TickJob | BackgroundJob, end: CallEnd) -> None:
         """Fail a tick that has not started, or a background job between two of its steps, if ``end`` has a
-        reason now; nothing while the tick or a step of the job runs (they check ``end`` themselves)."""
+        reason now; nothing while the tick or a step of the job runs (the tick checks ``end`` itself, the worker
+        checks a job's before each step)."""
         if (reason := end.reason()) is None:
             return
         queued = self._ticks if isinstance(job, TickJob) else self._jobs

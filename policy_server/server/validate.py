@@ -93,18 +93,18 @@ def client_name(value: str, field: str = "client_name") -> str:
     return value
 
 
-def request_id(value: str, field: str = "request_id") -> str:
+def request_id(value: str) -> str:
     """The caller's id of one OpenSession (empty: none), bounded and of a plain charset: the log and errors name it,
     and the Python client sends it as Ray Serve's routing key (call metadata)."""
     expected = (f"{limits.MIN_REQUEST_ID_CHARS} to {limits.MAX_REQUEST_ID_CHARS} characters of A-Z a-z 0-9 '-' '_' "
                 "(a uuid4 hex), or none")
     if len(value) > limits.MAX_REQUEST_ID_CHARS:
-        raise InvalidArgument(field, expected, f"{len(value)} characters", reason="TOO_LONG")
+        raise InvalidArgument("request_id", expected, f"{len(value)} characters", reason="TOO_LONG")
     if value and len(value) < limits.MIN_REQUEST_ID_CHARS:  # guessable: another client could take the session
-        raise InvalidArgument(field, expected, f"{len(value)} characters", reason="BAD_VALUE")
+        raise InvalidArgument("request_id", expected, f"{len(value)} characters", reason="BAD_VALUE")
     other = next((c for c in value if c not in limits.REQUEST_ID_CHARS), None)
     if other is not None:
-        raise InvalidArgument(field, expected, f"{other!r} in the id", reason="BAD_VALUE")
+        raise InvalidArgument("request_id", expected, f"{other!r} in the id", reason="BAD_VALUE")
     return value
 
 

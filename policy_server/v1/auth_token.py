@@ -6,9 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 MAX_TOKEN_FILE_BYTES = 4096  # a token is tens of bytes; a path to a wrong, large file is not read whole
-# What a server wants (its clients send whatever they are given): every call may try a token, and 16 random
-# characters (64 bits as hex) put guessing out of reach where a few would not.
-MIN_TOKEN_CHARS = 16
 
 
 def read_token_file(path: Path) -> str:
