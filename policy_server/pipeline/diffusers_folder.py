@@ -16,12 +16,11 @@ units, cameras, limits, chunk sizes), both in the embedded model's format.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from pydantic import ValidationError
 
-from policy_server.json_file import check_json_size
+from policy_server.json_file import read_json
 from policy_server.model.checkpoint import CheckpointError
 from policy_server.pipeline.embodiments import EmbodimentRegistry
 from policy_server.pipeline.policy_config import PolicyConfig, PolicyConfigError, describe
@@ -50,22 +49,14 @@ def is_diffusers_folder(root: Path) -> bool:
     path = root / "model_index.json"
     if not path.is_file():
         return False
-    check_json_size(path, CheckpointError)
-    try:
-        index = json.loads(path.read_text())
-    except (OSError, ValueError) as error:
-        raise CheckpointError(f"{path}: cannot read the pipeline index ({error})") from None
+    index = read_json(path, CheckpointError)
     return isinstance(index, dict) and index.get("_class_name") == PIPELINE_CLASS
 
 
 def read_model_index(root: Path) -> dict[str, bool]:
     """Check `model_index.json` names the components this server serves; returns its flags."""
     path = root / "model_index.json"
-    check_json_size(path, CheckpointError)
-    try:
-        index = json.loads(path.read_text())
-    except (OSError, ValueError) as error:
-        raise CheckpointError(f"{path}: cannot read the pipeline index ({error})") from None
+    index = read_json(path, CheckpointError)
     for name, (library, classes) in REQUIRED_COMPONENTS.items():
         entry = index.get(name)
         if not (isinstance(entry, list) and len(entry) == 2 and entry[0] == library and entry[1] in classes):
@@ -98,11 +89,7 @@ def policy_config(root: Path, name: str, flags: dict[str, bool]) -> PolicyConfig
     path = root / "policy.json"
     if not path.is_file():
         return PolicyConfig.model_validate(defaults)
-    check_json_size(path, PolicyConfigError)
-    try:
-        overrides = json.loads(path.read_text())
-    except ValueError as error:
-        raise PolicyConfigError(f"{path}: not valid JSON ({error})") from None
+    overrides = read_json(path, PolicyConfigError)
     if not isinstance(overrides, dict):
         raise PolicyConfigError(f"{path}: expected a JSON object of PolicyConfig fields")
     if {"canvases", "resolution_tier"} & set(overrides):
