@@ -18,7 +18,8 @@ MAX_JSON_FILE_BYTES = 16 << 20
 
 def read_json(path: Path, error: type[Exception]) -> Any:
     """The parsed content of the JSON file ``path``. Raises ``error`` (the reader's own) naming ``path`` and what
-    is wrong: it cannot be read (the OS's reason), is over ``MAX_JSON_FILE_BYTES``, is not UTF-8, or not JSON."""
+    is wrong: it cannot be read (the OS's reason), is over ``MAX_JSON_FILE_BYTES``, is not UTF-8, is not JSON, or
+    is nested more deeply than the parser can follow."""
     try:
         with path.open("rb") as file:
             raw = file.read(MAX_JSON_FILE_BYTES + 1)  # bounded: a file that grows after a size check is not read whole
@@ -35,3 +36,5 @@ def read_json(path: Path, error: type[Exception]) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as exc:
         raise error(f"{path}: not valid JSON ({exc})") from None
+    except RecursionError as exc:  # the parser recurses once per level of nesting: "[" * 100_000 takes it too deep
+        raise error(f"{path}: JSON nested too deeply to parse ({exc})") from None
