@@ -108,6 +108,8 @@ BROKEN = {
         lambda root: _edit_json(root / "embodiments.json", embodiments=[{"name": "pusht", "domain_id": 99}]),
         "domain_id"),
     "missing_stats_file": (lambda root: _remove(root / "action_stats.json"), "action_stats.json"),
+    "vae_config_not_an_object": (_writing("vae/config.json", "[]"),
+                                 "vae/config.json: expected a JSON object of SmallVideoVAE config fields"),
     "embodiments_json_nested_past_the_parser": (_writing("embodiments.json", "[" * 100_000),
                                                 "embodiments.json: JSON nested too deeply to parse"),
     **{f"bloated {relative}": (_bloated(relative), _over_the_cap(relative)) for relative in BLOATED},

@@ -339,6 +339,8 @@ class SmallVideoVAE(nn.Module):
             if not required.is_file():
                 raise FileNotFoundError(f"{required} not found; expected {CONFIG_NAME} and {WEIGHTS_NAME} there")
         stored = read_json(config_path, CheckpointError)
+        if not isinstance(stored, dict):
+            raise CheckpointError(f"{config_path}: expected a JSON object of SmallVideoVAE config fields")
         try:
             config = SmallVideoVAEConfig.from_json_dict(stored)
         except (ValueError, TypeError) as error:  # a foreign config, bad values
