@@ -44,19 +44,19 @@ ACTION_DEFAULTS = {"num_steps": 30, "guidance": 1.0, "resolution_tier": 480}
 NO_CANONICAL_WIDTH = ("libero",)
 
 
-def is_diffusers_folder(root: Path) -> bool:
-    """Whether `root/model_index.json` names a `Cosmos3OmniPipeline`; one that does not parse is a CheckpointError."""
+def read_model_index(root: Path) -> dict | None:
+    """`root/model_index.json` if it names a `Cosmos3OmniPipeline`, else None (no such file, or not one: the
+    embedded layout); one that does not parse is a CheckpointError."""
     path = root / "model_index.json"
     if not path.is_file():
-        return False
+        return None
     index = read_json(path, CheckpointError)
-    return isinstance(index, dict) and index.get("_class_name") == PIPELINE_CLASS
+    return index if isinstance(index, dict) and index.get("_class_name") == PIPELINE_CLASS else None
 
 
-def read_model_index(root: Path) -> dict[str, bool]:
-    """Check `model_index.json` names the components this server serves; returns its flags."""
+def model_index_flags(root: Path, index: dict) -> dict[str, bool]:
+    """Check `index` (`read_model_index`) names the components this server serves; returns its flags."""
     path = root / "model_index.json"
-    index = read_json(path, CheckpointError)
     for name, (library, classes) in REQUIRED_COMPONENTS.items():
         entry = index.get(name)
         if not (isinstance(entry, list) and len(entry) == 2 and entry[0] == library and entry[1] in classes):
