@@ -63,8 +63,8 @@ def _bloated(relative):
 
 
 def _over_the_cap(relative):
-    """What the server says of a JSON file `_bloated` (it read it whole, then said it was not JSON)."""
-    return f"{relative}: {MAX_JSON_FILE_BYTES + 1} bytes; expected a JSON file of at most 16 MiB"
+    """What the server says of a JSON file `_bloated`: it reads one byte past the cap, no more."""
+    return f"{relative}: more than {MAX_JSON_FILE_BYTES} bytes; expected a JSON file of at most 16 MiB"
 
 
 BLOATED = ("policy.json", "embodiments.json", "action_stats.json", "transformer/config.json", "vae/config.json",
@@ -108,6 +108,10 @@ BROKEN = {
         lambda root: _edit_json(root / "embodiments.json", embodiments=[{"name": "pusht", "domain_id": 99}]),
         "domain_id"),
     "missing_stats_file": (lambda root: _remove(root / "action_stats.json"), "action_stats.json"),
+    "vae_config_not_an_object": (_writing("vae/config.json", "[]"),
+                                 "vae/config.json: expected a JSON object of SmallVideoVAE config fields"),
+    "embodiments_json_nested_past_the_parser": (_writing("embodiments.json", "[" * 100_000),
+                                                "embodiments.json: JSON nested too deeply to parse"),
     **{f"bloated {relative}": (_bloated(relative), _over_the_cap(relative)) for relative in BLOATED},
 }
 
@@ -167,7 +171,7 @@ BROKEN_DIFFUSERS = {
         lambda root: _edit_json(root / "vae/config.json", scale_factor_spatial=8),
         "vae/config.json: scale_factor_spatial 8 and scale_factor_temporal 4; the architecture"),
     "model_index_not_json": (_writing("model_index.json", "{"),
-                             "model_index.json: cannot read the pipeline index"),
+                             "model_index.json: not valid JSON"),
     "flow_shift_not_a_number": (lambda root: _edit_json(root / "scheduler/scheduler_config.json", flow_shift="abc",
                                                         use_karras_sigmas=False),
                                 "scheduler_config.json: flow_shift='abc'; expected a number above 0"),
@@ -184,7 +188,7 @@ BROKEN_DIFFUSERS = {
         lambda root: _edit_weight_map(root, "../text_tokenizer/tokenizer.json"),
         "index.json: expected a 'weight_map' of tensor name -> shard file name in its folder"),
     "shard_index_not_json": (_writing("transformer/diffusion_pytorch_model.safetensors.index.json", "["),
-                             "index.json: not a JSON object with a weight_map"),
+                             "index.json: not valid JSON"),
     "transformer_config_value_of_a_wrong_type": (
         lambda root: _edit_json(root / "transformer/config.json", hidden_size="64"),
         "transformer/config.json: config field 'hidden_size'='64': expected a positive integer"),

@@ -151,7 +151,7 @@ def test_a_passthrough_channel_is_one_of_the_actions(tmp_path):
 
 
 def test_config_file_errors(tmp_path):
-    with pytest.raises(EmbodimentConfigError, match="cannot read embodiment config"):
+    with pytest.raises(EmbodimentConfigError, match="missing.json: cannot read"):
         load_registry(tmp_path / "missing.json")
     bad = tmp_path / "bad.json"
     bad.write_text("[")

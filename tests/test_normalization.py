@@ -143,7 +143,7 @@ def test_malformed_stats(data, match):
 
 
 def test_unreadable_files(tmp_path):
-    with pytest.raises(NormalizationStatsError, match="cannot read stats file"):
+    with pytest.raises(NormalizationStatsError, match="missing.json: cannot read"):
         load_stats(tmp_path / "missing.json")
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")

@@ -18,13 +18,12 @@ The profile is JSON, keyed by the weights digest: a profile of other weights is 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from policy_server.json_file import check_json_size
+from policy_server.json_file import read_json
 
 from .cost_model import CallCosts
 
@@ -163,11 +162,7 @@ class QualityProfile(BaseModel):
     @classmethod
     def load(cls, path: Path, digest: str) -> QualityProfile:
         """The profile at `path`, which must be of the weights `digest`; `ProfileError` names what is wrong."""
-        check_json_size(path, ProfileError)
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError) as error:  # unreadable, not UTF-8, not JSON
-            raise ProfileError(f"{path}: cannot read a quality profile: {error}") from error
+        data = read_json(path, ProfileError)
         if not isinstance(data, dict) or data.get("version") != PROFILE_VERSION:
             got = data.get("version") if isinstance(data, dict) else type(data).__name__
             raise ProfileError(f"{path}: version {got!r}; expected {PROFILE_VERSION} (run `policy-server calibrate`)")

@@ -22,7 +22,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from policy_server.json_file import check_json_size
+from policy_server.json_file import read_json
 from policy_server.model.config import Cosmos3TransformerConfig
 from policy_server.model.transformer import Cosmos3OmniTransformer
 
@@ -198,11 +198,8 @@ def index_tensors(directory: Path) -> dict[str, StoredTensor]:
     """Every tensor of a transformer directory (single file or index + shards), from the headers only."""
     single, index = directory / WEIGHTS_NAME, directory / WEIGHTS_INDEX_NAME
     if index.is_file():
-        check_json_size(index, CheckpointError)
-        try:
-            weight_map = json.loads(index.read_text()).get("weight_map")
-        except (ValueError, AttributeError) as error:
-            raise CheckpointError(f"{index}: not a JSON object with a weight_map ({error})") from None
+        stored = read_json(index, CheckpointError)
+        weight_map = stored.get("weight_map") if isinstance(stored, dict) else None
         # A shard is a file of this folder: a path could make the loader read any file the server can.
         if not (isinstance(weight_map, dict) and weight_map
                 and all(isinstance(shard, str) and shard == Path(shard).name for shard in weight_map.values())):

@@ -9,12 +9,11 @@ Cosmos3-Nano's Qwen3-VL-8B text backbone; Edge (Nemotron) sets `hidden_act="relu
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from policy_server.json_file import check_json_size
+from policy_server.json_file import read_json
 
 # The diffusers class name and version written into `config.json` by `to_dict`.
 DIFFUSERS_CLASS_NAME = "Cosmos3OmniTransformer"
@@ -138,11 +137,7 @@ class Cosmos3TransformerConfig:
     @classmethod
     def from_json_file(cls, path: str | Path) -> Cosmos3TransformerConfig:
         path = Path(path)
-        check_json_size(path, ConfigError)
-        try:
-            values = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{path} is not valid JSON: {exc}") from exc
+        values = read_json(path, ConfigError)
         if not isinstance(values, dict):
             raise ConfigError(f"{path} must hold a JSON object of config fields, got {type(values).__name__}")
         if values.get("_class_name", DIFFUSERS_CLASS_NAME) != DIFFUSERS_CLASS_NAME:

@@ -29,7 +29,7 @@ import jinja2.sandbox
 from jinja2.ext import loopcontrols
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from policy_server.json_file import check_json_size
+from policy_server.json_file import read_json
 
 START_OF_GENERATION_TOKEN = "<|vision_start|>"
 TOKENIZER_SUBFOLDERS = ("text_tokenizer", "tokenizer")
@@ -131,11 +131,7 @@ class TextTokenizer:
         except Exception as error:  # noqa: BLE001 - tokenizers raises a bare Exception for a file it cannot parse
             raise TextTokenizerError(f"{tokenizer_file}: not a tokenizers file ({error})") from None
         config_file = folder / "tokenizer_config.json"
-        check_json_size(config_file, TextTokenizerError)
-        try:
-            config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-        except ValueError as error:
-            raise TextTokenizerError(f"{config_file}: not valid JSON ({error})") from None
+        config = read_json(config_file, TextTokenizerError) if config_file.is_file() else {}
         if not isinstance(config, dict):
             raise TextTokenizerError(f"{config_file}: expected a JSON object")
         special_tokens = {
@@ -166,11 +162,10 @@ class TextTokenizer:
             return template
         json_file = folder / "chat_template.json"
         if json_file.is_file():
-            check_json_size(json_file, TextTokenizerError)
-            try:
-                return json.loads(json_file.read_text()).get("chat_template")
-            except (ValueError, AttributeError) as error:
-                raise TextTokenizerError(f"{json_file}: expected a JSON object with chat_template ({error})") from None
+            stored = read_json(json_file, TextTokenizerError)
+            if not isinstance(stored, dict):
+                raise TextTokenizerError(f"{json_file}: expected a JSON object with chat_template")
+            return stored.get("chat_template")
         return None
 
     @classmethod

@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from policy_server.json_file import check_json_size
+from policy_server.json_file import read_json
 from policy_server.model.checkpoint import CheckpointError
 
 CONFIG_NAME = "config.json"
@@ -338,10 +338,12 @@ class SmallVideoVAE(nn.Module):
         for required in (config_path, weights_path):
             if not required.is_file():
                 raise FileNotFoundError(f"{required} not found; expected {CONFIG_NAME} and {WEIGHTS_NAME} there")
-        check_json_size(config_path, CheckpointError)
+        stored = read_json(config_path, CheckpointError)
+        if not isinstance(stored, dict):
+            raise CheckpointError(f"{config_path}: expected a JSON object of SmallVideoVAE config fields")
         try:
-            config = SmallVideoVAEConfig.from_json_dict(json.loads(config_path.read_text()))
-        except (ValueError, TypeError) as error:  # bad JSON, a foreign config, bad values
+            config = SmallVideoVAEConfig.from_json_dict(stored)
+        except (ValueError, TypeError) as error:  # a foreign config, bad values
             raise CheckpointError(f"{config_path}: {error}") from None
         model = cls(config)
         try:

@@ -16,12 +16,11 @@ units, cameras, limits, chunk sizes), both in the embedded model's format.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from pydantic import ValidationError
 
-from policy_server.json_file import check_json_size
+from policy_server.json_file import read_json
 from policy_server.model.checkpoint import CheckpointError
 from policy_server.pipeline.embodiments import EmbodimentRegistry
 from policy_server.pipeline.policy_config import PolicyConfig, PolicyConfigError, describe
@@ -45,27 +44,19 @@ ACTION_DEFAULTS = {"num_steps": 30, "guidance": 1.0, "resolution_tier": 480}
 NO_CANONICAL_WIDTH = ("libero",)
 
 
-def is_diffusers_folder(root: Path) -> bool:
-    """Whether `root/model_index.json` names a `Cosmos3OmniPipeline`; one that does not parse is a CheckpointError."""
+def read_model_index(root: Path) -> dict | None:
+    """`root/model_index.json` if it names a `Cosmos3OmniPipeline`, else None (no such file, or not one: the
+    embedded layout); one that does not parse is a CheckpointError."""
     path = root / "model_index.json"
     if not path.is_file():
-        return False
-    check_json_size(path, CheckpointError)
-    try:
-        index = json.loads(path.read_text())
-    except (OSError, ValueError) as error:
-        raise CheckpointError(f"{path}: cannot read the pipeline index ({error})") from None
-    return isinstance(index, dict) and index.get("_class_name") == PIPELINE_CLASS
+        return None
+    index = read_json(path, CheckpointError)
+    return index if isinstance(index, dict) and index.get("_class_name") == PIPELINE_CLASS else None
 
 
-def read_model_index(root: Path) -> dict[str, bool]:
-    """Check `model_index.json` names the components this server serves; returns its flags."""
+def model_index_flags(root: Path, index: dict) -> dict[str, bool]:
+    """Check `index` (`read_model_index`) names the components this server serves; returns its flags."""
     path = root / "model_index.json"
-    check_json_size(path, CheckpointError)
-    try:
-        index = json.loads(path.read_text())
-    except (OSError, ValueError) as error:
-        raise CheckpointError(f"{path}: cannot read the pipeline index ({error})") from None
     for name, (library, classes) in REQUIRED_COMPONENTS.items():
         entry = index.get(name)
         if not (isinstance(entry, list) and len(entry) == 2 and entry[0] == library and entry[1] in classes):
@@ -98,11 +89,7 @@ def policy_config(root: Path, name: str, flags: dict[str, bool]) -> PolicyConfig
     path = root / "policy.json"
     if not path.is_file():
         return PolicyConfig.model_validate(defaults)
-    check_json_size(path, PolicyConfigError)
-    try:
-        overrides = json.loads(path.read_text())
-    except ValueError as error:
-        raise PolicyConfigError(f"{path}: not valid JSON ({error})") from None
+    overrides = read_json(path, PolicyConfigError)
     if not isinstance(overrides, dict):
         raise PolicyConfigError(f"{path}: expected a JSON object of PolicyConfig fields")
     if {"canvases", "resolution_tier"} & set(overrides):

@@ -20,7 +20,6 @@ have no stats: their actions stay in the model's normalised space unless a confi
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -29,7 +28,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, ValidationError, model_validator
 
-from policy_server.json_file import check_json_size
+from policy_server.json_file import read_json
 from policy_server.pipeline.errors import InvalidActions, InvalidChunkSize, InvalidState, UnregisteredEmbodiment
 from policy_server.pipeline.normalization import (
     NORMALIZATION_METHODS,
@@ -375,15 +374,8 @@ class EmbodimentRegistry:
         ``domain_id`` and ``raw_action_dim``. Errors name the file, the entry and the key.
         """
         path = Path(path)
-        check_json_size(path, EmbodimentConfigError)
         try:
-            data = json.loads(path.read_text())
-        except OSError as exc:
-            raise EmbodimentConfigError(f"cannot read embodiment config {path}: {exc.strerror}") from exc
-        except json.JSONDecodeError as exc:
-            raise EmbodimentConfigError(f"{path}: not valid JSON ({exc})") from exc
-        try:
-            config = _ConfigFile.model_validate(data)
+            config = _ConfigFile.model_validate(read_json(path, EmbodimentConfigError))
         except ValidationError as exc:
             raise EmbodimentConfigError(_format_validation_error(exc, str(path))) from None
         if not config.embodiments:

@@ -22,7 +22,6 @@ Inputs are NumPy arrays or torch tensors ``[..., D]``; outputs have the same typ
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +31,7 @@ import numpy as np
 import torch
 from pydantic import StrictInt
 
-from policy_server.json_file import check_json_size
+from policy_server.json_file import read_json
 
 NORMALIZATION_METHODS = ("none", "minmax", "meanstd", "quantile")
 STAT_FIELDS = ("min", "max", "mean", "std", "q01", "q99")
@@ -119,16 +118,7 @@ def parse_stats(data: object, source: str = "<memory>", features: list[str] | No
 def load_stats(path: str | Path, features: list[str] | None = None) -> dict[str, FeatureStats]:
     """Read and validate a stats JSON file (only ``features``, when given)."""
     path = Path(path)
-    check_json_size(path, NormalizationStatsError)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise NormalizationStatsError(f"cannot read stats file {path}: {exc.strerror}") from exc
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise NormalizationStatsError(f"{path}: not valid JSON ({exc})") from exc
-    return parse_stats(data, source=str(path), features=features)
+    return parse_stats(read_json(path, NormalizationStatsError), source=str(path), features=features)
 
 
 @dataclass(frozen=True, eq=False)

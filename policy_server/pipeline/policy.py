@@ -378,10 +378,11 @@ class PolicyPipeline:
             root = checkpoint_folder(path) if path is not None else default_model_path()
             if not root.is_dir():
                 raise CheckpointError(f"{root} is not a directory")
-            if diffusers_folder.is_diffusers_folder(root):
+            index = diffusers_folder.read_model_index(root)
+            if index is not None:
                 # A Hub snapshot's folder is named after its commit: such a model is named after its Hub id.
                 name = str(path) if path is not None and is_hub_id(path) else root.name
-                pipeline = cls._from_diffusers_folder(root, name, device, dtype)
+                pipeline = cls._from_diffusers_folder(root, index, name, device, dtype)
             else:
                 pipeline = cls._from_policy_folder(root, device, dtype)
             pipeline._check_parts_fit(root)
@@ -423,8 +424,9 @@ class PolicyPipeline:
         )
 
     @classmethod
-    def _from_diffusers_folder(cls, root: Path, name: str, device: str, dtype: torch.dtype | None) -> PolicyPipeline:
-        flags = diffusers_folder.read_model_index(root)
+    def _from_diffusers_folder(cls, root: Path, index: dict, name: str, device: str,
+                               dtype: torch.dtype | None) -> PolicyPipeline:
+        flags = diffusers_folder.model_index_flags(root, index)
         config = diffusers_folder.policy_config(root, name, flags)
         transformer = load_transformer(root / "transformer", device=device, dtype=dtype)
         if not transformer.config.action_gen:

@@ -17,7 +17,7 @@ from pydantic import (
     model_validator,
 )
 
-from policy_server.json_file import check_json_size
+from policy_server.json_file import read_json
 from policy_server.pipeline.conditioning import RESOLUTION_TIERS
 from policy_server.pipeline.schedulers import SAMPLER_NAMES
 
@@ -107,9 +107,8 @@ class PolicyConfig(BaseModel):
         path = Path(path)
         if not path.is_file():
             raise PolicyConfigError(f"{path}: no policy config; expected a JSON file with the sampler defaults")
-        check_json_size(path, PolicyConfigError)
         try:
-            return cls.model_validate_json(path.read_text())
+            return cls.model_validate(read_json(path, PolicyConfigError))
         except ValidationError as error:
             raise PolicyConfigError(describe(error, path)) from None
 

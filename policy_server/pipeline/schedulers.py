@@ -20,7 +20,6 @@ coefficients give the same numbers as separate scheduler copies (and as stepping
 from __future__ import annotations
 
 import functools
-import json
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
@@ -30,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from policy_server.json_file import check_json_size
+from policy_server.json_file import read_json
 from policy_server.model.checkpoint import CheckpointError
 from policy_server.pipeline.errors import InvalidSamplerSettings
 
@@ -475,11 +474,7 @@ def scheduler_settings(path: str | Path) -> dict[str, object]:
     ``UniPCMultistepScheduler``, as Cosmos3 pipelines save it). Raises CheckpointError naming the field
     whose value this sampler does not implement."""
     path = Path(path)
-    check_json_size(path, CheckpointError)
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError) as error:
-        raise CheckpointError(f"{path}: cannot read the scheduler config ({error})") from None
+    config = read_json(path, CheckpointError)
     if not isinstance(config, dict) or config.get("_class_name") != "UniPCMultistepScheduler":
         got = config.get("_class_name") if isinstance(config, dict) else type(config).__name__
         raise CheckpointError(f"{path}: _class_name {got!r}; expected 'UniPCMultistepScheduler'")

@@ -9,14 +9,13 @@ mode is used, exactly as `Cosmos3OmniPipeline` encodes and decodes.
 from __future__ import annotations
 
 import inspect
-import json
 import math
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from policy_server.json_file import check_json_size
+from policy_server.json_file import read_json
 from policy_server.model.checkpoint import CheckpointError
 from policy_server.model.vae import latent_frames
 
@@ -53,13 +52,7 @@ class WanVideoVAE(torch.nn.Module):
                                   "pip install 'policy-server[cosmos3]'") from None
         diffusers_logging.disable_progress_bar()  # the server's log is line-oriented
         path = Path(folder) / "config.json"
-        check_json_size(path, CheckpointError)
-        try:
-            stored = json.loads(path.read_text())
-        except OSError as error:
-            raise CheckpointError(f"{path}: cannot read the {WAN_VAE_CLASS} config ({error.strerror})") from None
-        except ValueError as error:  # not UTF-8, not JSON
-            raise CheckpointError(f"{path}: not valid JSON ({error})") from None
+        stored = read_json(path, CheckpointError)
         if not isinstance(stored, dict):
             raise CheckpointError(f"{path}: expected a JSON object of {WAN_VAE_CLASS} config fields")
         # diffusers only warns about a field it does not know (a misspelt one would load the default instead).
