@@ -624,8 +624,8 @@ def test_a_flood_of_frames_is_refused_undecoded_and_the_stream_lives_on(client):
 
 
 class _StallingLink:
-    """A loopback TCP forwarder to ``port`` whose client-to-server direction stops while ``flowing`` is clear (a
-    stalled WiFi uplink): what the client sends meanwhile waits in the socket buffers and then arrives at once."""
+    """A loopback TCP forwarder to ``port`` that forwards nothing while ``flowing`` is clear (a stalled WiFi link, no
+    FIN or RST): what either side sends meanwhile waits in the socket buffers and then arrives at once."""
 
     def __init__(self, port: int) -> None:
         self._listener = socket.create_server(("127.0.0.1", 0))
@@ -642,14 +642,13 @@ class _StallingLink:
                 return
             far = socket.create_connection(("127.0.0.1", port))
             threading.Thread(target=self._pump, args=(near, far, self.flowing), daemon=True).start()
-            threading.Thread(target=self._pump, args=(far, near, None), daemon=True).start()
+            threading.Thread(target=self._pump, args=(far, near, self.flowing), daemon=True).start()
 
     @staticmethod
-    def _pump(source: socket.socket, sink: socket.socket, gate: threading.Event | None) -> None:
+    def _pump(source: socket.socket, sink: socket.socket, gate: threading.Event) -> None:
         with contextlib.suppress(OSError):
             while data := source.recv(65536):
-                if gate is not None:
-                    gate.wait()
+                gate.wait()
                 sink.sendall(data)
         for end in (source, sink):
             with contextlib.suppress(OSError):
@@ -683,6 +682,28 @@ def test_frames_sent_while_the_uplink_stalls_are_not_delivered_as_a_backlog(serv
     chunks = [e.obs_id for e in events if e.kind == "chunk"]
     assert len(chunks) <= MAX_FRAMES_IN_FLIGHT + 1  # what was on its way, then the newest
     assert {e.obs_id for e in events if e.kind == "superseded"} == set(sent) - set(chunks)
+
+
+def test_a_stream_notices_a_dead_link_within_its_ping_timeout(server):
+    # A WiFi link that goes dead sends no FIN or RST. gRPC waited 60 s (its default ping timeout) for the answer to a
+    # ping sent just before, whatever the keepalive timeout said: the robot learned nothing for a minute or more.
+    link = _StallingLink(int(server.target.rsplit(":", 1)[1]))
+    with PolicyClient(link.target) as client:
+        session = client.open_session("pusht", "push", rate_hz=0)
+        with ControlStream(client, session) as stream:
+            for step in range(5):  # traffic, so that gRPC pings the link
+                send(stream, step)
+                stream.next_chunk()
+            link.flowing.clear()
+            dead = time.monotonic()
+            send(stream, 5)
+            while (event := stream.next_event(timeout_s=9.0)).kind != "disconnected":
+                pass
+            assert time.monotonic() - dead < 9.0 and "ping timeout" in event.error.message
+            link.flowing.set()
+            while stream.next_event().kind != "reconnected":
+                pass
+    link.close()
 
 
 def test_a_client_that_does_not_read_its_events_is_held_back_not_queued_for(server, client):
