@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import queue
+import socket
 import sys
 import threading
 import time
@@ -590,23 +591,119 @@ def test_a_stream_reconnects_while_silent_streams_hold_every_starting_place(monk
             second.stop(grace_s=0.1)
 
 
-def test_a_flood_of_frames_is_refused_undecoded_and_the_stream_lives_on(stream):
+def test_a_flood_of_frames_is_refused_undecoded_and_the_stream_lives_on(client):
+    # A client of its own: ControlStream sends at most MAX_FRAMES_IN_FLIGHT frames at once.
     from policy_server.limits import MAX_FRAME_RATE_HZ
 
-    flood = [stream.send_observation(pb.Observation(instruction="x", step_index=i))
-             for i in range(int(MAX_FRAME_RATE_HZ))]  # far faster than 100 per second
+    session = client.open_session("pusht", "floods")
+    requests: queue.Queue = queue.Queue()
+    requests.put(pb.ControlRequest(start=pb.ControlStart(session_id=session.session_id)))
+    flood = range(1, int(MAX_FRAME_RATE_HZ) + 1)  # far faster than 100 per second
+    for obs_id in flood:
+        requests.put(pb.ControlRequest(observation=pb.ObservationFrame(
+            epoch=session.epoch, obs_id=obs_id, observation=pb.Observation(instruction="x", step_index=obs_id))))
+    call = client.stub.Control(iter(requests.get, None), timeout=30)
     refused = set()
-    while len(refused) < len(flood) // 2:
-        event = stream.next_event()
-        if event.kind == "error" and event.error.reason == "RATE_EXCEEDED":
-            assert event.error.retry_after_ms > 0 and event.error.field == "observation"
-            refused.add(event.obs_id)
+    for event in call:
+        if event.WhichOneof("kind") == "error" and event.error.error.reason == "RATE_EXCEEDED":
+            error = PolicyServerError.from_detail(event.error.error)
+            assert error.retry_after_ms > 0 and error.field == "observation"
+            refused.add(event.error.obs_id)
+            if len(refused) == len(flood) // 2:
+                break
     assert refused <= set(flood)
     time.sleep(1.0)  # the bucket refills
-    good = send(stream, 1)
-    while (event := stream.next_event()).kind != "chunk":
+    good = pb.ObservationFrame(epoch=session.epoch, obs_id=1000,
+                               observation=build_observation({"image": IMAGE}, STATE, "", 1, "png"))
+    requests.put(pb.ControlRequest(observation=good))
+    while (event := next(call)).WhichOneof("kind") != "chunk":
         pass
-    assert event.chunk.obs_id == good
+    assert event.chunk.obs_id == good.obs_id
+    requests.put(None)
+    client.close_session(session)
+
+
+class _StallingLink:
+    """A loopback TCP forwarder to ``port`` that forwards nothing while ``flowing`` is clear (a stalled WiFi link, no
+    FIN or RST): what either side sends meanwhile waits in the socket buffers and then arrives at once."""
+
+    def __init__(self, port: int) -> None:
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.target = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        self.flowing = threading.Event()
+        self.flowing.set()
+        threading.Thread(target=self._accept, args=(port,), daemon=True).start()
+
+    def _accept(self, port: int) -> None:
+        while True:
+            try:
+                near, _ = self._listener.accept()
+            except OSError:  # closed
+                return
+            far = socket.create_connection(("127.0.0.1", port))
+            threading.Thread(target=self._pump, args=(near, far, self.flowing), daemon=True).start()
+            threading.Thread(target=self._pump, args=(far, near, self.flowing), daemon=True).start()
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket, gate: threading.Event) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                gate.wait()
+                sink.sendall(data)
+        for end in (source, sink):
+            with contextlib.suppress(OSError):
+                end.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+def test_frames_sent_while_the_uplink_stalls_are_not_delivered_as_a_backlog(server):
+    # A 10 Hz robot whose WiFi stalls for 3 s sends 30 frames meanwhile. They used to reach the server all at once
+    # when the link came back, beyond its frame rate: the newest were refused RATE_EXCEEDED (an error the robot's
+    # next_chunk raised) and an older frame was acted on. The client now keeps the newest frame back while
+    # MAX_FRAMES_IN_FLIGHT are unanswered, so the link carries few frames and the newest is answered.
+    from policy_server.client.streaming import MAX_FRAMES_IN_FLIGHT
+
+    link = _StallingLink(int(server.target.rsplit(":", 1)[1]))
+    with PolicyClient(link.target) as client:
+        session = client.open_session("pusht", "push", rate_hz=0)
+        with ControlStream(client, session) as stream:
+            send(stream, 0)
+            stream.next_chunk()
+            link.flowing.clear()
+            sent = [send(stream, step) for step in range(1, 31)]
+            link.flowing.set()
+            events = []
+            while not (events and events[-1].kind in ("chunk", "error") and events[-1].obs_id == sent[-1]):
+                events.append(stream.next_event())  # until the newest frame is answered
+    link.close()
+    assert not [e.error.message for e in events if e.kind == "error"]
+    chunks = [e.obs_id for e in events if e.kind == "chunk"]
+    assert len(chunks) <= MAX_FRAMES_IN_FLIGHT + 1  # what was on its way, then the newest
+    assert {e.obs_id for e in events if e.kind == "superseded"} == set(sent) - set(chunks)
+
+
+def test_a_stream_notices_a_dead_link_within_its_ping_timeout(server):
+    # A WiFi link that goes dead sends no FIN or RST. gRPC waited 60 s (its default ping timeout) for the answer to a
+    # ping sent just before, whatever the keepalive timeout said: the robot learned nothing for a minute or more.
+    link = _StallingLink(int(server.target.rsplit(":", 1)[1]))
+    with PolicyClient(link.target) as client:
+        session = client.open_session("pusht", "push", rate_hz=0)
+        with ControlStream(client, session) as stream:
+            for step in range(5):  # traffic, so that gRPC pings the link
+                send(stream, step)
+                stream.next_chunk()
+            link.flowing.clear()
+            dead = time.monotonic()
+            send(stream, 5)
+            while (event := stream.next_event(timeout_s=9.0)).kind != "disconnected":
+                pass
+            assert time.monotonic() - dead < 9.0 and "ping timeout" in event.error.message
+            link.flowing.set()
+            while stream.next_event().kind != "reconnected":
+                pass
+    link.close()
 
 
 def test_a_client_that_does_not_read_its_events_is_held_back_not_queued_for(server, client):

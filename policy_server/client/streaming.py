@@ -15,6 +15,10 @@ connection is UNAVAILABLE, or INTERNAL without a server reason: Ray Serve's prox
 dies. A refusal that says when to retry is tried again too, when opening as when reconnecting: streams that all
 (re)connect at once, after a failover or at a fleet's start, may find no place left on the server for those still
 to send their start (RESOURCE_EXHAUSTED: behind Ray Serve a stream's error does not say when to retry).
+Newest observation wins before the network too: at most ``MAX_FRAMES_IN_FLIGHT`` frames (not ``must_answer``) are on
+their way or on the server (sent, not yet answered by a chunk, superseded or error); a newer frame waits in the client
+until one is answered, and replaces (``superseded``) a frame that was waiting, so that a link slower than the frames (a
+stalled WiFi link, a slow uplink) carries the newest rather than a backlog of old ones that grows without bound.
 Observations sent while disconnected are dropped: they would be stale by the time a chunk came. A reply this
 client cannot read (preview frames, JPEG, without OpenCV) ends the stream: ``closed`` with UNREADABLE_REPLY.
 Once the stream has ended (``closed``, whose error says why, or `close()`), sending raises ``PolicyServerError``
@@ -48,6 +52,9 @@ log = logging.getLogger(__name__)
 _CLOSE = object()
 # Reconnection tries for about two minutes: through a server's restart, its warmup included.
 RECONNECT_BACKOFF = Backoff(max_attempts=60)
+# Observation frames sent and not yet answered: one the model works on, one waiting for it on the server and one on
+# its way, which supersedes the waiting one on arrival (the server keeps the newest: the client need not hold it back).
+MAX_FRAMES_IN_FLIGHT = 3
 
 
 @dataclass(frozen=True)
@@ -94,6 +101,8 @@ class ControlStream:
         self._instruction = session.instruction  # the last one the server acted on: a reopened session gets it
         self._sent_instructions: dict[int, str] = {}  # obs_id -> the instruction it carries, until it is answered
         self._obs_ids = itertools.count(1)
+        self._in_flight: set[int] = set()  # obs_ids of frames (not must_answer) sent on this call, not answered yet
+        self._waiting: pb.ControlRequest | None = None  # the newest frame, until one of those is answered
 
     @property
     def session(self) -> Session:
@@ -123,6 +132,7 @@ class ControlStream:
         with self._lock:
             self._requests, self._call = requests, call
             self._session = Session.from_proto(first.started)
+            self._in_flight, self._waiting = set(), None  # the last call's frames are lost with it
 
     def open(self) -> ControlStream:
         """Attach to the session (once: opening an opened stream returns it as it is, so ``with stream.open()``
@@ -189,6 +199,11 @@ class ControlStream:
         if event.kind not in ("chunk", "error", "superseded") or not event.obs_id:
             return
         with self._lock:
+            self._in_flight.discard(event.obs_id)
+            if self._waiting is not None and len(self._in_flight) < MAX_FRAMES_IN_FLIGHT:
+                self._in_flight.add(self._waiting.observation.obs_id)
+                self._requests.put(self._waiting)
+                self._waiting = None
             if event.kind != "chunk":
                 self._sent_instructions.pop(event.obs_id, None)
                 return
@@ -317,12 +332,16 @@ class ControlStream:
 
     # -- sending -------------------------------------------------------------------------------
 
+    def _check_sendable(self) -> None:
+        """Under the lock: raise unless the stream is open and not ended."""
+        if self._requests is None:
+            raise RuntimeError("the stream is not open")
+        if self._ended is not None:
+            raise self._ended
+
     def _put(self, request: pb.ControlRequest) -> None:
         with self._lock:
-            if self._requests is None:
-                raise RuntimeError("the stream is not open")
-            if self._ended is not None:
-                raise self._ended
+            self._check_sendable()
             self._requests.put(request)
 
     def send(
@@ -356,7 +375,19 @@ class ControlStream:
             observation=observation,
             must_answer=must_answer,
         )
-        self._put(pb.ControlRequest(observation=frame))
+        request = pb.ControlRequest(observation=frame)
+        with self._lock:
+            self._check_sendable()
+            if must_answer or len(self._in_flight) < MAX_FRAMES_IN_FLIGHT:
+                if not must_answer:  # never superseded: the server bounds them (TOO_MANY_PENDING_FRAMES)
+                    self._in_flight.add(obs_id)
+                self._requests.put(request)
+                return obs_id
+            replaced, self._waiting = self._waiting, request  # sent once a frame in flight is answered
+        if replaced is not None:
+            superseded = StreamEvent("superseded", obs_id=replaced.observation.obs_id, by_obs_id=obs_id)
+            self._answered(superseded)
+            self._events.put(superseded)
         return obs_id
 
     def set_budget(self, budget_ms: float) -> None:

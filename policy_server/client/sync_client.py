@@ -93,6 +93,9 @@ def make_channel(
         ("grpc.max_send_message_length", -1),  # the server enforces its own limit, with a reason
         ("grpc.keepalive_time_ms", 10_000),
         ("grpc.keepalive_timeout_ms", 5_000),
+        # gRPC waits this long for any ping's answer (60 s by default, whatever the keepalive timeout says): a ping in
+        # flight when the link died would keep the dead link a minute.
+        ("grpc.http2.ping_timeout_ms", 5_000),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.initial_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 2_000),

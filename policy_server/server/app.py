@@ -43,6 +43,7 @@ def _keepalive_options() -> list[tuple[str, int]]:
     return [
         ("grpc.keepalive_time_ms", 10_000),
         ("grpc.keepalive_timeout_ms", 5_000),
+        ("grpc.http2.ping_timeout_ms", 5_000),  # any ping's answer (60 s by default, the keepalive timeout aside)
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
         ("grpc.http2.max_pings_without_data", 0),
