@@ -194,8 +194,7 @@ class ModelEngine:
         done.result()
 
     def session(self, session_id: str) -> api.SessionHandle:
-        if self.sessions.get(session_id).idle(time.monotonic(), self.settings.session_idle_s):
-            self._admission.close_idle(self.settings.session_idle_s)  # an idle session is gone, not revived
+        self._admission.close_idle(self.settings.session_idle_s)  # an idle session is gone, not revived by the call
         return self.sessions.get(session_id).handle()
 
     @contextlib.contextmanager
