@@ -246,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"policy-server: {exc}", file=sys.stderr)
         return 2
-    log.info("settings: %s", f"{config.given()}; the rest at their defaults" if config.given() else "the defaults")
+    given = config.given()
+    log.info("settings: %s", f"{given}; the rest at their defaults" if given else "the defaults")
     return serve(config)
 
 

@@ -12,9 +12,11 @@ re-attaches to the session; if the server lost the session (it restarted, or beh
 away), it opens a new one with the same settings (the budget last granted, the instruction the server last acted
 on) and reports ``reconnected`` with ``session_replaced=True``, because the episode state (epoch) is new. A dropped
 connection is UNAVAILABLE, or INTERNAL without a server reason: Ray Serve's proxy ends a stream so when its replica
-dies. A refusal that says when to retry is tried again too, when opening as when reconnecting: streams that all
-(re)connect at once, after a failover or at a fleet's start, may find no place left on the server for those still
-to send their start (RESOURCE_EXHAUSTED: behind Ray Serve a stream's error does not say when to retry).
+dies. A refusal that says when to retry, or any RESOURCE_EXHAUSTED, is tried again too, within the backoff, when
+opening as when reconnecting: streams that all (re)connect at once, after a failover or at a fleet's start, may find
+no place left on the server for those still to send their start, and a lost session's reopening may find the server
+full (TOO_MANY_SESSIONS, OVERLOADED) until other sessions close (behind Ray Serve a stream's error does not say when
+to retry).
 Newest observation wins before the network too: at most ``MAX_FRAMES_IN_FLIGHT`` frames (not ``must_answer``) are on
 their way or on the server (sent, not yet answered by a chunk, superseded or error); a newer frame waits in the client
 until one is answered, and replaces (``superseded``) a frame that was waiting, so that a link slower than the frames (a

@@ -274,11 +274,12 @@ class PolicyClient:
         the session only if its ticks at that rate fit beside the others: RESOURCE_EXHAUSTED / OVERLOADED
         otherwise. A server still warming up is asked again, as it says when, until ``timeout_s``.
 
-        Every try (gRPC's retries, and those through a warmup) sends one ``request_id`` (None: a fresh uuid4 hex), so
-        a try whose answer was lost leaves no second session: the server answers the session the id opened. Pass the
-        id again to retry a call that failed (16 to 64 characters of A-Z a-z 0-9 '-' '_'; keep it secret, like a
-        session id). Behind Ray Serve it is also the session's routing key, so a retry reaches the same replica."""
-        request_id = uuid.uuid4().hex if request_id is None else request_id
+        Every try (gRPC's retries, and those through a warmup) sends one ``request_id`` (None or empty: a fresh uuid4
+        hex), so a try whose answer was lost leaves no second session: the server answers the session the id opened.
+        Pass the id again to retry a call that failed (16 to 64 characters of A-Z a-z 0-9 '-' '_'; keep it secret,
+        like a session id). Behind Ray Serve it is also the session's routing key, so a retry reaches the same
+        replica."""
+        request_id = request_id or uuid.uuid4().hex
         request = pb.OpenSessionRequest(
             embodiment=embodiment, instruction=instruction, client_name=client_name, preview=preview,
             request_id=request_id,
@@ -293,7 +294,7 @@ class PolicyClient:
             request.rate_hz = rate_hz
         if actions_per_chunk is not None:
             request.actions_per_chunk = actions_per_chunk
-        routing_key = (request_id or uuid.uuid4().hex) if self.serve_application is not None else None
+        routing_key = request_id if self.serve_application is not None else None
         end = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         while True:  # through a warmup, which outlasts gRPC's own retries (5 tries at most)
             try:

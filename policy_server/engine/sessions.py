@@ -45,28 +45,23 @@ class SessionState:
     cost_key: what its ticks cost is learned under (embodiment, clip length, instruction length).
     demand: what admission reserved it for; slot_ms: the model time each of its ticks is planned in.
     limiter: refuses ticks asked for faster than the declared rate.
-    preview: its ticks decode and return the predicted frames (planned and admitted with that stage).
     in_flight: its tick queued or running, if any (a session has at most one).
     prompt: the text K/V of the current instruction, reused while it does not change.
     graphed_instruction: the instruction whose CUDA graphs were captured for its ticks (`pipeline/cuda_graphs.py`).
     history: full-call counts of the previous ticks per cache setting, for the budget planner.
     last_used_s: when a call last named it (``time.monotonic()`` s).
     attached: a Control stream holds it (one at a time); dynamics: its forward / inverse dynamics calls running.
-    client_name: who opened it, as they said (for logs).
-    opening: what it was opened with (its instruction and budget may have changed since).
+    opening: what it was opened with; of those, only its instruction and budget change (``instruction``,
+    ``budget_ms``), and the rest are read from it (``embodiment``, ``chunk_size``, ...).
     """
 
     session_id: str
-    embodiment: str
+    opening: Opening
     instruction: str
     budget_ms: float
-    chunk_size: int
-    seed: int
     cost_key: Hashable
     demand: Demand
     limiter: RateLimiter
-    opening: Opening
-    preview: bool = False
     slot_ms: float = 0.0
     epoch: int = 1
     ticks: int = 0
@@ -78,7 +73,28 @@ class SessionState:
     last_used_s: float = field(default_factory=time.monotonic)
     attached: bool = False
     dynamics: int = 0
-    client_name: str = ""
+
+    @property
+    def embodiment(self) -> str:
+        return self.opening.embodiment
+
+    @property
+    def chunk_size(self) -> int:
+        return self.opening.chunk_size
+
+    @property
+    def seed(self) -> int:
+        return self.opening.seed
+
+    @property
+    def preview(self) -> bool:
+        """Its ticks decode and return the predicted frames (planned and admitted with that stage)."""
+        return self.opening.preview
+
+    @property
+    def client_name(self) -> str:
+        """Who opened it, as they said (for logs)."""
+        return self.opening.client_name
 
     def ticking(self) -> bool:
         """A tick of it is queued or running."""
@@ -131,10 +147,8 @@ class SessionTable:
         with self._lock:
             if len(self._sessions) >= self.max_sessions:
                 raise TooManySessions(self.max_sessions, _longest_unused(self._sessions.values(), idle_s))
-            session = SessionState(
-                session_id=uuid.uuid4().hex, embodiment=opening.embodiment, instruction=opening.instruction,
-                budget_ms=opening.budget_ms, chunk_size=opening.chunk_size, seed=opening.seed, preview=opening.preview,
-                client_name=opening.client_name, opening=opening, **fields)
+            session = SessionState(session_id=uuid.uuid4().hex, opening=opening, instruction=opening.instruction,
+                                   budget_ms=opening.budget_ms, **fields)
             self._sessions[session.session_id] = session
             return session
 

@@ -36,6 +36,7 @@ from policy_server.engine.served import INSTRUCTION_TOKEN_GROUPS, ServedModel
 from policy_server.engine.tick import STAGES, observe_output
 from policy_server.limits import MAX_INSTRUCTION_TOKENS, MAX_PROMPT_TOKENS
 from policy_server.pipeline.compiled_stack import PrecompiledGenStack
+from policy_server.pipeline.conditioning import side_by_side
 from policy_server.pipeline.embodiments import Embodiment
 from policy_server.pipeline.policy import PolicyOutput, PolicyRequest, TickSteps, run_steps, stepwise
 from policy_server.pipeline.reasoner import ReasonerStream
@@ -323,7 +324,7 @@ class Warmup:
         height, width = self.served.pipeline.config.canvas_hw
         frames = np.zeros((chunk + 1, height, width // len(embodiment.cameras), 3), np.uint8)
         cameras = {name: frames for name in embodiment.cameras}
-        video = np.concatenate(list(cameras.values()), axis=2)
+        video = side_by_side(list(cameras.values()))
         common = dict(instruction=self.text_of(MAX_INSTRUCTION_TOKENS), embodiment=embodiment.name,
                       state=np.zeros(embodiment.state_dim, np.float32) if embodiment.state_dim else None,
                       chunk_size=chunk, num_steps=min(3, self.served.pipeline.config.num_steps))
