@@ -372,16 +372,19 @@ def test_cancelling_the_stream_abandons_work_in_flight(client, engine):
         engine.release()
 
 
+QUICK_RECONNECT = Backoff(initial_s=0.05, max_s=0.2, max_attempts=100)
+
+
 @contextlib.contextmanager
-def _stream_across_a_restart(session: dict | None = None, client_timeout_s: float = 10.0, **options):
+def _stream_across_a_restart(session: dict | None = None, client_timeout_s: float = 10.0,
+                             backoff: Backoff = QUICK_RECONNECT, **options):
     """`(client, stream, restart)`: a ControlStream on a server of its own; `restart(engine)` stops that server and
     serves `engine` (a fresh FakeEngine) on its port, as a server that restarted lost its sessions."""
     servers = [build_server(build_config(overrides={"port": 0}), FakeEngine()).start()]
     port = servers[0].grpc_port
     client = PolicyClient(servers[0].target, timeout_s=client_timeout_s)
     opened = client.open_session("pusht", "reach the red circle", **(session or {}))
-    stream = ControlStream(client, opened, backoff=Backoff(initial_s=0.05, max_s=0.2, max_attempts=100),
-                           **options).open()
+    stream = ControlStream(client, opened, backoff=backoff, **options).open()
 
     def restart(engine: FakeEngine | None = None) -> None:
         servers.pop().stop(grace_s=0.1)
@@ -414,6 +417,18 @@ def test_reconnects_and_replaces_the_session_after_a_server_restart():
         np.testing.assert_array_equal(chunk.actions, expected(1))
 
 
+def test_a_stream_tries_again_once_its_channel_reconnects_not_a_whole_delay_later():
+    # After a link's outage gRPC's channel reconnects on its own backoff; the stream's next try came up to a whole
+    # delay of its own after that (after a 2 s cut its first chunk came ~1 s after a unary act's).
+    slow = Backoff(initial_s=3.0, max_s=3.0, jitter=0.0, max_attempts=3)
+    with _stream_across_a_restart(backoff=slow) as (_, stream, restart):
+        restart()
+        assert stream.next_event(timeout_s=5).kind == "disconnected"
+        lost = time.monotonic()
+        event = stream.next_event(timeout_s=5)
+        assert event.kind == "reconnected" and time.monotonic() - lost < 2.0, (event, time.monotonic() - lost)
+
+
 def test_a_stream_reconnects_through_a_warmup_longer_than_the_clients_call_timeout():
     # A robot's client has a short call timeout; a restarted server warms up for longer (57 s compiling on 2 cores).
     # Reopening the session times out while it warms up: the stream tries again, as its backoff allows.
@@ -437,9 +452,13 @@ def test_a_stream_reopens_its_session_once_a_full_server_has_room():
         other = full.open_session("pusht", "reach the red circle")
         restart(full)
         assert stream.next_event(timeout_s=20).kind == "disconnected"
+        refused_from = time.monotonic()
         threading.Timer(1.0, full.close_session, (other.session_id,)).start()
         event = stream.next_event(timeout_s=20)
         assert event.kind == "reconnected" and event.session_replaced, event
+        # Each try waited its delay (at least 0.16 s once grown): a server that refuses is not tried in a storm.
+        tries = len(full.request_ids) - 2
+        assert tries <= 4 + (time.monotonic() - refused_from) / 0.16, tries
 
 
 def test_every_try_of_a_reopening_sends_one_request_id():

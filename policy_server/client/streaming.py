@@ -7,7 +7,8 @@
 
 The server answers the newest observation and reports each dropped one as ``superseded``; a bad frame comes back as
 an ``error`` event and the stream continues. If the connection drops, the stream reports ``disconnected``,
-reconnects with exponential backoff (by default for about two minutes: a server's restart and warmup) and
+reconnects with exponential backoff (by default for about two minutes: a server's restart and warmup; a try comes
+as soon as the channel has reconnected rather than a whole delay later) and
 re-attaches to the session; if the server lost the session (it restarted, or behind Ray Serve its replica went
 away), it opens a new one with the same settings (the budget last granted, the instruction the server last acted
 on) and reports ``reconnected`` with ``session_replaced=True``, because the episode state (epoch) is new. A dropped
@@ -99,6 +100,7 @@ class ControlStream:
         self._call = None
         self._reader: threading.Thread | None = None
         self._closing = threading.Event()
+        self._wake = threading.Event()  # ends a pause between reconnection tries: the channel is back, or closing
         self._ended: PolicyServerError | None = None  # why the stream ended, once it has
         self._instruction = session.instruction  # the last one the server acted on: a reopened session gets it
         self._sent_instructions: dict[int, str] = {}  # obs_id -> the instruction it carries, until it is answered
@@ -227,7 +229,7 @@ class ControlStream:
         whose answer was lost (it timed out, the connection dropped) opened the session the next one gets."""
         request_id, lost = uuid.uuid4().hex, self._session.session_id
         for delay in self._backoff.delays():
-            if self._closing.wait(delay):
+            if self._pause(delay):
                 return error
             try:
                 self._attach(request_id)
@@ -247,6 +249,30 @@ class ControlStream:
             self._events.put(StreamEvent("reconnected", session=self._session, session_replaced=replaced))
             return None
         return error
+
+    def _pause(self, delay_s: float) -> bool:
+        """Wait ``delay_s`` before the next try, or less where the channel was not connected and connects again
+        meanwhile: True if the stream is closing. A try while the channel is down fails at once, and the channel
+        reconnects on its own backoff, not the stream's: after a link's outage the next try would come up to a
+        whole delay after the channel is back. A channel that stays connected (a server that refuses) or never
+        connects (one that stays down) waits every delay, so that they still grow."""
+        self._wake.clear()
+        if self._closing.is_set():
+            return True
+        seen: list[grpc.ChannelConnectivity] = []  # the first is the channel's state as the pause begins
+
+        def watch(state: grpc.ChannelConnectivity) -> None:
+            seen.append(state)
+            if state == grpc.ChannelConnectivity.READY and seen[0] != grpc.ChannelConnectivity.READY:
+                self._wake.set()
+
+        channel = self._client.channel
+        channel.subscribe(watch, try_to_connect=True)
+        try:
+            self._wake.wait(delay_s)
+        finally:
+            channel.unsubscribe(watch)
+        return self._closing.is_set()
 
     def _attach(self, request_id: str) -> None:
         """Connect to the session, or to a new one with its settings where the server lost it (opened with
@@ -317,6 +343,7 @@ class ControlStream:
     def close(self, wait_s: float = 5.0) -> None:
         """Half-close (the server answers what it already accepted), then wait for the end."""
         self._closing.set()
+        self._wake.set()
         with self._lock:
             self._ended = self._ended or _stream_closed()
             if self._requests is not None:
