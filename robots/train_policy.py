@@ -61,7 +61,8 @@ from robots.lerobot_dataset import LeRobotDemoDataset
 
 ACTION_LOSS_WEIGHT = 10.0  # Cosmos3 action_loss_weight
 PROMPT_DROPOUT = 0.1
-LIMIT_FIELDS = ("action_low", "action_high", "state_low", "state_high")  # what --limits may declare
+# What --limits may declare: physical limits and units (LeRobot's info.json has neither).
+LIMIT_FIELDS = ("action_low", "action_high", "state_low", "state_high", "action_units", "state_units")
 
 
 @dataclass
@@ -405,7 +406,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="its row of the action projections (default: its Cosmos3 one, else the first free)")
     parser.add_argument("--chunk-size", type=int, default=embedded.CHUNK_SIZE, help="actions a tick (8)")
     parser.add_argument("--limits", type=Path, default=None,
-                        help=f"JSON object of the embodiment's {', '.join(LIMIT_FIELDS)} (physical units)")
+                        help=f"JSON object of the embodiment's {', '.join(LIMIT_FIELDS)}")
     parser.add_argument("--steps", type=int, default=6000)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=3e-4)

@@ -175,7 +175,8 @@ def test_another_robot_trains_on_a_domain_row_of_its_own_and_is_served_as_traine
     from policy_server.config import build_config
 
     data, out = _arm_dataset(tmp_path / "arm"), tmp_path / "out"
-    (tmp_path / "limits.json").write_text(json.dumps({"action_low": [-1.0] * 5, "action_high": [1.0] * 5}))
+    (tmp_path / "limits.json").write_text(json.dumps({"action_low": [-1.0] * 5, "action_high": [1.0] * 5,
+                                                          "action_units": ["rad/s"] * 5}))
     main(["--data", str(data), "--out", str(out), "--name", "arm-policy", "--chunk-size", "4", "--steps", "2",
           "--batch-size", "2", "--limits", str(tmp_path / "limits.json")])
     summary = json.loads((out / "training.json").read_text())
@@ -187,6 +188,7 @@ def test_another_robot_trains_on_a_domain_row_of_its_own_and_is_served_as_traine
     assert (arm.domain_id, arm.raw_action_dim, arm.state_dim, arm.fps, arm.cameras) == (10, 5, 3, 15.0,
                                                                                         ("scene", "wrist"))
     assert arm.action_names == ("m0", "m1", "m2", "m3", "m4") and arm.action_high == (1.0,) * 5
+    assert arm.action_units == ("rad/s",) * 5
     assert (arm.default_chunk_size, arm.viewpoint) == (4, "concat_view")
     assert pipe.config.trained_domain_ids == (4, 10) and pipe.untrained_embodiments == []
     rng = np.random.default_rng(1)
