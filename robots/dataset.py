@@ -47,9 +47,9 @@ class Episode:
     states: np.ndarray
     actions: np.ndarray
     instruction: str
-    seed: int
-    target_color: str
-    success: bool
+    seed: int | None  # None (the three of them) for demonstrations not made by robots.datagen
+    target_color: str | None
+    success: bool | None
 
     def __post_init__(self) -> None:
         steps = len(self.actions)
@@ -127,6 +127,9 @@ class DemoDataset:
             )
         self.entries: list[dict] = self.metadata["episodes"]
         self.fps: float = self.metadata["fps"]  # the control rate the demonstrations were recorded at, Hz
+        self.cameras = ["image"]  # the Reach task's one camera
+        self.robot_type = None
+        self.state_names = self.action_names = None
 
     def __len__(self) -> int:
         return len(self.entries)

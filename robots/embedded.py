@@ -83,6 +83,7 @@ def embodiment_entry() -> dict:
         "state_units": ["m", "m"],
         "state_low": [0.0] * STATE_DIM,
         "state_high": [env.table_size] * STATE_DIM,
+        "cameras": ["image"],
         "viewpoint": "third_person_view",
         "fps": env.control_hz,
         "default_chunk_size": CHUNK_SIZE,
@@ -109,15 +110,18 @@ def write_pipeline_folder(
     tokenizer: TextTokenizer,
     stats: dict,
     config: PolicyConfig | None = None,
+    embodiment: dict | None = None,
 ) -> Path:
-    """Write a loadable pipeline folder (see the module docstring)."""
+    """Write a loadable pipeline folder (see the module docstring) serving `embodiment` (an embodiments.json entry;
+    default `embodiment_entry()`)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     save_transformer(transformer, directory / "transformer")
     vae.save_pretrained(directory / "vae")
     tokenizer.save(directory / "text_tokenizer")
     (directory / STATS_FILE).write_text(json.dumps(stats, indent=2) + "\n")
-    (directory / "embodiments.json").write_text(json.dumps({"embodiments": [embodiment_entry()]}, indent=2) + "\n")
+    served = {"embodiments": [embodiment or embodiment_entry()]}
+    (directory / "embodiments.json").write_text(json.dumps(served, indent=2) + "\n")
     (config or policy_config()).save(directory / "policy.json")
     write_model_index(directory)
     return directory

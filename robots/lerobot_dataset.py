@@ -11,14 +11,16 @@
     data/chunk-000/file-000.parquet              one row per frame, one row group per episode
     videos/observation.images.image/chunk-000/file-000.mp4   the frames, H.264 yuv444p, a keyframe per episode
 
-Per-frame columns: ``observation.state`` float32 [2] (effector xy, m), ``action`` float32 [2] (effector
-velocity, m/s), ``timestamp`` float32 (s in the episode), ``frame_index``, ``episode_index``, ``index``
-(over the dataset), ``task_index``; the camera frame ``observation.images.image`` [64, 64, 3] lies in the
-video at ``from_timestamp + timestamp``. LeRobot pairs every frame with an action, so an episode of T
-actions is T+1 rows: the last row, the final observation, has a zero action (the effector holds still),
-which reading drops again. As LeRobot's writer does, an episode starts the next data file once the current
-one holds 100 MB of rows, and the next video once it holds 200 MB (some 35 000 episodes of this task); 1000
-files make a chunk.
+Per-frame columns: ``observation.state`` float32 [2] (effector xy, m), ``action`` float32 [2] (effector velocity,
+m/s), ``timestamp`` float32 (s in the episode), ``frame_index``, ``episode_index``, ``index`` (over the dataset),
+``task_index``; the camera frame ``observation.images.image`` [64, 64, 3] lies in the video at ``from_timestamp +
+timestamp``. The reader takes a dataset recorded with LeRobot too: any state and action widths, every
+``observation.images.<camera>`` video feature (their frames put side by side, in the order info.json lists them, as
+the server's conditioning does), and no seed/target_color/success columns. LeRobot pairs every frame with an action,
+so an episode of T actions is T+1 rows: the last row, the final observation, has a zero action (the effector holds
+still), which reading drops again. As LeRobot's writer does, an episode starts the next data file once the current
+one holds 100 MB of rows, and the next video once it holds 200 MB (some 35 000 episodes of this task); 1000 files
+make a chunk.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from policy_server.pipeline.conditioning import side_by_side
 from robots.dataset import DatasetError, Episode
 from robots.video import H264Writer, read_frames
 
@@ -59,11 +62,13 @@ DATA_SCHEMA = pa.schema([
     ("index", pa.int64()),
     ("task_index", pa.int64()),
 ])
-# Columns of meta/episodes a reader needs: LeRobot's, then ours.
+CAMERA_PREFIX = "observation.images."  # LeRobot's camera features: observation.images.<camera>
+# Columns of meta/episodes a reader needs (LeRobot's own; each camera adds its videos/<key>/... four), and ours,
+# which datasets recorded elsewhere lack.
 EPISODE_COLUMNS = ("episode_index", "tasks", "length", "data/chunk_index", "data/file_index", "dataset_from_index",
-                   "dataset_to_index", f"videos/{IMAGE_KEY}/chunk_index", f"videos/{IMAGE_KEY}/file_index",
-                   f"videos/{IMAGE_KEY}/from_timestamp", f"videos/{IMAGE_KEY}/to_timestamp",
-                   "seed", "target_color", "success")
+                   "dataset_to_index")
+VIDEO_COLUMNS = ("chunk_index", "file_index", "from_timestamp", "to_timestamp")
+DATAGEN_COLUMNS = ("seed", "target_color", "success")
 
 
 def is_lerobot_dataset(directory: str | Path) -> bool:
@@ -261,30 +266,45 @@ class LeRobotDemoDataset:
         if missing:
             raise DatasetError(f"{info_path} lacks {missing}")
         features = self.info["features"]
-        for key, dtype, rank in ((IMAGE_KEY, "video", 3), (STATE_KEY, "float32", 1), (ACTION_KEY, "float32", 1)):
+        for key, dtype in ((STATE_KEY, "float32"), (ACTION_KEY, "float32")):
             found = features.get(key)
-            if found is None or found.get("dtype") != dtype or len(found.get("shape", ())) != rank:
+            if found is None or found.get("dtype") != dtype or len(found.get("shape", ())) != 1:
                 raise DatasetError(f"{info_path}: feature {key!r} is {found}; expected dtype {dtype!r} with a "
-                                   f"{rank}-d shape (features here: {sorted(features)})")
+                                   f"1-d shape (features here: {sorted(features)})")
+        # The cameras, in info.json's order: the order their frames are put side by side, and the served one.
+        self.camera_keys = [key for key in features if key.startswith(CAMERA_PREFIX)]
+        if not self.camera_keys:
+            raise DatasetError(f"{info_path}: no camera; expected a video feature {CAMERA_PREFIX}<camera> "
+                               f"(features here: {sorted(features)})")
+        if not_video := [key for key in self.camera_keys if features[key].get("dtype") != "video"]:
+            raise DatasetError(f"{info_path}: cameras {not_video} are not stored as videos (dtype "
+                               f"{features[not_video[0]].get('dtype')!r}); expected dtype 'video'")
+        self.cameras = [key.removeprefix(CAMERA_PREFIX) for key in self.camera_keys]
         self.fps = self.info["fps"]
+        self.robot_type = self.info.get("robot_type")
         self.dims = {key: features[key]["shape"][0] for key in (STATE_KEY, ACTION_KEY)}
+        # Channel names where info.json lists one per channel (LeRobot also nests them, {"motors": [...]}).
+        self.state_names, self.action_names = (_channel_names(features[key].get("names"), self.dims[key])
+                                               for key in (STATE_KEY, ACTION_KEY))
 
         episodes_dir = self.directory / "meta" / "episodes"
         files = sorted(episodes_dir.glob("chunk-*/file-*.parquet"))
         if not files:
             raise FileNotFoundError(f"{episodes_dir}/chunk-*/file-*.parquet not found; expected the episode index")
         table = pa.concat_tables([_read_table(path) for path in files])
-        missing = [column for column in EPISODE_COLUMNS if column not in table.column_names]
+        needed = [*EPISODE_COLUMNS, *(f"videos/{key}/{c}" for key in self.camera_keys for c in VIDEO_COLUMNS)]
+        missing = [column for column in needed if column not in table.column_names]
         if missing:
-            raise DatasetError(f"{episodes_dir} lacks the columns {missing}; expected a dataset written by "
-                               "`python -m robots.datagen --format lerobot`")
-        self.episodes = table.select(EPISODE_COLUMNS).to_pylist()
+            raise DatasetError(f"{episodes_dir} lacks the columns {missing}; expected LeRobot v3's episode index")
+        ours = [column for column in DATAGEN_COLUMNS if column in table.column_names]
+        self.episodes = table.select([*needed, *ours]).to_pylist()
         numbers = [row["episode_index"] for row in self.episodes]
         if numbers != list(range(self.info["total_episodes"])):
             raise DatasetError(f"{episodes_dir} numbers its {len(numbers)} episodes {numbers[:5]}...; expected 0 to "
                                f"{self.info['total_episodes'] - 1} in order (total_episodes in info.json)")
-        self.entries = [{"seed": row["seed"], "instruction": row["tasks"][0], "target_color": row["target_color"],
-                         "num_steps": row["length"] - 1, "success": row["success"]} for row in self.episodes]
+        self.entries = [{"seed": row.get("seed"), "instruction": row["tasks"][0],
+                         "target_color": row.get("target_color"), "num_steps": row["length"] - 1,
+                         "success": row.get("success")} for row in self.episodes]
         self._tables: dict[Path, pa.Table] = {}  # data files read so far
 
     def __len__(self) -> int:
@@ -319,26 +339,38 @@ class LeRobotDemoDataset:
     def __getitem__(self, index: int) -> Episode:
         row = self.episodes[index]
         rows = self._rows(index, row)
-        video = self._file(self.info["video_path"], index, "frames", video_key=IMAGE_KEY,
-                           chunk_index=row[f"videos/{IMAGE_KEY}/chunk_index"],
-                           file_index=row[f"videos/{IMAGE_KEY}/file_index"])
-        try:
-            frames = read_frames(video, row[f"videos/{IMAGE_KEY}/from_timestamp"], row["length"], self.fps)
-        except ValueError as short:
-            raise DatasetError(f"episode {index}: {short} (its length in meta/episodes)") from None
+        cameras = [self._camera_frames(index, row, key) for key in self.camera_keys]
+        if len({frames.shape[0] for frames in cameras}) > 1:
+            raise DatasetError(f"episode {index}: its cameras {self.cameras} decode to "
+                               f"{[len(f) for f in cameras]} frames; expected {row['length']} each")
         return Episode(
-            frames=frames,
+            frames=side_by_side(cameras),
             states=self._vectors(rows, STATE_KEY),
             actions=self._vectors(rows, ACTION_KEY)[:-1],  # the final observation's hold action
             instruction=row["tasks"][0],
-            seed=row["seed"],
-            target_color=row["target_color"],
-            success=row["success"],
+            seed=row.get("seed"),
+            target_color=row.get("target_color"),
+            success=row.get("success"),
         )
+
+    def _camera_frames(self, index: int, row: dict, key: str) -> np.ndarray:
+        """Episode ``index``'s frames of camera feature ``key``: uint8 [length, H, W, 3]."""
+        video = self._file(self.info["video_path"], index, f"frames of {key}", video_key=key,
+                           chunk_index=row[f"videos/{key}/chunk_index"], file_index=row[f"videos/{key}/file_index"])
+        try:
+            return read_frames(video, row[f"videos/{key}/from_timestamp"], row["length"], self.fps)
+        except ValueError as short:
+            raise DatasetError(f"episode {index}: {short} (its length in meta/episodes)") from None
 
     def __iter__(self):
         for index in range(len(self)):
             yield self[index]
+
+
+def _channel_names(names: object, dim: int) -> list[str] | None:
+    """``names`` if it is a list of ``dim`` non-empty strings, else None."""
+    ok = isinstance(names, list) and len(names) == dim and all(isinstance(n, str) and n for n in names)
+    return names if ok else None
 
 
 def _read_table(path: Path) -> pa.Table:

@@ -2,6 +2,13 @@
 
     python -m robots.train_policy --data runs/data/reach-400 --vae runs/vae --out runs/policy --steps 6000
     python -m robots.train_policy --data runs/data/reach-1500 runs/data/either-4000 --init runs/policy --out ...
+    python -m robots.train_policy --data my_arm_lerobot --embodiment my_arm --out runs/my-arm --steps 2000
+
+It fine-tunes the shipped embedded weights unless `--init` names other ones or `--from-scratch` is given. It
+trains one embodiment, which the folder written serves: the embedded `pusht` (the Reach task's demonstrations,
+`robots.datagen`'s), or a robot of another layout (a LeRobot v3 dataset: any cameras, their frames put side by
+side onto the model's canvas as the server's conditioning does; state and action widths up to the transformer's
+action_dim; its own fps; `--chunk-size` actions a tick) on a domain row of its own.
 
 Each training sample is one control tick of a demonstration: the frame at step t (clean latent
 frame 0), the next K frames (noisy future latents), the K expert actions from t (noisy action rows)
@@ -26,24 +33,36 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from pydantic import ValidationError
 from tqdm import tqdm
 
+from policy_server.json_file import read_json
 from policy_server.model import Cosmos3OmniTransformer, load_transformer
 from policy_server.model.boundary import GenInput, UndKV
 from policy_server.model.checkpoint import CheckpointError
 from policy_server.model.config import ConfigError
 from policy_server.model.text_tokenizer import TextTokenizer
 from policy_server.model.vae import SmallVideoVAE
-from policy_server.pipeline.conditioning import frames_to_clip
+from policy_server.pipeline.conditioning import crop_latent_padding, prepare_clip
+from policy_server.pipeline.embodiments import (
+    NO_ACTION_DOMAIN_ID,
+    NUM_EMBODIMENT_DOMAINS,
+    Embodiment,
+    EmbodimentConfigError,
+    cosmos3_embodiments,
+)
 from policy_server.pipeline.normalization import make_normalizer, parse_stats
 from policy_server.pipeline.packing import ActionLayout, pack_request
 from policy_server.pipeline.policy import default_model_path, policy_prompt_pair
+from policy_server.pipeline.policy_config import PolicyConfig, PolicyConfigError
 from robots import embedded
 from robots.dataset import DatasetError, DemoDataset, Episode, array_stats, open_dataset
 from robots.lerobot_dataset import LeRobotDemoDataset
 
 ACTION_LOSS_WEIGHT = 10.0  # Cosmos3 action_loss_weight
 PROMPT_DROPOUT = 0.1
+# What --limits may declare: physical limits and units (LeRobot's info.json has neither).
+LIMIT_FIELDS = ("action_low", "action_high", "state_low", "state_high", "action_units", "state_units")
 
 
 @dataclass
@@ -55,11 +74,13 @@ class TrainingWindows:
     states: torch.Tensor  # [N, A] normalised state row, zero-padded
     prompt_index: torch.Tensor  # [N] index into the instruction list
     instructions: list[str]
+    canvas_hw: tuple[int, int]  # the canvas the frames went on (the prompt names it)
 
 
 def collect_windows(episodes: list[Episode], vae: SmallVideoVAE, chunk: int, action_dim: int, stats: dict,
-                    stride: int, batch: int = 64) -> TrainingWindows:
-    """Cut every episode into ticks (every `stride` steps) and VAE-encode their K+1-frame clips."""
+                    stride: int, policy: PolicyConfig, batch: int = 64) -> TrainingWindows:
+    """Cut every episode into ticks (every `stride` steps) and VAE-encode their K+1-frame clips, put on the canvas
+    and cropped to their content as the server's conditioning does (`prepare_clip`, `crop_latent_padding`)."""
     parsed = parse_stats(stats)
     action_norm = make_normalizer("minmax", parsed["action"], parsed["action"].dim)
     state_norm = make_normalizer("minmax", parsed["state"], parsed["state"].dim)
@@ -83,39 +104,109 @@ def collect_windows(episodes: list[Episode], vae: SmallVideoVAE, chunk: int, act
             state[: episode.states.shape[1]] = state_norm.normalize(episode.states[t].astype(np.float64))
             states.append(state)
             prompts.append(instructions.index(episode.instruction))
-    latents = []
+    latents, m = [], vae.spatial_compression
     with torch.inference_mode():
         for start in tqdm(range(0, len(clips), batch), desc="vae encode", unit="batch"):
-            video = torch.cat([frames_to_clip(c) for c in clips[start: start + batch]])
-            latents.append(vae.encode(video))
+            # Every frame has one size (check_fits_embodiment), so every clip one placement.
+            placed = [prepare_clip(clip, chunk + 1, policy.canvases, m, policy.pad_mode)
+                      for clip in clips[start: start + batch]]
+            placement = placed[0][1]
+            latents.append(crop_latent_padding(vae.encode(torch.cat([clip for clip, _ in placed])), placement, m))
     return TrainingWindows(
         latents=torch.cat(latents).float(),
         actions=torch.from_numpy(np.stack(actions)),
         states=torch.from_numpy(np.stack(states)),
         prompt_index=torch.tensor(prompts),
         instructions=instructions,
+        canvas_hw=placement.canvas_hw,
     )
 
 
-def check_fits_embodiment(data_dir: Path, dataset: DemoDataset | LeRobotDemoDataset, entry: dict,
-                          canvas_hw: tuple[int, int]) -> list[Episode]:
-    """The dataset's episodes if they have the layout of the embodiment trained here, `entry` (the embedded
-    `pusht`: 2-D actions and state, one camera of the canvas's size, its rate); DatasetError otherwise, before
-    minutes of encoding. Another robot's demonstrations would train only the first channels and write a folder whose
-    stats no server loads; another rate would be captioned and served as the embodiment's."""
+def trained_embodiment(datasets: list[DemoDataset | LeRobotDemoDataset], first: Episode, name: str | None,
+                       domain_id: int | None, chunk: int, action_dim: int, trained_domains: set[int],
+                       limits: dict | None) -> dict:
+    """The embodiments.json entry of the embodiment trained here, which the folder written serves.
+
+    `name` None: the first dataset's LeRobot robot_type, else the embedded `pusht`. `pusht` keeps the embedded
+    entry (its layout is then required, `check_fits_embodiment`); another name gets the first dataset's layout
+    (`first`: its first episode), its fps and cameras, and a domain row: `domain_id`, else its Cosmos3 one, else
+    the first free one (no Cosmos3 embodiment's, none `trained_domains` holds). `limits`: `LIMIT_FIELDS`."""
+    name = name or datasets[0].robot_type or embedded.EMBODIMENT
+    if name == embedded.EMBODIMENT:
+        entry = embedded.embodiment_entry()
+        if domain_id is not None and domain_id != entry["domain_id"]:
+            raise EmbodimentConfigError(f"--domain-id {domain_id}: the embedded {name} is domain "
+                                        f"{entry['domain_id']}; name another embodiment (--embodiment) to train "
+                                        "on another row")
+    else:
+        widths = {"action": first.actions.shape[1], "state": first.states.shape[1]}
+        if too_wide := {kind: width for kind, width in widths.items() if width > action_dim}:
+            raise DatasetError(f"{datasets[0].directory}: {too_wide} channels; the model's action rows hold "
+                               f"action_dim={action_dim} (one row carries the action or the state): a wider "
+                               "robot needs a model of a wider action_dim")
+        cosmos3 = {e.name: e.domain_id for e in cosmos3_embodiments()}
+        if domain_id is None:
+            taken = {NO_ACTION_DOMAIN_ID, *cosmos3.values(), *trained_domains}
+            domain_id = cosmos3.get(name, min(set(range(NUM_EMBODIMENT_DOMAINS)) - taken))
+        first_set = datasets[0]
+        entry = {
+            "name": name, "domain_id": domain_id, "raw_action_dim": widths["action"],
+            "action_names": first_set.action_names or [], "state_dim": widths["state"],
+            "state_names": first_set.state_names or [], "cameras": list(first_set.cameras),
+            # The caption's framing sentence: Cosmos3's for several cameras side by side.
+            "viewpoint": "concat_view" if len(first_set.cameras) > 1 else "third_person_view",
+            "fps": float(first_set.fps),
+            "normalization": {"method": "minmax", "stats_path": embedded.STATS_FILE},
+            "description": f"trained by robots.train_policy on {', '.join(str(d.directory) for d in datasets)}",
+        }
+    entry.update(default_chunk_size=chunk, max_chunk_size=2 * chunk)
+    if limits is not None:
+        if unknown := sorted(set(limits) - set(LIMIT_FIELDS)):
+            raise EmbodimentConfigError(f"--limits: {unknown} are not limits; expected some of {list(LIMIT_FIELDS)}")
+        entry.update(limits)
+    try:
+        Embodiment.model_validate(entry)
+    except ValidationError as error:
+        problems = "; ".join(".".join(map(str, e["loc"])) + (": " if e["loc"] else "") + e["msg"]
+                             for e in error.errors())
+        raise EmbodimentConfigError(f"embodiment {name!r}: {problems}") from None
+    return entry
+
+
+def check_fits_embodiment(dataset: DemoDataset | LeRobotDemoDataset, episodes: list[Episode], entry: dict,
+                          frame_hw: tuple[int, int]) -> None:
+    """DatasetError unless every episode has the layout of the embodiment trained here, `entry`: its action and
+    state widths, cameras and rate, and frames (side by side) of `frame_hw` (the embedded `pusht`'s canvas, or
+    the first episode's), before minutes of encoding. Another layout would train only the first channels and
+    write a folder whose stats no server loads; another rate would be captioned and served as the embodiment's."""
     trains = f"the embodiment it trains ({entry['name']})"
+    pusht = entry["name"] == embedded.EMBODIMENT
+    hint = "; name another embodiment (--embodiment) to train one of this layout" if pusht else ""
+    where = dataset.directory
     if dataset.fps != entry["fps"]:
-        raise DatasetError(f"{data_dir}: recorded at {dataset.fps} fps; expected {entry['fps']}, the fps of {trains}")
-    episodes = list(dataset)
+        raise DatasetError(f"{where}: recorded at {dataset.fps} fps; expected {entry['fps']}, the fps of {trains}"
+                           + hint)
+    if list(dataset.cameras) != list(entry["cameras"]):
+        raise DatasetError(f"{where}: cameras {list(dataset.cameras)}; expected {list(entry['cameras'])}, the "
+                           f"cameras of {trains}" + hint)
     for index, episode in enumerate(episodes):
-        where = f"{data_dir}: episode {index} has"
+        has = f"{where}: episode {index} has"
         for name, field in (("actions", "raw_action_dim"), ("states", "state_dim")):
             if (width := getattr(episode, name).shape[1]) != entry[field]:
-                raise DatasetError(f"{where} {name} of width {width}; expected {entry[field]}, the {field} of {trains}")
-        if (size := tuple(episode.frames.shape[1:3])) != tuple(canvas_hw):
-            raise DatasetError(f"{where} frames of {size[0]}x{size[1]} px; expected {canvas_hw[0]}x{canvas_hw[1]}, "
-                               f"the canvas of {trains}")
-    return episodes
+                raise DatasetError(f"{has} {name} of width {width}; expected {entry[field]}, the {field} of {trains}"
+                                   + hint)
+        if (size := tuple(episode.frames.shape[1:3])) != tuple(frame_hw):
+            noun = "the canvas of" if pusht else "the size of the first episode's of"
+            raise DatasetError(f"{has} frames of {size[0]}x{size[1]} px (its cameras side by side); expected "
+                               f"{frame_hw[0]}x{frame_hw[1]}, {noun} {trains}" + hint)
+
+
+def init_domains(init_from: Path | None) -> set[int]:
+    """The domain rows the weights in `init_from` were trained on, as its policy.json records them (none known
+    for a folder without one, or for training from scratch)."""
+    if init_from is None or not (Path(init_from) / "policy.json").is_file():
+        return set()
+    return set(PolicyConfig.load(Path(init_from) / "policy.json").trained_domain_ids or ())
 
 
 def init_for_training(model: Cosmos3OmniTransformer) -> None:
@@ -149,35 +240,47 @@ def train(
     log_every: int = 100,
     save_every: int | None = None,
     init_from: Path | None = None,
+    embodiment: str | None = None,
+    domain_id: int | None = None,
+    chunk: int = embedded.CHUNK_SIZE,
+    name: str | None = None,
+    limits: dict | None = None,
 ) -> dict:
     """Train (from scratch, or from the transformer in `init_from`) and write a complete pipeline folder to
-    `out_dir` (also every `save_every` steps, with the EMA weights so far). Returns a summary."""
+    `out_dir` (also every `save_every` steps, with the EMA weights so far), served as the model `name` (default
+    the folder's name). `embodiment`, `domain_id`, `limits`: `trained_embodiment`; `chunk`: actions a tick.
+    Returns a summary."""
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
     vae = SmallVideoVAE.from_pretrained(vae_dir).eval()
     tokenizer = TextTokenizer.from_dir(default_model_path() / "text_tokenizer")
-    policy = embedded.policy_config()
-    config = embedded.transformer_config()
-    chunk = embedded.CHUNK_SIZE
-    entry = embedded.embodiment_entry()
-    episodes = []
-    for data_dir in data_dirs:
-        episodes += check_fits_embodiment(data_dir, open_dataset(data_dir), entry, policy.canvas_hw)
+    if init_from is None:
+        model = Cosmos3OmniTransformer(embedded.transformer_config()).train()
+        init_for_training(model)
+    else:  # before the minutes of VAE encoding, so that a bad --init fails at once
+        model = load_transformer(init_from).float().train()
+    config = model.config
+    datasets = [open_dataset(data_dir) for data_dir in data_dirs]
+    by_dataset = [list(dataset) for dataset in datasets]
+    entry = trained_embodiment(datasets, by_dataset[0][0], embodiment, domain_id, chunk, config.action_dim,
+                               init_domains(init_from), limits)
+    policy = embedded.policy_config().model_copy(update={
+        "name": name or Path(out_dir).resolve().name,
+        "trained_domain_ids": tuple(sorted(init_domains(init_from) | {entry["domain_id"]}))})
+    frame_hw = policy.canvas_hw if entry["name"] == embedded.EMBODIMENT else by_dataset[0][0].frames.shape[1:3]
+    for dataset, episodes in zip(datasets, by_dataset, strict=True):
+        check_fits_embodiment(dataset, episodes, entry, frame_hw)
+    episodes = [episode for episodes in by_dataset for episode in episodes]
     stats = {
         "action": array_stats(np.concatenate([e.actions for e in episodes])),
         "state": array_stats(np.concatenate([e.states for e in episodes])),
     }
-    if init_from is None:
-        model = Cosmos3OmniTransformer(config).train()
-        init_for_training(model)
-    else:  # before the minutes of VAE encoding, so that a bad --init fails at once
-        model = load_transformer(init_from).float().train()
-    windows = collect_windows(episodes, vae, chunk, config.action_dim, stats, stride)
+    windows = collect_windows(episodes, vae, chunk, config.action_dim, stats, stride, policy)
     n = windows.latents.shape[0]
 
     prompt_ids = []
     for instruction in windows.instructions:
-        pair = policy_prompt_pair(policy, instruction, entry["viewpoint"], entry["fps"], chunk, policy.canvas_hw)
+        pair = policy_prompt_pair(policy, instruction, entry["viewpoint"], entry["fps"], chunk, windows.canvas_hw)
         prompt_ids.append(tokenizer.encode(pair.cond, system_prompt=pair.system_prompt))
     negative_ids = tokenizer.encode(pair.uncond, system_prompt=pair.system_prompt)
 
@@ -192,7 +295,7 @@ def train(
 
     raw_dim = entry["raw_action_dim"]
     latent_shape = tuple(windows.latents.shape[1:])
-    layout = ActionLayout(chunk_size=chunk, num_prefix=1, clean_rows=(0,), domain_id=embedded.DOMAIN_ID)
+    layout = ActionLayout(chunk_size=chunk, num_prefix=1, clean_rows=(0,), domain_id=entry["domain_id"])
     packs, layouts = {}, {}
 
     def packed(ids: tuple[int, ...]):
@@ -267,10 +370,13 @@ def train(
                                  action_mse=f"{np.mean(action_losses[-log_every:]):.4f}")
         if save_every and (step + 1) % save_every == 0 and step + 1 < steps:
             # A servable folder part-way through: evaluate it while training goes on, or keep it if stopped.
-            embedded.write_pipeline_folder(out_dir, ema, vae, tokenizer, stats, policy)
+            embedded.write_pipeline_folder(out_dir, ema, vae, tokenizer, stats, policy, entry)
 
-    embedded.write_pipeline_folder(out_dir, ema, vae, tokenizer, stats, policy)
+    embedded.write_pipeline_folder(out_dir, ema, vae, tokenizer, stats, policy, entry)
     summary = {
+        "name": policy.name,
+        "embodiment": entry["name"],
+        "domain_id": entry["domain_id"],
         "steps": steps,
         "batch_size": batch_size,
         "windows": n,
@@ -289,9 +395,18 @@ def train(
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", type=Path, nargs="+", required=True,
-                        help="dataset folders from robots.datagen (their episodes are pooled)")
+                        help="dataset folders, robots.datagen's or LeRobot v3 ones (their episodes are pooled)")
     parser.add_argument("--vae", type=Path, default=default_model_path() / "vae")
     parser.add_argument("--out", type=Path, required=True, help="pipeline folder to write")
+    parser.add_argument("--name", default=None, help="the model name the server reports (default: --out's name)")
+    parser.add_argument("--embodiment", default=None,
+                        help="the embodiment to train and serve (default: the LeRobot dataset's robot_type, else "
+                             f"the embedded {embedded.EMBODIMENT}); another name takes the dataset's layout")
+    parser.add_argument("--domain-id", type=int, default=None,
+                        help="its row of the action projections (default: its Cosmos3 one, else the first free)")
+    parser.add_argument("--chunk-size", type=int, default=embedded.CHUNK_SIZE, help="actions a tick (8)")
+    parser.add_argument("--limits", type=Path, default=None,
+                        help=f"JSON object of the embodiment's {', '.join(LIMIT_FIELDS)}")
     parser.add_argument("--steps", type=int, default=6000)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=3e-4)
@@ -300,20 +415,34 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--save-every", type=int, default=None,
                         help="also write the folder every N steps (EMA weights so far)")
-    parser.add_argument("--init", type=Path, default=None,
-                        help="start from this pipeline folder's transformer instead of from scratch")
+    start = parser.add_mutually_exclusive_group()
+    start.add_argument("--init", type=Path, default=default_model_path(),
+                       help="start from this pipeline folder's transformer (default: the shipped embedded one)")
+    start.add_argument("--from-scratch", action="store_true", help="start from freshly initialised weights")
     args = parser.parse_args(argv)
     for flag, value in (("--steps", args.steps), ("--batch-size", args.batch_size), ("--stride", args.stride),
-                        ("--threads", args.threads), ("--save-every", args.save_every)):
+                        ("--threads", args.threads), ("--save-every", args.save_every),
+                        ("--chunk-size", args.chunk_size)):
         if value is not None and value < 1:
             parser.error(f"{flag} {value}: expected a positive integer")
     if not args.lr > 0:
         parser.error(f"--lr {args.lr}: expected a positive learning rate")
+    if args.domain_id is not None and not NO_ACTION_DOMAIN_ID < args.domain_id < NUM_EMBODIMENT_DOMAINS:
+        parser.error(f"--domain-id {args.domain_id}: expected 1 to {NUM_EMBODIMENT_DOMAINS - 1} (0 is Cosmos3's "
+                     "no-action domain)")
+    if args.name is not None and not args.name.strip():
+        parser.error("--name is empty; expected the model name the server reports")
     torch.set_num_threads(args.threads)
     try:
+        limits = None if args.limits is None else read_json(args.limits, EmbodimentConfigError)
+        if limits is not None and not isinstance(limits, dict):
+            raise EmbodimentConfigError(f"--limits {args.limits}: expected a JSON object")
         summary = train(args.data, args.vae, args.out, args.steps, args.batch_size, args.lr, args.seed,
-                        args.stride, save_every=args.save_every, init_from=args.init)
-    except (OSError, DatasetError, CheckpointError, ConfigError) as error:  # --data, --vae, --init or --out
+                        args.stride, save_every=args.save_every,
+                        init_from=None if args.from_scratch else args.init, embodiment=args.embodiment,
+                        domain_id=args.domain_id, chunk=args.chunk_size, name=args.name, limits=limits)
+    # --data, --vae, --init, --limits or --out
+    except (OSError, DatasetError, CheckpointError, ConfigError, EmbodimentConfigError, PolicyConfigError) as error:
         parser.error(str(error))
     print(json.dumps(summary, indent=2))
 

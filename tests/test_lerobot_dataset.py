@@ -158,7 +158,7 @@ def test_training_reads_the_same_episodes_and_windows_from_both(datasets):
         stats = {"action": array_stats(np.concatenate([e.actions for e in episodes])),
                  "state": array_stats(np.concatenate([e.states for e in episodes]))}
         windows.append(collect_windows(episodes, vae, embedded.CHUNK_SIZE, embedded.transformer_config().action_dim,
-                                       stats, stride=3))
+                                       stats, stride=3, policy=embedded.policy_config()))
     a, b = windows
     assert a.instructions == b.instructions and a.prompt_index.tolist() == b.prompt_index.tolist()
     assert a.actions.equal(b.actions) and a.states.equal(b.states)

@@ -98,7 +98,8 @@ def _widen(tensors: dict, name: str) -> dict:
 @pytest.mark.parametrize(("name", "named"), [
     ("actions", "actions of width 7; expected 2, the raw_action_dim of the embodiment it trains (pusht)"),
     ("states", "states of width 7; expected 2, the state_dim of the embodiment it trains (pusht)"),
-    ("frames", "frames of 96x96 px; expected 64x64, the canvas of the embodiment it trains (pusht)"),
+    ("frames", "frames of 96x96 px (its cameras side by side); expected 64x64, the canvas of the embodiment it trains "
+               "(pusht)"),
 ])
 def test_cli_refuses_a_dataset_of_another_layout_before_encoding(tmp_path, capsys, name, named):
     """A 7-D arm's demonstrations trained 2 of their 7 action channels and wrote a pusht folder that no server
@@ -124,5 +125,111 @@ def test_cli_refuses_demonstrations_recorded_at_another_rate(tmp_path, capsys):
         main(["--data", str(tmp_path / "demos"), "--out", str(tmp_path / "out"), "--steps", "1"])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "vae encode" not in err
-    assert err.splitlines()[-1].endswith(f"{tmp_path / 'demos'}: recorded at 15 fps; expected 10.0, the fps of the "
-                                         "embodiment it trains (pusht)")
+    assert f"{tmp_path / 'demos'}: recorded at 15 fps; expected 10.0, the fps of the embodiment it trains (pusht); " \
+        "name another embodiment (--embodiment) to train one of this layout" in err.splitlines()[-1]
+
+
+def _arm_dataset(folder, state_dim=3, action_dim=5, fps=15):
+    """A tiny LeRobot v3 dataset as LeRobot records another robot: two cameras of unequal size (scene 32x32, wrist
+    16x24), `state_dim`-D state, `action_dim`-D action, `fps`; none of robots.datagen's own columns."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from robots.video import H264Writer
+
+    cameras = {"observation.images.scene": (32, 32), "observation.images.wrist": (16, 24)}
+    rng, episodes, rows, length = np.random.default_rng(0), [], [], 5
+    for key, (h, w) in cameras.items():
+        (folder / f"videos/{key}/chunk-000").mkdir(parents=True)
+        with H264Writer(folder / f"videos/{key}/chunk-000/file-000.mp4", fps, h, w, "yuv444p", 0) as video:
+            for i in range(2 * length):
+                video.write(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), keyframe=i % length == 0)
+    for e in range(2):
+        rows += [{"observation.state": rng.uniform(-3, 3, state_dim).tolist(),
+                  "action": rng.uniform(-1, 1, action_dim).tolist(), "timestamp": i / fps, "frame_index": i,
+                  "episode_index": e, "index": e * length + i, "task_index": 0} for i in range(length)]
+        episodes.append({"episode_index": e, "tasks": ["stack the cups"], "length": length, "data/chunk_index": 0,
+                         "data/file_index": 0, "dataset_from_index": e * length, "dataset_to_index": (e + 1) * length,
+                         **{f"videos/{key}/{field}": value for key in cameras for field, value in (
+                             ("chunk_index", 0), ("file_index", 0), ("from_timestamp", e * length / fps),
+                             ("to_timestamp", (e + 1) * length / fps))}})
+    for path, table in (("data/chunk-000/file-000.parquet", rows), ("meta/episodes/chunk-000/file-000.parquet",
+                                                                     episodes)):
+        (folder / path).parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.Table.from_pylist(table), folder / path)
+    features = {key: {"dtype": "video", "shape": [h, w, 3], "names": None} for key, (h, w) in cameras.items()}
+    features["observation.state"] = {"dtype": "float32", "shape": [state_dim], "names": None}
+    features["action"] = {"dtype": "float32", "shape": [action_dim], "names": [f"m{i}" for i in range(action_dim)]}
+    (folder / "meta/info.json").write_text(json.dumps({
+        "codebase_version": "v3.0", "robot_type": "tiny_arm", "fps": fps, "total_episodes": 2, "features": features,
+        "data_path": "data/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet",
+        "video_path": "videos/{video_key}/chunk-{chunk_index:03d}/file-{file_index:03d}.mp4"}))
+    return folder
+
+
+def test_another_robot_trains_on_a_domain_row_of_its_own_and_is_served_as_trained(tmp_path, caplog):
+    """A LeRobot dataset of two cameras, 3-D state and 5-D action at 15 Hz: trained from the shipped weights (the
+    default), the folder serves exactly that embodiment under the model name given, on domain row 10 (the first
+    no Cosmos3 embodiment uses), which training moved; the shipped pusht row it left (weight decay aside)."""
+    import policy_server.engine
+    from policy_server.config import build_config
+
+    data, out = _arm_dataset(tmp_path / "arm"), tmp_path / "out"
+    (tmp_path / "limits.json").write_text(json.dumps({"action_low": [-1.0] * 5, "action_high": [1.0] * 5,
+                                                          "action_units": ["rad/s"] * 5}))
+    main(["--data", str(data), "--out", str(out), "--name", "arm-policy", "--chunk-size", "4", "--steps", "2",
+          "--batch-size", "2", "--limits", str(tmp_path / "limits.json")])
+    summary = json.loads((out / "training.json").read_text())
+    assert (summary["name"], summary["embodiment"], summary["domain_id"]) == ("arm-policy", "tiny_arm", 10)
+
+    pipe = PolicyPipeline.from_pretrained(out)
+    arm = pipe.embodiments.get("tiny_arm")
+    assert pipe.served_embodiments == ["tiny_arm"] and pipe.config.name == "arm-policy"
+    assert (arm.domain_id, arm.raw_action_dim, arm.state_dim, arm.fps, arm.cameras) == (10, 5, 3, 15.0,
+                                                                                        ("scene", "wrist"))
+    assert arm.action_names == ("m0", "m1", "m2", "m3", "m4") and arm.action_high == (1.0,) * 5
+    assert arm.action_units == ("rad/s",) * 5
+    assert (arm.default_chunk_size, arm.viewpoint) == (4, "concat_view")
+    assert pipe.config.trained_domain_ids == (4, 10) and pipe.untrained_embodiments == []
+    rng = np.random.default_rng(1)
+    result = pipe(PolicyRequest(images={"scene": rng.integers(0, 256, (32, 32, 3), dtype=np.uint8),
+                                        "wrist": rng.integers(0, 256, (16, 24, 3), dtype=np.uint8)},
+                                instruction="stack the cups", embodiment="tiny_arm",
+                                state=np.zeros(3, np.float32), num_steps=2))
+    assert result.actions.shape == (4, 5) and np.all(np.isfinite(result.actions))
+    shipped, trained = (load_transformer(f).action_proj_in.fc.weight for f in (default_model_path(), out))
+    moved = (trained - shipped).abs().amax(1)
+    assert moved[10] > 10 * moved[4] > 0
+
+    # The same weights claiming only pusht's row: the server warns at start, naming the embodiment.
+    policy = json.loads((out / "policy.json").read_text())
+    (out / "policy.json").write_text(json.dumps({**policy, "trained_domain_ids": [4]}))
+    with caplog.at_level("WARNING", logger="policy_server.engine"):
+        engine = policy_server.engine.build_engine(build_config(overrides={
+            "checkpoint": str(out), "device": "cpu", "quality_profile": "off", "compile_gen_stack": False}))
+    engine.close()
+    assert "embodiment 'tiny_arm' is served on domain row 10, which these weights were never trained on " \
+        "(policy.json: trained_domain_ids [4])" in caplog.text
+
+
+@pytest.mark.parametrize(("argv", "named"), [
+    (["--data", "{arm17}"], "{'action': 17} channels; the model's action rows hold action_dim=16 (one row carries "
+                            "the action or the state): a wider robot needs a model of a wider action_dim"),
+    (["--data", "{arm}", "{arm17}"], "episode 0 has actions of width 17; expected 5, the raw_action_dim of the "
+                                     "embodiment it trains (tiny_arm)"),
+    (["--data", "{arm}", "--domain-id", "0"], "--domain-id 0: expected 1 to 31 (0 is Cosmos3's no-action domain)"),
+    (["--data", "{arm}", "--limits", "{limits}"], "embodiment 'tiny_arm': Value error, action_low has 7 entries; "
+                                                   "expected raw_action_dim=5"),
+])
+def test_cli_refuses_what_the_model_cannot_train_before_encoding(tmp_path, capsys, argv, named):
+    """Beyond the model's action_dim, datasets of two layouts pooled, the no-action row, limits of the wrong width."""
+    (tmp_path / "limits.json").write_text(json.dumps({"action_low": [-1.0] * 7, "action_high": [1.0] * 7}))
+    paths = {"arm": _arm_dataset(tmp_path / "arm"), "limits": tmp_path / "limits.json"}
+    if "{arm17}" in argv:
+        paths["arm17"] = _arm_dataset(tmp_path / "arm17", action_dim=17)
+    argv = [arg.format(**paths) for arg in argv]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--out", str(tmp_path / "out"), "--steps", "1"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and named in err.splitlines()[-1]
+    assert "vae encode" not in err and not (tmp_path / "out").exists()

@@ -36,6 +36,9 @@ class PolicyConfig(BaseModel):
         [sigma_min, sigma_max] mapped to flow sigmas, unshifted); final_sigma: "zero" or "sigma_min".
     guidance_interval: CFG applies only while lo < timestep < hi (timestep = sigma * 1000); None = always.
     embodiments_file: JSON file (relative to the folder) declaring the served embodiments.
+    trained_domain_ids: the action domains (rows of the transformer's domain-aware action projections) the weights
+        were trained on, as `robots.train_policy` records them; None: not recorded. An embodiment served on
+        another row gets random projections: the server warns at start (`PolicyPipeline.untrained_embodiments`).
     Numbers are strict: a string is refused, not converted (nor a float where an integer is expected).
     """
 
@@ -57,6 +60,7 @@ class PolicyConfig(BaseModel):
     pad_mode: Literal["reflect", "replicate"] = "reflect"
     use_system_prompt: bool = True
     embodiments_file: str = "embodiments.json"
+    trained_domain_ids: tuple[StrictInt, ...] | None = None
 
     @field_validator("sampler")
     @classmethod
