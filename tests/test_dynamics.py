@@ -16,11 +16,11 @@ from worker_hold import hold_worker
 
 from policy_server.client import ControlStream, PolicyClient, PolicyServerError, build_observation
 from policy_server.config import build_config
-from policy_server.engine import api
+from policy_server.engine import api, dynamics
 from policy_server.engine.engine import EngineSettings, ModelEngine
 from policy_server.engine.served import GRID_SAMPLES
 from policy_server.limits import MAX_DYNAMICS_MS, MAX_FRAME_SIDE, MAX_STARTING_STREAMS
-from policy_server.pipeline.conditioning import resize
+from policy_server.pipeline.conditioning import resize, side_by_side
 from policy_server.pipeline.policy import PolicyPipeline, PolicyRequest
 from policy_server.server.app import build_server
 from policy_server.server.convert import FRAME_JPEG_QUALITY
@@ -303,6 +303,20 @@ def test_a_dynamics_call_ends_at_its_deadline_or_when_its_caller_goes_away_on_an
         engine.forward_dynamics(sid, epoch, api.Observation({"image": _frame()}, STATE), ACTIONS,
                                 deadline_s=time.monotonic())
     assert engine.inverse_dynamics(sid, epoch, _clip()).actions.shape == (8, 2)  # the places were given back
+
+
+def test_scaling_an_inverse_dynamics_calls_cameras_counts_against_its_time(engine, session, monkeypatch):
+    """Its cameras go side by side (a shorter one scaled) on the caller's thread, within the call's time: in its
+    `prepare` stage and before its deadline, as a tick's frames are."""
+    def slow_side_by_side(cameras):
+        time.sleep(0.2)
+        return side_by_side(cameras)
+
+    monkeypatch.setattr(dynamics, "side_by_side", slow_side_by_side)
+    sid, epoch = session.session_id, session.epoch
+    assert engine.inverse_dynamics(sid, epoch, _clip()).tick.actual_ms["prepare"] >= 200
+    with pytest.raises(api.DeadlineExpired):
+        engine.inverse_dynamics(sid, epoch, _clip(), deadline_s=time.monotonic() + 0.1)
 
 
 def test_a_running_dynamics_call_keeps_its_session_open(engine, session):
