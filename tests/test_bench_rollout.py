@@ -28,15 +28,14 @@ def model_dir(tmp_path_factory):
     return directory
 
 
-def test_bench_writes_the_documented_report(model_dir, tmp_path, monkeypatch, compiles):
-    monkeypatch.setenv("POLICY_SERVER_CACHE", str(tmp_path / "cache"))  # no stored profile of these weights
+def test_bench_writes_the_documented_report(profiled_checkpoint, tmp_path, compiles):
+    checkpoint, _ = profiled_checkpoint
     out = tmp_path / "bench.json"
     # The tick profile's compiled variant compiles; the engines run eagerly, as compiling each would take minutes.
-    assert bench_main(["--checkpoint", str(model_dir), "--ticks", "4", "--warmup", "2", "--out", str(out),
+    assert bench_main(["--checkpoint", str(checkpoint), "--ticks", "4", "--warmup", "2", "--out", str(out),
                        "--no-compile-gen-stack",
                        "--forward-repeats", "2", "--closed-loop", "1",
                        "--env", "PolicyServer/ReachEitherTimed-v0", "--profile-ticks", "1",
-                       "--calibration-observations", "1",
                        "--budget-fractions", "0.8", "0.9"]) == 0  # above the floor however loaded CI is
     report = json.loads(out.read_text())
     assert report["schema"] == 1
@@ -96,17 +95,17 @@ def test_bench_writes_the_documented_report(model_dir, tmp_path, monkeypatch, co
     assert [row["budget_ms"] for row in report["sweep"]] == budgets
     assert set(report["sweep"][0]["targets"]) == {"miss_rate_at_most_1pct", "p99_within_budget",
                                                   "beats_guarded_holding_1pct", "beats_best_unguarded_fitting"}
-    assert (tmp_path / "bench_profile.json").is_file()  # calibrated here: no profile stored
     assert (tmp_path / "bench_latency.png").stat().st_size > 0
     assert (tmp_path / "bench_error_vs_latency.png").stat().st_size > 0
 
 
 @pytest.fixture(scope="module")
 def model_profile(model_dir):
-    """The toy model's quality profile, measured once for the module's tests."""
+    """The toy model's quality profile, measured once for the module's tests on the coarse grid a server's warmup
+    calibrates (every family the bench reports has points there)."""
     pipeline = PolicyPipeline.from_pretrained(model_dir)
-    return calibrate(pipeline, warmup_observations(pipeline, 1), configurations(pipeline, EngineSettings()),
-                     source="test")
+    return calibrate(pipeline, warmup_observations(pipeline, 1),
+                     configurations(pipeline, EngineSettings(), coarse=True), source="test")
 
 
 @pytest.fixture
@@ -161,9 +160,10 @@ def test_the_slowdown_delays_each_full_call_of_a_bench_pipelines_ticks_and_chang
     np.testing.assert_array_equal(out.actions, expected.actions)
 
 
-def test_bench_on_a_diffusers_folder_reports_its_shapes(tmp_path):
+def test_bench_on_a_diffusers_folder_reports_its_shapes(tmp_path, monkeypatch):
     """A `Cosmos3OmniPipeline` folder (overrides: 3 steps, one embodiment; Cosmos3's guidance 1, so no CFG and no
-    profile point with fewer steps) driven with camera-sized frames."""
+    profile point with fewer steps) driven with camera-sized frames; with no profile stored, calibrated first."""
+    monkeypatch.setenv("POLICY_SERVER_CACHE", str(tmp_path / "cache"))
     from cosmos3_folder import build_tiny_cosmos3_folder
 
     folder = build_tiny_cosmos3_folder(tmp_path / "pipe")
@@ -174,6 +174,7 @@ def test_bench_on_a_diffusers_folder_reports_its_shapes(tmp_path):
     assert bench_main(["--checkpoint", str(folder), "--frame-size", "240x320", "--ticks", "2", "--warmup", "2",
                        "--out", str(out), "--no-reference", "--profile-ticks", "1", "--calibration-observations", "1",
                        "--budgets-ms", "20000"]) == 0
+    assert (tmp_path / "bench_profile.json").is_file()  # where the bench writes the profile it calibrated
     report = json.loads(out.read_text())
     assert [c["budget_ms"] for c in report["configs"] if c["name"].startswith("budget_")] == [20000, 20000]
     assert not any(c["family"] == "fewer_steps_seacache" for c in report["configs"])  # the profile has none

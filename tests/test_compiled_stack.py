@@ -310,7 +310,8 @@ def test_a_server_process_compiles_the_stack_and_serves_the_eager_stacks_actions
     log = tmp_path / "server.log"
     with open(log, "w") as out:
         process = subprocess.Popen([sys.executable, "-m", "policy_server.cli", "--checkpoint", str(folder),
-                                    "--port", str(port), "--device", "cpu", "--latency-budget-ms", "10000"],
+                                    "--port", str(port), "--device", "cpu", "--latency-budget-ms", "10000",
+                                    "--quality-profile", "off"],  # compiles, and no warmup calibration
                                    stdout=out, stderr=subprocess.STDOUT)
     client = PolicyClient(f"127.0.0.1:{port}", timeout_s=30)
     try:

@@ -545,7 +545,7 @@ def test_sigterm_stops_the_server_promptly_whatever_it_is_doing(tmp_path):
     log = open(tmp_path / "server.log", "w+")
     process = subprocess.Popen(
         [sys.executable, "-m", "policy_server.cli", "--checkpoint", str(tmp_path / "model"), "--port", str(port),
-         "--latency-budget-ms", "20000", "--device", "cpu"],
+         "--latency-budget-ms", "20000", "--device", "cpu", "--quality-profile", "off"],  # no warmup calibration
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     client = PolicyClient(f"127.0.0.1:{port}", timeout_s=60)
