@@ -13,7 +13,8 @@ Each episode file holds (T = number of actions):
     ``actions`` float32 [T, 2]          effector velocity, m/s; action i moves frame i to frame i+1
 Strings (instruction, colour) live in ``dataset.json``, never in the tensor files.
 
-``robots.lerobot_dataset`` holds the same episodes in the LeRobot v3 layout; ``open_dataset`` reads either.
+``robots.lerobot_dataset`` holds the same episodes in the LeRobot v3 layout (and reads LeRobot's v2 layout too);
+``open_dataset`` reads any of them.
 """
 
 from __future__ import annotations
@@ -158,7 +159,7 @@ class DemoDataset:
 
 def open_dataset(directory: str | Path) -> DemoDataset | LeRobotDemoDataset:
     """The dataset in ``directory``, in either layout: ``dataset.json`` (this module's) or ``meta/info.json``
-    (LeRobot v3, ``robots.lerobot_dataset.LeRobotDemoDataset``, which reads the same way)."""
+    (LeRobot v3.0 or v2.x, ``robots.lerobot_dataset.LeRobotDemoDataset``, which reads the same way)."""
     from robots.lerobot_dataset import LeRobotDemoDataset, is_lerobot_dataset  # it imports Episode from here
 
     directory = Path(directory)

@@ -1,5 +1,7 @@
-"""Demonstration datasets in the LeRobot v3 layout (``codebase_version`` "v3.0", that of LeRobot 0.4.0 to
-0.6.2), written with pyarrow and PyAV: lerobot itself cannot be installed beside this project.
+"""Demonstration datasets in LeRobot's layouts, written with pyarrow and PyAV: lerobot itself cannot be installed
+beside this project. ``LeRobotWriter`` writes the v3 layout (``codebase_version`` "v3.0", that of LeRobot 0.4.0 to
+0.6.2); ``LeRobotDemoDataset`` reads it, and the v2 layout most datasets on disk and on the hub still have ("v2.1",
+of LeRobot's releases before 0.4.0, and "v2.0", which differs only in its statistics files, not read here).
 
     meta/info.json                               features (dtype, shape, names), counts, fps, path templates
     meta/stats.json                              per feature: count, min, max, mean, std, q01, q10, q50, q90, q99
@@ -15,16 +17,25 @@ Per-frame columns: ``observation.state`` float32 [2] (effector xy, m), ``action`
 m/s), ``timestamp`` float32 (s in the episode), ``frame_index``, ``episode_index``, ``index`` (over the dataset),
 ``task_index``; the camera frame ``observation.images.image`` [64, 64, 3] lies in the video at ``from_timestamp +
 timestamp``. The reader takes a dataset recorded with LeRobot too: any state and action widths, every
-``observation.images.<camera>`` video feature (their frames put side by side, in the order info.json lists them, as
-the server's conditioning does), and no seed/target_color/success columns. LeRobot pairs every frame with an action,
+``observation.images.<camera>`` feature (their frames put side by side, in the order info.json lists them, as
+the server's conditioning does), stored as video or as images (dtype "image": each frame's PNG bytes in its data
+row), and no seed/target_color/success columns. LeRobot pairs every frame with an action,
 so an episode of T actions is T+1 rows: the last row, the final observation, has a zero action (the effector holds
 still), which reading drops again. As LeRobot's writer does, an episode starts the next data file once the current
 one holds 100 MB of rows, and the next video once it holds 200 MB (some 35 000 episodes of this task); 1000 files
 make a chunk.
+
+The v2 layout keeps the same features and columns in a file per episode, ``chunks_size`` (1000) episodes a chunk:
+
+    meta/episodes.jsonl                          a line per episode: {"episode_index", "tasks", "length"}
+    meta/tasks.jsonl, meta/episodes_stats.jsonl  tasks and statistics (v2.0: meta/stats.json), not read here
+    data/chunk-000/episode_000000.parquet        the episode's rows (info.json's data_path)
+    videos/chunk-000/observation.images.image/episode_000000.mp4   its frames from 0 s (info.json's video_path)
 """
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
@@ -32,17 +43,25 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+from PIL import Image
 
+from policy_server.json_file import read_json
 from policy_server.pipeline.conditioning import side_by_side
 from robots.dataset import DatasetError, Episode
 from robots.video import H264Writer, read_frames
 
-CODEBASE_VERSION = "v3.0"
+CODEBASE_VERSION = "v3.0"  # what LeRobotWriter writes
+LEGACY_VERSIONS = ("v2.0", "v2.1")  # read too: v2.1 only added meta/episodes_stats.jsonl
+READ_VERSIONS = (*LEGACY_VERSIONS, CODEBASE_VERSION)
 INFO_PATH = "meta/info.json"
 STATS_PATH = "meta/stats.json"
 TASKS_PATH = "meta/tasks.parquet"
 DATAGEN_PATH = "meta/datagen.json"
-EPISODES_PATH = "meta/episodes/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet"
+EPISODES_DIR = "meta/episodes"
+EPISODES_PATH = EPISODES_DIR + "/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet"
+LEGACY_EPISODES_PATH = "meta/episodes.jsonl"
+LEGACY_EPISODE_KEYS = ("episode_index", "tasks", "length")
+MAX_EPISODE_LINE_BYTES = 1 << 20  # a line of meta/episodes.jsonl: an index, a length and a few instructions
 DATA_PATH = "data/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet"
 VIDEO_PATH = "videos/{video_key}/chunk-{chunk_index:03d}/file-{file_index:03d}.mp4"
 CHUNKS_SIZE, DATA_FILES_SIZE_MB, VIDEO_FILES_SIZE_MB = 1000, 100, 200  # LeRobot's defaults
@@ -63,6 +82,7 @@ DATA_SCHEMA = pa.schema([
     ("task_index", pa.int64()),
 ])
 CAMERA_PREFIX = "observation.images."  # LeRobot's camera features: observation.images.<camera>
+CAMERA_DTYPES = ("video", "image")  # frames in videos/, or each frame's PNG bytes in its data row
 # Columns of meta/episodes a reader needs (LeRobot's own; each camera adds its videos/<key>/... four), and ours,
 # which datasets recorded elsewhere lack.
 EPISODE_COLUMNS = ("episode_index", "tasks", "length", "data/chunk_index", "data/file_index", "dataset_from_index",
@@ -248,21 +268,22 @@ class LeRobotWriter:
 
 
 class LeRobotDemoDataset:
-    """Read access to a LeRobot v3 dataset written by ``robots.datagen --format lerobot``; yields the same
-    ``Episode`` objects as ``DemoDataset``. A malformed dataset raises DatasetError or FileNotFoundError."""
+    """Read access to a LeRobot dataset, v3.0 (``robots.datagen --format lerobot``'s, or recorded with LeRobot) or
+    v2.x; yields the same ``Episode`` objects as ``DemoDataset``. A malformed dataset raises DatasetError or, for a
+    file its layout names that is not there, FileNotFoundError: the message names the file and what was expected."""
 
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
         info_path = self.directory / INFO_PATH
-        try:
-            self.info = json.loads(info_path.read_text())
-        except ValueError as error:
-            raise DatasetError(f"{info_path}: not valid JSON ({error})") from None
-        if self.info.get("codebase_version") != CODEBASE_VERSION:
-            raise DatasetError(f"{info_path} has codebase_version {self.info.get('codebase_version')!r}; "
-                               f"expected {CODEBASE_VERSION!r}")
-        missing = [key for key in ("fps", "total_episodes", "data_path", "video_path", "features")
-                   if key not in self.info]
+        self.info = read_json(info_path, DatasetError)
+        if not isinstance(self.info, dict):
+            raise DatasetError(f"{info_path}: expected a JSON object")
+        version = self.info.get("codebase_version")
+        if version not in READ_VERSIONS:
+            raise DatasetError(f"{info_path} has codebase_version {version!r}; expected one of {list(READ_VERSIONS)} "
+                               "(LeRobot's layouts this reader knows)")
+        self.legacy = version in LEGACY_VERSIONS  # one data file per episode, one video per episode and camera
+        missing = [key for key in ("fps", "total_episodes", "data_path", "features") if key not in self.info]
         if missing:
             raise DatasetError(f"{info_path} lacks {missing}")
         features = self.info["features"]
@@ -274,11 +295,24 @@ class LeRobotDemoDataset:
         # The cameras, in info.json's order: the order their frames are put side by side, and the served one.
         self.camera_keys = [key for key in features if key.startswith(CAMERA_PREFIX)]
         if not self.camera_keys:
-            raise DatasetError(f"{info_path}: no camera; expected a video feature {CAMERA_PREFIX}<camera> "
-                               f"(features here: {sorted(features)})")
-        if not_video := [key for key in self.camera_keys if features[key].get("dtype") != "video"]:
-            raise DatasetError(f"{info_path}: cameras {not_video} are not stored as videos (dtype "
-                               f"{features[not_video[0]].get('dtype')!r}); expected dtype 'video'")
+            raise DatasetError(f"{info_path}: no camera; expected a feature {CAMERA_PREFIX}<camera> of dtype 'video' "
+                               f"or 'image' (features here: {sorted(features)})")
+        if unknown := [key for key in self.camera_keys if features[key].get("dtype") not in CAMERA_DTYPES]:
+            raise DatasetError(f"{info_path}: cameras {unknown} have dtype {features[unknown[0]].get('dtype')!r}; "
+                               f"expected one of {list(CAMERA_DTYPES)}")
+        # Frames stored as images lie in the data files' rows (PNG bytes), checked against their shape in info.json.
+        self.image_sizes = {key: _image_size(info_path, key, features[key]) for key in self.camera_keys
+                            if features[key]["dtype"] == "image"}
+        needed = ["chunks_size"] if self.legacy else []
+        if len(self.image_sizes) < len(self.camera_keys):
+            needed.append("video_path")  # LeRobot writes null where no camera is a video
+        if missing := [key for key in needed if self.info.get(key) is None]:
+            raise DatasetError(f"{info_path} lacks {missing}")
+        if self.legacy and not (isinstance(self.info["chunks_size"], int) and self.info["chunks_size"] > 0):
+            raise DatasetError(f"{info_path}: chunks_size {self.info['chunks_size']!r}; expected a positive integer "
+                               "(episodes a chunk folder holds)")
+        if not (isinstance(self.info["total_episodes"], int) and self.info["total_episodes"] >= 0):
+            raise DatasetError(f"{info_path}: total_episodes {self.info['total_episodes']!r}; expected a count")
         self.cameras = [key.removeprefix(CAMERA_PREFIX) for key in self.camera_keys]
         self.fps = self.info["fps"]
         self.robot_type = self.info.get("robot_type")
@@ -287,47 +321,110 @@ class LeRobotDemoDataset:
         self.state_names, self.action_names = (_channel_names(features[key].get("names"), self.dims[key])
                                                for key in (STATE_KEY, ACTION_KEY))
 
-        episodes_dir = self.directory / "meta" / "episodes"
+        self.index_name = LEGACY_EPISODES_PATH if self.legacy else EPISODES_DIR  # what says where episodes lie
+        self.episodes = self._legacy_episodes() if self.legacy else self._episodes()
+        numbers = [row["episode_index"] for row in self.episodes]
+        if numbers != list(range(self.info["total_episodes"])):
+            raise DatasetError(f"{self.directory / self.index_name} numbers its {len(numbers)} episodes "
+                               f"{numbers[:5]}...; expected 0 to {self.info['total_episodes'] - 1} in order "
+                               "(total_episodes in info.json)")
+        for row in self.episodes:
+            tasks, length = row["tasks"], row["length"]
+            if not (isinstance(tasks, list) and tasks and all(isinstance(t, str) for t in tasks)
+                    and isinstance(length, int) and length > 0):
+                raise DatasetError(f"{self.directory / self.index_name}: episode {row['episode_index']} has tasks "
+                                   f"{tasks!r:.80} and length {length!r}; expected a list of instructions and a "
+                                   "positive number of frames")
+        self.entries = [{"seed": row.get("seed"), "instruction": row["tasks"][0],
+                         "target_color": row.get("target_color"), "num_steps": row["length"] - 1,
+                         "success": row.get("success")} for row in self.episodes]
+        # The data file read last: a v3 file holds consecutive episodes, so reading in order reads each once.
+        self._table_path: Path | None = None
+        self._table: pa.Table | None = None
+
+    def _episodes(self) -> list[dict]:
+        """v3.0: meta/episodes/chunk-*/file-*.parquet, a row per episode, with where its rows and frames lie."""
+        episodes_dir = self.directory / EPISODES_DIR
         files = sorted(episodes_dir.glob("chunk-*/file-*.parquet"))
         if not files:
             raise FileNotFoundError(f"{episodes_dir}/chunk-*/file-*.parquet not found; expected the episode index")
         table = pa.concat_tables([_read_table(path) for path in files])
-        needed = [*EPISODE_COLUMNS, *(f"videos/{key}/{c}" for key in self.camera_keys for c in VIDEO_COLUMNS)]
+        videos = [key for key in self.camera_keys if key not in self.image_sizes]
+        needed = [*EPISODE_COLUMNS, *(f"videos/{key}/{c}" for key in videos for c in VIDEO_COLUMNS)]
         missing = [column for column in needed if column not in table.column_names]
         if missing:
             raise DatasetError(f"{episodes_dir} lacks the columns {missing}; expected LeRobot v3's episode index")
         ours = [column for column in DATAGEN_COLUMNS if column in table.column_names]
-        self.episodes = table.select([*needed, *ours]).to_pylist()
-        numbers = [row["episode_index"] for row in self.episodes]
-        if numbers != list(range(self.info["total_episodes"])):
-            raise DatasetError(f"{episodes_dir} numbers its {len(numbers)} episodes {numbers[:5]}...; expected 0 to "
-                               f"{self.info['total_episodes'] - 1} in order (total_episodes in info.json)")
-        self.entries = [{"seed": row.get("seed"), "instruction": row["tasks"][0],
-                         "target_color": row.get("target_color"), "num_steps": row["length"] - 1,
-                         "success": row.get("success")} for row in self.episodes]
-        self._tables: dict[Path, pa.Table] = {}  # data files read so far
+        return table.select([*needed, *ours]).to_pylist()
+
+    def _legacy_episodes(self) -> list[dict]:
+        """v2.x: meta/episodes.jsonl, a line per episode: {"episode_index": ..., "tasks": [...], "length": ...}.
+        Read a line at a time, each at most `MAX_EPISODE_LINE_BYTES`, and one line past total_episodes at most."""
+        path = self.directory / LEGACY_EPISODES_PATH
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} not found; expected the episode index of a LeRobot "
+                                    f"{self.info['codebase_version']} dataset")
+        episodes = []
+        with path.open("rb") as file:
+            for number, line in enumerate(iter(lambda: file.readline(MAX_EPISODE_LINE_BYTES + 1), b""), 1):
+                if len(line) > MAX_EPISODE_LINE_BYTES:
+                    raise DatasetError(f"{path}: line {number} is over {MAX_EPISODE_LINE_BYTES} bytes; expected an "
+                                       "episode's index, tasks and length")
+                if not line.strip():
+                    continue
+                try:
+                    entry = json.loads(line, strict=False)  # as LeRobot's reader: tabs and newlines in a task
+                except ValueError as error:  # also a line that is not UTF-8
+                    raise DatasetError(f"{path}: line {number} is not valid JSON ({error})") from None
+                if not (isinstance(entry, dict) and all(key in entry for key in LEGACY_EPISODE_KEYS)
+                        and isinstance(entry["episode_index"], int)):
+                    raise DatasetError(f"{path}: line {number} is {line[:80].decode(errors='replace').strip()!r}; "
+                                       f"expected a JSON object with {list(LEGACY_EPISODE_KEYS)}, an integer "
+                                       "episode_index")
+                episodes.append(entry)
+                if len(episodes) > self.info["total_episodes"]:
+                    break  # one too many: the numbering check names it
+        return sorted(episodes, key=lambda entry: entry["episode_index"])  # LeRobot's order, whatever the lines'
 
     def __len__(self) -> int:
         return len(self.episodes)
 
-    def _file(self, template: str, index: int, what: str, **fields) -> Path:
-        path = self.directory / template.format(**fields)
+    def _file(self, template_key: str, index: int, what: str, **fields) -> Path:
+        """The file info.json's ``template_key`` names with ``fields``, which must exist: episode ``index``'s
+        ``what``."""
+        template = self.info[template_key]
+        try:
+            path = self.directory / template.format(**fields)
+        except (KeyError, IndexError, ValueError, AttributeError) as error:
+            raise DatasetError(f"{self.directory / INFO_PATH}: {template_key} {template!r} does not name a file "
+                               f"with {sorted(fields)} ({type(error).__name__}: {error}); expected LeRobot "
+                               f"{self.info['codebase_version']}'s template") from None
         if not path.is_file():
-            raise FileNotFoundError(f"{path} not found; meta/episodes puts episode {index}'s {what} there")
+            source = f"{INFO_PATH}'s {template_key}" if self.legacy else self.index_name
+            raise FileNotFoundError(f"{path} not found; {source} puts episode {index}'s {what} there")
         return path
 
-    def _rows(self, index: int, row: dict) -> pa.Table:
-        """The data rows of episode ``index``, checked against its length."""
-        path = self._file(self.info["data_path"], index, "rows", chunk_index=row["data/chunk_index"],
-                          file_index=row["data/file_index"])
-        if path not in self._tables:
-            self._tables[path] = _read_table(path)
-        rows = self._tables[path].filter(pc.equal(self._tables[path]["episode_index"], index))
+    def _chunk(self, index: int) -> dict[str, int]:
+        """Where v2.x puts episode ``index``'s files: ``chunks_size`` episodes a chunk folder."""
+        return {"episode_chunk": index // self.info["chunks_size"], "episode_index": index}
+
+    def _rows(self, index: int, row: dict) -> tuple[Path, pa.Table]:
+        """The data file of episode ``index`` and its rows there, checked against its length."""
+        if self.legacy:
+            path = self._file("data_path", index, "rows", **self._chunk(index))
+        else:
+            path = self._file("data_path", index, "rows", chunk_index=row["data/chunk_index"],
+                              file_index=row["data/file_index"])
+        if path != self._table_path:
+            self._table = _read_table(path, ["episode_index", "frame_index", STATE_KEY, ACTION_KEY,
+                                             *self.image_sizes])
+            self._table_path = path
+        rows = self._table.filter(pc.equal(self._table["episode_index"], index))
         numbers = rows["frame_index"].to_pylist()
         if numbers != list(range(row["length"])):
             raise DatasetError(f"{path} holds {len(numbers)} rows of episode {index}, frame_index {numbers[:5]}...; "
-                               f"expected {row['length']} (its length in meta/episodes) numbered from 0")
-        return rows
+                               f"expected {row['length']} (its length in {self.index_name}) numbered from 0")
+        return path, rows
 
     def _vectors(self, rows: pa.Table, key: str) -> np.ndarray:
         values = rows[key].combine_chunks().flatten().to_numpy()
@@ -338,8 +435,9 @@ class LeRobotDemoDataset:
 
     def __getitem__(self, index: int) -> Episode:
         row = self.episodes[index]
-        rows = self._rows(index, row)
-        cameras = [self._camera_frames(index, row, key) for key in self.camera_keys]
+        path, rows = self._rows(index, row)
+        cameras = [_decode_images(path, rows[key], key, self.image_sizes[key]) if key in self.image_sizes
+                   else self._video_frames(index, row, key) for key in self.camera_keys]
         if len({frames.shape[0] for frames in cameras}) > 1:
             raise DatasetError(f"episode {index}: its cameras {self.cameras} decode to "
                                f"{[len(f) for f in cameras]} frames; expected {row['length']} each")
@@ -353,18 +451,59 @@ class LeRobotDemoDataset:
             success=row.get("success"),
         )
 
-    def _camera_frames(self, index: int, row: dict, key: str) -> np.ndarray:
-        """Episode ``index``'s frames of camera feature ``key``: uint8 [length, H, W, 3]."""
-        video = self._file(self.info["video_path"], index, f"frames of {key}", video_key=key,
-                           chunk_index=row[f"videos/{key}/chunk_index"], file_index=row[f"videos/{key}/file_index"])
+    def _video_frames(self, index: int, row: dict, key: str) -> np.ndarray:
+        """Episode ``index``'s frames of the video feature ``key``: uint8 [length, H, W, 3]. v3.0 puts them from
+        the episode's from_timestamp of a video of many; v2.x in a video of their own."""
+        what = f"frames of {key}"
+        if self.legacy:
+            video, start = self._file("video_path", index, what, video_key=key, **self._chunk(index)), 0.0
+        else:
+            video = self._file("video_path", index, what, video_key=key, chunk_index=row[f"videos/{key}/chunk_index"],
+                               file_index=row[f"videos/{key}/file_index"])
+            start = row[f"videos/{key}/from_timestamp"]
         try:
-            return read_frames(video, row[f"videos/{key}/from_timestamp"], row["length"], self.fps)
+            return read_frames(video, start, row["length"], self.fps)
         except ValueError as short:
-            raise DatasetError(f"episode {index}: {short} (its length in meta/episodes)") from None
+            raise DatasetError(f"episode {index}: {short} (its length in {self.index_name})") from None
 
     def __iter__(self):
         for index in range(len(self)):
             yield self[index]
+
+
+def _image_size(info_path: Path, key: str, feature: dict) -> tuple[int, int]:
+    """(width, height) of the image feature ``key``: its shape in info.json, [H, W, C] unless its names say
+    otherwise (LeRobot's ["height", "width", "channels"]; some converted datasets are channels first)."""
+    shape, names = feature.get("shape"), feature.get("names")
+    if not (isinstance(shape, list) and len(shape) == 3 and all(isinstance(n, int) and n > 0 for n in shape)):
+        raise DatasetError(f"{info_path}: feature {key!r} has shape {shape!r}; expected [height, width, channels]")
+    if isinstance(names, list) and "height" in names and "width" in names:
+        return shape[names.index("width")], shape[names.index("height")]
+    return shape[1], shape[0]
+
+
+def _decode_images(path: Path, column: pa.ChunkedArray, key: str, size: tuple[int, int]) -> np.ndarray:
+    """The frames of the image feature ``key`` in rows of the data file ``path``: uint8 RGB [rows, H, W, 3].
+    LeRobot keeps each as Hugging Face datasets' Image, a struct of its encoded bytes (PNG) and a path; an image's
+    size is checked from its header, before its pixels are decoded."""
+    column = column.combine_chunks()
+    if not (pa.types.is_struct(column.type) and column.type.get_field_index("bytes") >= 0):
+        raise DatasetError(f"{path}: column {key!r} is {column.type}; expected images as LeRobot stores them, "
+                           "struct<bytes: binary, path: string>")
+    frames = []
+    for frame_index, encoded in enumerate(column.field("bytes").to_pylist()):
+        where = f"{path}: frame {frame_index} of {key!r}"
+        if encoded is None:
+            raise DatasetError(f"{where} holds no image bytes; expected the image itself (PNG), not only a path")
+        try:
+            with Image.open(io.BytesIO(encoded)) as image:
+                if image.size != size:
+                    raise DatasetError(f"{where} is {image.size[1]}x{image.size[0]} px; expected "
+                                       f"{size[1]}x{size[0]} (its shape in info.json)")
+                frames.append(np.asarray(image.convert("RGB")))
+        except (OSError, Image.DecompressionBombError) as error:  # not an image, or cut short
+            raise DatasetError(f"{where} is not a readable image ({error})") from None
+    return np.stack(frames)
 
 
 def _channel_names(names: object, dim: int) -> list[str] | None:
@@ -373,8 +512,11 @@ def _channel_names(names: object, dim: int) -> list[str] | None:
     return names if ok else None
 
 
-def _read_table(path: Path) -> pa.Table:
+def _read_table(path: Path, columns: list[str] | None = None) -> pa.Table:
+    """The parquet file ``path``, or only its ``columns`` (all of which it must have)."""
     try:
-        return pq.read_table(path)
+        if columns is not None and (missing := [c for c in columns if c not in pq.read_schema(path).names]):
+            raise DatasetError(f"{path} lacks the columns {missing}; expected {columns} (info.json's features)")
+        return pq.read_table(path, columns=columns)
     except (pa.ArrowInvalid, OSError) as error:
         raise DatasetError(f"{path}: not a readable parquet file ({error})") from None

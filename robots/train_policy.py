@@ -6,9 +6,10 @@
 
 It fine-tunes the shipped embedded weights unless `--init` names other ones or `--from-scratch` is given. It
 trains one embodiment, which the folder written serves: the embedded `pusht` (the Reach task's demonstrations,
-`robots.datagen`'s), or a robot of another layout (a LeRobot v3 dataset: any cameras, their frames put side by
-side onto the model's canvas as the server's conditioning does; state and action widths up to the transformer's
-action_dim; its own fps; `--chunk-size` actions a tick) on a domain row of its own.
+`robots.datagen`'s), or a robot of another layout (a LeRobot dataset, v3.0 or v2.x: any cameras, stored as
+videos or images, their frames put side by side onto the model's canvas as the server's conditioning does; state
+and action widths up to the transformer's action_dim; its own fps; `--chunk-size` actions a tick) on a domain row
+of its own.
 
 Each training sample is one control tick of a demonstration: the frame at step t (clean latent
 frame 0), the next K frames (noisy future latents), the K expert actions from t (noisy action rows)
@@ -395,7 +396,7 @@ def train(
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", type=Path, nargs="+", required=True,
-                        help="dataset folders, robots.datagen's or LeRobot v3 ones (their episodes are pooled)")
+                        help="dataset folders, robots.datagen's or LeRobot v3.0/v2.x ones (their episodes are pooled)")
     parser.add_argument("--vae", type=Path, default=default_model_path() / "vae")
     parser.add_argument("--out", type=Path, required=True, help="pipeline folder to write")
     parser.add_argument("--name", default=None, help="the model name the server reports (default: --out's name)")

@@ -2,6 +2,7 @@
 -> a pipeline folder that loads and answers a tick."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -10,8 +11,10 @@ import torch
 from policy_server.model import load_transformer
 from policy_server.pipeline.policy import PolicyPipeline, PolicyRequest, default_model_path
 from robots.datagen import generate
+from robots.dataset import DatasetError
 from robots.embedded import build_random_pipeline
 from robots.envs import REACH_EITHER_ID
+from robots.lerobot_dataset import LeRobotDemoDataset
 from robots.train_policy import main, train
 
 
@@ -129,41 +132,75 @@ def test_cli_refuses_demonstrations_recorded_at_another_rate(tmp_path, capsys):
         "name another embodiment (--embodiment) to train one of this layout" in err.splitlines()[-1]
 
 
-def _arm_dataset(folder, state_dim=3, action_dim=5, fps=15):
-    """A tiny LeRobot v3 dataset as LeRobot records another robot: two cameras of unequal size (scene 32x32, wrist
-    16x24), `state_dim`-D state, `action_dim`-D action, `fps`; none of robots.datagen's own columns."""
+def _arm_dataset(folder, state_dim=3, action_dim=5, fps=15, version="v3.0", images=()):
+    """A tiny LeRobot dataset as LeRobot records another robot: two episodes of 5 frames, two cameras of unequal size
+    (scene 32x32, wrist 16x24), `state_dim`-D state, `action_dim`-D action, `fps`; none of robots.datagen's own
+    columns. `version` "v3.0" (one data file, one video a camera) or "v2.1" (meta/episodes.jsonl, a data file per
+    episode, a video per episode and camera); the cameras in `images` are stored as PNG bytes in the rows (dtype
+    "image"), not as videos. Every layout holds the same frames, states and actions."""
+    import io
+
     import pyarrow as pa
     import pyarrow.parquet as pq
+    from PIL import Image
 
     from robots.video import H264Writer
 
     cameras = {"observation.images.scene": (32, 32), "observation.images.wrist": (16, 24)}
-    rng, episodes, rows, length = np.random.default_rng(0), [], [], 5
-    for key, (h, w) in cameras.items():
-        (folder / f"videos/{key}/chunk-000").mkdir(parents=True)
-        with H264Writer(folder / f"videos/{key}/chunk-000/file-000.mp4", fps, h, w, "yuv444p", 0) as video:
-            for i in range(2 * length):
-                video.write(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), keyframe=i % length == 0)
-    for e in range(2):
-        rows += [{"observation.state": rng.uniform(-3, 3, state_dim).tolist(),
-                  "action": rng.uniform(-1, 1, action_dim).tolist(), "timestamp": i / fps, "frame_index": i,
-                  "episode_index": e, "index": e * length + i, "task_index": 0} for i in range(length)]
-        episodes.append({"episode_index": e, "tasks": ["stack the cups"], "length": length, "data/chunk_index": 0,
-                         "data/file_index": 0, "dataset_from_index": e * length, "dataset_to_index": (e + 1) * length,
-                         **{f"videos/{key}/{field}": value for key in cameras for field, value in (
-                             ("chunk_index", 0), ("file_index", 0), ("from_timestamp", e * length / fps),
-                             ("to_timestamp", (e + 1) * length / fps))}})
-    for path, table in (("data/chunk-000/file-000.parquet", rows), ("meta/episodes/chunk-000/file-000.parquet",
-                                                                     episodes)):
-        (folder / path).parent.mkdir(parents=True, exist_ok=True)
-        pq.write_table(pa.Table.from_pylist(table), folder / path)
-    features = {key: {"dtype": "video", "shape": [h, w, 3], "names": None} for key, (h, w) in cameras.items()}
+    rng, length, task = np.random.default_rng(0), 5, "stack the cups"
+    frames = {key: rng.integers(0, 256, (2, length, h, w, 3), dtype=np.uint8) for key, (h, w) in cameras.items()}
+    rows = [[{"observation.state": rng.uniform(-3, 3, state_dim).tolist(),
+              "action": rng.uniform(-1, 1, action_dim).tolist(), "timestamp": i / fps, "frame_index": i,
+              "episode_index": e, "index": e * length + i, "task_index": 0} for i in range(length)] for e in range(2)]
+    for key in images:  # as Hugging Face datasets' Image: struct<bytes, path>
+        for e, i in np.ndindex(2, length):
+            png = io.BytesIO()
+            Image.fromarray(frames[key][e, i]).save(png, format="PNG")
+            rows[e][i][key] = {"bytes": png.getvalue(), "path": f"frame_{i:06d}.png"}
+    videos = [key for key in cameras if key not in images]
+
+    def write_video(path, key, episodes):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with H264Writer(path, fps, *cameras[key], "yuv444p", 0) as video:
+            for e in episodes:
+                for i, frame in enumerate(frames[key][e]):
+                    video.write(frame, keyframe=i == 0)
+
+    def write_table(path, table):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.Table.from_pylist(table), path)
+
+    if version == "v3.0":
+        for key in videos:
+            write_video(folder / f"videos/{key}/chunk-000/file-000.mp4", key, range(2))
+        write_table(folder / "data/chunk-000/file-000.parquet", rows[0] + rows[1])
+        write_table(folder / "meta/episodes/chunk-000/file-000.parquet", [
+            {"episode_index": e, "tasks": [task], "length": length, "data/chunk_index": 0, "data/file_index": 0,
+             "dataset_from_index": e * length, "dataset_to_index": (e + 1) * length,
+             **{f"videos/{key}/{field}": value for key in videos for field, value in (
+                 ("chunk_index", 0), ("file_index", 0), ("from_timestamp", e * length / fps),
+                 ("to_timestamp", (e + 1) * length / fps))}} for e in range(2)])
+        paths = {"data_path": "data/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet",
+                 "video_path": "videos/{video_key}/chunk-{chunk_index:03d}/file-{file_index:03d}.mp4"}
+    else:
+        for e in range(2):
+            for key in videos:
+                write_video(folder / f"videos/chunk-000/{key}/episode_{e:06d}.mp4", key, [e])
+            write_table(folder / f"data/chunk-000/episode_{e:06d}.parquet", rows[e])
+        (folder / "meta").mkdir()
+        (folder / "meta/episodes.jsonl").write_text("".join(
+            json.dumps({"episode_index": e, "tasks": [task], "length": length}) + "\n" for e in range(2)))
+        (folder / "meta/tasks.jsonl").write_text(json.dumps({"task_index": 0, "task": task}) + "\n")
+        paths = {"chunks_size": 1000,
+                 "data_path": "data/chunk-{episode_chunk:03d}/episode_{episode_index:06d}.parquet",
+                 "video_path": "videos/chunk-{episode_chunk:03d}/{video_key}/episode_{episode_index:06d}.mp4"}
+    features = {key: {"dtype": "image" if key in images else "video", "shape": [h, w, 3], "names": None}
+                for key, (h, w) in cameras.items()}
     features["observation.state"] = {"dtype": "float32", "shape": [state_dim], "names": None}
     features["action"] = {"dtype": "float32", "shape": [action_dim], "names": [f"m{i}" for i in range(action_dim)]}
     (folder / "meta/info.json").write_text(json.dumps({
-        "codebase_version": "v3.0", "robot_type": "tiny_arm", "fps": fps, "total_episodes": 2, "features": features,
-        "data_path": "data/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet",
-        "video_path": "videos/{video_key}/chunk-{chunk_index:03d}/file-{file_index:03d}.mp4"}))
+        "codebase_version": version, "robot_type": "tiny_arm", "fps": fps, "total_episodes": 2, "features": features,
+        **paths}))
     return folder
 
 
@@ -233,3 +270,92 @@ def test_cli_refuses_what_the_model_cannot_train_before_encoding(tmp_path, capsy
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and named in err.splitlines()[-1]
     assert "vae encode" not in err and not (tmp_path / "out").exists()
+
+
+def test_a_lerobot_v21_dataset_reads_and_trains_as_its_v3_equivalent(tmp_path):
+    """Most LeRobot datasets are still in the v2.1 layout (meta/episodes.jsonl, a data file per episode, a video per
+    episode and camera) and were refused: they read as the same episodes as their v3.0 equivalent, and train."""
+    v3, v21 = (LeRobotDemoDataset(_arm_dataset(tmp_path / version, version=version)) for version in ("v3.0", "v2.1"))
+    assert (v21.cameras, v21.fps, v21.robot_type, v21.dims, v21.action_names, v21.entries) == \
+        (v3.cameras, v3.fps, v3.robot_type, v3.dims, v3.action_names, v3.entries)
+    for a, b in zip(v3, v21, strict=True):
+        assert a.instruction == b.instruction == "stack the cups" and b.frames.shape == (5, 32, 80, 3)
+        for field in ("frames", "states", "actions"):
+            np.testing.assert_array_equal(getattr(a, field), getattr(b, field))
+
+    out = tmp_path / "out"
+    main(["--data", str(tmp_path / "v2.1"), "--out", str(out), "--chunk-size", "4", "--steps", "2",
+          "--batch-size", "2"])
+    summary = json.loads((out / "training.json").read_text())
+    assert (summary["embodiment"], summary["episodes"], summary["steps"]) == ("tiny_arm", 2, 2)
+    arm = PolicyPipeline.from_pretrained(out).embodiments.get("tiny_arm")
+    assert (arm.raw_action_dim, arm.state_dim, arm.fps, arm.cameras) == (5, 3, 15.0, ("scene", "wrist"))
+
+
+@pytest.mark.parametrize("version", ["v3.0", "v2.1"])
+def test_cameras_stored_as_images_read_as_stored_as_videos(tmp_path, version):
+    """dtype "image": each frame's PNG in its data row (LeRobot's struct of bytes and path), exact where the
+    video's frames are within its RGB <-> YUV rounding."""
+    images = LeRobotDemoDataset(_arm_dataset(tmp_path / "images", version=version,
+                                             images=("observation.images.scene", "observation.images.wrist")))
+    videos = LeRobotDemoDataset(_arm_dataset(tmp_path / "videos"))
+    assert images.cameras == videos.cameras == ["scene", "wrist"]
+    for a, b in zip(videos, images, strict=True):
+        assert a.frames.shape == b.frames.shape and np.abs(a.frames.astype(int) - b.frames).max() <= 2
+        np.testing.assert_array_equal(a.actions, b.actions)
+
+
+def _edit_json(path, edit):
+    def apply(folder):
+        content = json.loads((folder / path).read_text())
+        edit(content)
+        (folder / path).write_text(json.dumps(content))
+    return apply
+
+
+def _lines(text):
+    return lambda folder: (folder / "meta/episodes.jsonl").write_text(text)
+
+
+EPISODE_1 = "data/chunk-000/episode_000001.parquet"
+WRIST_0 = "videos/chunk-000/observation.images.wrist/episode_000000.mp4"
+
+
+@pytest.mark.parametrize(("break_it", "error", "named"), [
+    (lambda f: (f / EPISODE_1).unlink(), FileNotFoundError,
+     f"{EPISODE_1} not found; meta/info.json's data_path puts episode 1's rows there"),
+    (lambda f: (f / WRIST_0).unlink(), FileNotFoundError,
+     f"{WRIST_0} not found; meta/info.json's video_path puts episode 0's frames of observation.images.wrist there"),
+    (lambda f: (f / "meta/episodes.jsonl").unlink(), FileNotFoundError,
+     "meta/episodes.jsonl not found; expected the episode index of a LeRobot v2.1 dataset"),
+    (_lines('{"episode_index": 0, "tasks": ["stack the cups"], "length": 6}\n'
+            '{"episode_index": 1, "tasks": ["stack the cups"], "length": 5}\n'), DatasetError,
+     "episode_000000.parquet holds 5 rows of episode 0, frame_index [0, 1, 2, 3, 4]...; expected 6 (its length in "
+     "meta/episodes.jsonl) numbered from 0"),
+    (_lines('{"episode_index": 0, "tasks": ["stack the cups"], "length": 5}\n[1, 2]\n'), DatasetError,
+     "meta/episodes.jsonl: line 2 is '[1, 2]'; expected a JSON object with ['episode_index', 'tasks', 'length'], "
+     "an integer episode_index"),
+    (_lines('{"episode_index": 1, "tasks": ["stack the cups"], "length": 5}\n'), DatasetError,
+     "meta/episodes.jsonl numbers its 1 episodes [1]...; expected 0 to 1 in order (total_episodes in info.json)"),
+    (_edit_json("meta/info.json", lambda i: i.pop("chunks_size")), DatasetError, "info.json lacks ['chunks_size']"),
+    (_edit_json("meta/info.json", lambda i: i.update(data_path="data/chunk-{chunk_index:03d}/file-000.parquet")),
+     DatasetError, "data_path 'data/chunk-{chunk_index:03d}/file-000.parquet' does not name a file with "
+                   "['episode_chunk', 'episode_index'] (KeyError: 'chunk_index'); expected LeRobot v2.1's template"),
+])
+def test_a_malformed_v21_dataset_is_named(tmp_path, break_it, error, named):
+    folder = _arm_dataset(tmp_path / "arm", version="v2.1")
+    break_it(folder)
+    with pytest.raises(error) as raised:
+        list(LeRobotDemoDataset(folder))
+    assert named in str(raised.value)
+
+
+@pytest.mark.parametrize(("shape", "named"), [
+    ([8, 8, 3], "frame 0 of 'observation.images.wrist' is 16x24 px; expected 8x8 (its shape in info.json)"),
+    ([16, 24], "feature 'observation.images.wrist' has shape [16, 24]; expected [height, width, channels]"),
+])
+def test_an_image_of_another_size_than_its_feature_is_named_before_decoding(tmp_path, shape, named):
+    folder = _arm_dataset(tmp_path / "arm", images=("observation.images.wrist",))
+    _edit_json("meta/info.json", lambda i: i["features"]["observation.images.wrist"].update(shape=shape))(folder)
+    with pytest.raises(DatasetError, match=re.escape(named)):
+        list(LeRobotDemoDataset(folder))
