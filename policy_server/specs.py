@@ -30,8 +30,10 @@ class CameraSpec:
     in ``min_side..max_side`` px. The model sees the embodiment's cameras side by side: a camera shorter than the
     tallest is scaled to its height first (aspect kept, ``width_beside``), and scaled it must still be at most
     ``max_side`` px wide.
-    ``height`` x ``width``: the camera's share of the model's largest canvas, the largest frame it sees
-    unscaled (larger frames are downscaled to fit, smaller ones padded)."""
+    ``height`` x ``width``: the frame size to send, the one the model was trained on: the embodiment's declared
+    ``camera_sizes`` (a robot trained by ``robots.train_policy``: its cameras as recorded), else the camera's share
+    of the model's largest canvas (the largest frame it sees unscaled). Any size within the bounds is taken; the
+    cameras side by side are downscaled to fit the canvas, never upscaled, and padded."""
 
     name: str
     height: int
@@ -59,6 +61,22 @@ def too_wide_beside(sizes: Mapping[str, tuple[int, int]], max_width: Mapping[str
         if (scaled := width_beside(height, width, sizes[tallest][0])) > max_width[name]:
             return name, tallest, scaled
     return None
+
+
+def frame_sizes_outside(sizes: Mapping[str, tuple[int, int]], min_side: int, max_side: int) -> str | None:
+    """What a server taking sides of ``min_side..max_side`` px (``CameraSpec``'s bounds) refuses of cameras' frame
+    sizes ``(height, width)`` by name, side by side: the first camera with a side outside them, or one too wide
+    beside the tallest (``too_wide_beside``), in words; None when it takes them all."""
+    for name, (height, width) in sizes.items():
+        if not (min_side <= height <= max_side and min_side <= width <= max_side):
+            return f"camera {name!r} is {height}x{width} px; expected sides of {min_side} to {max_side} px"
+    too_wide = too_wide_beside(sizes, dict.fromkeys(sizes, max_side))
+    if too_wide is None:
+        return None
+    name, tallest, scaled = too_wide
+    height, width = sizes[name]
+    return (f"camera {name!r} is {height}x{width} px, {scaled} px wide scaled to the height of camera {tallest!r} "
+            f"({sizes[tallest][0]} px, aspect kept); expected at most {max_side}")
 
 
 @dataclass(frozen=True)

@@ -129,6 +129,7 @@ class DemoDataset:
         self.entries: list[dict] = self.metadata["episodes"]
         self.fps: float = self.metadata["fps"]  # the control rate the demonstrations were recorded at, Hz
         self.cameras = ["image"]  # the Reach task's one camera
+        self.camera_sizes = {"image": (self.metadata["image"]["height"], self.metadata["image"]["width"])}  # (H, W)
         self.robot_type = None
         self.state_names = self.action_names = None
 

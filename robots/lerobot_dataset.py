@@ -300,9 +300,10 @@ class LeRobotDemoDataset:
         if unknown := [key for key in self.camera_keys if features[key].get("dtype") not in CAMERA_DTYPES]:
             raise DatasetError(f"{info_path}: cameras {unknown} have dtype {features[unknown[0]].get('dtype')!r}; "
                                f"expected one of {list(CAMERA_DTYPES)}")
-        # Frames stored as images lie in the data files' rows (PNG bytes), checked against their shape in info.json.
-        self.image_sizes = {key: _image_size(info_path, key, features[key]) for key in self.camera_keys
-                            if features[key]["dtype"] == "image"}
+        # Each camera's frame size (width, height), its shape in info.json, which its frames are checked against.
+        sizes = {key: _camera_size(info_path, key, features[key]) for key in self.camera_keys}
+        # Frames stored as images lie in the data files' rows (PNG bytes).
+        self.image_sizes = {key: size for key, size in sizes.items() if features[key]["dtype"] == "image"}
         needed = ["chunks_size"] if self.legacy else []
         if len(self.image_sizes) < len(self.camera_keys):
             needed.append("video_path")  # LeRobot writes null where no camera is a video
@@ -314,6 +315,7 @@ class LeRobotDemoDataset:
         if not (isinstance(self.info["total_episodes"], int) and self.info["total_episodes"] >= 0):
             raise DatasetError(f"{info_path}: total_episodes {self.info['total_episodes']!r}; expected a count")
         self.cameras = [key.removeprefix(CAMERA_PREFIX) for key in self.camera_keys]
+        self.camera_sizes = {key.removeprefix(CAMERA_PREFIX): size[::-1] for key, size in sizes.items()}  # (H, W)
         self.fps = self.info["fps"]
         self.robot_type = self.info.get("robot_type")
         self.dims = {key: features[key]["shape"][0] for key in (STATE_KEY, ACTION_KEY)}
@@ -462,18 +464,22 @@ class LeRobotDemoDataset:
                                file_index=row[f"videos/{key}/file_index"])
             start = row[f"videos/{key}/from_timestamp"]
         try:
-            return read_frames(video, start, row["length"], self.fps)
+            frames = read_frames(video, start, row["length"], self.fps)
         except ValueError as short:
             raise DatasetError(f"episode {index}: {short} (its length in {self.index_name})") from None
+        if (size := frames.shape[1:3]) != (expected := self.camera_sizes[key.removeprefix(CAMERA_PREFIX)]):
+            raise DatasetError(f"{video}: episode {index}'s frames of {key} are {size[0]}x{size[1]} px; expected "
+                               f"{expected[0]}x{expected[1]} (its shape in info.json)")
+        return frames
 
     def __iter__(self):
         for index in range(len(self)):
             yield self[index]
 
 
-def _image_size(info_path: Path, key: str, feature: dict) -> tuple[int, int]:
-    """(width, height) of the image feature ``key``: its shape in info.json, [H, W, C] unless its names say
-    otherwise (LeRobot's ["height", "width", "channels"]; some converted datasets are channels first)."""
+def _camera_size(info_path: Path, key: str, feature: dict) -> tuple[int, int]:
+    """(width, height) of the camera feature ``key`` (video or image): its shape in info.json, [H, W, C] unless its
+    names say otherwise (LeRobot's ["height", "width", "channels"]; some converted datasets are channels first)."""
     shape, names = feature.get("shape"), feature.get("names")
     if not (isinstance(shape, list) and len(shape) == 3 and all(isinstance(n, int) and n > 0 for n in shape)):
         raise DatasetError(f"{info_path}: feature {key!r} has shape {shape!r}; expected [height, width, channels]")

@@ -154,6 +154,8 @@ def trained_embodiment(datasets: list[DemoDataset | LeRobotDemoDataset], first: 
             "name": name, "domain_id": domain_id, "raw_action_dim": widths["action"],
             "action_names": first_set.action_names or [], "state_dim": widths["state"],
             "state_names": first_set.state_names or [], "cameras": list(first_set.cameras),
+            # as recorded and trained: ServerInfo advertises these, not the cameras' shares of the canvas
+            "camera_sizes": {name: list(first_set.camera_sizes[name]) for name in first_set.cameras},
             # The caption's framing sentence: Cosmos3's for several cameras side by side.
             "viewpoint": "concat_view" if len(first_set.cameras) > 1 else "third_person_view",
             "fps": float(first_set.fps),
@@ -177,9 +179,10 @@ def trained_embodiment(datasets: list[DemoDataset | LeRobotDemoDataset], first: 
 def check_fits_embodiment(dataset: DemoDataset | LeRobotDemoDataset, episodes: list[Episode], entry: dict,
                           frame_hw: tuple[int, int]) -> None:
     """DatasetError unless every episode has the layout of the embodiment trained here, `entry`: its action and
-    state widths, cameras and rate, and frames (side by side) of `frame_hw` (the embedded `pusht`'s canvas, or
-    the first episode's), before minutes of encoding. Another layout would train only the first channels and
-    write a folder whose stats no server loads; another rate would be captioned and served as the embodiment's."""
+    state widths, cameras (and their sizes) and rate, and frames (side by side) of `frame_hw` (the embedded
+    `pusht`'s canvas, or the first episode's), before minutes of encoding. Another layout would train only the first
+    channels and write a folder whose stats no server loads; another rate would be captioned and served as the
+    embodiment's."""
     trains = f"the embodiment it trains ({entry['name']})"
     pusht = entry["name"] == embedded.EMBODIMENT
     hint = "; name another embodiment (--embodiment) to train one of this layout" if pusht else ""
@@ -190,6 +193,10 @@ def check_fits_embodiment(dataset: DemoDataset | LeRobotDemoDataset, episodes: l
     if list(dataset.cameras) != list(entry["cameras"]):
         raise DatasetError(f"{where}: cameras {list(dataset.cameras)}; expected {list(entry['cameras'])}, the "
                            f"cameras of {trains}" + hint)
+    sizes = {name: list(size) for name, size in dataset.camera_sizes.items()}
+    if "camera_sizes" in entry and sizes != entry["camera_sizes"]:
+        raise DatasetError(f"{where}: cameras of {sizes} px (height, width); expected {entry['camera_sizes']}, the "
+                           f"camera_sizes of {trains}")
     for index, episode in enumerate(episodes):
         has = f"{where}: episode {index} has"
         for name, field in (("actions", "raw_action_dim"), ("states", "state_dim")):

@@ -107,6 +107,11 @@ BROKEN = {
     "bad_embodiment_entry": (
         lambda root: _edit_json(root / "embodiments.json", embodiments=[{"name": "pusht", "domain_id": 99}]),
         "domain_id"),
+    "camera_smaller_than_the_vae_takes": (
+        lambda root: _edit_json(root / "embodiments.json", embodiments=[
+            {"name": "pusht", "camera_sizes": {"image": [4, 64]}}]),
+        "embodiments.json: pusht's camera_sizes: camera 'image' is 4x64 px; expected sides of 8 to 2048 px (8: the "
+        "VAE's spatial compression, the smallest frame side the server takes)"),
     "missing_stats_file": (lambda root: _remove(root / "action_stats.json"), "action_stats.json"),
     "vae_config_not_an_object": (_writing("vae/config.json", "[]"),
                                  "vae/config.json: expected a JSON object of SmallVideoVAE config fields"),

@@ -95,6 +95,11 @@ def test_width_change_drops_inherited_labels(tmp_path):
     registry = EmbodimentRegistry.cosmos3()
     registry.load_config(write(tmp_path, {"embodiments": [{"name": "pusht", "raw_action_dim": 3}]}))
     assert registry.get("pusht").action_names == ("a0", "a1", "a2")
+    # new cameras drop the inherited camera sizes (back to the canvas share) rather than fail on them
+    registry.load_config(write(tmp_path, {"embodiments": [{"name": "pusht", "camera_sizes": {"image": [48, 64]}}]}))
+    registry.load_config(write(tmp_path, {"embodiments": [{"name": "pusht", "cameras": ["scene", "wrist"]}]}))
+    assert registry.get("pusht").camera_sizes is None
+
 
 
 @pytest.mark.parametrize(
@@ -135,6 +140,20 @@ def test_width_change_drops_inherited_labels(tmp_path):
          r"\('pusht'\)\.action_low\.0: Input should be a valid number$"),
         ({"name": "pusht", "normalization": {"passthrough_action_channels": ["1"]}},
          r"passthrough_action_channels\.0: Input should be a valid integer$"),
+        # camera_sizes: [height, width] px of each camera, as ServerInfo advertises them
+        ({"name": "pusht", "cameras": ["scene", "wrist"], "camera_sizes": {"scene": [64, 64]}},
+         r"camera_sizes names \['scene'\]; expected one \[height, width\] for each of cameras \['scene', 'wrist'\]"),
+        ({"name": "pusht", "camera_sizes": {"image": [64, 64], "wrist": [64, 64]}},
+         r"camera_sizes names \['image', 'wrist'\]; expected one \[height, width\] for each of cameras \['image'\]"),
+        ({"name": "pusht", "camera_sizes": {"image": [0, 64]}},
+         r"camera_sizes: camera 'image' is 0x64 px; expected sides of 1 to 2048 px"),
+        ({"name": "pusht", "camera_sizes": {"image": [64, 4096]}},
+         r"camera_sizes: camera 'image' is 64x4096 px; expected sides of 1 to 2048 px"),
+        ({"name": "pusht", "cameras": ["scene", "wrist"], "camera_sizes": {"scene": [512, 512], "wrist": [8, 64]}},
+         r"camera_sizes: camera 'wrist' is 8x64 px, 4096 px wide scaled to the height of camera 'scene' \(512 px, "
+         r"aspect kept\); expected at most 2048"),
+        ({"name": "pusht", "camera_sizes": {"image": ["64", 64]}},
+         r"\('pusht'\)\.camera_sizes\.image\.0: Input should be a valid integer$"),
     ],
 )
 def test_config_errors_name_the_key(tmp_path, entry, match):
@@ -219,6 +238,19 @@ def test_to_spec_declares_one_label_per_channel():
     for embodiment in EmbodimentRegistry.cosmos3():
         action = embodiment.to_spec((64, 64), 16, None).action
         assert action.dim == len(action.names) == len(action.units) == embodiment.raw_action_dim
+
+
+def test_declared_camera_sizes_are_advertised_else_the_canvas_share():
+    """A robot recorded (and trained) with two 64x64 cameras declares them so: ServerInfo advertises 64x64 each, not
+    64x32, their share of a 64x64 canvas, to which a client sizing its frames from ServerInfo would squash them."""
+    arm = Embodiment(name="arm", domain_id=21, raw_action_dim=2, cameras=("scene", "wrist"),
+                     camera_sizes={"scene": (64, 64), "wrist": (48, 64)})
+    spec = arm.to_spec((64, 64), 8, None)
+    assert [(c.name, c.height, c.width, c.min_side) for c in spec.cameras] == [("scene", 64, 64, 8),
+                                                                               ("wrist", 48, 64, 8)]
+    assert arm.frame_sizes((64, 64)) == {"scene": (64, 64), "wrist": (48, 64)}
+    undeclared = arm.model_copy(update={"camera_sizes": None})
+    assert undeclared.frame_sizes((64, 64)) == {"scene": (64, 32), "wrist": (64, 32)}
 
 
 def test_action_checks_and_limits():

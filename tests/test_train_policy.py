@@ -132,10 +132,10 @@ def test_cli_refuses_demonstrations_recorded_at_another_rate(tmp_path, capsys):
         "name another embodiment (--embodiment) to train one of this layout" in err.splitlines()[-1]
 
 
-def _arm_dataset(folder, state_dim=3, action_dim=5, fps=15, version="v3.0", images=()):
+def _arm_dataset(folder, state_dim=3, action_dim=5, fps=15, version="v3.0", images=(), wrist=(16, 24)):
     """A tiny LeRobot dataset as LeRobot records another robot: two episodes of 5 frames, two cameras of unequal size
-    (scene 32x32, wrist 16x24), `state_dim`-D state, `action_dim`-D action, `fps`; none of robots.datagen's own
-    columns. `version` "v3.0" (one data file, one video a camera) or "v2.1" (meta/episodes.jsonl, a data file per
+    (scene 32x32, wrist `wrist`: 16x24), `state_dim`-D state, `action_dim`-D action, `fps`; none of robots.datagen's
+    own columns. `version` "v3.0" (one data file, one video a camera) or "v2.1" (meta/episodes.jsonl, a data file per
     episode, a video per episode and camera); the cameras in `images` are stored as PNG bytes in the rows (dtype
     "image"), not as videos. Every layout holds the same frames, states and actions."""
     import io
@@ -146,7 +146,7 @@ def _arm_dataset(folder, state_dim=3, action_dim=5, fps=15, version="v3.0", imag
 
     from robots.video import H264Writer
 
-    cameras = {"observation.images.scene": (32, 32), "observation.images.wrist": (16, 24)}
+    cameras = {"observation.images.scene": (32, 32), "observation.images.wrist": wrist}
     rng, length, task = np.random.default_rng(0), 5, "stack the cups"
     frames = {key: rng.integers(0, 256, (2, length, h, w, 3), dtype=np.uint8) for key, (h, w) in cameras.items()}
     rows = [[{"observation.state": rng.uniform(-3, 3, state_dim).tolist(),
@@ -244,7 +244,11 @@ def test_another_robot_trains_on_a_domain_row_of_its_own_and_is_served_as_traine
     with caplog.at_level("WARNING", logger="policy_server.engine"):
         engine = policy_server.engine.build_engine(build_config(overrides={
             "checkpoint": str(out), "device": "cpu", "quality_profile": "off", "compile_gen_stack": False}))
+    served = engine.info().embodiment("tiny_arm")
     engine.close()
+    # ServerInfo advertises each camera at the size it was recorded and trained at, not its share of the canvas
+    assert [(c.name, c.height, c.width, c.min_side) for c in served.cameras] == [("scene", 32, 32, 8),
+                                                                                 ("wrist", 16, 24, 8)]
     assert "embodiment 'tiny_arm' is served on domain row 10, which these weights were never trained on " \
         "(policy.json: trained_domain_ids [4])" in caplog.text
 
@@ -359,3 +363,14 @@ def test_an_image_of_another_size_than_its_feature_is_named_before_decoding(tmp_
     _edit_json("meta/info.json", lambda i: i["features"]["observation.images.wrist"].update(shape=shape))(folder)
     with pytest.raises(DatasetError, match=re.escape(named)):
         list(LeRobotDemoDataset(folder))
+
+
+def test_a_video_of_another_size_than_its_feature_is_named(tmp_path):
+    """info.json's shape is the camera size the trained folder advertises: a video whose frames differ is named."""
+    folder = _arm_dataset(tmp_path / "arm")
+    _edit_json("meta/info.json", lambda i: i["features"]["observation.images.scene"].update(shape=[16, 16, 3]))(folder)
+    dataset = LeRobotDemoDataset(folder)
+    assert dataset.camera_sizes == {"scene": (16, 16), "wrist": (16, 24)}
+    with pytest.raises(DatasetError, match=re.escape("episode 0's frames of observation.images.scene are 32x32 px; "
+                                                     "expected 16x16 (its shape in info.json)")):
+        dataset[0]

@@ -178,9 +178,9 @@ def _template_embodiment() -> str:
 def warmup_observations(pipeline: PolicyPipeline, count: int,
                         embodiments: Sequence[str] | None = None) -> list[Observation]:
     """`count` observations per served embodiment (or per one of `embodiments`) for a bounded calibration at
-    warmup: the embedded set's for its embodiment; for the others its frames resized to the embodiment's cameras
-    on the canvas, a zero state and its instructions (synthetic, which the profile's source says)."""
-    height, width = pipeline.config.canvas_hw
+    warmup: the embedded set's for its embodiment; for the others its frames resized to each of the embodiment's
+    cameras at its advertised size (`Embodiment.frame_sizes`), a zero state and its instructions (synthetic, which
+    the profile's source says)."""
     template = load_observations(DEFAULT_OBSERVATIONS, pipeline, served=False)[:count]
     observations = []
     for name in pipeline.served_embodiments if embodiments is None else embodiments:
@@ -188,8 +188,9 @@ def warmup_observations(pipeline: PolicyPipeline, count: int,
         if name == template[0].embodiment:
             observations += template
             continue
-        size = (width // len(spec.cameras), height)
-        observations += [Observation(name, {c: cv2.resize(next(iter(o.images.values())), size) for c in spec.cameras},
+        sizes = spec.frame_sizes(pipeline.config.canvas_hw)  # the advertised ones, which ticks will send
+        observations += [Observation(name, {c: cv2.resize(next(iter(o.images.values())), (w, h))
+                                            for c, (h, w) in sizes.items()},
                                      np.zeros(spec.state_dim, np.float32) if spec.state_dim else None, o.instruction)
                          for o in template]
     return observations

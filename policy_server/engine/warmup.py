@@ -269,10 +269,9 @@ class Warmup:
     def _warmup_steps(self, embodiment: Embodiment, chunk: int, instruction: str, mode: str, tick: int,
                       steps: int | None) -> TickSteps:
         """An uncached or a maximally cached tick on random frames, the latter's calls one by one."""
-        height, width = self.served.pipeline.config.canvas_hw
         rng = np.random.default_rng(tick)
-        images = {name: rng.integers(0, 256, (height, width // len(embodiment.cameras), 3), dtype=np.uint8)
-                  for name in embodiment.cameras}
+        images = {name: rng.integers(0, 256, (*size, 3), dtype=np.uint8)  # the advertised sizes: the ticks' shapes
+                  for name, size in embodiment.frame_sizes(self.served.pipeline.config.canvas_hw).items()}
         state = np.zeros(embodiment.state_dim, np.float32) if embodiment.state_dim else None
         request = PolicyRequest(images=images, instruction=instruction, embodiment=embodiment.name, state=state,
                                 chunk_size=chunk, seed=tick,
@@ -321,15 +320,14 @@ class Warmup:
         embodiment asks for and the longest instruction. A few sampler steps suffice: each is one piece."""
         embodiment = max(self.served.embodiments.values(), key=lambda e: e.max_chunk_size)
         chunk = embodiment.max_chunk_size
-        height, width = self.served.pipeline.config.canvas_hw
-        frames = np.zeros((chunk + 1, height, width // len(embodiment.cameras), 3), np.uint8)
-        cameras = {name: frames for name in embodiment.cameras}
+        cameras = {name: np.zeros((chunk + 1, *size, 3), np.uint8)
+                   for name, size in embodiment.frame_sizes(self.served.pipeline.config.canvas_hw).items()}
         video = side_by_side(list(cameras.values()))
         common = dict(instruction=self.text_of(MAX_INSTRUCTION_TOKENS), embodiment=embodiment.name,
                       state=np.zeros(embodiment.state_dim, np.float32) if embodiment.state_dim else None,
                       chunk_size=chunk, num_steps=min(3, self.served.pipeline.config.num_steps))
         calls = (
-            (PolicyRequest(images={name: frames[0] for name in cameras}, mode="forward_dynamics",
+            (PolicyRequest(images={name: frames[0] for name, frames in cameras.items()}, mode="forward_dynamics",
                            actions=np.zeros((chunk, embodiment.raw_action_dim), np.float32), **common), True),
             (PolicyRequest(images={}, mode="inverse_dynamics", video=video, **common), False),
         )

@@ -11,7 +11,8 @@ A JSON config file adds embodiments or overrides fields of existing ones::
         {"name": "pusht", "fps": 10, "state_dim": 2, "action_units": ["m/s", "m/s"],
          "action_low": [-0.2, -0.2], "action_high": [0.2, 0.2],
          "normalization": {"method": "minmax", "stats_path": "stats.json"}},
-        {"name": "my_arm", "domain_id": 21, "raw_action_dim": 7}
+        {"name": "my_arm", "domain_id": 21, "raw_action_dim": 7, "cameras": ["scene", "wrist"],
+         "camera_sizes": {"scene": [480, 640], "wrist": [224, 224]}}
     ]}
 
 Relative ``stats_path`` values are resolved against the config file's folder. Seeded embodiments
@@ -26,9 +27,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationError, model_validator
 
 from policy_server.json_file import read_json
+from policy_server.limits import MAX_FRAME_SIDE
 from policy_server.pipeline.errors import InvalidActions, InvalidChunkSize, InvalidState, UnregisteredEmbodiment
 from policy_server.pipeline.normalization import (
     NORMALIZATION_METHODS,
@@ -38,7 +40,7 @@ from policy_server.pipeline.normalization import (
     build_normalizers,
 )
 from policy_server.pipeline.prompts import DEFAULT_VIEWPOINT, VIEWPOINTS
-from policy_server.specs import ActionSpec, CameraSpec, EmbodimentSpec
+from policy_server.specs import ActionSpec, CameraSpec, EmbodimentSpec, frame_sizes_outside
 
 MAX_ACTION_DIM = 64  # padded action width of the Cosmos3 transformers (`max_action_dim`)
 NUM_EMBODIMENT_DOMAINS = 32  # rows of the domain-aware action projections
@@ -72,6 +74,8 @@ class Embodiment(BaseModel):
             that normalisation maps onto ``±MODEL_STATE_BOUND``, see ``state_range``).
         cameras: image keys a request must carry, in the order their frames are placed side by
             side when there are several (a concatenated view).
+        camera_sizes: each camera's frame size ``(height, width)`` px, as recorded and trained, which
+            ServerInfo advertises (None: each camera's share of the canvas, ``frame_sizes``).
         viewpoint: camera framing named in the action prompt.
         fps: control / video frame rate, Hz, used in the prompt and the temporal positions.
         default_chunk_size, max_chunk_size: actions per request K (the clip has K + 1 frames).
@@ -94,6 +98,7 @@ class Embodiment(BaseModel):
     state_low: tuple[StrictFloat, ...] | None = None
     state_high: tuple[StrictFloat, ...] | None = None
     cameras: tuple[str, ...] = ("image",)
+    camera_sizes: dict[str, tuple[StrictInt, StrictInt]] | None = None
     viewpoint: str = DEFAULT_VIEWPOINT
     fps: float = Field(default=BASE_FPS, gt=0, allow_inf_nan=False, strict=True)
     default_chunk_size: int = Field(default=DEFAULT_CHUNK_SIZE, ge=1, strict=True)
@@ -134,6 +139,12 @@ class Embodiment(BaseModel):
                     raise ValueError(f"{kind}_low > {kind}_high or not finite for channels {bad}")
         if not self.cameras or len(set(self.cameras)) != len(self.cameras) or not all(self.cameras):
             raise ValueError(f"cameras {list(self.cameras)} must be distinct non-empty names, at least one")
+        if self.camera_sizes is not None:
+            if set(self.camera_sizes) != set(self.cameras):
+                raise ValueError(f"camera_sizes names {list(self.camera_sizes)}; expected one [height, width] for "
+                                 f"each of cameras {list(self.cameras)}")
+            if problem := frame_sizes_outside(self.camera_sizes, 1, MAX_FRAME_SIDE):
+                raise ValueError(f"camera_sizes: {problem}")
         if self.viewpoint not in VIEWPOINTS:
             raise ValueError(
                 f"viewpoint {self.viewpoint!r} is unknown; expected one of {', '.join(VIEWPOINTS)}"
@@ -220,21 +231,28 @@ class Embodiment(BaseModel):
         high = np.asarray(self.action_high, dtype=actions.dtype)
         return np.clip(actions, low, high)
 
+    def frame_sizes(self, canvas_hw: tuple[int, int]) -> dict[str, tuple[int, int]]:
+        """Each camera's frame size ``(height, width)`` px, the one to send: the declared ``camera_sizes``, else
+        its share of the model's largest canvas ``canvas_hw`` (the cameras side by side across its width)."""
+        if self.camera_sizes is not None:
+            return {name: tuple(self.camera_sizes[name]) for name in self.cameras}
+        height, width = canvas_hw
+        return dict.fromkeys(self.cameras, (height, width // len(self.cameras)))
+
     def to_spec(self, canvas_hw: tuple[int, int], min_side: int, state_normalizer: Normalizer | None) -> EmbodimentSpec:
         """The schema a server declares for this embodiment (``ServerInfo.embodiments``).
 
-        canvas_hw: the model's largest canvas; the cameras share its width side by side. min_side: the
+        canvas_hw: the model's largest canvas, which undeclared cameras share (``frame_sizes``). min_side: the
             smallest frame side the pipeline accepts (the VAE's spatial compression). state_normalizer:
             the state normaliser, for the accepted state range when none is declared.
         """
-        height, width = canvas_hw
         state_range = self.state_range(state_normalizer)
         low, high = ((), ()) if state_range is None else (tuple(map(float, state_range[0])),
                                                            tuple(map(float, state_range[1])))
         return EmbodimentSpec(
             name=self.name,
-            cameras=tuple(CameraSpec(name, height, width // len(self.cameras), min_side=min_side)
-                          for name in self.cameras),
+            cameras=tuple(CameraSpec(name, height, width, min_side=min_side)
+                          for name, (height, width) in self.frame_sizes(canvas_hw).items()),
             state_dim=self.state_dim,
             action=ActionSpec(dim=self.raw_action_dim, names=self.action_names, units=self.action_units,
                               low=self.action_low or (), high=self.action_high or ()),
@@ -394,6 +412,8 @@ class EmbodimentRegistry:
                 # a new width invalidates the inherited per-channel labels and limits
                 for label in ("action_names", "action_units", "action_low", "action_high"):
                     fields.pop(label, None)
+            if base is not None and "camera_sizes" not in entry and entry.get("cameras") not in (None, [*base.cameras]):
+                fields.pop("camera_sizes", None)  # sizes of other cameras
             fields.update(entry)
             fields["normalization"] = self._normalization_fields(entry, fields, path.parent, where)
             try:

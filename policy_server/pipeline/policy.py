@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from policy_server.cache.controller import CacheRecord, NoCache, StepController
+from policy_server.limits import MAX_FRAME_SIDE
 from policy_server.model import Cosmos3OmniTransformer, GenInput, UndKV, load_transformer
 from policy_server.model.boundary import PaddedGenLayouts
 from policy_server.model.checkpoint import CheckpointError, weights_digest
@@ -61,7 +62,7 @@ from policy_server.pipeline.prompts import PromptPair, action_prompt_pair
 from policy_server.pipeline.schedulers import make_sampler
 from policy_server.pipeline.tick_work import TickWork
 from policy_server.pipeline.wan_vae import WanVideoVAE
-from policy_server.specs import width_beside
+from policy_server.specs import frame_sizes_outside, width_beside
 
 MODES = ("policy", "forward_dynamics", "inverse_dynamics")
 BRANCHES = ("cond", "uncond")
@@ -393,13 +394,20 @@ class PolicyPipeline:
         return pipeline
 
     def _check_parts_fit(self, root: Path) -> None:
-        """The served embodiments fit the transformer's action rows, and the canvases the VAE's latent grid."""
+        """The served embodiments fit the transformer's action rows and their declared camera sizes the frames the
+        server takes, and the canvases the VAE's latent grid."""
         width = self.transformer.config.action_dim  # an action row holds an action or the state
         served = [self.embodiments.get(name) for name in self.served_embodiments]
         if too_wide := [e.name for e in served if max(e.raw_action_dim, e.state_dim) > width]:
             raise CheckpointError(f"{root / self.config.embodiments_file}: {too_wide} have more action or state "
                                   f"channels than the transformer's action_dim={width}")
         step = self.vae.spatial_compression
+        for embodiment in served:  # advertised, so they must be sizes the server takes (min_side is the VAE's)
+            if embodiment.camera_sizes and (problem := frame_sizes_outside(embodiment.camera_sizes, step,
+                                                                           MAX_FRAME_SIDE)):
+                raise CheckpointError(f"{root / self.config.embodiments_file}: {embodiment.name}'s camera_sizes: "
+                                      f"{problem} ({step}: the VAE's spatial compression, the smallest frame side "
+                                      "the server takes)")
         if bad := [list(hw) for hw in self.config.canvases if hw[0] % step or hw[1] % step]:
             raise CheckpointError(f"{root / 'policy.json'}: canvases {bad}; expected sides that are multiples of "
                                   f"the VAE's spatial compression, {step} px")

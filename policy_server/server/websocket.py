@@ -428,7 +428,7 @@ class OpenpiWebsocketServer:
             "model": info.model_name,
             "model_digest": info.model_digest,
             "embodiment": spec.name,
-            "cameras": {c.name: [c.height, c.width, c.channels] for c in spec.cameras},  # canvas share
+            "cameras": {c.name: [c.height, c.width, c.channels] for c in spec.cameras},  # the size to send
             "frame_sides": {c.name: [c.min_side, c.max_side] for c in spec.cameras},
             "state_dim": spec.state_dim,
             "action_dim": spec.action.dim,
