@@ -101,6 +101,26 @@ def test_width_change_drops_inherited_labels(tmp_path):
     assert registry.get("pusht").camera_sizes is None
 
 
+def test_units_default_to_normalized_only_where_actions_stay_normalised(tmp_path):
+    """Without stats (Cosmos3's seed, a diffusers folder) actions and state are in the model's normalised space;
+    with stats they are de-normalised into the units of the data the stats came from, which only a declaration
+    names: undeclared, ServerInfo claims no unit (empty, as for an embodiment without labels)."""
+    registry = EmbodimentRegistry.cosmos3()
+    seeded = registry.get("bridge_orig_lerobot").to_spec((64, 64), 8, None)
+    assert seeded.action.units == ("normalized",) * 10
+    stats = {"method": "minmax", "stats_path": "stats.json"}
+    registry.load_config(write(tmp_path, {"embodiments": [
+        {"name": "bridge_orig_lerobot", "normalization": stats},  # stats given to a seeded embodiment
+        {"name": "arm", "domain_id": 21, "raw_action_dim": 2, "state_dim": 1, "state_low": [-1.0],
+         "state_high": [1.0], "normalization": stats},
+        {"name": "declared", "domain_id": 22, "raw_action_dim": 2, "action_units": ["m/s", "m/s"], "state_dim": 1,
+         "state_units": ["m"], "state_low": [-1.0], "state_high": [1.0], "normalization": stats},
+    ]}))
+    unknown = [registry.get(name).to_spec((64, 64), 8, None) for name in ("bridge_orig_lerobot", "arm")]
+    assert [(spec.action.units, spec.state_units) for spec in unknown] == [((), ()), ((), ())]
+    declared = registry.get("declared").to_spec((64, 64), 8, None)
+    assert (declared.action.units, declared.state_units) == (("m/s", "m/s"), ("m",))
+
 
 @pytest.mark.parametrize(
     "entry,match",

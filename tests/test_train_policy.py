@@ -246,9 +246,11 @@ def test_another_robot_trains_on_a_domain_row_of_its_own_and_is_served_as_traine
             "checkpoint": str(out), "device": "cpu", "quality_profile": "off", "compile_gen_stack": False}))
     served = engine.info().embodiment("tiny_arm")
     engine.close()
-    # ServerInfo advertises each camera at the size it was recorded and trained at, not its share of the canvas
+    # ServerInfo advertises each camera at the size it was recorded and trained at, not its share of the canvas,
+    # and no unit for the state, whose units the dataset does not give (served de-normalised, not "normalized")
     assert [(c.name, c.height, c.width, c.min_side) for c in served.cameras] == [("scene", 32, 32, 8),
                                                                                  ("wrist", 16, 24, 8)]
+    assert (served.action.units, served.state_units) == (("rad/s",) * 5, ())
     assert "embodiment 'tiny_arm' is served on domain row 10, which these weights were never trained on " \
         "(policy.json: trained_domain_ids [4])" in caplog.text
 

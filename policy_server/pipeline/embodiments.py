@@ -16,7 +16,9 @@ A JSON config file adds embodiments or overrides fields of existing ones::
     ]}
 
 Relative ``stats_path`` values are resolved against the config file's folder. Seeded embodiments
-have no stats: their actions stay in the model's normalised space unless a config adds stats.
+have no stats: their actions stay in the model's normalised space (units ``"normalized"``) unless a config
+adds stats, which de-normalise them into the units of the data the stats came from (named only where the
+config gives ``action_units`` / ``state_units``).
 """
 
 from __future__ import annotations
@@ -65,7 +67,8 @@ class Embodiment(BaseModel):
         name: registry key (Cosmos3's ``domain_name``).
         domain_id: row of the domain-aware action projections, in [0, 32).
         raw_action_dim: unpadded action width D; channels D..63 stay zero.
-        action_names, action_units: one entry per action channel.
+        action_names, action_units: one entry per action channel (units may be left out: see
+            ``channel_units``).
         action_low, action_high: physical limits per channel (None: unbounded).
         state_dim: proprio state width S (0: the policy takes no state). A state enters the sequence
             as a clean action row, so S <= 64.
@@ -109,17 +112,14 @@ class Embodiment(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _fill_channel_labels(cls, data: Any) -> Any:
-        """Default names ``a0..`` / ``s0..`` and units ``"normalized"`` when none are given."""
+        """Default names ``a0..`` / ``s0..`` when none are given."""
         if not isinstance(data, dict):
             return data
         data = dict(data)
         labels = (("action", "a", data.get("raw_action_dim")), ("state", "s", data.get("state_dim", 0)))
         for kind, prefix, dim in labels:
-            if isinstance(dim, int):
-                if not data.get(f"{kind}_names"):
-                    data[f"{kind}_names"] = tuple(f"{prefix}{i}" for i in range(dim))
-                if not data.get(f"{kind}_units"):
-                    data[f"{kind}_units"] = ("normalized",) * dim
+            if isinstance(dim, int) and not data.get(f"{kind}_names"):
+                data[f"{kind}_names"] = tuple(f"{prefix}{i}" for i in range(dim))
         return data
 
     @model_validator(mode="after")
@@ -128,7 +128,9 @@ class Embodiment(BaseModel):
             dim = getattr(self, dim_name)
             for label in (f"{kind}_names", f"{kind}_units", f"{kind}_low", f"{kind}_high"):
                 values = getattr(self, label)
-                if values is not None and len(values) != dim:
+                if values is None or (label == f"{kind}_units" and not values):
+                    continue  # unbounded, or units not declared
+                if len(values) != dim:
                     raise ValueError(f"{label} has {len(values)} entries; expected {dim_name}={dim}")
             low, high = getattr(self, f"{kind}_low"), getattr(self, f"{kind}_high")
             if (low is None) != (high is None):
@@ -239,6 +241,16 @@ class Embodiment(BaseModel):
         height, width = canvas_hw
         return dict.fromkeys(self.cameras, (height, width // len(self.cameras)))
 
+    def channel_units(self, kind: str) -> tuple[str, ...]:
+        """The units of the ``kind`` ("action" or "state") channels as served: the declared ones; undeclared,
+        ``"normalized"`` where no stats de-normalise them (the model's own space), else none (the units of the
+        data the stats came from, which nothing names)."""
+        declared = self.action_units if kind == "action" else self.state_units
+        dim = self.raw_action_dim if kind == "action" else self.state_dim
+        if declared or self.normalization.method != "none":
+            return declared
+        return ("normalized",) * dim
+
     def to_spec(self, canvas_hw: tuple[int, int], min_side: int, state_normalizer: Normalizer | None) -> EmbodimentSpec:
         """The schema a server declares for this embodiment (``ServerInfo.embodiments``).
 
@@ -254,10 +266,10 @@ class Embodiment(BaseModel):
             cameras=tuple(CameraSpec(name, height, width, min_side=min_side)
                           for name, (height, width) in self.frame_sizes(canvas_hw).items()),
             state_dim=self.state_dim,
-            action=ActionSpec(dim=self.raw_action_dim, names=self.action_names, units=self.action_units,
+            action=ActionSpec(dim=self.raw_action_dim, names=self.action_names, units=self.channel_units("action"),
                               low=self.action_low or (), high=self.action_high or ()),
             state_names=self.state_names,
-            state_units=self.state_units,
+            state_units=self.channel_units("state"),
             state_low=low,
             state_high=high,
             default_chunk_size=self.default_chunk_size,
