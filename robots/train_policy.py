@@ -38,6 +38,7 @@ from pydantic import ValidationError
 from tqdm import tqdm
 
 from policy_server.json_file import read_json
+from policy_server.limits import MAX_FRAME_SIDE
 from policy_server.model import Cosmos3OmniTransformer, load_transformer
 from policy_server.model.boundary import GenInput, UndKV
 from policy_server.model.checkpoint import CheckpointError
@@ -56,6 +57,7 @@ from policy_server.pipeline.normalization import make_normalizer, parse_stats
 from policy_server.pipeline.packing import ActionLayout, pack_request
 from policy_server.pipeline.policy import default_model_path, policy_prompt_pair
 from policy_server.pipeline.policy_config import PolicyConfig, PolicyConfigError
+from policy_server.specs import frame_sizes_outside
 from robots import embedded
 from robots.dataset import DatasetError, DemoDataset, Episode, array_stats, open_dataset
 from robots.lerobot_dataset import LeRobotDemoDataset
@@ -209,6 +211,15 @@ def check_fits_embodiment(dataset: DemoDataset | LeRobotDemoDataset, episodes: l
                                f"{frame_hw[0]}x{frame_hw[1]}, {noun} {trains}" + hint)
 
 
+def check_frames_servable(dataset: DemoDataset | LeRobotDemoDataset, min_side: int) -> None:
+    """DatasetError unless the server takes frames of the dataset's cameras (`frame_sizes_outside`): sides of
+    `min_side` (the VAE's spatial compression) to MAX_FRAME_SIDE px, and side by side no wider than that once scaled.
+    A folder trained on other frames would serve an embodiment whose every tick the server refuses."""
+    if problem := frame_sizes_outside(dataset.camera_sizes, min_side, MAX_FRAME_SIDE):
+        raise DatasetError(f"{dataset.directory}: {problem} ({min_side}: the VAE's spatial compression, the smallest "
+                           "frame side the server takes)")
+
+
 def init_domains(init_from: Path | None) -> set[int]:
     """The domain rows the weights in `init_from` were trained on, as its policy.json records them (none known
     for a folder without one, or for training from scratch)."""
@@ -269,6 +280,8 @@ def train(
         model = load_transformer(init_from).float().train()
     config = model.config
     datasets = [open_dataset(data_dir) for data_dir in data_dirs]
+    for dataset in datasets:  # from info.json's shapes, before any frame is decoded
+        check_frames_servable(dataset, vae.spatial_compression)
     by_dataset = [list(dataset) for dataset in datasets]
     entry = trained_embodiment(datasets, by_dataset[0][0], embodiment, domain_id, chunk, config.action_dim,
                                init_domains(init_from), limits)

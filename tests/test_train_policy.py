@@ -263,6 +263,8 @@ def test_another_robot_trains_on_a_domain_row_of_its_own_and_is_served_as_traine
     (["--data", "{arm}", "--domain-id", "0"], "--domain-id 0: expected 1 to 31 (0 is Cosmos3's no-action domain)"),
     (["--data", "{arm}", "--limits", "{limits}"], "embodiment 'tiny_arm': Value error, action_low has 7 entries; "
                                                    "expected raw_action_dim=5"),
+    (["--data", "{arm_4px}"], "{arm_4px}: camera 'wrist' is 4x24 px; expected sides of 8 to 2048 px (8: the VAE's "
+                              "spatial compression, the smallest frame side the server takes)"),
 ])
 def test_cli_refuses_what_the_model_cannot_train_before_encoding(tmp_path, capsys, argv, named):
     """Beyond the model's action_dim, datasets of two layouts pooled, the no-action row, limits of the wrong width."""
@@ -270,6 +272,9 @@ def test_cli_refuses_what_the_model_cannot_train_before_encoding(tmp_path, capsy
     paths = {"arm": _arm_dataset(tmp_path / "arm"), "limits": tmp_path / "limits.json"}
     if "{arm17}" in argv:
         paths["arm17"] = _arm_dataset(tmp_path / "arm17", action_dim=17)
+    if "{arm_4px}" in argv:  # a wrist camera too small for the VAE, stored as images (a 4 px video will not encode)
+        paths["arm_4px"] = _arm_dataset(tmp_path / "arm_4px", wrist=(4, 24), images=("observation.images.wrist",))
+        named = named.replace("{arm_4px}", str(paths["arm_4px"]))
     argv = [arg.format(**paths) for arg in argv]
     with pytest.raises(SystemExit) as exit_info:
         main([*argv, "--out", str(tmp_path / "out"), "--steps", "1"])
