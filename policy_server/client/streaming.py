@@ -18,10 +18,13 @@ opening as when reconnecting: streams that all (re)connect at once, after a fail
 no place left on the server for those still to send their start, and a lost session's reopening may find the server
 full (TOO_MANY_SESSIONS, OVERLOADED) until other sessions close (behind Ray Serve a stream's error does not say when
 to retry).
-Newest observation wins before the network too: at most ``MAX_FRAMES_IN_FLIGHT`` frames (not ``must_answer``) are on
-their way or on the server (sent, not yet answered by a chunk, superseded or error); a newer frame waits in the client
-until one is answered, and replaces (``superseded``) a frame that was waiting, so that a link slower than the frames (a
-stalled WiFi link, a slow uplink) carries the newest rather than a backlog of old ones that grows without bound.
+Newest observation wins before the network too: of the frames not ``must_answer``, one at most is on its way (sent,
+and the server has not yet said it read it: each frame is followed by a ping, whose pong is its receipt) and at most
+``MAX_FRAMES_IN_FLIGHT`` are unanswered (by a chunk, superseded or error); a newer frame waits in the client until
+then, and replaces (``superseded``) a frame that was waiting, so that a link slower than the frames (a stalled WiFi
+link, a slow uplink) carries the newest rather than a backlog of old ones. The link then holds at most one frame ahead
+of gRPC's ping answers, which must come back within 5 s: a frame that takes longer than that to cross the uplink
+(48 kB of JPEG at 64 kbit/s) loses the connection (``disconnected``, ping timeout) however few are sent.
 Observations sent while disconnected are dropped: they would be stale by the time a chunk came. A reply this
 client cannot read (preview frames, JPEG, without OpenCV) ends the stream: ``closed`` with UNREADABLE_REPLY.
 Once the stream has ended (``closed``, whose error says why, or `close()`), sending raises ``PolicyServerError``
@@ -106,7 +109,10 @@ class ControlStream:
         self._sent_instructions: dict[int, str] = {}  # obs_id -> the instruction it carries, until it is answered
         self._obs_ids = itertools.count(1)
         self._in_flight: set[int] = set()  # obs_ids of frames (not must_answer) sent on this call, not answered yet
-        self._waiting: pb.ControlRequest | None = None  # the newest frame, until one of those is answered
+        # The frame sent on this call whose receipt is not back yet (0: none). One at most: what the uplink holds
+        # ahead of gRPC's ping answers, which have 5 s to come back, and a slow uplink takes seconds for a frame.
+        self._on_its_way = 0
+        self._waiting: pb.ControlRequest | None = None  # the newest frame, until it may be sent
 
     @property
     def session(self) -> Session:
@@ -136,7 +142,7 @@ class ControlStream:
         with self._lock:
             self._requests, self._call = requests, call
             self._session = Session.from_proto(first.started)
-            self._in_flight, self._waiting = set(), None  # the last call's frames are lost with it
+            self._in_flight, self._on_its_way, self._waiting = set(), 0, None  # the last call's frames are lost
 
     def open(self) -> ControlStream:
         """Attach to the session (once: opening an opened stream returns it as it is, so ``with stream.open()``
@@ -171,6 +177,9 @@ class ControlStream:
                         self._end(PolicyServerError(grpc.StatusCode.CANCELLED, "UNREADABLE_REPLY",
                                                     f"a reply could not be read: {type(exc).__name__}: {exc}"))
                         return
+                    if converted.kind == "pong" and converted.client_time_ns < 0:
+                        self._received(-converted.client_time_ns)
+                        continue
                     if converted.kind == "budget":
                         self._keep(converted.session)
                     self._answered(converted)
@@ -204,10 +213,7 @@ class ControlStream:
             return
         with self._lock:
             self._in_flight.discard(event.obs_id)
-            if self._waiting is not None and len(self._in_flight) < MAX_FRAMES_IN_FLIGHT:
-                self._in_flight.add(self._waiting.observation.obs_id)
-                self._requests.put(self._waiting)
-                self._waiting = None
+            self._send_waiting()
             if event.kind != "chunk":
                 self._sent_instructions.pop(event.obs_id, None)
                 return
@@ -216,6 +222,32 @@ class ControlStream:
             # Frames are acted on in order: one sent before the answered frame and still here never will be.
             for obs_id in [o for o in self._sent_instructions if o <= event.obs_id]:
                 del self._sent_instructions[obs_id]
+
+    def _received(self, obs_id: int) -> None:
+        """The server has read frame ``obs_id`` (its receipt came): the next frame may go."""
+        with self._lock:
+            if obs_id == self._on_its_way:
+                self._on_its_way = 0
+                self._send_waiting()
+
+    def _sendable(self) -> bool:
+        """Under the lock: whether a frame (not must_answer) may be sent now rather than wait."""
+        return not self._on_its_way and len(self._in_flight) < MAX_FRAMES_IN_FLIGHT
+
+    def _send_frame(self, request: pb.ControlRequest) -> None:
+        """Under the lock: send a frame (not must_answer), then the ping whose pong is its receipt: client_time_ns is
+        -obs_id (the caller's pings carry time.monotonic_ns(), never negative)."""
+        obs_id = request.observation.obs_id
+        self._in_flight.add(obs_id)
+        self._on_its_way = obs_id
+        self._requests.put(request)
+        self._requests.put(pb.ControlRequest(ping=pb.Ping(client_time_ns=-obs_id)))
+
+    def _send_waiting(self) -> None:
+        """Under the lock: send the frame that waits, if it may go now."""
+        if self._waiting is not None and self._sendable():
+            self._send_frame(self._waiting)
+            self._waiting = None
 
     def _end(self, error: PolicyServerError | None) -> None:
         """Report the stream's end (``closed``, with ``error`` unless the client closed it)."""
@@ -407,12 +439,13 @@ class ControlStream:
         request = pb.ControlRequest(observation=frame)
         with self._lock:
             self._check_sendable()
-            if must_answer or len(self._in_flight) < MAX_FRAMES_IN_FLIGHT:
-                if not must_answer:  # never superseded: the server bounds them (TOO_MANY_PENDING_FRAMES)
-                    self._in_flight.add(obs_id)
+            if must_answer:  # never superseded: the server bounds them (TOO_MANY_PENDING_FRAMES)
                 self._requests.put(request)
                 return obs_id
-            replaced, self._waiting = self._waiting, request  # sent once a frame in flight is answered
+            if self._sendable():
+                self._send_frame(request)
+                return obs_id
+            replaced, self._waiting = self._waiting, request  # sent once the frame on its way is read, or one answered
         if replaced is not None:
             superseded = StreamEvent("superseded", obs_id=replaced.observation.obs_id, by_obs_id=obs_id)
             self._answered(superseded)
