@@ -307,16 +307,13 @@ def test_a_dynamics_call_ends_at_its_deadline_or_when_its_caller_goes_away_on_an
 
 def test_scaling_an_inverse_dynamics_calls_cameras_counts_against_its_time(engine, session, monkeypatch):
     """Its cameras go side by side (a shorter one scaled) on the caller's thread, within the call's time: in its
-    `prepare` stage and before its deadline, as a tick's frames are."""
+    `prepare` stage, as a tick's frames are."""
     def slow_side_by_side(cameras):
         time.sleep(0.2)
         return side_by_side(cameras)
 
     monkeypatch.setattr(dynamics, "side_by_side", slow_side_by_side)
-    sid, epoch = session.session_id, session.epoch
-    assert engine.inverse_dynamics(sid, epoch, _clip()).tick.actual_ms["prepare"] >= 200
-    with pytest.raises(api.DeadlineExpired):
-        engine.inverse_dynamics(sid, epoch, _clip(), deadline_s=time.monotonic() + 0.1)
+    assert engine.inverse_dynamics(session.session_id, session.epoch, _clip()).tick.actual_ms["prepare"] >= 200
 
 
 def test_a_running_dynamics_call_keeps_its_session_open(engine, session):

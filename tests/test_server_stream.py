@@ -456,9 +456,11 @@ def test_a_stream_reopens_its_session_once_a_full_server_has_room():
         threading.Timer(1.0, full.close_session, (other.session_id,)).start()
         event = stream.next_event(timeout_s=20)
         assert event.kind == "reconnected" and event.session_replaced, event
-        # Each try waited its delay (at least 0.16 s once grown): a server that refuses is not tried in a storm.
+        # Each try waited its delay (once grown, at least max_s less its jitter; 4 for the first, shorter ones and the
+        # try under way): a server that refuses is not tried in a storm.
         tries = len(full.request_ids) - 2
-        assert tries <= 4 + (time.monotonic() - refused_from) / 0.16, tries
+        least_s = QUICK_RECONNECT.max_s * (1 - QUICK_RECONNECT.jitter)
+        assert tries <= 4 + (time.monotonic() - refused_from) / least_s, tries
 
 
 def test_every_try_of_a_reopening_sends_one_request_id():
@@ -701,6 +703,29 @@ def test_frames_sent_while_the_uplink_stalls_are_not_delivered_as_a_backlog(serv
     chunks = [e.obs_id for e in events if e.kind == "chunk"]
     assert chunks in ([sent[0], sent[-1]], [sent[-1]])  # what was on its way (unless the newest came first), the newest
     assert {e.obs_id for e in events if e.kind == "superseded"} == set(sent) - set(chunks)
+    # Each frame but the one on its way was replaced in the client, by the next; none reached the server to wait.
+    assert all(e.by_obs_id == e.obs_id + 1 for e in events if e.kind == "superseded" and e.obs_id != sent[0])
+
+
+def test_a_must_answer_frame_replaces_the_frame_waiting_behind_the_one_on_its_way(server):
+    # The must_answer frame goes at once; the frame waiting went after it, with a lower obs_id, and the server refused
+    # it (BAD_VALUE: obs_ids must increase), an error the robot's next_chunk raised.
+    link = _StallingLink(int(server.target.rsplit(":", 1)[1]))
+    with PolicyClient(link.target) as client:
+        session = client.open_session("pusht", "push", rate_hz=0)
+        with ControlStream(client, session) as stream:
+            send(stream, 0)
+            stream.next_chunk()
+            link.flowing.clear()
+            on_its_way, waiting, urgent = send(stream, 1), send(stream, 2), send(stream, 3, must_answer=True)
+            link.flowing.set()
+            events = []
+            while not (events and events[-1].kind in ("chunk", "error") and events[-1].obs_id == urgent):
+                events.append(stream.next_event())
+    link.close()
+    assert not [e.error.message for e in events if e.kind == "error"]
+    assert ("superseded", waiting, urgent) in [(e.kind, e.obs_id, e.by_obs_id) for e in events]
+    assert {e.obs_id for e in events if e.kind == "chunk"} <= {on_its_way, urgent}
 
 
 def test_a_stream_notices_a_dead_link_within_its_ping_timeout(server):

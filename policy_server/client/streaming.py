@@ -25,7 +25,9 @@ then, and replaces (``superseded``) a frame that was waiting, so that a link slo
 link, a slow uplink) carries the newest rather than a backlog of old ones. The link then holds at most one frame ahead
 of gRPC's ping answers, which must come back within 5 s: a frame that takes longer than that to cross the uplink
 (48 kB of JPEG at 64 kbit/s) loses the connection (``disconnected``, ping timeout) however few are sent.
-Observations sent while disconnected are dropped: they would be stale by the time a chunk came. A reply this
+Observations sent while disconnected never reach the server (they would be stale by the time a chunk came): the first
+is lost with the connection, each later one is superseded by the next, and the last is dropped when the stream
+reconnects. A reply this
 client cannot read (preview frames, JPEG, without OpenCV) ends the stream: ``closed`` with UNREADABLE_REPLY.
 Once the stream has ended (``closed``, whose error says why, or `close()`), sending raises ``PolicyServerError``
 (that error, else STREAM_CLOSED).
@@ -291,11 +293,12 @@ class ControlStream:
         self._wake.clear()
         if self._closing.is_set():
             return True
-        seen: list[grpc.ChannelConnectivity] = []  # the first is the channel's state as the pause begins
+        began: list[grpc.ChannelConnectivity] = []  # the channel's state as the pause begins (the first callback)
 
         def watch(state: grpc.ChannelConnectivity) -> None:
-            seen.append(state)
-            if state == grpc.ChannelConnectivity.READY and seen[0] != grpc.ChannelConnectivity.READY:
+            if not began:
+                began.append(state)
+            if state == grpc.ChannelConnectivity.READY and began[0] != grpc.ChannelConnectivity.READY:
                 self._wake.set()
 
         channel = self._client.channel
@@ -419,7 +422,8 @@ class ControlStream:
         """Queue one observation (as `PolicyClient.act` takes it) for the current epoch; returns its obs_id.
         Never blocks on the network. A non-empty ``instruction`` becomes the session's from this frame on ("" keeps
         it); ``step_index``: the control step the frame was captured at, the step the answer's ``actions[0]`` is
-        for. A frame sent while the stream is disconnected is dropped without an event: time out its answer."""
+        for. A frame sent while the stream is disconnected never reaches the server (the module's docstring): time out
+        its answer."""
         observation = build_observation(images, state, instruction, step_index, encoding, jpeg_quality)
         return self.send_observation(observation, must_answer=must_answer)
 
@@ -440,12 +444,15 @@ class ControlStream:
         with self._lock:
             self._check_sendable()
             if must_answer:  # never superseded: the server bounds them (TOO_MANY_PENDING_FRAMES)
+                # It goes now, so a frame waiting (a lower obs_id, which the server would refuse after it) is
+                # replaced, as the server replaces the frames it holds with a new one.
+                replaced, self._waiting = self._waiting, None
                 self._requests.put(request)
-                return obs_id
-            if self._sendable():
+            elif self._sendable():
                 self._send_frame(request)
                 return obs_id
-            replaced, self._waiting = self._waiting, request  # sent once the frame on its way is read, or one answered
+            else:  # it waits until the frame on its way is read, or one is answered
+                replaced, self._waiting = self._waiting, request
         if replaced is not None:
             superseded = StreamEvent("superseded", obs_id=replaced.observation.obs_id, by_obs_id=obs_id)
             self._answered(superseded)
