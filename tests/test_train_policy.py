@@ -381,3 +381,11 @@ def test_a_video_of_another_size_than_its_feature_is_named(tmp_path):
     with pytest.raises(DatasetError, match=re.escape("episode 0's frames of observation.images.scene are 32x32 px; "
                                                      "expected 16x16 (its shape in info.json)")):
         dataset[0]
+
+
+def test_channel_names_nested_as_lerobot_records_them_are_read(tmp_path):
+    """LeRobot's info.json often nests a feature's channel names, {"motors": [...]}: they were dropped (a0, a1...)."""
+    folder = _arm_dataset(tmp_path / "arm")
+    names = ["shoulder", "elbow", "wrist", "roll", "gripper"]
+    _edit_json("meta/info.json", lambda i: i["features"]["action"].update(names={"motors": names}))(folder)
+    assert LeRobotDemoDataset(folder).action_names == names
