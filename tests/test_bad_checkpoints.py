@@ -274,3 +274,11 @@ def test_policy_json_numbers_are_not_converted(tmp_path, text, field, expected):
     with pytest.raises(PolicyConfigError) as info:
         PolicyConfig.load(path)
     assert str(info.value) == f"{path}: {field}: Input should be {expected}"
+
+
+def test_policy_json_trained_domain_ids_are_rows_of_the_action_projections(tmp_path):
+    path = tmp_path / "policy.json"
+    path.write_text('{"trained_domain_ids": [4, 32]}')
+    with pytest.raises(PolicyConfigError) as info:
+        PolicyConfig.load(path)
+    assert str(info.value) == f"{path}: trained_domain_ids.1: Input should be less than 32"
