@@ -455,13 +455,14 @@ class PolicyPipeline:
         )
 
     @property
-    def untrained_embodiments(self) -> list[str]:
+    def untrained_embodiments(self) -> list[Embodiment]:
         """Served embodiments whose domain row `policy.json`'s `trained_domain_ids` does not list: their actions come
         from projections no training touched (none when the folder does not record its trained domains)."""
         trained = self.config.trained_domain_ids
         if trained is None:
             return []
-        return [name for name in self.served_embodiments if self.embodiments.get(name).domain_id not in trained]
+        served = (self.embodiments.get(name) for name in self.served_embodiments)
+        return [embodiment for embodiment in served if embodiment.domain_id not in trained]
 
     @property
     def device(self) -> torch.device:
