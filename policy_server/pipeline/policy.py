@@ -29,7 +29,6 @@ import numpy as np
 import torch
 
 from policy_server.cache.controller import CacheRecord, NoCache, StepController
-from policy_server.limits import MAX_FRAME_SIDE
 from policy_server.model import Cosmos3OmniTransformer, GenInput, UndKV, load_transformer
 from policy_server.model.boundary import PaddedGenLayouts
 from policy_server.model.checkpoint import CheckpointError, weights_digest
@@ -403,11 +402,9 @@ class PolicyPipeline:
                                   f"channels than the transformer's action_dim={width}")
         step = self.vae.spatial_compression
         for embodiment in served:  # advertised, so they must be sizes the server takes (min_side is the VAE's)
-            if embodiment.camera_sizes and (problem := frame_sizes_outside(embodiment.camera_sizes, step,
-                                                                           MAX_FRAME_SIDE)):
+            if embodiment.camera_sizes and (problem := frame_sizes_outside(embodiment.camera_sizes, step)):
                 raise CheckpointError(f"{root / self.config.embodiments_file}: {embodiment.name}'s camera_sizes: "
-                                      f"{problem} ({step}: the VAE's spatial compression, the smallest frame side "
-                                      "the server takes)")
+                                      f"{problem}")
         if bad := [list(hw) for hw in self.config.canvases if hw[0] % step or hw[1] % step]:
             raise CheckpointError(f"{root / 'policy.json'}: canvases {bad}; expected sides that are multiples of "
                                   f"the VAE's spatial compression, {step} px")
