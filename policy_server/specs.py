@@ -63,20 +63,22 @@ def too_wide_beside(sizes: Mapping[str, tuple[int, int]], max_width: Mapping[str
     return None
 
 
-def frame_sizes_outside(sizes: Mapping[str, tuple[int, int]], min_side: int, max_side: int) -> str | None:
-    """What a server taking sides of ``min_side..max_side`` px (``CameraSpec``'s bounds) refuses of cameras' frame
-    sizes ``(height, width)`` by name, side by side: the first camera with a side outside them, or one too wide
-    beside the tallest (``too_wide_beside``), in words; None when it takes them all."""
+def frame_sizes_outside(sizes: Mapping[str, tuple[int, int]], min_side: int) -> str | None:
+    """What a server taking sides of ``min_side`` (the VAE's spatial compression) to ``MAX_FRAME_SIDE`` px
+    (``CameraSpec``'s bounds) refuses of cameras' frame sizes ``(height, width)`` by name, side by side: the first
+    camera with a side outside them, or one too wide beside the tallest (``too_wide_beside``), in words; None when
+    it takes them all."""
     for name, (height, width) in sizes.items():
-        if not (min_side <= height <= max_side and min_side <= width <= max_side):
-            return f"camera {name!r} is {height}x{width} px; expected sides of {min_side} to {max_side} px"
-    too_wide = too_wide_beside(sizes, dict.fromkeys(sizes, max_side))
+        if not (min_side <= height <= MAX_FRAME_SIDE and min_side <= width <= MAX_FRAME_SIDE):
+            return (f"camera {name!r} is {height}x{width} px; expected sides of {min_side} to {MAX_FRAME_SIDE} px "
+                    f"({min_side}: the VAE's spatial compression, the smallest frame side the server takes)")
+    too_wide = too_wide_beside(sizes, dict.fromkeys(sizes, MAX_FRAME_SIDE))
     if too_wide is None:
         return None
     name, tallest, scaled = too_wide
     height, width = sizes[name]
     return (f"camera {name!r} is {height}x{width} px, {scaled} px wide scaled to the height of camera {tallest!r} "
-            f"({sizes[tallest][0]} px, aspect kept); expected at most {max_side}")
+            f"({sizes[tallest][0]} px, aspect kept); expected at most {MAX_FRAME_SIDE}")
 
 
 @dataclass(frozen=True)

@@ -300,7 +300,7 @@ class LeRobotDemoDataset:
         if unknown := [key for key in self.camera_keys if features[key].get("dtype") not in CAMERA_DTYPES]:
             raise DatasetError(f"{info_path}: cameras {unknown} have dtype {features[unknown[0]].get('dtype')!r}; "
                                f"expected one of {list(CAMERA_DTYPES)}")
-        # Each camera's frame size (width, height), its shape in info.json, which its frames are checked against.
+        # Each camera's frame size (height, width), its shape in info.json, which its frames are checked against.
         sizes = {key: _camera_size(info_path, key, features[key]) for key in self.camera_keys}
         # Frames stored as images lie in the data files' rows (PNG bytes).
         self.image_sizes = {key: size for key, size in sizes.items() if features[key]["dtype"] == "image"}
@@ -315,7 +315,7 @@ class LeRobotDemoDataset:
         if not (isinstance(self.info["total_episodes"], int) and self.info["total_episodes"] >= 0):
             raise DatasetError(f"{info_path}: total_episodes {self.info['total_episodes']!r}; expected a count")
         self.cameras = [key.removeprefix(CAMERA_PREFIX) for key in self.camera_keys]
-        self.camera_sizes = {key.removeprefix(CAMERA_PREFIX): size[::-1] for key, size in sizes.items()}  # (H, W)
+        self.camera_sizes = {key.removeprefix(CAMERA_PREFIX): size for key, size in sizes.items()}
         self.fps = self.info["fps"]
         self.robot_type = self.info.get("robot_type")
         self.dims = {key: features[key]["shape"][0] for key in (STATE_KEY, ACTION_KEY)}
@@ -478,14 +478,14 @@ class LeRobotDemoDataset:
 
 
 def _camera_size(info_path: Path, key: str, feature: dict) -> tuple[int, int]:
-    """(width, height) of the camera feature ``key`` (video or image): its shape in info.json, [H, W, C] unless its
+    """(height, width) of the camera feature ``key`` (video or image): its shape in info.json, [H, W, C] unless its
     names say otherwise (LeRobot's ["height", "width", "channels"]; some converted datasets are channels first)."""
     shape, names = feature.get("shape"), feature.get("names")
     if not (isinstance(shape, list) and len(shape) == 3 and all(isinstance(n, int) and n > 0 for n in shape)):
         raise DatasetError(f"{info_path}: feature {key!r} has shape {shape!r}; expected [height, width, channels]")
     if isinstance(names, list) and "height" in names and "width" in names:
-        return shape[names.index("width")], shape[names.index("height")]
-    return shape[1], shape[0]
+        return shape[names.index("height")], shape[names.index("width")]
+    return shape[0], shape[1]
 
 
 def _decode_images(path: Path, column: pa.ChunkedArray, key: str, size: tuple[int, int]) -> np.ndarray:
@@ -503,9 +503,9 @@ def _decode_images(path: Path, column: pa.ChunkedArray, key: str, size: tuple[in
             raise DatasetError(f"{where} holds no image bytes; expected the image itself (PNG), not only a path")
         try:
             with Image.open(io.BytesIO(encoded)) as image:
-                if image.size != size:
-                    raise DatasetError(f"{where} is {image.size[1]}x{image.size[0]} px; expected "
-                                       f"{size[1]}x{size[0]} (its shape in info.json)")
+                if (image_hw := image.size[::-1]) != size:  # PIL's size is (width, height)
+                    raise DatasetError(f"{where} is {image_hw[0]}x{image_hw[1]} px; expected "
+                                       f"{size[0]}x{size[1]} (its shape in info.json)")
                 frames.append(np.asarray(image.convert("RGB")))
         except (OSError, Image.DecompressionBombError) as error:  # not an image, or cut short
             raise DatasetError(f"{where} is not a readable image ({error})") from None
@@ -513,7 +513,10 @@ def _decode_images(path: Path, column: pa.ChunkedArray, key: str, size: tuple[in
 
 
 def _channel_names(names: object, dim: int) -> list[str] | None:
-    """``names`` if it is a list of ``dim`` non-empty strings, else None."""
+    """``names`` if it is a list of ``dim`` non-empty strings (or a dict holding only such a list, as LeRobot often
+    nests them: ``{"motors": [...]}``), else None."""
+    if isinstance(names, dict) and len(names) == 1:
+        (names,) = names.values()
     ok = isinstance(names, list) and len(names) == dim and all(isinstance(n, str) and n for n in names)
     return names if ok else None
 

@@ -1,6 +1,6 @@
 """Train the embedded Cosmos3 policy by flow matching on expert demonstrations.
 
-    python -m robots.train_policy --data runs/data/reach-400 --vae runs/vae --out runs/policy --steps 6000
+    python -m robots.train_policy --data runs/data/reach-400 --from-scratch --out runs/policy --steps 6000
     python -m robots.train_policy --data runs/data/reach-1500 runs/data/either-4000 --init runs/policy --out ...
     python -m robots.train_policy --data my_arm_lerobot --embodiment my_arm --out runs/my-arm --steps 2000
 
@@ -29,7 +29,7 @@ import copy
 import json
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -38,7 +38,6 @@ from pydantic import ValidationError
 from tqdm import tqdm
 
 from policy_server.json_file import read_json
-from policy_server.limits import MAX_FRAME_SIDE
 from policy_server.model import Cosmos3OmniTransformer, load_transformer
 from policy_server.model.boundary import GenInput, UndKV
 from policy_server.model.checkpoint import CheckpointError
@@ -51,13 +50,15 @@ from policy_server.pipeline.embodiments import (
     NUM_EMBODIMENT_DOMAINS,
     Embodiment,
     EmbodimentConfigError,
+    EmbodimentRegistry,
     cosmos3_embodiments,
+    format_validation_error,
 )
 from policy_server.pipeline.normalization import make_normalizer, parse_stats
 from policy_server.pipeline.packing import ActionLayout, pack_request
 from policy_server.pipeline.policy import default_model_path, policy_prompt_pair
 from policy_server.pipeline.policy_config import PolicyConfig, PolicyConfigError
-from policy_server.specs import frame_sizes_outside
+from policy_server.specs import frame_sizes_outside, width_beside
 from robots import embedded
 from robots.dataset import DatasetError, DemoDataset, Episode, array_stats, open_dataset
 from robots.lerobot_dataset import LeRobotDemoDataset
@@ -66,6 +67,16 @@ ACTION_LOSS_WEIGHT = 10.0  # Cosmos3 action_loss_weight
 PROMPT_DROPOUT = 0.1
 # What --limits may declare: physical limits and units (LeRobot's info.json has neither).
 LIMIT_FIELDS = ("action_low", "action_high", "state_low", "state_high", "action_units", "state_units")
+
+
+@dataclass(frozen=True)
+class InitDomains:
+    """The domain rows of the weights training starts from (none known for a folder without a policy.json, or from
+    scratch): those they were trained on (policy.json's trained_domain_ids) and each embodiment's that the folder
+    serves (its embodiments.json), by name."""
+
+    trained: frozenset[int] = frozenset()
+    served: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -126,14 +137,15 @@ def collect_windows(episodes: list[Episode], vae: SmallVideoVAE, chunk: int, act
 
 
 def trained_embodiment(datasets: list[DemoDataset | LeRobotDemoDataset], first: Episode, name: str | None,
-                       domain_id: int | None, chunk: int, action_dim: int, trained_domains: set[int],
+                       domain_id: int | None, chunk: int, action_dim: int, init: InitDomains,
                        limits: dict | None) -> dict:
     """The embodiments.json entry of the embodiment trained here, which the folder written serves.
 
     `name` None: the first dataset's LeRobot robot_type, else the embedded `pusht`. `pusht` keeps the embedded
     entry (its layout is then required, `check_fits_embodiment`); another name gets the first dataset's layout
-    (`first`: its first episode), its fps and cameras, and a domain row: `domain_id`, else its Cosmos3 one, else
-    the first free one (no Cosmos3 embodiment's, none `trained_domains` holds). `limits`: `LIMIT_FIELDS`."""
+    (`first`: its first episode), its fps and cameras, and a domain row: `domain_id`, else the one the --init
+    folder serves it on (retraining it), else its Cosmos3 one, else the first free one (no Cosmos3 embodiment's,
+    none the --init weights were trained on). `limits`: `LIMIT_FIELDS`."""
     name = name or datasets[0].robot_type or embedded.EMBODIMENT
     if name == embedded.EMBODIMENT:
         entry = embedded.embodiment_entry()
@@ -149,8 +161,8 @@ def trained_embodiment(datasets: list[DemoDataset | LeRobotDemoDataset], first: 
                                "robot needs a model of a wider action_dim")
         cosmos3 = {e.name: e.domain_id for e in cosmos3_embodiments()}
         if domain_id is None:
-            taken = {NO_ACTION_DOMAIN_ID, *cosmos3.values(), *trained_domains}
-            domain_id = cosmos3.get(name, min(set(range(NUM_EMBODIMENT_DOMAINS)) - taken))
+            taken = {NO_ACTION_DOMAIN_ID, *cosmos3.values(), *init.trained}
+            domain_id = init.served.get(name, cosmos3.get(name, min(set(range(NUM_EMBODIMENT_DOMAINS)) - taken)))
         first_set = datasets[0]
         entry = {
             "name": name, "domain_id": domain_id, "raw_action_dim": widths["action"],
@@ -172,60 +184,74 @@ def trained_embodiment(datasets: list[DemoDataset | LeRobotDemoDataset], first: 
     try:
         Embodiment.model_validate(entry)
     except ValidationError as error:
-        problems = "; ".join(".".join(map(str, e["loc"])) + (": " if e["loc"] else "") + e["msg"]
-                             for e in error.errors())
-        raise EmbodimentConfigError(f"embodiment {name!r}: {problems}") from None
+        raise EmbodimentConfigError(format_validation_error(error, f"embodiment {name!r}")) from None
     return entry
 
 
-def check_fits_embodiment(dataset: DemoDataset | LeRobotDemoDataset, episodes: list[Episode], entry: dict,
-                          frame_hw: tuple[int, int]) -> None:
-    """DatasetError unless every episode has the layout of the embodiment trained here, `entry`: its action and
-    state widths, cameras (and their sizes) and rate, and frames (side by side) of `frame_hw` (the embedded
-    `pusht`'s canvas, or the first episode's), before minutes of encoding. Another layout would train only the first
-    channels and write a folder whose stats no server loads; another rate would be captioned and served as the
-    embodiment's."""
-    trains = f"the embodiment it trains ({entry['name']})"
-    pusht = entry["name"] == embedded.EMBODIMENT
-    hint = "; name another embodiment (--embodiment) to train one of this layout" if pusht else ""
+def side_by_side_hw(sizes: dict[str, tuple[int, int]]) -> tuple[int, int]:
+    """The size ``(height, width)`` px of cameras' frames of ``sizes`` side by side, as ``side_by_side`` puts them:
+    the tallest camera's height, each camera scaled to it (``width_beside``)."""
+    tallest = max(height for height, _ in sizes.values())
+    return tallest, sum(width_beside(height, width, tallest) for height, width in sizes.values())
+
+
+def check_fits_embodiment(dataset: DemoDataset | LeRobotDemoDataset, embodiment: Embodiment,
+                          canvas_hw: tuple[int, int]) -> None:
+    """DatasetError unless the dataset's metadata has the layout of the embodiment trained here: its rate, cameras
+    and their frame sizes (``Embodiment.frame_sizes`` on the model's canvas ``canvas_hw``), checked before any frame
+    is decoded. Another rate would be captioned and served as the embodiment's; other frames would be placed on the
+    canvas unlike the served ones."""
+    trains = f"the embodiment it trains ({embodiment.name}); name another embodiment (--embodiment) to train one of " \
+             "this layout"
     where = dataset.directory
-    if dataset.fps != entry["fps"]:
-        raise DatasetError(f"{where}: recorded at {dataset.fps} fps; expected {entry['fps']}, the fps of {trains}"
-                           + hint)
-    if list(dataset.cameras) != list(entry["cameras"]):
-        raise DatasetError(f"{where}: cameras {list(dataset.cameras)}; expected {list(entry['cameras'])}, the "
-                           f"cameras of {trains}" + hint)
-    sizes = {name: list(size) for name, size in dataset.camera_sizes.items()}
-    if "camera_sizes" in entry and sizes != entry["camera_sizes"]:
-        raise DatasetError(f"{where}: cameras of {sizes} px (height, width); expected {entry['camera_sizes']}, the "
-                           f"camera_sizes of {trains}")
+    if dataset.fps != embodiment.fps:
+        raise DatasetError(f"{where}: recorded at {dataset.fps} fps; expected {embodiment.fps}, the fps of {trains}")
+    if list(dataset.cameras) != list(embodiment.cameras):
+        raise DatasetError(f"{where}: cameras {list(dataset.cameras)}; expected {list(embodiment.cameras)}, the "
+                           f"cameras of {trains}")
+    sizes, expected = dict(dataset.camera_sizes), embodiment.frame_sizes(canvas_hw)
+    if sizes != expected:
+        raise DatasetError(f"{where}: cameras of {sizes} px (height, width); expected {expected}, the frame sizes "
+                           f"of {trains}")
+
+
+def check_episodes_fit(dataset: DemoDataset | LeRobotDemoDataset, episodes: list[Episode], embodiment: Embodiment,
+                       canvas_hw: tuple[int, int]) -> None:
+    """DatasetError unless every episode has the embodiment's action and state widths and its frames, its cameras'
+    (``Embodiment.frame_sizes``) side by side, before minutes of encoding. Another layout would train only the first
+    channels and write a folder whose stats no server loads."""
+    trains = f"the embodiment it trains ({embodiment.name}); name another embodiment (--embodiment) to train one of " \
+             "this layout"
+    sizes = embodiment.frame_sizes(canvas_hw)
+    frame_hw = side_by_side_hw(sizes)
     for index, episode in enumerate(episodes):
-        has = f"{where}: episode {index} has"
-        for name, field in (("actions", "raw_action_dim"), ("states", "state_dim")):
-            if (width := getattr(episode, name).shape[1]) != entry[field]:
-                raise DatasetError(f"{has} {name} of width {width}; expected {entry[field]}, the {field} of {trains}"
-                                   + hint)
-        if (size := tuple(episode.frames.shape[1:3])) != tuple(frame_hw):
-            noun = "the canvas of" if pusht else "the size of the first episode's of"
+        has = f"{dataset.directory}: episode {index} has"
+        for name, field_name in (("actions", "raw_action_dim"), ("states", "state_dim")):
+            if (width := getattr(episode, name).shape[1]) != (expected := getattr(embodiment, field_name)):
+                raise DatasetError(f"{has} {name} of width {width}; expected {expected}, the {field_name} of {trains}")
+        if (size := tuple(episode.frames.shape[1:3])) != frame_hw:
             raise DatasetError(f"{has} frames of {size[0]}x{size[1]} px (its cameras side by side); expected "
-                               f"{frame_hw[0]}x{frame_hw[1]}, {noun} {trains}" + hint)
+                               f"{frame_hw[0]}x{frame_hw[1]}, the frames of {sizes} px (height, width) side by side "
+                               f"of {trains}")
 
 
 def check_frames_servable(dataset: DemoDataset | LeRobotDemoDataset, min_side: int) -> None:
-    """DatasetError unless the server takes frames of the dataset's cameras (`frame_sizes_outside`): sides of
-    `min_side` (the VAE's spatial compression) to MAX_FRAME_SIDE px, and side by side no wider than that once scaled.
-    A folder trained on other frames would serve an embodiment whose every tick the server refuses."""
-    if problem := frame_sizes_outside(dataset.camera_sizes, min_side, MAX_FRAME_SIDE):
-        raise DatasetError(f"{dataset.directory}: {problem} ({min_side}: the VAE's spatial compression, the smallest "
-                           "frame side the server takes)")
+    """DatasetError unless the server takes frames of the dataset's cameras (`frame_sizes_outside`: `min_side` is the
+    VAE's spatial compression). A folder trained on other frames would serve an embodiment whose every tick the server
+    refuses."""
+    if problem := frame_sizes_outside(dataset.camera_sizes, min_side):
+        raise DatasetError(f"{dataset.directory}: {problem}")
 
 
-def init_domains(init_from: Path | None) -> set[int]:
-    """The domain rows the weights in `init_from` were trained on, as its policy.json records them (none known
-    for a folder without one, or for training from scratch)."""
+def init_domains(init_from: Path | None) -> InitDomains:
+    """The domain rows of the weights in `init_from`, as its policy.json and embodiments.json record them."""
     if init_from is None or not (Path(init_from) / "policy.json").is_file():
-        return set()
-    return set(PolicyConfig.load(Path(init_from) / "policy.json").trained_domain_ids or ())
+        return InitDomains()
+    config = PolicyConfig.load(Path(init_from) / "policy.json")
+    registry = EmbodimentRegistry.cosmos3()  # the served embodiments, as the server reads them
+    served = registry.load_config(Path(init_from) / config.embodiments_file)
+    return InitDomains(frozenset(config.trained_domain_ids or ()),
+                       {name: registry.get(name).domain_id for name in served})
 
 
 def init_for_training(model: Cosmos3OmniTransformer) -> None:
@@ -271,26 +297,30 @@ def train(
     Returns a summary."""
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
-    vae = SmallVideoVAE.from_pretrained(vae_dir).eval()
-    tokenizer = TextTokenizer.from_dir(default_model_path() / "text_tokenizer")
     if init_from is None:
         model = Cosmos3OmniTransformer(embedded.transformer_config()).train()
         init_for_training(model)
     else:  # before the minutes of VAE encoding, so that a bad --init fails at once
         model = load_transformer(init_from).float().train()
+    vae = SmallVideoVAE.from_pretrained(vae_dir).eval()
+    tokenizer = TextTokenizer.from_dir(default_model_path() / "text_tokenizer")
     config = model.config
+    init = init_domains(init_from)
     datasets = [open_dataset(data_dir) for data_dir in data_dirs]
     for dataset in datasets:  # from info.json's shapes, before any frame is decoded
         check_frames_servable(dataset, vae.spatial_compression)
-    by_dataset = [list(dataset) for dataset in datasets]
-    entry = trained_embodiment(datasets, by_dataset[0][0], embodiment, domain_id, chunk, config.action_dim,
-                               init_domains(init_from), limits)
+    # From the metadata and the first episode only: a wrong layout is refused before every episode is decoded.
+    entry = trained_embodiment(datasets, datasets[0][0], embodiment, domain_id, chunk, config.action_dim, init,
+                               limits)
+    trained = Embodiment.model_validate(entry)
     policy = embedded.policy_config().model_copy(update={
         "name": name or Path(out_dir).resolve().name,
-        "trained_domain_ids": tuple(sorted(init_domains(init_from) | {entry["domain_id"]}))})
-    frame_hw = policy.canvas_hw if entry["name"] == embedded.EMBODIMENT else by_dataset[0][0].frames.shape[1:3]
+        "trained_domain_ids": tuple(sorted(init.trained | {entry["domain_id"]}))})
+    for dataset in datasets:
+        check_fits_embodiment(dataset, trained, policy.canvas_hw)
+    by_dataset = [list(dataset) for dataset in datasets]
     for dataset, episodes in zip(datasets, by_dataset, strict=True):
-        check_fits_embodiment(dataset, episodes, entry, frame_hw)
+        check_episodes_fit(dataset, episodes, trained, policy.canvas_hw)
     episodes = [episode for episodes in by_dataset for episode in episodes]
     stats = {
         "action": array_stats(np.concatenate([e.actions for e in episodes])),
@@ -417,7 +447,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", type=Path, nargs="+", required=True,
                         help="dataset folders, robots.datagen's or LeRobot v3.0/v2.x ones (their episodes are pooled)")
-    parser.add_argument("--vae", type=Path, default=default_model_path() / "vae")
+    parser.add_argument("--vae", type=Path, default=None,
+                        help="the VAE folder that encodes the frames, which the folder written ships (default: "
+                             "--init's vae, the shipped one's without --init or with --from-scratch)")
     parser.add_argument("--out", type=Path, required=True, help="pipeline folder to write")
     parser.add_argument("--name", default=None, help="the model name the server reports (default: --out's name)")
     parser.add_argument("--embodiment", default=None,
@@ -425,7 +457,8 @@ def main(argv: list[str] | None = None) -> None:
                              f"the embedded {embedded.EMBODIMENT}); another name takes the dataset's layout")
     parser.add_argument("--domain-id", type=int, default=None,
                         help="its row of the action projections (default: its Cosmos3 one, else the first free)")
-    parser.add_argument("--chunk-size", type=int, default=embedded.CHUNK_SIZE, help="actions a tick (8)")
+    parser.add_argument("--chunk-size", type=int, default=embedded.CHUNK_SIZE,
+                        help=f"actions a tick ({embedded.CHUNK_SIZE})")
     parser.add_argument("--limits", type=Path, default=None,
                         help=f"JSON object of the embodiment's {', '.join(LIMIT_FIELDS)}")
     parser.add_argument("--steps", type=int, default=6000)
@@ -458,9 +491,11 @@ def main(argv: list[str] | None = None) -> None:
         limits = None if args.limits is None else read_json(args.limits, EmbodimentConfigError)
         if limits is not None and not isinstance(limits, dict):
             raise EmbodimentConfigError(f"--limits {args.limits}: expected a JSON object")
-        summary = train(args.data, args.vae, args.out, args.steps, args.batch_size, args.lr, args.seed,
+        init_from = None if args.from_scratch else args.init
+        vae = args.vae or (init_from or default_model_path()) / "vae"
+        summary = train(args.data, vae, args.out, args.steps, args.batch_size, args.lr, args.seed,
                         args.stride, save_every=args.save_every,
-                        init_from=None if args.from_scratch else args.init, embodiment=args.embodiment,
+                        init_from=init_from, embodiment=args.embodiment,
                         domain_id=args.domain_id, chunk=args.chunk_size, name=args.name, limits=limits)
     # --data, --vae, --init, --limits or --out
     except (OSError, DatasetError, CheckpointError, ConfigError, EmbodimentConfigError, PolicyConfigError) as error:

@@ -112,6 +112,11 @@ BROKEN = {
             {"name": "pusht", "camera_sizes": {"image": [4, 64]}}]),
         "embodiments.json: pusht's camera_sizes: camera 'image' is 4x64 px; expected sides of 8 to 2048 px (8: the "
         "VAE's spatial compression, the smallest frame side the server takes)"),
+    "camera_too_wide_beside_the_tallest": (
+        lambda root: _edit_json(root / "embodiments.json", embodiments=[
+            {"name": "pusht", "cameras": ["scene", "wrist"], "camera_sizes": {"scene": [512, 512], "wrist": [8, 64]}}]),
+        "pusht's camera_sizes: camera 'wrist' is 8x64 px, 4096 px wide scaled to the height of camera 'scene' (512 "
+        "px, aspect kept); expected at most 2048"),
     "missing_stats_file": (lambda root: _remove(root / "action_stats.json"), "action_stats.json"),
     "vae_config_not_an_object": (_writing("vae/config.json", "[]"),
                                  "vae/config.json: expected a JSON object of SmallVideoVAE config fields"),
@@ -274,3 +279,11 @@ def test_policy_json_numbers_are_not_converted(tmp_path, text, field, expected):
     with pytest.raises(PolicyConfigError) as info:
         PolicyConfig.load(path)
     assert str(info.value) == f"{path}: {field}: Input should be {expected}"
+
+
+def test_policy_json_trained_domain_ids_are_rows_of_the_action_projections(tmp_path):
+    path = tmp_path / "policy.json"
+    path.write_text('{"trained_domain_ids": [4, 32]}')
+    with pytest.raises(PolicyConfigError) as info:
+        PolicyConfig.load(path)
+    assert str(info.value) == f"{path}: trained_domain_ids.1: Input should be less than 32"

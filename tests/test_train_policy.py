@@ -3,19 +3,21 @@
 
 import json
 import re
+import shutil
 
 import numpy as np
 import pytest
 import torch
 
 from policy_server.model import load_transformer
+from policy_server.pipeline.embodiments import Embodiment
 from policy_server.pipeline.policy import PolicyPipeline, PolicyRequest, default_model_path
 from robots.datagen import generate
 from robots.dataset import DatasetError
 from robots.embedded import build_random_pipeline
 from robots.envs import REACH_EITHER_ID
 from robots.lerobot_dataset import LeRobotDemoDataset
-from robots.train_policy import main, train
+from robots.train_policy import check_fits_embodiment, main, train
 
 
 def test_train_a_few_steps_and_serve_the_result(tmp_path):
@@ -101,8 +103,8 @@ def _widen(tensors: dict, name: str) -> dict:
 @pytest.mark.parametrize(("name", "named"), [
     ("actions", "actions of width 7; expected 2, the raw_action_dim of the embodiment it trains (pusht)"),
     ("states", "states of width 7; expected 2, the state_dim of the embodiment it trains (pusht)"),
-    ("frames", "frames of 96x96 px (its cameras side by side); expected 64x64, the canvas of the embodiment it trains "
-               "(pusht)"),
+    ("frames", "frames of 96x96 px (its cameras side by side); expected 64x64, the frames of {'image': (64, 64)} px "
+               "(height, width) side by side of the embodiment it trains (pusht)"),
 ])
 def test_cli_refuses_a_dataset_of_another_layout_before_encoding(tmp_path, capsys, name, named):
     """A 7-D arm's demonstrations trained 2 of their 7 action channels and wrote a pusht folder that no server
@@ -207,9 +209,11 @@ def _arm_dataset(folder, state_dim=3, action_dim=5, fps=15, version="v3.0", imag
 def test_another_robot_trains_on_a_domain_row_of_its_own_and_is_served_as_trained(tmp_path, caplog):
     """A LeRobot dataset of two cameras, 3-D state and 5-D action at 15 Hz: trained from the shipped weights (the
     default), the folder serves exactly that embodiment under the model name given, on domain row 10 (the first
-    no Cosmos3 embodiment uses), which training moved; the shipped pusht row it left (weight decay aside)."""
+    no Cosmos3 embodiment uses), which training moved; the shipped pusht row it left (weight decay aside).
+    Retrained from that folder, it stays on row 10. An engine warms up on its cameras' sizes and acts on them."""
     import policy_server.engine
     from policy_server.config import build_config
+    from policy_server.engine import api
 
     data, out = _arm_dataset(tmp_path / "arm"), tmp_path / "out"
     (tmp_path / "limits.json").write_text(json.dumps({"action_low": [-1.0] * 5, "action_high": [1.0] * 5,
@@ -238,14 +242,29 @@ def test_another_robot_trains_on_a_domain_row_of_its_own_and_is_served_as_traine
     moved = (trained - shipped).abs().amax(1)
     assert moved[10] > 10 * moved[4] > 0
 
+    # Retrained from its own folder, it stays on its row: the training before is built on, not left unused.
+    again = tmp_path / "again"
+    main(["--data", str(data), "--init", str(out), "--out", str(again), "--chunk-size", "4", "--steps", "1",
+          "--batch-size", "2"])
+    assert json.loads((again / "training.json").read_text())["domain_id"] == 10
+    assert json.loads((again / "policy.json").read_text())["trained_domain_ids"] == [4, 10]
+
     # The same weights claiming only pusht's row: the server warns at start, naming the embodiment.
     policy = json.loads((out / "policy.json").read_text())
     (out / "policy.json").write_text(json.dumps({**policy, "trained_domain_ids": [4]}))
     with caplog.at_level("WARNING", logger="policy_server.engine"):
         engine = policy_server.engine.build_engine(build_config(overrides={
             "checkpoint": str(out), "device": "cpu", "quality_profile": "off", "compile_gen_stack": False}))
-    served = engine.info().embodiment("tiny_arm")
-    engine.close()
+    engine.start()  # warmup sends frames of the advertised camera sizes
+    try:
+        assert engine.wait_ready(timeout_s=120)
+        served = engine.info().embodiment("tiny_arm")
+        session = engine.open_session("tiny_arm", "stack the cups", rate_hz=0)
+        frames = {c.name: rng.integers(0, 256, (c.height, c.width, 3), dtype=np.uint8) for c in served.cameras}
+        acted = engine.act(session.session_id, session.epoch, api.Observation(frames, np.zeros(3, np.float32)))
+        assert acted.actions.shape == (4, 5) and np.all(np.isfinite(acted.actions))
+    finally:
+        engine.close()
     # ServerInfo advertises each camera at the size it was recorded and trained at, not its share of the canvas,
     # and no unit for the state, whose units the dataset does not give (served de-normalised, not "normalized")
     assert [(c.name, c.height, c.width, c.min_side) for c in served.cameras] == [("scene", 32, 32, 8),
@@ -265,6 +284,9 @@ def test_another_robot_trains_on_a_domain_row_of_its_own_and_is_served_as_traine
                                                    "expected raw_action_dim=5"),
     (["--data", "{arm_4px}"], "{arm_4px}: camera 'wrist' is 4x24 px; expected sides of 8 to 2048 px (8: the VAE's "
                               "spatial compression, the smallest frame side the server takes)"),
+    # from its metadata: none of its frames is decoded (it has none), nor any but the first dataset's first episode
+    (["--data", "{arm}", "{arm10}"], "{arm10}: recorded at 10 fps; expected 15.0, the fps of the embodiment it "
+                                     "trains (tiny_arm)"),
 ])
 def test_cli_refuses_what_the_model_cannot_train_before_encoding(tmp_path, capsys, argv, named):
     """Beyond the model's action_dim, datasets of two layouts pooled, the no-action row, limits of the wrong width."""
@@ -275,12 +297,32 @@ def test_cli_refuses_what_the_model_cannot_train_before_encoding(tmp_path, capsy
     if "{arm_4px}" in argv:  # a wrist camera too small for the VAE, stored as images (a 4 px video will not encode)
         paths["arm_4px"] = _arm_dataset(tmp_path / "arm_4px", wrist=(4, 24), images=("observation.images.wrist",))
         named = named.replace("{arm_4px}", str(paths["arm_4px"]))
+    if "{arm10}" in argv:
+        paths["arm10"] = _arm_dataset(tmp_path / "arm10", fps=10)
+        shutil.rmtree(paths["arm10"] / "videos")
+        named = named.replace("{arm10}", str(paths["arm10"]))
     argv = [arg.format(**paths) for arg in argv]
     with pytest.raises(SystemExit) as exit_info:
         main([*argv, "--out", str(tmp_path / "out"), "--steps", "1"])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and named in err.splitlines()[-1]
     assert "vae encode" not in err and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("other", "named"), [
+    ({"cameras": ("scene", "hand"), "camera_sizes": None},
+     "cameras ['scene', 'wrist']; expected ['scene', 'hand'], the cameras of the embodiment it trains (tiny_arm)"),
+    ({"camera_sizes": {"scene": (32, 32), "wrist": (24, 24)}},
+     "cameras of {'scene': (32, 32), 'wrist': (16, 24)} px (height, width); expected {'scene': (32, 32), 'wrist': "
+     "(24, 24)}, the frame sizes of the embodiment it trains (tiny_arm)"),
+])
+def test_a_dataset_of_other_cameras_than_the_embodiment_trained_is_named(tmp_path, other, named):
+    dataset = LeRobotDemoDataset(_arm_dataset(tmp_path / "arm"))
+    arm = Embodiment(name="tiny_arm", domain_id=10, raw_action_dim=5, state_dim=3, fps=15.0, cameras=("scene", "wrist"),
+                     camera_sizes={"scene": (32, 32), "wrist": (16, 24)})
+    check_fits_embodiment(dataset, arm, (64, 64))
+    with pytest.raises(DatasetError, match=re.escape(named)):
+        check_fits_embodiment(dataset, arm.model_copy(update=other), (64, 64))
 
 
 def test_a_lerobot_v21_dataset_reads_and_trains_as_its_v3_equivalent(tmp_path):
@@ -381,3 +423,11 @@ def test_a_video_of_another_size_than_its_feature_is_named(tmp_path):
     with pytest.raises(DatasetError, match=re.escape("episode 0's frames of observation.images.scene are 32x32 px; "
                                                      "expected 16x16 (its shape in info.json)")):
         dataset[0]
+
+
+def test_channel_names_nested_as_lerobot_records_them_are_read(tmp_path):
+    """LeRobot's info.json often nests a feature's channel names, {"motors": [...]}: they were dropped (a0, a1...)."""
+    folder = _arm_dataset(tmp_path / "arm")
+    names = ["shoulder", "elbow", "wrist", "roll", "gripper"]
+    _edit_json("meta/info.json", lambda i: i["features"]["action"].update(names={"motors": names}))(folder)
+    assert LeRobotDemoDataset(folder).action_names == names

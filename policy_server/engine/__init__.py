@@ -25,13 +25,13 @@ def build_engine(config):
     torch.set_num_threads(1)
     pipeline = PolicyPipeline.from_pretrained(config.checkpoint, device=device,
                                               dtype=resolve_dtype(config.dtype, device))
-    for name in pipeline.untrained_embodiments:
+    for embodiment in pipeline.untrained_embodiments:
         # Served anyway: checking a robot's wiring (cameras, state, rate, limits) before any training is a use.
         logging.getLogger(__name__).warning(
             "embodiment %r is served on domain row %d, which these weights were never trained on (policy.json: "
             "trained_domain_ids %s): its actions come from untrained projections. Train it: python -m "
-            "robots.train_policy --data <its demonstrations> --embodiment %s --out <folder>", name,
-            pipeline.embodiments.get(name).domain_id, list(pipeline.config.trained_domain_ids), name)
+            "robots.train_policy --data <its demonstrations> --embodiment %s --out <folder>", embodiment.name,
+            embodiment.domain_id, list(pipeline.config.trained_domain_ids), embodiment.name)
     profile, calibrate = resolve_profile(config.quality_profile, pipeline.folder, pipeline.digest,
                                          pipeline.served_embodiments, pipeline.config)
     return ModelEngine(pipeline, settings_from_config(config, profile, calibrate))

@@ -32,7 +32,6 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationError, model_validator
 
 from policy_server.json_file import read_json
-from policy_server.limits import MAX_FRAME_SIDE
 from policy_server.pipeline.errors import InvalidActions, InvalidChunkSize, InvalidState, UnregisteredEmbodiment
 from policy_server.pipeline.normalization import (
     NORMALIZATION_METHODS,
@@ -42,7 +41,7 @@ from policy_server.pipeline.normalization import (
     build_normalizers,
 )
 from policy_server.pipeline.prompts import DEFAULT_VIEWPOINT, VIEWPOINTS
-from policy_server.specs import ActionSpec, CameraSpec, EmbodimentSpec, frame_sizes_outside
+from policy_server.specs import ActionSpec, CameraSpec, EmbodimentSpec
 
 MAX_ACTION_DIM = 64  # padded action width of the Cosmos3 transformers (`max_action_dim`)
 NUM_EMBODIMENT_DOMAINS = 32  # rows of the domain-aware action projections
@@ -141,12 +140,10 @@ class Embodiment(BaseModel):
                     raise ValueError(f"{kind}_low > {kind}_high or not finite for channels {bad}")
         if not self.cameras or len(set(self.cameras)) != len(self.cameras) or not all(self.cameras):
             raise ValueError(f"cameras {list(self.cameras)} must be distinct non-empty names, at least one")
-        if self.camera_sizes is not None:
-            if set(self.camera_sizes) != set(self.cameras):
-                raise ValueError(f"camera_sizes names {list(self.camera_sizes)}; expected one [height, width] for "
-                                 f"each of cameras {list(self.cameras)}")
-            if problem := frame_sizes_outside(self.camera_sizes, 1, MAX_FRAME_SIDE):
-                raise ValueError(f"camera_sizes: {problem}")
+        # Their bounds are checked where the smallest side is known, the VAE's (`PolicyPipeline.from_pretrained`).
+        if self.camera_sizes is not None and set(self.camera_sizes) != set(self.cameras):
+            raise ValueError(f"camera_sizes names {list(self.camera_sizes)}; expected one [height, width] for each "
+                             f"of cameras {list(self.cameras)}")
         if self.viewpoint not in VIEWPOINTS:
             raise ValueError(
                 f"viewpoint {self.viewpoint!r} is unknown; expected one of {', '.join(VIEWPOINTS)}"
@@ -352,7 +349,8 @@ class _ConfigFile(BaseModel):
     embodiments: list[dict[str, Any]]
 
 
-def _format_validation_error(exc: ValidationError, where: str) -> str:
+def format_validation_error(exc: ValidationError, where: str) -> str:
+    """A pydantic error on one line: ``where.field: message; ...``."""
     problems = []
     for err in exc.errors():
         loc = ".".join(str(part) for part in err["loc"])
@@ -407,7 +405,7 @@ class EmbodimentRegistry:
         try:
             config = _ConfigFile.model_validate(read_json(path, EmbodimentConfigError))
         except ValidationError as exc:
-            raise EmbodimentConfigError(_format_validation_error(exc, str(path))) from None
+            raise EmbodimentConfigError(format_validation_error(exc, str(path))) from None
         if not config.embodiments:
             raise EmbodimentConfigError(f"{path}: embodiments is empty; expected at least one to serve")
 
@@ -431,7 +429,7 @@ class EmbodimentRegistry:
             try:
                 updated[name] = Embodiment.model_validate(fields)
             except ValidationError as exc:
-                raise EmbodimentConfigError(_format_validation_error(exc, where)) from None
+                raise EmbodimentConfigError(format_validation_error(exc, where)) from None
         for embodiment in updated.values():
             self.register(embodiment, replace=True)
         return list(updated)

@@ -29,7 +29,6 @@ import numpy as np
 import torch
 
 from policy_server.cache.controller import CacheRecord, NoCache, StepController
-from policy_server.limits import MAX_FRAME_SIDE
 from policy_server.model import Cosmos3OmniTransformer, GenInput, UndKV, load_transformer
 from policy_server.model.boundary import PaddedGenLayouts
 from policy_server.model.checkpoint import CheckpointError, weights_digest
@@ -403,11 +402,9 @@ class PolicyPipeline:
                                   f"channels than the transformer's action_dim={width}")
         step = self.vae.spatial_compression
         for embodiment in served:  # advertised, so they must be sizes the server takes (min_side is the VAE's)
-            if embodiment.camera_sizes and (problem := frame_sizes_outside(embodiment.camera_sizes, step,
-                                                                           MAX_FRAME_SIDE)):
+            if embodiment.camera_sizes and (problem := frame_sizes_outside(embodiment.camera_sizes, step)):
                 raise CheckpointError(f"{root / self.config.embodiments_file}: {embodiment.name}'s camera_sizes: "
-                                      f"{problem} ({step}: the VAE's spatial compression, the smallest frame side "
-                                      "the server takes)")
+                                      f"{problem}")
         if bad := [list(hw) for hw in self.config.canvases if hw[0] % step or hw[1] % step]:
             raise CheckpointError(f"{root / 'policy.json'}: canvases {bad}; expected sides that are multiples of "
                                   f"the VAE's spatial compression, {step} px")
@@ -455,13 +452,14 @@ class PolicyPipeline:
         )
 
     @property
-    def untrained_embodiments(self) -> list[str]:
+    def untrained_embodiments(self) -> list[Embodiment]:
         """Served embodiments whose domain row `policy.json`'s `trained_domain_ids` does not list: their actions come
         from projections no training touched (none when the folder does not record its trained domains)."""
         trained = self.config.trained_domain_ids
         if trained is None:
             return []
-        return [name for name in self.served_embodiments if self.embodiments.get(name).domain_id not in trained]
+        served = (self.embodiments.get(name) for name in self.served_embodiments)
+        return [embodiment for embodiment in served if embodiment.domain_id not in trained]
 
     @property
     def device(self) -> torch.device:

@@ -19,6 +19,7 @@ from pydantic import (
 
 from policy_server.json_file import read_json
 from policy_server.pipeline.conditioning import RESOLUTION_TIERS
+from policy_server.pipeline.embodiments import NUM_EMBODIMENT_DOMAINS
 from policy_server.pipeline.schedulers import SAMPLER_NAMES
 
 
@@ -60,7 +61,7 @@ class PolicyConfig(BaseModel):
     pad_mode: Literal["reflect", "replicate"] = "reflect"
     use_system_prompt: bool = True
     embodiments_file: str = "embodiments.json"
-    trained_domain_ids: tuple[StrictInt, ...] | None = None
+    trained_domain_ids: tuple[Annotated[StrictInt, Field(ge=0, lt=NUM_EMBODIMENT_DOMAINS)], ...] | None = None
 
     @field_validator("sampler")
     @classmethod
