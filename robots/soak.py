@@ -40,7 +40,6 @@ import argparse
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -86,20 +85,43 @@ class ServerFailed(Exception):
     """The server this soak started exited or never became SERVING."""
 
 
+LISTENERS_LINE = "policy-server: "  # the line a started server prints once its ports are bound (`policy_server.cli`)
+
+
+def bound_listeners(log_path: Path, process: subprocess.Popen, timeout_s: float) -> dict[str, str]:
+    """The addresses a ``policy-server`` process writing to ``log_path`` bound, by listener, from the line it prints
+    once bound (``policy-server: gRPC on 127.0.0.1:50051, metrics on :9090``): ``{"gRPC": "127.0.0.1:50051",
+    "metrics": ":9090"}``. A server started with port 0 binds one the system picks, which no other program can take
+    between a probe and the bind. ServerFailed if it exits first; TimeoutError after ``timeout_s``."""
+    end = time.monotonic() + timeout_s
+    while True:
+        for line in log_path.read_text().splitlines():
+            if line.startswith(LISTENERS_LINE + "gRPC on "):
+                return listeners_of(line)
+        if process.poll() is not None:
+            raise ServerFailed(f"the server exited with status {process.returncode} while starting")
+        if time.monotonic() > end:
+            raise TimeoutError(f"the server bound no port within {timeout_s:g} s")
+        time.sleep(0.1)
+
+
+def listeners_of(line: str) -> dict[str, str]:
+    """The addresses by listener of a server's ``policy-server: gRPC on ...`` line (``bound_listeners``)."""
+    return dict(part.rsplit(" on ", 1) for part in line.removeprefix(LISTENERS_LINE).strip().split(", "))
+
+
 class ServerProcess:
-    """A real ``policy-server`` child process on a free 127.0.0.1 port, output in ``log_path``; ``wait_serving``
-    before using it. ``client_options``: `PolicyClient`'s TLS keywords for a server given ``--tls-cert``."""
+    """A real ``policy-server`` child process on a 127.0.0.1 port it picks, output in ``log_path``; ``wait_serving``
+    before using it (``target`` is known then). ``client_options``: `PolicyClient`'s TLS keywords for a server given
+    ``--tls-cert``."""
 
     def __init__(self, server_args: list[str], log_path: Path, client_options: dict | None = None) -> None:
-        with socket.socket() as s:  # the port is free now; the server binds it a moment later
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.target = f"127.0.0.1:{port}"
+        self.target: str | None = None
         self.log_path = log_path
         self.client_options = client_options or {}
         self._log = open(log_path, "w")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "policy_server.cli", "--host", "127.0.0.1", "--port", str(port), *server_args],
+            [sys.executable, "-m", "policy_server.cli", "--host", "127.0.0.1", "--port", "0", *server_args],
             stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         self.pid = self.process.pid
@@ -114,6 +136,7 @@ class ServerProcess:
 
     def _wait_serving(self, timeout_s: float) -> None:
         end = time.monotonic() + timeout_s
+        self.target = bound_listeners(self.log_path, self.process, timeout_s)["gRPC"]
         with PolicyClient(self.target, **self.client_options) as client:
             while True:  # in 1 s steps, so that a server that crashed is noticed at once
                 if self.process.poll() is not None:

@@ -8,7 +8,6 @@ stack a GPU runs gives the eager stack's outputs too. (The rest of the suite run
 
 import json
 import shutil
-import socket
 import subprocess
 import sys
 from dataclasses import replace
@@ -27,6 +26,7 @@ from policy_server.pipeline.policy import FixedSteps, PolicyPipeline, PolicyRequ
 from policy_server.pipeline.tick_work import CompiledTickWork
 from robots.bench import warmup_summary
 from robots.embedded import build_random_pipeline
+from robots.soak import bound_listeners
 
 RED, BLUE = "reach the red circle", "reach the blue square at the far end of the table and stay there"
 STATE = np.array([0.2, 0.3], np.float32)
@@ -304,16 +304,13 @@ def test_where_torch_cannot_compile_an_engine_runs_eagerly_and_asking_for_a_comp
 def test_a_server_process_compiles_the_stack_and_serves_the_eager_stacks_actions(pipeline, folder, tmp_path,
                                                                                   compiles):
     # The module's model: its compiles above are in torch's disk cache.
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     log = tmp_path / "server.log"
     with open(log, "w") as out:
         process = subprocess.Popen([sys.executable, "-m", "policy_server.cli", "--checkpoint", str(folder),
-                                    "--port", str(port), "--device", "cpu", "--latency-budget-ms", "10000",
+                                    "--port", "0", "--device", "cpu", "--latency-budget-ms", "10000",
                                     "--quality-profile", "off"],  # compiles, and no warmup calibration
                                    stdout=out, stderr=subprocess.STDOUT)
-    client = PolicyClient(f"127.0.0.1:{port}", timeout_s=30)
+    client = PolicyClient(bound_listeners(log, process, 120)["gRPC"], timeout_s=30)
     try:
         client.wait_until_serving(timeout_s=600)
         assert "compiled the GEN stack for" in log.read_text()

@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from cosmos3_folder import build_tiny_cosmos3_folder, diffusers_action_call, loa
 from policy_server.client import PolicyClient
 from policy_server.pipeline.errors import InvalidImage, InvalidNoise
 from policy_server.pipeline.policy import CheckpointLoadError, InitialNoise, PolicyPipeline, PolicyRequest
+from robots.soak import bound_listeners
 
 ATOL = 1e-4
 STEPS = 3
@@ -235,16 +235,13 @@ def test_the_server_process_serves_the_folder_with_diffusers_actions(folder, tmp
     (served / "policy.json").write_text(json.dumps({"resolution_tier": 256, "num_steps": STEPS}))
     (served / "embodiments.json").write_text(json.dumps(
         {"embodiments": [{"name": "bridge_orig_lerobot", "default_chunk_size": 5, "max_chunk_size": 8}]}))
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     log = open(tmp_path / "server.log", "w+")
     process = subprocess.Popen(
-        [sys.executable, "-m", "policy_server.cli", "--checkpoint", str(served), "--port", str(port),
+        [sys.executable, "-m", "policy_server.cli", "--checkpoint", str(served), "--port", "0",
          "--device", "cpu", "--latency-budget-ms", "30000"],
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
-    client = PolicyClient(f"127.0.0.1:{port}", timeout_s=60)
+    client = PolicyClient(bound_listeners(tmp_path / "server.log", process, 120)["gRPC"], timeout_s=60)
     try:
         for _ in range(60):
             try:

@@ -30,15 +30,10 @@ from policy_server.v1 import policy_server_pb2 as pb
 from policy_server.v1.wire import encode_image, tensor_to_proto
 from robots.embedded import build_random_pipeline
 from robots.rollout import main as rollout_main
+from robots.soak import bound_listeners, listeners_of
 
 TOKEN = "e2e-server-token"
 MAX_MESSAGE_MB = 1.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -46,24 +41,24 @@ def served(tmp_path_factory):
     """The client of a running server process, the path of its log and the URL of its /metrics."""
     model_dir = tmp_path_factory.mktemp("e2e-model")
     build_random_pipeline(model_dir, seed=2)
-    port, metrics_port = _free_port(), _free_port()
     logs = tmp_path_factory.mktemp("e2e-log")
     (logs / "token").write_text(TOKEN)
     log = open(logs / "server.log", "w+")
     process = subprocess.Popen(
-        [sys.executable, "-m", "policy_server.cli", "--checkpoint", str(model_dir), "--port", str(port),
+        [sys.executable, "-m", "policy_server.cli", "--checkpoint", str(model_dir), "--port", "0",
          "--latency-budget-ms", "5000", "--device", "cpu", "--reflection", "--auth-token-file", str(logs / "token"),
-         "--max-message-mb", str(MAX_MESSAGE_MB), "--max-dynamics-calls", "2", "--metrics-port", str(metrics_port)],
+         "--max-message-mb", str(MAX_MESSAGE_MB), "--max-dynamics-calls", "2", "--metrics-port", "0"],
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
-    client = PolicyClient(f"127.0.0.1:{port}", timeout_s=30, token=TOKEN)
+    listeners = bound_listeners(logs / "server.log", process, 120)
+    client = PolicyClient(listeners["gRPC"], timeout_s=30, token=TOKEN)
     try:
         client.wait_until_serving(timeout_s=240)
     except TimeoutError:
         log.seek(0)
         process.kill()
         raise AssertionError("server did not become SERVING:\n" + log.read()) from None
-    yield client, logs / "server.log", f"http://127.0.0.1:{metrics_port}/metrics"
+    yield client, logs / "server.log", f"http://127.0.0.1{listeners['metrics']}/metrics"
     client.close()
     process.terminate()
     process.wait(timeout=30)
@@ -541,14 +536,13 @@ def test_sigterm_stops_the_server_promptly_whatever_it_is_doing(tmp_path):
     import time
 
     build_random_pipeline(tmp_path / "model", seed=4)
-    port = _free_port()
     log = open(tmp_path / "server.log", "w+")
     process = subprocess.Popen(
-        [sys.executable, "-m", "policy_server.cli", "--checkpoint", str(tmp_path / "model"), "--port", str(port),
+        [sys.executable, "-m", "policy_server.cli", "--checkpoint", str(tmp_path / "model"), "--port", "0",
          "--latency-budget-ms", "20000", "--device", "cpu", "--quality-profile", "off"],  # no warmup calibration
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
-    client = PolicyClient(f"127.0.0.1:{port}", timeout_s=60)
+    client = PolicyClient(bound_listeners(tmp_path / "server.log", process, 120)["gRPC"], timeout_s=60)
     try:
         client.wait_until_serving(timeout_s=240)
         answers = []
@@ -585,16 +579,16 @@ def test_failed_tls_handshakes_are_not_logged_one_line_each(tmp_path):
     from fake_engine import self_signed_cert
 
     cert, key = self_signed_cert(tmp_path)
-    port = _free_port()
     env = {name: value for name, value in os.environ.items() if name != "GRPC_VERBOSITY"}
     process = subprocess.Popen(
-        [sys.executable, "-m", "policy_server.cli", "--port", str(port), "--device", "cpu", "--no-compile-gen-stack",
+        [sys.executable, "-m", "policy_server.cli", "--port", "0", "--device", "cpu", "--no-compile-gen-stack",
          "--tls-cert", str(cert), "--tls-key", str(key)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**env, "PYTHONUNBUFFERED": "1"}, text=True,
     )
     try:
         for line in process.stdout:  # the ports are bound before the warmup begins
             if line.startswith("policy-server: gRPC on"):
+                port = int(listeners_of(line)["gRPC"].rsplit(":", 1)[1])
                 break
         for _ in range(20):
             with socket.create_connection(("127.0.0.1", port), timeout=10) as connection:

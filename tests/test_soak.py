@@ -32,6 +32,7 @@ def test_soak_against_a_real_server(tmp_path):
     done = soak("--sessions", "2", "--ticks", "6", "--episode-steps", "16", "--warmup-ticks", "2",
                 "--rss-every-s", "0.5", "--latency-budget-ms", "400", "--auth-token-file", str(token),
                 "--tls-cert", str(cert), "--tls-key", str(key), "--hostile-neighbour", "--out", str(out))
+    assert out.is_file(), done.stderr[-4000:]  # a soak that ends before its report says why there
     report = json.loads(out.read_text())
     assert done.returncode == (0 if report["passed"] else 1), done.stderr
     assert {"config", "wall_s", "errors", "wrong_answers", "misses", "miss_rate", "latency_ms", "latency_by_tenth",
