@@ -58,7 +58,7 @@ def ours(pipe: PolicyPipeline, mode: str, video: np.ndarray, embodiment: str, ch
          **extra) -> tuple[np.ndarray, np.ndarray]:
     request = PolicyRequest(images={"image": video[0]}, instruction=INSTRUCTION, embodiment=embodiment, mode=mode,
                             chunk_size=chunk, num_steps=STEPS, seed=seed,
-                            video=video if mode == "inverse_dynamics" else None, **extra)
+                            video={"image": video} if mode == "inverse_dynamics" else None, **extra)
     out = pipe(request)
     return out.actions, out.latents.numpy()
 

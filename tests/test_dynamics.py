@@ -16,10 +16,11 @@ from worker_hold import hold_worker
 
 from policy_server.client import ControlStream, PolicyClient, PolicyServerError, build_observation
 from policy_server.config import build_config
-from policy_server.engine import api, dynamics
+from policy_server.engine import api
 from policy_server.engine.engine import EngineSettings, ModelEngine
 from policy_server.engine.served import GRID_SAMPLES
 from policy_server.limits import MAX_DYNAMICS_MS, MAX_FRAME_SIDE, MAX_STARTING_STREAMS
+from policy_server.pipeline import policy
 from policy_server.pipeline.conditioning import resize, side_by_side
 from policy_server.pipeline.policy import PolicyPipeline, PolicyRequest
 from policy_server.server.app import build_server
@@ -96,7 +97,7 @@ def _reference(engine, **fields):
 def test_inverse_dynamics_rpc_returns_what_the_pipeline_returns(engine, client, session):
     video = _video(3)
     chunk = client.inverse_dynamics(session, {"image": video}, STATE, step_index=7, encoding="png")
-    reference = _reference(engine, mode="inverse_dynamics", video=video)
+    reference = _reference(engine, mode="inverse_dynamics", video={"image": video})
     np.testing.assert_array_equal(chunk.actions, engine.served.pipeline.embodiments.get("pusht").clip_to_limits(
         reference.actions))
     assert chunk.actions.shape == (8, 2) and chunk.first_step_index == 7 and chunk.epoch == session.epoch
@@ -107,14 +108,14 @@ def test_inverse_dynamics_rpc_returns_what_the_pipeline_returns(engine, client, 
     assert chunk.tick.budget_ms == MAX_DYNAMICS_MS and chunk.tick.deadline_ms <= 60_000.0
     seeded = client.inverse_dynamics(session, {"image": video}, STATE, seed=11, encoding="png")
     np.testing.assert_array_equal(seeded.actions, engine.served.pipeline.embodiments.get("pusht").clip_to_limits(
-        _reference(engine, mode="inverse_dynamics", video=video, seed=11).actions))
+        _reference(engine, mode="inverse_dynamics", video={"image": video}, seed=11).actions))
 
 
 def test_inverse_dynamics_takes_frames_of_the_camera_s_own_size(engine, client, session):
     video = _video(4, height=48, width=80)
     chunk = client.inverse_dynamics(session, {"image": video}, STATE, instruction="reach the blue circle",
                                     encoding="raw")
-    reference = _reference(engine, mode="inverse_dynamics", video=video, instruction="reach the blue circle")
+    reference = _reference(engine, mode="inverse_dynamics", video={"image": video}, instruction="reach the blue circle")
     np.testing.assert_array_equal(chunk.actions, engine.served.pipeline.embodiments.get("pusht").clip_to_limits(
         reference.actions))
     assert client.reset_session(session).instruction == INSTRUCTION  # the call's instruction was for it only
@@ -312,7 +313,7 @@ def test_scaling_an_inverse_dynamics_calls_cameras_counts_against_its_time(engin
         time.sleep(0.2)
         return side_by_side(cameras)
 
-    monkeypatch.setattr(dynamics, "side_by_side", slow_side_by_side)
+    monkeypatch.setattr(policy, "side_by_side", slow_side_by_side)
     assert engine.inverse_dynamics(session.session_id, session.epoch, _clip()).tick.actual_ms["prepare"] >= 200
 
 

@@ -9,7 +9,7 @@ from policy_server.cache.controller import NoCache
 from policy_server.cache.seacache import SeaCache, SeaCacheConfig
 from policy_server.pipeline import conditioning, schedulers
 from policy_server.pipeline.embodiments import Embodiment
-from policy_server.pipeline.errors import PolicyInputError
+from policy_server.pipeline.errors import InvalidImage, PolicyInputError
 from policy_server.pipeline.packing import ActionLayout
 from policy_server.pipeline.policy import DenoiseState, FixedSteps, PolicyPipeline, PolicyRequest, run_steps
 from robots.embedded import build_random_pipeline
@@ -241,14 +241,20 @@ def test_cameras_of_different_heights_go_side_by_side_as_if_the_robot_had_scaled
 
 def test_inverse_dynamics_generates_actions_from_clean_video(pipe):
     video = np.stack([_image(i) for i in range(9)])
-    out = pipe(_request(mode="inverse_dynamics", video=video, images={}))
+    request = _request(mode="inverse_dynamics", video={"image": video}, images={})
+    out = pipe(request)
     assert out.actions.shape == (8, 2) and np.all(np.isfinite(out.actions))
-    clean, _ = pipe.encode_condition(pipe.prepare_frames(_request(mode="inverse_dynamics", video=video, images={})))
+    clean, _ = pipe.encode_condition(pipe.prepare_frames(request))
     assert torch.equal(out.latents, clean)
     # No noisy vision: SeaCache fails open and runs every step full.
-    cached = pipe(_request(mode="inverse_dynamics", video=video, images={}),
-                  cache=SeaCache(SeaCacheConfig(threshold=10.0)))
+    cached = pipe(request, cache=SeaCache(SeaCacheConfig(threshold=10.0)))
     assert cached.cache.skipped_calls == 0 and np.array_equal(cached.actions, out.actions)
+    # A video per camera, as images: exactly the embodiment's cameras, each [K + 1, H, W, 3].
+    wrong = (({"wrist": video}, r"cameras \['wrist'\]; expected exactly \['image'\]"),
+             ({"image": video[0]}, r"video 'image' is uint8 \(64, 64, 3\); expected uint8 RGB \[K \+ 1"))
+    for videos, message in wrong:
+        with pytest.raises(InvalidImage, match=message):
+            pipe(_request(mode="inverse_dynamics", video=videos, images={}))
 
 
 @pytest.mark.parametrize(

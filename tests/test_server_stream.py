@@ -679,13 +679,9 @@ class _StallingLink:
         self._listener.close()
 
 
-def test_frames_sent_while_the_uplink_stalls_are_not_delivered_as_a_backlog(server):
-    # A 10 Hz robot whose WiFi stalls for 3 s sends 30 frames meanwhile. They used to reach the server all at once
-    # when the link came back, beyond its frame rate: the newest were refused RATE_EXCEEDED (an error the robot's
-    # next_chunk raised) and an older frame was acted on. The client keeps the newest frame back while a frame is on
-    # its way (sent, its receipt not back), so the stalled link carries one frame and then the newest. With up to 3
-    # frames on their way, a slow uplink (48 kB frames at 200 kbit/s: 5.8 s) held a ping's answer past gRPC's 5 s
-    # ping timeout, and the server ended the connection every 5.4 s.
+def _across_a_stall(server, sends) -> tuple[list[int], list]:
+    """A ControlStream through a link that stalls while ``sends(stream)`` sends frames (their obs_ids) after a first
+    answered one: ``(those obs_ids, the events until the last of them is answered)``."""
     link = _StallingLink(int(server.target.rsplit(":", 1)[1]))
     with PolicyClient(link.target) as client:
         session = client.open_session("pusht", "push", rate_hz=0)
@@ -693,12 +689,23 @@ def test_frames_sent_while_the_uplink_stalls_are_not_delivered_as_a_backlog(serv
             send(stream, 0)
             stream.next_chunk()
             link.flowing.clear()
-            sent = [send(stream, step) for step in range(1, 31)]
+            sent = sends(stream)
             link.flowing.set()
             events = []
             while not (events and events[-1].kind in ("chunk", "error") and events[-1].obs_id == sent[-1]):
-                events.append(stream.next_event())  # until the newest frame is answered
+                events.append(stream.next_event())
     link.close()
+    return sent, events
+
+
+def test_frames_sent_while_the_uplink_stalls_are_not_delivered_as_a_backlog(server):
+    # A 10 Hz robot whose WiFi stalls for 3 s sends 30 frames meanwhile. They used to reach the server all at once
+    # when the link came back, beyond its frame rate: the newest were refused RATE_EXCEEDED (an error the robot's
+    # next_chunk raised) and an older frame was acted on. The client keeps the newest frame back while a frame is on
+    # its way (sent, its receipt not back), so the stalled link carries one frame and then the newest. With up to 3
+    # frames on their way, a slow uplink (48 kB frames at 200 kbit/s: 5.8 s) held a ping's answer past gRPC's 5 s
+    # ping timeout, and the server ended the connection every 5.4 s.
+    sent, events = _across_a_stall(server, lambda stream: [send(stream, step) for step in range(1, 31)])
     assert not [e.error.message for e in events if e.kind == "error"]
     chunks = [e.obs_id for e in events if e.kind == "chunk"]
     assert chunks in ([sent[0], sent[-1]], [sent[-1]])  # what was on its way (unless the newest came first), the newest
@@ -710,19 +717,8 @@ def test_frames_sent_while_the_uplink_stalls_are_not_delivered_as_a_backlog(serv
 def test_a_must_answer_frame_replaces_the_frame_waiting_behind_the_one_on_its_way(server):
     # The must_answer frame goes at once; the frame waiting went after it, with a lower obs_id, and the server refused
     # it (BAD_VALUE: obs_ids must increase), an error the robot's next_chunk raised.
-    link = _StallingLink(int(server.target.rsplit(":", 1)[1]))
-    with PolicyClient(link.target) as client:
-        session = client.open_session("pusht", "push", rate_hz=0)
-        with ControlStream(client, session) as stream:
-            send(stream, 0)
-            stream.next_chunk()
-            link.flowing.clear()
-            on_its_way, waiting, urgent = send(stream, 1), send(stream, 2), send(stream, 3, must_answer=True)
-            link.flowing.set()
-            events = []
-            while not (events and events[-1].kind in ("chunk", "error") and events[-1].obs_id == urgent):
-                events.append(stream.next_event())
-    link.close()
+    (on_its_way, waiting, urgent), events = _across_a_stall(
+        server, lambda stream: [send(stream, 1), send(stream, 2), send(stream, 3, must_answer=True)])
     assert not [e.error.message for e in events if e.kind == "error"]
     assert ("superseded", waiting, urgent) in [(e.kind, e.obs_id, e.by_obs_id) for e in events]
     assert {e.obs_id for e in events if e.kind == "chunk"} <= {on_its_way, urgent}

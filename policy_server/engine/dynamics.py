@@ -24,7 +24,6 @@ from policy_server.engine.sessions import SessionState
 from policy_server.engine.tick import PREPARE_STAGE, branch_records
 from policy_server.engine.worker import ModelWorker
 from policy_server.limits import MAX_DYNAMICS_MS
-from policy_server.pipeline.conditioning import side_by_side
 from policy_server.pipeline.embodiments import Embodiment
 from policy_server.pipeline.policy import CanvasClip, PolicyOutput, PolicyRequest, PromptState, stepwise
 
@@ -113,23 +112,24 @@ class Dynamics:
 
     def forward(self, session: SessionState, observation: api.Observation, actions: np.ndarray, seed: int | None,
                 deadline_s: float | None, should_abort: Callable[[], bool] | None) -> api.PredictedVideo:
-        embodiment = self.served.embodiments[session.embodiment]
+        opening = session.opening
+        embodiment = self.served.embodiments[opening.embodiment]
         instruction = self._instruction(session, observation.instruction, "observation.instruction")
-        request = PolicyRequest(images=observation.images, instruction=instruction, embodiment=session.embodiment,
-                                state=observation.state, mode="forward_dynamics",
-                                chunk_size=session.chunk_size, seed=session.seed if seed is None else seed,
-                                actions=actions)
+        request = PolicyRequest(images=observation.images, instruction=instruction, embodiment=opening.embodiment,
+                                state=observation.state, mode="forward_dynamics", chunk_size=opening.chunk_size,
+                                seed=opening.seed if seed is None else seed, actions=actions)
         out, frames, tick = self._run(session, embodiment, request, True, deadline_s, should_abort)
         return api.PredictedVideo(frames=frames, latents_shape=tuple(out.latents.shape), tick=tick)
 
     def inverse(self, session: SessionState, clip: api.VideoClip, seed: int | None, deadline_s: float | None,
                 should_abort: Callable[[], bool] | None) -> api.ActResult:
-        embodiment = self.served.embodiments[session.embodiment]
+        opening = session.opening
+        embodiment = self.served.embodiments[opening.embodiment]
         request = PolicyRequest(images={}, instruction=self._instruction(session, clip.instruction, "instruction"),
-                                embodiment=session.embodiment, state=clip.state, mode="inverse_dynamics",
-                                chunk_size=session.chunk_size, seed=session.seed if seed is None else seed)
-        out, _, tick = self._run(session, embodiment, request, False, deadline_s, should_abort,
-                                 cameras=[clip.frames[name] for name in embodiment.cameras])
+                                embodiment=opening.embodiment, state=clip.state, mode="inverse_dynamics",
+                                chunk_size=opening.chunk_size, seed=opening.seed if seed is None else seed,
+                                video=clip.frames)
+        out, _, tick = self._run(session, embodiment, request, False, deadline_s, should_abort)
         if not np.all(np.isfinite(out.actions)):
             raise api.NonFiniteOutput("the model produced NaN or Inf actions")
         clipped = int(np.count_nonzero(embodiment.out_of_limits(out.actions)))
@@ -145,11 +145,10 @@ class Dynamics:
 
     def _run(self, session: SessionState, embodiment: Embodiment, request: PolicyRequest, decode_frames: bool,
              deadline_s: float | None, should_abort: Callable[[], bool] | None,
-             cameras: list[np.ndarray] | None = None) -> tuple[PolicyOutput, np.ndarray | None, api.TickRecord]:
+             ) -> tuple[PolicyOutput, np.ndarray | None, api.TickRecord]:
         """Run a dynamics request within the caller's deadline and `MAX_DYNAMICS_MS`, its frames put on their
-        canvas on this (the caller's) thread: an inverse_dynamics request's video is its `cameras`' frames
-        ([K + 1, H, W, 3] each) side by side, made here so that their scaling counts against the call's time.
-        Returns the pipeline output, the decoded frames (`decode_frames`) and the record."""
+        canvas on this (the caller's) thread, within the call's time. Returns the pipeline output, the decoded frames
+        (`decode_frames`) and the record."""
         served = self.served
         arrived_ms = served.clock()
         bound_s = time.monotonic() + MAX_DYNAMICS_MS / 1e3
@@ -158,8 +157,6 @@ class Dynamics:
         end = CallEnd(served.closing, deadline_s, should_abort,
                       late=f"the call's deadline passed (the caller's, or the server's bound of "
                            f"{MAX_DYNAMICS_MS / 1e3:g} s)")
-        if cameras is not None:  # as a tick sees its cameras: a shorter one scaled to the tallest's height
-            request = dataclasses.replace(request, video=side_by_side(cameras))
         frames = served.pipeline.prepare_frames(request)
         prepared_ms = served.clock()
         job = DynamicsCall(served, embodiment, request, frames, decode_frames, session.prompt, prepared_ms, end)

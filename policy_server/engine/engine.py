@@ -240,7 +240,7 @@ class ModelEngine:
             if session.ticking():  # queued, running, or its observation being decoded
                 raise api.SessionBusy(session_id)
             _refuse_early(session, session.limiter.take(time.monotonic()))
-            job = TickJob(session, (session.embodiment, session.chunk_size), payload=None)
+            job = TickJob(session, (session.opening.embodiment, session.opening.chunk_size), payload=None)
             session.in_flight = job
         try:
             yield job
@@ -275,7 +275,8 @@ class ModelEngine:
         if self.served.graphs is not None and session.instruction != session.graphed_instruction:
             # The tick ran a new instruction's calls eagerly; its next ones replay graphs captured in the background.
             session.graphed_instruction = session.instruction
-            pieces = self._warmup.session_graphs(self.served.embodiments[session.embodiment], session.chunk_size,
+            opening = session.opening
+            pieces = self._warmup.session_graphs(self.served.embodiments[opening.embodiment], opening.chunk_size,
                                                  session.instruction)
             with contextlib.suppress(api.ShuttingDown):  # the tick's answer stands
                 self._worker.submit(GeneratorJob(pieces, lambda error: logger.warning(
@@ -286,7 +287,7 @@ class ModelEngine:
         """`request` with its frames put on their canvas here, on the caller's thread: the model worker, which
         every session shares, then spends only the VAE encode of the canvas on them, whatever their size."""
         started = self.served.clock()
-        frames = self.served.pipeline.prepare_images(session.embodiment, request.observation.images)
+        frames = self.served.pipeline.prepare_images(session.opening.embodiment, request.observation.images)
         return dataclasses.replace(request, frames=frames, prepare_ms=self.served.clock() - started)
 
     @contextlib.contextmanager

@@ -51,8 +51,9 @@ class SessionState:
     history: full-call counts of the previous ticks per cache setting, for the budget planner.
     last_used_s: when a call last named it (``time.monotonic()`` s).
     attached: a Control stream holds it (one at a time); dynamics: its forward / inverse dynamics calls running.
-    opening: what it was opened with; of those, only its instruction and budget change (``instruction``,
-    ``budget_ms``), and the rest are read from it (``embodiment``, ``chunk_size``, ...).
+    opening: what it was opened with (``embodiment``, ``chunk_size``, ``seed``, ``preview``: its ticks decode and return
+    the predicted frames; ``client_name``: who opened it, for logs); of those, only its instruction and budget change,
+    held here (``instruction``, ``budget_ms``).
     """
 
     session_id: str
@@ -74,28 +75,6 @@ class SessionState:
     attached: bool = False
     dynamics: int = 0
 
-    @property
-    def embodiment(self) -> str:
-        return self.opening.embodiment
-
-    @property
-    def chunk_size(self) -> int:
-        return self.opening.chunk_size
-
-    @property
-    def seed(self) -> int:
-        return self.opening.seed
-
-    @property
-    def preview(self) -> bool:
-        """Its ticks decode and return the predicted frames (planned and admitted with that stage)."""
-        return self.opening.preview
-
-    @property
-    def client_name(self) -> str:
-        """Who opened it, as they said (for logs)."""
-        return self.opening.client_name
-
     def ticking(self) -> bool:
         """A tick of it is queued or running."""
         return self.in_flight is not None and not self.in_flight.result.done()
@@ -105,14 +84,16 @@ class SessionState:
         return now_s - self.last_used_s > idle_s and not self.ticking() and not self.attached and not self.dynamics
 
     def handle(self) -> SessionHandle:
-        return SessionHandle(self.session_id, self.epoch, self.embodiment, self.instruction, self.budget_ms,
-                             self.chunk_size, self.seed, rate_hz=self.demand.rate_hz, slot_ms=self.slot_ms,
-                             measured_rate_hz=self.limiter.measured_hz, preview=self.preview,
-                             client_name=self.client_name)
+        opening = self.opening
+        return SessionHandle(self.session_id, self.epoch, opening.embodiment, self.instruction, self.budget_ms,
+                             opening.chunk_size, opening.seed, rate_hz=self.demand.rate_hz, slot_ms=self.slot_ms,
+                             measured_rate_hz=self.limiter.measured_hz, preview=opening.preview,
+                             client_name=opening.client_name)
 
     def describe(self) -> str:
         """The session and who opened it, for a log line."""
-        return f"{self.session_id} ({self.client_name!r})" if self.client_name else self.session_id
+        name = self.opening.client_name
+        return f"{self.session_id} ({name!r})" if name else self.session_id
 
 
 def _longest_unused(sessions: Iterable[SessionState], idle_s: float) -> str:
@@ -120,7 +101,7 @@ def _longest_unused(sessions: Iterable[SessionState], idle_s: float) -> str:
     ``sessions`` (not empty) longest without a call has had none. It names its client, never its id (the id is
     what a call on the session needs)."""
     session = min(sessions, key=lambda s: s.last_used_s)
-    whose = f"client {session.client_name!r}" if session.client_name else "no client_name"
+    whose = f"client {session.opening.client_name!r}" if session.opening.client_name else "no client_name"
     return (f"a session with no call (and no Control stream) for {idle_s:g} s closes; the one longest without a call "
             f"({whose}) has had none for {time.monotonic() - session.last_used_s:.0f} s")
 

@@ -101,6 +101,7 @@ class Tick:
     def steps(self) -> Generator[StackCall | None, torch.Tensor | None, api.ActResult]:
         """The tick as the pipeline's `TickSteps`, returning the answer."""
         served, session, request = self.served, self.session, self.request
+        opening = session.opening
         pipeline = served.pipeline
         observation = request.observation
         served.check_epoch(session, request.epoch)  # at the start: a reset may have come while it queued
@@ -110,24 +111,24 @@ class Tick:
         left_ms = request.deadline_ms - (started_ms - request.arrived_ms)
         if observation.instruction and observation.instruction != session.instruction:
             session.instruction = observation.instruction
-            session.cost_key = served.cost_key(session.embodiment, session.chunk_size, request.instruction_tokens)
-        embodiment = served.embodiments[session.embodiment]
+            session.cost_key = served.cost_key(opening.embodiment, opening.chunk_size, request.instruction_tokens)
+        embodiment = served.embodiments[opening.embodiment]
         placement = request.frames.placement
         canvas_hw = placement.canvas_hw
-        prefill = not served.prompt_fits(session.prompt, session.instruction, embodiment, session.chunk_size, canvas_hw)
-        unused = {stage for stage, used in ((PREFILL_STAGE, prefill), (PREVIEW_STAGE, session.preview)) if not used}
+        prefill = not served.prompt_fits(session.prompt, session.instruction, embodiment, opening.chunk_size, canvas_hw)
+        unused = {stage for stage, used in ((PREFILL_STAGE, prefill), (PREVIEW_STAGE, opening.preview)) if not used}
         learn_key, key = served.grid_keys(session.cost_key,
                                           placement.latent_content_hw(pipeline.vae.spatial_compression),
                                           unused)
 
         plan = self._plan(key, left_ms, prefill, started_ms)
-        session.prompt, prefill_ms = served.prompt(session.instruction, embodiment, session.chunk_size, canvas_hw,
+        session.prompt, prefill_ms = served.prompt(session.instruction, embodiment, opening.chunk_size, canvas_hw,
                                                    session.prompt)
         pipeline_request = PolicyRequest(
-            images=observation.images, instruction=session.instruction, embodiment=session.embodiment,
-            state=observation.state, chunk_size=session.chunk_size,
+            images=observation.images, instruction=session.instruction, embodiment=opening.embodiment,
+            state=observation.state, chunk_size=opening.chunk_size,
             num_steps=served.num_steps if plan is None else plan.num_steps,
-            seed=(session.seed + session.ticks) % 2**64,  # each tick of an episode its own noise; a uint64, as sent
+            seed=(opening.seed + session.ticks) % 2**64,  # each tick of an episode its own noise; a uint64, as sent
         )
         try:
             out = yield from pipeline.steps(pipeline_request, session.prompt, self, served.tick_work, request.frames)
@@ -147,7 +148,7 @@ class Tick:
         stage_ms["prefill"] += prefill_ms
         stage_ms["queue"] = started_ms - request.arrived_ms - request.prepare_ms
         frames = None
-        if session.preview:  # inside the tick: the plan reserved this stage, the guard kept time for it
+        if opening.preview:  # inside the tick: the plan reserved this stage, the guard kept time for it
             clock = served.clock()
             frames = pipeline.decode_video(out.latents)
             stage_ms[PREVIEW_STAGE] = served.clock() - clock
@@ -168,8 +169,8 @@ class Tick:
         # A slot that holds the uncached tick is no cap: rounding must not turn caching on.
         slot_ms = session.slot_ms if session.slot_ms < session.demand.ceiling_ms else left_ms
         plan = served.budget.plan(key, max(min(left_ms, slot_ms), 1e-3), served.num_steps, served.passes,
-                                  session.history, prefill=prefill, preview=session.preview,
-                                  frontier=served.frontier(session.embodiment))
+                                  session.history, prefill=prefill, preview=session.opening.preview,
+                                  frontier=served.frontier(session.opening.embodiment))
         order = served.settings.residual_order if plan.residual_order is None else plan.residual_order
         config = SeaCacheConfig(threshold=plan.thresholds, residual_order=order, max_consecutive_cached=plan.cap)
         cache = SeaCache(config, sea_filter=served.sea_filter)

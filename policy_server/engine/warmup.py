@@ -36,7 +36,6 @@ from policy_server.engine.served import INSTRUCTION_TOKEN_GROUPS, ServedModel
 from policy_server.engine.tick import STAGES, observe_output
 from policy_server.limits import MAX_INSTRUCTION_TOKENS, MAX_PROMPT_TOKENS
 from policy_server.pipeline.compiled_stack import PrecompiledGenStack
-from policy_server.pipeline.conditioning import side_by_side
 from policy_server.pipeline.embodiments import Embodiment
 from policy_server.pipeline.policy import PolicyOutput, PolicyRequest, TickSteps, run_steps, stepwise
 from policy_server.pipeline.reasoner import ReasonerStream
@@ -322,14 +321,13 @@ class Warmup:
         chunk = embodiment.max_chunk_size
         cameras = {name: np.zeros((chunk + 1, *size, 3), np.uint8)
                    for name, size in embodiment.frame_sizes(self.served.pipeline.config.canvas_hw).items()}
-        video = side_by_side(list(cameras.values()))
         common = dict(instruction=self.text_of(MAX_INSTRUCTION_TOKENS), embodiment=embodiment.name,
                       state=np.zeros(embodiment.state_dim, np.float32) if embodiment.state_dim else None,
                       chunk_size=chunk, num_steps=min(3, self.served.pipeline.config.num_steps))
         calls = (
             (PolicyRequest(images={name: frames[0] for name, frames in cameras.items()}, mode="forward_dynamics",
                            actions=np.zeros((chunk, embodiment.raw_action_dim), np.float32), **common), True),
-            (PolicyRequest(images={}, mode="inverse_dynamics", video=video, **common), False),
+            (PolicyRequest(images={}, mode="inverse_dynamics", video=cameras, **common), False),
         )
         longest = 0.0
         for request, decode_frames in calls:

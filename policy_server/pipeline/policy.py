@@ -189,7 +189,8 @@ class PolicyRequest:
     actions: forward_dynamics only: float32 [K, raw_action_dim] in physical units.
     history_actions: optional float32 [H, raw_action_dim], the actions executed just before this tick
         (most recent last), given to the model as clean rows before the chunk.
-    video: inverse_dynamics only: uint8 RGB [K + 1, H, W, 3] frames (one camera, or the cameras' `side_by_side`).
+    video: inverse_dynamics only: camera name -> uint8 RGB [K + 1, H, W, 3] frames, the embodiment's cameras, put
+        side by side frame by frame as `images` are.
     noise: the initial noise, like diffusers' `latents` / `action_latents`; None draws it from `seed` in
         diffusers' order (vision, then actions).
     """
@@ -205,7 +206,7 @@ class PolicyRequest:
     seed: int = 0
     actions: np.ndarray | None = None
     history_actions: np.ndarray | None = None
-    video: np.ndarray | None = None
+    video: Mapping[str, np.ndarray] | None = None
     noise: InitialNoise | None = None
 
 
@@ -657,31 +658,30 @@ class PolicyPipeline:
 
     def _validate_images(self, request: PolicyRequest, embodiment: Embodiment) -> None:
         m = self.vae.spatial_compression  # frames are floored to multiples of it, so they need at least that
-        if request.mode == "inverse_dynamics":
-            video = request.video
-            if not isinstance(video, np.ndarray) or video.dtype != np.uint8 or video.ndim != 4 \
-                    or video.shape[-1] != 3 or video.shape[0] < 1 or min(video.shape[1:3]) < m:
-                got = f"{getattr(video, 'dtype', type(video).__name__)} {getattr(video, 'shape', '')}"
-                raise InvalidImage(f"video is {got}; inverse_dynamics needs a uint8 RGB video "
-                                   f"[K + 1, H >= {m}, W >= {m}, 3]", field="video")
-            return
-        missing = [c for c in embodiment.cameras if c not in request.images]
-        extra = [c for c in request.images if c not in embodiment.cameras]
-        if missing or extra:
-            raise InvalidImage(f"cameras {sorted(request.images)}; expected exactly {list(embodiment.cameras)}")
+        video = request.mode == "inverse_dynamics"
+        frames = request.video if video else request.images
+        what, shape = ("video", "[K + 1, H >= {m}, W >= {m}, 3]") if video else ("image", "[H >= {m}, W >= {m}, 3]")
+        if not isinstance(frames, Mapping) or sorted(frames) != sorted(embodiment.cameras):
+            got = sorted(frames) if isinstance(frames, Mapping) else type(frames).__name__
+            raise InvalidImage(f"cameras {got}; expected exactly {list(embodiment.cameras)}", field=f"{what}s")
         for name in embodiment.cameras:
-            image = request.images[name]
-            if not isinstance(image, np.ndarray) or image.dtype != np.uint8 or image.ndim != 3 \
-                    or image.shape[-1] != 3 or min(image.shape[:2]) < m:
-                got = f"{getattr(image, 'dtype', type(image).__name__)} {getattr(image, 'shape', '')}"
-                raise InvalidImage(f"image {name!r} is {got}; expected uint8 RGB [H >= {m}, W >= {m}, 3]",
-                                   field=f"images[{name}]")
+            array = frames[name]
+            if not isinstance(array, np.ndarray) or array.dtype != np.uint8 or array.ndim != 3 + video \
+                    or array.shape[-1] != 3 or min(array.shape[-3:-1]) < m or (video and len(array) < 1):
+                got = f"{getattr(array, 'dtype', type(array).__name__)} {getattr(array, 'shape', '')}"
+                raise InvalidImage(f"{what} {name!r} is {got}; expected uint8 RGB {shape.format(m=m)}",
+                                   field=f"{what}s[{name}]")
+        if video and len({len(frames[name]) for name in embodiment.cameras}) > 1:
+            lengths = {name: len(frames[name]) for name in embodiment.cameras}
+            raise InvalidImage(f"videos of {lengths} frames; expected one length", field="videos")
 
     def prepare_frames(self, request: PolicyRequest) -> CanvasClip:
         """A valid `request`'s conditioning frames put on their canvas: its camera images (`prepare_images`), or
-        an inverse_dynamics request's video, extended with its last frame where it is shorter than the chunk's."""
+        an inverse_dynamics request's cameras' videos side by side frame by frame, extended with the last frame where
+        they are shorter than the chunk's."""
         if request.mode == "inverse_dynamics":
-            return self._on_canvas(request.video, self.num_video_frames(self._chunk(request)))
+            cameras = [request.video[c] for c in self.embodiments.get(request.embodiment).cameras]
+            return self._on_canvas(side_by_side(cameras), self.num_video_frames(self._chunk(request)))
         return self.prepare_images(request.embodiment, request.images)
 
     def prepare_images(self, embodiment: str, images: Mapping[str, np.ndarray]) -> CanvasClip:
