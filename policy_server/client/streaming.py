@@ -262,8 +262,8 @@ class ControlStream:
         error (or `error`, the loss, when none came after it). Every reopening of this loss sends one request id: one
         whose answer was lost (it timed out, the connection dropped) opened the session the next one gets."""
         request_id, lost = uuid.uuid4().hex, self._session.session_id
-        for delay in self._backoff.delays():
-            if self._pause(delay):
+        for attempt, delay in enumerate(self._backoff.delays()):
+            if self._pause(delay, connect=attempt == 0):
                 return error
             try:
                 self._attach(request_id)
@@ -284,12 +284,15 @@ class ControlStream:
             return None
         return error
 
-    def _pause(self, delay_s: float) -> bool:
+    def _pause(self, delay_s: float, connect: bool) -> bool:
         """Wait ``delay_s`` before the next try, or less where the channel was not connected and connects again
         meanwhile: True if the stream is closing. A try while the channel is down fails at once, and the channel
         reconnects on its own backoff, not the stream's: after a link's outage the next try would come up to a
         whole delay after the channel is back. A channel that stays connected (a server that refuses) or never
-        connects (one that stays down) waits every delay, so that they still grow."""
+        connects (one that stays down) waits every delay, so that they still grow. ``connect``: ask the idle channel
+        a lost connection leaves to connect (the first pause; after a failed try it is reconnecting already). gRPC
+        keeps that request pending in its connectivity poller beyond the pause, which fails in a thread of its own
+        if the client is closed meanwhile."""
         self._wake.clear()
         if self._closing.is_set():
             return True
@@ -302,7 +305,7 @@ class ControlStream:
                 self._wake.set()
 
         channel = self._client.channel
-        channel.subscribe(watch, try_to_connect=True)
+        channel.subscribe(watch, try_to_connect=connect)
         try:
             self._wake.wait(delay_s)
         finally:
