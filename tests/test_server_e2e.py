@@ -504,7 +504,9 @@ def test_sessions_beyond_capacity_are_refused_with_the_capacity_figure(served, c
     assert (printed["budgetMs"], printed["sessionsAlone"], printed["sessionsMore"]) == (budget, fit, fit)
     assert client_main([*cli, "--budget-ms", "-5"]) == 2
     assert "budget_ms: expected a latency budget in (0, 60000] ms" in capsys.readouterr().err
-    opened = [server.open_session("pusht", "reach the red circle", budget_ms=budget, rate_hz=0.0) for _ in range(fit)]
+    longest_name = "a" * 128  # a client_name at its limit, which the refusal still names whole
+    opened = [server.open_session("pusht", "reach the red circle", budget_ms=budget, rate_hz=0.0,
+                                  client_name=longest_name) for _ in range(fit)]
     capsys.readouterr()
     assert client_main([*cli, "--budget-ms", str(budget), "--rate-hz", "0"]) == 0
     (printed,) = json.loads(capsys.readouterr().out)["capacity"]
@@ -514,6 +516,8 @@ def test_sessions_beyond_capacity_are_refused_with_the_capacity_figure(served, c
     assert (refused.value.code, refused.value.reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "OVERLOADED")
     assert f"no session like this one fits beside them, {fit} would on an idle server" in refused.value.detail.message
     assert refused.value.sessions_fit == fit and refused.value.detail.metadata["sessions_fit"] == str(fit)
+    assert re.search(rf"the one longest without a call \(client '{longest_name}'\) has had none for \d+ s$",
+                     refused.value.detail.message)
     for session in opened:
         assert server.act(session, {"image": _image()}, STATE).tick.deadline_met
         server.close_session(session)

@@ -3,6 +3,7 @@ reason and offending field, and the server then serves the next good request cor
 
 from __future__ import annotations
 
+import base64
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from openpi_client import msgpack_numpy
 from policy_server.client import ControlStream, PolicyClient, PolicyServerError, Session, build_observation
 from policy_server.engine.api import Observation
 from policy_server.limits import MAX_FRAME_SIDE, MAX_TEXT_BYTES
+from policy_server.server.errors import make_error
 from policy_server.v1 import policy_server_pb2 as pb
 from policy_server.v1.wire import encode_image, tensor_to_proto
 
@@ -260,6 +262,17 @@ def test_error_details_carry_expected_and_got(client, session):
     with pytest.raises(PolicyServerError) as err:  # the dtypes a state may have, not every dtype a Tensor may
         client.act_request(with_state(session, tensor_to_proto(np.zeros(2, np.float16))))
     assert (err.value.detail.expected, err.value.detail.got) == ("DTYPE_FLOAT32 or DTYPE_FLOAT64", "DTYPE_FLOAT16")
+
+
+def test_an_error_with_every_text_at_its_clip_fits_grpcs_metadata_limit():
+    """gRPC refuses trailing metadata over 8 KiB (HPACK's size: name, value and 32 bytes an entry; a -bin value as
+    its base64); an error whose texts were clipped must still reach the client."""
+    error = make_error("SCHEMA_MISMATCH", "m" * 5000, field="f" * 5000, expected="e" * 5000, got="g" * 5000,
+                       retry_after_ms=5.0)
+    assert len(error.detail.message) > len(error.detail.got)  # the message keeps more: the server writes it
+    size = sum(len(key) + len(base64.b64encode(value) if key.endswith("-bin") else value) + 32
+               for key, value in error.status().trailing_metadata)
+    assert size < 8192
 
 
 def test_a_blank_text_is_named_blank_not_unset(client):
