@@ -6,6 +6,7 @@ WebSocket client needs only msgpack and websockets, which the server depends on 
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import ssl
 import threading
@@ -23,7 +24,7 @@ from openpi_client.websocket_client_policy import WebsocketClientPolicy
 from websockets.exceptions import ConnectionClosed, InvalidMessage, InvalidStatus
 
 from policy_server.config import build_config
-from policy_server.engine.api import Observation
+from policy_server.engine.api import ActionSpec, Observation
 from policy_server.engine.engine import ModelEngine
 from policy_server.engine.served import EngineSettings
 from policy_server.limits import MAX_FRAME_SIDE, MAX_INSTRUCTION_TOKENS, MAX_REFUSED_MESSAGES, REFUSED_MESSAGES_HZ
@@ -71,6 +72,18 @@ def test_metadata_frame_describes_the_embodiment(policy):
     assert (meta["state_dim"], meta["action_dim"], meta["chunk_size"]) == (2, 2, 8)
     assert meta["observation_keys"]["images"] == ["observation/image"]
     assert meta["budget_ms"] == 120.0
+
+
+def test_the_metadata_limits_hold_actions_clipped_to_them():
+    """Actions travel as float32: one the engine clipped to a limit of 0.2 is float32(0.2), 3e-9 above 0.2, and a
+    robot that checks them against the metadata's limits (as against ServerInfo's float32 ones) must not refuse it."""
+    limits = ActionSpec(dim=2, low=(-0.2, -0.2), high=(0.2, 0.2))
+    with serve_fake(FakeEngine(embodiments=(dataclasses.replace(PUSHT, action=limits),)), websocket_port=0) as server:
+        policy = WebsocketClientPolicy(host="127.0.0.1", port=server.websocket_port)
+        meta = policy.get_server_metadata()
+        policy._ws.close()
+    clipped = np.clip(np.array([[5.0, -5.0]]), limits.low, limits.high).astype(np.float32)  # as the engine serves
+    assert np.all(clipped <= np.asarray(meta["action_high"])) and np.all(clipped >= np.asarray(meta["action_low"]))
 
 
 def test_infer_returns_the_exact_chunk(policy):

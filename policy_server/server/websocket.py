@@ -433,8 +433,10 @@ class OpenpiWebsocketServer:
             "state_dim": spec.state_dim,
             "action_dim": spec.action.dim,
             "action_units": list(spec.action.units),
-            "action_low": list(spec.action.low),
-            "action_high": list(spec.action.high),
+            # as float32, the actions' dtype (ServerInfo's are float32 too): an action clipped to a limit of 0.2 is
+            # float32(0.2), above the float64 0.2, and a robot's check against the limits must let it pass
+            "action_low": [float(np.float32(v)) for v in spec.action.low],
+            "action_high": [float(np.float32(v)) for v in spec.action.high],
             "chunk_size": spec.default_chunk_size,
             "control_hz": spec.control_hz,
             "budget_ms": info.default_budget_ms,
