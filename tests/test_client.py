@@ -119,11 +119,39 @@ def test_bad_queue_settings_are_rejected(kwargs):
 def test_observation_arguments_protobuf_would_refuse_are_named():
     image = {"image": np.zeros((8, 8, 3), np.uint8)}
     for kwargs, error, words in (({"step_index": -1}, ValueError, "step_index must be an integer in [0, 2^64)"),
-                                 ({"instruction": 5}, TypeError, "instruction must be a str, got int"),
+                                 ({"instruction": 5}, TypeError, "instruction must be a str (valid Unicode), got int"),
                                  ({"jpeg_quality": 500}, ValueError, "jpeg_quality: expected 0..100, got 500")):
         with pytest.raises(error) as err:
             build_observation(image, **kwargs)
         assert words in str(err.value)
+
+
+def test_call_arguments_protobuf_would_refuse_are_named_before_anything_is_sent():
+    session, frame = Session("s", 1, "pusht", "", 100.0, 8, 0), {"image": np.zeros((8, 8, 3), np.uint8)}
+    video, actions = {"image": np.zeros((9, 8, 8, 3), np.uint8)}, np.zeros((8, 2), np.float32)
+    uint32, uint64, text = "must be an integer in [0, 2^32)", "must be an integer in [0, 2^64)", "must be a str (valid"
+    with PolicyClient("127.0.0.1:1", timeout_s=0.5) as c:  # nothing listens: each call here must fail before sending
+        for call, error, words in (
+            (lambda: c.reason("hi", -1), ValueError, f"max_new_tokens {uint32}, got -1"),
+            (lambda: c.reason("hi", 2**33), ValueError, f"max_new_tokens {uint32}, got 8589934592"),
+            (lambda: c.reason("hi", 4, seed=-1), ValueError, f"seed {uint64}, got -1"),
+            (lambda: c.reason(5, 4), TypeError, f"prompt {text} Unicode), got int"),
+            (lambda: c.reason("a\ud800", 4), ValueError, f"prompt {text} Unicode), got 'a\\ud800'"),
+            (lambda: c.reason("hi", 4, temperature="0.5"), TypeError, "temperature must be a real number, got str"),
+            (lambda: c.forward_dynamics(session, frame, actions, seed=-1), ValueError, f"seed {uint64}, got -1"),
+            (lambda: c.inverse_dynamics(session, video, seed=1.5), TypeError, f"seed {uint64}, got float"),
+            (lambda: c.open_session("pusht", "x", seed=-1), ValueError, f"seed {uint64}, got -1"),
+            (lambda: c.open_session("pusht", "x", chunk_size=-1), ValueError, f"chunk_size {uint32}, got -1"),
+            (lambda: c.open_session("pusht", "x", actions_per_chunk=-1), ValueError, f"actions_per_chunk {uint32}"),
+            (lambda: c.open_session(5, "x"), TypeError, f"embodiment {text} Unicode), got int"),
+            (lambda: c.open_session("pusht", "x", budget_ms="50"), TypeError, "budget_ms must be a real number"),
+            (lambda: c.open_session("pusht", "x", preview="yes"), TypeError, "preview must be a bool, got str"),
+            (lambda: c.set_budget(session, "50"), TypeError, "budget_ms must be a real number, got str"),
+            (lambda: c.server_info(rate_hz="50"), TypeError, "rate_hz must be a real number, got str"),
+        ):
+            with pytest.raises(error) as err:
+                call()
+            assert words in str(err.value)
 
 
 def test_an_error_survives_the_pickling_ray_carries_it_across_processes_with():

@@ -42,6 +42,7 @@ from policy_server.client.types import (
     Session,
     build_inverse_dynamics,
     build_observation,
+    check_args,
     floats_to_proto,
 )
 from policy_server.v1 import policy_server_pb2 as pb
@@ -191,6 +192,7 @@ class PolicyClient:
                     rate_hz: float | None = None) -> pb.ServerInfo:
         """What the server serves, its limits, and per embodiment how many sessions of ``budget_ms`` (ms) and
         ``rate_hz`` fit (``capacity``; None: the server's default budget, the embodiment's default rate)."""
+        check_args(pb.GetServerInfoRequest, budget_ms=budget_ms, rate_hz=rate_hz)
         request = pb.GetServerInfoRequest(budget_ms=budget_ms, rate_hz=rate_hz)
         return self._call(self.stub.GetServerInfo, request, timeout_s)
 
@@ -280,6 +282,9 @@ class PolicyClient:
         like a session id). Behind Ray Serve it is also the session's routing key, so a retry reaches the same
         replica."""
         request_id = request_id or uuid.uuid4().hex
+        check_args(pb.OpenSessionRequest, embodiment=embodiment, instruction=instruction, budget_ms=budget_ms,
+                   chunk_size=chunk_size, seed=seed, client_name=client_name, rate_hz=rate_hz,
+                   actions_per_chunk=actions_per_chunk, preview=preview, request_id=request_id)
         request = pb.OpenSessionRequest(
             embodiment=embodiment, instruction=instruction, client_name=client_name, preview=preview,
             request_id=request_id,
@@ -324,6 +329,7 @@ class PolicyClient:
 
     def set_budget(self, session: Session | str, budget_ms: float, timeout_s: float | None = None) -> Session:
         session_id = _session_id(session)
+        check_args(pb.SetBudgetRequest, budget_ms=budget_ms)
         request = pb.SetBudgetRequest(session_id=session_id, budget_ms=budget_ms)
         return Session.from_proto(self._call(self.stub.SetBudget, request, timeout_s, session_id))
 
@@ -370,6 +376,7 @@ class PolicyClient:
         """The frames ``actions`` (float [chunk_size, action_dim], physical units) lead to from this
         observation. Not a control tick: uncached at the model's step count, between ticks, bounded by
         ``timeout_s`` (and the server's ``Limits.max_dynamics_ms``). ``instruction`` "" uses the session's."""
+        check_args(pb.ForwardDynamicsRequest, seed=seed)
         request = pb.ForwardDynamicsRequest(
             session_id=session.session_id, epoch=session.epoch,
             observation=build_observation(images, state, instruction, step_index, encoding, jpeg_quality),
@@ -412,6 +419,7 @@ class PolicyClient:
         """Stream reasoner text pieces as they are generated: greedy at ``temperature`` 0, else sampled from
         ``seed`` (None: the server's 0, so a repeated call gets the same text). The call starts at the first
         piece asked for; once the pieces end, the stream says why (`ReasonStream.finish_reason`)."""
+        check_args(pb.ReasonRequest, prompt=prompt, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
         request = pb.ReasonRequest(prompt=prompt, max_new_tokens=max_new_tokens, temperature=temperature)
         if seed is not None:
             request.seed = seed

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import reprlib
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
 
 from policy_server.v1 import policy_server_pb2 as pb
 from policy_server.v1.wire import decode_image, encode_image, tensor_from_proto, tensor_to_proto
@@ -146,11 +149,31 @@ def build_observation(
 
 
 def _check_text_and_step(instruction: str, step_index: int) -> None:
-    """What protobuf would refuse without naming the argument."""
-    if not isinstance(instruction, str):
-        raise TypeError(f"instruction must be a str, got {type(instruction).__name__}")
-    if not isinstance(step_index, int | np.integer) or not 0 <= step_index < 2**64:
-        raise ValueError(f"step_index must be an integer in [0, 2^64), got {step_index!r}")
+    check_args(pb.Observation, instruction=instruction, step_index=step_index)
+
+
+# What `check_args` says a value must be, by the type of its field (those of the fields the client checks).
+_FIELD_TYPE_EXPECTS = {
+    FieldDescriptor.TYPE_STRING: "a str (valid Unicode)",
+    FieldDescriptor.TYPE_BOOL: "a bool",
+    FieldDescriptor.TYPE_DOUBLE: "a real number",
+    FieldDescriptor.TYPE_UINT32: "an integer in [0, 2^32)",
+    FieldDescriptor.TYPE_UINT64: "an integer in [0, 2^64)",
+}
+
+
+def check_args(message_type: type[Message], **args) -> None:
+    """Refuse, naming it, an argument protobuf would refuse without a name (``seed=-1``: "Value out of range: -1",
+    a prompt of 5: "bad argument type for built-in operation"). Each keyword is a field of ``message_type``; None
+    leaves it unset. Protobuf itself judges each value, so what it would carry passes: the server checks the rest."""
+    for name, value in args.items():
+        try:
+            message_type(**{name: value})
+        except (TypeError, ValueError) as exc:
+            expected = _FIELD_TYPE_EXPECTS[message_type.DESCRIPTOR.fields_by_name[name].type]
+            if isinstance(exc, TypeError):
+                raise TypeError(f"{name} must be {expected}, got {type(value).__name__}") from None
+            raise ValueError(f"{name} must be {expected}, got {reprlib.repr(value)}") from None
 
 
 def floats_to_proto(values: np.ndarray) -> pb.Tensor:
@@ -171,7 +194,7 @@ def build_inverse_dynamics(
     jpeg_quality: int = 90,
 ) -> pb.InverseDynamicsRequest:
     """Encode camera videos (uint8 RGB [K + 1, H, W, 3] each) and the state at frame 0 (as ``build_observation``)."""
-    _check_text_and_step(instruction, step_index)
+    check_args(pb.InverseDynamicsRequest, instruction=instruction, step_index=step_index, seed=seed)
     msg = pb.InverseDynamicsRequest(session_id=session.session_id, epoch=session.epoch, instruction=instruction,
                                     step_index=step_index, client_time_ns=time.monotonic_ns())
     for name, frames in videos.items():
