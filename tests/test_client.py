@@ -20,11 +20,12 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from policy_server.client import ActionQueue, Backoff, PolicyClient, PolicyServerError
-from policy_server.client.types import Session, build_observation
+from policy_server.client.types import Session, build_inverse_dynamics, build_observation
 from policy_server.config import build_config
 from policy_server.server.app import build_server
 from policy_server.server.errors import make_error
 from policy_server.v1.errors import RETRY_PUSHBACK_KEY
+from policy_server.v1.wire import WireError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -152,6 +153,17 @@ def test_call_arguments_protobuf_would_refuse_are_named_before_anything_is_sent(
             with pytest.raises(error) as err:
                 call()
             assert words in str(err.value)
+
+
+def test_an_inverse_dynamics_video_that_is_not_uint8_frames_is_named_by_camera():
+    session = Session("s", 1, "pusht", "", 100.0, 8, 0)
+    for video, got in ((np.zeros((64, 64, 3), np.uint8), "uint8 [64, 64, 3]"),  # one frame, not a video
+                       (np.zeros((9, 64, 64, 3), np.float32), "float32 [9, 64, 64, 3]")):
+        with pytest.raises(WireError) as err:
+            build_inverse_dynamics(session, {"wrist": video})
+        assert str(err.value) == f"videos[wrist]: expected a video, uint8 [F, H, W, 3], got {got}"
+    frames = [np.zeros((64, 64, 3), np.uint8)] * 9  # a list of frames is a video too
+    assert len(build_inverse_dynamics(session, {"wrist": frames}).videos["wrist"].frames) == 9
 
 
 def test_an_error_survives_the_pickling_ray_carries_it_across_processes_with():

@@ -12,7 +12,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
 from policy_server.v1 import policy_server_pb2 as pb
-from policy_server.v1.wire import decode_image, encode_image, tensor_from_proto, tensor_to_proto
+from policy_server.v1.wire import WireError, decode_image, encode_image, tensor_from_proto, tensor_to_proto
 
 
 @dataclass(frozen=True)
@@ -198,6 +198,10 @@ def build_inverse_dynamics(
     msg = pb.InverseDynamicsRequest(session_id=session.session_id, epoch=session.epoch, instruction=instruction,
                                     step_index=step_index, client_time_ns=time.monotonic_ns())
     for name, frames in videos.items():
+        frames = np.asarray(frames)
+        if frames.dtype != np.uint8 or frames.ndim != 4:  # else a frame's error would name neither camera nor video
+            raise WireError(f"videos[{name}]", "a video, uint8 [F, H, W, 3]", f"{frames.dtype} {list(frames.shape)}",
+                            "BAD_IMAGE")
         msg.videos[name].frames.extend(encode_image(frame, encoding, jpeg_quality) for frame in frames)
     if state is not None:
         msg.state.CopyFrom(floats_to_proto(state))
