@@ -359,9 +359,10 @@ class _FixedPolicy:
     def open(self, instruction: str, seed: int, preview: bool = False):
         return {"instruction": instruction, "seed": seed, "ticks": 0}
 
-    def act(self, session: dict, obs: dict, step: int, want_video: bool = False):
+    def act(self, session: dict, obs: dict, step: int, want_video: bool = False, committed: np.ndarray | None = None):
         request = PolicyRequest(images={"image": obs["image"]}, instruction=session["instruction"],
-                                embodiment=self.embodiment, state=obs["state"], seed=session["seed"] + session["ticks"])
+                                embodiment=self.embodiment, state=obs["state"], seed=session["seed"] + session["ticks"],
+                                committed_actions=committed)
         session["ticks"] += 1
         latency_ms, out, _ = self.fixed(request, self.budget_ms)
         budget_ms = math.inf if self.budget_ms is None else self.budget_ms
@@ -383,9 +384,9 @@ class _EnginePolicy:
         return self.engine.open_session(self.embodiment, instruction, budget_ms=self.budget_ms, seed=seed,
                                         rate_hz=0.0)
 
-    def act(self, session, obs: dict, step: int, want_video: bool = False):
+    def act(self, session, obs: dict, step: int, want_video: bool = False, committed: np.ndarray | None = None):
         result = self.engine.act(session.session_id, session.epoch, api.Observation(
-            images={"image": obs["image"]}, state=obs["state"], step_index=step))
+            images={"image": obs["image"]}, state=obs["state"], step_index=step, committed_actions=committed))
         return result.actions, TickStats.of(result.tick), None
 
     def close(self, session) -> None:

@@ -21,19 +21,19 @@ from robots.rollout import EpisodeResult, run_episodes
 # One task per worker process: the engine it built goes with the process.
 @ray.remote(max_calls=1)
 def _run_part(make_policy: Callable, env_id: str, indices: list[int], num_envs: int, execute: int,
-              videos: int, worker: int) -> list[EpisodeResult]:
+              videos: int, worker: int, delay: int, commit: bool) -> list[EpisodeResult]:
     policy = make_policy()
     # Ray's bar for a task: the driver draws every worker's, one line each.
     progress = tqdm_ray.tqdm(desc=f"worker {worker} episodes", total=len(indices), unit="ep", position=worker)
     try:
-        return run_episodes(policy, env_id, indices, num_envs, execute, videos, progress)
+        return run_episodes(policy, env_id, indices, num_envs, execute, videos, progress, delay, commit)
     finally:
         progress.close()
 
 
 def run_on_ray(make_policy: Callable, env_id: str, indices: Sequence[int], workers: int, num_envs: int,
                execute: int, videos: int = 0, address: str | None = None, gpus_per_worker: float = 0.0,
-               cpus_per_worker: float = 1.0) -> list[EpisodeResult]:
+               cpus_per_worker: float = 1.0, delay: int = 0, commit: bool = False) -> list[EpisodeResult]:
     """`run_episodes` over `workers` Ray workers (each with `num_envs` environments and `gpus_per_worker` GPUs) of
     the cluster at `address` (unset: `RAY_ADDRESS`, else a Ray started here); the results in the order of
     `indices`, the first `videos` of them recorded; ConnectionError where `address` names no running Ray."""
@@ -44,7 +44,7 @@ def run_on_ray(make_policy: Callable, env_id: str, indices: Sequence[int], worke
     starts = np.cumsum([0] + [len(part) for part in parts[:-1]])
     task = _run_part.options(num_cpus=cpus_per_worker, num_gpus=gpus_per_worker)
     refs = [task.remote(make_policy, env_id, part, num_envs, execute, int(np.clip(videos - start, 0, len(part))),
-                        worker) for worker, (part, start) in enumerate(zip(parts, starts, strict=True))]
+                        worker, delay, commit) for worker, (part, start) in enumerate(zip(parts, starts, strict=True))]
     parts_done, failures = [], []
     for ref in refs:  # each one read, so that Ray has no error left to log as unhandled
         try:

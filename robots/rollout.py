@@ -83,6 +83,9 @@ class EpisodeResult:
     final_distance_m: float = 0.0  # effector to target at the end
     nearest_color: str = ""  # the object the effector ended closest to: tells a wrong choice from imprecision
     collided: bool = False  # ended on the blocker (ReachEither)
+    # |a[t + 1] - a[t]| of the executed actions: where a new chunk takes over, and between a chunk's own actions
+    switch_jumps: list[float] = field(default_factory=list)
+    chunk_steps: list[float] = field(default_factory=list)
     ticks: list[TickStats] = field(default_factory=list)
     frames: list[np.ndarray] = field(default_factory=list)  # side-by-side video frames, when recorded
 
@@ -110,8 +113,9 @@ class ServerPolicy:
         return self.client.open_session("pusht", instruction, budget_ms=self.budget_ms, seed=seed, rate_hz=0.0,
                                         preview=preview)
 
-    def act(self, session, obs: dict, step: int, want_video: bool = False):
-        chunk = self.client.act(session, {"image": obs["image"]}, obs["state"], step_index=step, encoding="png")
+    def act(self, session, obs: dict, step: int, want_video: bool = False, committed: np.ndarray | None = None):
+        chunk = self.client.act(session, {"image": obs["image"]}, obs["state"], step_index=step,
+                                committed_actions=committed, encoding="png")
         return chunk.actions, TickStats.of(chunk.tick), chunk.preview_frames if want_video else None
 
     def close(self, session) -> None:
@@ -154,10 +158,11 @@ class InProcessPolicy:
     def open(self, instruction: str, seed: int, preview: bool = False):
         return self.engine.open_session("pusht", instruction, seed=seed, rate_hz=0.0, preview=preview)
 
-    def act(self, session, obs: dict, step: int, want_video: bool = False):
+    def act(self, session, obs: dict, step: int, want_video: bool = False, committed: np.ndarray | None = None):
         from policy_server.engine.api import Observation
 
-        observation = Observation(images={"image": obs["image"]}, state=obs["state"], step_index=step)
+        observation = Observation(images={"image": obs["image"]}, state=obs["state"], step_index=step,
+                                  committed_actions=committed)
         result = self.engine.act(session.session_id, session.epoch, observation)
         return result.actions, TickStats.of(result.tick), result.preview_frames if want_video else None
 
@@ -167,7 +172,8 @@ class InProcessPolicy:
 
 @dataclass
 class _Running:
-    """A sub-environment's episode in progress: its session and what is left of its last chunk."""
+    """A sub-environment's episode in progress: its session and what is left of its last chunk (with a delay, the
+    actions it executes while its next tick runs lead)."""
 
     position: int  # in the order of the episodes asked for
     result: EpisodeResult
@@ -179,10 +185,16 @@ class _Running:
 
 
 def run_episodes(policy, env_id: str, indices: Sequence[int], num_envs: int, execute: int,
-                 videos: int = 0, progress=None) -> list[EpisodeResult]:
+                 videos: int = 0, progress=None, delay: int = 0, commit: bool = False) -> list[EpisodeResult]:
     """One episode per held-out seed index in `indices` (seed `HELDOUT_SEED_OFFSET + index`), up to `num_envs` at
     once in a gymnasium vector env of `env_id`; the first `videos` episodes record side-by-side frames. The results
     come in the order of `indices`. `progress`: a tqdm bar, advanced by one as each episode ends.
+
+    Each chunk's first `execute` actions run, but for `delay`: a tick's inference time in control steps, simulated.
+    A tick is asked for while `delay` actions of the last chunk are left; they run while it is computed, so its
+    chunk's first `delay` actions are stale and the next `execute` run after them (the first tick of an episode has
+    none left, and runs from its chunk's first action). `commit`: send those `delay` actions as the observation's
+    committed actions, which the chunk then starts with and continues (real-time chunking).
 
     As in LeRobot's evaluation, several environments run asynchronously (a process each, observations in shared
     memory) and a single one in this process. A sub-environment whose episode ends starts the next pending one
@@ -218,21 +230,29 @@ def run_episodes(policy, env_id: str, indices: Sequence[int], num_envs: int, exe
 
     def ask(slot: int):
         run = running[slot]
+        committed = np.array(run.actions) if commit and run.actions else None
         return policy.act(run.session, {"image": obs["image"][slot], "state": obs["state"][slot]}, run.result.steps,
-                          want_video=run.record_video)
+                          want_video=run.record_video, committed=committed)
 
     try:
         obs = start(list(range(num_envs)), None)
         with ThreadPoolExecutor(max_workers=num_envs) as pool:
             while any(run is not None for run in running):
                 # Sessions whose chunk is spent ask at once, so that the engine can batch their ticks.
-                asking = [i for i, run in enumerate(running) if run is not None and not run.actions]
+                asking = [i for i, run in enumerate(running) if run is not None and len(run.actions) <= delay]
                 for i, (actions, stats, predicted) in zip(asking, pool.map(ask, asking), strict=True):
-                    if execute > len(actions):
-                        raise RolloutError(f"--execute {execute}: the chunks hold {len(actions)} actions")
+                    if delay + execute > len(actions):
+                        flags = f"--delay-steps {delay} and --execute {execute}" if delay else f"--execute {execute}"
+                        raise RolloutError(f"{flags}: the chunks hold {len(actions)} actions")
                     run = running[i]
                     run.result.ticks.append(stats)
-                    run.actions, run.predicted, run.executed = deque(actions[:execute]), predicted, 0
+                    stale = len(run.actions)
+                    if stale:  # the switch to the new chunk, after the actions it was computed during
+                        run.result.switch_jumps.append(float(np.linalg.norm(actions[stale] - run.actions[-1])))
+                    run.actions.extend(actions[stale: stale + execute])
+                    run.result.chunk_steps.extend(
+                        np.linalg.norm(np.diff(actions[stale: stale + execute], axis=0), axis=1).tolist())
+                    run.predicted, run.executed = predicted, 0
                 obs, _, terminated, truncated, _ = envs.step(
                     np.stack([no_action if run is None else run.actions.popleft() for run in running]))
                 recording = any(run is not None and run.record_video for run in running)
@@ -308,6 +328,9 @@ def summarize(results: list[EpisodeResult], seconds: float, config: dict, budget
         "failures_on_the_blocker": sum(r.collided for r in failures),
         "failures_final_distance_m_median": float(np.median([r.final_distance_m for r in failures]))
         if failures else None,
+        # Jerk at the seams: how far the action moves where a new chunk takes over, against within a chunk.
+        "switch_jump_mean": _mean([jump for r in results for jump in r.switch_jumps]),
+        "chunk_step_mean": _mean([step for r in results for step in r.chunk_steps]),
         "ticks": len(ticks),
         "latency_p50_ms": float(np.percentile(latency, 50)),
         "latency_p99_ms": float(np.percentile(latency, 99)),
@@ -324,6 +347,10 @@ def summarize(results: list[EpisodeResult], seconds: float, config: dict, budget
                          "final_distance_m": round(r.final_distance_m, 4), "nearest_color": r.nearest_color,
                          "collided": r.collided, "ticks": _tick_columns(r.ticks, budgeted)} for r in results],
     }
+
+
+def _mean(values: list[float]) -> float | None:
+    return float(np.mean(values)) if values else None
 
 
 def _tick_columns(ticks: list[TickStats], budgeted: bool) -> dict[str, list]:
@@ -393,6 +420,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="episodes at once, each in a sub-environment of one vector env with its own session; "
                         "they share one model worker, so queueing counts against each tick's budget")
     parser.add_argument("--execute", type=int, default=4, help="actions executed per chunk before replanning")
+    parser.add_argument("--delay-steps", type=int, default=0,
+                        help="a tick's inference time in control steps, simulated: the robot runs that many actions "
+                             "of its last chunk while the next is computed, whose first ones are then stale (0)")
+    parser.add_argument("--commit-actions", action="store_true",
+                        help="send those actions as the observation's committed_actions: the chunk starts with them "
+                             "and continues them (real-time chunking); needs --delay-steps")
     parser.add_argument("--first-episode", type=int, default=0, help="held-out seed index of episode 0")
     parser.add_argument("--videos", type=int, default=0, help="MP4s of the first N episodes")
     parser.add_argument("--auth-token-file", type=token_file, help="file with the server's bearer token")
@@ -411,8 +444,10 @@ def main(argv: list[str] | None = None) -> int:
                         ("--ray", 1 if args.ray is None else args.ray)):
         if value < 1:
             parser.error(f"{flag} must be a positive integer, got {value}")
-    if args.first_episode < 0 or args.videos < 0:
-        parser.error("--first-episode and --videos must be >= 0")
+    if args.first_episode < 0 or args.videos < 0 or args.delay_steps < 0:
+        parser.error("--first-episode, --videos and --delay-steps must be >= 0")
+    if args.commit_actions and not args.delay_steps:
+        parser.error("--commit-actions needs --delay-steps N (the actions run while a tick is computed)")
     if args.latency_budget_ms is not None and not 0 < args.latency_budget_ms <= MAX_BUDGET_MS:
         parser.error(f"--latency-budget-ms must lie in (0, {MAX_BUDGET_MS:g}], got {args.latency_budget_ms}")
     if (args.no_diffusion_cache or args.compile_gen_stack is not None) and not args.in_process:
@@ -484,14 +519,15 @@ def main(argv: list[str] | None = None) -> int:
             # On a terminal only: a log or a caller reading stderr gets the report and the errors, no bar.
             with tqdm(total=len(indices), desc="episodes", unit="ep", disable=None) as progress:
                 results = run_episodes(policy, args.env_id, indices, args.num_envs, args.execute, args.videos,
-                                       progress)
+                                       progress, args.delay_steps, args.commit_actions)
         else:
             try:
                 from robots.ray_rollout import run_on_ray
             except ImportError as exc:
                 parser.error(f"--ray needs Ray ({exc}); pip install 'policy-server[ray]'")
             results = run_on_ray(make_policy, args.env_id, indices, args.ray, args.num_envs, args.execute,
-                                 args.videos, args.ray_address, args.ray_gpus_per_worker, args.ray_cpus_per_worker)
+                                 args.videos, args.ray_address, args.ray_gpus_per_worker, args.ray_cpus_per_worker,
+                                 args.delay_steps, args.commit_actions)
     except refusals as error:  # e.g. BUDGET_INFEASIBLE, OVERLOADED, a checkpoint that cannot be served
         print(f"policy-rollout: {error}", file=sys.stderr)
         return 2
@@ -500,7 +536,8 @@ def main(argv: list[str] | None = None) -> int:
     config = {"server": args.server, "in_process": args.in_process, "latency_budget_ms": budget,
               "diffusion_cache": not args.no_diffusion_cache if args.in_process else None,
               "quality_profile": quality_profile,
-              "env_id": args.env_id, "execute": args.execute, "num_envs": args.num_envs, "device": args.device,
+              "env_id": args.env_id, "execute": args.execute, "delay_steps": args.delay_steps,
+              "commit_actions": args.commit_actions, "num_envs": args.num_envs, "device": args.device,
               "first_episode": args.first_episode, "serve_application": args.serve_application,
               "ray_workers": args.ray, **overrides}
     report = summarize(results, seconds, config, budgeted)

@@ -83,8 +83,10 @@ def expected_actions(observation: Observation, chunk_size: int, spec: Embodiment
         base += float(np.sum(observation.state))
     k = np.arange(chunk_size, dtype=np.float64)[:, None]
     d = np.arange(spec.action.dim, dtype=np.float64)[None, :]
-    actions = np.tanh(0.1 * base + 0.01 * (observation.step_index + k) + 0.1 * d)
-    return actions.astype(np.float32)
+    actions = np.tanh(0.1 * base + 0.01 * (observation.step_index + k) + 0.1 * d).astype(np.float32)
+    if observation.committed_actions is not None:  # as the real engine: the chunk starts with them
+        actions[: len(observation.committed_actions)] = observation.committed_actions
+    return actions
 
 
 class FakeEngine:

@@ -62,6 +62,20 @@ def test_stale_prefix_is_dropped_by_step_index():
     assert ActionQueue(2, start_step=20).merge(chunk([1, 2]), first_step_index=0) == 2  # all stale
 
 
+def test_upcoming_is_what_pop_will_return_up_to_the_first_gap():
+    queue = ActionQueue(action_dim=2, aggregation="average")
+    assert queue.upcoming(3).shape == (0, 2)
+    queue.merge(chunk([0, 1, 2, 3]), first_step_index=0)
+    queue.merge(chunk([10, 11]), first_step_index=1)  # steps 1 and 2 averaged
+    queue.merge(chunk([7]), first_step_index=6)  # after a gap at steps 4 and 5
+    queue.pop()
+    upcoming = queue.upcoming(5)
+    assert upcoming.dtype == np.float32 and upcoming[:, 0].tolist() == [5.5, 6.5, 3.0]
+    assert [float(queue.pop()[0]) for _ in range(3)] == [5.5, 6.5, 3.0]
+    with pytest.raises(ValueError, match="count must be >= 0"):
+        queue.upcoming(-1)
+
+
 @pytest.mark.parametrize(
     ("aggregation", "kwargs", "overlap_value"),
     [

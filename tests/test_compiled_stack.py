@@ -190,10 +190,12 @@ def test_compiled_tick_work_gives_the_eager_outputs(pipeline, compiles, monkeypa
             torch.testing.assert_close(got.latents, want.latents, rtol=0, atol=0)
     assert work.num_shapes == 1 and work.eager_calls == eager_calls
     # A latent shape's graphs serve every count of action rows: history actions add rows; of the chunks of 2 latent
-    # frames (4 to 7 actions), the one compiled serves the others.
+    # frames (4 to 7 actions), the one compiled serves the others; committed actions are set back as the eager step
+    # sets them.
     history = {"history_actions": np.full((3, 2), 0.1, np.float32)}
+    committed = {"committed_actions": np.array([[0.2, -0.1], [0.1, 0.0]], np.float32)}
     tick(BLUE, True, work.compiling(), chunk_size=7)
-    for request in ({"chunk_size": 8, **history}, {"chunk_size": 5}, {"chunk_size": 4, **history}):
+    for request in ({"chunk_size": 8, **history}, {"chunk_size": 5, **committed}, {"chunk_size": 4, **history}):
         prompt = pipeline.encode_prompt(BLUE, embodiment, request["chunk_size"], True,
                                         pipeline.canvas_for(embodiment, _images()), eager)
         for guided in (True, False):

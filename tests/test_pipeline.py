@@ -75,11 +75,39 @@ def test_every_step_puts_the_conditioning_back_exactly():
     state = DenoiseState.start(vision, actions, [0], clean_actions, 2, ActionLayout(3, 2, (0, 1), domain_id=0))
     assert torch.equal(state.vision, vision) and torch.equal(state.actions, actions)
     stepped = torch.randn_like(state.sample)
-    state.advance(stepped)
+    state.advance(stepped, 0.5)
     stepped_vision, stepped_actions = stepped[: vision.numel()].view(4, 3, 2, 2), stepped[vision.numel():].view(5, 6)
     assert torch.equal(state.vision[:, 0], vision[:, 0]) and torch.equal(state.vision[:, 1:], stepped_vision[:, 1:])
     assert torch.equal(state.actions[:2], clean_actions[:2]) and not state.actions[:, 2:].any()
     assert torch.equal(state.actions[2:, :2], stepped_actions[2:, :2])
+
+
+def test_committed_rows_follow_the_noise_level_and_end_exactly_committed():
+    # No state; chunk rows 0 and 1 of 3 are committed, their noise the initial rows' values there.
+    vision, committed = torch.randn(4, 2, 2, 2), torch.randn(2, 2)
+    clean_actions = torch.zeros(3, 4)
+    clean_actions[:2, :2] = committed
+    actions = torch.randn(3, 4)
+    actions[:, 2:] = 0
+    state = DenoiseState.start(vision, actions, [0], clean_actions, 2, ActionLayout(3, 0, (), domain_id=0),
+                               committed_rows=range(2))
+    stepped = torch.randn_like(state.sample)
+    state.advance(stepped, 0.25)
+    assert torch.equal(state.actions[:2, :2], torch.lerp(committed, actions[:2, :2], 0.25))
+    assert torch.equal(state.actions[2, :2], stepped[vision.numel():].view(3, 4)[2, :2])
+    assert torch.equal(state.vision[:, 0], vision[:, 0]) and not state.actions[:, 2:].any()
+    state.advance(torch.randn_like(state.sample), 0.0)
+    assert torch.equal(state.actions[:2, :2], committed)
+
+
+def test_committed_actions_lead_the_chunk_the_rest_continues_them(pipe):
+    committed = np.array([[0.3, -0.2], [0.25, -0.15], [0.2, -0.1]], np.float32)
+    out = pipe(_request(committed_actions=committed))
+    plain = pipe(_request())
+    assert out.actions.shape == (8, 2)
+    assert np.array_equal(out.actions[:3], committed)  # exactly as sent
+    assert not np.array_equal(out.actions[3:], plain.actions[3:])  # the model saw them
+    assert np.array_equal(pipe(_request(committed_actions=committed)).actions, out.actions)
 
 
 class ScriptedSteps(FixedSteps):
@@ -274,6 +302,11 @@ def test_inverse_dynamics_generates_actions_from_clean_video(pipe):
         (dict(mode="dream"), "mode"),
         (dict(guidance=0.5), "guidance"),
         (dict(mode="forward_dynamics", actions=np.zeros((3, 2), np.float32)), "actions"),
+        (dict(committed_actions=np.zeros((2, 3), np.float32)), "committed_actions"),
+        (dict(committed_actions=np.zeros((8, 2), np.float32)), "committed_actions"),
+        (dict(committed_actions=np.array([[0.1, np.inf]], np.float32)), "committed_actions"),
+        (dict(mode="forward_dynamics", actions=np.zeros((8, 2), np.float32),
+              committed_actions=np.zeros((1, 2), np.float32)), "committed_actions"),
     ],
 )
 def test_bad_input_names_the_field(pipe, overrides, field):

@@ -28,16 +28,19 @@ class SeekerPolicy:
         self.lock = threading.Lock()
         self.opened, self.closed = [], []
         self.steps: dict[int, list[int]] = {}  # seed -> step indices it was asked at
+        self.committed: dict[int, list[np.ndarray | None]] = {}  # seed -> the committed actions of each ask
+        self.chunks: dict[int, list[np.ndarray]] = {}  # seed -> the chunks it answered
 
     def open(self, instruction: str, seed: int, preview: bool = False):
         with self.lock:
             self.opened.append((seed, instruction))
-            self.steps[seed] = []
+            self.steps[seed], self.committed[seed], self.chunks[seed] = [], [], []
         return {"seed": seed, "color": instruction.split()[2]}
 
-    def act(self, session, obs: dict, step: int, want_video: bool = False):
+    def act(self, session, obs: dict, step: int, want_video: bool = False, committed: np.ndarray | None = None):
         with self.lock:
             self.steps[session["seed"]].append(step)
+            self.committed[session["seed"]].append(committed)
         velocity = np.zeros(2, np.float32)
         if session["seed"] % 2 == 0:
             image = obs["image"].astype(np.int32)
@@ -46,7 +49,12 @@ class SeekerPolicy:
             target = np.array([(cols.mean() + 0.5) / size, 1 - (rows.mean() + 0.5) / size]) * table
             velocity = np.clip(4.0 * (target - obs["state"]), -0.2, 0.2).astype(np.float32)
         stats = TickStats(1.0, 100.0, True, 1, 0, 0, "scripted")
-        return np.repeat(velocity[None], CHUNK, 0), stats, None
+        chunk = np.repeat(velocity[None], CHUNK, 0) + np.arange(CHUNK, dtype=np.float32)[:, None] * 1e-3
+        if committed is not None:  # as a server: the chunk starts with them
+            chunk[: len(committed)] = committed
+        with self.lock:
+            self.chunks[session["seed"]].append(chunk)
+        return chunk, stats, None
 
     def close(self, session) -> None:
         with self.lock:
@@ -97,6 +105,22 @@ def test_vector_episodes_match_one_by_one(expected, num_envs):
     assert sorted(policy.closed) == sorted(seed for seed, _ in policy.opened) == [r.seed for r in results]
 
 
+@pytest.mark.parametrize("commit", [False, True])
+def test_a_delayed_tick_runs_its_chunk_after_the_actions_left_from_the_last(commit):
+    """With --delay-steps 2 a tick is asked for while 2 actions are left, which run first; its chunk's first 2 are
+    stale, its next 4 run. Committed, those 2 go with the observation."""
+    policy = SeekerPolicy()
+    (result,) = run_episodes(policy, REACH_ID, [0], 1, EXECUTE, delay=2, commit=commit)  # seed 0 heads for it
+    asked, chunks = policy.steps[result.seed], policy.chunks[result.seed]
+    assert asked == [0, *range(EXECUTE - 2, result.steps, EXECUTE)][: len(asked)] and len(asked) > 2
+    for i, committed in enumerate(policy.committed[result.seed]):
+        if not commit or i == 0:  # the first tick of an episode has none left
+            assert committed is None
+        else:
+            np.testing.assert_array_equal(committed, chunks[i - 1][EXECUTE - 2 + (i > 1) * 2:][:2])
+    assert len(result.switch_jumps) == len(asked) - 1 and len(result.chunk_steps) == len(asked) * (EXECUTE - 1)
+
+
 def test_rollout_through_a_server_with_a_vector_env(tmp_path):
     engine = FakeEngine()
     out = tmp_path / "rollout.json"
@@ -127,8 +151,9 @@ def test_rollout_through_a_server_with_a_vector_env(tmp_path):
     (["--ray-address", "auto"], "--ray-address, --ray-gpus-per-worker and --ray-cpus-per-worker need --ray N"),
     (["--ray", "2", "--ray-gpus-per-worker", "1"], "--ray-gpus-per-worker needs --in-process --device cuda"),
     (["--serve-application", "policy"], "--serve-application needs --server"),
-    (["--first-episode", "-1"], "--first-episode and --videos must be >= 0"),
-    (["--videos", "-1"], "--first-episode and --videos must be >= 0"),
+    (["--first-episode", "-1"], "--first-episode, --videos and --delay-steps must be >= 0"),
+    (["--videos", "-1"], "--first-episode, --videos and --delay-steps must be >= 0"),
+    (["--commit-actions"], "--commit-actions needs --delay-steps N"),
     (["--latency-budget-ms", "0"], "--latency-budget-ms must lie in (0, 60000], got 0.0"),
     (["--latency-budget-ms", "nan"], "--latency-budget-ms must lie in (0, 60000], got nan"),
     (["--out", "/"], "argument --out: / is a folder; expected a file path"),

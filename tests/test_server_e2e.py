@@ -98,6 +98,13 @@ def test_session_act_and_record(server):
     assert chunk.actions.shape == (8, 2)
     assert chunk.first_step_index == 5
     assert chunk.tick.deadline_met
+    # The actions the robot executes while it waits lead the next chunk, exactly as sent.
+    committed = chunk.actions[1:4]
+    assert np.array_equal(server.act(session, {"image": _image()}, STATE, step_index=6,
+                                     committed_actions=committed).actions[:3], committed)
+    with ControlStream(server, session) as stream:
+        stream.send({"image": _image()}, STATE, step_index=6, committed_actions=committed, must_answer=True)
+        assert np.array_equal(stream.next_chunk(timeout_s=60).actions[:3], committed)
     server.close_session(session)
 
 
@@ -265,6 +272,13 @@ def _act_with_instruction(text):
     return call
 
 
+def _forward_dynamics_with_committed_actions(client, session):
+    observation = build_observation({"image": _image()}, STATE, committed_actions=np.zeros((2, 2), np.float32))
+    request = pb.ForwardDynamicsRequest(session_id=session.session_id, epoch=session.epoch, observation=observation,
+                                        actions=tensor_to_proto(np.zeros((8, 2), np.float32)))
+    return client._call(client.stub.ForwardDynamics, request, None, session.session_id)
+
+
 def _oversized(client, session):
     request = _request(session)
     request.observation.instruction = "x" * int(1.5 * MAX_MESSAGE_MB * 2**20)
@@ -278,6 +292,13 @@ BAD_INPUTS = {
     "frame_below_the_smallest_side": (_act(image=encode_image(_image()[:4], "png")), INVALID, "SCHEMA_MISMATCH"),
     "frame_beyond_the_longest_side": (_act(image=encode_image(np.zeros((8, 2049, 3), np.uint8), "jpeg")), INVALID,
                                       "SCHEMA_MISMATCH"),
+    "committed_actions_filling_the_chunk": (
+        lambda c, s: c.act(s, {"image": _image()}, STATE, committed_actions=np.zeros((8, 2), np.float32)), INVALID,
+        "SCHEMA_MISMATCH"),
+    "committed_actions_beyond_the_limits": (
+        lambda c, s: c.act(s, {"image": _image()}, STATE, committed_actions=np.full((2, 2), 0.3, np.float32)),
+        INVALID, "OUT_OF_RANGE"),
+    "committed_actions_given_to_forward_dynamics": (_forward_dynamics_with_committed_actions, INVALID, "BAD_VALUE"),
     "forward_dynamics_actions_of_the_wrong_shape": (
         lambda c, s: c.forward_dynamics(s, {"image": _image()}, np.zeros((3, 2), np.float32), STATE), INVALID,
         "SCHEMA_MISMATCH"),

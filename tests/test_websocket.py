@@ -97,6 +97,22 @@ def test_infer_returns_the_exact_chunk(policy):
         assert reply["tick"]["full_calls"] == 12 and reply["tick"]["deadline_met"] is True
 
 
+def test_committed_actions_lead_the_chunk(policy):
+    committed = np.array([[0.1, -0.1], [0.05, 0.0]], np.float32)
+    for sent in (committed, committed.tolist()):
+        reply = policy.infer(openpi_observation(3, committed_actions=sent))
+        expected = expected_actions(Observation({"image": IMAGE}, STATE, "", 3, committed), 8, PUSHT)
+        np.testing.assert_array_equal(reply["actions"], expected)
+        np.testing.assert_array_equal(reply["actions"][:2], committed)
+    with pytest.raises(RuntimeError, match=r"SCHEMA_MISMATCH: committed_actions: expected shape \[d, 2\] with "
+                                           r"1 <= d < 8 \(the session's chunk size\), got shape \[8, 2\]"):
+        policy.infer(openpi_observation(committed_actions=np.zeros((8, 2), np.float32)))
+    with pytest.raises(RuntimeError, match="SCHEMA_MISMATCH: committed_actions: expected rows of one length"):
+        policy.infer(openpi_observation(committed_actions=[[0.1, 0.2], [0.1]]))
+    with pytest.raises(RuntimeError, match="BAD_DTYPE: committed_actions"):
+        policy.infer(openpi_observation(committed_actions="stop"))
+
+
 def test_step_index_defaults_to_a_per_connection_counter(policy):
     assert policy.infer(openpi_observation())["first_step_index"] == 0
     assert policy.infer(openpi_observation(step=5))["first_step_index"] == 5

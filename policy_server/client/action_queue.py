@@ -111,6 +111,15 @@ class ActionQueue:
         predictions = self._predictions.get(self._next_step if step is None else step)
         return None if predictions is None else self._value(predictions)
 
+    def upcoming(self, count: int) -> np.ndarray:
+        """What ``pop`` returns for the next ``count`` steps, up to the end of the unbroken run: float32
+        ``[min(count, len(self)), action_dim]``. Sent as an observation's ``committed_actions`` (captured at
+        ``next_step``), ``count`` the steps its answer takes to come, they are what the new chunk starts with."""
+        if count < 0:
+            raise ValueError(f"count must be >= 0, got {count}")
+        values = [self.peek(self._next_step + i) for i in range(min(count, len(self)))]
+        return np.array(values, np.float32).reshape(len(values), self.action_dim)
+
     def pop(self, step: int | None = None) -> np.ndarray | None:
         """The action for ``step`` (default: ``next_step``), or None if the buffer has none (the
         robot should hold). Everything before ``step`` is discarded; ``next_step`` becomes step + 1."""

@@ -418,6 +418,7 @@ class ControlStream:
         *,
         instruction: str = "",
         step_index: int = 0,
+        committed_actions: np.ndarray | None = None,
         must_answer: bool = False,
         encoding: str = "jpeg",
         jpeg_quality: int = 90,
@@ -425,9 +426,10 @@ class ControlStream:
         """Queue one observation (as `PolicyClient.act` takes it) for the current epoch; returns its obs_id.
         Never blocks on the network. A non-empty ``instruction`` becomes the session's from this frame on ("" keeps
         it); ``step_index``: the control step the frame was captured at, the step the answer's ``actions[0]`` is
-        for. A frame sent while the stream is disconnected never reaches the server (the module's docstring): time out
-        its answer."""
-        observation = build_observation(images, state, instruction, step_index, encoding, jpeg_quality)
+        for; ``committed_actions``: as `PolicyClient.act`. A frame sent while the stream is disconnected never
+        reaches the server (the module's docstring): time out its answer."""
+        observation = build_observation(images, state, instruction, step_index, encoding, jpeg_quality,
+                                        committed_actions)
         return self.send_observation(observation, must_answer=must_answer)
 
     def send_observation(

@@ -343,13 +343,17 @@ class PolicyClient:
         *,
         instruction: str = "",
         step_index: int = 0,
+        committed_actions: np.ndarray | None = None,
         encoding: str = "jpeg",
         jpeg_quality: int = 90,
         timeout_s: float | None = None,
     ) -> ActionChunk:
         """One observation -> one chunk. ``timeout_s`` is the gRPC deadline; the server plans the
-        tick against min(session budget, deadline) and abandons the work once it passes."""
-        observation = build_observation(images, state, instruction, step_index, encoding, jpeg_quality)
+        tick against min(session budget, deadline) and abandons the work once it passes. ``committed_actions``:
+        float [d, action_dim], the actions the robot executes from ``step_index`` on while it waits (e.g.
+        ``ActionQueue.upcoming``), which the chunk then starts with and continues."""
+        observation = build_observation(images, state, instruction, step_index, encoding, jpeg_quality,
+                                        committed_actions)
         return self.act_request(
             pb.ActRequest(session_id=session.session_id, epoch=session.epoch, observation=observation),
             timeout_s,

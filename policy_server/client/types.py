@@ -136,20 +136,19 @@ def build_observation(
     step_index: int = 0,
     encoding: str = "jpeg",
     jpeg_quality: int = 90,
+    committed_actions: np.ndarray | None = None,
 ) -> pb.Observation:
-    """Encode camera frames (uint8 RGB [H, W, 3]) and state (float [S]: float64 stays float64, anything
-    else is sent as float32)."""
-    _check_text_and_step(instruction, step_index)
+    """Encode camera frames (uint8 RGB [H, W, 3]), state (float [S]: float64 stays float64, anything
+    else is sent as float32) and committed actions (float [d, action_dim], as the state)."""
+    check_args(pb.Observation, instruction=instruction, step_index=step_index)
     msg = pb.Observation(instruction=instruction, step_index=step_index, client_time_ns=time.monotonic_ns())
     for name, image in images.items():
         msg.images[name].CopyFrom(encode_image(image, encoding, jpeg_quality))
     if state is not None:
         msg.state.CopyFrom(floats_to_proto(state))
+    if committed_actions is not None:
+        msg.committed_actions.CopyFrom(floats_to_proto(committed_actions))
     return msg
-
-
-def _check_text_and_step(instruction: str, step_index: int) -> None:
-    check_args(pb.Observation, instruction=instruction, step_index=step_index)
 
 
 # What `check_args` says a value must be, by the type of its field (those of the fields the client checks).

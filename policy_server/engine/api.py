@@ -126,12 +126,16 @@ class Observation:
     state: float32 [state_dim] in physical units, finite; None when the embodiment takes none.
     instruction: the task text; "" keeps the session's current instruction.
     step_index: the robot's control-step counter when the observation was captured.
+    committed_actions: float32 [d, action_dim], 1 <= d < the session's chunk size, physical units, inside the
+        declared limits, or None: the actions the robot executes from `step_index` on while the chunk is computed.
+        The chunk starts with them, exactly, and its other actions are sampled to continue them.
     """
 
     images: Mapping[str, np.ndarray]
     state: np.ndarray | None
     instruction: str = ""
     step_index: int = 0
+    committed_actions: np.ndarray | None = None
 
 
 @dataclass(frozen=True)

@@ -126,7 +126,7 @@ class Tick:
                                                    session.prompt)
         pipeline_request = PolicyRequest(
             images=observation.images, instruction=session.instruction, embodiment=opening.embodiment,
-            state=observation.state, chunk_size=opening.chunk_size,
+            state=observation.state, chunk_size=opening.chunk_size, committed_actions=observation.committed_actions,
             num_steps=served.num_steps if plan is None else plan.num_steps,
             seed=(opening.seed + session.ticks) % 2**64,  # each tick of an episode its own noise; a uint64, as sent
         )

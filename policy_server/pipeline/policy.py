@@ -189,6 +189,10 @@ class PolicyRequest:
     actions: forward_dynamics only: float32 [K, raw_action_dim] in physical units.
     history_actions: optional float32 [H, raw_action_dim], the actions executed just before this tick
         (most recent last), given to the model as clean rows before the chunk.
+    committed_actions: policy only, optional float32 [d, raw_action_dim], 1 <= d < chunk, physical units: the actions
+        the robot executes from the observed step on while this tick runs. They are the chunk's first d actions,
+        and the rest of the chunk is sampled to continue them (inpainting: every step sets those rows back to
+        the committed actions at the step's noise level).
     video: inverse_dynamics only: camera name -> uint8 RGB [K + 1, H, W, 3] frames, the embodiment's cameras, put
         side by side frame by frame as `images` are.
     noise: the initial noise, like diffusers' `latents` / `action_latents`; None draws it from `seed` in
@@ -206,6 +210,7 @@ class PolicyRequest:
     seed: int = 0
     actions: np.ndarray | None = None
     history_actions: np.ndarray | None = None
+    committed_actions: np.ndarray | None = None
     video: Mapping[str, np.ndarray] | None = None
     noise: InitialNoise | None = None
 
@@ -267,6 +272,8 @@ class DenoiseState:
     actions [H + S + K, action_dim] (history, state, chunk) are views of it. Latent frames `clean_frames` and
     action rows `action_layout.clean_rows` are conditioning: the heads give them zero velocity and every step
     restores them, as it keeps the padding action channels (from the embodiment's raw action dim on) at zero.
+    Committed chunk rows (`PolicyRequest.committed_actions`) stay noisy to the model, and every step sets them to
+    their committed value at its noise level: `given_at(sigma)`.
     """
 
     sample: torch.Tensor
@@ -274,21 +281,28 @@ class DenoiseState:
     action_shape: torch.Size
     clean_frames: list[int]
     action_layout: ActionLayout  # its `clean_rows`: the clean action rows
-    given: torch.Tensor  # like `sample`, bool: the clean frames and rows, and the padding action channels
+    given: torch.Tensor  # like `sample`, bool: the clean frames and rows, the committed rows, the padding channels
     clean: torch.Tensor  # like `sample`: the given values there (zero on the padding channels)
+    given_noise: torch.Tensor | None = None  # like `sample`: the committed rows' initial noise, `clean` elsewhere
 
     @classmethod
     def start(cls, vision: torch.Tensor, actions: torch.Tensor, clean_frames: list[int], clean_actions: torch.Tensor,
-              raw_action_dim: int, action_layout: ActionLayout) -> DenoiseState:
-        """The state at the first step: `vision` and `actions` already hold the given values where they are clean."""
+              raw_action_dim: int, action_layout: ActionLayout, committed_rows: range = range(0)) -> DenoiseState:
+        """The state at the first step: `vision` and `actions` already hold the given values where they are clean,
+        and the noise where they are committed (`committed_rows` of `actions`, whose values `clean_actions` holds)."""
         given_vision = torch.zeros(vision.shape, dtype=torch.bool, device=vision.device)
         given_vision[:, clean_frames] = True
         given_actions = torch.zeros(actions.shape, dtype=torch.bool, device=actions.device)
-        given_actions[list(action_layout.clean_rows)] = True
+        given_actions[[*action_layout.clean_rows, *committed_rows]] = True
         given_actions[:, raw_action_dim:] = True
+        clean = torch.cat((vision.flatten(), clean_actions.flatten()))
+        given_noise = None
+        if committed_rows:
+            noise = clean_actions.clone()
+            noise[committed_rows, :raw_action_dim] = actions[committed_rows, :raw_action_dim]
+            given_noise = torch.cat((vision.flatten(), noise.flatten()))
         return cls(torch.cat((vision.flatten(), actions.flatten())), vision.shape, actions.shape, clean_frames,
-                   action_layout, torch.cat((given_vision.flatten(), given_actions.flatten())),
-                   torch.cat((vision.flatten(), clean_actions.flatten())))
+                   action_layout, torch.cat((given_vision.flatten(), given_actions.flatten())), clean, given_noise)
 
     @property
     def vision(self) -> torch.Tensor:
@@ -302,10 +316,15 @@ class DenoiseState:
     def noisy_vision(self) -> bool:
         return len(self.clean_frames) < self.vision_shape[1]
 
-    def advance(self, sample: torch.Tensor) -> None:
-        """Take the sampler's next state, its conditioning set back to exactly what was given. (A compiled step
-        restores it in its graph and sets `sample` itself: `tick_work.CompiledTickWork.advance`.)"""
-        self.sample = torch.where(self.given, self.clean, sample)
+    def given_at(self, sigma: float) -> torch.Tensor:
+        """What `given` marks, at noise level `sigma`: the conditioning as given, the committed rows noised as flow
+        matching noises them, `(1 - sigma) * a + sigma * noise`."""
+        return self.clean if self.given_noise is None else torch.lerp(self.clean, self.given_noise, sigma)
+
+    def advance(self, sample: torch.Tensor, sigma: float) -> None:
+        """Take the sampler's next state, at noise level `sigma`, with what is given set back (`given_at`). (A
+        compiled step sets it back in its graph and sets `sample` itself: `tick_work.CompiledTickWork.advance`.)"""
+        self.sample = torch.where(self.given, self.given_at(sigma), sample)
 
 
 @dataclass(frozen=True)
@@ -565,6 +584,8 @@ class PolicyPipeline:
         clock = time.perf_counter()
         action_rows = state.actions[-chunk:, : embodiment.raw_action_dim].double().cpu().numpy()
         physical = self.normalizers(embodiment).action.denormalize(action_rows).astype(np.float32)
+        if request.committed_actions is not None:  # exactly as sent, not through the normalisation's round trip
+            physical[: len(request.committed_actions)] = request.committed_actions
         timings["decode"] = _ms_since(clock)
         timings["total"] = _ms_since(t_start)
         return PolicyOutput(physical, state.vision, steps_done, timings, control.record())
@@ -644,6 +665,14 @@ class PolicyPipeline:
             actions = embodiment.check_actions(request.actions)
             if actions.shape[0] != chunk:
                 raise InvalidActions(f"got {actions.shape[0]} actions; expected chunk_size={chunk}")
+        if request.committed_actions is not None:
+            if request.mode != "policy":
+                raise InvalidActions(f"given in mode {request.mode!r}; expected only in mode 'policy'",
+                                     field="committed_actions")
+            committed = embodiment.check_actions(request.committed_actions, field="committed_actions")
+            if committed.shape[0] >= chunk:
+                raise InvalidActions(f"got {committed.shape[0]} actions; expected fewer than chunk_size={chunk}",
+                                     field="committed_actions")
 
     def _chunk(self, request: PolicyRequest) -> int:
         """The request's chunk size, the embodiment's default where it gives none."""
@@ -718,13 +747,15 @@ class PolicyPipeline:
         vision = noise_v.to(self.device, copy=True)  # the clean frames are written in; the caller's noise stays
         vision[:, : clean_latent.shape[1]] = clean_latent[:, :num_latent_frames]
         actions, clean_actions, layout = self._action_rows(request, embodiment, chunk, noise_a)
-        return DenoiseState.start(vision, actions, clean_frames, clean_actions, embodiment.raw_action_dim, layout)
+        committed = 0 if request.committed_actions is None else len(request.committed_actions)
+        return DenoiseState.start(vision, actions, clean_frames, clean_actions, embodiment.raw_action_dim, layout,
+                                  committed_rows=range(layout.num_prefix, layout.num_prefix + committed))
 
     def _action_rows(self, request: PolicyRequest, embodiment: Embodiment, chunk: int,
                      noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, ActionLayout]:
         """Action-stream rows `[history (H) | state (0 or 1) | chunk (K)]`, everything before the chunk clean
-        (and the chunk too in forward_dynamics): the initial rows and the clean values, both
-        [H + S + K, action_dim], and their layout. `noise`: [K, action_dim]."""
+        (and the chunk too in forward_dynamics): the initial rows and the clean values (the committed actions' too),
+        both [H + S + K, action_dim], and their layout. `noise`: [K, action_dim]."""
         normalizers = self.normalizers(embodiment)
         history = [] if request.history_actions is None else list(np.asarray(request.history_actions, np.float64))
         has_state = embodiment.state_dim > 0
@@ -738,6 +769,10 @@ class PolicyPipeline:
         if has_state:
             state = normalizers.state.normalize(np.asarray(request.state, dtype=np.float64))
             clean_actions[num_prefix - 1, : len(state)] = torch.from_numpy(state).float()
+        if request.committed_actions is not None:
+            committed = normalizers.action.normalize(np.asarray(request.committed_actions, dtype=np.float64))
+            clean_actions[num_prefix: num_prefix + len(committed), : embodiment.raw_action_dim] = \
+                torch.from_numpy(committed).float()
         clean_rows = list(range(num_prefix))
         if request.mode == "forward_dynamics":
             given = normalizers.action.normalize(np.asarray(request.actions, dtype=np.float64))
@@ -791,6 +826,7 @@ class PolicyPipeline:
         # Both branches' layouts have the same generated rows: the cond one lays out what the tick work reads. It
         # holds the request's indexes and the time embedding its timestep: only the latents are new each step.
         layout = branches["cond"].layout
+        state.advance(state.sample, sampler.sigmas[0])  # committed rows at the first step's noise level
         records: list[StepRecord] = []
         for i in range(steps):
             yield None  # a step boundary: the driver may run other work, or stop the tick, here

@@ -74,7 +74,8 @@ class TickWork:
         """The rest of a sampler step after its GEN-stack calls, whose outputs `velocity` decodes: step `sampler`,
         advance `state` and return the next step's generated rows, embedded with its `time_embedding` (None after
         the final step, which has no next step). All of it eagerly, in a subclass too."""
-        state.advance(sampler.step(TickWork.velocity(self, layout, cond, uncond, guidance), state.sample))
+        state.advance(sampler.step(TickWork.velocity(self, layout, cond, uncond, guidance), state.sample),
+                      sampler.sigmas[sampler.step_index])
         return None if time_embedding is None else TickWork.embed(self, layout, state.sample, time_embedding)
 
     def finish(self, layout: GenLayout, cond: torch.Tensor, uncond: torch.Tensor | None, guidance: float,
@@ -82,7 +83,7 @@ class TickWork:
         """End the tick at this step, out of time: jump `state` to the clean estimate, x0 = x_t - sigma * v for
         flow matching."""
         velocity = TickWork.velocity(self, layout, cond, uncond, guidance)
-        state.advance(state.sample - sampler.sigmas[sampler.step_index] * velocity)
+        state.advance(state.sample - sampler.sigmas[sampler.step_index] * velocity, 0.0)
 
 
 class CompiledTickWork(TickWork):
@@ -132,7 +133,7 @@ class CompiledTickWork(TickWork):
             return super().finish(layout, cond, uncond, guidance, sampler, state)
         # The step's x0 prediction is the clean estimate (`unipc_update`); the rest of its work goes unused.
         x0, _, _ = self._step(graph, layout, cond, uncond, guidance, sampler, state, None)
-        state.advance(x0)
+        state.advance(x0, 0.0)
 
     def _step(self, graph: CompiledGraph, layout: GenLayout, cond: torch.Tensor, uncond: torch.Tensor | None,
               guidance: float, sampler: UniPCSampler, state: DenoiseState, time_embedding: torch.Tensor | None
@@ -143,10 +144,11 @@ class CompiledTickWork(TickWork):
         # Without a next step the graph embeds rows too, which nothing reads: from any time embedding (one graph
         # serves every step; a call's embedding costs less than a second graph's compile).
         next_time = _time_embedding_like(self.transformer, cond.device) if time_embedding is None else time_embedding
+        given = state.given_at(sampler.sigmas[sampler.step_index + 1])
 
         def update(sample, sigma, history, last_sample, corrector, predictor):
             scalars, states = _widest(sampler.solver_order, sample, sigma, history, last_sample, corrector, predictor)
-            x0, corrected, predicted, hidden = graph(sample, scalars, *states, state.given, state.clean, next_time,
+            x0, corrected, predicted, hidden = graph(sample, scalars, *states, state.given, given, next_time,
                                                      *_ActionRows.of(layout), *branches)
             return x0, corrected, x0, predicted, hidden
 
@@ -218,15 +220,16 @@ class _Prefill(nn.Module):
 class _Step(nn.Module):
     """What export traces for `CompiledTickWork.advance` of one latent shape and UniPC order: the guided decode, the
     update in its widest form (`_widest`; its scalars, each a 0-dim fp32 tensor in the arithmetic as the eager update's
-    Python floats are in fp32), `DenoiseState.advance`'s restore and the next embedding. Returns the x0 prediction,
-    the corrected sample, the next sample and its embedded rows."""
+    Python floats are in fp32), `DenoiseState.advance`'s restore (of `given_values`, its `given_at` the next noise
+    level) and the next embedding. Returns the x0 prediction, the corrected sample, the next sample and its embedded
+    rows."""
 
     def __init__(self, work: TickWork, layout: GenLayout, order: int):
         super().__init__()
         self.work, self.layout, self.order = work, layout, order
 
     def forward(self, sample: torch.Tensor, scalars: torch.Tensor, states: tuple[torch.Tensor, ...],
-                given: torch.Tensor, clean: torch.Tensor, time_embedding: torch.Tensor,
+                given: torch.Tensor, given_values: torch.Tensor, time_embedding: torch.Tensor,
                 action_rows: tuple[torch.Tensor, ...], cond: torch.Tensor, uncond: torch.Tensor,
                 guidance: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         layout = _ActionRows(*action_rows).laid_out(self.layout)
@@ -236,7 +239,7 @@ class _Step(nn.Module):
         predictor = _coefficients(self.order, self.order - 1, values)
         x0, corrected, predicted = unipc_update(velocity, sample, next(values), states[:-1], states[-1], corrector,
                                                 predictor)
-        sample = torch.where(given, clean, predicted)
+        sample = torch.where(given, given_values, predicted)
         return x0, corrected, sample, self.work.embed(layout, sample, time_embedding)
 
 

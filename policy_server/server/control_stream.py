@@ -113,12 +113,13 @@ def _first_message(requests: Iterator[pb.ControlRequest], starting: StartingStre
 
 @dataclass
 class _PendingFrame:
-    """A frame waiting for the worker, not decoded yet: `spec` is its session's embodiment."""
+    """A frame waiting for the worker, not decoded yet: `spec` is its session's embodiment, `chunk` its chunk size."""
 
     obs_id: int
     epoch: int
     sent: validate.ProtoObservation
     spec: EmbodimentSpec
+    chunk: int
     must_answer: bool
     received_s: float  # time.monotonic() at arrival
     client_time_ns: int
@@ -266,13 +267,13 @@ class ControlCall:
                 )
             validate.message_size(size, self._max_message_bytes, "observation", "observation frame")
             epoch = validate.epoch(frame.epoch, "observation.epoch")
-            _, spec = validate.session_at(self._engine, self._session_id, epoch)
+            handle, spec = validate.session_at(self._engine, self._session_id, epoch)
             sent = validate.ProtoObservation.of(frame, "observation.observation")
         except Exception as exc:  # noqa: BLE001 - one bad frame is answered, the stream lives on
             self._emit_error(frame.obs_id, exc)
             return
-        incoming = _PendingFrame(frame.obs_id, frame.epoch, sent, spec, frame.must_answer, received,
-                                 frame.observation.client_time_ns)
+        incoming = _PendingFrame(frame.obs_id, frame.epoch, sent, spec, handle.chunk_size, frame.must_answer,
+                                 received, frame.observation.client_time_ns)
         with self._cond:
             dropped = [p for p in self._pending if not p.must_answer]
             self._pending = [p for p in self._pending if p.must_answer] + [incoming]
@@ -311,7 +312,7 @@ class ControlCall:
                     result = self._engine.act(
                         self._session_id,
                         frame.epoch,
-                        validate.observation(frame.sent, frame.spec),
+                        validate.observation(frame.sent, frame.spec, frame.chunk),
                         deadline_s=None,
                         should_abort=self._should_abort,
                         reservation=reservation,

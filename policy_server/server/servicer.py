@@ -101,7 +101,8 @@ class PolicyServicer(pb_grpc.PolicyServiceServicer):
         received = time.monotonic()
         handle, spec = self._session_request(request)
         with self.engine.reserve_tick(handle.session_id) as reservation:  # refused now: before frames are decoded
-            observation = validate.observation(validate.ProtoObservation.of(request, "observation"), spec)
+            observation = validate.observation(validate.ProtoObservation.of(request, "observation"), spec,
+                                               handle.chunk_size)
             result = self.engine.act(
                 handle.session_id,
                 handle.epoch,

@@ -232,6 +232,19 @@ def actions(tensor: pb.Tensor, spec: EmbodimentSpec, chunk: int, field: str = "a
     return _in_range(values, spec.action.low, spec.action.high, "action", field)
 
 
+def committed_actions(values: np.ndarray, spec: EmbodimentSpec, chunk: int | None, field: str) -> np.ndarray:
+    """Actions the robot executes while a chunk is computed (any numeric dtype): ``[d, action_dim]`` with
+    ``1 <= d < chunk``, finite, inside the declared action limits. ``chunk`` None: a call that takes none (dynamics).
+    Returns float32."""
+    if chunk is None:
+        raise InvalidArgument(field, "no committed actions (an act's observation takes them)",
+                              f"shape {list(values.shape)}", reason="BAD_VALUE")
+    if values.ndim != 2 or not 1 <= values.shape[0] < chunk or values.shape[1] != spec.action.dim:
+        raise SchemaMismatch(field, f"shape [d, {spec.action.dim}] with 1 <= d < {chunk} (the session's chunk size)",
+                             f"shape {list(values.shape)}")
+    return _in_range(values, spec.action.low, spec.action.high, "action", field)
+
+
 def _sent_state(message, spec: EmbodimentSpec, field: str) -> np.ndarray | None:
     """The ``state`` tensor of an Observation or InverseDynamicsRequest as sent: float32/float64 values, not yet
     checked against the embodiment; None for an embodiment without state (which must then get none)."""
@@ -291,6 +304,7 @@ class SentObservation(Protocol):
 
     instruction_field: str
     state_field: str
+    committed_field: str
 
     def frame_field(self, camera: str) -> str:
         """The field that carries ``camera``'s frame, as errors name it."""
@@ -311,16 +325,24 @@ class SentObservation(Protocol):
 
     def step_index(self) -> int: ...
 
+    def committed_actions(self) -> np.ndarray | None:
+        """The committed actions as sent (numeric, not yet checked); None when none are (or no rows)."""
+        ...
 
-def observation(sent: SentObservation, spec: EmbodimentSpec) -> Observation:
+
+def observation(sent: SentObservation, spec: EmbodimentSpec, chunk: int | None = None) -> Observation:
     """``sent`` checked against the session's embodiment: its cameras' frames (``_side_by_side``), the instruction's
-    size, the state's width, finiteness and range (float32 [state_dim])."""
+    size, the state's width, finiteness and range (float32 [state_dim]), the committed actions (``committed_actions``;
+    ``chunk``: the session's chunk size, None where the call takes none)."""
     images = sent.frames(spec)
     _side_by_side(images, spec, sent.frame_field)
     instruction_text = optional_instruction(sent.instruction(), sent.instruction_field)
     values = sent.state(spec)
+    committed = sent.committed_actions()
     return Observation(images=images, state=None if values is None else state(values, spec, sent.state_field),
-                       instruction=instruction_text, step_index=sent.step_index())
+                       instruction=instruction_text, step_index=sent.step_index(),
+                       committed_actions=None if committed is None else committed_actions(committed, spec, chunk,
+                                                                                          sent.committed_field))
 
 
 class ProtoObservation:
@@ -331,6 +353,7 @@ class ProtoObservation:
         self._message, self._field = message, field
         self.instruction_field = f"{field}.instruction"
         self.state_field = f"{field}.state"
+        self.committed_field = f"{field}.committed_actions"
 
     @classmethod
     def of(cls, parent, field: str) -> ProtoObservation:
@@ -355,6 +378,12 @@ class ProtoObservation:
 
     def step_index(self) -> int:
         return self._message.step_index
+
+    def committed_actions(self) -> np.ndarray | None:
+        tensor = self._message.committed_actions
+        if not self._message.HasField("committed_actions") or math.prod(tensor.shape) == 0:
+            return None
+        return _float_tensor(tensor, self.committed_field)
 
 
 def video_clip(request: pb.InverseDynamicsRequest, spec: EmbodimentSpec, chunk: int) -> VideoClip:

@@ -12,7 +12,9 @@ Each connection is one session of the server's default budget, opened on the fir
 [3, H, W] with sides within the camera's declared bounds and one H for all cameras, passed to the
 engine as they are (the pipeline fits them to its canvas, as for gRPC); state under
 ``observation/state`` or ``state``; text under ``prompt``; optional integer ``step_index`` (default: one past
-the connection's last, at most 2^63 - 1).
+the connection's last, at most 2^63 - 1); optional ``committed_actions``, float [d, action_dim] with d below the
+chunk size: the actions the robot executes while the chunk is computed, which the chunk starts with (as the gRPC
+``Observation.committed_actions``).
 ``{"reset": True}`` starts a new episode (epoch + 1).
 
 Replies: ``actions`` float32 [K, action_dim] plus ``first_step_index``, ``epoch``, the tick record
@@ -201,11 +203,22 @@ def _camera_frame(message: dict, name: str) -> tuple[str, Any]:
     return f"observation/{name}", None
 
 
+def _numeric(raw: object, field: str) -> np.ndarray:
+    """A numeric array, or a list of numbers as one."""
+    if isinstance(raw, list | tuple) and all(isinstance(v, int | float) and not isinstance(v, bool) for v in raw):
+        raw = np.asarray(raw, np.float64)
+    if not isinstance(raw, np.ndarray) or raw.dtype.kind not in ("f", "i", "u"):
+        got = str(raw.dtype) if isinstance(raw, np.ndarray) else type(raw).__name__
+        raise InvalidArgument(field, "a numeric array", got, reason="BAD_DTYPE")
+    return raw
+
+
 class OpenpiObservation:
     """An openpi observation dict (keys in the module docstring), read for ``validate.observation``.
     ``default_step``: the step index when the dict has none (the connection's counter)."""
 
     instruction_field = "prompt"
+    committed_field = "committed_actions"
 
     def __init__(self, message: dict, default_step: int) -> None:
         self._message, self._default_step = message, default_step
@@ -247,12 +260,20 @@ class OpenpiObservation:
         raw = self._message.get(self.state_field)
         if raw is None:
             raise SchemaMismatch(self.state_field, f"float [{spec.state_dim}]", self._no_such_key())
-        if isinstance(raw, list | tuple) and all(isinstance(v, int | float) and not isinstance(v, bool) for v in raw):
-            raw = np.asarray(raw, np.float64)
-        if not isinstance(raw, np.ndarray) or raw.dtype.kind not in ("f", "i", "u"):
-            got = str(raw.dtype) if isinstance(raw, np.ndarray) else type(raw).__name__
-            raise InvalidArgument(self.state_field, "a numeric array", got, reason="BAD_DTYPE")
-        return raw
+        return _numeric(raw, self.state_field)
+
+    def committed_actions(self) -> np.ndarray | None:
+        """A numeric array or a list of rows of numbers; None when absent or without rows."""
+        raw = self._message.get(self.committed_field)
+        if raw is None:
+            return None
+        if isinstance(raw, list | tuple) and all(isinstance(row, list | tuple) for row in raw):
+            raw = [_numeric(row, self.committed_field) for row in raw]
+            if len({row.shape for row in raw}) > 1:
+                raise SchemaMismatch(self.committed_field, "rows of one length", "rows of different lengths")
+            raw = np.stack(raw) if raw else np.zeros((0, 0))
+        values = _numeric(raw, self.committed_field)
+        return None if values.size == 0 else values
 
     def instruction(self) -> str:
         prompt = self._message.get("prompt", "")
@@ -511,7 +532,8 @@ class OpenpiWebsocketServer:
                 state.steps = 0
                 connection.send(packb({"reset": True, "epoch": state.session.epoch if state.session else 0}))
                 return True
-            observation = validate.observation(OpenpiObservation(message, state.steps), state.spec)
+            observation = validate.observation(OpenpiObservation(message, state.steps), state.spec,
+                                               state.spec.default_chunk_size)  # the chunk its sessions open with
             if state.session is None:
                 validate.instruction(observation.instruction, "prompt")
                 # The openpi protocol cannot declare a rate (its clients ask again when a chunk runs out) nor a name.

@@ -314,7 +314,7 @@ class SetBudgetRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., budget_ms: _Optional[float] = ...) -> None: ...
 
 class Observation(_message.Message):
-    __slots__ = ("images", "state", "instruction", "step_index", "client_time_ns")
+    __slots__ = ("images", "state", "instruction", "step_index", "client_time_ns", "committed_actions")
     class ImagesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -327,12 +327,14 @@ class Observation(_message.Message):
     INSTRUCTION_FIELD_NUMBER: _ClassVar[int]
     STEP_INDEX_FIELD_NUMBER: _ClassVar[int]
     CLIENT_TIME_NS_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_ACTIONS_FIELD_NUMBER: _ClassVar[int]
     images: _containers.MessageMap[str, Image]
     state: Tensor
     instruction: str
     step_index: int
     client_time_ns: int
-    def __init__(self, images: _Optional[_Mapping[str, Image]] = ..., state: _Optional[_Union[Tensor, _Mapping]] = ..., instruction: _Optional[str] = ..., step_index: _Optional[int] = ..., client_time_ns: _Optional[int] = ...) -> None: ...
+    committed_actions: Tensor
+    def __init__(self, images: _Optional[_Mapping[str, Image]] = ..., state: _Optional[_Union[Tensor, _Mapping]] = ..., instruction: _Optional[str] = ..., step_index: _Optional[int] = ..., client_time_ns: _Optional[int] = ..., committed_actions: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class ActRequest(_message.Message):
     __slots__ = ("session_id", "epoch", "observation")
