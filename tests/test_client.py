@@ -139,6 +139,8 @@ def test_observation_arguments_protobuf_would_refuse_are_named():
         with pytest.raises(error) as err:
             build_observation(image, **kwargs)
         assert words in str(err.value)
+    with pytest.raises(WireError, match=r"^images\[wrist\]: expected uint8 \[H, W, C\], got float32 \[8, 8, 3\]"):
+        build_observation({**image, "wrist": np.zeros((8, 8, 3), np.float32)})
 
 
 def test_call_arguments_protobuf_would_refuse_are_named_before_anything_is_sent():

@@ -143,7 +143,7 @@ def build_observation(
     check_args(pb.Observation, instruction=instruction, step_index=step_index)
     msg = pb.Observation(instruction=instruction, step_index=step_index, client_time_ns=time.monotonic_ns())
     for name, image in images.items():
-        msg.images[name].CopyFrom(encode_image(image, encoding, jpeg_quality))
+        msg.images[name].CopyFrom(encode_image(image, encoding, jpeg_quality, field=f"images[{name}]"))
     if state is not None:
         msg.state.CopyFrom(floats_to_proto(state))
     if committed_actions is not None:
@@ -201,7 +201,8 @@ def build_inverse_dynamics(
         if frames.dtype != np.uint8 or frames.ndim != 4:  # else a frame's error would name neither camera nor video
             raise WireError(f"videos[{name}]", "a video, uint8 [F, H, W, 3]", f"{frames.dtype} {list(frames.shape)}",
                             "BAD_IMAGE")
-        msg.videos[name].frames.extend(encode_image(frame, encoding, jpeg_quality) for frame in frames)
+        msg.videos[name].frames.extend(encode_image(frame, encoding, jpeg_quality, field=f"videos[{name}][{i}]")
+                                       for i, frame in enumerate(frames))
     if state is not None:
         msg.state.CopyFrom(floats_to_proto(state))
     if seed is not None:

@@ -92,11 +92,11 @@ def tensor_from_proto(tensor: pb.Tensor, field: str) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------
 
 
-def encode_image(image: np.ndarray, encoding: str = "jpeg", jpeg_quality: int = 90) -> pb.Image:
-    """Encode uint8 RGB [H, W, 3] as JPEG, PNG or RAW."""
+def encode_image(image: np.ndarray, encoding: str = "jpeg", jpeg_quality: int = 90, field: str = "image") -> pb.Image:
+    """Encode uint8 RGB [H, W, 3] as JPEG, PNG or RAW; an error names the frame as `field`."""
     image = np.asarray(image)
     if image.dtype != np.uint8 or image.ndim != 3:
-        raise WireError("image", "uint8 [H, W, C]", f"{image.dtype} {list(image.shape)}", "BAD_IMAGE")
+        raise WireError(field, "uint8 [H, W, C]", f"{image.dtype} {list(image.shape)}", "BAD_IMAGE")
     height, width, channels = image.shape
     kind = encoding.lower()
     if kind == "raw":
@@ -109,8 +109,8 @@ def encode_image(image: np.ndarray, encoding: str = "jpeg", jpeg_quality: int = 
         )
     if channels != 3:  # what the codecs carry and every camera sends
         hint = " (channels first? the wire takes them last)" if image.shape[0] in (1, 3, 4) else ""
-        raise WireError("image", f"uint8 RGB [H, W, 3] to encode as {kind}", f"{list(image.shape)}{hint}", "BAD_IMAGE")
-    cv2 = _opencv("image", f"RGB frames and OpenCV to encode them as {kind}", "BAD_IMAGE")
+        raise WireError(field, f"uint8 RGB [H, W, 3] to encode as {kind}", f"{list(image.shape)}{hint}", "BAD_IMAGE")
+    cv2 = _opencv(field, f"RGB frames and OpenCV to encode them as {kind}", "BAD_IMAGE")
     # OpenCV encodes BGR; the wire is RGB.
     bgr = cv2.cvtColor(image, cv2.COLOR_RGB2BGR)
     if kind == "jpeg":
