@@ -153,9 +153,10 @@ def serve(config: ServerConfig) -> int:
         flush=True,
     )
     stop = threading.Event()
-    # SIGHUP too: the terminal it ran in closed, or a supervisor stops it so. A second signal during the drain
+    # SIGHUP too: the terminal it ran in closed, or a supervisor stops it so. A signal ignored from the start stays
+    # ignored: `nohup` ignores SIGHUP so that the server outlives its terminal. A second signal during the drain
     # finds the previous handlers back: it ends the process at once.
-    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    stops = [sig for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP) if signal.getsignal(sig) != signal.SIG_IGN]
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in stops}
     warmup_failure: list[BaseException] = []
     threading.Thread(target=_watch_warmup, args=(engine, warmup_failure, stop), daemon=True,

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -519,13 +520,12 @@ def test_sessions_beyond_capacity_are_refused_with_the_capacity_figure(served, c
         server.close_session(session)
 
 
-def _sigterm_to_another_thread(pid: int) -> None:
-    """SIGTERM as the kernel may deliver a process's signal: to one of its threads other than the main one."""
+def _signal_another_thread(pid: int, sig: int) -> None:
+    """`sig` as the kernel may deliver a process's signal: to one of its threads other than the main one."""
     import ctypes
-    import signal
 
     thread = next(int(tid) for tid in sorted(os.listdir(f"/proc/{pid}/task")) if int(tid) != pid)
-    assert ctypes.CDLL(None, use_errno=True).tgkill(pid, thread, signal.SIGTERM) == 0
+    assert ctypes.CDLL(None, use_errno=True).tgkill(pid, thread, sig) == 0
 
 
 def test_sigterm_stops_the_server_promptly_whatever_it_is_doing(tmp_path):
@@ -556,7 +556,7 @@ def test_sigterm_stops_the_server_promptly_whatever_it_is_doing(tmp_path):
         thread = threading.Thread(target=reason)
         thread.start()
         time.sleep(0.5)
-        _sigterm_to_another_thread(process.pid)  # it slept through this before: its main thread never woke
+        _signal_another_thread(process.pid, signal.SIGTERM)  # it slept through this before: its main thread never woke
         started = time.monotonic()
         process.wait(timeout=30)
         took = time.monotonic() - started
@@ -564,6 +564,31 @@ def test_sigterm_stops_the_server_promptly_whatever_it_is_doing(tmp_path):
         assert process.returncode == 0
         assert took < 10, f"exit took {took:.1f} s"
         assert len(answers) == 1 and answers[0] != "TOO_LONG"  # answered (text or an error), not left hanging
+    finally:
+        if process.poll() is None:
+            process.kill()
+        client.close()
+        log.close()
+
+
+def test_stop_signals_as_an_operator_sends_them(tmp_path):
+    """`nohup policy-server`: SIGHUP was ignored from the start, so a closing terminal's SIGHUP leaves it serving (it
+    shut down on it); SIGTERM still stops it, with status 0."""
+    log = open(tmp_path / "server.log", "w+")
+    process = subprocess.Popen(  # `trap '' HUP` then exec: SIGHUP ignored, as nohup leaves it
+        ["sh", "-c", 'trap "" HUP; exec "$0" "$@"', sys.executable, "-m", "policy_server.cli", "--port", "0",
+         "--device", "cpu", "--no-compile-gen-stack"],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    client = PolicyClient(bound_listeners(tmp_path / "server.log", process, 120)["gRPC"], timeout_s=30)
+    try:
+        client.wait_until_serving(timeout_s=120)
+        process.send_signal(signal.SIGHUP)
+        with pytest.raises(subprocess.TimeoutExpired):
+            process.wait(timeout=1)
+        assert client.health() == "SERVING"
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
     finally:
         if process.poll() is None:
             process.kill()
