@@ -186,6 +186,7 @@ def test_json_file_with_flag_spelling(tmp_path):
         ({"session_idle_timeout_s": 1e6}, "session_idle_timeout_s"),
         ({"websocket_embodiment": ""}, "websocket_embodiment"),
         ({"max_message_mb": 0}, "max_message_mb"),
+        ({"max_message_mb": 1024}, "max_message_mb"),  # gRPC receives up to twice it: 2 GiB is past its int32 option
         ({"auth_token_file": "/nonexistent/token"}, "auth_token_file"),
         ({"quality_profile": "sometimes"}, "quality_profile"),
         ({"latency_budgt_ms": 100}, "latency_budgt_ms"),
