@@ -16,13 +16,14 @@ build on it. Each entry point is a ``main(argv) -> int``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import logging
 import os
 import signal
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from policy_server import __version__
@@ -36,6 +37,7 @@ log = logging.getLogger("policy_server")
 SHUTDOWN_GRACE_S = 2.0  # running calls may finish within this after SIGTERM
 SHUTDOWN_TIMEOUT_S = 8.0  # then the engine has this long to stop
 COMMANDS_GROUP = "policy_server.commands"  # entry points: name -> main(argv) -> int
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def build_parser(network: bool = True) -> argparse.ArgumentParser:
@@ -153,9 +155,10 @@ def serve(config: ServerConfig) -> int:
         flush=True,
     )
     stop = threading.Event()
-    # SIGHUP too: the terminal it ran in closed, or a supervisor stops it so. A second signal during the drain
-    # finds the previous handlers back: it ends the process at once.
-    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    # SIGHUP too: the terminal it ran in closed, or a supervisor stops it so. A signal ignored from the start stays
+    # ignored: `nohup` ignores SIGHUP so that the server outlives its terminal. A second signal during the drain
+    # finds the default action back (`_default_stop_signals`): it ends the process at once.
+    stops = [sig for sig in STOP_SIGNALS if signal.getsignal(sig) != signal.SIG_IGN]
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in stops}
     warmup_failure: list[BaseException] = []
     threading.Thread(target=_watch_warmup, args=(engine, warmup_failure, stop), daemon=True,
@@ -180,6 +183,23 @@ def serve(config: ServerConfig) -> int:
         status = _stop(server, engine, SHUTDOWN_GRACE_S, 1 if warmup_failure else 0)
         watchdog.cancel()
     return status
+
+
+@contextlib.contextmanager
+def _default_stop_signals() -> Iterator[None]:
+    """The stop signals with their default action while `serve` loads the model and drains (those ignored from the
+    start stay ignored), the previous handlers back after. Ctrl-C so ends the process at once, as SIGTERM does;
+    Python's KeyboardInterrupt printed a traceback of whatever was importing or loading, and during the drain came
+    only once the main thread woke (the kernel may deliver the signal to any thread)."""
+    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    for sig, handler in previous.items():
+        if handler != signal.SIG_IGN:
+            signal.signal(sig, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _watch_warmup(engine: Engine, failure: list[BaseException], stop: threading.Event) -> None:
@@ -248,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     given = config.given()
     log.info("settings: %s", f"{given}; the rest at their defaults" if given else "the defaults")
-    return serve(config)
+    with _default_stop_signals():
+        return serve(config)
 
 
 if __name__ == "__main__":

@@ -119,8 +119,10 @@ class ServerConfig(BaseModel):
         0, ge=0, le=8, description="forward / inverse dynamics calls at once (0 = off; on, every session's admission "
         "reserves the longest piece of one such call)"
     )
+    # Below 1 GiB: gRPC takes messages up to twice it (to answer PAYLOAD_TOO_LARGE itself), and its receive limit
+    # is an int32 (2 GiB failed the start with an OverflowError).
     max_message_mb: float = Field(
-        16.0, gt=0, le=1024, allow_inf_nan=False, description="max request size (MiB)"
+        16.0, gt=0, lt=1024, allow_inf_nan=False, description="max request size (MiB)"
     )
     session_idle_timeout_s: float = Field(
         300.0, gt=0, le=86400, allow_inf_nan=False,

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from fake_engine import FakeEngine, self_signed_cert
+from fake_engine import FakeEngine, self_signed_cert, serve_fake
 
 import policy_server.engine
 import policy_server.server.app as app
@@ -186,6 +186,7 @@ def test_json_file_with_flag_spelling(tmp_path):
         ({"session_idle_timeout_s": 1e6}, "session_idle_timeout_s"),
         ({"websocket_embodiment": ""}, "websocket_embodiment"),
         ({"max_message_mb": 0}, "max_message_mb"),
+        ({"max_message_mb": 1024}, "max_message_mb"),  # gRPC receives up to twice it: 2 GiB is past its int32 option
         ({"auth_token_file": "/nonexistent/token"}, "auth_token_file"),
         ({"quality_profile": "sometimes"}, "quality_profile"),
         ({"latency_budgt_ms": 100}, "latency_budgt_ms"),
@@ -376,6 +377,22 @@ def test_a_taken_port_ends_serve_before_the_warmup_begins(monkeypatch, capsys):
         socket.getaddrinfo("no.such.host.invalid", 0)
     assert capsys.readouterr().err.strip().endswith(f"({unresolved.value.strerror})")
     assert warmups == []
+
+
+def test_a_unix_socket_a_server_answers_on_is_taken_and_a_stale_one_is_not(tmp_path):
+    """gRPC unlinks the socket at a --unix-socket path before it binds it: a second server took the path of a running
+    one, and the running one's new clients reached the second. A socket file that nothing answers on (a crashed
+    server's) is still bound over."""
+    path = tmp_path / "policy.sock"
+    with socket.socket(socket.AF_UNIX) as running:
+        running.bind(str(path))
+        running.listen()
+        with pytest.raises(OSError) as taken, serve_fake(unix_socket=str(path)):
+            pass
+    assert str(taken.value) == f"could not bind gRPC to unix:{path} (Address already in use)"
+    assert path.exists()  # left as a crashed server leaves it
+    with serve_fake(unix_socket=str(path)), PolicyClient(f"unix:{path}") as client:
+        assert client.health() == "SERVING"
 
 
 def test_the_log_names_the_settings_given(tmp_path, monkeypatch, caplog):

@@ -7,9 +7,11 @@ import json
 import math
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 import tomllib
 import urllib.request
 from pathlib import Path
@@ -19,6 +21,7 @@ import grpc
 import numpy as np
 import pytest
 from google.rpc import error_details_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from grpc_status import rpc_status
 from prometheus_client.parser import text_string_to_metric_families
@@ -544,13 +547,12 @@ def test_sessions_beyond_capacity_are_refused_with_the_capacity_figure(served, c
         server.close_session(session)
 
 
-def _sigterm_to_another_thread(pid: int) -> None:
-    """SIGTERM as the kernel may deliver a process's signal: to one of its threads other than the main one."""
+def _signal_another_thread(pid: int, sig: int) -> None:
+    """`sig` as the kernel may deliver a process's signal: to one of its threads other than the main one."""
     import ctypes
-    import signal
 
     thread = next(int(tid) for tid in sorted(os.listdir(f"/proc/{pid}/task")) if int(tid) != pid)
-    assert ctypes.CDLL(None, use_errno=True).tgkill(pid, thread, signal.SIGTERM) == 0
+    assert ctypes.CDLL(None, use_errno=True).tgkill(pid, thread, sig) == 0
 
 
 def test_sigterm_stops_the_server_promptly_whatever_it_is_doing(tmp_path):
@@ -558,7 +560,6 @@ def test_sigterm_stops_the_server_promptly_whatever_it_is_doing(tmp_path):
     one (which Python's handler waits for): the process still exits within the grace period plus one step, and
     both callers get an answer."""
     import threading
-    import time
 
     build_random_pipeline(tmp_path / "model", seed=4)
     log = open(tmp_path / "server.log", "w+")
@@ -581,7 +582,7 @@ def test_sigterm_stops_the_server_promptly_whatever_it_is_doing(tmp_path):
         thread = threading.Thread(target=reason)
         thread.start()
         time.sleep(0.5)
-        _sigterm_to_another_thread(process.pid)  # it slept through this before: its main thread never woke
+        _signal_another_thread(process.pid, signal.SIGTERM)  # it slept through this before: its main thread never woke
         started = time.monotonic()
         process.wait(timeout=30)
         took = time.monotonic() - started
@@ -596,11 +597,49 @@ def test_sigterm_stops_the_server_promptly_whatever_it_is_doing(tmp_path):
         log.close()
 
 
+def test_stop_signals_as_an_operator_sends_them(tmp_path):
+    """`nohup policy-server`: SIGHUP was ignored from the start, so a closing terminal's SIGHUP leaves it serving (it
+    shut down on it). Ctrl-C twice: the second ends the drain at once, as the default action does; it was Python's
+    KeyboardInterrupt, which came only once the main thread woke from the drain, with a traceback. So is Ctrl-C while
+    the server loads torch and the model (minutes for a large checkpoint)."""
+    log = open(tmp_path / "server.log", "w+")
+    loading = process = subprocess.Popen(  # `trap '' HUP` then exec: SIGHUP ignored, as nohup leaves it
+        ["sh", "-c", 'trap "" HUP; exec "$0" "$@"', sys.executable, "-m", "policy_server.cli", "--port", "0",
+         "--device", "cpu", "--no-compile-gen-stack"],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    client = PolicyClient(bound_listeners(tmp_path / "server.log", process, 120)["gRPC"], timeout_s=30)
+    try:
+        client.wait_until_serving(timeout_s=120)
+        process.send_signal(signal.SIGHUP)
+        with pytest.raises(subprocess.TimeoutExpired):
+            process.wait(timeout=1)
+        assert client.health() == "SERVING"
+        with grpc.insecure_channel(client.target) as channel:  # an open call: the drain waits its whole grace for it
+            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
+            assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+            _signal_another_thread(process.pid, signal.SIGINT)
+            assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING  # draining
+            _signal_another_thread(process.pid, signal.SIGINT)
+            assert process.wait(timeout=1) == -signal.SIGINT  # the drain's grace is 2 s
+        loading = subprocess.Popen([sys.executable, "-m", "policy_server.cli", "--port", "0"], stdout=log,
+                                   stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        while (tmp_path / "server.log").read_text().count("the rest at their defaults") < 2:
+            time.sleep(0.05)  # its settings line: torch and the model load next
+        loading.send_signal(signal.SIGINT)
+        assert loading.wait(timeout=10) == -signal.SIGINT
+        assert "Traceback" not in (tmp_path / "server.log").read_text()
+    finally:
+        for started in (process, loading):
+            if started.poll() is None:
+                started.kill()
+        client.close()
+        log.close()
+
+
 def test_failed_tls_handshakes_are_not_logged_one_line_each(tmp_path):
     """Anyone who reaches a TLS port can fail its handshake in a loop (a plaintext client, a port scan): gRPC core
     would log a line on each, so the server keeps gRPC's own log to its errors."""
-    import time
-
     from fake_engine import self_signed_cert
 
     cert, key = self_signed_cert(tmp_path)

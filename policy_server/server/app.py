@@ -8,6 +8,7 @@ endpoint and the optional openpi WebSocket endpoint around one engine.
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import logging
 import os
@@ -127,6 +128,18 @@ def exposure_warnings(config: ServerConfig) -> list[str]:
     return warnings
 
 
+def _answers(path: os.PathLike) -> bool:
+    """Whether a program listens on the Unix socket at `path` (a running server). gRPC unlinks a socket file before it
+    binds its path, which lets a restart bind over the file a crashed server left, and would as well take the path
+    of a server still running."""
+    with socket.socket(socket.AF_UNIX) as probe:
+        try:
+            probe.connect(os.fspath(path))
+        except OSError:  # no such file, or nothing listens on it
+            return False
+    return True
+
+
 def _bind_error(address: str) -> OSError:
     """Why gRPC could not bind `address` (`HOST:PORT` or `unix:PATH`), as the OS says when a socket of ours tries:
     gRPC core says it only in its own log line."""
@@ -207,6 +220,9 @@ class PolicyServer:
             credentials = grpc.ssl_server_credentials([(cfg.tls.key_pem, cfg.tls.cert_chain_pem)])
         self.grpc_port = self._add_port(listen.address(cfg.host, cfg.port), credentials)
         if cfg.unix_socket is not None:
+            if _answers(cfg.unix_socket):  # gRPC would unlink it and bind the path: its clients would reach this server
+                raise listen.bind_failed("gRPC", f"unix:{cfg.unix_socket}", OSError(errno.EADDRINUSE,
+                                                                                    os.strerror(errno.EADDRINUSE)))
             self._add_port(f"unix:{cfg.unix_socket}", credentials)
 
         self._set_health(self.engine.ready())
