@@ -182,6 +182,7 @@ class _Running:
     actions: deque = field(default_factory=deque)  # the last chunk's actions not executed yet, [action_dim] each
     predicted: np.ndarray | None = None  # the last chunk's predicted frames, when recording
     executed: int = 0  # actions executed from the last chunk
+    last_action: np.ndarray | None = None  # the action executed last, [action_dim]
 
 
 def run_episodes(policy, env_id: str, indices: Sequence[int], num_envs: int, execute: int,
@@ -247,14 +248,18 @@ def run_episodes(policy, env_id: str, indices: Sequence[int], num_envs: int, exe
                     run = running[i]
                     run.result.ticks.append(stats)
                     stale = len(run.actions)
-                    if stale:  # the switch to the new chunk, after the actions it was computed during
-                        run.result.switch_jumps.append(float(np.linalg.norm(actions[stale] - run.actions[-1])))
+                    before = run.actions[-1] if stale else run.last_action  # the action the new chunk's first follows
+                    if before is not None:
+                        run.result.switch_jumps.append(float(np.linalg.norm(actions[stale] - before)))
                     run.actions.extend(actions[stale: stale + execute])
                     run.result.chunk_steps.extend(
                         np.linalg.norm(np.diff(actions[stale: stale + execute], axis=0), axis=1).tolist())
                     run.predicted, run.executed = predicted, 0
+                for run in running:
+                    if run is not None:
+                        run.last_action = run.actions.popleft()
                 obs, _, terminated, truncated, _ = envs.step(
-                    np.stack([no_action if run is None else run.actions.popleft() for run in running]))
+                    np.stack([no_action if run is None else run.last_action for run in running]))
                 recording = any(run is not None and run.record_video for run in running)
                 frames = envs.call("render") if recording else None
                 ended = []

@@ -83,6 +83,7 @@ def test_healthchecks_use_the_client_probe(dockerfile, compose):
 def test_compose_server_reserves_a_gpu_on_an_internal_network(compose):
     server = compose["services"]["policy-server"]
     assert (REPO / server["build"]["context"] / server["build"]["dockerfile"]).exists()
+    assert server["init"] is True  # PID 1 ignores a signal left at its default action: an init passes them on
     devices = server["deploy"]["resources"]["reservations"]["devices"]
     assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
     assert compose["networks"]["robot-net"]["internal"] is True

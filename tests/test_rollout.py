@@ -100,6 +100,7 @@ def test_vector_episodes_match_one_by_one(expected, num_envs):
     assert got == expected
     for r in results:
         assert policy.steps[r.seed] == list(range(0, r.steps, EXECUTE))  # no reset step counted
+        assert len(r.switch_jumps) == len(r.ticks) - 1  # every chunk but the first takes over from another
         assert r.target_color in r.instruction and r.nearest_color in COLORS and r.final_distance_m >= 0
         assert r.success == (r.final_distance_m <= 0.03)
     assert sorted(policy.closed) == sorted(seed for seed, _ in policy.opened) == [r.seed for r in results]

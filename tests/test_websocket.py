@@ -71,6 +71,7 @@ def test_metadata_frame_describes_the_embodiment(policy):
     assert meta["frame_sides"] == {"image": [1, MAX_FRAME_SIDE]} and meta["images_resized_with_pad"] is False
     assert (meta["state_dim"], meta["action_dim"], meta["chunk_size"]) == (2, 2, 8)
     assert meta["observation_keys"]["images"] == ["observation/image"]
+    assert meta["observation_keys"]["committed_actions"] == "committed_actions"
     assert meta["budget_ms"] == 120.0
 
 

@@ -465,6 +465,7 @@ class OpenpiWebsocketServer:
                 "images": [f"observation/{c.name}" for c in spec.cameras],
                 "state": "observation/state" if spec.state_dim else None,
                 "prompt": "prompt",
+                "committed_actions": "committed_actions",  # optional: what the chunk starts with (module docstring)
             },
             # openpi's example robots resize_with_pad their frames to the model's 224x224; here none needs to: a frame
             # is taken at any size within frame_sides, and the server scales cameras of different heights itself
