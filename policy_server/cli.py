@@ -158,8 +158,7 @@ def serve(config: ServerConfig) -> int:
     # SIGHUP too: the terminal it ran in closed, or a supervisor stops it so. A signal ignored from the start stays
     # ignored: `nohup` ignores SIGHUP so that the server outlives its terminal. A second signal during the drain
     # finds the default action back (`_default_stop_signals`): it ends the process at once.
-    stops = [sig for sig in STOP_SIGNALS if signal.getsignal(sig) != signal.SIG_IGN]
-    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in stops}
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in _stop_signals()}
     warmup_failure: list[BaseException] = []
     threading.Thread(target=_watch_warmup, args=(engine, warmup_failure, stop), daemon=True,
                      name="warmup-watch").start()
@@ -191,15 +190,18 @@ def _default_stop_signals() -> Iterator[None]:
     start stay ignored), the previous handlers back after. Ctrl-C so ends the process at once, as SIGTERM does;
     Python's KeyboardInterrupt printed a traceback of whatever was importing or loading, and during the drain came
     only once the main thread woke (the kernel may deliver the signal to any thread)."""
-    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
-    for sig, handler in previous.items():
-        if handler != signal.SIG_IGN:
-            signal.signal(sig, signal.SIG_DFL)
+    previous = {sig: signal.signal(sig, signal.SIG_DFL) for sig in _stop_signals()}
     try:
         yield
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _stop_signals() -> list[signal.Signals]:
+    """The stop signals this process takes: those not ignored from the start (`nohup` ignores SIGHUP so that the
+    server outlives its terminal)."""
+    return [sig for sig in STOP_SIGNALS if signal.getsignal(sig) != signal.SIG_IGN]
 
 
 def _watch_warmup(engine: Engine, failure: list[BaseException], stop: threading.Event) -> None:

@@ -11,7 +11,15 @@ from policy_server.pipeline import conditioning, schedulers
 from policy_server.pipeline.embodiments import Embodiment
 from policy_server.pipeline.errors import InvalidImage, PolicyInputError
 from policy_server.pipeline.packing import ActionLayout
-from policy_server.pipeline.policy import DenoiseState, FixedSteps, PolicyPipeline, PolicyRequest, run_steps
+from policy_server.pipeline.policy import (
+    DenoiseState,
+    FixedSteps,
+    InitialNoise,
+    PolicyPipeline,
+    PolicyRequest,
+    run_steps,
+)
+from policy_server.pipeline.tick_work import TickWork
 from robots.embedded import build_random_pipeline
 
 STEPS = 4
@@ -108,6 +116,36 @@ def test_committed_actions_lead_the_chunk_the_rest_continues_them(pipe):
     assert np.array_equal(out.actions[:3], committed)  # exactly as sent
     assert not np.array_equal(out.actions[3:], plain.actions[3:])  # the model saw them
     assert np.array_equal(pipe(_request(committed_actions=committed)).actions, out.actions)
+
+
+def test_the_model_sees_the_committed_rows_at_each_steps_noise_level(pipe):
+    class Recording(TickWork):  # the sampler state each step's rows are embedded from
+        def __init__(self, transformer):
+            super().__init__(transformer)
+            self.samples = []
+
+        def embed(self, layout, sample, time_embedding):
+            self.samples.append(sample.clone())
+            return super().embed(layout, sample, time_embedding)
+
+        def advance(self, layout, cond, uncond, guidance, sampler, state, time_embedding):
+            hidden = super().advance(layout, cond, uncond, guidance, sampler, state, time_embedding)
+            self.samples.append(state.sample.clone())
+            return hidden
+
+    committed = np.array([[0.1, -0.05], [0.15, 0.0]], np.float32)
+    noise = InitialNoise(torch.randn(16, 3, 8, 8), torch.randn(8, pipe.transformer.config.action_dim))
+    work = Recording(pipe.transformer)
+    request = _request(committed_actions=committed, noise=noise)
+    run_steps(pipe.steps(request, None, pipe.fixed_steps(STEPS, 2.0), work), pipe.transformer.gen_stack)
+    normalized = torch.from_numpy(pipe.normalizers(pipe.embodiments.get("pusht")).action.normalize(
+        committed.astype(np.float64))).float()
+    sigmas = pipe._sampler(STEPS).sigmas
+    assert len(work.samples) == STEPS + 1  # the first step's rows, then each step's result
+    for sample, sigma in zip(work.samples, sigmas, strict=True):
+        rows = sample[noise.vision.numel():].view(-1, noise.actions.shape[1])[1:3, :2]  # after the state row
+        assert torch.equal(rows, torch.lerp(normalized, noise.actions[:2, :2], sigma))
+    assert sigmas[-1] == 0.0
 
 
 class ScriptedSteps(FixedSteps):

@@ -29,6 +29,7 @@ from video_checks import assert_browser_playable
 
 from policy_server.client import Backoff, ControlStream, PolicyClient, PolicyServerError, build_observation
 from policy_server.client.__main__ import main as client_main
+from policy_server.limits import MAX_CLIENT_NAME_CHARS
 from policy_server.v1 import policy_server_pb2 as pb
 from policy_server.v1.wire import encode_image, tensor_to_proto
 from robots.embedded import build_random_pipeline
@@ -528,7 +529,7 @@ def test_sessions_beyond_capacity_are_refused_with_the_capacity_figure(served, c
     assert (printed["budgetMs"], printed["sessionsAlone"], printed["sessionsMore"]) == (budget, fit, fit)
     assert client_main([*cli, "--budget-ms", "-5"]) == 2
     assert "budget_ms: expected a latency budget in (0, 60000] ms" in capsys.readouterr().err
-    longest_name = "a" * 128  # a client_name at its limit, which the refusal still names whole
+    longest_name = "a" * MAX_CLIENT_NAME_CHARS  # a client_name at its limit, which the refusal still names whole
     opened = [server.open_session("pusht", "reach the red circle", budget_ms=budget, rate_hz=0.0,
                                   client_name=longest_name) for _ in range(fit)]
     capsys.readouterr()

@@ -126,9 +126,10 @@ class Observation:
     state: float32 [state_dim] in physical units, finite; None when the embodiment takes none.
     instruction: the task text; "" keeps the session's current instruction.
     step_index: the robot's control-step counter when the observation was captured.
-    committed_actions: float32 [d, action_dim], 1 <= d < the session's chunk size, physical units, inside the
-        declared limits, or None: the actions the robot executes from `step_index` on while the chunk is computed.
-        The chunk starts with them, exactly, and its other actions are sampled to continue them.
+    committed_actions: act only: float32 [d, action_dim], 1 <= d < the session's chunk size, physical units,
+        inside the declared limits, or None: the actions the robot executes from `step_index` on while the chunk is
+        computed. The chunk starts with them, exactly, and its other actions are sampled to continue them. (The
+        transports refuse them with a dynamics call's observation.)
     """
 
     images: Mapping[str, np.ndarray]

@@ -826,7 +826,8 @@ class PolicyPipeline:
         # Both branches' layouts have the same generated rows: the cond one lays out what the tick work reads. It
         # holds the request's indexes and the time embedding its timestep: only the latents are new each step.
         layout = branches["cond"].layout
-        state.advance(state.sample, sampler.sigmas[0])  # committed rows at the first step's noise level
+        if state.given_noise is not None:  # committed rows at the first step's noise level
+            state.advance(state.sample, sampler.sigmas[0])
         records: list[StepRecord] = []
         for i in range(steps):
             yield None  # a step boundary: the driver may run other work, or stop the tick, here

@@ -74,8 +74,8 @@ class TickWork:
         """The rest of a sampler step after its GEN-stack calls, whose outputs `velocity` decodes: step `sampler`,
         advance `state` and return the next step's generated rows, embedded with its `time_embedding` (None after
         the final step, which has no next step). All of it eagerly, in a subclass too."""
-        state.advance(sampler.step(TickWork.velocity(self, layout, cond, uncond, guidance), state.sample),
-                      sampler.sigmas[sampler.step_index])
+        sample = sampler.step(TickWork.velocity(self, layout, cond, uncond, guidance), state.sample)
+        state.advance(sample, sampler.sigmas[sampler.step_index])  # the sampler is at the next step now
         return None if time_embedding is None else TickWork.embed(self, layout, state.sample, time_embedding)
 
     def finish(self, layout: GenLayout, cond: torch.Tensor, uncond: torch.Tensor | None, guidance: float,

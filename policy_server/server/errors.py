@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 # Every text an error carries is clipped: trailing metadata is small, and a client's own input
 # (a session id, a camera name) must not make the error about it too large to send. The message holds the longest
-# the server writes whole (a refusal for want of room naming a client_name of 128 characters: about 570), and an
+# the server writes whole (a refusal for want of room naming a client_name at its limit: about 570), and an
 # error with every text at its clip stays within gRPC's 8 KiB of metadata (about 7.2 KiB).
 _MAX_TEXT = 400
 _MAX_MESSAGE = 640
