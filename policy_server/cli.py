@@ -155,9 +155,8 @@ def serve(config: ServerConfig) -> int:
         flush=True,
     )
     stop = threading.Event()
-    # SIGHUP too: the terminal it ran in closed, or a supervisor stops it so. A signal ignored from the start stays
-    # ignored: `nohup` ignores SIGHUP so that the server outlives its terminal. A second signal during the drain
-    # finds the default action back (`_default_stop_signals`): it ends the process at once.
+    # SIGHUP too (`_stop_signals`): the terminal it ran in closed, or a supervisor stops it so. A second signal
+    # during the drain finds the default action back (`_default_stop_signals`): it ends the process at once.
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in _stop_signals()}
     warmup_failure: list[BaseException] = []
     threading.Thread(target=_watch_warmup, args=(engine, warmup_failure, stop), daemon=True,
@@ -186,8 +185,8 @@ def serve(config: ServerConfig) -> int:
 
 @contextlib.contextmanager
 def _default_stop_signals() -> Iterator[None]:
-    """The stop signals with their default action while `serve` loads the model and drains (those ignored from the
-    start stay ignored), the previous handlers back after. Ctrl-C so ends the process at once, as SIGTERM does;
+    """The stop signals with their default action while `serve` loads the model and drains (`_stop_signals`), the
+    previous handlers back after. Ctrl-C so ends the process at once, as SIGTERM does;
     Python's KeyboardInterrupt printed a traceback of whatever was importing or loading, and during the drain came
     only once the main thread woke (the kernel may deliver the signal to any thread)."""
     previous = {sig: signal.signal(sig, signal.SIG_DFL) for sig in _stop_signals()}
@@ -199,9 +198,10 @@ def _default_stop_signals() -> Iterator[None]:
 
 
 def _stop_signals() -> list[signal.Signals]:
-    """The stop signals this process takes: those not ignored from the start (`nohup` ignores SIGHUP so that the
-    server outlives its terminal)."""
-    return [sig for sig in STOP_SIGNALS if signal.getsignal(sig) != signal.SIG_IGN]
+    """The stop signals this process takes: SIGINT and SIGTERM always (a shell starts its background jobs ignoring
+    SIGINT, which says nothing of how they are to be stopped), SIGHUP unless it was ignored from the start (`nohup`
+    ignores it so that the server outlives its terminal)."""
+    return [sig for sig in STOP_SIGNALS if sig != signal.SIGHUP or signal.getsignal(sig) != signal.SIG_IGN]
 
 
 def _watch_warmup(engine: Engine, failure: list[BaseException], stop: threading.Event) -> None:

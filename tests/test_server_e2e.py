@@ -600,14 +600,15 @@ def test_sigterm_stops_the_server_promptly_whatever_it_is_doing(tmp_path):
 
 def test_stop_signals_as_an_operator_sends_them(tmp_path):
     """`nohup policy-server`: SIGHUP was ignored from the start, so a closing terminal's SIGHUP leaves it serving (it
-    shut down on it). Ctrl-C twice: the second ends the drain at once, as the default action does; it was Python's
-    KeyboardInterrupt, which came only once the main thread woke from the drain, with a traceback. So is Ctrl-C while
-    the server loads torch and the model (minutes for a large checkpoint)."""
+    shut down on it); SIGINT, which a shell's background jobs start ignoring, stops it all the same. Ctrl-C twice: the
+    second ends the drain at once, as the default action does; it was Python's KeyboardInterrupt, which came only
+    once the main thread woke from the drain, with a traceback. So is Ctrl-C while the server loads torch and the
+    model (minutes for a large checkpoint)."""
     log = open(tmp_path / "server.log", "w+")
-    loading = process = subprocess.Popen(  # `trap '' HUP` then exec: SIGHUP ignored, as nohup leaves it
-        ["sh", "-c", 'trap "" HUP; exec "$0" "$@"', sys.executable, "-m", "policy_server.cli", "--port", "0",
-         "--device", "cpu", "--no-compile-gen-stack"],
+    loading = process = subprocess.Popen(  # as nohup leaves it; and SIGINT ignored, as a shell's background job
+        [sys.executable, "-m", "policy_server.cli", "--port", "0", "--device", "cpu", "--no-compile-gen-stack"],
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        preexec_fn=lambda: [signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGHUP, signal.SIGINT)],
     )
     client = PolicyClient(bound_listeners(tmp_path / "server.log", process, 120)["gRPC"], timeout_s=30)
     try:
@@ -617,15 +618,18 @@ def test_stop_signals_as_an_operator_sends_them(tmp_path):
             process.wait(timeout=1)
         assert client.health() == "SERVING"
         with grpc.insecure_channel(client.target) as channel:  # an open call: the drain waits its whole grace for it
-            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
+            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=30)
             assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
             _signal_another_thread(process.pid, signal.SIGINT)
             assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING  # draining
             _signal_another_thread(process.pid, signal.SIGINT)
             assert process.wait(timeout=1) == -signal.SIGINT  # the drain's grace is 2 s
         loading = subprocess.Popen([sys.executable, "-m", "policy_server.cli", "--port", "0"], stdout=log,
-                                   stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                   stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                   preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+        deadline = time.monotonic() + 60
         while (tmp_path / "server.log").read_text().count("the rest at their defaults") < 2:
+            assert time.monotonic() < deadline, "the second server printed no settings line"
             time.sleep(0.05)  # its settings line: torch and the model load next
         loading.send_signal(signal.SIGINT)
         assert loading.wait(timeout=10) == -signal.SIGINT
