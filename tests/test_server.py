@@ -502,3 +502,13 @@ def test_a_float64_state_float32_cannot_hold_is_refused_not_turned_into_inf(clie
     assert (refused.value.reason, refused.value.field) == ("OUT_OF_RANGE", "observation.state")
     assert client.act(session, {"image": frame()}, np.array([0.1, 0.2])).actions.shape == (8, 2)  # float64 is fine
     client.close_session(session)
+
+
+def test_a_value_just_beyond_a_limit_is_named_as_sent(client):
+    session = client.open_session("pusht", "push the T")
+    beyond = np.nextafter(np.float32(1), np.float32(2))  # the float32 after the declared 1
+    with pytest.raises(PolicyServerError) as refused:
+        client.act(session, {"image": frame()}, STATE, committed_actions=np.array([[0.0, beyond]], np.float32))
+    assert refused.value.reason == "OUT_OF_RANGE"
+    assert str(refused.value).endswith("got 1.0000001 at index 1")  # not "got 1", the limit itself
+    client.close_session(session)

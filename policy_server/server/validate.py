@@ -199,9 +199,9 @@ def _in_range(values: np.ndarray, low: tuple[float, ...], high: tuple[float, ...
     outside = np.flatnonzero(((wide < lo) | (wide > hi)).reshape(-1))
     if outside.size:
         i = int(outside[0])
+        sent = str(values.reshape(-1)[i])  # in the digits its dtype needs: `:g` showed a float32 1.0000001 as "1"
         raise InvalidArgument(
-            field, expected,
-            f"{wide.reshape(-1)[i]:g} at index {i}" + (f" ({outside.size} out of range)" if outside.size > 1 else ""),
+            field, expected, f"{sent} at index {i}" + (f" ({outside.size} out of range)" if outside.size > 1 else ""),
             reason="OUT_OF_RANGE")
     return wide.astype(np.float32)
 
