@@ -380,10 +380,10 @@ class ProtoObservation:
         return self._message.step_index
 
     def committed_actions(self) -> np.ndarray | None:
-        tensor = self._message.committed_actions
-        if not self._message.HasField("committed_actions") or math.prod(tensor.shape) == 0:
+        if not self._message.HasField("committed_actions"):
             return None
-        return _float_tensor(tensor, self.committed_field)
+        values = _float_tensor(self._message.committed_actions, self.committed_field)  # a tensor, if without rows
+        return None if values.size == 0 else values
 
 
 def video_clip(request: pb.InverseDynamicsRequest, spec: EmbodimentSpec, chunk: int) -> VideoClip:
