@@ -280,3 +280,9 @@ def test_action_checks_and_limits():
     assert info.value.field == "history_actions"
     unbounded = Embodiment(name="free", domain_id=22, raw_action_dim=2)
     assert not unbounded.out_of_limits(np.full((3, 2), 1e9)).any()
+    # float32 actions at a limit float32 cannot hold exactly (committed ones, as the wire takes them) are inside:
+    # clipping leaves them as they are, and the record counts them as none clipped.
+    pusht = Embodiment(name="p", domain_id=23, raw_action_dim=2, action_low=(-0.2, -0.2), action_high=(0.2, 0.2))
+    at_limits = np.array([[-0.2, 0.2]], np.float32)
+    assert np.array_equal(pusht.clip_to_limits(at_limits), at_limits)
+    assert not pusht.out_of_limits(at_limits).any()

@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from policy_server.client import PolicyClient, PolicyServerError
 from policy_server.client.__main__ import main as client_main
+from policy_server.client.types import build_observation
 from policy_server.config import build_config
 from policy_server.engine.api import Observation
 from policy_server.limits import MAX_REFLECTION_STREAMS
@@ -501,4 +502,32 @@ def test_a_float64_state_float32_cannot_hold_is_refused_not_turned_into_inf(clie
         client.act(session, {"image": frame()}, np.array([1e300, 0.0]))
     assert (refused.value.reason, refused.value.field) == ("OUT_OF_RANGE", "observation.state")
     assert client.act(session, {"image": frame()}, np.array([0.1, 0.2])).actions.shape == (8, 2)  # float64 is fine
+    client.close_session(session)
+
+
+def test_a_value_just_beyond_a_limit_is_named_as_sent(client):
+    session = client.open_session("pusht", "push the T")
+    beyond = np.nextafter(np.float32(1), np.float32(2))  # the float32 after the declared 1
+    with pytest.raises(PolicyServerError) as refused:
+        client.act(session, {"image": frame()}, STATE, committed_actions=np.array([[0.0, beyond]], np.float32))
+    assert refused.value.reason == "OUT_OF_RANGE"
+    assert str(refused.value).endswith("got 1.0000001 at index 1")  # not "got 1", the limit itself
+    client.close_session(session)
+
+
+@pytest.mark.parametrize("tensor, reason", [
+    (pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[0, 2], data=bytes(64)), "BAD_TENSOR"),  # bytes no row holds
+    (pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[0, -3]), "BAD_TENSOR"),
+    (pb.Tensor(dtype=pb.DTYPE_UINT8, shape=[0, 2]), "BAD_DTYPE"),
+])
+def test_committed_actions_without_rows_are_none_only_when_well_formed(client, tensor, reason):
+    session = client.open_session("pusht", "push the T")
+    observation = build_observation({"image": frame()}, STATE, step_index=3, encoding="png")
+    request = pb.ActRequest(session_id=session.session_id, epoch=session.epoch, observation=observation)
+    request.observation.committed_actions.CopyFrom(tensor)
+    with pytest.raises(PolicyServerError) as refused:
+        client.act_request(request)
+    assert (refused.value.reason, refused.value.field.split(".")[:2]) == (reason, ["observation", "committed_actions"])
+    request.observation.committed_actions.CopyFrom(pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[0, 2]))  # none
+    np.testing.assert_array_equal(client.act_request(request).actions, expected(3))
     client.close_session(session)

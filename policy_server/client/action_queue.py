@@ -114,7 +114,8 @@ class ActionQueue:
     def upcoming(self, count: int) -> np.ndarray:
         """What ``pop`` returns for the next ``count`` steps, up to the end of the unbroken run: float32
         ``[min(count, len(self)), action_dim]``. Sent as an observation's ``committed_actions`` (captured at
-        ``next_step``), ``count`` the steps its answer takes to come, they are what the new chunk starts with."""
+        ``next_step``), ``count`` the steps its answer takes to come, below the session's chunk size (the server
+        takes fewer rows than the chunk), they are what the new chunk starts with."""
         if count < 0:
             raise ValueError(f"count must be >= 0, got {count}")
         values = [self.peek(self._next_step + i) for i in range(min(count, len(self)))]

@@ -217,10 +217,13 @@ class Embodiment(BaseModel):
         return array
 
     def out_of_limits(self, actions: np.ndarray) -> np.ndarray:
-        """Bool mask ``[..., D]`` of values outside ``[action_low, action_high]`` (none if unbounded)."""
+        """Bool mask ``[..., D]`` of values outside ``[action_low, action_high]`` as the actions' dtype holds them, so
+        that it marks what `clip_to_limits` changes (none if unbounded)."""
         if self.action_low is None:
             return np.zeros(np.shape(actions), dtype=bool)
-        return (actions < np.asarray(self.action_low)) | (actions > np.asarray(self.action_high))
+        low = np.asarray(self.action_low, dtype=actions.dtype)
+        high = np.asarray(self.action_high, dtype=actions.dtype)
+        return (actions < low) | (actions > high)
 
     def clip_to_limits(self, actions: np.ndarray) -> np.ndarray:
         """Actions ``[..., D]`` clipped to the declared limits (unchanged if unbounded)."""

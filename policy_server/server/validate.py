@@ -199,9 +199,9 @@ def _in_range(values: np.ndarray, low: tuple[float, ...], high: tuple[float, ...
     outside = np.flatnonzero(((wide < lo) | (wide > hi)).reshape(-1))
     if outside.size:
         i = int(outside[0])
+        sent = str(values.reshape(-1)[i])  # in the digits its dtype needs: `:g` showed a float32 1.0000001 as "1"
         raise InvalidArgument(
-            field, expected,
-            f"{wide.reshape(-1)[i]:g} at index {i}" + (f" ({outside.size} out of range)" if outside.size > 1 else ""),
+            field, expected, f"{sent} at index {i}" + (f" ({outside.size} out of range)" if outside.size > 1 else ""),
             reason="OUT_OF_RANGE")
     return wide.astype(np.float32)
 
@@ -380,10 +380,10 @@ class ProtoObservation:
         return self._message.step_index
 
     def committed_actions(self) -> np.ndarray | None:
-        tensor = self._message.committed_actions
-        if not self._message.HasField("committed_actions") or math.prod(tensor.shape) == 0:
+        if not self._message.HasField("committed_actions"):
             return None
-        return _float_tensor(tensor, self.committed_field)
+        values = _float_tensor(self._message.committed_actions, self.committed_field)  # a tensor, if without rows
+        return None if values.size == 0 else values
 
 
 def video_clip(request: pb.InverseDynamicsRequest, spec: EmbodimentSpec, chunk: int) -> VideoClip:
