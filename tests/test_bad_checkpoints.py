@@ -217,6 +217,9 @@ BROKEN_DIFFUSERS = {
     "state_wider_than_the_action_rows": (
         _writing("embodiments.json", '{"embodiments": [{"name": "pusht", "state_dim": 40}]}'),
         "embodiments.json: ['pusht'] have more action or state channels than the transformer's action_dim=32"),
+    "embodiment_name_not_in_the_registry": (
+        _writing("embodiments.json", '{"embodiments": [{"name": "bridge"}]}'),
+        "embodiments.json: embodiments[0] ('bridge'): not a known embodiment (known: "),
     "raw_action_dim_a_string": (
         _writing("embodiments.json", '{"embodiments": [{"name": "pusht", "raw_action_dim": "2"}]}'),
         "embodiments.json: embodiments[0] ('pusht').raw_action_dim: Input should be a valid integer"),

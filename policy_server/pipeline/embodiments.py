@@ -420,6 +420,10 @@ class EmbodimentRegistry:
                 raise EmbodimentConfigError(f"{where}.name: required, a non-empty string")
             where = f"{where} ({name!r})"
             base = updated.get(name) or self._by_name.get(name)
+            if base is None and not {"domain_id", "raw_action_dim"} <= entry.keys():
+                # Most often a misspelt known name ("bridge"): "domain_id: Field required" would not say so.
+                raise EmbodimentConfigError(f"{where}: not a known embodiment (known: {', '.join(self.names())}); "
+                                            "a new one needs domain_id and raw_action_dim")
             fields = base.model_dump() if base is not None else {}
             if base is not None and entry.get("raw_action_dim", base.raw_action_dim) != base.raw_action_dim:
                 # a new width invalidates the inherited per-channel labels and limits
