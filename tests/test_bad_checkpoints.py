@@ -155,6 +155,14 @@ def _first_shard(root):
     return sorted((root / "transformer").glob("*-of-*.safetensors"))[0]
 
 
+def _stored_as_integers(path):
+    """A breakage: the shard's tensors stored as int32 (a float weight of 0.03 would load as 0)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(str(path))
+    save_file({key: tensor.to(torch.int32) for key, tensor in tensors.items()}, str(path), metadata={"format": "pt"})
+
+
 BROKEN_DIFFUSERS = {
     "missing_component": (lambda root: shutil.rmtree(root / "vae"), "model_index.json lists vae but"),
     "wrong_pipeline_component_class": (
@@ -164,6 +172,8 @@ BROKEN_DIFFUSERS = {
     "unknown_transformer_config_field": (lambda root: _edit_json(root / "transformer/config.json", hiden_size=3),
                                          "hiden_size"),
     "missing_shard": (lambda root: _remove(_first_shard(root)), "lists shard file(s) that do not exist"),
+    "integer_weights": (lambda root: _stored_as_integers(_first_shard(root)),
+                        ".safetensors: tensor(s) stored as I32, expected floating point (F32, BF16, F16): "),
     "shape_mismatch": (lambda root: _edit_json(root / "transformer/config.json", intermediate_size=80),
                        "shape mismatch"),
     "unknown_scheduler": (lambda root: _edit_json(root / "scheduler/scheduler_config.json",

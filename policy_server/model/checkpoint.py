@@ -215,14 +215,23 @@ def index_tensors(directory: Path) -> dict[str, StoredTensor]:
     tensors: dict[str, StoredTensor] = {}
     for shard in shards:
         file = directory / shard
+        not_float: dict[str, list[str]] = {}  # stored dtype -> keys
         try:
             with safe_open(str(file), framework="pt", device="cpu") as handle:
                 for key in handle.keys():
                     if weight_map is not None and weight_map.get(key) != shard:
                         continue  # the index is authoritative about which shard owns a key
-                    tensors[key] = StoredTensor(file, key, tuple(handle.get_slice(key).get_shape()))
+                    stored = handle.get_slice(key)
+                    tensors[key] = StoredTensor(file, key, tuple(stored.get_shape()))
+                    if not stored.get_dtype().startswith(("F", "BF")):
+                        not_float.setdefault(stored.get_dtype(), []).append(key)
         except SafetensorError as error:
             raise CheckpointError(f"{file}: not a readable safetensors file ({error})") from None
+        if not_float:
+            # Every weight is floating point; cast to --dtype, an integer 0.03 would load as 0, silently.
+            dtype, keys = next(iter(not_float.items()))
+            raise CheckpointError(f"{file}: tensor(s) stored as {dtype}, expected floating point (F32, BF16, F16): "
+                                  f"{_show(keys)}")
     if weight_map is not None:
         absent = [k for k in weight_map if k not in tensors]
         if absent:
