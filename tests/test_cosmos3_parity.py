@@ -21,7 +21,7 @@ import pytest
 import torch
 from cosmos3_folder import build_tiny_cosmos3_folder, diffusers_action_call, load_pipeline
 
-from policy_server.client import PolicyClient
+from policy_server.client import PolicyClient, PolicyServerError
 from policy_server.pipeline.errors import InvalidImage, InvalidNoise
 from policy_server.pipeline.policy import CheckpointLoadError, InitialNoise, PolicyPipeline, PolicyRequest
 from robots.soak import bound_listeners
@@ -264,6 +264,13 @@ def test_the_server_process_serves_the_folder_with_diffusers_actions(folder, tmp
             ref = diffusers_action_call(folder, "policy", image[None], INSTRUCTION, "bridge_orig_lerobot", 5, STEPS,
                                         seed=11 + tick, fps=5.0, view_point="ego_view", resolution_tier=256)
             np.testing.assert_allclose(chunk.actions, ref.actions, atol=ATOL, rtol=0)
+        # No action limits are declared (normalised actions): committed ones the model would overflow on are refused.
+        with pytest.raises(PolicyServerError) as refused:
+            client.act(session, {"image": image}, committed_actions=np.full((2, 10), 3e38, np.float32))
+        assert (refused.value.reason, refused.value.field) == ("OUT_OF_RANGE", "observation.committed_actions")
+        committed = np.full((2, 10), 0.5, np.float32)
+        chunk = client.act(session, {"image": image}, committed_actions=committed)
+        assert np.array_equal(chunk.actions[:2], committed) and np.isfinite(chunk.actions).all()
     finally:
         client.close()
         process.terminate()

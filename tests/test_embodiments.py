@@ -287,3 +287,8 @@ def test_action_checks_and_limits():
     at_limits = np.array([[-0.2, 0.2]], np.float32)
     assert np.array_equal(pusht.clip_to_limits(at_limits), at_limits)
     assert not pusht.out_of_limits(at_limits).any()
+    # Given actions are held to declared limits by the transport; without any, to what the model takes.
+    identity = unbounded.load_normalizers().action
+    given = np.array([[9.0, -10.0], [3e38, np.float32(10.5)]], np.float32)
+    assert unbounded.given_actions_outside(given, identity).tolist() == [2, 3]
+    assert arm.given_actions_outside(given, identity).size == 0

@@ -50,8 +50,9 @@ BASE_FPS = 24.0  # Cosmos3's base frame rate, the default where the reference gi
 DEFAULT_CHUNK_SIZE = 16
 DEFAULT_MAX_CHUNK_SIZE = 64
 # A state without a declared range is accepted where normalisation maps it into [-10, 10]: five
-# times the span minmax training data covers, and far from float32 overflow in the state row.
-MODEL_STATE_BOUND = 10.0
+# times the span minmax training data covers, and far from float32 overflow in the state row. So are given actions
+# (forward dynamics, committed) of an embodiment without declared limits (`given_actions_outside`).
+MODEL_INPUT_BOUND = 10.0
 
 
 class EmbodimentConfigError(ValueError):
@@ -73,7 +74,7 @@ class Embodiment(BaseModel):
             as a clean action row, so S <= 64.
         state_names, state_units: one entry per state channel.
         state_low, state_high: the accepted state range per channel, inclusive (None: the range
-            that normalisation maps onto ``±MODEL_STATE_BOUND``, see ``state_range``).
+            that normalisation maps onto ``±MODEL_INPUT_BOUND``, see ``state_range``).
         cameras: image keys a request must carry, in the order their frames are placed side by
             side when there are several (a concatenated view).
         camera_sizes: each camera's frame size ``(height, width)`` px, as recorded and trained, which
@@ -177,12 +178,12 @@ class Embodiment(BaseModel):
 
     def state_range(self, normalizer: Normalizer | None) -> tuple[np.ndarray, np.ndarray] | None:
         """The accepted state range, float64 ``([S], [S])``: the declared one, else what ``normalizer``
-        maps onto ``±MODEL_STATE_BOUND``. None when the embodiment takes no state."""
+        maps onto ``±MODEL_INPUT_BOUND``. None when the embodiment takes no state."""
         if self.state_dim == 0:
             return None
         if self.state_low is not None:
             return np.asarray(self.state_low, np.float64), np.asarray(self.state_high, np.float64)
-        spread = MODEL_STATE_BOUND * normalizer.scale
+        spread = MODEL_INPUT_BOUND * normalizer.scale
         return normalizer.offset - spread, normalizer.offset + spread
 
     def check_state(self, state: object) -> np.ndarray | None:
@@ -215,6 +216,15 @@ class Embodiment(BaseModel):
             rows = sorted(set(np.argwhere(~np.isfinite(array))[:, 0].tolist()))
             raise InvalidActions(f"rows {rows} hold NaN or infinite values; expected {expected}", field)
         return array
+
+    def given_actions_outside(self, actions: np.ndarray, normalizer: Normalizer) -> np.ndarray:
+        """Flat indexes of given physical actions ``[T, D]`` that `normalizer` maps beyond ``±MODEL_INPUT_BOUND``
+        where no limits are declared (where they are, the transport holds actions to them): the model's arithmetic
+        overflows on such values (3e38 in a normalised embodiment's committed row made every action NaN)."""
+        if self.action_low is not None:
+            return np.zeros(0, dtype=np.int64)
+        normalized = normalizer.normalize(np.asarray(actions, np.float64))
+        return np.flatnonzero(~(np.abs(normalized) <= MODEL_INPUT_BOUND))
 
     def out_of_limits(self, actions: np.ndarray) -> np.ndarray:
         """Bool mask ``[..., D]`` of values outside ``[action_low, action_high]`` as the actions' dtype holds them, so

@@ -4,7 +4,8 @@ Everything the wire can get wrong is caught here, before the engine is called: m
 limit, missing fields, tensors whose bytes do not match dtype x shape, images that do not decode or do
 not match the session's declared cameras (names, side bounds, the width beside the tallest camera), states
 and actions outside the declared range or of the wrong dimension, budgets, rates and texts outside
-``policy_server.limits``. The engine checks only what needs its model: token counts.
+``policy_server.limits``. The engine checks only what needs its model: token counts, and given actions of an
+embodiment without declared limits against what its normalisation maps into the model's range.
 
 Every entry point that acts (unary ``Act``, the ``Control`` stream, the openpi WebSocket) turns its
 observation into an ``Observation`` through ``observation``: each wire only reads its own encoding
