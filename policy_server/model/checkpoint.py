@@ -195,7 +195,8 @@ class StoredTensor:
 
 
 def index_tensors(directory: Path) -> dict[str, StoredTensor]:
-    """Every tensor of a transformer directory (single file or index + shards), from the headers only."""
+    """Every tensor of a diffusers component directory, the transformer's or the VAE's (single file or index +
+    shards), from the headers only; CheckpointError for a missing or unreadable file, or a weight stored as integers."""
     single, index = directory / WEIGHTS_NAME, directory / WEIGHTS_INDEX_NAME
     if index.is_file():
         stored = read_json(index, CheckpointError)

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from policy_server.json_file import read_json
-from policy_server.model.checkpoint import CheckpointError
+from policy_server.model.checkpoint import CheckpointError, index_tensors
 from policy_server.model.vae import latent_frames
 
 WAN_VAE_CLASS = "AutoencoderKLWan"
@@ -60,6 +60,7 @@ class WanVideoVAE(torch.nn.Module):
         if unknown := sorted(k for k in stored if not k.startswith("_") and k not in (*known, *IGNORED_CONFIG_FIELDS)):
             raise CheckpointError(f"{path}: unknown field(s) {unknown}; expected the {WAN_VAE_CLASS} arguments "
                                   f"{sorted(known)} (plus '_'-prefixed bookkeeping keys)")
+        index_tensors(Path(folder))  # headers only: the weights' files, and every weight stored as floating point
         try:
             # safetensors only: without it diffusers falls back to unpickling a .bin file.
             vae = AutoencoderKLWan.from_pretrained(str(folder), torch_dtype=dtype, device_map=str(device),
