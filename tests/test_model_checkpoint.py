@@ -108,13 +108,16 @@ def test_missing_key_is_named(saved):
 
 def test_unexpected_key_is_named(saved):
     rewrite_weights(saved, lambda t: t.update({"layers.0.self_attn.extra_proj.weight": torch.zeros(2)}))
-    with pytest.raises(CheckpointError, match=r"unexpected key.*layers\.0\.self_attn\.extra_proj\.weight"):
+    expected = r"the weights do not match config\.json: unexpected key.*layers\.0\.self_attn\.extra_proj\.weight " \
+               r"\(diffusion_pytorch_model\.safetensors\)"
+    with pytest.raises(CheckpointError, match=expected):
         load_transformer(saved)
 
 
 def test_shape_mismatch_is_named(saved):
     rewrite_weights(saved, lambda t: t.update({"proj_out.bias": torch.zeros(7)}))
-    expected = r"shape mismatch.*proj_out\.bias: checkpoint \(7,\) vs model \(16,\)"
+    expected = (r"shape mismatch.*proj_out\.bias \(diffusion_pytorch_model\.safetensors\): "
+                r"checkpoint \(7,\) vs model \(16,\)")
     with pytest.raises(CheckpointError, match=expected):
         load_transformer(saved)
 

@@ -271,7 +271,7 @@ def load_transformer(path: str | Path, device: torch.device | str = "cpu",
         stored = remap_native_keys(stored)
     with torch.device("meta"):
         model = Cosmos3OmniTransformer(config)
-    check_state_dict(model, {key: tensor.shape for key, tensor in stored.items()})
+    check_state_dict(model, stored, directory)
     state_dict = {key: read_tensor(tensor, device, _load_dtype(key, dtype)) for key, tensor in stored.items()}
     model.load_state_dict(state_dict, strict=True, assign=True)
     return model.eval()
@@ -282,14 +282,14 @@ def _load_dtype(key: str, dtype: torch.dtype | None) -> torch.dtype | None:
     return torch.float32 if key.split(".", 1)[0] in _FP32_MODULES else dtype
 
 
-def check_state_dict(model: torch.nn.Module, shapes: dict[str, tuple[int, ...]]) -> None:
-    """Raise `CheckpointError` listing missing keys, unexpected keys and shape mismatches (checkpoint
-    key -> shape against the model's)."""
+def check_state_dict(model: torch.nn.Module, stored: dict[str, StoredTensor], directory: Path) -> None:
+    """Raise `CheckpointError` listing missing keys, unexpected keys and shape mismatches of the weights `stored` in
+    `directory` against `model`, built from its config; the file of each stored key it names."""
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    missing = [k for k in expected if k not in shapes]
-    unexpected = [k for k in shapes if k not in expected]
-    mismatched = [f"{k}: checkpoint {shapes[k]} vs model {shape}"
-                  for k, shape in expected.items() if k in shapes and shapes[k] != shape]
+    missing = [k for k in expected if k not in stored]
+    unexpected = [f"{k} ({stored[k].file.name})" for k in stored if k not in expected]
+    mismatched = [f"{k} ({stored[k].file.name}): checkpoint {stored[k].shape} vs model {shape}"
+                  for k, shape in expected.items() if k in stored and stored[k].shape != shape]
     problems = []
     if missing:
         problems.append(f"missing key(s): {_show(missing)}")
@@ -298,7 +298,7 @@ def check_state_dict(model: torch.nn.Module, shapes: dict[str, tuple[int, ...]])
     if mismatched:
         problems.append(f"shape mismatch(es): {'; '.join(mismatched[:20])}")
     if problems:
-        raise CheckpointError("checkpoint does not match the config: " + " | ".join(problems))
+        raise CheckpointError(f"{directory}: the weights do not match {CONFIG_NAME}: " + " | ".join(problems))
 
 
 def save_transformer(model: Cosmos3OmniTransformer, directory: str | Path) -> Path:
