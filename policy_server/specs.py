@@ -88,7 +88,9 @@ class ActionSpec:
     ``names`` / ``units`` hold one entry per dimension (or are empty).
 
     ``low``/``high`` are the declared per-dimension limits (empty = unbounded); the engine
-    guarantees every returned action is finite and inside them.
+    guarantees every returned action is finite and inside them. ``given_low``/``given_high``: the range the actions
+    a caller gives (forward dynamics, committed actions) are accepted in, the declared limits or, without them, what
+    the model's normalisation maps onto its input bound (empty: what float32 holds).
     """
 
     dim: int
@@ -96,6 +98,8 @@ class ActionSpec:
     units: tuple[str, ...] = ()
     low: tuple[float, ...] = ()
     high: tuple[float, ...] = ()
+    given_low: tuple[float, ...] = ()
+    given_high: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,13 @@ from policy_server.pipeline.errors import (
     PolicyInputError,
     UnregisteredEmbodiment,
 )
+from policy_server.pipeline.normalization import NormalizationSpec, build_normalizers
+
+
+def spec_of(embodiment, canvas_hw=(64, 64), min_side=8):
+    """`to_spec` with the model's own space as the normalisation (what the seed's embodiments use)."""
+    identity = build_normalizers(NormalizationSpec(), embodiment.raw_action_dim, embodiment.state_dim)
+    return embodiment.to_spec(canvas_hw, min_side, identity)
 
 
 def test_seed_matches_the_reference_tables():
@@ -106,7 +113,7 @@ def test_units_default_to_normalized_only_where_actions_stay_normalised(tmp_path
     with stats they are de-normalised into the units of the data the stats came from, which only a declaration
     names: undeclared, ServerInfo claims no unit (empty, as for an embodiment without labels)."""
     registry = EmbodimentRegistry.cosmos3()
-    seeded = registry.get("bridge_orig_lerobot").to_spec((64, 64), 8, None)
+    seeded = spec_of(registry.get("bridge_orig_lerobot"))
     assert seeded.action.units == ("normalized",) * 10
     stats = {"method": "minmax", "stats_path": "stats.json"}
     registry.load_config(write(tmp_path, {"embodiments": [
@@ -116,9 +123,9 @@ def test_units_default_to_normalized_only_where_actions_stay_normalised(tmp_path
         {"name": "declared", "domain_id": 22, "raw_action_dim": 2, "action_units": ["m/s", "m/s"], "state_dim": 1,
          "state_units": ["m"], "state_low": [-1.0], "state_high": [1.0], "normalization": stats},
     ]}))
-    unknown = [registry.get(name).to_spec((64, 64), 8, None) for name in ("bridge_orig_lerobot", "arm")]
+    unknown = [spec_of(registry.get(name)) for name in ("bridge_orig_lerobot", "arm")]
     assert [(spec.action.units, spec.state_units) for spec in unknown] == [((), ()), ((), ())]
-    declared = registry.get("declared").to_spec((64, 64), 8, None)
+    declared = spec_of(registry.get("declared"))
     assert (declared.action.units, declared.state_units) == (("m/s", "m/s"), ("m",))
 
 
@@ -241,7 +248,7 @@ def test_to_spec_declares_one_label_per_channel():
                      action_low=(-1, -1), action_high=(1, 2), state_dim=1, state_units=("rad",),
                      state_low=(-3.0,), state_high=(3.0,), cameras=("front", "wrist"), fps=15.0,
                      default_chunk_size=4, max_chunk_size=8)
-    spec = arm.to_spec((64, 128), 16, None)
+    spec = spec_of(arm, (64, 128), 16)
     assert spec.name == "arm" and spec.control_hz == 15.0
     assert (spec.default_chunk_size, spec.min_chunk_size, spec.max_chunk_size) == (4, 1, 8)
     assert [(c.name, c.height, c.width, c.min_side) for c in spec.cameras] == [("front", 64, 64, 16),
@@ -250,7 +257,7 @@ def test_to_spec_declares_one_label_per_channel():
     assert (spec.action.low, spec.action.high) == ((-1.0, -1.0), (1.0, 2.0))
     assert (spec.state_dim, spec.state_units, spec.state_low, spec.state_high) == (1, ("rad",), (-3.0,), (3.0,))
     for embodiment in EmbodimentRegistry.cosmos3():
-        action = embodiment.to_spec((64, 64), 16, None).action
+        action = spec_of(embodiment, min_side=16).action
         assert action.dim == len(action.names) == len(action.units) == embodiment.raw_action_dim
 
 
@@ -259,7 +266,7 @@ def test_declared_camera_sizes_are_advertised_else_the_canvas_share():
     64x32, their share of a 64x64 canvas, to which a client sizing its frames from ServerInfo would squash them."""
     arm = Embodiment(name="arm", domain_id=21, raw_action_dim=2, cameras=("scene", "wrist"),
                      camera_sizes={"scene": (64, 64), "wrist": (48, 64)})
-    spec = arm.to_spec((64, 64), 8, None)
+    spec = spec_of(arm)
     assert [(c.name, c.height, c.width, c.min_side) for c in spec.cameras] == [("scene", 64, 64, 8),
                                                                                ("wrist", 48, 64, 8)]
     assert arm.frame_sizes((64, 64)) == {"scene": (64, 64), "wrist": (48, 64)}
@@ -287,8 +294,7 @@ def test_action_checks_and_limits():
     at_limits = np.array([[-0.2, 0.2]], np.float32)
     assert np.array_equal(pusht.clip_to_limits(at_limits), at_limits)
     assert not pusht.out_of_limits(at_limits).any()
-    # Given actions are held to declared limits by the transport; without any, to what the model takes.
-    identity = unbounded.load_normalizers().action
-    given = np.array([[9.0, -10.0], [3e38, np.float32(10.5)]], np.float32)
-    assert unbounded.given_actions_outside(given, identity).tolist() == [2, 3]
-    assert arm.given_actions_outside(given, identity).size == 0
+    # Given actions are accepted within the declared limits; without any, within what the model takes.
+    declared, normalised = spec_of(arm).action, spec_of(unbounded).action
+    assert (declared.given_low, declared.given_high) == ((-1.0, -1.0), (1.0, 2.0))
+    assert (normalised.given_low, normalised.given_high) == ((-10.0, -10.0), (10.0, 10.0))  # identity: +-10

@@ -66,7 +66,7 @@ class ModelEngine:
         # The declared schema, read on every request: the pipeline floors frames to multiples of the VAE's
         # spatial compression, so a side needs at least that.
         self._specs = tuple(e.to_spec(pipeline.config.canvas_hw, pipeline.vae.spatial_compression,
-                                      pipeline.normalizers(e).state) for e in self.served.embodiments.values())
+                                      pipeline.normalizers(e)) for e in self.served.embodiments.values())
 
     # ------------------------------------------------------------------------------ lifecycle
 
@@ -259,9 +259,6 @@ class ModelEngine:
         session = job.session
         tokens = self.served.instruction_tokens(observation.instruction, "observation.instruction") \
             if observation.instruction else 0
-        if observation.committed_actions is not None:
-            self.served.check_given_actions(self.served.embodiments[session.opening.embodiment],
-                                            observation.committed_actions, "observation.committed_actions")
         deadline_ms = session.budget_ms
         if deadline_s is not None:
             deadline_ms = min(deadline_ms, (deadline_s - time.monotonic()) * 1e3)
@@ -315,7 +312,6 @@ class ModelEngine:
                          reservation: SessionState | None = None) -> api.PredictedVideo:
         with contextlib.nullcontext(reservation) if reservation else self.reserve_dynamics(session_id) as session:
             self.served.check_epoch(session, epoch)
-            self.served.check_given_actions(self.served.embodiments[session.opening.embodiment], actions, "actions")
             return self._dynamics.forward(session, observation, actions, seed, deadline_s, should_abort)
 
     def inverse_dynamics(self, session_id: str, epoch: int, clip: api.VideoClip, seed: int | None = None,

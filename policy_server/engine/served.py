@@ -12,8 +12,6 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
-
 from policy_server.budget.cost_model import CALL_KINDS, FULL, PAIR, CostModel
 from policy_server.budget.planner import MAX_CACHING, CacheSetting, PlannerConfig
 from policy_server.budget.profile import ProfilePoint, QualityProfile, frontier
@@ -26,7 +24,7 @@ from policy_server.limits import MAX_INSTRUCTION_TOKENS, MAX_REASON_CALLS
 from policy_server.model.text_tokenizer import TextTokenizer
 from policy_server.pipeline.compiled_stack import CompileUnavailableError, PrecompiledGenStack, compile_unavailable
 from policy_server.pipeline.cuda_graphs import GraphedGenStack
-from policy_server.pipeline.embodiments import MODEL_INPUT_BOUND, Embodiment
+from policy_server.pipeline.embodiments import Embodiment
 from policy_server.pipeline.policy import FixedSteps, PolicyPipeline, PromptState
 from policy_server.pipeline.tick_work import CompiledTickWork
 
@@ -201,18 +199,6 @@ class ServedModel:
             raise api.InvalidArgument(field, f"at most {MAX_INSTRUCTION_TOKENS} tokens", f"{count} tokens",
                                       reason="TOO_LONG")
         return count
-
-    def check_given_actions(self, embodiment: Embodiment, actions: np.ndarray, field: str) -> None:
-        """InvalidArgument (OUT_OF_RANGE) for given physical actions `[T, D]` (committed, forward dynamics) of an
-        embodiment without declared limits that its normalisation maps beyond ±MODEL_INPUT_BOUND."""
-        outside = embodiment.given_actions_outside(actions, self.pipeline.normalizers(embodiment).action)
-        if outside.size:
-            i = int(outside[0])
-            raise api.InvalidArgument(
-                field, f"values the model's normalisation maps into [-{MODEL_INPUT_BOUND:g}, {MODEL_INPUT_BOUND:g}] "
-                f"({embodiment.name} declares no action limits)",
-                f"{actions.reshape(-1)[i]} at index {i}" + (f" ({outside.size} out of range)" if outside.size > 1
-                                                            else ""), reason="OUT_OF_RANGE")
 
     def prompt_fits(self, prompt: PromptState | None, instruction: str, embodiment: Embodiment, chunk: int,
                     canvas_hw: tuple[int, int]) -> bool:

@@ -51,7 +51,8 @@ DEFAULT_CHUNK_SIZE = 16
 DEFAULT_MAX_CHUNK_SIZE = 64
 # A state without a declared range is accepted where normalisation maps it into [-10, 10]: five
 # times the span minmax training data covers, and far from float32 overflow in the state row. So are given actions
-# (forward dynamics, committed) of an embodiment without declared limits (`given_actions_outside`).
+# (forward dynamics, committed) of an embodiment without declared limits (`action_range`): 3e38 in a normalised
+# embodiment's committed row made every action NaN.
 MODEL_INPUT_BOUND = 10.0
 
 
@@ -183,8 +184,14 @@ class Embodiment(BaseModel):
             return None
         if self.state_low is not None:
             return np.asarray(self.state_low, np.float64), np.asarray(self.state_high, np.float64)
-        spread = MODEL_INPUT_BOUND * normalizer.scale
-        return normalizer.offset - spread, normalizer.offset + spread
+        return _input_range(normalizer)
+
+    def action_range(self, normalizer: Normalizer) -> tuple[np.ndarray, np.ndarray]:
+        """The range given actions (forward dynamics, committed) are accepted in, float64 ``([D], [D])``: the
+        declared limits, else what ``normalizer`` maps onto ``±MODEL_INPUT_BOUND``."""
+        if self.action_low is not None:
+            return np.asarray(self.action_low, np.float64), np.asarray(self.action_high, np.float64)
+        return _input_range(normalizer)
 
     def check_state(self, state: object) -> np.ndarray | None:
         """The proprio state as float32 ``[S]``; None when the embodiment takes none.
@@ -216,15 +223,6 @@ class Embodiment(BaseModel):
             rows = sorted(set(np.argwhere(~np.isfinite(array))[:, 0].tolist()))
             raise InvalidActions(f"rows {rows} hold NaN or infinite values; expected {expected}", field)
         return array
-
-    def given_actions_outside(self, actions: np.ndarray, normalizer: Normalizer) -> np.ndarray:
-        """Flat indexes of given physical actions ``[T, D]`` that `normalizer` maps beyond ``±MODEL_INPUT_BOUND``
-        where no limits are declared (where they are, the transport holds actions to them): the model's arithmetic
-        overflows on such values (3e38 in a normalised embodiment's committed row made every action NaN)."""
-        if self.action_low is not None:
-            return np.zeros(0, dtype=np.int64)
-        normalized = normalizer.normalize(np.asarray(actions, np.float64))
-        return np.flatnonzero(~(np.abs(normalized) <= MODEL_INPUT_BOUND))
 
     def out_of_limits(self, actions: np.ndarray) -> np.ndarray:
         """Bool mask ``[..., D]`` of values outside ``[action_low, action_high]`` as the actions' dtype holds them, so
@@ -261,23 +259,25 @@ class Embodiment(BaseModel):
             return declared
         return ("normalized",) * dim
 
-    def to_spec(self, canvas_hw: tuple[int, int], min_side: int, state_normalizer: Normalizer | None) -> EmbodimentSpec:
+    def to_spec(self, canvas_hw: tuple[int, int], min_side: int, normalizers: FeatureNormalizers) -> EmbodimentSpec:
         """The schema a server declares for this embodiment (``ServerInfo.embodiments``).
 
         canvas_hw: the model's largest canvas, which undeclared cameras share (``frame_sizes``). min_side: the
-            smallest frame side the pipeline accepts (the VAE's spatial compression). state_normalizer:
-            the state normaliser, for the accepted state range when none is declared.
+            smallest frame side the pipeline accepts (the VAE's spatial compression). normalizers: the action and
+            state normalisers, for the accepted ranges where none are declared.
         """
-        state_range = self.state_range(state_normalizer)
+        state_range = self.state_range(normalizers.state)
         low, high = ((), ()) if state_range is None else (tuple(map(float, state_range[0])),
                                                            tuple(map(float, state_range[1])))
+        given_low, given_high = self.action_range(normalizers.action)
         return EmbodimentSpec(
             name=self.name,
             cameras=tuple(CameraSpec(name, height, width, min_side=min_side)
                           for name, (height, width) in self.frame_sizes(canvas_hw).items()),
             state_dim=self.state_dim,
             action=ActionSpec(dim=self.raw_action_dim, names=self.action_names, units=self.channel_units("action"),
-                              low=self.action_low or (), high=self.action_high or ()),
+                              low=self.action_low or (), high=self.action_high or (),
+                              given_low=tuple(map(float, given_low)), given_high=tuple(map(float, given_high))),
             state_names=self.state_names,
             state_units=self.channel_units("state"),
             state_low=low,
@@ -291,6 +291,12 @@ class Embodiment(BaseModel):
     def load_normalizers(self) -> FeatureNormalizers:
         """Read the stats file and build the action (``[.., D]``) and state (``[.., S]``) normalisers."""
         return build_normalizers(self.normalization, self.raw_action_dim, self.state_dim)
+
+
+def _input_range(normalizer: Normalizer) -> tuple[np.ndarray, np.ndarray]:
+    """What ``normalizer`` maps onto ``±MODEL_INPUT_BOUND``, float64 ``([D], [D])``."""
+    spread = MODEL_INPUT_BOUND * normalizer.scale
+    return normalizer.offset - spread, normalizer.offset + spread
 
 
 def _as_float32(value: object, error: type, expected: str, *args) -> np.ndarray:

@@ -131,7 +131,7 @@ class PolicyServicer(pb_grpc.PolicyServiceServicer):
         sent = validate.ProtoObservation.of(request, "observation")
         validate.require(request.HasField("actions"), "actions", "the action chunk, a Tensor")
         with self.engine.reserve_dynamics(handle.session_id) as reservation:  # refused now: before decoding
-            observation = validate.observation(sent, spec)
+            observation = validate.observation(sent, spec, chunk=None)  # a dynamics call takes no committed actions
             actions = validate.actions(request.actions, spec, handle.chunk_size)
             result = self.engine.forward_dynamics(
                 handle.session_id, handle.epoch, observation, actions,

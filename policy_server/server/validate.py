@@ -4,8 +4,7 @@ Everything the wire can get wrong is caught here, before the engine is called: m
 limit, missing fields, tensors whose bytes do not match dtype x shape, images that do not decode or do
 not match the session's declared cameras (names, side bounds, the width beside the tallest camera), states
 and actions outside the declared range or of the wrong dimension, budgets, rates and texts outside
-``policy_server.limits``. The engine checks only what needs its model: token counts, and given actions of an
-embodiment without declared limits against what its normalisation maps into the model's range.
+``policy_server.limits``. The engine checks only what needs its model: token counts.
 
 Every entry point that acts (unary ``Act``, the ``Control`` stream, the openpi WebSocket) turns its
 observation into an ``Observation`` through ``observation``: each wire only reads its own encoding
@@ -193,7 +192,7 @@ def _in_range(values: np.ndarray, low: tuple[float, ...], high: tuple[float, ...
         # The limits as float32 holds them, as the values are used and as the server clips its own actions: its
         # chunk's -0.2 (float32 -0.2000000030) is inside a declared -0.2.
         lo, hi = np.asarray(low, np.float32).astype(np.float64), np.asarray(high, np.float32).astype(np.float64)
-        expected = f"values within the declared {what} range [{list(low)}, {list(high)}]"
+        expected = f"values within the accepted {what} range [{list(low)}, {list(high)}]"
     else:
         hi = np.full(values.shape[-1:], np.finfo(np.float32).max, np.float64)
         lo, expected = -hi, "values float32 can represent"
@@ -224,26 +223,26 @@ def _float_tensor(tensor: pb.Tensor, field: str) -> np.ndarray:
 
 def actions(tensor: pb.Tensor, spec: EmbodimentSpec, chunk: int, field: str = "actions") -> np.ndarray:
     """A forward-dynamics action chunk: float32/float64 ``[chunk, action_dim]`` in physical units, finite, inside
-    the declared action limits. Returns float32."""
+    the range given actions are accepted in (``ActionSpec.given_low`` / ``given_high``). Returns float32."""
     values = _float_tensor(tensor, field)
     if values.shape != (chunk, spec.action.dim):
         raise SchemaMismatch(field, f"shape [{chunk}, {spec.action.dim}] (the session's chunk size x action dim)",
                              f"shape {list(values.shape)}")
     # Flat indices name the value: row * action_dim + dimension.
-    return _in_range(values, spec.action.low, spec.action.high, "action", field)
+    return _in_range(values, spec.action.given_low, spec.action.given_high, "action", field)
 
 
 def committed_actions(values: np.ndarray, spec: EmbodimentSpec, chunk: int | None, field: str) -> np.ndarray:
     """Actions the robot executes while a chunk is computed (any numeric dtype): ``[d, action_dim]`` with
-    ``1 <= d < chunk``, finite, inside the declared action limits. ``chunk`` None: a call that takes none (dynamics).
-    Returns float32."""
+    ``1 <= d < chunk``, finite, inside the range given actions are accepted in. ``chunk`` None: a call that takes
+    none (dynamics). Returns float32."""
     if chunk is None:
         raise InvalidArgument(field, "no committed actions (an act's observation takes them)",
                               f"shape {list(values.shape)}", reason="BAD_VALUE")
     if values.ndim != 2 or not 1 <= values.shape[0] < chunk or values.shape[1] != spec.action.dim:
         raise SchemaMismatch(field, f"shape [d, {spec.action.dim}] with 1 <= d < {chunk} (the session's chunk size)",
                              f"shape {list(values.shape)}")
-    return _in_range(values, spec.action.low, spec.action.high, "action", field)
+    return _in_range(values, spec.action.given_low, spec.action.given_high, "action", field)
 
 
 def _sent_state(message, spec: EmbodimentSpec, field: str) -> np.ndarray | None:
@@ -331,7 +330,7 @@ class SentObservation(Protocol):
         ...
 
 
-def observation(sent: SentObservation, spec: EmbodimentSpec, chunk: int | None = None) -> Observation:
+def observation(sent: SentObservation, spec: EmbodimentSpec, chunk: int | None) -> Observation:
     """``sent`` checked against the session's embodiment: its cameras' frames (``_side_by_side``), the instruction's
     size, the state's width, finiteness and range (float32 [state_dim]), the committed actions (``committed_actions``;
     ``chunk``: the session's chunk size, None where the call takes none)."""
