@@ -109,15 +109,15 @@ class Admission:
         self._retimed_s: dict[tuple, float] = {}  # when each cost key was last timed again (time.monotonic() s)
 
     def capacity(self, budget_ms: float, rate_hz: float | None) -> tuple[api.Capacity, ...]:
-        """Per served embodiment at its default chunk: sessions that fit alone and beside the open ones (a shape
-        whose cheapest tick exceeds the budget timed again first, as `open` does)."""
+        """Per served embodiment at its default chunk: sessions that fit alone and beside the open ones, on the
+        timings at hand. Never timed again here, as `open` does: a client asks this first (`GetServerInfo`, at the
+        default budget) and must not wait seconds on ticks it did not ask for."""
         limit = self.served.settings.max_sessions
         demands = []
         for embodiment in self.served.embodiments.values():
             chunk = embodiment.default_chunk_size
             rate = default_rate_hz(embodiment.fps, chunk) if rate_hz is None else rate_hz
-            demands.append((embodiment.name, chunk, rate, self._feasible_demand(embodiment.name, chunk, budget_ms,
-                                                                                 rate)))
+            demands.append((embodiment.name, chunk, rate, self.demand(embodiment.name, chunk, budget_ms, rate)))
         with self._lock:
             sessions = self.sessions.all()
             out = []
