@@ -548,18 +548,19 @@ def test_sessions_beyond_capacity_are_refused_with_the_capacity_figure(served, c
         server.close_session(session)
 
 
-def _signal_another_thread(pid: int, sig: int) -> None:
-    """`sig` as the kernel may deliver a process's signal: to one of its threads other than the main one."""
+def _signal_thread(pid: int, sig: int, main: bool = False) -> None:
+    """`sig` as the kernel may deliver a process's signal: to one of its threads other than the main one (``main``:
+    to the main one, where Python runs the handler at once)."""
     import ctypes
 
-    thread = next(int(tid) for tid in sorted(os.listdir(f"/proc/{pid}/task")) if int(tid) != pid)
+    thread = pid if main else next(int(tid) for tid in sorted(os.listdir(f"/proc/{pid}/task")) if int(tid) != pid)
     assert ctypes.CDLL(None, use_errno=True).tgkill(pid, thread, sig) == 0
 
 
 def test_sigterm_stops_the_server_promptly_whatever_it_is_doing(tmp_path):
     """A tick and a long reasoner call are running when SIGTERM comes, delivered to a thread other than the main
     one (which Python's handler waits for): the process still exits within the grace period plus one step, and
-    both callers get an answer."""
+    both callers get an answer. The log says which sessions were open (it said nothing of them)."""
     import threading
 
     build_random_pipeline(tmp_path / "model", seed=4)
@@ -572,6 +573,7 @@ def test_sigterm_stops_the_server_promptly_whatever_it_is_doing(tmp_path):
     client = PolicyClient(bound_listeners(tmp_path / "server.log", process, 120)["gRPC"], timeout_s=60)
     try:
         client.wait_until_serving(timeout_s=240)
+        session = client.open_session("pusht", "reach the red circle", client_name="arm-7")
         answers = []
 
         def reason():
@@ -583,7 +585,7 @@ def test_sigterm_stops_the_server_promptly_whatever_it_is_doing(tmp_path):
         thread = threading.Thread(target=reason)
         thread.start()
         time.sleep(0.5)
-        _signal_another_thread(process.pid, signal.SIGTERM)  # it slept through this before: its main thread never woke
+        _signal_thread(process.pid, signal.SIGTERM)  # it slept through this before: its main thread never woke
         started = time.monotonic()
         process.wait(timeout=30)
         took = time.monotonic() - started
@@ -591,6 +593,8 @@ def test_sigterm_stops_the_server_promptly_whatever_it_is_doing(tmp_path):
         assert process.returncode == 0
         assert took < 10, f"exit took {took:.1f} s"
         assert len(answers) == 1 and answers[0] != "TOO_LONG"  # answered (text or an error), not left hanging
+        assert f"closed session {session.session_id} ('arm-7'): the server is shutting down" in (
+            tmp_path / "server.log").read_text()
     finally:
         if process.poll() is None:
             process.kill()
@@ -617,13 +621,16 @@ def test_stop_signals_as_an_operator_sends_them(tmp_path):
         with pytest.raises(subprocess.TimeoutExpired):
             process.wait(timeout=1)
         assert client.health() == "SERVING"
-        with grpc.insecure_channel(client.target) as channel:  # an open call: the drain waits its whole grace for it
+        with grpc.insecure_channel(client.target) as channel:
             watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=30)
             assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
-            _signal_another_thread(process.pid, signal.SIGINT)
-            assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING  # draining
-            _signal_another_thread(process.pid, signal.SIGINT)
-            assert process.wait(timeout=1) == -signal.SIGINT  # the drain's grace is 2 s
+            # Calls the drain waits for (up to its 2 s grace): two Reason calls, about 1 s of the model's time.
+            calls = [client.reason("why " * 200, max_new_tokens=256) for _ in range(2)]
+            assert all(next(call) for call in calls)
+            _signal_thread(process.pid, signal.SIGINT, main=True)  # the drain begins at once
+            assert health_pb2.HealthCheckResponse.NOT_SERVING in (update.status for update in watch)  # draining
+            _signal_thread(process.pid, signal.SIGINT)
+            assert process.wait(timeout=1) == -signal.SIGINT
         loading = subprocess.Popen([sys.executable, "-m", "policy_server.cli", "--port", "0"], stdout=log,
                                    stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
                                    preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))

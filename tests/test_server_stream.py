@@ -417,6 +417,49 @@ def test_reconnects_and_replaces_the_session_after_a_server_restart():
         np.testing.assert_array_equal(chunk.actions, expected(1))
 
 
+def test_a_shutdown_answers_the_frame_being_computed_and_ends_the_stream_without_waiting_out_its_grace():
+    """A stream open at shutdown: its frame being computed is answered, the frames waiting are refused SHUTTING_DOWN,
+    and it ends with that status (UNAVAILABLE: its client reconnects, to a restart or another replica). The server
+    stops once that is done; neither the stream nor a health Watch holds it for its whole grace (both did)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    engine = FakeEngine()
+    server = build_server(build_config(overrides={"port": 0}), engine).start()
+    client = PolicyClient(server.target)
+    stream = ControlStream(client, client.open_session("pusht", "push"), reconnect=False).open()
+    channel = grpc.insecure_channel(server.target)
+    try:
+        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=30)
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        engine.hold()
+        computing = send(stream, 1)
+        engine.wait_entered()
+        waiting = [send(stream, 2, must_answer=True), send(stream, 3, must_answer=True)]
+        stream.ping()
+        assert stream.next_event().kind == "pong"  # the server has read the frames sent before it
+        stopping = threading.Thread(target=server.stop, kwargs={"grace_s": 30.0})
+        started = time.monotonic()
+        stopping.start()
+        assert health_pb2.HealthCheckResponse.NOT_SERVING in (update.status for update in watch)
+        time.sleep(0.2)  # the drain reaches the stream meanwhile
+        engine.release()
+        events = [stream.next_event(timeout_s=10)]
+        while events[-1].kind != "closed":
+            events.append(stream.next_event(timeout_s=10))
+        stopping.join(timeout=10)
+        assert not stopping.is_alive() and time.monotonic() - started < 5.0
+        assert (events[0].kind, events[0].obs_id) == ("chunk", computing)
+        refused = [(e.obs_id, e.error.reason) for e in events[1:-1]]
+        assert refused == [(obs_id, "SHUTTING_DOWN") for obs_id in waiting]
+        assert (events[-1].error.code, events[-1].error.reason) == (grpc.StatusCode.UNAVAILABLE, "SHUTTING_DOWN")
+    finally:
+        engine.release()
+        stream.close()
+        client.close()
+        channel.close()
+        server.stop(grace_s=0.1)
+
+
 def test_a_stream_tries_again_once_its_channel_reconnects_not_a_whole_delay_later():
     # After a link's outage gRPC's channel reconnects on its own backoff; the stream's next try came up to a whole
     # delay of its own after that (after a 2 s cut its first chunk came ~1 s after a unary act's).

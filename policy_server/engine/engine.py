@@ -92,6 +92,8 @@ class ModelEngine:
         """Abandon the running tick (or warmup tick) within one step, fail everything queued, stop the worker.
         Returns whether the worker stopped within `_CLOSE_TIMEOUT_S` (a device call may hold it longer)."""
         self.served.closing.set()
+        for session in self.sessions.all():
+            logger.info("closed session %s: the server is shutting down", session.describe())
         return self._worker.close(_CLOSE_TIMEOUT_S)
 
     def ready(self) -> bool:

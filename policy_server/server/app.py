@@ -14,6 +14,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -52,7 +53,8 @@ def _keepalive_options() -> list[tuple[str, int]]:
 
 
 def _policy_service_handler(servicer: PolicyServicer) -> grpc.GenericRpcHandler:
-    """The PolicyService methods, with request deserializers that never raise (see ``lenient_parser``)."""
+    """The PolicyService methods, with request deserializers that never raise (see ``lenient_parser``), each call
+    counted in ``servicer.running`` (a shutdown waits for them)."""
     kinds = {
         (False, False): grpc.unary_unary_rpc_method_handler,
         (False, True): grpc.unary_stream_rpc_method_handler,
@@ -64,7 +66,8 @@ def _policy_service_handler(servicer: PolicyServicer) -> grpc.GenericRpcHandler:
     for method in service.methods:
         request, response = (getattr(pb, m.name) for m in (method.input_type, method.output_type))
         make = kinds[(method.client_streaming, method.server_streaming)]
-        handlers[method.name] = make(getattr(servicer, method.name), request_deserializer=lenient_parser(request),
+        behavior = servicer.running.counted(getattr(servicer, method.name), method.server_streaming)
+        handlers[method.name] = make(behavior, request_deserializer=lenient_parser(request),
                                      response_serializer=response.SerializeToString)
     return grpc.method_handlers_generic_handler(service.full_name, handlers)
 
@@ -166,6 +169,7 @@ class PolicyServer:
         self.metrics = ServerMetrics(engine)
         self._token = config.auth_token()
         self._grpc: grpc.Server | None = None
+        self._servicer: PolicyServicer | None = None
         self._health = health.HealthServicer(experimental_non_blocking=True)
         self._websocket: OpenpiWebsocketServer | None = None
         self._stop_polling = threading.Event()
@@ -206,9 +210,8 @@ class PolicyServer:
                 *_keepalive_options(),
             ],
         )
-        self._grpc.add_generic_rpc_handlers(
-            (_policy_service_handler(PolicyServicer(self.engine, self.metrics, cfg.max_message_bytes)),)
-        )
+        self._servicer = PolicyServicer(self.engine, self.metrics, cfg.max_message_bytes)
+        self._grpc.add_generic_rpc_handlers((_policy_service_handler(self._servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
         if cfg.reflection:
             reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
@@ -273,15 +276,23 @@ class PolicyServer:
         return port
 
     def stop(self, grace_s: float = 2.0) -> None:
-        """Flip health to NOT_SERVING, stop accepting calls, let running calls finish for ``grace_s``."""
+        """Flip health to NOT_SERVING, stop accepting calls, let running calls finish for at most ``grace_s``: each
+        Control stream answers the frame it is serving and ends (`RunningCalls`), then the streams left (health
+        Watch, reflection) are cancelled."""
+        ends_s = time.monotonic() + grace_s
         self._stop_polling.set()
         self._health.enter_graceful_shutdown()
-        grpc_stopped = self._grpc.stop(grace_s) if self._grpc is not None else None  # its grace runs meanwhile
+        grpc_stopped = None
+        if self._grpc is not None:
+            grpc_stopped = self._grpc.stop(grace_s)  # its grace runs meanwhile
+            self._servicer.running.drain()
         if self._websocket is not None:
             self._websocket.stop(grace_s)
             self._websocket = None
         self.metrics.stop()
         if grpc_stopped is not None:
+            self._servicer.running.wait_ended(max(0.0, ends_s - time.monotonic()))
+            self._grpc.stop(0)  # what is left (health Watch, reflection streams) has nothing to finish
             grpc_stopped.wait()
             self._grpc = None
 

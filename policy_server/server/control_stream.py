@@ -21,6 +21,9 @@ the last one's. At most ``MAX_QUEUED_EVENTS`` events wait to be sent: while a cl
 stream reads no more of its messages (gRPC's flow control then holds the client's sends) and computes no more
 chunks, so that a client that sends and never reads cannot grow the server's memory.
 
+On shutdown (`drain`) a stream answers the frame the worker is on, refuses the waiting ones and those that arrive
+(SHUTTING_DOWN) and ends with that status, UNAVAILABLE, on which a client's stream reconnects.
+
 A stream holds a server thread from the moment it opens, so one that sends no ``start`` within
 ``CONTROL_START_S`` is ended (STREAM_NOT_STARTED), and at most ``MAX_STARTING_STREAMS`` wait for theirs at
 once (`StartingStreams`).
@@ -38,7 +41,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from policy_server.engine.api import EmbodimentSpec, Engine, RateExceeded
+from policy_server.engine.api import EmbodimentSpec, Engine, RateExceeded, ShuttingDown
 from policy_server.limits import (
     CONTROL_START_S,
     MAX_FRAME_RATE_HZ,
@@ -54,6 +57,7 @@ from policy_server.server.metrics import ServerMetrics
 from policy_server.v1 import policy_server_pb2 as pb
 
 _MADE_ROOM = object()  # put in a waiting stream's inbox: a newer stream took its place
+_DRAINED = object()  # put in a waiting stream's inbox: the server is shutting down
 
 
 class StartingStreams:
@@ -81,11 +85,12 @@ class StartingStreams:
                     self._waiting.remove(inbox)
 
 
-def _first_message(requests: Iterator[pb.ControlRequest], starting: StartingStreams) -> pb.ControlRequest | None:
+def _first_message(requests: Iterator[pb.ControlRequest], starting: StartingStreams,
+                   inbox: queue.Queue) -> pb.ControlRequest | None:
     """The stream's first message, None when the client ended the stream without one, STREAM_NOT_STARTED when none
-    came within ``CONTROL_START_S``, TOO_MANY_STARTING_STREAMS when a newer stream took its place meanwhile. Read on
-    a thread of its own, which ends with the call."""
-    inbox: queue.Queue = queue.Queue()
+    came within ``CONTROL_START_S``, TOO_MANY_STARTING_STREAMS when a newer stream took its place meanwhile,
+    SHUTTING_DOWN when the server began to (`ControlCall.drain`). Read on a thread of its own, which ends with the
+    call, into ``inbox``."""
 
     def read() -> None:
         try:
@@ -101,6 +106,8 @@ def _first_message(requests: Iterator[pb.ControlRequest], starting: StartingStre
             raise make_error("STREAM_NOT_STARTED", f"no `start` within {CONTROL_START_S:g} s of opening the stream",
                              field="start", expected="ControlStart{session_id} as the first message",
                              got="nothing") from None
+    if first is _DRAINED:
+        raise ShuttingDown()
     if first is _MADE_ROOM:
         raise make_error(
             "TOO_MANY_STARTING_STREAMS",
@@ -146,12 +153,14 @@ class ControlCall:
         self._reader_done = False
         self._worker_done = False
         self._stopped = False
+        self._draining = False  # the server is shutting down (`drain`)
+        self._inbox: queue.Queue = queue.Queue()  # the first message, or why the stream ends before it
         self._frames = RateLimiter(MAX_FRAME_RATE_HZ, time.monotonic(), burst=MAX_FRAME_RATE_HZ / 5)
 
     # -- the handler thread ------------------------------------------------------------------
 
     def run(self, requests: Iterator[pb.ControlRequest]) -> Iterator[pb.ControlEvent]:
-        first = _first_message(requests, self._starting)
+        first = _first_message(requests, self._starting, self._inbox)
         if first is None:
             return
         if isinstance(first, Undecodable):
@@ -180,10 +189,20 @@ class ControlCall:
                 with self._cond:
                     self._cond.wait_for(lambda: self._outbound or self._worker_done or self._stopped)
                     if self._stopped or not self._outbound:  # the call ended, or the worker did and all is sent
-                        return
+                        break
                     event = self._outbound.popleft()
                     self._cond.notify_all()  # a place for a reader or worker waiting to queue an event
                 yield event
+        if self._draining and not self._stopped:
+            raise ShuttingDown()
+
+    def drain(self) -> None:
+        """The server is shutting down: answer the frame being served, refuse the others and end the stream
+        (SHUTTING_DOWN, a status the client's stream reconnects on)."""
+        with self._cond:
+            self._draining = True
+            self._cond.notify_all()
+        self._inbox.put(_DRAINED)  # read only while the stream waits for its start
 
     def _on_rpc_done(self) -> None:
         """Client cancelled, deadline passed or the call finished: stop all three threads."""
@@ -242,6 +261,8 @@ class ControlCall:
     def _accept(self, frame: pb.ObservationFrame, size: int) -> None:
         received = time.monotonic()
         try:
+            if self._draining:
+                raise ShuttingDown()
             if frame.obs_id <= self._last_obs_id:
                 raise make_error("BAD_VALUE", "observation frames' obs_ids must increase",
                                  field="observation.obs_id", expected=f"an obs_id above {self._last_obs_id}",
@@ -302,9 +323,9 @@ class ControlCall:
     def _work(self) -> None:
         while True:
             with self._cond:
-                while not self._pending and not self._reader_done and not self._stopped:
+                while not self._pending and not self._reader_done and not self._stopped and not self._draining:
                     self._cond.wait()
-                if self._stopped or not self._pending:
+                if self._stopped or self._draining or not self._pending:
                     break
                 frame = self._pending.pop(0)
             try:
@@ -339,6 +360,10 @@ class ControlCall:
                 )
             )
         with self._cond:
+            refused, self._pending = self._pending, []
+        for frame in refused:  # frames left by a drain
+            self._emit_error(frame.obs_id, ShuttingDown())
+        with self._cond:
             self._worker_done = True
             self._cond.notify_all()
 
@@ -347,7 +372,7 @@ class ControlCall:
         arrives meanwhile supersedes it as usual)."""
         with self._cond:
             self._pending.insert(0, frame)
-            self._cond.wait_for(lambda: self._stopped, timeout=wait_s)
+            self._cond.wait_for(lambda: self._stopped or self._draining, timeout=wait_s)
 
     def _emit_error(self, obs_id: int, exc: BaseException) -> None:
         error: ServiceError = from_exception(exc)

@@ -15,6 +15,7 @@ from policy_server.server import convert, validate
 from policy_server.server.control_stream import ControlCall, StartingStreams
 from policy_server.server.errors import ServiceError, rpc_errors
 from policy_server.server.metrics import ServerMetrics
+from policy_server.server.running_calls import RunningCalls
 from policy_server.v1 import policy_server_pb2 as pb
 from policy_server.v1 import policy_server_pb2_grpc as pb_grpc
 
@@ -28,6 +29,7 @@ class PolicyServicer(pb_grpc.PolicyServiceServicer):
         self.metrics = metrics
         self.max_message_bytes = max_message_bytes
         self.starting_streams = StartingStreams()
+        self.running = RunningCalls()  # every call: `_policy_service_handler` counts them, Control registers its own
 
     def on_error(self, error: ServiceError) -> None:
         self.metrics.observe_error(error.reason)
@@ -160,7 +162,8 @@ class PolicyServicer(pb_grpc.PolicyServiceServicer):
     @rpc_errors
     def Control(self, request_iterator, context):
         call = ControlCall(self.engine, self.metrics, self.max_message_bytes, context, self.starting_streams)
-        yield from call.run(request_iterator)
+        with self.running.stream(call):
+            yield from call.run(request_iterator)
 
     # -- reasoner ------------------------------------------------------------------------------
 
