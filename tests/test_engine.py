@@ -93,6 +93,22 @@ def test_the_log_says_who_opened_closed_or_was_refused_each_session(engine, capl
     assert closed_unnamed == f"closed session {unnamed.session_id}"
 
 
+def test_the_log_says_each_budget_change_and_refusal_once_per_session_each_10_s(engine, caplog):
+    caplog.set_level(logging.INFO, logger="policy_server.engine")
+    session = engine.open_session("pusht", "reach the red circle", rate_hz=0, client_name="arm 5")
+    caplog.clear()
+    engine.set_budget(session.session_id, 5000.0)
+    engine.set_budget(session.session_id, 4000.0)  # a client changing it every tick: one line each 10 s
+    for _ in range(2):
+        with pytest.raises(api.BudgetInfeasible) as refused:
+            engine.set_budget(session.session_id, 0.01)
+    engine.close_session(session.session_id)
+    changed, refusal, _closed = [record.getMessage() for record in caplog.records]
+    assert changed.startswith(f"session {session.session_id} ('arm 5'): budget 10000 -> 5000 ms, slot ")
+    assert refusal == (f"session {session.session_id} ('arm 5'): refused a budget of 0.01 ms, kept 4000 ms: "
+                       f"BUDGET_INFEASIBLE {refused.value.message}")
+
+
 def test_a_client_refused_in_a_loop_under_a_new_name_each_time_writes_few_lines(engine, caplog):
     caplog.set_level(logging.INFO, logger="policy_server.engine")
     for i in range(200):  # the name is the client's to choose: it must not pick a throttle of its own each time
