@@ -237,6 +237,20 @@ def test_session_errors(engine):
         engine.close_session(session.session_id)
 
 
+def test_a_refusal_never_names_a_session_its_control_stream_holds_open_as_the_one_to_close(engine):
+    arms = [engine.open_session("pusht", "x", rate_hz=0, client_name=f"arm {i}") for i in range(3)]
+    with engine.attach(arms[0].session_id):  # its robot streams, however seldom: it never closes unused
+        for arm in arms[1:]:
+            engine.session(arm.session_id)  # arm 0 now goes longest without a call
+        with pytest.raises(api.TooManySessions, match=r"the one longest without a call \(client 'arm 1'\)"):
+            engine.open_session("pusht", "one too many", rate_hz=0)
+        with engine.attach(arms[1].session_id), engine.attach(arms[2].session_id):
+            with pytest.raises(api.TooManySessions, match="closes; each open session is held by its Control stream"):
+                engine.open_session("pusht", "one too many", rate_hz=0)
+    for arm in arms:
+        engine.close_session(arm.session_id)
+
+
 def test_an_open_session_repeated_with_its_request_id_answers_the_same_session(engine, caplog):
     # A client retries OpenSession when the answer was lost: the retry, at the session limit too, gets the session the
     # first try opened, not a second one that would hold a place (or be refused) until the idle timeout.
