@@ -140,6 +140,29 @@ def test_a_tick_running_when_its_session_is_reset_answers_stale_epoch(engine):
         engine.close_session(s.session_id)
 
 
+def test_a_budget_changed_while_a_tick_runs_is_the_next_ticks_and_that_tick_records_the_one_it_ran_on(engine):
+    uncached_ms = engine.info().warmup_profile[0].p50_ms
+    session = engine.open_session("pusht", "reach the red circle", rate_hz=0)  # the default 10 s budget
+    changed = []
+
+    def change_once(*_):  # the new budget arrives while the tick runs its first GEN-stack call
+        if not changed:
+            changed.append(engine.set_budget(session.session_id, 0.6 * uncached_ms))
+
+    hook = engine.served.pipeline.transformer.norm_moe_gen.register_forward_pre_hook(change_once)
+    try:
+        ran = engine.act(session.session_id, 1, _observation()).tick
+    finally:
+        hook.remove()
+    new = changed[0]
+    assert (ran.budget_ms, ran.deadline_ms, ran.knobs["slot_ms"]) == (10_000.0, 10_000.0, session.slot_ms)
+    assert new.slot_ms < session.slot_ms
+    following = engine.act(session.session_id, 1, _observation(1)).tick
+    assert (following.budget_ms, following.deadline_ms, following.knobs["slot_ms"]) == (
+        new.budget_ms, new.budget_ms, new.slot_ms)
+    engine.close_session(session.session_id)
+
+
 def test_same_seed_and_inputs_give_the_same_chunk(engine):
     first = engine.open_session("pusht", "reach the red circle", seed=7, rate_hz=0)
     second = engine.open_session("pusht", "reach the red circle", seed=7, rate_hz=0)

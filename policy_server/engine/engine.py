@@ -269,12 +269,12 @@ class ModelEngine:
         session = job.session
         tokens = self.served.instruction_tokens(observation.instruction, "observation.instruction") \
             if observation.instruction else 0
-        deadline_ms = session.budget_ms
+        budget_ms = deadline_ms = session.budget_ms
         if deadline_s is not None:
             deadline_ms = min(deadline_ms, (deadline_s - time.monotonic()) * 1e3)
         end = CallEnd(self.served.closing, deadline_s, should_abort,
                       late="the caller's deadline passed before the tick finished")
-        request = TickRequest(epoch, observation, tokens, self.served.clock(), deadline_ms, end)
+        request = TickRequest(epoch, observation, tokens, self.served.clock(), budget_ms, deadline_ms, end)
         try:
             job.payload = self._prepare_frames(session, request)
         except BaseException as error:  # the session must not stay busy
