@@ -291,7 +291,7 @@ class FakeEngine:
             predicted_ms={"denoise": 2.0, "total": 2.5},
             actual_ms={"denoise": 2.5, "total": ACTUAL_TOTAL_MS},
             knobs={"threshold": 0.25, "cap": 2, "num_steps": 10, "batch_size": 1},
-            branches={"cond": BranchRecord(full=7, skipped=3, forced_skip=1, fail_open=0, sequence="FFSFFSFFSF"),
+            branches={"cond": BranchRecord(full=7, skipped=3, forced_skip=1, fail_open=2, sequence="FFSFFSFFSF"),
                       "uncond": BranchRecord(full=5, skipped=5, forced_skip=0, fail_open=0, sequence="FSFSFSFSFF")},
             setting="t0.25-c2",
             fallbacks=("drop_cfg_late",) if handle.budget_ms < 10 else (),

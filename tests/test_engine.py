@@ -93,6 +93,22 @@ def test_the_log_says_who_opened_closed_or_was_refused_each_session(engine, capl
     assert closed_unnamed == f"closed session {unnamed.session_id}"
 
 
+def test_the_log_says_each_budget_change_and_refusal_once_per_session_each_10_s(engine, caplog):
+    caplog.set_level(logging.INFO, logger="policy_server.engine")
+    session = engine.open_session("pusht", "reach the red circle", rate_hz=0, client_name="arm 5")
+    caplog.clear()
+    engine.set_budget(session.session_id, 5000.0)
+    engine.set_budget(session.session_id, 4000.0)  # a client changing it every tick: one line each 10 s
+    for _ in range(2):
+        with pytest.raises(api.BudgetInfeasible) as refused:
+            engine.set_budget(session.session_id, 0.01)
+    engine.close_session(session.session_id)
+    changed, refusal, _closed = [record.getMessage() for record in caplog.records]
+    assert changed.startswith(f"session {session.session_id} ('arm 5'): budget 10000 -> 5000 ms, slot ")
+    assert refusal == (f"session {session.session_id} ('arm 5'): refused a budget of 0.01 ms, kept 4000 ms: "
+                       f"BUDGET_INFEASIBLE {refused.value.message}")
+
+
 def test_a_client_refused_in_a_loop_under_a_new_name_each_time_writes_few_lines(engine, caplog):
     caplog.set_level(logging.INFO, logger="policy_server.engine")
     for i in range(200):  # the name is the client's to choose: it must not pick a throttle of its own each time
@@ -122,6 +138,29 @@ def test_a_tick_running_when_its_session_is_reset_answers_stale_epoch(engine):
                           engine.act(fresh.session_id, 1, _observation(3)).actions)
     for s in (session, fresh):
         engine.close_session(s.session_id)
+
+
+def test_a_budget_changed_while_a_tick_runs_is_the_next_ticks_and_that_tick_records_the_one_it_ran_on(engine):
+    uncached_ms = engine.info().warmup_profile[0].p50_ms
+    session = engine.open_session("pusht", "reach the red circle", rate_hz=0)  # the default 10 s budget
+    changed = []
+
+    def change_once(*_):  # the new budget arrives while the tick runs its first GEN-stack call
+        if not changed:
+            changed.append(engine.set_budget(session.session_id, 0.6 * uncached_ms))
+
+    hook = engine.served.pipeline.transformer.norm_moe_gen.register_forward_pre_hook(change_once)
+    try:
+        ran = engine.act(session.session_id, 1, _observation()).tick
+    finally:
+        hook.remove()
+    new = changed[0]
+    assert (ran.budget_ms, ran.deadline_ms, ran.knobs["slot_ms"]) == (10_000.0, 10_000.0, session.slot_ms)
+    assert new.slot_ms < session.slot_ms
+    following = engine.act(session.session_id, 1, _observation(1)).tick
+    assert (following.budget_ms, following.deadline_ms, following.knobs["slot_ms"]) == (
+        new.budget_ms, new.budget_ms, new.slot_ms)
+    engine.close_session(session.session_id)
 
 
 def test_same_seed_and_inputs_give_the_same_chunk(engine):
@@ -219,6 +258,20 @@ def test_session_errors(engine):
         engine.close_session(s.session_id)
     with pytest.raises(api.UnknownSession):
         engine.close_session(session.session_id)
+
+
+def test_a_refusal_never_names_a_session_its_control_stream_holds_open_as_the_one_to_close(engine):
+    arms = [engine.open_session("pusht", "x", rate_hz=0, client_name=f"arm {i}") for i in range(3)]
+    with engine.attach(arms[0].session_id):  # its robot streams, however seldom: it never closes unused
+        for arm in arms[1:]:
+            engine.session(arm.session_id)  # arm 0 now goes longest without a call
+        with pytest.raises(api.TooManySessions, match=r"the one longest without a call \(client 'arm 1'\)"):
+            engine.open_session("pusht", "one too many", rate_hz=0)
+        with engine.attach(arms[1].session_id), engine.attach(arms[2].session_id):
+            with pytest.raises(api.TooManySessions, match="closes; each open session is held by its Control stream"):
+                engine.open_session("pusht", "one too many", rate_hz=0)
+    for arm in arms:
+        engine.close_session(arm.session_id)
 
 
 def test_an_open_session_repeated_with_its_request_id_answers_the_same_session(engine, caplog):

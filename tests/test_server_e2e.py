@@ -117,7 +117,7 @@ def test_metrics_describe_the_served_weights_and_count_ticks_and_calls(served):
     info = server.server_info()
     session = server.open_session("pusht", "reach the green circle")
     before = scrape(metrics_url)
-    server.act(session, {"image": _image()}, STATE, step_index=1)
+    tick = server.act(session, {"image": _image()}, STATE, step_index=1).tick
     with pytest.raises(PolicyServerError):
         server.act(session, {"image": _image()}, np.array([0.6, 0.2], np.float32), step_index=2)  # off the table
     after = scrape(metrics_url)
@@ -134,6 +134,10 @@ def test_metrics_describe_the_served_weights_and_count_ticks_and_calls(served):
     assert (added("grpc_server_handled_total", **act, grpc_code="OK"),
             added("grpc_server_handled_total", **act, grpc_code="INVALID_ARGUMENT")) == (1, 1)
     assert added("policy_server_tick_duration_seconds_count", transport="grpc") == 1
+    decisions = {d: added("policy_server_cache_decisions_total", decision=d)
+                 for d in ("full", "fail_open", "skipped", "forced_skip")}
+    assert sum(decisions.values()) == tick.full_calls + tick.skipped_calls  # each call under one decision
+    assert decisions["forced_skip"] == tick.forced_skips and decisions["fail_open"] == tick.fail_open
     tick_s = added("policy_server_tick_duration_seconds_sum", transport="grpc")
     stages_s = sum(after[key] - before.get(key, 0.0) for key in after
                    if key[0] == "policy_server_stage_duration_seconds_sum")

@@ -179,7 +179,10 @@ class TickRecord:
     forward dynamics) and always "total" (engine-side latency of the tick), in ms. knobs: the settings the
     budget planner chose (e.g. "threshold", "cap", "num_steps", "cfg_steps") and "batch_size", the ticks of
     the micro-batch this one ran in (1 = alone). branches: the GEN-stack calls per CFG branch; fallbacks
-    name each degradation applied, in order.
+    name each degradation applied, in order. feasible / best_achievable_ms: whether the planner's cheapest tick
+    is predicted to meet the deadline, and its predicted ms, for this tick (its prefill as it ran, no wait); the
+    least budget admission takes is `BudgetInfeasible.best_achievable_ms` (the longest instruction, a background
+    piece ahead).
     """
 
     budget_ms: float

@@ -46,6 +46,7 @@ _ABANDONED_WAIT_S = 1.0  # how long a new tick waits for its session's abandoned
 _CLOSE_TIMEOUT_S = 5.0
 _log_refusal = ThrottledLog(logger, logging.INFO, period_s=10.0)  # one line per client and reason each 10 s
 _log_repeat = ThrottledLog(logger, logging.INFO, period_s=10.0)  # one line per session each 10 s
+_log_budget = ThrottledLog(logger, logging.INFO, period_s=10.0)  # one line per session each 10 s
 _SWEEP_S = 5.0  # how often idle sessions are looked for besides at each call (at most half the idle time)
 
 
@@ -223,7 +224,16 @@ class ModelEngine:
 
     def set_budget(self, session_id: str, budget_ms: float) -> api.SessionHandle:
         session = self.sessions.get(session_id)
-        self._admission.change_budget(session, budget_ms)
+        old_ms = session.budget_ms
+        try:
+            self._admission.change_budget(session, budget_ms)
+        except (api.BudgetInfeasible, api.Overloaded) as refused:
+            _log_refusal((session_id, refused.reason), "session %s: refused a budget of %g ms, kept %g ms: %s %s",
+                         session.describe(), budget_ms, old_ms, refused.reason, refused.message)
+            raise
+        # What an operator asks when a robot's ticks got slower or coarser; a robot may change it every tick.
+        _log_budget(session_id, "session %s: budget %g -> %g ms, slot %.0f ms", session.describe(), old_ms, budget_ms,
+                    session.slot_ms)
         return session.handle()
 
     # ------------------------------------------------------------------------------ model calls
@@ -261,12 +271,12 @@ class ModelEngine:
         session = job.session
         tokens = self.served.instruction_tokens(observation.instruction, "observation.instruction") \
             if observation.instruction else 0
-        deadline_ms = session.budget_ms
+        budget_ms = deadline_ms = session.budget_ms
         if deadline_s is not None:
             deadline_ms = min(deadline_ms, (deadline_s - time.monotonic()) * 1e3)
         end = CallEnd(self.served.closing, deadline_s, should_abort,
                       late="the caller's deadline passed before the tick finished")
-        request = TickRequest(epoch, observation, tokens, self.served.clock(), deadline_ms, end)
+        request = TickRequest(epoch, observation, tokens, self.served.clock(), budget_ms, deadline_ms, end)
         try:
             job.payload = self._prepare_frames(session, request)
         except BaseException as error:  # the session must not stay busy

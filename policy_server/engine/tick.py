@@ -42,7 +42,8 @@ PREPARE_STAGE = "prepare"  # the camera frames put on their canvas, on the calle
 @dataclass(frozen=True)
 class TickRequest:
     """What a queued tick carries. `instruction_tokens`: of `observation.instruction`, when it sets one.
-    `deadline_ms`: from arrival, the smaller of the session budget and the caller's deadline; `end`: what ends
+    `budget_ms`: the session's at arrival (a SetBudget while the tick waits or runs is for the next one);
+    `deadline_ms`: from arrival, the smaller of that budget and the caller's deadline; `end`: what ends
     the tick early (the caller's deadline, not the budget: a late chunk still reaches the robot). `frames`: the
     observation's frames on their canvas, which the caller's thread puts there (in `prepare_ms`) before the tick
     is queued; None until then."""
@@ -51,6 +52,7 @@ class TickRequest:
     observation: api.Observation
     instruction_tokens: int
     arrived_ms: float
+    budget_ms: float
     deadline_ms: float
     end: CallEnd
     frames: CanvasClip | None = None
@@ -121,7 +123,8 @@ class Tick:
                                           placement.latent_content_hw(pipeline.vae.spatial_compression),
                                           unused)
 
-        plan = self._plan(key, left_ms, prefill, started_ms)
+        slot_ms = session.slot_ms  # what it is planned in, and its record names: a SetBudget may change it meanwhile
+        plan = self._plan(key, left_ms, slot_ms, prefill, started_ms)
         session.prompt, prefill_ms = served.prompt(session.instruction, embodiment, opening.chunk_size, canvas_hw,
                                                    session.prompt)
         pipeline_request = PolicyRequest(
@@ -155,11 +158,12 @@ class Tick:
         total_ms = served.clock() - request.arrived_ms
         self._learn(learn_key, out, stage_ms, prefill)
         # The frames' preparation is not learned: it ran on the caller's thread, at whatever size this caller sent.
-        tick = self._record(plan, out, {**stage_ms, PREPARE_STAGE: request.prepare_ms, "total": total_ms}, clipped)
+        tick = self._record(plan, out, {**stage_ms, PREPARE_STAGE: request.prepare_ms, "total": total_ms}, clipped,
+                            slot_ms)
         return api.ActResult(actions=actions.astype(np.float32), first_step_index=observation.step_index,
                              tick=tick, preview_frames=frames)
 
-    def _plan(self, key: tuple, left_ms: float, prefill: bool, started_ms: float) -> TickPlan | None:
+    def _plan(self, key: tuple, left_ms: float, slot_ms: float, prefill: bool, started_ms: float) -> TickPlan | None:
         """Plan the tick and set up its step control: guarded SeaCache, or every call full when the budget does
         not control ticks (cache off, or too few steps to skip any)."""
         served, session = self.served, self.session
@@ -167,8 +171,8 @@ class Tick:
             self._steps = served.fixed_steps(served.num_steps)
             return None
         # A slot that holds the uncached tick is no cap: rounding must not turn caching on.
-        slot_ms = session.slot_ms if session.slot_ms < session.demand.ceiling_ms else left_ms
-        plan = served.budget.plan(key, max(min(left_ms, slot_ms), 1e-3), served.num_steps, served.passes,
+        cap_ms = slot_ms if slot_ms < session.demand.ceiling_ms else left_ms
+        plan = served.budget.plan(key, max(min(left_ms, cap_ms), 1e-3), served.num_steps, served.passes,
                                   session.history, prefill=prefill, preview=session.opening.preview,
                                   frontier=served.frontier(session.opening.embodiment))
         order = served.settings.residual_order if plan.residual_order is None else plan.residual_order
@@ -188,23 +192,23 @@ class Tick:
         elif alone:
             observe_output(self.served.cost_model, key, out, stage_ms, prefilled)
 
-    def _record(self, plan: TickPlan | None, out: PolicyOutput, actual_ms: dict[str, float],
-                clipped: int) -> api.TickRecord:
-        session = self.session
+    def _record(self, plan: TickPlan | None, out: PolicyOutput, actual_ms: dict[str, float], clipped: int,
+                slot_ms: float) -> api.TickRecord:
+        request = self.request
         knobs = {"num_steps": float(len(out.steps)), "clipped_actions": float(clipped),
-                 "batch_size": float(self._batch_size), "slot_ms": session.slot_ms}
+                 "batch_size": float(self._batch_size), "slot_ms": slot_ms}
         branches = branch_records(out.cache)
         if plan is None:
             return api.TickRecord(
-                budget_ms=session.budget_ms, deadline_ms=self.request.deadline_ms, actual_ms=actual_ms, knobs=knobs,
+                budget_ms=request.budget_ms, deadline_ms=request.deadline_ms, actual_ms=actual_ms, knobs=knobs,
                 branches=branches, setting="uncacheable" if self.served.settings.diffusion_cache else "disabled")
         knobs.update(cap=float(plan.cap), cfg_steps=float(plan.cfg_steps),
                      threshold=max(plan.thresholds, default=0.0), expected_full_calls=float(plan.expected_full_calls))
         if plan.expected_error is not None:  # planned on a quality profile's frontier: `setting` names the point
             knobs["expected_error"] = plan.expected_error
         return api.TickRecord(
-            budget_ms=session.budget_ms,
-            deadline_ms=self.request.deadline_ms,
+            budget_ms=request.budget_ms,
+            deadline_ms=request.deadline_ms,
             actual_ms=actual_ms,
             knobs=knobs,
             branches=branches,

@@ -74,7 +74,8 @@ class ServerMetrics:
         )
         self.cache_decisions = Counter(
             "policy_server_cache_decisions",
-            "GEN-stack calls by diffusion-cache decision",
+            "GEN-stack calls by diffusion-cache decision, each call under one: full (the cache computed it), "
+            "fail_open (the cache could not skip it), skipped (the cache reused it), forced_skip (the guard did)",
             ["decision"],
             registry=r,
         )
@@ -119,9 +120,11 @@ class ServerMetrics:
         self.served_seconds.labels(transport).observe(served_ms / 1e3)
         if not tick.deadline_met:
             self.deadline_misses.inc()
+        # Each call under one decision, so that they add up to the calls: a record's full calls include the
+        # fail-open ones, and its skipped calls the forced ones.
         for decision, count in (
-            ("full", tick.full_calls),
-            ("skipped", tick.skipped_calls),
+            ("full", tick.full_calls - tick.fail_open),
+            ("skipped", tick.skipped_calls - tick.forced_skips),
             ("forced_skip", tick.forced_skips),
             ("fail_open", tick.fail_open),
         ):
