@@ -138,6 +138,7 @@ def test_forward_dynamics_frames_are_the_pipeline_s_decoded_frames(engine, clien
     assert predicted.frames.shape == expected.shape == (9, 64, 64, 3)  # chunk + 1 frames
     np.testing.assert_array_equal(predicted.frames, _as_sent(expected))  # the pipeline's frames, JPEG-encoded
     assert predicted.latents_shape == exact.latents_shape and predicted.obs_step_index == 3
+    assert predicted.served_ms < predicted.round_trip_ms < 60_000  # the observation's client_time_ns, echoed
     assert {"prepare", "queue", "prefill", "encode", "denoise", "decode", "video_decode", "total"} \
         <= set(predicted.tick.actual_ms)
     assert predicted.tick.setting == "none" and predicted.tick.skipped_calls == 0

@@ -96,17 +96,21 @@ class ActionChunk:
 
     @property
     def round_trip_ms(self) -> float | None:
-        """Client-measured round trip (ms), when the observation carried client_time_ns."""
-        if not self.client_time_ns:
-            return None
-        return (time.monotonic_ns() - self.client_time_ns) / 1e6
+        return _round_trip_ms(self.client_time_ns)
+
+
+def _round_trip_ms(client_time_ns: int) -> float | None:
+    """Client-measured round trip (ms) of an answer that echoes its request's client_time_ns (None without one)."""
+    if not client_time_ns:
+        return None
+    return (time.monotonic_ns() - client_time_ns) / 1e6
 
 
 @dataclass(frozen=True)
 class PredictedFrames:
     """Forward dynamics: frames uint8 RGB [F, H, W, 3] the model predicts (frame 0 reconstructs the
     observation, frame i follows actions[i - 1]); latents_shape: the generated latents [C, T, h, w]; ``tick``:
-    the server's timing record (ms)."""
+    the server's timing record (ms); ``round_trip_ms`` as an ActionChunk's."""
 
     frames: np.ndarray
     latents_shape: tuple[int, ...]
@@ -115,6 +119,7 @@ class PredictedFrames:
     epoch: int
     served_ms: float
     tick: pb.TickRecord = field(repr=False)
+    client_time_ns: int = 0
 
     @classmethod
     def from_proto(cls, msg: pb.PredictedFrames) -> PredictedFrames:
@@ -126,7 +131,12 @@ class PredictedFrames:
             epoch=msg.epoch,
             served_ms=msg.served_ms,
             tick=msg.tick,
+            client_time_ns=msg.client_time_ns,
         )
+
+    @property
+    def round_trip_ms(self) -> float | None:
+        return _round_trip_ms(self.client_time_ns)
 
 
 def build_observation(
