@@ -412,6 +412,27 @@ def test_a_preview_session_gets_its_predicted_frames_and_their_decode_is_in_the_
     client.close_session(plain)
 
 
+def test_max_message_mb_bounds_requests_not_the_predicted_frames_a_server_answers_with(engine):
+    """A limit that takes the requests (a flat frame: about 1 kB) took none of the answers carrying predicted frames
+    (9 frames of the untrained model's noise: several kB), each refused by gRPC after its work was done."""
+    limit_mb = 4 / 1024
+    config = build_config(overrides={"host": "127.0.0.1", "port": 0, "device": "cpu", "max_sessions": 1,
+                                     "max_dynamics_calls": 1, "latency_budget_ms": 10_000.0,
+                                     "max_message_mb": limit_mb})
+    server = build_server(config, engine).start()
+    flat = np.zeros((64, 64, 3), np.uint8)
+    with PolicyClient(server.target, timeout_s=60) as client:
+        session = client.open_session("pusht", INSTRUCTION, rate_hz=0, preview=True)
+        predicted = client.forward_dynamics(session, {"image": flat}, ACTIONS, STATE)
+        chunk = client.act(session, {"image": flat}, STATE)
+        assert predicted.frames.shape == chunk.preview_frames.shape == (9, 64, 64, 3)
+        answer = pb.PredictedFrames(frames=[encode_image(frame, "jpeg", FRAME_JPEG_QUALITY)
+                                            for frame in predicted.frames])
+        assert answer.ByteSize() > limit_mb * 2**20  # the answer is over the request limit indeed
+        client.close_session(session)
+    server.stop(grace_s=0.5)
+
+
 def test_engine_preview_frames_are_the_decoded_latents_of_the_tick(engine):
     session = engine.open_session("pusht", INSTRUCTION, rate_hz=0, preview=True)
     result = engine.act(session.session_id, 1, api.Observation({"image": _frame(2)}, STATE))
