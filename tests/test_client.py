@@ -180,6 +180,10 @@ def test_an_inverse_dynamics_video_that_is_not_uint8_frames_is_named_by_camera()
         assert str(err.value) == f"videos[wrist]: expected a video, uint8 [F, H, W, 3], got {got}"
     frames = [np.zeros((64, 64, 3), np.uint8)] * 9  # a list of frames is a video too
     assert len(build_inverse_dynamics(session, {"wrist": frames}).videos["wrist"].frames) == 9
+    with pytest.raises(WireError) as err:  # numpy's own error ("inhomogeneous shape") named no camera
+        build_inverse_dynamics(session, {"wrist": frames[:4] + [np.zeros((64, 48, 3), np.uint8)] * 5})
+    assert str(err.value) == ("videos[wrist]: expected a video, uint8 [F, H, W, 3], got frames of different shapes: "
+                              "[64, 64, 3] and [64, 48, 3]")
 
 
 def test_an_error_survives_the_pickling_ray_carries_it_across_processes_with():

@@ -138,6 +138,7 @@ def test_forward_dynamics_frames_are_the_pipeline_s_decoded_frames(engine, clien
     assert predicted.frames.shape == expected.shape == (9, 64, 64, 3)  # chunk + 1 frames
     np.testing.assert_array_equal(predicted.frames, _as_sent(expected))  # the pipeline's frames, JPEG-encoded
     assert predicted.latents_shape == exact.latents_shape and predicted.obs_step_index == 3
+    assert predicted.served_ms < predicted.round_trip_ms < 60_000  # the observation's client_time_ns, echoed
     assert {"prepare", "queue", "prefill", "encode", "denoise", "decode", "video_decode", "total"} \
         <= set(predicted.tick.actual_ms)
     assert predicted.tick.setting == "none" and predicted.tick.skipped_calls == 0
@@ -409,6 +410,27 @@ def test_a_preview_session_gets_its_predicted_frames_and_their_decode_is_in_the_
     assert demands[0].ceiling_ms == pytest.approx(demands[1].ceiling_ms + decode_ms)
     client.close_session(preview)
     client.close_session(plain)
+
+
+def test_max_message_mb_bounds_requests_not_the_predicted_frames_a_server_answers_with(engine):
+    """A limit that takes the requests (a flat frame: about 1 kB) took none of the answers carrying predicted frames
+    (9 frames of the untrained model's noise: several kB), each refused by gRPC after its work was done."""
+    limit_mb = 4 / 1024
+    config = build_config(overrides={"host": "127.0.0.1", "port": 0, "device": "cpu", "max_sessions": 1,
+                                     "max_dynamics_calls": 1, "latency_budget_ms": 10_000.0,
+                                     "max_message_mb": limit_mb})
+    server = build_server(config, engine).start()
+    flat = np.zeros((64, 64, 3), np.uint8)
+    with PolicyClient(server.target, timeout_s=60) as client:
+        session = client.open_session("pusht", INSTRUCTION, rate_hz=0, preview=True)
+        predicted = client.forward_dynamics(session, {"image": flat}, ACTIONS, STATE)
+        chunk = client.act(session, {"image": flat}, STATE)
+        assert predicted.frames.shape == chunk.preview_frames.shape == (9, 64, 64, 3)
+        answer = pb.PredictedFrames(frames=[encode_image(frame, "jpeg", FRAME_JPEG_QUALITY)
+                                            for frame in predicted.frames])
+        assert answer.ByteSize() > limit_mb * 2**20  # the answer is over the request limit indeed
+        client.close_session(session)
+    server.stop(grace_s=0.5)
 
 
 def test_engine_preview_frames_are_the_decoded_latents_of_the_tick(engine):

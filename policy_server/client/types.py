@@ -96,17 +96,21 @@ class ActionChunk:
 
     @property
     def round_trip_ms(self) -> float | None:
-        """Client-measured round trip (ms), when the observation carried client_time_ns."""
-        if not self.client_time_ns:
-            return None
-        return (time.monotonic_ns() - self.client_time_ns) / 1e6
+        return _round_trip_ms(self.client_time_ns)
+
+
+def _round_trip_ms(client_time_ns: int) -> float | None:
+    """Client-measured round trip (ms) of an answer that echoes its request's client_time_ns (None without one)."""
+    if not client_time_ns:
+        return None
+    return (time.monotonic_ns() - client_time_ns) / 1e6
 
 
 @dataclass(frozen=True)
 class PredictedFrames:
     """Forward dynamics: frames uint8 RGB [F, H, W, 3] the model predicts (frame 0 reconstructs the
     observation, frame i follows actions[i - 1]); latents_shape: the generated latents [C, T, h, w]; ``tick``:
-    the server's timing record (ms)."""
+    the server's timing record (ms); ``round_trip_ms`` as an ActionChunk's."""
 
     frames: np.ndarray
     latents_shape: tuple[int, ...]
@@ -115,6 +119,7 @@ class PredictedFrames:
     epoch: int
     served_ms: float
     tick: pb.TickRecord = field(repr=False)
+    client_time_ns: int = 0
 
     @classmethod
     def from_proto(cls, msg: pb.PredictedFrames) -> PredictedFrames:
@@ -126,7 +131,12 @@ class PredictedFrames:
             epoch=msg.epoch,
             served_ms=msg.served_ms,
             tick=msg.tick,
+            client_time_ns=msg.client_time_ns,
         )
+
+    @property
+    def round_trip_ms(self) -> float | None:
+        return _round_trip_ms(self.client_time_ns)
 
 
 def build_observation(
@@ -182,6 +192,21 @@ def floats_to_proto(values: np.ndarray) -> pb.Tensor:
     return tensor_to_proto(values if values.dtype == np.float64 else values.astype(np.float32))
 
 
+def _video(name: str, frames) -> np.ndarray:
+    """Camera ``name``'s video, an array or a sequence of frames, as uint8 [F, H, W, 3]; else a WireError naming the
+    camera (a frame's error would name neither camera nor video, numpy's own none)."""
+    expected = "a video, uint8 [F, H, W, 3]"
+    try:
+        video = np.asarray(frames)
+    except ValueError:  # a sequence of frames of different shapes
+        first, other = list(dict.fromkeys(tuple(np.shape(frame)) for frame in frames))[:2]
+        raise WireError(f"videos[{name}]", expected, f"frames of different shapes: {list(first)} and {list(other)}",
+                        "BAD_IMAGE") from None
+    if video.dtype != np.uint8 or video.ndim != 4:
+        raise WireError(f"videos[{name}]", expected, f"{video.dtype} {list(video.shape)}", "BAD_IMAGE")
+    return video
+
+
 def build_inverse_dynamics(
     session: Session,
     videos: Mapping[str, np.ndarray],
@@ -197,10 +222,7 @@ def build_inverse_dynamics(
     msg = pb.InverseDynamicsRequest(session_id=session.session_id, epoch=session.epoch, instruction=instruction,
                                     step_index=step_index, client_time_ns=time.monotonic_ns())
     for name, frames in videos.items():
-        frames = np.asarray(frames)
-        if frames.dtype != np.uint8 or frames.ndim != 4:  # else a frame's error would name neither camera nor video
-            raise WireError(f"videos[{name}]", "a video, uint8 [F, H, W, 3]", f"{frames.dtype} {list(frames.shape)}",
-                            "BAD_IMAGE")
+        frames = _video(name, frames)
         msg.videos[name].frames.extend(encode_image(frame, encoding, jpeg_quality, field=f"videos[{name}][{i}]")
                                        for i, frame in enumerate(frames))
     if state is not None:

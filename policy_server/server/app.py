@@ -205,7 +205,9 @@ class PolicyServer:
                 # Frames up to 2x the limit reach the servicer, which answers PAYLOAD_TOO_LARGE with
                 # a reason; gRPC core cuts anything larger with plain RESOURCE_EXHAUSTED.
                 ("grpc.max_receive_message_length", 2 * cfg.max_message_bytes),
-                ("grpc.max_send_message_length", cfg.max_message_bytes),
+                # The limit is the requests': answers are the server's own, bounded by the model (predicted frames
+                # at most max_chunk_size + 1 JPEGs of its canvas), and one cut here would be lost after its work.
+                ("grpc.max_send_message_length", -1),
                 ("grpc.so_reuseport", 0),
                 *_keepalive_options(),
             ],
