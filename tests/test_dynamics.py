@@ -121,6 +121,20 @@ def test_inverse_dynamics_takes_frames_of_the_camera_s_own_size(engine, client, 
     assert client.reset_session(session).instruction == INSTRUCTION  # the call's instruction was for it only
 
 
+def test_inverse_dynamics_refuses_a_chunk_whose_last_frames_the_vae_would_not_see(client):
+    # A chunk of 5 took 6 frames and explained them from the first 5 (the VAE takes frame 0 and groups of 4).
+    session = client.open_session("pusht", INSTRUCTION, chunk_size=5, rate_hz=0)
+    try:
+        with pytest.raises(PolicyServerError) as refused:
+            client.inverse_dynamics(session, {"image": _video(frames=6)}, STATE)
+        assert (refused.value.code, refused.value.reason, refused.value.field) == (INVALID, "BAD_VALUE",
+                                                                                   "session.chunk_size")
+        assert refused.value.detail.expected.startswith("a session whose chunk is a multiple of 4")
+        assert refused.value.detail.got == "chunks of 5: the model would see 5 of the 6 frames"
+    finally:
+        client.close_session(session)
+
+
 # ---------------------------------------------------------------------------------------------- forward dynamics
 
 

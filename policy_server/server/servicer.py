@@ -150,7 +150,7 @@ class PolicyServicer(pb_grpc.PolicyServiceServicer):
         received = time.monotonic()
         handle, spec = self._session_request(request)
         with self.engine.reserve_dynamics(handle.session_id) as reservation:  # refused now: before decoding
-            clip = validate.video_clip(request, spec, handle.chunk_size)
+            clip = validate.video_clip(request, spec, handle.chunk_size, self.engine.info().temporal_compression)
             result = self.engine.inverse_dynamics(
                 handle.session_id, handle.epoch, clip, seed=request.seed if request.HasField("seed") else None,
                 deadline_s=self._deadline_s(context, received), should_abort=lambda: not context.is_active(),
