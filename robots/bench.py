@@ -83,6 +83,7 @@ from policy_server.engine.calibration import (
     calibrate,
     configurations,
     fixed_control,
+    observations_source,
     resolve_profile,
     warmup_observations,
 )
@@ -478,7 +479,8 @@ def run(args: argparse.Namespace) -> dict:
     if profile is None:  # the shipped ReachEither set; for another embodiment its frames on that one's cameras
         calibration_set = [o for o in warmup_observations(pipeline, args.calibration_observations)
                            if o.embodiment == embodiment.name]
-        source = str(DEFAULT_OBSERVATIONS) + ("" if embodiment.name == "pusht" else " (resized, zero state)")
+        source = observations_source(DEFAULT_OBSERVATIONS) + ("" if embodiment.name == "pusht"
+                                                              else " (resized, zero state)")
         why = "--quality-profile off" if args.quality_profile == "off" else \
             "no quality profile of these weights beside the checkpoint or in the cache"
         print(f"policy-server bench: {why}: calibrating on {len(calibration_set)} observations of {source}",

@@ -1,6 +1,7 @@
 """Calibration: a quality profile measured on a tiny model, its observations file, the command that writes it,
 and an engine that plans its ticks on it (loaded, or measured at warmup)."""
 
+import hashlib
 import json
 import logging
 from collections import Counter
@@ -26,6 +27,7 @@ from policy_server.engine.calibration import (
     configurations,
     load_observations,
     main,
+    observations_source,
     resolve_profile,
     run_cut,
     save_observations,
@@ -33,7 +35,7 @@ from policy_server.engine.calibration import (
 from policy_server.engine.engine import ModelEngine
 from policy_server.engine.served import EngineSettings
 from policy_server.pipeline.embodiments import Embodiment
-from policy_server.pipeline.policy import PolicyPipeline
+from policy_server.pipeline.policy import PolicyPipeline, default_model_path
 from robots.embedded import build_random_pipeline
 
 STEPS = 6
@@ -225,7 +227,11 @@ def test_the_command_writes_the_profile_beside_the_checkpoint(tmp_path, capsys, 
     assert "`--quality-profile auto` looks beside the checkpoint and in the cache, not there" in capsys.readouterr().out
     assert main(["--checkpoint", str(folder), "--observations", str(observations), "--device", "cpu"]) == 0
     written = QualityProfile.load(folder / PROFILE_FILE, pipeline.digest)
-    assert written.calibration.source == str(observations) and written.embodiments["pusht"]
+    # The observations by name and content, not by this machine's path (the profile goes to other machines, and
+    # GetServerInfo shows its source to every client).
+    digest = hashlib.sha256(observations.read_bytes()).hexdigest()
+    assert written.calibration.source == f"obs.safetensors (sha256:{digest})" and written.embodiments["pusht"]
+    assert str(tmp_path) not in (folder / PROFILE_FILE).read_text()
     printed = capsys.readouterr().out
     assert "wrote" in printed and "--quality-profile auto" not in printed  # it finds this one
     assert main(elsewhere) == 0
@@ -348,3 +354,11 @@ def test_the_server_refuses_a_profile_of_other_weights(profile, tmp_path, capsys
     assert cli.main(["--quality-profile", str(path), "--port", "0"]) == 2
     err = capsys.readouterr().err
     assert "not these" in err and "recalibrate with `policy-server calibrate`" in err
+
+
+def test_the_shipped_profile_names_its_calibration_set_as_calibrate_does():
+    """It named /work/main/policy_server/assets/calibration/..., the path on the machine that calibrated it: every
+    server's log and `ServerInfo.model.quality_profile` showed a path that is on no robot. It names the shipped set
+    by file name and content, as `policy-server calibrate` now writes a source."""
+    source = json.loads((default_model_path() / PROFILE_FILE).read_text())["calibration"]["source"]
+    assert source == observations_source(DEFAULT_OBSERVATIONS)

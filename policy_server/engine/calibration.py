@@ -19,6 +19,7 @@ name) and `instructions` (a JSON list of M strings). `save_observations` writes 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import math
@@ -167,6 +168,14 @@ def load_observations(path: Path, pipeline: PolicyPipeline, served: bool = True)
     return [Observation(embodiment, {name: images[i] for name, images in cameras.items()},
                         state[i].astype(np.float32) if spec.state_dim else None, instructions[i])
             for i in range(count)]
+
+
+def observations_source(path: Path) -> str:
+    """How a profile names the observations file at `path`: its file name and content digest, which identify it on
+    any machine (a profile is shared, and `GetServerInfo` shows its source to every client), not the path it had on
+    the machine that calibrated."""
+    with path.open("rb") as file:
+        return f"{path.name} (sha256:{hashlib.file_digest(file, 'sha256').hexdigest()})"
 
 
 def _template_embodiment() -> str:
@@ -532,7 +541,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     configs = configurations(pipeline, EngineSettings(), args.min_steps, orders)
     print(f"calibrating {len(configs)} configurations on {len(observations)} observations", flush=True)
-    source = ", ".join([*map(str, args.observations), *(f"{name}: the embedded set" for name in missing)])
+    source = ", ".join([*map(observations_source, args.observations),
+                        *(f"{name}: the embedded set" for name in missing)])
     profile = calibrate(pipeline, observations, configs, source=source,
                         progress=lambda done: print(f"  {done:.0%}", flush=True))
     replaced = out.is_file()
