@@ -69,6 +69,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from policy_server.benchmarks.forward import measure_forward, reference_unavailable
 from policy_server.budget.cost_model import FULL, PAIR, SKIP
 from policy_server.budget.guard import LATE_FALLBACKS
 from policy_server.budget.planner import MAX_CACHING
@@ -715,8 +716,6 @@ def forward_summary(pipeline: PolicyPipeline, embodiment: Embodiment, latent_sha
     """Per-step call times of the served transformer's config: full, GEN-only and the diffusers reference."""
     if not args.reference:
         return None
-    from policy_server.benchmarks.forward import measure_forward
-
     chunk = embodiment.default_chunk_size
     prompt = pipeline.encode_prompt(SAMPLE_INSTRUCTION, embodiment, chunk, cfg=False,
                                     canvas_hw=pipeline.config.canvas_hw)
@@ -975,6 +974,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         resolve_device(args.device)
     except DeviceUnavailable as error:
         parser.error(str(error))
+    if args.reference and (unavailable := reference_unavailable()):  # timed last: know now, not after the run
+        parser.error(f"--reference: {unavailable}; install the [dev] extra (pip install -e '.[dev]') or pass "
+                     "--no-reference")
     return args
 
 

@@ -3,6 +3,7 @@ they promise exist and hold the documented keys."""
 
 import json
 import shutil
+import sys
 
 import numpy as np
 import pytest
@@ -203,6 +204,16 @@ def test_bench_refuses_what_it_cannot_drive(tmp_path, capsys):
     with torch._dynamo.config.patch(disable=True):  # TORCH_COMPILE_DISABLE=1
         assert bench_main(["--checkpoint", str(folder), "--compile-gen-stack", "--out", str(tmp_path / "b.json")]) == 2
     assert "--compile-gen-stack: torch.compile is disabled" in capsys.readouterr().err
+    # Without diffusers (the [dev] or [cosmos3] extra), the run ended in an ImportError traceback and no report.
+    with pytest.MonkeyPatch.context() as patch, pytest.raises(SystemExit) as exit_:
+        for module in ("diffusers", "diffusers.models.transformers.transformer_cosmos3"):  # even if imported
+            patch.setitem(sys.modules, module, None)  # as if not installed: importing it raises ImportError
+        bench_main(["--ticks", "2", "--warmup", "2", "--profile-ticks", "0", "--budgets-ms", "1",
+                    "--out", str(tmp_path / "b.json")])  # refused at its start, not only once run: exit 2 then
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--reference: diffusers' Cosmos3OmniTransformer cannot be imported (" in err
+    assert err.rstrip().endswith("install the [dev] extra (pip install -e '.[dev]') or pass --no-reference")
     for option, value in (("--profile-ticks", "-1"), ("--forward-repeats", "0"), ("--threads", "0")):
         with pytest.raises(SystemExit) as exit_:
             bench_main([option, value, "--out", str(tmp_path / "b.json")])

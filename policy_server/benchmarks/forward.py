@@ -77,6 +77,16 @@ def random_model(config: Cosmos3TransformerConfig, seed: int = 0,
     return model
 
 
+def reference_unavailable() -> str | None:
+    """Why diffusers' reference transformer cannot be built here (diffusers >= 0.42.1, the [dev] or [cosmos3]
+    extra, is not installed), or None when it can: checked before a bench that ends by timing it starts."""
+    try:
+        from diffusers.models.transformers.transformer_cosmos3 import Cosmos3OmniTransformer  # noqa: F401
+    except ImportError as error:
+        return f"diffusers' Cosmos3OmniTransformer cannot be imported ({error})"
+    return None
+
+
 def reference_model(model: Cosmos3OmniTransformer):
     """diffusers' `Cosmos3OmniTransformer` with the same config, weights and device (dev dependency).
 
