@@ -506,7 +506,9 @@ def run(args: argparse.Namespace) -> dict:
     scale_ticks = [uncached(request_of(obs, embodiment, tick))
                    for tick, obs in enumerate((observations * SCALE_TICKS)[:SCALE_TICKS])]
     uncached_scale_ms = statistics.median(out.timings_ms["total"] for out in scale_ticks)
-    budgets = args.budgets_ms or [round(f * uncached_scale_ms, 1) for f in args.budget_fractions]
+    # Tightest first, each once: the slowdown run is at the tightest (and a budget given twice would run two
+    # engines under one name).
+    budgets = sorted(set(args.budgets_ms or [round(f * uncached_scale_ms, 1) for f in args.budget_fractions]))
     slow_budget = budgets[0]
     slowdown_ms = args.slowdown_ms
     if slowdown_ms is None:  # half an uncached step (embed, the branches' GEN stack as one call, heads)

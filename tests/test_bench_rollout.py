@@ -125,11 +125,16 @@ def test_bench_plans_on_the_profile_the_server_would_use(profiled_checkpoint, tm
     out = tmp_path / "bench.json"
     assert bench_main(["--checkpoint", str(checkpoint), "--ticks", "2", "--warmup", "2", "--out", str(out),
                        "--forward-repeats", "1", "--profile-ticks", "0", "--no-reference",
-                       "--budget-fractions", "0.9"]) == 0
+                       "--budget-fractions", "0.9", "0.8"]) == 0
     assert "calibrating" not in capsys.readouterr().err
     assert not (tmp_path / "bench_profile.json").exists()
+    report = json.loads(out.read_text())
+    # Budgets run tightest first, whatever order they were given in: the slowdown run is at the tightest (it ran at
+    # the first given).
+    budgets = [row["budget_ms"] for row in report["sweep"]]
+    assert budgets == sorted(budgets) and report["slowdown"]["config"] == f"budget_{budgets[0]:g}_slowdown"
     errors = {point.config.name: point.error for point in profile.embodiments["pusht"]}
-    fixed = [c for c in json.loads(out.read_text())["configs"] if "point" in c]
+    fixed = [c for c in report["configs"] if "point" in c]
     assert fixed and all(c["point_error"] == errors[c["point"]] for c in fixed)  # that profile's figures
     (checkpoint / PROFILE_FILE).write_text("{}")  # a broken one is an error, not a silent recalibration
     assert bench_main(["--checkpoint", str(checkpoint), "--out", str(out)]) == 2
