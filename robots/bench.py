@@ -723,7 +723,7 @@ def forward_summary(pipeline: PolicyPipeline, embodiment: Embodiment, latent_sha
                                     canvas_hw=pipeline.config.canvas_hw)
     return measure_forward(pipeline.transformer.config, n_text=len(prompt.input_ids["cond"]),
                            vision_shape=latent_shape, chunk=chunk, repeats=args.forward_repeats,
-                           device=pipeline.device)
+                           device=pipeline.device, state_rows=1 if embodiment.state_dim else 0)
 
 
 # Profiler ops that are the model's arithmetic: matmuls and the attention kernel (by backend).

@@ -48,6 +48,9 @@ def test_bench_writes_the_documented_report(profiled_checkpoint, tmp_path, compi
     assert report["model"]["param_bytes"] == 4 * report["model"]["params"]
     assert report["model"]["latent_shape"] == [16, 3, 8, 8] and report["model"]["canvas_hw"] == [64, 64]
     assert {"full_ms", "gen_only_ms", "reference_full_ms", "ratio_gen_only_vs_reference"} <= set(report["forward"])
+    # the step timed is one of the ticks the model section describes (it lacked the state row: 56 against 57)
+    assert [report["forward"][k] for k in ("text_tokens", "gen_tokens")] == \
+        [report["model"][k] for k in ("text_tokens", "gen_tokens")]
     profile = report["tick_profile"]
     assert profile["matmul_ms"] > 0 and profile["attention_ms"] > 0 and profile["ops_per_tick"] > 0
     assert profile["ticks"] == 1 and profile["wall_vs_arithmetic"] > 0
