@@ -25,6 +25,7 @@ from policy_server.engine.calibration import (
     cache_dir,
     calibrate,
     configurations,
+    default_config,
     load_observations,
     main,
     observations_source,
@@ -211,6 +212,26 @@ def test_the_command_calibrates_every_served_embodiment_so_the_server_takes_the_
     profile, calibrate_at_warmup = resolve_profile("auto", folder, pipeline.digest, pipeline.served_embodiments,
                                                    pipeline.config)
     assert set(profile.embodiments) == {"pusht", "two_camera_arm"} and not calibrate_at_warmup
+
+
+def test_a_one_step_checkpoint_calibrates_its_own_tick_and_no_slower_one(tmp_path, capsys, monkeypatch):
+    """The space was floored at 2 steps, `--min-steps`' default: a 1-step checkpoint's profile (the warmup's too) held
+    only 2-step ticks, twice its own cost, and not its default; the command refused it over a flag not given."""
+    monkeypatch.setenv("POLICY_SERVER_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "model"
+    pipeline = build_random_pipeline(folder, seed=5)
+    policy = json.loads((folder / "policy.json").read_text())
+    (folder / "policy.json").write_text(json.dumps({**policy, "num_steps": 1}))
+    one = PolicyPipeline.from_pretrained(folder)
+    for coarse in (False, True):
+        configs = configurations(one, EngineSettings(), coarse=coarse)
+        assert configs[0] == default_config(one.config, 1) and {c.num_steps for c in configs} == {1}
+    assert main(["--checkpoint", str(folder), "--max-observations", "1", "--device", "cpu"]) == 0
+    profile = QualityProfile.load(folder / PROFILE_FILE, pipeline.digest)
+    assert {p.config.num_steps for p in profile.embodiments["pusht"]} == {1}
+    with pytest.raises(SystemExit):  # asked for: still refused, by name
+        main(["--checkpoint", str(folder), "--min-steps", "2"])
+    assert "--min-steps 2: above the checkpoint's 1 sampler steps" in capsys.readouterr().err
 
 
 def test_the_command_writes_the_profile_beside_the_checkpoint(tmp_path, capsys, monkeypatch):

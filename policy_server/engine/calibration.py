@@ -207,7 +207,8 @@ def warmup_observations(pipeline: PolicyPipeline, count: int,
 
 def configurations(pipeline: PolicyPipeline, settings: EngineSettings, min_steps: int = 2,
                    residual_orders: Sequence[int] | None = None, coarse: bool = False) -> list[TickConfig]:
-    """The joint space calibrated: sampler steps from the default down to `min_steps`; with guidance, the
+    """The joint space calibrated: sampler steps from the default down to `min_steps` (or to the default, when
+    it has fewer: a calibration measures no tick slower than the checkpoint's own); with guidance, the
     uncond pass on all guided steps, the first half, or the first only; no cache, or each rung of the
     planner's ladder (when a tick has steps to skip), at each residual order (default: the configured one).
     `coarse`: about a fifth of it (`COARSE_STEP_FRACTIONS`, all or the first guided step, `COARSE_RUNGS`)."""
@@ -218,7 +219,8 @@ def configurations(pipeline: PolicyPipeline, settings: EngineSettings, min_steps
         ladder = tuple(ladder[i] for i in COARSE_RUNGS)
     configs = []
     fractions = COARSE_STEP_FRACTIONS if coarse else STEP_FRACTIONS
-    for steps in sorted({max(min_steps, round(default_steps * f)) for f in fractions}, reverse=True):
+    floor = min(min_steps, default_steps)
+    for steps in sorted({max(floor, round(default_steps * f)) for f in fractions}, reverse=True):
         schedules = {steps, 1} if coarse else {steps, math.ceil(steps / 2), 1}
         for cfg_steps in sorted(schedules if cfg else {0}, reverse=True):
             configs.append(TickConfig(num_steps=steps, cfg_steps=cfg_steps, threshold=0.0, cap=0,
@@ -490,13 +492,13 @@ def main(argv: list[str] | None = None) -> int:
                              "directory, where `--quality-profile auto` looks)")
     parser.add_argument("--max-observations", type=int, default=MAX_OBSERVATIONS,
                         help="use at most this many per embodiment")
-    parser.add_argument("--min-steps", type=int, default=2, help="fewest sampler steps tried (2)")
+    parser.add_argument("--min-steps", type=int, help="fewest sampler steps tried (2, or the checkpoint's when fewer)")
     parser.add_argument("--residual-orders", default=None,
                         help="SeaCache residual orders tried, comma-separated (default: the server's, 1)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (auto)")
     parser.add_argument("--dtype", default="auto", choices=DTYPES, help="weight dtype (auto)")
     args = parser.parse_args(argv)
-    if args.max_observations < 1 or args.min_steps < 1:
+    if args.max_observations < 1 or (args.min_steps is not None and args.min_steps < 1):
         parser.error("--max-observations and --min-steps must be at least 1")
     orders = None
     if args.residual_orders:
@@ -527,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
     if synthetic := [name for name in missing if name != _template_embodiment()]:
         print(f"no observations of {', '.join(synthetic)}: calibrating on the embedded simulator's frames resized to "
               "their cameras and a zero state (pass --observations of their own scenes for a profile of them)")
-    if args.min_steps > pipeline.config.num_steps:
+    if args.min_steps is not None and args.min_steps > pipeline.config.num_steps:
         parser.error(f"--min-steps {args.min_steps}: above the checkpoint's {pipeline.config.num_steps} sampler steps")
     out = args.out  # checked now: the profile is written after the calibration, which may take an hour
     if out is None:  # beside a checkpoint folder of the user's that can hold it, else in the cache
@@ -539,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"policy-server calibrate: {error} (the cache directory: ${PROFILE_CACHE_ENV}, else "
                   "$XDG_CACHE_HOME/policy-server); pass --out FILE", file=sys.stderr)
             return 2
-    configs = configurations(pipeline, EngineSettings(), args.min_steps, orders)
+    configs = configurations(pipeline, EngineSettings(), args.min_steps or 2, orders)
     print(f"calibrating {len(configs)} configurations on {len(observations)} observations", flush=True)
     source = ", ".join([*map(observations_source, args.observations),
                         *(f"{name}: the embedded set" for name in missing)])
