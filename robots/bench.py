@@ -905,7 +905,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="policy-server bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=output_file, default=Path("bench.json"),
-                        help="JSON path; PNGs go beside it")
+                        help="JSON path; PNGs go beside it (bench.json)")
     parser.add_argument("--checkpoint", type=Path, default=None,
                         help="the embedded layout or a diffusers Cosmos3OmniPipeline folder, or a Hugging Face Hub "
                              "id (default: embedded)")
@@ -918,8 +918,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--compile-gen-stack", action=argparse.BooleanOptionalAction, default=None,
                         help="the engines' GEN stack compiled, as the server's flag (default: as the server: "
                              "wherever torch can compile)")
-    parser.add_argument("--ticks", type=int, default=500)
-    parser.add_argument("--warmup", type=int, default=4, help="warmup ticks per engine and cache mode")
+    parser.add_argument("--ticks", type=int, default=500, help="ticks every configuration runs (500)")
+    parser.add_argument("--warmup", type=int, default=4, help="warmup ticks per engine and cache mode (4)")
     budgets = parser.add_mutually_exclusive_group()
     budgets.add_argument("--budgets-ms", type=float, nargs="+", default=None,
                          help="per-tick budgets to run, ms (default: --budget-fractions of the uncached latency)")
@@ -930,13 +930,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                               "six points)")
     parser.add_argument("--slowdown-ms", type=float, default=None,
                         help="extra ms per full call from the halfway tick (default: half a full call)")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1)")
+    parser.add_argument("--seed", type=int, default=0, help="which held-out scenes the ticks see (0)")
     parser.add_argument("--profile-ticks", type=int, default=20,
-                        help="uncached ticks profiled for `tick_profile` (wall vs matmul + attention); 0: skip")
+                        help="uncached ticks profiled for `tick_profile` (wall vs matmul + attention; 20); 0: skip")
     parser.add_argument("--reference", action=argparse.BooleanOptionalAction, default=True,
-                        help="time diffusers' reference forward (needs the [dev] extra)")
-    parser.add_argument("--forward-repeats", type=int, default=50)
+                        help="time diffusers' reference forward (on; needs the [dev] extra)")
+    parser.add_argument("--forward-repeats", type=int, default=50, help="timed calls per figure of `forward` (50)")
     parser.add_argument("--closed-loop", type=int, default=0, metavar="N",
                         help="also run N held-out episodes per config; report success_rate, collision_rate and "
                              "episode_steps")
@@ -944,7 +944,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="the task whose held-out expert observations feed every configuration, and whose "
                              f"episodes the closed loop runs (default {REACH_EITHER_TIMED_ID}, the shipped "
                              f"model's; {REACH_ID} for a Reach-only checkpoint)")
-    parser.add_argument("--execute", type=int, default=4, help="closed loop: actions executed per chunk")
+    parser.add_argument("--execute", type=int, default=4, help="closed loop: actions executed per chunk (4)")
     parser.add_argument("--quality-profile", default="auto",
                         help="the controller's profile (`policy-server calibrate`): a file, or auto (default): "
                              "where the server finds it, beside the checkpoint or in the cache, else calibrate "

@@ -239,6 +239,20 @@ def test_bench_refuses_what_it_cannot_drive(tmp_path, capsys):
         assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_bench_help_gives_each_options_default(capsys):
+    """--ticks, --seed and --forward-repeats had no help, --out, --profile-ticks and others no default: a user sizing
+    a short run read neither how long the default one is nor where it writes."""
+    with pytest.raises(SystemExit) as exit_:
+        bench_main(["--help"])
+    assert exit_.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # as one line: argparse wraps the help
+    for option, default in (("--out OUT", "(bench.json)"), ("--ticks TICKS", "(500)"), ("--warmup WARMUP", "(4)"),
+                            ("--threads THREADS", "(1)"), ("--seed SEED", "(0)"), ("--profile-ticks", "20)"),
+                            ("--forward-repeats FORWARD_REPEATS", "(50)"), ("--execute EXECUTE", "(4)")):
+        help_text = text.split(f" {option} ", 1)[1].split(" --", 1)[0]
+        assert default in help_text, (option, help_text)
+
+
 def test_bench_ends_with_the_message_of_a_budget_the_engine_refuses(profiled_checkpoint, tmp_path, monkeypatch,
                                                                    capsys):
     checkpoint, _ = profiled_checkpoint
