@@ -270,6 +270,10 @@ def test_the_command_writes_the_profile_beside_the_checkpoint(tmp_path, capsys, 
         with pytest.raises(SystemExit):
             main(["--checkpoint", str(folder), *bad])
         assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "use at most this many per embodiment (1024, as many as a file holds)" in " ".join(
+        capsys.readouterr().out.split())  # it gave no default
 
 
 def test_a_cache_directory_the_profile_cannot_go_to_is_refused_before_calibrating(tmp_path, capsys, monkeypatch):

@@ -491,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="profile file (default: quality_profile.json beside --checkpoint, else the cache "
                              "directory, where `--quality-profile auto` looks)")
     parser.add_argument("--max-observations", type=int, default=MAX_OBSERVATIONS,
-                        help="use at most this many per embodiment")
+                        help=f"use at most this many per embodiment ({MAX_OBSERVATIONS}, as many as a file holds)")
     parser.add_argument("--min-steps", type=int, help="fewest sampler steps tried (2, or the checkpoint's when fewer)")
     parser.add_argument("--residual-orders", default=None,
                         help="SeaCache residual orders tried, comma-separated (default: the server's, 1)")
