@@ -148,6 +148,9 @@ def test_observations_round_trip_and_bad_files_name_what_is_wrong(pipe, observat
     path.write_bytes(b"not safetensors")
     with pytest.raises(CalibrationError, match="not a calibration observations file"):
         load_observations(path, pipe)
+    with pytest.raises(CalibrationError) as folder:  # it said "No such device (os error 19)"
+        load_observations(path.parent, pipe)
+    assert str(folder.value) == f"{path.parent}: a folder; expected a calibration observations file (safetensors)"
     # Cameras of different heights, as the server takes them: the shorter within the bound once scaled.
     pipe.embodiments.register(Embodiment(name="scene_and_wrist", domain_id=30, raw_action_dim=2, state_dim=2,
                                          cameras=("scene", "wrist")), replace=True)

@@ -123,6 +123,8 @@ def save_observations(path: Path, observations: Sequence[Observation]) -> None:
 def load_observations(path: Path, pipeline: PolicyPipeline, served: bool = True) -> list[Observation]:
     """The observations of a calibration file, checked against what `pipeline` serves (`served`; else against
     its embodiment registry)."""
+    if path.is_dir():  # safetensors would say "No such device"
+        raise CalibrationError(f"{path}: a folder; expected a calibration observations file (safetensors)")
     try:
         with safe_open(str(path), framework="np") as file:
             metadata = file.metadata() or {}
