@@ -69,6 +69,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from policy_server.benchmarks.forward import measure_forward, reference_unavailable
 from policy_server.budget.cost_model import FULL, PAIR, SKIP
 from policy_server.budget.guard import LATE_FALLBACKS
 from policy_server.budget.planner import MAX_CACHING
@@ -83,6 +84,7 @@ from policy_server.engine.calibration import (
     calibrate,
     configurations,
     fixed_control,
+    observations_source,
     resolve_profile,
     warmup_observations,
 )
@@ -478,7 +480,8 @@ def run(args: argparse.Namespace) -> dict:
     if profile is None:  # the shipped ReachEither set; for another embodiment its frames on that one's cameras
         calibration_set = [o for o in warmup_observations(pipeline, args.calibration_observations)
                            if o.embodiment == embodiment.name]
-        source = str(DEFAULT_OBSERVATIONS) + ("" if embodiment.name == "pusht" else " (resized, zero state)")
+        source = observations_source(DEFAULT_OBSERVATIONS) + ("" if embodiment.name == "pusht"
+                                                              else " (resized, zero state)")
         why = "--quality-profile off" if args.quality_profile == "off" else \
             "no quality profile of these weights beside the checkpoint or in the cache"
         print(f"policy-server bench: {why}: calibrating on {len(calibration_set)} observations of {source}",
@@ -503,7 +506,9 @@ def run(args: argparse.Namespace) -> dict:
     scale_ticks = [uncached(request_of(obs, embodiment, tick))
                    for tick, obs in enumerate((observations * SCALE_TICKS)[:SCALE_TICKS])]
     uncached_scale_ms = statistics.median(out.timings_ms["total"] for out in scale_ticks)
-    budgets = args.budgets_ms or [round(f * uncached_scale_ms, 1) for f in args.budget_fractions]
+    # Tightest first, each once: the slowdown run is at the tightest (and a budget given twice would run two
+    # engines under one name).
+    budgets = sorted(set(args.budgets_ms or [round(f * uncached_scale_ms, 1) for f in args.budget_fractions]))
     slow_budget = budgets[0]
     slowdown_ms = args.slowdown_ms
     if slowdown_ms is None:  # half an uncached step (embed, the branches' GEN stack as one call, heads)
@@ -713,14 +718,12 @@ def forward_summary(pipeline: PolicyPipeline, embodiment: Embodiment, latent_sha
     """Per-step call times of the served transformer's config: full, GEN-only and the diffusers reference."""
     if not args.reference:
         return None
-    from policy_server.benchmarks.forward import measure_forward
-
     chunk = embodiment.default_chunk_size
     prompt = pipeline.encode_prompt(SAMPLE_INSTRUCTION, embodiment, chunk, cfg=False,
                                     canvas_hw=pipeline.config.canvas_hw)
     return measure_forward(pipeline.transformer.config, n_text=len(prompt.input_ids["cond"]),
                            vision_shape=latent_shape, chunk=chunk, repeats=args.forward_repeats,
-                           device=pipeline.device)
+                           device=pipeline.device, state_rows=1 if embodiment.state_dim else 0)
 
 
 # Profiler ops that are the model's arithmetic: matmuls and the attention kernel (by backend).
@@ -902,7 +905,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="policy-server bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=output_file, default=Path("bench.json"),
-                        help="JSON path; PNGs go beside it")
+                        help="JSON path; PNGs go beside it (bench.json)")
     parser.add_argument("--checkpoint", type=Path, default=None,
                         help="the embedded layout or a diffusers Cosmos3OmniPipeline folder, or a Hugging Face Hub "
                              "id (default: embedded)")
@@ -915,8 +918,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--compile-gen-stack", action=argparse.BooleanOptionalAction, default=None,
                         help="the engines' GEN stack compiled, as the server's flag (default: as the server: "
                              "wherever torch can compile)")
-    parser.add_argument("--ticks", type=int, default=500)
-    parser.add_argument("--warmup", type=int, default=4, help="warmup ticks per engine and cache mode")
+    parser.add_argument("--ticks", type=int, default=500, help="ticks every configuration runs (500)")
+    parser.add_argument("--warmup", type=int, default=4, help="warmup ticks per engine and cache mode (4)")
     budgets = parser.add_mutually_exclusive_group()
     budgets.add_argument("--budgets-ms", type=float, nargs="+", default=None,
                          help="per-tick budgets to run, ms (default: --budget-fractions of the uncached latency)")
@@ -927,13 +930,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                               "six points)")
     parser.add_argument("--slowdown-ms", type=float, default=None,
                         help="extra ms per full call from the halfway tick (default: half a full call)")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1)")
+    parser.add_argument("--seed", type=int, default=0, help="which held-out scenes the ticks see (0)")
     parser.add_argument("--profile-ticks", type=int, default=20,
-                        help="uncached ticks profiled for `tick_profile` (wall vs matmul + attention); 0: skip")
+                        help="uncached ticks profiled for `tick_profile` (wall vs matmul + attention; 20); 0: skip")
     parser.add_argument("--reference", action=argparse.BooleanOptionalAction, default=True,
-                        help="time diffusers' reference forward (needs the [dev] extra)")
-    parser.add_argument("--forward-repeats", type=int, default=50)
+                        help="time diffusers' reference forward (on; needs the [dev] extra)")
+    parser.add_argument("--forward-repeats", type=int, default=50, help="timed calls per figure of `forward` (50)")
     parser.add_argument("--closed-loop", type=int, default=0, metavar="N",
                         help="also run N held-out episodes per config; report success_rate, collision_rate and "
                              "episode_steps")
@@ -941,7 +944,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="the task whose held-out expert observations feed every configuration, and whose "
                              f"episodes the closed loop runs (default {REACH_EITHER_TIMED_ID}, the shipped "
                              f"model's; {REACH_ID} for a Reach-only checkpoint)")
-    parser.add_argument("--execute", type=int, default=4, help="closed loop: actions executed per chunk")
+    parser.add_argument("--execute", type=int, default=4, help="closed loop: actions executed per chunk (4)")
     parser.add_argument("--quality-profile", default="auto",
                         help="the controller's profile (`policy-server calibrate`): a file, or auto (default): "
                              "where the server finds it, beside the checkpoint or in the cache, else calibrate "
@@ -973,6 +976,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         resolve_device(args.device)
     except DeviceUnavailable as error:
         parser.error(str(error))
+    if args.reference and (unavailable := reference_unavailable()):  # timed last: know now, not after the run
+        parser.error(f"--reference: {unavailable}; install the [dev] extra (pip install -e '.[dev]') or pass "
+                     "--no-reference")
     return args
 
 

@@ -3,6 +3,7 @@ they promise exist and hold the documented keys."""
 
 import json
 import shutil
+import sys
 
 import numpy as np
 import pytest
@@ -47,6 +48,9 @@ def test_bench_writes_the_documented_report(profiled_checkpoint, tmp_path, compi
     assert report["model"]["param_bytes"] == 4 * report["model"]["params"]
     assert report["model"]["latent_shape"] == [16, 3, 8, 8] and report["model"]["canvas_hw"] == [64, 64]
     assert {"full_ms", "gen_only_ms", "reference_full_ms", "ratio_gen_only_vs_reference"} <= set(report["forward"])
+    # the step timed is one of the ticks the model section describes (it lacked the state row: 56 against 57)
+    assert [report["forward"][k] for k in ("text_tokens", "gen_tokens")] == \
+        [report["model"][k] for k in ("text_tokens", "gen_tokens")]
     profile = report["tick_profile"]
     assert profile["matmul_ms"] > 0 and profile["attention_ms"] > 0 and profile["ops_per_tick"] > 0
     assert profile["ticks"] == 1 and profile["wall_vs_arithmetic"] > 0
@@ -124,11 +128,16 @@ def test_bench_plans_on_the_profile_the_server_would_use(profiled_checkpoint, tm
     out = tmp_path / "bench.json"
     assert bench_main(["--checkpoint", str(checkpoint), "--ticks", "2", "--warmup", "2", "--out", str(out),
                        "--forward-repeats", "1", "--profile-ticks", "0", "--no-reference",
-                       "--budget-fractions", "0.9"]) == 0
+                       "--budget-fractions", "0.9", "0.8"]) == 0
     assert "calibrating" not in capsys.readouterr().err
     assert not (tmp_path / "bench_profile.json").exists()
+    report = json.loads(out.read_text())
+    # Budgets run tightest first, whatever order they were given in: the slowdown run is at the tightest (it ran at
+    # the first given).
+    budgets = [row["budget_ms"] for row in report["sweep"]]
+    assert budgets == sorted(budgets) and report["slowdown"]["config"] == f"budget_{budgets[0]:g}_slowdown"
     errors = {point.config.name: point.error for point in profile.embodiments["pusht"]}
-    fixed = [c for c in json.loads(out.read_text())["configs"] if "point" in c]
+    fixed = [c for c in report["configs"] if "point" in c]
     assert fixed and all(c["point_error"] == errors[c["point"]] for c in fixed)  # that profile's figures
     (checkpoint / PROFILE_FILE).write_text("{}")  # a broken one is an error, not a silent recalibration
     assert bench_main(["--checkpoint", str(checkpoint), "--out", str(out)]) == 2
@@ -203,6 +212,16 @@ def test_bench_refuses_what_it_cannot_drive(tmp_path, capsys):
     with torch._dynamo.config.patch(disable=True):  # TORCH_COMPILE_DISABLE=1
         assert bench_main(["--checkpoint", str(folder), "--compile-gen-stack", "--out", str(tmp_path / "b.json")]) == 2
     assert "--compile-gen-stack: torch.compile is disabled" in capsys.readouterr().err
+    # Without diffusers (the [dev] or [cosmos3] extra), the run ended in an ImportError traceback and no report.
+    with pytest.MonkeyPatch.context() as patch, pytest.raises(SystemExit) as exit_:
+        for module in ("diffusers", "diffusers.models.transformers.transformer_cosmos3"):  # even if imported
+            patch.setitem(sys.modules, module, None)  # as if not installed: importing it raises ImportError
+        bench_main(["--ticks", "2", "--warmup", "2", "--profile-ticks", "0", "--budgets-ms", "1",
+                    "--out", str(tmp_path / "b.json")])  # refused at its start, not only once run: exit 2 then
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--reference: diffusers' Cosmos3OmniTransformer cannot be imported (" in err
+    assert err.rstrip().endswith("install the [dev] extra (pip install -e '.[dev]') or pass --no-reference")
     for option, value in (("--profile-ticks", "-1"), ("--forward-repeats", "0"), ("--threads", "0")):
         with pytest.raises(SystemExit) as exit_:
             bench_main([option, value, "--out", str(tmp_path / "b.json")])
@@ -218,6 +237,20 @@ def test_bench_refuses_what_it_cannot_drive(tmp_path, capsys):
         with pytest.raises(SystemExit) as exit_:
             bench_main([*flags, "--out", str(tmp_path / "b.json")] if flags[0] != "--out" else flags)
         assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_bench_help_gives_each_options_default(capsys):
+    """--ticks, --seed and --forward-repeats had no help, --out, --profile-ticks and others no default: a user sizing
+    a short run read neither how long the default one is nor where it writes."""
+    with pytest.raises(SystemExit) as exit_:
+        bench_main(["--help"])
+    assert exit_.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # as one line: argparse wraps the help
+    for option, default in (("--out OUT", "(bench.json)"), ("--ticks TICKS", "(500)"), ("--warmup WARMUP", "(4)"),
+                            ("--threads THREADS", "(1)"), ("--seed SEED", "(0)"), ("--profile-ticks", "20)"),
+                            ("--forward-repeats FORWARD_REPEATS", "(50)"), ("--execute EXECUTE", "(4)")):
+        help_text = text.split(f" {option} ", 1)[1].split(" --", 1)[0]
+        assert default in help_text, (option, help_text)
 
 
 def test_bench_ends_with_the_message_of_a_budget_the_engine_refuses(profiled_checkpoint, tmp_path, monkeypatch,

@@ -1,6 +1,7 @@
 """Calibration: a quality profile measured on a tiny model, its observations file, the command that writes it,
 and an engine that plans its ticks on it (loaded, or measured at warmup)."""
 
+import hashlib
 import json
 import logging
 from collections import Counter
@@ -24,8 +25,10 @@ from policy_server.engine.calibration import (
     cache_dir,
     calibrate,
     configurations,
+    default_config,
     load_observations,
     main,
+    observations_source,
     resolve_profile,
     run_cut,
     save_observations,
@@ -33,7 +36,7 @@ from policy_server.engine.calibration import (
 from policy_server.engine.engine import ModelEngine
 from policy_server.engine.served import EngineSettings
 from policy_server.pipeline.embodiments import Embodiment
-from policy_server.pipeline.policy import PolicyPipeline
+from policy_server.pipeline.policy import PolicyPipeline, default_model_path
 from robots.embedded import build_random_pipeline
 
 STEPS = 6
@@ -145,6 +148,9 @@ def test_observations_round_trip_and_bad_files_name_what_is_wrong(pipe, observat
     path.write_bytes(b"not safetensors")
     with pytest.raises(CalibrationError, match="not a calibration observations file"):
         load_observations(path, pipe)
+    with pytest.raises(CalibrationError) as folder:  # it said "No such device (os error 19)"
+        load_observations(path.parent, pipe)
+    assert str(folder.value) == f"{path.parent}: a folder; expected a calibration observations file (safetensors)"
     # Cameras of different heights, as the server takes them: the shorter within the bound once scaled.
     pipe.embodiments.register(Embodiment(name="scene_and_wrist", domain_id=30, raw_action_dim=2, state_dim=2,
                                          cameras=("scene", "wrist")), replace=True)
@@ -211,6 +217,26 @@ def test_the_command_calibrates_every_served_embodiment_so_the_server_takes_the_
     assert set(profile.embodiments) == {"pusht", "two_camera_arm"} and not calibrate_at_warmup
 
 
+def test_a_one_step_checkpoint_calibrates_its_own_tick_and_no_slower_one(tmp_path, capsys, monkeypatch):
+    """The space was floored at 2 steps, `--min-steps`' default: a 1-step checkpoint's profile (the warmup's too) held
+    only 2-step ticks, twice its own cost, and not its default; the command refused it over a flag not given."""
+    monkeypatch.setenv("POLICY_SERVER_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "model"
+    pipeline = build_random_pipeline(folder, seed=5)
+    policy = json.loads((folder / "policy.json").read_text())
+    (folder / "policy.json").write_text(json.dumps({**policy, "num_steps": 1}))
+    one = PolicyPipeline.from_pretrained(folder)
+    for coarse in (False, True):
+        configs = configurations(one, EngineSettings(), coarse=coarse)
+        assert configs[0] == default_config(one.config, 1) and {c.num_steps for c in configs} == {1}
+    assert main(["--checkpoint", str(folder), "--max-observations", "1", "--device", "cpu"]) == 0
+    profile = QualityProfile.load(folder / PROFILE_FILE, pipeline.digest)
+    assert {p.config.num_steps for p in profile.embodiments["pusht"]} == {1}
+    with pytest.raises(SystemExit):  # asked for: still refused, by name
+        main(["--checkpoint", str(folder), "--min-steps", "2"])
+    assert "--min-steps 2: above the checkpoint's 1 sampler steps" in capsys.readouterr().err
+
+
 def test_the_command_writes_the_profile_beside_the_checkpoint(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("POLICY_SERVER_CACHE", str(tmp_path / "cache"))
     folder = tmp_path / "model"
@@ -225,7 +251,11 @@ def test_the_command_writes_the_profile_beside_the_checkpoint(tmp_path, capsys, 
     assert "`--quality-profile auto` looks beside the checkpoint and in the cache, not there" in capsys.readouterr().out
     assert main(["--checkpoint", str(folder), "--observations", str(observations), "--device", "cpu"]) == 0
     written = QualityProfile.load(folder / PROFILE_FILE, pipeline.digest)
-    assert written.calibration.source == str(observations) and written.embodiments["pusht"]
+    # The observations by name and content, not by this machine's path (the profile goes to other machines, and
+    # GetServerInfo shows its source to every client).
+    digest = hashlib.sha256(observations.read_bytes()).hexdigest()
+    assert written.calibration.source == f"obs.safetensors (sha256:{digest})" and written.embodiments["pusht"]
+    assert str(tmp_path) not in (folder / PROFILE_FILE).read_text()
     printed = capsys.readouterr().out
     assert "wrote" in printed and "--quality-profile auto" not in printed  # it finds this one
     assert main(elsewhere) == 0
@@ -243,6 +273,10 @@ def test_the_command_writes_the_profile_beside_the_checkpoint(tmp_path, capsys, 
         with pytest.raises(SystemExit):
             main(["--checkpoint", str(folder), *bad])
         assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "use at most this many per embodiment (1024, as many as a file holds)" in " ".join(
+        capsys.readouterr().out.split())  # it gave no default
 
 
 def test_a_cache_directory_the_profile_cannot_go_to_is_refused_before_calibrating(tmp_path, capsys, monkeypatch):
@@ -348,3 +382,11 @@ def test_the_server_refuses_a_profile_of_other_weights(profile, tmp_path, capsys
     assert cli.main(["--quality-profile", str(path), "--port", "0"]) == 2
     err = capsys.readouterr().err
     assert "not these" in err and "recalibrate with `policy-server calibrate`" in err
+
+
+def test_the_shipped_profile_names_its_calibration_set_as_calibrate_does():
+    """It named /work/main/policy_server/assets/calibration/..., the path on the machine that calibrated it: every
+    server's log and `ServerInfo.model.quality_profile` showed a path that is on no robot. It names the shipped set
+    by file name and content, as `policy-server calibrate` now writes a source."""
+    source = json.loads((default_model_path() / PROFILE_FILE).read_text())["calibration"]["source"]
+    assert source == observations_source(DEFAULT_OBSERVATIONS)

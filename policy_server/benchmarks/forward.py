@@ -77,6 +77,16 @@ def random_model(config: Cosmos3TransformerConfig, seed: int = 0,
     return model
 
 
+def reference_unavailable() -> str | None:
+    """Why diffusers' reference transformer cannot be built here (diffusers >= 0.42.1, the [dev] or [cosmos3]
+    extra, is not installed), or None when it can: checked before a bench that ends by timing it starts."""
+    try:
+        from diffusers.models.transformers.transformer_cosmos3 import Cosmos3OmniTransformer  # noqa: F401
+    except ImportError as error:
+        return f"diffusers' Cosmos3OmniTransformer cannot be imported ({error})"
+    return None
+
+
 def reference_model(model: Cosmos3OmniTransformer):
     """diffusers' `Cosmos3OmniTransformer` with the same config, weights and device (dev dependency).
 
@@ -92,19 +102,20 @@ def reference_model(model: Cosmos3OmniTransformer):
 def measure_forward(config: Cosmos3TransformerConfig, n_text: int = 40,
                     vision_shape: tuple[int, int, int, int] = (16, 3, 8, 8), chunk: int = 8,
                     repeats: int = 50, device: torch.device | str = "cpu", warmup: int = 5,
-                    seed: int = 0) -> dict:
+                    seed: int = 0, state_rows: int = 0) -> dict:
     """Median ms of one denoising-step call, three ways, timed interleaved in one run.
 
     - `full_ms`: our `forward` (both pathways, diffusers-equivalent);
     - `gen_only_ms`: `embed_gen` + `gen_stack` + `heads` against UND K/V prefilled once, with the
       GEN layout (rows, rotary tables) built once per request (what the sampler runs every step);
     - `reference_full_ms`: diffusers' `Cosmos3OmniTransformer.forward` at the same weights.
-    `ratio_gen_only_vs_reference` is `reference_full_ms / gen_only_ms` (the GEN-only speed-up).
+    `ratio_gen_only_vs_reference` is `reference_full_ms / gen_only_ms` (the GEN-only speed-up). `state_rows`: the
+    clean state rows before the chunk (1 for an embodiment with state, as its ticks carry).
     """
     device = torch.device(device)
     model = random_model(config, seed).to(device)
     reference = reference_model(model)
-    kwargs = policy_step_kwargs(config, n_text, vision_shape, chunk, device=device, seed=seed)
+    kwargs = policy_step_kwargs(config, n_text, vision_shape, chunk, device=device, seed=seed, state_rows=state_rows)
     und_len = kwargs["und_len"]
 
     with torch.inference_mode():

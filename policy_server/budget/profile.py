@@ -137,7 +137,7 @@ class Calibration(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     observations: int = Field(ge=1)
-    source: str  # the observations file, "embedded simulator" or "synthetic (warmup)"
+    source: str  # each observations file by name and sha256 (`calibration.observations_source`), or "warmup (bounded)"
     seconds: float = Field(ge=0.0)
 
     def describe(self) -> str:

@@ -19,6 +19,7 @@ name) and `instructions` (a JSON list of M strings). `save_observations` writes 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import math
@@ -122,6 +123,8 @@ def save_observations(path: Path, observations: Sequence[Observation]) -> None:
 def load_observations(path: Path, pipeline: PolicyPipeline, served: bool = True) -> list[Observation]:
     """The observations of a calibration file, checked against what `pipeline` serves (`served`; else against
     its embodiment registry)."""
+    if path.is_dir():  # safetensors would say "No such device"
+        raise CalibrationError(f"{path}: a folder; expected a calibration observations file (safetensors)")
     try:
         with safe_open(str(path), framework="np") as file:
             metadata = file.metadata() or {}
@@ -169,6 +172,14 @@ def load_observations(path: Path, pipeline: PolicyPipeline, served: bool = True)
             for i in range(count)]
 
 
+def observations_source(path: Path) -> str:
+    """How a profile names the observations file at `path`: its file name and content digest, which identify it on
+    any machine (a profile is shared, and `GetServerInfo` shows its source to every client), not the path it had on
+    the machine that calibrated."""
+    with path.open("rb") as file:
+        return f"{path.name} (sha256:{hashlib.file_digest(file, 'sha256').hexdigest()})"
+
+
 def _template_embodiment() -> str:
     """The embodiment of the embedded simulator's observations (`DEFAULT_OBSERVATIONS`)."""
     with safe_open(str(DEFAULT_OBSERVATIONS), framework="np") as file:
@@ -198,7 +209,8 @@ def warmup_observations(pipeline: PolicyPipeline, count: int,
 
 def configurations(pipeline: PolicyPipeline, settings: EngineSettings, min_steps: int = 2,
                    residual_orders: Sequence[int] | None = None, coarse: bool = False) -> list[TickConfig]:
-    """The joint space calibrated: sampler steps from the default down to `min_steps`; with guidance, the
+    """The joint space calibrated: sampler steps from the default down to `min_steps` (or to the default, when
+    it has fewer: a calibration measures no tick slower than the checkpoint's own); with guidance, the
     uncond pass on all guided steps, the first half, or the first only; no cache, or each rung of the
     planner's ladder (when a tick has steps to skip), at each residual order (default: the configured one).
     `coarse`: about a fifth of it (`COARSE_STEP_FRACTIONS`, all or the first guided step, `COARSE_RUNGS`)."""
@@ -209,7 +221,8 @@ def configurations(pipeline: PolicyPipeline, settings: EngineSettings, min_steps
         ladder = tuple(ladder[i] for i in COARSE_RUNGS)
     configs = []
     fractions = COARSE_STEP_FRACTIONS if coarse else STEP_FRACTIONS
-    for steps in sorted({max(min_steps, round(default_steps * f)) for f in fractions}, reverse=True):
+    floor = min(min_steps, default_steps)
+    for steps in sorted({max(floor, round(default_steps * f)) for f in fractions}, reverse=True):
         schedules = {steps, 1} if coarse else {steps, math.ceil(steps / 2), 1}
         for cfg_steps in sorted(schedules if cfg else {0}, reverse=True):
             configs.append(TickConfig(num_steps=steps, cfg_steps=cfg_steps, threshold=0.0, cap=0,
@@ -480,14 +493,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="profile file (default: quality_profile.json beside --checkpoint, else the cache "
                              "directory, where `--quality-profile auto` looks)")
     parser.add_argument("--max-observations", type=int, default=MAX_OBSERVATIONS,
-                        help="use at most this many per embodiment")
-    parser.add_argument("--min-steps", type=int, default=2, help="fewest sampler steps tried (2)")
+                        help=f"use at most this many per embodiment ({MAX_OBSERVATIONS}, as many as a file holds)")
+    parser.add_argument("--min-steps", type=int, help="fewest sampler steps tried (2, or the checkpoint's when fewer)")
     parser.add_argument("--residual-orders", default=None,
                         help="SeaCache residual orders tried, comma-separated (default: the server's, 1)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (auto)")
     parser.add_argument("--dtype", default="auto", choices=DTYPES, help="weight dtype (auto)")
     args = parser.parse_args(argv)
-    if args.max_observations < 1 or args.min_steps < 1:
+    if args.max_observations < 1 or (args.min_steps is not None and args.min_steps < 1):
         parser.error("--max-observations and --min-steps must be at least 1")
     orders = None
     if args.residual_orders:
@@ -518,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
     if synthetic := [name for name in missing if name != _template_embodiment()]:
         print(f"no observations of {', '.join(synthetic)}: calibrating on the embedded simulator's frames resized to "
               "their cameras and a zero state (pass --observations of their own scenes for a profile of them)")
-    if args.min_steps > pipeline.config.num_steps:
+    if args.min_steps is not None and args.min_steps > pipeline.config.num_steps:
         parser.error(f"--min-steps {args.min_steps}: above the checkpoint's {pipeline.config.num_steps} sampler steps")
     out = args.out  # checked now: the profile is written after the calibration, which may take an hour
     if out is None:  # beside a checkpoint folder of the user's that can hold it, else in the cache
@@ -530,9 +543,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"policy-server calibrate: {error} (the cache directory: ${PROFILE_CACHE_ENV}, else "
                   "$XDG_CACHE_HOME/policy-server); pass --out FILE", file=sys.stderr)
             return 2
-    configs = configurations(pipeline, EngineSettings(), args.min_steps, orders)
+    configs = configurations(pipeline, EngineSettings(), args.min_steps or 2, orders)
     print(f"calibrating {len(configs)} configurations on {len(observations)} observations", flush=True)
-    source = ", ".join([*map(str, args.observations), *(f"{name}: the embedded set" for name in missing)])
+    source = ", ".join([*map(observations_source, args.observations),
+                        *(f"{name}: the embedded set" for name in missing)])
     profile = calibrate(pipeline, observations, configs, source=source,
                         progress=lambda done: print(f"  {done:.0%}", flush=True))
     replaced = out.is_file()
