@@ -254,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{COMMANDS_GROUP!r}: reinstall the package, `pip install -e .`, if one is missing)",
                   file=sys.stderr)
             return 2
-        return command.load()(argv[1:])  # loaded only now: the bench needs torch
+        with _default_stop_signals():  # Ctrl-C ends a bench or a calibration at once, without a traceback
+            return command.load()(argv[1:])  # loaded only now: the bench needs torch
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # websockets logs every connection and /healthz probe at INFO, without its address: a probe every 10 s would be
     # most of the log (the server logs each session's opening and closing itself).

@@ -653,6 +653,21 @@ def test_stop_signals_as_an_operator_sends_them(tmp_path):
         log.close()
 
 
+def test_ctrl_c_ends_a_subcommand_at_once_without_a_traceback(tmp_path):
+    # `policy-server bench` printed a KeyboardInterrupt traceback (once a C++ abort at teardown too).
+    bench = subprocess.Popen([sys.executable, "-m", "policy_server.cli", "bench", "--out", str(tmp_path / "b.json")],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        time.sleep(3.0)  # importing torch, or loading the model
+        bench.send_signal(signal.SIGINT)
+        output, _ = bench.communicate(timeout=10)
+        assert bench.returncode == -signal.SIGINT and "Traceback" not in output
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+
+
 def test_failed_tls_handshakes_are_not_logged_one_line_each(tmp_path):
     """Anyone who reaches a TLS port can fail its handshake in a loop (a plaintext client, a port scan): gRPC core
     would log a line on each, so the server keeps gRPC's own log to its errors."""
