@@ -29,14 +29,37 @@ def closed_port():
 
 
 @pytest.fixture
-def no_ray_address(monkeypatch):
+def no_ray_address(monkeypatch, tmp_path):
+    """No RAY_ADDRESS, no cluster recorded by `ray start` (Ray's temp directory is `tmp_path`/ray) and no GCS process
+    found on this machine (other Ray clusters may run here)."""
+    from ray._private import services
+
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    monkeypatch.setattr(services, "find_gcs_addresses", frozenset)
+    return tmp_path / "ray" / "ray_current_cluster"  # where `ray start --head` records its cluster
 
 
-@pytest.mark.parametrize("value", [None, "auto", "local", "ray://127.0.0.1:1"])
+@pytest.mark.parametrize("value", [None, "local", "ray://127.0.0.1:1"])
 def test_addresses_ray_resolves_itself_pass_without_a_connection(value, no_ray_address, monkeypatch):
     monkeypatch.setattr(address.socket, "create_connection", lambda *_, **__: pytest.fail("dialled"))
     check_gcs_address(value)
+
+
+def test_auto_with_no_cluster_found_ends_with_rays_own_error(no_ray_address):
+    with pytest.raises(ConnectionError, match="^Could not find any running Ray instance"):
+        check_gcs_address("auto")
+
+
+@pytest.mark.parametrize(("given", "source"), [(None, "unset"), ("auto", "auto")])
+def test_an_unset_or_auto_address_is_checked_where_ray_finds_it(given, source, closed_port, no_ray_address):
+    # A head that died (kill -9, a lost container) leaves its record: ray.init would retry it for minutes.
+    no_ray_address.parent.mkdir()
+    no_ray_address.write_text(f"127.0.0.1:{closed_port}")
+    with pytest.raises(ConnectionError) as refused:
+        check_gcs_address(given)
+    assert str(refused.value) == (f"nothing answers at the Ray cluster {source} finds, 127.0.0.1:{closed_port} "
+                                  f"(Connection refused); {EXPECTED}")
 
 
 def test_a_listening_gcs_address_passes(no_ray_address):

@@ -11,12 +11,18 @@ CONNECT_TIMEOUT_S = 5.0
 
 def check_gcs_address(address: str | None) -> None:
     """Raise ConnectionError, naming the address, where the GCS address that ``ray.init(address=address)`` joins
-    (``address``, or ``RAY_ADDRESS`` where that is unset or auto) is not HOST:PORT or takes no TCP connection within
-    `CONNECT_TIMEOUT_S`. Unset, auto, local and client (``ray://``) addresses pass unchecked: Ray ends those itself."""
+    is not HOST:PORT or takes no TCP connection within `CONNECT_TIMEOUT_S`: ``address``, or where that is unset or
+    auto the one Ray finds for it (``RAY_ADDRESS``, else the cluster the last ``ray start`` here recorded, else for
+    auto a GCS process running here; a head that died leaves its record behind). Unset with nothing found (a Ray
+    started here), local and client (``ray://``) addresses pass unchecked: Ray ends those itself, as it does auto
+    with nothing found (its own ConnectionError)."""
     source = "Ray address"
-    if address in (None, "auto") and os.environ.get("RAY_ADDRESS"):  # as ray.init reads it
-        address, source = os.environ["RAY_ADDRESS"], "RAY_ADDRESS"
-    if address in (None, "auto", "local") or "://" in address:
+    if address in (None, "auto"):
+        from ray._private.services import get_ray_address_from_environment  # what ray.init resolves them with
+
+        source = "RAY_ADDRESS" if os.environ.get("RAY_ADDRESS") else f"the Ray cluster {address or 'unset'} finds,"
+        address = get_ray_address_from_environment(address, None)
+    if address in (None, "local") or "://" in address:
         return
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
