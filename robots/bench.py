@@ -709,7 +709,7 @@ def model_summary(pipeline: PolicyPipeline, embodiment: Embodiment, inputs: dict
         "canvas_hw": list(canvas_hw),
         "latent_shape": list(latent_shape),
         "text_tokens": len(prompt.input_ids["cond"]),
-        "gen_tokens": frames * math.ceil(h / p) * math.ceil(w / p) + chunk + (1 if embodiment.state_dim else 0),
+        "gen_tokens": frames * math.ceil(h / p) * math.ceil(w / p) + chunk + _state_rows(embodiment),
     }
 
 
@@ -723,7 +723,12 @@ def forward_summary(pipeline: PolicyPipeline, embodiment: Embodiment, latent_sha
                                     canvas_hw=pipeline.config.canvas_hw)
     return measure_forward(pipeline.transformer.config, n_text=len(prompt.input_ids["cond"]),
                            vision_shape=latent_shape, chunk=chunk, repeats=args.forward_repeats,
-                           device=pipeline.device, state_rows=1 if embodiment.state_dim else 0)
+                           device=pipeline.device, state_rows=_state_rows(embodiment))
+
+
+def _state_rows(embodiment: Embodiment) -> int:
+    """The clean state rows before the chunk in a tick's action stream."""
+    return 1 if embodiment.state_dim else 0
 
 
 # Profiler ops that are the model's arithmetic: matmuls and the attention kernel (by backend).

@@ -14,7 +14,7 @@ import numpy as np
 import ray
 from ray.experimental import tqdm_ray
 
-from policy_server.ray_serve.address import check_gcs_address
+from policy_server.ray_serve.address import gcs_address
 from robots.rollout import EpisodeResult, run_episodes
 
 
@@ -38,8 +38,7 @@ def run_on_ray(make_policy: Callable, env_id: str, indices: Sequence[int], worke
     the cluster at `address` (unset: `RAY_ADDRESS`, else a Ray started here); the results in the order of
     `indices`, the first `videos` of them recorded; ConnectionError where `address` names no running Ray."""
     if not ray.is_initialized():
-        check_gcs_address(address)
-        ray.init(address=address)
+        ray.init(address=gcs_address(address))
     parts = [part.tolist() for part in np.array_split(np.asarray(indices), min(workers, len(indices)))]
     starts = np.cumsum([0] + [len(part) for part in parts[:-1]])
     task = _run_part.options(num_cpus=cpus_per_worker, num_gpus=gpus_per_worker)

@@ -129,7 +129,8 @@ def test_inverse_dynamics_refuses_a_chunk_whose_last_frames_the_vae_would_not_se
             client.inverse_dynamics(session, {"image": _video(frames=6)}, STATE)
         assert (refused.value.code, refused.value.reason, refused.value.field) == (INVALID, "BAD_VALUE",
                                                                                    "session.chunk_size")
-        assert refused.value.detail.expected.startswith("a session whose chunk is a multiple of 4")
+        assert refused.value.detail.expected == "a session whose chunk is a multiple of 4, so that the model sees " \
+                                                "every frame"
         assert refused.value.detail.got == "chunks of 5: the model would see 5 of the 6 frames"
     finally:
         client.close_session(session)

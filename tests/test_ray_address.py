@@ -13,7 +13,7 @@ import time
 import pytest
 
 from policy_server.ray_serve import address
-from policy_server.ray_serve.address import check_gcs_address
+from policy_server.ray_serve.address import gcs_address
 
 pytest.importorskip("ray", reason="Ray is not installed (pip install 'policy-server[ray]')")
 
@@ -43,34 +43,38 @@ def no_ray_address(monkeypatch, tmp_path):
 @pytest.mark.parametrize("value", [None, "local", "ray://127.0.0.1:1"])
 def test_addresses_ray_resolves_itself_pass_without_a_connection(value, no_ray_address, monkeypatch):
     monkeypatch.setattr(address.socket, "create_connection", lambda *_, **__: pytest.fail("dialled"))
-    check_gcs_address(value)
+    assert gcs_address(value) == value
 
 
 def test_auto_with_no_cluster_found_ends_with_rays_own_error(no_ray_address):
     with pytest.raises(ConnectionError, match="^Could not find any running Ray instance"):
-        check_gcs_address("auto")
+        gcs_address("auto")
 
 
-@pytest.mark.parametrize(("given", "source"), [(None, "unset"), ("auto", "auto")])
+@pytest.mark.parametrize(("given", "source"), [(None, "no --address"), ("auto", "--address auto")])
 def test_an_unset_or_auto_address_is_checked_where_ray_finds_it(given, source, closed_port, no_ray_address):
     # A head that died (kill -9, a lost container) leaves its record: ray.init would retry it for minutes.
     no_ray_address.parent.mkdir()
     no_ray_address.write_text(f"127.0.0.1:{closed_port}")
     with pytest.raises(ConnectionError) as refused:
-        check_gcs_address(given)
-    assert str(refused.value) == (f"nothing answers at the Ray cluster {source} finds, 127.0.0.1:{closed_port} "
+        gcs_address(given)
+    assert str(refused.value) == (f"nothing answers at the Ray cluster found for {source}: 127.0.0.1:{closed_port} "
                                   f"(Connection refused); {EXPECTED}")
 
 
 def test_a_listening_gcs_address_passes(no_ray_address):
     with socket.create_server(("127.0.0.1", 0)) as server:
-        check_gcs_address(f"127.0.0.1:{server.getsockname()[1]}")
-        check_gcs_address(f"localhost:{server.getsockname()[1]}")
+        port = server.getsockname()[1]
+        assert gcs_address(f"127.0.0.1:{port}") == f"127.0.0.1:{port}"
+        assert gcs_address(f"localhost:{port}") == f"localhost:{port}"
+        no_ray_address.parent.mkdir()
+        no_ray_address.write_text(f"127.0.0.1:{port}")  # what ray.init joins for auto: the address found, joined
+        assert gcs_address("auto") == f"127.0.0.1:{port}"
 
 
 def test_an_address_where_nothing_answers_is_named_with_the_reason(closed_port, no_ray_address):
     with pytest.raises(ConnectionError) as refused:
-        check_gcs_address(f"127.0.0.1:{closed_port}")
+        gcs_address(f"127.0.0.1:{closed_port}")
     assert str(refused.value) == (f"nothing answers at Ray address 127.0.0.1:{closed_port} (Connection refused); "
                                   f"{EXPECTED}")
 
@@ -79,13 +83,13 @@ def test_an_address_where_nothing_answers_is_named_with_the_reason(closed_port, 
 def test_ray_address_stands_in_for_an_unset_or_auto_address_as_in_ray_init(given, closed_port, monkeypatch):
     monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{closed_port}")
     with pytest.raises(ConnectionError, match=rf"^nothing answers at RAY_ADDRESS 127\.0\.0\.1:{closed_port} "):
-        check_gcs_address(given)
+        gcs_address(given)
 
 
 @pytest.mark.parametrize("value", ["head", "head:", ":6379", "head:port", "head:70000"])
 def test_an_address_that_is_not_host_port_is_refused(value, no_ray_address):
     with pytest.raises(ConnectionError) as refused:
-        check_gcs_address(value)
+        gcs_address(value)
     assert str(refused.value) == f"Ray address {value!r} is not HOST:PORT (a running cluster's GCS), auto or ray://..."
 
 

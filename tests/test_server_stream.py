@@ -441,7 +441,7 @@ def test_a_shutdown_answers_the_frame_being_computed_and_ends_the_stream_without
         started = time.monotonic()
         stopping.start()
         assert health_pb2.HealthCheckResponse.NOT_SERVING in (update.status for update in watch)
-        time.sleep(0.2)  # the drain reaches the stream meanwhile
+        time.sleep(0.5)  # the drain reaches the stream meanwhile
         engine.release()
         events = [stream.next_event(timeout_s=10)]
         while events[-1].kind != "closed":

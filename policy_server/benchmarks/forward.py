@@ -81,7 +81,7 @@ def reference_unavailable() -> str | None:
     """Why diffusers' reference transformer cannot be built here (diffusers >= 0.42.1, the [dev] or [cosmos3]
     extra, is not installed), or None when it can: checked before a bench that ends by timing it starts."""
     try:
-        from diffusers.models.transformers.transformer_cosmos3 import Cosmos3OmniTransformer  # noqa: F401
+        _reference_class()
     except ImportError as error:
         return f"diffusers' Cosmos3OmniTransformer cannot be imported ({error})"
     return None
@@ -92,9 +92,7 @@ def reference_model(model: Cosmos3OmniTransformer):
 
     The reference is built in fp32 (its default); time `model` in fp32 for a like-for-like figure.
     """
-    from diffusers.models.transformers.transformer_cosmos3 import Cosmos3OmniTransformer as Reference
-
-    reference = Reference(**dataclasses.asdict(model.config))
+    reference = _reference_class()(**dataclasses.asdict(model.config))
     reference.load_state_dict(model.state_dict(), strict=True)
     return reference.to(device=model.device).eval()
 
@@ -171,3 +169,10 @@ if __name__ == "__main__":
     import json
 
     print(json.dumps(measure_forward(embedded_like_config()), indent=2))
+
+
+def _reference_class():
+    """diffusers' `Cosmos3OmniTransformer` (ImportError without the [dev] or [cosmos3] extra)."""
+    from diffusers.models.transformers.transformer_cosmos3 import Cosmos3OmniTransformer
+
+    return Cosmos3OmniTransformer

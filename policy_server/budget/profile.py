@@ -137,7 +137,9 @@ class Calibration(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     observations: int = Field(ge=1)
-    source: str  # each observations file by name and sha256 (`calibration.observations_source`), or "warmup (bounded)"
+    # Each observations file by name and sha256 (`calibration.observations_source`; the bench's add "(resized, zero
+    # state)"), each embedded set "<embodiment>: the embedded set", or "warmup (bounded)".
+    source: str
     seconds: float = Field(ge=0.0)
 
     def describe(self) -> str:

@@ -110,7 +110,7 @@ class Admission:
 
     def capacity(self, budget_ms: float, rate_hz: float | None) -> tuple[api.Capacity, ...]:
         """Per served embodiment at its default chunk: sessions that fit alone and beside the open ones, on the
-        timings at hand. Never timed again here, as `open` does: a client asks this first (`GetServerInfo`, at the
+        timings at hand: never timed again here, unlike in `open`. A client asks this first (`GetServerInfo`, at the
         default budget) and must not wait seconds on ticks it did not ask for."""
         limit = self.served.settings.max_sessions
         demands = []

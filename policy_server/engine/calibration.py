@@ -78,6 +78,7 @@ from policy_server.specs import too_wide_beside
 
 logger = logging.getLogger(__name__)
 
+MIN_STEPS = 2  # fewest sampler steps a calibration tries, unless the checkpoint has fewer
 # Sampler steps tried, as fractions of the default (then floored at `min_steps`); a coarse grid, for the
 # bounded calibration at warmup, tries fewer of them, two CFG schedules and three cache settings.
 STEP_FRACTIONS = (1.0, 0.75, 0.6, 0.5, 0.4, 0.3, 0.2)
@@ -207,7 +208,7 @@ def warmup_observations(pipeline: PolicyPipeline, count: int,
     return observations
 
 
-def configurations(pipeline: PolicyPipeline, settings: EngineSettings, min_steps: int = 2,
+def configurations(pipeline: PolicyPipeline, settings: EngineSettings, min_steps: int = MIN_STEPS,
                    residual_orders: Sequence[int] | None = None, coarse: bool = False) -> list[TickConfig]:
     """The joint space calibrated: sampler steps from the default down to `min_steps` (or to the default, when
     it has fewer: a calibration measures no tick slower than the checkpoint's own); with guidance, the
@@ -494,7 +495,8 @@ def main(argv: list[str] | None = None) -> int:
                              "directory, where `--quality-profile auto` looks)")
     parser.add_argument("--max-observations", type=int, default=MAX_OBSERVATIONS,
                         help=f"use at most this many per embodiment ({MAX_OBSERVATIONS}, as many as a file holds)")
-    parser.add_argument("--min-steps", type=int, help="fewest sampler steps tried (2, or the checkpoint's when fewer)")
+    parser.add_argument("--min-steps", type=int,
+                        help=f"fewest sampler steps tried ({MIN_STEPS}, or the checkpoint's when fewer)")
     parser.add_argument("--residual-orders", default=None,
                         help="SeaCache residual orders tried, comma-separated (default: the server's, 1)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (auto)")
@@ -543,7 +545,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"policy-server calibrate: {error} (the cache directory: ${PROFILE_CACHE_ENV}, else "
                   "$XDG_CACHE_HOME/policy-server); pass --out FILE", file=sys.stderr)
             return 2
-    configs = configurations(pipeline, EngineSettings(), args.min_steps or 2, orders)
+    configs = configurations(pipeline, EngineSettings(), args.min_steps or MIN_STEPS, orders)
     print(f"calibrating {len(configs)} configurations on {len(observations)} observations", flush=True)
     source = ", ".join([*map(observations_source, args.observations),
                         *(f"{name}: the embedded set" for name in missing)])

@@ -124,6 +124,12 @@ class Dynamics:
     def inverse(self, session: SessionState, clip: api.VideoClip, seed: int | None, deadline_s: float | None,
                 should_abort: Callable[[], bool] | None) -> api.ActResult:
         opening = session.opening
+        chunk, seen = opening.chunk_size, self.served.pipeline.num_video_frames(opening.chunk_size)
+        if seen != chunk + 1:  # the VAE takes frame 0 and whole groups of t frames after it
+            t = self.served.pipeline.vae.temporal_compression
+            raise api.InvalidArgument("session.chunk_size", f"a session whose chunk is a multiple of {t}, so that the "
+                                      "model sees every frame", f"chunks of {chunk}: the model would see {seen} of the "
+                                      f"{chunk + 1} frames", reason="BAD_VALUE")
         embodiment = self.served.embodiments[opening.embodiment]
         request = PolicyRequest(images={}, instruction=self._instruction(session, clip.instruction, "instruction"),
                                 embodiment=opening.embodiment, state=clip.state, mode="inverse_dynamics",

@@ -276,7 +276,8 @@ class ModelEngine:
             deadline_ms = min(deadline_ms, (deadline_s - time.monotonic()) * 1e3)
         end = CallEnd(self.served.closing, deadline_s, should_abort,
                       late="the caller's deadline passed before the tick finished")
-        request = TickRequest(epoch, observation, tokens, self.served.clock(), budget_ms, deadline_ms, end)
+        request = TickRequest(epoch, observation, tokens, self.served.clock(), budget_ms, session.slot_ms, deadline_ms,
+                              end)
         try:
             job.payload = self._prepare_frames(session, request)
         except BaseException as error:  # the session must not stay busy

@@ -42,17 +42,18 @@ PREPARE_STAGE = "prepare"  # the camera frames put on their canvas, on the calle
 @dataclass(frozen=True)
 class TickRequest:
     """What a queued tick carries. `instruction_tokens`: of `observation.instruction`, when it sets one.
-    `budget_ms`: the session's at arrival (a SetBudget while the tick waits or runs is for the next one);
-    `deadline_ms`: from arrival, the smaller of that budget and the caller's deadline; `end`: what ends
-    the tick early (the caller's deadline, not the budget: a late chunk still reaches the robot). `frames`: the
-    observation's frames on their canvas, which the caller's thread puts there (in `prepare_ms`) before the tick
-    is queued; None until then."""
+    `budget_ms`, `slot_ms`: the session's at arrival, which the tick is planned on (a SetBudget while it waits or
+    runs is for the next one); `deadline_ms`: from arrival, the smaller of that budget and the caller's deadline;
+    `end`: what ends the tick early (the caller's deadline, not the budget: a late chunk still reaches the robot).
+    `frames`: the observation's frames on their canvas, which the caller's thread puts there (in `prepare_ms`)
+    before the tick is queued; None until then."""
 
     epoch: int
     observation: api.Observation
     instruction_tokens: int
     arrived_ms: float
     budget_ms: float
+    slot_ms: float
     deadline_ms: float
     end: CallEnd
     frames: CanvasClip | None = None
@@ -123,8 +124,7 @@ class Tick:
                                           placement.latent_content_hw(pipeline.vae.spatial_compression),
                                           unused)
 
-        slot_ms = session.slot_ms  # what it is planned in, and its record names: a SetBudget may change it meanwhile
-        plan = self._plan(key, left_ms, slot_ms, prefill, started_ms)
+        plan = self._plan(key, left_ms, prefill, started_ms)
         session.prompt, prefill_ms = served.prompt(session.instruction, embodiment, opening.chunk_size, canvas_hw,
                                                    session.prompt)
         pipeline_request = PolicyRequest(
@@ -158,15 +158,14 @@ class Tick:
         total_ms = served.clock() - request.arrived_ms
         self._learn(learn_key, out, stage_ms, prefill)
         # The frames' preparation is not learned: it ran on the caller's thread, at whatever size this caller sent.
-        tick = self._record(plan, out, {**stage_ms, PREPARE_STAGE: request.prepare_ms, "total": total_ms}, clipped,
-                            slot_ms)
+        tick = self._record(plan, out, {**stage_ms, PREPARE_STAGE: request.prepare_ms, "total": total_ms}, clipped)
         return api.ActResult(actions=actions.astype(np.float32), first_step_index=observation.step_index,
                              tick=tick, preview_frames=frames)
 
-    def _plan(self, key: tuple, left_ms: float, slot_ms: float, prefill: bool, started_ms: float) -> TickPlan | None:
+    def _plan(self, key: tuple, left_ms: float, prefill: bool, started_ms: float) -> TickPlan | None:
         """Plan the tick and set up its step control: guarded SeaCache, or every call full when the budget does
         not control ticks (cache off, or too few steps to skip any)."""
-        served, session = self.served, self.session
+        served, session, slot_ms = self.served, self.session, self.request.slot_ms
         if not served.budget_controlled:
             self._steps = served.fixed_steps(served.num_steps)
             return None
@@ -192,11 +191,11 @@ class Tick:
         elif alone:
             observe_output(self.served.cost_model, key, out, stage_ms, prefilled)
 
-    def _record(self, plan: TickPlan | None, out: PolicyOutput, actual_ms: dict[str, float], clipped: int,
-                slot_ms: float) -> api.TickRecord:
+    def _record(self, plan: TickPlan | None, out: PolicyOutput, actual_ms: dict[str, float],
+                clipped: int) -> api.TickRecord:
         request = self.request
         knobs = {"num_steps": float(len(out.steps)), "clipped_actions": float(clipped),
-                 "batch_size": float(self._batch_size), "slot_ms": slot_ms}
+                 "batch_size": float(self._batch_size), "slot_ms": request.slot_ms}
         branches = branch_records(out.cache)
         if plan is None:
             return api.TickRecord(

@@ -9,21 +9,25 @@ import socket
 CONNECT_TIMEOUT_S = 5.0
 
 
-def check_gcs_address(address: str | None) -> None:
-    """Raise ConnectionError, naming the address, where the GCS address that ``ray.init(address=address)`` joins
-    is not HOST:PORT or takes no TCP connection within `CONNECT_TIMEOUT_S`: ``address``, or where that is unset or
-    auto the one Ray finds for it (``RAY_ADDRESS``, else the cluster the last ``ray start`` here recorded, else for
-    auto a GCS process running here; a head that died leaves its record behind). Unset with nothing found (a Ray
-    started here), local and client (``ray://``) addresses pass unchecked: Ray ends those itself, as it does auto
-    with nothing found (its own ConnectionError)."""
+def gcs_address(address: str | None) -> str | None:
+    """The address to give ``ray.init``: ``address``, or where that is unset or auto the one Ray finds for it
+    (``RAY_ADDRESS``, else the cluster the last ``ray start`` here recorded, else for auto a GCS process running
+    here; a head that died leaves its record behind), checked. ConnectionError, naming it, where a GCS address is
+    not HOST:PORT or takes no TCP connection within `CONNECT_TIMEOUT_S`. Unset with nothing found (a Ray started
+    here), local and client (``ray://``) addresses pass unchecked: Ray ends those itself, as it does auto with
+    nothing found (its own ConnectionError)."""
     source = "Ray address"
     if address in (None, "auto"):
         from ray._private.services import get_ray_address_from_environment  # what ray.init resolves them with
 
-        source = "RAY_ADDRESS" if os.environ.get("RAY_ADDRESS") else f"the Ray cluster {address or 'unset'} finds,"
-        address = get_ray_address_from_environment(address, None)
+        found = get_ray_address_from_environment(address, None)
+        if os.environ.get("RAY_ADDRESS") not in (None, "", "auto"):
+            source = "RAY_ADDRESS"
+        else:
+            source = f"the Ray cluster found for {'--address auto' if address else 'no --address'}:"
+        address = found
     if address in (None, "local") or "://" in address:
-        return
+        return address
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ConnectionError(f"{source} {address!r} is not HOST:PORT (a running cluster's GCS), auto or ray://...")
@@ -33,3 +37,4 @@ def check_gcs_address(address: str | None) -> None:
         reason = error.strerror or f"no answer in {CONNECT_TIMEOUT_S:g} s"
         raise ConnectionError(f"nothing answers at {source} {address} ({reason}); expected the GCS address of a "
                               f"running Ray cluster (HOST:PORT, as `ray start --head` prints it)") from None
+    return address

@@ -20,7 +20,7 @@ import threading
 
 from policy_server.cli import build_parser
 from policy_server.config import ConfigError, chosen_config_file, read_config_file
-from policy_server.ray_serve.address import check_gcs_address
+from policy_server.ray_serve.address import gcs_address
 
 
 def _port(value: str) -> int:
@@ -84,8 +84,7 @@ def main(argv: list[str] | None = None) -> int:
 
     name = serve_keys.get("name", APPLICATION)
     try:
-        check_gcs_address(serve_keys.get("address"))
-        ray.init(address=serve_keys.get("address"))
+        ray.init(address=gcs_address(serve_keys.get("address")))
     except ConnectionError as exc:  # --address (or RAY_ADDRESS) names no running Ray
         print(f"policy-server ray-serve: {exc}", file=sys.stderr)
         return 2

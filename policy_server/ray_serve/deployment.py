@@ -26,6 +26,7 @@ from policy_server.config import ServerConfig
 from policy_server.ray_serve.call import CallAborted, ServeCall
 from policy_server.server.app import max_concurrent_calls
 from policy_server.server.metrics import ServerMetrics
+from policy_server.server.running_calls import RunningCalls
 from policy_server.server.servicer import PolicyServicer
 from policy_server.v1 import policy_server_pb2 as pb
 
@@ -73,7 +74,9 @@ class PolicyDeployment:
         self._engine = build_engine(config)
         self._engine.start()
         self._engine.wait_ready()  # raises if warmup failed: Serve retries the replica
-        self._servicer = PolicyServicer(self._engine, ServerMetrics(self._engine), config.max_message_bytes)
+        # Nothing drains its streams: Serve ends a replica's calls itself, after its graceful wait.
+        self._servicer = PolicyServicer(self._engine, ServerMetrics(self._engine), config.max_message_bytes,
+                                        RunningCalls())
         self._token = config.auth_token()
         calls = max_concurrent_calls(config.max_sessions, config.max_dynamics_calls, reflection=False)
         self._pool = ThreadPoolExecutor(calls, thread_name_prefix="rpc")

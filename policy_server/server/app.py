@@ -29,6 +29,7 @@ from policy_server.server.auth import TokenAuthInterceptor
 from policy_server.server.errors import abort, lenient_parser, make_error
 from policy_server.server.grpc_metrics import GrpcMetricsInterceptor
 from policy_server.server.metrics import LATENCY_BUCKETS_S, ServerMetrics
+from policy_server.server.running_calls import RunningCalls
 from policy_server.server.servicer import PolicyServicer
 from policy_server.server.websocket import OpenpiWebsocketServer
 from policy_server.v1 import policy_server_pb2 as pb
@@ -52,9 +53,9 @@ def _keepalive_options() -> list[tuple[str, int]]:
     ]
 
 
-def _policy_service_handler(servicer: PolicyServicer) -> grpc.GenericRpcHandler:
+def _policy_service_handler(servicer: PolicyServicer, running: RunningCalls) -> grpc.GenericRpcHandler:
     """The PolicyService methods, with request deserializers that never raise (see ``lenient_parser``), each call
-    counted in ``servicer.running`` (a shutdown waits for them)."""
+    counted in ``running`` (a shutdown waits for them)."""
     kinds = {
         (False, False): grpc.unary_unary_rpc_method_handler,
         (False, True): grpc.unary_stream_rpc_method_handler,
@@ -66,7 +67,7 @@ def _policy_service_handler(servicer: PolicyServicer) -> grpc.GenericRpcHandler:
     for method in service.methods:
         request, response = (getattr(pb, m.name) for m in (method.input_type, method.output_type))
         make = kinds[(method.client_streaming, method.server_streaming)]
-        behavior = servicer.running.counted(getattr(servicer, method.name), method.server_streaming)
+        behavior = running.counted(getattr(servicer, method.name), method.server_streaming)
         handlers[method.name] = make(behavior, request_deserializer=lenient_parser(request),
                                      response_serializer=response.SerializeToString)
     return grpc.method_handlers_generic_handler(service.full_name, handlers)
@@ -169,7 +170,7 @@ class PolicyServer:
         self.metrics = ServerMetrics(engine)
         self._token = config.auth_token()
         self._grpc: grpc.Server | None = None
-        self._servicer: PolicyServicer | None = None
+        self._running = RunningCalls()
         self._health = health.HealthServicer(experimental_non_blocking=True)
         self._websocket: OpenpiWebsocketServer | None = None
         self._stop_polling = threading.Event()
@@ -212,8 +213,8 @@ class PolicyServer:
                 *_keepalive_options(),
             ],
         )
-        self._servicer = PolicyServicer(self.engine, self.metrics, cfg.max_message_bytes)
-        self._grpc.add_generic_rpc_handlers((_policy_service_handler(self._servicer),))
+        servicer = PolicyServicer(self.engine, self.metrics, cfg.max_message_bytes, self._running)
+        self._grpc.add_generic_rpc_handlers((_policy_service_handler(servicer, self._running),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
         if cfg.reflection:
             reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
@@ -287,13 +288,13 @@ class PolicyServer:
         grpc_stopped = None
         if self._grpc is not None:
             grpc_stopped = self._grpc.stop(grace_s)  # its grace runs meanwhile
-            self._servicer.running.drain()
+            self._running.drain()
         if self._websocket is not None:
             self._websocket.stop(grace_s)
             self._websocket = None
         self.metrics.stop()
         if grpc_stopped is not None:
-            self._servicer.running.wait_ended(max(0.0, ends_s - time.monotonic()))
+            self._running.wait_ended(max(0.0, ends_s - time.monotonic()))
             self._grpc.stop(0)  # what is left (health Watch, reflection streams) has nothing to finish
             grpc_stopped.wait()
             self._grpc = None

@@ -24,12 +24,13 @@ _NO_DEADLINE_S = 1e8
 
 
 class PolicyServicer(pb_grpc.PolicyServiceServicer):
-    def __init__(self, engine: Engine, metrics: ServerMetrics, max_message_bytes: int) -> None:
+    def __init__(self, engine: Engine, metrics: ServerMetrics, max_message_bytes: int, running: RunningCalls) -> None:
+        """``running``: the calls being served, where each Control stream registers (a shutdown drains them)."""
         self.engine = engine
         self.metrics = metrics
         self.max_message_bytes = max_message_bytes
         self.starting_streams = StartingStreams()
-        self.running = RunningCalls()  # every call: `_policy_service_handler` counts them, Control registers its own
+        self.running = running
 
     def on_error(self, error: ServiceError) -> None:
         self.metrics.observe_error(error.reason)
@@ -150,7 +151,7 @@ class PolicyServicer(pb_grpc.PolicyServiceServicer):
         received = time.monotonic()
         handle, spec = self._session_request(request)
         with self.engine.reserve_dynamics(handle.session_id) as reservation:  # refused now: before decoding
-            clip = validate.video_clip(request, spec, handle.chunk_size, self.engine.info().temporal_compression)
+            clip = validate.video_clip(request, spec, handle.chunk_size)
             result = self.engine.inverse_dynamics(
                 handle.session_id, handle.epoch, clip, seed=request.seed if request.HasField("seed") else None,
                 deadline_s=self._deadline_s(context, received), should_abort=lambda: not context.is_active(),

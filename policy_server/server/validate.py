@@ -386,16 +386,9 @@ class ProtoObservation:
         return None if values.size == 0 else values
 
 
-def video_clip(request: pb.InverseDynamicsRequest, spec: EmbodimentSpec, chunk: int,
-               temporal_compression: int) -> VideoClip:
+def video_clip(request: pb.InverseDynamicsRequest, spec: EmbodimentSpec, chunk: int) -> VideoClip:
     """Decode and check an inverse-dynamics video: per camera ``chunk + 1`` frames of one size, the cameras fitting
-    side by side (``_side_by_side``), plus the state at frame 0. The VAE encodes frame 0 and whole groups of
-    ``temporal_compression`` frames after it, so only a chunk that is a multiple of it has every frame seen."""
-    t = temporal_compression
-    if chunk % t:
-        raise InvalidArgument("session.chunk_size", f"a session whose chunk is a multiple of {t} (the VAE encodes "
-                              f"frame 0 and whole groups of {t} frames after it)", f"chunks of {chunk}: the model "
-                              f"would see {1 + t * (chunk // t)} of the {chunk + 1} frames", reason="BAD_VALUE")
+    side by side (``_side_by_side``), plus the state at frame 0."""
     _cameras(request.videos, spec, "videos")
     frames: dict[str, np.ndarray] = {}
     for camera in spec.cameras:
