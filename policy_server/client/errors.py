@@ -40,7 +40,8 @@ class PolicyServerError(Exception):
 
     @property
     def no_answer(self) -> bool:
-        """The call's deadline passed with no answer from a server (down, unreachable, starting or busy)."""
+        """The call's deadline passed with no answer from a server (down, unreachable, starting or busy), or before
+        the call's work was done."""
         return self.code == grpc.StatusCode.DEADLINE_EXCEEDED and not self.from_server
 
     @property

@@ -174,7 +174,7 @@ class PolicyClient:
                 # OpenSession, ...) say so too where nothing ever answered.
                 error = PolicyServerError(error.code, error.reason,
                                           f"no answer from {self.target} within {round(timeout_s, 3):g} s: the "
-                                          "server is down, unreachable, starting or busy")
+                                          "server is down, unreachable, starting or busy, or the call needs longer")
             raise error from None
 
     def close(self) -> None:
