@@ -187,9 +187,8 @@ def serve(config: ServerConfig) -> int:
 def _default_stop_signals() -> Iterator[None]:
     """The stop signals with their default action while `serve` loads the model and drains, and while a subcommand
     (bench, calibrate) runs (`_stop_signals`), the previous handlers back after. Ctrl-C so ends the process at once,
-    as SIGTERM does; Python's KeyboardInterrupt
-    printed a traceback of whatever was importing or loading, and during the drain came only once the main thread
-    woke (the kernel may deliver the signal to any thread)."""
+    as SIGTERM does; Python's KeyboardInterrupt printed a traceback of whatever was importing or loading, and during
+    the drain came only once the main thread woke (the kernel may deliver the signal to any thread)."""
     previous = {sig: signal.signal(sig, signal.SIG_DFL) for sig in _stop_signals()}
     try:
         yield

@@ -35,7 +35,7 @@ def run_on_ray(make_policy: Callable, env_id: str, indices: Sequence[int], worke
                execute: int, videos: int = 0, address: str | None = None, gpus_per_worker: float = 0.0,
                cpus_per_worker: float = 1.0, delay: int = 0, commit: bool = False) -> list[EpisodeResult]:
     """`run_episodes` over `workers` Ray workers (each with `num_envs` environments and `gpus_per_worker` GPUs) of
-    the cluster at `address` (unset: `RAY_ADDRESS`, else a Ray started here); the results in the order of
+    the cluster at `address` (unset: as `ray.init` finds it, `gcs_address`); the results in the order of
     `indices`, the first `videos` of them recorded; ConnectionError where `address` names no running Ray."""
     if not ray.is_initialized():
         ray.init(address=gcs_address(address))

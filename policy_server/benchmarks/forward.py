@@ -77,6 +77,13 @@ def random_model(config: Cosmos3TransformerConfig, seed: int = 0,
     return model
 
 
+def _reference_class():
+    """diffusers' `Cosmos3OmniTransformer` (ImportError without the [dev] or [cosmos3] extra)."""
+    from diffusers.models.transformers.transformer_cosmos3 import Cosmos3OmniTransformer
+
+    return Cosmos3OmniTransformer
+
+
 def reference_unavailable() -> str | None:
     """Why diffusers' reference transformer cannot be built here (diffusers >= 0.42.1, the [dev] or [cosmos3]
     extra, is not installed), or None when it can: checked before a bench that ends by timing it starts."""
@@ -169,10 +176,3 @@ if __name__ == "__main__":
     import json
 
     print(json.dumps(measure_forward(embedded_like_config()), indent=2))
-
-
-def _reference_class():
-    """diffusers' `Cosmos3OmniTransformer` (ImportError without the [dev] or [cosmos3] extra)."""
-    from diffusers.models.transformers.transformer_cosmos3 import Cosmos3OmniTransformer
-
-    return Cosmos3OmniTransformer

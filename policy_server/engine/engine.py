@@ -44,7 +44,7 @@ from policy_server.throttled_log import ThrottledLog
 logger = logging.getLogger(__name__)
 _ABANDONED_WAIT_S = 1.0  # how long a new tick waits for its session's abandoned one to stop
 _CLOSE_TIMEOUT_S = 5.0
-_log_refusal = ThrottledLog(logger, logging.INFO, period_s=10.0)  # one line per client and reason each 10 s
+_log_refusal = ThrottledLog(logger, logging.INFO, period_s=10.0)  # one line per client (or session) and reason
 _log_repeat = ThrottledLog(logger, logging.INFO, period_s=10.0)  # one line per session each 10 s
 _log_budget = ThrottledLog(logger, logging.INFO, period_s=10.0)  # one line per session each 10 s
 _SWEEP_S = 5.0  # how often idle sessions are looked for besides at each call (at most half the idle time)

@@ -59,10 +59,10 @@ class RunningCalls:
         for stream in streams:
             stream.drain()
 
-    def wait_ended(self, timeout_s: float) -> bool:
-        """Wait at most ``timeout_s`` for every call to end; whether they did."""
+    def wait_ended(self, timeout_s: float) -> None:
+        """Wait at most ``timeout_s`` for every call to end."""
         with self._cond:
-            return self._cond.wait_for(lambda: self._count == 0, timeout=timeout_s)
+            self._cond.wait_for(lambda: self._count == 0, timeout=timeout_s)
 
     @contextmanager
     def _serving(self) -> Iterator[None]:
