@@ -71,6 +71,43 @@ def test_ticks_run_between_the_steps_of_background_work():
     worker.close(timeout_s=10)
 
 
+def test_background_work_keeps_its_share_beside_ticks_that_never_stop_coming():
+    """Closed-loop sessions keep a tick queued at all times; a dynamics or reasoner call beside them still gets
+    about BACKGROUND_SHARE of the worker (before, it waited until the ticks stopped), and the ticks still go
+    first: several run between two of its steps."""
+    log, gate = _Log(), threading.Event()
+
+    def tick_steps(job: TickJob, batch_size: int):
+        if job.payload == 0:
+            gate.wait()  # every other tick and the job are queued behind this one
+        time.sleep(0.004)
+        log.add(f"tick {job.payload}")
+        return job.payload
+        yield
+
+    worker = ModelWorker(tick_steps, None, max_batch=1)
+    ticks = [TickJob(session=object(), shape="s", payload=i) for i in range(100)]
+    worker.submit(ticks[0])
+    _until(lambda: not worker._ticks)
+    for tick in ticks[1:]:
+        worker.submit(tick)
+    worker.submit(GeneratorJob(_sleeping_steps(log, 3, 0.002), lambda error: None))
+    gate.set()
+    assert [t.result.result(timeout=10) for t in ticks] == list(range(100))
+    _until(lambda: "call step 2" in log.events)
+    steps = [log.events.index(f"call step {i}") for i in range(3)]
+    assert steps[-1] < log.events.index("tick 99")  # not after the ticks stopped coming
+    assert all(b - a > 1 for a, b in zip(steps, steps[1:], strict=False))  # ticks ran between two steps
+    worker.close(timeout_s=10)
+
+
+def _sleeping_steps(log: _Log, count: int, seconds: float):
+    for index in range(count):
+        time.sleep(seconds)
+        log.add(f"call step {index}")
+        yield
+
+
 def test_a_failing_step_fails_its_job_and_the_worker_serves_on():
     log = _Log()
     worker = _worker(log)

@@ -1,11 +1,14 @@
 """The model worker: one thread, one loop, over the control ticks and the background work of one model.
 
-This thread is the only one that runs the model. Control ticks always go first. The oldest queued tick
+This thread is the only one that runs the model. Control ticks go first. The oldest queued tick
 starts together with up to ``max_batch - 1`` queued ticks of the same shape from other sessions (a
 micro-batch, see ``engine/batching.py``); each tick is a generator, and the worker runs them to the end.
 Background work (warmup, reasoner and dynamics calls) is a ``BackgroundJob``: the loop runs one ``step()`` of the
 oldest job, then looks at the ticks again, so a tick waits for at most one background step. Jobs
-take turns, step by step.
+take turns, step by step. Ticks that keep the worker busy (closed-loop sessions ask again as soon as answered)
+would leave background work no time at all, so while both wait, a step goes before the ticks once ticks have had
+the rest of the worker since the last one: background work keeps ``BACKGROUND_SHARE`` of it, or one step per
+batch of ticks where a batch takes longer. A tick still waits for one step at most, as admission counts.
 
 A call whose ``CallEnd`` has a reason to end (its deadline, its caller gone) ends between two steps: the worker
 checks before each step of a job, and a caller waiting on a busy worker, which runs ticks first, takes its
@@ -18,6 +21,7 @@ queued tick or job off with ``end_queued``.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Hashable, Iterator
 from concurrent.futures import Future
@@ -31,6 +35,8 @@ from policy_server.engine import api
 from policy_server.engine.batching import GenStack, run_together
 from policy_server.engine.call_end import POLL_S, CallEnd
 from policy_server.pipeline.policy import TickSteps
+
+BACKGROUND_SHARE = 0.1  # of the worker's time, that background work gets while ticks wait as well
 
 
 class BackgroundJob(Protocol):
@@ -73,6 +79,8 @@ class ModelWorker:
         self._ticks: list[TickJob] = []  # oldest first
         self._jobs: deque[BackgroundJob] = deque()
         self._running = 0  # ticks and jobs taken off the queues, not yet finished
+        self._tick_s = 0.0  # worker time ticks have taken since the last background step
+        self._step_s = 0.0  # the time that step took
         self._closed = False
         self._changed = threading.Condition()
         self._thread = threading.Thread(target=self._loop, name="model-worker", daemon=True)
@@ -139,20 +147,31 @@ class ModelWorker:
                     self._changed.wait()
                 if self._closed:
                     return
-                if self._ticks:
+                if self._ticks and not (self._jobs and self._background_due()):
                     batch, job = self._take_batch(), None
                     self._running += len(batch)
                 else:
                     batch, job = [], self._jobs.popleft()
                     self._running += 1
+            start = time.perf_counter()
             try:
                 if batch:
                     self._run_batch(batch)
                 else:
                     self._step(job)
             finally:
+                took_s = time.perf_counter() - start
+                if batch:
+                    self._tick_s += took_s
+                else:
+                    self._tick_s, self._step_s = 0.0, took_s
                 with self._changed:
                     self._running -= len(batch) if batch else 1
+
+    def _background_due(self) -> bool:
+        """Whether a background step goes before the ticks waiting: ticks have run for (1 - share) / share times
+        the last step's time since it."""
+        return self._tick_s * BACKGROUND_SHARE >= self._step_s * (1 - BACKGROUND_SHARE)
 
     def _take_batch(self) -> list[TickJob]:
         """The oldest tick and queued ticks of its shape from other sessions (under the lock)."""
