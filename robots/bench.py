@@ -106,7 +106,7 @@ from policy_server.pipeline.policy import (
 from policy_server.pipeline.tick_work import CompiledTickWork, TickWork
 from robots.envs import ENV_IDS, HELDOUT_SEED_OFFSET, REACH_EITHER_TIMED_ID, REACH_ID
 from robots.expert import expert_observations
-from robots.rollout import TickStats, run_episodes
+from robots.rollout import RolloutStopped, TickStats, run_episodes
 
 SCHEMA = 1
 SCALE_TICKS = 16  # uncached ticks whose median latency the budget fractions scale on
@@ -401,7 +401,10 @@ def closed_loop(policies: dict, episodes: int, execute: int, env_id: str) -> dic
     mean control steps per episode (a slower policy takes more)."""
     outcomes = {}
     for name, policy in tqdm(policies.items(), desc="closed loop", unit="config"):
-        results = run_episodes(policy, env_id, range(episodes), num_envs=1, execute=execute)
+        try:
+            results = run_episodes(policy, env_id, range(episodes), num_envs=1, execute=execute)
+        except RolloutStopped as stopped:  # a configuration's rates are of all its episodes or none
+            raise stopped.cause from None
         outcomes[name] = {"success_rate": float(np.mean([r.success for r in results])),
                           "collision_rate": float(np.mean([r.collided for r in results])),
                           "episode_steps": float(np.mean([r.steps for r in results]))}

@@ -12,7 +12,8 @@ held-out seeds (never seen in the demonstrations): episode i has seed `HELDOUT_S
 `--num-envs`. The JSON report holds the success rate, episode lengths, per-tick latency (p50/p99),
 deadline misses, cache decisions and each episode's ticks; a PNG summary sits beside it, and `--videos N`
 writes MP4s (H.264, browser-playable) of the first N episodes with the predicted future frames (the session's
-preview frames, from a server or in-process) beside the real ones.
+preview frames, from a server or in-process) beside the real ones. Ctrl-C or the server's error part way still writes
+the report, of the episodes that had ended (`stopped_by`, `unfinished_seeds`).
 
 `--ray N` spreads the episodes over N Ray workers (`robots/ray_rollout.py`), each with its own in-process engine
 (on `--device`, with `--ray-gpus-per-worker` GPUs) or its own client of `--server` (a policy-server, or with
@@ -23,6 +24,7 @@ workers' ticks merged.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import sys
@@ -49,6 +51,18 @@ from robots.envs import ENV_IDS, HELDOUT_SEED_OFFSET, REACH_ID, ReachScene
 
 class RolloutError(ValueError):
     """Options the rollout cannot run with; the message says which."""
+
+
+class RolloutStopped(Exception):
+    """The episodes ended before all had run: by `cause` (Ctrl-C, or the server's or engine's error); `finished`
+    holds the episodes that had ended, in the order asked for."""
+
+    def __init__(self, cause: BaseException, finished: list[EpisodeResult]):
+        super().__init__(cause, finished)  # the arguments Ray's pickling rebuilds it from
+        self.cause, self.finished = cause, finished
+
+    def __str__(self) -> str:
+        return "interrupted (Ctrl-C)" if isinstance(self.cause, KeyboardInterrupt) else str(self.cause)
 
 
 SERVER_NOTICE_S = 5.0  # a --server not serving after this is said to be waited for
@@ -202,6 +216,9 @@ def run_episodes(policy, env_id: str, indices: Sequence[int], num_envs: int, exe
     before the next step (a masked reset on that episode's seed), so an episode does not depend on `num_envs`;
     gymnasium's next-step autoreset only reaches sub-environments left without an episode at the end, and their
     steps are discarded.
+
+    Ctrl-C, or an error of the server or engine (a refusal, a session lost to its restart), raises `RolloutStopped`
+    with the episodes that had ended.
     """
     num_envs = min(num_envs, len(indices))
     parallel = num_envs > 1
@@ -282,11 +299,15 @@ def run_episodes(policy, env_id: str, indices: Sequence[int], num_envs: int, exe
                         if progress is not None:
                             progress.update(1)
                     obs = start(ended, obs)
-    finally:
+    except (KeyboardInterrupt, PolicyServerError, EngineError, RolloutError) as error:
         for run in running:
             if run is not None:
-                policy.close(run.session)
-        envs.close()
+                with contextlib.suppress(PolicyServerError, EngineError):  # e.g. lost with a restarted server
+                    policy.close(run.session)
+        raise RolloutStopped(error, [result for result in results if result is not None]) from error
+    finally:
+        # A Ctrl-C reached the environments' processes too: stopped, they are ended, not asked to close (they are gone).
+        envs.close(terminate=sys.exc_info()[0] is not None)
     return results
 
 
@@ -309,9 +330,12 @@ def _side_by_side(real: np.ndarray, predicted: np.ndarray | None, offset: int) -
     return np.concatenate([real, right], axis=1)
 
 
-def summarize(results: list[EpisodeResult], seconds: float, config: dict, budgeted: bool) -> dict:
+def summarize(results: list[EpisodeResult], seconds: float, config: dict, budgeted: bool,
+              stopped_by: str | None = None, unfinished_seeds: Sequence[int] = ()) -> dict:
     """The rollout's report; `budgeted` False: its ticks ran without a budget (uncached, none asked for), which
-    neither `budget_ms` nor the misses then pretend. Each episode lists its ticks in order, a column per field."""
+    neither `budget_ms` nor the misses then pretend. Each episode lists its ticks in order, a column per field.
+    `stopped_by`: what ended the run before the episodes of `unfinished_seeds` had (the figures are over `results`,
+    the episodes that ended)."""
     ticks = [t for r in results for t in r.ticks]
     latency = np.array([t.latency_ms for t in ticks])
     settings: dict[str, int] = {}
@@ -323,7 +347,9 @@ def summarize(results: list[EpisodeResult], seconds: float, config: dict, budget
     failures = [r for r in results if not r.success]
     return {
         "config": config,
+        "stopped_by": stopped_by,
         "episodes": len(results),
+        "unfinished_seeds": list(unfinished_seeds),
         "success_rate": float(np.mean(success)),
         "episode_length_mean": float(np.mean([r.steps for r in results])),
         "episode_length_success_mean": float(np.mean([r.steps for r in results if r.success])) if any(success)
@@ -518,6 +544,7 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.perf_counter()
     indices = range(args.first_episode, args.first_episode + args.episodes)
+    stopped: RolloutStopped | None = None
     try:
         if args.ray is None:
             policy = make_policy()
@@ -533,10 +560,19 @@ def main(argv: list[str] | None = None) -> int:
             results = run_on_ray(make_policy, args.env_id, indices, args.ray, args.num_envs, args.execute,
                                  args.videos, args.ray_address, args.ray_gpus_per_worker, args.ray_cpus_per_worker,
                                  args.delay_steps, args.commit_actions)
+    except RolloutStopped as error:  # Ctrl-C or an error mid-run: the episodes that ended are reported
+        stopped, results = error, error.finished
+    except KeyboardInterrupt:  # before the first episode (loading, warming up, waiting for the server)
+        print("policy-rollout: interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
     except refusals as error:  # e.g. BUDGET_INFEASIBLE, OVERLOADED, a checkpoint that cannot be served
         print(f"policy-rollout: {error}", file=sys.stderr)
         return 2
     seconds = time.perf_counter() - started
+    exit_code = 0 if stopped is None else 130 if isinstance(stopped.cause, KeyboardInterrupt) else 2
+    if stopped is not None and not results:
+        print(f"policy-rollout: {stopped}", file=sys.stderr)
+        return exit_code
 
     config = {"server": args.server, "in_process": args.in_process, "latency_budget_ms": budget,
               "diffusion_cache": not args.no_diffusion_cache if args.in_process else None,
@@ -545,16 +581,22 @@ def main(argv: list[str] | None = None) -> int:
               "commit_actions": args.commit_actions, "num_envs": args.num_envs, "device": args.device,
               "first_episode": args.first_episode, "serve_application": args.serve_application,
               "ray_workers": args.ray, **overrides}
-    report = summarize(results, seconds, config, budgeted)
+    ended = {result.seed for result in results}
+    unfinished = [HELDOUT_SEED_OFFSET + i for i in indices if HELDOUT_SEED_OFFSET + i not in ended]
+    report = summarize(results, seconds, config, budgeted, None if stopped is None else str(stopped), unfinished)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     plot_summary(report, [t.latency_ms for r in results for t in r.ticks], args.out.with_suffix(".png"))
     if args.videos:  # PyAV, with its FFmpeg, loads only for a rollout that writes videos
         from robots.video import write_browser_mp4
-    for result in results[: args.videos]:
-        write_browser_mp4(args.out.with_name(f"{args.out.stem}_episode{result.seed}.mp4"), result.frames, fps=10)
-    print(json.dumps({k: v for k, v in report.items() if k != "per_episode"}, indent=2))
-    return 0
+    for result in results:
+        if result.frames:  # one of the first --videos episodes
+            write_browser_mp4(args.out.with_name(f"{args.out.stem}_episode{result.seed}.mp4"), result.frames, fps=10)
+    print(json.dumps({k: v for k, v in report.items() if k not in ("per_episode", "unfinished_seeds")}, indent=2))
+    if stopped is not None:
+        print(f"policy-rollout: {stopped}; {args.out} reports the {len(results)} episodes that had ended, not the "
+              f"{len(unfinished)} others (unfinished_seeds)", file=sys.stderr)
+    return exit_code
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ server it started did not come up.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -45,7 +46,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -373,9 +374,9 @@ class HostileNeighbour:
 
 
 def run_session(driver: Unary | Stream, result: SessionResult, args: argparse.Namespace, pace_s: float,
-                t0: float) -> SessionResult:
+                t0: float, stop: threading.Event) -> SessionResult:
     """``args.ticks`` ticks, each sent at least ``pace_s`` (s) after the previous one, the chunks driving
-    the simulator."""
+    the simulator; fewer once ``stop`` is set (Ctrl-C)."""
     env = gymnasium.make("PolicyServer/Reach-v0", max_episode_steps=args.episode_steps)
     episode, step = 0, 0
     obs, _ = env.reset(seed=episode_seed(args, result.index, episode))
@@ -383,7 +384,8 @@ def run_session(driver: Unary | Stream, result: SessionResult, args: argparse.Na
     execute = args.actions_per_chunk or driver.session.chunk_size
     next_send = time.monotonic()
     for _ in range(args.ticks):
-        time.sleep(max(0.0, next_send - time.monotonic()))
+        if stop.wait(max(0.0, next_send - time.monotonic())):
+            break
         sent = time.monotonic()
         next_send = sent + pace_s
         result.sent += 1
@@ -777,10 +779,24 @@ def soak(args: argparse.Namespace, target: str, pid: int | None) -> tuple[dict, 
         return {"config": config, "refused_open": refused, "passed": False}, []
     if hostile is not None:
         hostile.start()
+    stop = threading.Event()
     with ThreadPoolExecutor(max_workers=len(drivers), thread_name_prefix="soak-session") as pool:
         futures = [pool.submit(run_session, d, SessionResult(i, d.kind, d.session.session_id), args,
-                               1.0 / rate_hz, t0) for i, d in enumerate(drivers)]
-        results = [f.result() for f in futures]
+                               1.0 / rate_hz, t0, stop) for i, d in enumerate(drivers)]
+        try:
+            results = [f.result() for f in futures]
+        except KeyboardInterrupt:  # the sessions end after their tick in flight, and close
+            stop.set()
+            wait(futures)
+            if hostile is not None:
+                hostile.stop()
+            if sampler is not None:
+                sampler.finish()
+            close_drivers(drivers)
+            if hostile is not None:
+                with hostile.client as client, contextlib.suppress(PolicyServerError):
+                    client.close_session(hostile.session)
+            raise
     if hostile is not None:
         hostile.stop()
     wall_s = time.monotonic() - t0
@@ -822,6 +838,10 @@ def main(argv: list[str] | None = None) -> int:
     except TimeoutError as exc:  # only a --server can still be not SERVING here
         print(f"policy-soak: {exc}", file=sys.stderr)
         return 4
+    except KeyboardInterrupt:  # its checks are of the whole soak: a cut one passes or fails none of them
+        print(f"policy-soak: interrupted (Ctrl-C): its sessions closed, no report written to {args.out}",
+              file=sys.stderr)
+        return 130
     finally:
         if server is not None:
             died = server.process.poll()  # None while it runs: the soak should not have killed it

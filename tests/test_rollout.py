@@ -3,19 +3,24 @@ a scripted policy in this process and through `--server` against a real gRPC ser
 
 import io
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 
+import grpc
 import gymnasium as gym
 import numpy as np
 import pytest
 from fake_engine import FakeEngine, serve_fake
 from tqdm import tqdm
 
+from policy_server.client.errors import PolicyServerError
 from robots import rollout
 from robots.envs import COLORS, ENV_IDS, HELDOUT_SEED_OFFSET, REACH_ID
-from robots.rollout import TickStats, main, run_episodes
+from robots.rollout import RolloutStopped, TickStats, main, run_episodes
 
 CHUNK, EXECUTE, EPISODES = 8, 4, 5
 
@@ -223,3 +228,93 @@ def test_the_bench_and_rollouts_load_pyav_only_to_write_videos():
     installed (the GPU image `.ci/device` runs on; its 36 MB wheel would not fit what that run can carry)."""
     code = "import sys, robots.bench, robots.rollout, robots.expert; sys.exit('av' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+class LostSessionPolicy(SeekerPolicy):
+    """SeekerPolicy whose session of seed index `lost` is lost at its third tick, as to a server's restart."""
+
+    def __init__(self, lost: int):
+        super().__init__()
+        self.lost_seed = HELDOUT_SEED_OFFSET + lost
+
+    def act(self, session, obs: dict, step: int, want_video: bool = False, committed: np.ndarray | None = None):
+        if session["seed"] == self.lost_seed and len(self.steps[self.lost_seed]) == 2:
+            raise PolicyServerError(grpc.StatusCode.NOT_FOUND, "SESSION_NOT_FOUND", "no open session")
+        return super().act(session, obs, step, want_video, committed)
+
+
+@pytest.mark.parametrize("num_envs", [1, 2])
+def test_an_error_mid_run_keeps_the_episodes_that_ended(expected, num_envs):
+    policy = LostSessionPolicy(lost=2)
+    with pytest.raises(RolloutStopped) as stopped:
+        run_episodes(policy, REACH_ID, range(EPISODES), num_envs, EXECUTE)
+    assert stopped.value.cause.reason == "SESSION_NOT_FOUND"
+    finished = [(r.seed, r.instruction, r.success, r.steps, len(r.ticks)) for r in stopped.value.finished]
+    assert finished and all(episode in expected for episode in finished)
+    assert HELDOUT_SEED_OFFSET + 2 not in [seed for seed, *_ in finished]
+    assert sorted(policy.closed) == sorted(seed for seed, _ in policy.opened)  # the lost one's close asked for too
+
+
+class RestartingEngine(FakeEngine):
+    """Loses every session (as a restarted server does) once `acts_before` ticks have run."""
+
+    def __init__(self, acts_before: int):
+        super().__init__()
+        self.acts_before = acts_before
+
+    def act(self, session_id, *args, **kwargs):
+        if len(self.acts) == self.acts_before:
+            self.close()
+        return super().act(session_id, *args, **kwargs)
+
+
+def test_a_server_restart_mid_run_reports_the_episodes_that_ended(tmp_path, capsys):
+    out = tmp_path / "rollout.json"
+    with serve_fake(RestartingEngine(acts_before=50)) as server:
+        code = main(["--server", server.target, "--episodes", "6", "--videos", "6", "--out", str(out)])
+    error = capsys.readouterr().err
+    report = json.loads(out.read_text())
+    ended = [e["seed"] for e in report["per_episode"]]
+    assert code == 2 and 0 < len(ended) < 6 and report["episodes"] == len(ended)
+    assert report["stopped_by"].startswith("NOT_FOUND SESSION_NOT_FOUND")
+    assert report["unfinished_seeds"] == [HELDOUT_SEED_OFFSET + i for i in range(6) if HELDOUT_SEED_OFFSET + i
+                                          not in ended]
+    # The figures are the ended episodes': the lost episode's ticks are not among them.
+    assert report["ticks"] == sum(len(e["ticks"]["latency_ms"]) for e in report["per_episode"]) < 50
+    assert report["success_rate"] == np.mean([e["success"] for e in report["per_episode"]])
+    assert sorted(p.name for p in tmp_path.glob("*.mp4")) == [f"rollout_episode{seed}.mp4" for seed in ended]
+    assert error == (f"policy-rollout: {report['stopped_by']}; {out} reports the {len(ended)} episodes that had "
+                     f"ended, not the {6 - len(ended)} others (unfinished_seeds)\n")
+
+
+class GatedEngine(FakeEngine):
+    """Holds every tick from the `acts_before`th on until `gate` is set; `reached` says one is held."""
+
+    def __init__(self, acts_before: int):
+        super().__init__()
+        self.acts_before, self.reached, self.gate = acts_before, threading.Event(), threading.Event()
+
+    def act(self, session_id, *args, **kwargs):
+        if len(self.acts) >= self.acts_before:
+            self.reached.set()
+            self.gate.wait(30)
+        return super().act(session_id, *args, **kwargs)
+
+
+def test_ctrl_c_mid_run_ends_cleanly_and_reports_the_episodes_that_ended(tmp_path):
+    """A terminal's Ctrl-C reaches the rollout and its environments' processes (one process group)."""
+    out = tmp_path / "rollout.json"
+    engine = GatedEngine(acts_before=50)
+    with serve_fake(engine) as server:
+        rollout_process = subprocess.Popen(
+            [sys.executable, "-m", "robots.rollout", "--server", server.target, "--episodes", "8", "--num-envs", "2",
+             "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        assert engine.reached.wait(120)
+        os.killpg(rollout_process.pid, signal.SIGINT)
+        time.sleep(0.5)  # the signal is taken before the tick held is answered
+        engine.gate.set()
+        _, error = rollout_process.communicate(timeout=60)
+    report = json.loads(out.read_text())
+    assert rollout_process.returncode == 130 and report["stopped_by"] == "interrupted (Ctrl-C)"
+    assert 0 < report["episodes"] < 8 and len(report["unfinished_seeds"]) == 8 - report["episodes"]
+    assert error.startswith("policy-rollout: interrupted (Ctrl-C);") and error.count("\n") == 1, error

@@ -3,13 +3,16 @@ answer matches its session and epoch and the report holds the documented keys; a
 reported, not a crash."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from concurrent import futures
 
 import grpc
 import pytest
-from fake_engine import self_signed_cert
+from fake_engine import FakeEngine, self_signed_cert, serve_fake
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from policy_server.v1 import policy_server_pb2 as pb
@@ -155,3 +158,26 @@ def test_soak_reports_a_refused_session(tmp_path):
     assert servicer.opened[0].rate_hz == 2.0  # the declared rate went out on the wire
     assert servicer.closed == ["s0"]  # the session it did get was closed again
     assert "refused session 1 (stream): RESOURCE_EXHAUSTED OVERLOADED" in done.stderr
+
+
+def test_ctrl_c_ends_the_soak_at_once_and_closes_its_sessions(tmp_path):
+    """A terminal's Ctrl-C (SIGINT to the process group) ends a --server soak after the ticks in flight, not after
+    all its ticks, and closes its sessions rather than leaving them to hold the server's places until they expire."""
+    engine = FakeEngine()
+    out = tmp_path / "soak.json"
+    with serve_fake(engine) as server:
+        soak_process = subprocess.Popen(
+            [sys.executable, "-m", "robots.soak", "--server", server.target, "--sessions", "2", "--ticks", "100000",
+             "--rate-hz", "50", "--out", str(out)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 120
+            while len(engine.acts) < 10 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            os.killpg(soak_process.pid, signal.SIGINT)
+            _, error = soak_process.communicate(timeout=30)
+        finally:
+            soak_process.kill()  # not left running where it did not end
+        assert engine.stats().sessions == 0
+    assert soak_process.returncode == 130 and not out.exists()
+    assert error == f"policy-soak: interrupted (Ctrl-C): its sessions closed, no report written to {out}\n"
