@@ -71,33 +71,45 @@ def test_ticks_run_between_the_steps_of_background_work():
     worker.close(timeout_s=10)
 
 
-def test_background_work_keeps_its_share_beside_ticks_that_never_stop_coming():
-    """Closed-loop sessions keep a tick queued at all times; a dynamics or reasoner call beside them still gets
-    about BACKGROUND_SHARE of the worker (before, it waited until the ticks stopped), and the ticks still go
-    first: several run between two of its steps."""
-    log, gate = _Log(), threading.Event()
+def test_background_work_keeps_its_share_beside_closed_loops():
+    """Three closed-loop sessions (each asks again as soon as answered) keep ticks queued at all times; a dynamics
+    or reasoner call beside them still gets up to BACKGROUND_SHARE of the worker (before, it waited until they
+    stopped), the ticks still go first (several run between two of its steps), and no tick waits for more than
+    one of its steps, as admission counts."""
+    log = _Log()
 
     def tick_steps(job: TickJob, batch_size: int):
-        if job.payload == 0:
-            gate.wait()  # every other tick and the job are queued behind this one
-        time.sleep(0.004)
+        time.sleep(0.02)  # ten times a step: background work may go between any two ticks, as far as the share goes
         log.add(f"tick {job.payload}")
         return job.payload
         yield
 
     worker = ModelWorker(tick_steps, None, max_batch=1)
-    ticks = [TickJob(session=object(), shape="s", payload=i) for i in range(100)]
-    worker.submit(ticks[0])
-    _until(lambda: not worker._ticks)
-    for tick in ticks[1:]:
-        worker.submit(tick)
-    worker.submit(GeneratorJob(_sleeping_steps(log, 3, 0.002), lambda error: None))
-    gate.set()
-    assert [t.result.result(timeout=10) for t in ticks] == list(range(100))
-    _until(lambda: "call step 2" in log.events)
-    steps = [log.events.index(f"call step {i}") for i in range(3)]
-    assert steps[-1] < log.events.index("tick 99")  # not after the ticks stopped coming
+
+    def closed_loop(name: str) -> None:
+        session = object()
+        for index in range(12):
+            tick = TickJob(session=session, shape=name, payload=f"{name}{index}")
+            log.add(f"queued {name}{index}")
+            worker.submit(tick)
+            tick.result.result(timeout=10)
+
+    loops = [threading.Thread(target=closed_loop, args=(name,)) for name in "abc"]
+    for loop in loops:
+        loop.start()
+    _until(lambda: len(log.events) >= 4)
+    worker.submit(GeneratorJob(_sleeping_steps(log, 6, 0.002), lambda error: None))
+    for loop in loops:
+        loop.join(timeout=10)
+    _until(lambda: "call step 5" in log.events)
+    events = log.events
+    assert events.index("call step 5") < max(events.index(f"tick {loop}11") for loop in "abc")  # before they stopped
+    ran = [event for event in events if not event.startswith("queued")]
+    steps = [ran.index(f"call step {i}") for i in range(6)]
     assert all(b - a > 1 for a, b in zip(steps, steps[1:], strict=False))  # ticks ran between two steps
+    for name in (f"{loop}{index}" for loop in "abc" for index in range(12)):  # steps that ended while it waited
+        waited = events[events.index(f"queued {name}"): events.index(f"tick {name}")]
+        assert sum(event.startswith("call step") for event in waited) <= 1, name
     worker.close(timeout_s=10)
 
 

@@ -7,8 +7,8 @@ Background work (warmup, reasoner and dynamics calls) is a ``BackgroundJob``: th
 oldest job, then looks at the ticks again, so a tick waits for at most one background step. Jobs
 take turns, step by step. Ticks that keep the worker busy (closed-loop sessions ask again as soon as answered)
 would leave background work no time at all, so while both wait, a step goes before the ticks once ticks have had
-the rest of the worker since the last one: background work keeps ``BACKGROUND_SHARE`` of it, or one step per
-batch of ticks where a batch takes longer. A tick still waits for one step at most, as admission counts.
+the rest of the worker since the last one, unless a tick waiting has already waited for one: background work keeps
+up to ``BACKGROUND_SHARE`` of the worker, and a tick still waits for one step at most, as admission counts.
 
 A call whose ``CallEnd`` has a reason to end (its deadline, its caller gone) ends between two steps: the worker
 checks before each step of a job, and a caller waiting on a busy worker, which runs ticks first, takes its
@@ -59,6 +59,7 @@ class TickJob:
     shape: Hashable
     payload: Any
     result: Future = field(default_factory=Future)
+    arrival: int = 0  # how many ticks were submitted before it (set by `submit`)
 
     def fail(self, error: BaseException) -> None:
         self.result.set_exception(error)
@@ -79,8 +80,10 @@ class ModelWorker:
         self._ticks: list[TickJob] = []  # oldest first
         self._jobs: deque[BackgroundJob] = deque()
         self._running = 0  # ticks and jobs taken off the queues, not yet finished
-        self._tick_s = 0.0  # worker time ticks have taken since the last background step
-        self._step_s = 0.0  # the time that step took
+        self._arrivals = 0  # ticks submitted so far
+        self._arrivals_by_step_end = 0  # ticks submitted before the last background step ended
+        self._tick_s = 0.0  # worker time ticks have taken since that step
+        self._step_s = 0.0  # the time it took
         self._closed = False
         self._changed = threading.Condition()
         self._thread = threading.Thread(target=self._loop, name="model-worker", daemon=True)
@@ -97,7 +100,11 @@ class ModelWorker:
         with self._changed:
             if self._closed:
                 raise api.ShuttingDown()
-            (self._ticks if isinstance(job, TickJob) else self._jobs).append(job)
+            if isinstance(job, TickJob):
+                job.arrival, self._arrivals = self._arrivals, self._arrivals + 1
+                self._ticks.append(job)
+            else:
+                self._jobs.append(job)
             self._changed.notify()
 
     def wait(self, job: TickJob | BackgroundJob, end: CallEnd) -> Any:
@@ -161,17 +168,19 @@ class ModelWorker:
                     self._step(job)
             finally:
                 took_s = time.perf_counter() - start
-                if batch:
-                    self._tick_s += took_s
-                else:
-                    self._tick_s, self._step_s = 0.0, took_s
                 with self._changed:
                     self._running -= len(batch) if batch else 1
+                    if batch:
+                        self._tick_s += took_s
+                    else:
+                        self._tick_s, self._step_s = 0.0, took_s
+                        self._arrivals_by_step_end = self._arrivals
 
     def _background_due(self) -> bool:
-        """Whether a background step goes before the ticks waiting: ticks have run for (1 - share) / share times
-        the last step's time since it."""
-        return self._tick_s * BACKGROUND_SHARE >= self._step_s * (1 - BACKGROUND_SHARE)
+        """Whether a background step goes before the ticks waiting (under the lock): ticks have run for
+        (1 - share) / share times the last step's time since it, and every tick waiting came after it."""
+        return (self._tick_s * BACKGROUND_SHARE >= self._step_s * (1 - BACKGROUND_SHARE)
+                and self._ticks[0].arrival >= self._arrivals_by_step_end)
 
     def _take_batch(self) -> list[TickJob]:
         """The oldest tick and queued ticks of its shape from other sessions (under the lock)."""
