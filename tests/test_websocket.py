@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import socket
 import ssl
+import struct
 import threading
 import time
 import urllib.error
@@ -224,6 +225,29 @@ def test_shutdown_answers_the_observation_being_served_then_closes():
             with pytest.raises(ConnectionClosed) as closed:
                 ws.recv(timeout=10)
             assert (closed.value.rcvd.code, closed.value.rcvd.reason) == (1001, "server shutting down")
+
+
+def test_a_client_gone_right_after_its_observation_is_no_internal_error(server, engine):
+    """A client that sent its first observation and then reset its connection (a robot's process killed) made the
+    server log an internal error with a traceback, and count it as INTERNAL: its socket, closed, had no address to
+    name the session's client by."""
+    def internal_errors():
+        return server.metrics.registry.get_sample_value("policy_server_errors_total", {"reason": "INTERNAL"}) or 0
+
+    before, sessions = internal_errors(), engine.stats().sessions
+    for _ in range(20):
+        ws = websockets.sync.client.connect(f"ws://127.0.0.1:{server.websocket_port}", compression=None)
+        ws.recv(timeout=10)
+        ws.send(msgpack_numpy.packb(openpi_observation()))
+        ws.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close with a reset
+        ws.socket.close()
+        ws.close()
+    for _ in range(500):
+        if engine.stats().sessions == sessions:
+            break
+        time.sleep(0.01)
+    assert engine.stats().sessions == sessions
+    assert internal_errors() == before
 
 
 def test_reset_starts_a_new_episode(server):

@@ -301,6 +301,7 @@ class _ConnectionState:
     bucket its refused messages draw on."""
 
     spec: EmbodimentSpec
+    peer: tuple[str, int]  # the client's host and port: its socket has none once the client has gone
     session: SessionHandle | None = None
     steps: int = 0  # the step_index of an observation that gives none
     prev_total_ms: float = 0.0  # the previous answer's time from receipt to sent, ms
@@ -482,7 +483,11 @@ class OpenpiWebsocketServer:
             self._connections.release()
 
     def _serve_connection(self, connection: ServerConnection) -> None:
-        state = _ConnectionState(self._embodiment_for(connection.request.path))
+        try:
+            peer = connection.remote_address[:2]
+        except OSError:  # the client has gone since its handshake, and its socket is closed
+            return
+        state = _ConnectionState(self._embodiment_for(connection.request.path), peer)
         try:
             with contextlib.ExitStack() as attached:  # its session, held open while the connection is
                 if not self._wait_until_warm():
@@ -538,7 +543,7 @@ class OpenpiWebsocketServer:
             if state.session is None:
                 validate.instruction(observation.instruction, "prompt")
                 # The openpi protocol cannot declare a rate (its clients ask again when a chunk runs out) nor a name.
-                host, port = connection.remote_address[:2]
+                host, port = state.peer
                 state.session = self._engine.open_session(state.spec.name, observation.instruction, rate_hz=0.0,
                                                           client_name=f"openpi client at {host}:{port}")
                 attached.enter_context(self._engine.attach(state.session.session_id))
@@ -555,7 +560,7 @@ class OpenpiWebsocketServer:
                 self._metrics.observe_error("RATE_EXCEEDED")
                 reason = (f"too many refused messages: {state.refusals.measured_hz:.1f} per second, beyond a burst of "
                           f"{MAX_REFUSED_MESSAGES} at {REFUSED_MESSAGES_HZ:g} per second")
-                self._bar(connection.remote_address[0])
+                self._bar(state.peer[0])
                 connection.close(code=1008, reason=reason)
                 return False
             return True
