@@ -235,7 +235,7 @@ class FakeEngine:
     def reset_session(self, session_id: str) -> SessionHandle:
         return self._replace(session_id, epoch=self.session(session_id).epoch + 1)
 
-    def close_session(self, session_id: str) -> None:
+    def close_session(self, session_id: str, why: str = "its client closed it") -> None:
         with self._lock:
             if self._sessions.pop(session_id, None) is None:
                 raise UnknownSession(session_id)

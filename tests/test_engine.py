@@ -88,9 +88,9 @@ def test_the_log_says_who_opened_closed_or_was_refused_each_session(engine, capl
     assert refusal == ("refused a session for 'arm 4': pusht, chunks of 8, budget 0.01 ms, 0 Hz: BUDGET_INFEASIBLE "
                        + refused.value.message)
     assert opened.startswith(f"opened session {session.session_id} ('arm 3'): pusht, chunks of 8, budget 10000 ms")
-    assert closed == f"closed session {session.session_id} ('arm 3')"
+    assert closed == f"closed session {session.session_id} ('arm 3'): its client closed it"
     assert opened_unnamed.startswith(f"opened session {unnamed.session_id}: pusht")
-    assert closed_unnamed == f"closed session {unnamed.session_id}"
+    assert closed_unnamed == f"closed session {unnamed.session_id}: its client closed it"
 
 
 def test_the_log_says_each_budget_change_and_refusal_once_per_session_each_10_s(engine, caplog):

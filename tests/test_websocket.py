@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import socket
 import ssl
+import struct
 import threading
 import time
 import urllib.error
@@ -29,7 +30,7 @@ from policy_server.engine.engine import ModelEngine
 from policy_server.engine.served import EngineSettings
 from policy_server.limits import MAX_FRAME_SIDE, MAX_INSTRUCTION_TOKENS, MAX_REFUSED_MESSAGES, REFUSED_MESSAGES_HZ
 from policy_server.server.app import build_server
-from policy_server.server.websocket import BARRED_S
+from policy_server.server.websocket import BARRED_S, OPEN_TIMEOUT_S
 from robots.embedded import build_random_pipeline
 
 IMAGE = np.random.default_rng(3).integers(0, 256, (48, 64, 3), dtype=np.uint8)
@@ -224,6 +225,65 @@ def test_shutdown_answers_the_observation_being_served_then_closes():
             with pytest.raises(ConnectionClosed) as closed:
                 ws.recv(timeout=10)
             assert (closed.value.rcvd.code, closed.value.rcvd.reason) == (1001, "server shutting down")
+
+
+def test_shutdown_refuses_new_connections_and_ends_handshakes_at_once():
+    """During the grace the port refused nothing: a client reconnecting after its SHUTTING_DOWN got the metadata frame
+    of the stopping server, then SHUTTING_DOWN again; openpi's client retries a refused connection only. A socket in
+    its handshake held the shutdown until its handshake timed out (10 s). The log says why each session closed."""
+    engine = FakeEngine()
+    closed_why = []
+    close_session = engine.close_session
+    engine.close_session = lambda session_id, why: (closed_why.append(why), close_session(session_id, why))
+    with serve_fake(engine, websocket_port=0) as server:
+        policy = WebsocketClientPolicy(host="127.0.0.1", port=server.websocket_port)
+        idle = WebsocketClientPolicy(host="127.0.0.1", port=server.websocket_port)
+        idle.infer(openpi_observation())
+        handshaking = socket.create_connection(("127.0.0.1", server.websocket_port))
+        handshaking.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # the request never ends
+        engine.hold()
+        replies = []
+        acting = threading.Thread(target=lambda: replies.append(policy.infer(openpi_observation())))
+        acting.start()
+        engine.wait_entered()
+        stopping = threading.Thread(target=server.stop, kwargs={"grace_s": 30.0})
+        stopping.start()
+        try:
+            handshaking.settimeout(OPEN_TIMEOUT_S / 2)
+            assert handshaking.recv(1) == b""  # closed by the stop, not left to its handshake's timeout
+            with pytest.raises(ConnectionRefusedError):  # while the observation is still being served
+                websockets.sync.client.connect(f"ws://127.0.0.1:{server.websocket_port}", open_timeout=5)
+            assert stopping.is_alive() and not replies
+        finally:
+            engine.release()
+        acting.join(timeout=10)
+        stopping.join(timeout=10)
+        assert replies[0]["actions"].shape == (8, 2)
+        handshaking.close()
+    assert sorted(closed_why) == ["its WebSocket connection closed with 1001 (server shutting down)"] * 2
+
+
+def test_a_client_gone_right_after_its_observation_is_no_internal_error(server, engine):
+    """A client that sent its first observation and then reset its connection (a robot's process killed) made the
+    server log an internal error with a traceback, and count it as INTERNAL: its socket, closed, had no address to
+    name the session's client by."""
+    def internal_errors():
+        return server.metrics.registry.get_sample_value("policy_server_errors_total", {"reason": "INTERNAL"}) or 0
+
+    before, sessions = internal_errors(), engine.stats().sessions
+    for _ in range(20):
+        ws = websockets.sync.client.connect(f"ws://127.0.0.1:{server.websocket_port}", compression=None)
+        ws.recv(timeout=10)
+        ws.send(msgpack_numpy.packb(openpi_observation()))
+        ws.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close with a reset
+        ws.socket.close()
+        ws.close()
+    for _ in range(500):
+        if engine.stats().sessions == sessions:
+            break
+        time.sleep(0.01)
+    assert engine.stats().sessions == sessions
+    assert internal_errors() == before
 
 
 def test_reset_starts_a_new_episode(server):

@@ -574,8 +574,8 @@ class Engine(Protocol):
         """Start a new episode: epoch + 1, per-episode state cleared. Raises UnknownSession."""
         ...
 
-    def close_session(self, session_id: str) -> None:
-        """Free the session. Raises UnknownSession."""
+    def close_session(self, session_id: str, why: str = "its client closed it") -> None:
+        """Free the session; the log says `why`. Raises UnknownSession."""
         ...
 
     def set_budget(self, session_id: str, budget_ms: float) -> SessionHandle:

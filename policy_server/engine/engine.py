@@ -217,10 +217,10 @@ class ModelEngine:
     def reset_session(self, session_id: str) -> api.SessionHandle:
         return self.sessions.reset(session_id).handle()
 
-    def close_session(self, session_id: str) -> None:
+    def close_session(self, session_id: str, why: str = "its client closed it") -> None:
         session = self.sessions.get(session_id)
         self._admission.close(session_id)
-        logger.info("closed session %s", session.describe())  # by its client, or its WebSocket connection's end
+        logger.info("closed session %s: %s", session.describe(), why)
 
     def set_budget(self, session_id: str, budget_ms: float) -> api.SessionHandle:
         session = self.sessions.get(session_id)

@@ -28,8 +28,9 @@ their handshake for the ``BARRED_S`` (8 s) a burst takes to refill. Connections 
 ``max_sessions + 4`` are closed at once with 1013 (try again later), and TCP connections beyond twice that plus 8,
 those still in their handshake counted, are closed before it; one that sends nothing for
 ``session_idle_timeout_s`` is closed with 1001 (going away), so that it frees its place; its session lives as long
-as the connection. On shutdown a connection answers the observation it is serving, then is closed with 1001; one
-that arrives meanwhile is answered ``SHUTTING_DOWN``.
+as the connection. On shutdown the port refuses new connections at once (openpi's client retries a refused
+connection) and those still in their handshake are closed; a connection answers the observation it is serving, then
+is closed with 1001; one that arrives meanwhile is answered ``SHUTTING_DOWN``.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import http
 import logging
 import math
 import re
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -74,6 +76,7 @@ _ALLOWED_KINDS = {"b", "i", "u", "f"}
 MAX_STEP_INDEX = 2**63 - 1
 OPEN_TIMEOUT_S = 10.0  # a connection's handshake must be done within this
 _WARM_POLL_S = 0.5  # a connection waiting for the warmup looks this often whether the server is stopping
+_SHUTTING_DOWN = "server shutting down"  # the reason of the 1001 that closes each connection on shutdown
 # After a connection is closed for its refused messages, its address may open none for the time its burst takes to
 # refill (s): a client that reconnects gets no new burst.
 BARRED_S = MAX_REFUSED_MESSAGES / REFUSED_MESSAGES_HZ
@@ -301,6 +304,7 @@ class _ConnectionState:
     bucket its refused messages draw on."""
 
     spec: EmbodimentSpec
+    peer: tuple[str, int]  # the client's host and port: its socket has none once the client has gone
     session: SessionHandle | None = None
     steps: int = 0  # the step_index of an observation that gives none
     prev_total_ms: float = 0.0  # the previous answer's time from receipt to sent, ms
@@ -343,7 +347,8 @@ class OpenpiWebsocketServer:
         # most `OPEN_TIMEOUT_S`): beyond twice as many connections, plus a few, it is closed at once.
         self._sockets = threading.BoundedSemaphore(2 * (engine.info().max_sessions + 4) + 8)
         self._barred: dict[str, float] = {}  # host -> until when it may not connect (time.monotonic() s)
-        self._barred_lock = threading.Lock()
+        self._handshaking: set[socket.socket] = set()  # sockets accepted whose HTTP request has not come yet
+        self._lock = threading.Lock()  # guards _barred, _handshaking and the start of a stop
 
     @property
     def port(self) -> int:
@@ -377,29 +382,43 @@ class OpenpiWebsocketServer:
         """`handle_socket(sock, addr)`, websockets' handshake and connection, for at most `_sockets` sockets at once,
         from addresses not barred. Any other socket is closed on its thread's start, before its handshake (the least
         a flood of them can cost), and still handed to websockets, whose handler then fails on it at once and forgets
-        its thread as for any socket that fails."""
+        its thread as for any socket that fails; so is one accepted as the server stops."""
         def bounded(sock, addr) -> None:
-            with self._barred_lock:
-                barred = self._barred.get(addr[0], 0.0) > time.monotonic()
-            if barred or not self._sockets.acquire(blocking=False):
+            with self._lock:
+                refused = (self._stopping.is_set() or self._barred.get(addr[0], 0.0) > time.monotonic()
+                           or not self._sockets.acquire(blocking=False))
+                if not refused:
+                    self._handshaking.add(sock)
+            if refused:
                 sock.close()
                 handle_socket(sock, addr)
                 return
             try:
                 handle_socket(sock, addr)
             finally:
+                with self._lock:
+                    self._handshaking.discard(sock)
                 self._sockets.release()
 
         return bounded
 
     def stop(self, grace_s: float) -> None:
-        """Answer the observations being served (for at most ``grace_s``), then close every connection (1001)."""
+        """Refuse new connections and end those in their handshake, answer the observations being served (for at
+        most ``grace_s``), then close every connection (1001)."""
         if self._server is None:
             return
-        self._stopping.set()
+        with self._lock:
+            self._stopping.set()
+            handshaking = list(self._handshaking)
+        # Closed now, not after the grace by shutdown() below: a client reconnecting meanwhile is refused, which
+        # openpi's client retries on, rather than handed the metadata frame and then SHUTTING_DOWN.
+        self._server.socket.close()
+        for sock in handshaking:  # shutdown() would wait for each until its handshake timed out (OPEN_TIMEOUT_S)
+            with contextlib.suppress(OSError):  # its client has closed it meanwhile
+                sock.shutdown(socket.SHUT_RDWR)
         with self._answered:
             self._answered.wait_for(lambda: self._answering == 0, timeout=grace_s)
-        self._server.shutdown(reason="server shutting down")
+        self._server.shutdown(reason=_SHUTTING_DOWN)
         self._server = None
 
     def _bar(self, host: str) -> None:
@@ -407,7 +426,7 @@ class OpenpiWebsocketServer:
         log.warning("closed a WebSocket connection from %s for its refused messages; its address may not connect "
                     "for %g s", host, BARRED_S)
         now_s = time.monotonic()
-        with self._barred_lock:
+        with self._lock:
             self._barred = {h: until for h, until in self._barred.items() if until > now_s}
             self._barred[host] = now_s + BARRED_S
 
@@ -422,6 +441,8 @@ class OpenpiWebsocketServer:
         return validate.embodiment(info, names[0] if names else (self._default_embodiment or info.embodiments[0].name))
 
     def _process_request(self, connection: ServerConnection, request):
+        with self._lock:  # its request has come: the rest of its handshake is the answer
+            self._handshaking.discard(connection.socket)
         if urlsplit(request.path).path == "/healthz":
             if self._engine.ready():
                 return connection.respond(http.HTTPStatus.OK, "OK\n")
@@ -482,10 +503,15 @@ class OpenpiWebsocketServer:
             self._connections.release()
 
     def _serve_connection(self, connection: ServerConnection) -> None:
-        state = _ConnectionState(self._embodiment_for(connection.request.path))
+        try:
+            peer = connection.remote_address[:2]
+        except OSError:  # the client has gone since its handshake, and its socket is closed
+            return
+        state = _ConnectionState(self._embodiment_for(connection.request.path), peer)
         try:
             with contextlib.ExitStack() as attached:  # its session, held open while the connection is
                 if not self._wait_until_warm():
+                    connection.close(code=1001, reason=_SHUTTING_DOWN)
                     return
                 connection.send(packb(self._metadata(state.spec)))
                 while True:
@@ -502,8 +528,11 @@ class OpenpiWebsocketServer:
                 self._metrics.observe_error("PAYLOAD_TOO_LARGE")
         finally:
             if state.session is not None:
+                why = f"its WebSocket connection closed with {connection.close_code}"
+                if connection.close_reason:
+                    why += f" ({connection.close_reason})"
                 try:
-                    self._engine.close_session(state.session.session_id)
+                    self._engine.close_session(state.session.session_id, why)
                 except UnknownSession:  # the engine shut down
                     log.debug("session %s was already closed", state.session.session_id)
 
@@ -511,10 +540,10 @@ class OpenpiWebsocketServer:
         """Wait for the model's warmup; False when the server stops first. openpi's own server takes no connection
         before its model is ready, so its clients infer as soon as the metadata frame has come: sent only once warm,
         it keeps them waiting through a warmup rather than failing their first observation with WARMING_UP."""
-        while not self._engine.wait_ready(timeout_s=_WARM_POLL_S):
-            if self._stopping.is_set():
-                return False
-        return True
+        while not self._stopping.is_set():
+            if self._engine.wait_ready(timeout_s=_WARM_POLL_S):
+                return True
+        return False
 
     def _answer(self, connection: ServerConnection, raw: bytes | str, state: _ConnectionState,
                 attached: contextlib.ExitStack) -> bool:
@@ -538,7 +567,7 @@ class OpenpiWebsocketServer:
             if state.session is None:
                 validate.instruction(observation.instruction, "prompt")
                 # The openpi protocol cannot declare a rate (its clients ask again when a chunk runs out) nor a name.
-                host, port = connection.remote_address[:2]
+                host, port = state.peer
                 state.session = self._engine.open_session(state.spec.name, observation.instruction, rate_hz=0.0,
                                                           client_name=f"openpi client at {host}:{port}")
                 attached.enter_context(self._engine.attach(state.session.session_id))
@@ -555,7 +584,7 @@ class OpenpiWebsocketServer:
                 self._metrics.observe_error("RATE_EXCEEDED")
                 reason = (f"too many refused messages: {state.refusals.measured_hz:.1f} per second, beyond a burst of "
                           f"{MAX_REFUSED_MESSAGES} at {REFUSED_MESSAGES_HZ:g} per second")
-                self._bar(connection.remote_address[0])
+                self._bar(state.peer[0])
                 connection.close(code=1008, reason=reason)
                 return False
             return True
