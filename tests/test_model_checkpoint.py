@@ -69,6 +69,16 @@ def test_saved_directory_loads_in_diffusers(model, saved):
         assert torch.equal(reference.state_dict()[key], value), key
 
 
+def test_a_checkpoint_written_over_in_place_leaves_the_loaded_weights_as_loaded(model, saved, tmp_path):
+    """`cp` of another fine-tune over the served folder writes into the same files; the loaded model owns its
+    weights (they were views of the mapped file: the model changed to weights never loaded, or died of SIGBUS)."""
+    loaded = load_transformer(saved)
+    other = save_transformer(random_model(Cosmos3TransformerConfig(**TINY), seed=5), tmp_path / "other")
+    with open(saved / WEIGHTS_NAME, "r+b") as file:  # same inode, as cp writes it
+        file.write((other / WEIGHTS_NAME).read_bytes())
+    assert_same_weights(loaded, model)
+
+
 def test_sharded_diffusers_checkpoint_and_pipeline_root(model, tmp_path):
     reference = Reference(**TINY)
     reference.load_state_dict(model.state_dict())

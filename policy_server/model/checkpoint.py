@@ -241,7 +241,7 @@ def index_tensors(directory: Path) -> dict[str, StoredTensor]:
 
 
 def read_tensor(stored: StoredTensor, device: torch.device | str, dtype: torch.dtype | None) -> torch.Tensor:
-    """One stored tensor on `device`, cast to `dtype` (None = as stored).
+    """One stored tensor on `device`, cast to `dtype` (None = as stored), in memory of its own.
 
     A handle maps its whole shard, and every page read through it stays resident until the handle
     closes: one handle per tensor keeps host memory at one tensor above what has been loaded.
@@ -251,7 +251,11 @@ def read_tensor(stored: StoredTensor, device: torch.device | str, dtype: torch.d
             tensor = handle.get_tensor(stored.name)
     except SafetensorError as error:
         raise CheckpointError(f"{stored.file}: cannot read {stored.name!r} ({error})") from None
-    return tensor if dtype is None else tensor.to(dtype)
+    if dtype is not None and tensor.dtype != dtype:
+        return tensor.to(dtype)
+    # On the CPU the tensor is a view of the mapped file: a file written over in place (`cp` of a new fine-tune)
+    # would change the served weights under the server, or kill it (SIGBUS) while the file is short.
+    return tensor.clone() if tensor.device.type == "cpu" else tensor
 
 
 def load_transformer(path: str | Path, device: torch.device | str = "cpu",
