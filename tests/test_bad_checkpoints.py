@@ -197,6 +197,9 @@ BROKEN_DIFFUSERS = {
     "flow_shift_not_a_number": (lambda root: _edit_json(root / "scheduler/scheduler_config.json", flow_shift="abc",
                                                         use_karras_sigmas=False),
                                 "scheduler_config.json: flow_shift='abc'; expected a number above 0"),
+    "corrector_disabled_on_some_steps": (
+        lambda root: _edit_json(root / "scheduler/scheduler_config.json", disable_corrector=[0, 1]),
+        "scheduler_config.json: disable_corrector=[0, 1]; this server implements []"),
     "tokenizer_not_parsed": (_writing("text_tokenizer/tokenizer.json", "{}"),
                              "tokenizer.json: not a tokenizers file"),
     "tokenizer_config_not_json": (_writing("text_tokenizer/tokenizer_config.json", "{"),
