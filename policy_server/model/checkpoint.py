@@ -212,7 +212,8 @@ def index_tensors(directory: Path) -> dict[str, StoredTensor]:
     elif single.is_file():
         weight_map, shards = None, [single.name]
     else:
-        raise CheckpointError(f"no weights in {directory}: expected {WEIGHTS_NAME} or {WEIGHTS_INDEX_NAME}")
+        raise CheckpointError(f"no weights in {directory}: expected {WEIGHTS_NAME} or {WEIGHTS_INDEX_NAME}"
+                              + _variant_hint(directory))
     tensors: dict[str, StoredTensor] = {}
     for shard in shards:
         file = directory / shard
@@ -238,6 +239,22 @@ def index_tensors(directory: Path) -> dict[str, StoredTensor]:
         if absent:
             raise CheckpointError(f"tensor(s) in {index.name} but absent from their shard: {_show(absent)}")
     return tensors
+
+
+# The weights `save_pretrained(variant=...)` writes: one file, or a shard index (its shards are named by it).
+_VARIANT_WEIGHTS = re.compile(r"^diffusion_pytorch_model\.(?:safetensors\.index\.(\w+)\.json|(\w+)\.safetensors)$")
+
+
+def _variant_hint(directory: Path) -> str:
+    """What a folder saved by diffusers with `variant=` holds instead of the weights, and what to do; "" if none."""
+    found = [(path.name, match[1] or match[2]) for path in sorted(directory.iterdir())
+             if (match := _VARIANT_WEIGHTS.match(path.name))]
+    if not found:
+        return ""
+    name, variant = found[0]
+    return (f"; it holds {', '.join(name for name, _ in found)}: weights saved with variant={variant!r}, which "
+            f"diffusers loads only when asked and this server does not; save without variant=, or rename {name} "
+            f"without '.{variant}'")
 
 
 def read_tensor(stored: StoredTensor, device: torch.device | str, dtype: torch.dtype | None) -> torch.Tensor:
