@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -334,11 +335,27 @@ def save_transformer(model: Cosmos3OmniTransformer, directory: str | Path) -> Pa
 
 def weights_digest(root: str | Path) -> str:
     """``sha256:<hex>`` over every ``.safetensors`` file under ``root`` (relative path and bytes, in path
-    order): the identity of the weights a server serves."""
+    order), symlinked folders included: the identity of the weights a server serves."""
     root = Path(root)
     digest = hashlib.sha256()
-    for path in sorted(root.rglob("*.safetensors")):
+    for path in _safetensors_files(root):
         digest.update(path.relative_to(root).as_posix().encode() + b"\0")
         with path.open("rb") as file:
             digest.update(hashlib.file_digest(file, "sha256").digest())
     return f"sha256:{digest.hexdigest()}"
+
+
+def _safetensors_files(root: Path) -> list[Path]:
+    """The `.safetensors` files under `root`, sorted, through symlinked folders too (a folder assembled from links to
+    other checkpoints' components: `Path.rglob` would skip them and give every such folder one digest), each real
+    folder walked once (a link to a folder above would loop)."""
+    files, walked = [], set()
+    for folder, subfolders, names in os.walk(root, followlinks=True):
+        stat = os.stat(folder)
+        if (stat.st_dev, stat.st_ino) in walked:
+            subfolders.clear()
+            continue
+        walked.add((stat.st_dev, stat.st_ino))
+        subfolders.sort()  # which of two links to one folder is walked does not depend on the listing's order
+        files += [Path(folder, name) for name in names if name.endswith(".safetensors")]
+    return sorted(files)
