@@ -163,6 +163,14 @@ def _stored_as_integers(path):
     save_file({key: tensor.to(torch.int32) for key, tensor in tensors.items()}, str(path), metadata={"format": "pt"})
 
 
+def _saved_as_variant(root):
+    """The folder saved again by diffusers with `variant="fp16"` (weights named `*.fp16.*`), sharded as it was."""
+    from diffusers import Cosmos3OmniPipeline
+    pipe = Cosmos3OmniPipeline.from_pretrained(root, local_files_only=True)
+    shutil.rmtree(root)
+    pipe.save_pretrained(root, variant="fp16", max_shard_size="200KB")
+
+
 BROKEN_DIFFUSERS = {
     "missing_component": (lambda root: shutil.rmtree(root / "vae"), "model_index.json lists vae but"),
     "wrong_pipeline_component_class": (
@@ -172,6 +180,12 @@ BROKEN_DIFFUSERS = {
     "unknown_transformer_config_field": (lambda root: _edit_json(root / "transformer/config.json", hiden_size=3),
                                          "hiden_size"),
     "missing_shard": (lambda root: _remove(_first_shard(root)), "lists shard file(s) that do not exist"),
+    "weights_saved_as_a_variant": (
+        _saved_as_variant,
+        "transformer: expected diffusion_pytorch_model.safetensors or diffusion_pytorch_model.safetensors.index.json; "
+        "it holds diffusion_pytorch_model.safetensors.index.fp16.json: weights saved with variant='fp16', which "
+        "diffusers loads only when asked and this server does not; save without variant=, or rename "
+        "diffusion_pytorch_model.safetensors.index.fp16.json without '.fp16'"),
     "integer_weights": (lambda root: _stored_as_integers(_first_shard(root)),
                         ".safetensors: tensor(s) stored as I32, expected floating point (F32, BF16, F16): "),
     "shape_mismatch": (lambda root: _edit_json(root / "transformer/config.json", intermediate_size=80),
@@ -197,6 +211,9 @@ BROKEN_DIFFUSERS = {
     "flow_shift_not_a_number": (lambda root: _edit_json(root / "scheduler/scheduler_config.json", flow_shift="abc",
                                                         use_karras_sigmas=False),
                                 "scheduler_config.json: flow_shift='abc'; expected a number above 0"),
+    "corrector_disabled_on_some_steps": (
+        lambda root: _edit_json(root / "scheduler/scheduler_config.json", disable_corrector=[0, 1]),
+        "scheduler_config.json: disable_corrector=[0, 1]; this server implements []"),
     "tokenizer_not_parsed": (_writing("text_tokenizer/tokenizer.json", "{}"),
                              "tokenizer.json: not a tokenizers file"),
     "tokenizer_config_not_json": (_writing("text_tokenizer/tokenizer_config.json", "{"),

@@ -222,6 +222,8 @@ def test_bad_folders_are_refused_in_one_line(folder, tmp_path, edit, message):
 
 def test_a_folder_is_named_after_itself_and_a_hub_snapshot_after_its_hub_id(pipe, folder, monkeypatch):
     assert pipe.config.name == folder.name
+    monkeypatch.chdir(folder / "transformer")  # `policy-server --checkpoint ..` was named '..', and `.` ''
+    assert PolicyPipeline.from_pretrained("..").config.name == folder.name
     # A Hub id resolves to a snapshot folder named after its commit (tests/test_hub.py fetches one for real).
     monkeypatch.setattr("policy_server.pipeline.policy.checkpoint_folder", lambda reference: folder)
     assert PolicyPipeline.from_pretrained("nvidia/Cosmos3-Tiny@main").config.name == "nvidia/Cosmos3-Tiny@main"

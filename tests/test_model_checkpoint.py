@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +24,7 @@ from policy_server.model import (
     save_transformer,
     to_native_keys,
 )
-from policy_server.model.checkpoint import CONFIG_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
+from policy_server.model.checkpoint import CONFIG_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME, weights_digest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -67,6 +68,32 @@ def test_saved_directory_loads_in_diffusers(model, saved):
     assert reference.state_dict().keys() == model.state_dict().keys()
     for key, value in model.state_dict().items():
         assert torch.equal(reference.state_dict()[key], value), key
+
+
+def test_a_checkpoint_written_over_in_place_leaves_the_loaded_weights_as_loaded(model, saved, tmp_path):
+    """`cp` of another fine-tune over the served folder writes into the same files; the loaded model owns its
+    weights (they were views of the mapped file: the model changed to weights never loaded, or died of SIGBUS)."""
+    loaded = load_transformer(saved)
+    other = save_transformer(random_model(Cosmos3TransformerConfig(**TINY), seed=5), tmp_path / "other")
+    with open(saved / WEIGHTS_NAME, "r+b") as file:  # same inode, as cp writes it
+        file.write((other / WEIGHTS_NAME).read_bytes())
+    assert_same_weights(loaded, model)
+
+
+def test_the_digest_of_a_folder_of_symlinked_components_is_that_of_its_weights(saved, tmp_path):
+    """A folder assembled from links to components (a fine-tune's transformer beside a shared VAE) is digested through
+    them: two such folders of other weights had one digest, that of no file, so a quality profile measured on one was
+    taken for the other."""
+    other = save_transformer(random_model(Cosmos3TransformerConfig(**TINY), seed=5), tmp_path / "other")
+    linked, copied = [], []
+    for name, transformer in (("a", saved), ("b", other)):
+        (tmp_path / "linked" / name).mkdir(parents=True)
+        (tmp_path / "linked" / name / "transformer").symlink_to(transformer)
+        (tmp_path / "linked" / name / "loop").symlink_to(tmp_path / "linked" / name)  # walked once, not forever
+        linked.append(weights_digest(tmp_path / "linked" / name))
+        shutil.copytree(transformer, tmp_path / "copied" / name / "transformer")
+        copied.append(weights_digest(tmp_path / "copied" / name))
+    assert linked == copied and linked[0] != linked[1]
 
 
 def test_sharded_diffusers_checkpoint_and_pipeline_root(model, tmp_path):

@@ -35,6 +35,19 @@ def test_encode_and_decode_equal_the_diffusers_pipeline(folder):
         assert torch.equal(vae.decode(latents), pipe.vae.decode(z_raw).sample.clamp(-1, 1))
 
 
+def test_a_vae_written_over_in_place_leaves_the_loaded_weights_as_loaded(folder, tmp_path):
+    """`cp` of another VAE over the served one writes into the same file; the loaded VAE owns its weights (diffusers'
+    CPU weights were views of the mapped file: they changed to weights never loaded)."""
+    served = tmp_path / "vae"
+    shutil.copytree(folder / "vae", served)
+    vae = WanVideoVAE.from_pretrained(served)
+    loaded = {key: tensor.clone() for key, tensor in vae.state_dict().items()}
+    other = build_tiny_cosmos3_folder(tmp_path / "other", seed=2) / "vae" / "diffusion_pytorch_model.safetensors"
+    with open(served / "diffusion_pytorch_model.safetensors", "r+b") as file:  # same inode, as cp writes it
+        file.write(other.read_bytes())
+    assert all(torch.equal(tensor, loaded[key]) for key, tensor in vae.state_dict().items())
+
+
 def test_a_vae_folder_without_latent_statistics_is_refused_by_name(folder, tmp_path):
     broken = tmp_path / "vae"
     shutil.copytree(folder / "vae", broken)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -212,7 +213,8 @@ def index_tensors(directory: Path) -> dict[str, StoredTensor]:
     elif single.is_file():
         weight_map, shards = None, [single.name]
     else:
-        raise CheckpointError(f"no weights in {directory}: expected {WEIGHTS_NAME} or {WEIGHTS_INDEX_NAME}")
+        raise CheckpointError(f"no weights in {directory}: expected {WEIGHTS_NAME} or {WEIGHTS_INDEX_NAME}"
+                              + _variant_hint(directory))
     tensors: dict[str, StoredTensor] = {}
     for shard in shards:
         file = directory / shard
@@ -240,8 +242,24 @@ def index_tensors(directory: Path) -> dict[str, StoredTensor]:
     return tensors
 
 
+# The weights `save_pretrained(variant=...)` writes: one file, or a shard index (its shards are named by it).
+_VARIANT_WEIGHTS = re.compile(r"^diffusion_pytorch_model\.(?:safetensors\.index\.(\w+)\.json|(\w+)\.safetensors)$")
+
+
+def _variant_hint(directory: Path) -> str:
+    """What a folder saved by diffusers with `variant=` holds instead of the weights, and what to do; "" if none."""
+    found = [(path.name, match[1] or match[2]) for path in sorted(directory.iterdir())
+             if (match := _VARIANT_WEIGHTS.match(path.name))]
+    if not found:
+        return ""
+    name, variant = found[0]
+    return (f"; it holds {', '.join(name for name, _ in found)}: weights saved with variant={variant!r}, which "
+            f"diffusers loads only when asked and this server does not; save without variant=, or rename {name} "
+            f"without '.{variant}'")
+
+
 def read_tensor(stored: StoredTensor, device: torch.device | str, dtype: torch.dtype | None) -> torch.Tensor:
-    """One stored tensor on `device`, cast to `dtype` (None = as stored).
+    """One stored tensor on `device`, cast to `dtype` (None = as stored), in memory of its own.
 
     A handle maps its whole shard, and every page read through it stays resident until the handle
     closes: one handle per tensor keeps host memory at one tensor above what has been loaded.
@@ -251,7 +269,11 @@ def read_tensor(stored: StoredTensor, device: torch.device | str, dtype: torch.d
             tensor = handle.get_tensor(stored.name)
     except SafetensorError as error:
         raise CheckpointError(f"{stored.file}: cannot read {stored.name!r} ({error})") from None
-    return tensor if dtype is None else tensor.to(dtype)
+    if dtype is not None and tensor.dtype != dtype:
+        return tensor.to(dtype)
+    # On the CPU the tensor is a view of the mapped file: a file written over in place (`cp` of a new fine-tune)
+    # would change the served weights under the server, or kill it (SIGBUS) while the file is short.
+    return tensor.clone() if tensor.device.type == "cpu" else tensor
 
 
 def load_transformer(path: str | Path, device: torch.device | str = "cpu",
@@ -313,11 +335,27 @@ def save_transformer(model: Cosmos3OmniTransformer, directory: str | Path) -> Pa
 
 def weights_digest(root: str | Path) -> str:
     """``sha256:<hex>`` over every ``.safetensors`` file under ``root`` (relative path and bytes, in path
-    order): the identity of the weights a server serves."""
+    order), symlinked folders included: the identity of the weights a server serves."""
     root = Path(root)
     digest = hashlib.sha256()
-    for path in sorted(root.rglob("*.safetensors")):
+    for path in _safetensors_files(root):
         digest.update(path.relative_to(root).as_posix().encode() + b"\0")
         with path.open("rb") as file:
             digest.update(hashlib.file_digest(file, "sha256").digest())
     return f"sha256:{digest.hexdigest()}"
+
+
+def _safetensors_files(root: Path) -> list[Path]:
+    """The `.safetensors` files under `root`, sorted, through symlinked folders too (a folder assembled from links to
+    other checkpoints' components: `Path.rglob` would skip them and give every such folder one digest), each real
+    folder walked once (a link to a folder above would loop)."""
+    files, walked = [], set()
+    for folder, subfolders, names in os.walk(root, followlinks=True):
+        stat = os.stat(folder)
+        if (stat.st_dev, stat.st_ino) in walked:
+            subfolders.clear()
+            continue
+        walked.add((stat.st_dev, stat.st_ino))
+        subfolders.sort()  # which of two links to one folder is walked does not depend on the listing's order
+        files += [Path(folder, name) for name in names if name.endswith(".safetensors")]
+    return sorted(files)

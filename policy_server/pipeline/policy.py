@@ -19,6 +19,7 @@ Modes (Cosmos3 `build_sequence_plan_from_mode`):
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass, replace
@@ -400,8 +401,9 @@ class PolicyPipeline:
                 raise CheckpointError(f"{root} is not a directory")
             index = diffusers_folder.read_model_index(root)
             if index is not None:
-                # A Hub snapshot's folder is named after its commit: such a model is named after its Hub id.
-                name = str(path) if path is not None and is_hub_id(path) else root.name
+                # A Hub snapshot's folder is named after its commit: such a model is named after its Hub id. A folder
+                # given as `.` or `sub/..` is named after the folder it is, not '' or '..'.
+                name = str(path) if path is not None and is_hub_id(path) else Path(os.path.abspath(root)).name
                 pipeline = cls._from_diffusers_folder(root, index, name, device, dtype)
             else:
                 pipeline = cls._from_policy_folder(root, device, dtype)

@@ -466,6 +466,8 @@ _UNIPC_REQUIRED = {
     "use_beta_sigmas": (False, False),
     "shift_terminal": (None, None),
     "num_train_timesteps": (1000, NUM_TRAIN_TIMESTEPS),
+    "disable_corrector": ([], []),  # the steps diffusers skips UniC after; this sampler corrects after every one
+    "solver_p": (None, None),
 }
 
 

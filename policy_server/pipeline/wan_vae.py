@@ -67,6 +67,9 @@ class WanVideoVAE(torch.nn.Module):
                                                    use_safetensors=True)
         except (OSError, ValueError, KeyError, RuntimeError) as error:
             raise CheckpointError(f"{folder}: cannot load the {WAN_VAE_CLASS} ({error})") from None
+        if vae.device.type == "cpu":  # diffusers' CPU weights are views of the mapped files (see `read_tensor`)
+            for tensor in (*vae.parameters(), *vae.buffers()):
+                tensor.data = tensor.data.clone()
         config = vae.config
         for name in ("latents_mean", "latents_std"):
             values = getattr(config, name, None)
