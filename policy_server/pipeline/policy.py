@@ -393,7 +393,8 @@ class PolicyPipeline:
         Two layouts: a diffusers `Cosmos3OmniPipeline` folder exactly as `save_pretrained` writes it
         (`policy_server.pipeline.diffusers_folder`), or the embedded model's (`transformer/`, `vae/`,
         `text_tokenizer/`, `policy.json`, `embodiments.json`). `dtype`: the weights' dtype (None keeps the
-        stored one); the time embedder and the sampler state stay fp32. A folder that cannot be served raises
+        transformer's stored one, and a diffusers folder's Wan VAE loads in fp32 as diffusers loads it); the time
+        embedder and the sampler state stay fp32. A folder that cannot be served raises
         `CheckpointLoadError`, whose message names the file and what was expected."""
         try:
             root = checkpoint_folder(path) if path is not None else default_model_path()
