@@ -202,6 +202,45 @@ def test_a_connections_session_lives_as_long_as_the_connection(tmp_path):
         engine.close()
 
 
+def test_a_client_that_sends_without_reading_is_held_back_by_tcp_not_queued_for():
+    """openpi's protocol is one observation, then its answer. A client that sends on while its observation is being
+    served had 16 messages read ahead and held for it (websockets' default queue): 16 x the message limit per
+    connection. The server now reads one ahead; TCP's flow control holds the client's sends."""
+    engine = FakeEngine()
+    image = np.zeros((1200, 1200, 3), np.uint8)  # 4.3 MB: a valid frame, put on the canvas by the fake engine
+    message = msgpack_numpy.packb(openpi_observation() | {"observation/image": image})
+    with serve_fake(engine, websocket_port=0) as server:
+        ws = websockets.sync.client.connect(f"ws://127.0.0.1:{server.websocket_port}", compression=None,
+                                            max_size=None)
+        ws.recv(timeout=10)
+        engine.hold()
+        ws.send(message)
+        engine.wait_entered()  # the first observation is being served
+        sent = [0]
+
+        def send_on():
+            for _ in range(30):
+                ws.send(message)
+                sent[0] += 1
+
+        sender = threading.Thread(target=send_on, daemon=True)
+        sender.start()
+        held, last = 0, -1
+        while held != last:  # until the client's sends stop moving
+            last = held
+            time.sleep(0.5)
+            held = sent[0]
+        engine.release()
+        sender.join(timeout=30)
+        with open("/proc/sys/net/ipv4/tcp_rmem") as rmem, open("/proc/sys/net/ipv4/tcp_wmem") as wmem:
+            socket_buffers = int(rmem.read().split()[2]) + int(wmem.read().split()[2])  # loopback's, at most
+        in_transport = socket_buffers // len(message) + 2  # the kernel's buffers, and a message part way in each
+        assert held <= 1 + in_transport < 16
+        answers = [msgpack_numpy.unpackb(ws.recv(timeout=10)) for _ in range(31)]  # each answered once read
+        assert all(answer["actions"].shape == (8, 2) for answer in answers)
+        ws.close()
+
+
 def test_shutdown_answers_the_observation_being_served_then_closes():
     engine = FakeEngine()
     with serve_fake(engine, websocket_port=0) as server:
