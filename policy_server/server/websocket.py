@@ -9,8 +9,8 @@ bool, integer and float dtypes are accepted (no object arrays, nothing is ever u
 Each connection is one session of the server's default budget, opened on the first observation
 (it needs the ``prompt``). Observation keys, for each declared camera ``cam``:
 ``observation/cam``, ``observation/images/cam`` or ``images: {cam: ...}``, uint8 [H, W, 3] or
-[3, H, W] with sides within the camera's declared bounds and one H for all cameras, passed to the
-engine as they are (the pipeline fits them to its canvas, as for gRPC); state under
+[3, H, W] with sides within the camera's declared bounds (cameras of different heights side by side, as over gRPC),
+passed to the engine as they are (the pipeline fits them to its canvas, as for gRPC); state under
 ``observation/state`` or ``state``; text under ``prompt``; optional integer ``step_index`` (default: one past
 the connection's last, at most 2^63 - 1); optional ``committed_actions``, float [d, action_dim] with d below the
 chunk size: the actions the robot executes while the chunk is computed, which the chunk starts with (as the gRPC
