@@ -66,7 +66,7 @@ from policy_server.limits import MAX_REFUSED_MESSAGES, REFUSED_MESSAGES_HZ
 from policy_server.rate_limiter import RateLimiter
 from policy_server.server import listen, validate
 from policy_server.server.auth import bearer_token_matches
-from policy_server.server.convert import tick_to_dict
+from policy_server.server.convert import PROTOCOL_VERSION, tick_to_dict
 from policy_server.server.errors import from_exception
 from policy_server.server.metrics import ServerMetrics
 
@@ -466,7 +466,7 @@ class OpenpiWebsocketServer:
         info = self._engine.info()
         return {
             "server": "policy-server",
-            "protocol_version": "policy_server.v1",
+            "protocol_version": PROTOCOL_VERSION,
             "model": info.model_name,
             "model_digest": info.model_digest,
             "embodiment": spec.name,
