@@ -337,7 +337,6 @@ class OpenpiWebsocketServer:
         self._ssl = ssl_context
         self._idle_timeout_s = idle_timeout_s
         self._server: Server | None = None
-        self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._answering = 0  # connections serving an observation now
         self._answered = threading.Condition()
@@ -374,8 +373,7 @@ class OpenpiWebsocketServer:
             close_timeout=2,  # shutdown waits this long at most for a client that does not close
         )
         self._server.handler = self._bounded(self._server.handler)
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True, name="openpi-ws")
-        self._thread.start()
+        threading.Thread(target=self._server.serve_forever, daemon=True, name="openpi-ws").start()
         return self.port
 
     def _bounded(self, handle_socket):
