@@ -4,7 +4,7 @@
         client.wait_until_serving(timeout_s=60)
         session = client.open_session("pusht", "push the T into the target")
         chunk = client.act(session, {"image": frame}, state=q, step_index=t, timeout_s=0.2)
-        future = client.forward_dynamics(session, {"image": frame}, actions, state=q)  # predicted frames
+        frames = client.forward_dynamics(session, {"image": frame}, actions, state=q)  # predicted frames
         chunk = client.inverse_dynamics(session, {"image": video}, state=q)           # actions of a video
 
 Every call has a deadline (``timeout_s``, else the client default). Retries are gRPC's own (the channel's

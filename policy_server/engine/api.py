@@ -122,7 +122,7 @@ class Observation:
     """One validated observation.
 
     images: camera name -> uint8 [H, W, 3] RGB, exactly the embodiment's cameras, sides within their
-        declared bounds, one H for all.
+        declared bounds, each at most its camera's max_side wide once scaled to the tallest camera's height.
     state: float32 [state_dim] in physical units, finite; None when the embodiment takes none.
     instruction: the task text; "" keeps the session's current instruction.
     step_index: the robot's control-step counter when the observation was captured.
@@ -144,7 +144,8 @@ class VideoClip:
     """One validated video for inverse dynamics.
 
     frames: camera name -> uint8 [K + 1, H, W, 3] RGB (K: the session's chunk size), the embodiment's
-        cameras, sides within their declared bounds, one H for all.
+        cameras, sides within their declared bounds, each at most its camera's max_side wide once scaled to the
+        tallest camera's height.
     state: float32 [state_dim] at frame 0, physical units; None when the embodiment takes none.
     instruction: "" means the session's; used for this call only.
     step_index: the control step of frame 0.

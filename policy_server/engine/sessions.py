@@ -42,7 +42,8 @@ class SessionState:
     talking to the server. ``handle()`` is the snapshot the transport sees (``api.SessionHandle``;
     on the wire ``Session``, which the client reads as ``client.Session``).
 
-    cost_key: what its ticks cost is learned under (embodiment, clip length, instruction length).
+    cost_key: what its ticks cost is learned under (``ServedModel.cost_key``: latent frames, state row,
+        instruction-length group; embodiments alike in these share it).
     demand: what admission reserved it for; slot_ms: the model time each of its ticks is planned in.
     limiter: refuses ticks asked for faster than the declared rate.
     in_flight: its tick queued or running, if any (a session has at most one).

@@ -108,7 +108,6 @@ class ServerMetrics:
             lambda: 1.0 if engine.ready() else 0.0
         )
         self._http: WSGIServer | None = None
-        self._thread: threading.Thread | None = None
 
     def observe_tick(self, result: ActResult, served_ms: float, transport: str) -> None:
         tick = result.tick
@@ -151,8 +150,7 @@ class ServerMetrics:
         except OSError as error:  # in use, or not an address of this machine
             raise listen.bind_failed("the metrics endpoint", listen.address(host, port), error) from None
         self._http.ssl_context = ssl_context
-        self._thread = threading.Thread(target=self._http.serve_forever, daemon=True, name="metrics")
-        self._thread.start()
+        threading.Thread(target=self._http.serve_forever, daemon=True, name="metrics").start()
         return int(self._http.server_port)
 
     def stop(self) -> None:

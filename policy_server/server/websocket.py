@@ -9,8 +9,8 @@ bool, integer and float dtypes are accepted (no object arrays, nothing is ever u
 Each connection is one session of the server's default budget, opened on the first observation
 (it needs the ``prompt``). Observation keys, for each declared camera ``cam``:
 ``observation/cam``, ``observation/images/cam`` or ``images: {cam: ...}``, uint8 [H, W, 3] or
-[3, H, W] with sides within the camera's declared bounds and one H for all cameras, passed to the
-engine as they are (the pipeline fits them to its canvas, as for gRPC); state under
+[3, H, W] with sides within the camera's declared bounds (cameras of different heights side by side, as over gRPC),
+passed to the engine as they are (the pipeline fits them to its canvas, as for gRPC); state under
 ``observation/state`` or ``state``; text under ``prompt``; optional integer ``step_index`` (default: one past
 the connection's last, at most 2^63 - 1); optional ``committed_actions``, float [d, action_dim] with d below the
 chunk size: the actions the robot executes while the chunk is computed, which the chunk starts with (as the gRPC
@@ -66,7 +66,7 @@ from policy_server.limits import MAX_REFUSED_MESSAGES, REFUSED_MESSAGES_HZ
 from policy_server.rate_limiter import RateLimiter
 from policy_server.server import listen, validate
 from policy_server.server.auth import bearer_token_matches
-from policy_server.server.convert import tick_to_dict
+from policy_server.server.convert import PROTOCOL_VERSION, tick_to_dict
 from policy_server.server.errors import from_exception
 from policy_server.server.metrics import ServerMetrics
 
@@ -337,7 +337,6 @@ class OpenpiWebsocketServer:
         self._ssl = ssl_context
         self._idle_timeout_s = idle_timeout_s
         self._server: Server | None = None
-        self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._answering = 0  # connections serving an observation now
         self._answered = threading.Condition()
@@ -377,8 +376,7 @@ class OpenpiWebsocketServer:
             close_timeout=2,  # shutdown waits this long at most for a client that does not close
         )
         self._server.handler = self._bounded(self._server.handler)
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True, name="openpi-ws")
-        self._thread.start()
+        threading.Thread(target=self._server.serve_forever, daemon=True, name="openpi-ws").start()
         return self.port
 
     def _bounded(self, handle_socket):
@@ -469,7 +467,7 @@ class OpenpiWebsocketServer:
         info = self._engine.info()
         return {
             "server": "policy-server",
-            "protocol_version": "policy_server.v1",
+            "protocol_version": PROTOCOL_VERSION,
             "model": info.model_name,
             "model_digest": info.model_digest,
             "embodiment": spec.name,
