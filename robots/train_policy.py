@@ -461,11 +461,11 @@ def main(argv: list[str] | None = None) -> None:
                         help=f"actions a tick ({embedded.CHUNK_SIZE})")
     parser.add_argument("--limits", type=Path, default=None,
                         help=f"JSON object of the embodiment's {', '.join(LIMIT_FIELDS)}")
-    parser.add_argument("--steps", type=int, default=6000)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--steps", type=int, default=6000, help="training steps (6000)")
+    parser.add_argument("--batch-size", type=int, default=32, help="training ticks per step (32)")
+    parser.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (3e-4; warmup, then cosine)")
     parser.add_argument("--stride", type=int, default=1, help="take a training tick every N steps")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights, batches and noise (0)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--save-every", type=int, default=None,
                         help="also write the folder every N steps (EMA weights so far)")
