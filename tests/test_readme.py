@@ -43,3 +43,36 @@ def test_every_link_between_the_docs_reaches_its_file_and_heading():
             if not linked.exists() or (anchor and linked.suffix == ".md" and anchor not in _anchors(linked)):
                 broken.append(f"{markdown.relative_to(ROOT)}: {target}")
     assert not broken, broken
+
+
+def test_the_bounds_readme_states_are_the_servers():
+    """README's 'Bounded inputs' and its neighbours quote policy_server/limits.py: a bound changed there must change
+    here too."""
+    from policy_server import limits as L
+
+    def g(x: float) -> str:
+        return f"{x:g}"
+
+    text = " ".join((ROOT / "README.md").read_text().split())
+    stated = [
+        f"an instruction of at most {L.MAX_INSTRUCTION_TOKENS} tokens",
+        f"a `Reason` prompt of at most {L.MAX_PROMPT_TOKENS}",
+        f"after a {L.MAX_TEXT_BYTES // 1024} KiB byte check",
+        f"a `client_name` of at most {L.MAX_CLIENT_NAME_CHARS} printable characters",
+        f"a `request_id` of {L.MIN_REQUEST_ID_CHARS} to {L.MAX_REQUEST_ID_CHARS} characters",
+        f"budgets up to {g(L.MAX_BUDGET_MS / 1000)} s",
+        f"rates of 0 (a closed loop) or {g(L.MIN_RATE_HZ)} to {g(L.MAX_RATE_HZ)} Hz",
+        f"temperatures up to {g(L.MAX_TEMPERATURE)}",
+        f"(8..{L.MAX_FRAME_SIDE} px",
+        f"{g(L.MAX_FRAME_RATE_HZ)} observation frames a second per `Control` stream",
+        f"at most {L.MAX_PENDING_FRAMES} `must_answer` frames waiting per stream",
+        f"at most {L.MAX_QUEUED_EVENTS} events waiting per stream",
+        f"must send its `start` within {g(L.CONTROL_START_S)} s",
+        f"at most {L.MAX_STARTING_STREAMS} streams wait for theirs at once",
+        f"`Limits.max_dynamics_ms` ({g(L.MAX_DYNAMICS_MS / 1000)} s)",
+        f"beyond {L.MAX_REFLECTION_STREAMS} open at once",
+        f"a burst of {L.MAX_REFUSED_MESSAGES} at {g(L.REFUSED_MESSAGES_HZ)} per second",
+        f"at least {L.MIN_TOKEN_CHARS} characters",
+        f"{['No', 'One', 'Two', 'Three', 'Four'][L.MAX_REASON_CALLS]} `Reason` calls run at once",
+    ]
+    assert [s for s in stated if s not in text] == []
