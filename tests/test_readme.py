@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import re
+import runpy
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -76,3 +80,24 @@ def test_the_bounds_readme_states_are_the_servers():
         f"{['No', 'One', 'Two', 'Three', 'Four'][L.MAX_REASON_CALLS]} `Reason` calls run at once",
     ]
     assert [s for s in stated if s not in text] == []
+
+
+OTHER_TOOLS_FLAGS = {"--build", "--gpus", "--head", "--no-deps"}  # docker compose / docker run, ray start, pip
+
+
+@pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")  # runpy: imported by earlier tests
+def test_every_flag_the_readmes_name_is_one_a_command_takes(monkeypatch, capsys):
+    """A flag renamed or dropped in a parser, and still in README, fails a newcomer's copy-paste with 'unrecognized
+    arguments'."""
+    modules = [".".join(path.relative_to(ROOT).with_suffix("").parts)
+               for package in ("policy_server", "robots") for path in sorted((ROOT / package).rglob("*.py"))
+               if re.search(r"^def main\(", path.read_text(), flags=re.M)]
+    taken = set(OTHER_TOOLS_FLAGS)
+    for module in modules:
+        monkeypatch.setattr(sys, "argv", [module, "--help"])
+        with pytest.raises(SystemExit):
+            runpy.run_module(module, run_name="__main__")
+        taken |= set(re.findall(r"--[a-z][a-z0-9-]*", capsys.readouterr().out))
+    for readme in (ROOT / "README.md", ROOT / "robots" / "README.md"):
+        named = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", readme.read_text()))
+        assert sorted(named - taken) == [], readme.relative_to(ROOT)
