@@ -41,6 +41,7 @@ from tqdm import tqdm
 from policy_server import __version__
 from policy_server.client.cli_flags import add_tls_flags, server_address, tls_options, token_file
 from policy_server.client.errors import PolicyServerError
+from policy_server.client.sync_client import SERVING_WAIT_S
 from policy_server.engine.api import EngineError
 from policy_server.limits import MAX_BUDGET_MS
 from policy_server.output_file import output_file
@@ -52,7 +53,7 @@ class RolloutError(ValueError):
 
 
 SERVER_NOTICE_S = 5.0  # a --server not serving after this is said to be waited for
-SERVER_WAIT_S = 600.0  # and then waited for this long (a first start compiles for a minute or more)
+SERVER_WAIT_S = SERVING_WAIT_S  # and then waited for this long (a first start compiles for a minute or more)
 
 
 @dataclass

@@ -101,3 +101,19 @@ def test_every_flag_the_readmes_name_is_one_a_command_takes(monkeypatch, capsys)
     for readme in (ROOT / "README.md", ROOT / "robots" / "README.md"):
         named = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", readme.read_text()))
         assert sorted(named - taken) == [], readme.relative_to(ROOT)
+
+
+def test_the_robot_snippet_waits_out_the_first_start_readme_states():
+    """README's robot snippet calls `wait_until_serving()` as a newcomer runs it, right after starting the server.
+    With a 60 s default it raised TimeoutError during a first start's warmup (SERVING after 67 s on the 2-core machine
+    README measures on), so its default must outlast that start on a machine twice as slow."""
+    import inspect
+
+    from policy_server.client import PolicyClient
+
+    text = " ".join((ROOT / "README.md").read_text().split())
+    warmup_s = float(re.search(r"the embedded model's warmup takes (\d+) s on a first start", text)[1])
+    loading_s = float(re.search(r"after about (\d+) s of loading the model", text)[1])
+    assert "client.wait_until_serving()" in text
+    default_s = inspect.signature(PolicyClient.wait_until_serving).parameters["timeout_s"].default
+    assert default_s >= 2 * (warmup_s + loading_s)
