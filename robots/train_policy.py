@@ -456,7 +456,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="the embodiment to train and serve (default: the LeRobot dataset's robot_type, else "
                              f"the embedded {embedded.EMBODIMENT}); another name takes the dataset's layout")
     parser.add_argument("--domain-id", type=int, default=None,
-                        help="its row of the action projections (default: its Cosmos3 one, else the first free)")
+                        help="its row of the action projections (default: the row the --init folder serves it on, "
+                             "else its Cosmos3 one, else the first that no Cosmos3 embodiment uses and the --init "
+                             "weights were not trained on)")
     parser.add_argument("--chunk-size", type=int, default=embedded.CHUNK_SIZE,
                         help=f"actions a tick ({embedded.CHUNK_SIZE})")
     parser.add_argument("--limits", type=Path, default=None,
