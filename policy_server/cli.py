@@ -150,8 +150,8 @@ def serve(config: ServerConfig) -> int:
     print(
         f"policy-server: gRPC on {server.target}"
         + (f", unix:{config.unix_socket}" if config.unix_socket else "")
-        + (f", metrics on :{server.metrics_port}" if server.metrics_port is not None else "")
-        + (f", openpi websocket on :{server.websocket_port}" if server.websocket_port is not None else ""),
+        + (f", metrics on {server.metrics_address}" if server.metrics_address is not None else "")
+        + (f", openpi websocket on {server.websocket_address}" if server.websocket_address is not None else ""),
         flush=True,
     )
     stop = threading.Event()

@@ -33,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stride", type=int, default=4, help="control steps between two observations (4)")
     parser.add_argument("--env-id", default=REACH_EITHER_ID, choices=ENV_IDS,
                         help=f"the task (default {REACH_EITHER_ID})")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OBSERVATIONS)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OBSERVATIONS,
+                        help=f"observations file to write (default: the shipped set, {DEFAULT_OBSERVATIONS})")
     args = parser.parse_args(argv)
     save_observations(args.out, collect(args.count, args.stride, args.env_id))
     print(f"wrote {args.count} observations to {args.out}")

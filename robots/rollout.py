@@ -43,6 +43,7 @@ from tqdm import tqdm
 from policy_server import __version__
 from policy_server.client.cli_flags import add_tls_flags, server_address, tls_options, token_file
 from policy_server.client.errors import PolicyServerError
+from policy_server.client.sync_client import SERVING_WAIT_S
 from policy_server.engine.api import EngineError
 from policy_server.limits import MAX_BUDGET_MS
 from policy_server.output_file import output_file
@@ -66,7 +67,7 @@ class RolloutStopped(Exception):
 
 
 SERVER_NOTICE_S = 5.0  # a --server not serving after this is said to be waited for
-SERVER_WAIT_S = 600.0  # and then waited for this long (a first start compiles for a minute or more)
+SERVER_WAIT_S = SERVING_WAIT_S  # and then waited for this long (a first start compiles for a minute or more)
 
 
 @dataclass
@@ -445,12 +446,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="in-process: auto (default: beside the checkpoint, else the cache, else calibrate at "
                         "warmup, as the server), off (plan on the SeaCache ladder) or a profile file; always off "
                         "with --no-diffusion-cache, --num-steps or --guidance")
-    parser.add_argument("--episodes", type=int, default=100)
+    parser.add_argument("--episodes", type=int, default=100, help="episodes to run (100)")
     parser.add_argument("--env-id", default=REACH_ID, choices=ENV_IDS, help=f"gymnasium id (default {REACH_ID})")
     parser.add_argument("--num-envs", type=int, default=1,
                         help="episodes at once, each in a sub-environment of one vector env with its own session; "
                         "they share one model worker, so queueing counts against each tick's budget")
-    parser.add_argument("--execute", type=int, default=4, help="actions executed per chunk before replanning")
+    parser.add_argument("--execute", type=int, default=4, help="actions executed per chunk before replanning (4)")
     parser.add_argument("--delay-steps", type=int, default=0,
                         help="a tick's inference time in control steps, simulated: the robot runs that many actions "
                              "of its last chunk while the next is computed, whose first ones are then stale (0)")
@@ -466,10 +467,13 @@ def main(argv: list[str] | None = None) -> int:
     g = parser.add_argument_group("Ray (pip install 'policy-server[ray]')")
     g.add_argument("--ray", type=int, default=None, metavar="N",
                    help="spread the episodes over N Ray workers, each with its own engine or client")
-    g.add_argument("--ray-address", default=None, help="Ray cluster to use (default: RAY_ADDRESS, else start one here)")
+    g.add_argument("--ray-address", default=None,
+                   help="Ray cluster to join: its GCS HOST:PORT, auto or ray://... (default: RAY_ADDRESS, else the "
+                        "cluster the last `ray start` here recorded, else a Ray started here)")
     g.add_argument("--ray-gpus-per-worker", type=float, default=0.0, help="GPUs of each in-process worker (0)")
     g.add_argument("--ray-cpus-per-worker", type=float, default=1.0, help="CPUs of each worker (1)")
-    parser.add_argument("--out", type=output_file, default=Path("rollout.json"))
+    parser.add_argument("--out", type=output_file, default=Path("rollout.json"),
+                        help="JSON report; its PNG summary and the videos go beside it (rollout.json)")
     args = parser.parse_args(argv)
     for flag, value in (("--episodes", args.episodes), ("--num-envs", args.num_envs), ("--execute", args.execute),
                         ("--ray", 1 if args.ray is None else args.ray)):

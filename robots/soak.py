@@ -91,9 +91,10 @@ LISTENERS_LINE = "policy-server: "  # the line a started server prints once its 
 
 def bound_listeners(log_path: Path, process: subprocess.Popen, timeout_s: float) -> dict[str, str]:
     """The addresses a ``policy-server`` process writing to ``log_path`` bound, by listener, from the line it prints
-    once bound (``policy-server: gRPC on 127.0.0.1:50051, metrics on :9090``): ``{"gRPC": "127.0.0.1:50051",
-    "metrics": ":9090"}``. A server started with port 0 binds one the system picks, which no other program can take
-    between a probe and the bind. ServerFailed if it exits first; TimeoutError after ``timeout_s``."""
+    once bound (``policy-server: gRPC on 127.0.0.1:50051, metrics on 127.0.0.1:9464``):
+    ``{"gRPC": "127.0.0.1:50051", "metrics": "127.0.0.1:9464"}``. A server started with port 0 binds one the system
+    picks, which no other program can take between a probe and the bind. ServerFailed if it exits first;
+    TimeoutError after ``timeout_s``."""
     end = time.monotonic() + timeout_s
     while True:
         for line in log_path.read_text().splitlines():

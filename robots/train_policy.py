@@ -456,16 +456,18 @@ def main(argv: list[str] | None = None) -> None:
                         help="the embodiment to train and serve (default: the LeRobot dataset's robot_type, else "
                              f"the embedded {embedded.EMBODIMENT}); another name takes the dataset's layout")
     parser.add_argument("--domain-id", type=int, default=None,
-                        help="its row of the action projections (default: its Cosmos3 one, else the first free)")
+                        help="its row of the action projections (default: the row the --init folder serves it on, "
+                             "else its Cosmos3 one, else the first that no Cosmos3 embodiment uses and the --init "
+                             "weights were not trained on)")
     parser.add_argument("--chunk-size", type=int, default=embedded.CHUNK_SIZE,
                         help=f"actions a tick ({embedded.CHUNK_SIZE})")
     parser.add_argument("--limits", type=Path, default=None,
                         help=f"JSON object of the embodiment's {', '.join(LIMIT_FIELDS)}")
-    parser.add_argument("--steps", type=int, default=6000)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--steps", type=int, default=6000, help="training steps (6000)")
+    parser.add_argument("--batch-size", type=int, default=32, help="training ticks per step (32)")
+    parser.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (3e-4; warmup, then cosine)")
     parser.add_argument("--stride", type=int, default=1, help="take a training tick every N steps")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights, batches and noise (0)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--save-every", type=int, default=None,
                         help="also write the folder every N steps (EMA weights so far)")

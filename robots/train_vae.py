@@ -171,23 +171,26 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", required=True, help="dataset directory written by robots.datagen")
     parser.add_argument("--out", required=True, help="output folder (config.json + safetensors)")
-    parser.add_argument("--steps", type=int, default=defaults.steps)
-    parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
+    parser.add_argument("--steps", type=int, default=defaults.steps, help=f"training steps ({defaults.steps})")
+    parser.add_argument("--batch-size", type=int, default=defaults.batch_size,
+                        help=f"clips per step ({defaults.batch_size})")
     parser.add_argument("--frames", type=int, default=defaults.frames, help="clip length, 4k+1")
-    parser.add_argument("--lr", type=float, default=defaults.lr)
-    parser.add_argument("--kl-weight", type=float, default=defaults.kl_weight)
-    parser.add_argument("--latent-channels", type=int, default=defaults.latent_channels)
+    parser.add_argument("--lr", type=float, default=defaults.lr, help=f"learning rate ({defaults.lr:g})")
+    parser.add_argument("--kl-weight", type=float, default=defaults.kl_weight,
+                        help=f"weight of the KL term beside the MSE ({defaults.kl_weight:g})")
+    parser.add_argument("--latent-channels", type=int, default=defaults.latent_channels,
+                        help=f"latent channels ({defaults.latent_channels})")
     parser.add_argument(
         "--block-channels",
         default=",".join(map(str, defaults.block_channels)),
         help="encoder widths per stride-2 stage, comma separated (3 stages = spatial ÷8)",
     )
-    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--seed", type=int, default=defaults.seed, help=f"seed ({defaults.seed})")
     parser.add_argument("--threads", type=int, default=defaults.threads, help="torch CPU threads")
     parser.add_argument("--init", default=None,
                         help="fine-tune this VAE folder (its architecture overrides --latent-channels and "
                         "--block-channels)")
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     ns = parser.parse_args(argv)
     if ns.frames < 1 or (ns.frames - 1) % 4:
         parser.error(f"--frames {ns.frames}: expected 4k + 1 (1, 5, 9, ...)")

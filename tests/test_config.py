@@ -269,7 +269,8 @@ def test_the_engine_loads_the_pipeline_at_the_resolved_dtype_with_one_intra_op_t
 @pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")  # runpy: imported by earlier tests
 def test_every_command_also_runs_as_a_module(monkeypatch, capsys):
     """`python -m robots.soak`, `python -m robots.bench`, ...: how a checkout that was never pip-installed (no
-    console scripts, no entry points) runs them. Each module with a `main` prints its usage for --help."""
+    console scripts, no entry points) runs them. Each module with a `main` prints its usage for --help, and says
+    what each option does."""
     root = Path(__file__).resolve().parents[1]
     modules = [".".join(path.relative_to(root).with_suffix("").parts)
                for package in ("policy_server", "robots") for path in sorted((root / package).rglob("*.py"))
@@ -279,7 +280,16 @@ def test_every_command_also_runs_as_a_module(monkeypatch, capsys):
         monkeypatch.setattr(sys, "argv", [module, "--help"])
         with pytest.raises(SystemExit) as done:
             runpy.run_module(module, run_name="__main__")
-        assert done.value.code == 0 and "usage:" in capsys.readouterr().out, module
+        usage = capsys.readouterr().out
+        assert done.value.code == 0 and "usage:" in usage, module
+        assert not options_without_help(usage), (module, options_without_help(usage))
+
+
+def options_without_help(usage: str) -> list[str]:
+    """The options an argparse --help lists with nothing after them (`--out OUT` alone: no default, no purpose)."""
+    lines = usage.splitlines()
+    return [line.strip() for line, after in zip(lines, [*lines[1:], ""], strict=True)
+            if re.match(r"  -", line) and not re.match(r"  \S.*?\S  +\S", line) and not re.match(r" {10,}\S", after)]
 
 
 def test_subcommands_dispatch_through_the_entry_point_group(monkeypatch, capsys):

@@ -62,7 +62,7 @@ def served(tmp_path_factory):
         log.seek(0)
         process.kill()
         raise AssertionError("server did not become SERVING:\n" + log.read()) from None
-    yield client, logs / "server.log", f"http://127.0.0.1{listeners['metrics']}/metrics"
+    yield client, logs / "server.log", f"http://{listeners['metrics']}/metrics"
     client.close()
     process.terminate()
     process.wait(timeout=30)
@@ -143,6 +143,13 @@ def test_metrics_describe_the_served_weights_and_count_ticks_and_calls(served):
                    if key[0] == "policy_server_stage_duration_seconds_sum")
     assert 0 < stages_s <= tick_s <= added("policy_server_tick_served_duration_seconds_sum", transport="grpc")
     assert after[("process_resident_memory_bytes", frozenset())] > 0
+
+
+def test_the_start_line_names_each_listener_by_the_address_it_binds(served):
+    """':9464' reads as every interface; the endpoint listens on loopback (--metrics-host's default)."""
+    _, log_path, _ = served
+    line = next(line for line in log_path.read_text().splitlines() if line.startswith("policy-server: gRPC on "))
+    assert re.fullmatch(r"policy-server: gRPC on 127\.0\.0\.1:\d+, metrics on 127\.0\.0\.1:\d+", line), line
 
 
 def test_control_stream_answers_each_observation(server):

@@ -113,14 +113,15 @@ def fitting_steps(prefill_ms: float, step_ms: float, budget_ms: float) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m policy_server.benchmarks.edge_tick", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
-    parser.add_argument("--text-tokens", type=int, default=200)
+    parser.add_argument("--device", default="cuda", help="torch device (cuda)")
+    parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="weight dtype (bf16)")
+    parser.add_argument("--text-tokens", type=int, default=200, help="instruction tokens prefilled (200)")
     parser.add_argument("--chunk", type=int, default=32, help="actions per chunk (latent frames 1 + chunk / 4)")
     parser.add_argument("--canvas", type=int, default=256, help="canvas side in pixels (latent side canvas / 16)")
     parser.add_argument("--steps", type=int, default=20, help="sampler steps of the uncached tick")
-    parser.add_argument("--budget-ms", type=float, default=120.0)
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--budget-ms", type=float, default=120.0,
+                        help="the tick budget the report fits uncached steps in, ms (120)")
+    parser.add_argument("--repeats", type=int, default=20, help="timed calls per figure, interleaved (20)")
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help=f"dense peak of --dtype (default: by device name, {BF16_PEAK_TFLOPS})")
     parser.add_argument("--layers", type=int, default=None, help="fewer layers than Edge's 28 (a quick try)")

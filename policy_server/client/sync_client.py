@@ -1,7 +1,7 @@
 """Blocking client for ``policy_server.v1.PolicyService``.
 
     with PolicyClient("127.0.0.1:50051", token=...) as client:
-        client.wait_until_serving(timeout_s=60)
+        client.wait_until_serving()                # up to 10 min: a first start compiles
         session = client.open_session("pusht", "push the T into the target")
         chunk = client.act(session, {"image": frame}, state=q, step_index=t, timeout_s=0.2)
         frames = client.forward_dynamics(session, {"image": frame}, actions, state=q)  # predicted frames
@@ -52,6 +52,9 @@ from policy_server.v1.auth_token import check_token, read_token_file
 
 T = TypeVar("T")
 _RETRY_PAUSE_S = 0.1  # between watching or asking again while a server comes up
+# `wait_until_serving`'s default: a server's first start compiles for a minute or more (57 s of warmup on 2 cores
+# for the embedded model), a Cosmos3 folder's on a CPU for minutes. policy-rollout waits as long.
+SERVING_WAIT_S = 600.0
 
 # Calls safe to repeat when they failed UNAVAILABLE (refused unserved, or the answer lost with the connection): reading
 # the server, and session changes (OpenSession carries a request_id, so a repeat answers the session the first opened).
@@ -201,8 +204,9 @@ class PolicyClient:
         response = self._call(self._health.Check, health_pb2.HealthCheckRequest(service=service), timeout_s)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
 
-    def wait_until_serving(self, timeout_s: float = 60.0) -> None:
-        """Block until health is SERVING (model loaded and warm); TimeoutError otherwise. Watches the standard
+    def wait_until_serving(self, timeout_s: float = SERVING_WAIT_S) -> None:
+        """Block until health is SERVING (model loaded and warm), at most ``timeout_s`` (10 min, a first start's
+        compile included); TimeoutError otherwise. Watches the standard
         health service (``Health.Watch``), waiting for the server to come up and watching again if it restarts.
         Behind Serve, whose proxy does not pass the health service on, it asks ``GetServerInfo`` until a replica
         answers ready."""

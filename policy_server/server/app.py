@@ -184,6 +184,16 @@ class PolicyServer:
         """``host:port`` a client on this machine can dial."""
         return listen.address(self.config.host, self.grpc_port)
 
+    @property
+    def metrics_address(self) -> str | None:
+        """``host:port`` of the /metrics endpoint, once bound (None: off)."""
+        return None if self.metrics_port is None else listen.address(self.config.metrics_host, self.metrics_port)
+
+    @property
+    def websocket_address(self) -> str | None:
+        """``host:port`` of the openpi WebSocket, once bound (None: off); it listens on the gRPC host."""
+        return None if self.websocket_port is None else listen.address(self.config.host, self.websocket_port)
+
     # -- lifecycle ------------------------------------------------------------------------------
 
     def start(self) -> PolicyServer:
@@ -258,8 +268,8 @@ class PolicyServer:
             self.target,
             "+tls" if cfg.tls else "",
             f", unix:{cfg.unix_socket}" if cfg.unix_socket is not None else "",
-            f", metrics {listen.address(cfg.metrics_host, self.metrics_port)}" if self.metrics_port is not None else "",
-            f", openpi websocket :{self.websocket_port}" if self.websocket_port is not None else "",
+            f", metrics {self.metrics_address}" if self.metrics_address is not None else "",
+            f", openpi websocket {self.websocket_address}" if self.websocket_address is not None else "",
         )
         for warning in exposure_warnings(cfg):
             log.warning(warning)
