@@ -698,4 +698,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    # As `policy-rollout` runs it, from `robots.rollout`: run as a script this module is `__main__`, whose exception
+    # classes are not those that Ray's workers raise (`robots.rollout.RolloutStopped`), so none of theirs was caught.
+    from robots.rollout import main as rollout_main
+
+    raise SystemExit(rollout_main())
