@@ -3,7 +3,8 @@
 Each worker runs `run_episodes` on a contiguous part of the episodes with a policy of its own, built on the worker
 from `make_policy` (an in-process engine, or a client of a server or of a Ray Serve application). An episode's seed
 depends only on its index, so the merged results equal a local run's, episode for episode; the report merges every
-worker's ticks into one latency distribution.
+worker's ticks into one latency distribution. A worker that stops (`RolloutStopped`) leaves the others to finish, and
+the rollout stops with every worker's ended episodes, as a local run does.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import ray
 from ray.experimental import tqdm_ray
 
 from policy_server.ray_serve.address import gcs_address
-from robots.rollout import EpisodeResult, run_episodes
+from robots.rollout import EpisodeResult, RolloutStopped, run_episodes
 
 
 # One task per worker process: the engine it built goes with the process.
@@ -36,7 +37,10 @@ def run_on_ray(make_policy: Callable, env_id: str, indices: Sequence[int], worke
                cpus_per_worker: float = 1.0, delay: int = 0, commit: bool = False) -> list[EpisodeResult]:
     """`run_episodes` over `workers` Ray workers (each with `num_envs` environments and `gpus_per_worker` GPUs) of
     the cluster at `address` (unset: as `ray.init` finds it, `gcs_address`); the results in the order of
-    `indices`, the first `videos` of them recorded; ConnectionError where `address` names no running Ray."""
+    `indices`, the first `videos` of them recorded; ConnectionError where `address` names no running Ray. Workers
+    that stopped part way raise `RolloutStopped` with the first one's cause and every worker's ended episodes; a
+    worker's error before its episodes (building its policy: a server that never serves, a checkpoint refused) is
+    raised as such, as a local run's."""
     if not ray.is_initialized():
         ray.init(address=gcs_address(address))
     parts = [part.tolist() for part in np.array_split(np.asarray(indices), min(workers, len(indices)))]
@@ -44,12 +48,18 @@ def run_on_ray(make_policy: Callable, env_id: str, indices: Sequence[int], worke
     task = _run_part.options(num_cpus=cpus_per_worker, num_gpus=gpus_per_worker)
     refs = [task.remote(make_policy, env_id, part, num_envs, execute, int(np.clip(videos - start, 0, len(part))),
                         worker, delay, commit) for worker, (part, start) in enumerate(zip(parts, starts, strict=True))]
-    parts_done, failures = [], []
+    ended, stops, failures = [], [], []
     for ref in refs:  # each one read, so that Ray has no error left to log as unhandled
         try:
-            parts_done.append(ray.get(ref))
+            ended += ray.get(ref)
         except ray.exceptions.RayTaskError as error:
-            failures.append(error)
-    if failures:  # a worker's own error, e.g. the server's refusal: raised as such
-        raise failures[0].cause from None
-    return [result for part in parts_done for result in part]
+            if isinstance(error.cause, RolloutStopped):  # part way: the episodes it ended stand
+                ended += error.cause.finished
+                stops.append(error.cause)
+            else:
+                failures.append(error.cause)
+    if failures:
+        raise failures[0] from None
+    if stops:
+        raise RolloutStopped(stops[0].cause, ended)
+    return ended

@@ -12,8 +12,9 @@ held-out seeds (never seen in the demonstrations): episode i has seed `HELDOUT_S
 `--num-envs`. The JSON report holds the success rate, episode lengths, per-tick latency (p50/p99),
 deadline misses, cache decisions and each episode's ticks; a PNG summary sits beside it, and `--videos N`
 writes MP4s (H.264, browser-playable) of the first N episodes with the predicted future frames (the session's
-preview frames, from a server or in-process) beside the real ones. Ctrl-C or the server's error part way still writes
-the report, of the episodes that had ended (`stopped_by`, `unfinished_seeds`).
+preview frames, from a server or in-process) beside the real ones. An episode whose session the server lost (restarted
+or redeployed) runs again from its seed once the server serves (`restarted_episodes`). Ctrl-C or the server's error
+part way still writes the report, of the episodes that had ended (`stopped_by`, `unfinished_seeds`).
 
 `--ray N` spreads the episodes over N Ray workers (`robots/ray_rollout.py`), each with its own in-process engine
 (on `--device`, with `--ray-gpus-per-worker` GPUs) or its own client of `--server` (a policy-server, or with
@@ -54,6 +55,10 @@ class RolloutError(ValueError):
     """Options the rollout cannot run with; the message says which."""
 
 
+class EpisodeLost(Exception):
+    """An episode's session was lost once more than `MAX_EPISODE_RESTARTS` allows; the message says the last loss."""
+
+
 class RolloutStopped(Exception):
     """The episodes ended before all had run: by `cause` (Ctrl-C, or the server's or engine's error); `finished`
     holds the episodes that had ended, in the order asked for."""
@@ -68,6 +73,7 @@ class RolloutStopped(Exception):
 
 SERVER_NOTICE_S = 5.0  # a --server not serving after this is said to be waited for
 SERVER_WAIT_S = SERVING_WAIT_S  # and then waited for this long (a first start compiles for a minute or more)
+MAX_EPISODE_RESTARTS = 3  # an episode whose session is lost more often than this stops the rollout
 
 
 @dataclass
@@ -103,6 +109,9 @@ class EpisodeResult:
     chunk_steps: list[float] = field(default_factory=list)
     ticks: list[TickStats] = field(default_factory=list)
     frames: list[np.ndarray] = field(default_factory=list)  # side-by-side video frames, when recorded
+    # The tries of this episode abandoned before it ran through, their session lost: {"reason", "error",
+    # "ticks_discarded"} each
+    restarts: list[dict] = field(default_factory=list)
 
 
 class ServerPolicy:
@@ -115,13 +124,18 @@ class ServerPolicy:
 
         self.client = PolicyClient(target, token_file=token_file, timeout_s=60, serve_application=serve_application,
                                    **tls)
+        self.wait_until_serving()
+        self.budget_ms = budget_ms
+
+    def wait_until_serving(self) -> None:
+        """Until the server serves, saying so on stderr after `SERVER_NOTICE_S`; TimeoutError after `SERVER_WAIT_S`
+        more."""
         try:
             self.client.wait_until_serving(timeout_s=SERVER_NOTICE_S)
         except TimeoutError:
-            print(f"policy-rollout: waiting up to {SERVER_WAIT_S:g} s for {target} to serve (starting, "
+            print(f"policy-rollout: waiting up to {SERVER_WAIT_S:g} s for {self.client.target} to serve (starting, "
                   "warming up, or nothing listening there)", file=sys.stderr, flush=True)
             self.client.wait_until_serving(timeout_s=SERVER_WAIT_S)
-        self.budget_ms = budget_ms
 
     def open(self, instruction: str, seed: int, preview: bool = False):
         # A simulation asks again as soon as it is answered: a closed loop (rate 0), not a declared rate.
@@ -191,6 +205,7 @@ class _Running:
     actions it executes while its next tick runs lead)."""
 
     position: int  # in the order of the episodes asked for
+    index: int  # its held-out seed index
     result: EpisodeResult
     session: object
     record_video: bool
@@ -218,8 +233,11 @@ def run_episodes(policy, env_id: str, indices: Sequence[int], num_envs: int, exe
     gymnasium's next-step autoreset only reaches sub-environments left without an episode at the end, and their
     steps are discarded.
 
-    Ctrl-C, or an error of the server or engine (a refusal, a session lost to its restart), raises `RolloutStopped`
-    with the episodes that had ended.
+    A session lost to the server (`lost_server`: restarted, redeployed, down) abandons its episode's try, whose ticks
+    and frames are dropped: once `policy.wait_until_serving()` returns, the episode runs again from its seed in a new
+    session, and its result lists the tries abandoned (`EpisodeResult.restarts`). Ctrl-C, another error of the server
+    or engine (a refusal), a server not serving again in time (TimeoutError) or an episode lost more than
+    `MAX_EPISODE_RESTARTS` times (`EpisodeLost`) raises `RolloutStopped` with the episodes that had ended.
     """
     num_envs = min(num_envs, len(indices))
     parallel = num_envs > 1
@@ -229,23 +247,75 @@ def run_episodes(policy, env_id: str, indices: Sequence[int], num_envs: int, exe
         vector_kwargs={"context": "forkserver"} if parallel else {},
         render_mode="rgb_array", render_size=128)
     no_action = np.zeros(envs.single_action_space.shape, envs.single_action_space.dtype)
-    pending = iter(enumerate(indices))  # (position, seed index)
+    pending = deque(enumerate(indices))  # (position, seed index); an episode run again goes first
     running: list[_Running | None] = [None] * num_envs
     results: list[EpisodeResult | None] = [None] * len(indices)
+    restarts: dict[int, list[dict]] = {}  # position -> its abandoned tries
+    serving = True  # False from a lost session until the server serves again: nothing to close meanwhile
 
     def start(slots: list[int], obs: dict | None) -> dict | None:
         """Start the next pending episodes on sub-environments `slots`; the batch's observations after."""
-        starting = dict(zip(slots, pending, strict=False))  # fewer when the episodes run out
+        starting = {slot: pending.popleft() for slot in slots[:len(pending)]}  # fewer when the episodes run out
         if not starting:
             return obs
         seeds = [HELDOUT_SEED_OFFSET + starting[i][1] if i in starting else None for i in range(num_envs)]
         obs, _ = envs.reset(seed=seeds, options={"reset_mask": np.array([i in starting for i in range(num_envs)])})
         instructions = envs.call("task_description")
-        for i, (position, _) in starting.items():
+        for i, (position, index) in starting.items():
             record = position < videos
-            result = EpisodeResult(seed=seeds[i], instruction=instructions[i], success=False, steps=0)
-            running[i] = _Running(position, result, policy.open(instructions[i], seeds[i], preview=record), record)
+            result = EpisodeResult(seed=seeds[i], instruction=instructions[i], success=False, steps=0,
+                                   restarts=restarts.get(position, []))
+            running[i] = _Running(position, index, result, open_session(result, record), record)
         return obs
+
+    def open_session(result: EpisodeResult, record: bool):
+        while True:
+            try:
+                return policy.open(result.instruction, result.seed, preview=record)
+            except PolicyServerError as error:
+                if not lost_server(error):
+                    raise
+                lose(result, error)
+                await_server()
+
+    def lose(result: EpisodeResult, error: PolicyServerError) -> None:
+        """Count a lost try of `result`'s episode, or raise EpisodeLost where it has had its restarts."""
+        nonlocal serving
+        serving = False
+        if len(result.restarts) == MAX_EPISODE_RESTARTS:
+            raise EpisodeLost(f"episode seed {result.seed} lost its session {MAX_EPISODE_RESTARTS + 1} times, the "
+                              f"last: {error}") from error
+        result.restarts.append({"reason": error.reason, "error": str(error), "ticks_discarded": len(result.ticks)})
+        print(f"policy-rollout: episode seed {result.seed} lost its session after {len(result.ticks)} ticks ({error});"
+              f" running it again from its seed (restart {len(result.restarts)} of {MAX_EPISODE_RESTARTS})",
+              file=sys.stderr, flush=True)
+
+    def await_server() -> None:
+        nonlocal serving
+        policy.wait_until_serving()
+        serving = True
+
+    def restart(lost: list[tuple[int, PolicyServerError]], obs: dict) -> dict:
+        """Abandon the episodes of sub-environments `lost` and start them again, in new sessions, once the server
+        serves; the batch's observations after."""
+        for i, error in lost:
+            lose(running[i].result, error)
+        await_server()
+        for i, _ in lost:
+            close(running[i].session)  # gone with a restarted server; a live one frees its place
+            restarts[running[i].position] = running[i].result.restarts
+        pending.extendleft(reversed([(running[i].position, running[i].index) for i, _ in lost]))
+        for i, _ in lost:
+            running[i] = None
+        return start([i for i, _ in lost], obs)
+
+    def close(session) -> None:
+        """Close `session`; one the server lost (an episode may end on the actions it had) needs no closing."""
+        try:
+            policy.close(session)
+        except PolicyServerError as error:
+            if not lost_server(error):
+                raise
 
     def ask(slot: int):
         run = running[slot]
@@ -253,26 +323,39 @@ def run_episodes(policy, env_id: str, indices: Sequence[int], num_envs: int, exe
         return policy.act(run.session, {"image": obs["image"][slot], "state": obs["state"][slot]}, run.result.steps,
                           want_video=run.record_video, committed=committed)
 
+    def take(run: _Running, actions: np.ndarray, stats: TickStats, predicted: np.ndarray | None) -> None:
+        """Queue the `execute` actions of a chunk that run."""
+        if delay + execute > len(actions):
+            flags = f"--delay-steps {delay} and --execute {execute}" if delay else f"--execute {execute}"
+            raise RolloutError(f"{flags}: the chunks hold {len(actions)} actions")
+        run.result.ticks.append(stats)
+        stale = len(run.actions)
+        before = run.actions[-1] if stale else run.last_action  # the action the new chunk's first follows
+        if before is not None:
+            run.result.switch_jumps.append(float(np.linalg.norm(actions[stale] - before)))
+        run.actions.extend(actions[stale: stale + execute])
+        run.result.chunk_steps.extend(np.linalg.norm(np.diff(actions[stale: stale + execute], axis=0), axis=1).tolist())
+        run.predicted, run.executed = predicted, 0
+
     try:
         obs = start(list(range(num_envs)), None)
         with ThreadPoolExecutor(max_workers=num_envs) as pool:
             while any(run is not None for run in running):
-                # Sessions whose chunk is spent ask at once, so that the engine can batch their ticks.
+                # Sessions whose chunk is spent ask at once, so that the engine can batch their ticks; those that
+                # lost their session ask again in new ones.
                 asking = [i for i, run in enumerate(running) if run is not None and len(run.actions) <= delay]
-                for i, (actions, stats, predicted) in zip(asking, pool.map(ask, asking), strict=True):
-                    if delay + execute > len(actions):
-                        flags = f"--delay-steps {delay} and --execute {execute}" if delay else f"--execute {execute}"
-                        raise RolloutError(f"{flags}: the chunks hold {len(actions)} actions")
-                    run = running[i]
-                    run.result.ticks.append(stats)
-                    stale = len(run.actions)
-                    before = run.actions[-1] if stale else run.last_action  # the action the new chunk's first follows
-                    if before is not None:
-                        run.result.switch_jumps.append(float(np.linalg.norm(actions[stale] - before)))
-                    run.actions.extend(actions[stale: stale + execute])
-                    run.result.chunk_steps.extend(
-                        np.linalg.norm(np.diff(actions[stale: stale + execute], axis=0), axis=1).tolist())
-                    run.predicted, run.executed = predicted, 0
+                while asking:  # those that lost their session ask again, in new ones
+                    lost = []
+                    for i, future in [(i, pool.submit(ask, i)) for i in asking]:
+                        try:
+                            take(running[i], *future.result())
+                        except PolicyServerError as error:
+                            if not lost_server(error):
+                                raise
+                            lost.append((i, error))
+                    asking = [i for i, _ in lost]
+                    if lost:
+                        obs = restart(lost, obs)
                 for run in running:
                     if run is not None:
                         run.last_action = run.actions.popleft()
@@ -295,14 +378,14 @@ def run_episodes(policy, env_id: str, indices: Sequence[int], num_envs: int, exe
                     for i in ended:
                         _score(running[i].result, scenes[i])
                         results[running[i].position] = running[i].result
-                        policy.close(running[i].session)
+                        close(running[i].session)
                         running[i] = None
                         if progress is not None:
                             progress.update(1)
                     obs = start(ended, obs)
-    except (KeyboardInterrupt, PolicyServerError, EngineError, RolloutError) as error:
+    except (KeyboardInterrupt, PolicyServerError, EngineError, RolloutError, TimeoutError, EpisodeLost) as error:
         for run in running:
-            if run is not None:
+            if run is not None and serving:  # not while the server is away: each close would wait for it
                 with contextlib.suppress(PolicyServerError, EngineError):  # e.g. lost with a restarted server
                     policy.close(run.session)
         raise RolloutStopped(error, [result for result in results if result is not None]) from error
@@ -310,6 +393,14 @@ def run_episodes(policy, env_id: str, indices: Sequence[int], num_envs: int, exe
         # A Ctrl-C reached the environments' processes too: stopped, they are ended, not asked to close (they are gone).
         envs.close(terminate=sys.exc_info()[0] is not None)
     return results
+
+
+def lost_server(error: PolicyServerError) -> bool:
+    """Whether a call failed for want of the server that held its session (restarted, redeployed, down: the session
+    is gone or unreachable), not refused by it: the episode may run again in a new session once the server serves.
+    SESSION_NOT_FOUND, a lost connection (UNAVAILABLE, or INTERNAL with no server reason), or no answer before the
+    call's deadline."""
+    return error.reason == "SESSION_NOT_FOUND" or error.connection_lost or error.no_answer
 
 
 def _score(result: EpisodeResult, scene: ReachScene) -> None:
@@ -336,7 +427,8 @@ def summarize(results: list[EpisodeResult], seconds: float, config: dict, budget
     """The rollout's report; `budgeted` False: its ticks ran without a budget (uncached, none asked for), which
     neither `budget_ms` nor the misses then pretend. Each episode lists its ticks in order, a column per field.
     `stopped_by`: what ended the run before the episodes of `unfinished_seeds` had (the figures are over `results`,
-    the episodes that ended)."""
+    the episodes that ended). `restarted_episodes`: how many of them ran again after a session lost to the server,
+    `restarts_by_reason` the losses by reason (each episode's `restarts` lists its own)."""
     ticks = [t for r in results for t in r.ticks]
     latency = np.array([t.latency_ms for t in ticks])
     settings: dict[str, int] = {}
@@ -346,11 +438,16 @@ def summarize(results: list[EpisodeResult], seconds: float, config: dict, budget
         batch_sizes[t.batch_size] = batch_sizes.get(t.batch_size, 0) + 1
     success = [r.success for r in results]
     failures = [r for r in results if not r.success]
+    restart_reasons: dict[str, int] = {}
+    for restart in (restart for r in results for restart in r.restarts):
+        restart_reasons[restart["reason"]] = restart_reasons.get(restart["reason"], 0) + 1
     return {
         "config": config,
         "stopped_by": stopped_by,
         "episodes": len(results),
         "unfinished_seeds": list(unfinished_seeds),
+        "restarted_episodes": sum(bool(r.restarts) for r in results),
+        "restarts_by_reason": restart_reasons,
         "success_rate": float(np.mean(success)),
         "episode_length_mean": float(np.mean([r.steps for r in results])),
         "episode_length_success_mean": float(np.mean([r.steps for r in results if r.success])) if any(success)
@@ -377,7 +474,8 @@ def summarize(results: list[EpisodeResult], seconds: float, config: dict, budget
         "wall_s": seconds,
         "per_episode": [{"seed": r.seed, "instruction": r.instruction, "success": r.success, "steps": r.steps,
                          "final_distance_m": round(r.final_distance_m, 4), "nearest_color": r.nearest_color,
-                         "collided": r.collided, "ticks": _tick_columns(r.ticks, budgeted)} for r in results],
+                         "collided": r.collided, "restarts": r.restarts, "ticks": _tick_columns(r.ticks, budgeted)}
+                        for r in results],
     }
 
 
@@ -604,4 +702,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    # As `policy-rollout` runs it, from `robots.rollout`: run as a script this module is `__main__`, whose exception
+    # classes are not those that Ray's workers raise (`robots.rollout.RolloutStopped`), so none of theirs was caught.
+    from robots.rollout import main as rollout_main
+
+    raise SystemExit(rollout_main())

@@ -45,6 +45,14 @@ class PolicyServerError(Exception):
         return self.code == grpc.StatusCode.DEADLINE_EXCEEDED and not self.from_server
 
     @property
+    def connection_lost(self) -> bool:
+        """The call lost its server rather than being refused by it: UNAVAILABLE (the connection, or a server
+        shutting down or warming up), or INTERNAL with no server reason (Ray Serve's proxy ends a call so when its
+        replica dies). Calling again, once the server serves, may work."""
+        lost_replica = self.code == grpc.StatusCode.INTERNAL and not self.from_server
+        return self.code == grpc.StatusCode.UNAVAILABLE or lost_replica
+
+    @property
     def field(self) -> str:
         return self.detail.field
 

@@ -190,7 +190,7 @@ class ControlStream:
                 return
             except grpc.RpcError as exc:
                 error = PolicyServerError.from_rpc_error(exc)
-                if self._closing.is_set() or not self._reconnect or not _connection_lost(error):
+                if self._closing.is_set() or not self._reconnect or not error.connection_lost:
                     self._end(None if self._closing.is_set() else error)
                     return
                 log.warning("control stream lost (%s); reconnecting", error.message)
@@ -272,7 +272,7 @@ class ControlStream:
                 lost_again = exc.reason == "SESSION_NOT_FOUND" and self._reopen_session  # a reopening raced
                 # Reopening outlasted the client's call timeout: the restarted server is still warming up.
                 timed_out = exc.no_answer
-                if lost_again or timed_out or _connection_lost(exc) or _passing(exc):
+                if lost_again or timed_out or exc.connection_lost or _passing(exc):
                     continue
                 return error
             # A new session whichever try opened it: one try may reopen it and lose the connection before attaching.
@@ -514,9 +514,3 @@ def _passing(error: PolicyServerError) -> bool:
     """Whether a refusal may pass if tried again: it says when, or it is RESOURCE_EXHAUSTED (through Ray Serve's
     proxy a stream's error keeps only its reason and message, not when to retry)."""
     return bool(error.retry_after_ms) or error.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-
-
-def _connection_lost(error: PolicyServerError) -> bool:
-    """Whether a failed stream lost its server rather than being ended by it: reconnecting may work."""
-    lost_replica = error.code == grpc.StatusCode.INTERNAL and not error.from_server
-    return error.code == grpc.StatusCode.UNAVAILABLE or lost_replica
