@@ -29,16 +29,27 @@ def model_dir(tmp_path_factory):
     return directory
 
 
-def test_bench_writes_the_documented_report(profiled_checkpoint, tmp_path, compiles):
-    checkpoint, _ = profiled_checkpoint
+def test_bench_writes_the_documented_report(profiled_checkpoint, tmp_path, compiles, capsys):
+    """The report's documented keys; and `--quality-profile auto` (the default) plans, as the server, on the profile
+    beside the checkpoint, not a new one."""
+    checkpoint, profile = profiled_checkpoint
     out = tmp_path / "bench.json"
     # The tick profile's compiled variant compiles; the engines run eagerly, as compiling each would take minutes.
     assert bench_main(["--checkpoint", str(checkpoint), "--ticks", "4", "--warmup", "2", "--out", str(out),
                        "--no-compile-gen-stack",
                        "--forward-repeats", "2", "--closed-loop", "1",
                        "--env", "PolicyServer/ReachEitherTimed-v0", "--profile-ticks", "1",
-                       "--budget-fractions", "0.8", "0.9"]) == 0  # above the floor however loaded CI is
+                       "--budget-fractions", "0.9", "0.8"]) == 0  # above the floor however loaded CI is
+    assert "calibrating" not in capsys.readouterr().err
+    assert not (tmp_path / "bench_profile.json").exists()
     report = json.loads(out.read_text())
+    # Budgets run tightest first, whatever order they were given in: the slowdown run is at the tightest (it ran at
+    # the first given).
+    budgets = [row["budget_ms"] for row in report["sweep"]]
+    assert budgets == sorted(budgets) and report["slowdown"]["config"] == f"budget_{budgets[0]:g}_slowdown"
+    errors = {point.config.name: point.error for point in profile.embodiments["pusht"]}
+    fixed = [c for c in report["configs"] if "point" in c]
+    assert fixed and all(c["point_error"] == errors[c["point"]] for c in fixed)  # that profile's figures
     assert report["schema"] == 1
     assert {"device", "torch", "threads", "gpu"} <= set(report["machine"])
     assert {"name", "params", "steps", "cfg", "guidance", "text_tokens", "gen_tokens"} <= set(report["model"])
@@ -122,24 +133,12 @@ def profiled_checkpoint(model_dir, model_profile, tmp_path, monkeypatch):
     return checkpoint, model_profile
 
 
-def test_bench_plans_on_the_profile_the_server_would_use(profiled_checkpoint, tmp_path, capsys):
-    """`--quality-profile auto` (the default), as the server: the profile beside the checkpoint, not a new one."""
-    checkpoint, profile = profiled_checkpoint
+def test_bench_refuses_a_broken_profile_beside_the_checkpoint(profiled_checkpoint, tmp_path, capsys):
+    """A broken profile beside the checkpoint is an error, not a silent recalibration (the bench plans on a good one:
+    `test_bench_writes_the_documented_report`)."""
+    checkpoint, _ = profiled_checkpoint
     out = tmp_path / "bench.json"
-    assert bench_main(["--checkpoint", str(checkpoint), "--ticks", "2", "--warmup", "2", "--out", str(out),
-                       "--forward-repeats", "1", "--profile-ticks", "0", "--no-reference",
-                       "--budget-fractions", "0.9", "0.8"]) == 0
-    assert "calibrating" not in capsys.readouterr().err
-    assert not (tmp_path / "bench_profile.json").exists()
-    report = json.loads(out.read_text())
-    # Budgets run tightest first, whatever order they were given in: the slowdown run is at the tightest (it ran at
-    # the first given).
-    budgets = [row["budget_ms"] for row in report["sweep"]]
-    assert budgets == sorted(budgets) and report["slowdown"]["config"] == f"budget_{budgets[0]:g}_slowdown"
-    errors = {point.config.name: point.error for point in profile.embodiments["pusht"]}
-    fixed = [c for c in report["configs"] if "point" in c]
-    assert fixed and all(c["point_error"] == errors[c["point"]] for c in fixed)  # that profile's figures
-    (checkpoint / PROFILE_FILE).write_text("{}")  # a broken one is an error, not a silent recalibration
+    (checkpoint / PROFILE_FILE).write_text("{}")
     assert bench_main(["--checkpoint", str(checkpoint), "--out", str(out)]) == 2
     assert f"{checkpoint / PROFILE_FILE}: version None" in capsys.readouterr().err
 
