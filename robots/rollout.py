@@ -71,8 +71,7 @@ class RolloutStopped(Exception):
         return "interrupted (Ctrl-C)" if isinstance(self.cause, KeyboardInterrupt) else str(self.cause)
 
 
-SERVER_NOTICE_S = 5.0  # a --server not serving after this is said to be waited for
-SERVER_WAIT_S = SERVING_WAIT_S  # and then waited for this long (a first start compiles for a minute or more)
+SERVING_NOTICE_S = 5.0  # a --server not serving after this is said to be waited for, SERVING_WAIT_S more
 MAX_EPISODE_RESTARTS = 3  # an episode whose session is lost more often than this stops the rollout
 
 
@@ -124,18 +123,25 @@ class ServerPolicy:
 
         self.client = PolicyClient(target, token_file=token_file, timeout_s=60, serve_application=serve_application,
                                    **tls)
+        self.model = None  # the served model's pb.ModelInfo, once it serves
         self.wait_until_serving()
         self.budget_ms = budget_ms
 
     def wait_until_serving(self) -> None:
-        """Until the server serves, saying so on stderr after `SERVER_NOTICE_S`; TimeoutError after `SERVER_WAIT_S`
-        more."""
+        """Until the server serves, saying so on stderr after `SERVING_NOTICE_S`; TimeoutError after `SERVING_WAIT_S`
+        more. RolloutError where it serves other weights than before (redeployed with a new model): one report holds
+        one model's episodes."""
         try:
-            self.client.wait_until_serving(timeout_s=SERVER_NOTICE_S)
+            self.client.wait_until_serving(timeout_s=SERVING_NOTICE_S)
         except TimeoutError:
-            print(f"policy-rollout: waiting up to {SERVER_WAIT_S:g} s for {self.client.target} to serve (starting, "
+            print(f"policy-rollout: waiting up to {SERVING_WAIT_S:g} s for {self.client.target} to serve (starting, "
                   "warming up, or nothing listening there)", file=sys.stderr, flush=True)
-            self.client.wait_until_serving(timeout_s=SERVER_WAIT_S)
+            self.client.wait_until_serving(timeout_s=SERVING_WAIT_S)
+        model = self.client.server_info().model
+        if self.model is not None and model.digest != self.model.digest:
+            raise RolloutError(f"{self.client.target} now serves {model.name} ({model.digest}), not the "
+                               f"{self.model.name} ({self.model.digest}) the episodes so far ran on")
+        self.model = model
 
     def open(self, instruction: str, seed: int, preview: bool = False):
         # A simulation asks again as soon as it is answered: a closed loop (rate 0), not a declared rate.
@@ -383,15 +389,18 @@ def run_episodes(policy, env_id: str, indices: Sequence[int], num_envs: int, exe
                         if progress is not None:
                             progress.update(1)
                     obs = start(ended, obs)
-    except (KeyboardInterrupt, PolicyServerError, EngineError, RolloutError, TimeoutError, EpisodeLost) as error:
+    except BaseException as error:  # whatever stops the episodes, their sessions do not hold the server's places
         for run in running:
             if run is not None and serving:  # not while the server is away: each close would wait for it
                 with contextlib.suppress(PolicyServerError, EngineError):  # e.g. lost with a restarted server
                     policy.close(run.session)
-        raise RolloutStopped(error, [result for result in results if result is not None]) from error
-    finally:
         # A Ctrl-C reached the environments' processes too: stopped, they are ended, not asked to close (they are gone).
-        envs.close(terminate=sys.exc_info()[0] is not None)
+        envs.close(terminate=True)
+        if isinstance(error, (KeyboardInterrupt, PolicyServerError, EngineError, RolloutError, TimeoutError,
+                              EpisodeLost)):
+            raise RolloutStopped(error, [result for result in results if result is not None]) from error
+        raise
+    envs.close()
     return results
 
 
@@ -664,7 +673,7 @@ def main(argv: list[str] | None = None) -> int:
                                  args.delay_steps, args.commit_actions)
     except RolloutStopped as error:  # Ctrl-C or an error mid-run: the episodes that ended are reported
         stopped, results = error, error.finished
-    except KeyboardInterrupt:  # before the first episode (loading, warming up, waiting for the server)
+    except KeyboardInterrupt:  # before the first episode (loading, warming up, waiting for the server), or on Ray
         print("policy-rollout: interrupted (Ctrl-C)", file=sys.stderr)
         return 130
     except refusals as error:  # e.g. BUDGET_INFEASIBLE, OVERLOADED, a checkpoint that cannot be served

@@ -2,6 +2,7 @@
 a scripted policy in this process and through `--server` against a real gRPC server, one killed and restarted mid-run
 included; bad flags are usage errors."""
 
+import dataclasses
 import io
 import json
 import os
@@ -201,8 +202,8 @@ def test_more_actions_executed_than_a_chunk_holds_end_the_rollout_with_one_line(
 
 
 def test_a_server_that_never_serves_ends_the_rollout_with_one_line(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(rollout, "SERVER_NOTICE_S", 0.2)
-    monkeypatch.setattr(rollout, "SERVER_WAIT_S", 0.5)
+    monkeypatch.setattr(rollout, "SERVING_NOTICE_S", 0.2)
+    monkeypatch.setattr(rollout, "SERVING_WAIT_S", 0.5)
     code = main(["--server", "127.0.0.1:1", "--episodes", "1", "--out", str(tmp_path / "rollout.json")])
     error = capsys.readouterr().err
     assert code == 2 and not (tmp_path / "rollout.json").exists()
@@ -240,7 +241,7 @@ class FailingPolicy(SeekerPolicy):
     """SeekerPolicy whose session of seed index `failing` fails at its third tick with `error`, `times` times over
     (each in a new session)."""
 
-    def __init__(self, failing: int, error: PolicyServerError, times: int = 1):
+    def __init__(self, failing: int, error: Exception, times: int = 1):
         super().__init__()
         self.failing_seed, self.error, self.times = HELDOUT_SEED_OFFSET + failing, error, times
 
@@ -285,6 +286,16 @@ def test_a_refusal_or_a_session_lost_too_often_stops_the_run_keeping_the_episode
     finished = [(r.seed, r.instruction, r.success, r.steps, len(r.ticks)) for r in stopped.value.finished]
     assert finished and all(episode in expected for episode in finished)
     assert HELDOUT_SEED_OFFSET + 2 not in [seed for seed, *_ in finished]
+
+
+@pytest.mark.parametrize("num_envs", [1, 2])
+def test_any_error_mid_run_closes_the_sessions_it_held(num_envs):
+    """An error the rollout does not report on (here a ValueError of the policy; a dead environment process, a bug)
+    left its sessions holding the server's places until they idle-expired: the next sweep was refused OVERLOADED."""
+    policy = FailingPolicy(failing=2, error=ValueError("not a server's error"))
+    with pytest.raises(ValueError):
+        run_episodes(policy, REACH_ID, range(EPISODES), num_envs, EXECUTE)
+    assert sorted(policy.closed) == sorted(seed for seed, _ in policy.opened)
 
 
 class LosingEngine(FakeEngine):
@@ -419,6 +430,33 @@ def test_a_stopped_ray_rollout_reports_every_workers_ended_episodes(expected, tm
                           timeout=300)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert "\npolicy-rollout: --execute 9: the chunks hold 8 actions\n" in done.stderr  # among Ray's log lines
+
+
+class RedeployedEngine(FakeEngine):
+    """Loses every session as its `at_tick`th tick comes, and serves other weights from then on: a server redeployed
+    with a new model."""
+
+    def __init__(self, at_tick: int):
+        super().__init__()
+        self.at_tick = at_tick
+
+    def act(self, session_id, *args, **kwargs):
+        if len(self.acts) + 1 == self.at_tick and self._info.model_digest == "sha256:fake":
+            self._info = dataclasses.replace(self._info, model_digest="sha256:redeployed")
+            with self._lock:
+                self._sessions.clear()
+        return super().act(session_id, *args, **kwargs)
+
+
+def test_a_server_redeployed_with_other_weights_stops_the_run_rather_than_mixing_two_models(tmp_path):
+    """A lost session runs again once the server serves, unless the server now serves other weights: one report
+    holds one model's episodes (their seeds and instructions alike, a redeploy mid-sweep averaged two models)."""
+    with serve_fake(RedeployedEngine(at_tick=40)) as server:
+        code = main(["--server", server.target, "--episodes", "6", "--out", str(tmp_path / "rollout.json")])
+    report = json.loads((tmp_path / "rollout.json").read_text())
+    assert code == 2 and 0 < report["episodes"] < 6 and report["restarted_episodes"] == 0
+    assert report["stopped_by"] == (f"{server.target} now serves fake-policy (sha256:redeployed), not the fake-policy "
+                                    "(sha256:fake) the episodes so far ran on")
 
 
 class GatedEngine(FakeEngine):
