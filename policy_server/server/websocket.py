@@ -368,9 +368,10 @@ class OpenpiWebsocketServer:
             ssl=self._ssl,
             compression=None,
             max_size=self._max_message_bytes,
-            # openpi sends an observation, then waits for its answer: read one message ahead, not websockets' 16
-            # (16 x max_size held per connection for a client that sends on); TCP holds a client that sends on.
-            max_queue=1,
+            # openpi sends an observation, then waits for its answer: read one message ahead (websockets pauses once
+            # more than max_queue wait), not its default 16 (16 x max_size held per connection for a client that
+            # sends on); TCP holds a client that sends on.
+            max_queue=0,
             process_request=self._process_request,
             open_timeout=OPEN_TIMEOUT_S,
             close_timeout=2,  # shutdown waits this long at most for a client that does not close
