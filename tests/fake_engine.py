@@ -23,6 +23,7 @@ import numpy as np
 
 from policy_server.config import ServerConfig, build_config
 from policy_server.engine.api import (
+    CLOSED_BY_CLIENT,
     ActionSpec,
     ActResult,
     BranchRecord,
@@ -235,7 +236,7 @@ class FakeEngine:
     def reset_session(self, session_id: str) -> SessionHandle:
         return self._replace(session_id, epoch=self.session(session_id).epoch + 1)
 
-    def close_session(self, session_id: str, why: str = "its client closed it") -> None:
+    def close_session(self, session_id: str, why: str = CLOSED_BY_CLIENT) -> None:
         with self._lock:
             if self._sessions.pop(session_id, None) is None:
                 raise UnknownSession(session_id)

@@ -74,8 +74,7 @@ def test_ticks_run_between_the_steps_of_background_work():
 def test_background_work_keeps_its_share_beside_closed_loops():
     """Three closed-loop sessions (each asks again as soon as answered) keep ticks queued at all times; a dynamics
     or reasoner call beside them still gets up to BACKGROUND_SHARE of the worker (before, it waited until they
-    stopped), the ticks still go first (several run between two of its steps), and no tick waits for more than
-    one of its steps, as admission counts."""
+    stopped), and no tick waits for more than one of its steps, as admission counts."""
     log = _Log()
 
     def tick_steps(job: TickJob, batch_size: int):
@@ -104,9 +103,6 @@ def test_background_work_keeps_its_share_beside_closed_loops():
     _until(lambda: "call step 5" in log.events)
     events = log.events
     assert events.index("call step 5") < max(events.index(f"tick {loop}11") for loop in "abc")  # before they stopped
-    ran = [event for event in events if not event.startswith("queued")]
-    steps = [ran.index(f"call step {i}") for i in range(6)]
-    assert all(b - a > 1 for a, b in zip(steps, steps[1:], strict=False))  # ticks ran between two steps
     for name in (f"{loop}{index}" for loop in "abc" for index in range(12)):  # steps that ended while it waited
         waited = events[events.index(f"queued {name}"): events.index(f"tick {name}")]
         assert sum(event.startswith("call step") for event in waited) <= 1, name

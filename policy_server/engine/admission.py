@@ -2,9 +2,9 @@
 
 Ticks run one batch at a time on the worker, in arrival order, and a session has at most one tick
 queued or running (``engine.act`` refuses a second one). So the worst a tick can meet is every other
-session's tick queued just before it, plus one piece of background work (a reasoner step) already
-running, whatever the arrival pattern. Each session gets a *slot*: the model time its ticks are
-planned in. The set of sessions is admitted when
+session's tick queued just before it, plus one piece of background work (a reasoner step), running as it
+arrives or let go before it (``engine/worker.py``), whatever the arrival pattern. Each session gets a *slot*: the
+model time its ticks are planned in. The set of sessions is admitted when
 
     blocking + sum(slot_j) <= budget_i   for every session i        (each tick meets its budget)
     sum(rate_j * slot_j) <= max_utilization                          (each declared rate is sustained)

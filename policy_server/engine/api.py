@@ -510,6 +510,9 @@ class NonFiniteOutput(EngineError):
 # ---------------------------------------------------------------------------------------------
 
 
+CLOSED_BY_CLIENT = "its client closed it"  # why `Engine.close_session` logs a session closed, unless told
+
+
 @runtime_checkable
 class Engine(Protocol):
     """What the transport needs from the model side. Every method is thread-safe."""
@@ -575,7 +578,7 @@ class Engine(Protocol):
         """Start a new episode: epoch + 1, per-episode state cleared. Raises UnknownSession."""
         ...
 
-    def close_session(self, session_id: str, why: str = "its client closed it") -> None:
+    def close_session(self, session_id: str, why: str = CLOSED_BY_CLIENT) -> None:
         """Free the session; the log says `why`. Raises UnknownSession."""
         ...
 

@@ -217,7 +217,7 @@ class ModelEngine:
     def reset_session(self, session_id: str) -> api.SessionHandle:
         return self.sessions.reset(session_id).handle()
 
-    def close_session(self, session_id: str, why: str = "its client closed it") -> None:
+    def close_session(self, session_id: str, why: str = api.CLOSED_BY_CLIENT) -> None:
         session = self.sessions.get(session_id)
         self._admission.close(session_id)
         logger.info("closed session %s: %s", session.describe(), why)
