@@ -712,6 +712,10 @@ def open_drivers(args: argparse.Namespace, target: str) -> tuple[list[Unary | St
             close_drivers(drivers)
             return [], {"session": index, "kind": kind.kind, "code": exc.code.name, "reason": exc.reason,
                         "message": exc.message}
+        except KeyboardInterrupt:  # Ctrl-C while opening: the sessions opened so far close too
+            client.close()
+            close_drivers(drivers)
+            raise
     return drivers, None
 
 
@@ -828,20 +832,19 @@ def main(argv: list[str] | None = None) -> int:
         server = ServerProcess(server_flags(args), args.out.with_suffix(".server.log"), tls_options(args))
     if sys.platform == "linux":  # a thread's own there, and inherited by the threads it starts: gRPC's, the soak's
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOAD_NICE)
-    if server is not None:
-        try:
-            server.wait_serving(args.startup_timeout_s)
-        except ServerFailed as exc:
-            print(f"policy-soak: the server did not start: {exc}", file=sys.stderr)
-            return 4
     try:
+        if server is not None:
+            try:
+                server.wait_serving(args.startup_timeout_s)
+            except ServerFailed as exc:
+                print(f"policy-soak: the server did not start: {exc}", file=sys.stderr)
+                return 4
         report, results = soak(args, args.server or server.target, server.pid if server else args.server_pid)
     except TimeoutError as exc:  # only a --server can still be not SERVING here
         print(f"policy-soak: {exc}", file=sys.stderr)
         return 4
     except KeyboardInterrupt:  # its checks are of the whole soak: a cut one passes or fails none of them
-        print(f"policy-soak: interrupted (Ctrl-C): its sessions closed, no report written to {args.out}",
-              file=sys.stderr)
+        print(f"policy-soak: interrupted (Ctrl-C), no report written to {args.out}", file=sys.stderr)
         return 130
     finally:
         if server is not None:
