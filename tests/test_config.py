@@ -271,10 +271,7 @@ def test_every_command_also_runs_as_a_module(monkeypatch, capsys):
     """`python -m robots.soak`, `python -m robots.bench`, ...: how a checkout that was never pip-installed (no
     console scripts, no entry points) runs them. Each module with a `main` prints its usage for --help, and says
     what each option does."""
-    root = Path(__file__).resolve().parents[1]
-    modules = [".".join(path.relative_to(root).with_suffix("").parts)
-               for package in ("policy_server", "robots") for path in sorted((root / package).rglob("*.py"))
-               if re.search(r"^def main\(", path.read_text(), flags=re.M)]
+    modules = modules_with_a_main()
     assert {"robots.bench", "robots.soak", "policy_server.engine.calibration"} <= set(modules)
     for module in modules:
         monkeypatch.setattr(sys, "argv", [module, "--help"])
@@ -283,6 +280,14 @@ def test_every_command_also_runs_as_a_module(monkeypatch, capsys):
         usage = capsys.readouterr().out
         assert done.value.code == 0 and "usage:" in usage, module
         assert not options_without_help(usage), (module, options_without_help(usage))
+
+
+def modules_with_a_main() -> list[str]:
+    """The modules of the project's commands: those that define `main` (`robots.bench`, ...)."""
+    root = Path(__file__).resolve().parents[1]
+    return [".".join(path.relative_to(root).with_suffix("").parts)
+            for package in ("policy_server", "robots") for path in sorted((root / package).rglob("*.py"))
+            if re.search(r"^def main\(", path.read_text(), flags=re.M)]
 
 
 def options_without_help(usage: str) -> list[str]:

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_config import modules_with_a_main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -89,11 +90,8 @@ OTHER_TOOLS_FLAGS = {"--build", "--gpus", "--head", "--no-deps"}  # docker compo
 def test_every_flag_the_readmes_name_is_one_a_command_takes(monkeypatch, capsys):
     """A flag renamed or dropped in a parser, and still in README, fails a newcomer's copy-paste with 'unrecognized
     arguments'."""
-    modules = [".".join(path.relative_to(ROOT).with_suffix("").parts)
-               for package in ("policy_server", "robots") for path in sorted((ROOT / package).rglob("*.py"))
-               if re.search(r"^def main\(", path.read_text(), flags=re.M)]
     taken = set(OTHER_TOOLS_FLAGS)
-    for module in modules:
+    for module in modules_with_a_main():
         monkeypatch.setattr(sys, "argv", [module, "--help"])
         with pytest.raises(SystemExit):
             runpy.run_module(module, run_name="__main__")
