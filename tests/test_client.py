@@ -327,7 +327,7 @@ def test_unreachable_server_is_unavailable_at_once_for_act():
 def test_open_session_waits_through_warmup_within_its_timeout():
     engine = FakeEngine(ready=False)
     with serve_fake(engine) as server, PolicyClient(server.target, timeout_s=20) as client:
-        # Beyond gRPC's own retries (at most 5 tries, 1 s apart as the warming server asks).
+        # Beyond 5 tries (gRPC's own retries' most), 1 s apart as the warming server asks.
         threading.Timer(5.5, engine.set_ready, (True,)).start()
         started = time.monotonic()
         session = client.open_session("pusht", "reach the red circle")  # WARMING_UP first, then served
@@ -337,6 +337,18 @@ def test_open_session_waits_through_warmup_within_its_timeout():
             engine.set_ready(False)
             client.act(session, {"image": np.zeros((96, 96, 3), np.uint8)}, np.zeros(2, np.float32))
         assert err.value.reason == "WARMING_UP" and err.value.retry_after_ms > 0
+
+
+def test_open_session_whose_timeout_ends_in_a_warmup_raises_the_servers_warming_up():
+    # gRPC's retries waited out the server's retry delay past the deadline, and the call raised DEADLINE_EXCEEDED, "no
+    # answer ... the server is down, unreachable, starting or busy", for any timeout under 5 s.
+    engine = FakeEngine(ready=False)
+    with serve_fake(engine) as server, PolicyClient(server.target) as client:
+        for timeout_s in (0.2, 1.5):  # the next try would come after it: raised at once, or after a second try
+            with pytest.raises(PolicyServerError) as err:
+                client.open_session("pusht", "too early", timeout_s=timeout_s)
+            assert (err.value.code, err.value.reason, err.value.message, err.value.retry_after_ms) == (
+                grpc.StatusCode.UNAVAILABLE, "WARMING_UP", "the server is warming up (50% done)", 1000.0)
 
 
 def _free_port() -> int:

@@ -108,8 +108,8 @@ def test_full_session(client, engine):
 
 
 def test_the_retries_of_an_open_session_send_its_request_id(client, engine):
-    # The client saw UNAVAILABLE, as when the answer was lost with its connection: gRPC's retries send the same
-    # request_id, with which a server that did open the session answers it (test_server_e2e) rather than another.
+    # The client saw UNAVAILABLE, as when the answer was lost with its connection: open_session's retries send the
+    # same request_id, with which a server that did open the session answers it (test_server_e2e) rather than another.
     calls = len(engine.request_ids)
     engine.refuse_opens(2)
     session = client.open_session("pusht", "answers lost twice")
@@ -165,8 +165,8 @@ def test_health_and_warmup(engine):
         assert client.health() == "NOT_SERVING"
         assert client.health("policy_server.v1.PolicyService") == "NOT_SERVING"
         assert client.server_info().ready is False
-        with pytest.raises(PolicyServerError) as err:
-            client.open_session("pusht", "too early")
+        with pytest.raises(PolicyServerError) as err:  # at once: the server asks for a try after the timeout
+            client.open_session("pusht", "too early", timeout_s=0.5)
         assert (err.value.code, err.value.reason) == (grpc.StatusCode.UNAVAILABLE, "WARMING_UP")
         assert err.value.retry_after_ms > 0
         with pytest.raises(TimeoutError):

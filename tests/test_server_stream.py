@@ -474,7 +474,7 @@ def test_a_stream_tries_again_once_its_channel_reconnects_not_a_whole_delay_late
 
 def test_a_stream_reconnects_through_a_warmup_longer_than_the_clients_call_timeout():
     # A robot's client has a short call timeout; a restarted server warms up for longer (57 s compiling on 2 cores).
-    # Reopening the session times out while it warms up: the stream tries again, as its backoff allows.
+    # Reopening the session is refused WARMING_UP while it warms up: the stream tries again, as its backoff allows.
     warming = FakeEngine(ready=False)
     with _stream_across_a_restart(client_timeout_s=0.5) as (_, stream, restart):
         restart(warming)
@@ -507,11 +507,12 @@ def test_a_stream_reopens_its_session_once_a_full_server_has_room():
 
 
 def test_every_try_of_a_reopening_sends_one_request_id():
-    # The restarted server's answer is lost on each of gRPC's 5 tries: the stream's next try sends the same
-    # request_id, so a server that opened the session on one of them answers it (test_server_e2e) rather than another.
+    # The restarted server's answer is lost on 5 tries, more than one open_session tries within 0.5 s: the stream's
+    # next try sends the same request_id, so a server that opened the session on one of them answers it
+    # (test_server_e2e) rather than another.
     restarted = FakeEngine()
     restarted.refuse_opens(5)
-    with _stream_across_a_restart() as (_, stream, restart):
+    with _stream_across_a_restart(client_timeout_s=0.5) as (_, stream, restart):
         restart(restarted)
         assert stream.next_event(timeout_s=20).kind == "disconnected"
         event = stream.next_event(timeout_s=20)

@@ -7,10 +7,11 @@
         frames = client.forward_dynamics(session, {"image": frame}, actions, state=q)  # predicted frames
         chunk = client.inverse_dynamics(session, {"image": video}, state=q)           # actions of a video
 
-Every call has a deadline (``timeout_s``, else the client default). Retries are gRPC's own (the channel's
-service config, ``RETRY_SERVICE_CONFIG``): server info and session calls wait for the connection and are
-retried while the server answers UNAVAILABLE (warming up, restarting), after the delay it asks for. ``act``,
-dynamics and reasoner calls are never retried: a late chunk is stale, and the others would repeat long work.
+Every call has a deadline (``timeout_s``, else the client default). Server info and session calls wait for the
+connection and are retried while the server answers UNAVAILABLE (warming up, restarting), after the delay it asks
+for: by gRPC (the channel's service config, ``RETRY_SERVICE_CONFIG``), and ``open_session`` by the client itself, until
+its deadline, so that a call whose deadline ends in a warmup raises the server's WARMING_UP. ``act``, dynamics and
+reasoner calls are never retried: a late chunk is stale, and the others would repeat long work.
 The channel itself reconnects on its own after a drop; ``wait_until_serving`` watches the standard health
 service until the server is SERVING.
 
@@ -35,6 +36,7 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from policy_server.client.backoff import Backoff
 from policy_server.client.errors import PolicyServerError
 from policy_server.client.types import (
     ActionChunk,
@@ -57,22 +59,31 @@ _RETRY_PAUSE_S = 0.1  # between watching or asking again while a server comes up
 SERVING_WAIT_S = 600.0
 
 # Calls safe to repeat when they failed UNAVAILABLE (refused unserved, or the answer lost with the connection): reading
-# the server, and session changes (OpenSession carries a request_id, so a repeat answers the session the first opened).
-# gRPC caps maxAttempts at 5; a server that is warming up sends its retry delay as pushback (`policy_server.v1.errors`).
-_RETRIED_METHODS = ("GetServerInfo", "OpenSession", "ResetSession", "SetBudget", "CloseSession")
+# the server, and session changes. gRPC caps maxAttempts at 5; a server that is warming up sends its retry delay as
+# pushback (`policy_server.v1.errors`). OpenSession (whose request_id makes a repeat answer the session the first
+# opened) waits for the connection but is retried by `open_session`: gRPC ends a call whose deadline passes in its
+# pushback DEADLINE_EXCEEDED, and the server's WARMING_UP, which says why and when to come back, would be lost.
+_RETRIED_METHODS = ("GetServerInfo", "ResetSession", "SetBudget", "CloseSession")
+_SERVICE = "policy_server.v1.PolicyService"
 RETRY_SERVICE_CONFIG = {
-    "methodConfig": [{
-        "name": [{"service": "policy_server.v1.PolicyService", "method": method} for method in _RETRIED_METHODS],
-        "waitForReady": True,
-        "retryPolicy": {
-            "maxAttempts": 5,
-            "initialBackoff": "0.1s",
-            "maxBackoff": "2s",
-            "backoffMultiplier": 2,
-            "retryableStatusCodes": ["UNAVAILABLE"],
+    "methodConfig": [
+        {
+            "name": [{"service": _SERVICE, "method": method} for method in _RETRIED_METHODS],
+            "waitForReady": True,
+            "retryPolicy": {
+                "maxAttempts": 5,
+                "initialBackoff": "0.1s",
+                "maxBackoff": "2s",
+                "backoffMultiplier": 2,
+                "retryableStatusCodes": ["UNAVAILABLE"],
+            },
         },
-    }],
+        {"name": [{"service": _SERVICE, "method": "OpenSession"}], "waitForReady": True},
+    ],
 }
+# `open_session`'s pauses after an UNAVAILABLE that names no retry delay (an answer lost with its connection, a
+# server shutting down), as gRPC's retry policy above.
+_OPEN_BACKOFF = Backoff(initial_s=0.1, max_s=2.0, max_attempts=None)
 
 
 def uses_tls(tls: bool, root_certificates: bytes | None, server_name: str | None) -> bool:
@@ -90,7 +101,7 @@ def make_channel(
     max_receive_mb: float = 64.0,
 ) -> grpc.Channel:
     """A channel with robot-friendly keepalive (dead links noticed in ~15 s), fast reconnects and gRPC's retries
-    of the calls that are safe to repeat (``RETRY_SERVICE_CONFIG``)."""
+    of the calls that are safe to repeat (``RETRY_SERVICE_CONFIG``; OpenSession only waits for the connection)."""
     options: list[tuple[str, int | str]] = [
         ("grpc.service_config", json.dumps(RETRY_SERVICE_CONFIG)),
         ("grpc.max_receive_message_length", int(max_receive_mb * 1024 * 1024)),
@@ -278,13 +289,15 @@ class PolicyClient:
         asking again (unset: the chunk size); ``preview``: every chunk carries the predicted frames
         (``ActionChunk.preview_frames``; their decode counts against the tick's budget). The server admits
         the session only if its ticks at that rate fit beside the others: RESOURCE_EXHAUSTED / OVERLOADED
-        otherwise. A server still warming up is asked again, as it says when, until ``timeout_s``.
+        otherwise. A server that answers UNAVAILABLE (warming up, restarting, or the answer lost with its connection)
+        is asked again, after the delay it asks for (WARMING_UP: ``retry_after_ms``), until ``timeout_s``: where the
+        next try would come too late the call raises the server's last answer, UNAVAILABLE / WARMING_UP with its
+        progress and ``retry_after_ms``, at once; DEADLINE_EXCEEDED only where no server answered.
 
-        Every try (gRPC's retries, and those through a warmup) sends one ``request_id`` (None or empty: a fresh uuid4
-        hex), so a try whose answer was lost leaves no second session: the server answers the session the id opened.
-        Pass the id again to retry a call that failed (16 to 64 characters of A-Z a-z 0-9 '-' '_'; keep it secret,
-        like a session id). Behind Ray Serve it is also the session's routing key, so a retry reaches the same
-        replica."""
+        Every try sends one ``request_id`` (None or empty: a fresh uuid4 hex), so a try whose answer was lost leaves
+        no second session: the server answers the session the id opened. Pass the id again to retry a call that failed
+        (16 to 64 characters of A-Z a-z 0-9 '-' '_'; keep it secret, like a session id). Behind Ray Serve it is also
+        the session's routing key, so a retry reaches the same replica."""
         request_id = request_id or uuid.uuid4().hex
         check_args(pb.OpenSessionRequest, embodiment=embodiment, instruction=instruction, budget_ms=budget_ms,
                    chunk_size=chunk_size, seed=seed, client_name=client_name, rate_hz=rate_hz,
@@ -305,14 +318,21 @@ class PolicyClient:
             request.actions_per_chunk = actions_per_chunk
         routing_key = request_id if self.serve_application is not None else None
         end = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
-        while True:  # through a warmup, which outlasts gRPC's own retries (5 tries at most)
+        delays = _OPEN_BACKOFF.delays()
+        refused: PolicyServerError | None = None  # the server's last UNAVAILABLE answer
+        while True:
             try:
                 opened = self._call(self.stub.OpenSession, request, end - time.monotonic(), routing_key=routing_key)
                 break
             except PolicyServerError as exc:
-                wait_s = exc.retry_after_ms / 1e3
-                if exc.reason != "WARMING_UP" or time.monotonic() + wait_s >= end:
+                if exc.no_answer and refused is not None:
+                    raise refused from None  # what the server last said (warming up), not that it then said nothing
+                if exc.code != grpc.StatusCode.UNAVAILABLE:
                     raise
+                wait_s = exc.retry_after_ms / 1e3 or next(delays)
+                if time.monotonic() + wait_s >= end:
+                    raise
+                refused = exc if exc.from_server else refused
                 time.sleep(wait_s)
         session = Session.from_proto(opened)
         if routing_key is not None:
