@@ -14,12 +14,13 @@ deadline misses, cache decisions and each episode's ticks; a PNG summary sits be
 writes MP4s (H.264, browser-playable) of the first N episodes with the predicted future frames (the session's
 preview frames, from a server or in-process) beside the real ones. An episode whose session the server lost (restarted
 or redeployed) runs again from its seed once the server serves (`restarted_episodes`). Ctrl-C or the server's error
-part way still writes the report, of the episodes that had ended (`stopped_by`, `unfinished_seeds`).
+part way still writes the report, of the episodes that had ended (`stopped_by`, `unfinished_seeds`); with `--ray`,
+every worker's, as when a worker's process dies (exit 2).
 
 `--ray N` spreads the episodes over N Ray workers (`robots/ray_rollout.py`), each with its own in-process engine
 (on `--device`, with `--ray-gpus-per-worker` GPUs) or its own client of `--server` (a policy-server, or with
-`--serve-application` Ray Serve's gRPC proxy); the report is the one a local run of the same episodes gives, all
-workers' ticks merged.
+`--serve-application` Ray Serve's gRPC proxy), each streaming its episodes to this process as they end; the report is
+the one a local run of the same episodes gives, all workers' ticks merged.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import json
 import sys
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -223,9 +224,21 @@ class _Running:
 
 def run_episodes(policy, env_id: str, indices: Sequence[int], num_envs: int, execute: int,
                  videos: int = 0, progress=None, delay: int = 0, commit: bool = False) -> list[EpisodeResult]:
+    """The episodes of `episodes_as_they_end`, in the order of `indices`; `progress`: a tqdm bar, advanced by one as
+    each episode ends."""
+    results: list[EpisodeResult | None] = [None] * len(indices)
+    for position, result in episodes_as_they_end(policy, env_id, indices, num_envs, execute, videos, delay, commit):
+        results[position] = result
+        if progress is not None:
+            progress.update(1)
+    return results
+
+
+def episodes_as_they_end(policy, env_id: str, indices: Sequence[int], num_envs: int, execute: int, videos: int = 0,
+                         delay: int = 0, commit: bool = False) -> Iterator[tuple[int, EpisodeResult]]:
     """One episode per held-out seed index in `indices` (seed `HELDOUT_SEED_OFFSET + index`), up to `num_envs` at
-    once in a gymnasium vector env of `env_id`; the first `videos` episodes record side-by-side frames. The results
-    come in the order of `indices`. `progress`: a tqdm bar, advanced by one as each episode ends.
+    once in a gymnasium vector env of `env_id`; the first `videos` episodes record side-by-side frames. Yields each
+    episode as it ends: its position in `indices` and its result.
 
     Each chunk's first `execute` actions run, but for `delay`: a tick's inference time in control steps, simulated.
     A tick is asked for while `delay` actions of the last chunk are left; they run while it is computed, so its
@@ -382,12 +395,12 @@ def run_episodes(policy, env_id: str, indices: Sequence[int], num_envs: int, exe
                 if ended:
                     scenes = envs.call("scene")  # still the final ones: an autoreset would come with the next step
                     for i in ended:
-                        _score(running[i].result, scenes[i])
-                        results[running[i].position] = running[i].result
-                        close(running[i].session)
+                        run = running[i]
+                        _score(run.result, scenes[i])
+                        results[run.position] = run.result
+                        close(run.session)
                         running[i] = None
-                        if progress is not None:
-                            progress.update(1)
+                        yield run.position, run.result
                     obs = start(ended, obs)
     except BaseException as error:  # whatever stops the episodes, their sessions do not hold the server's places
         for run in running:
@@ -401,7 +414,6 @@ def run_episodes(policy, env_id: str, indices: Sequence[int], num_envs: int, exe
             raise RolloutStopped(error, [result for result in results if result is not None]) from error
         raise
     envs.close()
-    return results
 
 
 def lost_server(error: PolicyServerError) -> bool:

@@ -385,29 +385,28 @@ def test_a_server_killed_and_restarted_mid_run_loses_no_episode(tmp_path, capsys
     assert capsys.readouterr().err.count("lost its session after") == sum(reasons.values())
 
 
-RAY_STOPPED_RUN = """
-import functools, json, sys
-from ray_cluster import loopback_up
-loopback_up()
-import ray
-from robots.envs import REACH_ID
-from robots.ray_rollout import run_on_ray
-from robots.rollout import RolloutStopped
-from test_rollout import EXECUTE, REFUSED, FailingPolicy
-ray.init(num_cpus=2, include_dashboard=False)
-try:  # worker 0 runs seed indices 0 and 1, worker 1 2 and 3, and is refused at the third tick of index 3
-    run_on_ray(functools.partial(FailingPolicy, 3, REFUSED), REACH_ID, range(4), 2, 1, EXECUTE)
-except RolloutStopped as stopped:
-    print(json.dumps([str(stopped.cause), [(r.seed, r.instruction, r.success, r.steps, len(r.ticks))
-                                           for r in stopped.finished]]))
-"""
+class KilledPolicy(SeekerPolicy):
+    """SeekerPolicy that kills its own process (SIGKILL, as the OOM killer does) at the third tick of seed index
+    `dying`, a second after that tick is asked for: time for the episodes that ended before to reach Ray's driver."""
+
+    def __init__(self, dying: int):
+        super().__init__()
+        self.dying_seed = HELDOUT_SEED_OFFSET + dying
+
+    def act(self, session, obs: dict, step: int, want_video: bool = False, committed: np.ndarray | None = None):
+        if session["seed"] == self.dying_seed and len(self.steps[self.dying_seed]) == 2:
+            time.sleep(1)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().act(session, obs, step, want_video, committed)
 
 
 def test_a_stopped_ray_rollout_reports_every_workers_ended_episodes(expected, tmp_path):
-    """In a network namespace of its own (Ray listens on every interface), as the Ray Serve tests: a worker refused part
-    way kept its ended episodes, and the other worker's were dropped. Run as `python -m robots.rollout`, a worker's
-    error was not caught (the module runs as `__main__`, whose classes are not those the workers raise): a traceback,
-    not one line."""
+    """`tests/ray_rollout_session.py`, in a network namespace of its own (Ray listens on every interface), as the Ray
+    Serve tests, one Ray session for every check. A worker refused part way kept its ended episodes, and the other
+    worker's were dropped. A worker whose process died (OOM-killed) ended the run with a traceback and no report.
+    Ctrl-C under --ray wrote no report, the episodes of every worker lost. Run as `python -m robots.rollout`, a
+    worker's error was not caught (the module runs as `__main__`, whose classes are not those the workers raise): a
+    traceback, not one line."""
     pytest.importorskip("ray", reason="Ray is not installed (pip install 'policy-server[ray]')")
     if subprocess.run(["unshare", "-rn", "true"], capture_output=True).returncode:
         pytest.skip("no network namespace can be made here (unshare -rn)")
@@ -416,20 +415,31 @@ def test_a_stopped_ray_rollout_reports_every_workers_ended_episodes(expected, tm
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(tests), tests]),
            "RAY_TMPDIR": tempfile.mkdtemp(prefix="ray")}
     env.pop("RAY_ADDRESS", None)
-    done = subprocess.run(["unshare", "-rn", sys.executable, "-c", RAY_STOPPED_RUN], capture_output=True, text=True,
-                          env=env, timeout=300)
+    done = subprocess.run(["unshare", "-rn", sys.executable, os.path.join(tests, "ray_rollout_session.py"),
+                           str(tmp_path)], capture_output=True, text=True, env=env, timeout=400)
     assert done.returncode == 0, done.stderr[-4000:]
-    cause, finished = json.loads(done.stdout.splitlines()[-1])
+    seen = json.loads(done.stdout.splitlines()[-1])
+
+    cause, finished = seen["refused"]
     assert cause == str(REFUSED) and [tuple(episode) for episode in finished] == expected[:3]
-    port = 52080  # in the namespace: nothing else listens there
-    command = (f"python -c 'from ray_cluster import loopback_up; loopback_up()' && "
-               f"{{ python {tests}/fake_server_process.py {port} & server=$!; }} && "
-               f"python -m robots.rollout --server 127.0.0.1:{port} --ray 1 --execute 9 --episodes 1 "
-               f"--out {tmp_path}/rollout.json; code=$?; kill $server; wait $server; exit $code")
-    done = subprocess.run(["unshare", "-rn", "sh", "-c", command], capture_output=True, text=True, env=env,
-                          timeout=300)
-    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
-    assert "\npolicy-rollout: --execute 9: the chunks hold 8 actions\n" in done.stderr  # among Ray's log lines
+    cause, finished = seen["killed"]
+    assert cause.startswith("Ray worker 1 died (WorkerCrashedError: The worker died unexpectedly")
+    assert [tuple(episode) for episode in finished] == expected[:3]
+
+    code, error = seen["execute"]
+    assert code == 2 and "Traceback" not in error, error
+    assert "\npolicy-rollout: --execute 9: the chunks hold 8 actions\n" in error  # among Ray's log lines
+
+    # Each worker had ended its first episode and was in its second: both stopped, their sessions closed.
+    code, error, sessions_open = seen["ctrl_c"]
+    report = json.loads((tmp_path / "ctrl_c.json").read_text())
+    assert code == 130 and "Traceback" not in error and sessions_open == 0, error
+    assert report["stopped_by"] == "interrupted (Ctrl-C)"
+    assert [e["seed"] for e in report["per_episode"]] == [HELDOUT_SEED_OFFSET + i for i in (0, 2)]
+    assert report["unfinished_seeds"] == [HELDOUT_SEED_OFFSET + i for i in (1, 3)]
+    assert error.count("policy-rollout: ") == 1 and (
+        f"\npolicy-rollout: interrupted (Ctrl-C); {tmp_path}/ctrl_c.json reports the 2 episodes that had ended, not "
+        "the 2 others (unfinished_seeds)\n") in error, error
 
 
 class RedeployedEngine(FakeEngine):
