@@ -38,10 +38,13 @@ def _run_part(make_policy: Callable, env_id: str, indices: list[int], num_envs: 
     policy = make_policy()
     # Ray's bar for a task: the driver draws every worker's, one line each.
     progress = tqdm_ray.tqdm(desc=f"worker {worker} episodes", total=len(indices), unit="ep", position=worker)
+    episodes = episodes_as_they_end(policy, env_id, indices, num_envs, execute, videos, delay, commit)
     try:
-        for ended in episodes_as_they_end(policy, env_id, indices, num_envs, execute, videos, delay, commit):
+        for ended in episodes:
             progress.update(1)
             yield ended
+    except KeyboardInterrupt as interrupt:  # the driver's cancel, here between two episodes: they stop as within one
+        episodes.throw(interrupt)
     finally:
         progress.close()
 
@@ -77,7 +80,8 @@ def run_on_ray(make_policy: Callable, env_id: str, indices: Sequence[int], worke
         except StopIteration:
             del streams[stream]
             return
-        except ray.exceptions.TaskCancelledError:  # after a Ctrl-C: the worker stopped as asked
+        except ray.exceptions.TaskCancelledError as error:  # by our Ctrl-C (which stops first), or from outside
+            stops.append(error)
             return
         except ray.exceptions.RayTaskError as error:
             if isinstance(error.cause, RolloutStopped):  # part way: the episodes it ended came before

@@ -227,10 +227,14 @@ def run_episodes(policy, env_id: str, indices: Sequence[int], num_envs: int, exe
     """The episodes of `episodes_as_they_end`, in the order of `indices`; `progress`: a tqdm bar, advanced by one as
     each episode ends."""
     results: list[EpisodeResult | None] = [None] * len(indices)
-    for position, result in episodes_as_they_end(policy, env_id, indices, num_envs, execute, videos, delay, commit):
-        results[position] = result
-        if progress is not None:
-            progress.update(1)
+    episodes = episodes_as_they_end(policy, env_id, indices, num_envs, execute, videos, delay, commit)
+    try:
+        for position, result in episodes:
+            results[position] = result
+            if progress is not None:
+                progress.update(1)
+    except KeyboardInterrupt as interrupt:  # here, between two of its episodes: they stop as on a Ctrl-C within
+        episodes.throw(interrupt)  # raises RolloutStopped with the episodes that had ended, their sessions closed
     return results
 
 
@@ -685,7 +689,7 @@ def main(argv: list[str] | None = None) -> int:
                                  args.delay_steps, args.commit_actions)
     except RolloutStopped as error:  # Ctrl-C or an error mid-run: the episodes that ended are reported
         stopped, results = error, error.finished
-    except KeyboardInterrupt:  # before the first episode (loading, warming up, waiting for the server), or on Ray
+    except KeyboardInterrupt:  # before the first episode (loading, warming up, waiting for the server)
         print("policy-rollout: interrupted (Ctrl-C)", file=sys.stderr)
         return 130
     except refusals as error:  # e.g. BUDGET_INFEASIBLE, OVERLOADED, a checkpoint that cannot be served

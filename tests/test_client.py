@@ -344,7 +344,8 @@ def test_open_session_whose_timeout_ends_in_a_warmup_raises_the_servers_warming_
     # answer ... the server is down, unreachable, starting or busy", for any timeout under 5 s.
     engine = FakeEngine(ready=False)
     with serve_fake(engine) as server, PolicyClient(server.target) as client:
-        for timeout_s in (0.2, 1.5):  # the next try would come after it: raised at once, or after a second try
+        client.health()  # connected: the timeouts below are the server's to fill, not the connection's
+        for timeout_s in (0.8, 1.8):  # the server asks for a try 1 s on: raised at once, or after a second try
             with pytest.raises(PolicyServerError) as err:
                 client.open_session("pusht", "too early", timeout_s=timeout_s)
             assert (err.value.code, err.value.reason, err.value.message, err.value.retry_after_ms) == (

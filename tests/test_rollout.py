@@ -288,6 +288,22 @@ def test_a_refusal_or_a_session_lost_too_often_stops_the_run_keeping_the_episode
     assert HELDOUT_SEED_OFFSET + 2 not in [seed for seed, *_ in finished]
 
 
+class _InterruptedBar:
+    def update(self, count: int) -> None:
+        raise KeyboardInterrupt  # Ctrl-C as the bar redraws for an episode that ended
+
+
+@pytest.mark.parametrize("num_envs", [1, 2])
+def test_ctrl_c_between_two_episodes_keeps_those_that_ended(num_envs):
+    """A Ctrl-C that lands outside the episodes' own loop (the progress bar's redraw) raised a bare KeyboardInterrupt:
+    the report of the episodes that had ended was lost, and the sessions stayed open."""
+    policy = SeekerPolicy()
+    with pytest.raises(RolloutStopped) as stopped:
+        run_episodes(policy, REACH_ID, range(EPISODES), num_envs, EXECUTE, progress=_InterruptedBar())
+    assert isinstance(stopped.value.cause, KeyboardInterrupt) and len(stopped.value.finished) == 1
+    assert sorted(policy.closed) == sorted(seed for seed, _ in policy.opened)
+
+
 @pytest.mark.parametrize("num_envs", [1, 2])
 def test_any_error_mid_run_closes_the_sessions_it_held(num_envs):
     """An error the rollout does not report on (here a ValueError of the policy; a dead environment process, a bug)
@@ -387,7 +403,7 @@ def test_a_server_killed_and_restarted_mid_run_loses_no_episode(tmp_path, capsys
 
 class KilledPolicy(SeekerPolicy):
     """SeekerPolicy that kills its own process (SIGKILL, as the OOM killer does) at the third tick of seed index
-    `dying`, a second after that tick is asked for: time for the episodes that ended before to reach Ray's driver."""
+    `dying`, two seconds after that tick is asked for: time for the episodes that ended before to reach Ray's driver."""
 
     def __init__(self, dying: int):
         super().__init__()
@@ -395,7 +411,7 @@ class KilledPolicy(SeekerPolicy):
 
     def act(self, session, obs: dict, step: int, want_video: bool = False, committed: np.ndarray | None = None):
         if session["seed"] == self.dying_seed and len(self.steps[self.dying_seed]) == 2:
-            time.sleep(1)
+            time.sleep(2)
             os.kill(os.getpid(), signal.SIGKILL)
         return super().act(session, obs, step, want_video, committed)
 

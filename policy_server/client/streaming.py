@@ -270,7 +270,7 @@ class ControlStream:
             except PolicyServerError as exc:
                 error = exc
                 lost_again = exc.reason == "SESSION_NOT_FOUND" and self._reopen_session  # a reopening raced
-                # Reopening outlasted the client's call timeout: the restarted server is still loading its model.
+                # Reopening got no answer within the client's call timeout: the restarted server is not listening yet.
                 timed_out = exc.no_answer
                 if lost_again or timed_out or exc.connection_lost or _passing(exc):
                     continue
