@@ -38,13 +38,8 @@ def _run_part(make_policy: Callable, env_id: str, indices: list[int], num_envs: 
     policy = make_policy()
     # Ray's bar for a task: the driver draws every worker's, one line each.
     progress = tqdm_ray.tqdm(desc=f"worker {worker} episodes", total=len(indices), unit="ep", position=worker)
-    episodes = episodes_as_they_end(policy, env_id, indices, num_envs, execute, videos, delay, commit)
-    try:
-        for ended in episodes:
-            progress.update(1)
-            yield ended
-    except KeyboardInterrupt as interrupt:  # the driver's cancel, here between two episodes: they stop as within one
-        episodes.throw(interrupt)
+    try:  # the driver's cancel stops the episodes as a Ctrl-C stops a local run's, their sessions closed
+        yield from episodes_as_they_end(policy, env_id, indices, num_envs, execute, videos, progress, delay, commit)
     finally:
         progress.close()
 

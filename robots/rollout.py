@@ -224,25 +224,23 @@ class _Running:
 
 def run_episodes(policy, env_id: str, indices: Sequence[int], num_envs: int, execute: int,
                  videos: int = 0, progress=None, delay: int = 0, commit: bool = False) -> list[EpisodeResult]:
-    """The episodes of `episodes_as_they_end`, in the order of `indices`; `progress`: a tqdm bar, advanced by one as
-    each episode ends."""
+    """The episodes of `episodes_as_they_end`, in the order of `indices`."""
     results: list[EpisodeResult | None] = [None] * len(indices)
-    episodes = episodes_as_they_end(policy, env_id, indices, num_envs, execute, videos, delay, commit)
+    episodes = episodes_as_they_end(policy, env_id, indices, num_envs, execute, videos, progress, delay, commit)
     try:
         for position, result in episodes:
             results[position] = result
-            if progress is not None:
-                progress.update(1)
     except KeyboardInterrupt as interrupt:  # here, between two of its episodes: they stop as on a Ctrl-C within
         episodes.throw(interrupt)  # raises RolloutStopped with the episodes that had ended, their sessions closed
     return results
 
 
 def episodes_as_they_end(policy, env_id: str, indices: Sequence[int], num_envs: int, execute: int, videos: int = 0,
-                         delay: int = 0, commit: bool = False) -> Iterator[tuple[int, EpisodeResult]]:
+                         progress=None, delay: int = 0, commit: bool = False) -> Iterator[tuple[int, EpisodeResult]]:
     """One episode per held-out seed index in `indices` (seed `HELDOUT_SEED_OFFSET + index`), up to `num_envs` at
     once in a gymnasium vector env of `env_id`; the first `videos` episodes record side-by-side frames. Yields each
-    episode as it ends: its position in `indices` and its result.
+    episode as it ends: its position in `indices` and its result. `progress`: a tqdm bar, advanced by one as each
+    episode ends.
 
     Each chunk's first `execute` actions run, but for `delay`: a tick's inference time in control steps, simulated.
     A tick is asked for while `delay` actions of the last chunk are left; they run while it is computed, so its
@@ -270,10 +268,10 @@ def episodes_as_they_end(policy, env_id: str, indices: Sequence[int], num_envs: 
         vector_kwargs={"context": "forkserver"} if parallel else {},
         render_mode="rgb_array", render_size=128)
     no_action = np.zeros(envs.single_action_space.shape, envs.single_action_space.dtype)
-    pending = deque(enumerate(indices))  # (position, seed index); an episode run again goes first
+    # (position, seed index, its tries abandoned so far); an episode run again goes first
+    pending = deque((position, index, []) for position, index in enumerate(indices))
     running: list[_Running | None] = [None] * num_envs
     results: list[EpisodeResult | None] = [None] * len(indices)
-    restarts: dict[int, list[dict]] = {}  # position -> its abandoned tries
     serving = True  # False from a lost session until the server serves again: nothing to close meanwhile
 
     def start(slots: list[int], obs: dict | None) -> dict | None:
@@ -284,10 +282,10 @@ def episodes_as_they_end(policy, env_id: str, indices: Sequence[int], num_envs: 
         seeds = [HELDOUT_SEED_OFFSET + starting[i][1] if i in starting else None for i in range(num_envs)]
         obs, _ = envs.reset(seed=seeds, options={"reset_mask": np.array([i in starting for i in range(num_envs)])})
         instructions = envs.call("task_description")
-        for i, (position, index) in starting.items():
+        for i, (position, index, restarts) in starting.items():
             record = position < videos
             result = EpisodeResult(seed=seeds[i], instruction=instructions[i], success=False, steps=0,
-                                   restarts=restarts.get(position, []))
+                                   restarts=restarts)
             running[i] = _Running(position, index, result, open_session(result, record), record)
         return obs
 
@@ -326,8 +324,8 @@ def episodes_as_they_end(policy, env_id: str, indices: Sequence[int], num_envs: 
         await_server()
         for i, _ in lost:
             close(running[i].session)  # gone with a restarted server; a live one frees its place
-            restarts[running[i].position] = running[i].result.restarts
-        pending.extendleft(reversed([(running[i].position, running[i].index) for i, _ in lost]))
+        pending.extendleft(reversed([(running[i].position, running[i].index, running[i].result.restarts)
+                                     for i, _ in lost]))
         for i, _ in lost:
             running[i] = None
         return start([i for i, _ in lost], obs)
@@ -404,6 +402,8 @@ def episodes_as_they_end(policy, env_id: str, indices: Sequence[int], num_envs: 
                         results[run.position] = run.result
                         close(run.session)
                         running[i] = None
+                        if progress is not None:
+                            progress.update(1)
                         yield run.position, run.result
                     obs = start(ended, obs)
     except BaseException as error:  # whatever stops the episodes, their sessions do not hold the server's places

@@ -37,7 +37,6 @@ server it started did not come up.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -46,7 +45,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -785,23 +784,15 @@ def soak(args: argparse.Namespace, target: str, pid: int | None) -> tuple[dict, 
     if hostile is not None:
         hostile.start()
     stop = threading.Event()
+    interrupted = False
     with ThreadPoolExecutor(max_workers=len(drivers), thread_name_prefix="soak-session") as pool:
         futures = [pool.submit(run_session, d, SessionResult(i, d.kind, d.session.session_id), args,
                                1.0 / rate_hz, t0, stop) for i, d in enumerate(drivers)]
         try:
             results = [f.result() for f in futures]
-        except KeyboardInterrupt:  # the sessions end after their tick in flight, and close
+        except KeyboardInterrupt:  # the sessions end after their tick in flight, and close below
             stop.set()
-            wait(futures)
-            if hostile is not None:
-                hostile.stop()
-            if sampler is not None:
-                sampler.finish()
-            close_drivers(drivers)
-            if hostile is not None:
-                with hostile.client as client, contextlib.suppress(PolicyServerError):
-                    client.close_session(hostile.session)
-            raise
+            results, interrupted = [f.result() for f in futures], True
     if hostile is not None:
         hostile.stop()
     wall_s = time.monotonic() - t0
@@ -817,6 +808,8 @@ def soak(args: argparse.Namespace, target: str, pid: int | None) -> tuple[dict, 
                 client.close_session(hostile.session)
             except PolicyServerError as exc:
                 close_failures.append(f"CloseSession {hostile.session.session_id}: {exc}")
+    if interrupted:  # its checks are of the whole soak: a cut one gets no report
+        raise KeyboardInterrupt
     if sampler is not None:
         rss = {"pid": pid, "every_s": args.rss_every_s, **rss_summary(sampler.series, warm_s, read_rss_mb(pid))}
     report = build_report(args, config, results, wall_s, rss, hostile)

@@ -13,6 +13,7 @@ import contextlib
 import datetime
 import ipaddress
 import itertools
+import socket
 import subprocess
 import threading
 import time
@@ -315,6 +316,13 @@ class FakeEngine:
                 return ReasonEnd("length", index)
             yield word if index == 0 else " " + word
         return ReasonEnd("length" if max_new_tokens < len(words) else "stop", min(max_new_tokens, len(words)))
+
+
+def free_port() -> int:
+    """A loopback TCP port nothing listens on now (for a server a test starts, stops and starts again on it)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 @contextlib.contextmanager

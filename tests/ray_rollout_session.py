@@ -91,7 +91,7 @@ def main(out: Path) -> None:
         engine.reached.wait(120)
         os.killpg(interrupted.pid, signal.SIGINT)
         _, error = interrupted.communicate(timeout=120)
-        seen["ctrl_c"] = [interrupted.returncode, error, len(engine._sessions)]
+        seen["ctrl_c"] = [interrupted.returncode, error, engine.stats().sessions]
     ray.shutdown()
     print(json.dumps(seen))
 

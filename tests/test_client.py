@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from fake_engine import FakeEngine, serve_fake
+from fake_engine import FakeEngine, free_port, serve_fake
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
@@ -352,14 +352,9 @@ def test_open_session_whose_timeout_ends_in_a_warmup_raises_the_servers_warming_
                 grpc.StatusCode.UNAVAILABLE, "WARMING_UP", "the server is warming up (50% done)", 1000.0)
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
 
 def test_wait_until_serving_watches_health_from_before_the_server_starts():
-    port = _free_port()
+    port = free_port()
     engine = FakeEngine(ready=False)
     waited: list[BaseException | None] = []
     with PolicyClient(f"127.0.0.1:{port}") as client:

@@ -7,7 +7,6 @@ import io
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,7 +17,7 @@ import grpc
 import gymnasium as gym
 import numpy as np
 import pytest
-from fake_engine import FakeEngine, serve_fake
+from fake_engine import FakeEngine, free_port, serve_fake
 from tqdm import tqdm
 
 from policy_server.client.errors import PolicyServerError
@@ -295,8 +294,8 @@ class _InterruptedBar:
 
 @pytest.mark.parametrize("num_envs", [1, 2])
 def test_ctrl_c_between_two_episodes_keeps_those_that_ended(num_envs):
-    """A Ctrl-C that lands outside the episodes' own loop (the progress bar's redraw) raised a bare KeyboardInterrupt:
-    the report of the episodes that had ended was lost, and the sessions stayed open."""
+    """A Ctrl-C as the progress bar redraws for an episode that ended (outside the episodes' loop, once) raised a bare
+    KeyboardInterrupt: the report of the episodes that had ended was lost, and the sessions stayed open."""
     policy = SeekerPolicy()
     with pytest.raises(RolloutStopped) as stopped:
         run_episodes(policy, REACH_ID, range(EPISODES), num_envs, EXECUTE, progress=_InterruptedBar())
@@ -352,11 +351,6 @@ def test_a_server_that_keeps_losing_sessions_stops_the_run_with_the_episodes_tha
                     f"ended, not the {6 - len(ended)} others (unfinished_seeds)")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _server_process(port: int, *die_at_tick: int) -> subprocess.Popen:
     helper = os.path.join(os.path.dirname(__file__), "fake_server_process.py")
@@ -370,7 +364,7 @@ def test_a_server_killed_and_restarted_mid_run_loses_no_episode(tmp_path, capsys
     with serve_fake(FakeEngine()) as server:
         assert main(["--server", server.target, *flags, "--out", str(tmp_path / "uninterrupted.json")]) == 0
     uninterrupted = json.loads((tmp_path / "uninterrupted.json").read_text())
-    port = _free_port()
+    port = free_port()
     first = _server_process(port, 40)
     servers = [first]
 

@@ -6,6 +6,7 @@ WebSocket client needs only msgpack and websockets, which the server depends on 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import socket
 import ssl
@@ -241,24 +242,34 @@ def test_a_client_that_sends_without_reading_is_held_back_by_tcp_not_queued_for(
         ws.close()
 
 
+@contextlib.contextmanager
+def _stopping_while_serving(engine: FakeEngine, server, policy: WebsocketClientPolicy, grace_s: float):
+    """`server.stop(grace_s)` on a thread while `policy`'s observation is held in the engine; yields that thread and
+    the list the observation's answer goes to, then lets the observation through and waits for both."""
+    engine.hold()
+    replies = []
+    acting = threading.Thread(target=lambda: replies.append(policy.infer(openpi_observation())))
+    acting.start()
+    engine.wait_entered()
+    stopping = threading.Thread(target=server.stop, kwargs={"grace_s": grace_s})
+    stopping.start()
+    try:
+        yield stopping, replies
+    finally:
+        engine.release()
+        acting.join(timeout=10)
+        stopping.join(timeout=10)
+
+
 def test_shutdown_answers_the_observation_being_served_then_closes():
     engine = FakeEngine()
     with serve_fake(engine, websocket_port=0) as server:
         policy = WebsocketClientPolicy(host="127.0.0.1", port=server.websocket_port)
         idle = websockets.sync.client.connect(f"ws://127.0.0.1:{server.websocket_port}", compression=None)
         idle.recv(timeout=10)
-        engine.hold()
-        replies = []
-        acting = threading.Thread(target=lambda: replies.append(policy.infer(openpi_observation())))
-        acting.start()
-        engine.wait_entered()
-        stopping = threading.Thread(target=server.stop, kwargs={"grace_s": 5.0})
-        stopping.start()
-        time.sleep(0.3)  # the server waits for the observation it is serving
-        assert stopping.is_alive() and not replies
-        engine.release()
-        acting.join(timeout=10)
-        stopping.join(timeout=10)
+        with _stopping_while_serving(engine, server, policy, grace_s=5.0) as (stopping, replies):
+            time.sleep(0.3)  # the server waits for the observation it is serving
+            assert stopping.is_alive() and not replies
         assert replies[0]["actions"].shape == (8, 2)  # answered, not cut off
         for ws in (policy._ws, idle):
             with pytest.raises(ConnectionClosed) as closed:
@@ -280,23 +291,12 @@ def test_shutdown_refuses_new_connections_and_ends_handshakes_at_once():
         idle.infer(openpi_observation())
         handshaking = socket.create_connection(("127.0.0.1", server.websocket_port))
         handshaking.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # the request never ends
-        engine.hold()
-        replies = []
-        acting = threading.Thread(target=lambda: replies.append(policy.infer(openpi_observation())))
-        acting.start()
-        engine.wait_entered()
-        stopping = threading.Thread(target=server.stop, kwargs={"grace_s": 30.0})
-        stopping.start()
-        try:
+        with _stopping_while_serving(engine, server, policy, grace_s=30.0) as (stopping, replies):
             handshaking.settimeout(OPEN_TIMEOUT_S / 2)
             assert handshaking.recv(1) == b""  # closed by the stop, not left to its handshake's timeout
             with pytest.raises(ConnectionRefusedError):  # while the observation is still being served
                 websockets.sync.client.connect(f"ws://127.0.0.1:{server.websocket_port}", open_timeout=5)
             assert stopping.is_alive() and not replies
-        finally:
-            engine.release()
-        acting.join(timeout=10)
-        stopping.join(timeout=10)
         assert replies[0]["actions"].shape == (8, 2)
         handshaking.close()
     assert sorted(closed_why) == ["its WebSocket connection closed with 1001 (server shutting down)"] * 2
