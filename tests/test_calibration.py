@@ -37,6 +37,7 @@ from policy_server.engine.engine import ModelEngine
 from policy_server.engine.served import EngineSettings
 from policy_server.pipeline.embodiments import Embodiment
 from policy_server.pipeline.policy import PolicyPipeline, default_model_path
+from robots import calibration_set
 from robots.embedded import build_random_pipeline
 
 STEPS = 6
@@ -164,6 +165,17 @@ def test_observations_round_trip_and_bad_files_name_what_is_wrong(pipe, observat
     with pytest.raises(CalibrationError, match=r"images.wrist are 8x32, 4096 px wide once scaled to the height of "
                                                r"images.scene \(1024 px\) to sit beside them; expected at most 2048"):
         load_observations(path, pipe, served=False)
+
+
+def test_the_calibration_set_rebuilds_the_shipped_file_byte_for_byte(tmp_path, capsys):
+    """`python -m robots.calibration_set` writes the shipped set's bytes every time, so the digest the shipped profile
+    names holds for a rebuild. safetensors writes the metadata's two keys in an order that changes from call to call:
+    a rebuild had one of two digests, the shipped one half the time."""
+    shipped = hashlib.sha256(DEFAULT_OBSERVATIONS.read_bytes()).hexdigest()
+    out = tmp_path / "reach_either.safetensors"
+    for _ in range(8):
+        assert calibration_set.main(["--out", str(out)]) == 0
+        assert hashlib.sha256(out.read_bytes()).hexdigest() == shipped
 
 
 def test_the_server_finds_a_profile_beside_the_checkpoint_else_calibrates(pipe, profile, tmp_path, monkeypatch,

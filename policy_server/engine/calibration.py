@@ -34,7 +34,7 @@ import cv2
 import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.numpy import save_file
+from safetensors.numpy import save
 
 from policy_server.budget.cost_model import SKIP, CallCosts, CostModel
 from policy_server.budget.guard import DeadlineGuard
@@ -117,8 +117,19 @@ def save_observations(path: Path, observations: Sequence[Observation]) -> None:
     if first.state is not None:
         tensors["state"] = np.stack([o.state for o in observations]).astype(np.float32)
     metadata = {"embodiment": first.embodiment, "instructions": json.dumps([o.instruction for o in observations])}
+    # safetensors writes the metadata's keys in an order of its own that changes from one call to the next (a Rust
+    # HashMap's: safetensors issue 584), so its header is written again with them sorted: the same observations give
+    # the same bytes, and the shipped set the digest its profile names (`observations_source`).
+    data = save(tensors, metadata=metadata)
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + size])
+    header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)  # the format's padding: the tensors start 8-byte aligned
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path), metadata=metadata)
+    with path.open("wb") as file:
+        file.write(len(text).to_bytes(8, "little") + text)
+        file.write(memoryview(data)[8 + size:])
 
 
 def load_observations(path: Path, pipeline: PolicyPipeline, served: bool = True) -> list[Observation]:
