@@ -358,7 +358,7 @@ class _FixedPolicy:
     def __init__(self, fixed: FixedConfig, embodiment: str, budget_ms: float | None):
         self.fixed, self.embodiment, self.budget_ms = fixed, embodiment, budget_ms
 
-    def open(self, instruction: str, seed: int, preview: bool = False):
+    def open(self, instruction: str, seed: int, preview: bool, request_id: str):
         return {"instruction": instruction, "seed": seed, "ticks": 0}
 
     def act(self, session: dict, obs: dict, step: int, want_video: bool = False, committed: np.ndarray | None = None):
@@ -382,9 +382,9 @@ class _EnginePolicy:
     def __init__(self, engine: ModelEngine, embodiment: str, budget_ms: float):
         self.engine, self.embodiment, self.budget_ms = engine, embodiment, budget_ms
 
-    def open(self, instruction: str, seed: int, preview: bool = False):
+    def open(self, instruction: str, seed: int, preview: bool, request_id: str):
         return self.engine.open_session(self.embodiment, instruction, budget_ms=self.budget_ms, seed=seed,
-                                        rate_hz=0.0)
+                                        rate_hz=0.0, request_id=request_id)
 
     def act(self, session, obs: dict, step: int, want_video: bool = False, committed: np.ndarray | None = None):
         result = self.engine.act(session.session_id, session.epoch, api.Observation(

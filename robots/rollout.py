@@ -31,6 +31,7 @@ import functools
 import json
 import sys
 import time
+import uuid
 from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -144,10 +145,10 @@ class ServerPolicy:
                                f"{self.model.name} ({self.model.digest}) the episodes so far ran on")
         self.model = model
 
-    def open(self, instruction: str, seed: int, preview: bool = False):
+    def open(self, instruction: str, seed: int, preview: bool, request_id: str):
         # A simulation asks again as soon as it is answered: a closed loop (rate 0), not a declared rate.
         return self.client.open_session("pusht", instruction, budget_ms=self.budget_ms, seed=seed, rate_hz=0.0,
-                                        preview=preview)
+                                        preview=preview, request_id=request_id)
 
     def act(self, session, obs: dict, step: int, want_video: bool = False, committed: np.ndarray | None = None):
         chunk = self.client.act(session, {"image": obs["image"]}, obs["state"], step_index=step,
@@ -191,8 +192,9 @@ class InProcessPolicy:
         self.engine.start()
         self.engine.wait_ready()
 
-    def open(self, instruction: str, seed: int, preview: bool = False):
-        return self.engine.open_session("pusht", instruction, seed=seed, rate_hz=0.0, preview=preview)
+    def open(self, instruction: str, seed: int, preview: bool, request_id: str):
+        return self.engine.open_session("pusht", instruction, seed=seed, rate_hz=0.0, preview=preview,
+                                        request_id=request_id)
 
     def act(self, session, obs: dict, step: int, want_video: bool = False, committed: np.ndarray | None = None):
         from policy_server.engine.api import Observation
@@ -256,8 +258,9 @@ def episodes_as_they_end(policy, env_id: str, indices: Sequence[int], num_envs: 
 
     A session lost to the server (`lost_server`: restarted, redeployed, down) abandons its episode's try, whose ticks
     and frames are dropped: once `policy.wait_until_serving()` returns, the episode runs again from its seed in a new
-    session, and its result lists the tries abandoned (`EpisodeResult.restarts`). Ctrl-C, another error of the server
-    or engine (a refusal), a server not serving again in time (TimeoutError) or an episode lost more than
+    session, and its result lists the tries abandoned (`EpisodeResult.restarts`); an opening that failed so is tried
+    again under its request id, so that a server that had opened the session answers with it. Ctrl-C, another error of
+    the server or engine (a refusal), a server not serving again in time (TimeoutError) or an episode lost more than
     `MAX_EPISODE_RESTARTS` times (`EpisodeLost`) raises `RolloutStopped` with the episodes that had ended.
     """
     num_envs = min(num_envs, len(indices))
@@ -290,9 +293,12 @@ def episodes_as_they_end(policy, env_id: str, indices: Sequence[int], num_envs: 
         return obs
 
     def open_session(result: EpisodeResult, record: bool):
+        # One request id for every try: a session the server opened while its answer was lost (no answer within the
+        # call's deadline) would hold a place until it idled out. A session lost later is opened anew, under a new id.
+        request_id = uuid.uuid4().hex
         while True:
             try:
-                return policy.open(result.instruction, result.seed, preview=record)
+                return policy.open(result.instruction, result.seed, record, request_id)
             except PolicyServerError as error:
                 if not lost_server(error):
                     raise

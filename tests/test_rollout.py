@@ -35,12 +35,14 @@ class SeekerPolicy:
     def __init__(self):
         self.lock = threading.Lock()
         self.opened, self.closed = [], []
+        self.request_ids: dict[int, list[str]] = {}  # seed -> the request id of each session opened for it
         self.steps: dict[int, list[int]] = {}  # seed -> step indices it was asked at
         self.committed: dict[int, list[np.ndarray | None]] = {}  # seed -> the committed actions of each ask
         self.chunks: dict[int, list[np.ndarray]] = {}  # seed -> the chunks it answered
 
-    def open(self, instruction: str, seed: int, preview: bool = False):
+    def open(self, instruction: str, seed: int, preview: bool, request_id: str):
         with self.lock:
+            self.request_ids.setdefault(seed, []).append(request_id)
             self.opened.append((seed, instruction))
             self.steps[seed], self.committed[seed], self.chunks[seed] = [], [], []
         return {"seed": seed, "color": instruction.split()[2]}
@@ -79,7 +81,7 @@ def one_by_one(index: int) -> tuple:
     seed = HELDOUT_SEED_OFFSET + index
     obs, _ = env.reset(seed=seed)
     instruction = env.unwrapped.task_description
-    session = policy.open(instruction, seed)
+    session = policy.open(instruction, seed, False, "one-by-one")
     steps, ticks, done = 0, 0, False
     while not done:
         actions, _, _ = policy.act(session, obs, steps)
@@ -254,6 +256,7 @@ class FailingPolicy(SeekerPolicy):
 LOST = PolicyServerError(grpc.StatusCode.NOT_FOUND, "SESSION_NOT_FOUND", "no open session")
 GONE = PolicyServerError(grpc.StatusCode.UNAVAILABLE, "UNAVAILABLE", "Socket closed")  # no server reason
 REFUSED = PolicyServerError(grpc.StatusCode.RESOURCE_EXHAUSTED, "OVERLOADED", "no place")
+NO_ANSWER = PolicyServerError(grpc.StatusCode.DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED", "no answer within 60 s")
 
 
 @pytest.mark.parametrize("num_envs", [1, 2])
@@ -268,6 +271,43 @@ def test_an_episode_whose_session_is_lost_runs_again_from_its_seed(expected, num
                                              for i in range(EPISODES)]
     assert [seed for seed, _ in policy.opened].count(HELDOUT_SEED_OFFSET + 2) == MAX_EPISODE_RESTARTS + 1
     assert sorted(policy.closed) == sorted(seed for seed, _ in policy.opened)  # the lost sessions' too
+    # Each new session is a new opening: a server still holding the lost one must not answer with it.
+    assert len(set(policy.request_ids[HELDOUT_SEED_OFFSET + 2])) == MAX_EPISODE_RESTARTS + 1
+
+
+class UnansweredOpenPolicy(SeekerPolicy):
+    """SeekerPolicy that opens sessions as a server does, one per request id (a try with the id of an open session
+    gets that session), where the first try to open one for seed index `unanswered` gets no answer: the session is
+    opened, the call ends DEADLINE_EXCEEDED (a server that hung past the call's deadline, a link that dropped)."""
+
+    def __init__(self, unanswered: int):
+        super().__init__()
+        self.unanswered_seed = HELDOUT_SEED_OFFSET + unanswered
+        self.tries: list[str] = []  # the request id of each try to open a session for that seed
+        self.sessions: dict[str, dict] = {}  # request id -> the session it opened
+
+    def open(self, instruction: str, seed: int, preview: bool, request_id: str):
+        if seed == self.unanswered_seed:
+            self.tries.append(request_id)
+        if request_id not in self.sessions:
+            self.sessions[request_id] = super().open(instruction, seed, preview, request_id)
+            if self.tries == [request_id]:
+                raise NO_ANSWER
+        return self.sessions[request_id]
+
+
+@pytest.mark.parametrize("num_envs", [1, 2])
+def test_an_opening_that_got_no_answer_is_tried_again_under_its_request_id(expected, num_envs):
+    """The try after an OpenSession that got no answer sent a new request id: the session the server had opened held
+    one of its places, unused, until it idled out (300 s), and the episode ran in a second one."""
+    policy = UnansweredOpenPolicy(unanswered=2)
+    results = run_episodes(policy, REACH_ID, range(EPISODES), num_envs, EXECUTE)
+    assert [(r.seed, r.instruction, r.success, r.steps, len(r.ticks)) for r in results] == expected
+    restart = {"reason": "DEADLINE_EXCEEDED", "error": str(NO_ANSWER), "ticks_discarded": 0}
+    assert [r.restarts for r in results] == [[restart] if i == 2 else [] for i in range(EPISODES)]
+    # One session per episode, every one closed: none left holding a place.
+    assert sorted(policy.closed) == sorted(seed for seed, _ in policy.opened) == [r.seed for r in results]
+    assert len(policy.tries) == 2 and policy.tries[0] == policy.tries[1]
 
 
 @pytest.mark.parametrize("num_envs", [1, 2])
