@@ -5,6 +5,7 @@ rules: the client loads no server, engine, torch or cv2 module, the transport no
 from __future__ import annotations
 
 import pickle
+import re
 import socket
 import subprocess
 import sys
@@ -349,7 +350,64 @@ def test_open_session_whose_timeout_ends_in_a_warmup_raises_the_servers_warming_
             with pytest.raises(PolicyServerError) as err:
                 client.open_session("pusht", "too early", timeout_s=timeout_s)
             assert (err.value.code, err.value.reason, err.value.message, err.value.retry_after_ms) == (
-                grpc.StatusCode.UNAVAILABLE, "WARMING_UP", "the server is warming up (50% done)", 1000.0)
+                grpc.StatusCode.UNAVAILABLE, "WARMING_UP", f"no session from {server.target} within {timeout_s:g} s; "
+                "its last answer: the server is warming up (50% done)", 1000.0)
+
+
+class HangingOpens(FakeEngine):
+    """Answers its first `answered` open_session calls, then holds the others until `released` (a server that hangs,
+    or goes away: the client's tries get no answer); `hung` is set once one is held."""
+
+    def __init__(self, answered: int):
+        super().__init__()
+        self.answered, self.hung, self.released = answered, threading.Event(), threading.Event()
+
+    def open_session(self, *args, **kwargs):
+        if len(self.request_ids) >= self.answered:  # each call it answered appended its id
+            self.hung.set()
+            self.released.wait(30)
+        return super().open_session(*args, **kwargs)
+
+
+def test_open_session_that_a_server_answered_and_then_did_not_names_the_answer_and_the_whole_wait():
+    """A server that answered SHUTTING_DOWN and then nothing (it went away): the call raised that answer as it had
+    come, after the whole timeout, saying neither how long it had asked nor that nothing had answered since."""
+    engine = HangingOpens(answered=1)
+    engine.refuse_opens(1)
+    with serve_fake(engine) as server, PolicyClient(server.target) as client:
+        client.health()
+        try:
+            with pytest.raises(PolicyServerError) as err:
+                client.open_session("pusht", "x", timeout_s=2)
+        finally:
+            engine.released.set()
+    assert (err.value.code, err.value.reason, err.value.from_server) == (
+        grpc.StatusCode.UNAVAILABLE, "SHUTTING_DOWN", True)
+    assert re.fullmatch(rf"no session from {re.escape(server.target)} within 2 s; its last answer, [0-9.]+ s in: the "
+                        "server is shutting down; nothing answered after it", err.value.message), err.value.message
+
+
+def test_open_session_that_no_server_answered_names_the_whole_wait_not_its_last_tries():
+    """The call failed (UNAVAILABLE: the server stopped under it), and its next try got no answer: the message said
+    "no answer ... within" what was left of the timeout for that try (54.854 s of a rollout's 60 s)."""
+    engine = HangingOpens(answered=0)
+    with serve_fake(engine) as server, PolicyClient(server.target) as client:
+
+        def stop_once_held():
+            if engine.hung.wait(10):
+                server.stop(grace_s=0)  # the try in flight ends UNAVAILABLE; the next finds nothing listening
+
+        stopper = threading.Thread(target=stop_once_held)
+        stopper.start()
+        try:
+            with pytest.raises(PolicyServerError) as err:
+                client.open_session("pusht", "x", timeout_s=2)
+        finally:
+            engine.released.set()
+            stopper.join()
+    assert (err.value.code, err.value.from_server) == (grpc.StatusCode.DEADLINE_EXCEEDED, False)
+    assert err.value.message == (f"no answer from {server.target} within 2 s: the server is down, unreachable, "
+                                 "starting or busy, or the call needs longer")
 
 
 

@@ -183,13 +183,15 @@ class PolicyClient:
             return method(request, timeout=timeout_s, metadata=metadata, **kwargs)
         except grpc.RpcError as exc:
             error = PolicyServerError.from_rpc_error(exc)
-            if error.no_answer:
-                # gRPC says only "Deadline Exceeded", and the calls that wait for a server (GetServerInfo,
-                # OpenSession, ...) say so too where nothing ever answered.
-                error = PolicyServerError(error.code, error.reason,
-                                          f"no answer from {self.target} within {round(timeout_s, 3):g} s: the "
-                                          "server is down, unreachable, starting or busy, or the call needs longer")
-            raise error from None
+            # gRPC says only "Deadline Exceeded", and the calls that wait for a server (GetServerInfo, OpenSession,
+            # ...) say so too where nothing ever answered.
+            raise self._no_answer(timeout_s) if error.no_answer else error from None
+
+    def _no_answer(self, waited_s: float) -> PolicyServerError:
+        """DEADLINE_EXCEEDED where no server answered in ``waited_s``."""
+        return PolicyServerError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.DEADLINE_EXCEEDED.name,
+                                 f"no answer from {self.target} within {round(waited_s, 3):g} s: the server is down, "
+                                 "unreachable, starting or busy, or the call needs longer")
 
     def close(self) -> None:
         self.channel.close()
@@ -289,10 +291,14 @@ class PolicyClient:
         asking again (unset: the chunk size); ``preview``: every chunk carries the predicted frames
         (``ActionChunk.preview_frames``; their decode counts against the tick's budget). The server admits
         the session only if its ticks at that rate fit beside the others: RESOURCE_EXHAUSTED / OVERLOADED
-        otherwise. A server that answers UNAVAILABLE (warming up, restarting, or the answer lost with its connection)
-        is asked again, after the delay it asks for (WARMING_UP: ``retry_after_ms``), until ``timeout_s``: where the
-        next try would come too late the call raises the server's last answer, UNAVAILABLE / WARMING_UP with its
-        progress and ``retry_after_ms``, at once; DEADLINE_EXCEEDED only where no server answered.
+        otherwise. A server that answers UNAVAILABLE (warming up, restarting, shutting down, or the answer lost with its
+        connection) is asked again, after the delay it asks for (WARMING_UP: ``retry_after_ms``), until ``timeout_s``:
+        a draining server takes no session, but its restart, or another replica behind the same address, may (a
+        draining gRPC server refuses the call before answering, and it waits for a connection, as through a
+        restart). Where the next try would come too late the call raises at once the server's last answer
+        (UNAVAILABLE / WARMING_UP with its progress and ``retry_after_ms``, SHUTTING_DOWN), its message naming the
+        whole wait and whether the server answered after it; DEADLINE_EXCEEDED only where no server answered. Not
+        to wait for a server that is going away, pass a shorter ``timeout_s``.
 
         Every try sends one ``request_id`` (None or empty: a fresh uuid4 hex), so a try whose answer was lost leaves
         no second session: the server answers the session the id opened. Pass the id again to retry a call that failed
@@ -317,27 +323,46 @@ class PolicyClient:
         if actions_per_chunk is not None:
             request.actions_per_chunk = actions_per_chunk
         routing_key = request_id if self.serve_application is not None else None
-        end = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        began = time.monotonic()
         delays = _OPEN_BACKOFF.delays()
-        refused: PolicyServerError | None = None  # the server's last UNAVAILABLE answer
+        answer: PolicyServerError | None = None  # the server's last UNAVAILABLE answer (warming up, shutting down)
+        answered_s = 0.0  # when it came, s into the call
         while True:
             try:
-                opened = self._call(self.stub.OpenSession, request, end - time.monotonic(), routing_key=routing_key)
+                opened = self._call(self.stub.OpenSession, request, began + timeout_s - time.monotonic(),
+                                    routing_key=routing_key)
                 break
             except PolicyServerError as exc:
-                if exc.no_answer and refused is not None:
-                    raise refused from None  # what the server last said (warming up), not that it then said nothing
-                if exc.code != grpc.StatusCode.UNAVAILABLE:
-                    raise
-                wait_s = exc.retry_after_ms / 1e3 or next(delays)
-                if time.monotonic() + wait_s >= end:
-                    raise
-                refused = exc if exc.from_server else refused
-                time.sleep(wait_s)
+                if exc.code != grpc.StatusCode.UNAVAILABLE and not exc.no_answer:
+                    raise  # a refusal, or a failure that asking again would not change
+                if exc.from_server:
+                    answer, answered_s = exc, time.monotonic() - began
+                pause_s = exc.retry_after_ms / 1e3 or next(delays)
+                if exc.no_answer or time.monotonic() + pause_s >= began + timeout_s:
+                    raise self._no_session(timeout_s, exc, answer, answered_s) from None
+                time.sleep(pause_s)
         session = Session.from_proto(opened)
         if routing_key is not None:
             self._routing_keys[session.session_id] = routing_key
         return session
+
+    def _no_session(self, timeout_s: float, last: PolicyServerError, answer: PolicyServerError | None,
+                    answered_s: float) -> PolicyServerError:
+        """What `open_session` raises where its tries opened no session within ``timeout_s``: the server's last answer
+        (``answer``, ``answered_s`` into the call: its code, reason and detail), else the last try's failure, with a
+        message that names the whole wait."""
+        if answer is None:
+            if last.no_answer:
+                return self._no_answer(timeout_s)
+            return PolicyServerError(last.code, last.reason, f"no session from {self.target} within "
+                                                             f"{round(timeout_s, 3):g} s; the last try: {last.message}")
+        message = f"no session from {self.target} within {round(timeout_s, 3):g} s; its last answer"
+        if answer is last:
+            message += f": {answer.message}"
+        else:  # it went away after it (a restart, a crash, a link down)
+            message += f", {answered_s:.1f} s in: {answer.message}; nothing answered after it"
+        return PolicyServerError(answer.code, answer.reason, message, answer.detail)
 
     def reset_session(self, session: Session | str, timeout_s: float | None = None) -> Session:
         session_id = _session_id(session)
