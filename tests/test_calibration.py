@@ -167,7 +167,7 @@ def test_observations_round_trip_and_bad_files_name_what_is_wrong(pipe, observat
         load_observations(path, pipe, served=False)
 
 
-def test_the_calibration_set_rebuilds_the_shipped_file_byte_for_byte(tmp_path, capsys):
+def test_the_calibration_set_rebuilds_the_shipped_file_byte_for_byte(tmp_path):
     """`python -m robots.calibration_set` writes the shipped set's bytes every time, so the digest the shipped profile
     names holds for a rebuild. safetensors writes the metadata's two keys in an order that changes from call to call:
     a rebuild had one of two digests, the shipped one half the time."""

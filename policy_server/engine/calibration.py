@@ -117,16 +117,20 @@ def save_observations(path: Path, observations: Sequence[Observation]) -> None:
     if first.state is not None:
         tensors["state"] = np.stack([o.state for o in observations]).astype(np.float32)
     metadata = {"embodiment": first.embodiment, "instructions": json.dumps([o.instruction for o in observations])}
-    # safetensors writes the metadata's keys in an order of its own that changes from one call to the next (a Rust
-    # HashMap's: safetensors issue 584), so its header is written again with them sorted: the same observations give
-    # the same bytes, and the shipped set the digest its profile names (`observations_source`).
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _save_sorted(path, tensors, metadata)
+
+
+def _save_sorted(path: Path, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> None:
+    """`safetensors.numpy.save_file` with the metadata's keys sorted, so that the same observations give the same
+    bytes (the shipped set the digest its profile names, `observations_source`): safetensors writes them in the order
+    of a Rust HashMap, which changes from one call to the next (safetensors issue 584)."""
     data = save(tensors, metadata=metadata)
     size = int.from_bytes(data[:8], "little")
     header = json.loads(data[8:8 + size])
     header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
     text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
     text += b" " * (-len(text) % 8)  # the format's padding: the tensors start 8-byte aligned
-    path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("wb") as file:
         file.write(len(text).to_bytes(8, "little") + text)
         file.write(memoryview(data)[8 + size:])
