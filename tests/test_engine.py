@@ -579,6 +579,41 @@ def test_a_busy_sessions_calls_are_refused_before_the_server_decodes_their_frame
         server.stop(0.1)
 
 
+def test_a_tick_of_a_session_closed_while_it_queues_or_runs_ends_without_a_chunk(engine):
+    """A closed session's place goes to others at once, so its tick must not keep the worker: a client cycling
+    OpenSession, Act, CloseSession kept a tick queued per cycle on one session's place, and the other sessions'
+    ticks waited behind them all."""
+    session = engine.open_session("pusht", "reach the red circle", rate_hz=0)
+    gate = hold_worker(engine)
+    with ThreadPoolExecutor(1) as pool:
+        queued = _queue_act(pool, engine, session.session_id, 1, _observation())
+        engine.close_session(session.session_id)
+        gate.set()
+        with pytest.raises(api.UnknownSession):
+            queued.result(timeout=60)
+    calls, closing = [], []
+
+    def count(*_):  # each GEN-stack call; the first closes the session in `closing`
+        calls.append(1)
+        if closing and len(calls) == 1:
+            engine.close_session(closing[0])
+
+    hook = engine.served.pipeline.transformer.norm_moe_gen.register_forward_pre_hook(count)
+    try:
+        whole = engine.open_session("pusht", "reach the red circle", rate_hz=0)
+        tick = engine.act(whole.session_id, 1, _observation()).tick  # the 10 s budget: every step runs its calls
+        engine.close_session(whole.session_id)
+        per_step = len(calls) // int(tick.knobs["num_steps"])
+        running = engine.open_session("pusht", "reach the red circle", rate_hz=0)
+        calls.clear()
+        closing.append(running.session_id)
+        with pytest.raises(api.UnknownSession):  # closed during its first step: it stops before the next
+            engine.act(running.session_id, 1, _observation())
+    finally:
+        hook.remove()
+    assert len(calls) == per_step
+
+
 def test_a_tick_whose_caller_left_while_queued_is_withdrawn(engine):
     session = engine.open_session("pusht", "reach the red circle", rate_hz=0)
     gate = hold_worker(engine)

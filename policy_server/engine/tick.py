@@ -80,7 +80,10 @@ class Tick:
 
     def before_step(self, step: int) -> tuple[tuple[str, ...], bool]:
         """The CFG branches of sampler step `step` and whether it is the last; `Aborted` when the tick must stop
-        (the engine shuts down, the caller's deadline passed or it went away)."""
+        (the engine shuts down, the caller's deadline passed or it went away), UnknownSession when its session
+        closed."""
+        if self.session.closed:  # while it ran: the session's place and its share of the worker are others' now
+            raise api.UnknownSession(self.session.session_id)
         if self.request.end.reason() is not None:
             raise Aborted(f"abandoned before step {step}")
         return self._steps.before_step(step)
@@ -107,6 +110,8 @@ class Tick:
         opening = session.opening
         pipeline = served.pipeline
         observation = request.observation
+        if session.closed:  # while it queued (its caller may have taken its place before the close)
+            raise api.UnknownSession(session.session_id)
         served.check_epoch(session, request.epoch)  # at the start: a reset may have come while it queued
         if (reason := request.end.reason()) is not None:
             raise reason
