@@ -4,6 +4,7 @@ budget planning, cancellation, and the reasoner."""
 import logging
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
@@ -138,6 +139,33 @@ def test_a_tick_running_when_its_session_is_reset_answers_stale_epoch(engine):
                           engine.act(fresh.session_id, 1, _observation(3)).actions)
     for s in (session, fresh):
         engine.close_session(s.session_id)
+
+
+def test_a_tick_ending_after_a_reset_teaches_the_finished_episode_not_the_new_one(engine, monkeypatch):
+    """A reset that comes while a tick decodes its predicted frames, after its last epoch check: the tick is answered,
+    and the full calls its gate wanted go to the finished episode's history, not into the new episode's (which the
+    reset had just emptied, and whose ticks were then planned on the old episode's counts)."""
+    uncached_ms = engine.info().warmup_profile[0].p50_ms
+    session = engine.open_session("pusht", "reach the red circle", budget_ms=0.5 * uncached_ms, rate_hz=0,
+                                  preview=True)
+    decode = engine.served.pipeline.decode_video
+
+    def reset_then_decode(latents):
+        monkeypatch.setattr(engine.served.pipeline, "decode_video", decode)
+        engine.reset_session(session.session_id)
+        return decode(latents)
+
+    monkeypatch.setattr(engine.served.pipeline, "decode_video", reset_then_decode)
+    ran = engine.act(session.session_id, 1, _observation()).tick
+    assert ran.setting != "none"  # planned with caching: the count it wanted is learned
+
+    def learned(tick) -> Counter:
+        structure = (engine.served.num_steps, int(tick.knobs["cfg_steps"]))
+        return engine.sessions.get(session.session_id).history.tally(tick.setting, structure)
+
+    assert learned(ran) == Counter()
+    assert learned(engine.act(session.session_id, 2, _observation(1)).tick)  # the new episode's own tick teaches it
+    engine.close_session(session.session_id)
 
 
 def test_a_budget_changed_while_a_tick_runs_is_the_next_ticks_and_that_tick_records_the_one_it_ran_on(engine):

@@ -49,7 +49,7 @@ class SessionState:
     in_flight: its tick queued or running, if any (a session has at most one).
     prompt: the text K/V of the current instruction, reused while it does not change.
     graphed_instruction: the instruction whose CUDA graphs were captured for its ticks (`pipeline/cuda_graphs.py`).
-    history: full-call counts of the previous ticks per cache setting, for the budget planner.
+    history: full-call counts of the episode's previous ticks per cache setting, for the budget planner.
     last_used_s: when a call last named it (``time.monotonic()`` s).
     attached: a Control stream holds it (one at a time); dynamics: its forward / inverse dynamics calls running.
     closed: it left the table (closed by its client or for being idle): a tick of it queued or running then ends.
@@ -180,9 +180,9 @@ class SessionTable:
         return idle
 
     def reset(self, session_id: str) -> SessionState:
-        """Start a new episode: epoch + 1, tick count and learned history cleared (the instruction's K/V stay)."""
+        """Start a new episode: epoch + 1, tick count and learned history new (the instruction's K/V stay)."""
         session = self.get(session_id)
         session.epoch += 1
         session.ticks = 0
-        session.history.clear()
+        session.history = SessionHistory()  # not cleared: a tick still running teaches the one it was planned on
         return session

@@ -74,6 +74,9 @@ class Tick:
     def __init__(self, served: ServedModel, session: SessionState, request: TickRequest, batch_size: int):
         self.served, self.session, self.request = served, session, request
         self._batch_size = batch_size
+        # Its episode's, taken before the tick checks its epoch: a reset gives the session a new one, which a tick
+        # that passed its last check before the reset (and then learns) must not teach.
+        self._history = session.history
         self._steps: GuardedSteps | FixedSteps | None = None
 
     # ------------------------------------------------------------------ the pipeline's collaborator
@@ -177,7 +180,7 @@ class Tick:
         # A slot that holds the uncached tick is no cap: rounding must not turn caching on.
         cap_ms = slot_ms if slot_ms < session.demand.ceiling_ms else left_ms
         plan = served.budget.plan(key, max(min(left_ms, cap_ms), 1e-3), served.num_steps, served.passes,
-                                  session.history, prefill=prefill, preview=session.opening.preview,
+                                  self._history, prefill=prefill, preview=session.opening.preview,
                                   frontier=served.frontier(session.opening.embodiment))
         order = served.settings.residual_order if plan.residual_order is None else plan.residual_order
         config = SeaCacheConfig(threshold=plan.thresholds, residual_order=order, max_consecutive_cached=plan.cap)
@@ -191,7 +194,7 @@ class Tick:
         alone = self._batch_size == 1
         if isinstance(self._steps, GuardedSteps):
             stages = {k: v for k, v in stage_ms.items() if k != "queue"}
-            self.served.budget.learn(key, self._steps, self.session.history, stages, learn_costs=alone,
+            self.served.budget.learn(key, self._steps, self._history, stages, learn_costs=alone,
                                      prefilled=prefilled)
         elif alone:
             observe_output(self.served.cost_model, key, out, stage_ms, prefilled)
