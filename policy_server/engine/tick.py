@@ -74,8 +74,8 @@ class Tick:
     def __init__(self, served: ServedModel, session: SessionState, request: TickRequest, batch_size: int):
         self.served, self.session, self.request = served, session, request
         self._batch_size = batch_size
-        # Its episode's, taken before the tick checks its epoch: a reset gives the session a new one, which a tick
-        # that passed its last check before the reset (and then learns) must not teach.
+        # The history of the episode it runs in, taken before its first epoch check: a reset gives the session a new
+        # one, which a tick answered across the reset (it passed its last check first) must not teach.
         self._history = session.history
         self._steps: GuardedSteps | FixedSteps | None = None
 
@@ -113,7 +113,7 @@ class Tick:
         opening = session.opening
         pipeline = served.pipeline
         observation = request.observation
-        if session.closed:  # while it queued (its caller may have taken its place before the close)
+        if session.closed:  # while it queued, or as its caller reserved it
             raise api.UnknownSession(session.session_id)
         served.check_epoch(session, request.epoch)  # at the start: a reset may have come while it queued
         if (reason := request.end.reason()) is not None:
