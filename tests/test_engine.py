@@ -4,6 +4,7 @@ budget planning, cancellation, and the reasoner."""
 import logging
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
@@ -138,6 +139,33 @@ def test_a_tick_running_when_its_session_is_reset_answers_stale_epoch(engine):
                           engine.act(fresh.session_id, 1, _observation(3)).actions)
     for s in (session, fresh):
         engine.close_session(s.session_id)
+
+
+def test_a_tick_ending_after_a_reset_teaches_the_finished_episode_not_the_new_one(engine, monkeypatch):
+    """A reset that comes while a tick decodes its predicted frames, after its last epoch check: the tick is answered,
+    and the full calls its gate wanted go to the finished episode's history, not into the new episode's (which the
+    reset had just emptied, and whose ticks were then planned on the old episode's counts)."""
+    uncached_ms = engine.info().warmup_profile[0].p50_ms
+    session = engine.open_session("pusht", "reach the red circle", budget_ms=0.5 * uncached_ms, rate_hz=0,
+                                  preview=True)
+    decode = engine.served.pipeline.decode_video
+
+    def reset_then_decode(latents):
+        monkeypatch.setattr(engine.served.pipeline, "decode_video", decode)
+        engine.reset_session(session.session_id)
+        return decode(latents)
+
+    monkeypatch.setattr(engine.served.pipeline, "decode_video", reset_then_decode)
+    ran = engine.act(session.session_id, 1, _observation()).tick
+    assert ran.setting != "none"  # planned with caching: the count it wanted is learned
+
+    def learned(tick) -> Counter:
+        structure = (engine.served.num_steps, int(tick.knobs["cfg_steps"]))
+        return engine.sessions.get(session.session_id).history.tally(tick.setting, structure)
+
+    assert learned(ran) == Counter()
+    assert learned(engine.act(session.session_id, 2, _observation(1)).tick)  # the new episode's own tick teaches it
+    engine.close_session(session.session_id)
 
 
 def test_a_budget_changed_while_a_tick_runs_is_the_next_ticks_and_that_tick_records_the_one_it_ran_on(engine):
@@ -577,6 +605,41 @@ def test_a_busy_sessions_calls_are_refused_before_the_server_decodes_their_frame
         client.close_session(session)
         client.close()
         server.stop(0.1)
+
+
+def test_a_tick_of_a_session_closed_while_it_queues_or_runs_ends_without_a_chunk(engine):
+    """A closed session's place goes to others at once, so its tick must not keep the worker: a client cycling
+    OpenSession, Act, CloseSession kept a tick queued per cycle on one session's place, and the other sessions'
+    ticks waited behind them all."""
+    session = engine.open_session("pusht", "reach the red circle", rate_hz=0)
+    gate = hold_worker(engine)
+    with ThreadPoolExecutor(1) as pool:
+        queued = _queue_act(pool, engine, session.session_id, 1, _observation())
+        engine.close_session(session.session_id)
+        gate.set()
+        with pytest.raises(api.UnknownSession):
+            queued.result(timeout=60)
+    calls, closing = [], []
+
+    def count(*_):  # each GEN-stack call; the first closes the session in `closing`
+        calls.append(1)
+        if closing and len(calls) == 1:
+            engine.close_session(closing[0])
+
+    hook = engine.served.pipeline.transformer.norm_moe_gen.register_forward_pre_hook(count)
+    try:
+        whole = engine.open_session("pusht", "reach the red circle", rate_hz=0)
+        tick = engine.act(whole.session_id, 1, _observation()).tick  # the 10 s budget: every step runs its calls
+        engine.close_session(whole.session_id)
+        per_step = len(calls) // int(tick.knobs["num_steps"])
+        running = engine.open_session("pusht", "reach the red circle", rate_hz=0)
+        calls.clear()
+        closing.append(running.session_id)
+        with pytest.raises(api.UnknownSession):  # closed during its first step: it stops before the next
+            engine.act(running.session_id, 1, _observation())
+    finally:
+        hook.remove()
+    assert len(calls) == per_step
 
 
 def test_a_tick_whose_caller_left_while_queued_is_withdrawn(engine):

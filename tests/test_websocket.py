@@ -325,6 +325,27 @@ def test_a_client_gone_right_after_its_observation_is_no_internal_error(server, 
     assert internal_errors() == before
 
 
+def test_a_client_gone_while_its_tick_waits_ends_the_tick_and_frees_its_place(server, engine):
+    """The connection's thread waits on the engine while its tick queues and runs; a client that closes meanwhile (a
+    robot's script restarted) ends the tick, so that its session closes then, not after a tick computed for nobody,
+    whose session kept the place the reconnecting client needs."""
+    aborted, sessions = engine.aborted, engine.stats().sessions
+    engine.hold()
+    try:
+        ws = websockets.sync.client.connect(f"ws://127.0.0.1:{server.websocket_port}", compression=None)
+        ws.recv(timeout=10)
+        ws.send(msgpack_numpy.packb(openpi_observation()))
+        engine.wait_entered()
+        ws.close()
+        for _ in range(500):
+            if engine.stats().sessions == sessions:
+                break
+            time.sleep(0.01)
+        assert (engine.aborted, engine.stats().sessions) == (aborted + 1, sessions)
+    finally:
+        engine.release()
+
+
 def test_reset_starts_a_new_episode(server):
     with websockets.sync.client.connect(f"ws://127.0.0.1:{server.websocket_port}", compression=None) as ws:
         msgpack_numpy.unpackb(ws.recv())

@@ -193,6 +193,62 @@ def test_end_queued_fails_a_queued_tick_whose_caller_went_away_and_nothing_else(
     assert "tick 3" not in log.events
 
 
+class _CloseFirst:
+    """A worker's condition through which the first acquisition by thread `caller` waits until `close()` has run on
+    another thread: the interleaving where a caller's `end_queued` meets a `close` that takes the queues."""
+
+    def __init__(self, real: threading.Condition, caller: threading.Thread, close) -> None:
+        self._real, self._caller, self._close, self._closed = real, caller, close, False
+
+    def __enter__(self):
+        if threading.current_thread() is self._caller and not self._closed:
+            self._closed = True
+            closer = threading.Thread(target=self._close)
+            closer.start()
+            closer.join()
+        return self._real.__enter__()
+
+    def __exit__(self, *exc):
+        return self._real.__exit__(*exc)
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+def test_a_caller_ending_its_queued_tick_as_close_takes_the_queue_fails_it_once():
+    """engine.close() gives every waiting caller a reason to end (`closing`) just before the worker's close() fails
+    what is queued: a caller's end_queued that met that close() failed the tick a second time (InvalidStateError,
+    INTERNAL to its client), or took it out of the list close() was failing, which then skipped the next tick."""
+    log, gate = _Log(), threading.Event()
+    worker = _worker(log)
+    worker.submit(GeneratorJob(_steps(log, "hold", 1, gate), lambda error: None))
+    while worker._jobs:
+        time.sleep(0.001)
+    ticks = [TickJob(session=object(), shape="s", payload=i) for i in range(2)]
+    for tick in ticks:
+        worker.submit(tick)
+    closing = threading.Event()
+    closing.set()
+    errors: list[BaseException] = []
+
+    def end_queued():
+        try:
+            worker.end_queued(ticks[0], CallEnd(closing, None, None, late=""))
+        except BaseException as error:  # noqa: BLE001 - what the caller would have got
+            errors.append(error)
+
+    caller = threading.Thread(target=end_queued)
+    worker._changed = _CloseFirst(worker._changed, caller, lambda: worker.close(timeout_s=0.05))
+    caller.start()
+    caller.join(timeout=10)
+    gate.set()
+    assert errors == []
+    for tick in ticks:
+        with pytest.raises(api.ShuttingDown):
+            tick.result.result(timeout=0)
+    assert not [event for event in log.events if event.startswith("tick")]
+
+
 def test_a_job_whose_call_ended_is_not_stepped_again():
     """Alone on the worker, a job never waits in the queue where its caller could end it: the worker checks."""
     log, gate, started, gone = _Log(), threading.Event(), threading.Event(), threading.Event()

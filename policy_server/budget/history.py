@@ -36,7 +36,3 @@ class SessionHistory:
     def tally(self, setting: str, structure: Structure) -> Counter[int]:
         """How many of the recent ticks wanted each count (empty if never observed)."""
         return Counter(self._counts.get((setting, structure), ()))
-
-    def clear(self) -> None:
-        """Forget everything (new episode, new instruction)."""
-        self._counts.clear()

@@ -49,9 +49,10 @@ class SessionState:
     in_flight: its tick queued or running, if any (a session has at most one).
     prompt: the text K/V of the current instruction, reused while it does not change.
     graphed_instruction: the instruction whose CUDA graphs were captured for its ticks (`pipeline/cuda_graphs.py`).
-    history: full-call counts of the previous ticks per cache setting, for the budget planner.
+    history: full-call counts of the episode's previous ticks per cache setting, for the budget planner.
     last_used_s: when a call last named it (``time.monotonic()`` s).
     attached: a Control stream holds it (one at a time); dynamics: its forward / inverse dynamics calls running.
+    closed: it left the table (closed by its client or for being idle): a tick of it queued or running then ends.
     opening: what it was opened with (``embodiment``, ``chunk_size``, ``seed``, ``preview``: its ticks decode and return
     the predicted frames; ``client_name``: who opened it, for logs); of those, only its instruction and budget change,
     held here (``instruction``, ``budget_ms``).
@@ -75,6 +76,7 @@ class SessionState:
     last_used_s: float = field(default_factory=time.monotonic)
     attached: bool = False
     dynamics: int = 0
+    closed: bool = False
 
     def ticking(self) -> bool:
         """A tick of it is queued or running."""
@@ -163,8 +165,10 @@ class SessionTable:
 
     def close(self, session_id: str) -> None:
         with self._lock:
-            if self._sessions.pop(session_id, None) is None:
+            session = self._sessions.pop(session_id, None)
+            if session is None:
                 raise UnknownSession(session_id)
+            session.closed = True
 
     def close_idle(self, now_s: float, idle_s: float) -> list[SessionState]:
         """Close the sessions idle for ``idle_s`` (``SessionState.idle``) and return them."""
@@ -172,12 +176,13 @@ class SessionTable:
             idle = [session for session in self._sessions.values() if session.idle(now_s, idle_s)]
             for session in idle:
                 del self._sessions[session.session_id]
+                session.closed = True
         return idle
 
     def reset(self, session_id: str) -> SessionState:
-        """Start a new episode: epoch + 1, tick count and learned history cleared (the instruction's K/V stay)."""
+        """Start a new episode: epoch + 1, tick count and learned history new (the instruction's K/V stay)."""
         session = self.get(session_id)
         session.epoch += 1
         session.ticks = 0
-        session.history.clear()
+        session.history = SessionHistory()  # not cleared: a tick still running teaches the one it was planned on
         return session

@@ -74,13 +74,19 @@ class Tick:
     def __init__(self, served: ServedModel, session: SessionState, request: TickRequest, batch_size: int):
         self.served, self.session, self.request = served, session, request
         self._batch_size = batch_size
+        # The history of the episode it runs in, taken before its first epoch check: a reset gives the session a new
+        # one, which a tick answered across the reset (it passed its last check first) must not teach.
+        self._history = session.history
         self._steps: GuardedSteps | FixedSteps | None = None
 
     # ------------------------------------------------------------------ the pipeline's collaborator
 
     def before_step(self, step: int) -> tuple[tuple[str, ...], bool]:
         """The CFG branches of sampler step `step` and whether it is the last; `Aborted` when the tick must stop
-        (the engine shuts down, the caller's deadline passed or it went away)."""
+        (the engine shuts down, the caller's deadline passed or it went away), UnknownSession when its session
+        closed."""
+        if self.session.closed:  # while it ran: the session's place and its share of the worker are others' now
+            raise api.UnknownSession(self.session.session_id)
         if self.request.end.reason() is not None:
             raise Aborted(f"abandoned before step {step}")
         return self._steps.before_step(step)
@@ -107,6 +113,8 @@ class Tick:
         opening = session.opening
         pipeline = served.pipeline
         observation = request.observation
+        if session.closed:  # while it queued, or as its caller reserved it
+            raise api.UnknownSession(session.session_id)
         served.check_epoch(session, request.epoch)  # at the start: a reset may have come while it queued
         if (reason := request.end.reason()) is not None:
             raise reason
@@ -172,7 +180,7 @@ class Tick:
         # A slot that holds the uncached tick is no cap: rounding must not turn caching on.
         cap_ms = slot_ms if slot_ms < session.demand.ceiling_ms else left_ms
         plan = served.budget.plan(key, max(min(left_ms, cap_ms), 1e-3), served.num_steps, served.passes,
-                                  session.history, prefill=prefill, preview=session.opening.preview,
+                                  self._history, prefill=prefill, preview=session.opening.preview,
                                   frontier=served.frontier(session.opening.embodiment))
         order = served.settings.residual_order if plan.residual_order is None else plan.residual_order
         config = SeaCacheConfig(threshold=plan.thresholds, residual_order=order, max_consecutive_cached=plan.cap)
@@ -186,7 +194,7 @@ class Tick:
         alone = self._batch_size == 1
         if isinstance(self._steps, GuardedSteps):
             stages = {k: v for k, v in stage_ms.items() if k != "queue"}
-            self.served.budget.learn(key, self._steps, self.session.history, stages, learn_costs=alone,
+            self.served.budget.learn(key, self._steps, self._history, stages, learn_costs=alone,
                                      prefilled=prefilled)
         elif alone:
             observe_output(self.served.cost_model, key, out, stage_ms, prefilled)

@@ -122,8 +122,8 @@ class ModelWorker:
         checks a job's before each step)."""
         if (reason := end.reason()) is None:
             return
-        queued = self._ticks if isinstance(job, TickJob) else self._jobs
-        with self._changed:
+        with self._changed:  # the queues as they are now: `close` may have taken them (and failed the job) already
+            queued = self._ticks if isinstance(job, TickJob) else self._jobs
             if job not in queued:
                 return
             queued.remove(job)

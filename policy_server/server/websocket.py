@@ -28,7 +28,8 @@ their handshake for the ``BARRED_S`` (8 s) a burst takes to refill. Connections 
 ``max_sessions + 4`` are closed at once with 1013 (try again later), and TCP connections beyond twice that plus 8,
 those still in their handshake counted, are closed before it; one that sends nothing for
 ``session_idle_timeout_s`` is closed with 1001 (going away), so that it frees its place; its session lives as long
-as the connection. On shutdown the port refuses new connections at once (openpi's client retries a refused
+as the connection, and a client that closes while its observation is served ends that tick (as a gRPC caller that
+goes away does). On shutdown the port refuses new connections at once (openpi's client retries a refused
 connection) and those still in their handshake are closed; a connection answers the observation it is serving, then
 is closed with 1001; one that arrives meanwhile is answered ``SHUTTING_DOWN``.
 """
@@ -50,6 +51,7 @@ from urllib.parse import parse_qs, urlsplit
 import msgpack
 import numpy as np
 from websockets.exceptions import ConnectionClosed
+from websockets.protocol import State
 from websockets.sync.server import Server, ServerConnection, serve
 
 from policy_server.engine.api import (
@@ -573,7 +575,10 @@ class OpenpiWebsocketServer:
                 state.session = self._engine.open_session(state.spec.name, observation.instruction, rate_hz=0.0,
                                                           client_name=f"openpi client at {host}:{port}")
                 attached.enter_context(self._engine.attach(state.session.session_id))
-            result = self._engine.act(state.session.session_id, state.session.epoch, observation)
+            # A client gone meanwhile (websockets' reader sees its close) ends the tick: its session, whose place a
+            # reconnecting client needs, closes only once this returns.
+            result = self._engine.act(state.session.session_id, state.session.epoch, observation,
+                                      should_abort=lambda: connection.state is not State.OPEN)
         except Exception as exc:  # noqa: BLE001 - answered as a text frame
             error = from_exception(_as_openpi_field(exc))
             self._metrics.observe_error(error.reason)
