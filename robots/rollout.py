@@ -15,7 +15,7 @@ writes MP4s (H.264, browser-playable) of the first N episodes with the predicted
 preview frames, from a server or in-process) beside the real ones. An episode whose session the server lost (restarted
 or redeployed) runs again from its seed once the server serves (`restarted_episodes`). Ctrl-C or the server's error
 part way still writes the report, of the episodes that had ended (`stopped_by`, `unfinished_seeds`); with `--ray`,
-every worker's, as when a worker's process dies (exit 2).
+every worker's, as when a worker fails (building its policy included) or its process dies (exit 2).
 
 `--ray N` spreads the episodes over N Ray workers (`robots/ray_rollout.py`), each with its own in-process engine
 (on `--device`, with `--ray-gpus-per-worker` GPUs) or its own client of `--server` (a policy-server, or with

@@ -6,10 +6,12 @@ this process was started in (Ray listens on every interface).
 It brings `lo` up, starts Ray (2 CPUs) and prints one JSON line of what it saw:
 - `refused`: `run_on_ray` whose worker 1 is refused at the third tick of seed index 3: [cause, ended episodes];
 - `killed`: the same, the worker's process killed there (SIGKILL, as the OOM killer): [cause, ended episodes];
+- `unbuilt`: `run_on_ray` whose one worker of two cannot build its policy (a client whose token file is missing
+  there, as on a node without it), the other running its episodes: [cause, ended episodes];
 - `execute`: `python -m robots.rollout --ray 1 --execute 9` against a fake server: [exit code, stderr];
-- `ctrl_c`: `python -m robots.rollout --ray 2 --episodes 4` against a fake server whose ticks of seed indices 1 and 3
-  (each worker's second episode) are slow, given SIGINT once both have ticked: [exit code, stderr, sessions left
-  open on the server]; its report is OUTDIR/ctrl_c.json.
+- `ctrl_c`: `python -m robots.rollout --ray 2 --episodes 4` against a fake server whose ticks of seed index 1 (worker
+  0's second episode) are slow and whose tick of seed index 3 (worker 1's second) does not return, given SIGINT once
+  both have ticked: [exit code, stderr, sessions left open on the server]; its report is OUTDIR/ctrl_c.json.
 The rollouts join this Ray session (RAY_ADDRESS).
 """
 
@@ -33,22 +35,27 @@ from robots.envs import HELDOUT_SEED_OFFSET, REACH_ID
 PORT = 52080  # in the namespace: nothing else listens there
 
 
-class SlowSeedsEngine(FakeEngine):
-    """Each tick of a session on one of `seeds` takes `SLOW_S` more; `reached` is set once all have ticked."""
+class SlowAndStuckEngine(FakeEngine):
+    """Each tick of a session on seed `slow` takes `SLOW_S` more; a tick on seed `stuck` is held until `release` is
+    set (a call that does not return, as to a server that stopped answering); `reached` is set once both have ticked."""
 
-    SLOW_S = 0.5
+    SLOW_S, STUCK_S = 0.5, 180.0
 
-    def __init__(self, seeds: set[int]):
+    def __init__(self, slow: int, stuck: int):
         super().__init__()
-        self.seeds, self.ticked, self.reached = seeds, set(), threading.Event()
+        self.slow, self.stuck = slow, stuck
+        self.ticked, self.reached, self.release = set(), threading.Event(), threading.Event()
 
     def act(self, session_id, *args, **kwargs):
         seed = self.session(session_id).seed
-        if seed in self.seeds:
+        if seed in (self.slow, self.stuck):
             self.ticked.add(seed)
-            if self.ticked == self.seeds:
+            if len(self.ticked) == 2:
                 self.reached.set()
-            time.sleep(self.SLOW_S)
+            if seed == self.slow:
+                time.sleep(self.SLOW_S)
+            else:
+                self.release.wait(self.STUCK_S)
         return super().act(session_id, *args, **kwargs)
 
 
@@ -57,6 +64,20 @@ def rollout(*flags: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                             # SIGINT's default action, as under a terminal
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+
+def seeker_in_one_process(marker: Path, token_file: Path):
+    """A scripted policy in the first process to call this (the one that creates `marker`); in any other, a client
+    with `token_file`, which fails to read it."""
+    from test_rollout import SeekerPolicy
+
+    from robots.rollout import ServerPolicy
+
+    try:
+        marker.touch(exist_ok=False)
+    except FileExistsError:
+        return ServerPolicy(f"127.0.0.1:{PORT}", None, token_file, None, {})
+    return SeekerPolicy()
 
 
 def stopped_run(policy) -> list:
@@ -81,17 +102,24 @@ def main(out: Path) -> None:
     os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
     seen = {"refused": stopped_run(functools.partial(FailingPolicy, 3, REFUSED)),
             "killed": stopped_run(functools.partial(KilledPolicy, 3))}
+    seen["unbuilt"] = stopped_run(functools.partial(seeker_in_one_process, out / "built", out / "missing_token"))
     with serve_fake(FakeEngine(), port=PORT):
         done = rollout("--ray", "1", "--execute", "9", "--episodes", "1", "--out", str(out / "execute.json"))
         error = done.communicate(timeout=120)[1]
         seen["execute"] = [done.returncode, error]
-    engine = SlowSeedsEngine({HELDOUT_SEED_OFFSET + 1, HELDOUT_SEED_OFFSET + 3})
+    engine = SlowAndStuckEngine(slow=HELDOUT_SEED_OFFSET + 1, stuck=HELDOUT_SEED_OFFSET + 3)
     with serve_fake(engine, port=PORT):
-        interrupted = rollout("--ray", "2", "--episodes", "4", "--out", str(out / "ctrl_c.json"))
-        engine.reached.wait(120)
-        os.killpg(interrupted.pid, signal.SIGINT)
-        _, error = interrupted.communicate(timeout=120)
-        seen["ctrl_c"] = [interrupted.returncode, error, engine.stats().sessions]
+        try:
+            interrupted = rollout("--ray", "2", "--episodes", "4", "--out", str(out / "ctrl_c.json"))
+            engine.reached.wait(120)
+            # Their first episodes, ended a tick before, reach the driver (a cancelled task's episodes not taken by
+            # then are dropped); worker 0's second lasts 20 ticks of 0.5 s.
+            time.sleep(1)
+            os.killpg(interrupted.pid, signal.SIGINT)
+            _, error = interrupted.communicate(timeout=120)
+            seen["ctrl_c"] = [interrupted.returncode, error, engine.stats().sessions]
+        finally:
+            engine.release.set()
     ray.shutdown()
     print(json.dumps(seen))
 
