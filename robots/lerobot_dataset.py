@@ -20,8 +20,9 @@ timestamp``. The reader takes a dataset recorded with LeRobot too: any state and
 ``observation.images.<camera>`` feature (their frames put side by side, in the order info.json lists them, as
 the server's conditioning does), stored as video or as images (dtype "image": each frame's PNG bytes in its data
 row), and no seed/target_color/success columns. LeRobot pairs every frame with an action,
-so an episode of T actions is T+1 rows: the last row, the final observation, has a zero action (the effector holds
-still), which reading drops again. As LeRobot's writer does, an episode starts the next data file once the current
+so an episode of T actions is T+1 rows: the last row, the final observation, carries the action that holds the robot
+there (this task's zero velocity; a recorded arm's last target), which reading keeps apart, the episode's
+``hold_action``. As LeRobot's writer does, an episode starts the next data file once the current
 one holds 100 MB of rows, and the next video once it holds 200 MB (some 35 000 episodes of this task); 1000 files
 make a chunk.
 
@@ -190,7 +191,7 @@ class LeRobotWriter:
         task_index = self.tasks.setdefault(episode.instruction, len(self.tasks))
         columns = {
             STATE_KEY: episode.states.astype(np.float32),
-            ACTION_KEY: np.concatenate([episode.actions, np.zeros_like(episode.actions[:1])]).astype(np.float32),
+            ACTION_KEY: np.concatenate([episode.actions, episode.hold_action[None]]).astype(np.float32),
             "timestamp": (np.arange(length) / self.fps).astype(np.float32),
             "frame_index": np.arange(length),
             "episode_index": np.full(length, index),
@@ -443,10 +444,12 @@ class LeRobotDemoDataset:
         if len({frames.shape[0] for frames in cameras}) > 1:
             raise DatasetError(f"episode {index}: its cameras {self.cameras} decode to "
                                f"{[len(f) for f in cameras]} frames; expected {row['length']} each")
+        actions = self._vectors(rows, ACTION_KEY)
         return Episode(
             frames=side_by_side(cameras),
             states=self._vectors(rows, STATE_KEY),
-            actions=self._vectors(rows, ACTION_KEY)[:-1],  # the final observation's hold action
+            actions=actions[:-1],
+            hold_action=actions[-1],  # the final observation's
             instruction=row["tasks"][0],
             seed=row.get("seed"),
             target_color=row.get("target_color"),

@@ -91,6 +91,15 @@ class TrainingWindows:
     canvas_hw: tuple[int, int]  # the canvas the frames went on (the prompt names it)
 
 
+def demonstration_stats(episodes: list[Episode]) -> dict:
+    """The min-max (and other) statistics of the episodes' actions and states, which normalise them: of every action
+    trained on, the hold actions that pad the episodes' last ticks too, so that every one maps into [-1, 1]."""
+    return {
+        "action": array_stats(np.concatenate([np.concatenate([e.actions, e.hold_action[None]]) for e in episodes])),
+        "state": array_stats(np.concatenate([e.states for e in episodes])),
+    }
+
+
 def collect_windows(episodes: list[Episode], vae: SmallVideoVAE, chunk: int, action_dim: int, stats: dict,
                     stride: int, policy: PolicyConfig, batch: int = 64) -> TrainingWindows:
     """Cut every episode into ticks (every `stride` steps) and VAE-encode their K+1-frame clips, put on the canvas
@@ -106,8 +115,8 @@ def collect_windows(episodes: list[Episode], vae: SmallVideoVAE, chunk: int, act
         for t in range(0, steps, stride):
             frame_idx = np.minimum(np.arange(t, t + chunk + 1), steps)
             clips.append(episode.frames[frame_idx])
-            # After the episode ends the effector holds still: zero velocity.
-            acts = np.zeros((chunk, episode.actions.shape[1]), np.float64)
+            # After the episode ends the robot holds still, on its hold action.
+            acts = np.tile(episode.hold_action.astype(np.float64), (chunk, 1))
             valid = episode.actions[t: t + chunk]
             acts[: len(valid)] = valid
             acts = action_norm.normalize(acts)
@@ -322,10 +331,7 @@ def train(
     for dataset, episodes in zip(datasets, by_dataset, strict=True):
         check_episodes_fit(dataset, episodes, trained, policy.canvas_hw)
     episodes = [episode for episodes in by_dataset for episode in episodes]
-    stats = {
-        "action": array_stats(np.concatenate([e.actions for e in episodes])),
-        "state": array_stats(np.concatenate([e.states for e in episodes])),
-    }
+    stats = demonstration_stats(episodes)
     windows = collect_windows(episodes, vae, chunk, config.action_dim, stats, stride, policy)
     n = windows.latents.shape[0]
 

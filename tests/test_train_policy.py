@@ -10,14 +10,17 @@ import pytest
 import torch
 
 from policy_server.model import load_transformer
+from policy_server.model.vae import SmallVideoVAE
 from policy_server.pipeline.embodiments import Embodiment
+from policy_server.pipeline.normalization import make_normalizer, parse_stats
 from policy_server.pipeline.policy import PolicyPipeline, PolicyRequest, default_model_path
+from robots import embedded
 from robots.datagen import generate
-from robots.dataset import DatasetError
+from robots.dataset import DatasetError, Episode
 from robots.embedded import build_random_pipeline
 from robots.envs import REACH_EITHER_ID
 from robots.lerobot_dataset import LeRobotDemoDataset
-from robots.train_policy import check_fits_embodiment, main, train
+from robots.train_policy import check_fits_embodiment, collect_windows, demonstration_stats, main, train
 
 
 def test_train_a_few_steps_and_serve_the_result(tmp_path):
@@ -40,6 +43,27 @@ def test_train_a_few_steps_and_serve_the_result(tmp_path):
                                 instruction="reach the red circle", embodiment="pusht",
                                 state=np.array([0.2, 0.2], np.float32), num_steps=2))
     assert result.actions.shape == (8, 2) and np.all(np.isfinite(result.actions))
+
+
+def test_the_actions_past_an_episodes_end_are_its_hold_action():
+    """A position-controlled arm's actions are joint targets, here 0.5 to 1.5 rad, and a gripper that never moved
+    (0.7). The rows past an episode's end were zero: min-max normalised -3 and -7e7 (the gripper's range is 0), a
+    loss of 1e15 that taught the arm to send its joints to 0 as an episode ends. They are the episode's hold action
+    (a LeRobot dataset's final row: the last target, which keeps the arm where it ended), and every action trained
+    on maps into [-1, 1]."""
+    rng = np.random.default_rng(0)
+    actions = np.column_stack([rng.uniform(0.5, 1.5, 3), np.full(3, 0.7)]).astype(np.float32)
+    hold = np.array([1.6, 0.7], np.float32)  # beyond the actions' range: the stats take it in
+    episode = Episode(frames=rng.integers(0, 256, (4, 64, 64, 3), dtype=np.uint8), states=rng.uniform(0, 1, (4, 3)),
+                      actions=actions, hold_action=hold, instruction="stack the cups", seed=None, target_color=None,
+                      success=None)
+    stats = demonstration_stats([episode])
+    vae = SmallVideoVAE.from_pretrained(default_model_path() / "vae")
+    windows = collect_windows([episode], vae, 4, 16, stats, 1, embedded.policy_config())
+    assert windows.actions.shape == (3, 4, 16) and windows.actions.abs().max() <= 1
+    normalize = make_normalizer("minmax", parse_stats(stats)["action"], 2).normalize
+    expected = normalize(np.stack([actions[2], hold, hold, hold]).astype(np.float64))  # as training normalises
+    np.testing.assert_array_equal(windows.actions[2, :, :2], expected.astype(np.float32))
 
 
 def test_pipeline_folder_is_a_diffusers_layout_root(tmp_path):
@@ -333,7 +357,7 @@ def test_a_lerobot_v21_dataset_reads_and_trains_as_its_v3_equivalent(tmp_path):
         (v3.cameras, v3.fps, v3.robot_type, v3.dims, v3.action_names, v3.entries)
     for a, b in zip(v3, v21, strict=True):
         assert a.instruction == b.instruction == "stack the cups" and b.frames.shape == (5, 32, 80, 3)
-        for field in ("frames", "states", "actions"):
+        for field in ("frames", "states", "actions", "hold_action"):
             np.testing.assert_array_equal(getattr(a, field), getattr(b, field))
 
     out = tmp_path / "out"
