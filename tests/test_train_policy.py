@@ -158,12 +158,13 @@ def test_cli_refuses_demonstrations_recorded_at_another_rate(tmp_path, capsys):
         "name another embodiment (--embodiment) to train one of this layout" in err.splitlines()[-1]
 
 
-def _arm_dataset(folder, state_dim=3, action_dim=5, fps=15, version="v3.0", images=(), wrist=(16, 24)):
-    """A tiny LeRobot dataset as LeRobot records another robot: two episodes of 5 frames, two cameras of unequal size
-    (scene 32x32, wrist `wrist`: 16x24), `state_dim`-D state, `action_dim`-D action, `fps`; none of robots.datagen's
-    own columns. `version` "v3.0" (one data file, one video a camera) or "v2.1" (meta/episodes.jsonl, a data file per
-    episode, a video per episode and camera); the cameras in `images` are stored as PNG bytes in the rows (dtype
-    "image"), not as videos. Every layout holds the same frames, states and actions."""
+def _arm_dataset(folder, state_dim=3, action_dim=5, fps=15, version="v3.0", images=(), wrist=(16, 24), episodes=2,
+                 length=5, scene=(32, 32)):
+    """A tiny LeRobot dataset as LeRobot records another robot: `episodes` (2) episodes of `length` (5) frames, two
+    cameras of unequal size (scene `scene`: 32x32, wrist `wrist`: 16x24), `state_dim`-D state, `action_dim`-D action,
+    `fps`; none of robots.datagen's own columns. `version` "v3.0" (one data file, one video a camera) or "v2.1"
+    (meta/episodes.jsonl, a data file per episode, a video per episode and camera); the cameras in `images` are stored
+    as PNG bytes in the rows (dtype "image"), not as videos. Every layout holds the same frames, states and actions."""
     import io
 
     import pyarrow as pa
@@ -172,23 +173,25 @@ def _arm_dataset(folder, state_dim=3, action_dim=5, fps=15, version="v3.0", imag
 
     from robots.video import H264Writer
 
-    cameras = {"observation.images.scene": (32, 32), "observation.images.wrist": wrist}
-    rng, length, task = np.random.default_rng(0), 5, "stack the cups"
-    frames = {key: rng.integers(0, 256, (2, length, h, w, 3), dtype=np.uint8) for key, (h, w) in cameras.items()}
+    cameras = {"observation.images.scene": scene, "observation.images.wrist": wrist}
+    rng, task = np.random.default_rng(0), "stack the cups"
+    frames = {key: rng.integers(0, 256, (episodes, length, h, w, 3), dtype=np.uint8)
+              for key, (h, w) in cameras.items()}
     rows = [[{"observation.state": rng.uniform(-3, 3, state_dim).tolist(),
               "action": rng.uniform(-1, 1, action_dim).tolist(), "timestamp": i / fps, "frame_index": i,
-              "episode_index": e, "index": e * length + i, "task_index": 0} for i in range(length)] for e in range(2)]
+              "episode_index": e, "index": e * length + i, "task_index": 0} for i in range(length)]
+            for e in range(episodes)]
     for key in images:  # as Hugging Face datasets' Image: struct<bytes, path>
-        for e, i in np.ndindex(2, length):
+        for e, i in np.ndindex(episodes, length):
             png = io.BytesIO()
             Image.fromarray(frames[key][e, i]).save(png, format="PNG")
             rows[e][i][key] = {"bytes": png.getvalue(), "path": f"frame_{i:06d}.png"}
     videos = [key for key in cameras if key not in images]
 
-    def write_video(path, key, episodes):
+    def write_video(path, key, numbers):
         path.parent.mkdir(parents=True, exist_ok=True)
         with H264Writer(path, fps, *cameras[key], "yuv444p", 0) as video:
-            for e in episodes:
+            for e in numbers:
                 for i, frame in enumerate(frames[key][e]):
                     video.write(frame, keyframe=i == 0)
 
@@ -198,24 +201,24 @@ def _arm_dataset(folder, state_dim=3, action_dim=5, fps=15, version="v3.0", imag
 
     if version == "v3.0":
         for key in videos:
-            write_video(folder / f"videos/{key}/chunk-000/file-000.mp4", key, range(2))
-        write_table(folder / "data/chunk-000/file-000.parquet", rows[0] + rows[1])
+            write_video(folder / f"videos/{key}/chunk-000/file-000.mp4", key, range(episodes))
+        write_table(folder / "data/chunk-000/file-000.parquet", [row for episode in rows for row in episode])
         write_table(folder / "meta/episodes/chunk-000/file-000.parquet", [
             {"episode_index": e, "tasks": [task], "length": length, "data/chunk_index": 0, "data/file_index": 0,
              "dataset_from_index": e * length, "dataset_to_index": (e + 1) * length,
              **{f"videos/{key}/{field}": value for key in videos for field, value in (
                  ("chunk_index", 0), ("file_index", 0), ("from_timestamp", e * length / fps),
-                 ("to_timestamp", (e + 1) * length / fps))}} for e in range(2)])
+                 ("to_timestamp", (e + 1) * length / fps))}} for e in range(episodes)])
         paths = {"data_path": "data/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet",
                  "video_path": "videos/{video_key}/chunk-{chunk_index:03d}/file-{file_index:03d}.mp4"}
     else:
-        for e in range(2):
+        for e in range(episodes):
             for key in videos:
                 write_video(folder / f"videos/chunk-000/{key}/episode_{e:06d}.mp4", key, [e])
             write_table(folder / f"data/chunk-000/episode_{e:06d}.parquet", rows[e])
         (folder / "meta").mkdir()
         (folder / "meta/episodes.jsonl").write_text("".join(
-            json.dumps({"episode_index": e, "tasks": [task], "length": length}) + "\n" for e in range(2)))
+            json.dumps({"episode_index": e, "tasks": [task], "length": length}) + "\n" for e in range(episodes)))
         (folder / "meta/tasks.jsonl").write_text(json.dumps({"task_index": 0, "task": task}) + "\n")
         paths = {"chunks_size": 1000,
                  "data_path": "data/chunk-{episode_chunk:03d}/episode_{episode_index:06d}.parquet",
@@ -225,9 +228,34 @@ def _arm_dataset(folder, state_dim=3, action_dim=5, fps=15, version="v3.0", imag
     features["observation.state"] = {"dtype": "float32", "shape": [state_dim], "names": None}
     features["action"] = {"dtype": "float32", "shape": [action_dim], "names": [f"m{i}" for i in range(action_dim)]}
     (folder / "meta/info.json").write_text(json.dumps({
-        "codebase_version": version, "robot_type": "tiny_arm", "fps": fps, "total_episodes": 2, "features": features,
-        **paths}))
+        "codebase_version": version, "robot_type": "tiny_arm", "fps": fps, "total_episodes": episodes,
+        "features": features, **paths}))
     return folder
+
+
+def test_a_dataset_is_held_in_memory_one_episode_at_a_time(tmp_path):
+    """Every episode's frames were held at once, and each tick's clip copied at the recorded size (6 episodes of 100
+    frames from two 240x320 cameras, 0.3 MB on disk: 2.7 GB more memory, and twice the time): a dataset bigger than
+    memory could not train. Each episode is read, checked, read again and encoded, then dropped: twice the episodes
+    take no more memory (numpy's, which tracemalloc traces), where they took 5.6 times their frames more."""
+    import tracemalloc
+
+    def peak_training(episodes: int) -> int:
+        data = _arm_dataset(tmp_path / f"arm{episodes}", episodes=episodes, length=10, scene=(128, 128),
+                            wrist=(128, 128))
+        tracemalloc.reset_peak()
+        main(["--data", str(data), "--out", str(tmp_path / f"out{episodes}"), "--chunk-size", "4", "--steps", "1",
+              "--batch-size", "2"])
+        assert json.loads((tmp_path / f"out{episodes}" / "training.json").read_text())["windows"] == episodes * 9
+        return tracemalloc.get_traced_memory()[1]
+
+    tracemalloc.start()
+    try:
+        peak_training(1)  # the first run in a process allocates more, once
+        growth = peak_training(12) - peak_training(6)
+    finally:
+        tracemalloc.stop()
+    assert growth < 6 * 10 * 128 * 256 * 3 / 2  # half the 6 more episodes' frames, their cameras side by side
 
 
 def test_another_robot_trains_on_a_domain_row_of_its_own_and_is_served_as_trained(tmp_path, caplog):
@@ -283,7 +311,8 @@ def test_another_robot_trains_on_a_domain_row_of_its_own_and_is_served_as_traine
     try:
         assert engine.wait_ready(timeout_s=120)
         served = engine.info().embodiment("tiny_arm")
-        session = engine.open_session("tiny_arm", "stack the cups", rate_hz=0)
+        # a budget any machine meets: the default 120 ms is infeasible on a loaded 2-core one
+        session = engine.open_session("tiny_arm", "stack the cups", budget_ms=10_000, rate_hz=0)
         frames = {c.name: rng.integers(0, 256, (c.height, c.width, 3), dtype=np.uint8) for c in served.cameras}
         acted = engine.act(session.session_id, session.epoch, api.Observation(frames, np.zeros(3, np.float32)))
         assert acted.actions.shape == (4, 5) and np.all(np.isfinite(acted.actions))
@@ -331,6 +360,40 @@ def test_cli_refuses_what_the_model_cannot_train_before_encoding(tmp_path, capsy
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and named in err.splitlines()[-1]
     assert "vae encode" not in err and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("column", "value", "named"), [
+    ("action", np.nan, "episode 1 has actions that are not finite (nan at frame 2, channel 1); expected finite "
+                       "numbers"),
+    ("observation.state", -np.inf, "episode 1 has states that are not finite (-inf at frame 2, channel 1); expected "
+                                   "finite numbers"),
+])
+def test_a_demonstration_that_is_not_finite_is_named_before_encoding(tmp_path, capsys, column, value, named):
+    """A NaN in a recording (a dropped sensor reading) ended in a traceback from the statistics, or trained on NaN."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    data = _arm_dataset(tmp_path / "arm")
+    path = data / "data/chunk-000/file-000.parquet"
+    rows = pq.read_table(path).to_pylist()
+    rows[5 + 2][column][1] = value  # episode 1 (5 frames each), its frame 2
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--data", str(data), "--out", str(tmp_path / "out"), "--steps", "1"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err and "vae encode" not in err
+    assert err.splitlines()[-1].endswith(f"{data}: {named}")
+
+
+def test_episodes_with_no_action_are_named(tmp_path, capsys):
+    """Episodes of one frame each (an observation, no action) ended in a traceback from the statistics."""
+    data = _arm_dataset(tmp_path / "arm", length=1)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--data", str(data), "--out", str(tmp_path / "out"), "--steps", "1"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err and not (tmp_path / "out").exists()
+    assert err.splitlines()[-1].endswith("no episode has an action to train on (each has one frame); expected "
+                                         "episodes of 2 frames or more")
 
 
 @pytest.mark.parametrize(("other", "named"), [
