@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -287,10 +288,15 @@ class LeRobotDemoDataset:
         missing = [key for key in ("fps", "total_episodes", "data_path", "features") if key not in self.info]
         if missing:
             raise DatasetError(f"{info_path} lacks {missing}")
-        features = self.info["features"]
+        features, fps = self.info["features"], self.info["fps"]
+        if not (isinstance(features, dict) and all(isinstance(feature, dict) for feature in features.values())):
+            raise DatasetError(f"{info_path}: features {features!r:.80}; expected an object of features, each an "
+                               "object with its dtype and shape")
+        if isinstance(fps, bool) or not isinstance(fps, int | float) or not 0 < fps < math.inf:
+            raise DatasetError(f"{info_path}: fps {fps!r}; expected a positive number of frames a second")
         for key, dtype in ((STATE_KEY, "float32"), (ACTION_KEY, "float32")):
             found = features.get(key)
-            if found is None or found.get("dtype") != dtype or len(found.get("shape", ())) != 1:
+            if found is None or found.get("dtype") != dtype or not _is_width(found.get("shape")):
                 raise DatasetError(f"{info_path}: feature {key!r} is {found}; expected dtype {dtype!r} with a "
                                    f"1-d shape (features here: {sorted(features)})")
         # The cameras, in info.json's order: the order their frames are put side by side, and the served one.
@@ -317,7 +323,7 @@ class LeRobotDemoDataset:
             raise DatasetError(f"{info_path}: total_episodes {self.info['total_episodes']!r}; expected a count")
         self.cameras = [key.removeprefix(CAMERA_PREFIX) for key in self.camera_keys]
         self.camera_sizes = {key.removeprefix(CAMERA_PREFIX): size for key, size in sizes.items()}
-        self.fps = self.info["fps"]
+        self.fps = fps
         self.robot_type = self.info.get("robot_type")
         self.dims = {key: features[key]["shape"][0] for key in (STATE_KEY, ACTION_KEY)}
         # Channel names where info.json lists one per channel (LeRobot also nests them, {"motors": [...]}).
@@ -429,12 +435,21 @@ class LeRobotDemoDataset:
                                f"expected {row['length']} (its length in {self.index_name}) numbered from 0")
         return path, rows
 
-    def _vectors(self, rows: pa.Table, key: str) -> np.ndarray:
-        values = rows[key].combine_chunks().flatten().to_numpy()
-        if values.size != rows.num_rows * self.dims[key]:
-            raise DatasetError(f"column {key!r} holds {values.size} values in {rows.num_rows} rows; expected "
-                               f"{self.dims[key]} a row (its shape in info.json)")
-        return values.reshape(rows.num_rows, -1).astype(np.float32)
+    def _vectors(self, path: Path, index: int, rows: pa.Table, key: str) -> np.ndarray:
+        """Column ``key`` of episode ``index``'s ``rows`` in ``path``: float32 [rows, D], D its shape in info.json.
+        LeRobot keeps a feature of shape [1] as a number a row, a wider one as a list of numbers."""
+        column, dim = rows[key].combine_chunks(), self.dims[key]
+        expected = f"expected {dim} numbers a row (its shape in info.json)"
+        listed = pa.types.is_list(column.type) or pa.types.is_large_list(column.type) or \
+            pa.types.is_fixed_size_list(column.type)
+        values = column.flatten() if listed else column
+        if not (pa.types.is_floating(values.type) or pa.types.is_integer(values.type)) or not (listed or dim == 1):
+            raise DatasetError(f"{path}: episode {index}'s {key!r} is {column.type}; {expected}")
+        lengths = pc.list_value_length(column).to_pylist() if listed else []  # None for a null row
+        if (frame := next((i for i, n in enumerate(lengths) if n != dim), None)) is not None:
+            raise DatasetError(f"{path}: episode {index}'s {key!r} at frame {frame} holds {lengths[frame] or 'no'} "
+                               f"numbers; {expected}")
+        return values.to_numpy(zero_copy_only=False).reshape(rows.num_rows, dim).astype(np.float32)
 
     def __getitem__(self, index: int) -> Episode:
         row = self.episodes[index]
@@ -444,10 +459,10 @@ class LeRobotDemoDataset:
         if len({frames.shape[0] for frames in cameras}) > 1:
             raise DatasetError(f"episode {index}: its cameras {self.cameras} decode to "
                                f"{[len(f) for f in cameras]} frames; expected {row['length']} each")
-        actions = self._vectors(rows, ACTION_KEY)
+        actions = self._vectors(path, index, rows, ACTION_KEY)
         return Episode(
             frames=side_by_side(cameras),
-            states=self._vectors(rows, STATE_KEY),
+            states=self._vectors(path, index, rows, STATE_KEY),
             actions=actions[:-1],
             hold_action=actions[-1],  # the final observation's
             instruction=row["tasks"][0],
@@ -468,8 +483,8 @@ class LeRobotDemoDataset:
             start = row[f"videos/{key}/from_timestamp"]
         try:
             frames = read_frames(video, start, row["length"], self.fps)
-        except ValueError as short:
-            raise DatasetError(f"episode {index}: {short} (its length in {self.index_name})") from None
+        except ValueError as error:
+            raise DatasetError(f"episode {index} ({row['length']} frames in {self.index_name}): {error}") from None
         if (size := frames.shape[1:3]) != (expected := self.camera_sizes[key.removeprefix(CAMERA_PREFIX)]):
             raise DatasetError(f"{video}: episode {index}'s frames of {key} are {size[0]}x{size[1]} px; expected "
                                f"{expected[0]}x{expected[1]} (its shape in info.json)")
@@ -513,6 +528,11 @@ def _decode_images(path: Path, column: pa.ChunkedArray, key: str, size: tuple[in
         except (OSError, Image.DecompressionBombError) as error:  # not an image, or cut short
             raise DatasetError(f"{where} is not a readable image ({error})") from None
     return np.stack(frames)
+
+
+def _is_width(shape: object) -> bool:
+    """Whether ``shape`` is that of a vector, [D], D a positive integer."""
+    return isinstance(shape, list) and len(shape) == 1 and isinstance(shape[0], int) and shape[0] > 0
 
 
 def _channel_names(names: object, dim: int) -> list[str] | None:

@@ -518,3 +518,23 @@ def test_channel_names_nested_as_lerobot_records_them_are_read(tmp_path):
     names = ["shoulder", "elbow", "wrist", "roll", "gripper"]
     _edit_json("meta/info.json", lambda i: i["features"]["action"].update(names={"motors": names}))(folder)
     assert LeRobotDemoDataset(folder).action_names == names
+
+
+def test_a_feature_of_shape_1_reads_as_lerobot_stores_it(tmp_path):
+    """LeRobot keeps a feature of shape [1] (a gripper-only action, a conveyor's position) as a number a row, not a
+    list of one: reading it ended in a traceback."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder = _arm_dataset(tmp_path / "arm", state_dim=1, action_dim=1)
+    listed = list(LeRobotDemoDataset(folder))
+    path = folder / "data/chunk-000/file-000.parquet"
+    table = pq.read_table(path)
+    for key in ("observation.state", "action"):
+        numbers = pa.array([row[0] for row in table[key].to_pylist()], pa.float32())
+        table = table.set_column(table.column_names.index(key), key, numbers)
+    pq.write_table(table, path)
+    for a, b in zip(listed, LeRobotDemoDataset(folder), strict=True):
+        assert b.actions.shape == (4, 1) and b.states.shape == (5, 1)
+        for field in ("states", "actions", "hold_action"):
+            np.testing.assert_array_equal(getattr(a, field), getattr(b, field))
