@@ -66,6 +66,7 @@ from robots.dataset import DatasetError, DemoDataset, Episode, array_stats, open
 from robots.lerobot_dataset import LeRobotDemoDataset
 
 ACTION_LOSS_WEIGHT = 10.0  # Cosmos3 action_loss_weight
+SUMMARY_FILE = "training.json"  # the run's summary, in the folder written
 PROMPT_DROPOUT = 0.1
 # What --limits may declare: physical limits and units (LeRobot's info.json has neither).
 LIMIT_FIELDS = ("action_low", "action_high", "state_low", "state_high", "action_units", "state_units")
@@ -324,9 +325,14 @@ def train(
     limits: dict | None = None,
 ) -> dict:
     """Train (from scratch, or from the transformer in `init_from`) and write a complete pipeline folder to
-    `out_dir` (also every `save_every` steps, with the EMA weights so far), served as the model `name` (default
-    the folder's name). `embodiment`, `domain_id`, `limits`: `trained_embodiment`; `chunk`: actions a tick.
-    Returns a summary."""
+    `out_dir`, a new or empty folder (also every `save_every` steps, with the EMA weights so far), served as the model
+    `name` (default the folder's name). `embodiment`, `domain_id`, `limits`: `trained_embodiment`; `chunk`: actions a
+    tick. Returns a summary, the folder's training.json."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        # Another run's files would be served with these weights (a quality profile of others) or describe them.
+        raise FileExistsError(f"--out {out_dir} is not empty; expected a new or empty folder for the pipeline folder "
+                              "written (name another, or remove it)")
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
     if init_from is None:
@@ -391,6 +397,30 @@ def train(
         return layouts[seq.und_len]
 
     losses, action_losses, started = [], [], time.perf_counter()
+
+    def save(trained_steps: int) -> dict:
+        """Write the folder with the EMA weights after `trained_steps` steps, and last its training.json, the run's
+        summary: a folder without one was cut short while written."""
+        (out_dir / SUMMARY_FILE).unlink(missing_ok=True)
+        embedded.write_pipeline_folder(out_dir, ema, vae, tokenizer, stats, policy, entry)
+        summary = {
+            "name": policy.name,
+            "embodiment": entry["name"],
+            "domain_id": entry["domain_id"],
+            "steps": trained_steps,
+            "batch_size": batch_size,
+            "windows": n,
+            "episodes": episodes,
+            "instructions": windows.instructions,
+            "final_loss": float(np.mean(losses[-100:])),
+            "final_action_mse": float(np.mean(action_losses[-100:])),
+            "seconds": time.perf_counter() - started,
+            "params": sum(p.numel() for p in model.parameters()),
+            "init": str(init_from) if init_from is not None else "scratch",
+        }
+        (out_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+        return summary
+
     progress = tqdm(range(steps), desc="train policy", unit="step")
     for step in progress:
         for group in optimizer.param_groups:
@@ -451,26 +481,8 @@ def train(
                                  action_mse=f"{np.mean(action_losses[-log_every:]):.4f}")
         if save_every and (step + 1) % save_every == 0 and step + 1 < steps:
             # A servable folder part-way through: evaluate it while training goes on, or keep it if stopped.
-            embedded.write_pipeline_folder(out_dir, ema, vae, tokenizer, stats, policy, entry)
-
-    embedded.write_pipeline_folder(out_dir, ema, vae, tokenizer, stats, policy, entry)
-    summary = {
-        "name": policy.name,
-        "embodiment": entry["name"],
-        "domain_id": entry["domain_id"],
-        "steps": steps,
-        "batch_size": batch_size,
-        "windows": n,
-        "episodes": episodes,
-        "instructions": windows.instructions,
-        "final_loss": float(np.mean(losses[-max(1, min(100, steps)):])),
-        "final_action_mse": float(np.mean(action_losses[-max(1, min(100, steps)):])),
-        "seconds": time.perf_counter() - started,
-        "params": sum(p.numel() for p in model.parameters()),
-        "init": str(init_from) if init_from is not None else "scratch",
-    }
-    (Path(out_dir) / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
-    return summary
+            save(step + 1)
+    return save(steps)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -532,6 +544,11 @@ def main(argv: list[str] | None = None) -> None:
     # --data, --vae, --init, --limits or --out
     except (OSError, DatasetError, CheckpointError, ConfigError, EmbodimentConfigError, PolicyConfigError) as error:
         parser.error(str(error))
+    except KeyboardInterrupt:  # Ctrl-C: say what the folder holds, not where Python was
+        saved = args.out / SUMMARY_FILE
+        kept = (f"{args.out} holds the weights after step {json.loads(saved.read_text())['steps']} (--save-every)"
+                if saved.is_file() else f"{args.out} holds no complete folder")
+        parser.exit(130, f"{parser.prog}: interrupted; {kept}\n")
     print(json.dumps(summary, indent=2))
 
 

@@ -116,6 +116,51 @@ def test_cli_rejects_a_missing_init_folder_before_encoding(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def test_cli_refuses_an_out_folder_that_is_not_empty(tmp_path, capsys):
+    """Training wrote into a folder as it found it: a quality profile calibrated there before was then beside other
+    weights, and an interrupted run's training.json described another's."""
+    generate(tmp_path / "demos", episodes=1, progress=False)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "quality_profile.json").write_text("{}")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--data", str(tmp_path / "demos"), "--out", str(tmp_path / "out"), "--steps", "1"])
+    assert exit_info.value.code == 2 and capsys.readouterr().err.splitlines()[-1].endswith(
+        f"--out {tmp_path / 'out'} is not empty; expected a new or empty folder for the pipeline folder written (name "
+        "another, or remove it)")
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["quality_profile.json"]
+    main(["--data", str(tmp_path / "demos"), "--out", str(tmp_path / "empty folder"), "--steps", "1",
+          "--batch-size", "2"])  # a new folder, whose path has a space
+    assert json.loads((tmp_path / "empty folder" / "training.json").read_text())["steps"] == 1
+
+
+def test_ctrl_c_stops_training_naming_what_the_folder_holds(tmp_path):
+    """Ctrl-C ended in a KeyboardInterrupt traceback from wherever training was; the folder last saved had no
+    training.json to say which step it was."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    generate(tmp_path / "demos", episodes=1, progress=False)
+    out, log = tmp_path / "out", tmp_path / "stderr.txt"
+    with log.open("w") as stderr:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "robots.train_policy", "--data", str(tmp_path / "demos"), "--out", str(out),
+             "--steps", "100000", "--batch-size", "2", "--save-every", "20"], stdout=subprocess.DEVNULL,
+            stderr=stderr, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        # Between the saves at steps 20 and 40, as the progress bar shows
+        while process.poll() is None and not any(int(done) >= 25 for done in re.findall(r"(\d+)/100000",
+                                                                                          log.read_text())):
+            time.sleep(0.1)
+        process.send_signal(signal.SIGINT)
+        process.wait(timeout=60)
+    err = log.read_text()
+    assert process.returncode == 130 and "Traceback" not in err
+    assert err.splitlines()[-1] == f"train_policy.py: interrupted; {out} holds the weights after step 20 (--save-every)"
+    assert json.loads((out / "training.json").read_text())["steps"] == 20
+    assert PolicyPipeline.from_pretrained(out).served_embodiments == ["pusht"]
+
+
 def _widen(tensors: dict, name: str) -> dict:
     """The episode's `name` with 7 channels (or frames of 96 px), as another robot's dataset has them."""
     value = tensors[name]
