@@ -83,6 +83,7 @@ DATA_SCHEMA = pa.schema([
     ("index", pa.int64()),
     ("task_index", pa.int64()),
 ])
+VECTOR_DTYPES = ("float32", "float64")  # of a state or action: LeRobot records float32, datasets converted to it both
 CAMERA_PREFIX = "observation.images."  # LeRobot's camera features: observation.images.<camera>
 CAMERA_DTYPES = ("video", "image")  # frames in videos/, or each frame's PNG bytes in its data row
 # Columns of meta/episodes a reader needs (LeRobot's own; each camera adds its videos/<key>/... four), and ours,
@@ -294,11 +295,11 @@ class LeRobotDemoDataset:
                                "object with its dtype and shape")
         if isinstance(fps, bool) or not isinstance(fps, int | float) or not 0 < fps < math.inf:
             raise DatasetError(f"{info_path}: fps {fps!r}; expected a positive number of frames a second")
-        for key, dtype in ((STATE_KEY, "float32"), (ACTION_KEY, "float32")):
+        for key in (STATE_KEY, ACTION_KEY):
             found = features.get(key)
-            if found is None or found.get("dtype") != dtype or not _is_width(found.get("shape")):
-                raise DatasetError(f"{info_path}: feature {key!r} is {found}; expected dtype {dtype!r} with a "
-                                   f"1-d shape (features here: {sorted(features)})")
+            if found is None or found.get("dtype") not in VECTOR_DTYPES or not _is_width(found.get("shape")):
+                raise DatasetError(f"{info_path}: feature {key!r} is {found}; expected dtype "
+                                   f"{' or '.join(VECTOR_DTYPES)} with a 1-d shape (features here: {sorted(features)})")
         # The cameras, in info.json's order: the order their frames are put side by side, and the served one.
         self.camera_keys = [key for key in features if key.startswith(CAMERA_PREFIX)]
         if not self.camera_keys:

@@ -583,3 +583,14 @@ def test_a_feature_of_shape_1_reads_as_lerobot_stores_it(tmp_path):
         assert b.actions.shape == (4, 1) and b.states.shape == (5, 1)
         for field in ("states", "actions", "hold_action"):
             np.testing.assert_array_equal(getattr(a, field), getattr(b, field))
+
+
+def test_a_state_and_action_of_float64_read(tmp_path):
+    """Datasets converted to LeRobot's layout often keep their state and action as float64: they were refused."""
+    folder = _arm_dataset(tmp_path / "arm")
+    as_float32 = list(LeRobotDemoDataset(folder))
+    _edit_json("meta/info.json", lambda i: [i["features"][key].update(dtype="float64")
+                                            for key in ("observation.state", "action")])(folder)
+    for a, b in zip(as_float32, LeRobotDemoDataset(folder), strict=True):
+        for field in ("states", "actions", "hold_action"):
+            np.testing.assert_array_equal(getattr(a, field), getattr(b, field))
