@@ -60,6 +60,7 @@ def collect_episode(env: gym.Env, expert: ReachExpert, seed: int, target: int | 
         frames=np.stack(frames),
         states=np.stack(states).astype(np.float32),
         actions=np.stack(actions).astype(np.float32),
+        hold_action=np.zeros(env.action_space.shape, np.float32),  # zero velocity: the effector stays where it ended
         instruction=instruction,
         seed=seed,
         target_color=info["target_color"],

@@ -11,6 +11,7 @@ Each episode file holds (T = number of actions):
     ``frames``  uint8   [T+1, S, S, 3]  RGB observations; frame i is seen before action i
     ``states``  float32 [T+1, 2]        effector xy, m
     ``actions`` float32 [T, 2]          effector velocity, m/s; action i moves frame i to frame i+1
+After the last action the effector holds still: zero velocity (an ``Episode``'s ``hold_action``).
 Strings (instruction, colour) live in ``dataset.json``, never in the tensor files.
 
 ``robots.lerobot_dataset`` holds the same episodes in the LeRobot v3 layout (and reads LeRobot's v2 layout too);
@@ -47,6 +48,9 @@ class Episode:
     frames: np.ndarray
     states: np.ndarray
     actions: np.ndarray
+    # [A]: what the robot is sent once the demonstration is over, the action past its end: zero velocity for the
+    # Reach task; a LeRobot dataset's final row's (a position-controlled arm's last target holds it where it ended).
+    hold_action: np.ndarray
     instruction: str
     seed: int | None  # None (the three of them) for demonstrations not made by robots.datagen
     target_color: str | None
@@ -147,6 +151,7 @@ class DemoDataset:
             frames=tensors["frames"],
             states=tensors["states"],
             actions=tensors["actions"],
+            hold_action=np.zeros(tensors["actions"].shape[1], np.float32),
             instruction=entry["instruction"],
             seed=entry["seed"],
             target_color=entry["target_color"],

@@ -20,8 +20,9 @@ timestamp``. The reader takes a dataset recorded with LeRobot too: any state and
 ``observation.images.<camera>`` feature (their frames put side by side, in the order info.json lists them, as
 the server's conditioning does), stored as video or as images (dtype "image": each frame's PNG bytes in its data
 row), and no seed/target_color/success columns. LeRobot pairs every frame with an action,
-so an episode of T actions is T+1 rows: the last row, the final observation, has a zero action (the effector holds
-still), which reading drops again. As LeRobot's writer does, an episode starts the next data file once the current
+so an episode of T actions is T+1 rows: the last row, the final observation, carries the action that holds the robot
+there (this task's zero velocity; a recorded arm's last target), which reading keeps apart, the episode's
+``hold_action``. As LeRobot's writer does, an episode starts the next data file once the current
 one holds 100 MB of rows, and the next video once it holds 200 MB (some 35 000 episodes of this task); 1000 files
 make a chunk.
 
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -81,6 +83,7 @@ DATA_SCHEMA = pa.schema([
     ("index", pa.int64()),
     ("task_index", pa.int64()),
 ])
+VECTOR_DTYPES = ("float32", "float64")  # of a state or action: LeRobot records float32, datasets converted to it both
 CAMERA_PREFIX = "observation.images."  # LeRobot's camera features: observation.images.<camera>
 CAMERA_DTYPES = ("video", "image")  # frames in videos/, or each frame's PNG bytes in its data row
 # Columns of meta/episodes a reader needs (LeRobot's own; each camera adds its videos/<key>/... four), and ours,
@@ -190,7 +193,7 @@ class LeRobotWriter:
         task_index = self.tasks.setdefault(episode.instruction, len(self.tasks))
         columns = {
             STATE_KEY: episode.states.astype(np.float32),
-            ACTION_KEY: np.concatenate([episode.actions, np.zeros_like(episode.actions[:1])]).astype(np.float32),
+            ACTION_KEY: np.concatenate([episode.actions, episode.hold_action[None]]).astype(np.float32),
             "timestamp": (np.arange(length) / self.fps).astype(np.float32),
             "frame_index": np.arange(length),
             "episode_index": np.full(length, index),
@@ -286,12 +289,17 @@ class LeRobotDemoDataset:
         missing = [key for key in ("fps", "total_episodes", "data_path", "features") if key not in self.info]
         if missing:
             raise DatasetError(f"{info_path} lacks {missing}")
-        features = self.info["features"]
-        for key, dtype in ((STATE_KEY, "float32"), (ACTION_KEY, "float32")):
+        features, fps = self.info["features"], self.info["fps"]
+        if not (isinstance(features, dict) and all(isinstance(feature, dict) for feature in features.values())):
+            raise DatasetError(f"{info_path}: features {features!r:.80}; expected an object of features, each an "
+                               "object with its dtype and shape")
+        if isinstance(fps, bool) or not isinstance(fps, int | float) or not 0 < fps < math.inf:
+            raise DatasetError(f"{info_path}: fps {fps!r}; expected a positive number of frames a second")
+        for key in (STATE_KEY, ACTION_KEY):
             found = features.get(key)
-            if found is None or found.get("dtype") != dtype or len(found.get("shape", ())) != 1:
-                raise DatasetError(f"{info_path}: feature {key!r} is {found}; expected dtype {dtype!r} with a "
-                                   f"1-d shape (features here: {sorted(features)})")
+            if found is None or found.get("dtype") not in VECTOR_DTYPES or not _is_width(found.get("shape")):
+                raise DatasetError(f"{info_path}: feature {key!r} is {found}; expected dtype "
+                                   f"{' or '.join(VECTOR_DTYPES)} with a 1-d shape (features here: {sorted(features)})")
         # The cameras, in info.json's order: the order their frames are put side by side, and the served one.
         self.camera_keys = [key for key in features if key.startswith(CAMERA_PREFIX)]
         if not self.camera_keys:
@@ -316,7 +324,7 @@ class LeRobotDemoDataset:
             raise DatasetError(f"{info_path}: total_episodes {self.info['total_episodes']!r}; expected a count")
         self.cameras = [key.removeprefix(CAMERA_PREFIX) for key in self.camera_keys]
         self.camera_sizes = {key.removeprefix(CAMERA_PREFIX): size for key, size in sizes.items()}
-        self.fps = self.info["fps"]
+        self.fps = fps
         self.robot_type = self.info.get("robot_type")
         self.dims = {key: features[key]["shape"][0] for key in (STATE_KEY, ACTION_KEY)}
         # Channel names where info.json lists one per channel (LeRobot also nests them, {"motors": [...]}).
@@ -428,12 +436,21 @@ class LeRobotDemoDataset:
                                f"expected {row['length']} (its length in {self.index_name}) numbered from 0")
         return path, rows
 
-    def _vectors(self, rows: pa.Table, key: str) -> np.ndarray:
-        values = rows[key].combine_chunks().flatten().to_numpy()
-        if values.size != rows.num_rows * self.dims[key]:
-            raise DatasetError(f"column {key!r} holds {values.size} values in {rows.num_rows} rows; expected "
-                               f"{self.dims[key]} a row (its shape in info.json)")
-        return values.reshape(rows.num_rows, -1).astype(np.float32)
+    def _vectors(self, path: Path, index: int, rows: pa.Table, key: str) -> np.ndarray:
+        """Column ``key`` of episode ``index``'s ``rows`` in ``path``: float32 [rows, D], D its shape in info.json.
+        LeRobot keeps a feature of shape [1] as a number a row, a wider one as a list of numbers."""
+        column, dim = rows[key].combine_chunks(), self.dims[key]
+        expected = f"expected {dim} numbers a row (its shape in info.json)"
+        listed = pa.types.is_list(column.type) or pa.types.is_large_list(column.type) or \
+            pa.types.is_fixed_size_list(column.type)
+        values = column.flatten() if listed else column
+        if not (pa.types.is_floating(values.type) or pa.types.is_integer(values.type)) or not (listed or dim == 1):
+            raise DatasetError(f"{path}: episode {index}'s {key!r} is {column.type}; {expected}")
+        lengths = pc.list_value_length(column).to_pylist() if listed else []  # None for a null row
+        if (frame := next((i for i, n in enumerate(lengths) if n != dim), None)) is not None:
+            raise DatasetError(f"{path}: episode {index}'s {key!r} at frame {frame} holds {lengths[frame] or 'no'} "
+                               f"numbers; {expected}")
+        return values.to_numpy(zero_copy_only=False).reshape(rows.num_rows, dim).astype(np.float32)
 
     def __getitem__(self, index: int) -> Episode:
         row = self.episodes[index]
@@ -443,10 +460,12 @@ class LeRobotDemoDataset:
         if len({frames.shape[0] for frames in cameras}) > 1:
             raise DatasetError(f"episode {index}: its cameras {self.cameras} decode to "
                                f"{[len(f) for f in cameras]} frames; expected {row['length']} each")
+        actions = self._vectors(path, index, rows, ACTION_KEY)
         return Episode(
             frames=side_by_side(cameras),
-            states=self._vectors(rows, STATE_KEY),
-            actions=self._vectors(rows, ACTION_KEY)[:-1],  # the final observation's hold action
+            states=self._vectors(path, index, rows, STATE_KEY),
+            actions=actions[:-1],
+            hold_action=actions[-1],  # the final observation's
             instruction=row["tasks"][0],
             seed=row.get("seed"),
             target_color=row.get("target_color"),
@@ -465,8 +484,8 @@ class LeRobotDemoDataset:
             start = row[f"videos/{key}/from_timestamp"]
         try:
             frames = read_frames(video, start, row["length"], self.fps)
-        except ValueError as short:
-            raise DatasetError(f"episode {index}: {short} (its length in {self.index_name})") from None
+        except ValueError as error:
+            raise DatasetError(f"episode {index} ({row['length']} frames in {self.index_name}): {error}") from None
         if (size := frames.shape[1:3]) != (expected := self.camera_sizes[key.removeprefix(CAMERA_PREFIX)]):
             raise DatasetError(f"{video}: episode {index}'s frames of {key} are {size[0]}x{size[1]} px; expected "
                                f"{expected[0]}x{expected[1]} (its shape in info.json)")
@@ -510,6 +529,11 @@ def _decode_images(path: Path, column: pa.ChunkedArray, key: str, size: tuple[in
         except (OSError, Image.DecompressionBombError) as error:  # not an image, or cut short
             raise DatasetError(f"{where} is not a readable image ({error})") from None
     return np.stack(frames)
+
+
+def _is_width(shape: object) -> bool:
+    """Whether ``shape`` is that of a vector, [D], D a positive integer."""
+    return isinstance(shape, list) and len(shape) == 1 and isinstance(shape[0], int) and shape[0] > 0
 
 
 def _channel_names(names: object, dim: int) -> list[str] | None:

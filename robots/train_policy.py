@@ -29,7 +29,9 @@ import copy
 import json
 import math
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from itertools import chain
 from pathlib import Path
 
 import numpy as np
@@ -44,7 +46,7 @@ from policy_server.model.checkpoint import CheckpointError
 from policy_server.model.config import ConfigError
 from policy_server.model.text_tokenizer import TextTokenizer
 from policy_server.model.vae import SmallVideoVAE
-from policy_server.pipeline.conditioning import crop_latent_padding, prepare_clip
+from policy_server.pipeline.conditioning import CanvasPlacement, crop_latent_padding, prepare_clip
 from policy_server.pipeline.embodiments import (
     NO_ACTION_DOMAIN_ID,
     NUM_EMBODIMENT_DOMAINS,
@@ -64,6 +66,7 @@ from robots.dataset import DatasetError, DemoDataset, Episode, array_stats, open
 from robots.lerobot_dataset import LeRobotDemoDataset
 
 ACTION_LOSS_WEIGHT = 10.0  # Cosmos3 action_loss_weight
+SUMMARY_FILE = "training.json"  # the run's summary, in the folder written
 PROMPT_DROPOUT = 0.1
 # What --limits may declare: physical limits and units (LeRobot's info.json has neither).
 LIMIT_FIELDS = ("action_low", "action_high", "state_low", "state_high", "action_units", "state_units")
@@ -91,23 +94,47 @@ class TrainingWindows:
     canvas_hw: tuple[int, int]  # the canvas the frames went on (the prompt names it)
 
 
-def collect_windows(episodes: list[Episode], vae: SmallVideoVAE, chunk: int, action_dim: int, stats: dict,
+def demonstration_stats(episodes: Iterable[Episode]) -> dict:
+    """The min-max (and other) statistics of the episodes' actions and states, which normalise them: of every action
+    trained on, the hold actions that pad the episodes' last ticks too, so that every one maps into [-1, 1]. Only
+    the actions and states are kept, not the frames."""
+    actions, states = [], []
+    for episode in episodes:
+        actions.append(np.concatenate([episode.actions, episode.hold_action[None]]))
+        states.append(episode.states)
+    return {"action": array_stats(np.concatenate(actions)), "state": array_stats(np.concatenate(states))}
+
+
+def collect_windows(episodes: Iterable[Episode], vae: SmallVideoVAE, chunk: int, action_dim: int, stats: dict,
                     stride: int, policy: PolicyConfig, batch: int = 64) -> TrainingWindows:
     """Cut every episode into ticks (every `stride` steps) and VAE-encode their K+1-frame clips, put on the canvas
-    and cropped to their content as the server's conditioning does (`prepare_clip`, `crop_latent_padding`)."""
+    and cropped to their content as the server's conditioning does (`prepare_clip`, `crop_latent_padding`). Each
+    episode is encoded as it comes, its frames put on the canvas once: only one episode's frames and `batch` clips
+    are held at a time, whatever the dataset's size."""
     parsed = parse_stats(stats)
     action_norm = make_normalizer("minmax", parsed["action"], parsed["action"].dim)
     state_norm = make_normalizer("minmax", parsed["state"], parsed["state"].dim)
-    clips, actions, states, prompts, instructions = [], [], [], [], []
-    for episode in tqdm(episodes, desc="windows", unit="episode"):
+    m = vae.spatial_compression
+    latents, clips, actions, states, prompts, instructions = [], [], [], [], [], []
+
+    def encode(placement: CanvasPlacement) -> None:
+        with torch.inference_mode():
+            latents.append(crop_latent_padding(vae.encode(torch.cat(clips)), placement, m))
+        clips.clear()
+
+    for episode in episodes:
         if episode.instruction not in instructions:
             instructions.append(episode.instruction)
         steps = episode.num_steps
+        # Every frame has one size (checked_episodes), so every clip one placement.
+        canvas, placement = prepare_clip(episode.frames, steps + 1, policy.canvases, m, policy.pad_mode)
         for t in range(0, steps, stride):
-            frame_idx = np.minimum(np.arange(t, t + chunk + 1), steps)
-            clips.append(episode.frames[frame_idx])
-            # After the episode ends the effector holds still: zero velocity.
-            acts = np.zeros((chunk, episode.actions.shape[1]), np.float64)
+            # channels last, as prepare_clip gives a clip (and the server encodes it): the VAE's convolutions take
+            # another path on a contiguous one, 1e-6 off
+            clips.append(canvas[:, :, np.minimum(np.arange(t, t + chunk + 1), steps)].contiguous(
+                memory_format=torch.channels_last_3d))
+            # After the episode ends the robot holds still, on its hold action.
+            acts = np.tile(episode.hold_action.astype(np.float64), (chunk, 1))
             valid = episode.actions[t: t + chunk]
             acts[: len(valid)] = valid
             acts = action_norm.normalize(acts)
@@ -118,14 +145,13 @@ def collect_windows(episodes: list[Episode], vae: SmallVideoVAE, chunk: int, act
             state[: episode.states.shape[1]] = state_norm.normalize(episode.states[t].astype(np.float64))
             states.append(state)
             prompts.append(instructions.index(episode.instruction))
-    latents, m = [], vae.spatial_compression
-    with torch.inference_mode():
-        for start in tqdm(range(0, len(clips), batch), desc="vae encode", unit="batch"):
-            # Every frame has one size (check_fits_embodiment), so every clip one placement.
-            placed = [prepare_clip(clip, chunk + 1, policy.canvases, m, policy.pad_mode)
-                      for clip in clips[start: start + batch]]
-            placement = placed[0][1]
-            latents.append(crop_latent_padding(vae.encode(torch.cat([clip for clip, _ in placed])), placement, m))
+            if len(clips) == batch:
+                encode(placement)
+    if not actions:
+        raise DatasetError("no episode has an action to train on (each has one frame); expected episodes of 2 frames "
+                           "or more")
+    if clips:
+        encode(placement)
     return TrainingWindows(
         latents=torch.cat(latents).float(),
         actions=torch.from_numpy(np.stack(actions)),
@@ -215,24 +241,31 @@ def check_fits_embodiment(dataset: DemoDataset | LeRobotDemoDataset, embodiment:
                            f"of {trains}")
 
 
-def check_episodes_fit(dataset: DemoDataset | LeRobotDemoDataset, episodes: list[Episode], embodiment: Embodiment,
-                       canvas_hw: tuple[int, int]) -> None:
-    """DatasetError unless every episode has the embodiment's action and state widths and its frames, its cameras'
-    (``Embodiment.frame_sizes``) side by side, before minutes of encoding. Another layout would train only the first
-    channels and write a folder whose stats no server loads."""
+def checked_episodes(dataset: DemoDataset | LeRobotDemoDataset, embodiment: Embodiment,
+                     canvas_hw: tuple[int, int]) -> Iterator[Episode]:
+    """The dataset's episodes, each raising DatasetError unless it has the embodiment's action and state widths, finite
+    actions and states, and its frames, its cameras' (``Embodiment.frame_sizes``) side by side. Another layout would
+    train only the first channels and write a folder whose stats no server loads; a NaN would train on NaN."""
     trains = f"the embodiment it trains ({embodiment.name}); name another embodiment (--embodiment) to train one of " \
              "this layout"
     sizes = embodiment.frame_sizes(canvas_hw)
     frame_hw = side_by_side_hw(sizes)
-    for index, episode in enumerate(episodes):
+    for index, episode in enumerate(dataset):
         has = f"{dataset.directory}: episode {index} has"
         for name, field_name in (("actions", "raw_action_dim"), ("states", "state_dim")):
             if (width := getattr(episode, name).shape[1]) != (expected := getattr(embodiment, field_name)):
                 raise DatasetError(f"{has} {name} of width {width}; expected {expected}, the {field_name} of {trains}")
+        for name, values in (("actions", np.concatenate([episode.actions, episode.hold_action[None]])),
+                             ("states", episode.states)):
+            if not np.isfinite(values).all():
+                row, channel = np.argwhere(~np.isfinite(values))[0]
+                raise DatasetError(f"{has} {name} that are not finite ({values[row, channel]} at frame {row}, channel "
+                                   f"{channel}); expected finite numbers")
         if (size := tuple(episode.frames.shape[1:3])) != frame_hw:
             raise DatasetError(f"{has} frames of {size[0]}x{size[1]} px (its cameras side by side); expected "
                                f"{frame_hw[0]}x{frame_hw[1]}, the frames of {sizes} px (height, width) side by side "
                                f"of {trains}")
+        yield episode
 
 
 def check_frames_servable(dataset: DemoDataset | LeRobotDemoDataset, min_side: int) -> None:
@@ -292,9 +325,14 @@ def train(
     limits: dict | None = None,
 ) -> dict:
     """Train (from scratch, or from the transformer in `init_from`) and write a complete pipeline folder to
-    `out_dir` (also every `save_every` steps, with the EMA weights so far), served as the model `name` (default
-    the folder's name). `embodiment`, `domain_id`, `limits`: `trained_embodiment`; `chunk`: actions a tick.
-    Returns a summary."""
+    `out_dir`, a new or empty folder (also every `save_every` steps, with the EMA weights so far), served as the model
+    `name` (default the folder's name). `embodiment`, `domain_id`, `limits`: `trained_embodiment`; `chunk`: actions a
+    tick. Returns a summary, the folder's training.json."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        # Another run's files would be served with these weights (a quality profile of others) or describe them.
+        raise FileExistsError(f"--out {out_dir} is not empty; expected a new or empty folder for the pipeline folder "
+                              "written (name another, or remove it)")
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
     if init_from is None:
@@ -318,15 +356,13 @@ def train(
         "trained_domain_ids": tuple(sorted(init.trained | {entry["domain_id"]}))})
     for dataset in datasets:
         check_fits_embodiment(dataset, trained, policy.canvas_hw)
-    by_dataset = [list(dataset) for dataset in datasets]
-    for dataset, episodes in zip(datasets, by_dataset, strict=True):
-        check_episodes_fit(dataset, episodes, trained, policy.canvas_hw)
-    episodes = [episode for episodes in by_dataset for episode in episodes]
-    stats = {
-        "action": array_stats(np.concatenate([e.actions for e in episodes])),
-        "state": array_stats(np.concatenate([e.states for e in episodes])),
-    }
-    windows = collect_windows(episodes, vae, chunk, config.action_dim, stats, stride, policy)
+    # Every episode is read and checked before any is encoded, so that a bad one is refused before minutes of
+    # encoding, then read again as it is encoded: a dataset need not fit in memory.
+    episodes = sum(len(dataset) for dataset in datasets)
+    checked = chain.from_iterable(checked_episodes(dataset, trained, policy.canvas_hw) for dataset in datasets)
+    stats = demonstration_stats(tqdm(checked, desc="check", total=episodes, unit="episode"))
+    windows = collect_windows(tqdm(chain.from_iterable(datasets), desc="vae encode", total=episodes, unit="episode"),
+                              vae, chunk, config.action_dim, stats, stride, policy)
     n = windows.latents.shape[0]
 
     prompt_ids = []
@@ -361,6 +397,30 @@ def train(
         return layouts[seq.und_len]
 
     losses, action_losses, started = [], [], time.perf_counter()
+
+    def save(trained_steps: int) -> dict:
+        """Write the folder with the EMA weights after `trained_steps` steps, and last its training.json, the run's
+        summary: a folder without one was cut short while written."""
+        (out_dir / SUMMARY_FILE).unlink(missing_ok=True)
+        embedded.write_pipeline_folder(out_dir, ema, vae, tokenizer, stats, policy, entry)
+        summary = {
+            "name": policy.name,
+            "embodiment": entry["name"],
+            "domain_id": entry["domain_id"],
+            "steps": trained_steps,
+            "batch_size": batch_size,
+            "windows": n,
+            "episodes": episodes,
+            "instructions": windows.instructions,
+            "final_loss": float(np.mean(losses[-100:])),
+            "final_action_mse": float(np.mean(action_losses[-100:])),
+            "seconds": time.perf_counter() - started,
+            "params": sum(p.numel() for p in model.parameters()),
+            "init": str(init_from) if init_from is not None else "scratch",
+        }
+        (out_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+        return summary
+
     progress = tqdm(range(steps), desc="train policy", unit="step")
     for step in progress:
         for group in optimizer.param_groups:
@@ -421,26 +481,8 @@ def train(
                                  action_mse=f"{np.mean(action_losses[-log_every:]):.4f}")
         if save_every and (step + 1) % save_every == 0 and step + 1 < steps:
             # A servable folder part-way through: evaluate it while training goes on, or keep it if stopped.
-            embedded.write_pipeline_folder(out_dir, ema, vae, tokenizer, stats, policy, entry)
-
-    embedded.write_pipeline_folder(out_dir, ema, vae, tokenizer, stats, policy, entry)
-    summary = {
-        "name": policy.name,
-        "embodiment": entry["name"],
-        "domain_id": entry["domain_id"],
-        "steps": steps,
-        "batch_size": batch_size,
-        "windows": n,
-        "episodes": len(episodes),
-        "instructions": windows.instructions,
-        "final_loss": float(np.mean(losses[-max(1, min(100, steps)):])),
-        "final_action_mse": float(np.mean(action_losses[-max(1, min(100, steps)):])),
-        "seconds": time.perf_counter() - started,
-        "params": sum(p.numel() for p in model.parameters()),
-        "init": str(init_from) if init_from is not None else "scratch",
-    }
-    (Path(out_dir) / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
-    return summary
+            save(step + 1)
+    return save(steps)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -502,6 +544,11 @@ def main(argv: list[str] | None = None) -> None:
     # --data, --vae, --init, --limits or --out
     except (OSError, DatasetError, CheckpointError, ConfigError, EmbodimentConfigError, PolicyConfigError) as error:
         parser.error(str(error))
+    except KeyboardInterrupt:  # Ctrl-C: say what the folder holds, not where Python was
+        saved = args.out / SUMMARY_FILE
+        kept = (f"{args.out} holds the weights after step {json.loads(saved.read_text())['steps']} (--save-every)"
+                if saved.is_file() else f"{args.out} holds no complete folder")
+        parser.exit(130, f"{parser.prog}: interrupted; {kept}\n")
     print(json.dumps(summary, indent=2))
 
 

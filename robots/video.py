@@ -64,20 +64,28 @@ def write_browser_mp4(path: str | Path, frames: list[np.ndarray], fps: int) -> N
             writer.write(np.pad(frame, pad, mode="edge"))
 
 
-def read_frames(path: str | Path, start_s: float, count: int, fps: int) -> np.ndarray:
-    """The ``count`` frames shown from ``start_s`` seconds on, uint8 RGB [count, H, W, 3]. Raises
-    ValueError if the file holds fewer."""
+def read_frames(path: str | Path, start_s: float, count: int, fps: float) -> np.ndarray:
+    """The ``count`` frames shown from ``start_s`` seconds on, one every ``1 / fps`` s, uint8 RGB [count, H, W, 3].
+    Raises ValueError if the file holds fewer, frames at another rate, or no video PyAV decodes."""
     frames = []
     to_rgb = VideoReformatter()  # keeps its colour-conversion context from frame to frame (5x faster)
-    with av.open(str(path)) as container:
-        stream = container.streams.video[0]
-        container.seek(round(start_s / stream.time_base), stream=stream)  # the keyframe at or before start_s
-        for picture in container.decode(stream):
-            index = round((picture.time - start_s) * fps)
-            if index >= count:
-                break
-            if index >= 0:
-                frames.append(to_rgb.reformat(picture, format="rgb24").to_ndarray())
+    try:
+        with av.open(str(path)) as container:
+            if not container.streams.video:
+                raise ValueError(f"{path} holds no video stream; expected the camera's frames")
+            stream = container.streams.video[0]
+            container.seek(round(start_s / stream.time_base), stream=stream)  # the keyframe at or before start_s
+            for picture in container.decode(stream):
+                index = round((picture.time - start_s) * fps)
+                if index >= count:
+                    break
+                if index >= 0 and index != len(frames):  # a video of another rate repeats or skips frame numbers
+                    raise ValueError(f"{path}: its frame at {picture.time:.3f} s is frame {index} from {start_s:.3f} s "
+                                     f"at {fps} fps, after {len(frames)}; expected a frame every 1/{fps} s")
+                if index >= 0:
+                    frames.append(to_rgb.reformat(picture, format="rgb24").to_ndarray())
+    except av.FFmpegError as error:  # not a video, cut short, or a codec this FFmpeg does not decode
+        raise ValueError(f"{path} is not a video PyAV decodes ({error.strerror or error})") from None
     if len(frames) != count:
         raise ValueError(f"{path} holds {len(frames)} frames from {start_s:.3f} s on at {fps} fps; expected {count}")
     return np.stack(frames)

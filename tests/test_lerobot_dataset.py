@@ -202,8 +202,59 @@ def _shorten_episodes(folder):
                                     pa.array(table["length"].to_numpy() - 1)), path)
 
 
+def _edit_rows(edit):
+    def apply(folder):
+        path = folder / "data/chunk-000/file-000.parquet"
+        rows = pq.read_table(path).to_pylist()
+        edit(rows)
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    return apply
+
+
+def _ragged(rows):  # the same number of values in all, one row short, the next one long
+    rows[3][STATE_KEY], rows[4][STATE_KEY] = rows[3][STATE_KEY][:1], rows[4][STATE_KEY] + rows[3][STATE_KEY][1:]
+
+
+def _audio_only(folder):
+    with av.open(str(folder / VIDEO), "w") as container:
+        stream = container.add_stream("aac", rate=44100)
+        frame = av.AudioFrame.from_ndarray(np.zeros((1, 1024), np.float32), format="fltp", layout="mono")
+        frame.sample_rate = 44100
+        container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+
+
+def _video_at_twice_the_rate(folder):
+    from robots.video import H264Writer
+
+    with av.open(str(folder / VIDEO)) as source:
+        frames = [f.to_ndarray(format="rgb24") for f in source.decode(video=0)]
+    with H264Writer(folder / VIDEO, 20, 64, 64, "yuv444p", crf=0) as writer:
+        for frame in frames:
+            writer.write(frame)
+
+
 @pytest.mark.parametrize(("break_it", "error", "named"), [
     (lambda f: (f / VIDEO).unlink(), FileNotFoundError, f"{VIDEO} not found; meta/episodes puts episode 0's frames"),
+    # a row of fewer numbers beside one of more trained on values shifted from one frame to the next
+    (_edit_rows(_ragged), DatasetError, "file-000.parquet: episode 0's 'observation.state' at frame 3 holds 1 "
+                                        "numbers; expected 2 numbers a row (its shape in info.json)"),
+    (_edit_rows(lambda rows: rows[2].update({ACTION_KEY: None})), DatasetError,
+     "episode 0's 'action' at frame 2 holds no numbers; expected 2 numbers a row"),
+    (_edit_rows(lambda rows: [row.update({ACTION_KEY: str(row[ACTION_KEY])}) for row in rows]), DatasetError,
+     "episode 0's 'action' is string; expected 2 numbers a row"),
+    # tracebacks before
+    (_edit_info(lambda i: i.update(fps="10")), DatasetError,
+     "info.json: fps '10'; expected a positive number of frames a second"),
+    (_edit_info(lambda i: i.update(features=[])), DatasetError,
+     "info.json: features []; expected an object of features, each an object with its dtype and shape"),
+    (_audio_only, DatasetError, f"episode 0 (11 frames in meta/episodes): {{folder}}/{VIDEO} holds no video stream"),
+    # named the video, but as one too short for the episode's length ("[Errno 1094995529] ...")
+    (lambda f: (f / VIDEO).write_bytes(b"\0" * 1000), DatasetError,
+     f"{VIDEO} is not a video PyAV decodes (Invalid data found when processing input)"),
+    # named as a video of too many frames
+    (_video_at_twice_the_rate, DatasetError, f"{VIDEO}: its frame at 0.050 s is frame 0 from 0.000 s at 10 fps, "
+                                             "after 1; expected a frame every 1/10 s"),
     (lambda f: (f / "data/chunk-000/file-000.parquet").unlink(), FileNotFoundError, "episode 0's rows"),
     (_edit_info(lambda i: i["features"].pop(STATE_KEY)), DatasetError, "feature 'observation.state' is None"),
     (_edit_info(lambda i: i["features"][IMAGE_KEY].update(dtype="image")), DatasetError,
@@ -223,7 +274,7 @@ def test_a_malformed_dataset_is_named(datasets, tmp_path, break_it, error, named
     folder = _broken_copy(datasets, tmp_path, break_it)
     with pytest.raises(error) as raised:
         list(open_dataset(folder))
-    assert named in str(raised.value)
+    assert named.format(folder=folder) in str(raised.value)
 
 
 def test_a_video_with_too_few_frames_is_named(datasets, tmp_path):
@@ -238,7 +289,9 @@ def test_a_video_with_too_few_frames_is_named(datasets, tmp_path):
     folder = _broken_copy(datasets, tmp_path, drop_last_frame)
     data = open_dataset(folder)
     last = len(data) - 1
-    with pytest.raises(DatasetError, match=f"episode {last}: .* holds {data.entries[last]['num_steps']} frames"):
+    steps = data.entries[last]["num_steps"]
+    with pytest.raises(DatasetError, match=rf"episode {last} \({steps + 1} frames in meta/episodes\): .* holds {steps} "
+                                           "frames"):
         data[last]
 
 

@@ -10,14 +10,17 @@ import pytest
 import torch
 
 from policy_server.model import load_transformer
+from policy_server.model.vae import SmallVideoVAE
 from policy_server.pipeline.embodiments import Embodiment
+from policy_server.pipeline.normalization import make_normalizer, parse_stats
 from policy_server.pipeline.policy import PolicyPipeline, PolicyRequest, default_model_path
+from robots import embedded
 from robots.datagen import generate
-from robots.dataset import DatasetError
+from robots.dataset import DatasetError, Episode
 from robots.embedded import build_random_pipeline
 from robots.envs import REACH_EITHER_ID
 from robots.lerobot_dataset import LeRobotDemoDataset
-from robots.train_policy import check_fits_embodiment, main, train
+from robots.train_policy import check_fits_embodiment, collect_windows, demonstration_stats, main, train
 
 
 def test_train_a_few_steps_and_serve_the_result(tmp_path):
@@ -40,6 +43,27 @@ def test_train_a_few_steps_and_serve_the_result(tmp_path):
                                 instruction="reach the red circle", embodiment="pusht",
                                 state=np.array([0.2, 0.2], np.float32), num_steps=2))
     assert result.actions.shape == (8, 2) and np.all(np.isfinite(result.actions))
+
+
+def test_the_actions_past_an_episodes_end_are_its_hold_action():
+    """A position-controlled arm's actions are joint targets, here 0.5 to 1.5 rad, and a gripper that never moved
+    (0.7). The rows past an episode's end were zero: min-max normalised -3 and -7e7 (the gripper's range is 0), a
+    loss of 1e15 that taught the arm to send its joints to 0 as an episode ends. They are the episode's hold action
+    (a LeRobot dataset's final row: the last target, which keeps the arm where it ended), and every action trained
+    on maps into [-1, 1]."""
+    rng = np.random.default_rng(0)
+    actions = np.column_stack([rng.uniform(0.5, 1.5, 3), np.full(3, 0.7)]).astype(np.float32)
+    hold = np.array([1.6, 0.7], np.float32)  # beyond the actions' range: the stats take it in
+    episode = Episode(frames=rng.integers(0, 256, (4, 64, 64, 3), dtype=np.uint8), states=rng.uniform(0, 1, (4, 3)),
+                      actions=actions, hold_action=hold, instruction="stack the cups", seed=None, target_color=None,
+                      success=None)
+    stats = demonstration_stats([episode])
+    vae = SmallVideoVAE.from_pretrained(default_model_path() / "vae")
+    windows = collect_windows([episode], vae, 4, 16, stats, 1, embedded.policy_config())
+    assert windows.actions.shape == (3, 4, 16) and windows.actions.abs().max() <= 1
+    normalize = make_normalizer("minmax", parse_stats(stats)["action"], 2).normalize
+    expected = normalize(np.stack([actions[2], hold, hold, hold]).astype(np.float64))  # as training normalises
+    np.testing.assert_array_equal(windows.actions[2, :, :2], expected.astype(np.float32))
 
 
 def test_pipeline_folder_is_a_diffusers_layout_root(tmp_path):
@@ -92,6 +116,51 @@ def test_cli_rejects_a_missing_init_folder_before_encoding(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def test_cli_refuses_an_out_folder_that_is_not_empty(tmp_path, capsys):
+    """Training wrote into a folder as it found it: a quality profile calibrated there before was then beside other
+    weights, and an interrupted run's training.json described another's."""
+    generate(tmp_path / "demos", episodes=1, progress=False)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "quality_profile.json").write_text("{}")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--data", str(tmp_path / "demos"), "--out", str(tmp_path / "out"), "--steps", "1"])
+    assert exit_info.value.code == 2 and capsys.readouterr().err.splitlines()[-1].endswith(
+        f"--out {tmp_path / 'out'} is not empty; expected a new or empty folder for the pipeline folder written (name "
+        "another, or remove it)")
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["quality_profile.json"]
+    main(["--data", str(tmp_path / "demos"), "--out", str(tmp_path / "empty folder"), "--steps", "1",
+          "--batch-size", "2"])  # a new folder, whose path has a space
+    assert json.loads((tmp_path / "empty folder" / "training.json").read_text())["steps"] == 1
+
+
+def test_ctrl_c_stops_training_naming_what_the_folder_holds(tmp_path):
+    """Ctrl-C ended in a KeyboardInterrupt traceback from wherever training was; the folder last saved had no
+    training.json to say which step it was."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    generate(tmp_path / "demos", episodes=1, progress=False)
+    out, log = tmp_path / "out", tmp_path / "stderr.txt"
+    with log.open("w") as stderr:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "robots.train_policy", "--data", str(tmp_path / "demos"), "--out", str(out),
+             "--steps", "100000", "--batch-size", "2", "--save-every", "20"], stdout=subprocess.DEVNULL,
+            stderr=stderr, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        # Between the saves at steps 20 and 40, as the progress bar shows
+        while process.poll() is None and not any(int(done) >= 25 for done in re.findall(r"(\d+)/100000",
+                                                                                          log.read_text())):
+            time.sleep(0.1)
+        process.send_signal(signal.SIGINT)
+        process.wait(timeout=60)
+    err = log.read_text()
+    assert process.returncode == 130 and "Traceback" not in err
+    assert err.splitlines()[-1] == f"train_policy.py: interrupted; {out} holds the weights after step 20 (--save-every)"
+    assert json.loads((out / "training.json").read_text())["steps"] == 20
+    assert PolicyPipeline.from_pretrained(out).served_embodiments == ["pusht"]
+
+
 def _widen(tensors: dict, name: str) -> dict:
     """The episode's `name` with 7 channels (or frames of 96 px), as another robot's dataset has them."""
     value = tensors[name]
@@ -134,12 +203,13 @@ def test_cli_refuses_demonstrations_recorded_at_another_rate(tmp_path, capsys):
         "name another embodiment (--embodiment) to train one of this layout" in err.splitlines()[-1]
 
 
-def _arm_dataset(folder, state_dim=3, action_dim=5, fps=15, version="v3.0", images=(), wrist=(16, 24)):
-    """A tiny LeRobot dataset as LeRobot records another robot: two episodes of 5 frames, two cameras of unequal size
-    (scene 32x32, wrist `wrist`: 16x24), `state_dim`-D state, `action_dim`-D action, `fps`; none of robots.datagen's
-    own columns. `version` "v3.0" (one data file, one video a camera) or "v2.1" (meta/episodes.jsonl, a data file per
-    episode, a video per episode and camera); the cameras in `images` are stored as PNG bytes in the rows (dtype
-    "image"), not as videos. Every layout holds the same frames, states and actions."""
+def _arm_dataset(folder, state_dim=3, action_dim=5, fps=15, version="v3.0", images=(), wrist=(16, 24), episodes=2,
+                 length=5, scene=(32, 32)):
+    """A tiny LeRobot dataset as LeRobot records another robot: `episodes` (2) episodes of `length` (5) frames, two
+    cameras of unequal size (scene `scene`: 32x32, wrist `wrist`: 16x24), `state_dim`-D state, `action_dim`-D action,
+    `fps`; none of robots.datagen's own columns. `version` "v3.0" (one data file, one video a camera) or "v2.1"
+    (meta/episodes.jsonl, a data file per episode, a video per episode and camera); the cameras in `images` are stored
+    as PNG bytes in the rows (dtype "image"), not as videos. Every layout holds the same frames, states and actions."""
     import io
 
     import pyarrow as pa
@@ -148,23 +218,25 @@ def _arm_dataset(folder, state_dim=3, action_dim=5, fps=15, version="v3.0", imag
 
     from robots.video import H264Writer
 
-    cameras = {"observation.images.scene": (32, 32), "observation.images.wrist": wrist}
-    rng, length, task = np.random.default_rng(0), 5, "stack the cups"
-    frames = {key: rng.integers(0, 256, (2, length, h, w, 3), dtype=np.uint8) for key, (h, w) in cameras.items()}
+    cameras = {"observation.images.scene": scene, "observation.images.wrist": wrist}
+    rng, task = np.random.default_rng(0), "stack the cups"
+    frames = {key: rng.integers(0, 256, (episodes, length, h, w, 3), dtype=np.uint8)
+              for key, (h, w) in cameras.items()}
     rows = [[{"observation.state": rng.uniform(-3, 3, state_dim).tolist(),
               "action": rng.uniform(-1, 1, action_dim).tolist(), "timestamp": i / fps, "frame_index": i,
-              "episode_index": e, "index": e * length + i, "task_index": 0} for i in range(length)] for e in range(2)]
+              "episode_index": e, "index": e * length + i, "task_index": 0} for i in range(length)]
+            for e in range(episodes)]
     for key in images:  # as Hugging Face datasets' Image: struct<bytes, path>
-        for e, i in np.ndindex(2, length):
+        for e, i in np.ndindex(episodes, length):
             png = io.BytesIO()
             Image.fromarray(frames[key][e, i]).save(png, format="PNG")
             rows[e][i][key] = {"bytes": png.getvalue(), "path": f"frame_{i:06d}.png"}
     videos = [key for key in cameras if key not in images]
 
-    def write_video(path, key, episodes):
+    def write_video(path, key, numbers):
         path.parent.mkdir(parents=True, exist_ok=True)
         with H264Writer(path, fps, *cameras[key], "yuv444p", 0) as video:
-            for e in episodes:
+            for e in numbers:
                 for i, frame in enumerate(frames[key][e]):
                     video.write(frame, keyframe=i == 0)
 
@@ -174,24 +246,24 @@ def _arm_dataset(folder, state_dim=3, action_dim=5, fps=15, version="v3.0", imag
 
     if version == "v3.0":
         for key in videos:
-            write_video(folder / f"videos/{key}/chunk-000/file-000.mp4", key, range(2))
-        write_table(folder / "data/chunk-000/file-000.parquet", rows[0] + rows[1])
+            write_video(folder / f"videos/{key}/chunk-000/file-000.mp4", key, range(episodes))
+        write_table(folder / "data/chunk-000/file-000.parquet", [row for episode in rows for row in episode])
         write_table(folder / "meta/episodes/chunk-000/file-000.parquet", [
             {"episode_index": e, "tasks": [task], "length": length, "data/chunk_index": 0, "data/file_index": 0,
              "dataset_from_index": e * length, "dataset_to_index": (e + 1) * length,
              **{f"videos/{key}/{field}": value for key in videos for field, value in (
                  ("chunk_index", 0), ("file_index", 0), ("from_timestamp", e * length / fps),
-                 ("to_timestamp", (e + 1) * length / fps))}} for e in range(2)])
+                 ("to_timestamp", (e + 1) * length / fps))}} for e in range(episodes)])
         paths = {"data_path": "data/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet",
                  "video_path": "videos/{video_key}/chunk-{chunk_index:03d}/file-{file_index:03d}.mp4"}
     else:
-        for e in range(2):
+        for e in range(episodes):
             for key in videos:
                 write_video(folder / f"videos/chunk-000/{key}/episode_{e:06d}.mp4", key, [e])
             write_table(folder / f"data/chunk-000/episode_{e:06d}.parquet", rows[e])
         (folder / "meta").mkdir()
         (folder / "meta/episodes.jsonl").write_text("".join(
-            json.dumps({"episode_index": e, "tasks": [task], "length": length}) + "\n" for e in range(2)))
+            json.dumps({"episode_index": e, "tasks": [task], "length": length}) + "\n" for e in range(episodes)))
         (folder / "meta/tasks.jsonl").write_text(json.dumps({"task_index": 0, "task": task}) + "\n")
         paths = {"chunks_size": 1000,
                  "data_path": "data/chunk-{episode_chunk:03d}/episode_{episode_index:06d}.parquet",
@@ -201,9 +273,34 @@ def _arm_dataset(folder, state_dim=3, action_dim=5, fps=15, version="v3.0", imag
     features["observation.state"] = {"dtype": "float32", "shape": [state_dim], "names": None}
     features["action"] = {"dtype": "float32", "shape": [action_dim], "names": [f"m{i}" for i in range(action_dim)]}
     (folder / "meta/info.json").write_text(json.dumps({
-        "codebase_version": version, "robot_type": "tiny_arm", "fps": fps, "total_episodes": 2, "features": features,
-        **paths}))
+        "codebase_version": version, "robot_type": "tiny_arm", "fps": fps, "total_episodes": episodes,
+        "features": features, **paths}))
     return folder
+
+
+def test_a_dataset_is_held_in_memory_one_episode_at_a_time(tmp_path):
+    """Every episode's frames were held at once, and each tick's clip copied at the recorded size (6 episodes of 100
+    frames from two 240x320 cameras, 0.3 MB on disk: 2.7 GB more memory, and twice the time): a dataset bigger than
+    memory could not train. Each episode is read, checked, read again and encoded, then dropped: twice the episodes
+    take no more memory (numpy's, which tracemalloc traces), where they took 5.6 times their frames more."""
+    import tracemalloc
+
+    def peak_training(episodes: int) -> int:
+        data = _arm_dataset(tmp_path / f"arm{episodes}", episodes=episodes, length=10, scene=(128, 128),
+                            wrist=(128, 128))
+        tracemalloc.reset_peak()
+        main(["--data", str(data), "--out", str(tmp_path / f"out{episodes}"), "--chunk-size", "4", "--steps", "1",
+              "--batch-size", "2"])
+        assert json.loads((tmp_path / f"out{episodes}" / "training.json").read_text())["windows"] == episodes * 9
+        return tracemalloc.get_traced_memory()[1]
+
+    tracemalloc.start()
+    try:
+        peak_training(1)  # the first run in a process allocates more, once
+        growth = peak_training(12) - peak_training(6)
+    finally:
+        tracemalloc.stop()
+    assert growth < 6 * 10 * 128 * 256 * 3 / 2  # half the 6 more episodes' frames, their cameras side by side
 
 
 def test_another_robot_trains_on_a_domain_row_of_its_own_and_is_served_as_trained(tmp_path, caplog):
@@ -259,7 +356,8 @@ def test_another_robot_trains_on_a_domain_row_of_its_own_and_is_served_as_traine
     try:
         assert engine.wait_ready(timeout_s=120)
         served = engine.info().embodiment("tiny_arm")
-        session = engine.open_session("tiny_arm", "stack the cups", rate_hz=0)
+        # a budget any machine meets: the default 120 ms is infeasible on a loaded 2-core one
+        session = engine.open_session("tiny_arm", "stack the cups", budget_ms=10_000, rate_hz=0)
         frames = {c.name: rng.integers(0, 256, (c.height, c.width, 3), dtype=np.uint8) for c in served.cameras}
         acted = engine.act(session.session_id, session.epoch, api.Observation(frames, np.zeros(3, np.float32)))
         assert acted.actions.shape == (4, 5) and np.all(np.isfinite(acted.actions))
@@ -309,6 +407,40 @@ def test_cli_refuses_what_the_model_cannot_train_before_encoding(tmp_path, capsy
     assert "vae encode" not in err and not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(("column", "value", "named"), [
+    ("action", np.nan, "episode 1 has actions that are not finite (nan at frame 2, channel 1); expected finite "
+                       "numbers"),
+    ("observation.state", -np.inf, "episode 1 has states that are not finite (-inf at frame 2, channel 1); expected "
+                                   "finite numbers"),
+])
+def test_a_demonstration_that_is_not_finite_is_named_before_encoding(tmp_path, capsys, column, value, named):
+    """A NaN in a recording (a dropped sensor reading) ended in a traceback from the statistics, or trained on NaN."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    data = _arm_dataset(tmp_path / "arm")
+    path = data / "data/chunk-000/file-000.parquet"
+    rows = pq.read_table(path).to_pylist()
+    rows[5 + 2][column][1] = value  # episode 1 (5 frames each), its frame 2
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--data", str(data), "--out", str(tmp_path / "out"), "--steps", "1"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err and "vae encode" not in err
+    assert err.splitlines()[-1].endswith(f"{data}: {named}")
+
+
+def test_episodes_with_no_action_are_named(tmp_path, capsys):
+    """Episodes of one frame each (an observation, no action) ended in a traceback from the statistics."""
+    data = _arm_dataset(tmp_path / "arm", length=1)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--data", str(data), "--out", str(tmp_path / "out"), "--steps", "1"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err and not (tmp_path / "out").exists()
+    assert err.splitlines()[-1].endswith("no episode has an action to train on (each has one frame); expected "
+                                         "episodes of 2 frames or more")
+
+
 @pytest.mark.parametrize(("other", "named"), [
     ({"cameras": ("scene", "hand"), "camera_sizes": None},
      "cameras ['scene', 'wrist']; expected ['scene', 'hand'], the cameras of the embodiment it trains (tiny_arm)"),
@@ -333,7 +465,7 @@ def test_a_lerobot_v21_dataset_reads_and_trains_as_its_v3_equivalent(tmp_path):
         (v3.cameras, v3.fps, v3.robot_type, v3.dims, v3.action_names, v3.entries)
     for a, b in zip(v3, v21, strict=True):
         assert a.instruction == b.instruction == "stack the cups" and b.frames.shape == (5, 32, 80, 3)
-        for field in ("frames", "states", "actions"):
+        for field in ("frames", "states", "actions", "hold_action"):
             np.testing.assert_array_equal(getattr(a, field), getattr(b, field))
 
     out = tmp_path / "out"
@@ -431,3 +563,34 @@ def test_channel_names_nested_as_lerobot_records_them_are_read(tmp_path):
     names = ["shoulder", "elbow", "wrist", "roll", "gripper"]
     _edit_json("meta/info.json", lambda i: i["features"]["action"].update(names={"motors": names}))(folder)
     assert LeRobotDemoDataset(folder).action_names == names
+
+
+def test_a_feature_of_shape_1_reads_as_lerobot_stores_it(tmp_path):
+    """LeRobot keeps a feature of shape [1] (a gripper-only action, a conveyor's position) as a number a row, not a
+    list of one: reading it ended in a traceback."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder = _arm_dataset(tmp_path / "arm", state_dim=1, action_dim=1)
+    listed = list(LeRobotDemoDataset(folder))
+    path = folder / "data/chunk-000/file-000.parquet"
+    table = pq.read_table(path)
+    for key in ("observation.state", "action"):
+        numbers = pa.array([row[0] for row in table[key].to_pylist()], pa.float32())
+        table = table.set_column(table.column_names.index(key), key, numbers)
+    pq.write_table(table, path)
+    for a, b in zip(listed, LeRobotDemoDataset(folder), strict=True):
+        assert b.actions.shape == (4, 1) and b.states.shape == (5, 1)
+        for field in ("states", "actions", "hold_action"):
+            np.testing.assert_array_equal(getattr(a, field), getattr(b, field))
+
+
+def test_a_state_and_action_of_float64_read(tmp_path):
+    """Datasets converted to LeRobot's layout often keep their state and action as float64: they were refused."""
+    folder = _arm_dataset(tmp_path / "arm")
+    as_float32 = list(LeRobotDemoDataset(folder))
+    _edit_json("meta/info.json", lambda i: [i["features"][key].update(dtype="float64")
+                                            for key in ("observation.state", "action")])(folder)
+    for a, b in zip(as_float32, LeRobotDemoDataset(folder), strict=True):
+        for field in ("states", "actions", "hold_action"):
+            np.testing.assert_array_equal(getattr(a, field), getattr(b, field))
