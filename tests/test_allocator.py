@@ -22,13 +22,12 @@ libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]
 libc.mallinfo2.restype = MallInfo2
-set_it = sys.argv[1] == "set"
-if set_it:
+if sys.argv[1] == "set":
     assert return_large_frees()
 # Unset, glibc now takes blocks up to this size (within its 32 MiB cap) from a heap.
 libc.free(libc.malloc(MMAP_THRESHOLD_BYTES * 3 // 2))
 mapped = libc.mallinfo2().hblkhd  # bytes in blocks of their own mapping
-block = libc.malloc(MMAP_THRESHOLD_BYTES)
+libc.malloc(MMAP_THRESHOLD_BYTES)
 print(libc.mallinfo2().hblkhd - mapped >= MMAP_THRESHOLD_BYTES)
 """
 
