@@ -27,6 +27,7 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from policy_server import __version__
+from policy_server.allocator import return_large_frees
 from policy_server.config import ConfigError, ServerConfig, build_config, chosen_config_file, read_config_file
 
 if TYPE_CHECKING:
@@ -134,6 +135,7 @@ def serve(config: ServerConfig) -> int:
     from policy_server.pipeline.policy import CheckpointLoadError
     from policy_server.server.app import build_server
 
+    return_large_frees()  # else the heaps keep what a large frame's buffers free
     try:
         engine = build_engine(config)
     except (CheckpointLoadError, ProfileError, CompileUnavailableError, DeviceUnavailable) as exc:

@@ -7,7 +7,7 @@ import torch
 
 from policy_server.cache.controller import NoCache
 from policy_server.cache.seacache import SeaCache, SeaCacheConfig
-from policy_server.pipeline import conditioning, schedulers
+from policy_server.pipeline import conditioning, policy, schedulers
 from policy_server.pipeline.embodiments import Embodiment
 from policy_server.pipeline.errors import InvalidImage, PolicyInputError
 from policy_server.pipeline.packing import ActionLayout
@@ -249,6 +249,23 @@ def test_prompt_state_reuse_is_exact(pipe):
     assert torch.equal(
         torch.from_numpy(pipe(request, prompt=prompt).actions), torch.from_numpy(pipe(request).actions)
     )
+
+
+def test_the_layouts_kept_are_the_most_recent_shapes_and_an_evicted_one_is_built_again(tmp_path, monkeypatch):
+    """Each instruction length is a shape of its own: the GEN layouts kept stay within MAX_LAYOUT_SHAPES, a pair of
+    cond and uncond layouts goes with its layouts, and a shape whose layouts went is served as before."""
+    monkeypatch.setattr(policy, "MAX_LAYOUT_SHAPES", 4)
+    pipe = build_random_pipeline(tmp_path, seed=0)
+    instructions = [f"reach the {'red ' * words}circle" for words in range(1, 7)]  # 6 cond shapes, 1 uncond
+    first = pipe(_request(instruction=instructions[0], guidance=2.0))
+    for instruction in instructions[1:]:
+        pipe(_request(instruction=instruction, guidance=2.0))
+        assert len(pipe._gen_layouts) <= 4
+        assert all(shape in pipe._gen_layouts for pair in pipe._branch_layouts for shape in pair)
+    assert len(pipe._gen_layouts) == 4 and len(pipe._branch_layouts) == 3
+    again = pipe(_request(instruction=instructions[0], guidance=2.0))
+    assert np.array_equal(first.actions, again.actions)
+    assert torch.equal(first.latents, again.latents)
 
 
 def test_seacache_threshold_zero_is_bit_identical(pipe):

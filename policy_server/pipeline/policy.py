@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -66,6 +67,11 @@ from policy_server.specs import frame_sizes_outside, width_beside
 
 MODES = ("policy", "forward_dynamics", "inverse_dynamics")
 BRANCHES = ("cond", "uncond")
+# GEN layouts kept, the most recently used. A request's shape has its text length, which the client picks (any
+# instruction up to 128 tokens), and each layout holds its rotary tables [N_gen, head_dim] on the device: kept all,
+# a server running for days would hold one for every text length and chunk it was ever sent. This is room for the
+# cond and uncond branch of as many sessions as a server takes (64).
+MAX_LAYOUT_SHAPES = 128
 
 
 class StepControl(Protocol):
@@ -375,7 +381,7 @@ class PolicyPipeline:
         # GEN layouts by request shape: ticks of the same shape share one object, which is what lets
         # the engine run their GEN stacks as one batch (`GenInput.stack`); and by the shapes of a cond and
         # uncond branch, their layouts as one batch.
-        self._gen_layouts: dict[RequestShape, GenLayout] = {}
+        self._gen_layouts: OrderedDict[RequestShape, GenLayout] = OrderedDict()  # at most MAX_LAYOUT_SHAPES
         self._branch_layouts: dict[tuple[RequestShape, RequestShape], PaddedGenLayouts] = {}
         self._normalizers: dict[str, FeatureNormalizers] = {}
         # The negative prompt's text K/V by its tokens: it names no instruction, so every prompt of a clip length
@@ -798,12 +804,19 @@ class PolicyPipeline:
         ticks that share it can run their GEN stacks as one batch (`GenLayout.key`, `GenInput.stack`)."""
         args = (input_ids, tuple(state.vision.shape), state.clean_frames, fps, state.action_layout)
         key = request_shape(*args)
-        if key not in self._gen_layouts:
-            packed = pack_request(self.transformer.config, *args, device=self.device)
-            dtype = self.transformer.dtype
-            self._gen_layouts[key] = self.transformer.gen_layout(
-                key=key, **packed.model_kwargs(state.vision.to(dtype), state.actions.to(dtype), timestep=0.0))
-        return self._gen_layouts[key]
+        layout = self._gen_layouts.get(key)
+        if layout is not None:
+            self._gen_layouts.move_to_end(key)
+            return layout
+        packed = pack_request(self.transformer.config, *args, device=self.device)
+        dtype = self.transformer.dtype
+        layout = self._gen_layouts[key] = self.transformer.gen_layout(
+            key=key, **packed.model_kwargs(state.vision.to(dtype), state.actions.to(dtype), timestep=0.0))
+        if len(self._gen_layouts) > MAX_LAYOUT_SHAPES:
+            evicted, _ = self._gen_layouts.popitem(last=False)
+            # A pair batches only the very layout objects it was built from (`GenInput.stack_varied`).
+            self._branch_layouts = {pair: batch for pair, batch in self._branch_layouts.items() if evicted not in pair}
+        return layout
 
     def _branch_batch(self, branches: dict[str, Branch], prompt: PromptState) -> BranchBatch:
         """The cond and uncond branch as one batch; their layouts are built once per pair of shapes. The shapes

@@ -22,6 +22,7 @@ from typing import Any
 
 from ray import serve
 
+from policy_server.allocator import return_large_frees
 from policy_server.config import ServerConfig
 from policy_server.ray_serve.call import CallAborted, ServeCall
 from policy_server.server.app import max_concurrent_calls
@@ -71,6 +72,7 @@ class PolicyDeployment:
     def __init__(self, config: ServerConfig) -> None:
         from policy_server.engine import build_engine  # torch and the model: only in the replica
 
+        return_large_frees()  # as `policy-server` does
         self._engine = build_engine(config)
         self._engine.start()
         self._engine.wait_ready()  # raises if warmup failed: Serve retries the replica
