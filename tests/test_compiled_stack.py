@@ -35,7 +35,9 @@ STATE = np.array([0.2, 0.3], np.float32)
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     """The random model, its embodiment serving chunks up to its default (8 actions, 1 to 3 latent frames): an engine
-    compiles the tick work of 3 latent shapes rather than 5, and compiling is what this module spends its time on."""
+    compiles the tick work of 3 latent shapes rather than 5, and compiling is what this module spends its time on.
+    6 sampler steps rather than 20: the module's ticks cost a third, and every step runs the one step graph of its
+    latent shape, through the sampler's every order (1, 2, then 1 on the last step) as at 20."""
     folder = tmp_path_factory.mktemp("compiled-stack-model")
     build_random_pipeline(folder, seed=3)
     path = folder / "embodiments.json"
@@ -43,6 +45,8 @@ def folder(tmp_path_factory):
     for entry in entries["embodiments"]:
         entry["max_chunk_size"] = entry["default_chunk_size"]
     path.write_text(json.dumps(entries))
+    policy = folder / "policy.json"
+    policy.write_text(json.dumps({**json.loads(policy.read_text()), "num_steps": 6}))
     return folder
 
 
