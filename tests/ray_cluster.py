@@ -3,15 +3,15 @@ process was started in, reachable from outside it through a Unix socket.
 
     unshare -n python tests/ray_cluster.py WORKDIR
 
-`tests/test_ray_serve.py` starts it so: Serve's gRPC proxy listens on every interface, and inside a namespace of
-its own every interface is this loopback. It refuses to run where the machine has any other interface. It brings
-`lo` up, builds a small random model in WORKDIR (4 sampler steps), starts Ray on 127.0.0.1 and Serve with
-`REPLICAS` replicas of it (uncached, so that answers repeat exactly; auth token in WORKDIR/token), forwards the
-Unix socket WORKDIR/serve.sock to the gRPC proxy, and prints one line: `READY {"gcs": ..., "model": ...}`. Then
-it answers each JSON line on stdin with one JSON line:
+`tests/test_ray_serve.py` starts it so, once it has built the model in WORKDIR/model (`build_model`, in its own
+process, where torch is loaded already: this one does without): Serve's gRPC proxy listens on every interface, and
+inside a namespace of its own every interface is this loopback. It refuses to run where the machine has any other
+interface. It brings `lo` up, starts Ray on 127.0.0.1 and Serve with `REPLICAS` replicas of the model (uncached, so
+that answers repeat exactly; auth token in WORKDIR/token), forwards the Unix socket WORKDIR/serve.sock to the gRPC
+proxy, and prints one line: `READY {"gcs": ...}`. Then it answers each JSON line on stdin with one JSON line:
 - `{"kill": name}`: kill the replica actor `name` (Serve starts another) -> `{"killed": name}`;
 - `{"run": argv}`: run the command here, inside the namespace -> `{"rc": ..., "output": last 4000 characters}`.
-It exits when stdin closes.
+It exits when stdin closes, and Ray with it (Serve's replicas too: no graceful stop, which waits seconds on each).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ def loopback_up() -> None:
 
 
 def build_model(directory: Path) -> None:
+    """A small random model (4 sampler steps) in `directory`."""
     from robots.embedded import build_random_pipeline
 
     build_random_pipeline(directory, seed=5)
@@ -82,7 +83,6 @@ def main(workdir: Path) -> None:
     from policy_server.ray_serve.app import build_app, grpc_options
 
     model = workdir / "model"
-    build_model(model)
     (workdir / "token").write_text(TOKEN)
     ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=4, log_to_driver=False)
     serve.start(http_options=HTTPOptions(host="127.0.0.1"), grpc_options=grpc_options(GRPC_PORT))
@@ -94,7 +94,7 @@ def main(workdir: Path) -> None:
     threading.Thread(target=asyncio.run, args=(_bridge(workdir / "serve.sock", GRPC_PORT, bridged),),
                      daemon=True).start()
     bridged.wait()
-    print("READY " + json.dumps({"gcs": ray.get_runtime_context().gcs_address, "model": str(model)}), flush=True)
+    print("READY " + json.dumps({"gcs": ray.get_runtime_context().gcs_address}), flush=True)
     for line in sys.stdin:
         command = json.loads(line)
         if "kill" in command:
@@ -104,7 +104,6 @@ def main(workdir: Path) -> None:
             done = subprocess.run(command["run"], capture_output=True, text=True)
             reply = {"rc": done.returncode, "output": (done.stdout + done.stderr)[-4000:]}
         print(json.dumps(reply), flush=True)
-    serve.shutdown()
     ray.shutdown()
 
 

@@ -24,8 +24,12 @@ from robots.rollout import main as rollout_main
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
+    """The toy model, sampling in 10 steps rather than 20: the bench's engines, configurations and episodes run its
+    ticks by the hundred."""
     directory = tmp_path_factory.mktemp("bench-model")
     build_random_pipeline(directory, seed=3)
+    policy = directory / "policy.json"
+    policy.write_text(json.dumps({**json.loads(policy.read_text()), "num_steps": 10}))
     return directory
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from ray_cluster import GRPC_PORT, TOKEN
+from ray_cluster import GRPC_PORT, TOKEN, build_model
 
 from policy_server.client import Backoff, ControlStream, PolicyClient, PolicyServerError, Session, build_observation
 from policy_server.v1 import policy_server_pb2 as pb
@@ -97,7 +97,9 @@ def cluster(tmp_path_factory):
     if prefix is None:
         pytest.skip("cannot make a network namespace here (unshare -n / -rn); Serve's gRPC proxy listens on every "
                     "interface, so its cluster runs only inside one")
-    cluster = Cluster(tmp_path_factory.mktemp("ray"), prefix)
+    workdir = tmp_path_factory.mktemp("ray")
+    build_model(workdir / "model")
+    cluster = Cluster(workdir, prefix)
     try:
         cluster.wait_ready()
         yield cluster
@@ -228,7 +230,7 @@ def _decisions(report: dict) -> list[dict]:
 
 
 def test_ray_rollouts_equal_a_local_run_in_process_and_through_serve(cluster, tmp_path):
-    model, gcs = cluster.info["model"], cluster.info["gcs"]
+    model, gcs = str(cluster.workdir / "model"), cluster.info["gcs"]
     in_process = ["--in-process", "--checkpoint", model, "--no-diffusion-cache"]
     local = _rollout(None, tmp_path / "local.json", *in_process)
     spread = _rollout(cluster.command, tmp_path / "ray.json", *in_process, "--ray", "2", "--ray-address", gcs)

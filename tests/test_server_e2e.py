@@ -42,9 +42,12 @@ MAX_MESSAGE_MB = 1.0
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """The client of a running server process, the path of its log and the URL of its /metrics."""
+    """The client of a running server process, the path of its log and the URL of its /metrics. The model samples in
+    4 steps rather than 20: its warmup calibration (no profile beside the checkpoint) and every tick cost a fifth."""
     model_dir = tmp_path_factory.mktemp("e2e-model")
     build_random_pipeline(model_dir, seed=2)
+    policy = model_dir / "policy.json"
+    policy.write_text(json.dumps({**json.loads(policy.read_text()), "num_steps": 4}))
     logs = tmp_path_factory.mktemp("e2e-log")
     (logs / "token").write_text(TOKEN)
     log = open(logs / "server.log", "w+")
