@@ -20,9 +20,10 @@ def return_large_frees() -> bool:
     them, and a thread's heap keeps what they free. A fixed threshold turns that off. On a 2-core CPU, 40 requests with
     a 2048 x 2048 frame among small ones left the server 95 MB larger (glibc holding 99 MB more, 1.7 MB more of it in
     use), 220 of them 153 MB; with this threshold (set by glibc's variable below), 5 and 13 MB. Small ticks map nothing;
-    a 2048 px frame's tick took about 10% longer (its buffers' pages are new each time). `MALLOC_MMAP_THRESHOLD_` in the
-    environment, glibc's own setting, wins; elsewhere than glibc (musl, macOS) nothing is set."""
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+    a 2048 px frame's tick took about 10% longer (its buffers' pages are new each time). glibc's own settings in the
+    environment win (`MALLOC_MMAP_THRESHOLD_`, or `glibc.malloc.mmap_threshold` in `GLIBC_TUNABLES`); elsewhere than
+    glibc (musl, macOS) nothing is set."""
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ or "glibc.malloc.mmap_threshold" in os.environ.get("GLIBC_TUNABLES", ""):
         return False
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
     return mallopt is not None and mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1

@@ -418,7 +418,9 @@ def train(
             "params": sum(p.numel() for p in model.parameters()),
             "init": str(init_from) if init_from is not None else "scratch",
         }
-        (out_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+        written = out_dir / f"{SUMMARY_FILE}.part"  # then renamed: a Ctrl-C leaves the whole file or none
+        written.write_text(json.dumps(summary, indent=2) + "\n")
+        written.replace(out_dir / SUMMARY_FILE)
         return summary
 
     progress = tqdm(range(steps), desc="train policy", unit="step")

@@ -33,7 +33,8 @@ print(libc.mallinfo2().hblkhd - mapped >= MMAP_THRESHOLD_BYTES)
 
 
 def _maps_its_own(how: str) -> bool:
-    env = {name: value for name, value in os.environ.items() if not name.startswith("MALLOC_")}  # glibc's own
+    env = {name: value for name, value in os.environ.items()  # without glibc's own settings
+           if not name.startswith("MALLOC_") and name != "GLIBC_TUNABLES"}
     out = subprocess.run([sys.executable, "-c", PROBE, how], capture_output=True, text=True, check=True, env=env)
     return out.stdout.strip() == "True"
 

@@ -123,8 +123,8 @@ def save_observations(path: Path, observations: Sequence[Observation]) -> None:
 
 def _save_sorted(path: Path, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> None:
     """`safetensors.numpy.save_file` with the metadata's keys sorted, so that the same observations give the same
-    bytes (the shipped set the digest its profile names, `observations_source`): safetensors writes them in the order
-    of a Rust HashMap, which changes from one call to the next (safetensors issue 584)."""
+    bytes (a rebuilt set keeps the digest its quality profile names, `observations_source`): safetensors writes them
+    in the order of a Rust HashMap, which changes from one call to the next (safetensors issue 584)."""
     data = save(tensors, metadata=metadata)
     size = int.from_bytes(data[:8], "little")
     header = json.loads(data[8:8 + size])
