@@ -846,6 +846,17 @@ def test_reasoner_calls_are_bounded_at_the_count_server_info_publishes(engine, m
     assert list(engine.reason("describe the table", max_new_tokens=12, seed=0)) == answers[0]  # slots given back
 
 
+def test_a_reasoner_call_that_fails_to_start_gives_its_place_back(engine):
+    """A call refused by the stream's own checks (no server validated it here) or failing to allocate its KV
+    cache leaves every place free."""
+    for _ in range(engine.info().max_reason_calls + 1):
+        with pytest.raises(ValueError, match="temperature must be >= 0"):
+            engine.reason("describe the table", max_new_tokens=4, temperature=-1.0)
+    streams = [engine.reason("describe the table", max_new_tokens=4, seed=0)
+               for _ in range(engine.info().max_reason_calls)]  # every place is free again
+    assert all(list(stream) for stream in streams)
+
+
 def test_close_stops_a_running_reasoner_call_and_every_caller_is_answered(tmp_path):
     pipeline = build_random_pipeline(tmp_path, seed=3)
     engine = ModelEngine(pipeline, EngineSettings(warmup_ticks=1))

@@ -47,7 +47,7 @@ class Reasoning:
         try:
             stream = ReasonerStream(self.served.pipeline.transformer, ids, max_tokens, temperature=temperature,
                                     stop_token_ids=stops, seed=seed or 0)
-        except torch.OutOfMemoryError:  # its KV cache does not fit beside the model: the place goes back
+        except BaseException:  # e.g. its KV cache does not fit beside the model: the place goes back
             self._calls.release()
             raise
         pieces: queue.Queue = queue.Queue()  # text, then the ReasonEnd or the error that ended the call
