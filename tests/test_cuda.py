@@ -100,6 +100,27 @@ def test_the_graphed_gen_stack_gives_the_eager_stacks_outputs(no_tf32):
     np.testing.assert_allclose(replayed.actions, expected, rtol=0, atol=1e-5)
 
 
+def test_the_graphed_gen_stack_keeps_the_shapes_used_last(no_tf32):
+    pipeline = PolicyPipeline.from_pretrained(None, device="cuda", dtype=torch.float32)
+    config = pipeline.config
+    graphs = GraphedGenStack(pipeline.transformer.gen_stack, max_graphs=2)
+
+    def tick(stack, cache=None, batch_branches=True):
+        control = pipeline.fixed_steps(config.num_steps, config.guidance, cache, batch_branches)
+        return run_steps(pipeline.steps(_request(pipeline), None, control), stack)
+
+    eager = tick(pipeline.transformer.gen_stack)
+    tick(graphs.capture)  # the branches as one batch
+    captured_ms = graphs.capture_ms
+    tick(graphs.capture, _max_caching(), batch_branches=False)  # each branch alone: the batch's graph goes
+    assert graphs.num_graphs == 2 and graphs.capture_ms > captured_ms
+    captured_ms = graphs.capture_ms
+    np.testing.assert_array_equal(tick(graphs).actions, eager.actions)  # evicted: runs eagerly
+    recaptured = tick(graphs.capture)
+    assert graphs.num_graphs == 2 and graphs.capture_ms > captured_ms
+    np.testing.assert_allclose(recaptured.actions, eager.actions, rtol=0, atol=1e-5)
+
+
 def test_the_engine_captures_graphs_at_warmup_and_session_opening_and_ticks_replay_them(no_tf32, compiles):
     """The CUDA default: the GEN stack compiled at warmup and replayed from CUDA graphs."""
     pipeline = PolicyPipeline.from_pretrained(None, device="cuda", dtype=torch.float32)
