@@ -209,6 +209,10 @@ class ServerConfig(BaseModel):
             try:
                 context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
                 context.load_cert_chain(self.tls_cert, self.tls_key)
+                # TLS 1.3 sends session tickets after the handshake, while websockets' sync client (openpi's) writes
+                # its upgrade request on one thread as another reads: Python's TLS sockets are not safe for that,
+                # and about 1 connection in 270 lost its request. A robot connects once; it needs no resumption.
+                context.num_tickets = 0
                 self._tls = ServerTls(context, self.tls_key.read_bytes(), self.tls_cert.read_bytes())
             except OSError as error:  # unreadable, or not PEM (ssl.SSLError)
                 raise ValueError(f"tls_cert {str(self.tls_cert)!r} and tls_key {str(self.tls_key)!r}: expected a PEM "
