@@ -296,7 +296,8 @@ def test_a_refusal_never_names_a_session_its_control_stream_holds_open_as_the_on
         with pytest.raises(api.TooManySessions, match=r"the one longest without a call \(client 'arm 1'\)"):
             engine.open_session("pusht", "one too many", rate_hz=0)
         with engine.attach(arms[1].session_id), engine.attach(arms[2].session_id):
-            with pytest.raises(api.TooManySessions, match="closes; each open session is held by its Control stream"):
+            with pytest.raises(api.TooManySessions,
+                               match="closes; each open session is held by its Control stream or WebSocket connection"):
                 engine.open_session("pusht", "one too many", rate_hz=0)
     for arm in arms:
         engine.close_session(arm.session_id)

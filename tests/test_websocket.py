@@ -26,7 +26,7 @@ from openpi_client.websocket_client_policy import WebsocketClientPolicy
 from websockets.exceptions import ConnectionClosed, InvalidMessage, InvalidStatus
 
 from policy_server.config import build_config
-from policy_server.engine.api import ActionSpec, Observation
+from policy_server.engine.api import CLOSED_BY_CLIENT, ActionSpec, Observation, TooManySessions
 from policy_server.engine.engine import ModelEngine
 from policy_server.engine.served import EngineSettings
 from policy_server.limits import MAX_FRAME_SIDE, MAX_INSTRUCTION_TOKENS, MAX_REFUSED_MESSAGES, REFUSED_MESSAGES_HZ
@@ -198,6 +198,63 @@ def test_a_connections_session_lives_as_long_as_the_connection(tmp_path):
         with pytest.raises(RuntimeError, match=f"TOO_LONG: prompt: expected at most {MAX_INSTRUCTION_TOKENS} tokens"):
             policy.infer(good | {"prompt": "reach " * (2 * MAX_INSTRUCTION_TOKENS)})  # openpi's name for the field
         policy._ws.close()
+    finally:
+        server.stop(grace_s=0.2)
+        engine.close()
+
+
+class _SessionsCloseAfterARefusal(ModelEngine):
+    """The real engine, whose sessions close only once an opening was refused for want of room: the thread of a
+    connection that closed is always behind the client that reconnects at once."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.closing, self.refused = threading.Event(), threading.Event()
+
+    def open_session(self, *args, **kwargs):
+        try:
+            return super().open_session(*args, **kwargs)
+        except TooManySessions:
+            self.refused.set()
+            raise
+
+    def close_session(self, session_id: str, why: str = CLOSED_BY_CLIENT) -> None:
+        self.closing.set()
+        self.refused.wait(timeout=60)
+        super().close_session(session_id, why)
+
+
+@pytest.mark.parametrize("gone", ["closed", "reset"])
+def test_a_client_that_reconnects_at_once_gets_the_place_of_its_closing_connection(tmp_path, gone):
+    """openpi's client does not retry a refusal, and its protocol has no request id: a robot whose controller
+    restarts (its old connection closed, or its process killed: the socket reset) reconnected to a full server
+    before the old connection's thread had closed its session, and was refused TOO_MANY_SESSIONS (10 of 1000
+    reconnects, --max-sessions 1). An opening that finds no room while a connection already closing holds a session
+    waits for it; one that finds the server full of open connections is refused."""
+    engine = _SessionsCloseAfterARefusal(build_random_pipeline(tmp_path, seed=2), EngineSettings(
+        warmup_ticks=1, default_budget_ms=10_000.0, max_sessions=1))
+    engine.start()
+    assert engine.wait_ready(timeout_s=300)
+    server = build_server(build_config(overrides={"port": 0, "websocket_port": 0, "max_sessions": 1}), engine).start()
+    good = {"observation/image": np.zeros((64, 64, 3), np.uint8), "observation/state": np.zeros(2, np.float32),
+            "prompt": "reach"}
+    try:
+        old = WebsocketClientPolicy(host="127.0.0.1", port=server.websocket_port)
+        assert old.infer(good)["epoch"] == 1
+        if gone == "closed":
+            old._ws.close()
+        else:  # as the kernel closes a killed process's socket
+            old._ws.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            old._ws.socket.close()
+        assert engine.closing.wait(timeout=30)  # the old connection's thread has seen it go
+        new = WebsocketClientPolicy(host="127.0.0.1", port=server.websocket_port)
+        assert new.infer(good)["epoch"] == 1
+        assert engine.refused.is_set()  # it was turned away once, while the old session was open
+        third = WebsocketClientPolicy(host="127.0.0.1", port=server.websocket_port)
+        with pytest.raises(RuntimeError, match="TOO_MANY_SESSIONS: all 1 sessions are in use"):
+            third.infer(good)  # the one place is the new connection's, which is open
+        third._ws.close()
+        new._ws.close()
     finally:
         server.stop(grace_s=0.2)
         engine.close()

@@ -101,12 +101,13 @@ class SessionState:
 
 def _longest_unused(sessions: Iterable[SessionState], idle_s: float) -> str:
     """For a refusal, which another client gets: when an unused session closes, and how long the one of
-    ``sessions`` (not empty) longest without a call has had none, of those no Control stream holds open (those
-    never close unused). It names its client, never its id (the id is what a call on the session needs)."""
-    closes = f"a session with no call (and no Control stream) for {idle_s:g} s closes"
+    ``sessions`` (not empty) longest without a call has had none, of those no Control stream or openpi WebSocket
+    connection holds open (those never close unused). It names its client, never its id (the id is what a call on the
+    session needs)."""
+    closes = f"a session with no call (and no Control stream or WebSocket connection) for {idle_s:g} s closes"
     unheld = [s for s in sessions if not s.attached]
     if not unheld:
-        return f"{closes}; each open session is held by its Control stream"
+        return f"{closes}; each open session is held by its Control stream or WebSocket connection"
     session = min(unheld, key=lambda s: s.last_used_s)
     whose = f"client {session.opening.client_name!r}" if session.opening.client_name else "no client_name"
     return (f"{closes}; the one longest without a call ({whose}) has had none for "

@@ -29,7 +29,9 @@ their handshake for the ``BARRED_S`` (8 s) a burst takes to refill. Connections 
 those still in their handshake counted, are closed before it; one that sends nothing for
 ``session_idle_timeout_s`` is closed with 1001 (going away), so that it frees its place; its session lives as long
 as the connection, and a client that closes while its observation is served ends that tick (as a gRPC caller that
-goes away does). On shutdown the port refuses new connections at once (openpi's client retries a refused
+goes away does). A connection that opens its session while the server is full waits, for at most
+``CLOSING_WAIT_SHARE`` of the default tick budget, for the session of a connection already closing (a client that
+reconnected at once). On shutdown the port refuses new connections at once (openpi's client retries a refused
 connection) and those still in their handshake are closed; a connection answers the observation it is serving, then
 is closed with 1001; one that arrives meanwhile is answered ``SHUTTING_DOWN``.
 """
@@ -59,9 +61,11 @@ from policy_server.engine.api import (
     EmbodimentSpec,
     Engine,
     InvalidArgument,
+    Overloaded,
     SchemaMismatch,
     SessionHandle,
     ShuttingDown,
+    TooManySessions,
     UnknownSession,
 )
 from policy_server.limits import MAX_REFUSED_MESSAGES, REFUSED_MESSAGES_HZ
@@ -79,6 +83,12 @@ MAX_STEP_INDEX = 2**63 - 1
 OPEN_TIMEOUT_S = 10.0  # a connection's handshake must be done within this
 _WARM_POLL_S = 0.5  # a connection waiting for the warmup looks this often whether the server is stopping
 _SHUTTING_DOWN = "server shutting down"  # the reason of the 1001 that closes each connection on shutdown
+# A connection that finds no room waits at most this share of the default tick budget (30 ms at 120 ms) for a place
+# held by a connection already closing: a client that reconnects at once (a restarted controller) otherwise races
+# its old connection's thread, which frees the place within a millisecond once it sees the close, or within a
+# poll of the engine (20 ms) when the close came during a tick. The new session's first tick starts at most that
+# much later; a server full of open connections refuses at once.
+CLOSING_WAIT_SHARE = 0.25
 # After a connection is closed for its refused messages, its address may open none for the time its burst takes to
 # refill (s): a client that reconnects gets no new burst.
 BARRED_S = MAX_REFUSED_MESSAGES / REFUSED_MESSAGES_HZ
@@ -350,6 +360,9 @@ class OpenpiWebsocketServer:
         self._barred: dict[str, float] = {}  # host -> until when it may not connect (time.monotonic() s)
         self._handshaking: set[socket.socket] = set()  # sockets accepted whose HTTP request has not come yet
         self._lock = threading.Lock()  # guards _barred, _handshaking and the start of a stop
+        self._holding: set[ServerConnection] = set()  # the connections whose session is open
+        self._released = threading.Condition()  # guards _holding and _releases; notified as a session closes
+        self._releases = 0  # sessions closed by their connections so far
 
     @property
     def port(self) -> int:
@@ -539,6 +552,37 @@ class OpenpiWebsocketServer:
                     self._engine.close_session(state.session.session_id, why)
                 except UnknownSession:  # the engine shut down
                     log.debug("session %s was already closed", state.session.session_id)
+                with self._released:
+                    self._holding.discard(connection)
+                    self._releases += 1
+                    self._released.notify_all()
+
+    def _open_session(self, connection: ServerConnection, state: _ConnectionState, instruction: str) -> SessionHandle:
+        """Open the connection's session. Refused for want of room while a connection already closing (its close
+        frame or its end of the TCP stream received) still holds its session, it waits for a session to close, at most
+        `CLOSING_WAIT_SHARE` of the default budget, and asks once more: the place a client that reconnected at once
+        needs is its old connection's. Refused with nothing closing, it is refused at once."""
+        host, port = state.peer
+
+        def open_session() -> SessionHandle:
+            # The openpi protocol cannot declare a rate (its clients ask again when a chunk runs out) nor a name.
+            return self._engine.open_session(state.spec.name, instruction, rate_hz=0.0,
+                                             client_name=f"openpi client at {host}:{port}")
+
+        with self._released:
+            releases = self._releases
+        try:
+            session = open_session()
+        except (TooManySessions, Overloaded):
+            with self._released:
+                if self._releases == releases and all(c.state is State.OPEN for c in self._holding):
+                    raise
+                wait_s = CLOSING_WAIT_SHARE * self._engine.info().default_budget_ms / 1e3
+                self._released.wait_for(lambda: self._releases != releases, timeout=wait_s)
+            session = open_session()
+        with self._released:
+            self._holding.add(connection)
+        return session
 
     def _wait_until_warm(self) -> bool:
         """Wait for the model's warmup; False when the server stops first. openpi's own server takes no connection
@@ -570,10 +614,7 @@ class OpenpiWebsocketServer:
                                                state.spec.default_chunk_size)  # the chunk its sessions open with
             if state.session is None:
                 validate.instruction(observation.instruction, "prompt")
-                # The openpi protocol cannot declare a rate (its clients ask again when a chunk runs out) nor a name.
-                host, port = state.peer
-                state.session = self._engine.open_session(state.spec.name, observation.instruction, rate_hz=0.0,
-                                                          client_name=f"openpi client at {host}:{port}")
+                state.session = self._open_session(connection, state, observation.instruction)
                 attached.enter_context(self._engine.attach(state.session.session_id))
             # A client gone meanwhile (websockets' reader sees its close) ends the tick: its session, whose place a
             # reconnecting client needs, closes only once this returns.
