@@ -277,12 +277,13 @@ def test_an_episode_whose_session_is_lost_runs_again_from_its_seed(expected, num
 
 class UnansweredOpenPolicy(SeekerPolicy):
     """SeekerPolicy that opens sessions as a server does, one per request id (a try with the id of an open session
-    gets that session), where the first try to open one for seed index `unanswered` gets no answer: the session is
-    opened, the call ends DEADLINE_EXCEEDED (a server that hung past the call's deadline, a link that dropped)."""
+    gets that session), where the first `times` tries to open one for seed index `unanswered` get no answer: the
+    session is opened, the call ends DEADLINE_EXCEEDED (a server that hung past the call's deadline, a link that
+    dropped)."""
 
-    def __init__(self, unanswered: int):
+    def __init__(self, unanswered: int, times: int = 1):
         super().__init__()
-        self.unanswered_seed = HELDOUT_SEED_OFFSET + unanswered
+        self.unanswered_seed, self.times = HELDOUT_SEED_OFFSET + unanswered, times
         self.tries: list[str] = []  # the request id of each try to open a session for that seed
         self.sessions: dict[str, dict] = {}  # request id -> the session it opened
 
@@ -291,23 +292,36 @@ class UnansweredOpenPolicy(SeekerPolicy):
             self.tries.append(request_id)
         if request_id not in self.sessions:
             self.sessions[request_id] = super().open(instruction, seed, preview, request_id)
-            if self.tries == [request_id]:
-                raise NO_ANSWER
+        if seed == self.unanswered_seed and len(self.tries) <= self.times:
+            raise NO_ANSWER
         return self.sessions[request_id]
 
 
 @pytest.mark.parametrize("num_envs", [1, 2])
-def test_an_opening_that_got_no_answer_is_tried_again_under_its_request_id(expected, num_envs):
+def test_an_opening_that_got_no_answer_is_tried_again_under_its_request_id(expected, num_envs, capsys):
     """The try after an OpenSession that got no answer sent a new request id: the session the server had opened held
-    one of its places, unused, until it idled out (300 s), and the episode ran in a second one."""
+    one of its places, unused, until it idled out (300 s), and the episode ran in a second one. Then that opening was
+    counted as a restart (`restarts`, `restarted_episodes`), though no try of the episode was abandoned."""
     policy = UnansweredOpenPolicy(unanswered=2)
     results = run_episodes(policy, REACH_ID, range(EPISODES), num_envs, EXECUTE)
     assert [(r.seed, r.instruction, r.success, r.steps, len(r.ticks)) for r in results] == expected
-    restart = {"reason": "DEADLINE_EXCEEDED", "error": str(NO_ANSWER), "ticks_discarded": 0}
-    assert [r.restarts for r in results] == [[restart] if i == 2 else [] for i in range(EPISODES)]
+    assert [r.restarts for r in results] == [[]] * EPISODES
     # One session per episode, every one closed: none left holding a place.
     assert sorted(policy.closed) == sorted(seed for seed, _ in policy.opened) == [r.seed for r in results]
     assert len(policy.tries) == 2 and policy.tries[0] == policy.tries[1]
+    assert capsys.readouterr().err == (
+        f"policy-rollout: episode seed {HELDOUT_SEED_OFFSET + 2}: opening its session failed ({NO_ANSWER}); opening it "
+        f"again under its request id once the server serves (try 2 of {MAX_EPISODE_RESTARTS + 1})\n")
+
+
+def test_openings_that_keep_getting_no_answer_stop_the_run():
+    policy = UnansweredOpenPolicy(unanswered=2, times=MAX_EPISODE_RESTARTS + 1)
+    with pytest.raises(RolloutStopped) as stopped:
+        run_episodes(policy, REACH_ID, range(EPISODES), 1, EXECUTE)
+    assert str(stopped.value.cause) == (f"episode seed {HELDOUT_SEED_OFFSET + 2} got no session in "
+                                        f"{MAX_EPISODE_RESTARTS + 1} openings, the last: {NO_ANSWER}")
+    assert [r.seed for r in stopped.value.finished] == [HELDOUT_SEED_OFFSET + i for i in (0, 1)]
+    assert len(policy.tries) == MAX_EPISODE_RESTARTS + 1 and len(set(policy.tries)) == 1
 
 
 @pytest.mark.parametrize("num_envs", [1, 2])
