@@ -126,8 +126,10 @@ class ServerPolicy:
         """`tls`: `PolicyClient`'s TLS arguments (`tls_options`)."""
         from policy_server.client import PolicyClient
 
-        self.client = PolicyClient(target, token_file=token_file, timeout_s=60, serve_application=serve_application,
-                                   **tls)
+        # A client of the same server, made anywhere: a Ray driver closes the sessions of a worker it ended
+        self.connect = functools.partial(PolicyClient, target, token_file=token_file,
+                                         serve_application=serve_application, **tls)
+        self.client = self.connect(timeout_s=60)
         self.model = None  # the served model's pb.ModelInfo, once it serves
         self.wait_until_serving()
         self.budget_ms = budget_ms
