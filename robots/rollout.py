@@ -58,7 +58,8 @@ class RolloutError(ValueError):
 
 
 class EpisodeLost(Exception):
-    """An episode's session was lost once more than `MAX_EPISODE_RESTARTS` allows; the message says the last loss."""
+    """An episode's session was lost once more than `MAX_EPISODE_RESTARTS` allows, or as many of its openings got no
+    answer in a row; the message says which, and the last loss."""
 
 
 class RolloutStopped(Exception):
@@ -74,7 +75,9 @@ class RolloutStopped(Exception):
 
 
 SERVING_NOTICE_S = 5.0  # a --server not serving after this is said to be waited for, SERVING_WAIT_S more
-MAX_EPISODE_RESTARTS = 3  # an episode whose session is lost more often than this stops the rollout
+# An episode whose session is lost more often than this, or whose opening gets no answer more often in a row, stops the
+# rollout
+MAX_EPISODE_RESTARTS = 3
 
 
 @dataclass
@@ -111,7 +114,7 @@ class EpisodeResult:
     ticks: list[TickStats] = field(default_factory=list)
     frames: list[np.ndarray] = field(default_factory=list)  # side-by-side video frames, when recorded
     # The tries of this episode abandoned before it ran through, their session lost: {"reason", "error",
-    # "ticks_discarded"} each
+    # "ticks_discarded"} each. An opening that got no answer, sent again, abandons no try: not among them.
     restarts: list[dict] = field(default_factory=list)
 
 
@@ -123,8 +126,10 @@ class ServerPolicy:
         """`tls`: `PolicyClient`'s TLS arguments (`tls_options`)."""
         from policy_server.client import PolicyClient
 
-        self.client = PolicyClient(target, token_file=token_file, timeout_s=60, serve_application=serve_application,
-                                   **tls)
+        # A client of the same server, made anywhere: a Ray driver closes the sessions of a worker it ended
+        self.connect = functools.partial(PolicyClient, target, token_file=token_file,
+                                         serve_application=serve_application, **tls)
+        self.client = self.connect(timeout_s=60)
         self.model = None  # the served model's pb.ModelInfo, once it serves
         self.wait_until_serving()
         self.budget_ms = budget_ms
@@ -258,10 +263,11 @@ def episodes_as_they_end(policy, env_id: str, indices: Sequence[int], num_envs: 
 
     A session lost to the server (`lost_server`: restarted, redeployed, down) abandons its episode's try, whose ticks
     and frames are dropped: once `policy.wait_until_serving()` returns, the episode runs again from its seed in a new
-    session, and its result lists the tries abandoned (`EpisodeResult.restarts`); an opening that failed so is tried
-    again under its request id, so that a server that had opened the session answers with it. Ctrl-C, another error of
-    the server or engine (a refusal), a server not serving again in time (TimeoutError) or an episode lost more than
-    `MAX_EPISODE_RESTARTS` times (`EpisodeLost`) raises `RolloutStopped` with the episodes that had ended.
+    session, and its result lists the tries abandoned (`EpisodeResult.restarts`); an opening that failed so is sent
+    again under its request id once the server serves, so that a server that had opened the session answers with it (no
+    try abandoned: not a restart). Ctrl-C, another error of the server or engine (a refusal), a server not serving
+    again in time (TimeoutError) or an episode lost more than `MAX_EPISODE_RESTARTS` times, or whose opening failed so
+    more often in a row (`EpisodeLost`), raises `RolloutStopped` with the episodes that had ended.
     """
     num_envs = min(num_envs, len(indices))
     parallel = num_envs > 1
@@ -293,16 +299,25 @@ def episodes_as_they_end(policy, env_id: str, indices: Sequence[int], num_envs: 
         return obs
 
     def open_session(result: EpisodeResult, record: bool):
+        nonlocal serving
         # One request id for every try: a session the server opened while its answer was lost (no answer within the
         # call's deadline) would hold a place until it idled out. A session lost later is opened anew, under a new id.
         request_id = uuid.uuid4().hex
+        failed = 0  # openings that got no answer: no try of the episode abandoned, so not among its restarts
         while True:
             try:
                 return policy.open(result.instruction, result.seed, record, request_id)
             except PolicyServerError as error:
                 if not lost_server(error):
                     raise
-                lose(result, error)
+                failed += 1
+                if failed > MAX_EPISODE_RESTARTS:
+                    raise EpisodeLost(f"episode seed {result.seed} got no session in {failed} openings, the last: "
+                                      f"{error}") from error
+                print(f"policy-rollout: episode seed {result.seed}: opening its session failed ({error}); opening it "
+                      f"again under its request id once the server serves (try {failed + 1} of "
+                      f"{MAX_EPISODE_RESTARTS + 1})", file=sys.stderr, flush=True)
+                serving = False
                 await_server()
 
     def lose(result: EpisodeResult, error: PolicyServerError) -> None:
@@ -458,8 +473,9 @@ def summarize(results: list[EpisodeResult], seconds: float, config: dict, budget
     """The rollout's report; `budgeted` False: its ticks ran without a budget (uncached, none asked for), which
     neither `budget_ms` nor the misses then pretend. Each episode lists its ticks in order, a column per field.
     `stopped_by`: what ended the run before the episodes of `unfinished_seeds` had (the figures are over `results`,
-    the episodes that ended). `restarted_episodes`: how many of them ran again after a session lost to the server,
-    `restarts_by_reason` the losses by reason (each episode's `restarts` lists its own)."""
+    the episodes that ended). `restarted_episodes`: how many of them ran again after a session lost to the server
+    (an opening sent again, no try abandoned, is not counted), `restarts_by_reason` the losses by reason (each episode's
+    `restarts` lists its own)."""
     ticks = [t for r in results for t in r.ticks]
     latency = np.array([t.latency_ms for t in ticks])
     settings: dict[str, int] = {}

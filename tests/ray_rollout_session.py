@@ -8,10 +8,14 @@ It brings `lo` up, starts Ray (2 CPUs) and prints one JSON line of what it saw:
 - `killed`: the same, the worker's process killed there (SIGKILL, as the OOM killer): [cause, ended episodes];
 - `unbuilt`: `run_on_ray` whose one worker of two cannot build its policy (a client whose token file is missing
   there, as on a node without it), the other running its episodes: [cause, ended episodes];
+- `sent`: `run_on_ray` given Ctrl-C (SIGUSR1, whose handler here raises KeyboardInterrupt 3 s later) by worker 0 as it
+  ends its first episode, which reaches the driver meanwhile, not taken: [cause, ended episodes];
+- `ending`: the same, the Ctrl-C at once, as worker 0 closes the session of its first episode, ended, not yet sent;
 - `execute`: `python -m robots.rollout --ray 1 --execute 9` against a fake server: [exit code, stderr];
 - `ctrl_c`: `python -m robots.rollout --ray 2 --episodes 4` against a fake server whose ticks of seed index 1 (worker
   0's second episode) are slow and whose tick of seed index 3 (worker 1's second) does not return, given SIGINT once
-  both have ticked: [exit code, stderr, sessions left open on the server]; its report is OUTDIR/ctrl_c.json.
+  both have ticked: [exit code, stderr, the server's `policy_server_sessions` once it has exited]; its report is
+  OUTDIR/ctrl_c.json.
 The rollouts join this Ray session (RAY_ADDRESS).
 """
 
@@ -25,14 +29,16 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 from fake_engine import FakeEngine, serve_fake
 from ray_cluster import loopback_up
 
 from robots.envs import HELDOUT_SEED_OFFSET, REACH_ID
+from robots.ray_rollout import CANCEL_GRACE_S
 
-PORT = 52080  # in the namespace: nothing else listens there
+PORT, METRICS_PORT = 52080, 52081  # in the namespace: nothing else listens there
 
 
 class SlowAndStuckEngine(FakeEngine):
@@ -93,22 +99,42 @@ def stopped_run(policy) -> list:
     return ["not stopped", []]
 
 
+def ctrl_c_after(delay_s: float) -> None:
+    """SIGUSR1 raises KeyboardInterrupt here `delay_s` later, as a Ctrl-C then would."""
+
+    def interrupt(*_) -> None:
+        time.sleep(delay_s)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGUSR1, interrupt)
+
+
+def sessions_open() -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10) as response:
+        (line,) = [line for line in response.read().decode().splitlines() if line.startswith("policy_server_sessions ")]
+    return float(line.split()[1])
+
+
 def main(out: Path) -> None:
     loopback_up()
     import ray
-    from test_rollout import REFUSED, FailingPolicy, KilledPolicy
+    from test_rollout import REFUSED, CtrlCPolicy, FailingPolicy, KilledPolicy
 
     ray.init(num_cpus=2, include_dashboard=False)
     os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
     seen = {"refused": stopped_run(functools.partial(FailingPolicy, 3, REFUSED)),
             "killed": stopped_run(functools.partial(KilledPolicy, 3))}
+    ctrl_c_after(3.0)
+    seen["sent"] = stopped_run(functools.partial(CtrlCPolicy, os.getpid(), 0, hold_s=1.0))
+    ctrl_c_after(0.0)
+    seen["ending"] = stopped_run(functools.partial(CtrlCPolicy, os.getpid(), 0, hold_s=CANCEL_GRACE_S / 2))
     seen["unbuilt"] = stopped_run(functools.partial(seeker_in_one_process, out / "built", out / "missing_token"))
     with serve_fake(FakeEngine(), port=PORT):
         done = rollout("--ray", "1", "--execute", "9", "--episodes", "1", "--out", str(out / "execute.json"))
         error = done.communicate(timeout=120)[1]
         seen["execute"] = [done.returncode, error]
     engine = SlowAndStuckEngine(slow=HELDOUT_SEED_OFFSET + 1, stuck=HELDOUT_SEED_OFFSET + 3)
-    with serve_fake(engine, port=PORT):
+    with serve_fake(engine, port=PORT, metrics_port=METRICS_PORT):
         try:
             interrupted = rollout("--ray", "2", "--episodes", "4", "--out", str(out / "ctrl_c.json"))
             engine.reached.wait(120)
@@ -117,7 +143,7 @@ def main(out: Path) -> None:
             time.sleep(1)
             os.killpg(interrupted.pid, signal.SIGINT)
             _, error = interrupted.communicate(timeout=120)
-            seen["ctrl_c"] = [interrupted.returncode, error, engine.stats().sessions]
+            seen["ctrl_c"] = [interrupted.returncode, error, sessions_open()]
         finally:
             engine.release.set()
     ray.shutdown()

@@ -277,12 +277,13 @@ def test_an_episode_whose_session_is_lost_runs_again_from_its_seed(expected, num
 
 class UnansweredOpenPolicy(SeekerPolicy):
     """SeekerPolicy that opens sessions as a server does, one per request id (a try with the id of an open session
-    gets that session), where the first try to open one for seed index `unanswered` gets no answer: the session is
-    opened, the call ends DEADLINE_EXCEEDED (a server that hung past the call's deadline, a link that dropped)."""
+    gets that session), where the first `times` tries to open one for seed index `unanswered` get no answer: the
+    session is opened, the call ends DEADLINE_EXCEEDED (a server that hung past the call's deadline, a link that
+    dropped)."""
 
-    def __init__(self, unanswered: int):
+    def __init__(self, unanswered: int, times: int = 1):
         super().__init__()
-        self.unanswered_seed = HELDOUT_SEED_OFFSET + unanswered
+        self.unanswered_seed, self.times = HELDOUT_SEED_OFFSET + unanswered, times
         self.tries: list[str] = []  # the request id of each try to open a session for that seed
         self.sessions: dict[str, dict] = {}  # request id -> the session it opened
 
@@ -291,23 +292,36 @@ class UnansweredOpenPolicy(SeekerPolicy):
             self.tries.append(request_id)
         if request_id not in self.sessions:
             self.sessions[request_id] = super().open(instruction, seed, preview, request_id)
-            if self.tries == [request_id]:
-                raise NO_ANSWER
+        if seed == self.unanswered_seed and len(self.tries) <= self.times:
+            raise NO_ANSWER
         return self.sessions[request_id]
 
 
 @pytest.mark.parametrize("num_envs", [1, 2])
-def test_an_opening_that_got_no_answer_is_tried_again_under_its_request_id(expected, num_envs):
+def test_an_opening_that_got_no_answer_is_tried_again_under_its_request_id(expected, num_envs, capsys):
     """The try after an OpenSession that got no answer sent a new request id: the session the server had opened held
-    one of its places, unused, until it idled out (300 s), and the episode ran in a second one."""
+    one of its places, unused, until it idled out (300 s), and the episode ran in a second one. Then that opening was
+    counted as a restart (`restarts`, `restarted_episodes`), though no try of the episode was abandoned."""
     policy = UnansweredOpenPolicy(unanswered=2)
     results = run_episodes(policy, REACH_ID, range(EPISODES), num_envs, EXECUTE)
     assert [(r.seed, r.instruction, r.success, r.steps, len(r.ticks)) for r in results] == expected
-    restart = {"reason": "DEADLINE_EXCEEDED", "error": str(NO_ANSWER), "ticks_discarded": 0}
-    assert [r.restarts for r in results] == [[restart] if i == 2 else [] for i in range(EPISODES)]
+    assert [r.restarts for r in results] == [[]] * EPISODES
     # One session per episode, every one closed: none left holding a place.
     assert sorted(policy.closed) == sorted(seed for seed, _ in policy.opened) == [r.seed for r in results]
     assert len(policy.tries) == 2 and policy.tries[0] == policy.tries[1]
+    assert capsys.readouterr().err == (
+        f"policy-rollout: episode seed {HELDOUT_SEED_OFFSET + 2}: opening its session failed ({NO_ANSWER}); opening it "
+        f"again under its request id once the server serves (try 2 of {MAX_EPISODE_RESTARTS + 1})\n")
+
+
+def test_openings_that_keep_getting_no_answer_stop_the_run():
+    policy = UnansweredOpenPolicy(unanswered=2, times=MAX_EPISODE_RESTARTS + 1)
+    with pytest.raises(RolloutStopped) as stopped:
+        run_episodes(policy, REACH_ID, range(EPISODES), 1, EXECUTE)
+    assert str(stopped.value.cause) == (f"episode seed {HELDOUT_SEED_OFFSET + 2} got no session in "
+                                        f"{MAX_EPISODE_RESTARTS + 1} openings, the last: {NO_ANSWER}")
+    assert [r.seed for r in stopped.value.finished] == [HELDOUT_SEED_OFFSET + i for i in (0, 1)]
+    assert len(policy.tries) == MAX_EPISODE_RESTARTS + 1 and len(set(policy.tries)) == 1
 
 
 @pytest.mark.parametrize("num_envs", [1, 2])
@@ -450,6 +464,29 @@ class KilledPolicy(SeekerPolicy):
         return super().act(session, obs, step, want_video, committed)
 
 
+class CtrlCPolicy(SeekerPolicy):
+    """SeekerPolicy that, closing the session of seed index `ending` (its episode ended), gives the process `driver`
+    SIGUSR1 (there, a Ctrl-C) and holds the close `hold_s`; each tick after that takes a second (the worker still
+    runs when the Ctrl-C comes)."""
+
+    def __init__(self, driver: int, ending: int, hold_s: float):
+        super().__init__()
+        self.driver, self.ending_seed, self.hold_s = driver, HELDOUT_SEED_OFFSET + ending, hold_s
+        self.signalled = False
+
+    def close(self, session) -> None:
+        super().close(session)
+        if session["seed"] == self.ending_seed and not self.signalled:
+            self.signalled = True
+            os.kill(self.driver, signal.SIGUSR1)
+            time.sleep(self.hold_s)
+
+    def act(self, session, obs: dict, step: int, want_video: bool = False, committed: np.ndarray | None = None):
+        if self.signalled:
+            time.sleep(1)
+        return super().act(session, obs, step, want_video, committed)
+
+
 def test_a_stopped_ray_rollout_reports_every_workers_ended_episodes(expected, tmp_path):
     """`tests/ray_rollout_session.py`, in a network namespace of its own (Ray listens on every interface), as the Ray
     Serve tests, one Ray session for every check. A worker refused part way kept its ended episodes, and the other
@@ -483,21 +520,31 @@ def test_a_stopped_ray_rollout_reports_every_workers_ended_episodes(expected, tm
     assert cause == (f"Ray worker {unbuilt}: ValueError: cannot read auth token file {tmp_path}/missing_token: No "
                      "such file or directory")
     assert [tuple(episode) for episode in finished] == (expected[2:4] if unbuilt == 0 else expected[:2])
+    # A Ctrl-C as a worker's episode reached the driver, not taken yet (a cancel dropped it from the stream), or as the
+    # worker closed its session, the episode ended (cancelled there, the worker never sent it): it is reported.
+    for case in ("sent", "ending"):
+        cause, finished = seen[case]
+        assert cause == "interrupted (Ctrl-C)" and tuple(finished[0]) == expected[0], (case, finished)
+        assert all(tuple(episode) in expected for episode in finished), (case, finished)
 
     code, error = seen["execute"]
     assert code == 2 and "Traceback" not in error, error
     assert "\npolicy-rollout: --execute 9: the chunks hold 8 actions\n" in error  # among Ray's log lines
 
     # Each worker had ended its first episode and was in its second: worker 0 stopped, its session closed; worker 1,
-    # its tick unanswered, was ended after the grace, its session left open.
+    # its tick unanswered, was ended after the grace, and the driver closed its session (left open, it held a place
+    # until it idled out).
     code, error, sessions_open = seen["ctrl_c"]
     report = json.loads((tmp_path / "ctrl_c.json").read_text())
-    assert code == 130 and "Traceback" not in error and sessions_open == 1, error
+    assert code == 130 and "Traceback" not in error and sessions_open == 0, error
     assert report["stopped_by"] == "interrupted (Ctrl-C)"
     assert [e["seed"] for e in report["per_episode"]] == [HELDOUT_SEED_OFFSET + i for i in (0, 2)]
     assert report["unfinished_seeds"] == [HELDOUT_SEED_OFFSET + i for i in (1, 3)]
-    # One line, after Ray's own (and the escapes that redraw the progress bars of the worker ended)
-    (line,) = [line for line in error.splitlines() if "policy-rollout: " in line]
+    # What the grace waits for (nothing was said for its 10 s), then one line, after Ray's own (and the escapes that
+    # redraw the progress bars of the worker ended)
+    waiting, line = [line for line in error.splitlines() if "policy-rollout: " in line]
+    assert waiting.endswith("policy-rollout: interrupted; waiting up to 10 s for the Ray workers to end their ticks "
+                            "and close their sessions (Ctrl-C again to end them at once)"), error
     assert line.endswith(f"policy-rollout: interrupted (Ctrl-C); {tmp_path}/ctrl_c.json reports the 2 episodes that "
                          "had ended, not the 2 others (unfinished_seeds)"), error
 

@@ -369,10 +369,14 @@ class PolicyClient:
         request = pb.ResetSessionRequest(session_id=session_id)
         return Session.from_proto(self._call(self.stub.ResetSession, request, timeout_s, session_id))
 
-    def close_session(self, session: Session | str, timeout_s: float | None = None) -> None:
+    def close_session(self, session: Session | str, timeout_s: float | None = None, *,
+                      routing_key: str | None = None) -> None:
+        """``routing_key``: behind Ray Serve, the routing key of a session another client opened (its opening's
+        ``request_id``); one this client opened goes by its own."""
         session_id = _session_id(session)
         try:
-            self._call(self.stub.CloseSession, pb.CloseSessionRequest(session_id=session_id), timeout_s, session_id)
+            self._call(self.stub.CloseSession, pb.CloseSessionRequest(session_id=session_id), timeout_s, session_id,
+                       routing_key)
         finally:
             self._routing_keys.pop(session_id, None)
 
