@@ -309,7 +309,9 @@ def test_an_open_session_repeated_with_its_request_id_answers_the_same_session(e
     settings = {"budget_ms": 5_000.0, "rate_hz": 0.0, "client_name": "arm 1"}
     first = engine.open_session("pusht", "reach the red circle", request_id="r1", **settings)
     others = [engine.open_session("pusht", "x", rate_hz=0) for _ in range(2)]  # max_sessions=3: now full
-    assert engine.open_session("pusht", "reach the red circle", request_id="r1", **settings) == first
+    repeated = engine.open_session("pusht", "reach the red circle", request_id="r1", **settings)
+    # Its slot as now shared with the two others, the rest as first answered.
+    assert replace(repeated, slot_ms=first.slot_ms) == first and repeated.slot_ms < first.slot_ms
     assert engine.stats().sessions == 3
     assert [r.getMessage() for r in caplog.records].count(
         f"answered a repeated OpenSession (request id r1) with session {first.session_id} ('arm 1')") == 1
@@ -868,6 +870,45 @@ def test_close_stops_a_running_reasoner_call_and_every_caller_is_answered(tmp_pa
     engine.close()
     with pytest.raises(api.ShuttingDown):
         list(stream)
+
+
+def test_a_tick_that_runs_past_its_slot_is_cut_there_so_the_tick_behind_it_meets_its_budget(engine):
+    """Admission lets a tick wait for one tick of every other session, each within its slot. A slot that held the
+    uncached tick was no cap: a tick slower than planned (a loaded machine) ran on to its own budget, 3 s here,
+    and the session queued behind it, admitted at 1 s, missed its budget."""
+    slow = engine.open_session("pusht", "reach the red circle", budget_ms=3000.0, rate_hz=0)
+    other = engine.open_session("pusht", "reach the blue circle", budget_ms=1000.0, rate_hz=0, chunk_size=3)
+    rows = {}
+    for session in (slow, other):  # each one's GEN-stack rows (its chunk's), its prompt prefilled
+        seen = engine.served.pipeline.transformer.norm_moe_gen.register_forward_pre_hook(
+            lambda _, args, session=session: rows.update({session.session_id: args[0].shape[-2]}))
+        try:
+            engine.act(session.session_id, 1, _observation())
+        finally:
+            seen.remove()
+    assert rows[slow.session_id] != rows[other.session_id]
+
+    def stall(_, args):  # only the slow session's calls: 100 ms more each, 2 s over its 20 steps
+        if args[0].shape[-2] == rows[slow.session_id]:
+            time.sleep(0.1)
+
+    hook = engine.served.pipeline.transformer.norm_moe_gen.register_forward_pre_hook(stall)
+    gate = hold_worker(engine)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            slowed = _queue_act(pool, engine, slow.session_id, 1, _observation(1))
+            behind = pool.submit(engine.act, other.session_id, 1, _observation(2))
+            while engine.stats().queue_depth < 3:  # the gate and both ticks, the slow one first
+                time.sleep(0.005)
+            gate.set()
+            slowed, behind = slowed.result(timeout=60).tick, behind.result(timeout=60).tick
+    finally:
+        gate.set()
+        hook.remove()
+    assert behind.deadline_met, (behind.actual_ms, slowed.actual_ms)
+    assert slowed.forced_skips > 0  # its guard skipped calls to end within its slot
+    for session in (slow, other):
+        engine.close_session(session.session_id)
 
 
 def test_a_tick_is_judged_against_its_budget_from_arrival(engine):

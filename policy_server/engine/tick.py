@@ -177,9 +177,9 @@ class Tick:
         if not served.budget_controlled:
             self._steps = served.fixed_steps(served.num_steps)
             return None
-        # A slot that holds the uncached tick is no cap: rounding must not turn caching on.
-        cap_ms = slot_ms if slot_ms < session.demand.ceiling_ms else left_ms
-        plan = served.budget.plan(key, max(min(left_ms, cap_ms), 1e-3), served.num_steps, served.passes,
+        # Within its slot, however long its budget: the ticks queued behind it were admitted on that (a slot holds
+        # at least the uncached tick, `assign_slots`, where admission found room for it).
+        plan = served.budget.plan(key, max(min(left_ms, slot_ms), 1e-3), served.num_steps, served.passes,
                                   self._history, prefill=prefill, preview=session.opening.preview,
                                   frontier=served.frontier(session.opening.embodiment))
         order = served.settings.residual_order if plan.residual_order is None else plan.residual_order
