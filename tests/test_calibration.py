@@ -356,9 +356,7 @@ def test_an_engine_plans_its_ticks_on_the_profile(pipe, profile):
         tick = engine.act(session.session_id, 1, _observation(1)).tick
         # The least expected error that fits the time it had (the budget less its queue wait, or the slot
         # admission reserved when smaller), priced over the recent slowdowns.
-        left_ms = budget - tick.actual_ms["queue"]
-        slot_ms = tick.knobs["slot_ms"]
-        planned_in = min(left_ms, slot_ms) if slot_ms < demand.ceiling_ms else left_ms
+        planned_in = min(budget - tick.actual_ms["queue"], tick.knobs["slot_ms"])
         errors = {i: expected_error(p, (planned_in - costs.fixed_total_ms) / (predicted[i] - costs.fixed_total_ms),
                                     slowdowns) for i, p in enumerate(points) if predicted[i] <= planned_in}
         best = min(errors, key=lambda i: (errors[i], predicted[i]))

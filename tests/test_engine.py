@@ -312,7 +312,9 @@ def test_an_open_session_repeated_with_its_request_id_answers_the_same_session(e
     settings = {"budget_ms": 5_000.0, "rate_hz": 0.0, "client_name": "arm 1"}
     first = engine.open_session("pusht", "reach the red circle", request_id="r1", **settings)
     others = [engine.open_session("pusht", "x", rate_hz=0) for _ in range(2)]  # max_sessions=3: now full
-    assert engine.open_session("pusht", "reach the red circle", request_id="r1", **settings) == first
+    repeated = engine.open_session("pusht", "reach the red circle", request_id="r1", **settings)
+    # Its slot as now shared with the two others, the rest as first answered.
+    assert replace(repeated, slot_ms=first.slot_ms) == first and repeated.slot_ms < first.slot_ms
     assert engine.stats().sessions == 3
     assert [r.getMessage() for r in caplog.records].count(
         f"answered a repeated OpenSession (request id r1) with session {first.session_id} ('arm 1')") == 1
@@ -897,6 +899,79 @@ def test_close_stops_a_running_reasoner_call_and_every_caller_is_answered(tmp_pa
     engine.close()
     with pytest.raises(api.ShuttingDown):
         list(stream)
+
+
+def test_a_tick_that_runs_past_its_slot_is_cut_there_so_the_tick_behind_it_meets_its_budget(engine):
+    """Admission lets a tick wait for one tick of every other session, each within its slot. A slot that held the
+    uncached tick was no cap: a tick slower than planned (a loaded machine) ran on to its own budget, 3 s here,
+    and the session queued behind it, admitted at 1 s, missed its budget."""
+    slow = engine.open_session("pusht", "reach the red circle", budget_ms=3000.0, rate_hz=0)
+    other = engine.open_session("pusht", "reach the blue circle", budget_ms=1000.0, rate_hz=0, chunk_size=3)
+    rows = {}
+    for session in (slow, other):  # each one's GEN-stack rows (its chunk's), its prompt prefilled
+        seen = engine.served.pipeline.transformer.norm_moe_gen.register_forward_pre_hook(
+            lambda _, args, session=session: rows.update({session.session_id: args[0].shape[-2]}))
+        try:
+            engine.act(session.session_id, 1, _observation())
+        finally:
+            seen.remove()
+    assert rows[slow.session_id] != rows[other.session_id]
+
+    def stall(_, args):  # only the slow session's calls: 100 ms more each, 2 s over its 20 steps
+        if args[0].shape[-2] == rows[slow.session_id]:
+            time.sleep(0.1)
+
+    hook = engine.served.pipeline.transformer.norm_moe_gen.register_forward_pre_hook(stall)
+    gate = hold_worker(engine)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            slowed = _queue_act(pool, engine, slow.session_id, 1, _observation(1))
+            behind = pool.submit(engine.act, other.session_id, 1, _observation(2))
+            while engine.stats().queue_depth < 3:  # the gate and both ticks, the slow one first
+                time.sleep(0.005)
+            gate.set()
+            slowed, behind = slowed.result(timeout=60).tick, behind.result(timeout=60).tick
+    finally:
+        gate.set()
+        hook.remove()
+        for session in (slow, other):
+            engine.close_session(session.session_id)
+    assert behind.deadline_met, (behind.actual_ms, slowed.actual_ms)
+    # Its guard skipped calls, or gave up steps, to end within its slot.
+    assert slowed.forced_skips or any(f.startswith("late_") for f in slowed.fallbacks), slowed
+
+
+def test_ticks_that_run_as_a_micro_batch_may_hold_the_worker_for_their_slots_together(engine):
+    """On a CPU a micro-batch's calls cost about what its ticks' cost one by one, so each of three ticks run
+    together advances at a third of the worker. Each was held to its own slot from the batch's start, and gave up
+    steps though the three slots held all three ticks one after another; the batch may take the three slots."""
+
+    def stall(_, args):  # every GEN-stack call 60 ms more per item it stacks, as a CPU costs a batch
+        time.sleep(0.06 * (args[0].shape[0] if args[0].dim() == 3 else 1))
+
+    sessions = [engine.open_session("pusht", "reach the red circle", rate_hz=0) for _ in range(3)]
+    try:
+        for session in sessions:  # their prompts prefilled, as a running session's are
+            engine.act(session.session_id, 1, _observation())
+        hook = engine.served.pipeline.transformer.norm_moe_gen.register_forward_pre_hook(stall)
+        try:
+            alone = engine.act(sessions[0].session_id, 1, _observation(1)).tick  # 2.4 s of stalls over 20 steps
+            slot_ms = 1.6 * (alone.actual_ms["total"] - alone.actual_ms["queue"])
+            budget = engine._warmup.blocking_ms + 3 * slot_ms  # three slots, each holding that tick
+            for session in sessions:
+                engine.set_budget(session.session_id, budget)
+            assert all(engine.session(s.session_id).slot_ms == pytest.approx(slot_ms) for s in sessions)
+            ticks = [r.tick for r in _act_queued_together(engine, [(s.session_id, 1, _observation(2))
+                                                                   for s in sessions])]
+        finally:
+            hook.remove()
+    finally:
+        for session in sessions:
+            engine.close_session(session.session_id)
+    assert not any(alone.fallbacks) and alone.forced_skips == 0
+    assert [t.knobs["batch_size"] for t in ticks] == [3, 3, 3]
+    assert all(not t.fallbacks and t.forced_skips == 0 for t in ticks), [
+        (t.fallbacks, t.forced_skips, t.actual_ms["denoise"]) for t in ticks]
 
 
 def test_a_tick_is_judged_against_its_budget_from_arrival(engine):

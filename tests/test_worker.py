@@ -31,7 +31,7 @@ def _until(condition, timeout_s: float = 10.0) -> None:
 
 
 def _worker(log: _Log, max_batch: int = 1) -> ModelWorker:
-    def tick_steps(job: TickJob, batch_size: int):
+    def tick_steps(job: TickJob, batch: list[TickJob]):
         log.add(f"tick {job.payload}")
         return job.payload
         yield  # a tick is a generator; this one makes no model call
@@ -77,7 +77,7 @@ def test_background_work_keeps_its_share_beside_closed_loops():
     stopped), and no tick waits for more than one of its steps, as admission counts."""
     log = _Log()
 
-    def tick_steps(job: TickJob, batch_size: int):
+    def tick_steps(job: TickJob, batch: list[TickJob]):
         time.sleep(0.02)  # ten times a step: background work may go between any two ticks, as far as the share goes
         log.add(f"tick {job.payload}")
         return job.payload
@@ -261,4 +261,28 @@ def test_a_job_whose_call_ended_is_not_stepped_again():
     _until(lambda: failures)
     assert isinstance(failures[0], api.Cancelled)
     assert log.events == ["call step 0"]
+    worker.close(timeout_s=10)
+
+
+def test_a_micro_batch_takes_no_tick_that_came_after_one_of_another_shape():
+    """A batch holds the worker for its ticks' slots together: a tick of another shape queued before one of the
+    batch's shape must not wait for it (it may have waited for that session's previous tick already)."""
+    started_in: list[tuple[str, int]] = []  # each tick as it starts, and the size of its batch
+    gate, started = threading.Event(), threading.Event()
+
+    def tick_steps(job: TickJob, batch: list[TickJob]):
+        started_in.append((job.payload, len(batch)))
+        return job.payload
+        yield
+
+    worker = ModelWorker(tick_steps, None, max_batch=4)
+    worker.submit(GeneratorJob(_steps(_Log(), "hold", 1, gate, started), lambda error: None))
+    started.wait()
+    ticks = [TickJob(session=object(), shape=shape, payload=name)
+             for shape, name in (("s", "a"), ("s", "b"), ("t", "c"), ("s", "d"))]
+    for tick in ticks:
+        worker.submit(tick)
+    gate.set()
+    assert [t.result.result(timeout=10) for t in ticks] == ["a", "b", "c", "d"]
+    assert started_in == [("a", 2), ("b", 2), ("c", 1), ("d", 1)]
     worker.close(timeout_s=10)

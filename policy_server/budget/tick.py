@@ -124,12 +124,15 @@ class TickBudget:
                                     self.slowdowns or (1.0,))
         return plan_tick(time_left_ms, num_steps, passes, costs, history, self.config, self.guided)
 
-    def guarded_steps(self, plan: TickPlan, key: Hashable, tick_started_at_ms: float, cache: SeaCache) -> GuardedSteps:
-        """The tick's step loop under a guard armed now; the deadline is ``tick_started_at_ms + plan.deadline_ms``."""
+    def guarded_steps(self, plan: TickPlan, key: Hashable, tick_started_at_ms: float, cache: SeaCache,
+                      deadline_ms: float | None = None) -> GuardedSteps:
+        """The tick's step loop under a guard armed now; the deadline is ``tick_started_at_ms + deadline_ms``, by
+        default the plan's (a tick of a micro-batch may take longer than it was planned in, sharing the worker)."""
+        deadline_ms = plan.deadline_ms if deadline_ms is None else deadline_ms
         costs = self.cost_model.costs(key)
         reserve = costs.cautious(self.config.cost_margin_devs).fixed_ms
         reserve_after = sum(reserve.get(stage, 0.0) for stage in self.post_stages if stage in plan.predicted_stage_ms)
-        guard = DeadlineGuard(plan, costs, tick_started_at_ms + plan.deadline_ms, reserve_after, self.clock,
+        guard = DeadlineGuard(plan, costs, tick_started_at_ms + deadline_ms, reserve_after, self.clock,
                               self.config.cost_margin_devs)
         return GuardedSteps(plan, guard, cache)
 

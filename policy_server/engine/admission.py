@@ -11,8 +11,10 @@ model time its ticks are planned in. The set of sessions is admitted when
 
 with every slot at least the session's cheapest tick (the planner's floor: maximal caching and every
 fallback). Slots then grow from that floor toward the uncached tick by one common fraction, as far as
-both conditions allow. Micro-batching only shortens this worst case: ticks that run as one batch
-each end within their own slot from the batch's start.
+both conditions allow, and where every uncached tick fits, by one common share of what is left. A tick is
+planned in its slot and its deadline guard holds it there, however long its own budget. A micro-batch
+takes only ticks queued before any of another shape, and may hold the worker for its ticks' slots
+together (each tick within its own budget), as they would one after another: no tick waits longer.
 
 A session that declares a rate asks no faster than that (``RateLimiter``); rate 0 declares a closed
 loop (a simulation asking again as soon as it is answered), which the deadline test covers on its own.
@@ -78,7 +80,18 @@ def assign_slots(demands: list[Demand], blocking_ms: float,
         fraction = min(fraction, (room - floor) / sum(growth))
     if rate_growth > 0:
         fraction = min(fraction, (max_utilization - load) / rate_growth)
-    return [d.floor_ms + fraction * g for d, g in zip(demands, growth, strict=True)]
+    if fraction < 1.0:
+        return [d.floor_ms + fraction * g for d, g in zip(demands, growth, strict=True)]
+    # Every uncached tick fits: what is left of the room is shared as well, for the guard of a tick that runs slower
+    # than planned (a loaded machine), which must still end within its slot, not its own budget: the ticks queued
+    # behind it were admitted on its slot.
+    ceilings = [max(d.ceiling_ms, d.floor_ms) for d in demands]
+    extra = (room - sum(ceilings)) / len(demands)
+    rates = sum(d.rate_hz for d in demands) / 1e3
+    if rates > 0:
+        extra = min(extra, (max_utilization - sum(d.rate_hz * c for d, c in zip(demands, ceilings, strict=True)) / 1e3)
+                    / rates)
+    return [c + max(extra, 0.0) for c in ceilings]
 
 
 def sessions_that_fit(open_demands: list[Demand], new: Demand, blocking_ms: float, limit: int,

@@ -57,8 +57,10 @@ class ModelEngine:
         self.settings = settings or EngineSettings()
         self.served = ServedModel(pipeline, self.settings, monotonic_ms)
         self.sessions = SessionTable(self.settings.max_sessions)
-        self._worker = ModelWorker(lambda job, size: Tick(self.served, job.session, job.payload, size).steps(),
-                                   self.served.gen_stack, self.settings.max_batch)
+        self._worker = ModelWorker(
+            lambda job, batch: Tick(self.served, job.session, job.payload, len(batch),
+                                    sum(tick.payload.slot_ms for tick in batch)).steps(),
+            self.served.gen_stack, self.settings.max_batch)
         self._warmup = Warmup(self.served)
         self._admission = Admission(self.served, self.sessions, lambda: self._warmup.blocking_ms,
                                     lambda key: self._on_worker(self._warmup.retime(key)))

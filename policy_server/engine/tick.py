@@ -69,11 +69,13 @@ def branch_records(cache: CacheRecord) -> dict[str, api.BranchRecord]:
 
 class Tick:
     """One control tick of `session`, run by the model worker through `steps()`: alone, or in a micro-batch of
-    `batch_size` ticks whose full GEN-stack calls the worker runs together."""
+    `batch_size` ticks whose full GEN-stack calls the worker runs together; `batch_slot_ms`: their slots summed
+    (its own alone), how long the batch may hold the worker."""
 
-    def __init__(self, served: ServedModel, session: SessionState, request: TickRequest, batch_size: int):
+    def __init__(self, served: ServedModel, session: SessionState, request: TickRequest, batch_size: int,
+                 batch_slot_ms: float):
         self.served, self.session, self.request = served, session, request
-        self._batch_size = batch_size
+        self._batch_size, self._batch_slot_ms = batch_size, batch_slot_ms
         # The history of the episode it runs in, taken before its first epoch check: a reset gives the session a new
         # one, which a tick answered across the reset (it passed its last check first) must not teach.
         self._history = session.history
@@ -177,15 +179,20 @@ class Tick:
         if not served.budget_controlled:
             self._steps = served.fixed_steps(served.num_steps)
             return None
-        # A slot that holds the uncached tick is no cap: rounding must not turn caching on.
-        cap_ms = slot_ms if slot_ms < session.demand.ceiling_ms else left_ms
-        plan = served.budget.plan(key, max(min(left_ms, cap_ms), 1e-3), served.num_steps, served.passes,
+        # Within its slot, however long its budget: the ticks queued behind it were admitted on that (a slot holds
+        # at least the uncached tick, `assign_slots`, where admission found room for it).
+        plan = served.budget.plan(key, max(min(left_ms, slot_ms), 1e-3), served.num_steps, served.passes,
                                   self._history, prefill=prefill, preview=session.opening.preview,
                                   frontier=served.frontier(session.opening.embodiment))
         order = served.settings.residual_order if plan.residual_order is None else plan.residual_order
         config = SeaCacheConfig(threshold=plan.thresholds, residual_order=order, max_consecutive_cached=plan.cap)
         cache = SeaCache(config, sea_filter=served.sea_filter)
-        self._steps = served.budget.guarded_steps(plan, key, started_ms, cache)
+        # Planned for its own slot, as alone; but a micro-batch's calls cost about what its ticks' cost one by one
+        # (on a CPU), so each of its ticks advances at a share of the worker while the others run: each may end
+        # as late as the batch's slots allow, as the ticks one after another would, and never past its own
+        # budget. Held to its own slot from the batch's start, each got a share of it and cut its steps.
+        deadline_ms = max(min(left_ms, self._batch_slot_ms), 1e-3)
+        self._steps = served.budget.guarded_steps(plan, key, started_ms, cache, deadline_ms)
         return plan
 
     def _learn(self, key: tuple, out: PolicyOutput, stage_ms: dict[str, float], prefilled: bool) -> None:

@@ -68,12 +68,13 @@ class TickJob:
 class ModelWorker:
     """Runs ticks and the ``step()`` of background jobs on one thread.
 
-    ``start_tick(job, batch_size)``: the generator of a queued tick (`Tick.steps`) in a micro-batch of
-    ``batch_size``; the worker runs the ticks of a batch together (``batching.run_together``) with
+    ``start_tick(job, batch)``: the generator of a queued tick (`Tick.steps`) in the micro-batch ``batch`` (its
+    jobs, in arrival order); the worker runs the ticks of a batch together (``batching.run_together``) with
     ``gen_stack`` running their full GEN-stack calls.
     """
 
-    def __init__(self, start_tick: Callable[[TickJob, int], TickSteps], gen_stack: GenStack, max_batch: int) -> None:
+    def __init__(self, start_tick: Callable[[TickJob, list[TickJob]], TickSteps], gen_stack: GenStack,
+                 max_batch: int) -> None:
         self._start_tick = start_tick
         self._gen_stack = gen_stack
         self._max_batch = max_batch
@@ -183,21 +184,23 @@ class ModelWorker:
                 and self._ticks[0].arrival >= self._arrivals_by_step_end)
 
     def _take_batch(self) -> list[TickJob]:
-        """The oldest tick and queued ticks of its shape from other sessions (under the lock)."""
+        """The oldest tick and the ticks of its shape from other sessions queued after it, up to the first of
+        another shape (under the lock): a batch holds the worker for its ticks' slots together, so a tick left
+        waiting must not wait for one that came after it, of a session whose earlier tick it may have waited for
+        already (admission counts one tick of each other session ahead of it)."""
         batch = [self._ticks.pop(0)]
-        for tick in list(self._ticks):
-            if len(batch) == self._max_batch:
+        while self._ticks and len(batch) < self._max_batch:
+            tick = self._ticks[0]
+            if tick.shape != batch[0].shape or any(tick.session is b.session for b in batch):
                 break
-            if tick.shape == batch[0].shape and all(tick.session is not b.session for b in batch):
-                batch.append(tick)
-                self._ticks.remove(tick)
+            batch.append(self._ticks.pop(0))
         return batch
 
     def _run_batch(self, batch: list[TickJob]) -> None:
         ticks = []
         for job in batch:
             try:
-                ticks.append((self._start_tick(job, len(batch)), job.result))
+                ticks.append((self._start_tick(job, batch), job.result))
             except BaseException as error:  # the caller gets it, the worker keeps serving
                 job.fail(error)
         run_together(ticks, self._gen_stack)
