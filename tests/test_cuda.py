@@ -103,7 +103,8 @@ def test_the_graphed_gen_stack_gives_the_eager_stacks_outputs(no_tf32):
 def test_the_graphed_gen_stack_keeps_the_shapes_used_last(no_tf32):
     pipeline = PolicyPipeline.from_pretrained(None, device="cuda", dtype=torch.float32)
     config = pipeline.config
-    graphs = GraphedGenStack(pipeline.transformer.gen_stack, max_graphs=2)
+    graphs = GraphedGenStack(pipeline.transformer.gen_stack)
+    graphs.max_graphs = 2
 
     def tick(stack, cache=None, batch_branches=True):
         control = pipeline.fixed_steps(config.num_steps, config.guidance, cache, batch_branches)
@@ -135,6 +136,7 @@ def test_the_engine_captures_graphs_at_warmup_and_session_opening_and_ticks_repl
         graphs = engine.served.graphs
         after_warmup = graphs.num_graphs
         assert after_warmup > 0
+        assert graphs.max_graphs == after_warmup + 3 * engine.settings.max_sessions  # kept: the warmup's, 3 a session
         # An instruction of a length warmup did not run: its graphs are captured when the session opens.
         instruction = request.instruction + " and then stop there"
         session = engine.open_session(request.embodiment, instruction, seed=request.seed, rate_hz=0)

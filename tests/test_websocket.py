@@ -210,11 +210,13 @@ class _SessionsCloseAfterARefusal(ModelEngine):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.closing, self.refused = threading.Event(), threading.Event()
+        self.refusals = 0
 
     def open_session(self, *args, **kwargs):
         try:
             return super().open_session(*args, **kwargs)
         except TooManySessions:
+            self.refusals += 1
             self.refused.set()
             raise
 
@@ -249,10 +251,11 @@ def test_a_client_that_reconnects_at_once_gets_the_place_of_its_closing_connecti
         assert engine.closing.wait(timeout=30)  # the old connection's thread has seen it go
         new = WebsocketClientPolicy(host="127.0.0.1", port=server.websocket_port)
         assert new.infer(good)["epoch"] == 1
-        assert engine.refused.is_set()  # it was turned away once, while the old session was open
+        assert engine.refusals == 1  # it was turned away once, while the old session was open
         third = WebsocketClientPolicy(host="127.0.0.1", port=server.websocket_port)
         with pytest.raises(RuntimeError, match="TOO_MANY_SESSIONS: all 1 sessions are in use"):
             third.infer(good)  # the one place is the new connection's, which is open
+        assert engine.refusals == 2  # at once: it did not wait and ask again
         third._ws.close()
         new._ws.close()
     finally:

@@ -80,7 +80,8 @@ class SessionState:
 
     def ticking(self) -> bool:
         """A tick of it is queued or running."""
-        return self.in_flight is not None and not self.in_flight.result.done()
+        job = self.in_flight  # read once: leaving the table lets go of it
+        return job is not None and not job.result.done()
 
     def idle(self, now_s: float, idle_s: float) -> bool:
         """No call for ``idle_s``, no tick or dynamics call in flight and no stream attached."""

@@ -9,7 +9,7 @@ Capture runs the stack twice (once to warm the libraries outside the graph, once
 where no deadline runs: `capture` is what warmup and a session's opening use; a live tick calls the object
 itself, which replays a captured shape and runs any other shape eagerly (a micro-batch of several sessions,
 a text length no session opened with). All graphs share one memory pool: they never run at the same time.
-A server running for days sees many instruction lengths, so it keeps the `MAX_GRAPHS` shapes used last.
+A server running for days sees many instruction lengths: past its warmup it keeps the `max_graphs` shapes used last.
 """
 
 from __future__ import annotations
@@ -24,10 +24,6 @@ import torch
 
 from policy_server.model import GenInput, UndKV
 from policy_server.model.rope import RotaryTables
-
-# A session's ticks call the GEN stack in three shapes (each branch alone, both as one batch), and a server takes
-# at most 64 sessions; each graph holds its static inputs, text K/V of every layer included, on the device.
-MAX_GRAPHS = 3 * 64
 
 
 @dataclass(frozen=True)
@@ -46,13 +42,14 @@ class _Graph:
 
 class GraphedGenStack:
     """A GEN stack (`transformer.gen_stack`) with CUDA graphs: call it as the stack (replays a captured shape,
-    runs any other eagerly), or `capture` to replay a shape, capturing it first when it is new. It keeps the
-    `max_graphs` shapes used last. `capture_ms`: time spent capturing so far."""
+    runs any other eagerly), or `capture` to replay a shape, capturing it first when it is new. `max_graphs`: how
+    many shapes it keeps, those used last (None: every one; the warmup sets it as it ends: each graph holds its
+    static inputs on the device, text K/V of every layer included). `capture_ms`: time spent capturing so far."""
 
-    def __init__(self, gen_stack: Callable[[GenInput, UndKV], torch.Tensor], max_graphs: int = MAX_GRAPHS):
+    def __init__(self, gen_stack: Callable[[GenInput, UndKV], torch.Tensor]):
         self.gen_stack = gen_stack
         self.capture_ms = 0.0
-        self._max_graphs = max_graphs
+        self.max_graphs: int | None = None
         self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()  # the shape used last at the end
         self._pool = torch.cuda.graph_pool_handle()
 
@@ -72,7 +69,7 @@ class GraphedGenStack:
             started = time.perf_counter()
             self._graphs[key] = self._capture(gen, und_kv)
             self.capture_ms += (time.perf_counter() - started) * 1e3
-            if len(self._graphs) > self._max_graphs:
+            if self.max_graphs is not None and len(self._graphs) > self.max_graphs:
                 self._graphs.popitem(last=False)
         return self._graphs[key].run(gen, und_kv)
 

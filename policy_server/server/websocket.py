@@ -30,10 +30,10 @@ those still in their handshake counted, are closed before it; one that sends not
 ``session_idle_timeout_s`` is closed with 1001 (going away), so that it frees its place; its session lives as long
 as the connection, and a client that closes while its observation is served ends that tick (as a gRPC caller that
 goes away does). A connection that opens its session while the server is full waits, for at most
-``CLOSING_WAIT_SHARE`` of the default tick budget, for the session of a connection already closing (a client that
-reconnected at once). On shutdown the port refuses new connections at once (openpi's client retries a refused
-connection) and those still in their handshake are closed; a connection answers the observation it is serving, then
-is closed with 1001; one that arrives meanwhile is answered ``SHUTTING_DOWN``.
+``CLOSING_WAIT_S`` (1 s), for the session of a connection already closing (a client that reconnected at once).
+On shutdown the port refuses new connections at once (openpi's client retries a refused connection) and those
+still in their handshake are closed; a connection answers the observation it is serving, then is closed with 1001;
+one that arrives meanwhile is answered ``SHUTTING_DOWN``.
 """
 
 from __future__ import annotations
@@ -83,12 +83,12 @@ MAX_STEP_INDEX = 2**63 - 1
 OPEN_TIMEOUT_S = 10.0  # a connection's handshake must be done within this
 _WARM_POLL_S = 0.5  # a connection waiting for the warmup looks this often whether the server is stopping
 _SHUTTING_DOWN = "server shutting down"  # the reason of the 1001 that closes each connection on shutdown
-# A connection that finds no room waits at most this share of the default tick budget (30 ms at 120 ms) for a place
-# held by a connection already closing: a client that reconnects at once (a restarted controller) otherwise races
-# its old connection's thread, which frees the place within a millisecond once it sees the close, or within a
-# poll of the engine (20 ms) when the close came during a tick. The new session's first tick starts at most that
-# much later; a server full of open connections refuses at once.
-CLOSING_WAIT_SHARE = 0.25
+# A connection that finds no room waits at most this long (s) for a place held by a connection already closing: a
+# client that reconnects at once (a restarted controller) otherwise races its old connection's thread, which frees
+# the place within a millisecond once it sees the close, or, when the close came during a tick, once that tick stops
+# at its next model step (the engine gives an abandoned tick as long). The wait ends as the place frees; a server
+# full of open connections refuses at once.
+CLOSING_WAIT_S = 1.0
 # After a connection is closed for its refused messages, its address may open none for the time its burst takes to
 # refill (s): a client that reconnects gets no new burst.
 BARRED_S = MAX_REFUSED_MESSAGES / REFUSED_MESSAGES_HZ
@@ -560,7 +560,7 @@ class OpenpiWebsocketServer:
     def _open_session(self, connection: ServerConnection, state: _ConnectionState, instruction: str) -> SessionHandle:
         """Open the connection's session. Refused for want of room while a connection already closing (its close
         frame or its end of the TCP stream received) still holds its session, it waits for a session to close, at most
-        `CLOSING_WAIT_SHARE` of the default budget, and asks once more: the place a client that reconnected at once
+        `CLOSING_WAIT_S`, and asks once more: the place a client that reconnected at once
         needs is its old connection's. Refused with nothing closing, it is refused at once."""
         host, port = state.peer
 
@@ -577,8 +577,7 @@ class OpenpiWebsocketServer:
             with self._released:
                 if self._releases == releases and all(c.state is State.OPEN for c in self._holding):
                     raise
-                wait_s = CLOSING_WAIT_SHARE * self._engine.info().default_budget_ms / 1e3
-                self._released.wait_for(lambda: self._releases != releases, timeout=wait_s)
+                self._released.wait_for(lambda: self._releases != releases, timeout=CLOSING_WAIT_S)
             session = open_session()
         with self._released:
             self._holding.add(connection)
