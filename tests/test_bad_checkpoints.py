@@ -4,12 +4,13 @@ what was expected, exit status 2, no traceback, and no server left running."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import socket
 
 import pytest
-from cosmos3_folder import build_tiny_cosmos3_folder
+from cosmos3_folder import SCHEDULER, build_tiny_cosmos3_folder
 
 from policy_server import cli
 from policy_server.json_file import MAX_JSON_FILE_BYTES
@@ -171,7 +172,22 @@ def _saved_as_variant(root):
     pipe.save_pretrained(root, variant="fp16", max_shard_size="200KB")
 
 
+SCHEDULER_CONFIG = {"_class_name": "UniPCMultistepScheduler", **SCHEDULER}
+def _token_past_the_embedding(root):
+    """A breakage: the tokenizer's vocabulary given a token of id 400, past the tiny transformer's 300 rows."""
+    path = root / "text_tokenizer/tokenizer.json"
+    tokenizer = json.loads(path.read_text())
+    tokenizer["model"]["vocab"]["zz"] = 400
+    path.write_text(json.dumps(tokenizer))
+
+
 BROKEN_DIFFUSERS = {
+    "another_diffusers_pipeline": (  # was "policy.json: no policy config; expected a JSON file with the sampler ..."
+        _writing("model_index.json", json.dumps({"_class_name": "WanPipeline", "_diffusers_version": "0.35.0",
+                                                 "transformer": ["diffusers", "WanTransformer3DModel"],
+                                                 "vae": ["diffusers", "AutoencoderKLWan"]})),
+        "model_index.json: _class_name 'WanPipeline'; expected 'Cosmos3OmniPipeline', a Cosmos3 folder as diffusers' "
+        "save_pretrained writes it"),
     "missing_component": (lambda root: shutil.rmtree(root / "vae"), "model_index.json lists vae but"),
     "wrong_pipeline_component_class": (
         lambda root: _edit_json(root / "model_index.json", transformer=["diffusers", "WanTransformer3DModel"]),
@@ -211,11 +227,17 @@ BROKEN_DIFFUSERS = {
     "flow_shift_not_a_number": (lambda root: _edit_json(root / "scheduler/scheduler_config.json", flow_shift="abc",
                                                         use_karras_sigmas=False),
                                 "scheduler_config.json: flow_shift='abc'; expected a number above 0"),
+    "karras_sigma_max_infinite": (  # was pydantic's ValidationError, a traceback
+        _writing("scheduler/scheduler_config.json", json.dumps({**SCHEDULER_CONFIG, "sigma_max": math.inf})),
+        "scheduler_config.json: use_karras_sigmas needs 0 < sigma_min < sigma_max < infinity, got 0.147, inf"),
     "corrector_disabled_on_some_steps": (
         lambda root: _edit_json(root / "scheduler/scheduler_config.json", disable_corrector=[0, 1]),
         "scheduler_config.json: disable_corrector=[0, 1]; this server implements []"),
     "tokenizer_not_parsed": (_writing("text_tokenizer/tokenizer.json", "{}"),
                              "tokenizer.json: not a tokenizers file"),
+    "tokenizer_ids_past_the_embedding": (  # loaded; the first tick failed (on CUDA, a device-side assert)
+        _token_past_the_embedding,
+        "text_tokenizer: the tokenizer emits ids up to 400; expected ids below the transformer's vocab_size=300 ("),
     "tokenizer_config_not_json": (_writing("text_tokenizer/tokenizer_config.json", "{"),
                                   "tokenizer_config.json: not valid JSON"),
     "chat_template_does_not_compile": (_writing("text_tokenizer/chat_template.jinja", "{% if"),
