@@ -217,6 +217,17 @@ BROKEN_DIFFUSERS = {
                                 ".safetensors: tensor(s) stored as I32, expected floating point"),
     "wan_vae_zero_std": (lambda root: _edit_json(root / "vae/config.json", latents_std=[0.0] * 8),
                          "vae/config.json: latents_std must be positive"),
+    "wan_vae_sizes_not_its_weights": (  # diffusers allocated the VAE it describes (108 TB asked for) before comparing
+        lambda root: _edit_json(root / "vae/config.json", base_dim=10**6),
+        "vae: the weights do not match config.json: shape mismatch(es): encoder.conv_in.weight (diffusion_pytorch_"
+        "model-00001-of-00005.safetensors): checkpoint (8, 12, 3, 3, 3) vs model (1000000, 12, 3, 3, 3)"),
+    "wan_vae_more_levels_than_downsamplings": (  # was an IndexError from diffusers, a traceback
+        lambda root: _edit_json(root / "vae/config.json", dim_mult=[1, 2, 2, 2, 2]),
+        "vae/config.json: cannot build the AutoencoderKLWan from it (list index out of range)"),
+    "wan_vae_more_blocks_than_its_weights_hold": (  # built for minutes (1000 blocks a level: 10 s)
+        lambda root: _edit_json(root / "vae/config.json", num_res_blocks=10**6),
+        "vae/config.json: num_res_blocks=1000000 on each of dim_mult's 4 level(s); expected a positive integer, and at "
+        "most as many blocks in all as the weights hold tensors ("),
     "wan_vae_unknown_field": (lambda root: _renaming(root / "vae/config.json", "z_dim", "z_dimm"),
                               "vae/config.json: unknown field(s) ['z_dimm']; expected the AutoencoderKLWan arguments"),
     "wan_vae_scale_not_its_architecture": (
