@@ -8,6 +8,8 @@ import math
 import os
 import shutil
 import socket
+import subprocess
+import sys
 
 import pytest
 from cosmos3_folder import SCHEDULER, build_tiny_cosmos3_folder
@@ -352,3 +354,17 @@ def test_policy_json_trained_domain_ids_are_rows_of_the_action_projections(tmp_p
     with pytest.raises(PolicyConfigError) as info:
         PolicyConfig.load(path)
     assert str(info.value) == f"{path}: trained_domain_ids.1: Input should be less than 32"
+
+
+def test_a_config_that_crashed_the_process_is_one_line_and_exit_2(diffusers_folder, tmp_path):
+    """The real process: a transformer config.json with hidden_size 10**12 ended policy-server in torch's traceback."""
+    root = tmp_path / "ckpt"
+    shutil.copytree(diffusers_folder, root)
+    _edit_json(root / "transformer/config.json", hidden_size=10**12)
+    done = subprocess.run([sys.executable, "-m", "policy_server.cli", "--checkpoint", str(root), "--port", "0"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"policy-server: cannot serve checkpoint {root}: {root}/transformer/config.json: config field "
+        "'hidden_size'=1000000000000: expected a positive integer up to 1048576")
