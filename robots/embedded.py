@@ -25,6 +25,7 @@ import torch
 from policy_server.model import Cosmos3OmniTransformer, Cosmos3TransformerConfig, save_transformer
 from policy_server.model.text_tokenizer import TextTokenizer
 from policy_server.model.vae import SmallVideoVAE
+from policy_server.pipeline.diffusers_folder import EMBEDDED_PIPELINE_CLASS
 from policy_server.pipeline.policy import PolicyPipeline, default_model_path
 from policy_server.pipeline.policy_config import PolicyConfig
 from robots.envs.reach import ACTION_DIM, DOMAIN_ID, EMBODIMENT, STATE_DIM, ReachConfig
@@ -130,7 +131,7 @@ def write_pipeline_folder(
 def write_model_index(directory: str | Path) -> None:
     """`model_index.json` naming each component folder, so the folder is a diffusers-layout pipeline root."""
     index = {
-        "_class_name": "Cosmos3PolicyPipeline",
+        "_class_name": EMBEDDED_PIPELINE_CLASS,
         "_diffusers_version": "0.42.1",
         "transformer": ["diffusers", "Cosmos3OmniTransformer"],
         "vae": ["policy_server", "SmallVideoVAE"],

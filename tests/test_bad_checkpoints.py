@@ -4,16 +4,19 @@ what was expected, exit status 2, no traceback, and no server left running."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import socket
+import subprocess
+import sys
 
 import pytest
-from cosmos3_folder import build_tiny_cosmos3_folder
+from cosmos3_folder import SCHEDULER, build_tiny_cosmos3_folder
 
 from policy_server import cli
 from policy_server.json_file import MAX_JSON_FILE_BYTES
-from policy_server.pipeline.policy import PolicyPipeline
+from policy_server.pipeline.policy import CheckpointLoadError, PolicyPipeline
 from policy_server.pipeline.policy_config import PolicyConfig, PolicyConfigError
 from policy_server.pipeline.wan_vae import WanVideoVAE
 from robots.embedded import build_random_pipeline
@@ -171,7 +174,22 @@ def _saved_as_variant(root):
     pipe.save_pretrained(root, variant="fp16", max_shard_size="200KB")
 
 
+SCHEDULER_CONFIG = {"_class_name": "UniPCMultistepScheduler", **SCHEDULER}
+def _token_past_the_embedding(root):
+    """A breakage: the tokenizer's vocabulary given a token of id 400, past the tiny transformer's 300 rows."""
+    path = root / "text_tokenizer/tokenizer.json"
+    tokenizer = json.loads(path.read_text())
+    tokenizer["model"]["vocab"]["zz"] = 400
+    path.write_text(json.dumps(tokenizer))
+
+
 BROKEN_DIFFUSERS = {
+    "another_diffusers_pipeline": (  # was "policy.json: no policy config; expected a JSON file with the sampler ..."
+        _writing("model_index.json", json.dumps({"_class_name": "WanPipeline", "_diffusers_version": "0.35.0",
+                                                 "transformer": ["diffusers", "WanTransformer3DModel"],
+                                                 "vae": ["diffusers", "AutoencoderKLWan"]})),
+        "model_index.json: _class_name 'WanPipeline'; expected 'Cosmos3OmniPipeline', a Cosmos3 folder as diffusers' "
+        "save_pretrained writes it"),
     "missing_component": (lambda root: shutil.rmtree(root / "vae"), "model_index.json lists vae but"),
     "wrong_pipeline_component_class": (
         lambda root: _edit_json(root / "model_index.json", transformer=["diffusers", "WanTransformer3DModel"]),
@@ -201,6 +219,17 @@ BROKEN_DIFFUSERS = {
                                 ".safetensors: tensor(s) stored as I32, expected floating point"),
     "wan_vae_zero_std": (lambda root: _edit_json(root / "vae/config.json", latents_std=[0.0] * 8),
                          "vae/config.json: latents_std must be positive"),
+    "wan_vae_sizes_not_its_weights": (  # diffusers allocated the VAE it describes (108 TB asked for) before comparing
+        lambda root: _edit_json(root / "vae/config.json", base_dim=10**6),
+        "vae: the weights do not match config.json: shape mismatch(es): encoder.conv_in.weight (diffusion_pytorch_"
+        "model-00001-of-00005.safetensors): checkpoint (8, 12, 3, 3, 3) vs model (1000000, 12, 3, 3, 3)"),
+    "wan_vae_more_levels_than_downsamplings": (  # was an IndexError from diffusers, a traceback
+        lambda root: _edit_json(root / "vae/config.json", dim_mult=[1, 2, 2, 2, 2]),
+        "vae/config.json: cannot build the AutoencoderKLWan from it (list index out of range)"),
+    "wan_vae_more_blocks_than_its_weights_hold": (  # built for 10 s (10**6: hours), then diffusers' shape error
+        lambda root: _edit_json(root / "vae/config.json", num_res_blocks=1000),
+        "vae/config.json: num_res_blocks=1000 on each of dim_mult's 4 level(s); expected a positive integer, and at "
+        "most as many blocks in all as the weights hold tensors ("),
     "wan_vae_unknown_field": (lambda root: _renaming(root / "vae/config.json", "z_dim", "z_dimm"),
                               "vae/config.json: unknown field(s) ['z_dimm']; expected the AutoencoderKLWan arguments"),
     "wan_vae_scale_not_its_architecture": (
@@ -211,6 +240,9 @@ BROKEN_DIFFUSERS = {
     "flow_shift_not_a_number": (lambda root: _edit_json(root / "scheduler/scheduler_config.json", flow_shift="abc",
                                                         use_karras_sigmas=False),
                                 "scheduler_config.json: flow_shift='abc'; expected a number above 0"),
+    "karras_sigma_max_infinite": (  # was pydantic's ValidationError, a traceback
+        _writing("scheduler/scheduler_config.json", json.dumps({**SCHEDULER_CONFIG, "sigma_max": math.inf})),
+        "scheduler_config.json: use_karras_sigmas needs 0 < sigma_min < sigma_max < infinity, got 0.147, inf"),
     "corrector_disabled_on_some_steps": (
         lambda root: _edit_json(root / "scheduler/scheduler_config.json", disable_corrector=[0, 1]),
         "scheduler_config.json: disable_corrector=[0, 1]; this server implements []"),
@@ -319,3 +351,29 @@ def test_policy_json_trained_domain_ids_are_rows_of_the_action_projections(tmp_p
     with pytest.raises(PolicyConfigError) as info:
         PolicyConfig.load(path)
     assert str(info.value) == f"{path}: trained_domain_ids.1: Input should be less than 32"
+
+
+def test_a_config_that_crashed_the_process_is_one_line_and_exit_2(diffusers_folder, tmp_path):
+    """The real process: a transformer config.json with hidden_size 10**12 ended policy-server in torch's traceback."""
+    root = tmp_path / "ckpt"
+    shutil.copytree(diffusers_folder, root)
+    _edit_json(root / "transformer/config.json", hidden_size=10**12)
+    done = subprocess.run([sys.executable, "-m", "policy_server.cli", "--checkpoint", str(root), "--port", "0"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"policy-server: cannot serve checkpoint {root}: {root}/transformer/config.json: config field "
+        "'hidden_size'=1000000000000: expected a positive integer up to 1048576")
+
+
+def test_a_tokenizer_of_ids_past_the_embedding_is_refused_at_load(diffusers_folder, tmp_path):
+    """It loaded, and the first tick holding such an id would fail (on CUDA, a device-side assert)."""
+    root = tmp_path / "ckpt"
+    shutil.copytree(diffusers_folder, root)
+    _token_past_the_embedding(root)
+    with pytest.raises(CheckpointLoadError) as info:
+        PolicyPipeline.from_pretrained(root)
+    assert str(info.value) == (f"cannot serve checkpoint {root}: {root}/text_tokenizer: the tokenizer emits ids up to "
+                               "400; expected ids below the transformer's vocab_size=300 "
+                               f"({root}/transformer/config.json)")

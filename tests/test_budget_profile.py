@@ -1,6 +1,7 @@
 """Quality profile: the frontier kept, the JSON round trip, and profiles that must not be used."""
 
 import json
+import math
 
 import pytest
 
@@ -76,6 +77,11 @@ def test_a_profile_of_other_weights_is_rejected(tmp_path):
      r"embodiments\.pusht\.0\.cuts: Value error, cut fractions must decrease, got \[0.5, 0.8\]"),
     (lambda d: d["embodiments"]["pusht"][0].update(cuts=[{"fraction": 1.0, "error": 0.1}]),
      r"cuts\.0\.fraction: Input should be less than 1"),
+    # Both loaded: the infinite pair count made predicted_at_ms NaN.
+    (lambda d: d["embodiments"]["pusht"][0].update(pairs=math.inf), r"embodiments\.pusht\.0\.pairs: Input should be a "
+                                                                    "finite number"),
+    (lambda d: d["embodiments"]["pusht"][0]["config"].update(cfg_steps=999),
+     r"embodiments\.pusht\.0\.config: Value error, cfg_steps 999 is more than num_steps 20"),
 ])
 def test_a_bad_profile_names_what_is_wrong(tmp_path, edit, message):
     path = tmp_path / "quality_profile.json"

@@ -171,6 +171,40 @@ def test_config_accepts_diffusers_bookkeeping_and_resolves_rope_sections():
         Cosmos3TransformerConfig(rope_axes_dim=[24, 20, 19])
 
 
+@pytest.mark.parametrize(("field", "value", "expected"), [
+    ("hidden_size", 10**12, "a positive integer up to 1048576"),  # was torch's "Storage size calculation overflowed"
+    ("action_dim", 6.0, "a positive integer up to 1048576"),  # was a TypeError from torch.empty
+    ("num_hidden_layers", True, "a positive integer up to 1048576"),
+    ("rope_theta", "1e6", "a finite number above 0"),  # was a TypeError from the rotary embedding
+    ("rope_theta", -1.0, "a finite number above 0"),  # loaded
+    ("rms_norm_eps", float("nan"), "a finite number above 0"),  # loaded
+    ("timestep_scale", "0.001", "a finite number above 0"),  # loaded
+    ("base_fps", 0, "a positive integer up to 1048576"),  # loaded
+    ("unified_3d_mrope_temporal_modality_margin", -5, "an integer from 0 to 1048576"),  # loaded
+    ("attention_dropout", 2, "a number in [0, 1)"),  # loaded
+    ("qk_norm_for_text", "false", "true or false"),  # loaded as true
+    ("action_gen", "yes", "true or false"),  # loaded
+    ("rope_scaling", [1, 2], "null or an object"),  # loaded
+    ("rope_axes_dim", "abc", "a list of 3 integers (or rope_scaling's mrope_section)"),  # "unsupported operand"
+    ("rope_axes_dim", [10, -1, -1], "non-negative integers"),  # loaded
+])
+def test_a_config_value_of_the_wrong_type_or_out_of_range_is_named(saved, field, value, expected):
+    config = json.loads((saved / "config.json").read_text())
+    (saved / "config.json").write_text(json.dumps({**config, field: value}))
+    with pytest.raises(ConfigError) as info:
+        load_transformer(saved)
+    assert str(info.value) == f"{saved / 'config.json'}: config field {field!r}={value!r}: expected {expected}"
+
+
+def test_more_layers_in_the_config_than_in_the_weights_is_refused_before_the_model_is_built(saved):
+    config = json.loads((saved / "config.json").read_text())
+    (saved / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 100_000}))  # took > 60 s to build
+    with pytest.raises(CheckpointError) as info:
+        load_transformer(saved)
+    assert str(info.value) == (f"{saved / 'config.json'}: num_hidden_layers=100000; the weights hold 2 layer(s) "
+                               "(layers.0 to layers.1)")
+
+
 def test_not_a_checkpoint_is_reported(tmp_path):
     with pytest.raises(CheckpointError, match="config.json"):
         load_transformer(tmp_path)

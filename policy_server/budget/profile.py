@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from policy_server.json_file import read_json
 
@@ -29,6 +29,11 @@ from .cost_model import CallCosts
 
 PROFILE_VERSION = 3
 PROFILE_FILE = "quality_profile.json"  # beside a checkpoint
+
+
+# Every figure is finite: a hand-edited Infinity in an error or a call count loaded, and made the planner's latencies
+# NaN (`predicted_at_ms` divides by the calls).
+_FIELDS = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
 
 class ProfileError(ValueError):
@@ -39,13 +44,19 @@ class TickConfig(BaseModel):
     """Every lever of one tick. `cfg_steps`: the uncond pass runs on the guided steps before it (`num_steps`:
     all; 0 with guidance off). `threshold` 0: no caching (bit-identical to uncached at these steps)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = _FIELDS
 
     num_steps: int = Field(ge=1, le=1000)
     cfg_steps: int = Field(ge=0, le=1000)
     threshold: float = Field(ge=0.0, le=1e6)
     cap: int = Field(ge=0, le=1000)
     residual_order: int = Field(ge=0, le=2)
+
+    @model_validator(mode="after")
+    def _cfg_within_steps(self) -> TickConfig:
+        if self.cfg_steps > self.num_steps:
+            raise ValueError(f"cfg_steps {self.cfg_steps} is more than num_steps {self.num_steps}")
+        return self
 
     @property
     def name(self) -> str:
@@ -58,7 +69,7 @@ class Cut(BaseModel):
     step loop gets `fraction` of the time they take, the guard cutting refreshes to hold the deadline
     (`engine/calibration.py` runs the guard on a simulated clock), and the error that cost."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = _FIELDS
 
     fraction: float = Field(gt=0.0, lt=1.0)
     error: float = Field(ge=0.0)
@@ -67,7 +78,7 @@ class Cut(BaseModel):
 class ProfilePoint(BaseModel):
     """One configuration as calibration measured it (means over the calibration set)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = _FIELDS
 
     config: TickConfig
     error: float = Field(ge=0.0)  # action rel-L2 against the uncached default
@@ -134,7 +145,7 @@ class ProfilePoint(BaseModel):
 class Calibration(BaseModel):
     """Where a profile's figures come from."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = _FIELDS
 
     observations: int = Field(ge=1)
     # Each observations file by name and sha256 (`calibration.observations_source`; the bench's add "(resized, zero
@@ -149,7 +160,7 @@ class Calibration(BaseModel):
 class QualityProfile(BaseModel):
     """Per served embodiment, every tick configuration of one checkpoint as calibration measured it."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = _FIELDS
 
     version: int = PROFILE_VERSION
     digest: str  # `PolicyPipeline.digest` of the weights it was measured on

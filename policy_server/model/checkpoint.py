@@ -79,6 +79,7 @@ _LANGUAGE_MODEL_PREFIX = "language_model.model."
 _NATIVE_WRAPPER_PREFIXES = ("model.net.", "net.")
 # The reasoner's ViT rides along in native checkpoints; it is not part of the generator transformer.
 _NATIVE_VISION_PREFIXES = ("language_model.visual.", "language_model.model.visual.")
+_LAYER_KEY = re.compile(r"^layers\.(\d+)\.")
 _ATTENTION_KEY = re.compile(r"^(layers\.\d+\.self_attn\.)([a-z_]+)(\..+)$")
 
 
@@ -291,6 +292,11 @@ def load_transformer(path: str | Path, device: torch.device | str = "cpu",
     stored = index_tensors(directory)
     if is_native_state_dict(stored):
         stored = remap_native_keys(stored)
+    # Checked before the model is built: building one of 10**9 layers, even on the meta device, takes hours.
+    layers = 1 + max((int(match[1]) for key in stored if (match := _LAYER_KEY.match(key))), default=-1)
+    if config.num_hidden_layers != layers:
+        raise CheckpointError(f"{directory / CONFIG_NAME}: num_hidden_layers={config.num_hidden_layers}; the weights "
+                              f"hold {layers} layer(s)" + (f" (layers.0 to layers.{layers - 1})" if layers else ""))
     with torch.device("meta"):
         model = Cosmos3OmniTransformer(config)
     check_state_dict(model, stored, directory)

@@ -9,6 +9,7 @@ Cosmos3-Nano's Qwen3-VL-8B text backbone; Edge (Nemotron) sets `hidden_act="relu
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,27 @@ DIFFUSERS_VERSION = "0.42.1"
 _METADATA_KEYS = frozenset({"dtype", "backbone_type", "temporal_compression_factor"})
 
 _SUPPORTED_ACTIVATIONS = ("silu", "relu2")
+
+# The largest size field (a width, a head count, the vocabulary). A weight's shape is the product of up to three of
+# them (`action_proj_in`: domains x action_dim * hidden_size), which must fit torch's int64 byte count: a config with
+# sizes of 10**12 made building the model raise "Storage size calculation overflowed". Cosmos3 Super's largest is
+# its vocabulary, 151936.
+MAX_SIZE = 1 << 20
+_SIZE_FIELDS = ("head_dim", "hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers",
+                "num_key_value_heads", "latent_channel", "latent_patch_size", "patch_latent_dim", "vocab_size",
+                "num_embodiment_domains", "base_fps")
+_OPTIONAL_SIZE_FIELDS = ("action_dim", "sound_dim")
+_BOOL_FIELDS = ("attention_bias", "enable_fps_modulation", "unified_3d_mrope_reset_spatial_ids", "action_gen",
+                "sound_gen", "qk_norm_for_text", "use_und_k_norm_for_gen")
+_POSITIVE_FLOAT_FIELDS = ("rms_norm_eps", "rope_theta", "sound_latent_fps", "timestep_scale")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 class ConfigError(ValueError):
@@ -69,24 +91,40 @@ class Cosmos3TransformerConfig:
     rope_axes_dim: list[int] | None = field(default=None)
 
     def __post_init__(self) -> None:
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
+            raise ConfigError(f"config field 'rope_scaling'={self.rope_scaling!r}: expected null or an object")
         if self.rope_axes_dim is None:
-            sections = (self.rope_scaling or {}).get("mrope_section", [24, 20, 20])
-            self.rope_axes_dim = list(sections)
-        else:
-            self.rope_axes_dim = list(self.rope_axes_dim)
+            self.rope_axes_dim = (self.rope_scaling or {}).get("mrope_section", [24, 20, 20])
+        if not isinstance(self.rope_axes_dim, list | tuple):
+            raise ConfigError(f"config field 'rope_axes_dim'={self.rope_axes_dim!r}: expected a list of 3 integers "
+                              "(or rope_scaling's mrope_section)")
+        self.rope_axes_dim = list(self.rope_axes_dim)
         self._validate()
 
     def _validate(self) -> None:
         def fail(name: str, expected: str) -> None:
             raise ConfigError(f"config field {name!r}={getattr(self, name)!r}: expected {expected}")
 
+        # Every field's JSON type first: a string, list or float where diffusers has an integer would otherwise reach
+        # torch (a traceback), or load as something else (the string "false" is true).
+        for name in _BOOL_FIELDS:
+            if not isinstance(getattr(self, name), bool):
+                fail(name, "true or false")
+        for name in (*_SIZE_FIELDS, *(f for f in _OPTIONAL_SIZE_FIELDS if getattr(self, f) is not None)):
+            if not _is_int(getattr(self, name)) or not 1 <= getattr(self, name) <= MAX_SIZE:
+                fail(name, f"a positive integer up to {MAX_SIZE}")
+        for name in _POSITIVE_FLOAT_FIELDS:
+            if not _is_number(getattr(self, name)) or not 0 < getattr(self, name) < math.inf:
+                fail(name, "a finite number above 0")
+        if not _is_number(self.attention_dropout) or not 0 <= self.attention_dropout < 1:
+            fail("attention_dropout", "a number in [0, 1)")
+        if not _is_int(self.unified_3d_mrope_temporal_modality_margin) \
+                or not 0 <= self.unified_3d_mrope_temporal_modality_margin <= MAX_SIZE:
+            fail("unified_3d_mrope_temporal_modality_margin", f"an integer from 0 to {MAX_SIZE}")
+        if not all(_is_int(n) and n >= 0 for n in self.rope_axes_dim):
+            fail("rope_axes_dim", "non-negative integers")
         if self.hidden_act not in _SUPPORTED_ACTIVATIONS:
             fail("hidden_act", f"one of {_SUPPORTED_ACTIVATIONS}")
-        for name in ("head_dim", "hidden_size", "intermediate_size", "num_attention_heads",
-                     "num_hidden_layers", "num_key_value_heads", "latent_channel", "latent_patch_size",
-                     "vocab_size", "num_embodiment_domains"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                fail(name, "a positive integer")
         if self.head_dim % 2:
             fail("head_dim", "an even number (rotary pairs)")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -96,12 +134,10 @@ class Cosmos3TransformerConfig:
             fail("patch_latent_dim", f"latent_patch_size**2 * latent_channel = {expected_patch_dim}")
         if len(self.rope_axes_dim) != 3 or sum(self.rope_axes_dim) != self.head_dim // 2:
             fail("rope_axes_dim", f"3 sections (T, H, W) summing to head_dim // 2 = {self.head_dim // 2}")
-        if self.action_gen and (self.action_dim is None or self.action_dim < 1):
+        if self.action_gen and self.action_dim is None:
             fail("action_dim", "a positive integer when action_gen is true")
-        if self.sound_gen and (self.sound_dim is None or self.sound_dim < 1):
+        if self.sound_gen and self.sound_dim is None:
             fail("sound_dim", "a positive integer when sound_gen is true")
-        if self.rms_norm_eps <= 0:
-            fail("rms_norm_eps", "a positive float")
 
     # ------------------------------------------------------------------ derived properties
 

@@ -198,6 +198,12 @@ class TextTokenizer:
     def vocab_size(self) -> int:
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
 
+    @functools.cached_property
+    def id_bound(self) -> int:
+        """One past the largest id the tokenizer can emit: the rows a model's embedding needs (ids may have gaps, so
+        it can exceed `vocab_size`)."""
+        return 1 + max(self._tokenizer.get_vocab(with_added_tokens=True).values(), default=-1)
+
     @property
     def special_token_ids(self) -> dict[str, int]:
         """Ids of the special tokens: eos, start of generation, and any others the config names."""

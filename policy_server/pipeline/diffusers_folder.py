@@ -27,6 +27,7 @@ from policy_server.pipeline.policy_config import PolicyConfig, PolicyConfigError
 from policy_server.pipeline.schedulers import scheduler_settings
 
 PIPELINE_CLASS = "Cosmos3OmniPipeline"
+EMBEDDED_PIPELINE_CLASS = "Cosmos3PolicyPipeline"  # the embedded layout's model_index.json (`robots.embedded`)
 # component -> (library, accepted class names)
 REQUIRED_COMPONENTS = {
     "transformer": ("diffusers", ("Cosmos3OmniTransformer",)),
@@ -45,13 +46,21 @@ NO_CANONICAL_WIDTH = ("libero",)
 
 
 def read_model_index(root: Path) -> dict | None:
-    """`root/model_index.json` if it names a `Cosmos3OmniPipeline`, else None (no such file, or not one: the
-    embedded layout); one that does not parse is a CheckpointError."""
+    """`root/model_index.json` if it names a `Cosmos3OmniPipeline`, else None (no such file, or the embedded layout:
+    a `policy.json` beside it); one that does not parse, or names another pipeline, is a CheckpointError."""
     path = root / "model_index.json"
     if not path.is_file():
         return None
     index = read_json(path, CheckpointError)
-    return index if isinstance(index, dict) and index.get("_class_name") == PIPELINE_CLASS else None
+    named = index.get("_class_name") if isinstance(index, dict) else None
+    if named == PIPELINE_CLASS:
+        return index
+    if not (root / "policy.json").is_file() and named != EMBEDDED_PIPELINE_CLASS:
+        # Another diffusers pipeline (WanPipeline, ...): without this, the folder was taken for the embedded layout and
+        # refused for its missing policy.json.
+        raise CheckpointError(f"{path}: _class_name {named!r}; expected {PIPELINE_CLASS!r}, a Cosmos3 folder as "
+                              "diffusers' save_pretrained writes it")
+    return None
 
 
 def model_index_flags(root: Path, index: dict) -> dict[str, bool]:

@@ -422,8 +422,13 @@ class PolicyPipeline:
         return pipeline
 
     def _check_parts_fit(self, root: Path) -> None:
-        """The served embodiments fit the transformer's action rows and their declared camera sizes the frames the
-        server takes, and the canvases the VAE's latent grid."""
+        """The tokenizer's ids fit the transformer's embedding, the served embodiments its action rows and their
+        declared camera sizes the frames the server takes, and the canvases the VAE's latent grid."""
+        rows = self.transformer.config.vocab_size
+        if self.tokenizer.id_bound > rows:  # an id past the embedding's rows fails the first tick (CUDA: the device)
+            raise CheckpointError(f"{root / 'text_tokenizer'}: the tokenizer emits ids up to "
+                                  f"{self.tokenizer.id_bound - 1}; expected ids below the transformer's "
+                                  f"vocab_size={rows} ({root / 'transformer' / 'config.json'})")
         width = self.transformer.config.action_dim  # an action row holds an action or the state
         served = [self.embodiments.get(name) for name in self.served_embodiments]
         if too_wide := [e.name for e in served if max(e.raw_action_dim, e.state_dim) > width]:

@@ -496,8 +496,10 @@ def scheduler_settings(path: str | Path) -> dict[str, object]:
                                    "shift": float(shift)}
     if config.get("use_karras_sigmas", False):
         low, high = config.get("sigma_min"), config.get("sigma_max")
-        if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in (low, high)) or not 0 < low < high:
-            raise CheckpointError(f"{path}: use_karras_sigmas needs 0 < sigma_min < sigma_max, got {low!r}, {high!r}")
+        if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in (low, high)) \
+                or not 0 < low < high < math.inf:
+            raise CheckpointError(f"{path}: use_karras_sigmas needs 0 < sigma_min < sigma_max < infinity, got "
+                                  f"{low!r}, {high!r}")
         settings.update(sigma_schedule="karras", sigma_min=float(low), sigma_max=float(high))
     elif final != "zero":
         raise CheckpointError(

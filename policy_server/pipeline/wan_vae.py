@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from policy_server.json_file import read_json
-from policy_server.model.checkpoint import CheckpointError, index_tensors
+from policy_server.model.checkpoint import CheckpointError, check_state_dict, index_tensors
 from policy_server.model.vae import latent_frames
 
 WAN_VAE_CLASS = "AutoencoderKLWan"
@@ -60,7 +60,7 @@ class WanVideoVAE(torch.nn.Module):
         if unknown := sorted(k for k in stored if not k.startswith("_") and k not in (*known, *IGNORED_CONFIG_FIELDS)):
             raise CheckpointError(f"{path}: unknown field(s) {unknown}; expected the {WAN_VAE_CLASS} arguments "
                                   f"{sorted(known)} (plus '_'-prefixed bookkeeping keys)")
-        index_tensors(Path(folder))  # headers only: the weights' files, and every weight stored as floating point
+        _check_config(Path(folder), stored, AutoencoderKLWan)
         try:
             # safetensors only: without it diffusers falls back to unpickling a .bin file.
             vae = AutoencoderKLWan.from_pretrained(str(folder), torch_dtype=dtype, device_map=str(device),
@@ -70,22 +70,6 @@ class WanVideoVAE(torch.nn.Module):
         if vae.device.type == "cpu":  # diffusers' CPU weights are views of the mapped files (see `read_tensor`)
             for tensor in (*vae.parameters(), *vae.buffers()):
                 tensor.data = tensor.data.clone()
-        config = vae.config
-        for name in ("latents_mean", "latents_std"):
-            values = getattr(config, name, None)
-            if values is None or len(values) != config.z_dim or not all(math.isfinite(v) for v in values):
-                raise CheckpointError(f"{folder}/config.json: {name} must hold z_dim={config.z_dim} finite values")
-        if min(config.latents_std) <= 0:
-            raise CheckpointError(f"{folder}/config.json: latents_std must be positive, got {config.latents_std}")
-        # Each encoder stage but the last halves the frame, after the patchify; the pipeline sizes latents by the
-        # config's own factors, so they must be the architecture's.
-        spatial = (config.patch_size or 1) * 2 ** (len(config.dim_mult) - 1)
-        temporal = 2 ** sum(config.temperal_downsample)
-        if (config.scale_factor_spatial, config.scale_factor_temporal) != (spatial, temporal):
-            raise CheckpointError(
-                f"{folder}/config.json: scale_factor_spatial {config.scale_factor_spatial} and scale_factor_temporal "
-                f"{config.scale_factor_temporal}; the architecture (patch_size, dim_mult, temperal_downsample) "
-                f"compresses {spatial}x in space and {temporal}x in time")
         return cls(vae.eval())
 
     def num_latent_frames(self, num_frames: int) -> int:
@@ -100,3 +84,45 @@ class WanVideoVAE(torch.nn.Module):
         """Video [B, 3, T, H, W] in [-1, 1] from normalised latents [B, z, T_lat, h, w]."""
         raw = latents.to(self.vae.dtype) / self.latents_inv_std + self.latents_mean
         return self.vae.decode(raw).sample.to(latents.dtype).clamp(-1.0, 1.0)
+
+
+def _check_config(folder: Path, stored: dict, vae_class: type) -> None:
+    """Check the `vae_class` (`AutoencoderKLWan`) that `folder/config.json` (`stored`) describes against the weights'
+    headers, on a model built on the meta device, before diffusers allocates one: a config of
+    sizes its weights do not have (base_dim 10**6) had diffusers allocate it (108 TB asked for) before it compared
+    shapes, and one it cannot build (dim_mult longer than temperal_downsample) raised an IndexError."""
+    path = folder / "config.json"
+    tensors = index_tensors(folder)  # headers only: the weights' files, and every weight stored as floating point
+    defaults = inspect.signature(vae_class.__init__).parameters
+    levels = stored.get("dim_mult", defaults["dim_mult"].default)
+    blocks = stored.get("num_res_blocks", defaults["num_res_blocks"].default)
+    # The model holds at least a tensor per residual block of each level: bounded so, building it is quick.
+    if not isinstance(levels, list) or not levels:
+        raise CheckpointError(f"{path}: dim_mult={levels!r}; expected a list of channel multipliers, one per level")
+    if not (isinstance(blocks, int) and not isinstance(blocks, bool) and 1 <= blocks * len(levels) <= len(tensors)):
+        raise CheckpointError(f"{path}: num_res_blocks={blocks!r} on each of dim_mult's {len(levels)} level(s); "
+                              f"expected a positive integer, and at most as many blocks in all as the weights hold "
+                              f"tensors ({len(tensors)})")
+    try:
+        with torch.device("meta"):
+            vae = vae_class.from_config(stored)
+    except (TypeError, ValueError, IndexError, RuntimeError) as error:
+        raise CheckpointError(f"{path}: cannot build the {WAN_VAE_CLASS} from it ({error})") from None
+    check_state_dict(vae, tensors, folder)
+    config = vae.config
+    for name in ("latents_mean", "latents_std"):
+        values = getattr(config, name, None)
+        if not isinstance(values, list) or len(values) != config.z_dim \
+                or not all(isinstance(v, int | float) and math.isfinite(v) for v in values):
+            raise CheckpointError(f"{path}: {name} must hold z_dim={config.z_dim} finite values")
+    if min(config.latents_std) <= 0:
+        raise CheckpointError(f"{path}: latents_std must be positive, got {config.latents_std}")
+    # Each encoder stage but the last halves the frame, after the patchify; the pipeline sizes latents by the
+    # config's own factors, so they must be the architecture's.
+    spatial = (config.patch_size or 1) * 2 ** (len(config.dim_mult) - 1)
+    temporal = 2 ** sum(config.temperal_downsample)
+    if (config.scale_factor_spatial, config.scale_factor_temporal) != (spatial, temporal):
+        raise CheckpointError(
+            f"{path}: scale_factor_spatial {config.scale_factor_spatial} and scale_factor_temporal "
+            f"{config.scale_factor_temporal}; the architecture (patch_size, dim_mult, temperal_downsample) "
+            f"compresses {spatial}x in space and {temporal}x in time")
