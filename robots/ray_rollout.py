@@ -8,9 +8,10 @@ distribution. A worker that stops (`RolloutStopped`), fails (building its policy
 checkpoint it cannot load; or any other error of its own) or dies (its process killed, out of memory, its node lost)
 leaves the others to finish, and the rollout stops with every worker's ended episodes, as a local run does. Ctrl-C
 cancels the workers' tasks (each stops as a local run does, closing its sessions), ends those still running
-`CANCEL_GRACE_S` later (a second Ctrl-C: at once), closing their sessions on the server, and stops the rollout with
-every episode a worker had ended (a cancelled task's stream drops those the driver had not taken: the driver takes
-what the streams hold before it cancels, and a cancelled worker hands its ended episodes over again).
+`CANCEL_GRACE_S` later (a second Ctrl-C: at once), and stops the rollout with every episode a worker had ended: each
+goes to a mailbox actor as it ends, before its session is closed, then to the worker's stream (a cancelled task's
+stream drops those the driver had not taken; a task ended where it was sends nothing more). The sessions a worker left
+open (ended where it was, dead, or its cleanup cut short) the driver closes on their server once the workers ended.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from ray.experimental import tqdm_ray
 
 from policy_server.client.errors import PolicyServerError
 from policy_server.ray_serve.address import gcs_address
-from robots.envs import HELDOUT_SEED_OFFSET
 from robots.rollout import EpisodeResult, RolloutStopped, ServerPolicy, episodes_as_they_end
 
 # A worker's process that died: its task is not run again (its episodes would run twice), the rollout stops.
@@ -46,14 +46,14 @@ class WorkerFailed(RuntimeError):
 
 @ray.remote(num_cpus=0)
 class _Mailbox:
-    """What the workers tell the driver besides their streams: the server sessions each holds open (the driver closes
-    those of a worker it ended where it was), and the episodes each had ended when cancelled (a cancelled task's
-    stream drops those the driver had not taken)."""
+    """What the workers tell the driver besides their streams: each ended episode (a cancelled task's stream drops
+    those the driver had not taken; a task ended where it was sends none), and the server sessions each holds open
+    (the driver closes those a worker left open: ended where it was, dead, or its cleanup cut short)."""
 
     def __init__(self):
         # worker -> (a client of its server: `ServerPolicy.connect`, {session id: the request id that opened it})
         self.sessions: dict[int, tuple[Callable, dict[str, str]]] = {}
-        self.ended: list[EpisodeResult] = []
+        self.ended: list[tuple[int, EpisodeResult]] = []  # (its position in the driver's indices, the episode)
 
     def opened(self, worker: int, connect: Callable, session_id: str, request_id: str) -> None:
         self.sessions.setdefault(worker, (connect, {}))[1][session_id] = request_id
@@ -61,19 +61,19 @@ class _Mailbox:
     def closed(self, worker: int, session_id: str) -> None:
         del self.sessions[worker][1][session_id]
 
-    def held(self, worker: int) -> tuple[Callable, dict[str, str]] | None:
-        return self.sessions.get(worker)
+    def left_open(self) -> dict[int, tuple[Callable, dict[str, str]]]:
+        return {worker: held for worker, held in self.sessions.items() if held[1]}
 
-    def hand_over(self, results: list[EpisodeResult]) -> None:
-        self.ended += results
+    def hand_over(self, position: int, result: EpisodeResult) -> None:
+        self.ended.append((position, result))
 
-    def handed_over(self) -> list[EpisodeResult]:
+    def handed_over(self) -> list[tuple[int, EpisodeResult]]:
         return self.ended
 
 
 class _Registered:
-    """A worker's `ServerPolicy` whose open sessions the mailbox knows: they outlive the worker's process where the
-    driver ends it (in a call that does not return), and the driver then closes them."""
+    """A worker's `ServerPolicy` whose open sessions the mailbox knows: they outlive the worker's process where it is
+    ended (in a call that does not return) or dies, and the driver then closes them."""
 
     def __init__(self, policy: ServerPolicy, mailbox, worker: int):
         self.policy, self.mailbox, self.worker = policy, mailbox, worker
@@ -91,43 +91,44 @@ class _Registered:
         ray.get(self.mailbox.closed.remote(self.worker, session.session_id))
 
 
-def _close_held(connect: Callable, sessions: dict[str, str]) -> None:
-    """Close the sessions a worker held open (`_Mailbox.held`) through a client `connect` makes; where the server does
-    not answer within `CLOSE_WAIT_S`, the rest are left to its idle timeout."""
-    with connect(timeout_s=CLOSE_WAIT_S) as client:
-        for session_id, request_id in sessions.items():
-            try:  # behind Ray Serve the request id is the session's routing key
-                client.close_session(session_id, routing_key=request_id)
-            except PolicyServerError as error:  # SESSION_NOT_FOUND: gone with a restarted server
-                if error.no_answer:
-                    return
+def _close_left_open(left_open: dict[int, tuple[Callable, dict[str, str]]]) -> None:
+    """Close the sessions the workers left open (`_Mailbox.left_open`) through a client each one's `connect` makes;
+    where the server does not answer within `CLOSE_WAIT_S`, or no client can be made here (a token or TLS file this
+    node lacks), a line on stderr says so and the rest are left to the server's idle timeout."""
+    for worker, (connect, sessions) in left_open.items():
+        try:
+            with connect(timeout_s=CLOSE_WAIT_S) as client:
+                for session_id, request_id in sessions.items():
+                    try:  # behind Ray Serve the request id is the session's routing key
+                        client.close_session(session_id, routing_key=request_id)
+                    except PolicyServerError as error:  # SESSION_NOT_FOUND: gone with a restarted server
+                        if error.no_answer:
+                            raise
+        except Exception as error:  # the report comes first: a session not closed idles out
+            print(f"policy-rollout: could not close the {len(sessions)} session(s) Ray worker {worker} left open "
+                  f"({type(error).__name__}: {error}); the server closes them once idle", file=sys.stderr, flush=True)
+            return
 
 
 # One task per worker process: the engine it built goes with the process.
 @ray.remote(max_calls=1, max_retries=0)
-def _run_part(make_policy: Callable, mailbox, env_id: str, indices: list[int], num_envs: int, execute: int,
-              videos: int, worker: int, delay: int, commit: bool) -> Iterator[tuple[int, EpisodeResult]]:
+def _run_part(make_policy: Callable, mailbox, env_id: str, indices: list[int], start: int, num_envs: int,
+              execute: int, videos: int, worker: int, delay: int, commit: bool) -> Iterator[tuple[int, EpisodeResult]]:
+    """The episodes of `indices` (the driver's from position `start` on), each with its position in the driver's."""
     policy = make_policy()
     if isinstance(policy, ServerPolicy):  # an in-process engine's sessions end with the process
         policy = _Registered(policy, mailbox, worker)
     # Ray's bar for a task: the driver draws every worker's, one line each.
     progress = tqdm_ray.tqdm(desc=f"worker {worker} episodes", total=len(indices), unit="ep", position=worker)
-    sent: list[EpisodeResult] = []
-    # The driver's cancel stops the episodes as a Ctrl-C stops a local run's, their sessions closed; its stream then
-    # drops the episodes the driver had not taken, so they go by the mailbox too.
+    # The driver's cancel stops the episodes as a Ctrl-C stops a local run's, their sessions closed. Each episode goes
+    # to the mailbox as it ends (before its session is closed), then to the stream: a cancelled task's stream drops
+    # the episodes the driver had not taken, and a task ended where it was sends nothing more.
     try:
         with contextlib.closing(episodes_as_they_end(policy, env_id, indices, num_envs, execute, videos, progress,
                                                      delay, commit)) as episodes:
             for position, result in episodes:
-                sent.append(result)
-                yield position, result
-    except RolloutStopped as stopped:
-        if isinstance(stopped.cause, KeyboardInterrupt):  # cancelled within an episode
-            ray.get(mailbox.hand_over.remote(stopped.finished))
-        raise
-    except GeneratorExit:  # cancelled as it streamed an episode
-        ray.get(mailbox.hand_over.remote(sent))
-        raise
+                ray.get(mailbox.hand_over.remote(start + position, result))
+                yield start + position, result
     finally:
         progress.close()
 
@@ -142,22 +143,23 @@ def run_on_ray(make_policy: Callable, env_id: str, indices: Sequence[int], worke
     with the first one's cause (a failure or death as `WorkerFailed`) and every worker's ended episodes, once the
     others have finished; Ctrl-C (KeyboardInterrupt) cancels every worker's task, waits for them to stop, at most
     `CANCEL_GRACE_S` (a second Ctrl-C: no longer), ends those still running and raises `RolloutStopped` with the
-    episodes that had ended, every worker's (the sessions of those it ended closed on their server)."""
+    episodes that had ended, every worker's. Sessions a worker left open (ended, dead) are closed on their server
+    (stderr says where that failed)."""
     if not ray.is_initialized():
         ray.init(address=gcs_address(address))
     parts = [part.tolist() for part in np.array_split(np.asarray(indices), min(workers, len(indices)))]
     starts = np.cumsum([0] + [len(part) for part in parts[:-1]])
     task = _run_part.options(num_cpus=cpus_per_worker, num_gpus=gpus_per_worker)
     mailbox = _Mailbox.remote()
-    streams = {task.remote(make_policy, mailbox, env_id, part, num_envs, execute,
-                           int(np.clip(videos - start, 0, len(part))), worker, delay, commit): (worker, int(start))
+    streams = {task.remote(make_policy, mailbox, env_id, part, int(start), num_envs, execute,
+                           int(np.clip(videos - start, 0, len(part))), worker, delay, commit): worker
                for worker, (part, start) in enumerate(zip(parts, starts, strict=True))}
     results: list[EpisodeResult | None] = [None] * len(indices)
     stops: list[BaseException] = []  # what stopped a worker, as each did
 
     def take(stream) -> None:
         """The next item of a worker's stream, ready: an ended episode, or how the worker's task ended."""
-        worker, start = streams[stream]
+        worker = streams[stream]
         try:
             position, result = ray.get(next(stream))
         except StopIteration:
@@ -176,25 +178,19 @@ def run_on_ray(make_policy: Callable, env_id: str, indices: Sequence[int], worke
             stops.append(WorkerFailed(f"Ray worker {worker} died ({type(error).__name__}: "
                                       f"{str(error).strip().splitlines()[0]}); the episodes it ended are reported"))
             return
-        results[start + position] = result
+        results[position] = result
 
     def take_all() -> None:
         while streams:
             for stream in ray.wait(list(streams), num_returns=1)[0]:
                 take(stream)
 
-    def take_ready() -> None:
-        """Take what the streams hold already."""
-        while streams and (ready := ray.wait(list(streams), num_returns=len(streams), timeout=0)[0]):
-            for stream in ready:
-                take(stream)
-
-    def running_after(timeout_s: float) -> dict:
+    def running_after(timeout_s: float) -> list:
         """The streams whose task has not ended within `timeout_s` (Ray's wait takes a cancelled task's stream as
-        ready before the task has ended: its completion, once it has), with their worker and first position."""
+        ready before the task has ended: its completion, once it has)."""
         completions = {stream.completed(): stream for stream in streams}
         running = ray.wait(list(completions), num_returns=len(completions), timeout=timeout_s)[1] if streams else []
-        return {completions[ref]: streams[completions[ref]] for ref in running}
+        return [completions[ref] for ref in running]
 
     try:
         take_all()
@@ -202,22 +198,23 @@ def run_on_ray(make_policy: Callable, env_id: str, indices: Sequence[int], worke
         stops.insert(0, interrupt)
         print(f"policy-rollout: interrupted; waiting up to {CANCEL_GRACE_S:g} s for the Ray workers to end their "
               "ticks and close their sessions (Ctrl-C again to end them at once)", file=sys.stderr, flush=True)
+        # Not recursive: a cancel of the worker's mailbox calls would fail them (TaskCancelledError, not the
+        # KeyboardInterrupt that stops its episodes), and an episode or a session it opened would go untold.
         with contextlib.suppress(KeyboardInterrupt):  # asked twice: no longer
-            take_ready()  # a cancel drops what a stream holds that the driver had not taken
             for stream in streams:  # each worker stops as a local run does (its sessions closed)
-                ray.cancel(stream)
+                ray.cancel(stream, recursive=False)
             running_after(CANCEL_GRACE_S)
-        stuck = running_after(0.0)  # in a call or a load that does not see the cancel: ended where it is
-        for stream in stuck:
-            ray.cancel(stream, force=True)
+        for stream in running_after(0.0):  # in a call or a load that does not see the cancel: ended where it is
+            ray.cancel(stream, force=True, recursive=False)
         with contextlib.suppress(KeyboardInterrupt):
             take_all()  # how each task ended
-            for worker, _ in stuck.values():  # its sessions would hold the server's places until they idled out
-                if held := ray.get(mailbox.held.remote(worker)):  # none where it was building its policy
-                    _close_held(*held)
-            positions = {HELDOUT_SEED_OFFSET + index: position for position, index in enumerate(indices)}
-            for result in ray.get(mailbox.handed_over.remote()):  # among them those the cancelled streams dropped
-                results[positions[result.seed]] = result
+    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C here: the report as it stands
+        if stops:  # the episodes a stopped task's stream dropped, or that one ended where it was had not sent
+            for position, result in ray.get(mailbox.handed_over.remote()):
+                results[position] = result
+        # Those of a worker ended where it was or dead (OOM-killed, its node lost), or whose cleanup skipped them,
+        # would hold the server's places until they idled out.
+        _close_left_open(ray.get(mailbox.left_open.remote()))
     if stops:
         raise RolloutStopped(stops[0], [result for result in results if result is not None])
     return results

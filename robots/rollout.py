@@ -246,8 +246,8 @@ def episodes_as_they_end(policy, env_id: str, indices: Sequence[int], num_envs: 
                          progress=None, delay: int = 0, commit: bool = False) -> Iterator[tuple[int, EpisodeResult]]:
     """One episode per held-out seed index in `indices` (seed `HELDOUT_SEED_OFFSET + index`), up to `num_envs` at
     once in a gymnasium vector env of `env_id`; the first `videos` episodes record side-by-side frames. Yields each
-    episode as it ends: its position in `indices` and its result. `progress`: a tqdm bar, advanced by one as each
-    episode ends.
+    episode as it ends, before its session is closed: its position in `indices` and its result. `progress`: a tqdm
+    bar, advanced by one as each episode ends.
 
     Each chunk's first `execute` actions run, but for `delay`: a tick's inference time in control steps, simulated.
     A tick is asked for while `delay` actions of the last chunk are left; they run while it is computed, so its
@@ -267,7 +267,9 @@ def episodes_as_they_end(policy, env_id: str, indices: Sequence[int], num_envs: 
     again under its request id once the server serves, so that a server that had opened the session answers with it (no
     try abandoned: not a restart). Ctrl-C, another error of the server or engine (a refusal), a server not serving
     again in time (TimeoutError) or an episode lost more than `MAX_EPISODE_RESTARTS` times, or whose opening failed so
-    more often in a row (`EpisodeLost`), raises `RolloutStopped` with the episodes that had ended.
+    more often in a row (`EpisodeLost`), raises `RolloutStopped` with the episodes that had ended. A session the server
+    may have opened under an episode whose openings all got no answer stays open until the server's idle timeout: the
+    client has no session id to close it by, and asking again under its request id is what got no answer.
     """
     num_envs = min(num_envs, len(indices))
     parallel = num_envs > 1
@@ -421,11 +423,13 @@ def episodes_as_they_end(policy, env_id: str, indices: Sequence[int], num_envs: 
                         run = running[i]
                         _score(run.result, scenes[i])
                         results[run.position] = run.result
-                        close(run.session)
-                        running[i] = None
                         if progress is not None:
                             progress.update(1)
+                        # Before its session is closed: a consumer that keeps it elsewhere (a Ray worker's mailbox)
+                        # has it though the close does not return (the process ended there).
                         yield run.position, run.result
+                        close(run.session)
+                        running[i] = None
                     obs = start(ended, obs)
     except BaseException as error:  # whatever stops the episodes, their sessions do not hold the server's places
         for run in running:

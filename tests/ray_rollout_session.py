@@ -5,12 +5,16 @@ this process was started in (Ray listens on every interface).
 
 It brings `lo` up, starts Ray (2 CPUs) and prints one JSON line of what it saw:
 - `refused`: `run_on_ray` whose worker 1 is refused at the third tick of seed index 3: [cause, ended episodes];
-- `killed`: the same, the worker's process killed there (SIGKILL, as the OOM killer): [cause, ended episodes];
+- `killed`: `run_on_ray` of clients of a fake server whose worker 1's process is killed (SIGKILL, as the OOM killer)
+  at the third tick of seed index 3, its session open: [cause, ended episodes, the server's `policy_server_sessions`
+  after];
 - `unbuilt`: `run_on_ray` whose one worker of two cannot build its policy (a client whose token file is missing
   there, as on a node without it), the other running its episodes: [cause, ended episodes];
 - `sent`: `run_on_ray` given Ctrl-C (SIGUSR1, whose handler here raises KeyboardInterrupt 3 s later) by worker 0 as it
   ends its first episode, which reaches the driver meanwhile, not taken: [cause, ended episodes];
-- `ending`: the same, the Ctrl-C at once, as worker 0 closes the session of its first episode, ended, not yet sent;
+- `ending`: `run_on_ray` of seed indices 0, 1, 2, 0 given Ctrl-C at once as worker 0 closes the session of its first
+  episode (seed index 0, ended, whose ticks are slow), in a close that does not see the cancel: the worker is ended
+  there, `CANCEL_GRACE_S` (here 2 s) later;
 - `execute`: `python -m robots.rollout --ray 1 --execute 9` against a fake server: [exit code, stderr];
 - `ctrl_c`: `python -m robots.rollout --ray 2 --episodes 4` against a fake server whose ticks of seed index 1 (worker
   0's second episode) are slow and whose tick of seed index 3 (worker 1's second) does not return, given SIGINT once
@@ -86,14 +90,14 @@ def seeker_in_one_process(marker: Path, token_file: Path):
     return SeekerPolicy()
 
 
-def stopped_run(policy) -> list:
+def stopped_run(policy, indices=range(4)) -> list:
     from test_rollout import EXECUTE
 
     from robots.ray_rollout import run_on_ray
     from robots.rollout import RolloutStopped
 
-    try:  # worker 0 runs seed indices 0 and 1, worker 1 2 and 3
-        run_on_ray(policy, REACH_ID, range(4), 2, 1, EXECUTE)
+    try:  # worker 0 runs the first two seed indices, worker 1 the others
+        run_on_ray(policy, REACH_ID, indices, 2, 1, EXECUTE)
     except RolloutStopped as stopped:
         return [str(stopped), [(r.seed, r.instruction, r.success, r.steps, len(r.ticks)) for r in stopped.finished]]
     return ["not stopped", []]
@@ -120,14 +124,20 @@ def main(out: Path) -> None:
     import ray
     from test_rollout import REFUSED, CtrlCPolicy, FailingPolicy, KilledPolicy
 
+    from robots import ray_rollout
+
     ray.init(num_cpus=2, include_dashboard=False)
     os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
-    seen = {"refused": stopped_run(functools.partial(FailingPolicy, 3, REFUSED)),
-            "killed": stopped_run(functools.partial(KilledPolicy, 3))}
+    seen = {"refused": stopped_run(functools.partial(FailingPolicy, 3, REFUSED))}
+    with serve_fake(FakeEngine(), port=PORT, metrics_port=METRICS_PORT):
+        seen["killed"] = [*stopped_run(functools.partial(KilledPolicy, f"127.0.0.1:{PORT}", 3)), sessions_open()]
     ctrl_c_after(3.0)
     seen["sent"] = stopped_run(functools.partial(CtrlCPolicy, os.getpid(), 0, hold_s=1.0))
     ctrl_c_after(0.0)
-    seen["ending"] = stopped_run(functools.partial(CtrlCPolicy, os.getpid(), 0, hold_s=CANCEL_GRACE_S / 2))
+    ray_rollout.CANCEL_GRACE_S = 2.0
+    seen["ending"] = stopped_run(functools.partial(CtrlCPolicy, os.getpid(), 0, hold_s=60, stuck=True, slow_s=1.0),
+                                 [0, 1, 2, 0])
+    ray_rollout.CANCEL_GRACE_S = CANCEL_GRACE_S
     seen["unbuilt"] = stopped_run(functools.partial(seeker_in_one_process, out / "built", out / "missing_token"))
     with serve_fake(FakeEngine(), port=PORT):
         done = rollout("--ray", "1", "--execute", "9", "--episodes", "1", "--out", str(out / "execute.json"))

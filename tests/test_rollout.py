@@ -449,41 +449,56 @@ def test_a_server_killed_and_restarted_mid_run_loses_no_episode(tmp_path, capsys
     assert capsys.readouterr().err.count("lost its session after") == sum(reasons.values())
 
 
-class KilledPolicy(SeekerPolicy):
-    """SeekerPolicy that kills its own process (SIGKILL, as the OOM killer does) at the third tick of seed index
-    `dying`, two seconds after that tick is asked for: time for the episodes that ended before to reach Ray's driver."""
+class KilledPolicy(rollout.ServerPolicy):
+    """A client of the server at `target` whose process kills itself (SIGKILL, as the OOM killer does) at the third
+    tick of seed index `dying`, two seconds after that tick is asked for (its session open): time for the episodes that
+    ended before to reach Ray's driver."""
 
-    def __init__(self, dying: int):
-        super().__init__()
-        self.dying_seed = HELDOUT_SEED_OFFSET + dying
+    def __init__(self, target: str, dying: int):
+        super().__init__(target, None, None, None, {})
+        self.dying_seed, self.dying_ticks = HELDOUT_SEED_OFFSET + dying, 0
+        self.seeds: dict[str, int] = {}  # session id -> its seed
+
+    def open(self, instruction: str, seed: int, preview: bool, request_id: str):
+        session = super().open(instruction, seed, preview, request_id)
+        self.seeds[session.session_id] = seed
+        return session
 
     def act(self, session, obs: dict, step: int, want_video: bool = False, committed: np.ndarray | None = None):
-        if session["seed"] == self.dying_seed and len(self.steps[self.dying_seed]) == 2:
-            time.sleep(2)
-            os.kill(os.getpid(), signal.SIGKILL)
+        if self.seeds[session.session_id] == self.dying_seed:
+            self.dying_ticks += 1
+            if self.dying_ticks == 3:
+                time.sleep(2)
+                os.kill(os.getpid(), signal.SIGKILL)
         return super().act(session, obs, step, want_video, committed)
 
 
 class CtrlCPolicy(SeekerPolicy):
-    """SeekerPolicy that, closing the session of seed index `ending` (its episode ended), gives the process `driver`
-    SIGUSR1 (there, a Ctrl-C) and holds the close `hold_s`; each tick after that takes a second (the worker still
-    runs when the Ctrl-C comes)."""
+    """SeekerPolicy that, closing the session of its process's first episode where it is on seed index `ending`,
+    gives the process `driver` SIGUSR1 (there, a Ctrl-C) and holds the close `hold_s` (`stuck`: unmoved by a cancel,
+    as a call that does not return); each tick of seed index `ending` before that takes `slow_s` more, each tick after
+    it a second (the worker still runs when the Ctrl-C comes)."""
 
-    def __init__(self, driver: int, ending: int, hold_s: float):
+    def __init__(self, driver: int, ending: int, hold_s: float, stuck: bool = False, slow_s: float = 0.0):
         super().__init__()
-        self.driver, self.ending_seed, self.hold_s = driver, HELDOUT_SEED_OFFSET + ending, hold_s
-        self.signalled = False
+        self.driver, self.ending_seed, self.hold_s, self.stuck = driver, HELDOUT_SEED_OFFSET + ending, hold_s, stuck
+        self.slow_s, self.signalled = slow_s, False
 
     def close(self, session) -> None:
         super().close(session)
-        if session["seed"] == self.ending_seed and not self.signalled:
+        if session["seed"] == self.ending_seed and len(self.closed) == 1:
             self.signalled = True
             os.kill(self.driver, signal.SIGUSR1)
-            time.sleep(self.hold_s)
+            end = time.monotonic() + self.hold_s
+            while (left := end - time.monotonic()) > 0:
+                try:
+                    time.sleep(left)
+                except KeyboardInterrupt:
+                    if not self.stuck:
+                        raise
 
     def act(self, session, obs: dict, step: int, want_video: bool = False, committed: np.ndarray | None = None):
-        if self.signalled:
-            time.sleep(1)
+        time.sleep(1 if self.signalled else self.slow_s if session["seed"] == self.ending_seed else 0)
         return super().act(session, obs, step, want_video, committed)
 
 
@@ -511,9 +526,10 @@ def test_a_stopped_ray_rollout_reports_every_workers_ended_episodes(expected, tm
 
     cause, finished = seen["refused"]
     assert cause == str(REFUSED) and [tuple(episode) for episode in finished] == expected[:3]
-    cause, finished = seen["killed"]
+    # Its session, open, held a place until it idled out: the driver closes it.
+    cause, finished, sessions_open = seen["killed"]
     assert cause.startswith("Ray worker 1 died (WorkerCrashedError: The worker died unexpectedly")
-    assert [tuple(episode) for episode in finished] == expected[:3]
+    assert [episode[0] for episode in finished] == [HELDOUT_SEED_OFFSET + i for i in range(3)] and sessions_open == 0
     # Which worker builds its policy first is the race's; the other's error names it, its own episodes are reported.
     cause, finished = seen["unbuilt"]
     unbuilt = 0 if cause.startswith("Ray worker 0: ") else 1
@@ -521,11 +537,14 @@ def test_a_stopped_ray_rollout_reports_every_workers_ended_episodes(expected, tm
                      "such file or directory")
     assert [tuple(episode) for episode in finished] == (expected[2:4] if unbuilt == 0 else expected[:2])
     # A Ctrl-C as a worker's episode reached the driver, not taken yet (a cancel dropped it from the stream), or as the
-    # worker closed its session, the episode ended (cancelled there, the worker never sent it): it is reported.
+    # worker closed its session, the episode ended, in a close that the cancel did not end (the worker, ended there
+    # after the grace, never sent it): it is reported, in its place (seed index 0 came again at position 3: a handed
+    # over episode was placed by its seed, there).
     for case in ("sent", "ending"):
         cause, finished = seen[case]
         assert cause == "interrupted (Ctrl-C)" and tuple(finished[0]) == expected[0], (case, finished)
         assert all(tuple(episode) in expected for episode in finished), (case, finished)
+    assert tuple(seen["ending"][1][1]) == expected[2], seen["ending"]
 
     code, error = seen["execute"]
     assert code == 2 and "Traceback" not in error, error
