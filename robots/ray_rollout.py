@@ -10,7 +10,8 @@ leaves the others to finish, and the rollout stops with every worker's ended epi
 cancels the workers' tasks (each stops as a local run does, closing its sessions), ends those still running
 `CANCEL_GRACE_S` later (a second Ctrl-C: at once), and stops the rollout with every episode a worker had ended: each
 goes to a mailbox actor as it ends, before its session is closed, then to the worker's stream (a cancelled task's
-stream drops those the driver had not taken; a task ended where it was sends nothing more). The sessions a worker left
+stream drops those the driver had not taken; a task ended where it was sends nothing more), and the mailbox keeps it
+until the driver has taken it. The sessions a worker left
 open (ended where it was, dead, or its cleanup cut short) the driver closes on their server once the workers ended.
 """
 
@@ -53,7 +54,8 @@ class _Mailbox:
     def __init__(self):
         # worker -> (a client of its server: `ServerPolicy.connect`, {session id: the request id that opened it})
         self.sessions: dict[int, tuple[Callable, dict[str, str]]] = {}
-        self.ended: list[tuple[int, EpisodeResult]] = []  # (its position in the driver's indices, the episode)
+        # its position in the driver's indices -> an ended episode the driver has not taken (video frames and all)
+        self.ended: dict[int, EpisodeResult] = {}
 
     def opened(self, worker: int, connect: Callable, session_id: str, request_id: str) -> None:
         self.sessions.setdefault(worker, (connect, {}))[1][session_id] = request_id
@@ -65,9 +67,12 @@ class _Mailbox:
         return {worker: held for worker, held in self.sessions.items() if held[1]}
 
     def hand_over(self, position: int, result: EpisodeResult) -> None:
-        self.ended.append((position, result))
+        self.ended[position] = result
 
-    def handed_over(self) -> list[tuple[int, EpisodeResult]]:
+    def taken(self, position: int) -> None:
+        del self.ended[position]
+
+    def handed_over(self) -> dict[int, EpisodeResult]:
         return self.ended
 
 
@@ -179,6 +184,9 @@ def run_on_ray(make_policy: Callable, env_id: str, indices: Sequence[int], worke
                                       f"{str(error).strip().splitlines()[0]}); the episodes it ended are reported"))
             return
         results[position] = result
+        # Handed over before it was streamed, so this call comes after that one: the mailbox holds only the episodes
+        # the driver lacks, not a second copy of every one.
+        mailbox.taken.remote(position)
 
     def take_all() -> None:
         while streams:
@@ -210,7 +218,7 @@ def run_on_ray(make_policy: Callable, env_id: str, indices: Sequence[int], worke
             take_all()  # how each task ended
     with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C here: the report as it stands
         if stops:  # the episodes a stopped task's stream dropped, or that one ended where it was had not sent
-            for position, result in ray.get(mailbox.handed_over.remote()):
+            for position, result in ray.get(mailbox.handed_over.remote()).items():
                 results[position] = result
         # Those of a worker ended where it was or dead (OOM-killed, its node lost), or whose cleanup skipped them,
         # would hold the server's places until they idled out.
