@@ -16,6 +16,7 @@ import torch
 from worker_hold import hold_worker
 
 from policy_server.engine import api
+from policy_server.engine.admission import Demand, assign_slots
 from policy_server.engine.engine import EngineSettings, ModelEngine
 from policy_server.engine.warmup import Warmup
 from policy_server.pipeline.reasoner import generate
@@ -899,6 +900,17 @@ def test_close_stops_a_running_reasoner_call_and_every_caller_is_answered(tmp_pa
     engine.close()
     with pytest.raises(api.ShuttingDown):
         list(stream)
+
+
+def test_once_every_uncached_tick_fits_the_room_left_is_shared_and_a_lone_session_keeps_all_of_it():
+    """Slots bound a tick's guard: a lone session (here asking 5 times a second) keeps its whole room, the budget
+    less the background piece, as a tick was guarded at its budget before; two share what their uncached ticks leave.
+    The rates' load counts the uncached ticks (a tick plans no more, whatever its slot), not the slots."""
+    lone = Demand(budget_ms=300.0, rate_hz=5.0, floor_ms=50.0, ceiling_ms=150.0)
+    assert assign_slots([lone], blocking_ms=10.0) == [290.0]
+    other = Demand(budget_ms=400.0, rate_hz=1.0, floor_ms=20.0, ceiling_ms=60.0)
+    assert assign_slots([lone, other], blocking_ms=10.0) == [190.0, 100.0]  # (290 - 150 - 60) / 2 = 40 more each
+    assert assign_slots([lone, replace(other, ceiling_ms=200.0)], blocking_ms=10.0)[1] < 200.0  # no room: grown less
 
 
 def test_a_tick_that_runs_past_its_slot_is_cut_there_so_the_tick_behind_it_meets_its_budget(engine):

@@ -179,7 +179,7 @@ def test_config_accepts_diffusers_bookkeeping_and_resolves_rope_sections():
     ("rope_theta", -1.0, "a finite number above 0"),  # loaded
     ("rms_norm_eps", float("nan"), "a finite number above 0"),  # loaded
     ("timestep_scale", "0.001", "a finite number above 0"),  # loaded
-    ("base_fps", 0, "a positive integer up to 1048576"),  # loaded
+    ("base_fps", 0, "a finite number above 0"),  # loaded
     ("unified_3d_mrope_temporal_modality_margin", -5, "an integer from 0 to 1048576"),  # loaded
     ("attention_dropout", 2, "a number in [0, 1)"),  # loaded
     ("qk_norm_for_text", "false", "true or false"),  # loaded as true
@@ -194,6 +194,14 @@ def test_a_config_value_of_the_wrong_type_or_out_of_range_is_named(saved, field,
     with pytest.raises(ConfigError) as info:
         load_transformer(saved)
     assert str(info.value) == f"{saved / 'config.json'}: config field {field!r}={value!r}: expected {expected}"
+
+
+def test_a_config_as_converters_may_write_it_loads():
+    """base_fps as a float (the packing uses it so), and no sound_latent_fps where the model makes no sound (Edge)."""
+    config = Cosmos3TransformerConfig(base_fps=24.0, sound_gen=False, sound_dim=None, sound_latent_fps=None)
+    assert config.base_fps == 24.0
+    with pytest.raises(ConfigError, match="sound_latent_fps"):
+        Cosmos3TransformerConfig(sound_gen=True, sound_dim=64, sound_latent_fps=None)
 
 
 def test_more_layers_in_the_config_than_in_the_weights_is_refused_before_the_model_is_built(saved):

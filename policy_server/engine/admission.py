@@ -84,14 +84,11 @@ def assign_slots(demands: list[Demand], blocking_ms: float,
         return [d.floor_ms + fraction * g for d, g in zip(demands, growth, strict=True)]
     # Every uncached tick fits: what is left of the room is shared as well, for the guard of a tick that runs slower
     # than planned (a loaded machine), which must still end within its slot, not its own budget: the ticks queued
-    # behind it were admitted on its slot.
+    # behind it were admitted on its slot. Only the room bounds it: a tick plans the uncached tick whatever its slot
+    # beyond, so the rates' load is the ceilings', which fits (fraction 1); a lone session's slot is its whole room.
     ceilings = [max(d.ceiling_ms, d.floor_ms) for d in demands]
-    extra = (room - sum(ceilings)) / len(demands)
-    rates = sum(d.rate_hz for d in demands) / 1e3
-    if rates > 0:
-        extra = min(extra, (max_utilization - sum(d.rate_hz * c for d, c in zip(demands, ceilings, strict=True)) / 1e3)
-                    / rates)
-    return [c + max(extra, 0.0) for c in ceilings]
+    extra = max(room - sum(ceilings), 0.0) / len(demands)
+    return [c + extra for c in ceilings]
 
 
 def sessions_that_fit(open_demands: list[Demand], new: Demand, blocking_ms: float, limit: int,

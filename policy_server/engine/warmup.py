@@ -93,9 +93,9 @@ class Warmup:
         if self.served.graphs is not None:  # with a compiled stack, its compiles are inside the first capture
             logger.info("captured %d CUDA graphs of the GEN stack in %.0f ms", self.served.graphs.num_graphs,
                         self.served.graphs.capture_ms)
-            # The warmup's (micro-batches among them, which no opening captures) and each session's three shapes
-            # (each branch alone, both as one batch): beyond, the shapes used least recently go.
-            self.served.graphs.max_graphs = self.served.graphs.num_graphs + 3 * self.served.settings.max_sessions
+            # Kept for good, the warmup's; of those captured later, each session's three shapes (each branch alone,
+            # both as one batch): beyond, the shapes used least recently go.
+            self.served.graphs.max_later = 3 * self.served.settings.max_sessions
         elif isinstance(self.served.gen_stack, PrecompiledGenStack):
             stack, tick_work = self.served.gen_stack, self.served.tick_work
             logger.info("compiled the GEN stack for %d call patterns in %.0f ms, the prefill and each step's work "

@@ -34,11 +34,11 @@ _SUPPORTED_ACTIVATIONS = ("silu", "relu2")
 MAX_SIZE = 1 << 20
 _SIZE_FIELDS = ("head_dim", "hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers",
                 "num_key_value_heads", "latent_channel", "latent_patch_size", "patch_latent_dim", "vocab_size",
-                "num_embodiment_domains", "base_fps")
+                "num_embodiment_domains")
 _OPTIONAL_SIZE_FIELDS = ("action_dim", "sound_dim")
 _BOOL_FIELDS = ("attention_bias", "enable_fps_modulation", "unified_3d_mrope_reset_spatial_ids", "action_gen",
                 "sound_gen", "qk_norm_for_text", "use_und_k_norm_for_gen")
-_POSITIVE_FLOAT_FIELDS = ("rms_norm_eps", "rope_theta", "sound_latent_fps", "timestep_scale")
+_POSITIVE_FLOAT_FIELDS = ("rms_norm_eps", "rope_theta", "timestep_scale", "base_fps")  # base_fps: 24 or 24.0
 
 
 def _is_int(value: object) -> bool:
@@ -113,7 +113,7 @@ class Cosmos3TransformerConfig:
         for name in (*_SIZE_FIELDS, *(f for f in _OPTIONAL_SIZE_FIELDS if getattr(self, f) is not None)):
             if not _is_int(getattr(self, name)) or not 1 <= getattr(self, name) <= MAX_SIZE:
                 fail(name, f"a positive integer up to {MAX_SIZE}")
-        for name in _POSITIVE_FLOAT_FIELDS:
+        for name in (*_POSITIVE_FLOAT_FIELDS, *(("sound_latent_fps",) if self.sound_gen else ())):
             if not _is_number(getattr(self, name)) or not 0 < getattr(self, name) < math.inf:
                 fail(name, "a finite number above 0")
         if not _is_number(self.attention_dropout) or not 0 <= self.attention_dropout < 1:

@@ -9,7 +9,8 @@ Capture runs the stack twice (once to warm the libraries outside the graph, once
 where no deadline runs: `capture` is what warmup and a session's opening use; a live tick calls the object
 itself, which replays a captured shape and runs any other shape eagerly (a micro-batch of several sessions,
 a text length no session opened with). All graphs share one memory pool: they never run at the same time.
-A server running for days sees many instruction lengths: past its warmup it keeps the `max_graphs` shapes used last.
+A server running for days sees many instruction lengths: it keeps the warmup's graphs (micro-batches among them, which
+nothing else captures) and, of those captured later, the `max_later` shapes used last.
 """
 
 from __future__ import annotations
@@ -42,40 +43,47 @@ class _Graph:
 
 class GraphedGenStack:
     """A GEN stack (`transformer.gen_stack`) with CUDA graphs: call it as the stack (replays a captured shape,
-    runs any other eagerly), or `capture` to replay a shape, capturing it first when it is new. `max_graphs`: how
-    many shapes it keeps, those used last (None: every one; the warmup sets it as it ends: each graph holds its
-    static inputs on the device, text K/V of every layer included). `capture_ms`: time spent capturing so far."""
+    runs any other eagerly), or `capture` to replay a shape, capturing it first when it is new. `max_later`: how
+    many shapes captured after the warmup it keeps, those used last (None while warming up: the warmup's are kept for
+    good; each graph holds its static inputs on the device, text K/V of every layer included). `capture_ms`: time
+    spent capturing so far."""
 
     def __init__(self, gen_stack: Callable[[GenInput, UndKV], torch.Tensor]):
         self.gen_stack = gen_stack
         self.capture_ms = 0.0
-        self.max_graphs: int | None = None
-        self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()  # the shape used last at the end
+        self.max_later: int | None = None
+        self._warmup_graphs: dict[tuple, _Graph] = {}
+        self._later_graphs: OrderedDict[tuple, _Graph] = OrderedDict()  # the shape used last at the end
         self._pool = torch.cuda.graph_pool_handle()
 
     def __call__(self, gen: GenInput, und_kv: UndKV) -> torch.Tensor:
-        key = _shape_key(gen, und_kv)
-        graph = self._graphs.get(key)
-        if graph is None:
-            return self.gen_stack(gen, und_kv)
-        self._graphs.move_to_end(key)
-        return graph.run(gen, und_kv)
+        graph = self._find(_shape_key(gen, und_kv))
+        return self.gen_stack(gen, und_kv) if graph is None else graph.run(gen, und_kv)
 
     def capture(self, gen: GenInput, und_kv: UndKV) -> torch.Tensor:
         key = _shape_key(gen, und_kv)
-        if key in self._graphs:
-            self._graphs.move_to_end(key)
-        else:
+        graph = self._find(key)
+        if graph is None:
             started = time.perf_counter()
-            self._graphs[key] = self._capture(gen, und_kv)
+            graph = self._capture(gen, und_kv)
             self.capture_ms += (time.perf_counter() - started) * 1e3
-            if self.max_graphs is not None and len(self._graphs) > self.max_graphs:
-                self._graphs.popitem(last=False)
-        return self._graphs[key].run(gen, und_kv)
+            if self.max_later is None:
+                self._warmup_graphs[key] = graph
+            else:
+                self._later_graphs[key] = graph
+                if len(self._later_graphs) > self.max_later:
+                    self._later_graphs.popitem(last=False)
+        return graph.run(gen, und_kv)
 
     @property
     def num_graphs(self) -> int:
-        return len(self._graphs)
+        return len(self._warmup_graphs) + len(self._later_graphs)
+
+    def _find(self, key: tuple) -> _Graph | None:
+        graph = self._warmup_graphs.get(key)
+        if graph is None and (graph := self._later_graphs.get(key)) is not None:
+            self._later_graphs.move_to_end(key)
+        return graph
 
     def _capture(self, gen: GenInput, und_kv: UndKV) -> _Graph:
         rotary = gen.layout.rotary
