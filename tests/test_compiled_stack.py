@@ -311,6 +311,23 @@ def test_where_torch_cannot_compile_an_engine_runs_eagerly_and_asking_for_a_comp
         assert compile_unavailable(torch.device("cuda")).startswith("no C compiler for Triton: neither no-such-cc")
 
 
+def test_an_engine_that_does_not_compile_never_imports_the_compiler():
+    """Importing dynamo (inductor imports it) took a third of the start of a server that runs eagerly, on 2 cores:
+    neither `--no-compile-gen-stack` nor TORCH_COMPILE_DISABLE=1 imports it, loading the weights included (a
+    checkpoint's model is built on the meta device, where torch's `normal_` imports dynamo)."""
+    code = """if True:
+        import os, sys
+        from policy_server.config import build_config
+        from policy_server.engine import build_engine
+        os.environ.pop("TORCH_COMPILE_DISABLE", None)
+        for compile_gen_stack in (False, None):  # None: wherever torch can compile; the variable says it cannot
+            engine = build_engine(build_config(overrides={"device": "cpu", "compile_gen_stack": compile_gen_stack}))
+            assert not engine.served.compiled and "torch._dynamo" not in sys.modules, compile_gen_stack
+            os.environ["TORCH_COMPILE_DISABLE"] = "1"
+    """
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
 def test_a_server_process_compiles_the_stack_and_serves_the_eager_stacks_actions(pipeline, folder, tmp_path,
                                                                                   compiles):
     # The module's model: its compiles above are in torch's disk cache.

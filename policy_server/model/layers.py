@@ -16,6 +16,15 @@ from torch import nn
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
+class Embedding(nn.Embedding):
+    """`nn.Embedding`, left uninitialised on the meta device, where a checkpoint's model is built to be loaded
+    into: torch's `normal_` of a meta tensor imports dynamo, seconds of a server's start that compiles nothing."""
+
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
+
 class RMSNorm(nn.Module):
     """RMSNorm over the last dim, in the Qwen or the Nemotron (Edge) precision convention.
 
@@ -100,8 +109,8 @@ class DomainAwareLinear(nn.Module):
         self.input_size = input_size
         self.output_size = output_size
         self.num_domains = num_domains
-        self.fc = nn.Embedding(num_domains, input_size * output_size)
-        self.bias = nn.Embedding(num_domains, output_size)
+        self.fc = Embedding(num_domains, input_size * output_size)
+        self.bias = Embedding(num_domains, output_size)
 
     def forward(self, x: torch.Tensor, domains: DomainIds) -> torch.Tensor:
         """x `[N, in]`, one domain per row -> `[N, out]`."""

@@ -29,7 +29,13 @@ from policy_server.model.boundary import GenInput, UndKV
 from policy_server.model.config import Cosmos3TransformerConfig
 from policy_server.model.decoder import Cosmos3MoTDecoderLayer, attend_text_and_own, gen_attention
 from policy_server.model.gen_layout import GenLayout, ModalityLayout, build_gen_layout, require
-from policy_server.model.layers import DomainAwareLinear, RMSNorm, TimestepEmbedding, sinusoidal_timestep_features
+from policy_server.model.layers import (
+    DomainAwareLinear,
+    Embedding,
+    RMSNorm,
+    TimestepEmbedding,
+    sinusoidal_timestep_features,
+)
 from policy_server.model.reasoner_cache import ReasonerKVCache
 from policy_server.model.rope import MultimodalRotaryEmbedding, RotaryTables
 
@@ -52,7 +58,7 @@ class Cosmos3OmniTransformer(nn.Module):
         super().__init__()
         self.config = c = config
         d = c.hidden_size
-        self.embed_tokens = nn.Embedding(c.vocab_size, d)
+        self.embed_tokens = Embedding(c.vocab_size, d)
         self.layers = nn.ModuleList(Cosmos3MoTDecoderLayer(c) for _ in range(c.num_hidden_layers))
         self.norm = RMSNorm(d, c.rms_norm_eps, c.nemotron_backbone)
         self.norm_moe_gen = RMSNorm(d, c.rms_norm_eps, c.nemotron_backbone)

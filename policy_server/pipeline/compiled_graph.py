@@ -27,6 +27,8 @@ class CompiledGraph:
     copy of them."""
 
     def __init__(self, module: nn.Module, inputs: Inputs, dynamic_shapes: tuple | None = None):
+        import torch._inductor  # here, not at the top: it imports dynamo, seconds a process that never compiles saves
+
         with torch.no_grad():  # an inference graph: with grad on, inductor would compile a backward too
             program = torch.export.export(module, inputs, dynamic_shapes=dynamic_shapes, strict=False)
             tensors = dict(module.named_parameters()) | dict(module.named_buffers()) | program.constants

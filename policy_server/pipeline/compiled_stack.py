@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 
 import torch
 from torch import nn
-from torch._inductor import config as inductor_config
-from torch._inductor import cpp_builder, exc
 from torch.export import Dim
 
 from policy_server.model import Cosmos3OmniTransformer, GenInput, UndKV
@@ -104,9 +103,13 @@ def compile_unavailable(device: torch.device) -> str | None:
     """Why torch.compile cannot compile the GEN stack on `device`, or None when it can. Inductor compiles C++ for
     a CPU (`$CXX`, else g++); on CUDA, Triton builds its kernel launchers with a C compiler (`$CC`, else gcc or
     clang)."""
-    if torch._dynamo.config.disable:
+    if _compile_disabled():
         return "torch.compile is disabled (TORCH_COMPILE_DISABLE=1)"
     if device.type == "cpu":
+        # Here, not at the top: importing inductor imports dynamo, seconds a process that runs eagerly need not spend.
+        from torch._inductor import config as inductor_config
+        from torch._inductor import cpp_builder, exc
+
         try:
             cpp_builder.get_cpp_compiler()
         except exc.InvalidCxxCompiler:
@@ -117,6 +120,13 @@ def compile_unavailable(device: torch.device) -> str | None:
         if not (shutil.which(cc) or shutil.which("clang")):
             return f"no C compiler for Triton: neither {cc} nor clang is on PATH (install gcc or set CC)"
     return None
+
+
+def _compile_disabled() -> bool:
+    """`torch._dynamo.config.disable`, without importing dynamo where nothing has yet (it takes seconds, a third of
+    an eager server's start on 2 cores): its default is TORCH_COMPILE_DISABLE's."""
+    dynamo = sys.modules.get("torch._dynamo")
+    return dynamo.config.disable if dynamo is not None else os.environ.get("TORCH_COMPILE_DISABLE", "0") == "1"
 
 
 def _pattern(gen: GenInput, und_kv: UndKV) -> tuple | None:
