@@ -557,8 +557,11 @@ def test_a_stopped_ray_rollout_reports_every_workers_ended_episodes(expected, tm
     report = json.loads((tmp_path / "ctrl_c.json").read_text())
     assert code == 130 and "Traceback" not in error and sessions_open == 0, error
     assert report["stopped_by"] == "interrupted (Ctrl-C)"
-    assert [e["seed"] for e in report["per_episode"]] == [HELDOUT_SEED_OFFSET + i for i in (0, 2)]
-    assert report["unfinished_seeds"] == [HELDOUT_SEED_OFFSET + i for i in (1, 3)]
+    # Worker 0's second episode (20 ticks of 0.5 s) may end within the grace where its cancel lands late (a loaded
+    # machine): an episode that ended is reported.
+    ended = [e["seed"] - HELDOUT_SEED_OFFSET for e in report["per_episode"]]
+    assert ended in ([0, 2], [0, 1, 2]), ended
+    assert report["unfinished_seeds"] == [HELDOUT_SEED_OFFSET + i for i in (0, 1, 2, 3) if i not in ended]
     # What the grace waits for (nothing was said for its 10 s), then one line, after Ray's own (and the escapes that
     # redraw the progress bars of the worker ended)
     waiting, line = [line for line in error.splitlines() if "policy-rollout: " in line]
