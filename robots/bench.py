@@ -258,7 +258,7 @@ class FixedConfig:
                                       frontier=(self.point,))
             cache = SeaCache(SeaCacheConfig(threshold=plan.thresholds, residual_order=config.residual_order,
                                             max_consecutive_cached=plan.cap), sea_filter=served.sea_filter)
-            control = served.budget.guarded_steps(plan, key, started, cache)
+            control = served.budget.guarded_steps(plan, key, started, cache, plan.deadline_ms)
         else:
             control = fixed_control(pipeline, config, served.sea_filter)
         self.prompt, _ = served.prompt(request.instruction, embodiment, chunk, canvas, self.prompt)

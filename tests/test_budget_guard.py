@@ -88,7 +88,7 @@ def run_tick(clock, budget, plan, guarded=True, stack_ms=lambda step: STACK_MS, 
     steps, ran = None, None
     t0 = clock()
     if guarded:
-        steps = budget.guarded_steps(plan, KEY, start, cache)
+        steps = budget.guarded_steps(plan, KEY, start, cache, plan.deadline_ms)
         assert isinstance(steps, GuardedSteps) and steps.plan is plan
         ran = run_denoise(clock, steps, stack_ms, stall_ms)
     else:
@@ -417,7 +417,7 @@ def test_setup_before_the_loop_is_in_no_cost_sample():
     clock = FakeClock()
     budget = warm_budget(clock)
     plan = budget.plan(KEY, 500.0, 4, 2, None, prefill=False)
-    steps = budget.guarded_steps(plan, KEY, clock(), plan_cache(plan))
+    steps = budget.guarded_steps(plan, KEY, clock(), plan_cache(plan), plan.deadline_ms)
     clock.advance(50.0)  # setup between arming and the loop (encode), before the first step is paced
     run_denoise(clock, steps)
     rec = steps.record()

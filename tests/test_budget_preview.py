@@ -24,8 +24,9 @@ def test_a_preview_tick_plans_and_reserves_its_decode(budget):
     assert PREVIEW_STAGE not in plain.predicted_stage_ms
     assert preview.predicted_stage_ms[PREVIEW_STAGE] == 7.0
     assert preview.predicted_ms == pytest.approx(plain.predicted_ms + 7.0)  # both uncached: the stage is the difference
-    assert budget.guarded_steps(preview, KEY, 0.0, SeaCache()).guard._reserve_after == pytest.approx(0.5 + 7.0)
-    assert budget.guarded_steps(plain, KEY, 0.0, SeaCache()).guard._reserve_after == pytest.approx(0.5)
+    for plan, reserve_after in ((preview, 0.5 + 7.0), (plain, 0.5)):
+        guard = budget.guarded_steps(plan, KEY, 0.0, SeaCache(), plan.deadline_ms).guard
+        assert guard._reserve_after == pytest.approx(reserve_after)
 
 
 def test_the_preview_stage_makes_a_tight_budget_cache_more(budget):

@@ -3,7 +3,7 @@
 Usage by the engine (one instance per model worker, one ``SessionHistory`` per session)::
 
     plan = budget.plan(cost_key, time_left_ms, num_steps, passes, session_history, prefill=False)
-    steps = budget.guarded_steps(plan, cost_key, tick_started_at_ms, SeaCache(...))  # arms the deadline guard
+    steps = budget.guarded_steps(plan, cost_key, tick_started_at_ms, SeaCache(...), deadline_ms)  # arms the guard
     ... the sampler asks steps.before_step(i) for each step's branches, and steps.estimate(...) for each call
     (None: it runs; the step's calls that run go as one batch, and steps.ran({branch: out}) gets their outputs) ...
     budget.learn(cost_key, steps, session_history, stage_ms)
@@ -125,10 +125,9 @@ class TickBudget:
         return plan_tick(time_left_ms, num_steps, passes, costs, history, self.config, self.guided)
 
     def guarded_steps(self, plan: TickPlan, key: Hashable, tick_started_at_ms: float, cache: SeaCache,
-                      deadline_ms: float | None = None) -> GuardedSteps:
-        """The tick's step loop under a guard armed now; the deadline is ``tick_started_at_ms + deadline_ms``, by
-        default the plan's (a tick of a micro-batch may take longer than it was planned in, sharing the worker)."""
-        deadline_ms = plan.deadline_ms if deadline_ms is None else deadline_ms
+                      deadline_ms: float) -> GuardedSteps:
+        """The tick's step loop under a guard armed now; the deadline is ``tick_started_at_ms + deadline_ms``: the
+        plan's, or longer for a tick of a micro-batch, which shares the worker with the batch's other ticks."""
         costs = self.cost_model.costs(key)
         reserve = costs.cautious(self.config.cost_margin_devs).fixed_ms
         reserve_after = sum(reserve.get(stage, 0.0) for stage in self.post_stages if stage in plan.predicted_stage_ms)
