@@ -214,8 +214,8 @@ def run_on_ray(make_policy: Callable, env_id: str, indices: Sequence[int], worke
             running_after(CANCEL_GRACE_S)
         for stream in running_after(0.0):  # in a call or a load that does not see the cancel: ended where it is
             ray.cancel(stream, force=True, recursive=False)
-        with contextlib.suppress(KeyboardInterrupt):
-            take_all()  # how each task ended
+        # The streams are not read again: the mailbox holds every episode not taken, and how each task ended adds
+        # nothing to the interrupt (a cancelled task's stream may never end: Ray's issue 62537).
     with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C here: the report as it stands
         if stops:  # the episodes a stopped task's stream dropped, or that one ended where it was had not sent
             for position, result in ray.get(mailbox.handed_over.remote()).items():

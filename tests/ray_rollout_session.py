@@ -20,11 +20,13 @@ It brings `lo` up, starts Ray (2 CPUs) and prints one JSON line of what it saw:
   0's second episode) are slow and whose tick of seed index 3 (worker 1's second) does not return, given SIGINT once
   both have ticked: [exit code, stderr, the server's `policy_server_sessions` once it has exited]; its report is
   OUTDIR/ctrl_c.json.
-The rollouts join this Ray session (RAY_ADDRESS).
+The rollouts join this Ray session (RAY_ADDRESS). Each check's start goes to stderr; a session still running after
+`HANG_S` dumps every thread's stack there and exits 1 (the test's timeout would kill it with nothing said).
 """
 
 from __future__ import annotations
 
+import faulthandler
 import functools
 import json
 import os
@@ -43,6 +45,8 @@ from robots.envs import HELDOUT_SEED_OFFSET, REACH_ID
 from robots.ray_rollout import CANCEL_GRACE_S
 
 PORT, METRICS_PORT = 52080, 52081  # in the namespace: nothing else listens there
+HANG_S = 300
+STARTED = time.monotonic()
 
 
 class SlowAndStuckEngine(FakeEngine):
@@ -119,7 +123,12 @@ def sessions_open() -> float:
     return float(line.split()[1])
 
 
+def started(check: str) -> None:
+    print(f"ray_rollout_session: {time.monotonic() - STARTED:.1f} s: {check}", file=sys.stderr, flush=True)
+
+
 def main(out: Path) -> None:
+    faulthandler.dump_traceback_later(HANG_S, exit=True)
     loopback_up()
     import ray
     from test_rollout import REFUSED, CtrlCPolicy, FailingPolicy, KilledPolicy
@@ -128,21 +137,28 @@ def main(out: Path) -> None:
 
     ray.init(num_cpus=2, include_dashboard=False)
     os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
+    started("refused")
     seen = {"refused": stopped_run(functools.partial(FailingPolicy, 3, REFUSED))}
+    started("killed")
     with serve_fake(FakeEngine(), port=PORT, metrics_port=METRICS_PORT):
         seen["killed"] = [*stopped_run(functools.partial(KilledPolicy, f"127.0.0.1:{PORT}", 3)), sessions_open()]
+    started("sent")
     ctrl_c_after(3.0)
     seen["sent"] = stopped_run(functools.partial(CtrlCPolicy, os.getpid(), 0, hold_s=1.0))
+    started("ending")
     ctrl_c_after(0.0)
     ray_rollout.CANCEL_GRACE_S = 2.0
     seen["ending"] = stopped_run(functools.partial(CtrlCPolicy, os.getpid(), 0, hold_s=60, stuck=True, slow_s=1.0),
                                  [0, 1, 2, 0])
     ray_rollout.CANCEL_GRACE_S = CANCEL_GRACE_S
+    started("unbuilt")
     seen["unbuilt"] = stopped_run(functools.partial(seeker_in_one_process, out / "built", out / "missing_token"))
+    started("execute")
     with serve_fake(FakeEngine(), port=PORT):
         done = rollout("--ray", "1", "--execute", "9", "--episodes", "1", "--out", str(out / "execute.json"))
         error = done.communicate(timeout=120)[1]
         seen["execute"] = [done.returncode, error]
+    started("ctrl_c")
     engine = SlowAndStuckEngine(slow=HELDOUT_SEED_OFFSET + 1, stuck=HELDOUT_SEED_OFFSET + 3)
     with serve_fake(engine, port=PORT, metrics_port=METRICS_PORT):
         try:

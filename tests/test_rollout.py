@@ -521,7 +521,9 @@ def test_a_stopped_ray_rollout_reports_every_workers_ended_episodes(expected, tm
     env.pop("RAY_ADDRESS", None)
     done = subprocess.run(["unshare", "-rn", sys.executable, os.path.join(tests, "ray_rollout_session.py"),
                            str(tmp_path)], capture_output=True, text=True, env=env, timeout=400)
-    assert done.returncode == 0, done.stderr[-4000:]
+    checks = [line[line.index("ray_rollout_session: "):] for line in done.stderr.splitlines()
+              if "ray_rollout_session: " in line]
+    assert done.returncode == 0, "\n".join(checks) + "\n...\n" + done.stderr[-8000:]
     seen = json.loads(done.stdout.splitlines()[-1])
 
     cause, finished = seen["refused"]
