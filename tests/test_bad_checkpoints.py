@@ -345,6 +345,21 @@ def test_policy_json_numbers_are_not_converted(tmp_path, text, field, expected):
     assert str(info.value) == f"{path}: {field}: Input should be {expected}"
 
 
+@pytest.mark.parametrize(("canvases", "expected"), [
+    ([], "canvases: Value error, 0 canvases; expected 1 to 16"),
+    ([[64, 64]] * 17, "canvases: Value error, 17 canvases; expected 1 to 16"),
+    ([[64, 64], [4096, 64]], "canvases.1.0: Input should be less than or equal to 2048"),
+    ([[0, 64]], "canvases.0.0: Input should be greater than or equal to 1"),
+])
+def test_policy_json_canvases_are_bounded(tmp_path, canvases, expected):
+    """A canvas side past the largest frame the server takes would be all padding, and each canvas costs warmup."""
+    path = tmp_path / "policy.json"
+    path.write_text(json.dumps({"canvases": canvases}))
+    with pytest.raises(PolicyConfigError) as info:
+        PolicyConfig.load(path)
+    assert str(info.value) == f"{path}: {expected}"
+
+
 def test_policy_json_trained_domain_ids_are_rows_of_the_action_projections(tmp_path):
     path = tmp_path / "policy.json"
     path.write_text('{"trained_domain_ids": [4, 32]}')

@@ -18,9 +18,16 @@ from pydantic import (
 )
 
 from policy_server.json_file import read_json
+from policy_server.limits import MAX_FRAME_SIDE
 from policy_server.pipeline.conditioning import RESOLUTION_TIERS
 from policy_server.pipeline.embodiments import NUM_EMBODIMENT_DOMAINS
 from policy_server.pipeline.schedulers import SAMPLER_NAMES
+
+# Canvases a checkpoint may declare: warmup and admission time a tick on each, and a resolution tier has 5.
+MAX_CANVASES = 16
+
+
+CanvasSide = Annotated[StrictInt, Field(ge=1, le=MAX_FRAME_SIDE)]  # px
 
 
 class PolicyConfigError(ValueError):
@@ -56,7 +63,8 @@ class PolicyConfig(BaseModel):
     sigma_max: float = Field(0.0, ge=0.0, allow_inf_nan=False, strict=True)
     final_sigma: Literal["zero", "sigma_min"] = "zero"
     guidance_interval: tuple[Annotated[FiniteFloat, Strict()], Annotated[FiniteFloat, Strict()]] | None = None
-    canvases: tuple[tuple[StrictInt, StrictInt], ...] = ((64, 64),)
+    # A frame is at most MAX_FRAME_SIDE px a side at the boundary and is never enlarged: a longer side is all padding.
+    canvases: tuple[tuple[CanvasSide, CanvasSide], ...] = ((64, 64),)
     resolution_tier: StrictInt | None = None
     pad_mode: Literal["reflect", "replicate"] = "reflect"
     use_system_prompt: bool = True
@@ -84,9 +92,9 @@ class PolicyConfig(BaseModel):
 
     @field_validator("canvases")
     @classmethod
-    def _positive_canvases(cls, value: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
-        if not value or any(min(hw) < 1 for hw in value):
-            raise ValueError(f"canvases {value} must be one or more (height, width) pairs of at least 1x1")
+    def _some_canvases(cls, value: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
+        if not 1 <= len(value) <= MAX_CANVASES:
+            raise ValueError(f"{len(value)} canvases; expected 1 to {MAX_CANVASES}")
         return value
 
     @model_validator(mode="after")
