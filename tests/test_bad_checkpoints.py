@@ -103,6 +103,9 @@ BROKEN = {
                           "vae/config.json: config is for 'AutoencoderKLWan'; expected 'SmallVideoVAE'"),
     "truncated_vae_weights": (_writing("vae/diffusion_pytorch_model.safetensors", b"\x00" * 7),
                               "vae/diffusion_pytorch_model.safetensors: not a readable safetensors file"),
+    "nan_vae_weight": (lambda root: _poisoned(root / "vae/diffusion_pytorch_model.safetensors"),
+                       "vae/diffusion_pytorch_model.safetensors: NaN or Inf values in 'frame_decoder.conv_out.bias'; "
+                       "expected finite weights"),
     "truncated_transformer_weights": (
         _writing("transformer/diffusion_pytorch_model.safetensors", b"\x00" * 7),
         "transformer/diffusion_pytorch_model.safetensors: not a readable safetensors file"),
@@ -166,6 +169,16 @@ def _stored_as_integers(path):
     save_file({key: tensor.to(torch.int32) for key, tensor in tensors.items()}, str(path), metadata={"format": "pt"})
 
 
+def _poisoned(path, value=math.nan):
+    """A breakage: the first tensor of a weights file holds `value` (a diverged fine-tune saves NaN weights)."""
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(str(path))
+    first = sorted(tensors)[0]
+    tensors[first].view(-1)[0] = value
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return first
+
+
 def _saved_as_variant(root):
     """The folder saved again by diffusers with `variant="fp16"` (weights named `*.fp16.*`), sharded as it was."""
     from diffusers import Cosmos3OmniPipeline
@@ -206,6 +219,10 @@ BROKEN_DIFFUSERS = {
         "diffusion_pytorch_model.safetensors.index.fp16.json without '.fp16'"),
     "integer_weights": (lambda root: _stored_as_integers(_first_shard(root)),
                         ".safetensors: tensor(s) stored as I32, expected floating point (F32, BF16, F16): "),
+    "nan_weight": (lambda root: _poisoned(_first_shard(root)),
+                   ".safetensors: NaN or Inf values in 'action_modality_embed'; expected finite weights"),
+    "wan_vae_infinite_weight": (lambda root: _poisoned(sorted((root / "vae").glob("*.safetensors"))[0], math.inf),
+                                "vae: NaN or Inf values in 'encoder.conv_in.bias'; expected finite weights"),
     "shape_mismatch": (lambda root: _edit_json(root / "transformer/config.json", intermediate_size=80),
                        "shape mismatch"),
     "unknown_scheduler": (lambda root: _edit_json(root / "scheduler/scheduler_config.json",

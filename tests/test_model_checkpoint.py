@@ -149,6 +149,17 @@ def test_shape_mismatch_is_named(saved):
         load_transformer(saved)
 
 
+def test_a_weight_that_overflows_the_dtype_it_loads_in_is_named(saved):
+    """An fp32 weight past float16's range loads as Inf in float16 (the server's --dtype), and serves NaN actions."""
+    rewrite_weights(saved, lambda t: t["proj_out.bias"].fill_(1e6))
+    assert torch.equal(load_transformer(saved).proj_out.bias, torch.full((16,), 1e6))
+    with pytest.raises(CheckpointError) as raised:
+        load_transformer(saved, dtype=torch.float16)
+    assert str(raised.value) == (f"{saved / 'diffusion_pytorch_model.safetensors'}: NaN or Inf values in "
+                                 "'proj_out.bias' once cast from torch.float32 to torch.float16; expected finite "
+                                 "weights")
+
+
 def test_unknown_config_field_is_named(saved):
     config = json.loads((saved / "config.json").read_text())
     config["num_experts"] = 8

@@ -14,7 +14,7 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -120,7 +120,7 @@ def remap_native_keys(state_dict: Mapping[str, V]) -> dict[str, V]:
             raise CheckpointError(f"native keys collide: {key!r} maps to {new!r}, already taken")
         remapped[new] = tensor
     if unknown:
-        raise CheckpointError(f"unrecognised native Cosmos3 key(s): {_show(unknown)}")
+        raise CheckpointError(f"unrecognised native Cosmos3 key(s): {show_names(unknown)}")
     return remapped
 
 
@@ -162,7 +162,13 @@ def to_native_keys(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
     return native
 
 
-def _show(names: list[str], limit: int = 20) -> str:
+def non_finite(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    """The names of the tensors holding NaN or Inf: weights that load, then fail every tick (NonFiniteOutput)."""
+    return [name for name, tensor in named if tensor.is_floating_point() and not torch.isfinite(tensor).all()]
+
+
+def show_names(names: list[str], limit: int = 20) -> str:
+    """The names, sorted and quoted, the first `limit` of them."""
     shown = ", ".join(repr(n) for n in sorted(names)[:limit])
     return shown + (f" ... ({len(names) - limit} more)" if len(names) > limit else "")
 
@@ -235,11 +241,11 @@ def index_tensors(directory: Path) -> dict[str, StoredTensor]:
             # Every weight is floating point; cast to --dtype, an integer 0.03 would load as 0, silently.
             dtype, keys = next(iter(not_float.items()))
             raise CheckpointError(f"{file}: tensor(s) stored as {dtype}, expected floating point (F32, BF16, F16): "
-                                  f"{_show(keys)}")
+                                  f"{show_names(keys)}")
     if weight_map is not None:
         absent = [k for k in weight_map if k not in tensors]
         if absent:
-            raise CheckpointError(f"tensor(s) in {index.name} but absent from their shard: {_show(absent)}")
+            raise CheckpointError(f"tensor(s) in {index.name} but absent from their shard: {show_names(absent)}")
     return tensors
 
 
@@ -270,11 +276,18 @@ def read_tensor(stored: StoredTensor, device: torch.device | str, dtype: torch.d
             tensor = handle.get_tensor(stored.name)
     except SafetensorError as error:
         raise CheckpointError(f"{stored.file}: cannot read {stored.name!r} ({error})") from None
-    if dtype is not None and tensor.dtype != dtype:
-        return tensor.to(dtype)
-    # On the CPU the tensor is a view of the mapped file: a file written over in place (`cp` of a new fine-tune)
-    # would change the served weights under the server, or kill it (SIGBUS) while the file is short.
-    return tensor.clone() if tensor.device.type == "cpu" else tensor
+    stored_dtype = tensor.dtype
+    if dtype is not None and stored_dtype != dtype:
+        tensor = tensor.to(dtype)
+    elif tensor.device.type == "cpu":
+        # On the CPU the tensor is a view of the mapped file: a file written over in place (`cp` of a new fine-tune)
+        # would change the served weights under the server, or kill it (SIGBUS) while the file is short.
+        tensor = tensor.clone()
+    if non_finite([(stored.name, tensor)]):
+        raise CheckpointError(f"{stored.file}: NaN or Inf values in {stored.name!r}"
+                              + (f" once cast from {stored_dtype} to {dtype}" if tensor.dtype != stored_dtype else "")
+                              + "; expected finite weights")
+    return tensor
 
 
 def load_transformer(path: str | Path, device: torch.device | str = "cpu",
@@ -320,9 +333,9 @@ def check_state_dict(model: torch.nn.Module, stored: dict[str, StoredTensor], di
                   for k, shape in expected.items() if k in stored and stored[k].shape != shape]
     problems = []
     if missing:
-        problems.append(f"missing key(s): {_show(missing)}")
+        problems.append(f"missing key(s): {show_names(missing)}")
     if unexpected:
-        problems.append(f"unexpected key(s): {_show(unexpected)}")
+        problems.append(f"unexpected key(s): {show_names(unexpected)}")
     if mismatched:
         problems.append(f"shape mismatch(es): {'; '.join(mismatched[:20])}")
     if problems:

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from policy_server.json_file import read_json
-from policy_server.model.checkpoint import CheckpointError
+from policy_server.model.checkpoint import CheckpointError, non_finite, show_names
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
@@ -361,6 +361,8 @@ class SmallVideoVAE(nn.Module):
                 f"{weights_path} does not match {config_path}: missing {missing}, unexpected {unexpected}, "
                 f"size (file, config) {resized}"
             )
+        if bad := non_finite(state.items()):
+            raise CheckpointError(f"{weights_path}: NaN or Inf values in {show_names(bad)}; expected finite weights")
         model.load_state_dict(state)
         return model.to(device).eval()
 

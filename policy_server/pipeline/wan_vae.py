@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from policy_server.json_file import read_json
-from policy_server.model.checkpoint import CheckpointError, check_state_dict, index_tensors
+from policy_server.model.checkpoint import CheckpointError, check_state_dict, index_tensors, non_finite, show_names
 from policy_server.model.vae import latent_frames
 
 WAN_VAE_CLASS = "AutoencoderKLWan"
@@ -70,6 +70,8 @@ class WanVideoVAE(torch.nn.Module):
         if vae.device.type == "cpu":  # diffusers' CPU weights are views of the mapped files (see `read_tensor`)
             for tensor in (*vae.parameters(), *vae.buffers()):
                 tensor.data = tensor.data.clone()
+        if bad := non_finite((*vae.named_parameters(), *vae.named_buffers())):
+            raise CheckpointError(f"{folder}: NaN or Inf values in {show_names(bad)}; expected finite weights")
         return cls(vae.eval())
 
     def num_latent_frames(self, num_frames: int) -> int:
