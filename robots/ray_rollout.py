@@ -83,13 +83,16 @@ class _Registered:
     def __init__(self, policy: ServerPolicy, mailbox, worker: int):
         self.policy, self.mailbox, self.worker = policy, mailbox, worker
 
-    def __getattr__(self, name: str):  # act, wait_until_serving
-        return getattr(self.policy, name)
+    def wait_until_serving(self) -> None:
+        self.policy.wait_until_serving()
 
     def open(self, instruction: str, seed: int, preview: bool, request_id: str):
         session = self.policy.open(instruction, seed, preview, request_id)
         ray.get(self.mailbox.opened.remote(self.worker, self.policy.connect, session.session_id, request_id))
         return session
+
+    def act(self, session, obs: dict, step: int, want_video: bool = False, committed: np.ndarray | None = None):
+        return self.policy.act(session, obs, step, want_video, committed)
 
     def close(self, session) -> None:
         self.policy.close(session)
