@@ -623,7 +623,8 @@ def run(args: argparse.Namespace) -> dict:
         },
         "model": model_summary(pipeline, embodiment, observations[0], latent_shape),
         "forward": forward_summary(pipeline, embodiment, latent_shape, args),
-        "tick_profile": tick_profile(pipeline, embodiment, observations[0], args.profile_ticks),
+        "tick_profile": tick_profile(pipeline, embodiment, observations[0], args.profile_ticks,
+                                     compiles=args.compile_gen_stack is not False),
         "warmup": warmup,
         "env_id": args.env,  # the task whose observations every configuration ran (and the closed loop's)
         "uncached_p50_before_run_ms": uncached_scale_ms,  # what the budget fractions scale on
@@ -741,7 +742,8 @@ ATTENTION_OPS = frozenset({"aten::_scaled_dot_product_flash_attention_for_cpu", 
                            "aten::_scaled_dot_product_attention_math"})
 
 
-def tick_profile(pipeline: PolicyPipeline, embodiment: Embodiment, inputs: dict, ticks: int) -> dict | None:
+def tick_profile(pipeline: PolicyPipeline, embodiment: Embodiment, inputs: dict, ticks: int,
+                 compiles: bool = True) -> dict | None:
     """Where an uncached tick's time goes (ms per tick): its wall time (median, without the profiler), the
     matmul and attention time the torch profiler attributes to it (self time, mean over `ticks` profiled ticks, one
     after each round of timed ticks), their ratio (1.0: nothing but arithmetic) and the ops per tick; the same tick
@@ -752,8 +754,9 @@ def tick_profile(pipeline: PolicyPipeline, embodiment: Embodiment, inputs: dict,
     `*_saved_ms`, is the launch overhead the graphs remove), and `compiled_graphed` with the stack compiled and
     graphed, as the server runs it there; on a CPU, `compiled` with the stack compiled whole, as the server runs it
     there by default, with its call patterns and compile time (variants that compile are left out where
-    torch.compile cannot: `compile_unavailable`). Each variant's `wall_vs_arithmetic` divides its wall time by the
-    eager tick's matmul and attention time: it runs the same matmuls and attention."""
+    torch.compile cannot: `compile_unavailable`, and without `compiles`: `--no-compile-gen-stack`). Each variant's
+    `wall_vs_arithmetic` divides its wall time by the eager tick's matmul and attention time: it runs the same
+    matmuls and attention."""
     if ticks == 0:
         return None
     from torch.profiler import ProfilerActivity, profile
@@ -764,12 +767,12 @@ def tick_profile(pipeline: PolicyPipeline, embodiment: Embodiment, inputs: dict,
     cuda = pipeline.device.type == "cuda"
     transformer = pipeline.transformer
     variants = {"graphed": GraphedGenStack(transformer.gen_stack)} if cuda else {}
-    unavailable = compile_unavailable(pipeline.device)
+    unavailable = compile_unavailable(pipeline.device) if compiles else None
     if unavailable:
         print(f"policy-server bench: the tick profile has no compiled variant: {unavailable}", file=sys.stderr)
-    elif cuda:
+    elif compiles and cuda:
         variants["compiled_graphed"] = GraphedGenStack(transformer.compiled_gen_stack())
-    else:
+    elif compiles:
         variants["compiled"] = PrecompiledGenStack(transformer)
     warming = {name: stack.capture if cuda else stack.compile for name, stack in variants.items()}
     # The compiled CPU variant runs the prefill and the step's work around the stack compiled too, as the server.
@@ -925,7 +928,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help=f"weight dtype: {', '.join(DTYPES)} (auto: bf16 on CUDA, fp32 on CPU)")
     parser.add_argument("--compile-gen-stack", action=argparse.BooleanOptionalAction, default=None,
                         help="the engines' GEN stack compiled, as the server's flag (default: as the server: "
-                             "wherever torch can compile)")
+                             "wherever torch can compile); --no-compile-gen-stack compiles nothing, the tick "
+                             "profile's compiled variants included")
     parser.add_argument("--ticks", type=int, default=500, help="ticks every configuration runs (500)")
     parser.add_argument("--warmup", type=int, default=4, help="warmup ticks per engine and cache mode (4)")
     budgets = parser.add_mutually_exclusive_group()

@@ -38,7 +38,8 @@ def test_bench_writes_the_documented_report(profiled_checkpoint, tmp_path, compi
     beside the checkpoint, not a new one."""
     checkpoint, profile = profiled_checkpoint
     out = tmp_path / "bench.json"
-    # The tick profile's compiled variant compiles; the engines run eagerly, as compiling each would take minutes.
+    # Compiling on (`compiles`), and --no-compile-gen-stack: nothing compiles, the tick profile's compiled variant
+    # included (test_compiled_stack.py checks that one).
     assert bench_main(["--checkpoint", str(checkpoint), "--ticks", "4", "--warmup", "2", "--out", str(out),
                        "--no-compile-gen-stack",
                        "--forward-repeats", "2", "--closed-loop", "1",
@@ -72,8 +73,7 @@ def test_bench_writes_the_documented_report(profiled_checkpoint, tmp_path, compi
     assert profile["full_call_ms"] > profile["skipped_call_ms"] > 0  # a skip runs no GEN stack
     assert profile["batched_cfg_call_ms"] > profile["full_call_ms"]  # two calls as one batch
     assert profile["wall_branches_one_by_one_ms"] > 0
-    assert profile["compiled"]["patterns"] == 2 and profile["compiled"]["compile_ms"] > 0  # one branch, both
-    assert profile["compiled"]["tick_work_shapes"] == 1 and profile["compiled"]["tick_work_compile_ms"] > 0
+    assert profile["compiled"] is None
     assert report["warmup"]["seconds"] > 0 and report["warmup"]["compiled"] is None  # --no-compile-gen-stack
     names = [c["name"] for c in report["configs"]]
     assert names[:3] == ["uncached", "seacache_default", "max_caching"]

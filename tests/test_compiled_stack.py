@@ -24,6 +24,7 @@ from policy_server.model import GenInput, UndKV
 from policy_server.pipeline.compiled_stack import CompileUnavailableError, PrecompiledGenStack, compile_unavailable
 from policy_server.pipeline.policy import FixedSteps, PolicyPipeline, PolicyRequest, run_steps
 from policy_server.pipeline.tick_work import CompiledTickWork
+from robots import bench
 from robots.bench import warmup_summary
 from robots.embedded import build_random_pipeline
 from robots.soak import bound_listeners
@@ -350,3 +351,12 @@ def test_a_server_process_compiles_the_stack_and_serves_the_eager_stacks_actions
         client.close()
         process.terminate()
         process.wait(timeout=60)
+
+
+def test_the_bench_tick_profile_runs_the_stack_and_tick_work_compiled_as_the_server_does(pipeline, compiles):
+    """`policy-server bench`'s tick profile on a CPU (last in this module: inductor's cache holds its graphs)."""
+    inputs = {"images": _images(), "instruction": RED, "state": STATE}
+    compiled = bench.tick_profile(pipeline, pipeline.embodiments.get("pusht"), inputs, 1)["compiled"]
+    assert compiled["patterns"] == 2 and compiled["compile_ms"] > 0  # one branch, both
+    assert compiled["tick_work_shapes"] == 1 and compiled["tick_work_compile_ms"] > 0
+    assert compiled["full_call_ms"] > compiled["skipped_call_ms"] > 0 and compiled["wall_vs_arithmetic"] > 0
