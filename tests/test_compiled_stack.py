@@ -131,7 +131,7 @@ def test_a_step_graph_serves_every_embodiment_of_its_latent_shape(folder, tmp_pa
     (two / "embodiments.json").write_text(json.dumps(entries))
     pipeline = PolicyPipeline.from_pretrained(two)
     work, eager, stack = CompiledTickWork(pipeline.transformer), pipeline.tick_work, pipeline.transformer.gen_stack
-    # An eager tick first, as before the other compiles of this model's tick work (the bench's, the tests' below):
+    # An eager tick first, as before the other compiles of this model's tick work (the tests' below, the bench's):
     # the prefill graph traced after one is theirs, which inductor's cache then serves; traced first, its lifted
     # tensors come in another order and it compiles anew (seconds).
     first = _tick(pipeline, _request(RED), stack, tick_work=eager)
