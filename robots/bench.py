@@ -623,8 +623,7 @@ def run(args: argparse.Namespace) -> dict:
         },
         "model": model_summary(pipeline, embodiment, observations[0], latent_shape),
         "forward": forward_summary(pipeline, embodiment, latent_shape, args),
-        "tick_profile": tick_profile(pipeline, embodiment, observations[0], args.profile_ticks,
-                                     compiles=args.compile_gen_stack is not False),
+        "tick_profile": tick_profile(pipeline, embodiment, observations[0], args.profile_ticks, args.compile_gen_stack),
         "warmup": warmup,
         "env_id": args.env,  # the task whose observations every configuration ran (and the closed loop's)
         "uncached_p50_before_run_ms": uncached_scale_ms,  # what the budget fractions scale on
@@ -743,7 +742,7 @@ ATTENTION_OPS = frozenset({"aten::_scaled_dot_product_flash_attention_for_cpu", 
 
 
 def tick_profile(pipeline: PolicyPipeline, embodiment: Embodiment, inputs: dict, ticks: int,
-                 compiles: bool = True) -> dict | None:
+                 compile_gen_stack: bool | None = None) -> dict | None:
     """Where an uncached tick's time goes (ms per tick): its wall time (median, without the profiler), the
     matmul and attention time the torch profiler attributes to it (self time, mean over `ticks` profiled ticks, one
     after each round of timed ticks), their ratio (1.0: nothing but arithmetic) and the ops per tick; the same tick
@@ -754,7 +753,7 @@ def tick_profile(pipeline: PolicyPipeline, embodiment: Embodiment, inputs: dict,
     `*_saved_ms`, is the launch overhead the graphs remove), and `compiled_graphed` with the stack compiled and
     graphed, as the server runs it there; on a CPU, `compiled` with the stack compiled whole, as the server runs it
     there by default, with its call patterns and compile time (variants that compile are left out where
-    torch.compile cannot: `compile_unavailable`, and without `compiles`: `--no-compile-gen-stack`). Each variant's
+    torch.compile cannot, `compile_unavailable`, and with `compile_gen_stack` False, as the flag). Each variant's
     `wall_vs_arithmetic` divides its wall time by the eager tick's matmul and attention time: it runs the same
     matmuls and attention."""
     if ticks == 0:
@@ -767,12 +766,13 @@ def tick_profile(pipeline: PolicyPipeline, embodiment: Embodiment, inputs: dict,
     cuda = pipeline.device.type == "cuda"
     transformer = pipeline.transformer
     variants = {"graphed": GraphedGenStack(transformer.gen_stack)} if cuda else {}
-    unavailable = compile_unavailable(pipeline.device) if compiles else None
-    if unavailable:
+    if compile_gen_stack is False:
+        pass  # asked for: nothing compiles
+    elif unavailable := compile_unavailable(pipeline.device):
         print(f"policy-server bench: the tick profile has no compiled variant: {unavailable}", file=sys.stderr)
-    elif compiles and cuda:
+    elif cuda:
         variants["compiled_graphed"] = GraphedGenStack(transformer.compiled_gen_stack())
-    elif compiles:
+    else:
         variants["compiled"] = PrecompiledGenStack(transformer)
     warming = {name: stack.capture if cuda else stack.compile for name, stack in variants.items()}
     # The compiled CPU variant runs the prefill and the step's work around the stack compiled too, as the server.

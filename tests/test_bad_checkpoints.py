@@ -288,6 +288,10 @@ BROKEN_DIFFUSERS = {
                                  "policy.json: resolution_tier: Input should be a valid integer"),
     "infinite_guidance": (_writing("policy.json", '{"guidance": Infinity}'),
                           "policy.json: guidance: Input should be a finite number"),
+    "canvas_wider_than_the_cameras_side_by_side": (
+        _writing("policy.json", '{"canvases": [[64, 64], [64, 2064]]}'),
+        "policy.json: canvases [[64, 2064]]; expected widths of at most 2048 px, the 1 camera(s) of a served "
+        "embodiment side by side at 2048 px each (a wider canvas is all padding there)"),
     "canvas_off_the_latent_grid": (_writing("policy.json", '{"canvases": [[72, 72]]}'),
                                    "policy.json: canvases [[72, 72]]; expected sides that are multiples of"),
     "no_embodiments": (_writing("embodiments.json", '{"embodiments": []}'),
@@ -369,12 +373,16 @@ def test_policy_json_numbers_are_not_converted(tmp_path, text, field, expected):
     ([[0, 64]], "canvases.0.0: Input should be greater than or equal to 1"),
 ])
 def test_policy_json_canvases_are_bounded(tmp_path, canvases, expected):
-    """A canvas side past the largest frame the server takes would be all padding, and each canvas costs warmup."""
+    """A canvas taller than the largest frame the server takes would be all padding below it, and each canvas costs
+    warmup. A wider one may hold cameras side by side: the pipeline bounds its width by the cameras it serves
+    (`canvas_wider_than_the_cameras_side_by_side`)."""
     path = tmp_path / "policy.json"
     path.write_text(json.dumps({"canvases": canvases}))
     with pytest.raises(PolicyConfigError) as info:
         PolicyConfig.load(path)
     assert str(info.value) == f"{path}: {expected}"
+    path.write_text(json.dumps({"canvases": [[64, 4096]]}))  # two cameras of 64x2048
+    assert PolicyConfig.load(path).canvases == ((64, 4096),)
 
 
 def test_policy_json_trained_domain_ids_are_rows_of_the_action_projections(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -158,6 +159,15 @@ def test_a_weight_that_overflows_the_dtype_it_loads_in_is_named(saved):
     assert str(raised.value) == (f"{saved / 'diffusion_pytorch_model.safetensors'}: NaN or Inf values in "
                                  "'proj_out.bias' once cast from torch.float32 to torch.float16; expected finite "
                                  "weights")
+
+
+def test_a_nan_weight_is_named_as_stored_whatever_dtype_it_loads_in(saved):
+    rewrite_weights(saved, lambda t: t["proj_out.bias"].fill_(math.nan))
+    for dtype in (None, torch.float16):
+        with pytest.raises(CheckpointError) as raised:
+            load_transformer(saved, dtype=dtype)
+        assert str(raised.value) == (f"{saved / 'diffusion_pytorch_model.safetensors'}: NaN or Inf values in "
+                                     "'proj_out.bias'; expected finite weights")
 
 
 def test_unknown_config_field_is_named(saved):

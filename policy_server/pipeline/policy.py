@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from policy_server.cache.controller import CacheRecord, NoCache, StepController
+from policy_server.limits import MAX_FRAME_SIDE
 from policy_server.model import Cosmos3OmniTransformer, GenInput, UndKV, load_transformer
 from policy_server.model.boundary import PaddedGenLayouts
 from policy_server.model.checkpoint import CheckpointError, weights_digest
@@ -442,6 +443,11 @@ class PolicyPipeline:
         if bad := [list(hw) for hw in self.config.canvases if hw[0] % step or hw[1] % step]:
             raise CheckpointError(f"{root / 'policy.json'}: canvases {bad}; expected sides that are multiples of "
                                   f"the VAE's spatial compression, {step} px")
+        cameras = max(len(embodiment.cameras) for embodiment in served)
+        if wide := [list(hw) for hw in self.config.canvases if hw[1] > cameras * MAX_FRAME_SIDE]:
+            raise CheckpointError(f"{root / 'policy.json'}: canvases {wide}; expected widths of at most "
+                                  f"{cameras * MAX_FRAME_SIDE} px, the {cameras} camera(s) of a served embodiment "
+                                  f"side by side at {MAX_FRAME_SIDE} px each (a wider canvas is all padding there)")
 
     @classmethod
     def _from_policy_folder(cls, root: Path, device: str, dtype: torch.dtype | None) -> PolicyPipeline:

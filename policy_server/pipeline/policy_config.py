@@ -27,7 +27,10 @@ from policy_server.pipeline.schedulers import SAMPLER_NAMES
 MAX_CANVASES = 16
 
 
-CanvasSide = Annotated[StrictInt, Field(ge=1, le=MAX_FRAME_SIDE)]  # px
+# px. A frame is at most MAX_FRAME_SIDE px a side at the boundary and is never enlarged: a taller canvas is all
+# padding below it. Cameras go side by side, so a canvas may be wider: the pipeline bounds it by the cameras served.
+CanvasHeight = Annotated[StrictInt, Field(ge=1, le=MAX_FRAME_SIDE)]
+CanvasWidth = Annotated[StrictInt, Field(ge=1)]
 
 
 class PolicyConfigError(ValueError):
@@ -63,8 +66,7 @@ class PolicyConfig(BaseModel):
     sigma_max: float = Field(0.0, ge=0.0, allow_inf_nan=False, strict=True)
     final_sigma: Literal["zero", "sigma_min"] = "zero"
     guidance_interval: tuple[Annotated[FiniteFloat, Strict()], Annotated[FiniteFloat, Strict()]] | None = None
-    # A frame is at most MAX_FRAME_SIDE px a side at the boundary and is never enlarged: a longer side is all padding.
-    canvases: tuple[tuple[CanvasSide, CanvasSide], ...] = ((64, 64),)
+    canvases: tuple[tuple[CanvasHeight, CanvasWidth], ...] = ((64, 64),)
     resolution_tier: StrictInt | None = None
     pad_mode: Literal["reflect", "replicate"] = "reflect"
     use_system_prompt: bool = True
