@@ -18,8 +18,8 @@ It brings `lo` up, starts Ray (2 CPUs) and prints one JSON line of what it saw:
 - `execute`: `python -m robots.rollout --ray 1 --execute 9` against a fake server: [exit code, stderr];
 - `ctrl_c`: `python -m robots.rollout --ray 2 --episodes 4` against a fake server whose ticks of seed index 1 (worker
   0's second episode) are slow and whose tick of seed index 3 (worker 1's second) does not return, given SIGINT once
-  both have ticked: [exit code, stderr, the server's `policy_server_sessions` once it has exited]; its report is
-  OUTDIR/ctrl_c.json.
+  both have ticked, and again once it says it waits for the workers: [exit code, stderr, the server's
+  `policy_server_sessions` once it has exited]; its report is OUTDIR/ctrl_c.json.
 The rollouts join this Ray session (RAY_ADDRESS). Each check's start goes to stderr; a session still running after
 `HANG_S` dumps every thread's stack there and exits 1 (the test's timeout would kill it with nothing said).
 """
@@ -73,9 +73,9 @@ class SlowAndStuckEngine(FakeEngine):
         return super().act(session_id, *args, **kwargs)
 
 
-def rollout(*flags: str) -> subprocess.Popen:
+def rollout(*flags: str, stderr=subprocess.PIPE) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "robots.rollout", "--server", f"127.0.0.1:{PORT}", *flags],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True,
                             # SIGINT's default action, as under a terminal
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
@@ -160,16 +160,20 @@ def main(out: Path) -> None:
         seen["execute"] = [done.returncode, error]
     started("ctrl_c")
     engine = SlowAndStuckEngine(slow=HELDOUT_SEED_OFFSET + 1, stuck=HELDOUT_SEED_OFFSET + 3)
-    with serve_fake(engine, port=PORT, metrics_port=METRICS_PORT):
+    with serve_fake(engine, port=PORT, metrics_port=METRICS_PORT), open(out / "ctrl_c.err", "w+") as stderr:
         try:
-            interrupted = rollout("--ray", "2", "--episodes", "4", "--out", str(out / "ctrl_c.json"))
+            interrupted = rollout("--ray", "2", "--episodes", "4", "--out", str(out / "ctrl_c.json"), stderr=stderr)
             engine.reached.wait(120)
             # Their first episodes, ended a tick before, reach the driver (a cancelled task's episodes not taken by
             # then are dropped); worker 0's second lasts 20 ticks of 0.5 s.
             time.sleep(1)
             os.killpg(interrupted.pid, signal.SIGINT)
-            _, error = interrupted.communicate(timeout=120)
-            seen["ctrl_c"] = [interrupted.returncode, error, sessions_open()]
+            waiting_until = time.monotonic() + 60
+            while "waiting up to" not in Path(stderr.name).read_text() and time.monotonic() < waiting_until:
+                time.sleep(0.1)
+            os.killpg(interrupted.pid, signal.SIGINT)  # again, in the grace: the workers still running end at once
+            interrupted.wait(timeout=120)
+            seen["ctrl_c"] = [interrupted.returncode, Path(stderr.name).read_text(), sessions_open()]
         finally:
             engine.release.set()
     ray.shutdown()
