@@ -739,12 +739,18 @@ def main(argv: list[str] | None = None) -> int:
     report = summarize(results, seconds, config, budgeted, None if stopped is None else str(stopped), unfinished)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
-    plot_summary(report, [t.latency_ms for r in results for t in r.ticks], args.out.with_suffix(".png"))
-    if args.videos:  # PyAV, with its FFmpeg, loads only for a rollout that writes videos
-        from robots.video import write_browser_mp4
-    for result in results:
-        if result.frames:  # one of the first --videos episodes
-            write_browser_mp4(args.out.with_name(f"{args.out.stem}_episode{result.seed}.mp4"), result.frames, fps=10)
+    try:  # videos take a while to encode, and a stopped run's user may press Ctrl-C again: the report stays
+        plot_summary(report, [t.latency_ms for r in results for t in r.ticks], args.out.with_suffix(".png"))
+        if args.videos:  # PyAV, with its FFmpeg, loads only for a rollout that writes videos
+            from robots.video import write_browser_mp4
+        for result in results:
+            if result.frames:  # one of the first --videos episodes
+                write_browser_mp4(args.out.with_name(f"{args.out.stem}_episode{result.seed}.mp4"), result.frames,
+                                  fps=10)
+    except KeyboardInterrupt:
+        print(f"policy-rollout: interrupted (Ctrl-C) writing the plot and videos; {args.out} holds the report of "
+              f"the {len(results)} episodes that had ended", file=sys.stderr)
+        return 130
     print(json.dumps({k: v for k, v in report.items() if k not in ("per_episode", "unfinished_seeds")}, indent=2))
     if stopped is not None:
         print(f"policy-rollout: {stopped}; {args.out} reports the {len(results)} episodes that had ended, not the "

@@ -570,6 +570,21 @@ def test_a_stopped_ray_rollout_reports_every_workers_ended_episodes(expected, tm
                          "had ended, not the 2 others (unfinished_seeds)"), error
 
 
+def test_a_ctrl_c_while_the_plot_and_videos_are_written_keeps_the_report(tmp_path, monkeypatch, capsys):
+    """Videos take a while to encode after the episodes (after a Ctrl-C too): a Ctrl-C then was a traceback."""
+    def interrupted(*_):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(rollout, "plot_summary", interrupted)
+    out = tmp_path / "rollout.json"
+    with serve_fake(FakeEngine()) as server:
+        assert main(["--server", server.target, "--episodes", "2", "--out", str(out)]) == 130
+    assert json.loads(out.read_text())["episodes"] == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (f"policy-rollout: interrupted (Ctrl-C) writing the plot and "
+                                                        f"videos; {out} holds the report of the 2 episodes that had "
+                                                        "ended")
+
+
 class RedeployedEngine(FakeEngine):
     """Loses every session as its `at_tick`th tick comes, and serves other weights from then on: a server redeployed
     with a new model."""
