@@ -3,6 +3,7 @@ a scripted policy in this process and through `--server` against a real gRPC ser
 included; bad flags are usage errors."""
 
 import dataclasses
+import functools
 import io
 import json
 import os
@@ -583,6 +584,36 @@ def test_a_ctrl_c_while_the_plot_and_videos_are_written_keeps_the_report(tmp_pat
     assert capsys.readouterr().err.splitlines()[-1] == (f"policy-rollout: interrupted (Ctrl-C) writing the plot and "
                                                         f"videos; {out} holds the report of the 2 episodes that had "
                                                         "ended")
+
+
+def test_the_sessions_ray_workers_left_open_are_closed_by_the_driver_or_left_to_the_idle_timeout(tmp_path, capsys):
+    """`ray_rollout._close_left_open`: the driver closes what the workers it ended, or that died, left open; one gone
+    already is no failure; where it cannot (the server does not answer, or no client can be made on the driver's
+    node: a token file it lacks), one line says the server closes them once idle, and the run's report stands."""
+    pytest.importorskip("ray", reason="Ray is not installed (pip install 'policy-server[ray]')")
+    from policy_server.client import PolicyClient
+    from robots.ray_rollout import _close_left_open
+
+    engine = FakeEngine()
+    with serve_fake(engine) as server:
+        connect = functools.partial(PolicyClient, server.target)
+        with connect() as client:
+            session = client.open_session("pusht", "reach the red circle", rate_hz=0.0)
+        left_open = {1: (connect, {session.session_id: "r" * 16})}
+        _close_left_open(left_open)
+        assert engine.stats().sessions == 0
+        _close_left_open(left_open)  # SESSION_NOT_FOUND: gone already
+        assert capsys.readouterr().err == ""
+        _close_left_open({1: (functools.partial(PolicyClient, server.target, token_file=tmp_path / "missing"),
+                              {"s" * 32: "r" * 16})})
+    _close_left_open({0: (functools.partial(PolicyClient, server.target), {"s" * 32: "r" * 16})})
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == (f"policy-rollout: could not close the 1 session(s) Ray worker 1 left open (ValueError: cannot "
+                        f"read auth token file {tmp_path}/missing: No such file or directory); the server closes them "
+                        "once idle")
+    assert lines[1].startswith(f"policy-rollout: could not close the 1 session(s) Ray worker 0 left open "
+                               f"(PolicyServerError: DEADLINE_EXCEEDED: no answer from {server.target} within 2 s")
+    assert lines[1].endswith("); the server closes them once idle") and len(lines) == 2, lines
 
 
 class RedeployedEngine(FakeEngine):
