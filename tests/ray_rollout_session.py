@@ -73,9 +73,9 @@ class SlowAndStuckEngine(FakeEngine):
         return super().act(session_id, *args, **kwargs)
 
 
-def rollout(*flags: str, stderr=subprocess.PIPE) -> subprocess.Popen:
+def rollout(*flags: str, stdout=subprocess.PIPE, stderr=subprocess.PIPE) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "robots.rollout", "--server", f"127.0.0.1:{PORT}", *flags],
-                            stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True,
+                            stdout=stdout, stderr=stderr, text=True, start_new_session=True,
                             # SIGINT's default action, as under a terminal
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
@@ -162,7 +162,8 @@ def main(out: Path) -> None:
     engine = SlowAndStuckEngine(slow=HELDOUT_SEED_OFFSET + 1, stuck=HELDOUT_SEED_OFFSET + 3)
     with serve_fake(engine, port=PORT, metrics_port=METRICS_PORT), open(out / "ctrl_c.err", "w+") as stderr:
         try:
-            interrupted = rollout("--ray", "2", "--episodes", "4", "--out", str(out / "ctrl_c.json"), stderr=stderr)
+            interrupted = rollout("--ray", "2", "--episodes", "4", "--out", str(out / "ctrl_c.json"),
+                                  stdout=subprocess.DEVNULL, stderr=stderr)  # waited for, not read as it runs
             engine.reached.wait(120)
             # Their first episodes, ended a tick before, reach the driver (a cancelled task's episodes not taken by
             # then are dropped); worker 0's second lasts 20 ticks of 0.5 s.

@@ -279,7 +279,7 @@ def read_tensor(stored: StoredTensor, device: torch.device | str, dtype: torch.d
             tensor = handle.get_tensor(stored.name)
     except SafetensorError as error:
         raise CheckpointError(f"{stored.file}: cannot read {stored.name!r} ({error})") from None
-    read = tensor
+    as_stored = tensor
     if dtype is not None and tensor.dtype != dtype:
         tensor = tensor.to(dtype)
     elif tensor.device.type == "cpu":
@@ -287,9 +287,9 @@ def read_tensor(stored: StoredTensor, device: torch.device | str, dtype: torch.d
         # would change the served weights under the server, or kill it (SIGBUS) while the file is short.
         tensor = tensor.clone()
     if non_finite([(stored.name, tensor)]):
-        overflowed = tensor.dtype != read.dtype and not non_finite([(stored.name, read)])
+        overflowed = tensor.dtype != as_stored.dtype and not non_finite([(stored.name, as_stored)])
         raise CheckpointError(f"{stored.file}: NaN or Inf values in {stored.name!r}"
-                              + (f" once cast from {read.dtype} to {dtype}" if overflowed else "")
+                              + (f" once cast from {as_stored.dtype} to {dtype}" if overflowed else "")
                               + "; expected finite weights")
     return tensor
 

@@ -25,10 +25,8 @@ from policy_server.pipeline.schedulers import SAMPLER_NAMES
 
 # Canvases a checkpoint may declare: warmup and admission time a tick on each, and a resolution tier has 5.
 MAX_CANVASES = 16
-
-
-# px. A frame is at most MAX_FRAME_SIDE px a side at the boundary and is never enlarged: a taller canvas is all
-# padding below it. Cameras go side by side, so a canvas may be wider: the pipeline bounds it by the cameras served.
+# Canvas sides, px. A frame is at most MAX_FRAME_SIDE px a side at the boundary and is never enlarged: a taller canvas
+# is all padding below it. Cameras go side by side, so a canvas may be wider: the pipeline bounds it by those served.
 CanvasHeight = Annotated[StrictInt, Field(ge=1, le=MAX_FRAME_SIDE)]
 CanvasWidth = Annotated[StrictInt, Field(ge=1)]
 
