@@ -75,9 +75,7 @@ class SlowAndStuckEngine(FakeEngine):
 
 def rollout(*flags: str, stdout=subprocess.PIPE, stderr=subprocess.PIPE) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "robots.rollout", "--server", f"127.0.0.1:{PORT}", *flags],
-                            stdout=stdout, stderr=stderr, text=True, start_new_session=True,
-                            # SIGINT's default action, as under a terminal
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            stdout=stdout, stderr=stderr, text=True, start_new_session=True)
 
 
 def seeker_in_one_process(marker: Path, token_file: Path):
@@ -129,6 +127,10 @@ def started(check: str) -> None:
 
 def main(out: Path) -> None:
     faulthandler.dump_traceback_later(HANG_S, exit=True)
+    # Handled here, SIGINT takes its default action in the rollouts, as under a terminal (this process may have been
+    # started ignoring it, as a shell's background job), with no `preexec_fn`: a child forked from this process,
+    # whose Ray and gRPC threads hold locks, died of SIGALRM before its exec (1 run in 9), or could hang there.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     loopback_up()
     import ray
     from test_rollout import REFUSED, CtrlCPolicy, FailingPolicy, KilledPolicy

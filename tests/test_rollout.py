@@ -664,9 +664,7 @@ def test_ctrl_c_mid_run_ends_cleanly_and_reports_the_episodes_that_ended(tmp_pat
     with serve_fake(engine) as server:
         rollout_process = subprocess.Popen(
             [sys.executable, "-m", "robots.rollout", "--server", server.target, "--episodes", "8", "--num-envs", "2",
-             "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-            # SIGINT's default action, as under a terminal, where the tests run with it ignored (a background job)
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+             "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
         assert engine.reached.wait(120)
         os.killpg(rollout_process.pid, signal.SIGINT)
         time.sleep(0.5)  # the signal is taken before the tick held is answered

@@ -3,6 +3,7 @@ on) on a free loopback port, driven with the client library: health while warmin
 control stream, the reasoner, reflection, auth failure, and bad input of many kinds, each answered
 with its status while the server keeps serving."""
 
+import contextlib
 import json
 import math
 import os
@@ -14,6 +15,7 @@ import sys
 import time
 import tomllib
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import cv2
@@ -562,6 +564,18 @@ def test_sessions_beyond_capacity_are_refused_with_the_capacity_figure(served, c
         server.close_session(session)
 
 
+@contextlib.contextmanager
+def _ignored(*signals: int) -> Iterator[None]:
+    """`signals` ignored here meanwhile, so that a process started inherits them ignored through its exec (without a
+    `preexec_fn`: see conftest.py)."""
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def _signal_thread(pid: int, sig: int, main: bool = False) -> None:
     """`sig` as the kernel may deliver a process's signal: to one of its threads other than the main one (``main``:
     to the main one, where Python runs the handler at once)."""
@@ -623,11 +637,10 @@ def test_stop_signals_as_an_operator_sends_them(tmp_path):
     once the main thread woke from the drain, with a traceback. So is Ctrl-C while the server loads torch and the
     model (minutes for a large checkpoint)."""
     log = open(tmp_path / "server.log", "w+")
-    loading = process = subprocess.Popen(  # as nohup leaves it; and SIGINT ignored, as a shell's background job
-        [sys.executable, "-m", "policy_server.cli", "--port", "0", "--device", "cpu", "--no-compile-gen-stack"],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        preexec_fn=lambda: [signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGHUP, signal.SIGINT)],
-    )
+    with _ignored(signal.SIGHUP, signal.SIGINT):  # as nohup leaves it; and SIGINT, as a shell's background job
+        loading = process = subprocess.Popen(
+            [sys.executable, "-m", "policy_server.cli", "--port", "0", "--device", "cpu", "--no-compile-gen-stack"],
+            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     client = PolicyClient(bound_listeners(tmp_path / "server.log", process, 120)["gRPC"], timeout_s=30)
     try:
         client.wait_until_serving(timeout_s=120)
@@ -645,9 +658,9 @@ def test_stop_signals_as_an_operator_sends_them(tmp_path):
             assert health_pb2.HealthCheckResponse.NOT_SERVING in (update.status for update in watch)  # draining
             _signal_thread(process.pid, signal.SIGINT)
             assert process.wait(timeout=1) == -signal.SIGINT
-        loading = subprocess.Popen([sys.executable, "-m", "policy_server.cli", "--port", "0"], stdout=log,
-                                   stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                                   preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+        with _ignored(signal.SIGINT):
+            loading = subprocess.Popen([sys.executable, "-m", "policy_server.cli", "--port", "0"], stdout=log,
+                                       stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         deadline = time.monotonic() + 60
         while (tmp_path / "server.log").read_text().count("the rest at their defaults") < 2:
             assert time.monotonic() < deadline, "the second server printed no settings line"
@@ -666,8 +679,7 @@ def test_stop_signals_as_an_operator_sends_them(tmp_path):
 def test_ctrl_c_ends_a_subcommand_at_once_without_a_traceback(tmp_path):
     # `policy-server bench` printed a KeyboardInterrupt traceback (once a C++ abort at teardown too).
     bench = subprocess.Popen([sys.executable, "-m", "policy_server.cli", "bench", "--out", str(tmp_path / "b.json")],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         time.sleep(3.0)  # importing torch, or loading the model
         bench.send_signal(signal.SIGINT)

@@ -169,9 +169,7 @@ def test_ctrl_c_ends_the_soak_at_once_and_closes_its_sessions(tmp_path):
         soak_process = subprocess.Popen(
             [sys.executable, "-m", "robots.soak", "--server", server.target, "--sessions", "2", "--ticks", "100000",
              "--rate-hz", "50", "--out", str(out)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-            # SIGINT's default action, as under a terminal, where the tests run with it ignored (a background job)
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
         try:
             deadline = time.monotonic() + 120
             while len(engine.acts) < 10 and time.monotonic() < deadline:
