@@ -11,7 +11,7 @@ os.environ["TORCH_COMPILE_DISABLE"] = "1"
 # A shell starts its background jobs (CI's) with SIGINT ignored, and an ignored signal stays ignored through exec: a
 # handled one is reset to its default action there, so every process a test starts takes SIGINT as under a terminal.
 # The tests need no `preexec_fn` for it, which makes subprocess fork rather than vfork: a child of a process whose
-# gRPC and Ray threads hold locks could hang or abort before its exec (a Ray driver's child died of SIGALRM).
+# gRPC and Ray threads hold locks could hang or abort before its exec (a Ray driver's child aborted there).
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 

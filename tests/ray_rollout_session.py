@@ -129,7 +129,8 @@ def main(out: Path) -> None:
     faulthandler.dump_traceback_later(HANG_S, exit=True)
     # Handled here, SIGINT takes its default action in the rollouts, as under a terminal (this process may have been
     # started ignoring it, as a shell's background job), with no `preexec_fn`: a child forked from this process,
-    # whose Ray and gRPC threads hold locks, died of SIGALRM before its exec (1 run in 9), or could hang there.
+    # whose Ray and gRPC threads hold locks, aborted before its exec (then died of the alarm the abort armed: 1 run
+    # in 9), or could hang there.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     loopback_up()
     import ray
