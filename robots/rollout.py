@@ -748,8 +748,9 @@ def main(argv: list[str] | None = None) -> int:
                 write_browser_mp4(args.out.with_name(f"{args.out.stem}_episode{result.seed}.mp4"), result.frames,
                                   fps=10)
     except KeyboardInterrupt:
-        print(f"policy-rollout: interrupted (Ctrl-C) writing the plot and videos; {args.out} holds the report of "
-              f"the {len(results)} episodes that had ended", file=sys.stderr)
+        print(f"policy-rollout: interrupted (Ctrl-C) writing the plot and videos, which may be missing or cut short; "
+              f"{args.out} reports the {len(results)} episodes that had ended"
+              + (f", not the {len(unfinished)} others (unfinished_seeds)" if unfinished else ""), file=sys.stderr)
         return 130
     print(json.dumps({k: v for k, v in report.items() if k not in ("per_episode", "unfinished_seeds")}, indent=2))
     if stopped is not None:

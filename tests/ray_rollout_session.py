@@ -19,7 +19,8 @@ It brings `lo` up, starts Ray (2 CPUs) and prints one JSON line of what it saw:
 - `ctrl_c`: `python -m robots.rollout --ray 2 --episodes 4` against a fake server whose ticks of seed index 1 (worker
   0's second episode) are slow and whose tick of seed index 3 (worker 1's second) does not return, given SIGINT once
   both have ticked, and again once it says it waits for the workers: [exit code, stderr, the server's
-  `policy_server_sessions` once it has exited]; its report is OUTDIR/ctrl_c.json.
+  `policy_server_sessions` once it has exited, seconds from the second SIGINT to its exit]; its report is
+  OUTDIR/ctrl_c.json.
 The rollouts join this Ray session (RAY_ADDRESS). Each check's start goes to stderr; a session still running after
 `HANG_S` dumps every thread's stack there and exits 1 (the test's timeout would kill it with nothing said).
 """
@@ -173,11 +174,14 @@ def main(out: Path) -> None:
             time.sleep(1)
             os.killpg(interrupted.pid, signal.SIGINT)
             waiting_until = time.monotonic() + 60
-            while "waiting up to" not in Path(stderr.name).read_text() and time.monotonic() < waiting_until:
+            while ("waiting up to" not in Path(stderr.name).read_text() and interrupted.poll() is None
+                   and time.monotonic() < waiting_until):
                 time.sleep(0.1)
             os.killpg(interrupted.pid, signal.SIGINT)  # again, in the grace: the workers still running end at once
+            again = time.monotonic()
             interrupted.wait(timeout=120)
-            seen["ctrl_c"] = [interrupted.returncode, Path(stderr.name).read_text(), sessions_open()]
+            seen["ctrl_c"] = [interrupted.returncode, Path(stderr.name).read_text(), sessions_open(),
+                              time.monotonic() - again]
         finally:
             engine.release.set()
     ray.shutdown()
