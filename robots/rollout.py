@@ -739,6 +739,8 @@ def main(argv: list[str] | None = None) -> int:
     report = summarize(results, seconds, config, budgeted, None if stopped is None else str(stopped), unfinished)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
+    reported = (f"{args.out} reports the {len(results)} episodes that had ended"
+                + (f", not the {len(unfinished)} others (unfinished_seeds)" if unfinished else ""))
     try:  # videos take a while to encode, and a stopped run's user may press Ctrl-C again: the report stays
         plot_summary(report, [t.latency_ms for r in results for t in r.ticks], args.out.with_suffix(".png"))
         if args.videos:  # PyAV, with its FFmpeg, loads only for a rollout that writes videos
@@ -749,13 +751,11 @@ def main(argv: list[str] | None = None) -> int:
                                   fps=10)
     except KeyboardInterrupt:
         print(f"policy-rollout: interrupted (Ctrl-C) writing the plot and videos, which may be missing or cut short; "
-              f"{args.out} reports the {len(results)} episodes that had ended"
-              + (f", not the {len(unfinished)} others (unfinished_seeds)" if unfinished else ""), file=sys.stderr)
+              f"{reported}", file=sys.stderr)
         return 130
     print(json.dumps({k: v for k, v in report.items() if k not in ("per_episode", "unfinished_seeds")}, indent=2))
     if stopped is not None:
-        print(f"policy-rollout: {stopped}; {args.out} reports the {len(results)} episodes that had ended, not the "
-              f"{len(unfinished)} others (unfinished_seeds)", file=sys.stderr)
+        print(f"policy-rollout: {stopped}; {reported}", file=sys.stderr)
     return exit_code
 
 

@@ -563,8 +563,8 @@ def test_a_stopped_ray_rollout_reports_every_workers_ended_episodes(expected, tm
     assert report["stopped_by"] == "interrupted (Ctrl-C)"
     assert [e["seed"] - HELDOUT_SEED_OFFSET for e in report["per_episode"]] == [0, 2]
     assert report["unfinished_seeds"] == [HELDOUT_SEED_OFFSET + 1, HELDOUT_SEED_OFFSET + 3]
-    # What the grace waits for (before, nothing was said for its 10 s), then one line, after Ray's own (and the escapes
-    # that redraw the progress bars of the workers ended)
+    # What the grace waits for, then one line, after Ray's own (and the escapes that redraw the progress bars of the
+    # workers ended)
     waiting, line = [line for line in error.splitlines() if "policy-rollout: " in line]
     assert waiting.endswith("policy-rollout: interrupted; waiting up to 10 s for the Ray workers to end their ticks "
                             "and close their sessions (Ctrl-C again to end them at once)"), error

@@ -11,7 +11,8 @@ model time its ticks are planned in. The set of sessions is admitted when
 
 with every slot at least the session's cheapest tick (the planner's floor: maximal caching and every
 fallback). Slots then grow from that floor toward the uncached tick by one common fraction, as far as
-both conditions allow, and where every uncached tick fits, by one common share of what is left. A tick is
+both conditions allow, and where every uncached tick fits, by one common share of the room left, which only the
+first condition bounds (a tick still plans the uncached tick, so the rates' load stays the uncached ticks'). A tick is
 planned in its slot and its deadline guard holds it there, however long its own budget. A micro-batch
 takes only ticks queued before any of another shape, and may hold the worker for its ticks' slots
 together (each tick within its own budget), as they would one after another: no tick waits longer.

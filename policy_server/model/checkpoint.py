@@ -164,8 +164,7 @@ def to_native_keys(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
 
 def non_finite(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
     """The names of the tensors holding NaN or Inf: weights that load, then fail every tick (NonFiniteOutput)."""
-    # Its extremes carry any NaN or Inf: no full-size temporary, and on 2 CPU cores 8 ms for 32M bf16 values, a
-    # twelfth of `isfinite(tensor).all()` and half the copy that precedes it.
+    # Its extremes carry any NaN or Inf: one pass with no full-size temporary, much cheaper than `isfinite(t).all()`.
     return [name for name, tensor in named if tensor.is_floating_point() and tensor.numel()
             and not torch.isfinite(torch.stack(torch.aminmax(tensor))).all()]
 
