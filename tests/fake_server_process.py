@@ -19,10 +19,14 @@ from fake_engine import FakeEngine, serve_fake
 class DyingEngine(FakeEngine):
     def __init__(self, die_at_tick: int):
         super().__init__()
-        self.die_at_tick = die_at_tick
+        self.die_at_tick, self.ticks_started = die_at_tick, 0
 
     def act(self, *args, **kwargs):
-        if len(self.acts) + 1 == self.die_at_tick:
+        # Counted as each starts: ticks of two sessions at once both saw the same count of those ended, and none died.
+        with self._lock:
+            self.ticks_started += 1
+            dying = self.ticks_started == self.die_at_tick
+        if dying:
             os.kill(os.getpid(), signal.SIGKILL)
         return super().act(*args, **kwargs)
 
