@@ -513,7 +513,24 @@ def test_a_value_just_beyond_a_limit_is_named_as_sent(client):
     with pytest.raises(PolicyServerError) as refused:
         client.act(session, {"image": frame()}, STATE, committed_actions=np.array([[0.0, beyond]], np.float32))
     assert refused.value.reason == "OUT_OF_RANGE"
-    assert str(refused.value).endswith("got 1.0000001 at index 1")  # not "got 1", the limit itself
+    assert str(refused.value).endswith("got 1.0000001 at index [0, 1]")  # not "got 1", the limit itself
+    client.close_session(session)
+
+
+def test_a_bad_value_in_a_chunk_is_named_by_its_row_and_dimension(client):
+    session = client.open_session("pusht", "push the T")
+    committed = np.zeros((3, 2), np.float32)
+    committed[1, 1] = np.nan
+    with pytest.raises(PolicyServerError) as refused:
+        client.act(session, {"image": frame()}, STATE, committed_actions=committed)
+    assert str(refused.value).endswith("got NaN/Inf at index [[1, 1]]")  # not [3], read as row 3
+    committed[1, 1], committed[2, 0], committed[2, 1] = 0.0, 5.0, 5.0
+    with pytest.raises(PolicyServerError) as refused:
+        client.act(session, {"image": frame()}, STATE, committed_actions=committed)
+    assert str(refused.value).endswith("got 5.0 at index [2, 0] (2 out of range)")
+    with pytest.raises(PolicyServerError) as refused:
+        client.act(session, {"image": frame()}, np.array([0.1, np.inf], np.float32))
+    assert str(refused.value).endswith("got NaN/Inf at index [1]")  # a vector's index as it was
     client.close_session(session)
 
 

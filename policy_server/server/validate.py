@@ -180,13 +180,21 @@ def actions_per_chunk(value: int, chunk: int, field: str = "actions_per_chunk") 
     return value
 
 
+def _indices(values: np.ndarray, flat: np.ndarray) -> list:
+    """Positions in ``values`` given flat, as its own indices: ``i`` in a vector, ``[row, dimension]`` in a chunk
+    (a flat 7 in a [8, 2] chunk read as row 7, not row 3's second dimension)."""
+    if values.ndim == 1:
+        return [int(i) for i in flat]
+    return [[int(i) for i in index] for index in zip(*np.unravel_index(flat, values.shape), strict=True)]
+
+
 def _in_range(values: np.ndarray, low: tuple[float, ...], high: tuple[float, ...], what: str,
               field: str) -> np.ndarray:
     """``values`` (any numeric dtype, last axis per dimension) finite and inside ``[low, high]`` per dimension
     (empty: what float32 can hold). Returns them as float32."""
     wide = values.astype(np.float64)
     if not np.all(np.isfinite(wide)):
-        bad = [int(i) for i in np.flatnonzero(~np.isfinite(wide.reshape(-1)))]
+        bad = _indices(values, np.flatnonzero(~np.isfinite(wide.reshape(-1))))
         raise InvalidArgument(field, "finite values", f"NaN/Inf at index {bad}", reason="NON_FINITE")
     if low:
         # The limits as float32 holds them, as the values are used and as the server clips its own actions: its
@@ -200,9 +208,9 @@ def _in_range(values: np.ndarray, low: tuple[float, ...], high: tuple[float, ...
     if outside.size:
         i = int(outside[0])
         sent = str(values.reshape(-1)[i])  # in the digits its dtype needs: `:g` showed a float32 1.0000001 as "1"
-        raise InvalidArgument(
-            field, expected, f"{sent} at index {i}" + (f" ({outside.size} out of range)" if outside.size > 1 else ""),
-            reason="OUT_OF_RANGE")
+        more = f" ({outside.size} out of range)" if outside.size > 1 else ""
+        raise InvalidArgument(field, expected, f"{sent} at index {_indices(values, outside[:1])[0]}{more}",
+                              reason="OUT_OF_RANGE")
     return wide.astype(np.float32)
 
 
@@ -228,7 +236,6 @@ def actions(tensor: pb.Tensor, spec: EmbodimentSpec, chunk: int, field: str = "a
     if values.shape != (chunk, spec.action.dim):
         raise SchemaMismatch(field, f"shape [{chunk}, {spec.action.dim}] (the session's chunk size x action dim)",
                              f"shape {list(values.shape)}")
-    # Flat indices name the value: row * action_dim + dimension.
     return _in_range(values, spec.action.given_low, spec.action.given_high, "action", field)
 
 
