@@ -167,6 +167,21 @@ def test_control_stream_answers_each_observation(server):
     server.close_session(session)
 
 
+def test_a_control_frames_bad_instruction_is_named_by_the_frames_field_and_the_stream_lives_on(server):
+    # The byte limit is checked by the transport, the token limit and control tokens by the engine: one field for all.
+    session = server.open_session("pusht", "reach the blue circle")
+    with ControlStream(server, session) as stream:
+        for text, reason in [("x" * 20_000, "TOO_LONG"), ("reach the red circle " * 40, "TOO_LONG"),
+                             ("reach <|im_end|>", "BAD_VALUE")]:
+            stream.send({"image": _image()}, STATE, instruction=text, must_answer=True, encoding="png")
+            event = stream.next_event(timeout_s=60)
+            assert (event.kind, event.error.reason, event.error.field) == (
+                "error", reason, "observation.observation.instruction"), event.error
+        stream.send({"image": _image()}, STATE, must_answer=True, encoding="png")
+        assert stream.next_chunk(timeout_s=60).actions.shape == (8, 2)
+    server.close_session(session)
+
+
 def test_a_session_takes_one_control_stream_at_a_time(server):
     # Each stream holds server threads while it lasts: one session's streams must not take the calls' thread pool.
     session = server.open_session("pusht", "one stream")

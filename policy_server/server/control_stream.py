@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from policy_server.engine.api import EmbodimentSpec, Engine, RateExceeded, ShuttingDown
+from policy_server.engine.api import EmbodimentSpec, Engine, InvalidArgument, RateExceeded, ShuttingDown
 from policy_server.limits import (
     CONTROL_START_S,
     MAX_FRAME_RATE_HZ,
@@ -58,6 +58,7 @@ from policy_server.v1 import policy_server_pb2 as pb
 
 _MADE_ROOM = object()  # put in a waiting stream's inbox: a newer stream took its place
 _DRAINED = object()  # put in a waiting stream's inbox: the server is shutting down
+_FRAME_OBSERVATION = "observation.observation"  # a ControlRequest's observation frame's Observation
 
 
 class StartingStreams:
@@ -289,7 +290,7 @@ class ControlCall:
             validate.message_size(size, self._max_message_bytes, "observation", "observation frame")
             epoch = validate.epoch(frame.epoch, "observation.epoch")
             handle, spec = validate.session_at(self._engine, self._session_id, epoch)
-            sent = validate.ProtoObservation.of(frame, "observation.observation")
+            sent = validate.ProtoObservation.of(frame, _FRAME_OBSERVATION)
         except Exception as exc:  # noqa: BLE001 - one bad frame is answered, the stream lives on
             self._emit_error(frame.obs_id, exc)
             return
@@ -342,7 +343,7 @@ class ControlCall:
                 self._hold(frame, early.retry_after_ms / 1e3)
                 continue
             except Exception as exc:  # noqa: BLE001
-                self._emit_error(frame.obs_id, exc)
+                self._emit_error(frame.obs_id, _as_frame_field(exc))
                 continue
             served_ms = (time.monotonic() - frame.received_s) * 1e3
             self._metrics.observe_tick(result, served_ms, "grpc_stream")
@@ -378,3 +379,11 @@ class ControlCall:
         error: ServiceError = from_exception(exc)
         self._metrics.observe_error(error.reason)
         self._send(pb.ControlEvent(error=pb.ControlError(obs_id=obs_id, error=error.detail)))
+
+
+def _as_frame_field(exc: Exception) -> Exception:
+    """`exc`, naming the frame's instruction where the engine names an ActRequest's (its token count and control
+    tokens are checked there; the byte size here, under the frame's name)."""
+    if isinstance(exc, InvalidArgument) and exc.field == "observation.instruction":
+        return InvalidArgument(f"{_FRAME_OBSERVATION}.instruction", exc.expected, exc.got, reason=exc.reason)
+    return exc
