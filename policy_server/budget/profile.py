@@ -176,9 +176,13 @@ class QualityProfile(BaseModel):
     def load(cls, path: Path, digest: str) -> QualityProfile:
         """The profile at `path`, which must be of the weights `digest`; `ProfileError` names what is wrong."""
         data = read_json(path, ProfileError)
-        if not isinstance(data, dict) or data.get("version") != PROFILE_VERSION:
-            got = data.get("version") if isinstance(data, dict) else type(data).__name__
-            raise ProfileError(f"{path}: version {got!r}; expected {PROFILE_VERSION} (run `policy-server calibrate`)")
+        if not isinstance(data, dict):
+            kinds = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
+            kind = kinds.get(type(data), "a number")
+            raise ProfileError(f"{path}: expected a JSON object (`policy-server calibrate` writes one), got {kind}")
+        if data.get("version") != PROFILE_VERSION:
+            raise ProfileError(f"{path}: version {data.get('version')!r}; expected {PROFILE_VERSION} "
+                               "(run `policy-server calibrate`)")
         try:
             profile = cls.model_validate(data)
         except ValidationError as error:
