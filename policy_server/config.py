@@ -202,6 +202,20 @@ class ServerConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _listeners_take_ports_of_their_own(self) -> ServerConfig:
+        # Checked with the settings: bound once the model is loaded, a clash would end the start then, as "Address
+        # already in use", which sends its user looking for another process.
+        taken = {"port": (self.host, self.port)}
+        for name, host, port in (("websocket_port", self.host, self.websocket_port),
+                                 ("metrics_port", self.metrics_host, self.metrics_port)):
+            if port:  # None: off; 0: any free port
+                clash = next((other for other, bound in taken.items() if bound == (host, port)), None)
+                if clash is not None:
+                    raise ValueError(f"{name} {port} is {clash} too, on {host}: expected a port of its own")
+                taken[name] = (host, port)
+        return self
+
+    @model_validator(mode="after")
     def _tls_pair(self) -> ServerConfig:
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key must be given together")

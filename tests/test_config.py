@@ -544,6 +544,21 @@ def test_a_listener_setting_without_its_listener_is_refused():
     assert (config.metrics_host, config.metrics_port) == ("0.0.0.0", 9464)
 
 
+def test_listeners_on_one_port_are_refused_before_the_model_loads():
+    """They failed to bind once the model had loaded, 'Address already in use', as if another process held it."""
+    for flags, message in ((["--port", "50600", "--websocket-port", "50600"], "websocket_port 50600 is port too"),
+                           (["--metrics-port", "50051"], "metrics_port 50051 is port too"),
+                           (["--websocket-port", "9464", "--metrics-port", "9464"], "metrics_port 9464 is "
+                                                                                      "websocket_port too")):
+        with pytest.raises(ConfigError) as err:
+            cli.config_from_args(flags, environ={})
+        assert str(err.value) == (f"invalid settings: config (from the settings together): {message}, on 127.0.0.1: "
+                                  "expected a port of its own")
+    for flags in (["--port", "0", "--websocket-port", "0", "--metrics-port", "0"],  # any free port, each its own
+                  ["--metrics-port", "50051", "--metrics-host", "10.0.0.5"]):  # another address
+        cli.config_from_args(flags, environ={})
+
+
 def _accepts(**values) -> bool:
     try:
         build_config(values)
