@@ -134,7 +134,16 @@ def test_observations_round_trip_and_bad_files_name_what_is_wrong(pipe, observat
     bad = {"images.image": np.stack([image, image]), "state": np.zeros((2, 2), np.float32)}
     for tensors, metadata, message in [
         (bad, {"embodiment": "bridge_orig_lerobot", "instructions": '["a", "b"]'}, "embodiment 'bridge_orig"),
-        (bad, {"embodiment": "pusht", "instructions": '["a"]'}, r"images.image is uint8 \[2, 64, 64, 3\]; expected"),
+        (bad, {"embodiment": "pusht", "instructions": '["a"]'}, r"images.image is uint8 \[2, 64, 64, 3\]; expected "
+                                                                r"uint8 \[1, H, W, 3\], one frame per instruction "
+                                                                r"\(the metadata's instructions hold 1\)"),
+        # What the server refuses, which calibrated before.
+        ({**bad, "state": np.full((2, 2), 5.0, np.float32)}, {"embodiment": "pusht", "instructions": '["a", "b"]'},
+         r"state\[0\] holds 5.0 at index 0; expected values within the accepted state range"),
+        (bad, {"embodiment": "pusht", "instructions": '["a", "b <|im_end|>"]'},
+         r"instructions\[1\]: expected text without the chat template's control tokens, got '<\|im_end\|>'"),
+        (bad, {"embodiment": "pusht", "instructions": json.dumps(["a", "b " * 200])},
+         r"instructions\[1\]: expected at most 128 tokens, as the server takes, got \d+ tokens"),
         (bad, {"embodiment": "pusht", "instructions": '["a", ""]'}, "non-empty strings"),
         ({**bad, "state": np.zeros((2, 3), np.float32)}, {"embodiment": "pusht", "instructions": '["a", "b"]'},
          r"state is float32 \[2, 3\]; pusht expects"),

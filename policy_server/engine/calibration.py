@@ -54,10 +54,11 @@ from policy_server.cache.controller import NoCache
 from policy_server.cache.sea_filter import SeaFilter
 from policy_server.cache.seacache import SeaCache, SeaCacheConfig
 from policy_server.config import DTYPES, PROFILE_CACHE_ENV
+from policy_server.engine import api
 from policy_server.engine.batching import GenStack
-from policy_server.engine.served import EngineSettings, cache_ladder
+from policy_server.engine.served import EngineSettings, cache_ladder, user_text_ids
 from policy_server.engine.tick import step_calls
-from policy_server.limits import MAX_FRAME_SIDE
+from policy_server.limits import MAX_FRAME_SIDE, MAX_INSTRUCTION_TOKENS
 from policy_server.output_file import output_file
 from policy_server.pipeline.hub import is_hub_id
 from policy_server.pipeline.policy import (
@@ -165,7 +166,9 @@ def load_observations(path: Path, pipeline: PolicyPipeline, served: bool = True)
         if images is None or images.dtype != np.uint8 or images.ndim != 4 or images.shape[0] != count \
                 or images.shape[-1] != 3:
             got = "missing" if images is None else f"{images.dtype} {list(images.shape)}"
-            raise CalibrationError(f"{path}: images.{name} is {got}; expected uint8 [{count}, H, W, 3]")
+            per = f", one frame per instruction (the metadata's instructions hold {count})" \
+                if images is not None and images.ndim == 4 and images.shape[0] != count else ""
+            raise CalibrationError(f"{path}: images.{name} is {got}; expected uint8 [{count}, H, W, 3]{per}")
         smallest = pipeline.vae.spatial_compression
         if not all(smallest <= side <= MAX_FRAME_SIDE for side in images.shape[1:3]):
             raise CalibrationError(f"{path}: images.{name} are {images.shape[1]}x{images.shape[2]}; expected sides "
@@ -183,6 +186,24 @@ def load_observations(path: Path, pipeline: PolicyPipeline, served: bool = True)
         raise CalibrationError(f"{path}: state is {got}; {embodiment} expects float32 [{count}, {spec.state_dim}]")
     if spec.state_dim and not np.isfinite(state).all():
         raise CalibrationError(f"{path}: state holds NaN or infinite values; expected finite ones")
+    # What the server would refuse, so that a profile is measured on observations it serves.
+    for i, text in enumerate(instructions):
+        try:
+            tokens = len(user_text_ids(pipeline.tokenizer, text, f"instructions[{i}]"))
+        except api.InvalidArgument as error:
+            raise CalibrationError(f"{path}: {error}, which the server refuses") from None
+        if tokens > MAX_INSTRUCTION_TOKENS:
+            raise CalibrationError(f"{path}: instructions[{i}]: expected at most {MAX_INSTRUCTION_TOKENS} tokens, as "
+                                   f"the server takes, got {tokens} tokens")
+    accepted = spec.state_range(pipeline.normalizers(spec)) if served else None  # a registry's may have no stats
+    if accepted is not None:
+        low, high = (bound.astype(np.float32).astype(np.float64) for bound in accepted)  # as the server compares
+        outside = np.argwhere((state < low) | (state > high))
+        if len(outside):
+            i, channel = (int(k) for k in outside[0])
+            raise CalibrationError(f"{path}: state[{i}] holds {state[i, channel]} at index {channel}; expected values "
+                                   f"within the accepted state range [{low.tolist()}, {high.tolist()}], as the server "
+                                   "takes")
     return [Observation(embodiment, {name: images[i] for name, images in cameras.items()},
                         state[i].astype(np.float32) if spec.state_dim else None, instructions[i])
             for i in range(count)]
