@@ -165,6 +165,11 @@ class ServerConfig(BaseModel):
         check_dtype(value)
         return value
 
+    @field_validator("quality_profile", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        return "off" if value is False else value  # YAML reads `quality_profile: off` as False
+
     @field_validator("quality_profile")
     @classmethod
     def _profile_setting(cls, value: str) -> str:

@@ -492,6 +492,14 @@ def test_a_yaml_boolean_is_no_number(tmp_path):
     assert (config.diffusion_cache, config.reflection, config.compile_gen_stack) == (False, True, False)
 
 
+def test_quality_profile_off_in_yaml_is_off(tmp_path):
+    """YAML reads the documented value `off` as False: it was refused, 'Input should be a valid string (got False)'."""
+    path = tmp_path / "server.yaml"
+    path.write_text("quality_profile: off\n")
+    assert cli.config_from_args(["--config", str(path)], environ={}).quality_profile == "off"
+    assert not _accepts(quality_profile=True)  # on / yes name no profile
+
+
 def test_a_misspelt_key_in_a_file_is_named_with_the_setting_it_is_close_to(tmp_path):
     """As a misspelt POLICY_SERVER_ variable is: the file said only `Extra inputs are not permitted`."""
     path = tmp_path / "server.yaml"
