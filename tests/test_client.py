@@ -200,6 +200,16 @@ def test_a_client_timeout_is_a_finite_time_above_0():
             PolicyClient("127.0.0.1:1", timeout_s=bad)
 
 
+def test_a_target_grpc_would_dial_otherwise_is_refused_at_once():
+    # 127.0.0.1:99999 dialled port 34463; "" failed each call UNKNOWN, with gRPC core's log lines.
+    for bad in ("127.0.0.1:99999", "127.0.0.1:0", "", " "):
+        with pytest.raises(ValueError, match=f"target: expected HOST:PORT with a port from 1 to 65535, or unix:PATH; "
+                                             f"got {bad!r}"):
+            PolicyClient(bad)
+    for good in ("127.0.0.1:65535", "[::1]:50051", "unix:/tmp/policy.sock", "dns:///localhost:50051"):
+        PolicyClient(good).close()
+
+
 def test_a_call_nothing_answers_says_where_it_waited_and_for_how_long():
     with socket.socket() as probe:  # a port nothing listens on
         probe.bind(("127.0.0.1", 0))

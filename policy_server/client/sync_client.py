@@ -86,6 +86,14 @@ RETRY_SERVICE_CONFIG = {
 _OPEN_BACKOFF = Backoff(initial_s=0.1, max_s=2.0, max_attempts=None)
 
 
+def check_target(target: str) -> None:
+    """ValueError for a target gRPC would not dial as written: empty, or a port outside 1..65535 (gRPC dialled
+    127.0.0.1:99999 as port 34463)."""
+    port = target.rpartition(":")[2]
+    if not target.strip() or (not target.startswith("unix:") and port.isdigit() and not 1 <= int(port) <= 65535):
+        raise ValueError(f"target: expected HOST:PORT with a port from 1 to 65535, or unix:PATH; got {target!r}")
+
+
 def uses_tls(tls: bool, root_certificates: bytes | None, server_name: str | None) -> bool:
     """Whether a channel is TLS: asked for, or implied by root certificates or a name to check the server's
     certificate against (each of them asks for TLS: never plaintext)."""
@@ -148,6 +156,7 @@ class PolicyClient:
             check_token(token, "token")  # gRPC would refuse every call's metadata (INTERNAL) instead
         if not 0 < timeout_s < math.inf:
             raise ValueError(f"timeout_s must be a finite time above 0 s, got {timeout_s}")
+        check_target(target)
         self.target = target
         self.timeout_s = timeout_s
         self.serve_application = serve_application
