@@ -196,6 +196,17 @@ def test_bad_frames_get_error_events_and_the_stream_lives_on(stream):
     assert stream.next_chunk().obs_id == good
 
 
+def test_a_frame_over_twice_the_message_limit_ends_the_stream_saying_why(client, engine):
+    # gRPC core cuts it before the servicer reads it (the README's bounded inputs): no error event can answer it.
+    session = client.open_session("pusht", "push")
+    with ControlStream(client, session) as stream:
+        stream.send({"image": np.zeros((512, 512, 3), np.uint8)}, STATE, encoding="raw", must_answer=True)  # 0.75 MiB
+        event = stream.next_event()
+        assert (event.kind, event.error.reason) == ("closed", "PAYLOAD_TOO_LARGE")
+    client.close_session(session)
+    engine.release()
+
+
 def test_budget_update_and_ping(stream):
     stream.set_budget(45.0)
     event = stream.next_event()
