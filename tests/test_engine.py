@@ -19,7 +19,7 @@ from policy_server.engine import api
 from policy_server.engine.admission import Demand, assign_slots
 from policy_server.engine.engine import EngineSettings, ModelEngine
 from policy_server.engine.warmup import Warmup
-from policy_server.pipeline.reasoner import generate
+from policy_server.pipeline.reasoner import ReasonerStream, generate
 from policy_server.throttled_log import MAX_KEYS
 from robots.embedded import build_random_pipeline
 
@@ -1089,6 +1089,29 @@ def _check_chords(engine) -> None:
             costs, a, b = model.costs(keys[between]), model.costs(keys[low]), model.costs(keys[high])
             assert min(a.full_ms, b.full_ms) <= costs.full_ms <= max(a.full_ms, b.full_ms)
             assert set(costs.fixed_ms) == set(a.fixed_ms) & set(b.fixed_ms)
+
+
+def test_one_preempted_run_of_a_background_piece_does_not_set_the_reserve(tmp_path, monkeypatch):
+    """Every admission adds the longest background piece a tick may find running. One timed run of the reasoner
+    set it, so a piece that another process preempted once (a server warming up beside other work) raised every
+    session's floor by the stall until an idle retiming."""
+    step, steps = ReasonerStream.step, []
+
+    def preempted_once(stream):
+        steps.append(stream)
+        if len(steps) == 25:  # a prefill chunk of the first timed call (the first call is untimed, 20 steps)
+            time.sleep(0.5)
+        return step(stream)
+
+    monkeypatch.setattr(ReasonerStream, "step", preempted_once)
+    engine = ModelEngine(build_random_pipeline(tmp_path, seed=1),
+                         EngineSettings(warmup_ticks=1, compile_gen_stack=False))
+    engine.start()
+    try:
+        assert engine.wait_ready(timeout_s=300)
+    finally:
+        engine.close()
+    assert len(steps) > 25 and engine._admission.blocking_ms() < 500.0
 
 
 def test_an_idle_server_times_its_ticks_again_before_refusing_a_budget_as_infeasible(tmp_path, caplog):

@@ -16,6 +16,7 @@ every step count a plan may choose gets its schedule made (`PolicyPipeline.warm_
 from __future__ import annotations
 
 import logging
+import statistics
 import threading
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -43,6 +44,9 @@ from policy_server.pipeline.tick_work import CompiledTickWork
 
 # Sampler steps of the warmup ticks that only fill costs: the first and last step are full, the rest can skip.
 _SHORT_WARMUP_STEPS = 6
+# Timed runs of each background call: each piece's time is the median of its runs', so one run that another process
+# preempted mid-piece does not set the reserve every admission adds (a single run's longest step varied 2-3x here).
+_BACKGROUND_RUNS = 3
 WARMUP_CALIBRATION_OBSERVATIONS = 2  # per embodiment, when there is no quality profile
 logger = logging.getLogger(__name__)
 
@@ -303,19 +307,21 @@ class Warmup:
         return max(reasoner_ms, dynamics_ms)
 
     def _time_reasoner_steps(self):
-        """The longest step of a reasoner call at the prompt limit (ms): a prefill chunk or a token. Timed on a
-        second call: the first one's steps pay one-time costs (a GPU loads the kernels of each new shape)."""
+        """The longest step of a reasoner call at the prompt limit (ms): a prefill chunk or a token. Timed on the
+        calls after the first, whose steps pay one-time costs (a GPU loads the kernels of each new shape)."""
         config = self.served.pipeline.transformer.config
         ids = torch.arange(MAX_PROMPT_TOKENS) % config.vocab_size
-        for _ in range(2):  # the second call's steps are the ones returned
+        runs = []
+        for _ in range(1 + _BACKGROUND_RUNS):
             stream = ReasonerStream(self.served.pipeline.transformer, ids, max_new_tokens=4)
-            longest = 0.0
+            steps = []
             while not stream.done:
                 started = self.served.clock()
                 stream.step()
-                longest = max(longest, self.served.clock() - started)
+                steps.append(self.served.clock() - started)
                 yield
-        return longest
+            runs.append(steps)
+        return _longest_piece(runs[1:])
 
     def _time_dynamics_pieces(self):
         """The longest piece (ms) of a forward and an inverse dynamics call at the longest clip any served
@@ -335,16 +341,25 @@ class Warmup:
         longest = 0.0
         for request, decode_frames in calls:
             on_canvas = self.served.pipeline.prepare_frames(request)  # a caller's thread does this, not the worker
-            job = DynamicsCall(self.served, embodiment, request, on_canvas, decode_frames, None, self.served.clock(),
-                               end=None)  # the warmup's own job ends it
-            finished = False
-            while not finished:
-                started = self.served.clock()
-                finished = job.step()
-                longest = max(longest, self.served.clock() - started)
-                yield
-            job.result.result()  # a failure fails the warmup
+            runs = []
+            for _ in range(_BACKGROUND_RUNS):
+                job = DynamicsCall(self.served, embodiment, request, on_canvas, decode_frames, None,
+                                   self.served.clock(), end=None)  # the warmup's own job ends it
+                pieces, finished = [], False
+                while not finished:
+                    started = self.served.clock()
+                    finished = job.step()
+                    pieces.append(self.served.clock() - started)
+                    yield
+                job.result.result()  # a failure fails the warmup
+                runs.append(pieces)
+            longest = max(longest, _longest_piece(runs))
         return longest
+
+
+def _longest_piece(runs: list[list[float]]) -> float:
+    """The longest piece (ms) of runs of the same pieces of work, each piece's time the median of its runs'."""
+    return max(statistics.median(times) for times in zip(*runs, strict=True))
 
 
 class _MaxCaching(SeaCache):
