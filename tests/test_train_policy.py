@@ -133,6 +133,24 @@ def test_cli_refuses_an_out_folder_that_is_not_empty(tmp_path, capsys):
     assert json.loads((tmp_path / "empty folder" / "training.json").read_text())["steps"] == 1
 
 
+@pytest.mark.parametrize(("out", "named"), [
+    ("report.json", "--out {tmp}/report.json is a file; expected a new or empty folder for the pipeline folder "
+                    "written"),
+    ("report.json/policy", "--out {tmp}/report.json/policy: {tmp}/report.json is a file; expected a new or empty "
+                           "folder for the pipeline folder written"),
+])
+def test_cli_refuses_an_out_it_cannot_make_a_folder_of_before_encoding(tmp_path, capsys, out, named):
+    """An --out under a file trained every step, then failed to write the folder ('[Errno 20] Not a directory'), as
+    did one on a read-only file system ('[Errno 30]')."""
+    generate(tmp_path / "demos", episodes=1, progress=False)
+    (tmp_path / "report.json").write_text("{}")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--data", str(tmp_path / "demos"), "--out", str(tmp_path / out), "--steps", "1", "--batch-size", "2"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.splitlines()[-1].endswith(named.format(tmp=tmp_path))
+    assert "vae encode" not in err and "train policy" not in err
+
+
 def test_ctrl_c_stops_training_naming_what_the_folder_holds(tmp_path):
     """Ctrl-C ended in a KeyboardInterrupt traceback from wherever training was; the folder last saved had no
     training.json to say which step it was."""
