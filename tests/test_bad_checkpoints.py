@@ -267,6 +267,9 @@ BROKEN_DIFFUSERS = {
                              "tokenizer.json: not a tokenizers file"),
     "tokenizer_config_not_json": (_writing("text_tokenizer/tokenizer_config.json", "{"),
                                   "tokenizer_config.json: not valid JSON"),
+    "eos_token_not_in_the_tokenizer": (  # the message named no file
+        lambda root: _edit_json(root / "text_tokenizer/tokenizer_config.json", eos_token="<|end|>"),
+        "text_tokenizer/tokenizer.json: the tokenizer has no eos token '<|end|>'; a Cosmos3 prompt needs it"),
     "tokenizer_config_missing": (  # was "text_tokenizer/tokenizer_config.json has no eos_token", of a missing file
         lambda root: _remove(root / "text_tokenizer/tokenizer_config.json"),
         "text_tokenizer; expected one naming the end-of-prompt eos_token, e.g. '<|im_end|>'"),

@@ -152,6 +152,8 @@ class TextTokenizer:
                        special_tokens=special_tokens)
         except jinja2.TemplateError as error:
             raise TextTokenizerError(f"{folder}: the chat template does not compile ({error})") from None
+        except TextTokenizerError as error:  # a token a prompt needs that tokenizer.json does not hold
+            raise TextTokenizerError(f"{tokenizer_file}: {error}") from None
 
     @staticmethod
     def _find_chat_template(folder: Path, config: dict) -> str | None:
