@@ -558,6 +558,11 @@ def main(argv: list[str] | None = None) -> None:
             raise EmbodimentConfigError(f"--limits {args.limits}: expected a JSON object")
         init_from = None if args.from_scratch else args.init
         vae = args.vae or (init_from or default_model_path()) / "vae"
+        if args.vae is None and init_from is not None and init_from.is_dir() and not vae.is_dir():
+            # most often its transformer/ folder, which loads: the VAE's "transformer/vae/config.json not found"
+            # would not say that --init names the wrong level
+            raise CheckpointError(f"--init {init_from}: no vae/ folder; expected a pipeline folder (transformer/, "
+                                  "vae/, ...) as this script writes it, or the VAE's folder named with --vae")
         summary = train(args.data, vae, args.out, args.steps, args.batch_size, args.lr, args.seed,
                         args.stride, save_every=args.save_every,
                         init_from=init_from, embodiment=args.embodiment,
