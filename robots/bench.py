@@ -456,6 +456,9 @@ def run(args: argparse.Namespace) -> dict:
         raise BenchError(f"--closed-loop drives the built-in Reach task (2-D velocity actions, 2-D position state); "
                          f"embodiment {embodiment.name!r} has {embodiment.raw_action_dim}-D actions and "
                          f"{embodiment.state_dim}-D state")
+    if args.closed_loop and args.execute > embodiment.default_chunk_size:
+        raise BenchError(f"--execute {args.execute}: {embodiment.name}'s chunks hold {embodiment.default_chunk_size} "
+                         f"actions; expected 1 to {embodiment.default_chunk_size}")
     if embodiment.state_dim not in (0, 2):
         raise BenchError(f"the bench feeds the Reach task's 2-D state; embodiment {embodiment.name!r} takes "
                          f"{embodiment.state_dim}-D state (choose another with --embodiment)")

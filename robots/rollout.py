@@ -118,6 +118,15 @@ class EpisodeResult:
     restarts: list[dict] = field(default_factory=list)
 
 
+def check_drives(model: object, served: list[str]) -> None:
+    """The built-in Reach task is driven as `pusht` (an `image` camera, 2-D state and velocity actions): RolloutError
+    where `model` (a server's address, a checkpoint) does not serve it, rather than a session refused after the
+    warmup naming an embodiment the user never chose."""
+    if "pusht" not in served:
+        raise RolloutError(f"{model} serves {served}, not 'pusht', the embodiment policy-rollout drives the built-in "
+                           "Reach task as (a checkpoint trained on its demonstrations, robots.datagen's)")
+
+
 class ServerPolicy:
     """Talks to a running server through the client library."""
 
@@ -144,7 +153,9 @@ class ServerPolicy:
             print(f"policy-rollout: waiting up to {SERVING_WAIT_S:g} s for {self.client.target} to serve (starting, "
                   "warming up, or nothing listening there)", file=sys.stderr, flush=True)
             self.client.wait_until_serving(timeout_s=SERVING_WAIT_S)
-        model = self.client.server_info().model
+        info = self.client.server_info()
+        check_drives(self.client.target, [embodiment.name for embodiment in info.embodiments])
+        model = info.model
         if self.model is not None and model.digest != self.model.digest:
             raise RolloutError(f"{self.client.target} now serves {model.name} ({model.digest}), not the "
                                f"{self.model.name} ({self.model.digest}) the episodes so far ran on")
@@ -184,6 +195,7 @@ class InProcessPolicy:
         if device == "cpu":
             torch.set_num_threads(1)
         pipeline = PolicyPipeline.from_pretrained(checkpoint, device=device, dtype=resolve_dtype("auto", device))
+        check_drives(checkpoint or "the embedded model", pipeline.served_embodiments)  # before the warmup
         if sampler_overrides:
             config = PolicyConfig.model_validate({**pipeline.config.model_dump(), **sampler_overrides})
             pipeline = PolicyPipeline(pipeline.transformer, pipeline.vae, pipeline.tokenizer, pipeline.embodiments,

@@ -28,6 +28,7 @@ import argparse
 import copy
 import json
 import math
+import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -305,6 +306,27 @@ def sample_sigmas(n: int, shift: float, generator: torch.Generator) -> torch.Ten
     return shift * u / (1 + (shift - 1) * u)
 
 
+def check_out_folder(out_dir: Path) -> None:
+    """`--out` must be a new or empty folder this process can write: checked before the encoding and the training,
+    which take minutes to hours, without making the folder (a run refused later leaves nothing behind)."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise NotADirectoryError(f"--out {out_dir} is a file; expected a new or empty folder for the pipeline folder "
+                                 "written")
+    if out_dir.exists() and any(out_dir.iterdir()):
+        # Another run's files would be served with these weights (a quality profile of others) or describe them.
+        raise FileExistsError(f"--out {out_dir} is not empty; expected a new or empty folder for the pipeline folder "
+                              "written (name another, or remove it)")
+    nearest = next(folder for folder in (out_dir, *out_dir.absolute().parents) if folder.exists())
+    if not nearest.is_dir():
+        raise NotADirectoryError(f"--out {out_dir}: {nearest} is a file; expected a new or empty folder for the "
+                                 "pipeline folder written")
+    try:
+        with tempfile.TemporaryDirectory(dir=nearest):  # what making the folder and its files takes
+            pass
+    except OSError as error:
+        raise OSError(f"cannot write --out {out_dir}: {error.strerror or error}") from None
+
+
 def train(
     data_dirs: list[Path],
     vae_dir: Path,
@@ -329,10 +351,7 @@ def train(
     `name` (default the folder's name). `embodiment`, `domain_id`, `limits`: `trained_embodiment`; `chunk`: actions a
     tick. Returns a summary, the folder's training.json."""
     out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()):
-        # Another run's files would be served with these weights (a quality profile of others) or describe them.
-        raise FileExistsError(f"--out {out_dir} is not empty; expected a new or empty folder for the pipeline folder "
-                              "written (name another, or remove it)")
+    check_out_folder(out_dir)
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
     if init_from is None:
@@ -539,6 +558,11 @@ def main(argv: list[str] | None = None) -> None:
             raise EmbodimentConfigError(f"--limits {args.limits}: expected a JSON object")
         init_from = None if args.from_scratch else args.init
         vae = args.vae or (init_from or default_model_path()) / "vae"
+        if args.vae is None and init_from is not None and init_from.is_dir() and not vae.is_dir():
+            # most often its transformer/ folder, which loads: the VAE's "transformer/vae/config.json not found"
+            # would not say that --init names the wrong level
+            raise CheckpointError(f"--init {init_from}: no vae/ folder; expected a pipeline folder (transformer/, "
+                                  "vae/, ...) as this script writes it, or the VAE's folder named with --vae")
         summary = train(args.data, vae, args.out, args.steps, args.batch_size, args.lr, args.seed,
                         args.stride, save_every=args.save_every,
                         init_from=init_from, embodiment=args.embodiment,

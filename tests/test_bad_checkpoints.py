@@ -267,6 +267,12 @@ BROKEN_DIFFUSERS = {
                              "tokenizer.json: not a tokenizers file"),
     "tokenizer_config_not_json": (_writing("text_tokenizer/tokenizer_config.json", "{"),
                                   "tokenizer_config.json: not valid JSON"),
+    "eos_token_not_in_the_tokenizer": (  # the message named no file
+        lambda root: _edit_json(root / "text_tokenizer/tokenizer_config.json", eos_token="<|end|>"),
+        "text_tokenizer/tokenizer.json: the tokenizer has no eos token '<|end|>'; a Cosmos3 prompt needs it"),
+    "tokenizer_config_missing": (  # was "text_tokenizer/tokenizer_config.json has no eos_token", of a missing file
+        lambda root: _remove(root / "text_tokenizer/tokenizer_config.json"),
+        "text_tokenizer; expected one naming the end-of-prompt eos_token, e.g. '<|im_end|>'"),
     "chat_template_does_not_compile": (_writing("text_tokenizer/chat_template.jinja", "{% if"),
                                        "the chat template does not compile"),
     "shard_index_names_a_number": (
@@ -294,6 +300,9 @@ BROKEN_DIFFUSERS = {
         "embodiment side by side at 2048 px each (a wider canvas is all padding there)"),
     "canvas_off_the_latent_grid": (_writing("policy.json", '{"canvases": [[72, 72]]}'),
                                    "policy.json: canvases [[72, 72]]; expected sides that are multiples of"),
+    "embodiments_file_named_but_missing": (  # was served as if unnamed: every registry embodiment
+        _writing("policy.json", '{"embodiments_file": "robots.json"}'),
+        "policy.json: embodiments_file 'robots.json': no "),
     "no_embodiments": (_writing("embodiments.json", '{"embodiments": []}'),
                        "embodiments.json: embodiments is empty"),
     "state_wider_than_the_action_rows": (

@@ -133,7 +133,8 @@ def test_observations_round_trip_and_bad_files_name_what_is_wrong(pipe, observat
     image = observations[0].images["image"]
     bad = {"images.image": np.stack([image, image]), "state": np.zeros((2, 2), np.float32)}
     for tensors, metadata, message in [
-        (bad, {"embodiment": "bridge_orig_lerobot", "instructions": '["a", "b"]'}, "embodiment 'bridge_orig"),
+        (bad, {"embodiment": "bridge_orig_lerobot", "instructions": '["a", "b"]'}, "metadata embodiment 'bridge_orig"),
+        (bad, {"instructions": '["a", "b"]'}, "metadata embodiment None; expected one of"),  # was "embodiment None"
         (bad, {"embodiment": "pusht", "instructions": '["a"]'}, r"images.image is uint8 \[2, 64, 64, 3\]; expected "
                                                                 r"uint8 \[1, H, W, 3\], one frame per instruction "
                                                                 r"\(the metadata's instructions hold 1\)"),

@@ -18,7 +18,7 @@ import grpc
 import gymnasium as gym
 import numpy as np
 import pytest
-from fake_engine import FakeEngine, free_port, serve_fake
+from fake_engine import LIBERO, FakeEngine, free_port, serve_fake
 from tqdm import tqdm
 
 from policy_server.client.errors import PolicyServerError
@@ -201,6 +201,28 @@ def test_more_actions_executed_than_a_chunk_holds_end_the_rollout_with_one_line(
         code = main(["--server", server.target, "--execute", "9", "--episodes", "1",
                      "--out", str(tmp_path / "rollout.json")])
     assert code == 2 and capsys.readouterr().err == "policy-rollout: --execute 9: the chunks hold 8 actions\n"
+
+
+def test_a_server_or_checkpoint_without_the_tasks_embodiment_ends_the_rollout_with_one_line(tmp_path, capsys):
+    """A rollout of a folder trained for another robot warmed the engine up (and calibrated), then ended on
+    'embodiment: expected one of ['my_arm'], got 'pusht'', an embodiment the user never named."""
+    from robots.embedded import build_random_pipeline
+
+    with serve_fake(FakeEngine(embodiments=(LIBERO,))) as server:
+        code = main(["--server", server.target, "--episodes", "1", "--out", str(tmp_path / "rollout.json")])
+    assert code == 2 and capsys.readouterr().err == (
+        f"policy-rollout: {server.target} serves ['libero'], not 'pusht', the embodiment policy-rollout drives the "
+        "built-in Reach task as (a checkpoint trained on its demonstrations, robots.datagen's)\n")
+    folder = tmp_path / "my-arm"
+    build_random_pipeline(folder, seed=0)
+    (folder / "embodiments.json").write_text(json.dumps(
+        {"embodiments": [{"name": "my_arm", "domain_id": 10, "raw_action_dim": 2, "state_dim": 2}]}))
+    code = main(["--in-process", "--checkpoint", str(folder), "--no-compile-gen-stack", "--episodes", "1",
+                 "--out", str(tmp_path / "rollout.json")])
+    assert code == 2 and capsys.readouterr().err.endswith(
+        f"policy-rollout: {folder} serves ['my_arm'], not 'pusht', the embodiment policy-rollout drives the built-in "
+        "Reach task as (a checkpoint trained on its demonstrations, robots.datagen's)\n")
+    assert not (tmp_path / "rollout.json").exists()
 
 
 def test_a_server_that_never_serves_ends_the_rollout_with_one_line(tmp_path, capsys, monkeypatch):

@@ -116,6 +116,20 @@ def test_cli_rejects_a_missing_init_folder_before_encoding(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def test_cli_refuses_an_init_of_a_pipelines_transformer_folder_naming_the_level(tmp_path, capsys):
+    """It said 'transformer/vae/config.json not found', of a VAE the user never named."""
+    generate(tmp_path / "demos", episodes=1, progress=False)
+    init = default_model_path() / "transformer"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--data", str(tmp_path / "demos"), "--out", str(tmp_path / "out"), "--init", str(init)])
+    assert exit_info.value.code == 2 and capsys.readouterr().err.splitlines()[-1].endswith(
+        f"--init {init}: no vae/ folder; expected a pipeline folder (transformer/, vae/, ...) as this script writes "
+        "it, or the VAE's folder named with --vae")
+    main(["--data", str(tmp_path / "demos"), "--out", str(tmp_path / "out"), "--init", str(init),
+          "--vae", str(default_model_path() / "vae"), "--steps", "1", "--batch-size", "2"])
+    assert json.loads((tmp_path / "out" / "training.json").read_text())["steps"] == 1
+
+
 def test_cli_refuses_an_out_folder_that_is_not_empty(tmp_path, capsys):
     """Training wrote into a folder as it found it: a quality profile calibrated there before was then beside other
     weights, and an interrupted run's training.json described another's."""
@@ -131,6 +145,24 @@ def test_cli_refuses_an_out_folder_that_is_not_empty(tmp_path, capsys):
     main(["--data", str(tmp_path / "demos"), "--out", str(tmp_path / "empty folder"), "--steps", "1",
           "--batch-size", "2"])  # a new folder, whose path has a space
     assert json.loads((tmp_path / "empty folder" / "training.json").read_text())["steps"] == 1
+
+
+@pytest.mark.parametrize(("out", "named"), [
+    ("report.json", "--out {tmp}/report.json is a file; expected a new or empty folder for the pipeline folder "
+                    "written"),
+    ("report.json/policy", "--out {tmp}/report.json/policy: {tmp}/report.json is a file; expected a new or empty "
+                           "folder for the pipeline folder written"),
+])
+def test_cli_refuses_an_out_it_cannot_make_a_folder_of_before_encoding(tmp_path, capsys, out, named):
+    """An --out under a file trained every step, then failed to write the folder ('[Errno 20] Not a directory'), as
+    did one on a read-only file system ('[Errno 30]')."""
+    generate(tmp_path / "demos", episodes=1, progress=False)
+    (tmp_path / "report.json").write_text("{}")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--data", str(tmp_path / "demos"), "--out", str(tmp_path / out), "--steps", "1", "--batch-size", "2"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.splitlines()[-1].endswith(named.format(tmp=tmp_path))
+    assert "vae encode" not in err and "train policy" not in err
 
 
 def test_ctrl_c_stops_training_naming_what_the_folder_holds(tmp_path):

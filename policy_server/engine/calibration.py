@@ -151,7 +151,7 @@ def load_observations(path: Path, pipeline: PolicyPipeline, served: bool = True)
     embodiment = metadata.get("embodiment")
     known = pipeline.served_embodiments if served else pipeline.embodiments.names()
     if embodiment not in known:
-        raise CalibrationError(f"{path}: embodiment {embodiment!r}; expected one of {sorted(known)}")
+        raise CalibrationError(f"{path}: metadata embodiment {embodiment!r}; expected one of {sorted(known)}")
     try:
         instructions = json.loads(metadata.get("instructions", "null"))
     except json.JSONDecodeError as error:

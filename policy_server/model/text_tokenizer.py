@@ -119,7 +119,8 @@ class TextTokenizer:
 
     @classmethod
     def from_dir(cls, folder: str | Path) -> TextTokenizer:
-        """Load a HuggingFace tokenizer folder (``tokenizer.json`` + optional config/template files)."""
+        """Load a HuggingFace tokenizer folder (``tokenizer.json``, ``tokenizer_config.json`` with the eos_token, and
+        an optional chat template file)."""
         folder = Path(folder)
         tokenizer_file = folder / "tokenizer.json"
         if not tokenizer_file.is_file():
@@ -131,7 +132,10 @@ class TextTokenizer:
         except Exception as error:  # noqa: BLE001 - tokenizers raises a bare Exception for a file it cannot parse
             raise TextTokenizerError(f"{tokenizer_file}: not a tokenizers file ({error})") from None
         config_file = folder / "tokenizer_config.json"
-        config = read_json(config_file, TextTokenizerError) if config_file.is_file() else {}
+        if not config_file.is_file():
+            raise TextTokenizerError(f"no tokenizer_config.json in {folder}; expected one naming the end-of-prompt "
+                                     f"eos_token, e.g. {BUILTIN_EOS_TOKEN!r}")
+        config = read_json(config_file, TextTokenizerError)
         if not isinstance(config, dict):
             raise TextTokenizerError(f"{config_file}: expected a JSON object")
         special_tokens = {
@@ -148,6 +152,8 @@ class TextTokenizer:
                        special_tokens=special_tokens)
         except jinja2.TemplateError as error:
             raise TextTokenizerError(f"{folder}: the chat template does not compile ({error})") from None
+        except TextTokenizerError as error:  # a token a prompt needs that tokenizer.json does not hold
+            raise TextTokenizerError(f"{tokenizer_file}: {error}") from None
 
     @staticmethod
     def _find_chat_template(folder: Path, config: dict) -> str | None:

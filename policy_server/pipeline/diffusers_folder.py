@@ -113,8 +113,13 @@ def served_embodiments(root: Path, registry: EmbodimentRegistry, action_dim: int
                        embodiments_file: str) -> list[str]:
     """What the server offers: the embodiments `embodiments_file` declares (adding or changing registry entries)
     when the folder has one, as in the embedded layout; otherwise every registry embodiment the transformer's
-    action head can represent (`raw_action_dim <= action_dim`) that has a canonical width."""
+    action head can represent (`raw_action_dim <= action_dim`) that has a canonical width. A file other than
+    embodiments.json (named by policy.json) must exist."""
     path = root / embodiments_file
     if not path.exists():
+        if embodiments_file != PolicyConfig.model_fields["embodiments_file"].default:
+            # named by policy.json: serving every registry embodiment instead would hide the misnamed file
+            raise CheckpointError(f"{root / 'policy.json'}: embodiments_file {embodiments_file!r}: no {path}; "
+                                  "expected the embodiments file it names")
         return [e.name for e in registry if e.raw_action_dim <= action_dim and e.name not in NO_CANONICAL_WIDTH]
     return registry.load_config(path)
