@@ -17,7 +17,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from ray_cluster import GRPC_PORT, TOKEN, build_model
+from ray_cluster import GRPC_PORT, TOKEN, build_model, namespace_prefix
 
 from policy_server.client import Backoff, ControlStream, PolicyClient, PolicyServerError, Session, build_observation
 from policy_server.v1 import policy_server_pb2 as pb
@@ -29,18 +29,6 @@ HELPER = Path(__file__).with_name("ray_cluster.py")
 IMAGE = np.zeros((64, 64, 3), np.uint8)
 STATE = np.zeros(2, np.float32)
 READY_TIMEOUT_S = 240
-
-
-def namespace_prefix() -> list[str] | None:
-    """The command that runs a program in a new network namespace here: as root, or as a user who may make user
-    namespaces; None where neither works."""
-    for prefix in (["unshare", "-n"], ["unshare", "-rn"]):
-        try:
-            if subprocess.run([*prefix, "true"], capture_output=True, timeout=10).returncode == 0:
-                return prefix
-        except (OSError, subprocess.TimeoutExpired):
-            pass
-    return None
 
 
 class Cluster:
