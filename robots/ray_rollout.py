@@ -18,6 +18,7 @@ open (ended where it was, dead, or its cleanup cut short) the driver closes on t
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 
@@ -207,6 +208,10 @@ def run_on_ray(make_policy: Callable, env_id: str, indices: Sequence[int], worke
         take_all()
     except KeyboardInterrupt as interrupt:
         stops.insert(0, interrupt)
+        # A task cancelled mid-episode ends in its RolloutStopped, which its stream, cancelled, drops unread: Ray logs
+        # each such error, traceback and all, as 'Unhandled error'. Its episodes come from the mailbox. Set for the
+        # rest of the process, which reports and ends: the cancelled tasks' errors may come after this call.
+        os.environ["RAY_IGNORE_UNHANDLED_ERRORS"] = "1"
         print(f"policy-rollout: interrupted; waiting up to {CANCEL_GRACE_S:g} s for the Ray workers to end their "
               "ticks and close their sessions (Ctrl-C again to end them at once)", file=sys.stderr, flush=True)
         # Not recursive: a cancel of the worker's mailbox calls would fail them (TaskCancelledError, not the

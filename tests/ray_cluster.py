@@ -32,6 +32,18 @@ SAMPLER_STEPS = 4
 TOKEN = "ray-serve-test-token"
 
 
+def namespace_prefix() -> list[str] | None:
+    """The command that runs a program in a new network namespace here: as root, or as a user who may make user
+    namespaces; None where neither works."""
+    for prefix in (["unshare", "-n"], ["unshare", "-rn"]):
+        try:
+            if subprocess.run([*prefix, "true"], capture_output=True, timeout=10).returncode == 0:
+                return prefix
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    return None
+
+
 def loopback_up() -> None:
     """`ip link set lo up`, without needing iproute2."""
     get_flags, set_flags, up = 0x8913, 0x8914, 0x1  # SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP

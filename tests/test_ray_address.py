@@ -5,12 +5,17 @@ seconds instead of Ray's minutes of GCS retries. Every address dialled here is o
 from __future__ import annotations
 
 import os
+import secrets
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
+from ray_cluster import namespace_prefix
 
 from policy_server.ray_serve import address
 from policy_server.ray_serve.address import gcs_address
@@ -68,8 +73,9 @@ def test_a_listening_gcs_address_passes(no_ray_address):
         assert gcs_address(f"127.0.0.1:{port}") == f"127.0.0.1:{port}"
         assert gcs_address(f"localhost:{port}") == f"localhost:{port}"
         no_ray_address.parent.mkdir()
-        no_ray_address.write_text(f"127.0.0.1:{port}")  # what ray.init joins for auto: the address found, joined
-        assert gcs_address("auto") == f"127.0.0.1:{port}"
+        no_ray_address.write_text(f"127.0.0.1:{port}")  # checked, and left for ray.init to find again
+        assert gcs_address("auto") == "auto"
+        assert gcs_address(None) is None
 
 
 def test_an_address_where_nothing_answers_is_named_with_the_reason(closed_port, no_ray_address):
@@ -116,3 +122,41 @@ def test_a_ray_rollout_ends_in_one_line_where_nothing_answers_at_the_address(clo
     assert done.stderr == (f"policy-rollout: nothing answers at Ray address 127.0.0.1:{closed_port} "
                            f"(Connection refused); {EXPECTED}\n")
     assert seconds < 30 and not (tmp_path / "rollout.json").exists()
+
+
+# Inside a network namespace of its own: `ray start --head` recording its cluster in $RAY_TMPDIR, with token
+# authentication on (Ray 2.60's `ray start` turns it on where $HOME/.ray holds a token: any local `ray.init`, such as
+# `policy-server ray-serve` without --address, leaves one there), then `policy-server ray-serve` joining it as the
+# README says, each up to its check of the cluster's GPUs, after `ray.init`: a replica asks for 1, the cluster has 0.
+_JOIN_STARTED_HEAD = """
+{python} -c 'import sys; sys.path.insert(0, "{tests}"); from ray_cluster import loopback_up; loopback_up()'
+ray start --head --block --num-cpus 1 --include-dashboard false --disable-usage-stats > "$RAY_TMPDIR/head.log" 2>&1 &
+head=$!
+for _ in $(seq 120); do [ -s "$RAY_TMPDIR/ray/ray_current_cluster" ] && break; sleep 0.5; done
+for address in "--address auto" ""; do
+    {python} -m policy_server.ray_serve.command $address --device cpu --num-gpus 1 2>&1 | tail -n 1
+done
+kill $head && wait $head
+"""
+
+
+def test_ray_serve_joins_the_token_authenticated_cluster_ray_start_recorded(tmp_path):
+    # Was: auto (or no --address) became the address found, and ray.init, given an address, turns on no token
+    # authentication, so that it retried for 20 s and ended 'Failed to connect to Ray cluster at 127.0.0.1:6379'.
+    prefix = namespace_prefix()
+    if prefix is None:
+        pytest.skip("cannot make a network namespace here (unshare -n / -rn) for a Ray head of its own")
+    ray_tmpdir = tempfile.mkdtemp(prefix="rayhead", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
+    (tmp_path / ".ray").mkdir()
+    (tmp_path / ".ray" / "auth_token").write_text(secrets.token_hex(32))  # as a local ray.init leaves it
+    try:
+        env = {key: value for key, value in os.environ.items() if not key.startswith("RAY_")}
+        env.update(HOME=str(tmp_path), RAY_TMPDIR=ray_tmpdir,  # the head's token and record, no other cluster's
+                   PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}")  # its `ray`
+        script = _JOIN_STARTED_HEAD.format(python=sys.executable, tests=Path(__file__).parent)
+        done = subprocess.run([*prefix, "sh", "-c", script], capture_output=True, text=True, timeout=240, env=env)
+    finally:
+        shutil.rmtree(ray_tmpdir, ignore_errors=True)
+    joined = ("policy-server ray-serve: each replica asks for 1 GPU and the Ray cluster has 0; pass --device cpu "
+              "(or --num-gpus 0) to serve on the CPU")
+    assert done.stdout.splitlines() == [joined, joined], done.stdout + done.stderr

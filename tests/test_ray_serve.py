@@ -17,7 +17,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from ray_cluster import GRPC_PORT, TOKEN, build_model
+from ray_cluster import GRPC_PORT, TOKEN, build_model, namespace_prefix
 
 from policy_server.client import Backoff, ControlStream, PolicyClient, PolicyServerError, Session, build_observation
 from policy_server.v1 import policy_server_pb2 as pb
@@ -29,18 +29,6 @@ HELPER = Path(__file__).with_name("ray_cluster.py")
 IMAGE = np.zeros((64, 64, 3), np.uint8)
 STATE = np.zeros(2, np.float32)
 READY_TIMEOUT_S = 240
-
-
-def namespace_prefix() -> list[str] | None:
-    """The command that runs a program in a new network namespace here: as root, or as a user who may make user
-    namespaces; None where neither works."""
-    for prefix in (["unshare", "-n"], ["unshare", "-rn"]):
-        try:
-            if subprocess.run([*prefix, "true"], capture_output=True, timeout=10).returncode == 0:
-                return prefix
-        except (OSError, subprocess.TimeoutExpired):
-            pass
-    return None
 
 
 class Cluster:
@@ -241,6 +229,65 @@ def test_ray_rollouts_equal_a_local_run_in_process_and_through_serve(cluster, tm
         assert {key: report[key] for key in SAME} == {key: local[key] for key in SAME}
         assert _decisions(report) == _decisions(local)
         assert report["config"]["ray_workers"] == 2
+
+
+def _applications(cluster) -> list[str]:
+    """The names of the Serve applications on the cluster."""
+    script = ("import ray, sys; from ray import serve; ray.init(address=sys.argv[1], log_to_driver=False); "
+              "print('APPS', *sorted(serve.status().applications))")
+    done = cluster.command(run=[sys.executable, "-c", script, cluster.info["gcs"]])
+    assert done["rc"] == 0, done["output"]
+    return next(line.split()[1:] for line in done["output"].splitlines() if line.startswith("APPS"))
+
+
+def _ray_serve(cluster, name: str, *flags: str) -> list[str]:
+    return [sys.executable, "-m", "policy_server.ray_serve.command", "--address", cluster.info["gcs"], "--name", name,
+            "--device", "cpu", "--num-cpus", "0.5", "--quality-profile", "off", *flags]
+
+
+def test_ray_serve_names_the_error_its_replicas_failed_with_and_deletes_the_application(cluster, tmp_path):
+    # Was: Serve's traceback, 'RuntimeError: Deploying application broken failed: Failed to update the deployments
+    # ['PolicyDeployment'].', exit 1, and the application left on the cluster, DEPLOY_FAILED.
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    done = cluster.command(run=_ray_serve(cluster, "broken", "--checkpoint", str(empty)))
+    last = done["output"].strip().splitlines()[-1]
+    assert done["rc"] == 2, done["output"]
+    assert last.startswith("policy-server ray-serve: application 'broken' did not start: The deployment failed to "
+                           f"start 3 times in a row; the last error: CheckpointLoadError: cannot serve checkpoint "
+                           f"{empty}: {empty}: no model_index.json"), done["output"]
+    assert _applications(cluster) == ["policy"]
+
+
+_INTERRUPT_WHILE_DEPLOYING = """
+import json, signal, subprocess, sys, time
+process = subprocess.Popen(sys.argv[1:], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+lines, end = [], time.monotonic() + 60
+while time.monotonic() < end and not any("deploying" in line for line in lines):
+    lines.append(process.stdout.readline())
+process.send_signal(signal.SIGINT)
+try:
+    rc = process.wait(60)
+except subprocess.TimeoutExpired:
+    process.kill()
+    rc = "still running 60 s after SIGINT"
+lines += process.stdout.readlines()
+print("OUTCOME", json.dumps({"rc": rc, "ours": [line for line in lines if line.startswith("policy-server")]}))
+"""
+
+
+def test_ray_serve_stops_on_sigint_while_its_replicas_deploy(cluster):
+    # A replica that asks for more CPUs than the cluster has waits to be scheduled for ever. Was: SIGINT ignored
+    # until the application ran, that is for ever.
+    model = str(cluster.workdir / "model")
+    done = cluster.command(run=[sys.executable, "-c", _INTERRUPT_WHILE_DEPLOYING,
+                                *_ray_serve(cluster, "pending", "--checkpoint", model), "--num-cpus", "64"])
+    assert done["rc"] == 0, done["output"]
+    outcome = next(json.loads(line.removeprefix("OUTCOME")) for line in done["output"].splitlines()
+                   if line.startswith("OUTCOME"))
+    assert outcome == {"rc": 0, "ours": ["policy-server ray-serve: deploying application 'pending' (1 replica(s) "
+                                         "loading and warming up)\n"]}
+    assert _applications(cluster) == ["policy"]
 
 
 def test_a_killed_replicas_streams_reopen_their_sessions_and_no_answer_goes_astray(cluster, client):

@@ -192,3 +192,17 @@ def test_ray_serve_refuses_a_port_it_cannot_listen_on(flag, capsys):
     with pytest.raises(SystemExit) as exit_:
         ray_serve_main([flag, "70000"])
     assert exit_.value.code == 2 and "expected a port from 1 to 65535, got '70000'" in capsys.readouterr().err
+
+
+def test_a_replica_whose_engine_did_not_build_is_destroyed_as_serve_does_without_an_error_of_its_own(tmp_path):
+    # Serve calls __del__ of a replica whose constructor raised. Was: "Exception during graceful shutdown of replica:
+    # 'PolicyDeployment' object has no attribute '_engine'" after the constructor's own error.
+    from policy_server.pipeline.policy import CheckpointLoadError
+    from policy_server.ray_serve.deployment import PolicyDeployment
+
+    (tmp_path / "empty").mkdir()
+    _, config = split_args({"checkpoint": str(tmp_path / "empty"), "device": "cpu"})
+    replica = PolicyDeployment.__new__(PolicyDeployment)
+    with pytest.raises(CheckpointLoadError, match="no model_index.json"):
+        replica.__init__(config)
+    replica.__del__()

@@ -108,12 +108,41 @@ def main(argv: list[str] | None = None) -> int:
         print(f"policy-server ray-serve: Serve's proxies (gRPC port {options.port}, HTTP {http.host}:{http.port}) "
               f"did not start: {reason}", file=sys.stderr)
         return 2
-    serve.run(application(replicas, config), name=name, route_prefix=f"/{name}")
-    print(f"policy-server ray-serve: application {name!r} on the gRPC proxy, port {options.port}", flush=True)
-    while not stop.wait(timeout=1.0):  # timed, as cli.serve's: a signal another thread received still stops it
-        pass
+    # Not serve.run, which waits for the replicas' warmup deaf to signals (for ever where none can be scheduled) and
+    # ends in Serve's traceback where they fail.
+    serve.run_many([serve.RunTarget(application(replicas, config), name=name, route_prefix=f"/{name}")],
+                   wait_for_ingress_deployment_creation=False, wait_for_applications_running=False)
+    print(f"policy-server ray-serve: deploying application {name!r} ({replicas.num_replicas} replica(s) loading "
+          "and warming up)", flush=True)
+    failure = _wait_until_running(serve, name, stop)
+    if failure is None and not stop.is_set():
+        print(f"policy-server ray-serve: application {name!r} on the gRPC proxy, port {options.port}", flush=True)
+        while not stop.wait(timeout=1.0):  # timed, as cli.serve's: a signal another thread received still stops it
+            pass
     serve.delete(name)
+    if failure is not None:
+        ray.shutdown()  # first: the controller's log lines about it stream until then, and ours comes last
+        print(f"policy-server ray-serve: application {name!r} did not start: {failure}", file=sys.stderr)
+        return 2
     return 0
+
+
+def _wait_until_running(serve, name: str, stop: threading.Event) -> str | None:
+    """Wait until the application ``name`` runs or ``stop`` is set (None); else why it failed: Serve's account and
+    the last line of its replicas' error (their exception, where a constructor raised)."""
+    while not stop.wait(timeout=1.0):
+        app = serve.status().applications.get(name)
+        if app is None:
+            return "it was deleted while it deployed"
+        if app.status == "RUNNING":
+            return None
+        if app.status == "DEPLOY_FAILED":
+            lines = [line.strip() for deployment in app.deployments.values()
+                     for line in deployment.message.splitlines() if line.strip()] or [app.message]
+            summary = lines[0].split(". ")[0]  # "The deployment failed to start 3 times in a row"
+            error = re.sub(r"^[\w.]+\.(\w+: )", r"\1", lines[-1])  # the exception, its class unqualified
+            return summary if len(lines) == 1 else f"{summary}; the last error: {error}"
+    return None
 
 
 if __name__ == "__main__":

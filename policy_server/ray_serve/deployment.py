@@ -89,7 +89,8 @@ class PolicyDeployment:
             raise RuntimeError("the engine is not ready (warmup failed or it is shutting down)")
 
     def __del__(self) -> None:
-        self._engine.close()
+        if "_engine" in vars(self):  # Serve calls this where the constructor raised before building it, too
+            self._engine.close()
 
     # -- unary RPCs: one method each, made below from the service (so a new RPC cannot be missed here) -------
 
