@@ -58,6 +58,9 @@ class ServerTls:
     cert_chain_pem: bytes
 
 
+_EVERY_INTERFACE = {"0.0.0.0", "::"}  # a listener there holds its port on every address
+
+
 class ServerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -213,11 +216,13 @@ class ServerConfig(BaseModel):
         taken = {"port": (self.host, self.port)}
         for name, host, port in (("websocket_port", self.host, self.websocket_port),
                                  ("metrics_port", self.metrics_host, self.metrics_port)):
-            if port:  # None: off; 0: any free port
-                clash = next((other for other, bound in taken.items() if bound == (host, port)), None)
-                if clash is not None:
-                    raise ValueError(f"{name} {port} is {clash} too, on {host}: expected a port of its own")
-                taken[name] = (host, port)
+            if not port:  # None: off; 0: any free port
+                continue
+            for other, (other_host, other_port) in taken.items():
+                if other_port == port and (other_host == host or {other_host, host} & _EVERY_INTERFACE):
+                    hosts = host if other_host == host else f"{host} and {other_host}"
+                    raise ValueError(f"{name} {port} is {other} too, on {hosts}: expected a port of its own")
+            taken[name] = (host, port)
         return self
 
     @model_validator(mode="after")

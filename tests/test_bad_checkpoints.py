@@ -132,8 +132,18 @@ BROKEN = {
 }
 
 
+@pytest.fixture
+def serves_nothing(monkeypatch):
+    """A folder that loads fails the test at once: `cli.main` would otherwise serve it until stopped."""
+    def loaded(config, engine):
+        raise AssertionError(f"{config.checkpoint} loaded; expected it refused")
+
+    monkeypatch.setattr("policy_server.server.app.build_server", loaded)
+
+
 @pytest.mark.parametrize("name", sorted(BROKEN))
-def test_a_checkpoint_that_cannot_be_served_is_one_line_and_exit_2(good_folder, tmp_path, capsys, name):
+def test_a_checkpoint_that_cannot_be_served_is_one_line_and_exit_2(good_folder, tmp_path, capsys, name,
+                                                                    serves_nothing):
     breakage, expected = BROKEN[name]
     root = tmp_path / "ckpt"
     shutil.copytree(good_folder, root)
@@ -323,7 +333,8 @@ BROKEN_DIFFUSERS = {
 
 
 @pytest.mark.parametrize("name", sorted(BROKEN_DIFFUSERS))
-def test_a_diffusers_folder_that_cannot_be_served_is_one_line_and_exit_2(diffusers_folder, tmp_path, capsys, name):
+def test_a_diffusers_folder_that_cannot_be_served_is_one_line_and_exit_2(diffusers_folder, tmp_path, capsys, name,
+                                                                          serves_nothing):
     assert len(list((diffusers_folder / "transformer").glob("*-of-*.safetensors"))) > 1
     breakage, expected = BROKEN_DIFFUSERS[name]
     root = tmp_path / "ckpt"

@@ -144,7 +144,7 @@ def test_observations_round_trip_and_bad_files_name_what_is_wrong(pipe, observat
         (bad, {"embodiment": "pusht", "instructions": '["a", "b <|im_end|>"]'},
          r"instructions\[1\]: expected text without the chat template's control tokens, got '<\|im_end\|>'"),
         (bad, {"embodiment": "pusht", "instructions": json.dumps(["a", "b " * 200])},
-         r"instructions\[1\]: expected at most 128 tokens, as the server takes, got \d+ tokens"),
+         r"instructions\[1\]: expected at most 128 tokens, got \d+ tokens, which the server refuses"),
         (bad, {"embodiment": "pusht", "instructions": '["a", ""]'}, "non-empty strings"),
         ({**bad, "state": np.zeros((2, 3), np.float32)}, {"embodiment": "pusht", "instructions": '["a", "b"]'},
          r"state is float32 \[2, 3\]; pusht expects"),

@@ -5,8 +5,10 @@ configs, what a replica makes of a call's metadata (`ServeCall`), the client's m
 from __future__ import annotations
 
 import math
+import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import numpy as np
@@ -31,6 +33,7 @@ from policy_server.ray_serve.app import (  # noqa: E402
     split_args,
 )
 from policy_server.ray_serve.call import CallAborted, ServeCall  # noqa: E402
+from policy_server.ray_serve.command import _wait_until_running  # noqa: E402
 from policy_server.ray_serve.command import main as ray_serve_main  # noqa: E402
 from policy_server.server.app import max_concurrent_calls  # noqa: E402
 
@@ -206,3 +209,45 @@ def test_a_replica_whose_engine_did_not_build_is_destroyed_as_serve_does_without
     with pytest.raises(CheckpointLoadError, match="no model_index.json"):
         replica.__init__(config)
     replica.__del__()
+
+
+_CONSTRUCTOR_FAILED = """The deployment failed to start 3 times in a row. This may be due to a problem with its \
+constructor or initial health check failing. See controller logs for details. Error:
+ray::ServeReplica:app:PolicyDeployment.initialize_and_get_metadata() (pid=4555, ip=127.0.0.1)
+  File "ray/serve/_private/replica.py", line 1928, in initialize
+    raise RuntimeError(traceback.format_exc()) from None
+RuntimeError: Traceback (most recent call last):
+  File "policy_server/pipeline/policy.py", line 417, in from_pretrained
+policy_server.pipeline.policy.CheckpointLoadError: cannot serve checkpoint /m: /m: no model_index.json"""
+
+
+def _statuses(*apps):
+    """A `serve.status` that answers `apps` in turn ((status, message[, its deployment's message]), or None: no such
+    application), then the last for ever."""
+    answers = list(apps)
+
+    def status():
+        app = answers.pop(0) if len(answers) > 1 else answers[0]
+        found = {} if app is None else {"app": SimpleNamespace(status=app[0], message=app[1], deployments={
+            "PolicyDeployment": SimpleNamespace(message=app[2] if len(app) > 2 else "")})}
+        return SimpleNamespace(applications=found)
+    return status
+
+
+def test_ray_serve_waits_for_its_application_to_run_and_says_why_it_did_not(capsys):
+    stop = threading.Event()
+    assert _wait_until_running(_statuses(("DEPLOYING", ""), ("RUNNING", "")), "app", stop) is None
+    failed = _statuses(("DEPLOYING", ""), ("DEPLOY_FAILED", "Failed to update the deployments.", _CONSTRUCTOR_FAILED))
+    assert _wait_until_running(failed, "app", stop) == (
+        "The deployment failed to start 3 times in a row; the last error: CheckpointLoadError: cannot serve "
+        "checkpoint /m: /m: no model_index.json")
+    assert _wait_until_running(_statuses(("DEPLOY_FAILED", "Failed to update the deployments.")), "app", stop) == \
+        "Failed to update the deployments."
+    assert _wait_until_running(_statuses(None), "app", stop) == "it was deleted while it deployed"
+    # Unhealthy on the way (a replica lost, and replaced): said once, and waited through.
+    healing = _statuses(("UNHEALTHY", "replica died"), ("UNHEALTHY", "replica died"), ("RUNNING", ""))
+    assert _wait_until_running(healing, "app", stop) is None
+    assert capsys.readouterr().err == ("policy-server ray-serve: application 'app' is unhealthy (replica died); "
+                                       "waiting for Serve to replace its replicas (Ctrl-C to stop)\n")
+    stop.set()  # a stop signal: no longer waited for
+    assert _wait_until_running(_statuses(("DEPLOYING", "")), "app", stop) is None

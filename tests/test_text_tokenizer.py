@@ -174,3 +174,14 @@ def test_missing_files_and_tokens(tmp_path):
     (tmp_path / "b" / "tokenizer_config.json").write_text("{}")
     with pytest.raises(TextTokenizerError, match="has no eos_token"):
         TextTokenizer.from_dir(tmp_path / "b")
+
+
+def test_a_bad_chat_template_file_is_named_alone(tmp_path):
+    """Its error came out as tokenizer.json's, 'F/tokenizer.json: F/chat_template.json: expected ...'."""
+    folder = tmp_path / "text_tokenizer"
+    write_checkpoint_tokenizer(folder, template_in="none")
+    for text in ("[]", "{"):
+        (folder / "chat_template.json").write_text(text)
+        with pytest.raises(TextTokenizerError) as err:
+            TextTokenizer.from_dir(folder)
+        assert str(err.value).startswith(f"{folder / 'chat_template.json'}: "), err.value

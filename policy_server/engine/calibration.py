@@ -56,9 +56,9 @@ from policy_server.cache.seacache import SeaCache, SeaCacheConfig
 from policy_server.config import DTYPES, PROFILE_CACHE_ENV
 from policy_server.engine import api
 from policy_server.engine.batching import GenStack
-from policy_server.engine.served import EngineSettings, cache_ladder, user_text_ids
+from policy_server.engine.served import EngineSettings, cache_ladder, instruction_tokens
 from policy_server.engine.tick import step_calls
-from policy_server.limits import MAX_FRAME_SIDE, MAX_INSTRUCTION_TOKENS
+from policy_server.limits import MAX_FRAME_SIDE
 from policy_server.output_file import output_file
 from policy_server.pipeline.hub import is_hub_id
 from policy_server.pipeline.policy import (
@@ -189,12 +189,9 @@ def load_observations(path: Path, pipeline: PolicyPipeline, served: bool = True)
     # What the server would refuse, so that a profile is measured on observations it serves.
     for i, text in enumerate(instructions):
         try:
-            tokens = len(user_text_ids(pipeline.tokenizer, text, f"instructions[{i}]"))
+            instruction_tokens(pipeline.tokenizer, text, f"instructions[{i}]")
         except api.InvalidArgument as error:
             raise CalibrationError(f"{path}: {error}, which the server refuses") from None
-        if tokens > MAX_INSTRUCTION_TOKENS:
-            raise CalibrationError(f"{path}: instructions[{i}]: expected at most {MAX_INSTRUCTION_TOKENS} tokens, as "
-                                   f"the server takes, got {tokens} tokens")
     accepted = spec.state_range(pipeline.normalizers(spec)) if served else None  # a registry's may have no stats
     if accepted is not None:
         low, high = (bound.astype(np.float32).astype(np.float64) for bound in accepted)  # as the server compares

@@ -80,6 +80,15 @@ def user_text_ids(tokenizer: TextTokenizer, text: str, field: str) -> list[int]:
     return ids
 
 
+def instruction_tokens(tokenizer: TextTokenizer, text: str, field: str) -> int:
+    """Token count of an instruction; InvalidArgument over the limit or with a control token."""
+    count = len(user_text_ids(tokenizer, text, field))
+    if count > MAX_INSTRUCTION_TOKENS:
+        raise api.InvalidArgument(field, f"at most {MAX_INSTRUCTION_TOKENS} tokens", f"{count} tokens",
+                                  reason="TOO_LONG")
+    return count
+
+
 def cache_ladder(threshold: float, cap: int) -> tuple[CacheSetting, ...]:
     """Least to most aggressive settings around (threshold > 0, cap; 0 = no cap); (0.25, 2) gives the planner's
     default ladder. With a cap of 1 its rung is the cap-1 rung of that threshold, so the ladder has one rung less."""
@@ -193,12 +202,7 @@ class ServedModel:
         return grid_key, grid_key if known else key
 
     def instruction_tokens(self, text: str, field: str) -> int:
-        """Token count of an instruction; InvalidArgument over the limit or with a control token."""
-        count = len(user_text_ids(self.pipeline.tokenizer, text, field))
-        if count > MAX_INSTRUCTION_TOKENS:
-            raise api.InvalidArgument(field, f"at most {MAX_INSTRUCTION_TOKENS} tokens", f"{count} tokens",
-                                      reason="TOO_LONG")
-        return count
+        return instruction_tokens(self.pipeline.tokenizer, text, field)
 
     def prompt_fits(self, prompt: PromptState | None, instruction: str, embodiment: Embodiment, chunk: int,
                     canvas_hw: tuple[int, int]) -> bool:

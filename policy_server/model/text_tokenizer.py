@@ -147,9 +147,9 @@ class TextTokenizer:
                 f"{config_file} has no eos_token; expected the end-of-prompt token, "
                 f"e.g. {BUILTIN_EOS_TOKEN!r}"
             )
+        chat_template = cls._find_chat_template(folder, config)
         try:
-            return cls(tokenizer, eos_token=eos_token, chat_template=cls._find_chat_template(folder, config),
-                       special_tokens=special_tokens)
+            return cls(tokenizer, eos_token=eos_token, chat_template=chat_template, special_tokens=special_tokens)
         except jinja2.TemplateError as error:
             raise TextTokenizerError(f"{folder}: the chat template does not compile ({error})") from None
         except TextTokenizerError as error:  # a token a prompt needs that tokenizer.json does not hold

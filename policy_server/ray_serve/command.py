@@ -17,6 +17,7 @@ import re
 import signal
 import sys
 import threading
+from collections.abc import Callable
 
 from policy_server.cli import build_parser
 from policy_server.config import ConfigError, chosen_config_file, read_config_file
@@ -110,16 +111,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # Not serve.run, which waits for the replicas' warmup deaf to signals (for ever where none can be scheduled) and
     # ends in Serve's traceback where they fail.
-    serve.run_many([serve.RunTarget(application(replicas, config), name=name, route_prefix=f"/{name}")],
-                   wait_for_ingress_deployment_creation=False, wait_for_applications_running=False)
-    print(f"policy-server ray-serve: deploying application {name!r} ({replicas.num_replicas} replica(s) loading "
-          "and warming up)", flush=True)
-    failure = _wait_until_running(serve, name, stop)
-    if failure is None and not stop.is_set():
-        print(f"policy-server ray-serve: application {name!r} on the gRPC proxy, port {options.port}", flush=True)
-        while not stop.wait(timeout=1.0):  # timed, as cli.serve's: a signal another thread received still stops it
-            pass
-    serve.delete(name)
+    try:
+        serve.run_many([serve.RunTarget(application(replicas, config), name=name, route_prefix=f"/{name}")],
+                       wait_for_ingress_deployment_creation=False, wait_for_applications_running=False)
+        print(f"policy-server ray-serve: deploying application {name!r} ({replicas.num_replicas} replica(s) loading "
+              "and warming up)", flush=True)
+        failure = _wait_until_running(serve.status, name, stop)
+        if failure is None and not stop.is_set():
+            print(f"policy-server ray-serve: application {name!r} on the gRPC proxy, port {options.port}", flush=True)
+            while not stop.wait(timeout=1.0):  # timed, as cli.serve's: a signal another thread received still stops it
+                pass
+    finally:  # however this process ends, the application ends with it
+        serve.delete(name)
     if failure is not None:
         ray.shutdown()  # first: the controller's log lines about it stream until then, and ours comes last
         print(f"policy-server ray-serve: application {name!r} did not start: {failure}", file=sys.stderr)
@@ -127,11 +130,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _wait_until_running(serve, name: str, stop: threading.Event) -> str | None:
-    """Wait until the application ``name`` runs or ``stop`` is set (None); else why it failed: Serve's account and
-    the last line of its replicas' error (their exception, where a constructor raised)."""
-    while not stop.wait(timeout=1.0):
-        app = serve.status().applications.get(name)
+def _wait_until_running(status: Callable, name: str, stop: threading.Event) -> str | None:
+    """Wait until the application ``name`` runs or ``stop`` is set (None), polling ``status`` (`serve.status`) each
+    second; else why it failed: Serve's account and the last line of its replicas' error (their exception, where a
+    constructor raised). An application that turns unhealthy on the way is said once: Serve may yet replace its
+    replicas."""
+    unhealthy = False
+    while True:
+        app = status().applications.get(name)
         if app is None:
             return "it was deleted while it deployed"
         if app.status == "RUNNING":
@@ -142,7 +148,12 @@ def _wait_until_running(serve, name: str, stop: threading.Event) -> str | None:
             summary = lines[0].split(". ")[0]  # "The deployment failed to start 3 times in a row"
             error = re.sub(r"^[\w.]+\.(\w+: )", r"\1", lines[-1])  # the exception, its class unqualified
             return summary if len(lines) == 1 else f"{summary}; the last error: {error}"
-    return None
+        if app.status == "UNHEALTHY" and not unhealthy:
+            print(f"policy-server ray-serve: application {name!r} is unhealthy ({app.message}); waiting for Serve to "
+                  "replace its replicas (Ctrl-C to stop)", file=sys.stderr, flush=True)
+        unhealthy = app.status == "UNHEALTHY"
+        if stop.wait(timeout=1.0):
+            return None
 
 
 if __name__ == "__main__":
