@@ -106,7 +106,7 @@ from policy_server.pipeline.policy import (
 from policy_server.pipeline.tick_work import CompiledTickWork, TickWork
 from robots.envs import ENV_IDS, HELDOUT_SEED_OFFSET, REACH_EITHER_TIMED_ID, REACH_ID
 from robots.expert import expert_observations
-from robots.rollout import RolloutStopped, TickStats, run_episodes
+from robots.rollout import RolloutError, RolloutStopped, TickStats, check_execute, run_episodes
 
 SCHEMA = 1
 SCALE_TICKS = 16  # uncached ticks whose median latency the budget fractions scale on
@@ -456,9 +456,8 @@ def run(args: argparse.Namespace) -> dict:
         raise BenchError(f"--closed-loop drives the built-in Reach task (2-D velocity actions, 2-D position state); "
                          f"embodiment {embodiment.name!r} has {embodiment.raw_action_dim}-D actions and "
                          f"{embodiment.state_dim}-D state")
-    if args.closed_loop and args.execute > embodiment.default_chunk_size:
-        raise BenchError(f"--execute {args.execute}: {embodiment.name}'s chunks hold {embodiment.default_chunk_size} "
-                         f"actions; expected 1 to {embodiment.default_chunk_size}")
+    if args.closed_loop:
+        check_execute(args.execute, 0, embodiment.default_chunk_size)
     if embodiment.state_dim not in (0, 2):
         raise BenchError(f"the bench feeds the Reach task's 2-D state; embodiment {embodiment.name!r} takes "
                          f"{embodiment.state_dim}-D state (choose another with --embodiment)")
@@ -1016,7 +1015,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"policy-server bench: {refused.message}; choose larger --budget-fractions or --budgets-ms",
               file=sys.stderr)
         return 2
-    except (BenchError, CheckpointLoadError) as error:
+    except (BenchError, CheckpointLoadError, RolloutError) as error:
         print(f"policy-server bench: {error}", file=sys.stderr)
         return 2
     args.out.parent.mkdir(parents=True, exist_ok=True)

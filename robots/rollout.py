@@ -50,7 +50,7 @@ from policy_server.client.sync_client import SERVING_WAIT_S
 from policy_server.engine.api import EngineError
 from policy_server.limits import MAX_BUDGET_MS
 from policy_server.output_file import output_file
-from robots.envs import ENV_IDS, HELDOUT_SEED_OFFSET, REACH_ID, ReachScene
+from robots.envs import EMBODIMENT, ENV_IDS, HELDOUT_SEED_OFFSET, REACH_ID, ReachScene
 
 
 class RolloutError(ValueError):
@@ -119,12 +119,19 @@ class EpisodeResult:
 
 
 def check_drives(model: object, served: list[str]) -> None:
-    """The built-in Reach task is driven as `pusht` (an `image` camera, 2-D state and velocity actions): RolloutError
-    where `model` (a server's address, a checkpoint) does not serve it, rather than a session refused after the
-    warmup naming an embodiment the user never chose."""
-    if "pusht" not in served:
-        raise RolloutError(f"{model} serves {served}, not 'pusht', the embodiment policy-rollout drives the built-in "
-                           "Reach task as (a checkpoint trained on its demonstrations, robots.datagen's)")
+    """The built-in Reach task is driven as `EMBODIMENT` (an `image` camera, 2-D state and velocity actions):
+    RolloutError where `model` (a server's address, a checkpoint) does not serve it, rather than a session refused
+    after the warmup naming an embodiment the user never chose."""
+    if EMBODIMENT not in served:
+        raise RolloutError(f"{model} serves {served}, not {EMBODIMENT!r}, the embodiment policy-rollout drives the "
+                           "built-in Reach task as (a checkpoint trained on its demonstrations, robots.datagen's)")
+
+
+def check_execute(execute: int, delay: int, chunk: int) -> None:
+    """RolloutError where a chunk of `chunk` actions cannot hold the `delay` stale ones and the `execute` run after."""
+    if delay + execute > chunk:
+        flags = f"--delay-steps {delay} and --execute {execute}" if delay else f"--execute {execute}"
+        raise RolloutError(f"{flags}: the chunks hold {chunk} actions")
 
 
 class ServerPolicy:
@@ -163,7 +170,7 @@ class ServerPolicy:
 
     def open(self, instruction: str, seed: int, preview: bool, request_id: str):
         # A simulation asks again as soon as it is answered: a closed loop (rate 0), not a declared rate.
-        return self.client.open_session("pusht", instruction, budget_ms=self.budget_ms, seed=seed, rate_hz=0.0,
+        return self.client.open_session(EMBODIMENT, instruction, budget_ms=self.budget_ms, seed=seed, rate_hz=0.0,
                                         preview=preview, request_id=request_id)
 
     def act(self, session, obs: dict, step: int, want_video: bool = False, committed: np.ndarray | None = None):
@@ -210,7 +217,7 @@ class InProcessPolicy:
         self.engine.wait_ready()
 
     def open(self, instruction: str, seed: int, preview: bool, request_id: str):
-        return self.engine.open_session("pusht", instruction, seed=seed, rate_hz=0.0, preview=preview,
+        return self.engine.open_session(EMBODIMENT, instruction, seed=seed, rate_hz=0.0, preview=preview,
                                         request_id=request_id)
 
     def act(self, session, obs: dict, step: int, want_video: bool = False, committed: np.ndarray | None = None):
@@ -381,9 +388,7 @@ def episodes_as_they_end(policy, env_id: str, indices: Sequence[int], num_envs: 
 
     def take(run: _Running, actions: np.ndarray, stats: TickStats, predicted: np.ndarray | None) -> None:
         """Queue the `execute` actions of a chunk that run."""
-        if delay + execute > len(actions):
-            flags = f"--delay-steps {delay} and --execute {execute}" if delay else f"--execute {execute}"
-            raise RolloutError(f"{flags}: the chunks hold {len(actions)} actions")
+        check_execute(execute, delay, len(actions))
         run.result.ticks.append(stats)
         stale = len(run.actions)
         before = run.actions[-1] if stale else run.last_action  # the action the new chunk's first follows

@@ -309,17 +309,15 @@ def sample_sigmas(n: int, shift: float, generator: torch.Generator) -> torch.Ten
 def check_out_folder(out_dir: Path) -> None:
     """`--out` must be a new or empty folder this process can write: checked before the encoding and the training,
     which take minutes to hours, without making the folder (a run refused later leaves nothing behind)."""
-    if out_dir.exists() and not out_dir.is_dir():
-        raise NotADirectoryError(f"--out {out_dir} is a file; expected a new or empty folder for the pipeline folder "
-                                 "written")
-    if out_dir.exists() and any(out_dir.iterdir()):
+    nearest = next(folder for folder in (out_dir, *out_dir.absolute().parents) if folder.exists())
+    if not nearest.is_dir():
+        where = "" if nearest == out_dir else f": {nearest}"
+        raise NotADirectoryError(f"--out {out_dir}{where} is a file; expected a new or empty folder for the pipeline "
+                                 "folder written")
+    if nearest == out_dir and any(out_dir.iterdir()):
         # Another run's files would be served with these weights (a quality profile of others) or describe them.
         raise FileExistsError(f"--out {out_dir} is not empty; expected a new or empty folder for the pipeline folder "
                               "written (name another, or remove it)")
-    nearest = next(folder for folder in (out_dir, *out_dir.absolute().parents) if folder.exists())
-    if not nearest.is_dir():
-        raise NotADirectoryError(f"--out {out_dir}: {nearest} is a file; expected a new or empty folder for the "
-                                 "pipeline folder written")
     try:
         with tempfile.TemporaryDirectory(dir=nearest):  # what making the folder and its files takes
             pass

@@ -261,7 +261,7 @@ def test_bench_refuses_a_closed_loop_execute_past_the_chunk_before_it_runs(model
     assert bench_main(["--checkpoint", str(model_dir), "--closed-loop", "1", "--execute", "9",
                        "--out", str(tmp_path / "b.json")]) == 2
     err = capsys.readouterr().err
-    assert err == "policy-server bench: --execute 9: pusht's chunks hold 8 actions; expected 1 to 8\n"
+    assert err == "policy-server bench: --execute 9: the chunks hold 8 actions\n"
 
 
 def test_bench_ends_with_the_message_of_a_budget_the_engine_refuses(profiled_checkpoint, tmp_path, monkeypatch,

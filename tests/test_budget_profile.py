@@ -95,7 +95,7 @@ def test_a_bad_profile_names_what_is_wrong(tmp_path, edit, message):
 def test_an_unreadable_profile_names_its_file(tmp_path):
     path = tmp_path / "quality_profile.json"
     for content, fault in ((b"{not json", "not valid JSON"), (b"\x90\xff binary", "byte 0 is not UTF-8"),
-                           (b"[1, 2]", "expected a JSON object .* got an array"),  # not "version 'list'"
+                           (b"[1, 2]", r"expected a JSON object .* got \[1, 2\]"),  # not "version 'list'"
                            (b"null", "expected a JSON object .* got null")):
         path.write_bytes(content)
         with pytest.raises(ProfileError, match=f"quality_profile.json: {fault}"):

@@ -18,6 +18,7 @@ The profile is JSON, keyed by the weights digest: a profile of other weights is 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -177,9 +178,8 @@ class QualityProfile(BaseModel):
         """The profile at `path`, which must be of the weights `digest`; `ProfileError` names what is wrong."""
         data = read_json(path, ProfileError)
         if not isinstance(data, dict):
-            kinds = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
-            kind = kinds.get(type(data), "a number")
-            raise ProfileError(f"{path}: expected a JSON object (`policy-server calibrate` writes one), got {kind}")
+            raise ProfileError(f"{path}: expected a JSON object (`policy-server calibrate` writes one), got "
+                               f"{json.dumps(data)[:40]}")
         if data.get("version") != PROFILE_VERSION:
             raise ProfileError(f"{path}: version {data.get('version')!r}; expected {PROFILE_VERSION} "
                                "(run `policy-server calibrate`)")

@@ -9,7 +9,7 @@ import argparse
 import math
 from pathlib import Path
 
-from policy_server.client.sync_client import uses_tls
+from policy_server.client.sync_client import TARGET_FORM, check_target, uses_tls
 from policy_server.v1.auth_token import read_token_file
 
 MAX_CA_FILE_BYTES = 1 << 20  # a CA bundle is tens of kB
@@ -17,12 +17,16 @@ MAX_SECONDS = 86400.0  # a day; far longer overflows gRPC's deadline, which then
 
 
 def server_address(value: str) -> str:
-    """argparse type: a gRPC target, ``HOST:PORT`` (``[v6]:PORT``) with a port gRPC can dial, or a ``unix:`` path."""
+    """argparse type: a target `PolicyClient` takes (`check_target`) written as ``HOST:PORT`` (``[v6]:PORT``) or a
+    ``unix:`` path."""
     host, _, port = value.rpartition(":")
-    if value.startswith("unix:") and value.removeprefix("unix:").strip():
-        return value
-    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT with a port from 1 to 65535, or unix:PATH; got {value!r}")
+    written = value.removeprefix("unix:").strip() if value.startswith("unix:") else host and port.isdigit()
+    try:
+        check_target(value)
+    except ValueError:
+        written = False
+    if not written:
+        raise argparse.ArgumentTypeError(f"expected {TARGET_FORM}; got {value!r}")
     return value
 
 

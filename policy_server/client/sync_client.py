@@ -86,12 +86,15 @@ RETRY_SERVICE_CONFIG = {
 _OPEN_BACKOFF = Backoff(initial_s=0.1, max_s=2.0, max_attempts=None)
 
 
+TARGET_FORM = "HOST:PORT with a port from 1 to 65535, or unix:PATH"
+
+
 def check_target(target: str) -> None:
     """ValueError for a target gRPC would not dial as written: empty, or a port outside 1..65535 (gRPC dialled
-    127.0.0.1:99999 as port 34463)."""
+    127.0.0.1:99999 as port 34463). Other gRPC target names (dns:///HOST:PORT, a host alone) pass."""
     port = target.rpartition(":")[2]
     if not target.strip() or (not target.startswith("unix:") and port.isdigit() and not 1 <= int(port) <= 65535):
-        raise ValueError(f"target: expected HOST:PORT with a port from 1 to 65535, or unix:PATH; got {target!r}")
+        raise ValueError(f"target: expected {TARGET_FORM}; got {target!r}")
 
 
 def uses_tls(tls: bool, root_certificates: bytes | None, server_name: str | None) -> bool:

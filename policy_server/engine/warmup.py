@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import statistics
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 
 import numpy as np
@@ -314,13 +314,12 @@ class Warmup:
         runs = []
         for _ in range(1 + _BACKGROUND_RUNS):
             stream = ReasonerStream(self.served.pipeline.transformer, ids, max_new_tokens=4)
-            steps = []
-            while not stream.done:
-                started = self.served.clock()
+
+            def step(stream: ReasonerStream = stream) -> bool:
                 stream.step()
-                steps.append(self.served.clock() - started)
-                yield
-            runs.append(steps)
+                return stream.done
+
+            runs.append((yield from self._piece_times(step)))
         return _longest_piece(runs[1:])
 
     def _time_dynamics_pieces(self):
@@ -345,16 +344,21 @@ class Warmup:
             for _ in range(_BACKGROUND_RUNS):
                 job = DynamicsCall(self.served, embodiment, request, on_canvas, decode_frames, None,
                                    self.served.clock(), end=None)  # the warmup's own job ends it
-                pieces, finished = [], False
-                while not finished:
-                    started = self.served.clock()
-                    finished = job.step()
-                    pieces.append(self.served.clock() - started)
-                    yield
+                runs.append((yield from self._piece_times(job.step)))
                 job.result.result()  # a failure fails the warmup
-                runs.append(pieces)
             longest = max(longest, _longest_piece(runs))
         return longest
+
+    def _piece_times(self, step: Callable[[], bool]):
+        """The time (ms) of each piece of one background call, each a worker step: `step()` runs one and says
+        whether the call has ended."""
+        times, ended = [], False
+        while not ended:
+            started = self.served.clock()
+            ended = step()
+            times.append(self.served.clock() - started)
+            yield
+        return times
 
 
 def _longest_piece(runs: list[list[float]]) -> float:

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from policy_server.engine.api import EmbodimentSpec, Engine, InvalidArgument, RateExceeded, ShuttingDown
+from policy_server.engine.api import EmbodimentSpec, Engine, RateExceeded, ShuttingDown
 from policy_server.limits import (
     CONTROL_START_S,
     MAX_FRAME_RATE_HZ,
@@ -52,7 +52,7 @@ from policy_server.limits import (
 )
 from policy_server.rate_limiter import RateLimiter
 from policy_server.server import convert, validate
-from policy_server.server.errors import ServiceError, Undecodable, from_exception, make_error
+from policy_server.server.errors import ServiceError, Undecodable, from_exception, make_error, renamed
 from policy_server.server.metrics import ServerMetrics
 from policy_server.v1 import policy_server_pb2 as pb
 
@@ -343,7 +343,9 @@ class ControlCall:
                 self._hold(frame, early.retry_after_ms / 1e3)
                 continue
             except Exception as exc:  # noqa: BLE001
-                self._emit_error(frame.obs_id, _as_frame_field(exc))
+                # The engine checks the instruction's tokens under an ActRequest's name.
+                self._emit_error(frame.obs_id, renamed(exc, ("observation.instruction",),
+                                                       f"{_FRAME_OBSERVATION}.instruction"))
                 continue
             served_ms = (time.monotonic() - frame.received_s) * 1e3
             self._metrics.observe_tick(result, served_ms, "grpc_stream")
@@ -380,10 +382,3 @@ class ControlCall:
         self._metrics.observe_error(error.reason)
         self._send(pb.ControlEvent(error=pb.ControlError(obs_id=obs_id, error=error.detail)))
 
-
-def _as_frame_field(exc: Exception) -> Exception:
-    """`exc`, naming the frame's instruction where the engine names an ActRequest's (its token count and control
-    tokens are checked there; the byte size here, under the frame's name)."""
-    if isinstance(exc, InvalidArgument) and exc.field == "observation.instruction":
-        return InvalidArgument(f"{_FRAME_OBSERVATION}.instruction", exc.expected, exc.got, reason=exc.reason)
-    return exc

@@ -105,6 +105,14 @@ def from_exception(exc: BaseException) -> ServiceError:
     return make_error("INTERNAL", f"internal server error ({type(exc).__name__}); see the server log")
 
 
+def renamed(exc: BaseException, fields: tuple[str, ...], field: str) -> BaseException:
+    """`exc`, naming `field` where the engine's InvalidArgument names one of `fields`: the engine names the values of
+    an ActRequest, which another message (a Control frame, an openpi observation) carries under other names."""
+    if isinstance(exc, InvalidArgument) and exc.field in fields:
+        return InvalidArgument(field, exc.expected, exc.got, reason=exc.reason)
+    return exc
+
+
 def abort(context: grpc.ServicerContext, error: ServiceError) -> None:
     """End the call with the error's status, message and details (raises)."""
     context.abort_with_status(error.status())

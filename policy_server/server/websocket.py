@@ -73,7 +73,7 @@ from policy_server.rate_limiter import RateLimiter
 from policy_server.server import listen, validate
 from policy_server.server.auth import bearer_token_matches
 from policy_server.server.convert import PROTOCOL_VERSION, tick_to_dict
-from policy_server.server.errors import from_exception
+from policy_server.server.errors import from_exception, renamed
 from policy_server.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -620,7 +620,7 @@ class OpenpiWebsocketServer:
             result = self._engine.act(state.session.session_id, state.session.epoch, observation,
                                       should_abort=lambda: connection.state is not State.OPEN)
         except Exception as exc:  # noqa: BLE001 - answered as a text frame
-            error = from_exception(_as_openpi_field(exc))
+            error = from_exception(renamed(exc, _PROMPT_FIELDS, "prompt"))
             self._metrics.observe_error(error.reason)
             connection.send(f"{error.reason}: {error.detail.message}")
             if error.reason in ("INTERNAL", "SHUTTING_DOWN"):
@@ -683,13 +683,6 @@ class OpenpiWebsocketServer:
                 "frame", "a msgpack map of observation keys", f"a msgpack {type(message).__name__}", reason="BAD_VALUE"
             )
         return message
-
-
-def _as_openpi_field(exc: Exception) -> Exception:
-    """`exc`, naming openpi's `prompt` where the engine names the instruction."""
-    if isinstance(exc, InvalidArgument) and exc.field in _PROMPT_FIELDS:
-        return InvalidArgument("prompt", exc.expected, exc.got, reason=exc.reason)
-    return exc
 
 
 def _undecodable(exc: Exception) -> str:
