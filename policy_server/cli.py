@@ -119,7 +119,13 @@ def build_parser(network: bool = True) -> argparse.ArgumentParser:
 def config_from_args(argv: list[str], environ: Mapping[str, str] = os.environ) -> ServerConfig:
     """Parse flags, read ``--config`` (else ``$POLICY_SERVER_CONFIG``) if given, and validate them merged with the
     ``POLICY_SERVER_*`` settings in ``environ``."""
-    args: dict[str, Any] = vars(build_parser().parse_args(argv))
+    parser = build_parser()
+    namespace, unknown = parser.parse_known_args(argv)
+    if unknown:
+        misplaced = [word for word in unknown if word == "serve" or word in subcommands()]
+        hint = f"; a subcommand comes first: policy-server {misplaced[0]} [flags]" if misplaced else ""
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+    args: dict[str, Any] = vars(namespace)
     config_file = chosen_config_file(args, environ)
     file_values = read_config_file(config_file) if config_file is not None else {}
     return build_config(file_values, args, source=str(config_file) if config_file else "config", environment=environ)

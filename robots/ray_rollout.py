@@ -28,7 +28,7 @@ from ray.experimental import tqdm_ray
 
 from policy_server.client.errors import PolicyServerError
 from policy_server.ray_serve.address import gcs_address
-from robots.rollout import EpisodeResult, RolloutStopped, ServerPolicy, episodes_as_they_end
+from robots.rollout import EpisodeResult, RolloutError, RolloutStopped, ServerPolicy, episodes_as_they_end
 
 # A worker's process that died: its task is not run again (its episodes would run twice), the rollout stops.
 _LOST = (ray.exceptions.WorkerCrashedError, ray.exceptions.OutOfMemoryError, ray.exceptions.NodeDiedError,
@@ -149,8 +149,8 @@ def run_on_ray(make_policy: Callable, env_id: str, indices: Sequence[int], worke
     the cluster at `address` (unset: as `ray.init` finds it, `gcs_address`); the results in the order of
     `indices`, the first `videos` of them recorded; ConnectionError where `address` names no running Ray. Workers
     that stopped part way, failed (building its policy, before any episode, included) or died raise `RolloutStopped`
-    with the first one's cause (a failure or death as `WorkerFailed`) and every worker's ended episodes, once the
-    others have finished; Ctrl-C (KeyboardInterrupt) cancels every worker's task, waits for them to stop, at most
+    with the first one's cause (a failure or death as `WorkerFailed`, a `RolloutError` of its checks as it is) and
+    every worker's ended episodes, once the others have finished; Ctrl-C (KeyboardInterrupt) cancels every worker's task, waits for them to stop, at most
     `CANCEL_GRACE_S` (a second Ctrl-C: no longer), ends those still running and raises `RolloutStopped` with the
     episodes that had ended, every worker's; from then on this process sets RAY_IGNORE_UNHANDLED_ERRORS (Ray would
     log each cancelled task's error, whose episodes come from the mailbox). Sessions a worker left open (ended,
@@ -181,6 +181,8 @@ def run_on_ray(make_policy: Callable, env_id: str, indices: Sequence[int], worke
         except ray.exceptions.RayTaskError as error:
             if isinstance(error.cause, RolloutStopped):  # part way: the episodes it ended came before
                 stops.append(error.cause.cause)
+            elif isinstance(error.cause, RolloutError):  # the options against the model: every worker's, the same
+                stops.append(error.cause)
             else:  # building its policy (a server that never serves, a checkpoint it cannot load), or a bug
                 stops.append(WorkerFailed(f"Ray worker {worker}: {type(error.cause).__name__}: {error.cause}"))
             return

@@ -118,13 +118,16 @@ class EpisodeResult:
     restarts: list[dict] = field(default_factory=list)
 
 
-def check_drives(model: object, served: list[str]) -> None:
+def check_drives(model: object, chunk_sizes: dict[str, int], execute: int, delay: int) -> None:
     """The built-in Reach task is driven as `EMBODIMENT` (an `image` camera, 2-D state and velocity actions):
-    RolloutError where `model` (a server's address, a checkpoint) does not serve it, rather than a session refused
-    after the warmup naming an embodiment the user never chose."""
-    if EMBODIMENT not in served:
-        raise RolloutError(f"{model} serves {served}, not {EMBODIMENT!r}, the embodiment policy-rollout drives the "
-                           "built-in Reach task as (a checkpoint trained on its demonstrations, robots.datagen's)")
+    RolloutError where `model` (a server's address, a checkpoint) does not serve it, or where its chunks (`chunk_sizes`:
+    each served embodiment's default chunk size) cannot hold the `delay` and `execute` actions, rather than a session
+    or a chunk refused after the warmup."""
+    if EMBODIMENT not in chunk_sizes:
+        raise RolloutError(f"{model} serves {list(chunk_sizes)}, not {EMBODIMENT!r}, the embodiment policy-rollout "
+                           "drives the built-in Reach task as (a checkpoint trained on its demonstrations, "
+                           "robots.datagen's)")
+    check_execute(execute, delay, chunk_sizes[EMBODIMENT])
 
 
 def check_execute(execute: int, delay: int, chunk: int) -> None:
@@ -138,8 +141,8 @@ class ServerPolicy:
     """Talks to a running server through the client library."""
 
     def __init__(self, target: str, budget_ms: float | None, token_file: Path | None,
-                 serve_application: str | None, tls: dict):
-        """`tls`: `PolicyClient`'s TLS arguments (`tls_options`)."""
+                 serve_application: str | None, tls: dict, execute: int, delay: int):
+        """`tls`: `PolicyClient`'s TLS arguments (`tls_options`); `execute`, `delay`: as `check_drives` takes them."""
         from policy_server.client import PolicyClient
 
         # A client of the same server, made anywhere: a Ray driver closes the sessions of a worker it ended
@@ -147,6 +150,7 @@ class ServerPolicy:
                                          serve_application=serve_application, **tls)
         self.client = self.connect(timeout_s=60)
         self.model = None  # the served model's pb.ModelInfo, once it serves
+        self.execute, self.delay = execute, delay
         self.wait_until_serving()
         self.budget_ms = budget_ms
 
@@ -161,7 +165,8 @@ class ServerPolicy:
                   "warming up, or nothing listening there)", file=sys.stderr, flush=True)
             self.client.wait_until_serving(timeout_s=SERVING_WAIT_S)
         info = self.client.server_info()
-        check_drives(self.client.target, [embodiment.name for embodiment in info.embodiments])
+        check_drives(self.client.target, {embodiment.name: embodiment.default_chunk_size
+                                          for embodiment in info.embodiments}, self.execute, self.delay)
         model = info.model
         if self.model is not None and model.digest != self.model.digest:
             raise RolloutError(f"{self.client.target} now serves {model.name} ({model.digest}), not the "
@@ -189,7 +194,7 @@ class InProcessPolicy:
     setting ("auto", "off" or a file); a profile holds cached ticks at the checkpoint's own sampler settings."""
 
     def __init__(self, checkpoint: Path | None, budget_ms: float, cache: bool, num_envs: int,
-                 sampler_overrides: dict, quality_profile: str, device: str = "cpu",
+                 sampler_overrides: dict, quality_profile: str, execute: int, delay: int, device: str = "cpu",
                  compile_gen_stack: bool | None = None):
         import torch
 
@@ -202,7 +207,8 @@ class InProcessPolicy:
         if device == "cpu":
             torch.set_num_threads(1)
         pipeline = PolicyPipeline.from_pretrained(checkpoint, device=device, dtype=resolve_dtype("auto", device))
-        check_drives(checkpoint or "the embedded model", pipeline.served_embodiments)  # before the warmup
+        chunk_sizes = {name: pipeline.embodiments.get(name).default_chunk_size for name in pipeline.served_embodiments}
+        check_drives(checkpoint or "the embedded model", chunk_sizes, execute, delay)  # before the warmup
         if sampler_overrides:
             config = PolicyConfig.model_validate({**pipeline.config.model_dump(), **sampler_overrides})
             pipeline = PolicyPipeline(pipeline.transformer, pipeline.vae, pipeline.tokenizer, pipeline.embodiments,
@@ -707,10 +713,11 @@ def main(argv: list[str] | None = None) -> int:
         make_policy = functools.partial(InProcessPolicy, args.checkpoint,
                                         budget or (EngineSettings.default_budget_ms if budgeted else MAX_BUDGET_MS),
                                         not args.no_diffusion_cache, args.num_envs, overrides,
-                                        quality_profile or "off", args.device, args.compile_gen_stack)
+                                        quality_profile or "off", args.execute, args.delay_steps, args.device,
+                                        args.compile_gen_stack)
     else:
         make_policy = functools.partial(ServerPolicy, args.server, budget, args.auth_token_file,
-                                        args.serve_application, tls_options(args))
+                                        args.serve_application, tls_options(args), args.execute, args.delay_steps)
 
     started = time.perf_counter()
     indices = range(args.first_episode, args.first_episode + args.episodes)

@@ -82,14 +82,14 @@ def rollout(*flags: str, stdout=subprocess.PIPE, stderr=subprocess.PIPE) -> subp
 def seeker_in_one_process(marker: Path, token_file: Path):
     """A scripted policy in the first process to call this (the one that creates `marker`); in any other, a client
     with `token_file`, which fails to read it."""
-    from test_rollout import SeekerPolicy
+    from test_rollout import EXECUTE, SeekerPolicy
 
     from robots.rollout import ServerPolicy
 
     try:
         marker.touch(exist_ok=False)
     except FileExistsError:
-        return ServerPolicy(f"127.0.0.1:{PORT}", None, token_file, None, {})
+        return ServerPolicy(f"127.0.0.1:{PORT}", None, token_file, None, {}, EXECUTE, 0)
     return SeekerPolicy()
 
 

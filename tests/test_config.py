@@ -310,6 +310,14 @@ def test_subcommands_dispatch_through_the_entry_point_group(monkeypatch, capsys)
     assert "unknown subcommand 'bnech'; expected one of serve, bench" in capsys.readouterr().err
 
 
+def test_a_subcommand_after_the_flags_is_named_with_where_it_goes(capsys):
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["--port", "50051", "calibrate", "--out", "p.json"])
+    assert stopped.value.code == 2
+    assert ("unrecognized arguments: calibrate --out p.json; a subcommand comes first: policy-server calibrate [flags]"
+            in capsys.readouterr().err)
+
+
 def test_bench_is_installed_as_a_policy_server_command():
     assert cli.subcommands()["bench"].value == "robots.bench:main"
 
@@ -431,14 +439,18 @@ def test_a_warmup_that_fails_stops_the_server_with_one_line_and_exit_1(monkeypat
     assert "policy-server: warmup failed (ValueError('a canvas the VAE cannot encode'))" in capsys.readouterr().err
 
 
-def test_a_device_torch_does_not_have_here_is_one_line_and_exit_2(capsys):
+@pytest.mark.parametrize("given_in", ["flag", "config file"])
+def test_a_device_torch_does_not_have_here_is_one_line_and_exit_2(given_in, tmp_path, capsys):
     import torch
 
     count = torch.cuda.device_count()
-    assert cli.main(["serve", "--port", "0", "--device", f"cuda:{count}"]) == 2  # one past the last, or none
+    path = tmp_path / "server.yaml"
+    path.write_text(f"device: cuda:{count}\n")
+    settings = ["--device", f"cuda:{count}"] if given_in == "flag" else ["--config", str(path)]
+    assert cli.main(["serve", "--port", "0", *settings]) == 2  # one past the last, or none
     expected = f"torch sees {count} CUDA device(s)" if count else "sees no CUDA device here"
     err = capsys.readouterr().err
-    assert f"policy-server: --device cuda:{count}: " in err and expected in err
+    assert f"policy-server: device cuda:{count}: " in err and expected in err  # the setting, not one way to give it
 
 
 def test_every_residual_order_the_config_accepts_is_one_seacache_accepts():

@@ -203,6 +203,21 @@ def test_more_actions_executed_than_a_chunk_holds_end_the_rollout_with_one_line(
     assert code == 2 and capsys.readouterr().err == "policy-rollout: --execute 9: the chunks hold 8 actions\n"
 
 
+def test_an_in_process_rollout_checks_its_execute_and_delay_before_the_warmup(tmp_path, capsys, monkeypatch):
+    """It warmed the engine up (a minute with the compiled stack) before the first chunk showed them too many."""
+    import policy_server.engine.engine
+
+    class NoWarmup:
+        def __init__(self, *args, **kwargs):
+            raise AssertionError("the engine was built: the check came after the warmup")
+
+    monkeypatch.setattr(policy_server.engine.engine, "ModelEngine", NoWarmup)
+    code = main(["--in-process", "--no-compile-gen-stack", "--delay-steps", "2", "--execute", "7", "--episodes", "1",
+                 "--out", str(tmp_path / "rollout.json")])
+    assert code == 2 and capsys.readouterr().err == (
+        "policy-rollout: --delay-steps 2 and --execute 7: the chunks hold 8 actions\n")
+
+
 def test_a_server_or_checkpoint_without_the_tasks_embodiment_ends_the_rollout_with_one_line(tmp_path, capsys):
     """A rollout of a folder trained for another robot warmed the engine up (and calibrated), then ended on
     'embodiment: expected one of ['my_arm'], got 'pusht'', an embodiment the user never named."""
@@ -478,7 +493,7 @@ class KilledPolicy(rollout.ServerPolicy):
     ended before to reach Ray's driver."""
 
     def __init__(self, target: str, dying: int):
-        super().__init__(target, None, None, None, {})
+        super().__init__(target, None, None, None, {}, EXECUTE, 0)
         self.dying_seed, self.dying_ticks = HELDOUT_SEED_OFFSET + dying, 0
         self.seeds: dict[str, int] = {}  # session id -> its seed
 
