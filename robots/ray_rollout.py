@@ -150,11 +150,11 @@ def run_on_ray(make_policy: Callable, env_id: str, indices: Sequence[int], worke
     `indices`, the first `videos` of them recorded; ConnectionError where `address` names no running Ray. Workers
     that stopped part way, failed (building its policy, before any episode, included) or died raise `RolloutStopped`
     with the first one's cause (a failure or death as `WorkerFailed`, a `RolloutError` of its checks as it is) and
-    every worker's ended episodes, once the others have finished; Ctrl-C (KeyboardInterrupt) cancels every worker's task, waits for them to stop, at most
-    `CANCEL_GRACE_S` (a second Ctrl-C: no longer), ends those still running and raises `RolloutStopped` with the
-    episodes that had ended, every worker's; from then on this process sets RAY_IGNORE_UNHANDLED_ERRORS (Ray would
-    log each cancelled task's error, whose episodes come from the mailbox). Sessions a worker left open (ended,
-    dead) are closed on their server (stderr says where that failed)."""
+    every worker's ended episodes, once the others have finished; Ctrl-C (KeyboardInterrupt) cancels every worker's
+    task, waits for them to stop, at most `CANCEL_GRACE_S` (a second Ctrl-C: no longer), ends those still running
+    and raises `RolloutStopped` with the episodes that had ended, every worker's; from then on this process sets
+    RAY_IGNORE_UNHANDLED_ERRORS (Ray would log each cancelled task's error, whose episodes come from the mailbox).
+    Sessions a worker left open (ended, dead) are closed on their server (stderr says where that failed)."""
     if not ray.is_initialized():
         ray.init(address=gcs_address(address))
     parts = [part.tolist() for part in np.array_split(np.asarray(indices), min(workers, len(indices)))]
