@@ -42,8 +42,10 @@ class ActionQueue:
         refill_threshold: float = 0.5,
         start_step: int = 0,
     ) -> None:
-        """refill_threshold: fraction of the last chunk's length; ``needs_refill`` turns True once
-        the steps still buffered are at or below it."""
+        """action_dim: the embodiment's (``ServerInfo``'s ``action.dim``); new_weight: ``weighted``'s share of the
+        newer prediction, in [0, 1]; ensemble_decay: ``temporal_ensemble``'s decay per newer prediction (1/prediction,
+        >= 0); refill_threshold: fraction of the last chunk's length; ``needs_refill`` turns True once the steps
+        still buffered are at or below it; start_step: the ``next_step`` to begin at (a control step)."""
         if action_dim <= 0:
             raise ValueError(f"action_dim must be > 0, got {action_dim}")
         if not 0.0 <= new_weight <= 1.0:
