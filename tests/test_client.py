@@ -67,14 +67,39 @@ def test_upcoming_is_what_pop_will_return_up_to_the_first_gap():
     queue = ActionQueue(action_dim=2, aggregation="average")
     assert queue.upcoming(3).shape == (0, 2)
     queue.merge(chunk([0, 1, 2, 3]), first_step_index=0)
-    queue.merge(chunk([10, 11]), first_step_index=1)  # steps 1 and 2 averaged
-    queue.merge(chunk([7]), first_step_index=6)  # after a gap at steps 4 and 5
-    queue.pop()
-    upcoming = queue.upcoming(5)
-    assert upcoming.dtype == np.float32 and upcoming[:, 0].tolist() == [5.5, 6.5, 3.0]
-    assert [float(queue.pop()[0]) for _ in range(3)] == [5.5, 6.5, 3.0]
+    queue.merge(chunk([10, 11, 12, 13]), first_step_index=6)  # after a gap at step 5
+    queue.merge(chunk([20, 21, 22, 23]), first_step_index=1)  # steps 1 to 3 averaged
+    for _ in range(3):
+        queue.pop()
+    upcoming = queue.upcoming(3)
+    assert upcoming.dtype == np.float32 and upcoming[:, 0].tolist() == [12.5, 23.0]
+    assert [float(queue.pop()[0]) for _ in range(2)] == [12.5, 23.0] and queue.pop() is None
     with pytest.raises(ValueError, match="count must be >= 0"):
         queue.upcoming(-1)
+
+
+def test_upcoming_of_a_chunk_or_more_is_refused_naming_the_chunk_size():
+    # The server takes fewer committed actions than the session's chunk holds: d = 8 of a chunk of 8 came back
+    # from the server as SCHEMA_MISMATCH, a frame later, rather than from the queue at once.
+    queue = ActionQueue(action_dim=2)
+    queue.merge(chunk(range(8)), first_step_index=0)
+    assert queue.upcoming(7).shape == (7, 2)
+    with pytest.raises(ValueError, match=r"count must be below the chunk size, 8 .*got 8"):
+        queue.upcoming(8)
+
+
+@pytest.mark.parametrize(
+    ("actions", "first_step_index", "message"),
+    [(chunk([0.0, np.nan, 0.1]), 0, r"finite, got NaN/Inf in rows \[1\]"),
+     (chunk([0.0, np.inf]), 0, r"finite, got NaN/Inf in rows \[1\]"),
+     (chunk([0.0, 0.1], dim=3), 0, r"actions must be \[K, 2\], got \[2, 3\]"),
+     (chunk([0.0, 0.1]), 2.5, "first_step_index must be an integer, got 2.5")],
+)
+def test_a_chunk_a_robot_could_not_execute_is_refused_at_merge(actions, first_step_index, message):
+    queue = ActionQueue(action_dim=2)
+    with pytest.raises(ValueError, match=message):
+        queue.merge(actions, first_step_index)
+    assert len(queue) == 0 and queue.pop() is None  # nothing of it was queued
 
 
 @pytest.mark.parametrize(
@@ -136,7 +161,12 @@ def test_observation_arguments_protobuf_would_refuse_are_named():
     image = {"image": np.zeros((8, 8, 3), np.uint8)}
     for kwargs, error, words in (({"step_index": -1}, ValueError, "step_index must be an integer in [0, 2^64)"),
                                  ({"instruction": 5}, TypeError, "instruction must be a str (valid Unicode), got int"),
-                                 ({"jpeg_quality": 500}, ValueError, "jpeg_quality: expected 0..100, got 500")):
+                                 ({"jpeg_quality": 500}, ValueError, "jpeg_quality: expected 0..100, got 500"),
+                                 # numpy's own errors named no field, and a complex state lost its imaginary part
+                                 ({"state": "abc"}, ValueError, "state: expected real numbers, got <U3 []"),
+                                 ({"state": [0.1, 0.2j]}, ValueError, "expected real numbers, got complex128 [2]"),
+                                 ({"committed_actions": [[0.1, 0.1], [0.1]]}, ValueError,
+                                  "committed_actions: expected real numbers of one shape, got rows of different")):
         with pytest.raises(error) as err:
             build_observation(image, **kwargs)
         assert words in str(err.value)
@@ -157,6 +187,7 @@ def test_call_arguments_protobuf_would_refuse_are_named_before_anything_is_sent(
             (lambda: c.reason("a\ud800", 4), ValueError, f"prompt {text} Unicode), got 'a\\ud800'"),
             (lambda: c.reason("hi", 4, temperature="0.5"), TypeError, "temperature must be a real number, got str"),
             (lambda: c.forward_dynamics(session, frame, actions, seed=-1), ValueError, f"seed {uint64}, got -1"),
+            (lambda: c.forward_dynamics(session, frame, [["x"]]), ValueError, "actions: expected real numbers, got"),
             (lambda: c.inverse_dynamics(session, video, seed=1.5), TypeError, f"seed {uint64}, got float"),
             (lambda: c.open_session("pusht", "x", seed=-1), ValueError, f"seed {uint64}, got -1"),
             (lambda: c.open_session("pusht", "x", chunk_size=-1), ValueError, f"chunk_size {uint32}, got -1"),

@@ -57,6 +57,7 @@ def stream(client, engine):
     with ControlStream(client, session) as s:
         yield s
     engine.release()
+    client.close_session(s.session)  # the fake engine closes no session unused: its 16 places would run out
 
 
 def send(stream: ControlStream, step: int, **kwargs) -> int:
@@ -178,6 +179,16 @@ def test_next_chunk_after_a_reset_is_the_new_episodes(stream, engine):
     fresh = send(stream, 0)
     chunk = stream.next_chunk()
     assert (chunk.obs_id, chunk.epoch) == (fresh, session.epoch)
+
+
+def test_next_chunk_raises_stale_epoch_where_the_session_was_reset_outside_the_stream(stream, client):
+    # A unary reset is not seen by the stream: each frame after it comes back STALE_EPOCH at the stream's own epoch,
+    # which next_chunk skipped as the last episode's, waiting out its timeout on every frame.
+    client.reset_session(stream.session)
+    send(stream, 0)
+    with pytest.raises(PolicyServerError) as raised:
+        stream.next_chunk(timeout_s=5)
+    assert (raised.value.reason, raised.value.detail.got) == ("STALE_EPOCH", str(stream.session.epoch))
 
 
 def test_bad_frames_get_error_events_and_the_stream_lives_on(stream):
@@ -574,6 +585,29 @@ def test_a_reopened_session_keeps_the_budget_granted_and_the_instruction_the_ser
         event = stream.next_event(timeout_s=20)
         assert event.kind == "reconnected" and event.session_replaced
         assert (event.session.budget_ms, event.session.instruction) == (150.0, "reach the blue square")
+
+
+def test_a_budget_asked_while_disconnected_is_asked_again_once_reconnected():
+    # It went into the lost call's requests: no budget or error event ever answered it, and the reopened session kept
+    # the budget granted before.
+    server = build_server(build_config(overrides={"port": 0}), FakeEngine()).start()
+    port = server.grpc_port
+    with PolicyClient(server.target) as client:
+        session = client.open_session("pusht", "reach the red circle", budget_ms=90)
+        with ControlStream(client, session, backoff=QUICK_RECONNECT) as stream:
+            server.stop(grace_s=0.1)
+            assert stream.next_event(timeout_s=20).kind == "disconnected"
+            stream.set_budget(120.0)
+            stream.set_budget(150.0)  # the last one asked is the one asked again
+            server = build_server(build_config(overrides={"port": port}), FakeEngine()).start()
+            event = stream.next_event(timeout_s=20)
+            assert event.kind == "reconnected" and event.session_replaced and event.session.budget_ms == 90.0
+            event = stream.next_event(timeout_s=5)
+            assert event.kind == "budget" and event.session.budget_ms == 150.0 == stream.session.budget_ms
+            obs_id = send(stream, 0)
+            chunk = stream.next_chunk()
+            assert chunk.obs_id == obs_id and chunk.tick.budget_ms == 150.0
+    server.stop(grace_s=0.1)
 
 
 def test_a_stream_that_gives_up_says_why_and_refuses_what_is_sent_after():

@@ -42,8 +42,10 @@ class ActionQueue:
         refill_threshold: float = 0.5,
         start_step: int = 0,
     ) -> None:
-        """refill_threshold: fraction of the last chunk's length; ``needs_refill`` turns True once
-        the steps still buffered are at or below it."""
+        """action_dim: the embodiment's (``ServerInfo``'s ``action.dim``); new_weight: ``weighted``'s share of the
+        newer prediction, in [0, 1]; ensemble_decay: ``temporal_ensemble``'s decay per newer prediction (1/prediction,
+        >= 0); refill_threshold: fraction of the last chunk's length; ``needs_refill`` turns True once the steps
+        still buffered are at or below it; start_step: the ``next_step`` to begin at (a control step)."""
         if action_dim <= 0:
             raise ValueError(f"action_dim must be > 0, got {action_dim}")
         if not 0.0 <= new_weight <= 1.0:
@@ -79,11 +81,16 @@ class ActionQueue:
         return len(self) <= self.refill_threshold * self._last_chunk_len
 
     def merge(self, actions: np.ndarray, first_step_index: int) -> int:
-        """Add a chunk (float [K, action_dim], ``actions[i]`` for step ``first_step_index + i``).
-        Returns how many leading actions were dropped as stale."""
+        """Add a chunk (float [K, action_dim] in the robot's action units, as `ActionChunk.actions`; ``actions[i]``
+        for step ``first_step_index + i``, an integer). Returns how many leading actions were dropped as stale."""
         actions = np.array(actions, dtype=np.float32)  # a copy: the caller may reuse its array
         if actions.ndim != 2 or actions.shape[1] != self.action_dim:
             raise ValueError(f"actions must be [K, {self.action_dim}], got {list(actions.shape)}")
+        if not np.isfinite(actions).all():  # a robot would execute it
+            rows = sorted({int(row) for row in np.argwhere(~np.isfinite(actions))[:, 0]})
+            raise ValueError(f"actions must be finite, got NaN/Inf in rows {rows}")
+        if not isinstance(first_step_index, int | np.integer):  # 2.5 would never be popped, 2.0 only by chance
+            raise ValueError(f"first_step_index must be an integer, got {first_step_index!r}")
         stale = max(0, min(len(actions), self._next_step - first_step_index))
         for offset in range(stale, len(actions)):
             step = first_step_index + offset
@@ -107,7 +114,8 @@ class ActionQueue:
         return (np.tensordot(weights, np.stack(predictions), axes=1) / weights.sum()).astype(np.float32)
 
     def peek(self, step: int | None = None) -> np.ndarray | None:
-        """The action `pop` would return for ``step`` (default: ``next_step``), without consuming anything."""
+        """The action `pop` would return for ``step`` (default: ``next_step``), float32 [action_dim], or None,
+        without consuming anything."""
         predictions = self._predictions.get(self._next_step if step is None else step)
         return None if predictions is None else self._value(predictions)
 
@@ -115,15 +123,20 @@ class ActionQueue:
         """What ``pop`` returns for the next ``count`` steps, up to the end of the unbroken run: float32
         ``[min(count, len(self)), action_dim]``. Sent as an observation's ``committed_actions`` (captured at
         ``next_step``), ``count`` the steps its answer takes to come, below the session's chunk size (the server
-        takes fewer rows than the chunk), they are what the new chunk starts with."""
+        takes fewer rows than the chunk; here: below the last chunk's length), they are what the new chunk starts
+        with."""
         if count < 0:
             raise ValueError(f"count must be >= 0, got {count}")
+        if self._last_chunk_len and count >= self._last_chunk_len:
+            raise ValueError(f"count must be below the chunk size, {self._last_chunk_len} (the last chunk's): the "
+                             f"server takes fewer committed actions than a chunk holds; got {count}")
         values = [self.peek(self._next_step + i) for i in range(min(count, len(self)))]
         return np.array(values, np.float32).reshape(len(values), self.action_dim)
 
     def pop(self, step: int | None = None) -> np.ndarray | None:
-        """The action for ``step`` (default: ``next_step``), or None if the buffer has none (the
-        robot should hold). Everything before ``step`` is discarded; ``next_step`` becomes step + 1."""
+        """The action for ``step`` (default: ``next_step``), float32 [action_dim] in the chunks' units, or None if
+        the buffer has none (the robot should hold). Everything before ``step`` is discarded; ``next_step`` becomes
+        step + 1."""
         step = self._next_step if step is None else step
         if step < self._next_step:
             raise ValueError(f"step {step} was already executed (next step is {self._next_step})")

@@ -27,8 +27,8 @@ of gRPC's ping answers, which must come back within 5 s: a frame that takes long
 (48 kB of JPEG at 64 kbit/s) loses the connection (``disconnected``, ping timeout) however few are sent.
 Observations sent while disconnected never reach the server (they would be stale by the time a chunk came): the first
 is lost with the connection, each later one is superseded by the next, and the last is dropped when the stream
-reconnects. A reply this
-client cannot read (preview frames, JPEG, without OpenCV) ends the stream: ``closed`` with UNREADABLE_REPLY.
+reconnects; a budget asked meanwhile (`set_budget`), or whose answer the connection lost, is asked again. A reply
+this client cannot read (preview frames, JPEG, without OpenCV) ends the stream: ``closed`` with UNREADABLE_REPLY.
 Once the stream has ended (``closed``, whose error says why, or `close()`), sending raises ``PolicyServerError``
 (that error, else STREAM_CLOSED).
 """
@@ -115,6 +115,11 @@ class ControlStream:
         # ahead of gRPC's ping answers, which have 5 s to come back, and a slow uplink takes seconds for a frame.
         self._on_its_way = 0
         self._waiting: pb.ControlRequest | None = None  # the newest frame, until it may be sent
+        self._resetting = 0  # `reset()` calls under way
+        # The last budget `set_budget` asked while some of its asks are unanswered (no budget or error event yet): a
+        # connection lost before it was answered loses the ask, so the next connection asks it again.
+        self._budget_asked: float | None = None
+        self._budget_unanswered = 0
 
     @property
     def session(self) -> Session:
@@ -145,6 +150,9 @@ class ControlStream:
             self._requests, self._call = requests, call
             self._session = Session.from_proto(first.started)
             self._in_flight, self._on_its_way, self._waiting = set(), 0, None  # the last call's frames are lost
+            if self._budget_unanswered:
+                requests.put(pb.ControlRequest(budget=pb.BudgetUpdate(budget_ms=self._budget_asked)))
+                self._budget_unanswered = 1
 
     def open(self) -> ControlStream:
         """Attach to the session (once: opening an opened stream returns it as it is, so ``with stream.open()``
@@ -184,6 +192,8 @@ class ControlStream:
                         continue
                     if converted.kind == "budget":
                         self._keep(converted.session)
+                    if converted.kind == "budget" or (converted.kind == "error" and not converted.obs_id):
+                        self._budget_answered()  # an error about no frame answers a budget: nothing else asks one
                     self._answered(converted)
                     self._events.put(converted)
                 self._end(None)
@@ -224,6 +234,10 @@ class ControlStream:
             # Frames are acted on in order: one sent before the answered frame and still here never will be.
             for obs_id in [o for o in self._sent_instructions if o <= event.obs_id]:
                 del self._sent_instructions[obs_id]
+
+    def _budget_answered(self) -> None:
+        with self._lock:
+            self._budget_unanswered = max(0, self._budget_unanswered - 1)
 
     def _received(self, obs_id: int) -> None:
         """The server has read frame ``obs_id`` (its receipt came): the next frame may go."""
@@ -465,11 +479,18 @@ class ControlStream:
         return obs_id
 
     def set_budget(self, budget_ms: float) -> None:
-        """Ask for a new per-tick budget; answered by a ``budget`` (or ``error``) event."""
-        self._put(pb.ControlRequest(budget=pb.BudgetUpdate(budget_ms=budget_ms)))
+        """Ask for a new per-tick budget; answered by a ``budget`` (or ``error``) event. Asked while the stream is
+        disconnected, or lost with the connection before its answer came, it is asked again once reconnected (after
+        ``reconnected``), the last one asked only."""
+        with self._lock:
+            self._check_sendable()
+            self._requests.put(pb.ControlRequest(budget=pb.BudgetUpdate(budget_ms=budget_ms)))
+            self._budget_asked = budget_ms
+            self._budget_unanswered += 1
 
     def ping(self) -> None:
-        """Ask for a ``pong`` event carrying this call's ``time.monotonic_ns()`` (its round trip)."""
+        """Ask for a ``pong`` event carrying this call's ``time.monotonic_ns()`` (its round trip); one sent while the
+        stream is disconnected is lost with the connection."""
         self._put(pb.ControlRequest(ping=pb.Ping(client_time_ns=time.monotonic_ns())))
 
     def reset(self) -> Session:
@@ -477,7 +498,13 @@ class ControlStream:
         STALE_EPOCH. A blocking ``ResetSession`` call, within the client's timeout (`PolicyServerError` if it
         fails). Chunks that arrived before it may still wait in `next_event`'s queue (`next_chunk` skips them):
         skip those whose ``epoch`` or ``session_id`` is not ``stream.session``'s."""
-        self._keep(self._client.reset_session(self._session))
+        with self._lock:
+            self._resetting += 1  # a frame's STALE_EPOCH may come before its answer: `next_chunk` skips it
+        try:
+            self._keep(self._client.reset_session(self._session))
+        finally:
+            with self._lock:
+                self._resetting -= 1
         return self._session
 
     # -- receiving -----------------------------------------------------------------------------
@@ -492,7 +519,9 @@ class ControlStream:
     def next_chunk(self, timeout_s: float = 5.0) -> ActionChunk:
         """The next chunk of the stream's session at its current epoch; raises PolicyServerError on an error event,
         skips other events. What a reset or a reopened session left stale is skipped too: chunks of the episode
-        before, and the STALE_EPOCH errors of frames sent in it (a robot must not act on the last episode)."""
+        before, and the STALE_EPOCH errors of frames sent in it (a robot must not act on the last episode). A frame
+        sent at the stream's epoch that comes back STALE_EPOCH raises it: the session was reset elsewhere (a unary
+        `PolicyClient.reset_session`, which the stream does not see), so every frame after it would be stale too."""
         end = time.monotonic() + timeout_s
         while True:
             event = self.next_event(max(0.0, end - time.monotonic()))
@@ -500,10 +529,19 @@ class ControlStream:
             if event.kind == "chunk" and (event.chunk.session_id, event.chunk.epoch) == (current.session_id,
                                                                                          current.epoch):
                 return event.chunk
-            if event.kind == "error" and event.error.reason != "STALE_EPOCH":
+            if event.kind == "error" and not self._left_stale(event.error):
                 raise event.error
             if event.kind == "closed":
                 raise event.error or _stream_closed()
+
+    def _left_stale(self, error: PolicyServerError) -> bool:
+        """Whether ``error`` is the STALE_EPOCH of a frame sent before this stream's own reset (or during one). A
+        frame sent at the stream's epoch is stale because the session was reset elsewhere (``client.reset_session``):
+        every frame after it would be too, so `next_chunk` raises that rather than wait out its timeout."""
+        if error.reason != "STALE_EPOCH":
+            return False
+        with self._lock:  # read with the epoch a reset that has just ended left
+            return self._resetting > 0 or int(error.detail.got) < self._session.epoch
 
 
 def _stream_closed() -> PolicyServerError:

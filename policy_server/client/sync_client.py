@@ -449,7 +449,7 @@ class PolicyClient:
         request = pb.ForwardDynamicsRequest(
             session_id=session.session_id, epoch=session.epoch,
             observation=build_observation(images, state, instruction, step_index, encoding, jpeg_quality),
-            actions=floats_to_proto(actions),
+            actions=floats_to_proto(actions, "actions"),
         )
         if seed is not None:
             request.seed = seed

@@ -155,9 +155,9 @@ def build_observation(
     for name, image in images.items():
         msg.images[name].CopyFrom(encode_image(image, encoding, jpeg_quality, field=f"images[{name}]"))
     if state is not None:
-        msg.state.CopyFrom(floats_to_proto(state))
+        msg.state.CopyFrom(floats_to_proto(state, "state"))
     if committed_actions is not None:
-        msg.committed_actions.CopyFrom(floats_to_proto(committed_actions))
+        msg.committed_actions.CopyFrom(floats_to_proto(committed_actions, "committed_actions"))
     return msg
 
 
@@ -185,10 +185,17 @@ def check_args(message_type: type[Message], **args) -> None:
             raise ValueError(f"{name} must be {expected}, got {reprlib.repr(value)}") from None
 
 
-def floats_to_proto(values: np.ndarray) -> pb.Tensor:
+def floats_to_proto(values: np.ndarray, field: str) -> pb.Tensor:
     """A state or action array: float64 stays float64, anything else is sent as float32 (a float64 value float32
-    cannot hold must reach the server as it is, to be refused as out of range, not turn into inf on the way)."""
-    values = np.asarray(values)
+    cannot hold must reach the server as it is, to be refused as out of range, not turn into inf on the way).
+    ValueError naming ``field`` for what is not real numbers of one shape (numpy's own error names no field; a
+    complex value would lose its imaginary part)."""
+    try:
+        values = np.asarray(values)
+    except ValueError:  # rows of different lengths
+        raise ValueError(f"{field}: expected real numbers of one shape, got rows of different lengths") from None
+    if values.dtype.kind not in "biuf":
+        raise ValueError(f"{field}: expected real numbers, got {values.dtype} {list(values.shape)}")
     return tensor_to_proto(values if values.dtype == np.float64 else values.astype(np.float32))
 
 
@@ -226,7 +233,7 @@ def build_inverse_dynamics(
         msg.videos[name].frames.extend(encode_image(frame, encoding, jpeg_quality, field=f"videos[{name}][{i}]")
                                        for i, frame in enumerate(frames))
     if state is not None:
-        msg.state.CopyFrom(floats_to_proto(state))
+        msg.state.CopyFrom(floats_to_proto(state, "state"))
     if seed is not None:
         msg.seed = seed
     return msg
