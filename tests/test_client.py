@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pickle
 import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -496,6 +497,15 @@ def test_health_probe_command():
             client.wait_until_serving(timeout_s=10)
         ready = subprocess.run(probe, cwd=REPO, capture_output=True, text=True, timeout=60)
         assert (ready.returncode, ready.stdout.strip()) == (0, "SERVING")
+
+
+def test_info_piped_into_a_reader_that_stops_early_ends_without_a_traceback():
+    with serve_fake(FakeEngine()) as server:
+        # `true` has exited long before the client has its answer to print (its imports alone take longer)
+        probe = f"{shlex.quote(sys.executable)} -m policy_server.client info --server {server.target} | true"
+        done = subprocess.run(["bash", "-c", f"set -o pipefail; {probe}"], cwd=REPO, capture_output=True, text=True,
+                              timeout=60)
+    assert (done.returncode, done.stderr) == (1, "")  # was BrokenPipeError's traceback
 
 
 def test_client_loads_no_server_engine_torch_or_cv2():

@@ -29,7 +29,7 @@ from grpc_status import rpc_status
 from prometheus_client.parser import text_string_to_metric_families
 from video_checks import assert_browser_playable
 
-from policy_server.client import Backoff, ControlStream, PolicyClient, PolicyServerError, build_observation
+from policy_server.client import Backoff, ControlStream, PolicyClient, PolicyServerError, build_observation, streaming
 from policy_server.client.__main__ import main as client_main
 from policy_server.limits import MAX_CLIENT_NAME_CHARS
 from policy_server.v1 import policy_server_pb2 as pb
@@ -182,7 +182,7 @@ def test_a_control_frames_bad_instruction_is_named_by_the_frames_field_and_the_s
     server.close_session(session)
 
 
-def test_a_session_takes_one_control_stream_at_a_time(server):
+def test_a_session_takes_one_control_stream_at_a_time(server, monkeypatch):
     # Each stream holds server threads while it lasts: one session's streams must not take the calls' thread pool.
     session = server.open_session("pusht", "one stream")
     with ControlStream(server, session) as stream:
@@ -192,6 +192,19 @@ def test_a_session_takes_one_control_stream_at_a_time(server):
         assert refused.value.retry_after_ms > 0
         stream.send({"image": _image()}, STATE, must_answer=True, encoding="png")  # the first one lives on
         assert stream.next_chunk(timeout_s=60).actions.shape == (8, 2)
+        # A stream that is not going away: no two minutes of the reconnecting backoff's tries, as for a restart.
+        monkeypatch.setattr(streaming, "ATTACHED_WAIT_S", 0.0)
+        tries, connect = [], ControlStream._connect
+
+        def counted(stream):
+            tries.append(stream)
+            connect(stream)
+
+        monkeypatch.setattr(ControlStream, "_connect", counted)
+        with pytest.raises(PolicyServerError) as refused:
+            ControlStream(server, session).open()
+        assert (refused.value.reason, len(tries)) == ("STREAM_ATTACHED", 1)
+        monkeypatch.undo()
     with ControlStream(server, session) as again:  # once it ended, a stream may attach
         again.send({"image": _image()}, STATE, must_answer=True, encoding="png")
         assert again.next_chunk(timeout_s=60).actions.shape == (8, 2)

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from google.protobuf import json_format
@@ -48,11 +49,14 @@ def main(argv: list[str] | None = None) -> int:
             print(status)
             return 0 if status == "SERVING" else 1
         info = client.server_info(budget_ms=args.budget_ms, rate_hz=args.rate_hz)
-        print(json_format.MessageToJson(info, always_print_fields_with_no_presence=True))  # 0 sessions fit, too
+        print(json_format.MessageToJson(info, always_print_fields_with_no_presence=True), flush=True)  # 0 fit, too
         return 0
     except PolicyServerError as exc:
         print(exc, file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `info | head` read what it wanted: no traceback, and none at exit's flush either
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     finally:
         client.close()
 

@@ -60,6 +60,9 @@ log = logging.getLogger(__name__)
 _CLOSE = object()
 # Reconnection tries for about two minutes: through a server's restart, its warmup included.
 RECONNECT_BACKOFF = Backoff(max_attempts=60)
+# A session's stream whose connection dropped without a word holds the session until gRPC keepalive ends it, within
+# 15 s: a session still taken after this long (STREAM_ATTACHED) has a live stream, another caller's, and `open` says so.
+ATTACHED_WAIT_S = 20.0
 # Observation frames sent and not yet answered: one the model works on, one waiting for it on the server and one on
 # its way, which supersedes the waiting one on arrival (the server keeps the newest: the client need not hold it back).
 MAX_FRAMES_IN_FLIGHT = 3
@@ -157,18 +160,19 @@ class ControlStream:
     def open(self) -> ControlStream:
         """Attach to the session (once: opening an opened stream returns it as it is, so ``with stream.open()``
         holds one call). A refusal that says when to retry (streams opened all at once may find no place left for
-        those still to send their start) is tried again with the backoff; any other error, or the last refusal,
-        raises ``PolicyServerError``."""
+        those still to send their start) is tried again with the backoff, a session another stream holds for
+        `ATTACHED_WAIT_S`; any other error, or the last refusal, raises ``PolicyServerError``."""
         if self._reader is not None:
             return self
-        delays = self._backoff.delays()
+        delays, attached_until = self._backoff.delays(), time.monotonic() + ATTACHED_WAIT_S
         while True:
             try:
                 self._connect()
                 break
             except PolicyServerError as exc:
                 delay = next(delays, None)
-                if not _passing(exc) or delay is None:
+                held = exc.reason == "STREAM_ATTACHED" and time.monotonic() >= attached_until
+                if not _passing(exc) or delay is None or held:
                     raise
                 time.sleep(max(delay, exc.retry_after_ms / 1e3))
         self._reader = threading.Thread(target=self._read_events, daemon=True, name="control-events")
