@@ -415,6 +415,9 @@ def test_reset_starts_a_new_episode(server):
             ws.send(msgpack_numpy.packb(openpi_observation()))
             reply = msgpack_numpy.unpackb(ws.recv())
             assert (reply["epoch"], reply["first_step_index"]) == (1, step)  # counted for a client that sends none
+        for not_a_flag in (1, "true"):  # read as an observation, they were refused for its missing frame
+            ws.send(msgpack_numpy.packb({"reset": not_a_flag}))
+            assert ws.recv() == f"BAD_VALUE: reset: expected true (a new episode) or false, got {not_a_flag!r}"
         ws.send(msgpack_numpy.packb({"reset": True}))
         assert msgpack_numpy.unpackb(ws.recv()) == {"reset": True, "epoch": 2}
         ws.send(msgpack_numpy.packb(openpi_observation()))

@@ -603,6 +603,9 @@ class OpenpiWebsocketServer:
             if isinstance(raw, str):
                 raise InvalidArgument("frame", "a binary msgpack frame", "a text frame", reason="BAD_VALUE")
             message = self._decode(raw)
+            if not isinstance(message.get("reset", False), bool):  # 1 or "true" would be read as an observation
+                raise InvalidArgument("reset", "true (a new episode) or false", repr(message["reset"]),
+                                      reason="BAD_VALUE")
             if message.get("reset") is True:
                 if state.session is not None:
                     state.session = self._engine.reset_session(state.session.session_id)
