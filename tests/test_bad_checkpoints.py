@@ -324,6 +324,16 @@ BROKEN_DIFFUSERS = {
     "raw_action_dim_a_string": (
         _writing("embodiments.json", '{"embodiments": [{"name": "pusht", "raw_action_dim": "2"}]}'),
         "embodiments.json: embodiments[0] ('pusht').raw_action_dim: Input should be a valid integer"),
+    "stats_of_a_negative_std": (  # was served, that channel's actions and state of the flipped sign
+        lambda root: [_writing("stats.json", json.dumps({"action": {"mean": [0.0, 0.0], "std": [0.5, -0.5]}}))(root),
+                      _writing("embodiments.json", json.dumps({"embodiments": [{"name": "pusht", "normalization": {
+                          "method": "meanstd", "stats_path": "stats.json"}}]}))(root)],
+        "stats.json: feature 'action' has channels with a negative std (meanstd): [1]; expected standard deviations, "
+        "0 or more"),
+    "guidance_interval_reversed": (  # was served, guidance never running (no timestep inside)
+        _writing("policy.json", '{"guidance": 3.0, "guidance_interval": [1001, 960]}'),
+        "policy.json: guidance_interval: Value error, [1001.0, 960.0] holds no timestep; expected [lo, hi] with lo < "
+        "hi (CFG runs while lo < sigma * 1000 < hi)"),
     "stats_path_not_a_path": (
         _writing("embodiments.json",
                  '{"embodiments": [{"name": "pusht", "normalization": {"method": "minmax", "stats_path": 5}}]}'),
