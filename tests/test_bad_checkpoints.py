@@ -118,6 +118,11 @@ BROKEN = {
             {"name": "pusht", "camera_sizes": {"image": [4, 64]}}]),
         "embodiments.json: pusht's camera_sizes: camera 'image' is 4x64 px; expected sides of 8 to 2048 px (8: the "
         "VAE's spatial compression, the smallest frame side the server takes)"),
+    **{f"camera_size_{'x'.join(map(str, size))}": (  # "camera_sizes.image.1: Field required", of [64]
+        lambda root, size=size: _edit_json(root / "embodiments.json", embodiments=[
+            {"name": "pusht", "camera_sizes": {"image": size}}]),
+        f"embodiments.json: embodiments[0] ('pusht').camera_sizes: Value error, camera 'image' is {size}; expected "
+        "[height, width], two integers (px)") for size in ([64], [64, 64, 3])},
     "camera_too_wide_beside_the_tallest": (
         lambda root: _edit_json(root / "embodiments.json", embodiments=[
             {"name": "pusht", "cameras": ["scene", "wrist"], "camera_sizes": {"scene": [512, 512], "wrist": [8, 64]}}]),
