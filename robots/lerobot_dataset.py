@@ -16,10 +16,11 @@ of LeRobot's releases before 0.4.0, and "v2.0", which differs only in its statis
 Per-frame columns: ``observation.state`` float32 [2] (effector xy, m), ``action`` float32 [2] (effector velocity,
 m/s), ``timestamp`` float32 (s in the episode), ``frame_index``, ``episode_index``, ``index`` (over the dataset),
 ``task_index``; the camera frame ``observation.images.image`` [64, 64, 3] lies in the video at ``from_timestamp +
-timestamp``. The reader takes a dataset recorded with LeRobot too: any state and action widths, every
-``observation.images.<camera>`` feature (their frames put side by side, in the order info.json lists them, as
-the server's conditioning does), stored as video or as images (dtype "image": each frame's PNG bytes in its data
-row), and no seed/target_color/success columns. LeRobot pairs every frame with an action,
+timestamp``. The reader takes a dataset recorded with LeRobot too: any state and action widths, every feature of
+dtype "video" or "image" as a camera, as LeRobot does (``observation.images.<camera>`` named <camera>, another key
+less its ``observation.``; their frames put side by side, in the order info.json lists them, as the server's
+conditioning does), stored as video or as images (dtype "image": each frame's PNG bytes in its data row, 8 bits a
+channel), and no seed/target_color/success columns. LeRobot pairs every frame with an action,
 so an episode of T actions is T+1 rows: the last row, the final observation, carries the action that holds the robot
 there (this task's zero velocity; a recorded arm's last target), which reading keeps apart, the episode's
 ``hold_action``. As LeRobot's writer does, an episode starts the next data file once the current
@@ -300,11 +301,13 @@ class LeRobotDemoDataset:
             if found is None or found.get("dtype") not in VECTOR_DTYPES or not _is_width(found.get("shape")):
                 raise DatasetError(f"{info_path}: feature {key!r} is {found}; expected dtype "
                                    f"{' or '.join(VECTOR_DTYPES)} with a 1-d shape (features here: {sorted(features)})")
-        # The cameras, in info.json's order: the order their frames are put side by side, and the served one.
-        self.camera_keys = [key for key in features if key.startswith(CAMERA_PREFIX)]
+        # The cameras, in info.json's order: the order their frames are put side by side, and the served one. As
+        # LeRobot's camera_keys, every feature of a camera's dtype, whatever its key (pusht's "observation.image").
+        self.camera_keys = [key for key in features
+                            if key.startswith(CAMERA_PREFIX) or features[key].get("dtype") in CAMERA_DTYPES]
         if not self.camera_keys:
-            raise DatasetError(f"{info_path}: no camera; expected a feature {CAMERA_PREFIX}<camera> of dtype 'video' "
-                               f"or 'image' (features here: {sorted(features)})")
+            raise DatasetError(f"{info_path}: no camera; expected a feature of dtype 'video' or 'image' "
+                               f"({CAMERA_PREFIX}<camera>) (features here: {sorted(features)})")
         if unknown := [key for key in self.camera_keys if features[key].get("dtype") not in CAMERA_DTYPES]:
             raise DatasetError(f"{info_path}: cameras {unknown} have dtype {features[unknown[0]].get('dtype')!r}; "
                                f"expected one of {list(CAMERA_DTYPES)}")
@@ -322,8 +325,12 @@ class LeRobotDemoDataset:
                                "(episodes a chunk folder holds)")
         if not (isinstance(self.info["total_episodes"], int) and self.info["total_episodes"] >= 0):
             raise DatasetError(f"{info_path}: total_episodes {self.info['total_episodes']!r}; expected a count")
-        self.cameras = [key.removeprefix(CAMERA_PREFIX) for key in self.camera_keys]
-        self.camera_sizes = {key.removeprefix(CAMERA_PREFIX): size for key, size in sizes.items()}
+        self.camera_names = {key: camera_name(key) for key in self.camera_keys}
+        if len(set(self.camera_names.values())) < len(self.camera_keys):
+            raise DatasetError(f"{info_path}: cameras {self.camera_keys} are named {list(self.camera_names.values())}; "
+                               "expected distinct names (a key less its observation.images. or observation. prefix)")
+        self.cameras = list(self.camera_names.values())
+        self.camera_sizes = {self.camera_names[key]: size for key, size in sizes.items()}
         self.fps = fps
         self.robot_type = self.info.get("robot_type")
         self.dims = {key: features[key]["shape"][0] for key in (STATE_KEY, ACTION_KEY)}
@@ -486,7 +493,7 @@ class LeRobotDemoDataset:
             frames = read_frames(video, start, row["length"], self.fps)
         except ValueError as error:
             raise DatasetError(f"episode {index} ({row['length']} frames in {self.index_name}): {error}") from None
-        if (size := frames.shape[1:3]) != (expected := self.camera_sizes[key.removeprefix(CAMERA_PREFIX)]):
+        if (size := frames.shape[1:3]) != (expected := self.camera_sizes[self.camera_names[key]]):
             raise DatasetError(f"{video}: episode {index}'s frames of {key} are {size[0]}x{size[1]} px; expected "
                                f"{expected[0]}x{expected[1]} (its shape in info.json)")
         return frames
@@ -494,6 +501,12 @@ class LeRobotDemoDataset:
     def __iter__(self):
         for index in range(len(self)):
             yield self[index]
+
+
+def camera_name(key: str) -> str:
+    """The served name of the camera feature ``key``: ``observation.images.<camera>``'s <camera>, else the key less an
+    ``observation.`` prefix (pusht's ``observation.image``: ``image``)."""
+    return key.removeprefix(CAMERA_PREFIX) if key.startswith(CAMERA_PREFIX) else key.removeprefix("observation.")
 
 
 def _camera_size(info_path: Path, key: str, feature: dict) -> tuple[int, int]:
@@ -522,6 +535,9 @@ def _decode_images(path: Path, column: pa.ChunkedArray, key: str, size: tuple[in
             raise DatasetError(f"{where} holds no image bytes; expected the image itself (PNG), not only a path")
         try:
             with Image.open(io.BytesIO(encoded)) as image:
+                if image.mode in ("I", "F") or image.mode.startswith("I;"):  # PIL's RGB of them clips at 255
+                    raise DatasetError(f"{where} is a {image.mode} image (PIL's mode: 16 or 32 bits a pixel); "
+                                       "expected 8 bits a channel (RGB, RGBA, L or P), as LeRobot records frames")
                 if (image_hw := image.size[::-1]) != size:  # PIL's size is (width, height)
                     raise DatasetError(f"{where} is {image_hw[0]}x{image_hw[1]} px; expected "
                                        f"{size[0]}x{size[1]} (its shape in info.json)")

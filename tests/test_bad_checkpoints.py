@@ -118,6 +118,11 @@ BROKEN = {
             {"name": "pusht", "camera_sizes": {"image": [4, 64]}}]),
         "embodiments.json: pusht's camera_sizes: camera 'image' is 4x64 px; expected sides of 8 to 2048 px (8: the "
         "VAE's spatial compression, the smallest frame side the server takes)"),
+    **{f"camera_size_{'x'.join(map(str, size))}": (  # "camera_sizes.image.1: Field required", of [64]
+        lambda root, size=size: _edit_json(root / "embodiments.json", embodiments=[
+            {"name": "pusht", "camera_sizes": {"image": size}}]),
+        f"embodiments.json: embodiments[0] ('pusht').camera_sizes: Value error, camera 'image' is {size}; expected "
+        "[height, width], two integers (px)") for size in ([64], [64, 64, 3])},
     "camera_too_wide_beside_the_tallest": (
         lambda root: _edit_json(root / "embodiments.json", embodiments=[
             {"name": "pusht", "cameras": ["scene", "wrist"], "camera_sizes": {"scene": [512, 512], "wrist": [8, 64]}}]),
@@ -324,6 +329,16 @@ BROKEN_DIFFUSERS = {
     "raw_action_dim_a_string": (
         _writing("embodiments.json", '{"embodiments": [{"name": "pusht", "raw_action_dim": "2"}]}'),
         "embodiments.json: embodiments[0] ('pusht').raw_action_dim: Input should be a valid integer"),
+    "stats_of_a_negative_std": (  # was served, that channel's actions and state of the flipped sign
+        lambda root: [_writing("stats.json", json.dumps({"action": {"mean": [0.0, 0.0], "std": [0.5, -0.5]}}))(root),
+                      _writing("embodiments.json", json.dumps({"embodiments": [{"name": "pusht", "normalization": {
+                          "method": "meanstd", "stats_path": "stats.json"}}]}))(root)],
+        "stats.json: feature 'action' has channels with a negative std (meanstd): [1]; expected standard deviations, "
+        "0 or more"),
+    "guidance_interval_reversed": (  # was served, guidance never running (no timestep inside)
+        _writing("policy.json", '{"guidance": 3.0, "guidance_interval": [1001, 960]}'),
+        "policy.json: guidance_interval: Value error, [1001.0, 960.0] holds no timestep; expected [lo, hi] with lo < "
+        "hi (CFG runs while lo < sigma * 1000 < hi)"),
     "stats_path_not_a_path": (
         _writing("embodiments.json",
                  '{"embodiments": [{"name": "pusht", "normalization": {"method": "minmax", "stats_path": 5}}]}'),

@@ -236,12 +236,13 @@ def test_cli_refuses_demonstrations_recorded_at_another_rate(tmp_path, capsys):
 
 
 def _arm_dataset(folder, state_dim=3, action_dim=5, fps=15, version="v3.0", images=(), wrist=(16, 24), episodes=2,
-                 length=5, scene=(32, 32)):
+                 length=5, scene=(32, 32), scene_key="observation.images.scene"):
     """A tiny LeRobot dataset as LeRobot records another robot: `episodes` (2) episodes of `length` (5) frames, two
     cameras of unequal size (scene `scene`: 32x32, wrist `wrist`: 16x24), `state_dim`-D state, `action_dim`-D action,
-    `fps`; none of robots.datagen's own columns. `version` "v3.0" (one data file, one video a camera) or "v2.1"
-    (meta/episodes.jsonl, a data file per episode, a video per episode and camera); the cameras in `images` are stored
-    as PNG bytes in the rows (dtype "image"), not as videos. Every layout holds the same frames, states and actions."""
+    `fps`; none of robots.datagen's own columns; the scene camera's feature `scene_key`. `version` "v3.0" (one data
+    file, one video a camera) or "v2.1" (meta/episodes.jsonl, a data file per episode, a video per episode and
+    camera); the cameras in `images` are stored as PNG bytes in the rows (dtype "image"), not as videos. Every layout
+    holds the same frames, states and actions."""
     import io
 
     import pyarrow as pa
@@ -250,7 +251,7 @@ def _arm_dataset(folder, state_dim=3, action_dim=5, fps=15, version="v3.0", imag
 
     from robots.video import H264Writer
 
-    cameras = {"observation.images.scene": scene, "observation.images.wrist": wrist}
+    cameras = {scene_key: scene, "observation.images.wrist": wrist}
     rng, task = np.random.default_rng(0), "stack the cups"
     frames = {key: rng.integers(0, 256, (episodes, length, h, w, 3), dtype=np.uint8)
               for key, (h, w) in cameras.items()}
@@ -626,3 +627,42 @@ def test_a_state_and_action_of_float64_read(tmp_path):
     for a, b in zip(as_float32, LeRobotDemoDataset(folder), strict=True):
         for field in ("states", "actions", "hold_action"):
             np.testing.assert_array_equal(getattr(a, field), getattr(b, field))
+
+
+def test_a_camera_keyed_otherwise_is_a_camera_as_lerobot_reads_it(tmp_path):
+    """LeRobot takes every feature of dtype video or image as a camera, whatever its key (lerobot/pusht's
+    "observation.image"): such a camera was dropped, and the robot trained and served on its other cameras alone."""
+    keyed = LeRobotDemoDataset(_arm_dataset(tmp_path / "image", version="v2.1", scene_key="observation.image"))
+    assert (keyed.cameras, keyed.camera_sizes) == (["image", "wrist"], {"image": (32, 32), "wrist": (16, 24)})
+    for a, b in zip(LeRobotDemoDataset(_arm_dataset(tmp_path / "scene", version="v2.1")), keyed, strict=True):
+        np.testing.assert_array_equal(a.frames, b.frames)
+    folder = _arm_dataset(tmp_path / "both", scene_key="observation.images.wrist.rgb")
+    _edit_json("meta/info.json", lambda i: i["features"].update({"observation.wrist.rgb": {
+        "dtype": "video", "shape": [16, 24, 3]}}))(folder)
+    with pytest.raises(DatasetError, match=re.escape(
+            "cameras ['observation.images.wrist.rgb', 'observation.images.wrist', 'observation.wrist.rgb'] are named "
+            "['wrist.rgb', 'wrist', 'wrist.rgb']; expected distinct names")):
+        LeRobotDemoDataset(folder)
+
+
+def test_an_image_of_more_than_8_bits_is_named(tmp_path):
+    """A 16-bit PNG (a camera recorded at 16 bits, a depth image) decoded to frames of 255 wherever its pixel was over
+    255, PIL's RGB of it, and trained on them."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    folder = _arm_dataset(tmp_path / "arm", images=("observation.images.wrist",))
+    path = folder / "data/chunk-000/file-000.parquet"
+    table = pq.read_table(path)
+    rows = table.to_pylist()
+    png = io.BytesIO()
+    Image.fromarray(np.full((16, 24), 1000, np.uint16)).save(png, format="PNG")
+    rows[1]["observation.images.wrist"]["bytes"] = png.getvalue()
+    pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), path)
+    with pytest.raises(DatasetError, match=re.escape(
+            "file-000.parquet: frame 1 of 'observation.images.wrist' is a I;16 image (PIL's mode: 16 or 32 bits a "
+            "pixel); expected 8 bits a channel (RGB, RGBA, L or P), as LeRobot records frames")):
+        list(LeRobotDemoDataset(folder))

@@ -29,7 +29,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictFloat,
+    StrictInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from policy_server.json_file import read_json
 from policy_server.pipeline.errors import InvalidActions, InvalidChunkSize, InvalidState, UnregisteredEmbodiment
@@ -122,6 +131,15 @@ class Embodiment(BaseModel):
             if isinstance(dim, int) and not data.get(f"{kind}_names"):
                 data[f"{kind}_names"] = tuple(f"{prefix}{i}" for i in range(dim))
         return data
+
+    @field_validator("camera_sizes", mode="before")
+    @classmethod
+    def _sizes_are_pairs(cls, value: Any) -> Any:
+        """Each size as a pair of integers: pydantic would say "camera_sizes.scene.1: Field required" of [480]."""
+        for name, size in value.items() if isinstance(value, dict) else ():
+            if not (isinstance(size, list | tuple) and len(size) == 2):  # the numbers' type: the field's check
+                raise ValueError(f"camera {name!r} is {size!r}; expected [height, width], two integers (px)")
+        return value
 
     @model_validator(mode="after")
     def _check_consistency(self) -> Embodiment:

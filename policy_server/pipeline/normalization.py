@@ -218,6 +218,11 @@ def make_normalizer(
                 f"(the width of {stats.key!r})"
             )
     if method == "meanstd":
+        if np.any(arrays["std"] < 0):  # would flip those channels' sign
+            raise NormalizationStatsError(
+                f"{stats.source}: feature {stats.key!r} has channels with a negative std (meanstd): "
+                f"{np.flatnonzero(arrays['std'] < 0).tolist()}; expected standard deviations, 0 or more"
+            )
         offset, scale = arrays["mean"], arrays["std"] + SCALE_EPS
     else:
         low, high = (arrays["min"], arrays["max"]) if method == "minmax" else (arrays["q01"], arrays["q99"])

@@ -97,6 +97,14 @@ class PolicyConfig(BaseModel):
             raise ValueError(f"{len(value)} canvases; expected 1 to {MAX_CANVASES}")
         return value
 
+    @field_validator("guidance_interval")
+    @classmethod
+    def _some_guided_timesteps(cls, value: tuple[float, float] | None) -> tuple[float, float] | None:
+        if value is not None and not value[0] < value[1]:  # no timestep inside: guidance would never run
+            raise ValueError(f"[{value[0]}, {value[1]}] holds no timestep; expected [lo, hi] with lo < hi (CFG runs "
+                             "while lo < sigma * 1000 < hi)")
+        return value
+
     @model_validator(mode="after")
     def _karras_bounds(self) -> PolicyConfig:
         if self.sigma_schedule == "karras" and not 0 < self.sigma_min < self.sigma_max:
