@@ -59,6 +59,7 @@ class ServerTls:
 
 
 _EVERY_INTERFACE = {"0.0.0.0", "::"}  # a listener there holds its port on every address
+_LOOPBACK_NAMES = {"localhost": {"127.0.0.1", "::1"}}  # the one name that needs no lookup to compare
 
 
 class ServerConfig(BaseModel):
@@ -219,7 +220,8 @@ class ServerConfig(BaseModel):
             if not port:  # None: off; 0: any free port
                 continue
             for other, (other_host, other_port) in taken.items():
-                if other_port == port and (other_host == host or {other_host, host} & _EVERY_INTERFACE):
+                if other_port == port and (_addresses(other_host) & _addresses(host)
+                                           or {other_host, host} & _EVERY_INTERFACE):
                     hosts = host if other_host == host else f"{host} and {other_host}"
                     raise ValueError(f"{name} {port} is {other} too, on {hosts}: expected a port of its own")
             taken[name] = (host, port)
@@ -260,6 +262,11 @@ class ServerConfig(BaseModel):
     def auth_token(self) -> str | None:
         """The bearer token clients must send (read from `auth_token_file`), None without one."""
         return None if self.auth_token_file is None else _server_token(self.auth_token_file)
+
+
+def _addresses(host: str) -> set[str]:
+    """The addresses a listener on `host` binds, as far as they are known without a name lookup."""
+    return _LOOPBACK_NAMES.get(host, {host})
 
 
 def _server_token(path: Path) -> str:

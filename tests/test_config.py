@@ -574,9 +574,11 @@ def test_listeners_on_one_port_are_refused_before_the_model_loads():
             cli.config_from_args(flags, environ={})
         assert str(err.value) == (f"invalid settings: config (from the settings together): {message}, on 127.0.0.1: "
                                   "expected a port of its own")
-    # A listener on every interface holds its port on each address too.
+    # A listener on every interface holds its port on each address too, and a loopback name its addresses.
     for flags, hosts in ((["--host", "0.0.0.0", "--metrics-port", "50051"], "127.0.0.1 and 0.0.0.0"),
-                         (["--metrics-port", "50051", "--metrics-host", "::"], ":: and 127.0.0.1")):
+                         (["--metrics-port", "50051", "--metrics-host", "::"], ":: and 127.0.0.1"),
+                         # localhost is 127.0.0.1 (and ::1): it failed to bind once the model had loaded
+                         (["--metrics-port", "50051", "--metrics-host", "localhost"], "localhost and 127.0.0.1")):
         with pytest.raises(ConfigError) as err:
             cli.config_from_args(flags, environ={})
         assert str(err.value).endswith(f"metrics_port 50051 is port too, on {hosts}: expected a port of its own")
