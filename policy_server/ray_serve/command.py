@@ -122,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
             while not stop.wait(timeout=1.0):  # timed, as cli.serve's: a signal another thread received still stops it
                 pass
     finally:  # however this process ends, the application ends with it
+        if stop.is_set():  # Serve waits for its replicas' calls to end, up to its graceful shutdown timeout (20 s)
+            print(f"policy-server ray-serve: stopping; deleting application {name!r} once its replicas' calls end",
+                  flush=True)
         serve.delete(name)
     if failure is not None:
         ray.shutdown()  # first: the controller's log lines about it stream until then, and ours comes last
