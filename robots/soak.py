@@ -577,6 +577,15 @@ def print_summary(report: dict, out: Path) -> None:
 # -- the command -----------------------------------------------------------------------------------
 
 
+# What a refused OpenSession asks of the soak's flags, by reason; another reason's message says what was wrong (a bad
+# --actions-per-chunk, BAD_VALUE, was told the load did not fit).
+_REFUSAL_ADVICE = {
+    "OVERLOADED": "the load does not fit; try a lower --rate-hz or a larger --latency-budget-ms",
+    "BUDGET_INFEASIBLE": "the budget is below the server's cheapest tick; try a larger --latency-budget-ms",
+    "TOO_MANY_SESSIONS": "the server has no place for another session; try fewer --sessions",
+}
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="policy-soak", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -625,6 +634,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                 "only to a server the soak starts, not with --server")
     if args.server_pid is not None and not args.server:
         p.error("--server-pid needs --server")
+    opened = args.sessions + args.hostile_neighbour
+    if args.max_sessions is not None and args.max_sessions < opened:
+        p.error(f"--max-sessions {args.max_sessions} is fewer than the {opened} sessions the soak opens")
     if (args.tls_cert is None) != (args.tls_key is None):
         p.error("--tls-cert and --tls-key go together")
     if args.tls_cert is not None and args.tls_ca is None:
@@ -851,8 +863,8 @@ def main(argv: list[str] | None = None) -> int:
     if refused is not None:
         print(f"policy-soak: the server refused session {refused['session']} ({refused['kind']}): "
               f"{refused['code']} {refused['reason']}: {refused['message']}", file=sys.stderr)
-        print(f"  the load does not fit; try a lower --rate-hz or a larger --latency-budget-ms (report {args.out})",
-              file=sys.stderr)
+        advice = _REFUSAL_ADVICE.get(refused["reason"])
+        print(f"  {advice} (report {args.out})" if advice else f"  report {args.out}", file=sys.stderr)
         return 3
     plot(report, results, args.out.with_suffix(".png"))
     print_summary(report, args.out)

@@ -52,7 +52,7 @@ def test_a_point_on_slow_ticks_errs_as_its_measured_cuts_say():
 
 def test_a_profile_round_trips_through_its_file(tmp_path):
     cut = _point(20, 0.0, 0, 20, 0).model_copy(update={"cuts": (Cut(fraction=0.6, error=0.03),)})
-    profile = _profile([cut, _point(10, 0.1, 1, 4, 10, threshold=0.5)])
+    profile = _profile([cut, _point(10, 0.1, 1, 4, 11, threshold=0.5)])
     path = tmp_path / "profiles" / "quality_profile.json"
     profile.save(path)
     assert QualityProfile.load(path, DIGEST) == profile
@@ -82,6 +82,11 @@ def test_a_profile_of_other_weights_is_rejected(tmp_path):
                                                                     "finite number"),
     (lambda d: d["embodiments"]["pusht"][0]["config"].update(cfg_steps=999),
      r"embodiments\.pusht\.0\.config: Value error, cfg_steps 999 is more than num_steps 20"),
+    # Both loaded: the server ran 50-step ticks on a 20-step model, and planned a tick on fewer calls than it ran.
+    (lambda d: d["embodiments"]["pusht"][0]["config"].update(num_steps=50),
+     r"embodiments\.pusht\.0\.config: 50 sampler steps, 20 guided; more than the default's 20, 20 guided"),
+    (lambda d: d["embodiments"]["pusht"][0].update(pairs=10),
+     r"embodiments\.pusht\.0: 20 calls \(full_calls \+ 2 pairs \+ skipped_calls\), not the 40 its config runs"),
 ])
 def test_a_bad_profile_names_what_is_wrong(tmp_path, edit, message):
     path = tmp_path / "quality_profile.json"

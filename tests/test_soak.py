@@ -92,7 +92,11 @@ def test_a_number_the_soak_cannot_run_with_is_one_usage_line(capsys):
                       (["--rate-hz", "nan"], "--rate-hz: expected 0 (a closed loop) or 0.01 to 1000 Hz, got nan"),
                       (["--rate-hz", "0.001"], "--rate-hz: expected 0 (a closed loop) or 0.01 to 1000 Hz"),
                       (["--max-miss-rate", "2"], "--max-miss-rate: expected a fraction from 0 to 1, got 2"),
-                      (["--max-rss-growth-mb", "nan"], "--max-rss-growth-mb: expected MB from 0, got nan")):
+                      (["--max-rss-growth-mb", "nan"], "--max-rss-growth-mb: expected MB from 0, got nan"),
+                      # Started a server, warmed it up, and was refused TOO_MANY_SESSIONS, told the load did not fit.
+                      (["--sessions", "4", "--max-sessions", "2"], "--max-sessions 2 is fewer than the 4 sessions"),
+                      (["--sessions", "4", "--max-sessions", "4", "--hostile-neighbour"],
+                       "--max-sessions 4 is fewer than the 5 sessions the soak opens")):
         with pytest.raises(SystemExit) as exit_:
             parse_args(argv)
         err = capsys.readouterr().err
@@ -114,10 +118,10 @@ def test_rss_growth_is_the_rise_of_the_floor_not_of_a_sample_with_a_request_in_f
 
 
 class _AdmitsOne(pb_grpc.PolicyServiceServicer):
-    """Opens the first session and refuses the next as OVERLOADED, like a server at capacity."""
+    """Opens the first session and refuses the next (as OVERLOADED, like a server at capacity, unless told)."""
 
-    def __init__(self):
-        self.opened, self.closed = [], []
+    def __init__(self, refusal=(grpc.StatusCode.RESOURCE_EXHAUSTED, "OVERLOADED: 1 session of pusht fits at 1.25 Hz")):
+        self.opened, self.closed, self.refusal = [], [], refusal
 
     def GetServerInfo(self, request, context):
         spec = pb.EmbodimentSpec(name="pusht", control_hz=10.0, default_chunk_size=8, max_chunk_size=8)
@@ -127,7 +131,7 @@ class _AdmitsOne(pb_grpc.PolicyServiceServicer):
     def OpenSession(self, request, context):
         if self.opened:
             # The reason in the message alone, as a proxy that keeps only the code and the message passes it on.
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "OVERLOADED: 1 session of pusht fits at 1.25 Hz")
+            context.abort(*self.refusal)
         self.opened.append(request)
         return pb.Session(session_id="s0", epoch=1, embodiment="pusht", chunk_size=8, rate_hz=1.25)
 
@@ -136,8 +140,7 @@ class _AdmitsOne(pb_grpc.PolicyServiceServicer):
         return pb.CloseSessionResponse()
 
 
-def test_soak_reports_a_refused_session(tmp_path):
-    servicer = _AdmitsOne()
+def _soak_refused(tmp_path, servicer: _AdmitsOne) -> subprocess.CompletedProcess:
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     pb_grpc.add_PolicyServiceServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
@@ -151,13 +154,30 @@ def test_soak_reports_a_refused_session(tmp_path):
                     "--out", str(out))
     finally:
         server.stop(grace=None)
+    return done
+
+
+def test_soak_reports_a_refused_session(tmp_path):
+    servicer = _AdmitsOne()
+    done = _soak_refused(tmp_path, servicer)
     assert done.returncode == 3
-    report = json.loads(out.read_text())
+    report = json.loads((tmp_path / "soak.json").read_text())
     assert report["refused_open"] == {"session": 1, "kind": "stream", "code": "RESOURCE_EXHAUSTED",
                                       "reason": "OVERLOADED", "message": "1 session of pusht fits at 1.25 Hz"}
     assert servicer.opened[0].rate_hz == 2.0  # the declared rate went out on the wire
     assert servicer.closed == ["s0"]  # the session it did get was closed again
     assert "refused session 1 (stream): RESOURCE_EXHAUSTED OVERLOADED" in done.stderr
+    assert "the load does not fit; try a lower --rate-hz" in done.stderr
+
+
+def test_a_refusal_other_than_overload_is_not_called_a_load_that_does_not_fit(tmp_path):
+    """`--actions-per-chunk 99` on a server whose chunks are 8 is refused BAD_VALUE; the soak said the load did not
+    fit and to lower --rate-hz."""
+    done = _soak_refused(tmp_path, _AdmitsOne((grpc.StatusCode.INVALID_ARGUMENT, "BAD_VALUE: actions_per_chunk: "
+                                                                                "expected 1..8, got 99")))
+    assert done.returncode == 3
+    assert "refused session 1 (stream): INVALID_ARGUMENT BAD_VALUE: actions_per_chunk" in done.stderr
+    assert "does not fit" not in done.stderr and "--rate-hz" not in done.stderr
 
 
 def test_ctrl_c_ends_the_soak_at_once_and_closes_its_sessions(tmp_path):

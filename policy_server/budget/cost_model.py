@@ -122,6 +122,13 @@ class _ShapeCosts:
     stages: dict[str, WindowStat]
 
 
+def _lower(mine: WindowStat | None, theirs: WindowStat) -> WindowStat:
+    """Of two timings of one cost, the one with samples and the lower median."""
+    if mine is None or not mine.samples or (theirs.samples and theirs.median <= mine.median):
+        return theirs
+    return mine
+
+
 class CostModel:
     """Per request-shape estimates of c_full, c_pair, c_skip and each fixed stage (ms), one sample per tick.
 
@@ -159,10 +166,18 @@ class CostModel:
                 raise ValueError(f"stage must be a non-empty name, got {stage!r}")
             entry.stages.setdefault(stage, WindowStat(self.window)).update(_check_ms(f"stage {stage!r}", ms))
 
-    def adopt(self, key: Hashable, other: CostModel) -> None:
-        """From now on the costs of ``key`` are what ``other`` learned of it: a shape timed again from scratch."""
+    def adopt_lower(self, key: Hashable, other: CostModel) -> None:
+        """From now on each cost of ``key`` is the lower of what this model and ``other`` learned of it (by median):
+        a shape timed again, where a busy moment only slows what it times. So timing again can undo timings a busy
+        moment inflated, and a busy moment while it times raises none."""
         with self._lock, other._lock:
-            self._shapes[key] = other._shapes[key]
+            mine, theirs = self._shapes.get(key), other._shapes[key]
+            if mine is None:
+                self._shapes[key] = theirs
+                return
+            self._shapes[key] = _ShapeCosts(
+                {kind: _lower(mine.calls[kind], stat) for kind, stat in theirs.calls.items()},
+                {stage: _lower(mine.stages.get(stage), stat) for stage, stat in theirs.stages.items()})
 
     def is_warm(self, key: Hashable) -> bool:
         """Whether full calls (alone or in pairs) have been observed for this shape."""

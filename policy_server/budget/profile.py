@@ -19,6 +19,7 @@ The profile is JSON, keyed by the weights digest: a profile of other weights is 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -192,9 +193,22 @@ class QualityProfile(BaseModel):
         if profile.digest != digest:
             raise ProfileError(f"{path}: measured on weights {profile.digest[:12]}, not these ({digest[:12]}); "
                                "recalibrate with `policy-server calibrate`")
+        default = profile.default
         for name, points in profile.embodiments.items():
             if not points:
                 raise ProfileError(f"{path}: embodiments.{name}: no configurations")
+            for index, point in enumerate(points):
+                # Calibration measures no more than its reference; a tick runs what the config says, and is predicted
+                # at the counts: a hand edit where they differ ran 50 steps on a 20-step model, or planned one short.
+                config, where = point.config, f"{path}: embodiments.{name}.{index}"
+                if config.num_steps > default.num_steps or config.cfg_steps > default.cfg_steps:
+                    raise ProfileError(f"{where}.config: {config.num_steps} sampler steps, {config.cfg_steps} guided; "
+                                       f"more than the default's {default.num_steps}, {default.cfg_steps} guided, "
+                                       "the reference its error is measured against")
+                if not math.isclose(point.calls, config.num_steps + config.cfg_steps, rel_tol=1e-9):
+                    raise ProfileError(f"{where}: {point.calls:g} calls (full_calls + 2 pairs + skipped_calls), not "
+                                       f"the {config.num_steps + config.cfg_steps} its config runs (num_steps + "
+                                       "cfg_steps): its ticks would be planned on other work")
         return profile
 
 

@@ -121,24 +121,22 @@ class Admission:
 
     def capacity(self, budget_ms: float, rate_hz: float | None) -> tuple[api.Capacity, ...]:
         """Per served embodiment at its default chunk: sessions that fit alone and beside the open ones, on the
-        timings at hand: never timed again here, unlike in `open`. A client asks this first (`GetServerInfo`, at the
-        default budget) and must not wait seconds on ticks it did not ask for."""
+        timings at hand: never timed again here, unlike in `open`, nor waiting for `_lock`, which an opening holds
+        while it times ticks again. A client asks this first (`GetServerInfo`, at the default budget) and must not
+        wait seconds on ticks it did not ask for. A report: an opening or a new budget meanwhile may change it."""
         limit = self.served.settings.max_sessions
-        demands = []
+        sessions = self.sessions.all()
+        open_demands = [s.demand for s in sessions]
+        out = []
         for embodiment in self.served.embodiments.values():
             chunk = embodiment.default_chunk_size
             rate = default_rate_hz(embodiment.fps, chunk) if rate_hz is None else rate_hz
-            demands.append((embodiment.name, chunk, rate, self.demand(embodiment.name, chunk, budget_ms, rate)))
-        with self._lock:
-            sessions = self.sessions.all()
-            out = []
-            for embodiment, chunk, rate, demand in demands:
-                out.append(api.Capacity(
-                    embodiment=embodiment, chunk_size=chunk, budget_ms=budget_ms, rate_hz=rate,
-                    sessions_alone=sessions_that_fit([], demand, self.blocking_ms(), limit),
-                    sessions_more=sessions_that_fit([s.demand for s in sessions], demand, self.blocking_ms(),
-                                                    limit - len(sessions)),
-                ))
+            demand = self.demand(embodiment.name, chunk, budget_ms, rate)
+            out.append(api.Capacity(
+                embodiment=embodiment.name, chunk_size=chunk, budget_ms=budget_ms, rate_hz=rate,
+                sessions_alone=sessions_that_fit([], demand, self.blocking_ms(), limit),
+                sessions_more=sessions_that_fit(open_demands, demand, self.blocking_ms(), limit - len(sessions)),
+            ))
         return tuple(out)
 
     def demand(self, embodiment: str, chunk: int, budget_ms: float, rate_hz: float, preview: bool = False) -> Demand:

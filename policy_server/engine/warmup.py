@@ -109,14 +109,16 @@ class Warmup:
         self.ready.set()
 
     def retime(self, key: tuple) -> Iterator[None]:
-        """Time the ticks of cost key `key` and the background pieces again, in place of what was learned of
-        them: one short tick per mode, as warmup times every key but the default one."""
+        """Time the ticks of cost key `key` and the background pieces again, one short tick per mode, as warmup
+        times every key but the default one, and keep the lower of the two timings of each (`CostModel.adopt_lower`):
+        a retiming undoes timings a busy moment inflated, and one that another process slows must not raise the
+        least budget every later session is held to."""
         embodiment, chunk, tokens, _ = self._all_shapes()[key]
         fresh = CostModel(self.served.cost_model.window)
         self._preview_ms_by_shape.clear()
         yield from self._warm_shape(embodiment, chunk, tokens, 1, _SHORT_WARMUP_STEPS, batch=False, cost_model=fresh)
-        self.served.cost_model.adopt(key, fresh)
-        self.blocking_ms = yield from self._time_background_pieces()
+        self.served.cost_model.adopt_lower(key, fresh)
+        self.blocking_ms = min(self.blocking_ms, (yield from self._time_background_pieces()))
 
     def _calibrate(self):
         """A bounded quality profile: `WARMUP_CALIBRATION_OBSERVATIONS` observations per embodiment over the
