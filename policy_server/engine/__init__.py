@@ -17,7 +17,7 @@ def build_engine(config):
     from policy_server.engine.engine import ModelEngine, resolve_device, resolve_dtype, settings_from_config
     from policy_server.pipeline.policy import PolicyPipeline
 
-    device = resolve_device(config.device)
+    device = resolve_device(config.device, setting="device")
     # One intra-op thread on every device. On a CPU the embedded model's matrices are too small to
     # split. On CUDA torch's CPU work is each caller's frame preparation, on its own gRPC thread, and
     # with OpenMP every calling thread gets a team the size of the pool: several callers would

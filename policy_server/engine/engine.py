@@ -383,8 +383,9 @@ class DeviceUnavailable(ValueError):
     """A device setting torch cannot run on here; the message says what it has."""
 
 
-def resolve_device(name: str) -> str:
-    """A device setting (auto, cpu, cuda or cuda:N: a flag or a config file's) as a device torch can run on here."""
+def resolve_device(name: str, setting: str = "--device") -> str:
+    """A device setting (auto, cpu, cuda or cuda:N) as a device torch can run on here; DeviceUnavailable names it as
+    `setting` (the server's `device` may come from a config file or the environment, not only its flag)."""
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     try:
@@ -392,14 +393,15 @@ def resolve_device(name: str) -> str:
     except RuntimeError:  # torch's way of saying "no such device type"
         device = None
     if device is None or device.type not in ("cpu", "cuda"):
-        raise DeviceUnavailable(f"device {name!r}: expected auto, cpu, cuda or cuda:N")
+        raise DeviceUnavailable(f"{setting} {name!r}: expected auto, cpu, cuda or cuda:N")
     if device.type == "cuda":
         count = torch.cuda.device_count()
         if count == 0:
             build = f"torch {torch.__version__}" + ("" if torch.version.cuda else ", a build without CUDA")
-            raise DeviceUnavailable(f"device {name}: {build} sees no CUDA device here")
+            raise DeviceUnavailable(f"{setting} {name}: {build} sees no CUDA device here")
         if (device.index or 0) >= count:
-            raise DeviceUnavailable(f"device {name}: torch sees {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+            raise DeviceUnavailable(f"{setting} {name}: torch sees {count} CUDA device(s), cuda:0 to "
+                                    f"cuda:{count - 1}")
     return name
 
 
