@@ -66,6 +66,13 @@ def test_a_profile_of_other_weights_is_rejected(tmp_path):
         QualityProfile.load(path, DIGEST)
 
 
+def test_a_profile_of_a_checkpoint_guided_on_some_steps_loads(tmp_path):
+    """Its ticks make a second call only on the steps inside the guidance interval: 5 of 20 here, 25 calls."""
+    profile = _profile([_point(20, 0.0, 15, 5, 0)])
+    profile.save(tmp_path / "quality_profile.json")
+    assert QualityProfile.load(tmp_path / "quality_profile.json", DIGEST) == profile
+
+
 @pytest.mark.parametrize(("edit", "message"), [
     (lambda d: d.update(version=7), "version 7; expected 3"),
     (lambda d: d["embodiments"]["pusht"][0].update(error=-1.0), r"embodiments\.pusht\.0\.error: Input should be"),
@@ -85,8 +92,10 @@ def test_a_profile_of_other_weights_is_rejected(tmp_path):
     # Both loaded: the server ran 50-step ticks on a 20-step model, and planned a tick on fewer calls than it ran.
     (lambda d: d["embodiments"]["pusht"][0]["config"].update(num_steps=50),
      r"embodiments\.pusht\.0\.config: 50 sampler steps, 20 guided; more than the default's 20, 20 guided"),
-    (lambda d: d["embodiments"]["pusht"][0].update(pairs=10),
-     r"embodiments\.pusht\.0: 20 calls \(full_calls \+ 2 pairs \+ skipped_calls\), not the 40 its config runs"),
+    (lambda d: d["embodiments"]["pusht"][0].update(pairs=25),
+     r"embodiments\.pusht\.0: 50 calls \(full_calls \+ 2 pairs \+ skipped_calls\); expected 20 to 40 for its config"),
+    (lambda d: d["embodiments"]["pusht"][0].update(pairs=5),
+     r"embodiments\.pusht\.0: 10 calls \(full_calls \+ 2 pairs \+ skipped_calls\); expected 20 to 40 for its config"),
 ])
 def test_a_bad_profile_names_what_is_wrong(tmp_path, edit, message):
     path = tmp_path / "quality_profile.json"

@@ -1174,13 +1174,16 @@ def test_timing_ticks_again_at_a_busy_moment_does_not_raise_the_least_budget(tmp
         least_ms = refused.value.best_achievable_ms
         # Another process takes the machine while the ticks and pieces are timed again: every GEN-stack call and
         # reasoner step 50 ms slower.
-        stall = pipeline.transformer.norm_moe_gen.register_forward_pre_hook(lambda *_: time.sleep(0.05))
+        stalled = []
+        stall = pipeline.transformer.norm_moe_gen.register_forward_pre_hook(
+            lambda *_: stalled.append(time.sleep(0.05)))
         step = ReasonerStream.step
         monkeypatch.setattr(ReasonerStream, "step", lambda stream: (time.sleep(0.05), step(stream))[1])
         with pytest.raises(api.BudgetInfeasible) as refused:
             engine.open_session("pusht", "reach the red circle", budget_ms=least_ms / 2, rate_hz=0)
         stall.remove()
         monkeypatch.setattr(ReasonerStream, "step", step)
+        assert stalled  # the ticks were timed again, at the busy moment
         # Not one stalled call more (the cheapest tick has two and a piece ahead of it; before, +149 ms here). Each
         # cost keeps its lower median, and the planner adds its deviation, which the kept samples may set a fraction
         # of a ms wider.

@@ -610,6 +610,33 @@ def test_a_budget_asked_while_disconnected_is_asked_again_once_reconnected():
     server.stop(grace_s=0.1)
 
 
+def test_a_stale_epoch_of_the_session_a_restart_replaced_is_skipped():
+    """A reopened session starts at epoch 1 again: an error of its predecessor's epoch 1, read after the reconnect,
+    was taken for a reset made elsewhere and raised."""
+    engine = FakeEngine()
+    server = build_server(build_config(overrides={"port": 0}), engine).start()
+    port = server.grpc_port
+    with PolicyClient(server.target) as client:
+        session = client.open_session("pusht", "reach the red circle")
+        with ControlStream(client, session, backoff=QUICK_RECONNECT) as stream:
+            stream.reset()  # epoch 2
+            observation = build_observation({"image": IMAGE}, STATE, step_index=0, encoding="png")
+            stream.send_observation(observation, epoch=1, must_answer=True)  # answered STALE_EPOCH, got 1
+            send(stream, 1, must_answer=True)  # answered after it
+            while len(engine.acts) < 1:
+                time.sleep(0.01)
+            time.sleep(0.5)  # both answers on their way over loopback, queued before the connection ends
+            server.stop(grace_s=0.1)
+            server = build_server(build_config(overrides={"port": port}), FakeEngine()).start()
+            end = time.monotonic() + 20
+            while stream.session.session_id == session.session_id and time.monotonic() < end:
+                time.sleep(0.01)  # reopened: the error is read at the new session's epoch 1
+            assert stream.session.epoch == 1
+            obs_id = send(stream, 2)
+            assert stream.next_chunk(timeout_s=20).obs_id == obs_id
+    server.stop(grace_s=0.1)
+
+
 def test_a_stream_that_gives_up_says_why_and_refuses_what_is_sent_after():
     with _stream_across_a_restart() as (_, stream, restart):
         # Where the session cannot be opened again, the reopening's refusal is the reason, not the lost connection.

@@ -457,15 +457,12 @@ class ControlStream:
         if observation.instruction:
             with self._lock:
                 self._sent_instructions[obs_id] = observation.instruction
-        frame = pb.ObservationFrame(
-            epoch=self._session.epoch if epoch is None else epoch,
-            obs_id=obs_id,
-            observation=observation,
-            must_answer=must_answer,
-        )
-        request = pb.ControlRequest(observation=frame)
+        request = pb.ControlRequest(observation=pb.ObservationFrame(obs_id=obs_id, observation=observation,
+                                                                    must_answer=must_answer))
         with self._lock:
             self._check_sendable()
+            # Under the lock that a reopened session is put in with: a frame at its epoch goes on its call.
+            request.observation.epoch = self._session.epoch if epoch is None else epoch
             if must_answer:  # never superseded: the server bounds them (TOO_MANY_PENDING_FRAMES)
                 # It goes now, so a frame waiting (a lower obs_id, which the server would refuse after it) is
                 # replaced, as the server replaces the frames it holds with a new one.
@@ -545,7 +542,9 @@ class ControlStream:
         if error.reason != "STALE_EPOCH":
             return False
         with self._lock:  # read with the epoch a reset that has just ended left
-            return self._resetting > 0 or int(error.detail.got) < self._session.epoch
+            # A session reopened since (a restart) starts at epoch 1 again: its predecessor's errors are stale too.
+            return (self._resetting > 0 or error.detail.metadata.get("session_id") != self._session.session_id
+                    or int(error.detail.got) < self._session.epoch)
 
 
 def _stream_closed() -> PolicyServerError:
