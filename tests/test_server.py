@@ -431,7 +431,12 @@ def test_a_token_file_other_users_may_read_is_warned_of(token_file):
     ({"host": "0.0.0.0"}, "gRPC on 0.0.0.0 may be reached from other machines, with no token asked"),
     ({"host": "10.1.2.3", "websocket_port": 0},
      "gRPC and the openpi WebSocket on 10.1.2.3 may be reached from other machines, with no token asked"),
-    ({"metrics_host": "0.0.0.0", "metrics_port": 0}, "/metrics on 0.0.0.0 may be reached from other machines, "),
+    ({"host": "0.0.0.0", "metrics_host": "0.0.0.0", "metrics_port": 0},
+     "gRPC on 0.0.0.0 and /metrics on 0.0.0.0 may be reached from other machines, with no token asked: whoever reaches "
+     "them may open sessions and get action chunks"),
+    # It said 'may open sessions and get action chunks' of /metrics alone too.
+    ({"metrics_host": "0.0.0.0", "metrics_port": 0}, "/metrics on 0.0.0.0 may be reached from other machines, with no "
+     "token asked: whoever reaches them may read the server's metrics (its sessions, errors and the model's digest)"),
     ({"host": "robot-server.lan", "auth_token_file": "token"},
      "gRPC on robot-server.lan may be reached from other machines in plaintext: the auth token crosses the network"),
     ({"host": "[::]", "auth_token_file": "token", "tls": True}, None),

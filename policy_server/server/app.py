@@ -122,9 +122,10 @@ def exposure_warnings(config: ServerConfig) -> list[str]:
         ("/metrics", config.metrics_host, config.metrics_port is not None)) if on and _beyond_this_machine(host)]
     listeners = " and ".join(exposed)
     if exposed and config.auth_token_file is None:
+        can = ("may open sessions and get action chunks" if _beyond_this_machine(config.host)
+               else "may read the server's metrics (its sessions, errors and the model's digest)")
         warnings.append(f"{listeners} may be reached from other machines, with no token asked: whoever reaches them "
-                        "may open sessions and get action chunks; set --auth-token-file (with --tls-cert/--tls-key), "
-                        "or bind 127.0.0.1")
+                        f"{can}; set --auth-token-file (with --tls-cert/--tls-key), or bind 127.0.0.1")
     elif exposed and not config.tls:
         warnings.append(f"{listeners} may be reached from other machines in plaintext: the auth token crosses the "
                         "network in the clear with every call; set --tls-cert/--tls-key (or terminate TLS in front "
