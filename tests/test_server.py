@@ -425,6 +425,16 @@ def test_a_token_file_other_users_may_read_is_warned_of(token_file):
         token_file.chmod(0o600)
 
 
+def test_a_tls_key_other_users_may_read_is_warned_of(tmp_path):
+    """The token file was checked, and the private key that proves the server's identity was not."""
+    cert, key = self_signed_cert(tmp_path)  # mode 600
+    config = build_config(overrides={"tls_cert": cert, "tls_key": key})
+    assert exposure_warnings(config) == []
+    key.chmod(0o640)
+    assert exposure_warnings(config) == [f"TLS key file {key} may be read by other users of this machine (mode 640): "
+                                         "chmod 600 it"]
+
+
 @pytest.mark.parametrize(("settings", "warning"), [
     ({}, None),  # loopback
     ({"host": "::1", "metrics_host": "localhost", "metrics_port": 0}, None),
