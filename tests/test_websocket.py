@@ -539,6 +539,9 @@ def test_api_key_is_checked(tmp_path):
         assert err.value.response.status_code == 401
         with pytest.raises(InvalidStatus):
             WebsocketClientPolicy(host="127.0.0.1", port=server.websocket_port, api_key="wrong")
+        # Counted as gRPC's are: the openpi port's refusals were not, so that an alert on them missed openpi robots.
+        assert server.metrics.registry.get_sample_value("policy_server_errors_total",
+                                                        {"reason": "UNAUTHENTICATED"}) == 2
         policy = WebsocketClientPolicy(host="127.0.0.1", port=server.websocket_port, api_key="openpi-api-key-16")
         assert policy.infer(openpi_observation())["actions"].shape == (8, 2)
         policy._ws.close()

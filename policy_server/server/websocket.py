@@ -467,6 +467,7 @@ class OpenpiWebsocketServer:
         if self._token is not None and not bearer_token_matches(
             request.headers.get("Authorization"), self._token
         ):
+            self._metrics.observe_error("UNAUTHENTICATED")
             return connection.respond(
                 http.HTTPStatus.UNAUTHORIZED, "UNAUTHENTICATED: missing or invalid token\n"
             )
