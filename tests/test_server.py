@@ -15,6 +15,7 @@ import grpc
 import numpy as np
 import pytest
 from fake_engine import BEST_ACHIEVABLE_MS, PUSHT, FakeEngine, expected_actions, self_signed_cert, serve_fake
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from prometheus_client.parser import text_string_to_metric_families
@@ -359,6 +360,21 @@ def test_token_auth(token_file):
             session = good.open_session("pusht", "with token")
             chunk = good.act(session, {"image": frame()}, STATE, step_index=1, encoding="png")
             np.testing.assert_array_equal(chunk.actions, expected(1))
+
+
+def test_a_health_watch_takes_the_token_and_a_check_does_not(token_file):
+    """Each Watch stream holds server memory (about 23 kB) while its client keeps it, and anyone who reached the port
+    could open them without the token, as many as it liked. Probes (docker, k8s) Check; `wait_until_serving` watches
+    with the client's token."""
+    with serve_fake(auth_token_file=token_file) as server:
+        with grpc.insecure_channel(server.target) as channel:
+            with pytest.raises(grpc.RpcError) as err:
+                next(health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=5))
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with PolicyClient(server.target) as anonymous:
+            assert anonymous.health() == "SERVING"
+        with PolicyClient(server.target, token_file=token_file) as client:
+            client.wait_until_serving(timeout_s=10)
 
 
 def test_tls(tmp_path, capsys):
