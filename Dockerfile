@@ -41,7 +41,7 @@ RUN mkdir -p /home/policy/.cache
 # default; 9090 is Prometheus' own port, where a scraper beside this container would already listen)
 EXPOSE 50051 8000 9464
 
-# Health stays reachable without the auth token; SERVING only once the model is warm.
+# Health Check stays reachable without the auth token; SERVING only once the model is warm.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=300s --retries=3 \
     CMD ["python", "-m", "policy_server.client", "health", "--server", "127.0.0.1:50051"]
 

@@ -369,6 +369,7 @@ def self_signed_cert(directory: Path) -> tuple[Path, Path]:
     key_path.write_bytes(
         key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
     )
+    key_path.chmod(0o600)  # as a private key should be: the server warns of one that others may read
     return cert_path, key_path
 
 
@@ -400,4 +401,5 @@ def _self_signed_cert_openssl(directory: Path) -> tuple[Path, Path]:
         check=True,
         capture_output=True,
     )
+    key_path.chmod(0o600)
     return cert_path, key_path

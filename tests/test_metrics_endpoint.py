@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.client
 import socket
 import ssl
+import time
 import urllib.error
 import urllib.request
 
@@ -36,6 +37,17 @@ def test_paths_other_than_metrics_are_not_found():
         assert status(base + "/metrics") == 200
         for path in ("/", "/favicon.ico", "/metrics/", "/metricsx", "/admin"):
             assert status(base + path) == 404, path
+
+
+def test_the_scrape_holds_the_documented_series_and_no_created_ones():
+    """prometheus-client wrote a `_created` gauge beside each counter and histogram series (69 of a real server's 394
+    lines), which the README's table does not list."""
+    with serve_fake(metrics_port=0) as server:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5) as response:
+            samples = [line.split("{")[0].split(" ")[0] for line in response.read().decode().splitlines()
+                       if not line.startswith("#")]
+    assert "policy_server_deadline_misses_total" in samples and "grpc_server_started_total" in samples
+    assert [name for name in samples if name.endswith("_created")] == []
 
 
 def test_with_a_token_every_path_needs_it_first(tmp_path):
@@ -82,7 +94,7 @@ def test_every_listener_serves_the_tls_pair_the_settings_check_loaded(tmp_path):
             assert ws.recv(timeout=5)  # the metadata frame
 
 def test_connections_that_send_nothing_hold_no_thread_for_long_and_cannot_crowd_out_a_scrape(monkeypatch):
-    monkeypatch.setattr(metrics._QuietHandler, "timeout", 2.0)
+    monkeypatch.setattr(metrics, "SCRAPE_TIMEOUT_S", 2.0)
     with serve_fake(metrics_port=0) as server:
         base = f"http://127.0.0.1:{server.metrics_port}"
         silent = [socket.create_connection(("127.0.0.1", server.metrics_port)) for _ in range(metrics.MAX_SCRAPES)]
@@ -94,6 +106,35 @@ def test_connections_that_send_nothing_hold_no_thread_for_long_and_cannot_crowd_
             assert connection.recv(1) == b""  # closed by the server after its timeout
             connection.close()
         assert status(base + "/metrics") == 200
+
+
+def test_a_request_sent_a_byte_at_a_time_is_cut_off_too(monkeypatch):
+    """A per-read timeout let a header byte every few seconds hold a place for ever: 8 such connections, no token
+    needed, kept every scrape out for as long as they trickled."""
+    monkeypatch.setattr(metrics, "SCRAPE_TIMEOUT_S", 1.0)
+    with serve_fake(metrics_port=0) as server:
+        trickle = socket.create_connection(("127.0.0.1", server.metrics_port))
+        trickle.sendall(b"GET /metrics HTTP/1.1\r\n")
+        with pytest.raises(OSError):  # reset or broken pipe: the server closed it while it was still sending
+            for _ in range(40):  # 10 s of bytes, each well within the timeout of the one before
+                time.sleep(0.25)
+                trickle.sendall(b"X")
+        trickle.close()
+
+
+def test_connections_that_time_out_write_no_traceback(monkeypatch, capfd):
+    """socketserver printed a traceback for each connection that sent its request too slowly: about 20 lines of log
+    per connection, for anyone who can reach the port."""
+    monkeypatch.setattr(metrics, "SCRAPE_TIMEOUT_S", 0.5)
+    with serve_fake(metrics_port=0) as server:
+        slow = [socket.create_connection(("127.0.0.1", server.metrics_port)) for _ in range(3)]
+        for connection, partial in zip(slow, (b"", b"GET /metr", b"GET /metrics HTTP/1.1\r\nHost: x"), strict=True):
+            connection.sendall(partial)
+        for connection in slow:
+            connection.settimeout(15)
+            assert connection.recv(1) == b""  # closed once its time was up, after any line it wrote
+            connection.close()
+    assert "Traceback" not in capfd.readouterr().err
 
 
 def test_a_metrics_port_in_use_is_named():

@@ -15,6 +15,7 @@ import grpc
 import numpy as np
 import pytest
 from fake_engine import BEST_ACHIEVABLE_MS, PUSHT, FakeEngine, expected_actions, self_signed_cert, serve_fake
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from prometheus_client.parser import text_string_to_metric_families
@@ -361,6 +362,21 @@ def test_token_auth(token_file):
             np.testing.assert_array_equal(chunk.actions, expected(1))
 
 
+def test_a_health_watch_takes_the_token_and_a_check_does_not(token_file):
+    """Each Watch stream holds server memory (about 23 kB) while its client keeps it, and anyone who reached the port
+    could open them without the token, as many as it liked. Probes (docker, k8s) Check; `wait_until_serving` watches
+    with the client's token."""
+    with serve_fake(auth_token_file=token_file) as server:
+        with grpc.insecure_channel(server.target) as channel:
+            with pytest.raises(grpc.RpcError) as err:
+                next(health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=5))
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with PolicyClient(server.target) as anonymous:
+            assert anonymous.health() == "SERVING"
+        with PolicyClient(server.target, token_file=token_file) as client:
+            client.wait_until_serving(timeout_s=10)
+
+
 def test_tls(tmp_path, capsys):
     cert, key = self_signed_cert(tmp_path)
     (tmp_path / "other").mkdir()
@@ -425,13 +441,28 @@ def test_a_token_file_other_users_may_read_is_warned_of(token_file):
         token_file.chmod(0o600)
 
 
+def test_a_tls_key_other_users_may_read_is_warned_of(tmp_path):
+    """The token file was checked, and the private key that proves the server's identity was not."""
+    cert, key = self_signed_cert(tmp_path)  # mode 600
+    config = build_config(overrides={"tls_cert": cert, "tls_key": key})
+    assert exposure_warnings(config) == []
+    key.chmod(0o640)
+    assert exposure_warnings(config) == [f"TLS key file {key} may be read by other users of this machine (mode 640): "
+                                         "chmod 600 it"]
+
+
 @pytest.mark.parametrize(("settings", "warning"), [
     ({}, None),  # loopback
     ({"host": "::1", "metrics_host": "localhost", "metrics_port": 0}, None),
     ({"host": "0.0.0.0"}, "gRPC on 0.0.0.0 may be reached from other machines, with no token asked"),
     ({"host": "10.1.2.3", "websocket_port": 0},
      "gRPC and the openpi WebSocket on 10.1.2.3 may be reached from other machines, with no token asked"),
-    ({"metrics_host": "0.0.0.0", "metrics_port": 0}, "/metrics on 0.0.0.0 may be reached from other machines, "),
+    ({"host": "0.0.0.0", "metrics_host": "0.0.0.0", "metrics_port": 0},
+     "gRPC on 0.0.0.0 and /metrics on 0.0.0.0 may be reached from other machines, with no token asked: whoever reaches "
+     "them may open sessions and get action chunks"),
+    # It said 'may open sessions and get action chunks' of /metrics alone too.
+    ({"metrics_host": "0.0.0.0", "metrics_port": 0}, "/metrics on 0.0.0.0 may be reached from other machines, with no "
+     "token asked: whoever reaches them may read the server's metrics (its sessions, errors and the model's digest)"),
     ({"host": "robot-server.lan", "auth_token_file": "token"},
      "gRPC on robot-server.lan may be reached from other machines in plaintext: the auth token crosses the network"),
     ({"host": "[::]", "auth_token_file": "token", "tls": True}, None),

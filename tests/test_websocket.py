@@ -451,6 +451,25 @@ def test_session_is_closed_when_the_connection_closes(server, engine):
     assert mine not in engine._sessions
 
 
+def test_a_close_reason_cannot_forge_or_split_log_lines():
+    """The log names why a connection's session closed with the reason its client sent, which was written as sent:
+    a reason of 'bye\\n<a log line>' (123 bytes may hold one) wrote a second, forged line."""
+    engine = FakeEngine()
+    closed_why = []
+    close_session = engine.close_session
+    engine.close_session = lambda session_id, why: (closed_why.append(why), close_session(session_id, why))
+    with serve_fake(engine, websocket_port=0) as server:
+        policy = WebsocketClientPolicy(host="127.0.0.1", port=server.websocket_port)
+        policy.infer(openpi_observation())
+        policy._ws.close(code=1000, reason="bye\n2026-01-01 00:00:00,000 INFO x: forged\x1b[2K\u2028")
+        for _ in range(500):
+            if closed_why:
+                break
+            time.sleep(0.01)
+    assert closed_why == [
+        "its WebSocket connection closed with 1000 (bye\\n2026-01-01 00:00:00,000 INFO x: forged\\x1b[2K\\u2028)"]
+
+
 def test_embodiment_is_chosen_by_query_parameter(server):
     policy = WebsocketClientPolicy(host=f"ws://127.0.0.1:{server.websocket_port}/?embodiment=libero")
     try:
@@ -520,6 +539,9 @@ def test_api_key_is_checked(tmp_path):
         assert err.value.response.status_code == 401
         with pytest.raises(InvalidStatus):
             WebsocketClientPolicy(host="127.0.0.1", port=server.websocket_port, api_key="wrong")
+        # Counted as gRPC's are: the openpi port's refusals were not, so that an alert on them missed openpi robots.
+        assert server.metrics.registry.get_sample_value("policy_server_errors_total",
+                                                        {"reason": "UNAUTHENTICATED"}) == 2
         policy = WebsocketClientPolicy(host="127.0.0.1", port=server.websocket_port, api_key="openpi-api-key-16")
         assert policy.infer(openpi_observation())["actions"].shape == (8, 2)
         policy._ws.close()

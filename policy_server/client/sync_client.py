@@ -242,7 +242,7 @@ class PolicyClient:
         last = "no answer"
         while (left_s := end - time.monotonic()) > 0:
             updates = self._health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=left_s,
-                                         wait_for_ready=True)
+                                         metadata=self._metadata, wait_for_ready=True)  # Watch takes the token
             try:
                 for update in updates:
                     last = health_pb2.HealthCheckResponse.ServingStatus.Name(update.status)

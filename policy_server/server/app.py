@@ -110,21 +110,22 @@ def _beyond_this_machine(host: str) -> bool:
 
 
 def exposure_warnings(config: ServerConfig) -> list[str]:
-    """What the log should say about an auth token file other users of this machine may read, and about listeners
-    that other machines may reach (``--host`` for gRPC and the openpi WebSocket, ``--metrics-host``) without a
-    token, or with the token in the clear."""
+    """What the log should say about an auth token or TLS key file other users of this machine may read, and about
+    listeners that other machines may reach (``--host`` for gRPC and the openpi WebSocket, ``--metrics-host``)
+    without a token, or with the token in the clear."""
     warnings = []
-    if config.auth_token_file is not None and (mode := config.auth_token_file.stat().st_mode & 0o777) & 0o077:
-        warnings.append(f"auth token file {config.auth_token_file} may be read by other users of this machine (mode "
-                        f"{mode:o}): chmod 600 it")
+    for secret, path in (("auth token file", config.auth_token_file), ("TLS key file", config.tls_key)):
+        if path is not None and (mode := path.stat().st_mode & 0o777) & 0o077:
+            warnings.append(f"{secret} {path} may be read by other users of this machine (mode {mode:o}): chmod 600 it")
     exposed = [f"{what} on {host}" for what, host, on in (
         ("gRPC" + (" and the openpi WebSocket" if config.websocket_port is not None else ""), config.host, True),
         ("/metrics", config.metrics_host, config.metrics_port is not None)) if on and _beyond_this_machine(host)]
     listeners = " and ".join(exposed)
     if exposed and config.auth_token_file is None:
+        can = ("may open sessions and get action chunks" if _beyond_this_machine(config.host)
+               else "may read the server's metrics (its sessions, errors and the model's digest)")
         warnings.append(f"{listeners} may be reached from other machines, with no token asked: whoever reaches them "
-                        "may open sessions and get action chunks; set --auth-token-file (with --tls-cert/--tls-key), "
-                        "or bind 127.0.0.1")
+                        f"{can}; set --auth-token-file (with --tls-cert/--tls-key), or bind 127.0.0.1")
     elif exposed and not config.tls:
         warnings.append(f"{listeners} may be reached from other machines in plaintext: the auth token crosses the "
                         "network in the clear with every call; set --tls-cert/--tls-key (or terminate TLS in front "

@@ -1,8 +1,9 @@
-"""Bearer-token authentication for every gRPC method except standard health checks.
+"""Bearer-token authentication for every gRPC method except the standard health ``Check``.
 
-Clients send ``authorization: Bearer <token>`` call metadata. Health checks stay open so that
-orchestrators (docker, k8s probes) can poll readiness without holding the secret; they reveal
-nothing but SERVING / NOT_SERVING.
+Clients send ``authorization: Bearer <token>`` call metadata. ``Check`` stays open so that orchestrators (docker, k8s
+probes) can poll readiness without holding the secret; it reveals nothing but SERVING / NOT_SERVING. ``Watch`` takes
+the token: each stream holds server memory (about 23 kB) for as long as its client keeps it open, so that anyone who
+reached the port could open them until the server ran out of memory.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import grpc
 from policy_server.server.errors import ServiceError, abort, make_error
 
 AUTH_HEADER = "authorization"
-_OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
+_OPEN_METHODS = ("/grpc.health.v1.Health/Check",)
 
 
 def bearer_token_matches(header_value: str | None, token: str) -> bool:
@@ -55,15 +56,15 @@ def _rejecting_handler(handler: grpc.RpcMethodHandler, error: ServiceError,
 
 
 class TokenAuthInterceptor(grpc.ServerInterceptor):
-    """Refuses calls without the token (health stays open; reflection needs the token too), telling ``on_refused``
-    each reason."""
+    """Refuses calls without the token (health ``Check`` stays open; reflection needs the token too), telling
+    ``on_refused`` each reason."""
 
     def __init__(self, token: str, on_refused: Callable[[str], None]) -> None:
         self._token, self._on_refused = token, on_refused
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
-        if handler is None or handler_call_details.method.startswith(_OPEN_PREFIXES):
+        if handler is None or handler_call_details.method in _OPEN_METHODS:
             return handler
         header = dict(handler_call_details.invocation_metadata or ()).get(AUTH_HEADER)
         error = authentication_error(header, self._token)
