@@ -40,6 +40,9 @@ STARTING_RETRY_MS = 100.0  # when a stream refused for want of a place may try a
 # Server reflection streams open at once (--reflection): each holds a server thread for as long as its client keeps
 # it open, idle or not.
 MAX_REFLECTION_STREAMS = 2
+# Health Watch streams open at once: each holds server memory (about 23 kB) for as long as its client keeps it; a
+# client waiting for a server to serve (`PolicyClient.wait_until_serving`) holds one.
+MAX_HEALTH_WATCHES = 64
 MAX_PENDING_FRAMES = 4  # `must_answer` frames waiting on one Control stream, each a message still to decode
 # Events (chunks, pongs, errors, ...) one Control stream holds for a client that is not reading them; beyond them
 # it reads none of the client's messages until the client reads.

@@ -26,6 +26,7 @@ from policy_server.client.types import build_observation
 from policy_server.config import build_config
 from policy_server.engine.api import Observation
 from policy_server.limits import MAX_REFLECTION_STREAMS
+from policy_server.server import app
 from policy_server.server.app import exposure_warnings, max_concurrent_calls
 from policy_server.v1 import policy_server_pb2 as pb
 from robots.rollout import main as rollout_main
@@ -374,6 +375,25 @@ def test_a_health_watch_takes_the_token_and_a_check_does_not(token_file):
         with PolicyClient(server.target) as anonymous:
             assert anonymous.health() == "SERVING"
         with PolicyClient(server.target, token_file=token_file) as client:
+            client.wait_until_serving(timeout_s=10)
+
+
+def test_health_watch_streams_are_bounded_and_a_waiting_client_waits_for_a_place(monkeypatch):
+    """Each held server memory for as long as its client kept it, as many as anyone opened (1548 streams: +35 MB)."""
+    monkeypatch.setattr(app, "MAX_HEALTH_WATCHES", 2)
+    with serve_fake() as server, grpc.insecure_channel(server.target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        held = [stub.Watch(health_pb2.HealthCheckRequest(), timeout=30) for _ in range(2)]
+        assert [next(stream).status for stream in held] == [health_pb2.HealthCheckResponse.SERVING] * 2
+        with pytest.raises(grpc.RpcError) as refused:
+            next(stub.Watch(health_pb2.HealthCheckRequest(), timeout=5))
+        assert (refused.value.code(), PolicyServerError.from_rpc_error(refused.value).reason) == (
+            grpc.StatusCode.RESOURCE_EXHAUSTED, "TOO_MANY_HEALTH_WATCHES")
+        with PolicyClient(server.target) as client:
+            assert client.health() == "SERVING"  # Check takes no place
+            with pytest.raises(TimeoutError, match=r"not SERVING after 0.5 s \(last: TOO_MANY_HEALTH_WATCHES\)"):
+                client.wait_until_serving(timeout_s=0.5)  # tried again within its wait, not raised
+            held.pop().cancel()  # its place frees as the stream ends
             client.wait_until_serving(timeout_s=10)
 
 

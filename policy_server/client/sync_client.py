@@ -251,11 +251,12 @@ class PolicyClient:
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                     break
-                if exc.code() != grpc.StatusCode.UNAVAILABLE:
-                    raise PolicyServerError.from_rpc_error(exc) from None
+                error = PolicyServerError.from_rpc_error(exc)
+                if exc.code() != grpc.StatusCode.UNAVAILABLE and error.reason != "TOO_MANY_HEALTH_WATCHES":
+                    raise error from None
                 # The server went away: watch it come back. A server in its shutdown grace period refuses new
-                # calls at once, hence the pause.
-                last = "UNAVAILABLE"
+                # calls at once, hence the pause; so does one watched by as many clients as it takes at once.
+                last = error.reason
                 time.sleep(min(_RETRY_PAUSE_S, max(0.0, end - time.monotonic())))
             finally:
                 updates.cancel()

@@ -23,7 +23,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_g
 
 from policy_server.config import ServerConfig
 from policy_server.engine.api import Engine
-from policy_server.limits import MAX_REASON_CALLS, MAX_REFLECTION_STREAMS, MAX_STARTING_STREAMS
+from policy_server.limits import MAX_HEALTH_WATCHES, MAX_REASON_CALLS, MAX_REFLECTION_STREAMS, MAX_STARTING_STREAMS
 from policy_server.server import listen
 from policy_server.server.auth import TokenAuthInterceptor
 from policy_server.server.errors import abort, lenient_parser, make_error
@@ -101,6 +101,25 @@ class _BoundedReflection(reflection.ReflectionServicer):
             self._places.release()
 
 
+class _BoundedHealth(health.HealthServicer):
+    """grpc.health.v1 with at most ``MAX_HEALTH_WATCHES`` Watch streams at once: each holds server memory for as long
+    as its client keeps it open, so unbounded ones would take the server's memory. Check stays unbounded (a unary
+    call)."""
+
+    def __init__(self) -> None:
+        super().__init__(experimental_non_blocking=True)  # a Watch holds no thread, only its place here
+        self._watches = threading.BoundedSemaphore(MAX_HEALTH_WATCHES)
+
+    def Watch(self, request, context, send_response_callback=None):  # noqa: N802 - gRPC's method name
+        if not self._watches.acquire(blocking=False):
+            abort(context, make_error(
+                "TOO_MANY_HEALTH_WATCHES", f"{MAX_HEALTH_WATCHES} health Watch streams are open already",
+                expected="a Watch stream closed once its client has seen what it waits for (or health Check)",
+                retry_after_ms=1000.0))
+        context.add_callback(self._watches.release)  # when the stream ends, however it ends
+        return super().Watch(request, context, send_response_callback)
+
+
 def _beyond_this_machine(host: str) -> bool:
     """Whether a listener on ``host`` may be reached from other machines: any address but a loopback one."""
     try:
@@ -172,7 +191,7 @@ class PolicyServer:
         self._token = config.auth_token()
         self._grpc: grpc.Server | None = None
         self._running = RunningCalls()
-        self._health = health.HealthServicer(experimental_non_blocking=True)
+        self._health = _BoundedHealth()
         self._websocket: OpenpiWebsocketServer | None = None
         self._stop_polling = threading.Event()
         self._poller: threading.Thread | None = None
