@@ -124,6 +124,10 @@ def test_inverse_dynamics_takes_frames_of_the_camera_s_own_size(engine, client, 
 def test_inverse_dynamics_refuses_a_chunk_whose_last_frames_the_vae_would_not_see(client):
     # A chunk of 5 took 6 frames and explained them from the first 5 (the VAE takes frame 0 and groups of 4).
     session = client.open_session("pusht", INSTRUCTION, chunk_size=5, rate_hz=0)
+    corrupt = encode_image(_frame(), "png")
+    corrupt.data = corrupt.data[:40]
+    undecodable = pb.InverseDynamicsRequest(session_id=session.session_id, epoch=session.epoch,
+                                            videos={"image": pb.Video(frames=[corrupt] * 6)})
     try:
         with pytest.raises(PolicyServerError) as refused:
             client.inverse_dynamics(session, {"image": _video(frames=6)}, STATE)
@@ -132,6 +136,14 @@ def test_inverse_dynamics_refuses_a_chunk_whose_last_frames_the_vae_would_not_se
         assert refused.value.detail.expected == "a session whose chunk is a multiple of 4, so that the model sees " \
                                                 "every frame"
         assert refused.value.detail.got == "chunks of 5: the model would see 5 of the 6 frames"
+        # Before its frames are decoded or counted: a clip of another length, or frames that do not decode, get the
+        # same answer, not an error whose fix the session would then refuse.
+        with pytest.raises(PolicyServerError) as miscounted:
+            client.inverse_dynamics(session, {"image": _video(frames=9)}, STATE)
+        with pytest.raises(grpc.RpcError) as undecoded:
+            client.stub.InverseDynamics(undecodable, timeout=60)
+        for error in (miscounted.value, PolicyServerError.from_rpc_error(undecoded.value)):
+            assert (error.code, error.reason, error.field) == (INVALID, "BAD_VALUE", "session.chunk_size")
     finally:
         client.close_session(session)
 

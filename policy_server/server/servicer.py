@@ -150,7 +150,7 @@ class PolicyServicer(pb_grpc.PolicyServiceServicer):
     def InverseDynamics(self, request: pb.InverseDynamicsRequest, context: grpc.ServicerContext):
         received = time.monotonic()
         handle, spec = self._session_request(request)
-        with self.engine.reserve_dynamics(handle.session_id) as reservation:  # refused now: before decoding
+        with self.engine.reserve_dynamics(handle.session_id, inverse=True) as reservation:  # refused before decoding
             clip = validate.video_clip(request, spec, handle.chunk_size)
             result = self.engine.inverse_dynamics(
                 handle.session_id, handle.epoch, clip, seed=request.seed if request.HasField("seed") else None,
