@@ -23,7 +23,7 @@ from policy_server.limits import MAX_DYNAMICS_MS, MAX_FRAME_SIDE, MAX_STARTING_S
 from policy_server.pipeline import policy
 from policy_server.pipeline.conditioning import resize, side_by_side
 from policy_server.pipeline.policy import PolicyPipeline, PolicyRequest
-from policy_server.server import convert
+from policy_server.server import convert, validate
 from policy_server.server.app import build_server
 from policy_server.server.convert import FRAME_JPEG_QUALITY
 from policy_server.v1 import policy_server_pb2 as pb
@@ -333,6 +333,52 @@ def test_a_dynamics_call_ends_at_its_deadline_or_when_its_caller_goes_away_on_an
         engine.forward_dynamics(sid, epoch, api.Observation({"image": _frame()}, STATE), ACTIONS,
                                 deadline_s=time.monotonic())
     assert engine.inverse_dynamics(sid, epoch, _clip()).actions.shape == (8, 2)  # the places were given back
+
+
+def test_a_dynamics_call_whose_caller_is_gone_once_its_frames_are_decoded_puts_none_on_the_canvas(engine, session,
+                                                                                                   monkeypatch):
+    """17 frames of 2048x2048 took 1.5 s to go onto the canvas after their caller had given up at 50 ms, its dynamics
+    place held all along: the call ends before, as the worker would end it before its first piece."""
+    placed = []
+
+    def counted_side_by_side(cameras):
+        placed.append(cameras)
+        return side_by_side(cameras)
+
+    monkeypatch.setattr(policy, "side_by_side", counted_side_by_side)
+    sid, epoch = session.session_id, session.epoch
+    with pytest.raises(api.Cancelled):
+        engine.inverse_dynamics(sid, epoch, _clip(), should_abort=lambda: True)
+    with pytest.raises(api.DeadlineExpired):
+        engine.forward_dynamics(sid, epoch, api.Observation({"image": _frame()}, STATE), ACTIONS,
+                                deadline_s=time.monotonic())
+    assert placed == []
+    assert engine.inverse_dynamics(sid, epoch, _clip()).actions.shape == (8, 2) and len(placed) == 1
+
+
+def test_an_inverse_dynamics_call_stops_decoding_its_frames_once_its_caller_is_gone(engine, client, session,
+                                                                                   monkeypatch):
+    """17 frames of 2048x2048 took 0.7 s to decode after their caller had given up at 50 ms, its dynamics place held
+    all along: the transport stops between two frames."""
+    decoded = []
+    decode = validate._frame
+
+    def slow_frame(image, camera, field):
+        decoded.append(field)
+        time.sleep(0.1)
+        return decode(image, camera, field)
+
+    monkeypatch.setattr(validate, "_frame", slow_frame)
+    with pytest.raises(PolicyServerError) as late:
+        client.inverse_dynamics(session, {"image": _video()}, STATE, timeout_s=0.15)
+    assert late.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    while True:  # both places free: the call has ended on the server
+        try:
+            with engine.reserve_dynamics(session.session_id), engine.reserve_dynamics(session.session_id):
+                break
+        except api.TooManyDynamicsCalls:
+            time.sleep(0.01)
+    assert 1 <= len(decoded) < 9
 
 
 def test_scaling_an_inverse_dynamics_calls_cameras_counts_against_its_time(engine, session, monkeypatch):

@@ -169,6 +169,8 @@ class Dynamics:
         end = CallEnd(served.closing, deadline_s, should_abort,
                       late=f"the call's deadline passed (the caller's, or the server's bound of "
                            f"{MAX_DYNAMICS_MS / 1e3:g} s)")
+        if (reason := end.reason()) is not None:  # gone, or late, once its frames are decoded: no canvas for them
+            raise reason
         frames = served.pipeline.prepare_frames(request)
         prepared_ms = served.clock()
         job = DynamicsCall(served, embodiment, request, frames, decode_frames, session.prompt, prepared_ms, end)

@@ -144,7 +144,7 @@ class PolicyServicer(pb_grpc.PolicyServiceServicer):
         received = time.monotonic()
         handle, spec = self._session_request(request)
         with self.engine.reserve_dynamics(handle.session_id, inverse=True) as reservation:  # refused before decoding
-            clip = validate.video_clip(request, spec, handle.chunk_size)
+            clip = validate.video_clip(request, spec, handle.chunk_size, ended=lambda: not context.is_active())
             result = self.engine.inverse_dynamics(
                 handle.session_id, handle.epoch, clip, seed=request.seed if request.HasField("seed") else None,
                 deadline_s=self._deadline_s(context, received), should_abort=lambda: not context.is_active(),
