@@ -158,23 +158,26 @@ def qwen_greedy(models, prompt):
     return out.sequences[0, prompt.numel():].tolist(), torch.cat(out.logits)
 
 
-@pytest.fixture(scope="module")
-def stream_greedy(models, prompt):
+def greedy_stream(model, prompt: torch.Tensor) -> tuple[list[int], list[torch.Tensor]]:
     """`ReasonerStream` greedy: its tokens and the logits of every `reasoner_forward` it ran."""
-    _, ours = models
-    forward, seen, tokens = ours.reasoner_forward, [], []
+    forward, seen, tokens = model.reasoner_forward, [], []
 
     def recording(*args):
         seen.append(forward(*args))
         return seen[-1]
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(ours, "reasoner_forward", recording)
-        stream = ReasonerStream(ours, prompt, max_new_tokens=NEW_TOKENS)
+        patch.setattr(model, "reasoner_forward", recording)
+        stream = ReasonerStream(model, prompt, max_new_tokens=NEW_TOKENS)
         while not stream.done:
             if (token := stream.step()) is not None:
                 tokens.append(token)
     return tokens, seen
+
+
+@pytest.fixture(scope="module")
+def stream_greedy(models, prompt):
+    return greedy_stream(models[1], prompt)
 
 
 def test_greedy_tokens_equal_qwen3_generate(qwen_greedy, stream_greedy):
@@ -195,7 +198,8 @@ def test_decode_step_logits_equal_qwen3(prompt, qwen_greedy, stream_greedy):
 
 def test_reason_on_a_diffusers_folder_uses_its_und_weights_lm_head_and_chat_template(tmp_path_factory):
     """A `Cosmos3OmniPipeline` folder served as is: its UND weights and `lm_head`, read back into a Qwen3, and
-    its own tokenizer with its chat template (through transformers) give the tokens `Engine.reason` decodes."""
+    its own tokenizer with its chat template (through transformers) give the tokens `Engine.reason` decodes and
+    the logits of every step, bit for bit."""
     from cosmos3_folder import build_tiny_cosmos3_folder
     from transformers import AutoTokenizer
 
@@ -222,10 +226,9 @@ def test_reason_on_a_diffusers_folder_uses_its_und_weights_lm_head_and_chat_temp
     assert prompt.tolist() == expected_prompt
     with torch.no_grad():
         expected = qwen.generate(prompt[None], attention_mask=torch.ones_like(prompt)[None], do_sample=False,
-                                 max_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0)[0, prompt.numel():]
-    stream = ReasonerStream(pipe.transformer, prompt, max_new_tokens=NEW_TOKENS)
-    tokens = []
-    while not stream.done:
-        if (token := stream.step()) is not None:
-            tokens.append(token)
-    assert tokens == expected.tolist() and len(set(tokens)) > 1
+                                 max_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0, output_logits=True,
+                                 return_dict_in_generate=True)
+    tokens, seen = greedy_stream(pipe.transformer, prompt)
+    assert tokens == expected.sequences[0, prompt.numel():].tolist() and len(set(tokens)) > 1
+    chunks = math.ceil(prompt.numel() / PREFILL_CHUNK)
+    torch.testing.assert_close(torch.stack(seen[chunks - 1:]).float(), torch.cat(expected.logits), atol=0, rtol=0)

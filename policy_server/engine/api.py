@@ -619,11 +619,12 @@ class Engine(Protocol):
         """
         ...
 
-    def reserve_dynamics(self, session_id: str) -> AbstractContextManager[object]:
-        """Take one of the server's places for a dynamics call before the transport decodes its frames: a call
-        refused (DynamicsOff, TooManyDynamicsCalls, WarmingUp, UnknownSession) costs no decoding. Yields the
-        reservation to pass to ``forward_dynamics`` / ``inverse_dynamics``; the place is held until the context
-        ends."""
+    def reserve_dynamics(self, session_id: str, inverse: bool = False) -> AbstractContextManager[object]:
+        """Take one of the server's places for a dynamics call (``inverse``: for ``inverse_dynamics``) before the
+        transport decodes its frames: a call refused (DynamicsOff, InvalidArgument for an inverse call on a session
+        whose chunk the model does not see whole, TooManyDynamicsCalls, WarmingUp, UnknownSession) costs no
+        decoding. Yields the reservation to pass to ``forward_dynamics`` / ``inverse_dynamics``; the place is held
+        until the context ends."""
         ...
 
     def forward_dynamics(

@@ -98,11 +98,14 @@ class Dynamics:
         self._calls = threading.Semaphore(served.settings.max_dynamics_calls)
 
     @contextlib.contextmanager
-    def place(self) -> Iterator[None]:
-        """One of the `max_dynamics_calls` places, held while the context lasts: the caller takes it before its
-        frames are decoded and keeps it until its call has ended (a call ends before its caller returns)."""
+    def place(self, session: SessionState, inverse: bool) -> Iterator[None]:
+        """One of the `max_dynamics_calls` places for a call of `session` (an `inverse` one: a session whose chunk
+        the model sees whole), held while the context lasts: the caller takes it before its frames are decoded and
+        keeps it until its call has ended (a call ends before its caller returns)."""
         if not self.served.settings.max_dynamics_calls:
             raise api.DynamicsOff()
+        if inverse:
+            self._check_inverse_chunk(session.opening.chunk_size)
         if not self._calls.acquire(blocking=False):
             raise api.TooManyDynamicsCalls(self.served.settings.max_dynamics_calls)
         try:
@@ -124,12 +127,6 @@ class Dynamics:
     def inverse(self, session: SessionState, clip: api.VideoClip, seed: int | None, deadline_s: float | None,
                 should_abort: Callable[[], bool] | None) -> api.ActResult:
         opening = session.opening
-        chunk, seen = opening.chunk_size, self.served.pipeline.num_video_frames(opening.chunk_size)
-        if seen != chunk + 1:  # the VAE takes frame 0 and whole groups of t frames after it
-            t = self.served.pipeline.vae.temporal_compression
-            raise api.InvalidArgument("session.chunk_size", f"a session whose chunk is a multiple of {t}, so that the "
-                                      "model sees every frame", f"chunks of {chunk}: the model would see {seen} of the "
-                                      f"{chunk + 1} frames", reason="BAD_VALUE")
         embodiment = self.served.embodiments[opening.embodiment]
         request = PolicyRequest(images={}, instruction=self._instruction(session, clip.instruction, "instruction"),
                                 embodiment=opening.embodiment, state=clip.state, mode="inverse_dynamics",
@@ -142,6 +139,15 @@ class Dynamics:
         tick = dataclasses.replace(tick, knobs={**tick.knobs, "clipped_actions": float(clipped)})
         return api.ActResult(actions=embodiment.clip_to_limits(out.actions).astype(np.float32),
                              first_step_index=clip.step_index, tick=tick)
+
+    def _check_inverse_chunk(self, chunk: int) -> None:
+        """InvalidArgument unless the model sees all `chunk` + 1 frames of an inverse-dynamics clip."""
+        seen = self.served.pipeline.num_video_frames(chunk)
+        if seen != chunk + 1:  # the VAE takes frame 0 and whole groups of t frames after it
+            t = self.served.pipeline.vae.temporal_compression
+            raise api.InvalidArgument("session.chunk_size", f"a session whose chunk is a multiple of {t}, so that the "
+                                      "model sees every frame", f"chunks of {chunk}: the model would see {seen} of the "
+                                      f"{chunk + 1} frames", reason="BAD_VALUE")
 
     def _instruction(self, session: SessionState, instruction: str, field: str) -> str:
         """The call's instruction (checked against the token limit), else the session's."""
@@ -163,6 +169,8 @@ class Dynamics:
         end = CallEnd(served.closing, deadline_s, should_abort,
                       late=f"the call's deadline passed (the caller's, or the server's bound of "
                            f"{MAX_DYNAMICS_MS / 1e3:g} s)")
+        if (reason := end.reason()) is not None:  # gone, or late, once its frames are decoded: no canvas for them
+            raise reason
         frames = served.pipeline.prepare_frames(request)
         prepared_ms = served.clock()
         job = DynamicsCall(served, embodiment, request, frames, decode_frames, session.prompt, prepared_ms, end)

@@ -306,12 +306,12 @@ class ModelEngine:
         return dataclasses.replace(request, frames=frames, prepare_ms=self.served.clock() - started)
 
     @contextlib.contextmanager
-    def reserve_dynamics(self, session_id: str) -> Iterator[SessionState]:
-        """A place for one dynamics call of the session, taken before the transport decodes its frames and
-        held until the context ends."""
+    def reserve_dynamics(self, session_id: str, inverse: bool = False) -> Iterator[SessionState]:
+        """A place for one dynamics call of the session (`inverse`: an inverse one, which the session's chunk size
+        must allow), taken before the transport decodes its frames and held until the context ends."""
         self._require_ready()
         session = self.sessions.get(session_id)
-        with self._dynamics.place():
+        with self._dynamics.place(session, inverse):
             with session.lock:
                 session.dynamics += 1
             try:
@@ -332,7 +332,8 @@ class ModelEngine:
     def inverse_dynamics(self, session_id: str, epoch: int, clip: api.VideoClip, seed: int | None = None,
                          deadline_s: float | None = None, should_abort: Callable[[], bool] | None = None,
                          reservation: SessionState | None = None) -> api.ActResult:
-        with contextlib.nullcontext(reservation) if reservation else self.reserve_dynamics(session_id) as session:
+        with (contextlib.nullcontext(reservation) if reservation else self.reserve_dynamics(session_id, inverse=True)
+              as session):
             self.served.check_epoch(session, epoch)
             return self._dynamics.inverse(session, clip, seed, deadline_s, should_abort)
 

@@ -347,21 +347,11 @@ class ControlCall:
                 self._emit_error(frame.obs_id, renamed(exc, ("observation.instruction",),
                                                        f"{_FRAME_OBSERVATION}.instruction"))
                 continue
-            served_ms = (time.monotonic() - frame.received_s) * 1e3
-            self._metrics.observe_tick(result, served_ms, "grpc_stream")
-            self._send(
-                pb.ControlEvent(
-                    chunk=convert.act_result_to_proto(
-                        result,
-                        self._session_id,
-                        frame.epoch,
-                        frame.sent.step_index(),
-                        served_ms,
-                        obs_id=frame.obs_id,
-                        client_time_ns=frame.client_time_ns,
-                    )
-                )
-            )
+            answer = convert.act_result_to_proto(result, self._session_id, frame.epoch, frame.sent.step_index(),
+                                                 frame.received_s, obs_id=frame.obs_id,
+                                                 client_time_ns=frame.client_time_ns)
+            self._metrics.observe_tick(result, answer.served_ms, "grpc_stream")
+            self._send(pb.ControlEvent(chunk=answer))
         with self._cond:
             refused, self._pending = self._pending, []
         for frame in refused:  # frames left by a drain

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict
 
 import numpy as np
@@ -171,10 +172,13 @@ def act_result_to_proto(
     session_id: str,
     epoch: int,
     obs_step_index: int,
-    served_ms: float,
+    received_s: float,
     obs_id: int = 0,
     client_time_ns: int = 0,
 ) -> pb.ActionChunk:
+    """The answer to a request received at ``received_s`` (``time.monotonic()``), its ``served_ms`` ending once the
+    preview frames are JPEG-encoded."""
+    preview_frames = [] if result.preview_frames is None else frames_to_proto(result.preview_frames)
     return pb.ActionChunk(
         session_id=session_id,
         epoch=epoch,
@@ -183,9 +187,9 @@ def act_result_to_proto(
         first_step_index=result.first_step_index,
         actions=tensor_to_proto(np.asarray(result.actions, dtype=np.float32)),
         tick=tick_to_proto(result.tick),
-        served_ms=served_ms,
+        served_ms=_ms_since(received_s),
         client_time_ns=client_time_ns,
-        preview_frames=[] if result.preview_frames is None else frames_to_proto(result.preview_frames),
+        preview_frames=preview_frames,
     )
 
 
@@ -195,14 +199,20 @@ def frames_to_proto(frames: np.ndarray) -> list[pb.Image]:
 
 
 def predicted_video_to_proto(result: PredictedVideo, session_id: str, epoch: int, obs_step_index: int,
-                             served_ms: float, client_time_ns: int = 0) -> pb.PredictedFrames:
+                             received_s: float, client_time_ns: int = 0) -> pb.PredictedFrames:
+    """The answer to a request received at ``received_s``, its ``served_ms`` ending once the frames are encoded."""
+    frames = frames_to_proto(result.frames)
     return pb.PredictedFrames(
         session_id=session_id,
         epoch=epoch,
         obs_step_index=obs_step_index,
-        frames=frames_to_proto(result.frames),
+        frames=frames,
         latents_shape=list(result.latents_shape),
         tick=tick_to_proto(result.tick),
-        served_ms=served_ms,
+        served_ms=_ms_since(received_s),
         client_time_ns=client_time_ns,
     )
+
+
+def _ms_since(started_s: float) -> float:
+    return (time.monotonic() - started_s) * 1e3

@@ -114,16 +114,10 @@ class PolicyServicer(pb_grpc.PolicyServiceServicer):
                 should_abort=lambda: not context.is_active(),
                 reservation=reservation,
             )
-        served_ms = (time.monotonic() - received) * 1e3
-        self.metrics.observe_tick(result, served_ms, "grpc")
-        return convert.act_result_to_proto(
-            result,
-            handle.session_id,
-            handle.epoch,
-            observation.step_index,
-            served_ms,
-            client_time_ns=request.observation.client_time_ns,
-        )
+        answer = convert.act_result_to_proto(result, handle.session_id, handle.epoch, observation.step_index,
+                                             received, client_time_ns=request.observation.client_time_ns)
+        self.metrics.observe_tick(result, answer.served_ms, "grpc")
+        return answer
 
     # -- forward and inverse dynamics --------------------------------------------------------
 
@@ -143,22 +137,21 @@ class PolicyServicer(pb_grpc.PolicyServiceServicer):
                 reservation=reservation,
             )
         return convert.predicted_video_to_proto(result, handle.session_id, handle.epoch, observation.step_index,
-                                                (time.monotonic() - received) * 1e3,
-                                                client_time_ns=request.observation.client_time_ns)
+                                                received, client_time_ns=request.observation.client_time_ns)
 
     @rpc_errors
     def InverseDynamics(self, request: pb.InverseDynamicsRequest, context: grpc.ServicerContext):
         received = time.monotonic()
         handle, spec = self._session_request(request)
-        with self.engine.reserve_dynamics(handle.session_id) as reservation:  # refused now: before decoding
-            clip = validate.video_clip(request, spec, handle.chunk_size)
+        with self.engine.reserve_dynamics(handle.session_id, inverse=True) as reservation:  # refused before decoding
+            clip = validate.video_clip(request, spec, handle.chunk_size, ended=lambda: not context.is_active())
             result = self.engine.inverse_dynamics(
                 handle.session_id, handle.epoch, clip, seed=request.seed if request.HasField("seed") else None,
                 deadline_s=self._deadline_s(context, received), should_abort=lambda: not context.is_active(),
                 reservation=reservation,
             )
-        return convert.act_result_to_proto(result, handle.session_id, handle.epoch, clip.step_index,
-                                           (time.monotonic() - received) * 1e3, client_time_ns=request.client_time_ns)
+        return convert.act_result_to_proto(result, handle.session_id, handle.epoch, clip.step_index, received,
+                                           client_time_ns=request.client_time_ns)
 
     @rpc_errors
     def Control(self, request_iterator, context):
