@@ -137,6 +137,22 @@ def test_connections_that_time_out_write_no_traceback(monkeypatch, capfd):
     assert "Traceback" not in capfd.readouterr().err
 
 
+def test_a_scrape_whose_time_runs_out_is_a_client_gone_to_wsgiref():
+    """A request that came just before the deadline had its answer's write time out inside wsgiref, which logged a
+    traceback for it (TimeoutError): a client that timed its last byte so brought the log lines back. wsgiref takes
+    ConnectionAbortedError for a client gone, without a word. Here on a socket pair: reading, writing after the
+    deadline, and a write a reader that reads nothing holds past it (more than the pair's buffers hold)."""
+    for timed_out in ("read", "write", "blocked write"):
+        ours, theirs = socket.socketpair()
+        with ours, theirs:
+            connection = metrics._BeforeDeadline(ours, time.monotonic() + (0.2 if timed_out == "blocked write" else 0))
+            with pytest.raises(ConnectionAbortedError, match="the scrape's time is up"):
+                if timed_out == "read":
+                    connection.readinto(bytearray(10))
+                else:
+                    connection.write(b"x" * (16 << 20 if timed_out == "blocked write" else 1))
+
+
 def test_a_metrics_port_in_use_is_named():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -623,7 +623,8 @@ def test_a_stale_epoch_of_the_session_a_restart_replaced_is_skipped():
             observation = build_observation({"image": IMAGE}, STATE, step_index=0, encoding="png")
             stream.send_observation(observation, epoch=1, must_answer=True)  # answered STALE_EPOCH, got 1
             send(stream, 1, must_answer=True)  # answered after it
-            while len(engine.acts) < 1:
+            end = time.monotonic() + 20
+            while len(engine.acts) < 1 and time.monotonic() < end:
                 time.sleep(0.01)
             time.sleep(0.5)  # both answers on their way over loopback, queued before the connection ends
             server.stop(grace_s=0.1)

@@ -257,7 +257,7 @@ class PolicyClient:
                 # The server went away: watch it come back. A server in its shutdown grace period refuses new
                 # calls at once, hence the pause; so does one watched by as many clients as it takes at once.
                 last = error.reason
-                time.sleep(min(_RETRY_PAUSE_S, max(0.0, end - time.monotonic())))
+                time.sleep(min(max(_RETRY_PAUSE_S, error.retry_after_ms / 1e3), max(0.0, end - time.monotonic())))
             finally:
                 updates.cancel()
         raise TimeoutError(f"{self.target} not SERVING after {timeout_s:g} s (last: {last})")

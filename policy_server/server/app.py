@@ -116,7 +116,9 @@ class _BoundedHealth(health.HealthServicer):
                 "TOO_MANY_HEALTH_WATCHES", f"{MAX_HEALTH_WATCHES} health Watch streams are open already",
                 expected="a Watch stream closed once its client has seen what it waits for (or health Check)",
                 retry_after_ms=1000.0))
-        context.add_callback(self._watches.release)  # when the stream ends, however it ends
+        if not context.add_callback(self._watches.release):  # the stream ended already (cancelled as it came)
+            self._watches.release()
+            return None
         return super().Watch(request, context, send_response_callback)
 
 
