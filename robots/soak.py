@@ -113,8 +113,8 @@ def listeners_of(line: str) -> dict[str, str]:
 
 class ServerProcess:
     """A real ``policy-server`` child process on a 127.0.0.1 port it picks, output in ``log_path``; ``wait_serving``
-    before using it (``target`` is known then). ``client_options``: `PolicyClient`'s TLS keywords for a server given
-    ``--tls-cert``."""
+    before using it (``target`` is known then). ``client_options``: `PolicyClient`'s keywords for a server given
+    ``--tls-cert`` (TLS) or ``--auth-token-file`` (``token_file``: its health Watch takes the token)."""
 
     def __init__(self, server_args: list[str], log_path: Path, client_options: dict | None = None) -> None:
         self.target: str | None = None
@@ -834,7 +834,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     server = None
     if args.server is None:
-        server = ServerProcess(server_flags(args), args.out.with_suffix(".server.log"), tls_options(args))
+        server = ServerProcess(server_flags(args), args.out.with_suffix(".server.log"),
+                               {**tls_options(args), "token_file": args.auth_token_file})
     if sys.platform == "linux":  # a thread's own there, and inherited by the threads it starts: gRPC's, the soak's
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOAD_NICE)
     try:
