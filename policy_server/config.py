@@ -59,7 +59,6 @@ class ServerTls:
 
 
 _EVERY_INTERFACE = {"0.0.0.0", "::"}  # a listener there holds its port on every address
-_LOOPBACK_NAMES = {"localhost": {"127.0.0.1", "::1"}}  # the one name that needs no lookup to compare
 
 
 class ServerConfig(BaseModel):
@@ -265,8 +264,8 @@ class ServerConfig(BaseModel):
 
 
 def _addresses(host: str) -> set[str]:
-    """The addresses a listener on `host` binds, as far as they are known without a name lookup."""
-    return _LOOPBACK_NAMES.get(host, {host})
+    """The addresses a listener on `host` binds, as far as they are known without a name lookup: localhost's."""
+    return {"127.0.0.1", "::1"} if host == "localhost" else {host}
 
 
 def _server_token(path: Path) -> str:

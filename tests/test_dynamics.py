@@ -323,22 +323,12 @@ def test_dynamics_calls_beyond_the_limit_are_refused_and_each_deadline_is_kept(e
     assert late.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
 
 
-def test_a_dynamics_call_ends_at_its_deadline_or_when_its_caller_goes_away_on_an_idle_worker(engine, session):
+def test_a_dynamics_call_ends_at_its_deadline_or_when_its_caller_goes_away_on_an_idle_worker(engine, session,
+                                                                                             monkeypatch):
     """With nothing else queued the worker steps the call back to back, so the caller never finds it between two
-    pieces: the call itself stops there, rather than running to its end for nobody while it holds its place."""
-    sid, epoch = session.session_id, session.epoch
-    with pytest.raises(api.Cancelled):
-        engine.inverse_dynamics(sid, epoch, _clip(), should_abort=lambda: True)
-    with pytest.raises(api.DeadlineExpired):
-        engine.forward_dynamics(sid, epoch, api.Observation({"image": _frame()}, STATE), ACTIONS,
-                                deadline_s=time.monotonic())
-    assert engine.inverse_dynamics(sid, epoch, _clip()).actions.shape == (8, 2)  # the places were given back
-
-
-def test_a_dynamics_call_whose_caller_is_gone_once_its_frames_are_decoded_puts_none_on_the_canvas(engine, session,
-                                                                                                   monkeypatch):
-    """17 frames of 2048x2048 took 1.5 s to go onto the canvas after their caller had given up at 50 ms, its dynamics
-    place held all along: the call ends before, as the worker would end it before its first piece."""
+    pieces: the call itself stops there, rather than running to its end for nobody while it holds its place. It stops
+    before its frames go onto the canvas, too: 17 frames of 2048x2048 took 1.5 s there after their caller had given
+    up at 50 ms."""
     placed = []
 
     def counted_side_by_side(cameras):
@@ -353,6 +343,7 @@ def test_a_dynamics_call_whose_caller_is_gone_once_its_frames_are_decoded_puts_n
         engine.forward_dynamics(sid, epoch, api.Observation({"image": _frame()}, STATE), ACTIONS,
                                 deadline_s=time.monotonic())
     assert placed == []
+    # the places were given back
     assert engine.inverse_dynamics(sid, epoch, _clip()).actions.shape == (8, 2) and len(placed) == 1
 
 

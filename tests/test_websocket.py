@@ -337,14 +337,19 @@ def test_shutdown_answers_the_observation_being_served_then_closes():
             assert (closed.value.rcvd.code, closed.value.rcvd.reason) == (1001, "server shutting down")
 
 
+def _close_reasons(engine: FakeEngine) -> list[str]:
+    """The reasons the engine is given as it closes sessions, in order, as the server's log names them."""
+    reasons, close_session = [], engine.close_session
+    engine.close_session = lambda session_id, why: (reasons.append(why), close_session(session_id, why))
+    return reasons
+
+
 def test_shutdown_refuses_new_connections_and_ends_handshakes_at_once():
     """During the grace the port refused nothing: a client reconnecting after its SHUTTING_DOWN got the metadata frame
     of the stopping server, then SHUTTING_DOWN again; openpi's client retries a refused connection only. A socket in
     its handshake held the shutdown until its handshake timed out (10 s). The log says why each session closed."""
     engine = FakeEngine()
-    closed_why = []
-    close_session = engine.close_session
-    engine.close_session = lambda session_id, why: (closed_why.append(why), close_session(session_id, why))
+    closed_why = _close_reasons(engine)
     with serve_fake(engine, websocket_port=0) as server:
         policy = WebsocketClientPolicy(host="127.0.0.1", port=server.websocket_port)
         idle = WebsocketClientPolicy(host="127.0.0.1", port=server.websocket_port)
@@ -359,7 +364,7 @@ def test_shutdown_refuses_new_connections_and_ends_handshakes_at_once():
             assert stopping.is_alive() and not replies
         assert replies[0]["actions"].shape == (8, 2)
         handshaking.close()
-    assert sorted(closed_why) == ["its WebSocket connection closed with 1001 (server shutting down)"] * 2
+    assert sorted(closed_why) == ["its WebSocket connection closed with 1001 ('server shutting down')"] * 2
 
 
 def test_a_client_gone_right_after_its_observation_is_no_internal_error(server, engine):
@@ -455,9 +460,7 @@ def test_a_close_reason_cannot_forge_or_split_log_lines():
     """The log names why a connection's session closed with the reason its client sent, which was written as sent:
     a reason of 'bye\\n<a log line>' (123 bytes may hold one) wrote a second, forged line."""
     engine = FakeEngine()
-    closed_why = []
-    close_session = engine.close_session
-    engine.close_session = lambda session_id, why: (closed_why.append(why), close_session(session_id, why))
+    closed_why = _close_reasons(engine)
     with serve_fake(engine, websocket_port=0) as server:
         policy = WebsocketClientPolicy(host="127.0.0.1", port=server.websocket_port)
         policy.infer(openpi_observation())
@@ -467,7 +470,7 @@ def test_a_close_reason_cannot_forge_or_split_log_lines():
                 break
             time.sleep(0.01)
     assert closed_why == [
-        "its WebSocket connection closed with 1000 (bye\\n2026-01-01 00:00:00,000 INFO x: forged\\x1b[2K\\u2028)"]
+        "its WebSocket connection closed with 1000 ('bye\\n2026-01-01 00:00:00,000 INFO x: forged\\x1b[2K\\u2028')"]
 
 
 def test_embodiment_is_chosen_by_query_parameter(server):

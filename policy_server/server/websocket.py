@@ -547,8 +547,8 @@ class OpenpiWebsocketServer:
         finally:
             if state.session is not None:
                 why = f"its WebSocket connection closed with {connection.close_code}"
-                if connection.close_reason:  # the client's text (123 bytes at most): escaped, one line
-                    why += f" ({_printable(connection.close_reason)})"
+                if connection.close_reason:  # the client's text (123 bytes at most): repr escapes line breaks
+                    why += f" ({connection.close_reason!r})"
                 try:
                     self._engine.close_session(state.session.session_id, why)
                 except UnknownSession:  # the engine shut down
@@ -696,9 +696,3 @@ def _undecodable(exc: Exception) -> str:
     if isinstance(exc, msgpack.StackError):
         return "nesting deeper than msgpack allows"
     return str(exc)
-
-
-def _printable(text: str) -> str:
-    """``text`` with each unprintable character escaped (a line break as ``\\n``), so that a client's text cannot
-    forge or split a log line."""
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
