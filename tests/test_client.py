@@ -358,6 +358,10 @@ def test_a_reason_survives_a_proxy_that_keeps_only_the_code_and_the_message():
     plain = PolicyServerError.from_rpc_error(
         _FailedCall(rpc_status._Status(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses", ())))
     assert (plain.reason, plain.message) == ("UNAVAILABLE", "failed to connect to all addresses")
+    refused = PolicyServerError.from_rpc_error(_FailedCall(rpc_status._Status(
+        grpc.StatusCode.UNAVAILABLE, "Stream removed (RST_STREAM (Received RST_STREAM with error code 7))", ())))
+    assert refused.reason == "TOO_MANY_CALLS"  # what a client that floods one connection gets for its calls beyond
+    assert refused.message.startswith("the server refused the call: its connection held as many calls at once")
 
 
 def test_unreachable_server_is_unavailable_at_once_for_act():

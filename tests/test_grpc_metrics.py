@@ -11,10 +11,11 @@ from concurrent import futures
 import grpc
 import pytest
 from google.protobuf import descriptor_pb2, descriptor_pool
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from policy_server.server.grpc_metrics import GrpcMetricsInterceptor
+from policy_server.server.health import HealthService
 from policy_server.server.metrics import LATENCY_BUCKETS_S
 
 KINDS = {"Unary": (False, False), "ClientStream": (True, False), "ServerStream": (False, True), "Bidi": (True, True)}
@@ -81,7 +82,7 @@ def serve(interceptors):
         "Bidi": grpc.stream_stream_rpc_method_handler(bidi),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("test.Probe", handlers),))
-    watched = health.HealthServicer(experimental_non_blocking=True)
+    watched = HealthService()
     health_pb2_grpc.add_HealthServicer_to_server(watched, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()

@@ -9,6 +9,7 @@ import time
 import tomllib
 import urllib.error
 import urllib.request
+from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -26,7 +27,7 @@ from policy_server.client.types import build_observation
 from policy_server.config import build_config
 from policy_server.engine.api import Observation
 from policy_server.limits import MAX_REFLECTION_STREAMS
-from policy_server.server import app
+from policy_server.server import health
 from policy_server.server.app import exposure_warnings, max_concurrent_calls
 from policy_server.v1 import policy_server_pb2 as pb
 from robots.rollout import main as rollout_main
@@ -217,6 +218,26 @@ def test_idle_reflection_streams_are_bounded_and_leave_the_server_its_threads(se
         assert "policy_server.v1.PolicyService" in ProtoReflectionDescriptorDatabase(channel).get_services()
 
 
+def test_one_connection_holds_at_most_the_pools_calls_and_other_connections_are_served(server, client):
+    # Was: a client that held more calls at once than the thread pool (tens of threads flooding one session's Acts)
+    # got the calls of every other client refused, RESOURCE_EXHAUSTED "Concurrent RPC limit exceeded!". Now HTTP/2
+    # lets one connection hold at most the pool's count of calls; its calls beyond wait on that connection.
+    calls = max_concurrent_calls(server.config.max_sessions, server.config.max_dynamics_calls, reflection=True)
+    request = health_pb2.HealthCheckRequest(service="")
+    with grpc.insecure_channel(server.target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        watches = [stub.Watch(request) for _ in range(calls)]  # streams that hold no thread: the count is the cap's
+        assert {next(watch).status for watch in watches} == {health_pb2.HealthCheckResponse.SERVING}
+        with pytest.raises(grpc.RpcError) as waited:
+            next(stub.Watch(request, timeout=1.0))
+        assert waited.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # it waited for a place on its connection
+        assert client.server_info(timeout_s=10).embodiments  # another connection is served meanwhile
+        watches.pop().cancel()
+        assert next(stub.Watch(request, timeout=10)).status == health_pb2.HealthCheckResponse.SERVING
+        for watch in watches:
+            watch.cancel()
+
+
 def test_reflection_is_off_by_default():
     with serve_fake() as server, grpc.insecure_channel(server.target) as channel:
         with pytest.raises(grpc.RpcError) as err:
@@ -383,7 +404,7 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 
 def test_health_watch_streams_are_bounded_and_a_waiting_client_waits_for_a_place(monkeypatch):
     """Each held server memory for as long as its client kept it, as many as anyone opened (1548 streams: +35 MB)."""
-    monkeypatch.setattr(app, "MAX_HEALTH_WATCHES", 2)
+    monkeypatch.setattr(health, "MAX_HEALTH_WATCHES", 2)
     with serve_fake() as server, grpc.insecure_channel(server.target) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         held = [stub.Watch(health_pb2.HealthCheckRequest(), timeout=30) for _ in range(2)]
@@ -408,9 +429,32 @@ def test_health_watch_streams_are_bounded_and_a_waiting_client_waits_for_a_place
             try:
                 assert next(stub.Watch(health_pb2.HealthCheckRequest(), timeout=5)).status == SERVING
                 break
-            except grpc.RpcError as refused:
-                assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() < end
+            except grpc.RpcError as refused:  # its place, or the connection's (the server counts the cancelled too)
+                reason = PolicyServerError.from_rpc_error(refused).reason
+                assert reason in ("TOO_MANY_HEALTH_WATCHES", "TOO_MANY_CALLS") and time.monotonic() < end
                 time.sleep(0.05)
+
+
+def test_watch_streams_that_end_as_others_are_answered_leave_the_server_serving(server):
+    # Was: grpc_health's servicer sent a Watch's status holding the lock that every Watch's end takes on gRPC's
+    # poller thread, and a send waits for that thread: Watch-then-cancel calls wedged the whole server, every later
+    # call unanswered (grpc/grpc#43403).
+    request = health_pb2.HealthCheckRequest(service="")
+
+    def watch_and_cancel(ends_s: float) -> None:
+        with grpc.insecure_channel(server.target) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < ends_s:
+                watch = stub.Watch(request, timeout=5)
+                assert next(watch).status == SERVING
+                watch.cancel()
+
+    ends_s = time.monotonic() + 5
+    with futures.ThreadPoolExecutor(4) as pool:
+        for watching in [pool.submit(watch_and_cancel, ends_s) for _ in range(4)]:
+            watching.result()
+    with grpc.insecure_channel(server.target) as channel:
+        assert health_pb2_grpc.HealthStub(channel).Check(request, timeout=5).status == SERVING
 
 
 def test_tls(tmp_path, capsys):

@@ -13,8 +13,9 @@ from concurrent import futures
 import grpc
 import pytest
 from fake_engine import FakeEngine, self_signed_cert, serve_fake
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from policy_server.server.health import HealthService
 from policy_server.v1 import policy_server_pb2 as pb
 from policy_server.v1 import policy_server_pb2_grpc as pb_grpc
 from robots.soak import parse_args, rss_summary
@@ -143,7 +144,7 @@ class _AdmitsOne(pb_grpc.PolicyServiceServicer):
 def _soak_refused(tmp_path, servicer: _AdmitsOne) -> subprocess.CompletedProcess:
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     pb_grpc.add_PolicyServiceServicer_to_server(servicer, server)
-    health_servicer = health.HealthServicer()
+    health_servicer = HealthService()
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")

@@ -81,6 +81,11 @@ class PolicyServerError(Exception):
         reason = error.code().name
         if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in message:
             reason = "PAYLOAD_TOO_LARGE"  # cut by gRPC core before the servicer saw it
+        elif error.code() == grpc.StatusCode.UNAVAILABLE and "RST_STREAM with error code 7" in message:
+            # HTTP/2's REFUSED_STREAM: gRPC core refused the call before the servicer saw it.
+            reason = "TOO_MANY_CALLS"
+            message = (f"the server refused the call: its connection held as many calls at once as the server "
+                       f"serves for one connection; send fewer at once ({message})")
         return cls(error.code(), reason, message)
 
     @classmethod

@@ -18,16 +18,17 @@ import time
 from concurrent import futures
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from policy_server.config import ServerConfig
 from policy_server.engine.api import Engine
-from policy_server.limits import MAX_HEALTH_WATCHES, MAX_REASON_CALLS, MAX_REFLECTION_STREAMS, MAX_STARTING_STREAMS
+from policy_server.limits import MAX_REASON_CALLS, MAX_REFLECTION_STREAMS, MAX_STARTING_STREAMS
 from policy_server.server import listen
 from policy_server.server.auth import TokenAuthInterceptor
 from policy_server.server.errors import abort, lenient_parser, make_error
 from policy_server.server.grpc_metrics import GrpcMetricsInterceptor
+from policy_server.server.health import HEALTH_SERVICE, HealthService
 from policy_server.server.metrics import LATENCY_BUCKETS_S, ServerMetrics
 from policy_server.server.running_calls import RunningCalls
 from policy_server.server.servicer import PolicyServicer
@@ -101,27 +102,6 @@ class _BoundedReflection(reflection.ReflectionServicer):
             self._places.release()
 
 
-class _BoundedHealth(health.HealthServicer):
-    """grpc.health.v1 with at most ``MAX_HEALTH_WATCHES`` Watch streams at once: each holds server memory for as long
-    as its client keeps it open, so unbounded ones would take the server's memory. Check stays unbounded (a unary
-    call)."""
-
-    def __init__(self) -> None:
-        super().__init__(experimental_non_blocking=True)  # a Watch holds no thread, only its place here
-        self._watches = threading.BoundedSemaphore(MAX_HEALTH_WATCHES)
-
-    def Watch(self, request, context, send_response_callback=None):  # noqa: N802 - gRPC's method name
-        if not self._watches.acquire(blocking=False):
-            abort(context, make_error(
-                "TOO_MANY_HEALTH_WATCHES", f"{MAX_HEALTH_WATCHES} health Watch streams are open already",
-                expected="a Watch stream closed once its client has seen what it waits for (or health Check)",
-                retry_after_ms=1000.0))
-        if not context.add_callback(self._watches.release):  # the stream ended already (cancelled as it came)
-            self._watches.release()
-            return None
-        return super().Watch(request, context, send_response_callback)
-
-
 def _beyond_this_machine(host: str) -> bool:
     """Whether a listener on ``host`` may be reached from other machines: any address but a loopback one."""
     try:
@@ -193,7 +173,7 @@ class PolicyServer:
         self._token = config.auth_token()
         self._grpc: grpc.Server | None = None
         self._running = RunningCalls()
-        self._health = _BoundedHealth()
+        self._health = HealthService()
         self._websocket: OpenpiWebsocketServer | None = None
         self._stop_polling = threading.Event()
         self._poller: threading.Thread | None = None
@@ -227,13 +207,16 @@ class PolicyServer:
         interceptors = [GrpcMetricsInterceptor(self.metrics.registry, services, LATENCY_BUCKETS_S)]
         if self._token:
             interceptors.append(TokenAuthInterceptor(self._token, self.metrics.observe_error))
-        # Calls beyond the pool are refused at once (RESOURCE_EXHAUSTED) rather than queued behind calls that
-        # may last an episode.
+        # One connection holds at most the pool's count of calls (HTTP/2 MAX_CONCURRENT_STREAMS; its calls beyond
+        # wait on that connection, or gRPC refuses them REFUSED_STREAM), so a client flooding the server with calls
+        # holds up itself, not the others. The calls of all connections beyond the pool wait for a thread, up to a
+        # second pool's worth, then gRPC refuses them (RESOURCE_EXHAUSTED). The calls that may hold a thread for
+        # long are bounded below the pool (`max_concurrent_calls`), so two threads at least take the waiting calls.
         workers = max_concurrent_calls(cfg.max_sessions, cfg.max_dynamics_calls, cfg.reflection)
         self._grpc = grpc.server(
             futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpc"),
             interceptors=interceptors,
-            maximum_concurrent_rpcs=workers,
+            maximum_concurrent_rpcs=2 * workers,
             options=[
                 # Frames up to 2x the limit reach the servicer, which answers PAYLOAD_TOO_LARGE with
                 # a reason; gRPC core cuts anything larger with plain RESOURCE_EXHAUSTED.
@@ -242,6 +225,7 @@ class PolicyServer:
                 # at most max_chunk_size + 1 JPEGs of its canvas), and one cut here would be lost after its work.
                 ("grpc.max_send_message_length", -1),
                 ("grpc.so_reuseport", 0),
+                ("grpc.max_concurrent_streams", workers),
                 *_keepalive_options(),
             ],
         )
@@ -250,7 +234,7 @@ class PolicyServer:
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
         if cfg.reflection:
             reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
-                _BoundedReflection((POLICY_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME)), self._grpc
+                _BoundedReflection((POLICY_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME)), self._grpc
             )
 
         credentials = None

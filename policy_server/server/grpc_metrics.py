@@ -11,7 +11,8 @@ The metric and label names are those of grpc-ecosystem/go-grpc-prometheus, so it
 ``grpc_type`` is ``unary``, ``client_stream``, ``server_stream`` or ``bidi_stream``. Only the methods
 of the services the server registers get labels (their started count exists from the start, at 0): a call
 to any other name is answered UNIMPLEMENTED by gRPC and counted nowhere, so clients cannot grow the
-label set. Calls refused before any handler runs (``maximum_concurrent_rpcs``) are not counted. A
+label set. Calls refused before any handler runs (``maximum_concurrent_rpcs``, or a connection's streams beyond
+``grpc.max_concurrent_streams``) are not counted. A
 handler that returns just as its client cancels (its request stream ends with the cancel, before gRPC
 marks the call cancelled) is counted with the status it returned; its client got CANCELLED.
 """

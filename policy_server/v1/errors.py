@@ -33,6 +33,7 @@ _REASON_PREFIX = re.compile(r"^([A-Z][A-Z0-9_]*): (.*)$", re.DOTALL)
 # Reason code -> gRPC status. Anything not listed is a request-content problem (INVALID_ARGUMENT).
 _STATUS_BY_REASON: dict[str, grpc.StatusCode] = {
     "SESSION_NOT_FOUND": grpc.StatusCode.NOT_FOUND,
+    "SERVICE_NOT_FOUND": grpc.StatusCode.NOT_FOUND,
     "STALE_EPOCH": grpc.StatusCode.FAILED_PRECONDITION,
     "BUDGET_INFEASIBLE": grpc.StatusCode.FAILED_PRECONDITION,
     "STREAM_NOT_STARTED": grpc.StatusCode.FAILED_PRECONDITION,
