@@ -43,6 +43,8 @@ MAX_CONFIG_FILE_BYTES = 1 << 20
 DTYPES = ("auto", "bf16", "fp16", "fp32")  # auto: bf16 on CUDA, fp32 on CPU (engine.resolve_dtype)
 _NUMBERS = (int, float, int | None, float | None)  # the annotations of the number settings
 _PATHS = ("checkpoint", "unix_socket", "auth_token_file", "tls_cert", "tls_key")
+# The SeaCache ladder's settings: ticks plan on the ladder only with the cache on and no quality profile.
+LADDER_SETTINGS = ("diffusion_cache_thresh", "diffusion_cache_residual_order", "diffusion_cache_max_consecutive")
 
 
 class ConfigError(ValueError):
@@ -210,6 +212,20 @@ class ServerConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _planning_settings_need_the_cache(self) -> ServerConfig:
+        # Given, they would go unused without a word: an uncached tick plans nothing, and a profile's configurations
+        # set their own threshold, cap and residual order.
+        ladder = self.ladder_settings_given()
+        profile = [] if self.quality_profile == "off" or "quality_profile" not in self.model_fields_set else [
+            "quality_profile"]
+        if not self.diffusion_cache and ladder + profile:
+            raise ValueError(f"{', '.join(ladder + profile)} set but diffusion_cache is off: every tick runs uncached "
+                             "and plans nothing; expected the cache on, or these settings left out")
+        if ladder and self.quality_profile not in ("auto", "off"):
+            raise ValueError(ladder_settings_overridden(ladder, self.quality_profile))
+        return self
+
+    @model_validator(mode="after")
     def _listeners_take_ports_of_their_own(self) -> ServerConfig:
         # Checked with the settings: bound once the model is loaded, a clash would end the start then, as "Address
         # already in use", which sends its user looking for another process.
@@ -244,6 +260,10 @@ class ServerConfig(BaseModel):
                                  f"certificate chain and its private key ({error.strerror or error})") from None
         return self
 
+    def ladder_settings_given(self) -> list[str]:
+        """The `LADDER_SETTINGS` given (by a file, the environment or a flag), which a quality profile overrides."""
+        return [name for name in LADDER_SETTINGS if name in self.model_fields_set]
+
     def given(self) -> str:
         """The settings given (by a file, the environment or a flag) with their values, in field order: the log's."""
         return ", ".join(f"{name}={getattr(self, name)}" for name in type(self).model_fields
@@ -261,6 +281,13 @@ class ServerConfig(BaseModel):
     def auth_token(self) -> str | None:
         """The bearer token clients must send (read from `auth_token_file`), None without one."""
         return None if self.auth_token_file is None else _server_token(self.auth_token_file)
+
+
+def ladder_settings_overridden(given: list[str], profile: str | Path) -> str:
+    """Why the `LADDER_SETTINGS` `given` cannot be used with the quality profile `profile` (its file)."""
+    return (f"{', '.join(given)} set but ticks plan on the quality profile {profile}, whose configurations set their "
+            "own threshold, cap and residual order; expected quality_profile off to plan on the SeaCache ladder these "
+            "settings define")
 
 
 def _addresses(host: str) -> set[str]:
