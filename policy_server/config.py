@@ -143,12 +143,7 @@ class ServerConfig(BaseModel):
     @field_validator("*", mode="before")
     @classmethod
     def _no_boolean_number(cls, value: Any, info: ValidationInfo) -> Any:
-        # pydantic takes True / False as 1 / 0, and YAML reads off / no as False: `websocket_port: off` would serve
-        # on a random port.
-        if isinstance(value, bool) and cls.model_fields[info.field_name].annotation in _NUMBERS:
-            raise ValueError(f"expected a number, got {value} (YAML reads on / off / yes / no as booleans; leave a "
-                             "setting out for its default)")
-        return value
+        return no_boolean(value) if cls.model_fields[info.field_name].annotation in _NUMBERS else value
 
     @field_validator(*_PATHS, mode="before")
     @classmethod
@@ -281,6 +276,15 @@ class ServerConfig(BaseModel):
     def auth_token(self) -> str | None:
         """The bearer token clients must send (read from `auth_token_file`), None without one."""
         return None if self.auth_token_file is None else _server_token(self.auth_token_file)
+
+
+def no_boolean(value: Any) -> Any:
+    """`value`, a number setting's, unless it is a boolean: pydantic takes True / False as 1 / 0, and YAML reads off /
+    no as False (`websocket_port: off` would serve on a random port)."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a number, got {value} (YAML reads on / off / yes / no as booleans; leave a "
+                         "setting out for its default)")
+    return value
 
 
 def ladder_settings_overridden(given: list[str], profile: str | Path) -> str:
