@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 import re
 import ssl
 from collections.abc import Mapping
@@ -61,6 +62,7 @@ class ServerTls:
 
 
 _EVERY_INTERFACE = {"0.0.0.0", "::"}  # a listener there holds its port on every address
+MAX_UNIX_SOCKET_BYTES = 107  # an AF_UNIX address holds 108 bytes, gRPC's path and its terminating NUL
 
 
 class ServerConfig(BaseModel):
@@ -196,6 +198,25 @@ class ServerConfig(BaseModel):
     def _path_exists(cls, value: Path | None) -> Path | None:
         if value is not None and not value.exists():
             raise ValueError(f"path {str(value)!r} does not exist")
+        return value
+
+    @field_validator("unix_socket")
+    @classmethod
+    def _socket_path(cls, value: Path | None) -> Path | None:
+        # Checked with the settings: gRPC binds it once the model is loaded, and said "Address already in use" of a
+        # file that is no socket. A socket file stays: a stopped server's is bound over, a running one's refused then.
+        if value is None:
+            return value
+        size = len(os.fsencode(value))
+        if size > MAX_UNIX_SOCKET_BYTES:
+            raise ValueError(f"path {str(value)!r} is {size} bytes; expected at most {MAX_UNIX_SOCKET_BYTES} (what an "
+                             "AF_UNIX address holds): a shorter one, or one relative to the working folder")
+        if not value.parent.is_dir():
+            raise ValueError(f"folder {str(value.parent)!r} does not exist; expected the socket's path in a folder")
+        if value.exists() and not value.is_socket():
+            kind = "folder" if value.is_dir() else "file"
+            raise ValueError(f"{str(value)!r} is a {kind}, not a socket; expected a new path (or a socket a stopped "
+                             "server left)")
         return value
 
     @model_validator(mode="after")

@@ -374,9 +374,9 @@ def test_a_taken_port_ends_serve_before_the_warmup_begins(monkeypatch, capsys):
     assert cli.main(["serve", "--host", "192.0.2.1", "--port", "50051"]) == 2  # TEST-NET-1: no machine's own
     assert capsys.readouterr().err.strip().endswith("could not bind gRPC to 192.0.2.1:50051 (Cannot assign requested "
                                                     "address)")
-    assert cli.main(["serve", "--port", "0", "--unix-socket", "/no/such/folder/policy.sock"]) == 2
-    assert capsys.readouterr().err.strip().endswith("could not bind gRPC to unix:/no/such/folder/policy.sock (No such "
-                                                    "file or directory)")
+    assert cli.main(["serve", "--port", "0", "--unix-socket", "/no/such/folder/policy.sock"]) == 2  # the settings'
+    assert capsys.readouterr().err.startswith("policy-server: invalid settings: unix_socket (from command line): "
+                                              "folder '/no/such/folder' does not exist")
     with socket.socket() as taken:  # the WebSocket's port: it said only "[Errno 98] Address already in use (...)"
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -416,6 +416,26 @@ def test_a_unix_socket_a_server_answers_on_is_taken_and_a_stale_one_is_not(tmp_p
     assert path.exists()  # left as a crashed server leaves it
     with serve_fake(unix_socket=str(path)), PolicyClient(f"unix:{path}") as client:
         assert client.health() == "SERVING"
+
+
+def test_a_unix_socket_path_gRPC_cannot_bind_is_refused_with_the_settings(tmp_path, monkeypatch):
+    """Each was found only at the bind, once the model had loaded (minutes for a Cosmos3 checkpoint), in the OS's
+    words: a regular file at the path as "Address already in use", which sends its user looking for a server."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("not a socket")
+    (tmp_path / "folder").mkdir()
+    too_long = str(tmp_path / ("s" * (108 - len(os.fsencode(tmp_path)) - 1)))
+    for path, message in (
+        ("missing/policy.sock", "folder 'missing' does not exist; expected the socket's path in a folder"),
+        ("notes.txt", "'notes.txt' is a file, not a socket; expected a new path (or a socket a stopped server left)"),
+        ("folder", "'folder' is a folder, not a socket"),
+        (too_long, f"path {too_long!r} is 108 bytes; expected at most 107 (what an AF_UNIX address holds)"),
+    ):
+        with pytest.raises(ConfigError) as error:
+            build_config(overrides={"unix_socket": path})
+        assert f"unix_socket (from command line): {message}" in str(error.value)
+    assert (tmp_path / "notes.txt").read_text() == "not a socket"
+    assert build_config(overrides={"unix_socket": too_long[:-1]}).unix_socket == Path(too_long[:-1])
 
 
 def test_the_log_names_the_settings_given(tmp_path, monkeypatch, caplog):
