@@ -154,23 +154,29 @@ class ServerConfig(BaseModel):
             raise ValueError(f"expected a path, got {value!r} (leave the setting out for none)")
         return value
 
-    @field_validator("device")
+    # Before pydantic's own check, which said only "Input should be a valid string" of a file's `device: 0`.
+    @field_validator("device", mode="before")
     @classmethod
-    def _known_device(cls, value: str) -> str:
-        if not _DEVICE.match(value):
+    def _known_device(cls, value: Any) -> str:
+        if not isinstance(value, str) or not _DEVICE.match(value):
             raise ValueError(f"expected auto, cpu, cuda or cuda:N, got {value!r}")
         return value
 
-    @field_validator("dtype")
+    @field_validator("dtype", mode="before")
     @classmethod
-    def _known_dtype(cls, value: str) -> str:
+    def _known_dtype(cls, value: Any) -> str:
         check_dtype(value)
         return value
 
     @field_validator("quality_profile", mode="before")
     @classmethod
     def _yaml_off(cls, value: Any) -> Any:
-        return "off" if value is False else value  # YAML reads `quality_profile: off` as False
+        if value is False:  # YAML reads `quality_profile: off` as False
+            return "off"
+        if not isinstance(value, str):
+            raise ValueError(f"expected off, auto or a profile file, got {value!r} (YAML reads on / yes / true as "
+                             "True; auto is the default)")
+        return value
 
     @field_validator("quality_profile")
     @classmethod

@@ -575,6 +575,21 @@ def test_quality_profile_off_in_yaml_is_off(tmp_path):
     assert not _accepts(quality_profile=True)  # on / yes name no profile
 
 
+@pytest.mark.parametrize(("line", "message"), [
+    ("device: 0", "device (from server.yaml): expected auto, cpu, cuda or cuda:N, got 0"),
+    ("dtype: 16", "dtype (from server.yaml): expected auto, bf16, fp16 or fp32, got 16"),
+    ("quality_profile: on", "quality_profile (from server.yaml): expected off, auto or a profile file, got True (YAML "
+     "reads on / yes / true as True; auto is the default)"),
+])
+def test_a_setting_of_known_values_given_another_type_says_which_values(line, message, tmp_path, monkeypatch):
+    """pydantic's own check came first and said only 'Input should be a valid string' (`device: 0` for cuda:0)."""
+    monkeypatch.chdir(tmp_path)
+    Path("server.yaml").write_text(line + "\n")
+    with pytest.raises(ConfigError) as error:
+        cli.config_from_args(["--config", "server.yaml"], environ={})
+    assert str(error.value) == f"invalid settings: {message}"
+
+
 def test_a_misspelt_key_in_a_file_is_named_with_the_setting_it_is_close_to(tmp_path):
     """As a misspelt POLICY_SERVER_ variable is: the file said only `Extra inputs are not permitted`."""
     path = tmp_path / "server.yaml"
