@@ -238,8 +238,8 @@ class ServerConfig(BaseModel):
         # Given, they would go unused without a word: an uncached tick plans nothing, and a profile's configurations
         # set their own threshold, cap and residual order.
         ladder = self.ladder_settings_given()
-        profile = [] if self.quality_profile == "off" or "quality_profile" not in self.model_fields_set else [
-            "quality_profile"]
+        given = "quality_profile" in self.model_fields_set and self.quality_profile != "off"
+        profile = ["quality_profile"] if given else []
         if not self.diffusion_cache and ladder + profile:
             raise ValueError(f"{', '.join(ladder + profile)} set but diffusion_cache is off: every tick runs uncached "
                              "and plans nothing; expected the cache on, or these settings left out")
