@@ -33,9 +33,10 @@ RUN useradd --create-home --uid 10001 policy
 USER policy
 # One cache folder for torch's compiled kernels, measured quality profiles (policy-server) and Hub downloads
 # (huggingface): docker-compose.yml keeps it in a volume, so a recreated container starts without recompiling,
-# recalibrating or downloading again. Made here, as the user, so that a new volume takes the user's ownership.
+# recalibrating or downloading again. runs/ takes the reports of the robot-side tools (the working folder is root's),
+# a volume in docker-compose.yml too. Both made here, as the user, so that a new volume takes the user's ownership.
 ENV TORCHINDUCTOR_CACHE_DIR=/home/policy/.cache/torchinductor
-RUN mkdir -p /home/policy/.cache
+RUN mkdir -p /home/policy/.cache /home/policy/runs
 
 # 50051 gRPC, 8000 openpi WebSocket, 9464 Prometheus /metrics (the OpenTelemetry Prometheus exporter's
 # default; 9090 is Prometheus' own port, where a scraper beside this container would already listen)

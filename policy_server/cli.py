@@ -72,7 +72,9 @@ def build_parser(network: bool = True) -> argparse.ArgumentParser:
                    help="plan ticks on a quality profile (`policy-server calibrate`): off, auto (beside the "
                         "checkpoint, else the cache directory, else a bounded calibration at warmup) or a file (auto)")
 
-    g = p.add_argument_group("diffusion step cache (SeaCache)")
+    g = p.add_argument_group("diffusion step cache (SeaCache)",
+                             "the threshold, order and cap set the ladder ticks plan on without a quality profile "
+                             "(--quality-profile off, or auto where none is found)")
     g.add_argument(
         "--diffusion-cache",
         action=argparse.BooleanOptionalAction,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 import re
 import ssl
 from collections.abc import Mapping
@@ -43,6 +44,8 @@ MAX_CONFIG_FILE_BYTES = 1 << 20
 DTYPES = ("auto", "bf16", "fp16", "fp32")  # auto: bf16 on CUDA, fp32 on CPU (engine.resolve_dtype)
 _NUMBERS = (int, float, int | None, float | None)  # the annotations of the number settings
 _PATHS = ("checkpoint", "unix_socket", "auth_token_file", "tls_cert", "tls_key")
+# The SeaCache ladder's settings: ticks plan on the ladder only with the cache on and no quality profile.
+LADDER_SETTINGS = ("diffusion_cache_thresh", "diffusion_cache_residual_order", "diffusion_cache_max_consecutive")
 
 
 class ConfigError(ValueError):
@@ -59,6 +62,7 @@ class ServerTls:
 
 
 _EVERY_INTERFACE = {"0.0.0.0", "::"}  # a listener there holds its port on every address
+MAX_UNIX_SOCKET_BYTES = 107  # an AF_UNIX address holds 108 bytes, gRPC's path and its terminating NUL
 
 
 class ServerConfig(BaseModel):
@@ -141,12 +145,7 @@ class ServerConfig(BaseModel):
     @field_validator("*", mode="before")
     @classmethod
     def _no_boolean_number(cls, value: Any, info: ValidationInfo) -> Any:
-        # pydantic takes True / False as 1 / 0, and YAML reads off / no as False: `websocket_port: off` would serve
-        # on a random port.
-        if isinstance(value, bool) and cls.model_fields[info.field_name].annotation in _NUMBERS:
-            raise ValueError(f"expected a number, got {value} (YAML reads on / off / yes / no as booleans; leave a "
-                             "setting out for its default)")
-        return value
+        return no_boolean(value) if cls.model_fields[info.field_name].annotation in _NUMBERS else value
 
     @field_validator(*_PATHS, mode="before")
     @classmethod
@@ -155,23 +154,29 @@ class ServerConfig(BaseModel):
             raise ValueError(f"expected a path, got {value!r} (leave the setting out for none)")
         return value
 
-    @field_validator("device")
+    # Before pydantic's own check, which said only "Input should be a valid string" of a file's `device: 0`.
+    @field_validator("device", mode="before")
     @classmethod
-    def _known_device(cls, value: str) -> str:
-        if not _DEVICE.match(value):
+    def _known_device(cls, value: Any) -> str:
+        if not isinstance(value, str) or not _DEVICE.match(value):
             raise ValueError(f"expected auto, cpu, cuda or cuda:N, got {value!r}")
         return value
 
-    @field_validator("dtype")
+    @field_validator("dtype", mode="before")
     @classmethod
-    def _known_dtype(cls, value: str) -> str:
+    def _known_dtype(cls, value: Any) -> str:
         check_dtype(value)
         return value
 
     @field_validator("quality_profile", mode="before")
     @classmethod
     def _yaml_off(cls, value: Any) -> Any:
-        return "off" if value is False else value  # YAML reads `quality_profile: off` as False
+        if value is False:  # YAML reads `quality_profile: off` as False
+            return "off"
+        if not isinstance(value, str):
+            raise ValueError(f"expected off, auto or a profile file, got {value!r} (YAML reads on / yes / true as "
+                             "True; auto is the default)")
+        return value
 
     @field_validator("quality_profile")
     @classmethod
@@ -201,12 +206,45 @@ class ServerConfig(BaseModel):
             raise ValueError(f"path {str(value)!r} does not exist")
         return value
 
+    @field_validator("unix_socket")
+    @classmethod
+    def _socket_path(cls, value: Path | None) -> Path | None:
+        # Checked with the settings: gRPC binds it once the model is loaded, and said "Address already in use" of a
+        # file that is no socket. A socket file stays: a stopped server's is bound over, a running one's refused then.
+        if value is None:
+            return value
+        size = len(os.fsencode(value))
+        if size > MAX_UNIX_SOCKET_BYTES:
+            raise ValueError(f"path {str(value)!r} is {size} bytes; expected at most {MAX_UNIX_SOCKET_BYTES} (what an "
+                             "AF_UNIX address holds): a shorter one, or one relative to the working folder")
+        if not value.parent.is_dir():
+            raise ValueError(f"folder {str(value.parent)!r} does not exist; expected the socket's path in a folder")
+        if value.exists() and not value.is_socket():
+            kind = "folder" if value.is_dir() else "file"
+            raise ValueError(f"{str(value)!r} is a {kind}, not a socket; expected a new path (or a socket a stopped "
+                             "server left)")
+        return value
+
     @model_validator(mode="after")
     def _listener_settings_need_their_listener(self) -> ServerConfig:
         if "websocket_embodiment" in self.model_fields_set and self.websocket_port is None:
             raise ValueError("websocket_embodiment is set but websocket_port is not: no WebSocket serves it")
         if "metrics_host" in self.model_fields_set and self.metrics_port is None:
             raise ValueError("metrics_host is set but metrics_port is not: no metrics endpoint listens on it")
+        return self
+
+    @model_validator(mode="after")
+    def _planning_settings_need_the_cache(self) -> ServerConfig:
+        # Given, they would go unused without a word: an uncached tick plans nothing, and a profile's configurations
+        # set their own threshold, cap and residual order.
+        ladder = self.ladder_settings_given()
+        given = "quality_profile" in self.model_fields_set and self.quality_profile != "off"
+        profile = ["quality_profile"] if given else []
+        if not self.diffusion_cache and ladder + profile:
+            raise ValueError(f"{', '.join(ladder + profile)} set but diffusion_cache is off: every tick runs uncached "
+                             "and plans nothing; expected the cache on, or these settings left out")
+        if ladder and self.quality_profile not in ("auto", "off"):
+            raise ValueError(ladder_settings_overridden(ladder, self.quality_profile))
         return self
 
     @model_validator(mode="after")
@@ -244,6 +282,10 @@ class ServerConfig(BaseModel):
                                  f"certificate chain and its private key ({error.strerror or error})") from None
         return self
 
+    def ladder_settings_given(self) -> list[str]:
+        """The `LADDER_SETTINGS` given (by a file, the environment or a flag), which a quality profile overrides."""
+        return [name for name in LADDER_SETTINGS if name in self.model_fields_set]
+
     def given(self) -> str:
         """The settings given (by a file, the environment or a flag) with their values, in field order: the log's."""
         return ", ".join(f"{name}={getattr(self, name)}" for name in type(self).model_fields
@@ -261,6 +303,22 @@ class ServerConfig(BaseModel):
     def auth_token(self) -> str | None:
         """The bearer token clients must send (read from `auth_token_file`), None without one."""
         return None if self.auth_token_file is None else _server_token(self.auth_token_file)
+
+
+def no_boolean(value: Any) -> Any:
+    """`value`, a number setting's, unless it is a boolean: pydantic takes True / False as 1 / 0, and YAML reads off /
+    no as False (`websocket_port: off` would serve on a random port)."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a number, got {value} (YAML reads on / off / yes / no as booleans; leave a "
+                         "setting out for its default)")
+    return value
+
+
+def ladder_settings_overridden(given: list[str], profile: str | Path) -> str:
+    """Why the `LADDER_SETTINGS` `given` cannot be used with the quality profile `profile` (its file)."""
+    return (f"{', '.join(given)} set but ticks plan on the quality profile {profile}, whose configurations set their "
+            "own threshold, cap and residual order; expected quality_profile off to plan on the SeaCache ladder these "
+            "settings define")
 
 
 def _addresses(host: str) -> set[str]:

@@ -9,7 +9,8 @@ from pathlib import Path
 
 
 def output_file(value: str) -> Path:
-    """A file path whose folder exists (made here if missing) and takes a new file."""
+    """A file path whose folder exists (made here if missing) and takes a new file. A command's default must be a
+    string: argparse converts only those, and a Path default would go unchecked until the command's end."""
     path = Path(value)
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{path} is a folder; expected a file path")

@@ -917,7 +917,7 @@ def plot(report: dict, out: Path) -> list[Path]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="policy-server bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=output_file, default=Path("bench.json"),
+    parser.add_argument("--out", type=output_file, default="bench.json",
                         help="JSON path; PNGs go beside it (bench.json)")
     parser.add_argument("--checkpoint", type=Path, default=None,
                         help="the embedded layout or a diffusers Cosmos3OmniPipeline folder, or a Hugging Face Hub "

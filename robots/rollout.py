@@ -644,7 +644,7 @@ def main(argv: list[str] | None = None) -> int:
                         "cluster the last `ray start` here recorded, else a Ray started here)")
     g.add_argument("--ray-gpus-per-worker", type=float, default=0.0, help="GPUs of each in-process worker (0)")
     g.add_argument("--ray-cpus-per-worker", type=float, default=1.0, help="CPUs of each worker (1)")
-    parser.add_argument("--out", type=output_file, default=Path("rollout.json"),
+    parser.add_argument("--out", type=output_file, default="rollout.json",
                         help="JSON report; its PNG summary and the videos go beside it (rollout.json)")
     args = parser.parse_args(argv)
     for flag, value in (("--episodes", args.episodes), ("--num-envs", args.num_envs), ("--execute", args.execute),

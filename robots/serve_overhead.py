@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint", default=None, help="model to serve (default: the embedded one)")
     parser.add_argument("--latency-budget-ms", type=float, default=120.0, help="per-tick budget, ms (120)")
     parser.add_argument("--grpc-port", type=int, default=9000, help="Serve's gRPC proxy port (9000)")
-    parser.add_argument("--out", type=output_file, default=Path("serve_overhead.json"),
+    parser.add_argument("--out", type=output_file, default="serve_overhead.json",
                         help="JSON report (serve_overhead.json)")
     args = parser.parse_args(argv)
     if args.ticks < 1:

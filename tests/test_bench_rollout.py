@@ -1,6 +1,7 @@
 """`policy-server bench` and `policy-rollout` at toy size on an untrained embedded-size model: the files
 they promise exist and hold the documented keys."""
 
+import importlib
 import json
 import shutil
 import sys
@@ -355,3 +356,22 @@ def test_rollout_in_process_plans_on_the_profile_the_server_would_use(profiled_c
         with pytest.raises(SystemExit):
             rollout_main(["--in-process", *pinned, "--quality-profile", str(checkpoint / PROFILE_FILE)])
         assert "--quality-profile plans cached ticks at the checkpoint's own" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("module", "argv", "default"), [
+    ("robots.rollout", ["--in-process", "--num-envs", "0"], "rollout.json"),
+    ("robots.bench", ["--ticks", "0"], "bench.json"),
+    ("robots.soak", ["--server-pid", "1"], "soak.json"),
+    ("robots.serve_overhead", ["--ticks", "0"], "serve_overhead.json"),
+])
+def test_a_default_report_path_is_checked_before_the_command_runs(module, argv, default, tmp_path, monkeypatch,
+                                                                   capsys):
+    """argparse converts a default only when it is a string: the default --out, a Path, went unchecked, and the
+    compose file's robot (its working folder not the user's) ran all its episodes, then ended in a traceback."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / default).mkdir()
+    command = importlib.import_module(module)
+    with pytest.raises(SystemExit) as exit_:
+        getattr(command, "parse_args", command.main)(argv)
+    assert exit_.value.code == 2
+    assert f"argument --out: {default} is a folder; expected a file path" in capsys.readouterr().err

@@ -57,18 +57,18 @@ def test_flags_parse_into_the_config(tmp_path):
     token = tmp_path / "token"
     token.write_text("a-token-of-24-characters")
     config = cli.config_from_args([
-        "--latency-budget-ms", "80", "--no-diffusion-cache", "--diffusion-cache-thresh", "0.4",
+        "--latency-budget-ms", "80", "--diffusion-cache", "--diffusion-cache-thresh", "0.4",
         "--diffusion-cache-residual-order", "0", "--diffusion-cache-max-consecutive", "0", "--port", "6000",
         "--host", "0.0.0.0", "--unix-socket", str(tmp_path / "s.sock"), "--device", "cuda:1", "--dtype", "fp16",
         "--max-sessions", "2", "--max-batch", "3", "--max-message-mb", "8", "--auth-token-file", str(token),
-        "--reflection", "--quality-profile", "auto", "--no-cuda-graphs", "--compile-gen-stack",
+        "--reflection", "--quality-profile", "off", "--no-cuda-graphs", "--compile-gen-stack",
         "--metrics-port", "9100", "--websocket-port", "8000", "--websocket-embodiment", "libero",
         "--session-idle-timeout-s", "30",
     ])
-    assert config.latency_budget_ms == 80 and config.diffusion_cache is False
+    assert config.latency_budget_ms == 80 and config.diffusion_cache is True
     assert (config.diffusion_cache_thresh, config.diffusion_cache_residual_order) == (0.4, 0)
     assert (config.port, config.host, config.device, config.max_sessions) == (6000, "0.0.0.0", "cuda:1", 2)
-    assert config.max_batch == 3 and config.dtype == "fp16" and config.quality_profile == "auto"
+    assert config.max_batch == 3 and config.dtype == "fp16" and config.quality_profile == "off"
     assert config.auth_token_file == token and config.reflection and config.cuda_graphs is False
     assert config.compile_gen_stack is True
     assert (config.metrics_port, config.websocket_port, config.websocket_embodiment) == (9100, 8000, "libero")
@@ -82,11 +82,11 @@ def full_file_values(tmp_path) -> dict:
     return {
         "latency_budget_ms": 95, "checkpoint": str(tmp_path / "ckpt"), "device": "cpu", "dtype": "bf16",
         "cuda_graphs": False, "compile_gen_stack": False,
-        "diffusion_cache": False, "diffusion_cache_thresh": 0.3, "diffusion_cache_residual_order": 2,
+        "diffusion_cache": True, "diffusion_cache_thresh": 0.3, "diffusion_cache_residual_order": 2,
         "diffusion_cache_max_consecutive": 3, "host": "127.0.0.1", "port": 7000,
         "unix_socket": str(tmp_path / "p.sock"), "websocket_port": 8001, "websocket_embodiment": "pusht",
         "metrics_port": 9091, "metrics_host": "::1", "reflection": True, "max_sessions": 3, "max_batch": 2,
-        "max_dynamics_calls": 1, "max_message_mb": 4, "session_idle_timeout_s": 60.0, "quality_profile": "auto",
+        "max_dynamics_calls": 1, "max_message_mb": 4, "session_idle_timeout_s": 60.0, "quality_profile": "off",
         "auth_token_file": str(tmp_path / "token"), "tls_cert": str(cert), "tls_key": str(key),
     }
 
@@ -101,9 +101,9 @@ def test_every_field_can_be_set_in_a_yaml_file_and_flags_override_it(tmp_path):
         got = getattr(config, key)
         assert (str(got) if key in ("checkpoint", "unix_socket", "auth_token_file", "tls_cert", "tls_key")
                 else got) == value, key
-    overridden = cli.config_from_args(["--config", str(path), "--latency-budget-ms", "60", "--diffusion-cache",
+    overridden = cli.config_from_args(["--config", str(path), "--latency-budget-ms", "60", "--cuda-graphs",
                                        "--no-reflection"])
-    assert (overridden.latency_budget_ms, overridden.diffusion_cache, overridden.reflection) == (60, True, False)
+    assert (overridden.latency_budget_ms, overridden.cuda_graphs, overridden.reflection) == (60, True, False)
     assert overridden.port == 7000  # untouched by the command line
 
 
@@ -374,9 +374,9 @@ def test_a_taken_port_ends_serve_before_the_warmup_begins(monkeypatch, capsys):
     assert cli.main(["serve", "--host", "192.0.2.1", "--port", "50051"]) == 2  # TEST-NET-1: no machine's own
     assert capsys.readouterr().err.strip().endswith("could not bind gRPC to 192.0.2.1:50051 (Cannot assign requested "
                                                     "address)")
-    assert cli.main(["serve", "--port", "0", "--unix-socket", "/no/such/folder/policy.sock"]) == 2
-    assert capsys.readouterr().err.strip().endswith("could not bind gRPC to unix:/no/such/folder/policy.sock (No such "
-                                                    "file or directory)")
+    assert cli.main(["serve", "--port", "0", "--unix-socket", "/no/such/folder/policy.sock"]) == 2  # the settings'
+    assert capsys.readouterr().err.startswith("policy-server: invalid settings: unix_socket (from command line): "
+                                              "folder '/no/such/folder' does not exist")
     with socket.socket() as taken:  # the WebSocket's port: it said only "[Errno 98] Address already in use (...)"
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -418,6 +418,26 @@ def test_a_unix_socket_a_server_answers_on_is_taken_and_a_stale_one_is_not(tmp_p
         assert client.health() == "SERVING"
 
 
+def test_a_unix_socket_path_gRPC_cannot_bind_is_refused_with_the_settings(tmp_path, monkeypatch):
+    """Each was found only at the bind, once the model had loaded (minutes for a Cosmos3 checkpoint), in the OS's
+    words: a regular file at the path as "Address already in use", which sends its user looking for a server."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("not a socket")
+    (tmp_path / "folder").mkdir()
+    too_long = str(tmp_path / ("s" * (108 - len(os.fsencode(tmp_path)) - 1)))
+    for path, message in (
+        ("missing/policy.sock", "folder 'missing' does not exist; expected the socket's path in a folder"),
+        ("notes.txt", "'notes.txt' is a file, not a socket; expected a new path (or a socket a stopped server left)"),
+        ("folder", "'folder' is a folder, not a socket"),
+        (too_long, f"path {too_long!r} is 108 bytes; expected at most 107 (what an AF_UNIX address holds)"),
+    ):
+        with pytest.raises(ConfigError) as error:
+            build_config(overrides={"unix_socket": path})
+        assert f"unix_socket (from command line): {message}" in str(error.value)
+    assert (tmp_path / "notes.txt").read_text() == "not a socket"
+    assert build_config(overrides={"unix_socket": too_long[:-1]}).unix_socket == Path(too_long[:-1])
+
+
 def test_the_log_names_the_settings_given(tmp_path, monkeypatch, caplog):
     """Nothing said which settings a server started with: a file, the environment and flags all set them."""
     monkeypatch.setattr(cli, "serve", lambda config: 0)
@@ -451,6 +471,49 @@ def test_a_device_torch_does_not_have_here_is_one_line_and_exit_2(given_in, tmp_
     expected = f"torch sees {count} CUDA device(s)" if count else "sees no CUDA device here"
     err = capsys.readouterr().err
     assert f"policy-server: device cuda:{count}: " in err and expected in err  # the setting, not one way to give it
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"diffusion_cache": False, "diffusion_cache_thresh": 0.5, "quality_profile": "PROFILE"},
+     "diffusion_cache_thresh, quality_profile set but diffusion_cache is off: every tick runs uncached and plans "
+     "nothing"),
+    ({"diffusion_cache": False, "diffusion_cache_max_consecutive": 0}, "diffusion_cache_max_consecutive set but"),
+    ({"diffusion_cache_residual_order": 0, "quality_profile": "PROFILE"},
+     "diffusion_cache_residual_order set but ticks plan on the quality profile PROFILE, whose configurations set "
+     "their own threshold, cap and residual order; expected quality_profile off"),
+])
+def test_cache_settings_that_would_go_unused_are_refused_with_the_settings(values, message, tmp_path):
+    """--no-diffusion-cache, or a quality profile, left the SeaCache ladder's settings (and a profile) unused
+    without a word: a server given --diffusion-cache-thresh 3 --diffusion-cache-max-consecutive 0 ran the profile's
+    t1-c3-o1 configurations."""
+    profile = tmp_path / "profile.json"
+    profile.write_text("{}")
+    values = {key: str(profile) if value == "PROFILE" else value for key, value in values.items()}
+    with pytest.raises(ConfigError) as error:
+        build_config(values)
+    assert message.replace("PROFILE", str(profile)) in str(error.value)
+
+
+def test_cache_settings_that_take_effect_are_accepted(tmp_path):
+    ladder = {"diffusion_cache_thresh": 0.5, "diffusion_cache_residual_order": 2, "diffusion_cache_max_consecutive": 3}
+    assert build_config({**ladder, "quality_profile": "off"}).diffusion_cache_thresh == 0.5
+    assert build_config(ladder).quality_profile == "auto"  # calibrated at warmup around them, where no profile is found
+    assert not build_config({"diffusion_cache": False, "quality_profile": "off"}).diffusion_cache
+
+
+def test_a_quality_profile_found_beside_the_model_refuses_the_ladders_settings():
+    """With `--quality-profile auto` only the model's folder says whether a profile overrides them: the embedded
+    model ships one. The server says it in one line, exit 2 (a `ProfileError`), before the warmup."""
+    from policy_server.budget.profile import PROFILE_FILE, ProfileError
+    from policy_server.pipeline.policy import default_model_path
+
+    config = build_config(overrides={"device": "cpu", "diffusion_cache_thresh": 3.0})
+    with pytest.raises(ProfileError) as error:
+        policy_server.engine.build_engine(config)
+    assert str(error.value) == (
+        f"diffusion_cache_thresh set but ticks plan on the quality profile {default_model_path() / PROFILE_FILE}, "
+        "whose configurations set their own threshold, cap and residual order; expected quality_profile off to plan "
+        "on the SeaCache ladder these settings define")
 
 
 def test_every_residual_order_the_config_accepts_is_one_seacache_accepts():
@@ -510,6 +573,21 @@ def test_quality_profile_off_in_yaml_is_off(tmp_path):
     path.write_text("quality_profile: off\n")
     assert cli.config_from_args(["--config", str(path)], environ={}).quality_profile == "off"
     assert not _accepts(quality_profile=True)  # on / yes name no profile
+
+
+@pytest.mark.parametrize(("line", "message"), [
+    ("device: 0", "device (from server.yaml): expected auto, cpu, cuda or cuda:N, got 0"),
+    ("dtype: 16", "dtype (from server.yaml): expected auto, bf16, fp16 or fp32, got 16"),
+    ("quality_profile: on", "quality_profile (from server.yaml): expected off, auto or a profile file, got True (YAML "
+     "reads on / yes / true as True; auto is the default)"),
+])
+def test_a_setting_of_known_values_given_another_type_says_which_values(line, message, tmp_path, monkeypatch):
+    """pydantic's own check came first and said only 'Input should be a valid string' (`device: 0` for cuda:0)."""
+    monkeypatch.chdir(tmp_path)
+    Path("server.yaml").write_text(line + "\n")
+    with pytest.raises(ConfigError) as error:
+        cli.config_from_args(["--config", "server.yaml"], environ={})
+    assert str(error.value) == f"invalid settings: {message}"
 
 
 def test_a_misspelt_key_in_a_file_is_named_with_the_setting_it_is_close_to(tmp_path):

@@ -116,7 +116,25 @@ def test_compose_keeps_the_servers_caches_in_a_volume(dockerfile, compose):
     env = dict(pair.split("=", 1) for k, a in dockerfile if k == "ENV" for pair in shlex.split(a))
     assert env["TORCHINDUCTOR_CACHE_DIR"].startswith(home_cache + "/")
     assert not {"XDG_CACHE_HOME", "HF_HOME", "POLICY_SERVER_CACHE"} & set(env)  # their defaults are under ~/.cache
-    after_user = dockerfile[dockerfile.index(("USER", user)):]
-    assert ("RUN", f"mkdir -p {home_cache}") in after_user
+    assert home_cache in made_by_the_user(dockerfile)
     volume, target = compose["services"]["policy-server"]["volumes"][0].split(":")
     assert target == home_cache and volume in compose["volumes"]
+
+
+def made_by_the_user(dockerfile: list[tuple[str, str]]) -> list[str]:
+    """The folders the image makes after its USER instruction, which a new named volume mounted there takes the
+    ownership of."""
+    user = dict(dockerfile)["USER"]
+    after_user = dockerfile[dockerfile.index(("USER", user)):]
+    return [folder for keyword, args in after_user if keyword == "RUN" and args.startswith("mkdir -p ")
+            for folder in args.removeprefix("mkdir -p ").split()]
+
+
+def test_compose_robot_writes_its_report_into_a_volume_the_user_owns(dockerfile, compose):
+    """Its default --out, rollout.json in the working folder, is root's in the image: the rollout ran its episodes and
+    ended in a traceback (PermissionError), its report lost."""
+    robot = compose["services"]["robot"]
+    out = Path(robot["command"][robot["command"].index("--out") + 1])
+    volume, target = robot["volumes"][0].split(":")
+    assert out.parent == Path(target) and volume in compose["volumes"]
+    assert target in made_by_the_user(dockerfile)

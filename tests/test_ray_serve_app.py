@@ -68,6 +68,12 @@ def test_a_replica_takes_one_gpu_unless_it_runs_on_the_cpu(device, gpus):
     ({"device": "cuda:1"}, "device 'cuda:1': under Ray each replica sees only the GPU Ray gave it"),
     ({"latency_budget_ms": -5}, "latency_budget_ms (from application args)"),
     ({"max_sesions": 4}, "max_sesions"),
+    # Serve took these: an infinite count failed `serve run` in an OverflowError traceback, a YAML boolean (num_gpus:
+    # off, num_replicas: yes) counted as 0 or 1.
+    ({"num_gpus": math.inf}, "num_gpus: Input should be a finite number (got inf)"),
+    ({"num_cpus": math.inf}, "num_cpus: Input should be a finite number (got inf)"),
+    ({"num_gpus": False}, "num_gpus: expected a number, got False (YAML reads on / off / yes / no as booleans"),
+    ({"num_replicas": True}, "num_replicas: expected a number, got True"),
 ])
 def test_bad_application_args_are_refused_by_name(args, named):
     with pytest.raises(ConfigError, match=named.replace("(", r"\(").replace(")", r"\)")):

@@ -33,5 +33,5 @@ def build_engine(config):
             "robots.train_policy --data <its demonstrations> --embodiment %s --out <folder>", embodiment.name,
             embodiment.domain_id, list(pipeline.config.trained_domain_ids), embodiment.name)
     profile, calibrate = resolve_profile(config.quality_profile, pipeline.folder, pipeline.digest,
-                                         pipeline.served_embodiments, pipeline.config)
+                                         pipeline.served_embodiments, pipeline.config, config.ladder_settings_given())
     return ModelEngine(pipeline, settings_from_config(config, profile, calibrate))

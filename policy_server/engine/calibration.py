@@ -53,7 +53,7 @@ from policy_server.budget.tick import GuardedSteps
 from policy_server.cache.controller import NoCache
 from policy_server.cache.sea_filter import SeaFilter
 from policy_server.cache.seacache import SeaCache, SeaCacheConfig
-from policy_server.config import DTYPES, PROFILE_CACHE_ENV
+from policy_server.config import DTYPES, PROFILE_CACHE_ENV, ladder_settings_overridden
 from policy_server.engine import api
 from policy_server.engine.batching import GenStack
 from policy_server.engine.served import EngineSettings, cache_ladder, instruction_tokens
@@ -486,17 +486,20 @@ def default_config(sampler: PolicyConfig, residual_order: int) -> TickConfig:
 
 
 def resolve_profile(setting: str, checkpoint: Path | None, digest: str, served: Sequence[str],
-                    sampler: PolicyConfig) -> tuple[QualityProfile | None, bool]:
+                    sampler: PolicyConfig, ladder_settings: Sequence[str] = ()) -> tuple[QualityProfile | None, bool]:
     """`(profile, calibrate at warmup)` for the server's `quality_profile` setting: "off", "auto" (the first
     of `profile_locations` that exists; none: calibrate at warmup) or a profile file. `ProfileError` when the
     profile found cannot be used: not of these weights, its default (the reference every error is measured
-    against) not the checkpoint's `sampler` steps and guidance, or without one of the `served` embodiments."""
+    against) not the checkpoint's `sampler` steps and guidance, or without one of the `served` embodiments; or when
+    the server was given `ladder_settings`, which the profile's configurations would override."""
     if setting == "off":
         return None, False
     path = Path(setting) if setting != "auto" else next(
         (path for path in profile_locations(checkpoint, digest) if path.is_file()), None)
     if path is None:
         return None, True
+    if ladder_settings:
+        raise ProfileError(ladder_settings_overridden(list(ladder_settings), path))
     profile = QualityProfile.load(path, digest)
     have, want = profile.default, default_config(sampler, profile.default.residual_order)
     if (have.num_steps, have.cfg_steps) != (want.num_steps, want.cfg_steps):

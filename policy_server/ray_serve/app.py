@@ -13,11 +13,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from ray import serve
 from ray.serve.config import RequestRouterConfig, gRPCOptions
 
-from policy_server.config import ConfigError, ServerConfig, build_config, environment_values
+from policy_server.config import ConfigError, ServerConfig, build_config, environment_values, no_boolean
 from policy_server.ray_serve.deployment import PolicyDeployment
 from policy_server.server.app import max_concurrent_calls
 
@@ -34,8 +34,12 @@ class ReplicaSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     num_replicas: int = Field(1, ge=1, description="replicas; each holds its own sessions")
-    num_gpus: float | None = Field(None, ge=0, description="GPUs per replica (unset: 0 with device cpu, else 1)")
-    num_cpus: float = Field(1.0, ge=0, description="CPUs per replica")
+    # Finite: Serve's options took an infinite count and failed `serve run` in an OverflowError traceback.
+    num_gpus: float | None = Field(None, ge=0, allow_inf_nan=False,
+                                   description="GPUs per replica (unset: 0 with device cpu, else 1)")
+    num_cpus: float = Field(1.0, ge=0, allow_inf_nan=False, description="CPUs per replica")
+
+    _no_boolean = field_validator("*", mode="before")(no_boolean)
 
 
 def grpc_options(port: int = GRPC_PORT) -> gRPCOptions:
@@ -60,8 +64,8 @@ def split_args(args: dict[str, Any], overrides: dict[str, Any] | None = None,
     try:
         replicas = ReplicaSettings(**replica_args)
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']} (got {err['input']!r})"
-                             for err in exc.errors())
+        problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg'].removeprefix('Value error, ')}"
+                             + ("" if "got " in err["msg"] else f" (got {err['input']!r})") for err in exc.errors())
         raise ConfigError(f"invalid replica settings: {problems}") from None
     config = build_config(args, overrides, source=source, environment=os.environ)
     if config.device.startswith("cuda:"):
