@@ -90,12 +90,15 @@ class TickStats:
     forced_skips: int
     setting: str
     batch_size: int = 1  # ticks of other sessions it ran with, itself included
+    # What the planner or the in-tick guard gave up, in order (e.g. "late_drop_uncond_from_step=10"): why a tick ran
+    # fewer calls than its setting's steps and CFG steps
+    fallbacks: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, tick) -> TickStats:
         """From a tick record (the client's `ActionChunk.tick` or the engine's `TickRecord`)."""
         return cls(tick.actual_ms["total"], tick.budget_ms, tick.deadline_met, tick.full_calls, tick.skipped_calls,
-                   tick.forced_skips, tick.setting, int(tick.knobs["batch_size"]))
+                   tick.forced_skips, tick.setting, int(tick.knobs["batch_size"]), tuple(tick.fallbacks))
 
 
 @dataclass
@@ -507,9 +510,12 @@ def summarize(results: list[EpisodeResult], seconds: float, config: dict, budget
     latency = np.array([t.latency_ms for t in ticks])
     settings: dict[str, int] = {}
     batch_sizes: dict[int, int] = {}
+    fallback_ticks: dict[str, int] = {}  # ticks per fallback kind, its step or count left out
     for t in ticks:
         settings[t.setting] = settings.get(t.setting, 0) + 1
         batch_sizes[t.batch_size] = batch_sizes.get(t.batch_size, 0) + 1
+        for kind in {fallback.split("=")[0] for fallback in t.fallbacks}:
+            fallback_ticks[kind] = fallback_ticks.get(kind, 0) + 1
     success = [r.success for r in results]
     failures = [r for r in results if not r.success]
     restart_reasons: dict[str, int] = {}
@@ -545,6 +551,7 @@ def summarize(results: list[EpisodeResult], seconds: float, config: dict, budget
         "forced_skips_per_tick": float(np.mean([t.forced_skips for t in ticks])),
         "cache_settings": settings,
         "ticks_by_batch_size": dict(sorted(batch_sizes.items())),
+        "fallback_ticks": dict(sorted(fallback_ticks.items())),
         "wall_s": seconds,
         "per_episode": [{"seed": r.seed, "instruction": r.instruction, "success": r.success, "steps": r.steps,
                          "final_distance_m": round(r.final_distance_m, 4), "nearest_color": r.nearest_color,
@@ -564,6 +571,7 @@ def _tick_columns(ticks: list[TickStats], budgeted: bool) -> dict[str, list]:
         columns |= {"budget_ms": [t.budget_ms for t in ticks], "deadline_met": [t.deadline_met for t in ticks]}
     for name in ("setting", "full_calls", "skipped_calls", "forced_skips", "batch_size"):
         columns[name] = [getattr(t, name) for t in ticks]
+    columns["fallbacks"] = [list(t.fallbacks) for t in ticks]
     return columns
 
 

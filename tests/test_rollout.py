@@ -157,6 +157,21 @@ def test_rollout_through_a_server_with_a_vector_env(tmp_path):
     assert sorted(len(s) for s in steps.values()) == sorted(len(range(0, e["steps"], EXECUTE)) for e in episodes)
     assert all(s == list(range(0, len(s) * EXECUTE, EXECUTE)) for s in steps.values())
     assert report["ticks"] == len(engine.acts)
+    assert report["fallback_ticks"] == {} and all(e["ticks"]["fallbacks"] == [[]] * len(e["ticks"]["setting"])
+                                                   for e in episodes)
+
+
+def test_a_report_says_what_each_tick_gave_up(tmp_path):
+    """A tick the guard cut runs fewer calls than its setting names (n20-cfg20 with 7 calls, say): the report said so
+    nowhere, so its counts looked wrong. Each tick now lists its fallbacks, and the report counts ticks by kind."""
+    engine = FakeEngine()  # its ticks under a budget below 10 ms give up the CFG pass late
+    out = tmp_path / "rollout.json"
+    with serve_fake(engine) as server:
+        assert main(["--server", server.target, "--latency-budget-ms", "5", "--episodes", "2", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["fallback_ticks"] == {"drop_cfg_late": report["ticks"]} and report["ticks"] == len(engine.acts)
+    for episode in report["per_episode"]:
+        assert episode["ticks"]["fallbacks"] == [["drop_cfg_late"]] * len(episode["ticks"]["setting"])
 
 
 @pytest.mark.parametrize("flags, message", [
