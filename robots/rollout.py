@@ -29,6 +29,7 @@ import argparse
 import contextlib
 import functools
 import json
+import math
 import sys
 import time
 import uuid
@@ -659,8 +660,10 @@ def main(argv: list[str] | None = None) -> int:
                         ("--ray", 1 if args.ray is None else args.ray)):
         if value < 1:
             parser.error(f"{flag} must be a positive integer, got {value}")
-    if args.first_episode < 0 or args.videos < 0 or args.delay_steps < 0:
-        parser.error("--first-episode, --videos and --delay-steps must be >= 0")
+    for flag, value in (("--first-episode", args.first_episode), ("--videos", args.videos),
+                        ("--delay-steps", args.delay_steps)):
+        if value < 0:
+            parser.error(f"{flag} must be >= 0, got {value}")
     if args.commit_actions and not args.delay_steps:
         parser.error("--commit-actions needs --delay-steps N (the actions run while a tick is computed)")
     if args.latency_budget_ms is not None and not 0 < args.latency_budget_ms <= MAX_BUDGET_MS:
@@ -669,8 +672,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--no-diffusion-cache and --compile-gen-stack need --in-process (a server uses its own settings)")
     if args.ray is None and (args.ray_address or args.ray_gpus_per_worker or args.ray_cpus_per_worker != 1.0):
         parser.error("--ray-address, --ray-gpus-per-worker and --ray-cpus-per-worker need --ray N")
-    if args.ray_gpus_per_worker < 0 or args.ray_cpus_per_worker < 0:
-        parser.error("--ray-gpus-per-worker and --ray-cpus-per-worker must be >= 0")
+    for flag, value in (("--ray-gpus-per-worker", args.ray_gpus_per_worker),
+                        ("--ray-cpus-per-worker", args.ray_cpus_per_worker)):
+        if not 0 <= value < math.inf:
+            parser.error(f"{flag} must be >= 0, got {value}")
     if tls_options(args)["tls"] and not args.server:
         parser.error("--tls, --tls-ca and --tls-server-name need --server")
     if args.serve_application is not None and not args.server:
@@ -689,8 +694,10 @@ def main(argv: list[str] | None = None) -> int:
         except DeviceUnavailable as error:
             parser.error(str(error))
     overrides = {k: v for k, v in (("num_steps", args.num_steps), ("guidance", args.guidance)) if v is not None}
-    if args.num_steps is not None and args.num_steps < 1 or args.guidance is not None and not args.guidance >= 1:
-        parser.error("--num-steps must be >= 1 and --guidance >= 1")
+    if args.num_steps is not None and args.num_steps < 1:
+        parser.error(f"--num-steps must be >= 1, got {args.num_steps}")
+    if args.guidance is not None and not 1 <= args.guidance < math.inf:
+        parser.error(f"--guidance must be >= 1 (1: no CFG), got {args.guidance}")
     if overrides and not args.in_process:
         parser.error("--num-steps and --guidance need --in-process (a server uses its own settings)")
     if args.quality_profile is not None and not args.in_process:
