@@ -694,12 +694,18 @@ def main(argv: list[str] | None = None) -> int:
         except DeviceUnavailable as error:
             parser.error(str(error))
     overrides = {k: v for k, v in (("num_steps", args.num_steps), ("guidance", args.guidance)) if v is not None}
-    if args.num_steps is not None and args.num_steps < 1:
-        parser.error(f"--num-steps must be >= 1, got {args.num_steps}")
-    if args.guidance is not None and not 1 <= args.guidance < math.inf:
-        parser.error(f"--guidance must be >= 1 (1: no CFG), got {args.guidance}")
     if overrides and not args.in_process:
         parser.error("--num-steps and --guidance need --in-process (a server uses its own settings)")
+    if overrides:  # the bounds policy.json's own take: one out of them ended in pydantic's traceback after the load
+        from pydantic import ValidationError
+
+        from policy_server.pipeline.policy_config import PolicyConfig
+
+        try:
+            PolicyConfig.model_validate(overrides)
+        except ValidationError as error:
+            problem = error.errors()[0]
+            parser.error(f"--{problem['loc'][0].replace('_', '-')}: {problem['msg'].lower()}, got {problem['input']}")
     if args.quality_profile is not None and not args.in_process:
         parser.error("--quality-profile needs --in-process (a server uses its own profile)")
     # A profile describes cached ticks at the checkpoint's own sampler settings: overridden ones plan on the ladder,
