@@ -664,6 +664,10 @@ def main(argv: list[str] | None = None) -> int:
                         ("--delay-steps", args.delay_steps)):
         if value < 0:
             parser.error(f"{flag} must be >= 0, got {value}")
+    if HELDOUT_SEED_OFFSET + args.first_episode + args.episodes > 2**64:  # a session's seed is a uint64 on the wire
+        parser.error(f"--first-episode {args.first_episode}: episode i runs on seed {HELDOUT_SEED_OFFSET} + i, below "
+                     f"2^64; expected at most {2**64 - HELDOUT_SEED_OFFSET - args.episodes} for {args.episodes} "
+                     "episodes")
     if args.commit_actions and not args.delay_steps:
         parser.error("--commit-actions needs --delay-steps N (the actions run while a tick is computed)")
     if args.latency_budget_ms is not None and not 0 < args.latency_budget_ms <= MAX_BUDGET_MS:

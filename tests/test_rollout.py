@@ -193,6 +193,10 @@ def test_a_report_says_what_each_tick_gave_up(tmp_path):
     (["--ray", "2", "--ray-cpus-per-worker", "-1"], "--ray-cpus-per-worker must be >= 0, got -1.0\n"),
     (["--ray", "2", "--ray-cpus-per-worker", "nan"], "--ray-cpus-per-worker must be >= 0, got nan\n"),
     (["--commit-actions"], "--commit-actions needs --delay-steps N"),
+    # a session's seed is a uint64: against a server, the client's ValueError ended the run in a traceback
+    (["--first-episode", str(2**64 - HELDOUT_SEED_OFFSET - 99), "--episodes", "100"],
+     f"--first-episode {2**64 - HELDOUT_SEED_OFFSET - 99}: episode i runs on seed {HELDOUT_SEED_OFFSET} + i, below "
+     f"2^64; expected at most {2**64 - HELDOUT_SEED_OFFSET - 100} for 100 episodes\n"),
     (["--latency-budget-ms", "0"], "--latency-budget-ms must lie in (0, 60000], got 0.0"),
     (["--latency-budget-ms", "nan"], "--latency-budget-ms must lie in (0, 60000], got nan"),
     (["--out", "/"], "argument --out: / is a folder; expected a file path"),
