@@ -577,12 +577,24 @@ def _tick_columns(ticks: list[TickStats], budgeted: bool) -> dict[str, list]:
 
 
 def plot_summary(report: dict, latencies: list[float], path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = summary_figure(report, latencies)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def summary_figure(report: dict, latencies: list[float]):
+    """The report's PNG: tick latencies (ms) against the budget, and each episode's steps, in the report's order."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for axis in (left.yaxis, right.xaxis, right.yaxis):  # counts: no tick at episode 0.25 or 0.2 ticks
+        axis.set_major_locator(MaxNLocator(integer=True))
     left.hist(latencies, bins=40, color="#3b6ea8")
     budget = report["budget_ms"]
     if budget is not None:
@@ -599,8 +611,7 @@ def plot_summary(report: dict, latencies: list[float], path: Path) -> None:
     right.set_ylabel("steps (green: success)")
     right.set_title(f"success {report['success_rate']:.0%} over {report['episodes']} episodes")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -640,6 +640,21 @@ def test_a_stopped_ray_rollout_reports_every_workers_ended_episodes(expected, tm
                          "had ended, not the 2 others (unfinished_seeds)"), error
 
 
+def test_the_summary_plot_counts_whole_episodes_and_ticks():
+    """Two episodes of a few ticks were drawn on axes ticked at episode -0.25, 0.25, ... and 0.2 ticks."""
+    results = [rollout.EpisodeResult(seed=HELDOUT_SEED_OFFSET + i, instruction="reach the red circle",
+                                     success=bool(i), steps=7 + 3 * i,
+                                     ticks=[TickStats(60.0 + 5 * i + t, 85.0, True, 40, 0, 0, "n20-cfg20-nocache")
+                                            for t in range(2 + i)])
+               for i in range(2)]
+    report = rollout.summarize(results, 1.0, {}, budgeted=True)
+    left, right = rollout.summary_figure(report, [t.latency_ms for r in results for t in r.ticks]).axes
+    for axis, (low, high) in ((left.yaxis, left.get_ylim()), (right.xaxis, right.get_xlim()),
+                              (right.yaxis, right.get_ylim())):
+        shown = [tick for tick in axis.get_majorticklocs() if low <= tick <= high]
+        assert len(shown) >= 2 and all(float(tick).is_integer() for tick in shown), shown
+
+
 def test_a_ctrl_c_while_the_plot_and_videos_are_written_keeps_the_report(tmp_path, monkeypatch, capsys):
     """Videos take a while to encode after the episodes (after a Ctrl-C too): a Ctrl-C then was a traceback."""
     def interrupted(*_):
