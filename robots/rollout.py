@@ -675,6 +675,9 @@ def main(argv: list[str] | None = None) -> int:
                         ("--delay-steps", args.delay_steps)):
         if value < 0:
             parser.error(f"{flag} must be >= 0, got {value}")
+    if args.out.with_suffix(".png") == args.out:  # the summary goes to --out with .png: it overwrote the report
+        parser.error(f"--out {args.out}: the JSON report's path, whose PNG summary goes beside it as "
+                     f"{args.out.with_suffix('.png').name}; expected another suffix, such as .json")
     if HELDOUT_SEED_OFFSET + args.first_episode + args.episodes > 2**64:  # a session's seed is a uint64 on the wire
         parser.error(f"--first-episode {args.first_episode}: episode i runs on seed {HELDOUT_SEED_OFFSET} + i, below "
                      f"2^64; expected at most {2**64 - HELDOUT_SEED_OFFSET - args.episodes} for {args.episodes} "

@@ -200,6 +200,10 @@ def test_a_report_says_what_each_tick_gave_up(tmp_path):
     (["--latency-budget-ms", "0"], "--latency-budget-ms must lie in (0, 60000], got 0.0"),
     (["--latency-budget-ms", "nan"], "--latency-budget-ms must lie in (0, 60000], got nan"),
     (["--out", "/"], "argument --out: / is a folder; expected a file path"),
+    # the PNG summary, written to --out with .png, overwrote the report: a run that exited 0 left no JSON
+    (["--out", f"{tempfile.gettempdir()}/r.png"],
+     f"--out {tempfile.gettempdir()}/r.png: the JSON report's path, whose PNG summary goes beside it as r.png; "
+     "expected another suffix, such as .json\n"),
 ])
 def test_bad_flags_are_usage_errors(flags, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
