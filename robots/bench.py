@@ -970,18 +970,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         check_dtype(args.dtype)
     except ValueError as error:  # one line, like the server's own flags
         parser.exit(2, f"{parser.prog}: --dtype: {error}\n")
-    if args.ticks < 2 or args.warmup < 2:
-        parser.error("--ticks and --warmup must be at least 2")
-    if args.calibration_observations < 1:
-        parser.error("--calibration-observations must be at least 1")
-    if args.closed_loop < 0 or args.execute < 1:
-        parser.error("--closed-loop must be >= 0 and --execute >= 1")
-    if args.profile_ticks < 0 or args.forward_repeats < 1 or args.threads < 1:
-        parser.error("--profile-ticks must be >= 0, --forward-repeats and --threads >= 1")
-    if not all(0 < f <= 1 for f in args.budget_fractions):
-        parser.error("--budget-fractions must lie in (0, 1]: budgets up to the uncached latency")
-    if args.budgets_ms is not None and not all(0 < b <= MAX_BUDGET_MS for b in args.budgets_ms):
-        parser.error(f"--budgets-ms must lie in (0, {MAX_BUDGET_MS:g}]")
+    for flag, value, least in (("--ticks", args.ticks, 2), ("--warmup", args.warmup, 2),
+                               ("--calibration-observations", args.calibration_observations, 1),
+                               ("--closed-loop", args.closed_loop, 0), ("--execute", args.execute, 1),
+                               ("--profile-ticks", args.profile_ticks, 0),
+                               ("--forward-repeats", args.forward_repeats, 1), ("--threads", args.threads, 1)):
+        if value < least:
+            parser.error(f"{flag} must be at least {least}, got {value}")
+    for fraction in args.budget_fractions:
+        if not 0 < fraction <= 1:
+            parser.error(f"--budget-fractions must lie in (0, 1], budgets up to the uncached latency; got {fraction}")
+    for budget in args.budgets_ms or ():
+        if not 0 < budget <= MAX_BUDGET_MS:
+            parser.error(f"--budgets-ms must lie in (0, {MAX_BUDGET_MS:g}], got {budget}")
     if args.seed < 0:  # seeds below HELDOUT_SEED_OFFSET are the demonstrations' scenes
         parser.error(f"--seed must be >= 0 (held-out scenes), got {args.seed}")
     if args.slowdown_ms is not None and not 0 <= args.slowdown_ms < math.inf:

@@ -29,6 +29,7 @@ import argparse
 import contextlib
 import functools
 import json
+import math
 import sys
 import time
 import uuid
@@ -90,12 +91,15 @@ class TickStats:
     forced_skips: int
     setting: str
     batch_size: int = 1  # ticks of other sessions it ran with, itself included
+    # What the planner or the in-tick guard gave up, in order (e.g. "late_drop_uncond_from_step=10"): why a tick ran
+    # fewer calls than its setting's steps and CFG steps
+    fallbacks: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, tick) -> TickStats:
         """From a tick record (the client's `ActionChunk.tick` or the engine's `TickRecord`)."""
         return cls(tick.actual_ms["total"], tick.budget_ms, tick.deadline_met, tick.full_calls, tick.skipped_calls,
-                   tick.forced_skips, tick.setting, int(tick.knobs["batch_size"]))
+                   tick.forced_skips, tick.setting, int(tick.knobs["batch_size"]), tuple(tick.fallbacks))
 
 
 @dataclass
@@ -507,9 +511,12 @@ def summarize(results: list[EpisodeResult], seconds: float, config: dict, budget
     latency = np.array([t.latency_ms for t in ticks])
     settings: dict[str, int] = {}
     batch_sizes: dict[int, int] = {}
+    fallback_ticks: dict[str, int] = {}  # ticks per fallback kind, its step or count left out
     for t in ticks:
         settings[t.setting] = settings.get(t.setting, 0) + 1
         batch_sizes[t.batch_size] = batch_sizes.get(t.batch_size, 0) + 1
+        for kind in {fallback.split("=")[0] for fallback in t.fallbacks}:
+            fallback_ticks[kind] = fallback_ticks.get(kind, 0) + 1
     success = [r.success for r in results]
     failures = [r for r in results if not r.success]
     restart_reasons: dict[str, int] = {}
@@ -545,6 +552,7 @@ def summarize(results: list[EpisodeResult], seconds: float, config: dict, budget
         "forced_skips_per_tick": float(np.mean([t.forced_skips for t in ticks])),
         "cache_settings": settings,
         "ticks_by_batch_size": dict(sorted(batch_sizes.items())),
+        "fallback_ticks": dict(sorted(fallback_ticks.items())),
         "wall_s": seconds,
         "per_episode": [{"seed": r.seed, "instruction": r.instruction, "success": r.success, "steps": r.steps,
                          "final_distance_m": round(r.final_distance_m, 4), "nearest_color": r.nearest_color,
@@ -564,16 +572,29 @@ def _tick_columns(ticks: list[TickStats], budgeted: bool) -> dict[str, list]:
         columns |= {"budget_ms": [t.budget_ms for t in ticks], "deadline_met": [t.deadline_met for t in ticks]}
     for name in ("setting", "full_calls", "skipped_calls", "forced_skips", "batch_size"):
         columns[name] = [getattr(t, name) for t in ticks]
+    columns["fallbacks"] = [list(t.fallbacks) for t in ticks]
     return columns
 
 
 def plot_summary(report: dict, latencies: list[float], path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = summary_figure(report, latencies)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def summary_figure(report: dict, latencies: list[float]):
+    """The report's PNG: tick latencies (ms) against the budget, and each episode's steps, in the report's order."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for axis in (left.yaxis, right.xaxis, right.yaxis):  # counts: no tick at episode 0.25 or 0.2 ticks
+        axis.set_major_locator(MaxNLocator(integer=True))
     left.hist(latencies, bins=40, color="#3b6ea8")
     budget = report["budget_ms"]
     if budget is not None:
@@ -590,8 +611,7 @@ def plot_summary(report: dict, latencies: list[float], path: Path) -> None:
     right.set_ylabel("steps (green: success)")
     right.set_title(f"success {report['success_rate']:.0%} over {report['episodes']} episodes")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -651,8 +671,17 @@ def main(argv: list[str] | None = None) -> int:
                         ("--ray", 1 if args.ray is None else args.ray)):
         if value < 1:
             parser.error(f"{flag} must be a positive integer, got {value}")
-    if args.first_episode < 0 or args.videos < 0 or args.delay_steps < 0:
-        parser.error("--first-episode, --videos and --delay-steps must be >= 0")
+    for flag, value in (("--first-episode", args.first_episode), ("--videos", args.videos),
+                        ("--delay-steps", args.delay_steps)):
+        if value < 0:
+            parser.error(f"{flag} must be >= 0, got {value}")
+    if args.out.with_suffix(".png") == args.out:  # the summary goes to --out with .png: it overwrote the report
+        parser.error(f"--out {args.out}: the JSON report's path, whose PNG summary goes beside it as "
+                     f"{args.out.with_suffix('.png').name}; expected another suffix, such as .json")
+    if HELDOUT_SEED_OFFSET + args.first_episode + args.episodes > 2**64:  # a session's seed is a uint64 on the wire
+        parser.error(f"--first-episode {args.first_episode}: episode i runs on seed {HELDOUT_SEED_OFFSET} + i, below "
+                     f"2^64; expected at most {2**64 - HELDOUT_SEED_OFFSET - args.episodes} for {args.episodes} "
+                     "episodes")
     if args.commit_actions and not args.delay_steps:
         parser.error("--commit-actions needs --delay-steps N (the actions run while a tick is computed)")
     if args.latency_budget_ms is not None and not 0 < args.latency_budget_ms <= MAX_BUDGET_MS:
@@ -661,8 +690,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--no-diffusion-cache and --compile-gen-stack need --in-process (a server uses its own settings)")
     if args.ray is None and (args.ray_address or args.ray_gpus_per_worker or args.ray_cpus_per_worker != 1.0):
         parser.error("--ray-address, --ray-gpus-per-worker and --ray-cpus-per-worker need --ray N")
-    if args.ray_gpus_per_worker < 0 or args.ray_cpus_per_worker < 0:
-        parser.error("--ray-gpus-per-worker and --ray-cpus-per-worker must be >= 0")
+    for flag, value in (("--ray-gpus-per-worker", args.ray_gpus_per_worker),
+                        ("--ray-cpus-per-worker", args.ray_cpus_per_worker)):
+        if not 0 <= value < math.inf:
+            parser.error(f"{flag} must be >= 0, got {value}")
     if tls_options(args)["tls"] and not args.server:
         parser.error("--tls, --tls-ca and --tls-server-name need --server")
     if args.serve_application is not None and not args.server:
@@ -681,10 +712,18 @@ def main(argv: list[str] | None = None) -> int:
         except DeviceUnavailable as error:
             parser.error(str(error))
     overrides = {k: v for k, v in (("num_steps", args.num_steps), ("guidance", args.guidance)) if v is not None}
-    if args.num_steps is not None and args.num_steps < 1 or args.guidance is not None and not args.guidance >= 1:
-        parser.error("--num-steps must be >= 1 and --guidance >= 1")
     if overrides and not args.in_process:
         parser.error("--num-steps and --guidance need --in-process (a server uses its own settings)")
+    if overrides:  # the bounds policy.json's own take: one out of them ended in pydantic's traceback after the load
+        from pydantic import ValidationError
+
+        from policy_server.pipeline.policy_config import PolicyConfig
+
+        try:
+            PolicyConfig.model_validate(overrides)
+        except ValidationError as error:
+            problem = error.errors()[0]
+            parser.error(f"--{problem['loc'][0].replace('_', '-')}: {problem['msg'].lower()}, got {problem['input']}")
     if args.quality_profile is not None and not args.in_process:
         parser.error("--quality-profile needs --in-process (a server uses its own profile)")
     # A profile describes cached ticks at the checkpoint's own sampler settings: overridden ones plan on the ladder,

@@ -226,16 +226,22 @@ def test_bench_refuses_what_it_cannot_drive(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "--reference: diffusers' Cosmos3OmniTransformer cannot be imported (" in err
     assert err.rstrip().endswith("install the [dev] extra (pip install -e '.[dev]') or pass --no-reference")
-    for option, value in (("--profile-ticks", "-1"), ("--forward-repeats", "0"), ("--threads", "0")):
+    # Each names the flag that was wrong, what it takes and what it got: one message named three flags, no value
+    for option, value, least in (("--profile-ticks", "-1", 0), ("--forward-repeats", "0", 1), ("--threads", "0", 1),
+                                 ("--ticks", "1", 2), ("--warmup", "0", 2), ("--closed-loop", "-2", 0),
+                                 ("--execute", "0", 1), ("--calibration-observations", "0", 1)):
         with pytest.raises(SystemExit) as exit_:
             bench_main([option, value, "--out", str(tmp_path / "b.json")])
         assert exit_.value.code == 2
-        assert "--profile-ticks must be >= 0, --forward-repeats and --threads >= 1" in capsys.readouterr().err
+        assert f"{option} must be at least {least}, got {value}\n" in capsys.readouterr().err
     for flags, message in ((["--slowdown-ms", "-50"], "--slowdown-ms must be >= 0, got -50.0"),
                            # --budgets-ms silently won; a negative seed drew the demonstrations' scenes
                            (["--budgets-ms", "100", "--budget-fractions", "0.5"],
                             "argument --budget-fractions: not allowed with argument --budgets-ms"),
                            (["--seed", "-1"], "--seed must be >= 0 (held-out scenes), got -1"),
+                           (["--budget-fractions", "0.5", "1.5"],
+                            "--budget-fractions must lie in (0, 1], budgets up to the uncached latency; got 1.5"),
+                           (["--budgets-ms", "50", "nan"], "--budgets-ms must lie in (0, 60000], got nan"),
                            (["--device", "tpu"], "--device 'tpu': expected auto, cpu, cuda or cuda:N"),
                            (["--out", str(tmp_path)], "is a folder; expected a file path")):
         with pytest.raises(SystemExit) as exit_:

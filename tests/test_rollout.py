@@ -157,6 +157,21 @@ def test_rollout_through_a_server_with_a_vector_env(tmp_path):
     assert sorted(len(s) for s in steps.values()) == sorted(len(range(0, e["steps"], EXECUTE)) for e in episodes)
     assert all(s == list(range(0, len(s) * EXECUTE, EXECUTE)) for s in steps.values())
     assert report["ticks"] == len(engine.acts)
+    assert report["fallback_ticks"] == {} and all(e["ticks"]["fallbacks"] == [[]] * len(e["ticks"]["setting"])
+                                                   for e in episodes)
+
+
+def test_a_report_says_what_each_tick_gave_up(tmp_path):
+    """A tick the guard cut runs fewer calls than its setting names (n20-cfg20 with 7 calls, say): the report said so
+    nowhere, so its counts looked wrong. Each tick now lists its fallbacks, and the report counts ticks by kind."""
+    engine = FakeEngine()  # its ticks under a budget below 10 ms give up the CFG pass late
+    out = tmp_path / "rollout.json"
+    with serve_fake(engine) as server:
+        assert main(["--server", server.target, "--latency-budget-ms", "5", "--episodes", "2", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["fallback_ticks"] == {"drop_cfg_late": report["ticks"]} and report["ticks"] == len(engine.acts)
+    for episode in report["per_episode"]:
+        assert episode["ticks"]["fallbacks"] == [["drop_cfg_late"]] * len(episode["ticks"]["setting"])
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -166,12 +181,29 @@ def test_rollout_through_a_server_with_a_vector_env(tmp_path):
     (["--ray-address", "auto"], "--ray-address, --ray-gpus-per-worker and --ray-cpus-per-worker need --ray N"),
     (["--ray", "2", "--ray-gpus-per-worker", "1"], "--ray-gpus-per-worker needs --in-process --device cuda"),
     (["--serve-application", "policy"], "--serve-application needs --server"),
-    (["--first-episode", "-1"], "--first-episode, --videos and --delay-steps must be >= 0"),
-    (["--videos", "-1"], "--first-episode, --videos and --delay-steps must be >= 0"),
+    # Each names the flag that was wrong and its value: one message named three flags, no value
+    (["--first-episode", "-1"], "--first-episode must be >= 0, got -1\n"),
+    (["--videos", "-1"], "--videos must be >= 0, got -1\n"),
+    (["--delay-steps", "-2"], "--delay-steps must be >= 0, got -2\n"),
+    (["--num-steps", "0"], "--num-steps: input should be greater than or equal to 1, got 0\n"),
+    (["--guidance", "0.5"], "--guidance: input should be greater than or equal to 1, got 0.5\n"),
+    # these two passed the flags' checks, and pydantic's ValidationError ended the run in a traceback after the load
+    (["--num-steps", "100000"], "--num-steps: input should be less than or equal to 1000, got 100000\n"),
+    (["--guidance", "inf"], "--guidance: input should be a finite number, got inf\n"),
+    (["--ray", "2", "--ray-cpus-per-worker", "-1"], "--ray-cpus-per-worker must be >= 0, got -1.0\n"),
+    (["--ray", "2", "--ray-cpus-per-worker", "nan"], "--ray-cpus-per-worker must be >= 0, got nan\n"),
     (["--commit-actions"], "--commit-actions needs --delay-steps N"),
+    # a session's seed is a uint64: against a server, the client's ValueError ended the run in a traceback
+    (["--first-episode", str(2**64 - HELDOUT_SEED_OFFSET - 99), "--episodes", "100"],
+     f"--first-episode {2**64 - HELDOUT_SEED_OFFSET - 99}: episode i runs on seed {HELDOUT_SEED_OFFSET} + i, below "
+     f"2^64; expected at most {2**64 - HELDOUT_SEED_OFFSET - 100} for 100 episodes\n"),
     (["--latency-budget-ms", "0"], "--latency-budget-ms must lie in (0, 60000], got 0.0"),
     (["--latency-budget-ms", "nan"], "--latency-budget-ms must lie in (0, 60000], got nan"),
     (["--out", "/"], "argument --out: / is a folder; expected a file path"),
+    # the PNG summary, written to --out with .png, overwrote the report: a run that exited 0 left no JSON
+    (["--out", f"{tempfile.gettempdir()}/r.png"],
+     f"--out {tempfile.gettempdir()}/r.png: the JSON report's path, whose PNG summary goes beside it as r.png; "
+     "expected another suffix, such as .json\n"),
 ])
 def test_bad_flags_are_usage_errors(flags, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -610,6 +642,21 @@ def test_a_stopped_ray_rollout_reports_every_workers_ended_episodes(expected, tm
                             "and close their sessions (Ctrl-C again to end them at once)"), error
     assert line.endswith(f"policy-rollout: interrupted (Ctrl-C); {tmp_path}/ctrl_c.json reports the 2 episodes that "
                          "had ended, not the 2 others (unfinished_seeds)"), error
+
+
+def test_the_summary_plot_counts_whole_episodes_and_ticks():
+    """Two episodes of a few ticks were drawn on axes ticked at episode -0.25, 0.25, ... and 0.2 ticks."""
+    results = [rollout.EpisodeResult(seed=HELDOUT_SEED_OFFSET + i, instruction="reach the red circle",
+                                     success=bool(i), steps=7 + 3 * i,
+                                     ticks=[TickStats(60.0 + 5 * i + t, 85.0, True, 40, 0, 0, "n20-cfg20-nocache")
+                                            for t in range(2 + i)])
+               for i in range(2)]
+    report = rollout.summarize(results, 1.0, {}, budgeted=True)
+    left, right = rollout.summary_figure(report, [t.latency_ms for r in results for t in r.ticks]).axes
+    for axis, (low, high) in ((left.yaxis, left.get_ylim()), (right.xaxis, right.get_xlim()),
+                              (right.yaxis, right.get_ylim())):
+        shown = [tick for tick in axis.get_majorticklocs() if low <= tick <= high]
+        assert len(shown) >= 2 and all(float(tick).is_integer() for tick in shown), shown
 
 
 def test_a_ctrl_c_while_the_plot_and_videos_are_written_keeps_the_report(tmp_path, monkeypatch, capsys):

@@ -538,8 +538,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (auto)")
     parser.add_argument("--dtype", default="auto", choices=DTYPES, help="weight dtype (auto)")
     args = parser.parse_args(argv)
-    if args.max_observations < 1 or (args.min_steps is not None and args.min_steps < 1):
-        parser.error("--max-observations and --min-steps must be at least 1")
+    for flag, value in (("--max-observations", args.max_observations), ("--min-steps", args.min_steps)):
+        if value is not None and value < 1:
+            parser.error(f"{flag} must be at least 1, got {value}")
     orders = None
     if args.residual_orders:
         orders = [int(o) for o in args.residual_orders.split(",") if o.strip().isdigit()]
