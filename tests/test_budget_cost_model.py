@@ -63,6 +63,52 @@ def test_one_slow_tick_does_not_move_the_estimates():
     assert after.full_dev_ms == before.full_dev_ms == 0.0
 
 
+def test_the_background_reserve_follows_a_lasting_change_in_the_speed_of_the_ticks():
+    """The longest background piece, timed with the ticks of some shapes, is scaled by how much slower or faster
+    than those ticks' costs later ticks of those shapes run (each tick's calls weighed by their costs): a lasting
+    change moves it once it fills half the window, one tick does not, and ticks of other shapes say nothing."""
+    model = CostModel(window=4)
+    timed, other = ("pusht", 9, 32), ("pusht", 3, 32)
+    for key in (timed, other):
+        model.observe_tick(key, [(FULL, 10.0), (SKIP, 2.0), (PAIR, 16.0)])
+    assert model.background_ms == 0.0  # not timed yet
+    model.time_background(5.0, [timed])
+    assert model.background_ms == 5.0
+    slow = [(FULL, 30.0), (SKIP, 6.0), (SKIP, 6.0), (PAIR, 48.0)]  # every call three times slower
+    model.observe_tick(timed, slow)
+    for _ in range(4):
+        model.observe_tick(other, slow)  # not timed with the pieces: no reference
+    assert model.background_ms == 5.0
+    model.observe_tick(timed, slow)
+    assert model.background_ms == pytest.approx(10.0)  # the median of 1, 1, 3, 3
+    model.observe_tick(timed, slow)
+    assert model.background_ms == pytest.approx(15.0)
+    for _ in range(3):  # the pair back at its cost, the rest as slow: (30 + 6 + 16) / (10 + 2 + 16)
+        model.observe_tick(timed, [(FULL, 30.0), (SKIP, 6.0), (PAIR, 16.0)])
+    assert model.background_ms == pytest.approx(5.0 * 52.0 / 28.0)
+
+
+def test_timing_the_background_piece_again_keeps_the_lower_reserve():
+    """A busy moment while the pieces are timed again raises nothing; a quiet one lowers the reserve to what it
+    timed, from which later ticks move it again."""
+    model = CostModel(window=4)
+    model.observe_tick("k", [(FULL, 10.0)])
+    model.time_background(5.0, ["k"])
+    for _ in range(3):
+        model.observe_tick("k", [(FULL, 30.0)])
+    assert model.background_ms == pytest.approx(15.0)
+    model.lower_background(40.0)
+    assert model.background_ms == pytest.approx(15.0)
+    model.lower_background(6.0)
+    assert model.background_ms == pytest.approx(6.0)
+    model.observe_tick("k", [(FULL, 30.0)])
+    assert model.background_ms == pytest.approx(6.0)
+    model.observe_tick("k", [(FULL, 5.0)])
+    model.observe_tick("k", [(FULL, 5.0)])
+    model.observe_tick("k", [(FULL, 5.0)])
+    assert model.background_ms == pytest.approx(2.5)
+
+
 def test_cautious_costs_add_deviations_and_a_stage_can_be_left_out():
     costs = CallCosts(full_ms=10.0, skip_ms=2.0, fixed_ms={"decode": 4.0, "prefill": 5.0}, full_dev_ms=1.0,
                       skip_dev_ms=0.5, fixed_dev_ms={"decode": 2.0})

@@ -15,7 +15,7 @@ from policy_server.budget.guard import DeadlineGuard
 from policy_server.budget.history import SessionHistory
 from policy_server.budget.planner import plan_tick
 from policy_server.budget.profile import ProfilePoint, TickConfig
-from policy_server.budget.tick import SLOWDOWN_LEVELS, SLOWDOWN_WINDOW, GuardedSteps, TickBudget
+from policy_server.budget.tick import PREVIEW_STAGE, SLOWDOWN_LEVELS, SLOWDOWN_WINDOW, GuardedSteps, TickBudget
 from policy_server.cache.controller import CacheRecord, StepDecision
 from policy_server.cache.seacache import SeaCache, SeaCacheConfig
 from policy_server.pipeline.policy import FixedSteps
@@ -165,6 +165,29 @@ def test_guard_adapts_to_a_slowdown_within_the_tick():
     slow = {FULL: CALL_MS + 2 * STACK_MS, PAIR: 2 * CALL_MS + 2 * PAIR_STACK_MS, SKIP: CALL_MS}
     assert all(ms == pytest.approx(slow[kind]) for kind, ms in timings[3:])
     assert any(kind != SKIP for kind, _ in timings[3:])
+
+
+def test_the_stages_after_the_loop_are_reserved_at_the_slowdown_seen_in_the_tick():
+    """A machine twice as slow as the cost model's medians (a slowdown they take half a window of ticks to learn)
+    runs a tick's every call twice as slow, and the stages after its loop too: its actions' decode and its preview's
+    frames, 5 + 20 ms planned. The guard raised the calls' estimates by the slowdown it saw, but reserved those stages
+    at the medians, so the loop ran into their time and the tick ended 167 ms into its 150 ms deadline; they are now
+    reserved at the tick's slowdown too."""
+    clock, preview_ms = FakeClock(), 20.0
+    model = CostModel()
+    for _ in range(3):
+        model.observe_tick(KEY, [(FULL, COSTS.full_ms), (SKIP, COSTS.skip_ms), (PAIR, COSTS.pair_ms)],
+                           {"encode": ENCODE_MS, "decode": DECODE_MS, PREVIEW_STAGE: preview_ms})
+    budget = TickBudget(model, clock=clock, post_stages=("decode", PREVIEW_STAGE))
+    plan = budget.plan(KEY, 150.0, 10, 2, None, prefill=False, preview=True)
+    clock.advance(ENCODE_MS)
+    steps = budget.guarded_steps(plan, KEY, 0.0, plan_cache(plan), plan.deadline_ms)
+    # Every step twice its cost: the stack's time, and its two calls' embedding and heads (before the next step).
+    run_denoise(clock, steps, stack_ms=lambda step: 2 * STACK_MS, stall_ms=lambda step: 2 * CALL_MS if step else 0.0)
+    assert steps.guard._slowdown == pytest.approx(2.0)
+    clock.advance(2 * (DECODE_MS + preview_ms))
+    assert clock() <= plan.deadline_ms == 150.0
+    assert steps.fallbacks == ("late_drop_uncond_from_step=2",)  # what the time for those stages cost
 
 
 @pytest.mark.parametrize(

@@ -362,7 +362,7 @@ def test_an_engine_plans_its_ticks_on_the_profile(pipe, profile):
         # floor after the longest background piece a tick may wait for.
         demand = engine.sessions.get(session.session_id).demand
         predicted = [p.predicted_p90_ms(costs) for p in points]
-        budget = max(demand.floor_ms + engine._warmup.blocking_ms, (min(predicted) + predicted[0]) / 2)
+        budget = max(demand.floor_ms + engine._admission.blocking_ms(), (min(predicted) + predicted[0]) / 2)
         engine.set_budget(session.session_id, budget)
         tick = engine.act(session.session_id, 1, _observation(1)).tick
         # The least expected error that fits the time it had (the budget less its queue wait, or the slot

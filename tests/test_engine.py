@@ -16,7 +16,7 @@ import torch
 from worker_hold import hold_worker
 
 from policy_server.engine import api
-from policy_server.engine.admission import Demand, assign_slots
+from policy_server.engine.admission import Demand, admitted_slots, assign_slots
 from policy_server.engine.engine import EngineSettings, ModelEngine
 from policy_server.engine.warmup import Warmup
 from policy_server.pipeline.reasoner import ReasonerStream, generate
@@ -913,6 +913,18 @@ def test_once_every_uncached_tick_fits_the_room_left_is_shared_and_a_lone_sessio
     assert assign_slots([lone, replace(other, ceiling_ms=200.0)], blocking_ms=10.0)[1] < 200.0  # no room: grown less
 
 
+def test_sessions_admitted_before_the_background_piece_grew_keep_their_cheapest_ticks():
+    """A lasting slowdown raises the background piece a tick may wait for (`CostModel.background_ms`) while sessions
+    are open, and each opening, closing or new budget assigns their slots again: beside a piece they no longer fit
+    with (`assign_slots` finds none), each keeps its cheapest tick, the least it was admitted with."""
+    first = Demand(budget_ms=100.0, rate_hz=1.0, floor_ms=40.0, ceiling_ms=80.0)
+    second = Demand(budget_ms=120.0, rate_hz=1.0, floor_ms=30.0, ceiling_ms=60.0)
+    assert admitted_slots([first, second], blocking_ms=10.0) == assign_slots([first, second], blocking_ms=10.0)
+    assert assign_slots([first, second], blocking_ms=50.0) is None
+    assert admitted_slots([first, second], blocking_ms=50.0) == [40.0, 30.0]
+    assert admitted_slots([], blocking_ms=50.0) == []
+
+
 def test_a_tick_that_runs_past_its_slot_is_cut_there_so_the_tick_behind_it_meets_its_budget(engine):
     """Admission lets a tick wait for one tick of every other session, each within its slot. A slot that held the
     uncached tick was no cap: a tick slower than planned (a loaded machine) ran on to its own budget, 3 s here,
@@ -969,7 +981,7 @@ def test_ticks_that_run_as_a_micro_batch_may_hold_the_worker_for_their_slots_tog
         try:
             alone = engine.act(sessions[0].session_id, 1, _observation(1)).tick  # 2.4 s of stalls over 20 steps
             slot_ms = 1.6 * (alone.actual_ms["total"] - alone.actual_ms["queue"])
-            budget = engine._warmup.blocking_ms + 3 * slot_ms  # three slots, each holding that tick
+            budget = engine._admission.blocking_ms() + 3 * slot_ms  # three slots, each holding that tick
             for session in sessions:
                 engine.set_budget(session.session_id, budget)
             assert all(engine.session(s.session_id).slot_ms == pytest.approx(slot_ms) for s in sessions)
@@ -1191,6 +1203,39 @@ def test_timing_ticks_again_at_a_busy_moment_does_not_raise_the_least_budget(tmp
         with pytest.raises(api.BudgetInfeasible) as refused:
             engine.open_session("pusht", "reach the red circle", budget_ms=0.01, rate_hz=0)
         assert refused.value.best_achievable_ms < least_ms + 50.0
+    finally:
+        engine.close()
+
+
+def test_a_lasting_slowdown_raises_the_background_reserve_and_its_end_lowers_it(tmp_path):
+    """Admission adds to every tick's wait the longest background piece it may find running (a reasoner step, a
+    dynamics piece). Timed at warmup, it only ever went down (at a retiming), so on a machine that stayed slower
+    (a GPU throttling, another process) admission kept promising ticks a wait the worker could no longer keep. It
+    now moves with the live ticks' speed against the warmup's: one slow tick does not move it, a lasting slowdown
+    raises it, and its end lowers it again."""
+    pipeline = build_random_pipeline(tmp_path, seed=1)
+    engine = ModelEngine(pipeline, EngineSettings(warmup_ticks=1, compile_gen_stack=False))
+    engine.start()
+    try:
+        assert engine.wait_ready(timeout_s=300)
+        session = engine.open_session("pusht", "reach the red circle", budget_ms=2000.0, rate_hz=0)  # uncached ticks
+        quiet_ms = engine._admission.blocking_ms()
+        least_ms = _floor_ms(engine)
+        # Another process takes the machine: every GEN-stack call 40 ms slower (several times its cost here).
+        stall = pipeline.transformer.norm_moe_gen.register_forward_pre_hook(lambda *_: time.sleep(0.04))
+        engine.act(session.session_id, 1, _observation(0))
+        assert engine._admission.blocking_ms() == pytest.approx(quiet_ms)  # one slow tick is one sample of 32
+        for step in range(1, 18):
+            engine.act(session.session_id, 1, _observation(step))
+        slow_ms = engine._admission.blocking_ms()
+        assert slow_ms > 3 * quiet_ms
+        # What a client is told: the least budget grew by as much (the cheapest tick's own costs are the longest
+        # instruction's, which these ticks do not teach).
+        assert _floor_ms(engine) == pytest.approx(least_ms - quiet_ms + slow_ms)
+        stall.remove()
+        for step in range(20):
+            engine.act(session.session_id, 1, _observation(step))
+        assert engine._admission.blocking_ms() < slow_ms / 2
     finally:
         engine.close()
 

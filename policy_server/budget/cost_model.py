@@ -12,6 +12,15 @@ An estimate is the median of the last ``window`` samples, with their median abso
 spread, so callers can plan on ``median + k * deviation``. One slow tick (a long instruction, a stall) is
 one sample among ``window`` and cannot move what other ticks are planned on; a lasting slowdown takes over
 once it fills half the window. Warmup fills the model before the server reports SERVING.
+
+The model also holds the *background reserve* (``background_ms``): the longest piece of background work a tick may
+find running (a reasoner step, a dynamics piece), which admission adds to every tick's wait. Warmup times those
+pieces right after the ticks of the shapes it measures, whose costs then are the reference; every later tick of such
+a shape adds one sample of how much slower (or faster) than the reference its calls ran, and the reserve is the
+timed piece scaled by the median of the last ``window`` such slowdowns. The timed pieces themselves rarely run live
+(they are the longest: the longest prompt, the longest clip), but the ticks run all the time on the same device, so
+a lasting slowdown (a GPU throttling, another process on the machine) raises the reserve as it raises the costs, and
+its end lowers it again; one slow tick cannot move it.
 """
 
 from __future__ import annotations
@@ -70,6 +79,14 @@ class WindowStat:
     def deviation(self) -> float:
         center = self.median
         return statistics.median(abs(v - center) for v in self._samples)
+
+
+def _filled(window: int, value: float) -> WindowStat:
+    """A window of ``window`` samples, each ``value``."""
+    stat = WindowStat(window)
+    for _ in range(window):
+        stat.update(value)
+    return stat
 
 
 @dataclass(frozen=True)
@@ -141,6 +158,9 @@ class CostModel:
             raise ValueError(f"window must be >= 1, got {window}")
         self.window = window
         self._shapes: dict[Hashable, _ShapeCosts] = {}
+        self._background_ms = 0.0  # the longest background piece, timed with the reference costs
+        self._reference: dict[Hashable, CallCosts] = {}  # by key: the costs of its calls when it was timed
+        self._slowdowns = _filled(window, 1.0)  # live ticks' calls against the reference
         self._lock = threading.Lock()  # the model worker writes while request threads plan and admit
 
     def observe_tick(self, key: Hashable, calls: Iterable[tuple[str, float]],
@@ -161,6 +181,11 @@ class CostModel:
             by_kind.setdefault(kind, []).append(_check_ms("call duration", ms))
         for kind, samples in by_kind.items():
             entry.calls[kind].update(statistics.median(samples))
+        if key in self._reference and by_kind:
+            reference = self._reference[key]
+            cost_of = {FULL: reference.full_ms, PAIR: reference.pair_ms, SKIP: reference.skip_ms}
+            self._slowdowns.update(sum(map(sum, by_kind.values()))
+                                   / sum(cost_of[kind] * len(samples) for kind, samples in by_kind.items()))
         for stage, ms in stages.items():
             if not isinstance(stage, str) or not stage:
                 raise ValueError(f"stage must be a non-empty name, got {stage!r}")
@@ -178,6 +203,32 @@ class CostModel:
             self._shapes[key] = _ShapeCosts(
                 {kind: _lower(mine.calls[kind], stat) for kind, stat in theirs.calls.items()},
                 {stage: _lower(mine.stages.get(stage), stat) for stage, stat in theirs.stages.items()})
+
+    @property
+    def background_ms(self) -> float:
+        """The longest piece of background work a tick may find running (ms; 0 until timed): as timed, scaled by
+        the median slowdown of the last ``window`` ticks against the reference costs."""
+        with self._lock:
+            return self._background_ms * self._slowdowns.median
+
+    def time_background(self, ms: float, keys: Iterable[Hashable]) -> None:
+        """The longest background piece, ``ms``, timed just after the ticks of ``keys``, whose current costs become
+        the reference later ticks of those keys are compared with. The timing counts as a full window of ticks at
+        the reference speed, so a lasting slowdown moves the reserve once it fills half the window, as it moves a
+        cost."""
+        with self._lock:
+            self._background_ms = _check_ms("background piece", ms)
+            self._reference = {key: self._costs(key) for key in keys}
+            self._slowdowns = _filled(self.window, 1.0)
+
+    def lower_background(self, ms: float) -> None:
+        """The longest background piece timed again, ``ms``: kept where it is below the reserve now, as the slowdown
+        of a full window (the reserve is then ``ms``); else the reserve stays. So timing again can undo a reserve a
+        busy moment inflated, and a busy moment while it times raises none (`adopt_lower` for the costs)."""
+        with self._lock:
+            now_ms = self._background_ms * self._slowdowns.median
+            if _check_ms("background piece", ms) < now_ms:
+                self._slowdowns = _filled(self.window, ms / self._background_ms)
 
     def is_warm(self, key: Hashable) -> bool:
         """Whether full calls (alone or in pairs) have been observed for this shape."""

@@ -27,9 +27,10 @@ listed in ``late_fallbacks``.
 The guard also times every step (from one ``pace`` to the next, so the embedding, heads, CFG combine and
 sampler update around the stacks count), and ``on_call`` tells it what the step's calls were. So the cost
 model learns c_full, c_pair and c_skip from real ticks (``step_samples``), and a slowdown seen earlier in the
-same tick raises every estimate for the rest of it: the median of the timed steps' wall times against their
-calls' estimates, weighted by those estimates (never below the cost model's). The last step is not timed:
-nothing follows it inside the loop.
+same tick raises every estimate for the rest of it, ``reserve_after`` included (the stages after the loop run on
+the same device, and their costs, learned once per tick, take half the cost model's window to follow a lasting
+slowdown): the median of the timed steps' wall times against their calls' estimates, weighted by those estimates
+(never below the cost model's). The last step is not timed: nothing follows it inside the loop.
 """
 
 from __future__ import annotations
@@ -152,7 +153,7 @@ class DeadlineGuard:
         step's were skipped, with the uncond pass gone from ``uncond_stop`` on."""
         last = self._plan.num_steps - 1
         middle = sum(len(self._branches(s, uncond_stop)) for s in range(step, last))
-        return middle * self._skip_ms + self._full_step_ms(len(self._branches(last, uncond_stop))) + self._reserve_after
+        return middle * self._skip_ms + self._full_step_ms(len(self._branches(last, uncond_stop))) + self._after_ms
 
     def _full_step_ms(self, calls: int) -> float:
         """A step whose ``calls`` (0, 1 or 2) all run full, as one batch."""
@@ -180,11 +181,11 @@ class DeadlineGuard:
         # What the step spent so far (the embedding, the earlier calls' gates) is part of `step_ms`; at most what
         # that many skipped calls cost, since anything longer was a stall, not progress on this step.
         rest_of_step = step_ms - min(now - self._step_mark, (position + 1) * self._skip_ms)
-        needed = rest_of_step + middle_calls * self._skip_ms + self._full_step_ms(final_calls) + self._reserve_after
+        needed = rest_of_step + middle_calls * self._skip_ms + self._full_step_ms(final_calls) + self._after_ms
         # This step's calls and the later middle steps' at the plan's pace, not this call at its full cost: the
         # plan's refreshes are lumps between runs of skips, and a tick on plan must not look behind at each one.
         on_pace = (len(branches) + middle_calls) * self._middle_call_ms * self._slowdown \
-            + self._full_step_ms(final_calls) + self._reserve_after
+            + self._full_step_ms(final_calls) + self._after_ms
         return now + max(needed, on_pace) > self._deadline_at
 
     def on_call(self, decisions: Sequence[_Decision]) -> None:
@@ -222,6 +223,11 @@ class DeadlineGuard:
     @property
     def _skip_ms(self) -> float:
         return self._prior.skip_ms * self._slowdown
+
+    @property
+    def _after_ms(self) -> float:
+        # The stages after the loop (the actions' decode, a preview's frames) run on the same device as its calls.
+        return self._reserve_after * self._slowdown
 
     # ---------------------------------------------------------------- what happened
 

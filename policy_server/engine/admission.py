@@ -92,6 +92,15 @@ def assign_slots(demands: list[Demand], blocking_ms: float,
     return [c + extra for c in ceilings]
 
 
+def admitted_slots(demands: list[Demand], blocking_ms: float,
+                   max_utilization: float = MAX_UTILIZATION) -> list[float]:
+    """`assign_slots` of demands admitted together beside a background piece that may have grown since (a lasting
+    slowdown, `CostModel.background_ms`): as much of it as leaves each its cheapest tick. So a session keeps what it
+    was admitted with when the others leave, and the guard holds each tick's deadline when the queue wait grows."""
+    room_ms = min((d.budget_ms for d in demands), default=0.0) - sum(d.floor_ms for d in demands)
+    return assign_slots(demands, min(blocking_ms, room_ms), max_utilization)
+
+
 def sessions_that_fit(open_demands: list[Demand], new: Demand, blocking_ms: float, limit: int,
                       max_utilization: float = MAX_UTILIZATION) -> int:
     """How many sessions like ``new`` fit beside ``open_demands`` (at most ``limit``)."""
@@ -109,15 +118,18 @@ def default_rate_hz(control_hz: float, actions_per_chunk: int) -> float:
 
 class Admission:
     """Which sessions one engine takes: every open session's demand must still be met with a new one (or a
-    new budget), else Overloaded with how many would fit. `blocking_ms()`: the longest background piece a
-    tick may find running (known after warmup); `retime(key)`: time the ticks of cost key `key` and the
+    new budget), else Overloaded with how many would fit. `retime(key)`: time the ticks of cost key `key` and the
     background pieces again, on the worker, and wait."""
 
-    def __init__(self, served: ServedModel, sessions: SessionTable, blocking_ms: Callable[[], float],
-                 retime: Callable[[tuple], None]):
-        self.served, self.sessions, self.blocking_ms, self.retime = served, sessions, blocking_ms, retime
+    def __init__(self, served: ServedModel, sessions: SessionTable, retime: Callable[[tuple], None]):
+        self.served, self.sessions, self.retime = served, sessions, retime
         self._lock = threading.Lock()  # held while slots are assigned, so two opens cannot both fit
         self._retimed_s: dict[tuple, float] = {}  # when each cost key was last timed again (time.monotonic() s)
+
+    def blocking_ms(self) -> float:
+        """The longest background piece a tick may find running (`CostModel.background_ms`: known after warmup, and
+        moving with the live ticks' speed)."""
+        return self.served.cost_model.background_ms
 
     def capacity(self, budget_ms: float, rate_hz: float | None) -> tuple[api.Capacity, ...]:
         """Per served embodiment at its default chunk: sessions that fit alone and beside the open ones, on the
@@ -251,6 +263,6 @@ class Admission:
 
     def _assign_slots(self) -> None:
         sessions = self.sessions.all()
-        slots = assign_slots([s.demand for s in sessions], self.blocking_ms())
+        slots = admitted_slots([s.demand for s in sessions], self.blocking_ms())
         for session, slot in zip(sessions, slots, strict=True):
             session.slot_ms = slot

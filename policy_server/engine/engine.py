@@ -62,8 +62,7 @@ class ModelEngine:
                                     sum(tick.payload.slot_ms for tick in batch)).steps(),
             self.served.gen_stack, self.settings.max_batch)
         self._warmup = Warmup(self.served)
-        self._admission = Admission(self.served, self.sessions, lambda: self._warmup.blocking_ms,
-                                    lambda key: self._on_worker(self._warmup.retime(key)))
+        self._admission = Admission(self.served, self.sessions, lambda key: self._on_worker(self._warmup.retime(key)))
         self._reasoning = Reasoning(self.served, self._worker)
         self._dynamics = Dynamics(self.served, self._worker)
         # The declared schema, read on every request: the pipeline floors frames to multiples of the VAE's

@@ -53,15 +53,14 @@ logger = logging.getLogger(__name__)
 
 class Warmup:
     """The warmup of one engine: a generator of worker steps (`steps`), then `ready` is set. `progress` in
-    [0, 1]; `profile`: the latency profile points; `blocking_ms`: the longest reasoner step or dynamics piece;
-    `error`: what made it fail, if it did."""
+    [0, 1]; `profile`: the latency profile points; `error`: what made it fail, if it did. The longest reasoner
+    step or dynamics piece goes to the cost model (`CostModel.background_ms`)."""
 
     def __init__(self, served: ServedModel):
         self.served = served
         self.ready = threading.Event()
         self.progress = 0.0
         self.profile: tuple[api.ProfilePoint, ...] = ()
-        self.blocking_ms = 0.0
         self.error: BaseException | None = None
         self._preview_ms_by_shape: dict[tuple[int, ...], float] = {}  # preview decode ms by latent shape
 
@@ -91,9 +90,13 @@ class Warmup:
             yield
         self.profile = tuple(profile)
         self._interpolate_costs()
+        # Soon after the ticks of the measured shapes, whose costs are the speed the live ticks' are compared with
+        # from here on, to scale this timing.
+        self.served.cost_model.time_background((yield from self._time_background_pieces()),
+                                               [self.served.cost_key(e.name, chunk, tokens)
+                                                for e, chunk, tokens, _ in shapes])
         if self.served.settings.calibrate_at_warmup and self.served.profile is None:
             self.served.profile = yield from self._calibrate()
-        self.blocking_ms = yield from self._time_background_pieces()
         if self.served.graphs is not None:  # with a compiled stack, its compiles are inside the first capture
             logger.info("captured %d CUDA graphs of the GEN stack in %.0f ms", self.served.graphs.num_graphs,
                         self.served.graphs.capture_ms)
@@ -110,15 +113,16 @@ class Warmup:
 
     def retime(self, key: tuple) -> Iterator[None]:
         """Time the ticks of cost key `key` and the background pieces again, one short tick per mode, as warmup
-        times every key but the default one, and keep the lower of the two timings of each (`CostModel.adopt_lower`):
-        a retiming undoes timings a busy moment inflated, and one that another process slows must not raise the
-        least budget every later session is held to."""
+        times every key but the default one, and keep the lower of the two timings of each (`CostModel.adopt_lower`,
+        `CostModel.lower_background`): a retiming undoes timings a busy moment inflated, and one that another
+        process slows must not raise the least budget every later session is held to (live ticks raise the costs
+        and the background reserve where the machine stays slower)."""
         embodiment, chunk, tokens, _ = self._all_shapes()[key]
         fresh = CostModel(self.served.cost_model.window)
         self._preview_ms_by_shape.clear()
         yield from self._warm_shape(embodiment, chunk, tokens, 1, _SHORT_WARMUP_STEPS, batch=False, cost_model=fresh)
         self.served.cost_model.adopt_lower(key, fresh)
-        self.blocking_ms = min(self.blocking_ms, (yield from self._time_background_pieces()))
+        self.served.cost_model.lower_background((yield from self._time_background_pieces()))
 
     def _calibrate(self):
         """A bounded quality profile: `WARMUP_CALIBRATION_OBSERVATIONS` observations per embodiment over the
