@@ -50,7 +50,7 @@ from policy_server.client.errors import PolicyServerError
 from policy_server.client.sync_client import SERVING_WAIT_S
 from policy_server.engine.api import EngineError
 from policy_server.limits import MAX_BUDGET_MS
-from policy_server.output_file import output_file
+from policy_server.output_file import report_file
 from robots.envs import EMBODIMENT, ENV_IDS, HELDOUT_SEED_OFFSET, REACH_ID, ReachScene
 
 
@@ -664,7 +664,7 @@ def main(argv: list[str] | None = None) -> int:
                         "cluster the last `ray start` here recorded, else a Ray started here)")
     g.add_argument("--ray-gpus-per-worker", type=float, default=0.0, help="GPUs of each in-process worker (0)")
     g.add_argument("--ray-cpus-per-worker", type=float, default=1.0, help="CPUs of each worker (1)")
-    parser.add_argument("--out", type=output_file, default="rollout.json",
+    parser.add_argument("--out", type=report_file, default="rollout.json",
                         help="JSON report; its PNG summary and the videos go beside it (rollout.json)")
     args = parser.parse_args(argv)
     for flag, value in (("--episodes", args.episodes), ("--num-envs", args.num_envs), ("--execute", args.execute),
@@ -675,9 +675,6 @@ def main(argv: list[str] | None = None) -> int:
                         ("--delay-steps", args.delay_steps)):
         if value < 0:
             parser.error(f"{flag} must be >= 0, got {value}")
-    if args.out.with_suffix(".png") == args.out:  # the summary goes to --out with .png: it overwrote the report
-        parser.error(f"--out {args.out}: the JSON report's path, whose PNG summary goes beside it as "
-                     f"{args.out.with_suffix('.png').name}; expected another suffix, such as .json")
     if HELDOUT_SEED_OFFSET + args.first_episode + args.episodes > 2**64:  # a session's seed is a uint64 on the wire
         parser.error(f"--first-episode {args.first_episode}: episode i runs on seed {HELDOUT_SEED_OFFSET} + i, below "
                      f"2^64; expected at most {2**64 - HELDOUT_SEED_OFFSET - args.episodes} for {args.episodes} "

@@ -65,7 +65,7 @@ from policy_server.client import (
 )
 from policy_server.client.cli_flags import add_tls_flags, pem_file, seconds, server_address, tls_options, token_file
 from policy_server.limits import MAX_RATE_HZ, MIN_RATE_HZ
-from policy_server.output_file import output_file
+from policy_server.output_file import report_file
 from policy_server.v1 import policy_server_pb2 as pb
 from robots.envs.reach import EMBODIMENT, HELDOUT_SEED_OFFSET
 
@@ -608,7 +608,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help=f"one more session floods Acts of the largest frame the server takes from {FLOOD_THREADS} "
                    "threads; the checks apply to the other sessions, and its answers must be chunks or "
                    "RATE_EXCEEDED / SESSION_BUSY refusals")
-    p.add_argument("--out", type=output_file, default="soak.json",
+    p.add_argument("--out", type=report_file, default="soak.json",
                    help="JSON report; PNG and server log beside it")
     p.add_argument("--startup-timeout-s", type=seconds, default=300.0, help="wait for the server to serve, s (300)")
     g = p.add_argument_group("a server already running (instead of starting one)")

@@ -90,23 +90,25 @@ def test_the_background_reserve_follows_a_lasting_change_in_the_speed_of_the_tic
 
 def test_timing_the_background_piece_again_keeps_the_lower_reserve():
     """A busy moment while the pieces are timed again raises nothing; a quiet one lowers the reserve to what it
-    timed, from which later ticks move it again."""
+    timed, and later ticks move it from there (was: ticks at the reference speed brought back the first timing)."""
     model = CostModel(window=4)
     model.observe_tick("k", [(FULL, 10.0)])
-    model.time_background(5.0, ["k"])
-    for _ in range(3):
-        model.observe_tick("k", [(FULL, 30.0)])
-    assert model.background_ms == pytest.approx(15.0)
+    model.time_background(30.0, ["k"])  # timed in a busy moment
     model.lower_background(40.0)
+    assert model.background_ms == pytest.approx(30.0)
+    model.lower_background(15.0)
     assert model.background_ms == pytest.approx(15.0)
-    model.lower_background(6.0)
-    assert model.background_ms == pytest.approx(6.0)
-    model.observe_tick("k", [(FULL, 30.0)])
-    assert model.background_ms == pytest.approx(6.0)
-    model.observe_tick("k", [(FULL, 5.0)])
-    model.observe_tick("k", [(FULL, 5.0)])
-    model.observe_tick("k", [(FULL, 5.0)])
-    assert model.background_ms == pytest.approx(2.5)
+    for _ in range(4):
+        model.observe_tick("k", [(FULL, 10.0)])  # the reference speed
+    assert model.background_ms == pytest.approx(15.0)
+    for _ in range(3):
+        model.observe_tick("k", [(FULL, 30.0)])  # a lasting slowdown
+    assert model.background_ms == pytest.approx(45.0)
+    model.lower_background(30.0)  # timed again during it: 10 ms at the reference speed
+    assert model.background_ms == pytest.approx(30.0)
+    for _ in range(4):
+        model.observe_tick("k", [(FULL, 10.0)])  # its end
+    assert model.background_ms == pytest.approx(10.0)
 
 
 def test_cautious_costs_add_deviations_and_a_stage_can_be_left_out():

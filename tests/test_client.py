@@ -362,6 +362,7 @@ def test_a_reason_survives_a_proxy_that_keeps_only_the_code_and_the_message():
         grpc.StatusCode.UNAVAILABLE, "Stream removed (RST_STREAM (Received RST_STREAM with error code 7))", ())))
     assert refused.reason == "TOO_MANY_CALLS"  # what a client that floods one connection gets for its calls beyond
     assert refused.message.startswith("the server refused the call: its connection held as many calls at once")
+    assert plain.connection_lost and not refused.connection_lost  # a refusal: no reconnect, no episode restarted
 
 
 def test_unreachable_server_is_unavailable_at_once_for_act():

@@ -202,8 +202,8 @@ def test_a_report_says_what_each_tick_gave_up(tmp_path):
     (["--out", "/"], "argument --out: / is a folder; expected a file path"),
     # the PNG summary, written to --out with .png, overwrote the report: a run that exited 0 left no JSON
     (["--out", f"{tempfile.gettempdir()}/r.png"],
-     f"--out {tempfile.gettempdir()}/r.png: the JSON report's path, whose PNG summary goes beside it as r.png; "
-     "expected another suffix, such as .json\n"),
+     f"argument --out: {tempfile.gettempdir()}/r.png: the JSON report's path, whose PNG summary goes beside it as "
+     "r.png; expected another suffix, such as .json\n"),
 ])
 def test_bad_flags_are_usage_errors(flags, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -4,12 +4,14 @@ server info, health and reflection, auth, TLS, Unix sockets, deadlines, the reas
 from __future__ import annotations
 
 import queue
+import socket
 import threading
 import time
 import tomllib
 import urllib.error
 import urllib.request
 from concurrent import futures
+from contextlib import closing
 from pathlib import Path
 
 import grpc
@@ -23,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from policy_server.client import PolicyClient, PolicyServerError
 from policy_server.client.__main__ import main as client_main
+from policy_server.client.sync_client import make_channel
 from policy_server.client.types import build_observation
 from policy_server.config import build_config
 from policy_server.engine.api import Observation
@@ -218,13 +221,14 @@ def test_idle_reflection_streams_are_bounded_and_leave_the_server_its_threads(se
         assert "policy_server.v1.PolicyService" in ProtoReflectionDescriptorDatabase(channel).get_services()
 
 
-def test_one_connection_holds_at_most_the_pools_calls_and_other_connections_are_served(server, client):
+def test_one_connection_holds_at_most_the_pools_calls_and_other_connections_are_served(server):
     # Was: a client that held more calls at once than the thread pool (tens of threads flooding one session's Acts)
     # got the calls of every other client refused, RESOURCE_EXHAUSTED "Concurrent RPC limit exceeded!". Now HTTP/2
-    # lets one connection hold at most the pool's count of calls; its calls beyond wait on that connection.
+    # lets one connection hold at most the pool's count of calls; its calls beyond wait on that connection. Each
+    # client of a process has a connection of its own (gRPC shares one between channels of the same options).
     calls = max_concurrent_calls(server.config.max_sessions, server.config.max_dynamics_calls, reflection=True)
     request = health_pb2.HealthCheckRequest(service="")
-    with grpc.insecure_channel(server.target) as channel:
+    with make_channel(server.target) as channel, PolicyClient(server.target) as client:
         stub = health_pb2_grpc.HealthStub(channel)
         watches = [stub.Watch(request) for _ in range(calls)]  # streams that hold no thread: the count is the cap's
         assert {next(watch).status for watch in watches} == {health_pb2.HealthCheckResponse.SERVING}
@@ -455,6 +459,65 @@ def test_watch_streams_that_end_as_others_are_answered_leave_the_server_serving(
             watching.result()
     with grpc.insecure_channel(server.target) as channel:
         assert health_pb2_grpc.HealthStub(channel).Check(request, timeout=5).status == SERVING
+
+
+def test_health_names_an_unknown_service_and_refuses_a_name_no_service_has(server):
+    # Was: a Watch kept any name it was given, 32 MiB at most, for as long as its stream was open, and the server's
+    # table of watched names kept each for good.
+    with grpc.insecure_channel(server.target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        assert next(stub.Watch(health_pb2.HealthCheckRequest(service="x" * 256), timeout=5)).status == (
+            health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
+        with pytest.raises(grpc.RpcError) as refused:
+            next(stub.Watch(health_pb2.HealthCheckRequest(service="x" * 257), timeout=5))
+        error = PolicyServerError.from_rpc_error(refused.value)
+        assert (error.code, error.reason, error.field) == (grpc.StatusCode.INVALID_ARGUMENT, "TOO_LONG", "service")
+        with pytest.raises(grpc.RpcError) as unknown:
+            stub.Check(health_pb2.HealthCheckRequest(service="nope"), timeout=5)
+        error = PolicyServerError.from_rpc_error(unknown.value)
+        assert (error.code, error.reason) == (grpc.StatusCode.NOT_FOUND, "SERVICE_NOT_FOUND")
+
+
+def _watch_that_reads_nothing(port: int) -> socket.socket:
+    """A health Watch from a raw HTTP/2 client that grants the server no flow-control window: the server's sends to it
+    wait for good. Its connection, open (the caller closes it); a thread acknowledges the server's SETTINGS and PINGs,
+    as a live client does."""
+    def frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
+        return len(payload).to_bytes(3, "big") + bytes([kind, flags]) + stream.to_bytes(4, "big") + payload
+
+    def header(name: str, value: str) -> bytes:  # HPACK, a literal never indexed
+        return b"\x00" + bytes([len(name)]) + name.encode() + bytes([len(value)]) + value.encode()
+
+    def acknowledge() -> None:
+        with connection.makefile("rb") as frames:
+            while len(head := frames.read(9)) == 9:
+                kind, flags, payload = head[3], head[4], frames.read(int.from_bytes(head[:3], "big"))
+                if kind in (4, 6) and not flags & 1:  # SETTINGS, PING
+                    connection.sendall(frame(kind, 1, 0, b"" if kind == 4 else payload))
+
+    connection = socket.create_connection(("127.0.0.1", port))
+    no_window = (4).to_bytes(2, "big") + (0).to_bytes(4, "big")  # SETTINGS_INITIAL_WINDOW_SIZE = 0
+    headers = b"".join(header(*pair) for pair in (
+        (":method", "POST"), (":scheme", "http"), (":path", "/grpc.health.v1.Health/Watch"),
+        (":authority", f"127.0.0.1:{port}"), ("content-type", "application/grpc"), ("te", "trailers")))
+    connection.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + frame(4, 0, 0, no_window))
+    threading.Thread(target=acknowledge, daemon=True).start()
+    connection.sendall(frame(1, 4, 1, headers) + frame(0, 1, 1, bytes(5)))  # an empty HealthCheckRequest
+    return connection
+
+
+def test_a_watch_whose_client_reads_nothing_holds_up_only_itself():
+    # Was: statuses went out under the servicer's lock, on the thread that set them: the readiness poller, every
+    # other Watch (each holding a server thread as it waited) and the server's stop waited for good on that send.
+    with serve_fake() as server, closing(_watch_that_reads_nothing(server.grpc_port)):
+        time.sleep(0.5)  # the server has taken the stream and its send waits
+        with grpc.insecure_channel(server.target) as channel:
+            assert next(health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(),
+                                                                   timeout=5)).status == SERVING
+        stopping = threading.Thread(target=server.stop, args=(0.2,))
+        stopping.start()
+        stopping.join(10)
+        assert not stopping.is_alive()
 
 
 def test_tls(tmp_path, capsys):

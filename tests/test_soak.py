@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent import futures
 
@@ -94,6 +95,9 @@ def test_a_number_the_soak_cannot_run_with_is_one_usage_line(capsys):
                       (["--rate-hz", "0.001"], "--rate-hz: expected 0 (a closed loop) or 0.01 to 1000 Hz"),
                       (["--max-miss-rate", "2"], "--max-miss-rate: expected a fraction from 0 to 1, got 2"),
                       (["--max-rss-growth-mb", "nan"], "--max-rss-growth-mb: expected MB from 0, got nan"),
+                      # The PNG summary, written to --out with .png, overwrote the report.
+                      (["--out", f"{tempfile.gettempdir()}/s.png"], f"argument --out: {tempfile.gettempdir()}/s.png: "
+                                                                     "the JSON report's path, whose PNG summary goes"),
                       # Started a server, warmed it up, and was refused TOO_MANY_SESSIONS, told the load did not fit.
                       (["--sessions", "4", "--max-sessions", "2"], "--max-sessions 2 is fewer than the 4 sessions"),
                       (["--sessions", "4", "--max-sessions", "4", "--hostile-neighbour"],

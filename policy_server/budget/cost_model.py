@@ -222,13 +222,14 @@ class CostModel:
             self._slowdowns = _filled(self.window, 1.0)
 
     def lower_background(self, ms: float) -> None:
-        """The longest background piece timed again, ``ms``: kept where it is below the reserve now, as the slowdown
-        of a full window (the reserve is then ``ms``); else the reserve stays. So timing again can undo a reserve a
-        busy moment inflated, and a busy moment while it times raises none (`adopt_lower` for the costs)."""
+        """The longest background piece timed again, ``ms``: where it is below the reserve now, the reserve becomes
+        ``ms`` (the timed piece is ``ms`` over the ticks' slowdown now, which later ticks move as before); else the
+        reserve stays. So timing again can undo a reserve a busy moment inflated, and a busy moment while it times
+        raises none (`adopt_lower` for the costs)."""
         with self._lock:
-            now_ms = self._background_ms * self._slowdowns.median
-            if _check_ms("background piece", ms) < now_ms:
-                self._slowdowns = _filled(self.window, ms / self._background_ms)
+            slowdown = self._slowdowns.median
+            if _check_ms("background piece", ms) < self._background_ms * slowdown:
+                self._background_ms = ms / slowdown
 
     def is_warm(self, key: Hashable) -> bool:
         """Whether full calls (alone or in pairs) have been observed for this shape."""

@@ -50,7 +50,8 @@ class PolicyServerError(Exception):
         shutting down or warming up), or INTERNAL with no server reason (Ray Serve's proxy ends a call so when its
         replica dies). Calling again, once the server serves, may work."""
         lost_replica = self.code == grpc.StatusCode.INTERNAL and not self.from_server
-        return self.code == grpc.StatusCode.UNAVAILABLE or lost_replica
+        refused = self.reason == "TOO_MANY_CALLS"  # by a server that serves, for the calls its connection holds
+        return self.code == grpc.StatusCode.UNAVAILABLE and not refused or lost_replica
 
     @property
     def field(self) -> str:

@@ -125,6 +125,9 @@ def make_channel(
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.initial_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 2_000),
+        # A connection of its own: gRPC shares one between a process's channels of the same options, and a server
+        # bounds the calls one connection holds at once, which would then bound all the clients of the process.
+        ("grpc.use_local_subchannel_pool", 1),
     ]
     if server_name:
         options.append(("grpc.ssl_target_name_override", server_name))
