@@ -16,6 +16,7 @@ import numpy as np
 from av.video.reformatter import VideoReformatter
 
 BROWSER_PIX_FMT = "yuv420p"
+FRAME_TIME_TOLERANCE_S = 1e-4  # between a decoded frame's time and the one asked for, as LeRobot's tolerance_s
 
 
 class H264Writer:
@@ -82,6 +83,11 @@ def read_frames(path: str | Path, start_s: float, count: int, fps: float) -> np.
                 if index >= 0 and index != len(frames):  # a video of another rate repeats or skips frame numbers
                     raise ValueError(f"{path}: its frame at {picture.time:.3f} s is frame {index} from {start_s:.3f} s "
                                      f"at {fps} fps, after {len(frames)}; expected a frame every 1/{fps} s")
+                if index >= 0 and abs(picture.time - start_s - index / fps) > FRAME_TIME_TOLERANCE_S:
+                    # A start between two frames (a shifted from_timestamp): the nearest ones are another episode's.
+                    raise ValueError(f"{path}: its frame at {picture.time:.4f} s is {picture.time - start_s:+.4f} s "
+                                     f"from {start_s:.4f} s, not a whole number of frames at {fps} fps; expected "
+                                     f"frames at {start_s:.4f} s + i/{fps} s, within {FRAME_TIME_TOLERANCE_S} s")
                 if index >= 0:
                     frames.append(to_rgb.reformat(picture, format="rgb24").to_ndarray())
     except av.FFmpegError as error:  # not a video, cut short, or a codec this FFmpeg does not decode

@@ -202,6 +202,14 @@ def _shorten_episodes(folder):
                                     pa.array(table["length"].to_numpy() - 1)), path)
 
 
+def _shift_first_video_start(folder):  # 0.3 frames later: read the nearest frames, as if it started at 0
+    path = folder / "meta/episodes/chunk-000/file-000.parquet"
+    table = pq.read_table(path)
+    column = f"videos/{IMAGE_KEY}/from_timestamp"
+    pq.write_table(table.set_column(table.column_names.index(column), column,
+                                    pa.array(table[column].to_numpy() + 0.03)), path)
+
+
 def _edit_rows(edit):
     def apply(folder):
         path = folder / "data/chunk-000/file-000.parquet"
@@ -265,6 +273,8 @@ def _video_at_twice_the_rate(folder):
      "codebase_version 'v1.6'; expected one of ['v2.0', 'v2.1', 'v3.0']"),
     (_edit_info(lambda i: i.update(total_episodes=5)), DatasetError, "expected 0 to 4 in order"),
     (_shorten_episodes, DatasetError, "rows of episode 0, frame_index [0, 1, 2, 3, 4]...; expected"),
+    (_shift_first_video_start, DatasetError, "episode 0 (11 frames in meta/episodes): {folder}/" + VIDEO
+     + ": its frame at 0.0000 s is -0.0300 s from 0.0300 s, not a whole number of frames at 10 fps"),
     (lambda f: (f / "dataset.json").write_text("{}"), DatasetError, "holds both"),
     (lambda f: (f / "meta/info.json").write_text("{"), DatasetError, "info.json: not valid JSON"),
     (lambda f: (f / "data/chunk-000/file-000.parquet").write_bytes(b"PAR1 cut short"), DatasetError,

@@ -32,5 +32,9 @@ def test_read_frames_from_a_keyframe_and_refuses_a_short_file(tmp_path):
     assert np.abs(read_frames(tmp_path / "v.mp4", 0.7, 5, fps=10).astype(int) - frames[7:]).max() <= 2
     with pytest.raises(ValueError, match=r"holds 5 frames from 0.700 s on at 10 fps; expected 6"):
         read_frames(tmp_path / "v.mp4", 0.7, 6, fps=10)
+    # A start between frames (a shifted from_timestamp) read the nearest frames: 0.66 s gave frames 7 .. 11.
+    with pytest.raises(ValueError, match=r"frame at 0.7000 s is \+0.0400 s from 0.6600 s, not a whole number of "):
+        read_frames(tmp_path / "v.mp4", 0.66, 5, fps=10)
+    assert len(read_frames(tmp_path / "v.mp4", 0.70004, 5, fps=10)) == 5  # within LeRobot's tolerance
     with pytest.raises(ValueError, match="yuv420p needs even frame sides, got 15x16"):
         H264Writer(tmp_path / "odd.mp4", 10, 15, 16, "yuv420p", crf=23)
