@@ -609,10 +609,10 @@ def run(args: argparse.Namespace) -> dict:
         best_ms = math.ceil(max(entry["best_achievable_ms"] for entry in infeasible) * 10) / 10
         fraction = math.ceil(best_ms / uncached_scale_ms * 100) / 100
         raise BenchError(
-            f"no budget is feasible on this machine: {', '.join(f'{b:g}' for b in budgets)} ms, all below the best "
-            f"achievable latency (up to {best_ms:.1f} ms; uncached p50 {uncached_scale_ms:.1f} ms); choose "
-            f"--budgets-ms of at least {best_ms:.1f}" + (f" or --budget-fractions of at least {fraction:g}"
-                                                         if fraction <= 1 else ""))
+            f"no budget is feasible on this machine: every budget ({', '.join(f'{b:g}' for b in budgets)} ms) is "
+            f"below the best achievable latency (up to {best_ms:.1f} ms; uncached p50 {uncached_scale_ms:.1f} ms); "
+            f"choose --budgets-ms of at least {best_ms:.1f}" + (f" or --budget-fractions of at least {fraction:g}"
+                                                                if fraction <= 1 else ""))
     slow_budget, slow_name, slow_engine, slow_pipeline, slow_session = slow
     runs[slow_name] = ConfigRun(slow_name, budget_ms=slow_budget, family="controller", guarded=True)
     sessions[slow_name] = (slow_engine, slow_pipeline, slow_session)

@@ -303,8 +303,8 @@ def test_bench_ends_with_the_message_of_a_budget_the_engine_refuses(profiled_che
     assert "budget_1: budget 1 ms is below the best achievable latency" in err
     assert "budget_2: budget 2 ms is below the best achievable latency" in err
     last = err.splitlines()[-1]
-    assert last.startswith("policy-server bench: no budget is feasible on this machine: 1, 2 ms, all below the best "
-                           "achievable latency (up to ") and "; choose --budgets-ms of at least " in last
+    assert last.startswith("policy-server bench: no budget is feasible on this machine: every budget (1, 2 ms) is "
+                           "below the best achievable latency (up to ") and "; choose --budgets-ms of at least " in last
     assert not (tmp_path / "b.json").exists()
     started, closed = engine_lifetimes
     assert len(started) == 1 and closed == started
