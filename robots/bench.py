@@ -18,16 +18,19 @@ machine drift cancels and errors compare like with like:
                               under the same in-tick guard: `fewer_steps` (uncached), `seacache` (the published
                               default), `fewer_steps_seacache`;
 - `<family>_<ms>`             the same configurations without the guard;
-- `budget_<ms>_slowdown`      the controller at the tightest budget, with an extra delay per full GEN-stack call
+- `budget_<ms>_slowdown`      the controller at the tightest budget run, with an extra delay per full GEN-stack call
                               from the halfway tick;
 - `budget_<ms>_eager`         when the engines run the GEN stack compiled (the server's default), the controller
                               on the eager stack (`--no-compile-gen-stack`): what the compile buys at each budget.
 
-Budgets default to 35% .. 100% of the uncached tick's median over 16 ticks before the run (six points). The
-report's `sweep` compares, per budget, the controller with the guarded families that hold 1% misses and with
-the best unguarded configuration whose p50 fits (and with the eager controller), and says whether issue 14's
-targets hold there. With `--closed-loop N` every configuration a robot could run (all but the unguarded families
-and the eager controller) also drives N held-out episodes of `--env` (the same seeds for all) and reports
+Budgets default to 35% .. 100% of the uncached tick's median over 16 ticks before the run (six points). A budget
+an engine's admission refuses, below the best achievable latency on this machine, runs nothing: the report lists it
+under `infeasible_budgets` with that latency and the plots mark it; the first engine's admission is asked before any
+other engine starts. With every budget refused, the bench writes nothing and exits 2. The report's `sweep`
+compares, per budget run, the controller with the guarded families that hold 1% misses and with the best unguarded
+configuration whose p50 fits (and with the eager controller), and says whether issue 14's targets hold there.
+With `--closed-loop N` every configuration a robot could run (all but the unguarded families and the eager
+controller) also drives N held-out episodes of `--env` (the same seeds for all) and reports
 `success_rate`, `collision_rate` (episodes ended on ReachEither's blocker) and `episode_steps` (mean control
 steps per episode). The default task is the
 one the shipped model is fine-tuned for, ReachEitherTimed: it fails a sampler that averages its two modes or
@@ -511,10 +514,9 @@ def run(args: argparse.Namespace) -> dict:
     scale_ticks = [uncached(request_of(obs, embodiment, tick))
                    for tick, obs in enumerate((observations * SCALE_TICKS)[:SCALE_TICKS])]
     uncached_scale_ms = statistics.median(out.timings_ms["total"] for out in scale_ticks)
-    # Tightest first, each once: the slowdown run is at the tightest (and a budget given twice would run two
-    # engines under one name).
+    # Tightest first, each once: the slowdown run is at the tightest every engine admits (and a budget given twice
+    # would run two engines under one name).
     budgets = sorted(set(args.budgets_ms or [round(f * uncached_scale_ms, 1) for f in args.budget_fractions]))
-    slow_budget = budgets[0]
     slowdown_ms = args.slowdown_ms
     if slowdown_ms is None:  # half an uncached step (embed, the branches' GEN stack as one call, heads)
         slowdown_ms = round(0.5 * statistics.median(step.ms for step in scale_ticks[0].steps), 2)
@@ -532,21 +534,63 @@ def run(args: argparse.Namespace) -> dict:
              "max_caching": FixedConfig(engine.served, maximal[0])}
     sessions = {}  # config name -> (engine, its bench pipeline, session)
     engines = [engine]
+    infeasible: list[dict] = []  # the budgets an engine's admission refused, tightest first
+
+    def refused(b: float, name: str, refusal: api.BudgetInfeasible) -> None:
+        infeasible.append({"budget_ms": b, "fraction": b / uncached_scale_ms, "refused_by": name,
+                           "best_achievable_ms": refusal.best_achievable_ms, "message": refusal.message})
+        print(f"policy-server bench: {name}: {refusal.message}; budget {b:g} ms skipped", file=sys.stderr)
+
+    # The first engine's admission first, as a server's: a budget it refuses starts no engine (a user's run refused
+    # at its tightest budget spent two minutes, much of them on the warmups of engines started for it).
+    for b in budgets:
+        try:
+            engine.close_session(engine.open_session(embodiment.name, "warm up", budget_ms=b, seed=0,
+                                                     rate_hz=0.0).session_id)
+        except api.BudgetInfeasible as refusal:
+            refused(b, f"budget_{b:g}", refusal)
     tokens = engine.served.instruction_tokens(observations[0]["instruction"], "instruction")
     key = engine.served.cost_key(embodiment.name, embodiment.default_chunk_size, tokens)
-    for index, b in enumerate(budgets):
-        controller, own = (engine, engine_pipeline) if index == 0 else started_engine(profile)
-        ladder, ladder_own = started_engine()
-        engines += [controller, ladder] if index else [ladder]
-        arms = [(f"budget_{b:g}", controller, own, "controller"), (f"ladder_{b:g}", ladder, ladder_own, "ladder")]
+    slow = None  # (budget, name, engine, pipeline, session): the controller at the tightest budget all engines admit
+    for b in budgets:
+        if any(entry["budget_ms"] == b for entry in infeasible):
+            continue
+        # Every engine that runs at `b` must admit it, else the budget is reported infeasible and runs nothing (the
+        # configurations at a budget are compared with each other, tick by tick): each session opens before the
+        # next engine starts, so a refusal stops the warmups.
+        arms, started = [], []  # (name, family, engine, its pipeline, session); the engines started for `b`
+        # The first budget to run takes the first engine (whose warmup the report gives) for its controller: None.
+        kinds = [(f"budget_{b:g}", "controller", None if slow is None else {"quality_profile": profile}),
+                 (f"ladder_{b:g}", "ladder", {})]
         if engine.served.compiled:
-            eager, eager_own = started_engine(profile, compile_gen_stack=False)
-            engines.append(eager)
-            arms.append((f"budget_{b:g}_eager", eager, eager_own, "controller_eager"))
-        for name, owner, pipe, family in arms:
+            kinds.append((f"budget_{b:g}_eager", "controller_eager",
+                          {"quality_profile": profile, "compile_gen_stack": False}))
+        if slow is None:
+            kinds.append((f"budget_{b:g}_slowdown", "controller", {"quality_profile": profile}))
+        try:
+            for name, family, changes in kinds:
+                if changes is None:
+                    owner, own = engine, engine_pipeline
+                else:
+                    owner, own = started_engine(**changes)
+                    started.append(owner)
+                arms.append((name, family, owner, own, owner.open_session(embodiment.name, "warm up", budget_ms=b,
+                                                                          seed=0, rate_hz=0.0)))
+        except api.BudgetInfeasible as refusal:
+            refused(b, name, refusal)
+            for _, _, owner, _, session in arms:
+                owner.close_session(session.session_id)
+            for owner in started:
+                owner.close()
+            continue
+        engines += started
+        for name, family, owner, own, session in arms:
+            if name.endswith("_slowdown"):
+                slow = (b, name, owner, own, session)
+                continue
             runs[name] = ConfigRun(name, budget_ms=b, family=family, guarded=True)
-            sessions[name] = (owner, pipe, owner.open_session(embodiment.name, "warm up", budget_ms=b, seed=0,
-                                                              rate_hz=0.0))
+            sessions[name] = (owner, own, session)
+        controller = arms[0][2]
         # Each family's best configuration by the profile's prediction at the costs the guard holds a tick to,
         # under its guard and without it.
         costs = controller.served.cost_model.costs(key).without(PREFILL_STAGE).without(PREVIEW_STAGE)
@@ -559,12 +603,21 @@ def run(args: argparse.Namespace) -> dict:
                 name = f"{'guarded_' if guarded else ''}{family}_{b:g}"
                 runs[name] = ConfigRun(name, budget_ms=b, family=family, guarded=guarded, point=point)
                 fixed[name] = FixedConfig(controller.served, point, guarded)
-    slow_name = f"budget_{slow_budget:g}_slowdown"
+    if slow is None:  # no report rather than one without a budget: a bench.json of an earlier run stays as it was
+        for e in engines:
+            e.close()
+        best_ms = math.ceil(max(entry["best_achievable_ms"] for entry in infeasible) * 10) / 10
+        fraction = math.ceil(best_ms / uncached_scale_ms * 100) / 100
+        raise BenchError(
+            f"no budget is feasible on this machine: every budget ({', '.join(f'{b:g}' for b in budgets)} ms) is "
+            f"below the best achievable latency (up to {best_ms:.1f} ms; uncached p50 {uncached_scale_ms:.1f} ms); "
+            f"choose --budgets-ms of at least {best_ms:.1f}" + (f" or --budget-fractions of at least {fraction:g}"
+                                                                if fraction <= 1 else ""))
+    slow_budget, slow_name, slow_engine, slow_pipeline, slow_session = slow
     runs[slow_name] = ConfigRun(slow_name, budget_ms=slow_budget, family="controller", guarded=True)
-    slow_engine, slow_pipeline = started_engine(profile)
-    engines.append(slow_engine)
-    sessions[slow_name] = (slow_engine, slow_pipeline, slow_engine.open_session(
-        embodiment.name, "warm up", budget_ms=slow_budget, seed=0, rate_hz=0.0))
+    sessions[slow_name] = (slow_engine, slow_pipeline, slow_session)
+    budgets = [b for b in budgets if not any(entry["budget_ms"] == b for entry in infeasible)]
+    infeasible.sort(key=lambda entry: entry["budget_ms"])
 
     latent_shape = None
     order = list(runs)
@@ -629,6 +682,8 @@ def run(args: argparse.Namespace) -> dict:
         "warmup": warmup,
         "env_id": args.env,  # the task whose observations every configuration ran (and the closed loop's)
         "uncached_p50_before_run_ms": uncached_scale_ms,  # what the budget fractions scale on
+        # Budgets an engine's admission refused (below its best achievable latency); they ran nothing.
+        "infeasible_budgets": infeasible,
         "slowdown": {"config": slow_name, "extra_ms_per_full_call": slowdown_ms, "from_tick": args.ticks // 2},
         "configs": summaries,
         "sweep": sweep(summaries, budgets, uncached_scale_ms, {name: run_.rel_l2 for name, run_ in runs.items()}),
@@ -855,21 +910,28 @@ def tick_profile(pipeline: PolicyPipeline, embodiment: Embodiment, inputs: dict,
 
 
 def plot(report: dict, out: Path) -> list[Path]:
-    """Latency distribution per config, and action error against latency."""
+    """Latency distribution per config, and action error against latency; each infeasible budget with the best
+    achievable latency its refusal gave."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    configs = report["configs"]
+    configs, infeasible = report["configs"], report["infeasible_budgets"]
     paths = []
-    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.2 * len(configs)))  # a label's height per bar: none overlap
+    rows = len(configs) + len(infeasible)
+    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.2 * rows))  # a label's height per bar: none overlap
     names = [c["name"] for c in configs]
     ax.barh(names, [c["p99_ms"] for c in configs], color="#c7d6ea", label="p99")
     ax.barh(names, [c["p50_ms"] for c in configs], color="#3b6ea8", label="p50")
     for c in configs:
         if c["budget_ms"] is not None and c["name"].startswith("budget_"):
             ax.plot([c["budget_ms"]] * 2, [names.index(c["name"]) - 0.4, names.index(c["name"]) + 0.4], "r-")
+    for row, entry in enumerate(infeasible, start=len(configs)):  # no ticks ran: its budget and the best achievable
+        ax.plot([entry["budget_ms"]] * 2, [row - 0.4, row + 0.4], "r-")
+        ax.plot([entry["best_achievable_ms"]], [row], "kx", label="best achievable (infeasible)" if
+                row == len(configs) else None)
+    ax.set_yticks(range(rows), names + [f"budget_{e['budget_ms']:g}: infeasible" for e in infeasible])
     ax.margins(y=0.01)
     ax.set_xlabel("tick latency (ms); red: budget")
     ax.set_title(f"{report['model']['name']} on {report['machine']['device']}: latency per config")
@@ -901,6 +963,11 @@ def plot(report: dict, out: Path) -> list[Path]:
             ax.scatter(c["p50_ms"], c["action_rel_l2"], marker="s", color="#444444")
             ax.annotate(c["name"], (c["p50_ms"], c["action_rel_l2"]), textcoords="offset points", xytext=(4, 4),
                         fontsize=8)
+    for entry in infeasible:  # a budget nothing ran at: where it lies on the latency axis
+        ax.axvline(entry["budget_ms"], color="r", ls=":", lw=1)
+        ax.text(entry["budget_ms"], 0.98, f"budget {entry['budget_ms']:g} ms: infeasible "
+                f"(best {entry['best_achievable_ms']:.1f} ms)", transform=ax.get_xaxis_transform(), rotation=90,
+                ha="right", va="top", fontsize=7, color="r")
     ax.set_xlabel("p50 tick latency (ms)")
     ax.set_ylabel("action rel. L2 error vs uncached")
     ax.set_title("action error against latency, one point per budget (circled: misses > 1%)")
@@ -1024,7 +1091,9 @@ def main(argv: list[str] | None = None) -> int:
     paths = plot(report, args.out)
     print(json.dumps({"out": str(args.out), "plots": [str(p) for p in paths],
                       "configs": {c["name"]: {k: c[k] for k in ("p50_ms", "p99_ms", "action_rel_l2", "miss_rate")}
-                                  for c in report["configs"]}}, indent=2))
+                                  for c in report["configs"]},
+                      "infeasible_budgets": {f"{e['budget_ms']:g}": {"best_achievable_ms": e["best_achievable_ms"]}
+                                             for e in report["infeasible_budgets"]}}, indent=2))
     return 0
 
 

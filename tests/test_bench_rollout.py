@@ -15,7 +15,7 @@ from policy_server.budget.profile import PROFILE_FILE
 from policy_server.cache.seacache import SeaCache, SeaCacheConfig
 from policy_server.engine import api
 from policy_server.engine.calibration import calibrate, configurations, warmup_observations
-from policy_server.engine.engine import EngineSettings
+from policy_server.engine.engine import EngineSettings, ModelEngine
 from policy_server.pipeline.policy import PolicyPipeline, PolicyRequest, run_steps
 from robots import bench
 from robots.bench import main as bench_main
@@ -56,7 +56,7 @@ def test_bench_writes_the_documented_report(profiled_checkpoint, tmp_path, compi
     errors = {point.config.name: point.error for point in profile.embodiments["pusht"]}
     fixed = [c for c in report["configs"] if "point" in c]
     assert fixed and all(c["point_error"] == errors[c["point"]] for c in fixed)  # that profile's figures
-    assert report["schema"] == 1
+    assert report["schema"] == 1 and report["infeasible_budgets"] == []
     assert {"device", "torch", "threads", "gpu"} <= set(report["machine"])
     assert {"name", "params", "steps", "cfg", "guidance", "text_tokens", "gen_tokens"} <= set(report["model"])
     assert report["machine"]["peak_rss_mb"] > 0
@@ -271,15 +271,43 @@ def test_bench_refuses_a_closed_loop_execute_past_the_chunk_before_it_runs(model
     assert err == "policy-server bench: --execute 9: the chunks hold 8 actions\n"
 
 
+@pytest.fixture
+def engine_lifetimes(monkeypatch):
+    """The bench's engines as they start and close: `(started, closed)`, lists of the real engines."""
+    started, closed = [], []
+    start, close = ModelEngine.start, ModelEngine.close
+
+    def starting(engine):
+        started.append(engine)
+        start(engine)
+
+    def closing(engine):
+        closed.append(engine)
+        close(engine)
+
+    monkeypatch.setattr(ModelEngine, "start", starting)
+    monkeypatch.setattr(ModelEngine, "close", closing)
+    return started, closed
+
+
 def test_bench_ends_with_the_message_of_a_budget_the_engine_refuses(profiled_checkpoint, tmp_path, monkeypatch,
-                                                                   capsys):
+                                                                   capsys, engine_lifetimes):
+    """With every budget refused it writes nothing, says what this machine achieves and what to ask for instead, and
+    starts no engine beyond the first, whose admission refuses them (a user's run spent two minutes, many of them on
+    the warmups of engines started for a budget then refused)."""
     checkpoint, _ = profiled_checkpoint
     args = ["--checkpoint", str(checkpoint), "--ticks", "2", "--warmup", "2", "--closed-loop", "0",
-            "--profile-ticks", "0", "--no-reference", "--budgets-ms", "1", "--out", str(tmp_path / "b.json")]
+            "--profile-ticks", "0", "--no-reference", "--budgets-ms", "1", "2", "--out", str(tmp_path / "b.json")]
     assert bench_main(args) == 2
     err = capsys.readouterr().err
-    assert "budget 1 ms is below the best achievable latency" in err and "choose larger --budget-fractions" in err
+    assert "budget_1: budget 1 ms is below the best achievable latency" in err
+    assert "budget_2: budget 2 ms is below the best achievable latency" in err
+    last = err.splitlines()[-1]
+    assert last.startswith("policy-server bench: no budget is feasible on this machine: every budget (1, 2 ms) is "
+                           "below the best achievable latency (up to ") and "; choose --budgets-ms of at least " in last
     assert not (tmp_path / "b.json").exists()
+    started, closed = engine_lifetimes
+    assert len(started) == 1 and closed == started
 
     def overloaded(_args):  # admission's refusal, which depends on the machine's blocking pieces
         raise api.Overloaded("a tick could wait 42 ms against the tightest budget of 41.8 ms", sessions_fit=0)
@@ -287,6 +315,52 @@ def test_bench_ends_with_the_message_of_a_budget_the_engine_refuses(profiled_che
     monkeypatch.setattr(bench, "run", overloaded)
     assert bench_main(args) == 2
     assert "a tick could wait 42 ms against the tightest budget of 41.8 ms; choose larger" in capsys.readouterr().err
+
+
+def test_bench_reports_the_budgets_it_cannot_meet_and_measures_the_others(profiled_checkpoint, tmp_path, monkeypatch,
+                                                                         capsys, engine_lifetimes):
+    """A budget below what the machine achieves refused the whole run and wrote nothing; now it is reported, with the
+    best achievable latency its refusal gave, and the others run. 1 ms is below any tick (the first engine's
+    admission refuses it); 30000 ms is refused by the ladder's engine, as a busy moment during that engine's warmup
+    can make one engine refuse a budget another took (its timings are its own)."""
+    checkpoint, _ = profiled_checkpoint
+    open_session = ModelEngine.open_session
+
+    def ladder_refusing(engine, embodiment, instruction, budget_ms=None, **kwargs):
+        if engine.settings.quality_profile is None and budget_ms == 30000:
+            raise api.BudgetInfeasible(budget_ms, 30123.4)
+        return open_session(engine, embodiment, instruction, budget_ms=budget_ms, **kwargs)
+
+    monkeypatch.setattr(ModelEngine, "open_session", ladder_refusing)
+    out = tmp_path / "b.json"
+    assert bench_main(["--checkpoint", str(checkpoint), "--ticks", "2", "--warmup", "2", "--closed-loop", "0",
+                       "--profile-ticks", "0", "--no-reference", "--no-compile-gen-stack",
+                       "--budgets-ms", "60000", "1", "30000", "--out", str(out)]) == 0
+    printed = capsys.readouterr()
+    err = printed.err
+    assert set(json.loads(printed.out)["infeasible_budgets"]) == {"1", "30000"}
+    assert "policy-server bench: budget_1: budget 1 ms is below the best achievable latency" in err
+    assert "policy-server bench: ladder_30000: budget 30000 ms is below the best achievable latency 30123.4 ms; " \
+           "budget 30000 ms skipped" in err
+    report = json.loads(out.read_text())
+    first, second = report["infeasible_budgets"]
+    assert first["budget_ms"] == 1 and first["refused_by"] == "budget_1" and first["best_achievable_ms"] > 1
+    assert first["fraction"] == 1 / report["uncached_p50_before_run_ms"]
+    assert first["message"].startswith("budget 1 ms is below the best achievable latency ")
+    assert second == {"budget_ms": 30000, "fraction": 30000 / report["uncached_p50_before_run_ms"],
+                      "refused_by": "ladder_30000", "best_achievable_ms": 30123.4,
+                      "message": "budget 30000 ms is below the best achievable latency 30123.4 ms"}
+    # Only the budget every engine took ran, with every configuration it runs at; the slowdown run at it
+    assert {c["budget_ms"] for c in report["configs"]} == {None, 60000}
+    assert {"budget_60000", "ladder_60000", "guarded_seacache_60000", "seacache_60000",
+            "budget_60000_slowdown"} <= {c["name"] for c in report["configs"]}
+    assert [row["budget_ms"] for row in report["sweep"]] == [60000]
+    assert report["slowdown"]["config"] == "budget_60000_slowdown"
+    assert (tmp_path / "b_latency.png").stat().st_size > 0 and (tmp_path / "b_error_vs_latency.png").stat().st_size
+    # The first engine (run at 60000 ms), the ladder's refusing 30000 ms, and at 60000 ms the ladder's and the
+    # slowdown run's: each closed
+    started, closed = engine_lifetimes
+    assert len(started) == 4 and sorted(map(id, closed)) == sorted(map(id, started))
 
 
 def test_rollout_in_process_writes_report_plot_and_video(model_dir, tmp_path):
