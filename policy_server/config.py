@@ -14,6 +14,7 @@ import difflib
 import json
 import os
 import re
+import socket
 import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -204,6 +205,19 @@ class ServerConfig(BaseModel):
     def _path_exists(cls, value: Path | None) -> Path | None:
         if value is not None and not value.exists():
             raise ValueError(f"path {str(value)!r} does not exist")
+        return value
+
+    @field_validator("host", "metrics_host")
+    @classmethod
+    def _resolvable_host(cls, value: str) -> str:
+        # Checked with the settings: the listeners bind it once the model is loaded (minutes for a Cosmos3 checkpoint).
+        # Whether this machine has the address is left to the bind, which says so in the OS's words.
+        try:
+            socket.getaddrinfo(value.strip("[]"), None, type=socket.SOCK_STREAM)
+        except (socket.gaierror, UnicodeError) as error:  # UnicodeError: a name IDNA cannot encode
+            reason = error.strerror if isinstance(error, socket.gaierror) else str(error)
+            raise ValueError(f"names no address ({reason}); expected an address of this machine (127.0.0.1, "
+                             "0.0.0.0, ::1, ::) or a name that resolves to one") from None
         return value
 
     @field_validator("unix_socket")

@@ -122,6 +122,8 @@ class FakeEngine:
             self._warm.set()
         self._lock = threading.Lock()
         self._sessions: dict[str, SessionHandle] = {}
+        self._ended: dict[str, UnknownSession] = {}  # what a call naming a closed or expired session gets
+        self._on_close: dict[str, Callable[[UnknownSession], None]] = {}  # of the sessions a stream is attached to
         self._gate: threading.Event | None = None
         self._entered = threading.Semaphore(0)
         self.acts: list[tuple[str, int, int]] = []  # (session_id, epoch, step_index) of completed acts
@@ -159,6 +161,11 @@ class FakeEngine:
         """The next ``count`` open_session calls answer UNAVAILABLE (SHUTTING_DOWN) unserved: to the client, what an
         answer lost with its connection looks like (the real engine's request_id matching is tested on it)."""
         self._opens_to_refuse = count
+
+    def expire(self, session_id: str) -> None:
+        """Close the session as the real engine closes one left without a call for its idle time."""
+        self._end(session_id, UnknownSession(session_id, "expired", "expired 0 s ago: no call for 300 s (a session "
+                                             "with no call for 300 s closes)"))
 
     def wait_entered(self, timeout_s: float = 5.0) -> None:
         """Block until one more act() call has started (and passed validation)."""
@@ -219,16 +226,20 @@ class FakeEngine:
             self.instructions[handle.session_id] = instruction
         return handle
 
+    def _unknown(self, session_id: str) -> UnknownSession:
+        """Under the lock: what a call naming a session not open gets (how it ended, as the real engine says)."""
+        return self._ended.get(session_id) or UnknownSession(session_id)
+
     def session(self, session_id: str) -> SessionHandle:
         with self._lock:
             if session_id not in self._sessions:
-                raise UnknownSession(session_id)
+                raise self._unknown(session_id)
             return self._sessions[session_id]
 
     def _replace(self, session_id: str, **changes) -> SessionHandle:
         with self._lock:
             if session_id not in self._sessions:
-                raise UnknownSession(session_id)
+                raise self._unknown(session_id)
             old = self._sessions[session_id]
             new = SessionHandle(**{**old.__dict__, **changes})
             self._sessions[session_id] = new
@@ -238,9 +249,16 @@ class FakeEngine:
         return self._replace(session_id, epoch=self.session(session_id).epoch + 1)
 
     def close_session(self, session_id: str, why: str = CLOSED_BY_CLIENT) -> None:
+        self._end(session_id, UnknownSession(session_id, "closed", f"was closed 0 s ago: {why}"))
+
+    def _end(self, session_id: str, ended: UnknownSession) -> None:
         with self._lock:
             if self._sessions.pop(session_id, None) is None:
-                raise UnknownSession(session_id)
+                raise self._unknown(session_id)
+            self._ended[session_id] = ended
+            on_close = self._on_close.pop(session_id, None)
+        if on_close is not None:
+            on_close(ended)
 
     def set_budget(self, session_id: str, budget_ms: float) -> SessionHandle:
         self.session(session_id)
@@ -250,8 +268,21 @@ class FakeEngine:
     def reserve_tick(self, session_id: str) -> contextlib.AbstractContextManager[object]:
         return contextlib.nullcontext(self.session(session_id))
 
-    def attach(self, session_id: str) -> contextlib.AbstractContextManager[SessionHandle]:
-        return contextlib.nullcontext(self.session(session_id))
+    @contextlib.contextmanager
+    def attach(self, session_id: str, on_close: Callable[[UnknownSession], None] | None = None
+               ) -> Iterator[SessionHandle]:
+        with self._lock:
+            if session_id not in self._sessions:
+                raise self._unknown(session_id)
+            handle = self._sessions[session_id]
+            if on_close is not None:
+                self._on_close[session_id] = on_close
+        try:
+            yield handle
+        finally:
+            with self._lock:
+                if on_close is not None and self._on_close.get(session_id) == on_close:
+                    del self._on_close[session_id]
 
     def act(
         self,

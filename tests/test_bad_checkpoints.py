@@ -129,6 +129,10 @@ BROKEN = {
         "pusht's camera_sizes: camera 'wrist' is 8x64 px, 4096 px wide scaled to the height of camera 'scene' (512 "
         "px, aspect kept); expected at most 2048"),
     "missing_stats_file": (lambda root: _remove(root / "action_stats.json"), "action_stats.json"),
+    "guidance_interval_between_two_timesteps": (  # was served, guidance never running
+        lambda root: _edit_json(root / "policy.json", num_steps=4, shift=5.0, guidance_interval=[950, 990]),
+        "policy.json: Value error, guidance_interval [950, 990] holds none of the 4 sampler timesteps (int(sigma * "
+        "1000), 999 down to 625) at num_steps=4, so guidance would never run"),
     "vae_config_not_an_object": (_writing("vae/config.json", "[]"),
                                  "vae/config.json: expected a JSON object of SmallVideoVAE config fields"),
     "embodiments_json_nested_past_the_parser": (_writing("embodiments.json", "[" * 100_000),
@@ -418,6 +422,25 @@ def test_policy_json_canvases_are_bounded(tmp_path, canvases, expected):
     assert str(info.value) == f"{path}: {expected}"
     path.write_text(json.dumps({"canvases": [[64, 4096]]}))  # two cameras of 64x2048
     assert PolicyConfig.load(path).canvases == ((64, 4096),)
+
+
+@pytest.mark.parametrize(("interval", "nearest", "way"), [
+    ([950, 990], "937 (at or below lo), 999 (at or above hi)", "lo below 937 or hi above 999"),  # between two
+    ([1001, 2000], "999 (at or below lo)", "lo below 999"),  # beyond (0, 1000]
+    ([-5, 0], "625 (at or above hi)", "hi above 625"),  # below the last step's
+])
+def test_policy_json_guidance_interval_must_hold_a_timestep_of_its_steps(tmp_path, interval, nearest, way):
+    """An interval with lo < hi but none of the sampler's timesteps inside was served, guidance never running."""
+    path = tmp_path / "policy.json"
+    path.write_text(json.dumps({"num_steps": 4, "guidance": 3.0, "shift": 5.0, "guidance_interval": interval}))
+    with pytest.raises(PolicyConfigError) as info:
+        PolicyConfig.load(path)
+    assert str(info.value) == (
+        f"{path}: Value error, guidance_interval [{interval[0]}, {interval[1]}] holds none of the 4 sampler timesteps "
+        f"(int(sigma * 1000), 999 down to 625) at num_steps=4, so guidance would never run; nearest: {nearest}; "
+        f"expected an interval holding one of them ({way}), or null for CFG on every step")
+    path.write_text(json.dumps({"num_steps": 4, "guidance": 3.0, "shift": 5.0, "guidance_interval": [960, 1001]}))
+    assert PolicyConfig.load(path).guided_steps(4) == range(0, 1)  # Cosmos3's DROID settings: the first step
 
 
 def test_policy_json_trained_domain_ids_are_rows_of_the_action_projections(tmp_path):

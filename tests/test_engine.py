@@ -3,6 +3,7 @@ budget planning, cancellation, and the reasoner."""
 
 import gc
 import logging
+import re
 import threading
 import time
 import weakref
@@ -15,7 +16,7 @@ import pytest
 import torch
 from worker_hold import hold_worker
 
-from policy_server.engine import api
+from policy_server.engine import api, sessions
 from policy_server.engine.admission import Demand, admitted_slots, assign_slots
 from policy_server.engine.engine import EngineSettings, ModelEngine
 from policy_server.engine.warmup import Warmup
@@ -92,9 +93,9 @@ def test_the_log_says_who_opened_closed_or_was_refused_each_session(engine, capl
     assert refusal == ("refused a session for 'arm 4': pusht, chunks of 8, budget 0.01 ms, 0 Hz: BUDGET_INFEASIBLE "
                        + refused.value.message)
     assert opened.startswith(f"opened session {session.session_id} ('arm 3'): pusht, chunks of 8, budget 10000 ms")
-    assert closed == f"closed session {session.session_id} ('arm 3'): its client closed it"
+    assert closed == f"closed session {session.session_id} ('arm 3'): a CloseSession call closed it"
     assert opened_unnamed.startswith(f"opened session {unnamed.session_id}: pusht")
-    assert closed_unnamed == f"closed session {unnamed.session_id}: its client closed it"
+    assert closed_unnamed == f"closed session {unnamed.session_id}: a CloseSession call closed it"
 
 
 def test_the_log_says_each_budget_change_and_refusal_once_per_session_each_10_s(engine, caplog):
@@ -415,6 +416,69 @@ def test_idle_sessions_are_closed_on_time_without_a_call(tmp_path):
         assert engine.stats().sessions == 0
     finally:
         engine.close()
+
+
+def test_a_call_naming_a_closed_or_expired_session_is_told_how_it_ended(engine, monkeypatch):
+    # "no open session (closed, expired, or the server restarted)" left a robot's operator to guess which.
+    closed = engine.open_session("pusht", "reach the red circle", rate_hz=0)
+    engine.close_session(closed.session_id)
+    with pytest.raises(api.UnknownSession) as told:
+        engine.act(closed.session_id, 1, _observation())
+    assert told.value.message == f"session {closed.session_id!r} was closed 0 s ago: a CloseSession call closed it"
+    assert told.value.details() == {"session_id": closed.session_id, "session_end": "closed"}
+    monkeypatch.setattr(engine, "settings", replace(engine.settings, session_idle_s=0.2))
+    idle = engine.open_session("pusht", "reach the red circle", rate_hz=0)
+    time.sleep(0.3)
+    with pytest.raises(api.UnknownSession) as told:
+        engine.session(idle.session_id)
+    assert re.fullmatch(rf"session {idle.session_id!r} expired 0 s ago: no call for 0 s \(a session with no call "
+                        r"for 0.2 s closes\)", told.value.message), told.value.message
+    assert told.value.details()["session_end"] == "expired"
+    with pytest.raises(api.UnknownSession) as told:
+        engine.session("f" * 32)  # never opened here (or after a restart): the server cannot say more
+    assert told.value.message == f"no open session {'f' * 32!r} (closed, expired, or the server restarted)"
+    assert "session_end" not in told.value.details()
+    monkeypatch.setattr(sessions, "REMEMBERED_CLOSURES", 2)  # the oldest closures are forgotten: memory stays bounded
+    later = [engine.open_session("pusht", "reach the red circle", rate_hz=0) for _ in range(2)]
+    for session in later:
+        engine.close_session(session.session_id)
+    with pytest.raises(api.UnknownSession, match="no open session"):
+        engine.session(idle.session_id)
+    with pytest.raises(api.UnknownSession, match="was closed"):
+        engine.session(later[0].session_id)
+
+
+def test_closing_a_session_tells_its_attached_stream_once_and_a_stream_cannot_attach_to_it_after(engine):
+    session = engine.open_session("pusht", "reach the red circle", rate_hz=0)
+    told = []
+    with engine.attach(session.session_id, on_close=told.append):
+        engine.close_session(session.session_id)
+        assert [error.message for error in told] == [
+            f"session {session.session_id!r} was closed 0 s ago: a CloseSession call closed it"]
+    with pytest.raises(api.UnknownSession, match="was closed"), engine.attach(session.session_id, told.append):
+        pass
+    assert len(told) == 1
+
+
+def test_a_session_closed_under_its_control_stream_ends_the_stream_once_with_not_found(engine):
+    """A session closed by another call while its stream was open: the stream stayed open and answered every later
+    frame with a SESSION_NOT_FOUND error event. It ends, once, saying what closed the session."""
+    from policy_server.client import ControlStream, PolicyClient
+    from policy_server.config import build_config
+    from policy_server.server.app import build_server
+
+    with build_server(build_config(overrides={"port": 0}), engine) as server, PolicyClient(server.target) as client:
+        session = client.open_session("pusht", "reach the red circle", rate_hz=0)
+        with ControlStream(client, session) as stream:
+            stream.send({"image": np.zeros((64, 64, 3), np.uint8)}, np.zeros(2, np.float32), encoding="raw")
+            assert stream.next_chunk(timeout_s=60).session_id == session.session_id
+            client.close_session(session)
+            closed = stream.next_event(timeout_s=10)
+            assert closed.kind == "closed" and closed.error.code.name == "NOT_FOUND", closed
+            assert closed.error.message == (f"session {session.session_id!r} was closed 0 s ago: a CloseSession call "
+                                            "closed it")
+            with pytest.raises(TimeoutError):
+                stream.next_event(timeout_s=0.5)  # nothing after it: no reopening, no error events
 
 
 def test_a_control_stream_holds_its_session_open_between_frames(engine, monkeypatch):

@@ -9,7 +9,7 @@ from policy_server.cache.controller import NoCache
 from policy_server.cache.seacache import SeaCache, SeaCacheConfig
 from policy_server.pipeline import conditioning, policy, schedulers
 from policy_server.pipeline.embodiments import Embodiment
-from policy_server.pipeline.errors import InvalidImage, PolicyInputError
+from policy_server.pipeline.errors import InvalidImage, InvalidSamplerSettings, PolicyInputError
 from policy_server.pipeline.packing import ActionLayout
 from policy_server.pipeline.policy import (
     DenoiseState,
@@ -184,6 +184,28 @@ def test_a_guidance_interval_runs_the_uncond_pass_only_inside_it(pipe):
     assert gated.guided_steps(STEPS) == range(0, 3)
     out = gated(_request(guidance=2.0))
     assert [s.branches for s in out.steps] == [("cond", "uncond")] * 3 + [("cond",)] * (STEPS - 3)
+
+
+def test_a_num_steps_whose_timesteps_the_guidance_interval_misses_is_refused_when_guidance_is_asked_for(pipe):
+    """The interval holds a timestep of the checkpoint's step count (else the config is refused at load), but none of
+    a request's fewer steps: the uncond pass never ran, and the chunk came back unguided with guidance=2 asked for."""
+    default, shift = pipe.config.num_steps, pipe.config.shift  # a shifted schedule
+    few = schedulers.flow_schedule(STEPS, shift).timesteps
+    inside = next(t for t in schedulers.flow_schedule(default, shift).timesteps if t not in few)
+    config = pipe.config.model_validate({**pipe.config.model_dump(), "guidance_interval": (inside - 0.5, inside + 0.5)})
+    gated = PolicyPipeline(pipe.transformer, pipe.vae, pipe.tokenizer, pipe.embodiments, config,
+                           pipe.served_embodiments, pipe.digest)
+    assert len(gated.guided_steps(default)) == 1 and gated.guided_steps(STEPS) == range(0)
+    with pytest.raises(InvalidSamplerSettings) as refused:
+        gated(_request(guidance=2.0))
+    assert refused.value.field == "num_steps"
+    assert str(refused.value).startswith(
+        f"num_steps: num_steps={STEPS} with guidance=2: guidance_interval [{inside - 0.5:g}, {inside + 0.5:g}] holds "
+        f"none of the {STEPS} sampler timesteps (int(sigma * 1000), {few[0]} down to {few[-1]}) at num_steps={STEPS}, "
+        "so guidance would never run; nearest: ")
+    assert str(refused.value).endswith(f"expected a num_steps whose timesteps the interval holds (the checkpoint's "
+                                       f"{default} has 1 guided), or guidance=1 (no CFG)")
+    assert all(s.branches == ("cond",) for s in gated(_request(guidance=1.0)).steps)  # no guidance asked: served
 
 
 def test_step_control_that_never_intervenes_changes_nothing(pipe):

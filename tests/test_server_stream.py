@@ -10,6 +10,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 import numpy as np
@@ -324,6 +325,48 @@ def test_stream_for_an_unknown_session_fails_with_not_found(client):
     assert (err.value.code, err.value.reason) == (grpc.StatusCode.NOT_FOUND, "SESSION_NOT_FOUND")
 
 
+def _events_until_quiet(stream: ControlStream, quiet_s: float = 0.5) -> list:
+    """The stream's events until none comes for ``quiet_s``."""
+    events = []
+    with contextlib.suppress(TimeoutError):
+        while True:
+            events.append(stream.next_event(timeout_s=quiet_s))
+    return events
+
+
+@pytest.mark.parametrize("serving", [False, True])
+def test_a_session_closed_while_its_stream_is_open_ends_the_stream_once_saying_what_closed_it(client, engine,
+                                                                                              serving):
+    """Another call closes the session (the robot's own shutdown path, an operator): the stream ends at once, a frame
+    being served or not, with NOT_FOUND naming the CloseSession, rather than staying open and answering every later
+    frame with an error event, which a controller had to tell from a bad frame's; the client reports it once and
+    reopens nothing."""
+    session = client.open_session("pusht", "push")
+    stream = ControlStream(client, session).open()  # reconnect on: a closed session is no lost connection
+    opened = len(engine.request_ids)
+    try:
+        send(stream, 0)
+        assert stream.next_chunk().obs_id == 1
+        if serving:
+            engine.hold()
+            send(stream, 1)
+            engine.wait_entered()  # frame 2 is being served as the session closes
+        client.close_session(session)
+        events = _events_until_quiet(stream)
+        assert [e.kind for e in events] == ["closed"], events
+        error = events[0].error
+        assert (error.code, error.reason) == (grpc.StatusCode.NOT_FOUND, "SESSION_NOT_FOUND")
+        assert error.message == f"session {session.session_id!r} was closed 0 s ago: a CloseSession call closed it"
+        assert error.detail.metadata["session_end"] == "closed"
+        with pytest.raises(PolicyServerError) as refused:
+            send(stream, 2)
+        assert refused.value.reason == "SESSION_NOT_FOUND"
+    finally:
+        engine.release()
+        stream.close()
+    assert len(engine.request_ids) == opened  # nothing reopened
+
+
 def test_stream_must_start_with_start(client):
     frame = pb.ControlRequest(ping=pb.Ping(client_time_ns=1))
     with pytest.raises(grpc.RpcError) as err:
@@ -399,17 +442,19 @@ QUICK_RECONNECT = Backoff(initial_s=0.05, max_s=0.2, max_attempts=100)
 
 @contextlib.contextmanager
 def _stream_across_a_restart(session: dict | None = None, client_timeout_s: float = 10.0,
-                             backoff: Backoff = QUICK_RECONNECT, **options):
-    """`(client, stream, restart)`: a ControlStream on a server of its own; `restart(engine)` stops that server and
-    serves `engine` (a fresh FakeEngine) on its port, as a server that restarted lost its sessions."""
-    servers = [build_server(build_config(overrides={"port": 0}), FakeEngine()).start()]
+                             backoff: Backoff = QUICK_RECONNECT, first: FakeEngine | None = None, **options):
+    """`(client, stream, restart)`: a ControlStream on a server of its own (serving `first`, else a fresh FakeEngine);
+    `restart(engine, meanwhile)` stops that server, calls `meanwhile` and serves `engine` (a fresh FakeEngine, as a
+    server that restarted lost its sessions) on its port."""
+    servers = [build_server(build_config(overrides={"port": 0}), first or FakeEngine()).start()]
     port = servers[0].grpc_port
     client = PolicyClient(servers[0].target, timeout_s=client_timeout_s)
     opened = client.open_session("pusht", "reach the red circle", **(session or {}))
     stream = ControlStream(client, opened, backoff=backoff, **options).open()
 
-    def restart(engine: FakeEngine | None = None) -> None:
+    def restart(engine: FakeEngine | None = None, meanwhile: Callable[[], None] = lambda: None) -> None:
         servers.pop().stop(grace_s=0.1)
+        meanwhile()  # while no server answers the stream
         servers.append(build_server(build_config(overrides={"port": port}), engine or FakeEngine()).start())
 
     try:
@@ -658,6 +703,28 @@ def test_a_stream_that_gives_up_says_why_and_refuses_what_is_sent_after():
     with pytest.raises(PolicyServerError) as closed_here:  # closing it does not hide why it ended
         stream.set_budget(100.0)
     assert closed_here.value.reason == "UNKNOWN_EMBODIMENT"
+
+
+@pytest.mark.parametrize("ended", ["closed", "expired"])
+def test_a_session_closed_while_its_stream_was_away_is_not_reopened_and_one_that_expired_is(ended):
+    """The stream's connection dropped and its session ended meanwhile, on a server that kept running. Closed by a
+    CloseSession call, its closer meant it: the stream reports that once, `closed`, and opens nothing. Expired (no
+    call for the idle time while the link was down), it is lost as with a restart: the stream reopens it."""
+    engine = FakeEngine()
+    with _stream_across_a_restart(first=engine) as (_, stream, restart):
+        lost = stream.session.session_id
+        end = engine.close_session if ended == "closed" else engine.expire
+        restart(engine, meanwhile=lambda: end(lost))
+        assert stream.next_event(timeout_s=20).kind == "disconnected"
+        event = stream.next_event(timeout_s=20)
+        if ended == "expired":
+            assert event.kind == "reconnected" and event.session_replaced and event.session.session_id != lost
+            return
+        assert event.kind == "closed", event
+        assert (event.error.reason, event.error.detail.metadata["session_end"]) == ("SESSION_NOT_FOUND", "closed")
+        assert "was closed" in event.error.message and "a CloseSession call closed it" in event.error.message
+        assert len(engine.request_ids) == 1 and engine.stats().sessions == 0  # only the first opening
+        assert _events_until_quiet(stream) == []
 
 
 def test_a_stream_told_not_to_reopen_ends_when_its_session_is_lost():

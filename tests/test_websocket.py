@@ -456,6 +456,24 @@ def test_session_is_closed_when_the_connection_closes(server, engine):
     assert mine not in engine._sessions
 
 
+def test_a_connection_whose_session_was_closed_by_another_call_answers_why_once_and_closes(server, engine):
+    """Its session closed by a CloseSession call naming it (an operator, from the server's log): the connection stayed
+    open and answered every later observation SESSION_NOT_FOUND. It answers that once, saying what closed the session,
+    and closes (1000), so openpi-client's next call fails on the closed connection rather than on another error."""
+    policy = WebsocketClientPolicy(host="127.0.0.1", port=server.websocket_port)
+    policy.infer(openpi_observation())
+    host, port = policy._ws.local_address[:2]
+    (mine,) = [sid for sid, s in engine._sessions.items() if s.client_name == f"openpi client at {host}:{port}"]
+    engine.close_session(mine)
+    with pytest.raises(RuntimeError, match=f"SESSION_NOT_FOUND: session {mine!r} was closed 0 s ago: a CloseSession "
+                                           "call closed it"):
+        policy.infer(openpi_observation())
+    with pytest.raises(ConnectionClosed) as closed:
+        policy._ws.recv(timeout=5)
+    assert closed.value.rcvd.code == 1000
+    assert closed.value.rcvd.reason == f"session {mine!r} was closed 0 s ago: a CloseSession call closed it"
+
+
 def test_a_close_reason_cannot_forge_or_split_log_lines():
     """The log names why a connection's session closed with the reason its client sent, which was written as sent:
     a reason of 'bye\\n<a log line>' (123 bytes may hold one) wrote a second, forged line."""

@@ -9,9 +9,13 @@ The server answers the newest observation and reports each dropped one as ``supe
 an ``error`` event and the stream continues. If the connection drops, the stream reports ``disconnected``,
 reconnects with exponential backoff (by default for about two minutes: a server's restart and warmup; a try comes
 as soon as the channel has reconnected rather than a whole delay later) and
-re-attaches to the session; if the server lost the session (it restarted, or behind Ray Serve its replica went
-away), it opens a new one with the same settings (the budget last granted, the instruction the server last acted
-on) and reports ``reconnected`` with ``session_replaced=True``, because the episode state (epoch) is new. A dropped
+re-attaches to the session; if the server lost the session (it restarted, behind Ray Serve its replica went
+away, or the session expired while the stream was away), it opens a new one with the same settings (the budget last
+granted, the instruction the server last acted on) and reports ``reconnected`` with ``session_replaced=True``,
+because the episode state (epoch) is new. A session closed by a CloseSession call (this client's or another's) is
+never reopened: closed while the stream is open, the server ends the stream at once, and closed while it is away,
+re-attaching finds it closed; either way the stream reports ``closed`` once, its error NOT_FOUND /
+SESSION_NOT_FOUND saying what closed the session and when. A dropped
 connection is UNAVAILABLE, or INTERNAL without a server reason: Ray Serve's proxy ends a stream so when its replica
 dies. A refusal that says when to retry, or any RESOURCE_EXHAUSTED, is tried again too, within the backoff, when
 opening as when reconnecting: streams that all (re)connect at once, after a failover or at a fleet's start, may find
@@ -287,7 +291,7 @@ class ControlStream:
                 self._attach(request_id)
             except PolicyServerError as exc:
                 error = exc
-                lost_again = exc.reason == "SESSION_NOT_FOUND" and self._reopen_session  # a reopening raced
+                lost_again = _lost(exc) and self._reopen_session  # a reopening raced
                 # Reopening got no answer within the client's call timeout: the restarted server is not listening yet.
                 timed_out = exc.no_answer
                 if lost_again or timed_out or exc.connection_lost or _passing(exc):
@@ -337,7 +341,7 @@ class ControlStream:
             self._connect()
             return
         except PolicyServerError as exc:
-            if exc.reason != "SESSION_NOT_FOUND" or not self._reopen_session:
+            if not _lost(exc) or not self._reopen_session:
                 raise
         self._reopen(request_id)
 
@@ -549,6 +553,14 @@ class ControlStream:
 
 def _stream_closed() -> PolicyServerError:
     return PolicyServerError(grpc.StatusCode.CANCELLED, "STREAM_CLOSED", "the control stream was closed")
+
+
+def _lost(error: PolicyServerError) -> bool:
+    """Whether the server lost the session (it restarted, its replica went away, or the session expired for want of
+    calls while the stream was away), as opposed to a CloseSession call closing it: only a lost session is reopened.
+    Through Ray Serve's proxy a failed stream keeps its reason and message only, not the ``session_end`` that tells
+    the two apart: there a session closed while the stream was away is reopened too."""
+    return error.reason == "SESSION_NOT_FOUND" and error.detail.metadata.get("session_end") != "closed"
 
 
 def _passing(error: PolicyServerError) -> bool:

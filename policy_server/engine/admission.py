@@ -218,10 +218,14 @@ class Admission:
             session.demand, session.budget_ms = demand, budget_ms
             self._assign_slots()
 
-    def close(self, session_id: str) -> None:
+    def close(self, session_id: str, why: str) -> SessionState:
+        """Close the session (``why``: what closed it, in words), share its room among the others, tell the stream
+        attached to it, and return it."""
         with self._lock:
-            self.sessions.close(session_id)
+            session = self.sessions.close(session_id, why)
             self._assign_slots()
+        session.tell_closed()
+        return session
 
     def close_idle(self, idle_s: float) -> None:
         """Close the sessions idle for ``idle_s`` (`SessionState.idle`: their clients went away without closing
@@ -234,6 +238,7 @@ class Admission:
             self._assign_slots()
         for session in closed:
             logger.info("closed session %s: no call for %.0f s", session.describe(), now_s - session.last_used_s)
+            session.tell_closed()  # no stream is attached to an idle session, unless one attached as it closed
 
     def _check_floor(self, demand: Demand) -> None:
         """BudgetInfeasible when even an idle server cannot meet the budget: the cheapest tick after the longest

@@ -324,14 +324,20 @@ class RequestIdReused(InvalidArgument):
 
 
 class UnknownSession(EngineError):
+    """No open session has this id. Where the server remembers how it ended, ``ended`` says so, as the error's
+    ``session_end`` metadata: "closed" (a CloseSession call, or its openpi WebSocket connection's end, closed it) or
+    "expired" (no call for the idle time); ``how`` is the rest of the message, saying when and why. "" for an id the
+    server does not know (never opened here, ended long ago, or the server restarted)."""
+
     reason = "SESSION_NOT_FOUND"
 
-    def __init__(self, session_id: str) -> None:
-        super().__init__(f"no open session {session_id!r} (closed, expired, or the server restarted)")
-        self.session_id = session_id
+    def __init__(self, session_id: str, ended: str = "", how: str = "") -> None:
+        super().__init__(f"session {session_id!r} {how}" if ended else
+                         f"no open session {session_id!r} (closed, expired, or the server restarted)")
+        self.session_id, self.ended = session_id, ended
 
     def details(self) -> dict[str, str]:
-        return {"session_id": self.session_id}
+        return {"session_id": self.session_id, **({"session_end": self.ended} if self.ended else {})}
 
 
 class StaleEpoch(EngineError):
@@ -510,7 +516,7 @@ class NonFiniteOutput(EngineError):
 # ---------------------------------------------------------------------------------------------
 
 
-CLOSED_BY_CLIENT = "its client closed it"  # why `Engine.close_session` logs a session closed, unless told
+CLOSED_BY_CLIENT = "a CloseSession call closed it"  # why `Engine.close_session` says a session closed, unless told
 
 
 @runtime_checkable
@@ -579,17 +585,21 @@ class Engine(Protocol):
         ...
 
     def close_session(self, session_id: str, why: str = CLOSED_BY_CLIENT) -> None:
-        """Free the session; the log says `why`. Raises UnknownSession."""
+        """Free the session; the log, the stream attached to it (``attach``) and later calls naming it
+        (UnknownSession) say `why`. Raises UnknownSession."""
         ...
 
     def set_budget(self, session_id: str, budget_ms: float) -> SessionHandle:
         """Change the per-tick budget (ms). Raises UnknownSession, BudgetInfeasible, Overloaded."""
         ...
 
-    def attach(self, session_id: str) -> AbstractContextManager[SessionHandle]:
+    def attach(self, session_id: str, on_close: Callable[[UnknownSession], None] | None = None
+               ) -> AbstractContextManager[SessionHandle]:
         """Hold the session open while the context lasts (a Control stream: its client is there even between
-        frames), however long it goes without a call; yields its handle. Raises UnknownSession, and StreamAttached
-        while another context holds it."""
+        frames), however long it goes without a call; yields its handle. ``on_close`` is called once, with the error
+        that later calls naming the session get, if the session is closed (``close_session``) while the context
+        lasts: it must return at once (it runs on the closing call's thread). Raises UnknownSession, and
+        StreamAttached while another context holds it."""
         ...
 
     def reserve_tick(self, session_id: str) -> AbstractContextManager[object]:

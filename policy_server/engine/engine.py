@@ -179,7 +179,7 @@ class ModelEngine:
             try:
                 self._on_worker(self._warmup.session_graphs(spec, chunk, instruction))
             except BaseException:
-                self._admission.close(session.session_id)
+                self._admission.close(session.session_id, "its opening failed")
                 raise
             session.graphed_instruction = instruction
         logger.info("opened session %s: %s, chunks of %d, budget %g ms, slot %.0f ms, %g Hz", session.describe(),
@@ -202,25 +202,27 @@ class ModelEngine:
         return self.sessions.get(session_id).handle()
 
     @contextlib.contextmanager
-    def attach(self, session_id: str) -> Iterator[api.SessionHandle]:
+    def attach(self, session_id: str, on_close: Callable[[api.UnknownSession], None] | None = None
+               ) -> Iterator[api.SessionHandle]:
         session = self.sessions.get(session_id)
         with session.lock:
+            if session.closed:  # since `get`: `tell_closed` may have looked for on_close before it was set
+                raise session.closure.error(session_id)
             if session.attached:
                 raise api.StreamAttached(session_id)
-            session.attached = True
+            session.attached, session.on_close = True, on_close
         try:
             yield session.handle()
         finally:
             with session.lock:
-                session.attached = False
+                session.attached, session.on_close = False, None
                 session.last_used_s = time.monotonic()  # its idle time starts when the stream ends
 
     def reset_session(self, session_id: str) -> api.SessionHandle:
         return self.sessions.reset(session_id).handle()
 
     def close_session(self, session_id: str, why: str = api.CLOSED_BY_CLIENT) -> None:
-        session = self.sessions.get(session_id)
-        self._admission.close(session_id)
+        session = self._admission.close(session_id, why)
         logger.info("closed session %s: %s", session.describe(), why)
 
     def set_budget(self, session_id: str, budget_ms: float) -> api.SessionHandle:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Hashable, Iterable
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -36,6 +37,28 @@ class Opening:
         return tuple(f.name for f in fields(self) if getattr(self, f.name) != getattr(other, f.name))
 
 
+# How many ended sessions the table remembers (`Closure`), the oldest forgotten first: a call naming one is told how it
+# ended rather than only that it is unknown. About 0.4 kB each (an expiry's, measured): at most 1.6 MB.
+REMEMBERED_CLOSURES = 4096
+
+
+@dataclass(frozen=True)
+class Closure:
+    """How a session left the table: ``expired`` (no call for the idle time) or closed (a CloseSession call, or its
+    WebSocket connection's end), ``why`` in words, at ``at_s`` (``time.monotonic()``)."""
+
+    expired: bool
+    why: str
+    at_s: float
+
+    def error(self, session_id: str) -> UnknownSession:
+        """What a call naming the session gets."""
+        ago = f"{time.monotonic() - self.at_s:.0f} s ago"
+        if self.expired:
+            return UnknownSession(session_id, "expired", f"expired {ago}: {self.why}")
+        return UnknownSession(session_id, "closed", f"was closed {ago}: {self.why}")
+
+
 @dataclass(eq=False)
 class SessionState:
     """The engine's mutable state of one open session: one robot (or simulated episode stream)
@@ -51,8 +74,9 @@ class SessionState:
     graphed_instruction: the instruction whose CUDA graphs were captured for its ticks (`pipeline/cuda_graphs.py`).
     history: full-call counts of the episode's previous ticks per cache setting, for the budget planner.
     last_used_s: when a call last named it (``time.monotonic()`` s).
-    attached: a Control stream holds it (one at a time); dynamics: its forward / inverse dynamics calls running.
-    closed: it left the table (closed by its client or for being idle): a tick of it queued or running then ends.
+    attached: a Control stream holds it (one at a time); on_close: what the one attached asked to be told its closing
+    with (`Engine.attach`); dynamics: its forward / inverse dynamics calls running.
+    closure: how it left the table (closed, or for being idle), once it has: a tick of it queued or running then ends.
     opening: what it was opened with (``embodiment``, ``chunk_size``, ``seed``, ``preview``: its ticks decode and return
     the predicted frames; ``client_name``: who opened it, for logs); of those, only its instruction and budget change,
     held here (``instruction``, ``budget_ms``).
@@ -75,8 +99,13 @@ class SessionState:
     lock: threading.Lock = field(default_factory=threading.Lock)
     last_used_s: float = field(default_factory=time.monotonic)
     attached: bool = False
+    on_close: Callable[[UnknownSession], None] | None = None
     dynamics: int = 0
-    closed: bool = False
+    closure: Closure | None = None
+
+    @property
+    def closed(self) -> bool:
+        return self.closure is not None
 
     def ticking(self) -> bool:
         """A tick of it is queued or running."""
@@ -94,12 +123,19 @@ class SessionState:
                              measured_rate_hz=self.limiter.measured_hz, preview=opening.preview,
                              client_name=opening.client_name)
 
-    def leave(self) -> None:
+    def leave(self, closure: Closure) -> None:
         """Mark it closed as it leaves the table, and let go of its last tick: that job refers back to the session,
         and the cycle kept a closed session, its instruction's text K/V among it (0.7 MB on the embedded model), until
         Python's full collection, which runs seldom: 3000 sessions of 3 ticks grew a server by 45 MB."""
-        self.closed = True
+        self.closure = closure
         self.in_flight = None  # a tick still running holds its job, and the job the session, until it ends
+
+    def tell_closed(self) -> None:
+        """Once it has left the table, and outside the table's lock: tell the stream attached to it, if any."""
+        with self.lock:  # `Engine.attach` sets on_close under it, then checks `closed`: one of the two sees the other
+            on_close, self.on_close = self.on_close, None
+        if on_close is not None:
+            on_close(self.closure.error(self.session_id))
 
     def describe(self) -> str:
         """The session and who opened it, for a log line."""
@@ -128,6 +164,7 @@ class SessionTable:
     def __init__(self, max_sessions: int):
         self.max_sessions = max_sessions
         self._sessions: dict[str, SessionState] = {}
+        self._ended: OrderedDict[str, Closure] = OrderedDict()  # the last REMEMBERED_CLOSURES to leave, by id
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -165,27 +202,38 @@ class SessionTable:
         return session
 
     def get(self, session_id: str) -> SessionState:
-        """The open session ``session_id``, used now (every call on a session gets it here)."""
+        """The open session ``session_id``, used now (every call on a session gets it here). UnknownSession, saying
+        how it ended where the table remembers."""
         session = self._sessions.get(session_id)
         if session is None:
-            raise UnknownSession(session_id)
+            closure = self._ended.get(session_id)
+            raise UnknownSession(session_id) if closure is None else closure.error(session_id)
         session.last_used_s = time.monotonic()
         return session
 
-    def close(self, session_id: str) -> None:
+    def _leave(self, session: SessionState, closure: Closure) -> None:
+        """Under the lock: take ``session`` out of the table, remembering how it left."""
+        del self._sessions[session.session_id]
+        session.leave(closure)
+        self._ended[session.session_id] = closure
+        while len(self._ended) > REMEMBERED_CLOSURES:
+            self._ended.popitem(last=False)
+
+    def close(self, session_id: str, why: str) -> SessionState:
+        """Close the session (``why``: what closed it, in words) and return it."""
         with self._lock:
-            session = self._sessions.pop(session_id, None)
-            if session is None:
-                raise UnknownSession(session_id)
-            session.leave()
+            session = self.get(session_id)
+            self._leave(session, Closure(expired=False, why=why, at_s=time.monotonic()))
+        return session
 
     def close_idle(self, now_s: float, idle_s: float) -> list[SessionState]:
         """Close the sessions idle for ``idle_s`` (``SessionState.idle``) and return them."""
         with self._lock:
             idle = [session for session in self._sessions.values() if session.idle(now_s, idle_s)]
             for session in idle:
-                del self._sessions[session.session_id]
-                session.leave()
+                self._leave(session, Closure(expired=True, at_s=now_s, why=(
+                    f"no call for {now_s - session.last_used_s:.0f} s (a session with no call for {idle_s:g} s "
+                    "closes)")))
         return idle
 
     def reset(self, session_id: str) -> SessionState:

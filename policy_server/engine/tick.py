@@ -88,7 +88,7 @@ class Tick:
         (the engine shuts down, the caller's deadline passed or it went away), UnknownSession when its session
         closed."""
         if self.session.closed:  # while it ran: the session's place and its share of the worker are others' now
-            raise api.UnknownSession(self.session.session_id)
+            raise self.session.closure.error(self.session.session_id)
         if self.request.end.reason() is not None:
             raise Aborted(f"abandoned before step {step}")
         return self._steps.before_step(step)
@@ -116,7 +116,7 @@ class Tick:
         pipeline = served.pipeline
         observation = request.observation
         if session.closed:  # while it queued, or as its caller reserved it
-            raise api.UnknownSession(session.session_id)
+            raise session.closure.error(session.session_id)
         served.check_epoch(session, request.epoch)  # at the start: a reset may have come while it queued
         if (reason := request.end.reason()) is not None:
             raise reason

@@ -59,7 +59,7 @@ from policy_server.pipeline.errors import (
 from policy_server.pipeline.hub import CheckpointNotFound, checkpoint_folder, is_hub_id
 from policy_server.pipeline.normalization import FeatureNormalizers, NormalizationStatsError
 from policy_server.pipeline.packing import ActionLayout, RequestShape, pack_request, request_shape
-from policy_server.pipeline.policy_config import PolicyConfig, PolicyConfigError
+from policy_server.pipeline.policy_config import PolicyConfig, PolicyConfigError, unguided
 from policy_server.pipeline.prompts import PromptPair, action_prompt_pair
 from policy_server.pipeline.schedulers import make_sampler
 from policy_server.pipeline.tick_work import TickWork
@@ -619,15 +619,9 @@ class PolicyPipeline:
                           batch_branches)
 
     def guided_steps(self, num_steps: int) -> range:
-        """The sampler steps of a `num_steps` tick on which the uncond pass runs when guidance is on: those
-        whose timestep lies inside the guidance interval (all of them without one). Timesteps fall step by
-        step, so they are one run of steps."""
-        if self.config.guidance_interval is None:
-            return range(num_steps)
-        lo, hi = self.config.guidance_interval
-        timesteps = self._sampler(num_steps).timesteps
-        inside = [i for i in range(num_steps) if lo < float(timesteps[i]) < hi]
-        return range(inside[0], inside[-1] + 1) if inside else range(0)
+        """The sampler steps of a `num_steps` tick on which the uncond pass runs when guidance is on
+        (`PolicyConfig.guided_steps`)."""
+        return self.config.guided_steps(num_steps)
 
     def num_latent_frames(self, chunk: int) -> int:
         """Latent frames of the video a chunk of `chunk` actions lives in. The chunk spans `chunk + 1` frames;
@@ -677,6 +671,12 @@ class PolicyPipeline:
         guidance = self._guidance(request)
         if not math.isfinite(guidance) or guidance < 1.0:
             raise InvalidSamplerSettings("guidance", f"guidance={guidance!r}; expected a finite value >= 1")
+        if guidance != 1.0 and not self.guided_steps(steps):  # asked for, guidance would silently never run
+            default = self.config.num_steps
+            raise InvalidSamplerSettings("num_steps", f"num_steps={steps} with guidance={guidance:g}: "
+                                         f"{unguided(self.config, steps)}; expected a num_steps whose timesteps the "
+                                         f"interval holds (the checkpoint's {default} has "
+                                         f"{len(self.guided_steps(default))} guided), or guidance=1 (no CFG)")
         self._validate_images(request, embodiment)
         embodiment.check_state(request.state)
         if request.history_actions is not None:

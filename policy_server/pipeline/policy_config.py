@@ -21,7 +21,7 @@ from policy_server.json_file import read_json
 from policy_server.limits import MAX_FRAME_SIDE
 from policy_server.pipeline.conditioning import RESOLUTION_TIERS
 from policy_server.pipeline.embodiments import NUM_EMBODIMENT_DOMAINS
-from policy_server.pipeline.schedulers import SAMPLER_NAMES
+from policy_server.pipeline.schedulers import SAMPLER_NAMES, flow_schedule, karras_flow_schedule
 
 # Canvases a checkpoint may declare: warmup and admission time a tick on each, and a resolution tier has 5.
 MAX_CANVASES = 16
@@ -43,7 +43,8 @@ class PolicyConfig(BaseModel):
     resolution_tier: Cosmos3's action resolution tier (256, 480, 704, 720): sets `canvases` to its bins.
     sigma_schedule: "shifted" (flow sigmas shifted by ``shift``) or "karras" (Karras spacing of
         [sigma_min, sigma_max] mapped to flow sigmas, unshifted); final_sigma: "zero" or "sigma_min".
-    guidance_interval: CFG applies only while lo < timestep < hi (timestep = sigma * 1000); None = always.
+    guidance_interval: CFG applies only while lo < timestep < hi (timestep = int(sigma * 1000)); None = always. It
+        must hold a timestep of the sampler at ``num_steps``, else guidance would never run (`guided_steps`).
     embodiments_file: JSON file (relative to the folder) declaring the served embodiments.
     trained_domain_ids: the action domains (rows of the transformer's domain-aware action projections) the weights
         were trained on, as `robots.train_policy` records them; None: not recorded. An embodiment served on
@@ -113,6 +114,34 @@ class PolicyConfig(BaseModel):
             )
         return self
 
+    @model_validator(mode="after")
+    def _guidance_interval_holds_a_step(self) -> PolicyConfig:
+        """After `_karras_bounds`: the schedule's timesteps need them."""
+        if not self.guided_steps(self.num_steps):
+            lo, hi = self.guidance_interval
+            below, above = nearest_timesteps(self.timesteps(self.num_steps), lo, hi)
+            ways = [f"lo below {below}" if below is not None else "", f"hi above {above}" if above is not None else ""]
+            raise ValueError(f"{unguided(self, self.num_steps)}; expected an interval holding one of them "
+                             f"({' or '.join(way for way in ways if way)}), or null for CFG on every step")
+        return self
+
+    def timesteps(self, num_steps: int) -> tuple[int, ...]:
+        """The model timesteps (int(sigma * 1000), falling) of a `num_steps` tick's sampler."""
+        if self.karras:
+            return karras_flow_schedule(num_steps, *self.karras).timesteps
+        return flow_schedule(num_steps, self.shift).timesteps
+
+    def guided_steps(self, num_steps: int) -> range:
+        """The sampler steps of a `num_steps` tick on which the uncond pass runs when guidance is on: those
+        whose timestep lies inside the guidance interval (all of them without one). Timesteps fall step by
+        step, so they are one run of steps. Empty at the config's `num_steps` is refused at load; at fewer steps
+        (the server's planner may choose them) such a tick runs without the uncond pass."""
+        if self.guidance_interval is None:
+            return range(num_steps)
+        lo, hi = self.guidance_interval
+        inside = [i for i, t in enumerate(self.timesteps(num_steps)) if lo < t < hi]
+        return range(inside[0], inside[-1] + 1) if inside else range(0)
+
     @property
     def karras(self) -> tuple[float, float, str] | None:
         """``(sigma_min, sigma_max, final_sigma)`` for ``make_sampler`` when the schedule is Karras."""
@@ -135,6 +164,23 @@ class PolicyConfig(BaseModel):
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.model_dump_json(indent=2) + "\n")
+
+
+def nearest_timesteps(timesteps: tuple[int, ...], lo: float, hi: float) -> tuple[int | None, int | None]:
+    """Of `timesteps`, the highest at or below `lo` and the lowest at or above `hi` (None where there is none)."""
+    return max((t for t in timesteps if t <= lo), default=None), min((t for t in timesteps if t >= hi), default=None)
+
+
+def unguided(config: PolicyConfig, num_steps: int) -> str:
+    """Why guidance never runs at `num_steps`: the interval, the count of timesteps, and those nearest it."""
+    lo, hi = config.guidance_interval
+    timesteps = config.timesteps(num_steps)
+    below, above = nearest_timesteps(timesteps, lo, hi)
+    nearest = [f"{below} (at or below lo)" if below is not None else "",
+               f"{above} (at or above hi)" if above is not None else ""]
+    return (f"guidance_interval [{lo:g}, {hi:g}] holds none of the {len(timesteps)} sampler timesteps (int(sigma * "
+            f"1000), {timesteps[0]} down to {timesteps[-1]}) at num_steps={num_steps}, so guidance would never run; "
+            f"nearest: {', '.join(n for n in nearest if n)}")
 
 
 def describe(error: ValidationError, path: Path) -> str:

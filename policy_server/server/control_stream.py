@@ -24,6 +24,11 @@ chunks, so that a client that sends and never reads cannot grow the server's mem
 On shutdown (`drain`) a stream answers the frame the worker is on, refuses the waiting ones and those that arrive
 (SHUTTING_DOWN) and ends with that status, UNAVAILABLE, on which a client's stream reconnects.
 
+A session closed while its stream is open (a CloseSession call from elsewhere) ends the stream at once: the events
+queued before are sent, the frames waiting or being served are dropped, and the stream ends with the error every
+later call naming the session gets (NOT_FOUND / SESSION_NOT_FOUND, saying what closed it and when), once, rather than
+an error event for every frame that follows.
+
 A stream holds a server thread from the moment it opens, so one that sends no ``start`` within
 ``CONTROL_START_S`` is ended (STREAM_NOT_STARTED), and at most ``MAX_STARTING_STREAMS`` wait for theirs at
 once (`StartingStreams`).
@@ -41,7 +46,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from policy_server.engine.api import EmbodimentSpec, Engine, RateExceeded, ShuttingDown
+from policy_server.engine.api import EmbodimentSpec, Engine, RateExceeded, ShuttingDown, UnknownSession
 from policy_server.limits import (
     CONTROL_START_S,
     MAX_FRAME_RATE_HZ,
@@ -155,6 +160,7 @@ class ControlCall:
         self._worker_done = False
         self._stopped = False
         self._draining = False  # the server is shutting down (`drain`)
+        self._closed: UnknownSession | None = None  # the session was closed (`_session_closed`)
         self._inbox: queue.Queue = queue.Queue()  # the first message, or why the stream ends before it
         self._frames = RateLimiter(MAX_FRAME_RATE_HZ, time.monotonic(), burst=MAX_FRAME_RATE_HZ / 5)
 
@@ -175,8 +181,8 @@ class ControlCall:
                 got=first.WhichOneof("kind") or "an empty message",
             )
         self._session_id = validate.session_id(first.start.session_id, "start.session_id")
-        # The stream holds its session open between frames (UnknownSession ends it: NOT_FOUND).
-        with self._engine.attach(self._session_id) as handle:
+        # The stream holds its session open between frames; the session's closing ends it (NOT_FOUND).
+        with self._engine.attach(self._session_id, on_close=self._session_closed) as handle:
             yield pb.ControlEvent(started=convert.session_to_proto(handle))
 
             self._context.add_callback(self._on_rpc_done)
@@ -188,12 +194,15 @@ class ControlCall:
             worker.start()
             while True:
                 with self._cond:
-                    self._cond.wait_for(lambda: self._outbound or self._worker_done or self._stopped)
-                    if self._stopped or not self._outbound:  # the call ended, or the worker did and all is sent
+                    self._cond.wait_for(lambda: self._outbound or self._worker_done or self._stopped or self._closed)
+                    # the call ended, or the worker did, or the session closed, and all is sent
+                    if self._stopped or not self._outbound:
                         break
                     event = self._outbound.popleft()
                     self._cond.notify_all()  # a place for a reader or worker waiting to queue an event
                 yield event
+        if self._closed is not None and not self._stopped:
+            raise self._closed
         if self._draining and not self._stopped:
             raise ShuttingDown()
 
@@ -205,6 +214,13 @@ class ControlCall:
             self._cond.notify_all()
         self._inbox.put(_DRAINED)  # read only while the stream waits for its start
 
+    def _session_closed(self, closed: UnknownSession) -> None:
+        """The session was closed (on another call's thread, or this stream's that found it gone): send what is
+        queued, queue nothing more, and end the stream with ``closed``."""
+        with self._cond:
+            self._closed = self._closed or closed
+            self._cond.notify_all()
+
     def _on_rpc_done(self) -> None:
         """Client cancelled, deadline passed or the call finished: stop all three threads."""
         with self._cond:
@@ -213,10 +229,10 @@ class ControlCall:
 
     def _send(self, event: pb.ControlEvent) -> None:
         """Queue ``event`` for the handler thread, waiting while ``MAX_QUEUED_EVENTS`` wait unsent (the client is
-        not reading them); dropped once the call has ended."""
+        not reading them); dropped once the call has ended or the session closed."""
         with self._cond:
-            self._cond.wait_for(lambda: self._stopped or len(self._outbound) < MAX_QUEUED_EVENTS)
-            if not self._stopped:
+            self._cond.wait_for(lambda: self._stopped or self._closed or len(self._outbound) < MAX_QUEUED_EVENTS)
+            if not self._stopped and not self._closed:
                 self._outbound.append(event)
                 self._cond.notify_all()
 
@@ -324,9 +340,10 @@ class ControlCall:
     def _work(self) -> None:
         while True:
             with self._cond:
-                while not self._pending and not self._reader_done and not self._stopped and not self._draining:
+                while (not self._pending and not self._reader_done and not self._stopped and not self._draining
+                       and not self._closed):
                     self._cond.wait()
-                if self._stopped or self._draining or not self._pending:
+                if self._stopped or self._draining or self._closed or not self._pending:
                     break
                 frame = self._pending.pop(0)
             try:
@@ -365,9 +382,14 @@ class ControlCall:
         arrives meanwhile supersedes it as usual)."""
         with self._cond:
             self._pending.insert(0, frame)
-            self._cond.wait_for(lambda: self._stopped or self._draining, timeout=wait_s)
+            self._cond.wait_for(lambda: self._stopped or self._draining or self._closed, timeout=wait_s)
 
     def _emit_error(self, obs_id: int, exc: BaseException) -> None:
+        """Answer a frame or request with ``exc``; the session's being gone (its closing may reach a frame before
+        `_session_closed` does) ends the stream instead."""
+        if isinstance(exc, UnknownSession):
+            self._session_closed(exc)
+            return
         error: ServiceError = from_exception(exc)
         self._metrics.observe_error(error.reason)
         self._send(pb.ControlEvent(error=pb.ControlError(obs_id=obs_id, error=error.detail)))

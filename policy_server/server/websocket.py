@@ -20,8 +20,10 @@ chunk size: the actions the robot executes while the chunk is computed, which th
 Replies: ``actions`` float32 [K, action_dim] plus ``first_step_index``, ``epoch``, the tick record
 and openpi's ``policy_timing`` / ``server_timing`` blocks. An error is a *text* frame
 ``"REASON: message"`` (openpi-client raises it as RuntimeError); the connection stays usable
-after a bad observation and is closed (1011) on an internal error. Each refused message costs the server its
-receipt and unpacking (about 12 ms of CPU at 12 MiB), so a connection whose refused messages go beyond a burst of
+after a bad observation and is closed (1011) on an internal error, and (1000) after answering
+``SESSION_NOT_FOUND`` where its session was closed meanwhile (a CloseSession call naming it). Each refused
+message costs the server its receipt and unpacking (about 12 ms of CPU at 12 MiB), so a connection whose refused
+messages go beyond a burst of
 ``MAX_REFUSED_MESSAGES`` (16) at ``REFUSED_MESSAGES_HZ`` (2) per second is closed with 1008 (policy violation) after
 the answer to the one too many, and its address's new connections are closed before
 their handshake for the ``BARRED_S`` (8 s) a burst takes to refill. Connections beyond
@@ -551,7 +553,7 @@ class OpenpiWebsocketServer:
                     why += f" ({connection.close_reason!r})"
                 try:
                     self._engine.close_session(state.session.session_id, why)
-                except UnknownSession:  # the engine shut down
+                except UnknownSession:  # the engine shut down, or a CloseSession call closed it
                     log.debug("session %s was already closed", state.session.session_id)
                 with self._released:
                     self._holding.discard(connection)
@@ -627,8 +629,8 @@ class OpenpiWebsocketServer:
             error = from_exception(renamed(exc, _PROMPT_FIELDS, "prompt"))
             self._metrics.observe_error(error.reason)
             connection.send(f"{error.reason}: {error.detail.message}")
-            if error.reason in ("INTERNAL", "SHUTTING_DOWN"):
-                connection.close(code=1011 if error.reason == "INTERNAL" else 1001, reason=error.detail.message)
+            if error.reason in _ENDING:  # the connection's session is gone with SESSION_NOT_FOUND: it serves no more
+                connection.close(code=_ENDING[error.reason], reason=_close_reason(error.detail.message))
                 return False
             # Receiving them takes CPU from the sessions' ticks.
             if state.refusals.take(started) > 0:
@@ -687,6 +689,16 @@ class OpenpiWebsocketServer:
                 "frame", "a msgpack map of observation keys", f"a msgpack {type(message).__name__}", reason="BAD_VALUE"
             )
         return message
+
+
+# The errors that close the connection after their answer, and the close code of each.
+_ENDING = {"INTERNAL": 1011, "SHUTTING_DOWN": 1001, "SESSION_NOT_FOUND": 1000}
+_MAX_CLOSE_REASON_BYTES = 123  # what a close frame holds (RFC 6455)
+
+
+def _close_reason(text: str) -> str:
+    """``text`` as a close frame's reason: clipped to its UTF-8 bytes, never within a character."""
+    return text.encode()[:_MAX_CLOSE_REASON_BYTES].decode(errors="ignore")
 
 
 def _undecodable(exc: Exception) -> str:
