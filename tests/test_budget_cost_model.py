@@ -88,27 +88,33 @@ def test_the_background_reserve_follows_a_lasting_change_in_the_speed_of_the_tic
     assert model.background_ms == pytest.approx(5.0 * 52.0 / 28.0)
 
 
+def _timed(key: str, full_ms: float) -> CostModel:
+    """What a retiming measures: a model that saw one tick of ``key``, its full call ``full_ms``."""
+    fresh = CostModel(window=4)
+    fresh.observe_tick(key, [(FULL, full_ms)])
+    return fresh
+
+
 def test_timing_the_background_piece_again_keeps_the_lower_reserve():
     """A busy moment while the pieces are timed again raises nothing; a quiet one lowers the reserve to what it
-    timed, and later ticks move it from there (was: ticks at the reference speed brought back the first timing)."""
+    timed, and later ticks move it from there. Was: rebased on the slowdown of the sessions before the retiming (it
+    runs with none open), so quiet ticks after it took the reserve to a third of the piece."""
     model = CostModel(window=4)
     model.observe_tick("k", [(FULL, 10.0)])
-    model.time_background(30.0, ["k"])  # timed in a busy moment
-    model.lower_background(40.0)
+    model.time_background(10.0, ["k"])
+    for _ in range(3):
+        model.observe_tick("k", [(FULL, 30.0)])  # the last sessions ran 3x slower
     assert model.background_ms == pytest.approx(30.0)
-    model.lower_background(15.0)
-    assert model.background_ms == pytest.approx(15.0)
+    model.lower_background(40.0, "k", _timed("k", 40.0))  # timed in a busy moment
+    assert model.background_ms == pytest.approx(30.0)
+    model.lower_background(10.0, "k", _timed("k", 10.0))  # timed on a quiet machine
+    assert model.background_ms == pytest.approx(10.0)
     for _ in range(4):
-        model.observe_tick("k", [(FULL, 10.0)])  # the reference speed
-    assert model.background_ms == pytest.approx(15.0)
+        model.observe_tick("k", [(FULL, 10.0)])  # quiet ticks
+    assert model.background_ms == pytest.approx(10.0)
     for _ in range(3):
         model.observe_tick("k", [(FULL, 30.0)])  # a lasting slowdown
-    assert model.background_ms == pytest.approx(45.0)
-    model.lower_background(30.0)  # timed again during it: 10 ms at the reference speed
     assert model.background_ms == pytest.approx(30.0)
-    for _ in range(4):
-        model.observe_tick("k", [(FULL, 10.0)])  # its end
-    assert model.background_ms == pytest.approx(10.0)
 
 
 def test_cautious_costs_add_deviations_and_a_stage_can_be_left_out():

@@ -509,15 +509,30 @@ def _watch_that_reads_nothing(port: int) -> socket.socket:
 def test_a_watch_whose_client_reads_nothing_holds_up_only_itself():
     # Was: statuses went out under the servicer's lock, on the thread that set them: the readiness poller, every
     # other Watch (each holding a server thread as it waited) and the server's stop waited for good on that send.
-    with serve_fake() as server, closing(_watch_that_reads_nothing(server.grpc_port)):
-        time.sleep(0.5)  # the server has taken the stream and its send waits
-        with grpc.insecure_channel(server.target) as channel:
-            assert next(health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(),
-                                                                   timeout=5)).status == SERVING
-        stopping = threading.Thread(target=server.stop, args=(0.2,))
-        stopping.start()
-        stopping.join(10)
-        assert not stopping.is_alive()
+    # The server runs on a thread of its own, so that such a stop fails this test rather than hangs the suite.
+    watch = {"grpc_type": "server_stream", "grpc_service": "grpc.health.v1.Health", "grpc_method": "Watch"}
+    outcome: list[BaseException | None] = []
+
+    def serve_one_stuck_watch() -> None:
+        try:
+            with serve_fake() as server, closing(_watch_that_reads_nothing(server.grpc_port)):
+                ends_s = time.monotonic() + 10
+                while not server.metrics.registry.get_sample_value("grpc_server_started_total", watch):
+                    assert time.monotonic() < ends_s, "the server never took the raw client's Watch"
+                    time.sleep(0.01)
+                with grpc.insecure_channel(server.target) as channel:
+                    assert next(health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(),
+                                                                           timeout=5)).status == SERVING
+            outcome.append(None)
+        except BaseException as error:  # noqa: BLE001 - raised again on the test's thread
+            outcome.append(error)
+
+    serving = threading.Thread(target=serve_one_stuck_watch, daemon=True)
+    serving.start()
+    serving.join(30)
+    assert outcome, "the server did not stop within 30 s"
+    if outcome[0] is not None:
+        raise outcome[0]
 
 
 def test_tls(tmp_path, capsys):

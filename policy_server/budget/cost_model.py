@@ -221,15 +221,18 @@ class CostModel:
             self._reference = {key: self._costs(key) for key in keys}
             self._slowdowns = _filled(self.window, 1.0)
 
-    def lower_background(self, ms: float) -> None:
-        """The longest background piece timed again, ``ms``: where it is below the reserve now, the reserve becomes
-        ``ms`` (the timed piece is ``ms`` over the ticks' slowdown now, which later ticks move as before); else the
-        reserve stays. So timing again can undo a reserve a busy moment inflated, and a busy moment while it times
-        raises none (`adopt_lower` for the costs)."""
-        with self._lock:
-            slowdown = self._slowdowns.median
-            if _check_ms("background piece", ms) < self._background_ms * slowdown:
-                self._background_ms = ms / slowdown
+    def lower_background(self, ms: float, key: Hashable, fresh: CostModel) -> None:
+        """The longest background piece timed again, ``ms``, just after the ticks of ``key`` that ``fresh`` timed:
+        where it is below the reserve now, those become the reference, as at warmup (`time_background`), so later
+        ticks move the reserve from what the machine did at the timing, not from the slowdown of the sessions before
+        it (a retiming runs only with none open); else nothing changes. So timing again can undo a reserve a busy
+        moment inflated, and a busy moment while it times raises none (`adopt_lower` for the costs). Until ticks of
+        the other shapes are timed with a piece again, only ``key``'s ticks move the reserve."""
+        with self._lock, fresh._lock:
+            if _check_ms("background piece", ms) < self._background_ms * self._slowdowns.median:
+                self._background_ms = ms
+                self._reference = {key: fresh._costs(key)}
+                self._slowdowns = _filled(self.window, 1.0)
 
     def is_warm(self, key: Hashable) -> bool:
         """Whether full calls (alone or in pairs) have been observed for this shape."""

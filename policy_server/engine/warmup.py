@@ -122,7 +122,7 @@ class Warmup:
         self._preview_ms_by_shape.clear()
         yield from self._warm_shape(embodiment, chunk, tokens, 1, _SHORT_WARMUP_STEPS, batch=False, cost_model=fresh)
         self.served.cost_model.adopt_lower(key, fresh)
-        self.served.cost_model.lower_background((yield from self._time_background_pieces()))
+        self.served.cost_model.lower_background((yield from self._time_background_pieces()), key, fresh)
 
     def _calibrate(self):
         """A bounded quality profile: `WARMUP_CALIBRATION_OBSERVATIONS` observations per embodiment over the

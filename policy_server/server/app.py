@@ -314,6 +314,7 @@ class PolicyServer:
             self._grpc.stop(0)  # what is left (health Watch, reflection streams) has nothing to finish
             grpc_stopped.wait()
             self._grpc = None
+            self._health.close()
 
     def __enter__(self) -> PolicyServer:
         return self.start()

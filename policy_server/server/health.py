@@ -59,6 +59,10 @@ class HealthService(health_pb2_grpc.HealthServicer):
                 self._set(service, NOT_SERVING)
             self._final = True
 
+    def close(self) -> None:
+        """Let the senders go, once the server's calls have ended."""
+        self._senders.shutdown(wait=False)
+
     def _set(self, service: str, status: int) -> None:
         self._statuses[service] = status
         for watch in self._watches.get(service, ()):
