@@ -211,13 +211,17 @@ class ServerConfig(BaseModel):
     @classmethod
     def _resolvable_host(cls, value: str) -> str:
         # Checked with the settings: the listeners bind it once the model is loaded (minutes for a Cosmos3 checkpoint).
-        # Whether this machine has the address is left to the bind, which says so in the OS's words.
+        # Whether this machine has the address is left to the bind, which says so in the OS's words, and so is a
+        # lookup that failed for now (a resolver not reachable yet as a container starts).
         try:
             socket.getaddrinfo(value.strip("[]"), None, type=socket.SOCK_STREAM)
-        except (socket.gaierror, UnicodeError) as error:  # UnicodeError: a name IDNA cannot encode
-            reason = error.strerror if isinstance(error, socket.gaierror) else str(error)
-            raise ValueError(f"names no address ({reason}); expected an address of this machine (127.0.0.1, "
-                             "0.0.0.0, ::1, ::) or a name that resolves to one") from None
+        except socket.gaierror as error:
+            if error.errno in (socket.EAI_NONAME, socket.EAI_NODATA):
+                raise ValueError(f"names no address ({error.strerror}); expected an address of this machine "
+                                 "(127.0.0.1, 0.0.0.0, ::1, ::) or a name that resolves to one") from None
+        except UnicodeError as error:  # a name IDNA cannot encode
+            raise ValueError(f"names no address ({error}); expected an address of this machine (127.0.0.1, 0.0.0.0, "
+                             "::1, ::) or a name that resolves to one") from None
         return value
 
     @field_validator("unix_socket")

@@ -201,6 +201,7 @@ class InProcessPolicy:
                  sampler_overrides: dict, quality_profile: str, execute: int, delay: int, device: str = "cpu",
                  compile_gen_stack: bool | None = None):
         import torch
+        from pydantic import ValidationError
 
         from policy_server.engine.calibration import resolve_profile
         from policy_server.engine.engine import EngineSettings, ModelEngine, resolve_device, resolve_dtype
@@ -214,7 +215,12 @@ class InProcessPolicy:
         chunk_sizes = {name: pipeline.embodiments.get(name).default_chunk_size for name in pipeline.served_embodiments}
         check_drives(checkpoint or "the embedded model", chunk_sizes, execute, delay)  # before the warmup
         if sampler_overrides:
-            config = PolicyConfig.model_validate({**pipeline.config.model_dump(), **sampler_overrides})
+            try:  # against the checkpoint's own settings (its guidance_interval may hold no step of --num-steps)
+                config = PolicyConfig.model_validate({**pipeline.config.model_dump(), **sampler_overrides})
+            except ValidationError as error:
+                flags = " ".join(f"--{name.replace('_', '-')} {value}" for name, value in sampler_overrides.items())
+                raise RolloutError(f"{flags} with the sampler settings of {checkpoint or 'the embedded model'}: "
+                                   + "; ".join(problem["msg"] for problem in error.errors())) from None
             pipeline = PolicyPipeline(pipeline.transformer, pipeline.vae, pipeline.tokenizer, pipeline.embodiments,
                                       config, pipeline.served_embodiments, pipeline.digest)
         profile, calibrate = resolve_profile(quality_profile, pipeline.folder, pipeline.digest,

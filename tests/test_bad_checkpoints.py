@@ -475,3 +475,19 @@ def test_a_tokenizer_of_ids_past_the_embedding_is_refused_at_load(diffusers_fold
     assert str(info.value) == (f"cannot serve checkpoint {root}: {root}/text_tokenizer: the tokenizer emits ids up to "
                                "400; expected ids below the transformer's vocab_size=300 "
                                f"({root}/transformer/config.json)")
+
+
+def test_rollout_sampler_overrides_the_checkpoints_guidance_interval_leaves_unguided_are_one_line(good_folder,
+                                                                                                  tmp_path, capsys):
+    # Was: pydantic's ValidationError traceback once the model had loaded.
+    from robots.rollout import main as rollout_main
+
+    root = tmp_path / "ckpt"
+    shutil.copytree(good_folder, root)
+    _edit_json(root / "policy.json", num_steps=20, shift=5.0, guidance=2.0, guidance_interval=[900, 990])
+    assert rollout_main(["--in-process", "--checkpoint", str(root), "--num-steps", "1", "--episodes", "1",
+                         "--out", str(tmp_path / "r.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"policy-rollout: --num-steps 1 with the sampler settings of {root}: Value error, "
+                          "guidance_interval [900, 990] holds none of the 1 sampler timesteps"), err
+    assert "Traceback" not in err

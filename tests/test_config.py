@@ -453,6 +453,16 @@ def test_a_host_that_names_no_address_is_refused_with_the_settings(flags, monkey
         f"that resolves to one (got {flags[1]!r})")
 
 
+def test_a_host_lookup_that_failed_for_now_is_left_to_the_bind(monkeypatch):
+    """A resolver not reachable yet (a container starting) is no name that does not exist: the bind, minutes later,
+    looks it up again."""
+    def unreachable(*args, **kwargs):
+        raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+
+    monkeypatch.setattr(socket, "getaddrinfo", unreachable)
+    assert build_config(overrides={"host": "policy-server.internal"}).host == "policy-server.internal"
+
+
 def test_the_log_names_the_settings_given(tmp_path, monkeypatch, caplog):
     """Nothing said which settings a server started with: a file, the environment and flags all set them."""
     monkeypatch.setattr(cli, "serve", lambda config: 0)

@@ -335,7 +335,7 @@ def _events_until_quiet(stream: ControlStream, quiet_s: float = 0.5) -> list:
 
 
 @pytest.mark.parametrize("serving", [False, True])
-def test_a_session_closed_while_its_stream_is_open_ends_the_stream_once_saying_what_closed_it(client, engine,
+def test_a_session_closed_while_its_stream_is_open_ends_the_stream_once_saying_what_closed_it(server, client, engine,
                                                                                               serving):
     """Another call closes the session (the robot's own shutdown path, an operator): the stream ends at once, a frame
     being served or not, with NOT_FOUND naming the CloseSession, rather than staying open and answering every later
@@ -347,10 +347,13 @@ def test_a_session_closed_while_its_stream_is_open_ends_the_stream_once_saying_w
     try:
         send(stream, 0)
         assert stream.next_chunk().obs_id == 1
+        shutting_down = server.metrics.registry.get_sample_value("policy_server_errors_total",
+                                                                  {"reason": "SHUTTING_DOWN"}) or 0.0
         if serving:
             engine.hold()
             send(stream, 1)
             engine.wait_entered()  # frame 2 is being served as the session closes
+            send(stream, 2, must_answer=True)  # and frame 3 waits behind it
         client.close_session(session)
         events = _events_until_quiet(stream)
         assert [e.kind for e in events] == ["closed"], events
@@ -359,12 +362,17 @@ def test_a_session_closed_while_its_stream_is_open_ends_the_stream_once_saying_w
         assert error.message == f"session {session.session_id!r} was closed 0 s ago: a CloseSession call closed it"
         assert error.detail.metadata["session_end"] == "closed"
         with pytest.raises(PolicyServerError) as refused:
-            send(stream, 2)
+            send(stream, 3)
         assert refused.value.reason == "SESSION_NOT_FOUND"
     finally:
         engine.release()
         stream.close()
     assert len(engine.request_ids) == opened  # nothing reopened
+    # The frame left waiting goes unanswered, not counted as refused by a shutdown that never came (was: +1 once the
+    # frame being served was done).
+    time.sleep(0.5)
+    assert (server.metrics.registry.get_sample_value("policy_server_errors_total",
+                                                     {"reason": "SHUTTING_DOWN"}) or 0.0) == shutting_down
 
 
 def test_stream_must_start_with_start(client):
@@ -725,6 +733,20 @@ def test_a_session_closed_while_its_stream_was_away_is_not_reopened_and_one_that
         assert "was closed" in event.error.message and "a CloseSession call closed it" in event.error.message
         assert len(engine.request_ids) == 1 and engine.stats().sessions == 0  # only the first opening
         assert _events_until_quiet(stream) == []
+
+
+def test_a_session_that_expired_as_its_stream_attached_is_reopened():
+    """The idle sweep can close a session as a stream attaches to it (the engine then ends the stream, expired): the
+    session was lost, not closed by anyone, and the stream reopens it (was: `closed`, and the stream ended)."""
+    engine = FakeEngine()
+    with serve_fake(engine) as server, PolicyClient(server.target) as client:
+        session = client.open_session("pusht", "push")
+        with ControlStream(client, session, backoff=Backoff(initial_s=0.05, max_s=0.2, max_attempts=20)) as stream:
+            engine.expire(session.session_id)
+            assert stream.next_event(timeout_s=20).kind == "disconnected"
+            event = stream.next_event(timeout_s=20)
+            assert event.kind == "reconnected" and event.session_replaced
+            assert event.session.session_id != session.session_id
 
 
 def test_a_stream_told_not_to_reopen_ends_when_its_session_is_lost():

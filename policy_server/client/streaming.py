@@ -208,7 +208,9 @@ class ControlStream:
                 return
             except grpc.RpcError as exc:
                 error = PolicyServerError.from_rpc_error(exc)
-                if self._closing.is_set() or not self._reconnect or not error.connection_lost:
+                # A session expires under an open stream only where the stream attached as the idle sweep closed it.
+                expired = error.detail.metadata.get("session_end") == "expired" and self._reopen_session
+                if self._closing.is_set() or not self._reconnect or not (error.connection_lost or expired):
                     self._end(None if self._closing.is_set() else error)
                     return
                 log.warning("control stream lost (%s); reconnecting", error.message)

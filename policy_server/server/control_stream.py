@@ -371,7 +371,8 @@ class ControlCall:
             self._send(pb.ControlEvent(chunk=answer))
         with self._cond:
             refused, self._pending = self._pending, []
-        for frame in refused:  # frames left by a drain
+            draining = self._draining
+        for frame in refused if draining else ():  # a drain's; those a closed session leaves go unanswered
             self._emit_error(frame.obs_id, ShuttingDown())
         with self._cond:
             self._worker_done = True
