@@ -43,6 +43,7 @@ MAX_REFLECTION_STREAMS = 2
 # Health Watch streams open at once: each holds server memory (about 23 kB) for as long as its client keeps it; a
 # client waiting for a server to serve (`PolicyClient.wait_until_serving`) holds one.
 MAX_HEALTH_WATCHES = 64
+MAX_SERVICE_NAME_CHARS = 256  # a health call's service: a fully qualified gRPC service name
 MAX_PENDING_FRAMES = 4  # `must_answer` frames waiting on one Control stream, each a message still to decode
 # Events (chunks, pongs, errors, ...) one Control stream holds for a client that is not reading them; beyond them
 # it reads none of the client's messages until the client reads.

@@ -18,13 +18,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from policy_server.limits import MAX_HEALTH_WATCHES
+from policy_server.limits import MAX_HEALTH_WATCHES, MAX_SERVICE_NAME_CHARS
 from policy_server.server.errors import abort, make_error
 
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
-SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-MAX_SERVICE_NAME_CHARS = 256  # a fully qualified gRPC service name
 Send = Callable[[health_pb2.HealthCheckResponse | None], object]  # gRPC's send_response_callback; None ends the call
 
 
