@@ -215,14 +215,15 @@ class ServerConfig(BaseModel):
         # lookup that failed for now (a resolver not reachable yet as a container starts).
         try:
             socket.getaddrinfo(value.strip("[]"), None, type=socket.SOCK_STREAM)
+            return value
         except socket.gaierror as error:
-            if error.errno in (socket.EAI_NONAME, socket.EAI_NODATA):
-                raise ValueError(f"names no address ({error.strerror}); expected an address of this machine "
-                                 "(127.0.0.1, 0.0.0.0, ::1, ::) or a name that resolves to one") from None
+            if error.errno not in (socket.EAI_NONAME, socket.EAI_NODATA):
+                return value
+            reason = error.strerror
         except UnicodeError as error:  # a name IDNA cannot encode
-            raise ValueError(f"names no address ({error}); expected an address of this machine (127.0.0.1, 0.0.0.0, "
-                             "::1, ::) or a name that resolves to one") from None
-        return value
+            reason = str(error)
+        raise ValueError(f"names no address ({reason}); expected an address of this machine (127.0.0.1, 0.0.0.0, ::1, "
+                         "::) or a name that resolves to one")
 
     @field_validator("unix_socket")
     @classmethod

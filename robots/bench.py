@@ -537,13 +537,14 @@ def run(args: argparse.Namespace) -> dict:
     infeasible: list[dict] = []  # the budgets an engine's admission refused, tightest first
 
     def refused(b: float, name: str, refusal: api.BudgetInfeasible) -> None:
+        budgets.remove(b)
         infeasible.append({"budget_ms": b, "fraction": b / uncached_scale_ms, "refused_by": name,
                            "best_achievable_ms": refusal.best_achievable_ms, "message": refusal.message})
         print(f"policy-server bench: {name}: {refusal.message}; budget {b:g} ms skipped", file=sys.stderr)
 
     # The first engine's admission first, as a server's: a budget it refuses starts no engine (a user's run refused
     # at its tightest budget spent two minutes, much of them on the warmups of engines started for it).
-    for b in budgets:
+    for b in list(budgets):
         try:
             engine.close_session(engine.open_session(embodiment.name, "warm up", budget_ms=b, seed=0,
                                                      rate_hz=0.0).session_id)
@@ -552,9 +553,7 @@ def run(args: argparse.Namespace) -> dict:
     tokens = engine.served.instruction_tokens(observations[0]["instruction"], "instruction")
     key = engine.served.cost_key(embodiment.name, embodiment.default_chunk_size, tokens)
     slow = None  # (budget, name, engine, pipeline, session): the controller at the tightest budget all engines admit
-    for b in budgets:
-        if any(entry["budget_ms"] == b for entry in infeasible):
-            continue
+    for b in list(budgets):
         # Every engine that runs at `b` must admit it, else the budget is reported infeasible and runs nothing (the
         # configurations at a budget are compared with each other, tick by tick): each session opens before the
         # next engine starts, so a refusal stops the warmups.
@@ -603,21 +602,21 @@ def run(args: argparse.Namespace) -> dict:
                 name = f"{'guarded_' if guarded else ''}{family}_{b:g}"
                 runs[name] = ConfigRun(name, budget_ms=b, family=family, guarded=guarded, point=point)
                 fixed[name] = FixedConfig(controller.served, point, guarded)
+    infeasible.sort(key=lambda entry: entry["budget_ms"])
     if slow is None:  # no report rather than one without a budget: a bench.json of an earlier run stays as it was
         for e in engines:
             e.close()
         best_ms = math.ceil(max(entry["best_achievable_ms"] for entry in infeasible) * 10) / 10
         fraction = math.ceil(best_ms / uncached_scale_ms * 100) / 100
+        given = ", ".join(f"{entry['budget_ms']:g}" for entry in infeasible)
         raise BenchError(
-            f"no budget is feasible on this machine: every budget ({', '.join(f'{b:g}' for b in budgets)} ms) is "
+            f"no budget is feasible on this machine: every budget ({given} ms) is "
             f"below the best achievable latency (up to {best_ms:.1f} ms; uncached p50 {uncached_scale_ms:.1f} ms); "
             f"choose --budgets-ms of at least {best_ms:.1f}" + (f" or --budget-fractions of at least {fraction:g}"
                                                                 if fraction <= 1 else ""))
     slow_budget, slow_name, slow_engine, slow_pipeline, slow_session = slow
     runs[slow_name] = ConfigRun(slow_name, budget_ms=slow_budget, family="controller", guarded=True)
     sessions[slow_name] = (slow_engine, slow_pipeline, slow_session)
-    budgets = [b for b in budgets if not any(entry["budget_ms"] == b for entry in infeasible)]
-    infeasible.sort(key=lambda entry: entry["budget_ms"])
 
     latent_shape = None
     order = list(runs)

@@ -220,7 +220,8 @@ class InProcessPolicy:
             except ValidationError as error:
                 flags = " ".join(f"--{name.replace('_', '-')} {value}" for name, value in sampler_overrides.items())
                 raise RolloutError(f"{flags} with the sampler settings of {checkpoint or 'the embedded model'}: "
-                                   + "; ".join(problem["msg"] for problem in error.errors())) from None
+                                   + "; ".join(problem["msg"].removeprefix("Value error, ")
+                                               for problem in error.errors())) from None
             pipeline = PolicyPipeline(pipeline.transformer, pipeline.vae, pipeline.tokenizer, pipeline.embodiments,
                                       config, pipeline.served_embodiments, pipeline.digest)
         profile, calibrate = resolve_profile(quality_profile, pipeline.folder, pipeline.digest,
