@@ -96,8 +96,12 @@ class _Registered:
         return self.policy.act(session, obs, step, want_video, committed)
 
     def close(self, session) -> None:
-        self.policy.close(session)
-        ray.get(self.mailbox.closed.remote(self.worker, session.session_id))
+        try:
+            self.policy.close(session)
+        except PolicyServerError as error:
+            if error.reason != "SESSION_NOT_FOUND":  # maybe open still: the driver closes it once the workers ended
+                raise
+        ray.get(self.mailbox.closed.remote(self.worker, session.session_id))  # closed, or gone already
 
 
 def _close_left_open(left_open: dict[int, tuple[Callable, dict[str, str]]]) -> None:
