@@ -114,7 +114,7 @@ def _close_left_open(left_open: dict[int, tuple[Callable, dict[str, str]]]) -> N
                 for session_id, request_id in sessions.items():
                     try:  # behind Ray Serve the request id is the session's routing key
                         client.close_session(session_id, routing_key=request_id)
-                    except PolicyServerError as error:  # SESSION_NOT_FOUND: gone with a restarted server
+                    except PolicyServerError as error:  # SESSION_NOT_FOUND: gone already (closed, or a restart)
                         if error.no_answer:
                             raise
         except Exception as error:  # the report comes first: a session not closed idles out
