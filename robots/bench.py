@@ -443,7 +443,41 @@ def closed_loop_summary(summaries: list[dict], budgets: list[float], uncached_ms
     }
 
 
+class _Engines:
+    """The engines a bench run starts, each closed once: by the run where it is done with them, else as the run ends,
+    whatever ends it (a refusal other than BudgetInfeasible, Overloaded say, any error, Ctrl-C). Left open, each kept
+    its worker and idle-sweep threads and its share of the device to the process's end: an in-process caller's for
+    good."""
+
+    def __init__(self) -> None:
+        self.open: list[ModelEngine] = []
+
+    def start(self, engine: ModelEngine) -> ModelEngine:
+        """`engine` started and warm (one whose warmup fails is closed as the run ends, as the others)."""
+        self.open.append(engine)
+        engine.start()
+        engine.wait_ready()
+        return engine
+
+    def close(self, engines: Sequence[ModelEngine]) -> None:
+        for engine in list(engines):
+            self.open.remove(engine)
+            engine.close()
+
+    def __enter__(self) -> _Engines:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close(self.open)
+
+
 def run(args: argparse.Namespace) -> dict:
+    """The bench's report; every engine it started is closed when it returns or raises."""
+    with _Engines() as engines:
+        return _run(args, engines)
+
+
+def _run(args: argparse.Namespace, live: _Engines) -> dict:
     torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     pipeline = PolicyPipeline.from_pretrained(args.checkpoint, device=device, dtype=resolve_dtype(args.dtype, device))
@@ -480,10 +514,8 @@ def run(args: argparse.Namespace) -> dict:
 
     def started_engine(quality_profile: QualityProfile | None = None, **changes) -> tuple[ModelEngine, BenchPipeline]:
         own = BenchPipeline.over(pipeline)
-        engine = ModelEngine(own, dataclasses.replace(settings, quality_profile=quality_profile, **changes))
-        engine.start()
-        engine.wait_ready()
-        return engine, own
+        return live.start(ModelEngine(own, dataclasses.replace(settings, quality_profile=quality_profile,
+                                                               **changes))), own
 
     if profile is None:  # the shipped ReachEither set; for another embodiment its frames on that one's cameras
         calibration_set = [o for o in warmup_observations(pipeline, args.calibration_observations)
@@ -579,8 +611,7 @@ def run(args: argparse.Namespace) -> dict:
             refused(b, name, refusal)
             for _, _, owner, _, session in arms:
                 owner.close_session(session.session_id)
-            for owner in started:
-                owner.close()
+            live.close(started)  # before the next budget's engines start
             continue
         engines += started
         for name, family, owner, own, session in arms:
@@ -604,8 +635,6 @@ def run(args: argparse.Namespace) -> dict:
                 fixed[name] = FixedConfig(controller.served, point, guarded)
     infeasible.sort(key=lambda entry: entry["budget_ms"])
     if slow is None:  # no report rather than one without a budget: a bench.json of an earlier run stays as it was
-        for e in engines:
-            e.close()
         best_ms = math.ceil(max(entry["best_achievable_ms"] for entry in infeasible) * 10) / 10
         fraction = math.ceil(best_ms / uncached_scale_ms * 100) / 100
         given = ", ".join(f"{entry['budget_ms']:g}" for entry in infeasible)
@@ -662,8 +691,7 @@ def run(args: argparse.Namespace) -> dict:
             summary.update(outcome, episodes=args.closed_loop if summary["name"] in outcomes else 0)
         closed = closed_loop_summary(summaries, budgets, uncached_scale_ms, args)
 
-    for e in engines:
-        e.close()
+    live.close(engines)  # the figures below are measured without them
     memory = peak_memory(pipeline.device)  # before `forward_summary` builds diffusers' reference model beside ours
     report = {
         "schema": SCHEMA,

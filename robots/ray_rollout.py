@@ -96,8 +96,12 @@ class _Registered:
         return self.policy.act(session, obs, step, want_video, committed)
 
     def close(self, session) -> None:
-        self.policy.close(session)
-        ray.get(self.mailbox.closed.remote(self.worker, session.session_id))
+        try:
+            self.policy.close(session)
+        except PolicyServerError as error:
+            if error.reason != "SESSION_NOT_FOUND":  # maybe open still: the driver closes it once the workers ended
+                raise
+        ray.get(self.mailbox.closed.remote(self.worker, session.session_id))  # closed, or gone already
 
 
 def _close_left_open(left_open: dict[int, tuple[Callable, dict[str, str]]]) -> None:
@@ -110,7 +114,7 @@ def _close_left_open(left_open: dict[int, tuple[Callable, dict[str, str]]]) -> N
                 for session_id, request_id in sessions.items():
                     try:  # behind Ray Serve the request id is the session's routing key
                         client.close_session(session_id, routing_key=request_id)
-                    except PolicyServerError as error:  # SESSION_NOT_FOUND: gone with a restarted server
+                    except PolicyServerError as error:  # SESSION_NOT_FOUND: gone already (closed, or a restart)
                         if error.no_answer:
                             raise
         except Exception as error:  # the report comes first: a session not closed idles out

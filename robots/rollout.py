@@ -13,9 +13,11 @@ held-out seeds (never seen in the demonstrations): episode i has seed `HELDOUT_S
 deadline misses, cache decisions and each episode's ticks; a PNG summary sits beside it, and `--videos N`
 writes MP4s (H.264, browser-playable) of the first N episodes with the predicted future frames (the session's
 preview frames, from a server or in-process) beside the real ones. An episode whose session the server lost (restarted
-or redeployed) runs again from its seed once the server serves (`restarted_episodes`). Ctrl-C or the server's error
-part way still writes the report, of the episodes that had ended (`stopped_by`, `unfinished_seeds`); with `--ray`,
-every worker's, as when a worker fails (building its policy included) or its process dies (exit 2).
+or redeployed) runs again from its seed once the server serves (`restarted_episodes`); one whose session a CloseSession
+call closed (an operator, another client) ends there, is not run again, and is reported apart (`closed_episodes`, exit
+2). Ctrl-C or the server's error part way still writes the report, of the episodes that had ended (`stopped_by`,
+`unfinished_seeds`); with `--ray`, every worker's, as when a worker fails (building its policy included) or its process
+dies (exit 2).
 
 `--ray N` spreads the episodes over N Ray workers (`robots/ray_rollout.py`), each with its own in-process engine
 (on `--device`, with `--ray-gpus-per-worker` GPUs) or its own client of `--server` (a policy-server, or with
@@ -120,6 +122,9 @@ class EpisodeResult:
     # The tries of this episode abandoned before it ran through, their session lost: {"reason", "error",
     # "ticks_discarded"} each. An opening that got no answer, sent again, abandons no try: not among them.
     restarts: list[dict] = field(default_factory=list)
+    # The server's error where a CloseSession call (an operator, another client) closed its session under it: the
+    # episode stopped there, `steps` and `ticks` in, neither a success nor a failure of the policy, and is not run again
+    closed: str = ""
 
 
 def check_drives(model: object, chunk_sizes: dict[str, int], execute: int, delay: int) -> None:
@@ -301,9 +306,12 @@ def episodes_as_they_end(policy, env_id: str, indices: Sequence[int], num_envs: 
     and frames are dropped: once `policy.wait_until_serving()` returns, the episode runs again from its seed in a new
     session, and its result lists the tries abandoned (`EpisodeResult.restarts`); an opening that failed so is sent
     again under its request id once the server serves, so that a server that had opened the session answers with it (no
-    try abandoned: not a restart). Ctrl-C, another error of the server or engine (a refusal), a server not serving
-    again in time (TimeoutError) or an episode lost more than `MAX_EPISODE_RESTARTS` times, or whose opening failed so
-    more often in a row (`EpisodeLost`), raises `RolloutStopped` with the episodes that had ended. A session the server
+    try abandoned: not a restart). A session a CloseSession call closed (`closed_under`: an operator, another client;
+    not the server losing it) ends its episode where it was, as `EpisodeResult.closed` says, yielded as the others,
+    and the next pending episode takes its sub-environment: the client library never reopens such a session.
+    Ctrl-C, another error of the server or engine (a refusal), a server not serving again in time (TimeoutError) or an
+    episode lost more than `MAX_EPISODE_RESTARTS` times, or whose opening failed so more often in a row
+    (`EpisodeLost`), raises `RolloutStopped` with the episodes that had ended. A session the server
     may have opened under an episode whose openings all got no answer stays open until the server's idle timeout: the
     client has no session id to close it by, and asking again under its request id is what got no answer.
     """
@@ -390,12 +398,29 @@ def episodes_as_they_end(policy, env_id: str, indices: Sequence[int], num_envs: 
         return start([i for i, _ in lost], obs)
 
     def close(session) -> None:
-        """Close `session`; one the server lost (an episode may end on the actions it had) needs no closing."""
+        """Close `session`; one the server lost (an episode may end on the actions it had) or that was closed under
+        it needs no closing."""
         try:
             policy.close(session)
         except PolicyServerError as error:
-            if not lost_server(error):
+            if not (lost_server(error) or closed_under(error)):
                 raise
+
+    def end_closed(slots: list[tuple[int, PolicyServerError]]) -> Iterator[tuple[int, EpisodeResult]]:
+        """End the episodes of sub-environments `slots`, whose sessions a CloseSession call closed, where they were:
+        each is yielded as one that ended (its position and result), a line on stderr saying so."""
+        for i, error in slots:
+            run = running[i]
+            run.result.closed = str(error)
+            print(f"policy-rollout: episode seed {run.result.seed}: its session was closed under it after "
+                  f"{len(run.result.ticks)} ticks ({error}); it ends there and is not run again (closed_episodes)",
+                  file=sys.stderr, flush=True)
+            results[run.position] = run.result
+            if progress is not None:
+                progress.update(1)
+            yield run.position, run.result
+            close(run.session)  # closed already: tells a Ray worker's mailbox it need not close it
+            running[i] = None
 
     def ask(slot: int):
         run = running[slot]
@@ -422,18 +447,25 @@ def episodes_as_they_end(policy, env_id: str, indices: Sequence[int], num_envs: 
                 # Sessions whose chunk is spent ask at once, so that the engine can batch their ticks; those that
                 # lost their session ask again in new ones.
                 asking = [i for i, run in enumerate(running) if run is not None and len(run.actions) <= delay]
-                while asking:  # those that lost their session ask again, in new ones
-                    lost = []
+                while asking:  # those that lost their session ask again, in new ones, as do the episodes that
+                    # take the places of those closed
+                    lost, closed = [], []
                     for i, future in [(i, pool.submit(ask, i)) for i in asking]:
                         try:
                             take(running[i], *future.result())
                         except PolicyServerError as error:
-                            if not lost_server(error):
+                            if closed_under(error):
+                                closed.append((i, error))
+                            elif lost_server(error):
+                                lost.append((i, error))
+                            else:
                                 raise
-                            lost.append((i, error))
-                    asking = [i for i, _ in lost]
+                    if closed:
+                        yield from end_closed(closed)
+                        obs = start([i for i, _ in closed], obs)
                     if lost:
                         obs = restart(lost, obs)
+                    asking = [i for i, _ in lost + closed if running[i] is not None]
                 for run in running:
                     if run is not None:
                         run.last_action = run.actions.popleft()
@@ -482,9 +514,16 @@ def episodes_as_they_end(policy, env_id: str, indices: Sequence[int], num_envs: 
 def lost_server(error: PolicyServerError) -> bool:
     """Whether a call failed for want of the server that held its session (restarted, redeployed, down: the session
     is gone or unreachable), not refused by it: the episode may run again in a new session once the server serves.
-    SESSION_NOT_FOUND, a lost connection (UNAVAILABLE, or INTERNAL with no server reason), or no answer before the
-    call's deadline."""
-    return error.reason == "SESSION_NOT_FOUND" or error.connection_lost or error.no_answer
+    SESSION_NOT_FOUND of a session the server does not know or that expired (as the client library, which reopens
+    those), a lost connection (UNAVAILABLE, or INTERNAL with no server reason), or no answer before the call's
+    deadline; not one a CloseSession call closed (`closed_under`)."""
+    return (error.reason == "SESSION_NOT_FOUND" and not closed_under(error)) or error.connection_lost or error.no_answer
+
+
+def closed_under(error: PolicyServerError) -> bool:
+    """Whether a call failed because a CloseSession call (an operator, another client) closed its session: the
+    server says so (SESSION_NOT_FOUND, `session_end` closed), and the client library never reopens such a session."""
+    return error.reason == "SESSION_NOT_FOUND" and error.session_end == "closed"
 
 
 def _score(result: EpisodeResult, scene: ReachScene) -> None:
@@ -511,9 +550,12 @@ def summarize(results: list[EpisodeResult], seconds: float, config: dict, budget
     """The rollout's report; `budgeted` False: its ticks ran without a budget (uncached, none asked for), which
     neither `budget_ms` nor the misses then pretend. Each episode lists its ticks in order, a column per field.
     `stopped_by`: what ended the run before the episodes of `unfinished_seeds` had (the figures are over `results`,
-    the episodes that ended). `restarted_episodes`: how many of them ran again after a session lost to the server
-    (an opening sent again, no try abandoned, is not counted), `restarts_by_reason` the losses by reason (each episode's
-    `restarts` lists its own)."""
+    the episodes that ended, but for those whose session a CloseSession call closed: `closed_episodes` lists them,
+    each with its seed, steps, ticks, restarts and the server's error). `restarted_episodes`: how many of them ran
+    again after a session lost to the server (an opening sent again, no try abandoned, is not counted),
+    `restarts_by_reason` the losses by reason (each episode's `restarts` lists its own)."""
+    closed = [r for r in results if r.closed]
+    results = [r for r in results if not r.closed]
     ticks = [t for r in results for t in r.ticks]
     latency = np.array([t.latency_ms for t in ticks])
     settings: dict[str, int] = {}
@@ -527,14 +569,16 @@ def summarize(results: list[EpisodeResult], seconds: float, config: dict, budget
     success = [r.success for r in results]
     failures = [r for r in results if not r.success]
     restart_reasons: dict[str, int] = {}
-    for restart in (restart for r in results for restart in r.restarts):
+    for restart in (restart for r in results + closed for restart in r.restarts):
         restart_reasons[restart["reason"]] = restart_reasons.get(restart["reason"], 0) + 1
     return {
         "config": config,
         "stopped_by": stopped_by,
         "episodes": len(results),
         "unfinished_seeds": list(unfinished_seeds),
-        "restarted_episodes": sum(bool(r.restarts) for r in results),
+        "closed_episodes": [{"seed": r.seed, "steps": r.steps, "ticks": len(r.ticks), "restarts": r.restarts,
+                             "error": r.closed} for r in closed],
+        "restarted_episodes": sum(bool(r.restarts) for r in results + closed),
         "restarts_by_reason": restart_reasons,
         "success_rate": float(np.mean(success)),
         "episode_length_mean": float(np.mean([r.steps for r in results])),
@@ -789,9 +833,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"policy-rollout: {error}", file=sys.stderr)
         return 2
     seconds = time.perf_counter() - started
-    exit_code = 0 if stopped is None else 130 if isinstance(stopped.cause, KeyboardInterrupt) else 2
-    if stopped is not None and not results:
-        print(f"policy-rollout: {stopped}", file=sys.stderr)
+    # Episodes whose session a CloseSession call closed ran part way: the report's figures leave them out, and the run,
+    # which does not report every episode it was asked for, ends as a stopped one does.
+    closed = [result for result in results if result.closed]
+    ran = [result for result in results if not result.closed]
+    exit_code = 0 if stopped is None and not closed else \
+        130 if stopped is not None and isinstance(stopped.cause, KeyboardInterrupt) else 2
+    closed_line = (f"the sessions of {len(closed)} episodes (seeds {', '.join(str(r.seed) for r in closed)}) were "
+                   f"closed under them, the first: {closed[0].closed}") if closed else ""
+    if not ran:
+        print(f"policy-rollout: {'; '.join(str(why) for why in (stopped, closed_line) if why)}", file=sys.stderr)
         return exit_code
 
     config = {"server": args.server, "in_process": args.in_process, "latency_budget_ms": budget,
@@ -806,10 +857,11 @@ def main(argv: list[str] | None = None) -> int:
     report = summarize(results, seconds, config, budgeted, None if stopped is None else str(stopped), unfinished)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
-    reported = (f"{args.out} reports the {len(results)} episodes that had ended"
-                + (f", not the {len(unfinished)} others (unfinished_seeds)" if unfinished else ""))
+    reported = (f"{args.out} reports the {len(ran)} episodes that had ended"
+                + (f", not the {len(unfinished)} others (unfinished_seeds)" if unfinished else "")
+                + (f", and apart the {len(closed)} closed under them (closed_episodes)" if closed else ""))
     try:  # videos take a while to encode, and a stopped run's user may press Ctrl-C again: the report stays
-        plot_summary(report, [t.latency_ms for r in results for t in r.ticks], args.out.with_suffix(".png"))
+        plot_summary(report, [t.latency_ms for r in ran for t in r.ticks], args.out.with_suffix(".png"))
         if args.videos:  # PyAV, with its FFmpeg, loads only for a rollout that writes videos
             from robots.video import write_browser_mp4
         for result in results:
@@ -821,8 +873,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{reported}", file=sys.stderr)
         return 130
     print(json.dumps({k: v for k, v in report.items() if k not in ("per_episode", "unfinished_seeds")}, indent=2))
-    if stopped is not None:
-        print(f"policy-rollout: {stopped}; {reported}", file=sys.stderr)
+    if stopped is not None or closed:
+        print(f"policy-rollout: {'; '.join(str(why) for why in (stopped, closed_line) if why)}; {reported}",
+              file=sys.stderr)
     return exit_code
 
 

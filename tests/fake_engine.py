@@ -17,6 +17,7 @@ import socket
 import subprocess
 import threading
 import time
+import uuid
 from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 
@@ -48,9 +49,11 @@ from policy_server.engine.api import (
 )
 from policy_server.server.app import PolicyServer, build_server
 
-# Session ids unique across engines, as a real server's uuid4 ids are: a restarted server never gives a lost
-# session's id to another.
+# Session ids unique across engines and processes, as a real server's uuid4 ids are: a restarted server never gives a
+# lost session's id to another (`fake_server_process.py` restarted gave "s1" again, so a rollout's close of a session it
+# had lost closed another episode's new one).
 _SESSION_NUMBERS = itertools.count(1)
+_PROCESS = uuid.uuid4().hex[:6]
 
 PUSHT = EmbodimentSpec(
     name="pusht",
@@ -212,7 +215,7 @@ class FakeEngine:
             if len(self._sessions) >= self._info.max_sessions:
                 raise TooManySessions(self._info.max_sessions, "the fake engine closes no session unused")
             handle = SessionHandle(
-                f"s{next(_SESSION_NUMBERS)}",
+                f"s{next(_SESSION_NUMBERS)}-{_PROCESS}",
                 1,
                 embodiment,
                 instruction,

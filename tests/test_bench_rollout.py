@@ -5,6 +5,7 @@ import importlib
 import json
 import shutil
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -455,3 +456,46 @@ def test_a_default_report_path_is_checked_before_the_command_runs(module, argv, 
         getattr(command, "parse_args", command.main)(argv)
     assert exit_.value.code == 2
     assert f"argument --out: {default} is a folder; expected a file path" in capsys.readouterr().err
+
+
+def _model_workers() -> int:
+    return sum(thread.name == "model-worker" and thread.is_alive() for thread in threading.enumerate())
+
+
+@pytest.mark.parametrize("failure", ["overloaded", "error"])
+def test_the_engines_the_bench_started_are_closed_whatever_ends_it(profiled_checkpoint, tmp_path, monkeypatch, capsys,
+                                                                    engine_lifetimes, failure):
+    """Only a BudgetInfeasible closed the engines started for a budget: another refusal (the ladder's admission
+    answering Overloaded) or any error mid-run (here in the ticks' bookkeeping) left every engine started so far
+    running, its worker thread and its share of the device, to the process's end: for good in an in-process caller."""
+    checkpoint, _ = profiled_checkpoint
+    workers = _model_workers()
+    if failure == "overloaded":
+        open_session = ModelEngine.open_session
+
+        def ladder_overloaded(engine, embodiment, instruction, budget_ms=None, **kwargs):
+            if engine.settings.quality_profile is None:
+                raise api.Overloaded("a tick could wait 42 ms against the tightest budget of 41.8 ms", sessions_fit=0)
+            return open_session(engine, embodiment, instruction, budget_ms=budget_ms, **kwargs)
+
+        monkeypatch.setattr(ModelEngine, "open_session", ladder_overloaded)
+    else:
+        def failing_add(run, *args, **kwargs):
+            raise RuntimeError("a bug in the bench's bookkeeping")
+
+        monkeypatch.setattr(bench.ConfigRun, "add", failing_add)
+    args = ["--checkpoint", str(checkpoint), "--ticks", "2", "--warmup", "2", "--closed-loop", "0",
+            "--profile-ticks", "0", "--no-reference", "--no-compile-gen-stack", "--budgets-ms", "60000",
+            "--out", str(tmp_path / "b.json")]
+    if failure == "overloaded":
+        assert bench_main(args) == 2
+        assert "a tick could wait 42 ms against the tightest budget of 41.8 ms" in capsys.readouterr().err
+    else:
+        with pytest.raises(RuntimeError, match="a bug in the bench's bookkeeping"):
+            bench_main(args)
+    started, closed = engine_lifetimes
+    # The first engine and the ladder's (refusing), or with the slowdown run's (the ticks failing)
+    assert len(started) == (2 if failure == "overloaded" else 3)
+    assert sorted(map(id, closed)) == sorted(map(id, started))
+    assert _model_workers() == workers
+    assert not (tmp_path / "b.json").exists()

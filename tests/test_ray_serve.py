@@ -7,11 +7,14 @@ skipped, saying why, where Ray Serve is missing or no network namespace can be m
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
+import socket
 import subprocess
 import sys
 import threading
+import uuid
 from pathlib import Path
 
 import grpc
@@ -199,6 +202,97 @@ def test_the_control_stream_runs_through_the_proxy(client):
         after = stream.send({"image": IMAGE}, STATE, step_index=4, encoding="png")
         assert stream.next_chunk(timeout_s=60).obs_id == after  # the stream lives on
     client.close_session(session)
+
+
+class _Relay:
+    """A Unix socket at `path` forwarding each connection to the one at `target`, byte for byte, whose link the test
+    can cut: `cut()` ends every connection and refuses new ones (a link that went down) until `resume()`."""
+
+    def __init__(self, path: Path, target: Path) -> None:
+        self.path, self.target = path, target
+        self.up = threading.Event()
+        self.up.set()
+        self.connections: list[socket.socket] = []
+        self.listener = socket.socket(socket.AF_UNIX)
+        self.listener.bind(str(path))
+        self.listener.listen()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                near, _ = self.listener.accept()
+            except OSError:  # closed
+                return
+            if not self.up.is_set():
+                near.close()
+                continue
+            far = socket.socket(socket.AF_UNIX)
+            far.connect(str(self.target))
+            self.connections += [near, far]
+            for source, sink in ((near, far), (far, near)):
+                threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        for end in (source, sink):
+            with contextlib.suppress(OSError):
+                end.shutdown(socket.SHUT_RDWR)
+
+    def cut(self) -> None:
+        self.up.clear()
+        for connection in self.connections:
+            with contextlib.suppress(OSError):
+                connection.shutdown(socket.SHUT_RDWR)
+
+    def resume(self) -> None:
+        self.up.set()
+
+    def close(self) -> None:
+        self.cut()
+        self.listener.close()
+
+
+def test_a_control_stream_through_the_proxy_is_told_how_its_session_ended(cluster, client, tmp_path):
+    """Serve's proxy kept a failed stream's code and message only, not its trailers, so not the `session_end` that
+    tells a session a CloseSession call closed from one the server lost: a session closed while its stream was away
+    was reopened through Ray (`reconnected`, `session_replaced`), where the direct server's stream ends `closed`. The
+    stream's error now keeps its details through the proxy, and the client does as it does with the direct server."""
+    relay = _Relay(tmp_path / "relay.sock", cluster.workdir / "serve.sock")
+    backoff = Backoff(initial_s=0.1, max_s=0.5, max_attempts=200)
+    try:
+        with PolicyClient(f"unix:{relay.path}", token=TOKEN, serve_application="policy", timeout_s=60) as robot:
+            for away in (False, True):
+                # Another client (an operator's) closes it: behind Serve, it names the session's routing key
+                key = uuid.uuid4().hex
+                session = robot.open_session("pusht", "reach the red circle", rate_hz=0.0, request_id=key)
+                with ControlStream(robot, session, backoff=backoff) as stream:
+                    stream.send({"image": IMAGE}, STATE, step_index=0, must_answer=True, encoding="png")
+                    stream.next_chunk(timeout_s=60)
+                    if away:  # the robot's link drops, and the session is closed before it is back
+                        relay.cut()
+                        assert stream.next_event(timeout_s=60).kind == "disconnected"
+                    client.close_session(session.session_id, routing_key=key)
+                    relay.resume()
+                    event = stream.next_event(timeout_s=60)
+                    assert event.kind == "closed", event
+                    assert (event.error.reason, event.error.session_end) == ("SESSION_NOT_FOUND", "closed")
+                    assert event.error.message.startswith(f"session {session.session_id!r} was closed ")
+                    assert event.error.message.endswith(" ago: a CloseSession call closed it")
+                    assert event.error.detail.metadata["session_id"] == session.session_id
+                    with pytest.raises(TimeoutError):  # once: nothing reopened
+                        stream.next_event(timeout_s=1)
+            # A stream that attaches to it is told so at once (its start's error keeps its details too).
+            with pytest.raises(PolicyServerError) as refused:
+                ControlStream(robot, session, reconnect=False).open()
+            assert (refused.value.reason, refused.value.session_end) == ("SESSION_NOT_FOUND", "closed")
+    finally:
+        relay.close()
 
 
 def _rollout(command, out: Path, *flags: str) -> dict:

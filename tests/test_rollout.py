@@ -22,6 +22,7 @@ from fake_engine import LIBERO, FakeEngine, free_port, serve_fake
 from tqdm import tqdm
 
 from policy_server.client.errors import PolicyServerError
+from policy_server.v1 import policy_server_pb2 as pb
 from robots import rollout
 from robots.envs import COLORS, ENV_IDS, HELDOUT_SEED_OFFSET, REACH_ID
 from robots.rollout import MAX_EPISODE_RESTARTS, EpisodeLost, RolloutStopped, TickStats, main, run_episodes
@@ -765,3 +766,87 @@ def test_ctrl_c_mid_run_ends_cleanly_and_reports_the_episodes_that_ended(tmp_pat
     assert rollout_process.returncode == 130 and report["stopped_by"] == "interrupted (Ctrl-C)"
     assert 0 < report["episodes"] < 8 and len(report["unfinished_seeds"]) == 8 - report["episodes"]
     assert error.startswith("policy-rollout: interrupted (Ctrl-C);") and error.count("\n") == 1, error
+
+
+CLOSED = PolicyServerError.from_detail(pb.ErrorDetail(
+    code="NOT_FOUND", reason="SESSION_NOT_FOUND", metadata={"session_id": "s1", "session_end": "closed"},
+    message="session 's1' was closed 0 s ago: a CloseSession call closed it"))
+
+
+@pytest.mark.parametrize("num_envs", [1, 2])
+def test_an_episode_whose_session_was_closed_under_it_ends_there_and_is_not_run_again(expected, num_envs, capsys):
+    """A session a CloseSession call closed (an operator's, another client's) was taken for one the server lost: its
+    episode ran again from its seed in a new session, as after a restart, undoing the close. It now ends where it was,
+    as the client library treats such a session, and the next episode takes its sub-environment."""
+    policy = FailingPolicy(failing=2, error=CLOSED)
+    results = run_episodes(policy, REACH_ID, range(EPISODES), num_envs, EXECUTE)
+    closed = results[2]
+    assert (closed.seed, closed.closed, closed.success, closed.steps, len(closed.ticks), closed.restarts) == (
+        HELDOUT_SEED_OFFSET + 2, str(CLOSED), False, 2 * EXECUTE, 2, [])
+    others = [(r.seed, r.instruction, r.success, r.steps, len(r.ticks)) for r in results if not r.closed]
+    assert others == expected[:2] + expected[3:]
+    assert [seed for seed, _ in policy.opened].count(HELDOUT_SEED_OFFSET + 2) == 1  # not opened again
+    assert sorted(policy.closed) == sorted(seed for seed, _ in policy.opened)
+    assert capsys.readouterr().err == (
+        f"policy-rollout: episode seed {HELDOUT_SEED_OFFSET + 2}: its session was closed under it after 2 ticks "
+        f"({CLOSED}); it ends there and is not run again (closed_episodes)\n")
+
+
+class ClosingEngine(FakeEngine):
+    """Ends the session of seed index `index` before its third tick as `how` says: "closed" as an operator's
+    CloseSession call closes it, "expired" as the idle timeout does (a rollout stalled past it), "lost" as a restart
+    loses it (the server no longer knows it)."""
+
+    def __init__(self, index: int, how: str):
+        super().__init__()
+        self.seed, self.how, self.ticks = HELDOUT_SEED_OFFSET + index, how, 0
+
+    def act(self, session_id, *args, **kwargs):
+        if self.session(session_id).seed == self.seed:
+            self.ticks += 1
+            if self.ticks == 3:
+                if self.how == "closed":
+                    self.close_session(session_id)
+                elif self.how == "expired":
+                    self.expire(session_id)
+                else:
+                    with self._lock:
+                        del self._sessions[session_id]
+        return super().act(session_id, *args, **kwargs)
+
+
+@pytest.mark.parametrize("how", ["closed", "expired", "lost"])
+def test_a_session_closed_by_a_close_session_call_is_reported_and_one_the_server_lost_runs_again(tmp_path, capsys,
+                                                                                                 how):
+    """Through a real server: the error of a call on a session that a CloseSession call closed says so
+    (`session_end` closed), and the rollout ends that episode, names it (`closed_episodes`, stderr) and exits 2, its
+    figures over the episodes that ran through. An expired session, or one the server does not know (restarted), runs
+    again from its seed as before."""
+    out = tmp_path / "rollout.json"
+    engine = ClosingEngine(index=1, how=how)
+    with serve_fake(engine) as server:
+        code = main(["--server", server.target, "--episodes", "3", "--num-envs", "2", "--out", str(out)])
+    report = json.loads(out.read_text())
+    err = capsys.readouterr().err
+    seed = HELDOUT_SEED_OFFSET + 1
+    opened = sorted(engine.request_ids)
+    if how == "closed":
+        assert code == 2 and report["stopped_by"] is None and report["unfinished_seeds"] == []
+        (closed,) = report["closed_episodes"]
+        assert closed == {"seed": seed, "steps": 2 * EXECUTE, "ticks": 2, "restarts": [], "error": closed["error"]}
+        assert closed["error"].startswith("NOT_FOUND SESSION_NOT_FOUND: session 's") and closed["error"].endswith(
+            "' was closed 0 s ago: a CloseSession call closed it")
+        assert [e["seed"] for e in report["per_episode"]] == [HELDOUT_SEED_OFFSET, HELDOUT_SEED_OFFSET + 2]
+        assert report["episodes"] == 2 and report["restarted_episodes"] == 0
+        assert report["ticks"] == sum(len(e["ticks"]["latency_ms"]) for e in report["per_episode"])
+        assert len(opened) == 3  # one session per episode: the closed one is not opened again
+        lines = err.splitlines()
+        assert lines[0] == (f"policy-rollout: episode seed {seed}: its session was closed under it after 2 ticks "
+                            f"({closed['error']}); it ends there and is not run again (closed_episodes)")
+        assert lines[-1] == (f"policy-rollout: the sessions of 1 episodes (seeds {seed}) were closed under them, the "
+                             f"first: {closed['error']}; {out} reports the 2 episodes that had ended, and apart the 1 "
+                             "closed under them (closed_episodes)")
+    else:
+        assert code == 0 and report["closed_episodes"] == [] and report["episodes"] == 3
+        assert report["restarts_by_reason"] == {"SESSION_NOT_FOUND": 1} and len(opened) == 4
+        assert f"policy-rollout: episode seed {seed} lost its session after 2 ticks" in err

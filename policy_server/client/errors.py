@@ -54,6 +54,13 @@ class PolicyServerError(Exception):
         return self.code == grpc.StatusCode.UNAVAILABLE and not refused or lost_replica
 
     @property
+    def session_end(self) -> str:
+        """SESSION_NOT_FOUND: how the session ended, where the server remembers it: "closed" (a CloseSession call
+        closed it: never reopen it) or "expired" (no call for the server's idle time); "" for a session the server does
+        not know (it restarted, or its replica went away)."""
+        return self.detail.metadata.get("session_end", "")
+
+    @property
     def field(self) -> str:
         return self.detail.field
 

@@ -150,6 +150,8 @@ class ControlStream:
         call = self._client.stub.Control(request_iterator(), metadata=metadata)
         try:
             first = next(call)
+            while first.WhichOneof("kind") is None:  # Ray Serve's carrier of the error that follows
+                first = next(call)
         except grpc.RpcError as exc:
             requests.put(_CLOSE)
             raise PolicyServerError.from_rpc_error(exc) from None
@@ -187,6 +189,10 @@ class ControlStream:
         while True:
             try:
                 for event in self._call:
+                    # No kind: one a newer server sends that this client does not know, or the empty event that ends
+                    # a failed stream through Ray Serve's proxy, carrying the error's trailers (which come next).
+                    if event.WhichOneof("kind") is None:
+                        continue
                     try:
                         converted = self._convert(event)
                     except WireError as exc:  # e.g. preview frames (JPEG) on a client without OpenCV
@@ -209,7 +215,7 @@ class ControlStream:
             except grpc.RpcError as exc:
                 error = PolicyServerError.from_rpc_error(exc)
                 # A session expires under an open stream only where the stream attached as the idle sweep closed it.
-                expired = error.detail.metadata.get("session_end") == "expired" and self._reopen_session
+                expired = error.session_end == "expired" and self._reopen_session
                 if self._closing.is_set() or not self._reconnect or not (error.connection_lost or expired):
                     self._end(None if self._closing.is_set() else error)
                     return
@@ -560,12 +566,11 @@ def _stream_closed() -> PolicyServerError:
 def _lost(error: PolicyServerError) -> bool:
     """Whether the server lost the session (it restarted, its replica went away, or the session expired for want of
     calls while the stream was away), as opposed to a CloseSession call closing it: only a lost session is reopened.
-    Through Ray Serve's proxy a failed stream keeps its reason and message only, not the ``session_end`` that tells
-    the two apart: there a session closed while the stream was away is reopened too."""
-    return error.reason == "SESSION_NOT_FOUND" and error.detail.metadata.get("session_end") != "closed"
+    Through Ray Serve's proxy too, a failed Control stream keeps the ``session_end`` that tells the two apart."""
+    return error.reason == "SESSION_NOT_FOUND" and error.session_end != "closed"
 
 
 def _passing(error: PolicyServerError) -> bool:
-    """Whether a refusal may pass if tried again: it says when, or it is RESOURCE_EXHAUSTED (through Ray Serve's
-    proxy a stream's error keeps only its reason and message, not when to retry)."""
+    """Whether a refusal may pass if tried again: it says when, or it is RESOURCE_EXHAUSTED (one that says no delay:
+    a Ray Serve deployment before session 50 kept a failed stream's reason and message only)."""
     return bool(error.retry_after_ms) or error.code == grpc.StatusCode.RESOURCE_EXHAUSTED

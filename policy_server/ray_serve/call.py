@@ -8,8 +8,9 @@ adds them:
   deployment ends the call) or its deadline passes;
 - ``abort_with_status``: the status's code, message and trailing metadata (the rich error details) go on
   Serve's context, and ``CallAborted`` ends the servicer's method. For a unary call the deployment then
-  returns an empty response and Serve sends that status, trailers included; a streaming call must raise,
-  and Serve keeps only the code and the message ("REASON: message", which the client parses too).
+  returns an empty response and Serve sends that status, trailers included; a ``Control`` stream sends one
+  empty event, which takes the status and trailers to the call, and ends. A stream that raises instead (a
+  ``Reason`` stream) keeps only the code and the message ("REASON: message", which the client parses too).
 Every answer's trailing metadata names the replica that gave it (``replica_id``).
 """
 

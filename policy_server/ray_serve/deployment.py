@@ -9,6 +9,11 @@
 - Each RPC is a method named after it (the unary ones made from the service descriptor). The servicer runs as
   in ``policy-server``, on a thread pool of that size, with a ``ServeCall`` for its context (deadline,
   liveness, auth, errors through the proxy).
+- Serve's proxy puts a streaming call's status and trailers on the call only with a message (each carries the
+  replica's context as it was when sent): a stream that raises keeps its code and "REASON: message" alone. A failed
+  ``Control`` stream therefore ends with one empty ``ControlEvent`` (no kind; the client skips it), sent once the
+  error is set, and no exception: the proxy then ends the call with the error's code, message and trailers, its
+  ``ErrorDetail`` included (``session_end``, ``retry_after_ms``, ...), as the direct server does.
 """
 
 from __future__ import annotations
@@ -99,7 +104,7 @@ class PolicyDeployment:
     async def Control(self, request_stream, grpc_context):
         requests = _BlockingRequests(request_stream)
         try:
-            async for event in self._stream("Control", requests, grpc_context):
+            async for event in self._stream("Control", requests, grpc_context, carrier=pb.ControlEvent):
                 yield event
         finally:
             requests.close()
@@ -132,13 +137,26 @@ class PolicyDeployment:
         finally:
             call.end()  # also when the caller went away (cancelled): the engine drops its tick
 
-    async def _stream(self, name: str, request, grpc_context) -> AsyncIterator[Any]:
-        call = self._call(grpc_context)
+    async def _stream(self, name: str, request, grpc_context, carrier: type | None = None) -> AsyncIterator[Any]:
+        """The servicer's stream ``name``. ``carrier``: the response type whose empty message ends the stream where it
+        fails, carrying the error's status and trailers to the client (without one, the error is raised: its code and
+        message only reach the client)."""
+        try:
+            call = self._call(grpc_context)
+        except CallAborted:
+            if carrier is None:
+                raise
+            yield carrier()
+            return
         try:
             responses = getattr(self._servicer, name)(request, call)
             loop = asyncio.get_running_loop()
             while (response := await loop.run_in_executor(self._pool, next, responses, _END)) is not _END:
                 yield response
+        except CallAborted:
+            if carrier is None:
+                raise
+            yield carrier()  # Serve's context holds the error's status now: this message takes it to the call
         finally:
             call.end()
 
