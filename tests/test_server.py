@@ -478,6 +478,38 @@ def test_health_names_an_unknown_service_and_refuses_a_name_no_service_has(serve
         assert (error.code, error.reason) == (grpc.StatusCode.NOT_FOUND, "SERVICE_NOT_FOUND")
 
 
+def test_a_watch_is_sent_a_status_only_when_it_changes():
+    """Was: SERVING, then NOT_SERVING and SERVING again while the stream's sender was still sending the first SERVING,
+    sent SERVING twice; the health protocol's Watch sends a status when it changes. The sender's send does what a
+    status flapping during a slow send does: it sets the two statuses as it sends the first."""
+    service = health.HealthService()
+    service.set("", SERVING)
+    sent, senders = [], []
+
+    def send(response):
+        sent.append(None if response is None else response.status)
+        senders.append(threading.current_thread())
+        if len(sent) == 1:
+            service.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+            service.set("", SERVING)
+            service.set("", SERVING)  # set again as it is: no change either
+        return True
+
+    class Context:
+        def add_callback(self, ended) -> bool:
+            return True
+
+    service.Watch(health_pb2.HealthCheckRequest(), Context(), send)
+    ends_s = time.monotonic() + 10
+    while not sent:
+        assert time.monotonic() < ends_s, "the Watch was sent no status"
+        time.sleep(0.01)
+    service.close()  # its sender ends once it has sent what it was going to
+    senders[0].join(10)
+    assert not senders[0].is_alive()
+    assert sent == [SERVING]
+
+
 def _watch_that_reads_nothing(port: int) -> socket.socket:
     """A health Watch from a raw HTTP/2 client that grants the server no flow-control window: the server's sends to it
     wait for good. Its connection, open (the caller closes it); a thread acknowledges the server's SETTINGS and PINGs,
