@@ -3,6 +3,7 @@ server info, health and reflection, auth, TLS, Unix sockets, deadlines, the reas
 
 from __future__ import annotations
 
+import os
 import queue
 import socket
 import subprocess
@@ -526,6 +527,70 @@ def test_a_watch_whose_client_reads_nothing_holds_up_only_itself():
         pytest.fail(f"the server did not answer beside a stuck Watch and stop within 60 s; it said:\n{output[-3000:]}")
     assert process.returncode == 0, output[-3000:]
     assert output.splitlines()[-1] == "stopped"
+
+
+def test_a_tls_mismatch_is_named_in_one_line_without_grpc_cores_log(tmp_path):
+    """Was: a plaintext client of a TLS server said only "failed to connect to all addresses; last error: UNAVAILABLE:
+    ipv4:127.0.0.1:PORT: Socket closed"; a TLS client of a plaintext server or with a CA that does not trust the
+    server's certificate said OpenSSL's words (WRONG_VERSION_NUMBER, CERTIFICATE_VERIFY_FAILED), after a line of gRPC
+    core's own log ("I1208 ... ssl_transport_security.cc:2563] Handshake failed ..."); policy-rollout waited 10 min
+    for a server it could never reach. The commands run as processes: gRPC core writes to the process' stderr."""
+    cert, key = self_signed_cert(tmp_path)
+    (tmp_path / "other").mkdir()
+    other_cert, _ = self_signed_cert(tmp_path / "other")
+    probe = [sys.executable, "-m", "policy_server.client", "health", "--timeout-s", "5"]
+    rollout = [sys.executable, "-c", "import sys; from robots.console import rollout; sys.exit(rollout())",
+               "--episodes", "1", "--out", str(tmp_path / "rollout.json")]
+    environ = {name: value for name, value in os.environ.items() if name != "GRPC_VERBOSITY"}
+    with serve_fake(tls_cert=cert, tls_key=key) as tls_server, serve_fake() as plaintext_server:
+        tls_at, plaintext_at = tls_server.target, plaintext_server.target
+        cases = [
+            (["--server", tls_at], f"the server at {tls_at} closed the connection before a word of gRPC: it likely "
+                                   "speaks TLS; connect with --tls-ca FILE"),
+            (["--server", plaintext_at, "--tls-ca", str(cert)], f"the server at {plaintext_at} does not speak TLS"),
+            (["--server", tls_at, "--tls-ca", str(other_cert)],
+             f"TLS handshake with {tls_at} failed: its certificate (self signed certificate) is not trusted by the "
+             "given CA"),
+            (["--server", tls_at, "--tls"], "is not trusted by the system's root certificates; pass the server's CA"),
+            (["--server", tls_at, "--tls-ca", str(cert), "--tls-server-name", "robot.example"],
+             f"TLS handshake with {tls_at} failed: its certificate does not hold the name 'robot.example'"),
+        ]
+        for flags, cause in cases:
+            done = subprocess.run([*probe, *flags], capture_output=True, text=True, timeout=60, env=environ)
+            assert (done.returncode, done.stdout) == (2, ""), done.stderr
+            assert done.stderr.splitlines() == [f"UNAVAILABLE: {done.stderr.removeprefix('UNAVAILABLE: ').strip()}"]
+            assert cause in done.stderr, done.stderr
+        for flags, cause in cases[:2]:  # it waits at most SERVING_NOTICE_S for a server it cannot reach
+            done = subprocess.run([*rollout, *flags], capture_output=True, text=True, timeout=120, env=environ)
+            assert done.returncode == 2 and done.stderr.splitlines() == [
+                f"policy-rollout: UNAVAILABLE: {done.stderr.split('UNAVAILABLE: ', 1)[-1].strip()}"], done.stderr
+            assert cause in done.stderr, done.stderr
+        # The library says the same, and wait_until_serving ends with it rather than waiting
+        with PolicyClient(tls_at, timeout_s=5) as plaintext:
+            with pytest.raises(PolicyServerError, match="it likely speaks TLS"):
+                plaintext.health()
+            with pytest.raises(PolicyServerError, match="it likely speaks TLS"):
+                plaintext.wait_until_serving(timeout_s=0.5)
+        with PolicyClient(plaintext_at, root_certificates=cert.read_bytes(), timeout_s=5) as tls:
+            with pytest.raises(PolicyServerError, match="does not speak TLS"):
+                tls.health()
+            with pytest.raises(PolicyServerError, match="does not speak TLS"):
+                tls.server_info(timeout_s=0.5)  # these wait for a connection
+            with pytest.raises(PolicyServerError, match="does not speak TLS"):
+                tls.open_session("pusht", "tls", timeout_s=0.5)
+            with pytest.raises(PolicyServerError, match="does not speak TLS"):
+                tls.wait_until_serving(timeout_s=0.5)
+
+
+def test_importing_the_client_library_leaves_grpc_cores_log_alone():
+    """The client commands keep gRPC core's log to errors; a program importing the library decides for itself (gRPC
+    core reads GRPC_VERBOSITY once, as grpc is imported: the package imports none until a name is used)."""
+    script = ("import os, sys\nimport policy_server.client\nassert 'grpc' not in sys.modules\n"
+              "from policy_server.client import PolicyClient\nimport robots.rollout\n"
+              "assert 'grpc' in sys.modules and 'GRPC_VERBOSITY' not in os.environ")
+    environ = {name: value for name, value in os.environ.items() if name != "GRPC_VERBOSITY"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=environ)
+    assert done.returncode == 0, done.stderr
 
 
 def test_tls(tmp_path, capsys):
