@@ -557,14 +557,14 @@ def test_a_tls_mismatch_is_named_in_one_line_without_grpc_cores_log(tmp_path):
         ]
         for flags, cause in cases:
             done = subprocess.run([*probe, *flags], capture_output=True, text=True, timeout=60, env=environ)
-            assert (done.returncode, done.stdout) == (2, ""), done.stderr
-            assert done.stderr.splitlines() == [f"UNAVAILABLE: {done.stderr.removeprefix('UNAVAILABLE: ').strip()}"]
-            assert cause in done.stderr, done.stderr
+            lines = done.stderr.splitlines()
+            assert (done.returncode, done.stdout, len(lines)) == (2, "", 1), done.stderr  # no line of gRPC core's
+            assert lines[0].startswith("UNAVAILABLE: ") and cause in lines[0], lines[0]
         for flags, cause in cases[:2]:  # it waits at most SERVING_NOTICE_S for a server it cannot reach
             done = subprocess.run([*rollout, *flags], capture_output=True, text=True, timeout=120, env=environ)
-            assert done.returncode == 2 and done.stderr.splitlines() == [
-                f"policy-rollout: UNAVAILABLE: {done.stderr.split('UNAVAILABLE: ', 1)[-1].strip()}"], done.stderr
-            assert cause in done.stderr, done.stderr
+            lines = done.stderr.splitlines()
+            assert (done.returncode, len(lines)) == (2, 1), done.stderr
+            assert lines[0].startswith("policy-rollout: UNAVAILABLE: ") and cause in lines[0], lines[0]
         # The library says the same, and wait_until_serving ends with it rather than waiting
         with PolicyClient(tls_at, timeout_s=5) as plaintext:
             with pytest.raises(PolicyServerError, match="it likely speaks TLS"):
