@@ -2,8 +2,9 @@
 
 A config file (YAML or JSON, ``--config FILE``) may set any field; keys use the field names
 (``latency_budget_ms``) or the flag spelling (``latency-budget-ms``). An environment variable
-``POLICY_SERVER_<FIELD>`` (``POLICY_SERVER_LATENCY_BUDGET_MS=90``) sets one for a container. Flags given on
-the command line override the environment, which overrides the file. Unknown keys and bad values are
+``POLICY_SERVER_<FIELD>`` (``POLICY_SERVER_LATENCY_BUDGET_MS=90``) sets one for a container; one set to the empty
+string is unset (docker compose's ``${VAR:-}``), as is an empty ``POLICY_SERVER_CONFIG`` or ``POLICY_SERVER_CACHE``.
+Flags given on the command line override the environment, which overrides the file. Unknown keys and bad values are
 rejected with an error naming the key and where it came from, and so is a ``POLICY_SERVER_`` variable
 that names no setting.
 """
@@ -374,8 +375,9 @@ def _normalise_keys(values: dict[str, Any], source: str) -> dict[str, Any]:
 
 
 def chosen_config_file(args: dict[str, Any], environ: Mapping[str, str]) -> str | None:
-    """The settings file: ``--config`` (taken out of the parsed flags `args`), else ``$POLICY_SERVER_CONFIG``."""
-    return args.pop("config") if "config" in args else environ.get(CONFIG_ENV)
+    """The settings file: ``--config`` (taken out of the parsed flags `args`), else ``$POLICY_SERVER_CONFIG``
+    unless empty (unset, as for the settings' variables)."""
+    return args.pop("config") if "config" in args else environ.get(CONFIG_ENV) or None
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
@@ -453,8 +455,9 @@ def _load_yaml(text: str) -> Any:
 
 def environment_values(environ: Mapping[str, str]) -> dict[str, str]:
     """The settings among ``environ``'s variables: ``POLICY_SERVER_<FIELD>`` for each ``ServerConfig`` field.
-    Any other variable with the prefix, but `ENV_NOT_SETTINGS`, is a `ConfigError`: a misspelt setting in a
-    container's environment would otherwise be ignored without a word."""
+    One set to the empty string is unset. Any other variable with the prefix, but `ENV_NOT_SETTINGS`, is a
+    `ConfigError` whatever its value: a misspelt setting in a container's environment would otherwise be ignored
+    without a word."""
     values = {}
     for name, value in environ.items():
         if not name.startswith(ENV_PREFIX) or name in ENV_NOT_SETTINGS:
@@ -466,7 +469,8 @@ def environment_values(environ: Mapping[str, str]) -> dict[str, str]:
             raise ConfigError(f"${name} is not a setting; {hint}expected ${ENV_PREFIX}<FIELD> for a field of "
                               f"`policy-server --help` (--max-sessions: ${ENV_PREFIX}MAX_SESSIONS), or one of "
                               f"{', '.join('$' + other for other in ENV_NOT_SETTINGS)}")
-        values[field] = value
+        if value:  # empty is unset: docker compose's `${VAR:-}` passes a variable the host does not set as ""
+            values[field] = value
     return values
 
 

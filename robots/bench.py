@@ -801,16 +801,15 @@ def model_summary(pipeline: PolicyPipeline, embodiment: Embodiment, inputs: dict
 
 
 def forward_summary(pipeline: PolicyPipeline, embodiment: Embodiment, latent_shape: tuple[int, ...],
-                    args: argparse.Namespace) -> dict | None:
-    """Per-step call times of the served transformer's config: full, GEN-only and the diffusers reference."""
-    if not args.reference:
-        return None
+                    args: argparse.Namespace) -> dict:
+    """Per-step call times of the served transformer's config: full, GEN-only and the diffusers reference (None
+    with --no-reference, and so is the ratio to it: the rest is measured)."""
     chunk = embodiment.default_chunk_size
     prompt = pipeline.encode_prompt(SAMPLE_INSTRUCTION, embodiment, chunk, cfg=False,
                                     canvas_hw=pipeline.config.canvas_hw)
     return measure_forward(pipeline.transformer.config, n_text=len(prompt.input_ids["cond"]),
                            vision_shape=latent_shape, chunk=chunk, repeats=args.forward_repeats,
-                           device=pipeline.device, state_rows=_state_rows(embodiment))
+                           device=pipeline.device, state_rows=_state_rows(embodiment), reference=args.reference)
 
 
 def _state_rows(embodiment: Embodiment) -> int:

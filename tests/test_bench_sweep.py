@@ -1,4 +1,5 @@
-"""The bench's comparison rules on hand-made figures: which configurations the controller is held against."""
+"""The bench's comparison rules on hand-made figures: which configurations the controller is held against; and what its
+report's `forward` holds without diffusers' reference."""
 
 from types import SimpleNamespace
 
@@ -6,9 +7,11 @@ import numpy as np
 import pytest
 import torch
 
+from policy_server.benchmarks import forward
 from policy_server.budget.guard import LATE_DROP_UNCOND
 from policy_server.budget.profile import ProfilePoint, TickConfig
-from robots.bench import ConfigRun, family_members, paired_difference, sweep
+from policy_server.pipeline.policy import PolicyPipeline
+from robots.bench import ConfigRun, family_members, forward_summary, paired_difference, sweep
 
 
 def summary(name, error, p50, p99=None, budget=None, family=None, guarded=None, miss=0.0):
@@ -89,3 +92,18 @@ def test_a_tick_is_cut_when_its_guard_forced_a_skip_or_gave_up_part_of_it_late()
     assert summary["cut_rate"] == pytest.approx(2 / 3)
     assert summary["action_rel_l2_cut"] == pytest.approx(0.4) and summary["action_rel_l2_uncut"] == pytest.approx(0.1)
     assert summary["action_rel_l2"] == pytest.approx(0.3)
+
+
+def test_without_the_reference_the_bench_times_our_calls_and_nulls_only_the_references(monkeypatch):
+    """--no-reference made the report's whole `forward` null, our own calls' times with it, where only diffusers'
+    reference goes unmeasured. Nor is it built: the bench needs no diffusers then."""
+    def no_diffusers():
+        raise ImportError("no diffusers here")
+
+    monkeypatch.setattr(forward, "_reference_class", no_diffusers)
+    pipeline = PolicyPipeline.from_pretrained(None, device="cpu", dtype=torch.float32)  # the embedded model
+    summary = forward_summary(pipeline, pipeline.embodiments.get("pusht"), (16, 3, 8, 8),
+                              SimpleNamespace(reference=False, forward_repeats=2))
+    assert summary["reference_full_ms"] is None and summary["ratio_gen_only_vs_reference"] is None
+    assert summary["full_ms"] > 0 and summary["gen_only_ms"] > 0
+    assert summary["text_tokens"] > 0 and summary["gen_tokens"] > 0

@@ -639,12 +639,33 @@ def test_an_empty_path_is_refused_by_name_not_read_as_the_working_folder():
         with pytest.raises(ConfigError) as err:
             cli.config_from_args([flag, ""], environ={})
         assert f"{field} (from command line): {expected}" in str(err.value)
-    with pytest.raises(ConfigError, match=re.escape(f"checkpoint (from $POLICY_SERVER_CHECKPOINT): {expected}")):
-        cli.config_from_args([], environ={"POLICY_SERVER_CHECKPOINT": ""})
-    for argv, environ in ((["--config", ""], {}), ([], {"POLICY_SERVER_CONFIG": ""})):
+    with pytest.raises(ConfigError) as err:
+        cli.config_from_args(["--config", ""], environ={})
+    assert str(err.value) == "config file '': expected the path of a .yaml, .yml or .json file"
+
+
+def test_an_empty_variable_is_unset_and_a_bad_one_is_refused_by_name(tmp_path):
+    """docker compose's `${VAR:-}` passes a variable the host does not set as the empty string:
+    POLICY_SERVER_WEBSOCKET_PORT="" was refused (`Input should be a valid integer ... (got '')`), an empty
+    POLICY_SERVER_CHECKPOINT too, and an empty POLICY_SERVER_CONFIG as a config file named ''."""
+    empty = {f"POLICY_SERVER_{key.upper()}": "" for key in ServerConfig.model_fields}
+    empty |= {"POLICY_SERVER_CONFIG": "", "POLICY_SERVER_CACHE": ""}
+    config = cli.config_from_args([], empty)
+    assert config == cli.config_from_args([], {}) and not config.model_fields_set
+    path = tmp_path / "server.yaml"
+    path.write_text(yaml.safe_dump({"websocket_port": 8000}))
+    layered = cli.config_from_args(["--config", str(path), "--port", "7300"], empty)  # nothing of the file unset
+    assert (layered.websocket_port, layered.port) == (8000, 7300)
+    with pytest.raises(ConfigError, match=r"\$POLICY_SERVER_WEBSOCKT_PORT is not a setting"):  # a typo, whatever value
+        cli.config_from_args([], {"POLICY_SERVER_WEBSOCKT_PORT": ""})
+    for name, value, takes in (("WEBSOCKET_PORT", "abc", "Input should be a valid integer"),
+                               ("WEBSOCKET_PORT", " ", "Input should be a valid integer"),
+                               ("REFLECTION", "maybe", "Input should be a valid boolean"),
+                               ("CHECKPOINT", " ", "expected a path")):
         with pytest.raises(ConfigError) as err:
-            cli.config_from_args(argv, environ=environ)
-        assert str(err.value) == "config file '': expected the path of a .yaml, .yml or .json file"
+            cli.config_from_args([], {f"POLICY_SERVER_{name}": value})
+        message = str(err.value)
+        assert "\n" not in message and f"{name.lower()} (from $POLICY_SERVER_{name}): {takes}" in message, message
 
 
 def test_a_config_file_that_is_a_folder_is_named_as_one(tmp_path):

@@ -1,10 +1,11 @@
 """Dockerfile and docker-compose.yml are correct by construction (no Docker engine here): every
 referenced file, console script and flag exists, the image can serve a Cosmos3 checkpoint, the GPU is reserved,
-the network is internal, the server's caches live in a volume."""
+the network is internal, the server's caches live in a volume, the build context holds what the image needs."""
 
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import tomllib
 from pathlib import Path
@@ -101,10 +102,9 @@ def test_compose_robot_waits_for_a_healthy_server(compose, scripts):
     assert robot["networks"] == ["robot-net"]
     assert robot["command"][robot["command"].index("--server") + 1] == "policy-server:50051"
     assert robot["entrypoint"] == ["policy-rollout"] and "policy-rollout" in scripts
-    rollout = module_file(scripts["policy-rollout"])
-    if not rollout.exists():
-        pytest.skip(f"{rollout.relative_to(REPO)} (policy-rollout) is not written yet")
-    assert "--server" in rollout.read_text(), "policy-rollout must accept --server HOST:PORT"
+    # The script sets gRPC core's log level, then runs robots.rollout's main
+    assert scripts["policy-rollout"] == "robots.console:rollout" and module_file(scripts["policy-rollout"]).exists()
+    assert "--server" in (REPO / "robots" / "rollout.py").read_text(), "policy-rollout must accept --server HOST:PORT"
 
 
 def test_compose_keeps_the_servers_caches_in_a_volume(dockerfile, compose):
@@ -138,3 +138,65 @@ def test_compose_robot_writes_its_report_into_a_volume_the_user_owns(dockerfile,
     volume, target = robot["volumes"][0].split(":")
     assert out.parent == Path(target) and volume in compose["volumes"]
     assert target in made_by_the_user(dockerfile)
+
+
+def dockerignore_rules() -> list[tuple[re.Pattern, bool]]:
+    """.dockerignore's patterns as (regex, excludes), read as Docker's pattern matcher reads them: Go's filepath.Match
+    (`*` and `?` stop at a `/`) plus `**` for any number of folders, a leading `!` re-includes, the last match wins."""
+    rules = []
+    for line in (REPO / ".dockerignore").read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        excludes = not line.startswith("!")
+        pattern = line.removeprefix("!").strip().strip("/")
+        regex, i = "", 0
+        while i < len(pattern):
+            if pattern.startswith("**/", i):
+                regex, i = regex + "(.*/)?", i + 3
+            elif pattern.startswith("**", i):
+                regex, i = regex + ".*", i + 2
+            elif pattern[i] == "*":
+                regex, i = regex + "[^/]*", i + 1
+            elif pattern[i] == "?":
+                regex, i = regex + "[^/]", i + 1
+            elif pattern[i] == "[":
+                end = pattern.index("]", i)
+                regex, i = regex + pattern[i:end + 1], end + 1
+            else:
+                regex, i = regex + re.escape(pattern[i]), i + 1
+        rules.append((re.compile(f"^{regex}$"), excludes))
+    return rules
+
+
+def sent_to_the_daemon(path: str, rules: list[tuple[re.Pattern, bool]]) -> bool:
+    """Whether the build context holds `path` (relative to the context): a pattern that matches a folder above it
+    matches it too, and the last pattern that matches decides."""
+    parts = path.split("/")
+    excluded = False
+    for regex, excludes in rules:
+        if any(regex.match("/".join(parts[:n])) for n in range(1, len(parts) + 1)):
+            excluded = excludes
+    return not excluded
+
+
+def test_the_build_context_holds_what_the_dockerfile_copies_and_nothing_else(dockerfile):
+    """Without a .dockerignore, `docker build .` sent the whole checkout: .git, virtual environments, wheel caches,
+    runs/ and benchmark reports, into the context (and COPY . would take them into the image)."""
+    assert (REPO / ".dockerignore").is_file()
+    rules = dockerignore_rules()
+    copied = [source for keyword, args in dockerfile if keyword == "COPY" for source in args.split()[:-1]]
+    assert copied and "." not in copied  # each COPY names what it takes
+    for source in copied:
+        files = [source] if (REPO / source).is_file() else [
+            str(path.relative_to(REPO)) for path in (REPO / source).rglob("*")
+            if path.is_file() and "__pycache__" not in path.parts]
+        assert files, source
+        for path in files:
+            assert sent_to_the_daemon(path, rules), f"{path} (COPY {source}) is left out of the build context"
+    for path in (".git/HEAD", ".venv/bin/python", "venv/lib/site.py", "runs/rollout.json", ".whl/grpcio.whl",
+                 "bench.json", "rollout.png", "tests/test_docker.py", ".hypothesis/examples/x", ".pytest_cache/v",
+                 "policy_server.egg-info/PKG-INFO", "build/lib/policy_server/cli.py", "docs/ARCHITECTURE.md",
+                 "policy_server/__pycache__/cli.cpython-311.pyc", "robots/__pycache__/bench.cpython-311.pyc",
+                 "policy_server/cli.pyc", "deploy/rayservice.yaml"):
+        assert not sent_to_the_daemon(path, rules), f"{path} would be sent to the daemon"

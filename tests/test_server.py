@@ -3,15 +3,17 @@ server info, health and reflection, auth, TLS, Unix sockets, deadlines, the reas
 
 from __future__ import annotations
 
+import os
 import queue
 import socket
+import subprocess
+import sys
 import threading
 import time
 import tomllib
 import urllib.error
 import urllib.request
 from concurrent import futures
-from contextlib import closing
 from pathlib import Path
 
 import grpc
@@ -480,61 +482,117 @@ def test_health_names_an_unknown_service_and_refuses_a_name_no_service_has(serve
         assert (error.code, error.reason) == (grpc.StatusCode.NOT_FOUND, "SERVICE_NOT_FOUND")
 
 
-def _watch_that_reads_nothing(port: int) -> socket.socket:
-    """A health Watch from a raw HTTP/2 client that grants the server no flow-control window: the server's sends to it
-    wait for good. Its connection, open (the caller closes it); a thread acknowledges the server's SETTINGS and PINGs,
-    as a live client does."""
-    def frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
-        return len(payload).to_bytes(3, "big") + bytes([kind, flags]) + stream.to_bytes(4, "big") + payload
+def test_a_watch_is_sent_a_status_only_when_it_changes():
+    """Was: SERVING, then NOT_SERVING and SERVING again while the stream's sender was still sending the first SERVING,
+    sent SERVING twice; the health protocol's Watch sends a status when it changes. The sender's send does what a
+    status flapping during a slow send does: it sets the two statuses as it sends the first."""
+    service = health.HealthService()
+    service.set("", SERVING)
+    sent, senders = [], []
 
-    def header(name: str, value: str) -> bytes:  # HPACK, a literal never indexed
-        return b"\x00" + bytes([len(name)]) + name.encode() + bytes([len(value)]) + value.encode()
+    def send(response):
+        sent.append(None if response is None else response.status)
+        senders.append(threading.current_thread())
+        if len(sent) == 1:
+            service.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+            service.set("", SERVING)
+            service.set("", SERVING)  # set again as it is: no change either
+        return True
 
-    def acknowledge() -> None:
-        with connection.makefile("rb") as frames:
-            while len(head := frames.read(9)) == 9:
-                kind, flags, payload = head[3], head[4], frames.read(int.from_bytes(head[:3], "big"))
-                if kind in (4, 6) and not flags & 1:  # SETTINGS, PING
-                    connection.sendall(frame(kind, 1, 0, b"" if kind == 4 else payload))
+    class Context:
+        def add_callback(self, ended) -> bool:
+            return True
 
-    connection = socket.create_connection(("127.0.0.1", port))
-    no_window = (4).to_bytes(2, "big") + (0).to_bytes(4, "big")  # SETTINGS_INITIAL_WINDOW_SIZE = 0
-    headers = b"".join(header(*pair) for pair in (
-        (":method", "POST"), (":scheme", "http"), (":path", "/grpc.health.v1.Health/Watch"),
-        (":authority", f"127.0.0.1:{port}"), ("content-type", "application/grpc"), ("te", "trailers")))
-    connection.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + frame(4, 0, 0, no_window))
-    threading.Thread(target=acknowledge, daemon=True).start()
-    connection.sendall(frame(1, 4, 1, headers) + frame(0, 1, 1, bytes(5)))  # an empty HealthCheckRequest
-    return connection
+    service.Watch(health_pb2.HealthCheckRequest(), Context(), send)
+    ends_s = time.monotonic() + 10
+    while not sent:
+        assert time.monotonic() < ends_s, "the Watch was sent no status"
+        time.sleep(0.01)
+    service.close()  # its sender ends once it has sent what it was going to
+    senders[0].join(10)
+    assert not senders[0].is_alive()
+    assert sent == [SERVING]
 
 
 def test_a_watch_whose_client_reads_nothing_holds_up_only_itself():
     # Was: statuses went out under the servicer's lock, on the thread that set them: the readiness poller, every
     # other Watch (each holding a server thread as it waited) and the server's stop waited for good on that send.
-    # The server runs on a thread of its own, so that such a stop fails this test rather than hangs the suite.
-    watch = {"grpc_type": "server_stream", "grpc_service": "grpc.health.v1.Health", "grpc_method": "Watch"}
-    outcome: list[BaseException | None] = []
+    # The server runs in a process of its own, killed if it has not ended in time: a regression fails this test, and
+    # leaves no stuck thread in pytest's process for its exit to wait on.
+    process = subprocess.Popen([sys.executable, str(REPO / "tests" / "stuck_watch_server.py")],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        output, _ = process.communicate(timeout=60)  # a few seconds when it works, the process' start included
+    except subprocess.TimeoutExpired:
+        process.kill()
+        output, _ = process.communicate()
+        pytest.fail(f"the server did not answer beside a stuck Watch and stop within 60 s; it said:\n{output[-3000:]}")
+    assert process.returncode == 0, output[-3000:]
+    assert output.splitlines()[-1] == "stopped"
 
-    def serve_one_stuck_watch() -> None:
-        try:
-            with serve_fake() as server, closing(_watch_that_reads_nothing(server.grpc_port)):
-                ends_s = time.monotonic() + 10
-                while not server.metrics.registry.get_sample_value("grpc_server_started_total", watch):
-                    assert time.monotonic() < ends_s, "the server never took the raw client's Watch"
-                    time.sleep(0.01)
-                with grpc.insecure_channel(server.target) as channel:
-                    assert next(health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(),
-                                                                           timeout=5)).status == SERVING
-            outcome.append(None)
-        except BaseException as error:  # noqa: BLE001 - raised again on the test's thread
-            outcome.append(error)
 
-    serving = threading.Thread(target=serve_one_stuck_watch, daemon=True)
-    serving.start()
-    serving.join(30)
-    assert outcome, "the server did not stop within 30 s"
-    if outcome[0] is not None:
-        raise outcome[0]
+def test_a_tls_mismatch_is_named_in_one_line_without_grpc_cores_log(tmp_path):
+    """Was: a plaintext client of a TLS server said only "failed to connect to all addresses; last error: UNAVAILABLE:
+    ipv4:127.0.0.1:PORT: Socket closed"; a TLS client of a plaintext server or with a CA that does not trust the
+    server's certificate said OpenSSL's words (WRONG_VERSION_NUMBER, CERTIFICATE_VERIFY_FAILED), after a line of gRPC
+    core's own log ("I1208 ... ssl_transport_security.cc:2563] Handshake failed ..."); policy-rollout waited 10 min
+    for a server it could never reach. The commands run as processes: gRPC core writes to the process' stderr."""
+    cert, key = self_signed_cert(tmp_path)
+    (tmp_path / "other").mkdir()
+    other_cert, _ = self_signed_cert(tmp_path / "other")
+    probe = [sys.executable, "-m", "policy_server.client", "health", "--timeout-s", "5"]
+    rollout = [sys.executable, "-c", "import sys; from robots.console import rollout; sys.exit(rollout())",
+               "--episodes", "1", "--out", str(tmp_path / "rollout.json")]
+    environ = {name: value for name, value in os.environ.items() if name != "GRPC_VERBOSITY"}
+    with serve_fake(tls_cert=cert, tls_key=key) as tls_server, serve_fake() as plaintext_server:
+        tls_at, plaintext_at = tls_server.target, plaintext_server.target
+        cases = [
+            (["--server", tls_at], f"the server at {tls_at} closed the connection before a word of gRPC: it likely "
+                                   "speaks TLS; connect with --tls-ca FILE"),
+            (["--server", plaintext_at, "--tls-ca", str(cert)], f"the server at {plaintext_at} does not speak TLS"),
+            (["--server", tls_at, "--tls-ca", str(other_cert)],
+             f"TLS handshake with {tls_at} failed: its certificate (self signed certificate) is not trusted by the "
+             "given CA"),
+            (["--server", tls_at, "--tls"], "is not trusted by the system's root certificates; pass the server's CA"),
+            (["--server", tls_at, "--tls-ca", str(cert), "--tls-server-name", "robot.example"],
+             f"TLS handshake with {tls_at} failed: its certificate does not hold the name 'robot.example'"),
+        ]
+        for flags, cause in cases:
+            done = subprocess.run([*probe, *flags], capture_output=True, text=True, timeout=60, env=environ)
+            lines = done.stderr.splitlines()
+            assert (done.returncode, done.stdout, len(lines)) == (2, "", 1), done.stderr  # no line of gRPC core's
+            assert lines[0].startswith("UNAVAILABLE: ") and cause in lines[0], lines[0]
+        for flags, cause in cases[:2]:  # it waits at most SERVING_NOTICE_S for a server it cannot reach
+            done = subprocess.run([*rollout, *flags], capture_output=True, text=True, timeout=120, env=environ)
+            lines = done.stderr.splitlines()
+            assert (done.returncode, len(lines)) == (2, 1), done.stderr
+            assert lines[0].startswith("policy-rollout: UNAVAILABLE: ") and cause in lines[0], lines[0]
+        # The library says the same, and wait_until_serving ends with it rather than waiting
+        with PolicyClient(tls_at, timeout_s=5) as plaintext:
+            with pytest.raises(PolicyServerError, match="it likely speaks TLS"):
+                plaintext.health()
+            with pytest.raises(PolicyServerError, match="it likely speaks TLS"):
+                plaintext.wait_until_serving(timeout_s=0.5)
+        with PolicyClient(plaintext_at, root_certificates=cert.read_bytes(), timeout_s=5) as tls:
+            with pytest.raises(PolicyServerError, match="does not speak TLS"):
+                tls.health()
+            with pytest.raises(PolicyServerError, match="does not speak TLS"):
+                tls.server_info(timeout_s=0.5)  # these wait for a connection
+            with pytest.raises(PolicyServerError, match="does not speak TLS"):
+                tls.open_session("pusht", "tls", timeout_s=0.5)
+            with pytest.raises(PolicyServerError, match="does not speak TLS"):
+                tls.wait_until_serving(timeout_s=0.5)
+
+
+def test_importing_the_client_library_leaves_grpc_cores_log_alone():
+    """The client commands keep gRPC core's log to errors; a program importing the library decides for itself (gRPC
+    core reads GRPC_VERBOSITY once, as grpc is imported: the package imports none until a name is used)."""
+    script = ("import os, sys\nimport policy_server.client\nassert 'grpc' not in sys.modules\n"
+              "from policy_server.client import PolicyClient\nimport robots.rollout\n"
+              "assert 'grpc' in sys.modules and 'GRPC_VERBOSITY' not in os.environ")
+    environ = {name: value for name, value in os.environ.items() if name != "GRPC_VERBOSITY"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=environ)
+    assert done.returncode == 0, done.stderr
 
 
 def test_tls(tmp_path, capsys):

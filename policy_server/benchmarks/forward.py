@@ -107,19 +107,20 @@ def reference_model(model: Cosmos3OmniTransformer):
 def measure_forward(config: Cosmos3TransformerConfig, n_text: int = 40,
                     vision_shape: tuple[int, int, int, int] = (16, 3, 8, 8), chunk: int = 8,
                     repeats: int = 50, device: torch.device | str = "cpu", warmup: int = 5,
-                    seed: int = 0, state_rows: int = 0) -> dict:
+                    seed: int = 0, state_rows: int = 0, reference: bool = True) -> dict:
     """Median ms of one denoising-step call, three ways, timed interleaved in one run.
 
     - `full_ms`: our `forward` (both pathways, diffusers-equivalent);
     - `gen_only_ms`: `embed_gen` + `gen_stack` + `heads` against UND K/V prefilled once, with the
       GEN layout (rows, rotary tables) built once per request (what the sampler runs every step);
-    - `reference_full_ms`: diffusers' `Cosmos3OmniTransformer.forward` at the same weights.
-    `ratio_gen_only_vs_reference` is `reference_full_ms / gen_only_ms` (the GEN-only speed-up). `state_rows`: the
-    clean state rows before the chunk (1 for an embodiment with state, as its ticks carry).
+    - `reference_full_ms`: diffusers' `Cosmos3OmniTransformer.forward` at the same weights (None without
+      `reference`: not built, so that no diffusers is needed).
+    `ratio_gen_only_vs_reference` is `reference_full_ms / gen_only_ms` (the GEN-only speed-up; None without
+    `reference`). `state_rows`: the clean state rows before the chunk (1 for an embodiment with state, as its ticks
+    carry).
     """
     device = torch.device(device)
     model = random_model(config, seed).to(device)
-    reference = reference_model(model)
     kwargs = policy_step_kwargs(config, n_text, vision_shape, chunk, device=device, seed=seed, state_rows=state_rows)
     und_len = kwargs["und_len"]
 
@@ -131,10 +132,13 @@ def measure_forward(config: Cosmos3TransformerConfig, n_text: int = 40,
             gen = model.embed_gen(**kwargs, layout=layout)
             return model.heads(model.gen_stack(gen, und_kv), gen)
 
-        calls = {"full_ms": lambda: model(**kwargs), "gen_only_ms": gen_only,
-                 "reference_full_ms": lambda: reference(**kwargs)}
+        calls = {"full_ms": lambda: model(**kwargs), "gen_only_ms": gen_only}
+        if reference:
+            diffusers_model = reference_model(model)
+            calls["reference_full_ms"] = lambda: diffusers_model(**kwargs)
         result = interleaved_medians(calls, device, repeats, warmup)
-    result["ratio_gen_only_vs_reference"] = result["reference_full_ms"] / result["gen_only_ms"]
+    result.setdefault("reference_full_ms", None)
+    result["ratio_gen_only_vs_reference"] = result["reference_full_ms"] / result["gen_only_ms"] if reference else None
     result["text_tokens"] = n_text
     result["gen_tokens"] = kwargs["sequence_length"] - und_len
     return result

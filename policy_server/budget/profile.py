@@ -153,8 +153,9 @@ class Calibration(BaseModel):
     model_config = _FIELDS
 
     observations: int = Field(ge=1)
-    # Each observations file by name and sha256 (`calibration.observations_source`; the bench's add "(resized, zero
-    # state)"), each embedded set "<embodiment>: the embedded set", or "warmup (bounded)".
+    # Each observations file by name and sha256 (`calibration.observations_source`), the embedded set's too; where an
+    # embodiment was calibrated on the embedded set's frames resized to its cameras, "<embodiment>: <file> (sha256:...)
+    # (resized, zero state)" (the bench's without "<embodiment>: "); or "warmup (bounded)".
     source: str
     seconds: float = Field(ge=0.0)
 

@@ -10,12 +10,16 @@ import argparse
 import os
 import sys
 
-from google.protobuf import json_format
+if __name__ == "__main__":  # the command, not a test importing main: gRPC core reads this once, as grpc is imported
+    # (below; the package imports none). It logs each failed TLS handshake on stderr, a line of its own beside ours.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
-from policy_server import __version__
-from policy_server.client.cli_flags import add_tls_flags, seconds, server_address, tls_options, token_file
-from policy_server.client.errors import PolicyServerError
-from policy_server.client.sync_client import PolicyClient
+from google.protobuf import json_format  # noqa: E402
+
+from policy_server import __version__  # noqa: E402
+from policy_server.client.cli_flags import add_tls_flags, seconds, server_address, tls_options, token_file  # noqa: E402
+from policy_server.client.errors import PolicyServerError  # noqa: E402
+from policy_server.client.sync_client import PolicyClient  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:

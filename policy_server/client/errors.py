@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import grpc
 
 from policy_server.v1 import policy_server_pb2 as pb
@@ -104,3 +106,35 @@ class PolicyServerError(Exception):
             else grpc.StatusCode.UNKNOWN
         )
         return cls(code, detail.reason, detail.message, detail, obs_id=obs_id)
+
+
+_VERIFY_FAILED = re.compile(r"CERTIFICATE_VERIFY_FAILED: ([^:]+)")
+
+
+def explain_connection_failure(error: PolicyServerError, target: str, tls: bool, root_certificates: bytes | None,
+                               server_name: str | None) -> PolicyServerError:
+    """`error` on one line naming the likely cause where gRPC core's words for a connection that failed are a TLS
+    mismatch: a plaintext channel to a TLS server (core says only "Socket closed"), a TLS channel to a plaintext
+    server, a certificate the channel's roots do not trust or that does not hold the name checked; else `error`."""
+    if error.from_server or error.code != grpc.StatusCode.UNAVAILABLE:
+        return error
+    text = error.message
+    roots = "the given CA (--tls-ca, root_certificates)" if root_certificates is not None else \
+        "the system's root certificates; pass the server's CA or its certificate with --tls-ca FILE (root_certificates)"
+    if not tls and "failed to connect" in text and "Socket closed" in text:  # not a call whose connection dropped
+        cause = (f"the server at {target} closed the connection before a word of gRPC: it likely speaks TLS; connect "
+                 "with --tls-ca FILE (its CA or certificate) or --tls (the system's roots); in Python, "
+                 "root_certificates= or tls=True")
+    elif tls and "WRONG_VERSION_NUMBER" in text:
+        cause = (f"the server at {target} does not speak TLS (its answer to the TLS handshake is not TLS); connect "
+                 "without --tls, --tls-ca and --tls-server-name (in Python: tls, root_certificates and server_name)")
+    elif tls and (verify := _VERIFY_FAILED.search(text)):
+        cause = (f"TLS handshake with {target} failed: its certificate ({verify.group(1).strip()}) is not trusted by "
+                 f"{roots}")
+    elif tls and "Hostname Verification Check failed" in text:
+        name = server_name or ("localhost" if target.startswith("unix:") else target.rpartition(":")[0].strip("[]"))
+        cause = (f"TLS handshake with {target} failed: its certificate does not hold the name {name!r}; pass the "
+                 "name it holds with --tls-server-name NAME (server_name=)")
+    else:
+        return error
+    return PolicyServerError(error.code, error.reason, cause)

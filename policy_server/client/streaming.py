@@ -154,7 +154,7 @@ class ControlStream:
                 first = next(call)
         except grpc.RpcError as exc:
             requests.put(_CLOSE)
-            raise PolicyServerError.from_rpc_error(exc) from None
+            raise self._client.rpc_error(exc) from None
         with self._lock:
             self._requests, self._call = requests, call
             self._session = Session.from_proto(first.started)
@@ -213,7 +213,7 @@ class ControlStream:
                 self._end(None)
                 return
             except grpc.RpcError as exc:
-                error = PolicyServerError.from_rpc_error(exc)
+                error = self._client.rpc_error(exc)
                 # A session expires under an open stream only where the stream attached as the idle sweep closed it.
                 expired = error.session_end == "expired" and self._reopen_session
                 if self._closing.is_set() or not self._reconnect or not (error.connection_lost or expired):

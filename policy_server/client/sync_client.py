@@ -37,7 +37,7 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from policy_server.client.backoff import Backoff
-from policy_server.client.errors import PolicyServerError
+from policy_server.client.errors import PolicyServerError, explain_connection_failure
 from policy_server.client.types import (
     ActionChunk,
     PredictedFrames,
@@ -54,6 +54,7 @@ from policy_server.v1.auth_token import check_token, read_token_file
 
 T = TypeVar("T")
 _RETRY_PAUSE_S = 0.1  # between watching or asking again while a server comes up
+_PROBE_S = 2.0  # for one connection attempt's outcome: refused, closed, a TLS handshake's
 # `wait_until_serving`'s default: a server's first start compiles for a minute or more (57 s of warmup on 2 cores
 # for the embedded model), a Cosmos3 folder's on a CPU for minutes. policy-rollout waits as long.
 SERVING_WAIT_S = 600.0
@@ -171,6 +172,7 @@ class PolicyClient:
             self._metadata += ((serve_metadata.APPLICATION_KEY, serve_application),)
         self._routing_keys: dict[str, str] = {}  # session id -> its routing key, behind Serve
         self.channel = make_channel(target, tls=tls, root_certificates=root_certificates, server_name=server_name)
+        self._tls = (uses_tls(tls, root_certificates, server_name), root_certificates, server_name)
         self.stub = pb_grpc.PolicyServiceStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
 
@@ -190,6 +192,10 @@ class PolicyClient:
             extra += ((serve_metadata.TIMEOUT_KEY, f"{timeout_s * 1e3:.0f}"),)
         return self._metadata + extra
 
+    def rpc_error(self, exc: grpc.RpcError) -> PolicyServerError:
+        """The `PolicyServerError` of a failed call on this client's channel, a TLS mismatch named as one."""
+        return explain_connection_failure(PolicyServerError.from_rpc_error(exc), self.target, *self._tls)
+
     def _call(self, method: Callable[..., T], request, timeout_s: float | None, session_id: str | None = None,
               routing_key: str | None = None, **kwargs) -> T:
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
@@ -197,7 +203,7 @@ class PolicyClient:
         try:
             return method(request, timeout=timeout_s, metadata=metadata, **kwargs)
         except grpc.RpcError as exc:
-            error = PolicyServerError.from_rpc_error(exc)
+            error = self.rpc_error(exc)
             # gRPC says only "Deadline Exceeded", and the calls that wait for a server (GetServerInfo, OpenSession,
             # ...) say so too where nothing ever answered.
             raise self._no_answer(timeout_s) if error.no_answer else error from None
@@ -225,7 +231,11 @@ class PolicyClient:
         ``rate_hz`` fit (``capacity``; None: the server's default budget, the embodiment's default rate)."""
         check_args(pb.GetServerInfoRequest, budget_ms=budget_ms, rate_hz=rate_hz)
         request = pb.GetServerInfoRequest(budget_ms=budget_ms, rate_hz=rate_hz)
-        return self._call(self.stub.GetServerInfo, request, timeout_s)
+        try:
+            return self._call(self.stub.GetServerInfo, request, timeout_s)
+        except PolicyServerError as error:  # it waits for a connection (RETRY_SERVICE_CONFIG): say why none was made
+            mismatch = self._tls_mismatch() if error.no_answer else None
+            raise mismatch or error from None
 
     def health(self, service: str = "", timeout_s: float | None = None) -> str:
         """SERVING, NOT_SERVING or SERVICE_UNKNOWN (standard grpc.health.v1)."""
@@ -234,7 +244,8 @@ class PolicyClient:
 
     def wait_until_serving(self, timeout_s: float = SERVING_WAIT_S) -> None:
         """Block until health is SERVING (model loaded and warm), at most ``timeout_s`` (10 min, a first start's
-        compile included); TimeoutError otherwise. Watches the standard
+        compile included); TimeoutError otherwise, or `PolicyServerError` where no connection was made for a TLS
+        mismatch (a plaintext channel to a TLS server, the reverse, an untrusted certificate). Watches the standard
         health service (``Health.Watch``), waiting for the server to come up and watching again if it restarts.
         Behind Serve, whose proxy does not pass the health service on, it asks ``GetServerInfo`` until a replica
         answers ready."""
@@ -263,7 +274,22 @@ class PolicyClient:
                 time.sleep(min(max(_RETRY_PAUSE_S, error.retry_after_ms / 1e3), max(0.0, end - time.monotonic())))
             finally:
                 updates.cancel()
+        mismatch = self._tls_mismatch() if last == "no answer" else None  # no connection: the Watch waited for one
+        if mismatch is not None:
+            raise mismatch
         raise TimeoutError(f"{self.target} not SERVING after {timeout_s:g} s (last: {last})")
+
+    def _tls_mismatch(self) -> PolicyServerError | None:
+        """The error naming a TLS mismatch where one health Check that does not wait for a connection fails with one
+        (calls that wait for a connection end without a word of why none was made); else None. For the calls that
+        set up, not a tick's: on a connection that serves, the Check waits for an answer like any call."""
+        try:
+            self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=_PROBE_S)
+        except grpc.RpcError as exc:
+            error = PolicyServerError.from_rpc_error(exc)
+            mismatch = explain_connection_failure(error, self.target, *self._tls)
+            return None if mismatch is error else mismatch
+        return None
 
     def _wait_until_replica_serves(self, timeout_s: float) -> None:
         end = time.monotonic() + timeout_s
@@ -369,8 +395,8 @@ class PolicyClient:
         (``answer``, ``answered_s`` into the call: its code, reason and detail), else the last try's failure, with a
         message that names the whole wait."""
         if answer is None:
-            if last.no_answer:
-                return self._no_answer(timeout_s)
+            if last.no_answer:  # OpenSession waits for a connection: say why none was made, where it is TLS
+                return self._tls_mismatch() or self._no_answer(timeout_s)
             return PolicyServerError(last.code, last.reason, f"no session from {self.target} within "
                                                              f"{round(timeout_s, 3):g} s; the last try: {last.message}")
         message = f"no session from {self.target} within {round(timeout_s, 3):g} s; its last answer"
@@ -498,7 +524,8 @@ class PolicyClient:
             request.seed = seed
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         return ReasonStream(lambda: self.stub.Reason(request, timeout=timeout_s,
-                                                     metadata=self.call_metadata(timeout_s=timeout_s)))
+                                                     metadata=self.call_metadata(timeout_s=timeout_s)),
+                            self.rpc_error)
 
 
 class ReasonStream(Iterator[str]):
@@ -506,9 +533,12 @@ class ReasonStream(Iterator[str]):
     token) or "length" (max_new_tokens), and `tokens`, the tokens generated. `close()` (or breaking off and
     dropping the stream) cancels the call."""
 
-    def __init__(self, call: Callable[[], Iterator[pb.ReasonChunk]]):
+    def __init__(self, call: Callable[[], Iterator[pb.ReasonChunk]],
+                 error: Callable[[grpc.RpcError], PolicyServerError]):
+        """``error``: the `PolicyServerError` of the call's failure (its client's `PolicyClient.rpc_error`)."""
         self.finish_reason: str | None = None
         self.tokens = 0
+        self._error = error
         self._pieces = self._read(call)
 
     def __next__(self) -> str:
@@ -526,7 +556,7 @@ class ReasonStream(Iterator[str]):
                     return
                 yield piece.text
         except grpc.RpcError as exc:
-            raise PolicyServerError.from_rpc_error(exc) from None
+            raise self._error(exc) from None
         finally:
             responses.cancel()  # no-op once finished; stops generation if the caller breaks off
 

@@ -584,8 +584,12 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     configs = configurations(pipeline, EngineSettings(), args.min_steps or MIN_STEPS, orders)
     print(f"calibrating {len(configs)} configurations on {len(observations)} observations", flush=True)
+    # The embedded set by file name and digest, as a file given is (and as the bench names it): two profiles say
+    # whether they were measured on the same data. An embodiment calibrated on its frames resized says so.
+    embedded = observations_source(DEFAULT_OBSERVATIONS)
     source = ", ".join([*map(observations_source, args.observations),
-                        *(f"{name}: the embedded set" for name in missing)])
+                        *(f"{name}: {embedded} (resized, zero state)" if name in synthetic else embedded
+                          for name in missing)])
     profile = calibrate(pipeline, observations, configs, source=source,
                         progress=lambda done: print(f"  {done:.0%}", flush=True))
     replaced = out.is_file()

@@ -27,11 +27,13 @@ Send = Callable[[health_pb2.HealthCheckResponse | None], object]  # gRPC's send_
 
 
 class _Watch:
-    """One open Watch stream: the status it is to be sent next (None: nothing new), and whether a sender is on it."""
+    """One open Watch stream: the status it is to be sent next (None: nothing new), the last one a sender took for it
+    (None: none yet), and whether a sender is on it."""
 
     def __init__(self, send: Send) -> None:
         self.send = send
         self.next_status: int | None = None
+        self.sent: int | None = None
         self.sending = False
 
 
@@ -67,7 +69,12 @@ class HealthService(health_pb2_grpc.HealthServicer):
             self._post(watch, status)
 
     def _post(self, watch: _Watch, status: int) -> None:
-        """Have `status` sent to `watch` (under `_lock`): the latest status wins over one not sent yet."""
+        """Have `status` sent to `watch` (under `_lock`): the latest status wins over one not sent yet, and one the
+        stream has been sent last is no change (the health protocol's Watch sends a status when it changes): A, then
+        B and A again before the sender came back from sending A, sends nothing more."""
+        if status == watch.sent:
+            watch.next_status = None
+            return
         watch.next_status = status
         if not watch.sending:
             watch.sending = True
@@ -80,6 +87,7 @@ class HealthService(health_pb2_grpc.HealthServicer):
                 if status is None:
                     watch.sending = False
                     return
+                watch.sent = status
             watch.send(health_pb2.HealthCheckResponse(status=status))  # False once the stream has ended
 
     def Check(self, request, context):  # noqa: N802 - gRPC's method name
