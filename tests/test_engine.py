@@ -2,6 +2,7 @@
 budget planning, cancellation, and the reasoner."""
 
 import gc
+import json
 import logging
 import re
 import threading
@@ -20,6 +21,7 @@ from policy_server.engine import api, sessions
 from policy_server.engine.admission import Demand, admitted_slots, assign_slots
 from policy_server.engine.engine import EngineSettings, ModelEngine
 from policy_server.engine.warmup import Warmup
+from policy_server.pipeline.policy import PolicyPipeline
 from policy_server.pipeline.reasoner import ReasonerStream, generate
 from policy_server.throttled_log import MAX_KEYS
 from robots.embedded import build_random_pipeline
@@ -1276,8 +1278,12 @@ def test_a_lasting_slowdown_raises_the_background_reserve_and_its_end_lowers_it(
     dynamics piece). Timed at warmup, it only ever went down (at a retiming), so on a machine that stayed slower
     (a GPU throttling, another process) admission kept promising ticks a wait the worker could no longer keep. It
     now moves with the live ticks' speed against the warmup's: one slow tick does not move it, a lasting slowdown
-    raises it, and its end lowers it again."""
-    pipeline = build_random_pipeline(tmp_path, seed=1)
+    raises it, and its end lowers it again. The model samples in 6 steps rather than 20: a stalled tick then waits
+    240 ms rather than 800, and stalls still make up most of it, as the ratio below needs."""
+    build_random_pipeline(tmp_path, seed=1)
+    (tmp_path / "policy.json").write_text(json.dumps({**json.loads((tmp_path / "policy.json").read_text()),
+                                                      "num_steps": 6}))
+    pipeline = PolicyPipeline.from_pretrained(tmp_path)
     engine = ModelEngine(pipeline, EngineSettings(warmup_ticks=1, compile_gen_stack=False))
     engine.start()
     try:
