@@ -1036,8 +1036,8 @@ def test_ticks_that_run_as_a_micro_batch_may_hold_the_worker_for_their_slots_tog
     together advances at a third of the worker. Each was held to its own slot from the batch's start, and gave up
     steps though the three slots held all three ticks one after another; the batch may take the three slots."""
 
-    def stall(_, args):  # every GEN-stack call 60 ms more per item it stacks, as a CPU costs a batch
-        time.sleep(0.06 * (args[0].shape[0] if args[0].dim() == 3 else 1))
+    def stall(_, args):  # every GEN-stack call 30 ms more per item it stacks, as a CPU costs a batch
+        time.sleep(0.03 * (args[0].shape[0] if args[0].dim() == 3 else 1))
 
     sessions = [engine.open_session("pusht", "reach the red circle", rate_hz=0) for _ in range(3)]
     try:
@@ -1045,7 +1045,7 @@ def test_ticks_that_run_as_a_micro_batch_may_hold_the_worker_for_their_slots_tog
             engine.act(session.session_id, 1, _observation())
         hook = engine.served.pipeline.transformer.norm_moe_gen.register_forward_pre_hook(stall)
         try:
-            alone = engine.act(sessions[0].session_id, 1, _observation(1)).tick  # 2.4 s of stalls over 20 steps
+            alone = engine.act(sessions[0].session_id, 1, _observation(1)).tick  # 1.2 s of stalls over 20 steps
             slot_ms = 1.6 * (alone.actual_ms["total"] - alone.actual_ms["queue"])
             budget = engine._admission.blocking_ms() + 3 * slot_ms  # three slots, each holding that tick
             for session in sessions:
