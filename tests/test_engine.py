@@ -39,6 +39,18 @@ def engine(tmp_path_factory):
     engine.close()
 
 
+@pytest.fixture(scope="module")
+def six_steps(tmp_path_factory):
+    """A folder of the module's model (seed 1) sampling in 6 steps rather than 20, for the tests whose ticks run
+    with every GEN-stack call stalled: a stalled tick then waits 6 stalls rather than 20. Each test loads its own
+    pipeline from it (they hook its modules)."""
+    folder = tmp_path_factory.mktemp("six-steps")
+    build_random_pipeline(folder, seed=1)
+    (folder / "policy.json").write_text(json.dumps({**json.loads((folder / "policy.json").read_text()),
+                                                    "num_steps": 6}))
+    return folder
+
+
 def _observation(step=0, instruction=""):
     rng = np.random.default_rng(step)
     return api.Observation(images={"image": rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)},
@@ -1193,10 +1205,10 @@ def test_one_preempted_run_of_a_background_piece_does_not_set_the_reserve(tmp_pa
     assert len(streams) > 2 and engine._admission.blocking_ms() < 500.0
 
 
-def test_an_idle_server_times_its_ticks_again_before_refusing_a_budget_as_infeasible(tmp_path, caplog):
+def test_an_idle_server_times_its_ticks_again_before_refusing_a_budget_as_infeasible(six_steps, caplog):
     caplog.set_level(logging.INFO, logger="policy_server.engine.admission")
     # A warmup that ran while something else held the machine: every GEN-stack call 50 ms slower.
-    pipeline = build_random_pipeline(tmp_path, seed=1)
+    pipeline = PolicyPipeline.from_pretrained(six_steps)
     engine = ModelEngine(pipeline, EngineSettings(warmup_ticks=1, max_sessions=2, default_budget_ms=60_000.0,
                                                   compile_gen_stack=False))
     stall = pipeline.transformer.norm_moe_gen.register_forward_pre_hook(lambda *_: time.sleep(0.05))
@@ -1273,17 +1285,13 @@ def test_timing_ticks_again_at_a_busy_moment_does_not_raise_the_least_budget(tmp
         engine.close()
 
 
-def test_a_lasting_slowdown_raises_the_background_reserve_and_its_end_lowers_it(tmp_path):
+def test_a_lasting_slowdown_raises_the_background_reserve_and_its_end_lowers_it(six_steps):
     """Admission adds to every tick's wait the longest background piece it may find running (a reasoner step, a
     dynamics piece). Timed at warmup, it only ever went down (at a retiming), so on a machine that stayed slower
     (a GPU throttling, another process) admission kept promising ticks a wait the worker could no longer keep. It
     now moves with the live ticks' speed against the warmup's: one slow tick does not move it, a lasting slowdown
-    raises it, and its end lowers it again. The model samples in 6 steps rather than 20: a stalled tick then waits
-    240 ms rather than 800, and stalls still make up most of it, as the ratio below needs."""
-    build_random_pipeline(tmp_path, seed=1)
-    (tmp_path / "policy.json").write_text(json.dumps({**json.loads((tmp_path / "policy.json").read_text()),
-                                                      "num_steps": 6}))
-    pipeline = PolicyPipeline.from_pretrained(tmp_path)
+    raises it, and its end lowers it again. (Its stalls, per call, set the ratio below whatever the step count.)"""
+    pipeline = PolicyPipeline.from_pretrained(six_steps)
     engine = ModelEngine(pipeline, EngineSettings(warmup_ticks=1, compile_gen_stack=False))
     engine.start()
     try:
