@@ -39,7 +39,7 @@ def folder(tmp_path_factory):
     compiles the tick work of 3 latent shapes rather than 5, and compiling is what this module spends its time on.
     6 sampler steps rather than 20: the module's ticks cost a third, and every step runs the one step graph of its
     latent shape, through the sampler's every order (1, 2, then 1 on the last step) as at 20. 2 layers rather than 4:
-    a graph inlines every layer, and inductor's first compiles of the module took 40% less (each layer still
+    a graph inlines every layer, and the module took a fifth less with inductor's cache empty (each layer still
     attends to its own text K/V)."""
     folder = tmp_path_factory.mktemp("compiled-stack-model")
     build_random_pipeline(folder, seed=3)
