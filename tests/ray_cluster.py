@@ -10,7 +10,9 @@ interface. It brings `lo` up, starts Ray on 127.0.0.1 and Serve with `REPLICAS` 
 that answers repeat exactly; auth token in WORKDIR/token), forwards the Unix socket WORKDIR/serve.sock to the gRPC
 proxy, and prints one line: `READY {"gcs": ...}`. Then it answers each JSON line on stdin with one JSON line:
 - `{"kill": name}`: kill the replica actor `name` (Serve starts another) -> `{"killed": name}`;
-- `{"run": argv}`: run the command here, inside the namespace -> `{"rc": ..., "output": last 4000 characters}`.
+- `{"run": argv}`: run the command here, inside the namespace -> `{"rc": ..., "output": last 4000 characters}`;
+- `{"applications": null}`: the Serve applications on the cluster -> `{"applications": sorted names}` (this
+  driver asks the controller: a process of its own would spend seconds joining the cluster).
 It exits when stdin closes, and Ray with it (Serve's replicas too: no graceful stop, which waits seconds on each).
 """
 
@@ -112,6 +114,8 @@ def main(workdir: Path) -> None:
         if "kill" in command:
             ray.kill(ray.get_actor(command["kill"], namespace="serve"), no_restart=True)
             reply = {"killed": command["kill"]}
+        elif "applications" in command:
+            reply = {"applications": sorted(serve.status().applications)}
         else:
             done = subprocess.run(command["run"], capture_output=True, text=True)
             reply = {"rc": done.returncode, "output": (done.stdout + done.stderr)[-4000:]}

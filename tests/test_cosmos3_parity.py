@@ -231,12 +231,13 @@ def test_a_folder_is_named_after_itself_and_a_hub_snapshot_after_its_hub_id(pipe
 
 def test_the_server_process_serves_the_folder_with_diffusers_actions(folder, tmp_path):
     """`policy-server --checkpoint DIR` on the folder (overrides only to keep the warmup short: tier 256, 3 steps,
-    one embodiment with chunks up to 8); camera-native frames over gRPC give diffusers' actions."""
+    one embodiment with chunks up to its default 5, the one the test asks for: the warmup times no 8-action shape);
+    camera-native frames over gRPC give diffusers' actions."""
     served = tmp_path / "pipe"
     shutil.copytree(folder, served)
     (served / "policy.json").write_text(json.dumps({"resolution_tier": 256, "num_steps": STEPS}))
     (served / "embodiments.json").write_text(json.dumps(
-        {"embodiments": [{"name": "bridge_orig_lerobot", "default_chunk_size": 5, "max_chunk_size": 8}]}))
+        {"embodiments": [{"name": "bridge_orig_lerobot", "default_chunk_size": 5, "max_chunk_size": 5}]}))
     log = open(tmp_path / "server.log", "w+")
     process = subprocess.Popen(
         [sys.executable, "-m", "policy_server.cli", "--checkpoint", str(served), "--port", "0",

@@ -2,6 +2,7 @@
 budget planning, cancellation, and the reasoner."""
 
 import gc
+import json
 import logging
 import re
 import threading
@@ -20,6 +21,7 @@ from policy_server.engine import api, sessions
 from policy_server.engine.admission import Demand, admitted_slots, assign_slots
 from policy_server.engine.engine import EngineSettings, ModelEngine
 from policy_server.engine.warmup import Warmup
+from policy_server.pipeline.policy import PolicyPipeline
 from policy_server.pipeline.reasoner import ReasonerStream, generate
 from policy_server.throttled_log import MAX_KEYS
 from robots.embedded import build_random_pipeline
@@ -35,6 +37,18 @@ def engine(tmp_path_factory):
     assert engine.wait_ready(timeout_s=300)
     yield engine
     engine.close()
+
+
+@pytest.fixture(scope="module")
+def six_steps(tmp_path_factory):
+    """A folder of the module's model (seed 1) sampling in 6 steps rather than 20, for the tests whose ticks run
+    with every GEN-stack call stalled: a stalled tick then waits 6 stalls rather than 20. Each test loads its own
+    pipeline from it (they hook its modules)."""
+    folder = tmp_path_factory.mktemp("six-steps")
+    build_random_pipeline(folder, seed=1)
+    (folder / "policy.json").write_text(json.dumps({**json.loads((folder / "policy.json").read_text()),
+                                                    "num_steps": 6}))
+    return folder
 
 
 def _observation(step=0, instruction=""):
@@ -1034,8 +1048,8 @@ def test_ticks_that_run_as_a_micro_batch_may_hold_the_worker_for_their_slots_tog
     together advances at a third of the worker. Each was held to its own slot from the batch's start, and gave up
     steps though the three slots held all three ticks one after another; the batch may take the three slots."""
 
-    def stall(_, args):  # every GEN-stack call 60 ms more per item it stacks, as a CPU costs a batch
-        time.sleep(0.06 * (args[0].shape[0] if args[0].dim() == 3 else 1))
+    def stall(_, args):  # every GEN-stack call 30 ms more per item it stacks, as a CPU costs a batch
+        time.sleep(0.03 * (args[0].shape[0] if args[0].dim() == 3 else 1))
 
     sessions = [engine.open_session("pusht", "reach the red circle", rate_hz=0) for _ in range(3)]
     try:
@@ -1043,7 +1057,7 @@ def test_ticks_that_run_as_a_micro_batch_may_hold_the_worker_for_their_slots_tog
             engine.act(session.session_id, 1, _observation())
         hook = engine.served.pipeline.transformer.norm_moe_gen.register_forward_pre_hook(stall)
         try:
-            alone = engine.act(sessions[0].session_id, 1, _observation(1)).tick  # 2.4 s of stalls over 20 steps
+            alone = engine.act(sessions[0].session_id, 1, _observation(1)).tick  # 1.2 s of stalls over 20 steps
             slot_ms = 1.6 * (alone.actual_ms["total"] - alone.actual_ms["queue"])
             budget = engine._admission.blocking_ms() + 3 * slot_ms  # three slots, each holding that tick
             for session in sessions:
@@ -1191,10 +1205,10 @@ def test_one_preempted_run_of_a_background_piece_does_not_set_the_reserve(tmp_pa
     assert len(streams) > 2 and engine._admission.blocking_ms() < 500.0
 
 
-def test_an_idle_server_times_its_ticks_again_before_refusing_a_budget_as_infeasible(tmp_path, caplog):
+def test_an_idle_server_times_its_ticks_again_before_refusing_a_budget_as_infeasible(six_steps, caplog):
     caplog.set_level(logging.INFO, logger="policy_server.engine.admission")
     # A warmup that ran while something else held the machine: every GEN-stack call 50 ms slower.
-    pipeline = build_random_pipeline(tmp_path, seed=1)
+    pipeline = PolicyPipeline.from_pretrained(six_steps)
     engine = ModelEngine(pipeline, EngineSettings(warmup_ticks=1, max_sessions=2, default_budget_ms=60_000.0,
                                                   compile_gen_stack=False))
     stall = pipeline.transformer.norm_moe_gen.register_forward_pre_hook(lambda *_: time.sleep(0.05))
@@ -1271,13 +1285,13 @@ def test_timing_ticks_again_at_a_busy_moment_does_not_raise_the_least_budget(tmp
         engine.close()
 
 
-def test_a_lasting_slowdown_raises_the_background_reserve_and_its_end_lowers_it(tmp_path):
+def test_a_lasting_slowdown_raises_the_background_reserve_and_its_end_lowers_it(six_steps):
     """Admission adds to every tick's wait the longest background piece it may find running (a reasoner step, a
     dynamics piece). Timed at warmup, it only ever went down (at a retiming), so on a machine that stayed slower
     (a GPU throttling, another process) admission kept promising ticks a wait the worker could no longer keep. It
     now moves with the live ticks' speed against the warmup's: one slow tick does not move it, a lasting slowdown
-    raises it, and its end lowers it again."""
-    pipeline = build_random_pipeline(tmp_path, seed=1)
+    raises it, and its end lowers it again. (Its stalls, per call, set the ratio below whatever the step count.)"""
+    pipeline = PolicyPipeline.from_pretrained(six_steps)
     engine = ModelEngine(pipeline, EngineSettings(warmup_ticks=1, compile_gen_stack=False))
     engine.start()
     try:

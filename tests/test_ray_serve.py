@@ -334,11 +334,7 @@ def test_ray_rollouts_equal_a_local_run_in_process_and_through_serve(cluster, tm
 
 def _applications(cluster) -> list[str]:
     """The names of the Serve applications on the cluster."""
-    script = ("import ray, sys; from ray import serve; ray.init(address=sys.argv[1], log_to_driver=False); "
-              "print('APPS', *sorted(serve.status().applications))")
-    done = cluster.command(run=[sys.executable, "-c", script, cluster.info["gcs"]])
-    assert done["rc"] == 0, done["output"]
-    return next(line.split()[1:] for line in done["output"].splitlines() if line.startswith("APPS"))
+    return cluster.command(applications=None)["applications"]
 
 
 def _ray_serve(cluster, name: str, *flags: str) -> list[str]:
