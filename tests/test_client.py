@@ -198,6 +198,15 @@ def test_call_arguments_protobuf_would_refuse_are_named_before_anything_is_sent(
             (lambda: c.open_session("pusht", "x", preview="yes"), TypeError, "preview must be a bool, got str"),
             (lambda: c.set_budget(session, "50"), TypeError, "budget_ms must be a real number, got str"),
             (lambda: c.server_info(rate_hz="50"), TypeError, "rate_hz must be a real number, got str"),
+            # A bare frame for the cameras' mapping raised AttributeError ('ndarray' has no 'items'), an int camera
+            # name protobuf's "bad argument type for built-in operation".
+            (lambda: c.act(session, frame["image"]), TypeError,
+             "images must be a mapping of camera name -> uint8 [H, W, 3], got ndarray"),
+            (lambda: c.act(session, {0: frame["image"]}), TypeError,
+             "images must be keyed by camera name (str), got 0"),
+            (lambda: c.forward_dynamics(session, [frame["image"]], actions), TypeError, "images must be a mapping"),
+            (lambda: c.inverse_dynamics(session, video["image"]), TypeError,
+             "videos must be a mapping of camera name -> uint8 [K + 1, H, W, 3], got ndarray"),
         ):
             with pytest.raises(error) as err:
                 call()
