@@ -237,6 +237,10 @@ def test_the_command_calibrates_every_served_embodiment_so_the_server_takes_the_
     profile, calibrate_at_warmup = resolve_profile("auto", folder, pipeline.digest, pipeline.served_embodiments,
                                                    pipeline.config)
     assert set(profile.embodiments) == {"pusht", "two_camera_arm"} and not calibrate_at_warmup
+    # Named by file and content, as the shipped profile names the embedded set: it was "pusht: the embedded set,
+    # two_camera_arm: the embedded set", which says neither which file nor which version of it.
+    embedded = observations_source(DEFAULT_OBSERVATIONS)
+    assert profile.calibration.source == f"{embedded}, two_camera_arm: {embedded} resized, zero state"
 
 
 def test_a_one_step_checkpoint_calibrates_its_own_tick_and_no_slower_one(tmp_path, capsys, monkeypatch):

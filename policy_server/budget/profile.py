@@ -153,8 +153,9 @@ class Calibration(BaseModel):
     model_config = _FIELDS
 
     observations: int = Field(ge=1)
-    # Each observations file by name and sha256 (`calibration.observations_source`; the bench's add "(resized, zero
-    # state)"), each embedded set "<embodiment>: the embedded set", or "warmup (bounded)".
+    # Each observations file by name and sha256 (`calibration.observations_source`), the embedded set's too; an
+    # embodiment calibrated on its frames resized "<embodiment>: <the embedded set's> resized, zero state"; or
+    # "warmup (bounded)".
     source: str
     seconds: float = Field(ge=0.0)
 

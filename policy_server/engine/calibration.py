@@ -567,7 +567,8 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointLoadError, CalibrationError) as error:
         print(f"policy-server calibrate: {error}", file=sys.stderr)
         return 2
-    if synthetic := [name for name in missing if name != _template_embodiment()]:
+    template = _template_embodiment()
+    if synthetic := [name for name in missing if name != template]:
         print(f"no observations of {', '.join(synthetic)}: calibrating on the embedded simulator's frames resized to "
               "their cameras and a zero state (pass --observations of their own scenes for a profile of them)")
     if args.min_steps is not None and args.min_steps > pipeline.config.num_steps:
@@ -584,8 +585,11 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     configs = configurations(pipeline, EngineSettings(), args.min_steps or MIN_STEPS, orders)
     print(f"calibrating {len(configs)} configurations on {len(observations)} observations", flush=True)
+    # The embedded set by name and content too, as the shipped profile names it; the others' frames are its, resized.
+    embedded = observations_source(DEFAULT_OBSERVATIONS)
     source = ", ".join([*map(observations_source, args.observations),
-                        *(f"{name}: the embedded set" for name in missing)])
+                        *(embedded if name == template else f"{name}: {embedded} resized, zero state"
+                          for name in missing)])
     profile = calibrate(pipeline, observations, configs, source=source,
                         progress=lambda done: print(f"  {done:.0%}", flush=True))
     replaced = out.is_file()
