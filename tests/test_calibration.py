@@ -4,6 +4,8 @@ and an engine that plans its ticks on it (loaded, or measured at warmup)."""
 import hashlib
 import json
 import logging
+import subprocess
+import sys
 from collections import Counter
 
 import numpy as np
@@ -262,6 +264,31 @@ def test_a_one_step_checkpoint_calibrates_its_own_tick_and_no_slower_one(tmp_pat
     with pytest.raises(SystemExit):  # asked for: still refused, by name
         main(["--checkpoint", str(folder), "--min-steps", "2"])
     assert "--min-steps 2: above the checkpoint's 1 sampler steps" in capsys.readouterr().err
+
+
+def test_a_profile_write_cut_short_leaves_the_profile_that_was_there(tmp_path, monkeypatch):
+    """`calibrate` wrote the profile in place: a write cut short (here a file size limit, as a full disk) left a
+    truncated profile beside the checkpoint, which stopped the server's next start ("not valid JSON"). It writes
+    beside it and renames, so the old profile stays whole, and says so in one line."""
+    monkeypatch.setenv("POLICY_SERVER_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "model"
+    pipeline = build_random_pipeline(folder, seed=5)
+    policy = json.loads((folder / "policy.json").read_text())
+    (folder / "policy.json").write_text(json.dumps({**policy, "num_steps": 2}))  # a quick space
+    args = ["--checkpoint", str(folder), "--max-observations", "1", "--device", "cpu"]
+    assert main(args) == 0
+    before = (folder / PROFILE_FILE).read_bytes()
+    assert len(before) > 1024
+    limited = ("import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+               "resource.setrlimit(resource.RLIMIT_FSIZE, (1024, 1024)); "
+               "from policy_server.engine.calibration import main; sys.exit(main(sys.argv[1:]))")
+    done = subprocess.run([sys.executable, "-c", limited, *args], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (f"policy-server calibrate: cannot write {folder / PROFILE_FILE}: "
+                                                    "File too large; the profile there is unchanged")
+    assert (folder / PROFILE_FILE).read_bytes() == before
+    QualityProfile.load(folder / PROFILE_FILE, pipeline.digest)
+    assert sorted(p.name for p in folder.iterdir() if "partial" in p.name) == []
 
 
 def test_the_command_writes_the_profile_beside_the_checkpoint(tmp_path, capsys, monkeypatch):

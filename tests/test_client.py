@@ -198,6 +198,15 @@ def test_call_arguments_protobuf_would_refuse_are_named_before_anything_is_sent(
             (lambda: c.open_session("pusht", "x", preview="yes"), TypeError, "preview must be a bool, got str"),
             (lambda: c.set_budget(session, "50"), TypeError, "budget_ms must be a real number, got str"),
             (lambda: c.server_info(rate_hz="50"), TypeError, "rate_hz must be a real number, got str"),
+            # A bare frame for the cameras' mapping raised AttributeError ('ndarray' has no 'items'), an int camera
+            # name protobuf's "bad argument type for built-in operation".
+            (lambda: c.act(session, frame["image"]), TypeError,
+             "images must be a mapping of camera name -> uint8 [H, W, 3], got ndarray"),
+            (lambda: c.act(session, {0: frame["image"]}), TypeError,
+             "images must be keyed by camera name (str), got 0"),
+            (lambda: c.forward_dynamics(session, [frame["image"]], actions), TypeError, "images must be a mapping"),
+            (lambda: c.inverse_dynamics(session, video["image"]), TypeError,
+             "videos must be a mapping of camera name -> uint8 [K + 1, H, W, 3], got ndarray"),
         ):
             with pytest.raises(error) as err:
                 call()
@@ -226,10 +235,27 @@ def test_an_error_survives_the_pickling_ray_carries_it_across_processes_with():
         error.code, "OVERLOADED", "budget_ms", 3, True, str(error))
 
 
-def test_a_client_timeout_is_a_finite_time_above_0():
-    for bad in (0, -1.0, float("nan"), float("inf")):
-        with pytest.raises(ValueError, match="timeout_s must be a finite time above 0 s"):
+def test_a_client_timeout_is_a_time_above_0_up_to_a_day():
+    for bad in (0, -1.0, float("nan"), float("inf"), 1e12):
+        with pytest.raises(ValueError, match="timeout_s must be a time above 0 s, up to 86400 s"):
             PolicyClient("127.0.0.1:1", timeout_s=bad)
+
+
+def test_a_call_timeout_grpc_would_not_wait_is_refused_before_the_call():
+    """A call's own ``timeout_s`` went to gRPC unchecked: inf, 1e12 (past gRPC's deadline range), NaN, 0 or -1 failed
+    the call at once as 'no answer from ... within inf s: the server is down, unreachable, starting or busy', blaming
+    a server that was serving (GetServerInfo with 0 answered)."""
+    frame, state = {"image": np.zeros((48, 64, 3), np.uint8)}, np.array([0.1, 0.2], np.float32)
+    with serve_fake(FakeEngine()) as server, PolicyClient(server.target) as c:
+        session = c.open_session("pusht", "push")
+        calls = ((c.server_info, ()), (c.act, (session, frame, state)), (c.open_session, ("pusht", "push")),
+                 (c.reason, ("hi", 2)), (c.wait_until_serving, ()))
+        for bad in (0, -1.0, float("nan"), float("inf"), 1e12):
+            for method, args in calls:
+                with pytest.raises(ValueError, match=f"timeout_s must be a time above 0 s, up to 86400 s, got {bad}"):
+                    method(*args, timeout_s=bad)
+        assert c.act(session, frame, state, timeout_s=86400).actions.shape[1] == 2
+        c.close_session(session)
 
 
 def test_a_target_grpc_would_dial_otherwise_is_refused_at_once():

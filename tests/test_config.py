@@ -401,6 +401,22 @@ def test_a_taken_port_ends_serve_before_the_warmup_begins(monkeypatch, capsys):
     assert warmups == []
 
 
+def test_a_host_name_one_of_whose_addresses_another_server_holds_is_taken():
+    """gRPC binds every address of a host name and starts where any binds: `--host localhost` beside a server on
+    127.0.0.1 took [::1] at the same port and said "gRPC on localhost:PORT", and a client of localhost reached one
+    server or the other."""
+    with socket.socket() as running:
+        running.bind(("127.0.0.1", 0))
+        running.listen()
+        port = running.getsockname()[1]
+        with pytest.raises(OSError) as taken, serve_fake(host="localhost", port=port):
+            pass
+    assert str(taken.value) == (f"could not bind gRPC to localhost:{port} (Address already in use: another program "
+                                f"listens on 127.0.0.1:{port})")
+    with serve_fake(host="localhost", port=port), PolicyClient(f"127.0.0.1:{port}") as client:  # free again
+        assert client.health() == "SERVING"
+
+
 def test_a_unix_socket_a_server_answers_on_is_taken_and_a_stale_one_is_not(tmp_path):
     """gRPC unlinks the socket at a --unix-socket path before it binds it: a second server took the path of a running
     one, and the running one's new clients reached the second. A socket file that nothing answers on (a crashed

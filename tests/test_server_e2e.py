@@ -590,6 +590,12 @@ def test_sessions_beyond_capacity_are_refused_with_the_capacity_figure(served, c
     for session in opened:
         assert server.act(session, {"image": _image()}, STATE).tick.deadline_met
         server.close_session(session)
+    # Refused for its rate alone, the message names the cap the rates are held to: it said "would claim 90% of the
+    # model" of rates that claimed 90.4%, as if 90% were over the limit, and named no limit.
+    with pytest.raises(PolicyServerError) as refused:
+        server.open_session("pusht", "reach the red circle", budget_ms=60_000, rate_hz=1000)
+    assert re.search(r"the declared rates would claim \d+\.\d% of the model, of at most 90%; no session like this one "
+                     r"fits beside them, 0 would on an idle server", refused.value.message), refused.value.message
 
 
 @contextlib.contextmanager

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -252,6 +253,19 @@ def test_bad_input_gets_precise_status_and_server_keeps_serving(case, client, se
         assert err.value.message
     current = client.reset_session(session) if case.reason == "STALE_EPOCH" else session
     assert_still_serving(client, current)
+
+
+def test_a_message_grpc_cuts_names_its_size_and_the_servers_limit(client, session):
+    """Over twice the limit gRPC refuses the request before the server reads it; its message named gRPC's cut,
+    "SERVER: Received message larger than max (660061 vs. 524288)", as if that were the limit to keep to."""
+    request = oversized(2.5)
+    with pytest.raises(PolicyServerError) as err:
+        request(client, session)
+    said = re.fullmatch(rf"request of (\d+) bytes refused by gRPC before the server read it \(its transport takes "
+                        rf"at most {2 * LIMIT}\); expected at most the server's message limit, "
+                        r"ServerInfo.limits.max_message_bytes", err.value.message)
+    assert said and int(said[1]) > int(LIMIT * 2.5), err.value.message
+    assert_still_serving(client, session)
 
 
 def test_error_details_carry_expected_and_got(client, session):

@@ -19,6 +19,7 @@ The profile is JSON, keyed by the weights digest: a profile of other weights is 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -175,8 +176,16 @@ class QualityProfile(BaseModel):
     calibration: Calibration
 
     def save(self, path: Path) -> None:
+        """Write the profile whole or not at all: a write cut short (a full disk, Ctrl-C) leaves the file that was at
+        `path` (a profile a server takes), not a truncated one that stops the next start. OSError if it cannot."""
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(self.model_dump_json(indent=1) + "\n")
+        partial = path.with_name(f".{path.name}.{os.getpid()}.partial")  # beside it: os.replace is atomic there
+        try:
+            partial.write_text(self.model_dump_json(indent=1) + "\n")
+            os.replace(partial, path)
+        except BaseException:
+            partial.unlink(missing_ok=True)
+            raise
 
     @classmethod
     def load(cls, path: Path, digest: str) -> QualityProfile:

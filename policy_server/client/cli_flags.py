@@ -9,11 +9,11 @@ import argparse
 import math
 from pathlib import Path
 
-from policy_server.client.sync_client import TARGET_FORM, check_target, uses_tls
+from policy_server.client.sync_client import MAX_TIMEOUT_S, TARGET_FORM, check_target, uses_tls
 from policy_server.v1.auth_token import read_token_file
 
 MAX_CA_FILE_BYTES = 1 << 20  # a CA bundle is tens of kB
-MAX_SECONDS = 86400.0  # a day; far longer overflows gRPC's deadline, which then expires at once
+MAX_SECONDS = MAX_TIMEOUT_S
 
 
 def server_address(value: str) -> str:

@@ -9,6 +9,9 @@ import grpc
 from policy_server.v1 import policy_server_pb2 as pb
 from policy_server.v1.errors import error_detail
 
+# gRPC core's message for a message over its receive limit: "Received message larger than max (SIZE vs. LIMIT)".
+_GRPC_CUT = re.compile(r"larger than max \((\d+) vs\. (\d+)\)")
+
 
 class PolicyServerError(Exception):
     """A failed call or a Control-stream error event.
@@ -91,6 +94,12 @@ class PolicyServerError(Exception):
         reason = error.code().name
         if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in message:
             reason = "PAYLOAD_TOO_LARGE"  # cut by gRPC core before the servicer saw it
+            if sizes := _GRPC_CUT.search(message):
+                # gRPC's own message names its cut (twice the server's limit), not the limit a request must keep to.
+                size, cut = sizes.groups()
+                message = (f"request of {size} bytes refused by gRPC before the server read it (its transport takes "
+                           f"at most {cut}); expected at most the server's message limit, "
+                           "ServerInfo.limits.max_message_bytes")
         elif error.code() == grpc.StatusCode.UNAVAILABLE and "RST_STREAM with error code 7" in message:
             # HTTP/2's REFUSED_STREAM: gRPC core refused the call before the servicer saw it.
             reason = "TOO_MANY_CALLS"

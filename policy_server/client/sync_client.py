@@ -25,7 +25,6 @@ all reach the replica that holds it), and each call carries its deadline as ``po
 from __future__ import annotations
 
 import json
-import math
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
@@ -88,6 +87,15 @@ _OPEN_BACKOFF = Backoff(initial_s=0.1, max_s=2.0, max_attempts=None)
 
 
 TARGET_FORM = "HOST:PORT with a port from 1 to 65535, or unix:PATH"
+MAX_TIMEOUT_S = 86400.0  # a day; far longer overflows gRPC's deadline, which then expires at once
+
+
+def check_timeout(timeout_s: float) -> None:
+    """ValueError for a call timeout gRPC would not wait (0, negative, NaN, inf, beyond `MAX_TIMEOUT_S`): such a call
+    failed at once as DEADLINE_EXCEEDED, 'no answer from ... within inf s: the server is down ...', which blames the
+    server."""
+    if not 0 < timeout_s <= MAX_TIMEOUT_S:
+        raise ValueError(f"timeout_s must be a time above 0 s, up to {MAX_TIMEOUT_S:g} s, got {timeout_s}")
 
 
 def check_target(target: str) -> None:
@@ -161,8 +169,7 @@ class PolicyClient:
             token = read_token_file(Path(token_file))  # ValueError naming what is wrong with the file
         elif token is not None:
             check_token(token, "token")  # gRPC would refuse every call's metadata (INTERNAL) instead
-        if not 0 < timeout_s < math.inf:
-            raise ValueError(f"timeout_s must be a finite time above 0 s, got {timeout_s}")
+        check_timeout(timeout_s)
         check_target(target)
         self.target = target
         self.timeout_s = timeout_s
@@ -199,6 +206,7 @@ class PolicyClient:
     def _call(self, method: Callable[..., T], request, timeout_s: float | None, session_id: str | None = None,
               routing_key: str | None = None, **kwargs) -> T:
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        check_timeout(timeout_s)
         metadata = self.call_metadata(session_id, timeout_s, routing_key)
         try:
             return method(request, timeout=timeout_s, metadata=metadata, **kwargs)
@@ -249,6 +257,7 @@ class PolicyClient:
         health service (``Health.Watch``), waiting for the server to come up and watching again if it restarts.
         Behind Serve, whose proxy does not pass the health service on, it asks ``GetServerInfo`` until a replica
         answers ready."""
+        check_timeout(timeout_s)
         if self.serve_application is not None:
             self._wait_until_replica_serves(timeout_s)
             return
@@ -366,13 +375,16 @@ class PolicyClient:
             request.actions_per_chunk = actions_per_chunk
         routing_key = request_id if self.serve_application is not None else None
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        check_timeout(timeout_s)
         began = time.monotonic()
         delays = _OPEN_BACKOFF.delays()
         answer: PolicyServerError | None = None  # the server's last UNAVAILABLE answer (warming up, shutting down)
         answered_s = 0.0  # when it came, s into the call
         while True:
             try:
-                opened = self._call(self.stub.OpenSession, request, began + timeout_s - time.monotonic(),
+                # What is left of the wait, at least a millisecond (a pause may overshoot it): gRPC then says no answer.
+                left_s = max(began + timeout_s - time.monotonic(), 1e-3)
+                opened = self._call(self.stub.OpenSession, request, left_s,
                                     routing_key=routing_key)
                 break
             except PolicyServerError as exc:
@@ -523,6 +535,7 @@ class PolicyClient:
         if seed is not None:
             request.seed = seed
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        check_timeout(timeout_s)
         return ReasonStream(lambda: self.stub.Reason(request, timeout=timeout_s,
                                                      metadata=self.call_metadata(timeout_s=timeout_s)),
                             self.rpc_error)

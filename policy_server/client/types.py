@@ -152,13 +152,23 @@ def build_observation(
     else is sent as float32) and committed actions (float [d, action_dim], as the state)."""
     check_args(pb.Observation, instruction=instruction, step_index=step_index)
     msg = pb.Observation(instruction=instruction, step_index=step_index, client_time_ns=time.monotonic_ns())
-    for name, image in images.items():
+    for name, image in _cameras(images, "images", "uint8 [H, W, 3]"):
         msg.images[name].CopyFrom(encode_image(image, encoding, jpeg_quality, field=f"images[{name}]"))
     if state is not None:
         msg.state.CopyFrom(floats_to_proto(state, "state"))
     if committed_actions is not None:
         msg.committed_actions.CopyFrom(floats_to_proto(committed_actions, "committed_actions"))
     return msg
+
+
+def _cameras(values: Mapping[str, object], field: str, each: str) -> list[tuple[str, object]]:
+    """The (camera name, frame or video) pairs of ``values``; TypeError naming ``field`` for what is not a mapping of
+    str names (a bare array lacks `.items()`, and protobuf refuses an int key with a message that names no field)."""
+    if not isinstance(values, Mapping):
+        raise TypeError(f"{field} must be a mapping of camera name -> {each}, got {type(values).__name__}")
+    if bad := [name for name in values if not isinstance(name, str)]:
+        raise TypeError(f"{field} must be keyed by camera name (str), got {reprlib.repr(bad[0])}")
+    return list(values.items())
 
 
 # What `check_args` says a value must be, by the type of its field (those of the fields the client checks).
@@ -228,7 +238,7 @@ def build_inverse_dynamics(
     check_args(pb.InverseDynamicsRequest, instruction=instruction, step_index=step_index, seed=seed)
     msg = pb.InverseDynamicsRequest(session_id=session.session_id, epoch=session.epoch, instruction=instruction,
                                     step_index=step_index, client_time_ns=time.monotonic_ns())
-    for name, frames in videos.items():
+    for name, frames in _cameras(videos, "videos", "uint8 [K + 1, H, W, 3]"):
         frames = _video(name, frames)
         msg.videos[name].frames.extend(encode_image(frame, encoding, jpeg_quality, field=f"videos[{name}][{i}]")
                                        for i, frame in enumerate(frames))

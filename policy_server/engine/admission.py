@@ -262,7 +262,8 @@ class Admission:
         raise api.Overloaded(
             f"the server cannot take {what}: with the {len(others)} open session(s), a tick could wait "
             f"{queue_ms:.0f} ms against the tightest budget of {min(d.budget_ms for d in demands):g} ms, and "
-            f"the declared rates would claim {load:.0%} of the model; no session like this one fits beside them, "
+            f"the declared rates would claim {load:.1%} of the model, of at most {MAX_UTILIZATION:.0%}; no session "
+            "like this one fits beside them, "
             f"{alone} would on an idle server (a larger budget or a lower rate_hz fits more){unused}",
             sessions_fit=alone)
 

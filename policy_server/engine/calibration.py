@@ -593,7 +593,12 @@ def main(argv: list[str] | None = None) -> int:
     profile = calibrate(pipeline, observations, configs, source=source,
                         progress=lambda done: print(f"  {done:.0%}", flush=True))
     replaced = out.is_file()
-    profile.save(out)
+    try:
+        profile.save(out)
+    except OSError as error:
+        print(f"policy-server calibrate: cannot write {out}: {error.strerror or error}"
+              f"{'; the profile there is unchanged' if replaced else ''}", file=sys.stderr)
+        return 1
     for embodiment, points in profile.embodiments.items():
         print(f"{embodiment}: {len(frontier(points))} configurations on the frontier of {len(points)}")
     print(f"{'replaced' if replaced else 'wrote'} {out} ({profile.calibration.seconds:.0f} s)")

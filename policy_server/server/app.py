@@ -146,6 +146,29 @@ def _answers(path: os.PathLike) -> bool:
     return True
 
 
+def _taken_address(host: str, port: int) -> str | None:
+    """The first address gRPC would bind for the host name `host` that another program holds at `port`. gRPC binds
+    every address a name has ("localhost": 127.0.0.1 and ::1) and starts where any one binds: a second server on
+    localhost took ::1 beside the first's 127.0.0.1, so a client of localhost reached either. A literal address (or
+    port 0) gRPC's own bind judges."""
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+        return None
+    except ValueError:
+        pass
+    if port == 0:
+        return None
+    addresses = {"127.0.0.1", "::1"} if host == "localhost" else set()  # gRPC's resolver makes localhost both
+    addresses |= {str(info[4][0]) for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)}
+    for candidate in sorted(addresses):
+        try:
+            listen.tcp_socket(candidate, port).close()  # bound as gRPC binds it, SO_REUSEADDR included
+        except OSError as error:
+            if error.errno == errno.EADDRINUSE:  # not EADDRNOTAVAIL: an address this machine lacks, gRPC skips too
+                return listen.address(candidate, port)
+    return None
+
+
 def _bind_error(address: str) -> OSError:
     """Why gRPC could not bind `address` (`HOST:PORT` or `unix:PATH`), as the OS says when a socket of ours tries:
     gRPC core says it only in its own log line."""
@@ -240,6 +263,9 @@ class PolicyServer:
         credentials = None
         if cfg.tls:
             credentials = grpc.ssl_server_credentials([(cfg.tls.key_pem, cfg.tls.cert_chain_pem)])
+        if taken := _taken_address(cfg.host, cfg.port):
+            raise listen.bind_failed("gRPC", listen.address(cfg.host, cfg.port), OSError(
+                errno.EADDRINUSE, f"{os.strerror(errno.EADDRINUSE)}: another program listens on {taken}"))
         self.grpc_port = self._add_port(listen.address(cfg.host, cfg.port), credentials)
         if cfg.unix_socket is not None:
             if _answers(cfg.unix_socket):  # gRPC would unlink it and bind the path: its clients would reach this server
