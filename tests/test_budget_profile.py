@@ -121,3 +121,9 @@ def test_points_that_measured_alike_count_once():
     unreached = _point(10, 0.05, 0, 10, 0, threshold=0.1)  # the gate never skipped: the same tick
     assert frontier([uncached, unreached]) == (uncached,)
 
+
+
+def test_a_profile_says_what_it_was_calibrated_on_in_words():
+    """It said "calibrated on 1 observations" (a one-observation calibrate, README's smallest)."""
+    assert Calibration(observations=1, source="a", seconds=1).describe() == "calibrated on 1 observation of a"
+    assert Calibration(observations=4, source="a", seconds=1).describe() == "calibrated on 4 observations of a"

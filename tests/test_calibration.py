@@ -320,6 +320,7 @@ def test_the_command_writes_the_profile_beside_the_checkpoint(tmp_path, capsys, 
     assert "not a calibration observations file" in capsys.readouterr().err
     for bad, message in ((["--residual-orders", "1,3"], "--residual-orders '1,3': expected"),
                          (["--residual-orders", "one"], "--residual-orders 'one': expected"),
+                         (["--residual-orders", ""], "--residual-orders '': expected"),  # it ran the default ones
                          (["--min-steps", "0"], "--min-steps must be at least 1, got 0\n"),
                          (["--max-observations", "-1"], "--max-observations must be at least 1, got -1\n"),
                          (["--min-steps", "4"], "--min-steps 4: above the checkpoint's 3 sampler steps"),

@@ -161,7 +161,8 @@ class Calibration(BaseModel):
     seconds: float = Field(ge=0.0)
 
     def describe(self) -> str:
-        return f"calibrated on {self.observations} observations of {self.source}"
+        plural = "" if self.observations == 1 else "s"
+        return f"calibrated on {self.observations} observation{plural} of {self.source}"
 
 
 class QualityProfile(BaseModel):

@@ -542,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
         if value is not None and value < 1:
             parser.error(f"{flag} must be at least 1, got {value}")
     orders = None
-    if args.residual_orders:
+    if args.residual_orders is not None:
         orders = [int(o) for o in args.residual_orders.split(",") if o.strip().isdigit()]
         if len(orders) != len(args.residual_orders.split(",")) or not set(orders) <= {0, 1, 2}:
             parser.error(f"--residual-orders {args.residual_orders!r}: expected comma-separated orders 0, 1 or 2")
