@@ -266,6 +266,18 @@ BROKEN_DIFFUSERS = {
         lambda root: _edit_json(root / "vae/config.json", num_res_blocks=1000),
         "vae/config.json: num_res_blocks=1000 on each of dim_mult's 4 level(s); expected a positive integer, and at "
         "most as many blocks in all as the weights hold tensors ("),
+    "wan_vae_patch_size_a_string": (  # was "... compresses 22222222x in space", the string repeated
+        lambda root: _edit_json(root / "vae/config.json", patch_size="2"),
+        "vae/config.json: patch_size='2'; expected a positive integer or null"),
+    "wan_vae_z_dim_a_string": (  # was "cannot build ... (not all arguments converted during string formatting)"
+        lambda root: _edit_json(root / "vae/config.json", z_dim="8"),
+        "vae/config.json: z_dim='8'; expected a positive integer"),
+    "wan_vae_temperal_downsample_a_string": (  # was "cannot build ... (string index out of range)"
+        lambda root: _edit_json(root / "vae/config.json", temperal_downsample="no"),
+        "vae/config.json: temperal_downsample='no'; expected a list of true or false, one per level but the last"),
+    "wan_vae_latents_mean_null": (
+        lambda root: _edit_json(root / "vae/config.json", latents_mean=None),
+        "vae/config.json: latents_mean=None; expected a list of numbers"),
     "wan_vae_unknown_field": (lambda root: _renaming(root / "vae/config.json", "z_dim", "z_dimm"),
                               "vae/config.json: unknown field(s) ['z_dimm']; expected the AutoencoderKLWan arguments"),
     "wan_vae_scale_not_its_architecture": (
