@@ -490,6 +490,18 @@ def test_a_dataset_of_other_cameras_than_the_embodiment_trained_is_named(tmp_pat
         check_fits_embodiment(dataset, arm.model_copy(update=other), (64, 64))
 
 
+def test_a_robot_type_that_is_not_a_string_is_named(tmp_path, capsys):
+    """It names the embodiment trained: a number was refused as "embodiment 5.name: Input should be a valid string",
+    naming neither the file nor the field."""
+    folder = _arm_dataset(tmp_path / "arm")
+    _edit_json("meta/info.json", lambda info: info.update(robot_type=5))(folder)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--data", str(folder), "--out", str(tmp_path / "out"), "--steps", "1"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        f"{folder}/meta/info.json: robot_type 5; expected a string (the robot's name) or null")
+
+
 def test_a_lerobot_v21_dataset_reads_and_trains_as_its_v3_equivalent(tmp_path):
     """Most LeRobot datasets are still in the v2.1 layout (meta/episodes.jsonl, a data file per episode, a video per
     episode and camera) and were refused: they read as the same episodes as their v3.0 equivalent, and train."""
