@@ -291,6 +291,12 @@ BROKEN_DIFFUSERS = {
     "karras_sigma_max_infinite": (  # was pydantic's ValidationError, a traceback
         _writing("scheduler/scheduler_config.json", json.dumps({**SCHEDULER_CONFIG, "sigma_max": math.inf})),
         "scheduler_config.json: use_karras_sigmas needs 0 < sigma_min < sigma_max < infinity, got 0.147, inf"),
+    "solver_order_true": (  # was pydantic's ValidationError of PolicyConfig, a traceback and exit status 1
+        lambda root: _edit_json(root / "scheduler/scheduler_config.json", solver_order=True),
+        "scheduler_config.json: solver_order=True; expected 1..3"),
+    "karras_flag_a_string": (  # was served on Karras sigmas: the string "false" is true
+        lambda root: _edit_json(root / "scheduler/scheduler_config.json", use_karras_sigmas="false"),
+        "scheduler_config.json: use_karras_sigmas='false'; expected true or false"),
     "corrector_disabled_on_some_steps": (
         lambda root: _edit_json(root / "scheduler/scheduler_config.json", disable_corrector=[0, 1]),
         "scheduler_config.json: disable_corrector=[0, 1]; this server implements []"),
