@@ -307,6 +307,10 @@ BROKEN_DIFFUSERS = {
     "eos_token_not_in_the_tokenizer": (  # the message named no file
         lambda root: _edit_json(root / "text_tokenizer/tokenizer_config.json", eos_token="<|end|>"),
         "text_tokenizer/tokenizer.json: the tokenizer has no eos token '<|end|>'; a Cosmos3 prompt needs it"),
+    "eos_token_a_number": (  # was "tokenizer_config.json has no eos_token", of a file that has one
+        lambda root: _edit_json(root / "text_tokenizer/tokenizer_config.json", eos_token=5),
+        "text_tokenizer/tokenizer_config.json has no eos_token (eos_token 5 names none); expected the end-of-prompt "
+        "token, a string or an AddedToken's object with its content, e.g. '<|im_end|>'"),
     "tokenizer_config_missing": (  # was "text_tokenizer/tokenizer_config.json has no eos_token", of a missing file
         lambda root: _remove(root / "text_tokenizer/tokenizer_config.json"),
         "text_tokenizer; expected one naming the end-of-prompt eos_token, e.g. '<|im_end|>'"),
