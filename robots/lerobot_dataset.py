@@ -333,6 +333,9 @@ class LeRobotDemoDataset:
         self.camera_sizes = {self.camera_names[key]: size for key, size in sizes.items()}
         self.fps = fps
         self.robot_type = self.info.get("robot_type")
+        if self.robot_type is not None and not isinstance(self.robot_type, str):  # it names the embodiment trained
+            raise DatasetError(f"{info_path}: robot_type {self.robot_type!r}; expected a string (the robot's name) or "
+                               "null")
         self.dims = {key: features[key]["shape"][0] for key in (STATE_KEY, ACTION_KEY)}
         # Channel names where info.json lists one per channel (LeRobot also nests them, {"motors": [...]}).
         self.state_names, self.action_names = (_channel_names(features[key].get("names"), self.dims[key])

@@ -44,7 +44,7 @@ from policy_server.json_file import read_json
 from policy_server.model import Cosmos3OmniTransformer, load_transformer
 from policy_server.model.boundary import GenInput, UndKV
 from policy_server.model.checkpoint import CheckpointError
-from policy_server.model.config import ConfigError
+from policy_server.model.config import ConfigError, Cosmos3TransformerConfig
 from policy_server.model.text_tokenizer import TextTokenizer
 from policy_server.model.vae import SmallVideoVAE
 from policy_server.pipeline.conditioning import CanvasPlacement, crop_latent_padding, prepare_clip
@@ -161,6 +161,22 @@ def collect_windows(episodes: Iterable[Episode], vae: SmallVideoVAE, chunk: int,
         instructions=instructions,
         canvas_hw=placement.canvas_hw,
     )
+
+
+def check_parts_fit(config: Cosmos3TransformerConfig, vae: SmallVideoVAE, tokenizer: TextTokenizer,
+                    init_from: Path | None, vae_dir: Path) -> None:
+    """CheckpointError unless the transformer (`config`: --init's, else the embedded one's) takes the latents of the
+    VAE (`vae_dir`) and the ids of the embedded text tokenizer, before any frame is encoded: a Cosmos3 diffusers
+    folder's transformer (its own vocabulary) failed with an IndexError traceback at the first step."""
+    transformer = (f"the transformer of {init_from} (--init)" if init_from is not None
+                   else "the fresh transformer (--from-scratch)")
+    if tokenizer.id_bound > config.vocab_size:
+        raise CheckpointError(f"{transformer} has vocab_size={config.vocab_size}; expected at least "
+                              f"{tokenizer.id_bound}, the ids of the embedded text tokenizer that training prompts "
+                              "with (as a folder robots.train_policy wrote has, or the shipped one)")
+    if config.latent_channel != vae.latent_channels:
+        raise CheckpointError(f"{transformer} takes latents of {config.latent_channel} channels; the VAE {vae_dir} "
+                              f"makes {vae.latent_channels}")
 
 
 def trained_embodiment(datasets: list[DemoDataset | LeRobotDemoDataset], first: Episode, name: str | None,
@@ -360,6 +376,7 @@ def train(
     vae = SmallVideoVAE.from_pretrained(vae_dir).eval()
     tokenizer = TextTokenizer.from_dir(default_model_path() / "text_tokenizer")
     config = model.config
+    check_parts_fit(config, vae, tokenizer, init_from, vae_dir)
     init = init_domains(init_from)
     datasets = [open_dataset(data_dir) for data_dir in data_dirs]
     for dataset in datasets:  # from info.json's shapes, before any frame is decoded

@@ -266,6 +266,18 @@ BROKEN_DIFFUSERS = {
         lambda root: _edit_json(root / "vae/config.json", num_res_blocks=1000),
         "vae/config.json: num_res_blocks=1000 on each of dim_mult's 4 level(s); expected a positive integer, and at "
         "most as many blocks in all as the weights hold tensors ("),
+    "wan_vae_patch_size_a_string": (  # was "... compresses 22222222x in space", the string repeated
+        lambda root: _edit_json(root / "vae/config.json", patch_size="2"),
+        "vae/config.json: patch_size='2'; expected a positive integer or null"),
+    "wan_vae_z_dim_a_string": (  # was "cannot build ... (not all arguments converted during string formatting)"
+        lambda root: _edit_json(root / "vae/config.json", z_dim="8"),
+        "vae/config.json: z_dim='8'; expected a positive integer"),
+    "wan_vae_temperal_downsample_a_string": (  # was "cannot build ... (string index out of range)"
+        lambda root: _edit_json(root / "vae/config.json", temperal_downsample="no"),
+        "vae/config.json: temperal_downsample='no'; expected a list of true or false, one per level but the last"),
+    "wan_vae_latents_mean_null": (
+        lambda root: _edit_json(root / "vae/config.json", latents_mean=None),
+        "vae/config.json: latents_mean=None; expected a list of numbers"),
     "wan_vae_unknown_field": (lambda root: _renaming(root / "vae/config.json", "z_dim", "z_dimm"),
                               "vae/config.json: unknown field(s) ['z_dimm']; expected the AutoencoderKLWan arguments"),
     "wan_vae_scale_not_its_architecture": (
@@ -279,6 +291,12 @@ BROKEN_DIFFUSERS = {
     "karras_sigma_max_infinite": (  # was pydantic's ValidationError, a traceback
         _writing("scheduler/scheduler_config.json", json.dumps({**SCHEDULER_CONFIG, "sigma_max": math.inf})),
         "scheduler_config.json: use_karras_sigmas needs 0 < sigma_min < sigma_max < infinity, got 0.147, inf"),
+    "solver_order_true": (  # was pydantic's ValidationError of PolicyConfig, a traceback and exit status 1
+        lambda root: _edit_json(root / "scheduler/scheduler_config.json", solver_order=True),
+        "scheduler_config.json: solver_order=True; expected 1..3"),
+    "karras_flag_a_string": (  # was served on Karras sigmas: the string "false" is true
+        lambda root: _edit_json(root / "scheduler/scheduler_config.json", use_karras_sigmas="false"),
+        "scheduler_config.json: use_karras_sigmas='false'; expected true or false"),
     "corrector_disabled_on_some_steps": (
         lambda root: _edit_json(root / "scheduler/scheduler_config.json", disable_corrector=[0, 1]),
         "scheduler_config.json: disable_corrector=[0, 1]; this server implements []"),
@@ -289,6 +307,10 @@ BROKEN_DIFFUSERS = {
     "eos_token_not_in_the_tokenizer": (  # the message named no file
         lambda root: _edit_json(root / "text_tokenizer/tokenizer_config.json", eos_token="<|end|>"),
         "text_tokenizer/tokenizer.json: the tokenizer has no eos token '<|end|>'; a Cosmos3 prompt needs it"),
+    "eos_token_a_number": (  # was "tokenizer_config.json has no eos_token", of a file that has one
+        lambda root: _edit_json(root / "text_tokenizer/tokenizer_config.json", eos_token=5),
+        "text_tokenizer/tokenizer_config.json has no eos_token (eos_token 5 names none); expected the end-of-prompt "
+        "token, a string or an AddedToken's object with its content, e.g. '<|im_end|>'"),
     "tokenizer_config_missing": (  # was "text_tokenizer/tokenizer_config.json has no eos_token", of a missing file
         lambda root: _remove(root / "text_tokenizer/tokenizer_config.json"),
         "text_tokenizer; expected one naming the end-of-prompt eos_token, e.g. '<|im_end|>'"),

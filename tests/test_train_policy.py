@@ -8,9 +8,10 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from cosmos3_folder import build_tiny_cosmos3_folder
 
 from policy_server.model import load_transformer
-from policy_server.model.vae import SmallVideoVAE
+from policy_server.model.vae import SmallVideoVAE, SmallVideoVAEConfig
 from policy_server.pipeline.embodiments import Embodiment
 from policy_server.pipeline.normalization import make_normalizer, parse_stats
 from policy_server.pipeline.policy import PolicyPipeline, PolicyRequest, default_model_path
@@ -488,6 +489,39 @@ def test_a_dataset_of_other_cameras_than_the_embodiment_trained_is_named(tmp_pat
     check_fits_embodiment(dataset, arm, (64, 64))
     with pytest.raises(DatasetError, match=re.escape(named)):
         check_fits_embodiment(dataset, arm.model_copy(update=other), (64, 64))
+
+
+@pytest.mark.parametrize("mismatch", ["cosmos3_init", "vae"])
+def test_an_init_or_vae_the_embedded_parts_do_not_fit_is_named_before_encoding(tmp_path, capsys, mismatch):
+    """A Cosmos3 diffusers folder's transformer (a vocabulary of its own) as --init, or a VAE of other latent channels
+    as --vae, ended in an IndexError / shape traceback at the first training step, after the encoding."""
+    shipped = default_model_path()
+    if mismatch == "cosmos3_init":
+        init, vae = build_tiny_cosmos3_folder(tmp_path / "cosmos3"), shipped / "vae"
+        named = f"the transformer of {init} (--init) has vocab_size=300; expected at least "
+    else:
+        init, vae = shipped, tmp_path / "vae8"
+        SmallVideoVAE(SmallVideoVAEConfig(latent_channels=8)).save_pretrained(vae)
+        named = f"the transformer of {init} (--init) takes latents of 16 channels; the VAE {vae} makes 8"
+    folder = _arm_dataset(tmp_path / "arm")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--data", str(folder), "--init", str(init), "--vae", str(vae), "--out", str(tmp_path / "out"),
+              "--steps", "1"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and named in err.splitlines()[-1]
+    assert "vae encode" not in err and "Traceback" not in err
+
+
+def test_a_robot_type_that_is_not_a_string_is_named(tmp_path, capsys):
+    """It names the embodiment trained: a number was refused as "embodiment 5.name: Input should be a valid string",
+    naming neither the file nor the field."""
+    folder = _arm_dataset(tmp_path / "arm")
+    _edit_json("meta/info.json", lambda info: info.update(robot_type=5))(folder)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--data", str(folder), "--out", str(tmp_path / "out"), "--steps", "1"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        f"{folder}/meta/info.json: robot_type 5; expected a string (the robot's name) or null")
 
 
 def test_a_lerobot_v21_dataset_reads_and_trains_as_its_v3_equivalent(tmp_path):

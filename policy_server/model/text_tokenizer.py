@@ -143,9 +143,10 @@ class TextTokenizer:
         }
         eos_token = special_tokens.get("eos_token")
         if eos_token is None:
+            given = "" if config.get("eos_token") is None else f" (eos_token {config['eos_token']!r} names none)"
             raise TextTokenizerError(
-                f"{config_file} has no eos_token; expected the end-of-prompt token, "
-                f"e.g. {BUILTIN_EOS_TOKEN!r}"
+                f"{config_file} has no eos_token{given}; expected the end-of-prompt token, a string or an AddedToken's "
+                f"object with its content, e.g. {BUILTIN_EOS_TOKEN!r}"
             )
         chat_template = cls._find_chat_template(folder, config)
         try:

@@ -484,7 +484,7 @@ def scheduler_settings(path: str | Path) -> dict[str, object]:
         if config.get(key, default) != wanted:
             raise CheckpointError(f"{path}: {key}={config.get(key, default)!r}; this server implements {wanted!r}")
     order = config.get("solver_order", 2)
-    if not isinstance(order, int) or not 1 <= order <= MAX_SOLVER_ORDER:
+    if not isinstance(order, int) or isinstance(order, bool) or not 1 <= order <= MAX_SOLVER_ORDER:
         raise CheckpointError(f"{path}: solver_order={order!r}; expected 1..{MAX_SOLVER_ORDER}")
     final = config.get("final_sigmas_type", "zero")
     if final not in ("zero", "sigma_min"):
@@ -494,7 +494,10 @@ def scheduler_settings(path: str | Path) -> dict[str, object]:
         raise CheckpointError(f"{path}: flow_shift={shift!r}; expected a number above 0")
     settings: dict[str, object] = {"sampler": "unipc", "solver_order": order, "final_sigma": final,
                                    "shift": float(shift)}
-    if config.get("use_karras_sigmas", False):
+    karras = config.get("use_karras_sigmas", False)
+    if not isinstance(karras, bool):  # diffusers tests its truth: the string "false" would pick Karras sigmas
+        raise CheckpointError(f"{path}: use_karras_sigmas={karras!r}; expected true or false")
+    if karras:
         low, high = config.get("sigma_min"), config.get("sigma_max")
         if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in (low, high)) \
                 or not 0 < low < high < math.inf:

@@ -23,6 +23,11 @@ WAN_VAE_CLASS = "AutoencoderKLWan"
 # Config fields besides the class's arguments: Wan2.2's vae/config.json (which Cosmos3 ships) carries `clip_output`,
 # which diffusers ignores; its decoder clamps to [-1, 1] regardless, as `WanVideoVAE.decode` does.
 IGNORED_CONFIG_FIELDS = ("clip_output",)
+# The JSON type of each AutoencoderKLWan argument: diffusers passes a config's values on unchecked, so a string
+# where it takes an integer built a VAE of garbage sizes ('2' * 8) or failed inside it without naming the field.
+_POSITIVE_INTS = ("base_dim", "z_dim", "num_res_blocks", "in_channels", "out_channels")
+_OPTIONAL_POSITIVE_INTS = ("decoder_base_dim", "patch_size", "scale_factor_temporal", "scale_factor_spatial")
+_NUMBER_LISTS = ("attn_scales", "latents_mean", "latents_std")
 
 
 class WanVideoVAE(torch.nn.Module):
@@ -94,14 +99,13 @@ def _check_config(folder: Path, stored: dict, vae_class: type) -> None:
     sizes its weights do not have (base_dim 10**6) had diffusers allocate it (108 TB asked for) before it compared
     shapes, and one it cannot build (dim_mult longer than temperal_downsample) raised an IndexError."""
     path = folder / "config.json"
+    _check_types(path, stored)
     tensors = index_tensors(folder)  # headers only: the weights' files, and every weight stored as floating point
     defaults = inspect.signature(vae_class.__init__).parameters
     levels = stored.get("dim_mult", defaults["dim_mult"].default)
     blocks = stored.get("num_res_blocks", defaults["num_res_blocks"].default)
     # The model holds at least a tensor per residual block of each level: bounded so, building it is quick.
-    if not isinstance(levels, list) or not levels:
-        raise CheckpointError(f"{path}: dim_mult={levels!r}; expected a list of channel multipliers, one per level")
-    if not (isinstance(blocks, int) and not isinstance(blocks, bool) and 1 <= blocks * len(levels) <= len(tensors)):
+    if blocks * len(levels) > len(tensors):
         raise CheckpointError(f"{path}: num_res_blocks={blocks!r} on each of dim_mult's {len(levels)} level(s); "
                               f"expected a positive integer, and at most as many blocks in all as the weights hold "
                               f"tensors ({len(tensors)})")
@@ -113,9 +117,8 @@ def _check_config(folder: Path, stored: dict, vae_class: type) -> None:
     check_state_dict(vae, tensors, folder)
     config = vae.config
     for name in ("latents_mean", "latents_std"):
-        values = getattr(config, name, None)
-        if not isinstance(values, list) or len(values) != config.z_dim \
-                or not all(isinstance(v, int | float) and math.isfinite(v) for v in values):
+        values = getattr(config, name)  # lists of numbers (`_check_types`)
+        if len(values) != config.z_dim or not all(math.isfinite(v) for v in values):
             raise CheckpointError(f"{path}: {name} must hold z_dim={config.z_dim} finite values")
     if min(config.latents_std) <= 0:
         raise CheckpointError(f"{path}: latents_std must be positive, got {config.latents_std}")
@@ -128,3 +131,34 @@ def _check_config(folder: Path, stored: dict, vae_class: type) -> None:
             f"{path}: scale_factor_spatial {config.scale_factor_spatial} and scale_factor_temporal "
             f"{config.scale_factor_temporal}; the architecture (patch_size, dim_mult, temperal_downsample) "
             f"compresses {spatial}x in space and {temporal}x in time")
+
+
+def _check_types(path: Path, stored: dict) -> None:
+    """Each `AutoencoderKLWan` argument in `stored` (`path`'s fields) of the JSON type diffusers takes it as."""
+    def is_int(value: object) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    def is_number(value: object) -> bool:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+
+    def fail(name: str, expected: str) -> None:
+        raise CheckpointError(f"{path}: {name}={stored[name]!r}; expected {expected}")
+
+    for name in (*_POSITIVE_INTS, *_OPTIONAL_POSITIVE_INTS):
+        optional = name in _OPTIONAL_POSITIVE_INTS
+        if name in stored and not (optional and stored[name] is None) and not (is_int(stored[name])
+                                                                              and stored[name] >= 1):
+            fail(name, "a positive integer" + (" or null" if optional else ""))
+    if "dim_mult" in stored and not (isinstance(stored["dim_mult"], list) and stored["dim_mult"]
+                                     and all(is_int(v) and v >= 1 for v in stored["dim_mult"])):
+        fail("dim_mult", "a list of positive integer channel multipliers, one per level")
+    if "temperal_downsample" in stored and not (isinstance(stored["temperal_downsample"], list)
+                                                and all(isinstance(v, bool) for v in stored["temperal_downsample"])):
+        fail("temperal_downsample", "a list of true or false, one per level but the last")
+    for name in _NUMBER_LISTS:
+        if name in stored and not (isinstance(stored[name], list) and all(is_number(v) for v in stored[name])):
+            fail(name, "a list of numbers")
+    if "dropout" in stored and not (is_number(stored["dropout"]) and 0 <= stored["dropout"] < 1):
+        fail("dropout", "a number in [0, 1)")
+    if "is_residual" in stored and not isinstance(stored["is_residual"], bool):
+        fail("is_residual", "true or false")
