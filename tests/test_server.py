@@ -562,7 +562,7 @@ def test_a_tls_mismatch_is_named_in_one_line_without_grpc_cores_log(tmp_path):
             lines = done.stderr.splitlines()
             assert (done.returncode, done.stdout, len(lines)) == (2, "", 1), done.stderr  # no line of gRPC core's
             assert lines[0].startswith("UNAVAILABLE: ") and cause in lines[0], lines[0]
-        for flags, cause in cases[:2]:  # it waits at most SERVING_NOTICE_S for a server it cannot reach
+        for flags, cause in cases[:1]:  # it waits at most SERVING_NOTICE_S for a server it cannot reach
             done = subprocess.run([*rollout, *flags], capture_output=True, text=True, timeout=120, env=environ)
             lines = done.stderr.splitlines()
             assert (done.returncode, len(lines)) == (2, 1), done.stderr
