@@ -417,6 +417,23 @@ def test_a_host_name_one_of_whose_addresses_another_server_holds_is_taken():
         assert client.health() == "SERVING"
 
 
+
+def test_a_host_name_whose_lookup_fails_for_now_is_named_by_the_bind(monkeypatch):
+    """The settings leave a lookup failing for now (EAI_AGAIN: no DNS server reachable) to the bind; the check for a
+    taken address raised getaddrinfo's bare gaierror ("Temporary failure in name resolution"), naming no host."""
+    lookup = socket.getaddrinfo
+
+    def no_dns(host, *args, **kwargs):
+        if host == "no.such.host.invalid":
+            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+        return lookup(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_dns)
+    with pytest.raises(OSError, match="^could not bind gRPC to no.such.host.invalid:50391 "), \
+            serve_fake(host="no.such.host.invalid", port=50391):
+        pass
+
+
 def test_a_unix_socket_a_server_answers_on_is_taken_and_a_stale_one_is_not(tmp_path):
     """gRPC unlinks the socket at a --unix-socket path before it binds it: a second server took the path of a running
     one, and the running one's new clients reached the second. A socket file that nothing answers on (a crashed

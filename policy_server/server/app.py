@@ -159,7 +159,10 @@ def _taken_address(host: str, port: int) -> str | None:
     if port == 0:
         return None
     addresses = {"127.0.0.1", "::1"} if host == "localhost" else set()  # gRPC's resolver makes localhost both
-    addresses |= {str(info[4][0]) for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)}
+    try:
+        addresses |= {str(info[4][0]) for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)}
+    except socket.gaierror:  # a name that resolves to nothing (now): gRPC's bind fails, naming the host
+        return None
     for candidate in sorted(addresses):
         try:
             listen.tcp_socket(candidate, port).close()  # bound as gRPC binds it, SO_REUSEADDR included
