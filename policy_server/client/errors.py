@@ -118,32 +118,43 @@ class PolicyServerError(Exception):
 
 
 _VERIFY_FAILED = re.compile(r"CERTIFICATE_VERIFY_FAILED: ([^:]+)")
+# OpenSSL's reasons for a chain the roots do not vouch for; others (expired, not yet valid) are the certificate's.
+_UNTRUSTED = ("self signed certificate", "self-signed certificate", "unable to get local issuer certificate",
+              "unable to get issuer certificate", "unable to verify the first certificate")
 
 
 def explain_connection_failure(error: PolicyServerError, target: str, tls: bool, root_certificates: bytes | None,
                                server_name: str | None) -> PolicyServerError:
-    """`error` on one line naming the likely cause where gRPC core's words for a connection that failed are a TLS
-    mismatch: a plaintext channel to a TLS server (core says only "Socket closed"), a TLS channel to a plaintext
-    server, a certificate the channel's roots do not trust or that does not hold the name checked; else `error`."""
+    """`error` on one line naming the likely cause where gRPC core's words for a connection that failed say little:
+    a TLS channel to a plaintext server, a certificate the channel's roots do not trust, one not valid now or that
+    does not hold the name checked (each a mismatch: waiting does not help), or a plaintext channel whose connection
+    was closed before a word of gRPC (a TLS server, or a tunnel or proxy with nothing behind it yet: a guess); else
+    `error`. gRPC's own words follow in parentheses."""
     if error.from_server or error.code != grpc.StatusCode.UNAVAILABLE:
         return error
     text = error.message
     roots = "the given CA (--tls-ca, root_certificates)" if root_certificates is not None else \
         "the system's root certificates; pass the server's CA or its certificate with --tls-ca FILE (root_certificates)"
-    if not tls and "failed to connect" in text and "Socket closed" in text:  # not a call whose connection dropped
-        cause = (f"the server at {target} closed the connection before a word of gRPC: it likely speaks TLS; connect "
-                 "with --tls-ca FILE (its CA or certificate) or --tls (the system's roots); in Python, "
-                 "root_certificates= or tls=True")
+    # Not a call whose connection dropped; reset where the close meets the client's first bytes.
+    if not tls and "failed to connect" in text and ("Socket closed" in text or "Connection reset by peer" in text):
+        cause = (f"the server at {target} closed the connection before a word of gRPC: a TLS server (connect with "
+                 "--tls-ca FILE, its CA or certificate, or --tls, the system's roots; in Python, root_certificates= "
+                 "or tls=True), or a tunnel or proxy with nothing behind it yet")
     elif tls and "WRONG_VERSION_NUMBER" in text:
         cause = (f"the server at {target} does not speak TLS (its answer to the TLS handshake is not TLS); connect "
                  "without --tls, --tls-ca and --tls-server-name (in Python: tls, root_certificates and server_name)")
     elif tls and (verify := _VERIFY_FAILED.search(text)):
-        cause = (f"TLS handshake with {target} failed: its certificate ({verify.group(1).strip()}) is not trusted by "
-                 f"{roots}")
+        reason = verify.group(1).strip()
+        cause = (f"TLS handshake with {target} failed: its certificate ({reason}) is not trusted by {roots}"
+                 if reason.lower() in _UNTRUSTED else
+                 f"TLS handshake with {target} failed: its certificate was refused ({reason}); check its validity "
+                 "dates against this machine's clock")
     elif tls and "Hostname Verification Check failed" in text:
-        name = server_name or ("localhost" if target.startswith("unix:") else target.rpartition(":")[0].strip("[]"))
+        host = target.removeprefix("dns:///").removeprefix("dns:").rpartition(":")[0].strip("[]")
+        name = server_name or ("localhost" if target.startswith("unix:") else host)
         cause = (f"TLS handshake with {target} failed: its certificate does not hold the name {name!r}; pass the "
                  "name it holds with --tls-server-name NAME (server_name=)")
     else:
         return error
-    return PolicyServerError(error.code, error.reason, cause)
+    return PolicyServerError(error.code, error.reason, f"{cause} (gRPC: {text})")
+

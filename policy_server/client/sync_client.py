@@ -53,7 +53,9 @@ from policy_server.v1.auth_token import check_token, read_token_file
 
 T = TypeVar("T")
 _RETRY_PAUSE_S = 0.1  # between watching or asking again while a server comes up
-_PROBE_S = 2.0  # for one connection attempt's outcome: refused, closed, a TLS handshake's
+# For a Check that does not wait for a connection: a channel whose connection failed fails it at once, with why;
+# one trying again (after gRPC's backoff) fails it once that try has, within a few ms on a LAN, a second on a busy one.
+_PROBE_S = 1.0
 # `wait_until_serving`'s default: a server's first start compiles for a minute or more (57 s of warmup on 2 cores
 # for the embedded model), a Cosmos3 folder's on a CPU for minutes. policy-rollout waits as long.
 SERVING_WAIT_S = 600.0
@@ -242,8 +244,7 @@ class PolicyClient:
         try:
             return self._call(self.stub.GetServerInfo, request, timeout_s)
         except PolicyServerError as error:  # it waits for a connection (RETRY_SERVICE_CONFIG): say why none was made
-            mismatch = self._tls_mismatch() if error.no_answer else None
-            raise mismatch or error from None
+            raise (self._connection_failure() if error.no_answer else None) or error from None
 
     def health(self, service: str = "", timeout_s: float | None = None) -> str:
         """SERVING, NOT_SERVING or SERVICE_UNKNOWN (standard grpc.health.v1)."""
@@ -252,8 +253,9 @@ class PolicyClient:
 
     def wait_until_serving(self, timeout_s: float = SERVING_WAIT_S) -> None:
         """Block until health is SERVING (model loaded and warm), at most ``timeout_s`` (10 min, a first start's
-        compile included); TimeoutError otherwise, or `PolicyServerError` where no connection was made for a TLS
-        mismatch (a plaintext channel to a TLS server, the reverse, an untrusted certificate). Watches the standard
+        compile included); TimeoutError otherwise (naming why no connection was made, where gRPC says), but
+        `PolicyServerError` where a TLS channel's handshake failed (a plaintext server, a certificate its roots do not
+        trust or not valid now, another name): waiting longer does not mend those. Watches the standard
         health service (``Health.Watch``), waiting for the server to come up and watching again if it restarts.
         Behind Serve, whose proxy does not pass the health service on, it asks ``GetServerInfo`` until a replica
         answers ready."""
@@ -283,15 +285,16 @@ class PolicyClient:
                 time.sleep(min(max(_RETRY_PAUSE_S, error.retry_after_ms / 1e3), max(0.0, end - time.monotonic())))
             finally:
                 updates.cancel()
-        mismatch = self._tls_mismatch() if last == "no answer" else None  # no connection: the Watch waited for one
-        if mismatch is not None:
-            raise mismatch
+        if last == "no answer" and (failure := self._connection_failure()) is not None:  # the Watch waited for one
+            if self._tls[0]:
+                raise failure
+            last = failure.message
         raise TimeoutError(f"{self.target} not SERVING after {timeout_s:g} s (last: {last})")
 
-    def _tls_mismatch(self) -> PolicyServerError | None:
-        """The error naming a TLS mismatch where one health Check that does not wait for a connection fails with one
-        (calls that wait for a connection end without a word of why none was made); else None. For the calls that
-        set up, not a tick's: on a connection that serves, the Check waits for an answer like any call."""
+    def _connection_failure(self) -> PolicyServerError | None:
+        """Why calls that wait for a connection got none, where one health Check that does not wait says more than
+        "no answer" (`explain_connection_failure`: a TLS mismatch, a connection closed before a word of gRPC); else
+        None. For the calls that set up, after they waited, not a tick's."""
         try:
             self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=_PROBE_S)
         except grpc.RpcError as exc:
@@ -407,8 +410,8 @@ class PolicyClient:
         (``answer``, ``answered_s`` into the call: its code, reason and detail), else the last try's failure, with a
         message that names the whole wait."""
         if answer is None:
-            if last.no_answer:  # OpenSession waits for a connection: say why none was made, where it is TLS
-                return self._tls_mismatch() or self._no_answer(timeout_s)
+            if last.no_answer:  # OpenSession waits for a connection: say why none was made, where gRPC says
+                return self._connection_failure() or self._no_answer(timeout_s)
             return PolicyServerError(last.code, last.reason, f"no session from {self.target} within "
                                                              f"{round(timeout_s, 3):g} s; the last try: {last.message}")
         message = f"no session from {self.target} within {round(timeout_s, 3):g} s; its last answer"
@@ -547,7 +550,7 @@ class ReasonStream(Iterator[str]):
     dropping the stream) cancels the call."""
 
     def __init__(self, call: Callable[[], Iterator[pb.ReasonChunk]],
-                 error: Callable[[grpc.RpcError], PolicyServerError]):
+                 error: Callable[[grpc.RpcError], PolicyServerError] = PolicyServerError.from_rpc_error):
         """``error``: the `PolicyServerError` of the call's failure (its client's `PolicyClient.rpc_error`)."""
         self.finish_reason: str | None = None
         self.tokens = 0
