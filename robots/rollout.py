@@ -169,9 +169,9 @@ class ServerPolicy:
         one model's episodes."""
         try:
             self.client.wait_until_serving(timeout_s=SERVING_NOTICE_S)
-        except TimeoutError:
+        except TimeoutError as waited:  # it names what it saw: no answer, a connection closed before a word, ...
             print(f"policy-rollout: waiting up to {SERVING_WAIT_S:g} s for {self.client.target} to serve (starting, "
-                  "warming up, or nothing listening there)", file=sys.stderr, flush=True)
+                  f"warming up, or nothing listening there; {waited})", file=sys.stderr, flush=True)
             self.client.wait_until_serving(timeout_s=SERVING_WAIT_S)
         info = self.client.server_info()
         check_drives(self.client.target, {embodiment.name: embodiment.default_chunk_size

@@ -122,7 +122,6 @@ def test_points_that_measured_alike_count_once():
     assert frontier([uncached, unreached]) == (uncached,)
 
 
-
 def test_a_profile_says_what_it_was_calibrated_on_in_words():
     """It said "calibrated on 1 observations" (a one-observation calibrate, README's smallest)."""
     assert Calibration(observations=1, source="a", seconds=1).describe() == "calibrated on 1 observation of a"

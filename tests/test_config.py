@@ -417,7 +417,6 @@ def test_a_host_name_one_of_whose_addresses_another_server_holds_is_taken():
         assert client.health() == "SERVING"
 
 
-
 def test_a_host_name_whose_lookup_fails_for_now_is_named_by_the_bind(monkeypatch):
     """The settings leave a lookup failing for now (EAI_AGAIN: no DNS server reachable) to the bind; the check for a
     taken address raised getaddrinfo's bare gaierror ("Temporary failure in name resolution"), naming no host."""

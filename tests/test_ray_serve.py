@@ -386,8 +386,7 @@ def test_ray_serve_stops_on_sigint_while_its_replicas_deploy(cluster):
                    if line.startswith("OUTCOME"))
     assert outcome == {"rc": 0, "ours": ["policy-server ray-serve: deploying application 'pending' (1 replica(s) "
                                          "loading and warming up)\n",
-                                         "policy-server ray-serve: stopping; deleting application 'pending' once its "
-                                         "replicas' calls end\n"]}
+                                         "policy-server ray-serve: stopping; deleting application 'pending'\n"]}
     assert _applications(cluster) == ["policy"]
 
 

@@ -279,7 +279,8 @@ def test_a_server_that_never_serves_ends_the_rollout_with_one_line(tmp_path, cap
     code = main(["--server", "127.0.0.1:1", "--episodes", "1", "--out", str(tmp_path / "rollout.json")])
     error = capsys.readouterr().err
     assert code == 2 and not (tmp_path / "rollout.json").exists()
-    assert error.startswith("policy-rollout: waiting up to 0.5 s for 127.0.0.1:1 to serve")
+    assert error.startswith("policy-rollout: waiting up to 0.5 s for 127.0.0.1:1 to serve (starting, warming up, or "
+                            "nothing listening there; 127.0.0.1:1 not SERVING after 0.2 s (last: no answer))\n")
     assert error.endswith("\npolicy-rollout: 127.0.0.1:1 not SERVING after 0.5 s (last: no answer)\n")
 
 

@@ -118,9 +118,8 @@ class PolicyServerError(Exception):
 
 
 _VERIFY_FAILED = re.compile(r"CERTIFICATE_VERIFY_FAILED: ([^:]+)")
-# OpenSSL's reasons for a chain the roots do not vouch for; others (expired, not yet valid) are the certificate's.
-_UNTRUSTED = ("self signed certificate", "self-signed certificate", "unable to get local issuer certificate",
-              "unable to get issuer certificate", "unable to verify the first certificate")
+# OpenSSL's reasons that say the certificate is not valid at this machine's time (where else the roots' trust fails).
+_OUT_OF_DATE = ("certificate has expired", "certificate is not yet valid")
 
 
 def explain_connection_failure(error: PolicyServerError, target: str, tls: bool, root_certificates: bytes | None,
@@ -145,16 +144,19 @@ def explain_connection_failure(error: PolicyServerError, target: str, tls: bool,
                  "without --tls, --tls-ca and --tls-server-name (in Python: tls, root_certificates and server_name)")
     elif tls and (verify := _VERIFY_FAILED.search(text)):
         reason = verify.group(1).strip()
-        cause = (f"TLS handshake with {target} failed: its certificate ({reason}) is not trusted by {roots}"
-                 if reason.lower() in _UNTRUSTED else
-                 f"TLS handshake with {target} failed: its certificate was refused ({reason}); check its validity "
-                 "dates against this machine's clock")
+        if reason.lower() in _OUT_OF_DATE:
+            cause = (f"TLS handshake with {target} failed: its certificate was refused ({reason}); check its validity "
+                     "dates against this machine's clock")
+        elif "self signed" in reason or "self-signed" in reason or "issuer" in reason:
+            cause = f"TLS handshake with {target} failed: its certificate ({reason}) is not trusted by {roots}"
+        else:
+            cause = f"TLS handshake with {target} failed: its certificate was refused ({reason})"
     elif tls and "Hostname Verification Check failed" in text:
-        host = target.removeprefix("dns:///").removeprefix("dns:").rpartition(":")[0].strip("[]")
+        address = re.sub(r"^dns:(//[^/]*/)?", "", target)  # dns:[//AUTHORITY/]HOST[:PORT]
+        host = (address.rpartition(":")[0] if re.search(r":\d+$", address) else address).strip("[]")
         name = server_name or ("localhost" if target.startswith("unix:") else host)
         cause = (f"TLS handshake with {target} failed: its certificate does not hold the name {name!r}; pass the "
                  "name it holds with --tls-server-name NAME (server_name=)")
     else:
         return error
     return PolicyServerError(error.code, error.reason, f"{cause} (gRPC: {text})")
-

@@ -258,7 +258,7 @@ class PolicyClient:
         trust or not valid now, another name): waiting longer does not mend those. Watches the standard
         health service (``Health.Watch``), waiting for the server to come up and watching again if it restarts.
         Behind Serve, whose proxy does not pass the health service on, it asks ``GetServerInfo`` until a replica
-        answers ready."""
+        answers ready (a TLS mismatch there ends in TimeoutError too)."""
         check_timeout(timeout_s)
         if self.serve_application is not None:
             self._wait_until_replica_serves(timeout_s)

@@ -24,6 +24,10 @@ from policy_server.cli import build_parser
 from policy_server.config import ConfigError, chosen_config_file, read_config_file
 from policy_server.ray_serve.address import gcs_address
 
+# How long a stop waits for Serve to delete an application none of whose replicas ran, killing them meanwhile: past
+# Serve's own forced end of a replica (its graceful shutdown timeout, 20 s), so a stuck controller cannot hold it.
+_UNSTARTED_DELETE_S = 30.0
+
 
 def _port(value: str) -> int:
     """argparse type: a TCP port to listen on."""
@@ -112,7 +116,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # Not serve.run, which waits for the replicas' warmup deaf to signals (for ever where none can be scheduled) and
     # ends in Serve's traceback where they fail.
-    ran = False
     try:
         serve.run_many([serve.RunTarget(application(replicas, config), name=name, route_prefix=f"/{name}")],
                        wait_for_ingress_deployment_creation=False, wait_for_applications_running=False)
@@ -120,20 +123,21 @@ def main(argv: list[str] | None = None) -> int:
               "and warming up)", flush=True)
         failure = _wait_until_running(serve.status, name, stop)
         if failure is None and not stop.is_set():
-            ran = True
             print(f"policy-server ray-serve: application {name!r} on the gRPC proxy, port {options.port}", flush=True)
             while not stop.wait(timeout=1.0):  # timed, as cli.serve's: a signal another thread received still stops it
                 pass
     finally:  # however this process ends, the application ends with it
-        if stop.is_set():  # Serve waits for its replicas' calls to end, up to its graceful shutdown timeout (20 s)
-            print(f"policy-server ray-serve: stopping; deleting application {name!r} once its replicas' calls end",
-                  flush=True)
-        if ran:
+        running = _replicas_running(serve.status(), name)
+        if stop.is_set():
+            after = " once its replicas' calls end" if running else ""
+            print(f"policy-server ray-serve: stopping; deleting application {name!r}{after}", flush=True)
+        if running:  # Serve waits for their calls to end, up to its graceful shutdown timeout (20 s)
             serve.delete(name)
-        else:  # its replicas served no call: nothing to wait for
+        else:  # no replica took a call: nothing to wait for
             serve.delete(name, _blocking=False)
             # Until the delete reaches the deployment, Serve starts a replica in place of one killed.
-            while name in serve.status().applications:
+            gone_by = time.monotonic() + _UNSTARTED_DELETE_S
+            while name in serve.status().applications and time.monotonic() < gone_by:
                 _kill_replicas(ray, name)
                 time.sleep(0.1)
     if failure is not None:
@@ -143,8 +147,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _replicas_running(status, name: str) -> bool:
+    """Whether any replica of the application ``name`` runs (may have taken calls), in `serve.status()`."""
+    application = status.applications.get(name)
+    return application is not None and any(deployment.replica_states.get("RUNNING", 0)
+                                           for deployment in application.deployments.values())
+
+
 def _kill_replicas(ray, name: str) -> None:
-    """Kill the replica actors of the application ``name``, which has served no call (it never ran). Else Serve's
+    """Kill the replica actors of the application ``name``, none of which runs (none took a call). Else Serve's
     delete waits out its graceful shutdown timeout (20 s) on a replica Ray has not scheduled yet, whose shutdown call
     never runs (ray-project/ray#50426): Ctrl-C while deploying took 20 s to end."""
     prefix = f"SERVE_REPLICA::{name}#"  # Serve's replica actor names, in its namespace "serve"
