@@ -695,7 +695,10 @@ def test_tls(tmp_path, capsys):
                            ("--timeout-s", "1e300", "expected seconds above 0, up to 86400, got '1e300'"),
                            ("--server", "127.0.0.1:99999", "expected HOST:PORT with a port from 1 to 65535"),
                            ("--server", "unix:", "or unix:PATH; got 'unix:'"),  # was UNAVAILABLE: empty address list
-                           ("--server", "", "expected HOST:PORT")):
+                           ("--server", "", "expected HOST:PORT"),
+                           # health took and ignored them
+                           ("--budget-ms", "50", "--budget-ms: only info takes them"),
+                           ("--rate-hz", "2", "--rate-hz: only info takes them")):
         with pytest.raises(SystemExit) as exit_:
             client_main(["health", flag, str(bad)])
         assert exit_.value.code == 2 and why in capsys.readouterr().err

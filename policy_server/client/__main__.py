@@ -40,7 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    info_only = [flag for flag, value in (("--budget-ms", args.budget_ms), ("--rate-hz", args.rate_hz))
+                 if value is not None]
+    if args.command == "health" and info_only:
+        parser.error(f"{' and '.join(info_only)}: only info takes them (the capacity at a budget and rate)")
     client = PolicyClient(
         args.server,
         token_file=args.auth_token_file,
