@@ -306,8 +306,9 @@ def episodes_as_they_end(policy, env_id: str, indices: Sequence[int], num_envs: 
     and frames are dropped: once `policy.wait_until_serving()` returns, the episode runs again from its seed in a new
     session, and its result lists the tries abandoned (`EpisodeResult.restarts`); an opening that failed so is sent
     again under its request id once the server serves, so that a server that had opened the session answers with it (no
-    try abandoned: not a restart). A session a CloseSession call closed (`closed_under`: an operator, another client;
-    not the server losing it) ends its episode where it was, as `EpisodeResult.closed` says, yielded as the others,
+    try abandoned: not a restart). A session a CloseSession call closed (`PolicyServerError.session_closed`: an
+    operator, another client; not the server losing it) ends its episode where it was, as `EpisodeResult.closed` says,
+    yielded as the others,
     and the next pending episode takes its sub-environment: the client library never reopens such a session.
     Ctrl-C, another error of the server or engine (a refusal), a server not serving again in time (TimeoutError) or an
     episode lost more than `MAX_EPISODE_RESTARTS` times, or whose opening failed so more often in a row
@@ -403,7 +404,7 @@ def episodes_as_they_end(policy, env_id: str, indices: Sequence[int], num_envs: 
         try:
             policy.close(session)
         except PolicyServerError as error:
-            if not (lost_server(error) or closed_under(error)):
+            if not (lost_server(error) or error.session_closed):
                 raise
 
     def end_closed(slots: list[tuple[int, PolicyServerError]]) -> Iterator[tuple[int, EpisodeResult]]:
@@ -454,7 +455,7 @@ def episodes_as_they_end(policy, env_id: str, indices: Sequence[int], num_envs: 
                         try:
                             take(running[i], *future.result())
                         except PolicyServerError as error:
-                            if closed_under(error):
+                            if error.session_closed:
                                 closed.append((i, error))
                             elif lost_server(error):
                                 lost.append((i, error))
@@ -516,14 +517,10 @@ def lost_server(error: PolicyServerError) -> bool:
     is gone or unreachable), not refused by it: the episode may run again in a new session once the server serves.
     SESSION_NOT_FOUND of a session the server does not know or that expired (as the client library, which reopens
     those), a lost connection (UNAVAILABLE, or INTERNAL with no server reason), or no answer before the call's
-    deadline; not one a CloseSession call closed (`closed_under`)."""
-    return (error.reason == "SESSION_NOT_FOUND" and not closed_under(error)) or error.connection_lost or error.no_answer
+    deadline; not one a CloseSession call closed (`PolicyServerError.session_closed`)."""
+    lost_session = error.reason == "SESSION_NOT_FOUND" and not error.session_closed
+    return lost_session or error.connection_lost or error.no_answer
 
-
-def closed_under(error: PolicyServerError) -> bool:
-    """Whether a call failed because a CloseSession call (an operator, another client) closed its session: the
-    server says so (SESSION_NOT_FOUND, `session_end` closed), and the client library never reopens such a session."""
-    return error.reason == "SESSION_NOT_FOUND" and error.session_end == "closed"
 
 
 def _score(result: EpisodeResult, scene: ReachScene) -> None:

@@ -13,7 +13,6 @@ from policy_server.client.sync_client import MAX_TIMEOUT_S, TARGET_FORM, check_t
 from policy_server.v1.auth_token import read_token_file
 
 MAX_CA_FILE_BYTES = 1 << 20  # a CA bundle is tens of kB
-MAX_SECONDS = MAX_TIMEOUT_S
 
 
 def server_address(value: str) -> str:
@@ -31,13 +30,13 @@ def server_address(value: str) -> str:
 
 
 def seconds(value: str) -> float:
-    """argparse type: a time above 0 s, up to `MAX_SECONDS`."""
+    """argparse type: a time above 0 s, up to `MAX_TIMEOUT_S` (a call's bound)."""
     try:
         number = float(value)
     except ValueError:
         number = math.nan
-    if not 0 < number <= MAX_SECONDS:
-        raise argparse.ArgumentTypeError(f"expected seconds above 0, up to {MAX_SECONDS:g}, got {value!r}")
+    if not 0 < number <= MAX_TIMEOUT_S:
+        raise argparse.ArgumentTypeError(f"expected seconds above 0, up to {MAX_TIMEOUT_S:g}, got {value!r}")
     return number
 
 

@@ -66,6 +66,12 @@ class PolicyServerError(Exception):
         return self.detail.metadata.get("session_end", "")
 
     @property
+    def session_closed(self) -> bool:
+        """SESSION_NOT_FOUND of a session a CloseSession call closed (an operator, another client): one to end with,
+        never to reopen, unlike one the server lost (restarted, expired)."""
+        return self.reason == "SESSION_NOT_FOUND" and self.session_end == "closed"
+
+    @property
     def field(self) -> str:
         return self.detail.field
 

@@ -567,7 +567,7 @@ def _lost(error: PolicyServerError) -> bool:
     """Whether the server lost the session (it restarted, its replica went away, or the session expired for want of
     calls while the stream was away), as opposed to a CloseSession call closing it: only a lost session is reopened.
     Through Ray Serve's proxy too, a failed Control stream keeps the ``session_end`` that tells the two apart."""
-    return error.reason == "SESSION_NOT_FOUND" and error.session_end != "closed"
+    return error.reason == "SESSION_NOT_FOUND" and not error.session_closed
 
 
 def _passing(error: PolicyServerError) -> bool:

@@ -143,22 +143,17 @@ class PolicyDeployment:
         message only reach the client)."""
         try:
             call = self._call(grpc_context)
-        except CallAborted:
-            if carrier is None:
-                raise
-            yield carrier()
-            return
-        try:
-            responses = getattr(self._servicer, name)(request, call)
-            loop = asyncio.get_running_loop()
-            while (response := await loop.run_in_executor(self._pool, next, responses, _END)) is not _END:
-                yield response
+            try:
+                responses = getattr(self._servicer, name)(request, call)
+                loop = asyncio.get_running_loop()
+                while (response := await loop.run_in_executor(self._pool, next, responses, _END)) is not _END:
+                    yield response
+            finally:
+                call.end()
         except CallAborted:
             if carrier is None:
                 raise
             yield carrier()  # Serve's context holds the error's status now: this message takes it to the call
-        finally:
-            call.end()
 
 
 def _unary_rpc(name: str):
